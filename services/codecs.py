@@ -1,0 +1,157 @@
+"""Message codecs: bytes on a topic <-> a validated protobuf message.
+
+Protobuf alone accepts almost any bytes (unknown fields are skipped, missing fields read as
+zero), so every message type also has a validator for what our services rely on. A message that
+fails either step raises :class:`MalformedMessage` with a reason short enough for a metric label
+and a dead-letter record.
+
+>>> from proto import Action
+>>> codec = codec_for(Action)
+>>> raw = codec.encode(Action(request_id="r1", item_id=5, action_type="click", event_time_ms=1000))
+>>> codec.decode(raw).item_id
+5
+>>> codec.decode(b"\\xff\\xff")
+Traceback (most recent call last):
+...
+services.codecs.MalformedMessage: undecodable: Action does not parse
+>>> codec.decode(Action(item_id=5, action_type="click", event_time_ms=1).SerializeToString())
+Traceback (most recent call last):
+...
+services.codecs.MalformedMessage: invalid: Action.request_id is empty
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from proto import Action, DeadLetter, Example, FeatureLog, Features, ParameterDelta
+
+M = TypeVar("M", bound=Message)
+
+
+class MalformedMessage(ValueError):
+    """A message that cannot be used. ``kind`` is ``undecodable`` or ``invalid``."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+def _invalid(detail: str) -> MalformedMessage:
+    return MalformedMessage("invalid", detail)
+
+
+def _check_features(features: Features, where: str) -> None:
+    for name, value in features.dense.items():
+        if not math.isfinite(value):
+            raise _invalid(f"{where}.dense[{name}] is not finite")
+    for name in features.sparse:
+        if not name:
+            raise _invalid(f"{where}.sparse has an empty slot name")
+
+
+def validate_feature_log(m: FeatureLog) -> None:
+    if not m.request_id:
+        raise _invalid("FeatureLog.request_id is empty")
+    if m.event_time_ms <= 0:
+        raise _invalid("FeatureLog.event_time_ms is not set")
+    if not m.candidates:
+        raise _invalid("FeatureLog has no candidates")
+    _check_features(m.context, "FeatureLog.context")
+    for c in m.candidates:
+        _check_features(c.features, "FeatureLog.candidates.features")
+
+
+def validate_action(m: Action) -> None:
+    if not m.request_id:
+        raise _invalid("Action.request_id is empty")
+    if not m.action_type:
+        raise _invalid("Action.action_type is empty")
+    if m.event_time_ms <= 0:
+        raise _invalid("Action.event_time_ms is not set")
+
+
+def validate_example(m: Example) -> None:
+    if not m.example_id:
+        raise _invalid("Example.example_id is empty")
+    if m.event_time_ms <= 0:
+        raise _invalid("Example.event_time_ms is not set")
+    if not (0.0 < m.sample_rate <= 1.0):
+        raise _invalid(f"Example.sample_rate {m.sample_rate} is outside (0, 1]")
+    for name, value in m.labels.items():
+        if not math.isfinite(value):
+            raise _invalid(f"Example.labels[{name}] is not finite")
+    _check_features(m.features, "Example.features")
+
+
+def validate_parameter_delta(m: ParameterDelta) -> None:
+    if not m.model_id:
+        raise _invalid("ParameterDelta.model_id is empty")
+    if m.chunk_count == 0 or m.chunk_index >= m.chunk_count:
+        raise _invalid(f"ParameterDelta chunk {m.chunk_index} of {m.chunk_count}")
+    kind = m.WhichOneof("payload")
+    if kind is None:
+        raise _invalid("ParameterDelta has no payload")
+    if kind == "sparse":
+        rows = m.sparse
+        if rows.dim == 0:
+            raise _invalid("SparseRows.dim is 0")
+        if len(rows.keys) % 8 or len(rows.tombstones) % 8:
+            raise _invalid("SparseRows keys/tombstones are not whole int64s")
+        if len(rows.values) != len(rows.keys) // 8 * rows.dim * 4:
+            raise _invalid("SparseRows.values length does not match keys * dim")
+    else:
+        for t in m.dense.tensors:
+            if len(t.values) != 4 * math.prod(t.shape):
+                raise _invalid(f"Tensor {t.name} values do not match its shape")
+
+
+def validate_dead_letter(m: DeadLetter) -> None:
+    if not m.reason:
+        raise _invalid("DeadLetter.reason is empty")
+
+
+@dataclass(frozen=True)
+class Codec(Generic[M]):
+    """Encode and decode one message type, with its validator."""
+
+    message_type: type[M]
+    validate: Callable[[M], None]
+
+    @property
+    def name(self) -> str:
+        return self.message_type.__name__
+
+    def encode(self, message: M) -> bytes:
+        return message.SerializeToString()
+
+    def decode(self, raw: bytes | None) -> M:
+        if raw is None:
+            raise MalformedMessage("undecodable", f"{self.name} value is null")
+        message = self.message_type()
+        try:
+            message.ParseFromString(raw)
+        except (DecodeError, RuntimeError, ValueError):
+            raise MalformedMessage("undecodable", f"{self.name} does not parse") from None
+        self.validate(message)
+        return message
+
+
+_CODECS: dict[type[Message], Codec] = {
+    FeatureLog: Codec(FeatureLog, validate_feature_log),
+    Action: Codec(Action, validate_action),
+    Example: Codec(Example, validate_example),
+    ParameterDelta: Codec(ParameterDelta, validate_parameter_delta),
+    DeadLetter: Codec(DeadLetter, validate_dead_letter),
+}
+
+
+def codec_for(message_type: type[M]) -> Codec[M]:
+    """The codec of a message type."""
+    return _CODECS[message_type]

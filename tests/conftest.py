@@ -1,0 +1,100 @@
+"""Shared fixtures: a real tansu broker and a real redis-server on free ports, one per session.
+
+Tests that need Kafka or Redis take ``broker`` / ``redis_url`` / ``settings``; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.embedded import free_port, redis_command, tansu_command, wait_for_port
+from services.settings import Settings
+
+
+def _start(argv: list[str], log_path: Path) -> subprocess.Popen:
+    out = open(log_path, "ab")
+    return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class Broker:
+    """A running tansu broker; ``restart()`` wipes its memory storage, like a real tansu restart."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.host = "127.0.0.1"
+        self.port = free_port()
+        self.log_path = log_dir / f"tansu-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> None:
+        self.proc = _start(tansu_command(self.host, self.port), self.log_path)
+        wait_for_port(self.host, self.port, 20, "broker", self.proc)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc)
+            self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    b = Broker(tmp_path_factory.mktemp("broker"))
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    data = tmp_path_factory.mktemp("redis")
+    proc = _start(redis_command("127.0.0.1", port, data), data / "redis.log")
+    wait_for_port("127.0.0.1", port, 20, "redis", proc)
+    yield f"redis://127.0.0.1:{port}/0"
+    _stop(proc)
+
+
+@pytest.fixture
+def settings(broker: Broker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """Settings pointing at the session broker, with topic names unique to this test."""
+    suffix = uuid.uuid4().hex[:8]
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", broker.bootstrap)
+    s = Settings(var_dir=tmp_path / "var")
+    s.topics.features = f"features-{suffix}"
+    s.topics.actions = f"actions-{suffix}"
+    s.topics.examples = f"examples-{suffix}"
+    s.topics.param_deltas = f"param-deltas-{suffix}"
+    s.topics.dead_letters = f"dead-letters-{suffix}"
+    return s
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Numba caches compiled kernels next to the sources; keep test runs from fighting over it.
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(__file__).resolve().parent.parent / "var" / "numba-cache"))

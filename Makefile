@@ -1,0 +1,47 @@
+# driftline: `make up` runs the whole stack locally; `make test` runs the test suite.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
+BENCHES := $(patsubst bench/bench_%.py,bench-%,$(wildcard bench/bench_*.py))
+
+.PHONY: up install install-dev test bench $(BENCHES) proto clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# pip takes torch==2.13.0 (CPU) from the machine's local wheel; see pyproject.toml.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(DEV_STAMP): pyproject.toml $(STAMP)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+install-dev: $(DEV_STAMP)
+
+## Run everything: broker, Redis, services, and a replay of MovieLens. Ctrl-C stops it all.
+up: $(STAMP)
+	$(BIN)/driftline up
+
+## Install what the tests need (idempotent) and run them.
+test: $(DEV_STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+## Benchmarks: `make bench` runs all; `make bench-ps` one; QUICK=1 makes any finish in under a minute.
+bench: $(BENCHES)
+
+$(BENCHES): bench-%: $(DEV_STAMP)
+	$(BIN)/python bench/bench_$*.py
+
+## Regenerate proto/*_pb2.py from proto/*.proto (tests/test_proto.py fails when they are stale).
+proto: $(DEV_STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. proto/*.proto
+
+clean:
+	rm -rf var/log var/run

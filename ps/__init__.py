@@ -1,0 +1,32 @@
+"""driftline parameter server core: collisionless embedding tables (Monolith-style).
+
+* :class:`EmbeddingTable` - int64 id -> float32 row, exact (no hash collisions), sharded
+  by id hash, with per-table admission, TTL expiry, optimizer and touched-key stream.
+* :class:`ParameterServer` - many tables; one packed lookup for a batch of many slots.
+* :mod:`ps.snapshot` - atomic, checksummed full/incremental snapshots.
+
+Event time is int64 **milliseconds** since the epoch everywhere. Absent or not-yet
+admitted ids read as zeros. Typical trainer step::
+
+    emb = ps.gather(batch, insert=True, event_time=t)      # dict slot -> float32 [n, dim]
+    ...                                                    # torch forward/backward
+    ps.apply_gradients(batch, grads, event_time=t)         # dict slot -> float32 grads
+"""
+
+from .config import (AdagradConfig, AdamConfig, AdmissionConfig, FtrlConfig, InitializerConfig,
+                     SGDConfig, TableConfig)
+from .errors import (InvalidEventTimeError, InvalidGradientError, InvalidIdsError, InvalidInputError,
+                     NonFiniteGradientError, PSError, ReadOnlyTableError, SnapshotCorruptError,
+                     SnapshotError, SnapshotNotFoundError, UnknownTableError)
+from .shard import TableShard
+from .sharding import ShardRouter
+from .sync import SyncChunk
+from .table import EmbeddingTable
+
+__all__ = [
+    "AdagradConfig", "AdamConfig", "AdmissionConfig", "FtrlConfig", "InitializerConfig", "SGDConfig",
+    "TableConfig", "EmbeddingTable", "TableShard", "ShardRouter", "SyncChunk",
+    "PSError", "InvalidInputError", "InvalidIdsError", "InvalidGradientError", "NonFiniteGradientError",
+    "InvalidEventTimeError", "UnknownTableError", "ReadOnlyTableError", "SnapshotError",
+    "SnapshotCorruptError", "SnapshotNotFoundError",
+]

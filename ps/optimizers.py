@@ -1,0 +1,157 @@
+"""Sparse optimizers whose state lives beside each row: SGD, Adagrad, Adam, FTRL.
+
+A batch's gradients are first summed per unique row (:func:`dedupe_sum`), then one
+update is applied per row, so an id seen k times in a batch gets one step with the
+sum of its k gradients (what a dense framework would compute for an embedding bag).
+Math is done in float64 and stored as float32.
+
+>>> rows = np.array([2, 0, 2], np.int64)
+>>> grads = np.array([[1.0], [2.0], [3.0]], np.float32)
+>>> k, urows, ugrads, _ = dedupe(rows, grads, np.zeros(1, np.int64))
+>>> urows[:k].tolist(), ugrads[:k, 0].tolist()
+([2, 0], [4.0, 2.0])
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._jit import njit
+from .config import AdagradConfig, AdamConfig, FtrlConfig, SGDConfig, TableConfig
+
+OPT_NONE, OPT_SGD, OPT_ADAGRAD, OPT_ADAM, OPT_FTRL = -1, 0, 1, 2, 3
+
+
+def encode(cfg: TableConfig) -> tuple[int, np.ndarray]:
+    """(kernel code, float64 hyper-parameters) of a table's optimizer."""
+    o = cfg.optimizer
+    if o is None:
+        return OPT_NONE, np.zeros(8)
+    if isinstance(o, SGDConfig):
+        h = [o.lr]
+        code = OPT_SGD
+    elif isinstance(o, AdagradConfig):
+        h, code = [o.lr, o.initial_accumulator_value, o.eps], OPT_ADAGRAD
+    elif isinstance(o, AdamConfig):
+        h, code = [o.lr, o.beta1, o.beta2, o.eps], OPT_ADAM
+    elif isinstance(o, FtrlConfig):
+        h, code = [o.lr, o.beta, o.l1, o.l2, o.initial_accumulator_value], OPT_FTRL
+    else:  # pragma: no cover - the config union is closed
+        raise TypeError(o)
+    return code, np.array(h + [0.0] * (8 - len(h)))
+
+
+@njit
+def init_state(w, s, kind, hyper):
+    """Initial optimizer state ``s`` of a new row whose weights are ``w``."""
+    dim = w.size
+    if kind == OPT_ADAGRAD:
+        s[:] = hyper[1]
+    elif kind == OPT_ADAM:
+        s[:] = 0.0
+    elif kind == OPT_FTRL:
+        alpha, beta, l1, l2, n0 = hyper[0], hyper[1], hyper[2], hyper[3], hyper[4]
+        denom = (beta + math.sqrt(np.float64(np.float32(n0)))) / alpha + l2
+        for j in range(dim):
+            wj = np.float64(w[j])
+            # choose z so the closed-form FTRL weight reproduces the initializer's w
+            sign = 1.0 if wj > 0 else (-1.0 if wj < 0 else 0.0)
+            s[j] = -(wj * denom + sign * l1)
+            s[dim + j] = n0
+
+
+@njit
+def dedupe(rows, grads, times):
+    """Sum gradients of equal rows (rows < 0 are skipped); keeps first-seen order.
+
+    Returns ``(k, urows, ugrads, utimes)``, valid in ``[:k]``; ``utimes`` is the latest
+    event time among a row's occurrences (``times`` has one entry per row or just one).
+    """
+    n = rows.size
+    dim = grads.shape[1]
+    cap = 16
+    while cap < 2 * n:
+        cap *= 2
+    mask = cap - 1
+    tab_row = np.full(cap, -1, np.int64)
+    tab_pos = np.empty(cap, np.int64)
+    urows = np.empty(n, np.int64)
+    ugrads = np.zeros((n, dim), np.float32)
+    utimes = np.empty(n, np.int64)
+    k = 0
+    for i in range(n):
+        r = rows[i]
+        if r < 0:
+            continue
+        t = times[i] if times.size > 1 else times[0]
+        h = (r * 0x9E3779B1) & mask
+        while tab_row[h] >= 0 and tab_row[h] != r:
+            h = (h + 1) & mask
+        if tab_row[h] < 0:
+            tab_row[h] = r
+            tab_pos[h] = k
+            urows[k] = r
+            utimes[k] = t
+            p = k
+            k += 1
+        else:
+            p = tab_pos[h]
+            if t > utimes[p]:
+                utimes[p] = t
+        for j in range(dim):
+            ugrads[p, j] += grads[i, j]
+    return k, urows, ugrads, utimes
+
+
+@njit
+def apply_updates(kind, hyper, emb, state, urows, ugrads, k):
+    """One optimizer step on rows ``urows[:k]`` with summed gradients ``ugrads[:k]``."""
+    dim = emb.shape[1]
+    lr = hyper[0]
+    for u in range(k):
+        r = urows[u]
+        w = emb[r]
+        g = ugrads[u]
+        if kind == OPT_SGD:
+            for j in range(dim):
+                w[j] = np.float32(w[j] - lr * g[j])
+        elif kind == OPT_ADAGRAD:
+            eps = hyper[2]
+            s = state[r]
+            for j in range(dim):
+                gj = np.float64(g[j])
+                acc = np.float32(s[j] + gj * gj)
+                s[j] = acc
+                w[j] = np.float32(w[j] - lr * gj / (math.sqrt(np.float64(acc)) + eps))
+        elif kind == OPT_ADAM:
+            b1, b2, eps = hyper[1], hyper[2], hyper[3]
+            s = state[r]
+            step = np.float64(s[2 * dim]) + 1.0
+            s[2 * dim] = step
+            bc1 = 1.0 - b1 ** step
+            bc2 = math.sqrt(1.0 - b2 ** step)
+            for j in range(dim):
+                gj = np.float64(g[j])
+                m = np.float32(b1 * s[j] + (1.0 - b1) * gj)
+                v = np.float32(b2 * s[dim + j] + (1.0 - b2) * gj * gj)
+                s[j] = m
+                s[dim + j] = v
+                w[j] = np.float32(w[j] - (lr / bc1) * m / (math.sqrt(np.float64(v)) / bc2 + eps))
+        elif kind == OPT_FTRL:
+            beta, l1, l2 = hyper[1], hyper[2], hyper[3]
+            s = state[r]
+            for j in range(dim):
+                gj = np.float64(g[j])
+                n_old = np.float64(s[dim + j])
+                n_new = n_old + gj * gj
+                sigma = (math.sqrt(n_new) - math.sqrt(n_old)) / lr
+                z = np.float64(s[j]) + gj - sigma * np.float64(w[j])
+                s[j] = z
+                s[dim + j] = n_new
+                if abs(z) <= l1:
+                    w[j] = 0.0
+                else:
+                    sign = 1.0 if z > 0 else -1.0
+                    w[j] = np.float32(-(z - sign * l1) / ((beta + math.sqrt(n_new)) / lr + l2))

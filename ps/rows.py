@@ -1,0 +1,237 @@
+"""Row-lifecycle kernels: allocate, insert (with admission + init), delete, expire, drain.
+
+A shard keeps its rows in plain arrays indexed by row number (``emb``, optimizer
+``state``, ``row_keys``, ``times``, ``flags``) next to the hash index. Per-row flags:
+
+* ``LIVE``  the row is mapped by the index;
+* ``DEAD``  deleted/expired, kept only until the touched-key stream reports its tombstone;
+* ``SYNC``  queued in the ``dirty`` list (changed since the last drain);
+* ``SNAP``  changed since the last snapshot.
+
+A row is queued at most once (``SYNC`` guards the append), and a dead row is only
+reused after it has been drained, so the dirty list never needs more entries than
+the table has rows and no change can be lost. Scalar bookkeeping lives in ``meta``
+(int64[8]) so kernels can update it in place.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._jit import njit
+from .admission import admit
+from .hashmap import probe, remove
+from .initializers import init_row
+from .optimizers import init_state
+
+LIVE, DEAD, SYNC, SNAP = 1, 2, 4, 8
+M_SIZE, M_HIGH, M_NFREE, M_NDIRTY, M_DHEAD, M_RNG, M_CURSOR, M_WATERMARK = range(8)
+META_FIELDS = ("size", "high", "nfree", "ndirty", "dhead", "rng", "cursor", "watermark")
+
+
+@njit
+def alloc_row(meta, free):
+    if meta[M_NFREE] > 0:
+        meta[M_NFREE] -= 1
+        return free[meta[M_NFREE]]
+    r = meta[M_HIGH]
+    meta[M_HIGH] += 1
+    return r
+
+
+@njit
+def mark_changed(r, flags, dirty, meta, track):
+    f = flags[r] | SNAP
+    if track and not (f & SYNC):
+        f |= SYNC
+        dirty[meta[M_NDIRTY]] = r
+        meta[M_NDIRTY] += 1
+    flags[r] = f
+
+
+@njit
+def release_row(r, flags, dirty, free, meta, track):
+    """The row left the index: keep it as a pending tombstone, or free it at once."""
+    if track:
+        f = (flags[r] & ~(LIVE | SNAP)) | DEAD
+        if not (f & SYNC):
+            f |= SYNC
+            dirty[meta[M_NDIRTY]] = r
+            meta[M_NDIRTY] += 1
+        flags[r] = f
+    else:
+        flags[r] = 0
+        free[meta[M_NFREE]] = r
+        meta[M_NFREE] += 1
+
+
+@njit
+def insert_kernel(slots, mask, keys, out, emb, state, row_keys, times, flags, free, dirty, meta,
+                  tarr, track, init_kind, init_scale, init_seed, opt_kind, hyper,
+                  sketch, adm_seed, min_count, probability):
+    """Resolve ``keys``; admit and initialise the missing ones. ``out`` gets row or -1."""
+    has_state = state.shape[1] > 0
+    for i in range(keys.size):
+        key = keys[i]
+        h = probe(slots, mask, key)
+        if slots[h, 1] >= 0:
+            out[i] = slots[h, 1]
+            continue
+        if not admit(sketch, adm_seed, min_count, probability, meta, M_RNG, key):
+            out[i] = -1
+            continue
+        r = alloc_row(meta, free)
+        slots[h, 0] = key
+        slots[h, 1] = r
+        meta[M_SIZE] += 1
+        row_keys[r] = key
+        times[r] = tarr[i] if tarr.size > 1 else tarr[0]
+        flags[r] = LIVE
+        mark_changed(r, flags, dirty, meta, track)
+        init_row(emb[r], key, init_kind, init_scale, init_seed)
+        if has_state:
+            init_state(emb[r], state[r], opt_kind, hyper)
+        out[i] = r
+
+
+@njit
+def lookup_gather_kernel(slots, mask, keys, emb, out, rows):
+    """Fused lookup + row copy; missing ids read as zeros."""
+    dim = emb.shape[1]
+    for i in range(keys.size):
+        r = slots[probe(slots, mask, keys[i]), 1]
+        rows[i] = r
+        if r >= 0:
+            for j in range(dim):
+                out[i, j] = emb[r, j]
+        else:
+            for j in range(dim):
+                out[i, j] = 0.0
+
+
+@njit
+def gather_rows_kernel(rows, emb, out):
+    dim = emb.shape[1]
+    for i in range(rows.size):
+        r = rows[i]
+        if r >= 0:
+            for j in range(dim):
+                out[i, j] = emb[r, j]
+        else:
+            for j in range(dim):
+                out[i, j] = 0.0
+
+
+@njit
+def touch_kernel(urows, utimes, k, times, flags, dirty, meta, track):
+    """Record an update: last-update time (never moves back) and change marks."""
+    for u in range(k):
+        r = urows[u]
+        if utimes[u] > times[r]:
+            times[r] = utimes[u]
+        mark_changed(r, flags, dirty, meta, track)
+
+
+@njit
+def upsert_kernel(slots, mask, keys, values, vtimes, emb, row_keys, times, flags, free, dirty, meta, track):
+    """Replica side: write rows as given (insert when absent)."""
+    dim = emb.shape[1]
+    for i in range(keys.size):
+        key = keys[i]
+        h = probe(slots, mask, key)
+        r = slots[h, 1]
+        if r < 0:
+            r = alloc_row(meta, free)
+            slots[h, 0] = key
+            slots[h, 1] = r
+            meta[M_SIZE] += 1
+            row_keys[r] = key
+            flags[r] = LIVE
+        for j in range(dim):
+            emb[r, j] = values[i, j]
+        times[r] = vtimes[i] if vtimes.size > 1 else vtimes[0]
+        mark_changed(r, flags, dirty, meta, track)
+
+
+@njit
+def delete_kernel(slots, mask, keys, flags, dirty, free, meta, track):
+    n = 0
+    for i in range(keys.size):
+        r = remove(slots, mask, keys[i])
+        if r >= 0:
+            meta[M_SIZE] -= 1
+            release_row(r, flags, dirty, free, meta, track)
+            n += 1
+    return n
+
+
+@njit
+def expire_kernel(slots, mask, row_keys, times, flags, dirty, free, meta, track, cutoff, budget):
+    """Evict live rows last updated before ``cutoff``, scanning at most ``budget`` rows.
+
+    A cursor remembers where the scan stopped, so repeated calls sweep the whole table
+    with bounded work (and lock hold time) per call.
+    """
+    high = meta[M_HIGH]
+    if high == 0:
+        return 0
+    c = meta[M_CURSOR] % high
+    evicted = 0
+    for _ in range(min(budget, high)):
+        if (flags[c] & LIVE) and times[c] < cutoff:
+            remove(slots, mask, row_keys[c])
+            meta[M_SIZE] -= 1
+            release_row(c, flags, dirty, free, meta, track)
+            evicted += 1
+        c += 1
+        if c == high:
+            c = 0
+    meta[M_CURSOR] = c
+    return evicted
+
+
+@njit
+def pop_kernel(slots, mask, row_keys, flags, dirty, free, meta, max_items, up_rows, tomb_keys):
+    """Drain up to ``max_items`` queued rows into upserts (live) and tombstones (dead).
+
+    A dead row whose key is live again (re-inserted since) yields no tombstone: the new
+    row is queued too and carries the key's final state, so chunk order cannot matter.
+    """
+    h = meta[M_DHEAD]
+    end = min(meta[M_NDIRTY], h + max_items)
+    nu = 0
+    nt = 0
+    for p in range(h, end):
+        r = dirty[p]
+        f = flags[r] & ~SYNC
+        if f & LIVE:
+            up_rows[nu] = r
+            nu += 1
+            flags[r] = f
+        elif f & DEAD:
+            key = row_keys[r]
+            if slots[probe(slots, mask, key), 1] < 0:
+                tomb_keys[nt] = key
+                nt += 1
+            flags[r] = 0
+            free[meta[M_NFREE]] = r
+            meta[M_NFREE] += 1
+        else:
+            flags[r] = f
+    meta[M_DHEAD] = end
+    if end == meta[M_NDIRTY]:
+        meta[M_DHEAD] = 0
+        meta[M_NDIRTY] = 0
+    return nu, nt
+
+
+@njit
+def rebuild_index(slots, mask, row_keys, flags, high):
+    n = 0
+    for r in range(high):
+        if flags[r] & LIVE:
+            h = probe(slots, mask, row_keys[r])
+            slots[h, 0] = row_keys[r]
+            slots[h, 1] = r
+            n += 1
+    return n

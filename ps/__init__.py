@@ -18,14 +18,17 @@ from .config import (AdagradConfig, AdamConfig, AdmissionConfig, FtrlConfig, Ini
 from .errors import (InvalidEventTimeError, InvalidGradientError, InvalidIdsError, InvalidInputError,
                      NonFiniteGradientError, PSError, ReadOnlyTableError, SnapshotCorruptError,
                      SnapshotError, SnapshotNotFoundError, UnknownTableError)
+from .group import PackedBatch, ParameterServer
 from .shard import TableShard
 from .sharding import ShardRouter
 from .sync import SyncChunk
+from .snapshot import load_shard, restore_table, save_shard, save_table
 from .table import EmbeddingTable
 
 __all__ = [
     "AdagradConfig", "AdamConfig", "AdmissionConfig", "FtrlConfig", "InitializerConfig", "SGDConfig",
-    "TableConfig", "EmbeddingTable", "TableShard", "ShardRouter", "SyncChunk",
+    "TableConfig", "EmbeddingTable", "ParameterServer", "PackedBatch",
+    "save_table", "restore_table", "save_shard", "load_shard", "TableShard", "ShardRouter", "SyncChunk",
     "PSError", "InvalidInputError", "InvalidIdsError", "InvalidGradientError", "NonFiniteGradientError",
     "InvalidEventTimeError", "UnknownTableError", "ReadOnlyTableError", "SnapshotError",
     "SnapshotCorruptError", "SnapshotNotFoundError",

@@ -129,6 +129,9 @@ class TableConfig(_Frozen):
     #: keep the exact touched-key stream (:meth:`ps.EmbeddingTable.pop_updates`). When on,
     #: a deleted/expired row is kept as a tombstone until the stream is drained.
     track_updates: bool = True
+    #: run a bounded TTL sweep (2 rows per id, >= 1024) inside every ``apply_gradients``,
+    #: so expiry keeps pace with training without a separate caller
+    expire_on_update: bool = True
 
     @property
     def ttl_ms(self) -> int | None:

@@ -223,7 +223,7 @@ class TableShard:
         apply_updates(self._opt_kind, self._hyper, self._emb, self._state, urows, ugrads, k)
         self._reserve(0, k)
         R.touch_kernel(urows, utimes, k, self._times, self._flags, self._dirty, self.meta, self._track)
-        if self.config.ttl_ms is not None:
+        if self.config.ttl_ms is not None and self.config.expire_on_update:
             self._expire(None, max(1024, 2 * ids.size))
         return int(k)
 

@@ -138,6 +138,7 @@ class Settings(BaseSettings):
         description="External Redis; unset means the embedded redis-server.",
     )
     var_dir: Path = Path("var")
+    data_dir: Path = Path("var/data")
     log_level: str = "INFO"
     metrics_port: int = 0
     service_name: str = "driftline"
@@ -159,10 +160,6 @@ class Settings(BaseSettings):
     def redis(self) -> str:
         """Where Redis is: the external one if configured, else the embedded server."""
         return self.redis_url or f"redis://{self.embedded.host}:{self.embedded.redis_port}/0"
-
-    @property
-    def data_dir(self) -> Path:
-        return self.var_dir / "data"
 
     @property
     def log_dir(self) -> Path:

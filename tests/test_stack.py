@@ -1,0 +1,146 @@
+"""`driftline up` on the embedded default: broker, Redis, replay; Ctrl-C leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from proto import Action, FeatureLog
+from services.embedded import free_port, port_is_open
+from services.kafka import TypedConsumer
+from services.settings import Settings
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _env(tmp_path: Path, repo_root: Path, broker_port: int, redis_port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL")}
+    env.update(
+        DRIFTLINE_VAR_DIR=str(tmp_path / "var"),
+        DRIFTLINE_DATA_DIR=str(repo_root / "var" / "data"),
+        DRIFTLINE_EMBEDDED__BROKER_PORT=str(broker_port),
+        DRIFTLINE_EMBEDDED__REDIS_PORT=str(redis_port),
+    )
+    return env
+
+
+@pytest.mark.timeout(240)
+def test_up_runs_broker_redis_and_replay_then_stops_cleanly(tmp_path: Path, repo_root: Path) -> None:
+    broker_port, redis_port = free_port(), free_port()
+    env = _env(tmp_path, repo_root, broker_port, redis_port)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--replay-limit", "20000", "--speed", "0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repo_root,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        banner = ""
+        assert up.stdout is not None
+        while "driftline is up" not in banner and time.monotonic() < deadline:
+            line = up.stdout.readline()
+            if not line:
+                break
+            banner += line
+        assert "driftline is up" in banner, banner
+        assert port_is_open("127.0.0.1", broker_port) and port_is_open("127.0.0.1", redis_port)
+        with socket.create_connection(("127.0.0.1", redis_port)) as s:
+            s.sendall(b"PING\r\n")
+            assert s.recv(16).startswith(b"+PONG")
+
+        settings = Settings(kafka_bootstrap_servers=f"127.0.0.1:{broker_port}")
+
+        async def read_back() -> tuple[list, list]:
+            logs: list = []
+            actions: list = []
+            async with TypedConsumer(settings, "t", FeatureLog, [settings.topics.features], "t-f") as c:
+                for _ in range(60):
+                    logs += await c.poll(timeout_ms=500)
+                    if len(logs) >= 100:
+                        break
+            async with TypedConsumer(settings, "t", Action, [settings.topics.actions], "t-a") as c:
+                for _ in range(60):
+                    actions += await c.poll(timeout_ms=500)
+                    if len(actions) >= 100:
+                        break
+            return logs, actions
+
+        logs, actions = asyncio.run(read_back())
+        assert len(logs) >= 100 and len(actions) >= 100
+        assert all(r.value.candidates for r in logs)
+        assert all(r.value.action_type == "click" for r in actions)
+
+        family = _descendants(up.pid)
+        assert len(family) >= 2  # broker and redis at least
+        up.send_signal(signal.SIGINT)
+        rest, _ = up.communicate(timeout=60)
+        assert up.returncode == 0, rest
+        assert "driftline stopped." in rest
+        time.sleep(0.3)
+        assert not [pid for pid in family if _alive(pid)], "processes left behind"
+        assert not port_is_open("127.0.0.1", broker_port)
+        assert (tmp_path / "var" / "log" / "broker.log").exists()
+        assert (tmp_path / "var" / "log" / "replay.log").exists()
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def test_port_in_use_is_one_actionable_line(tmp_path: Path, repo_root: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = _env(tmp_path, repo_root, port, free_port())
+        done = subprocess.run(
+            [sys.executable, "-m", "services.cli", "up", "--no-replay"],
+            env=env, capture_output=True, text=True, timeout=60, cwd=repo_root,
+        )
+    assert done.returncode == 2
+    err = done.stderr.strip().splitlines()
+    assert err[-1].startswith("driftline: port 127.0.0.1:") and "DRIFTLINE_EMBEDDED__BROKER_PORT" in err[-1]
+    assert "Traceback" not in done.stderr
+
+
+def test_broker_down_is_one_actionable_line(tmp_path: Path, repo_root: Path) -> None:
+    env = _env(tmp_path, repo_root, free_port(), free_port())
+    env["KAFKA_BOOTSTRAP_SERVERS"] = f"127.0.0.1:{free_port()}"
+    env["DRIFTLINE_KAFKA__CONNECT_TIMEOUT_S"] = "3"
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "replay", "--limit", "10", "--no-progress"],
+        env=env, capture_output=True, text=True, timeout=60, cwd=repo_root,
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "cannot reach Kafka at" in done.stderr and "KAFKA_BOOTSTRAP_SERVERS" in done.stderr

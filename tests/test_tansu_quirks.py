@@ -1,0 +1,90 @@
+"""Each tansu quirk's workaround, checked against the real embedded broker."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from services import tansu_quirks
+from services.kafka import create_topics, producer, start_client
+from services.settings import Settings
+
+
+async def _produce_one_batch(settings: Settings, topic: str, n: int) -> None:
+    p = producer(settings, linger_ms=200)
+    await start_client(p, settings)
+    try:
+        futures = [await p.send(topic, b"v%d" % i, partition=0) for i in range(n)]
+        for f in futures:
+            await f
+    finally:
+        await p.stop()
+
+
+async def test_log_end_offsets_is_true_end_even_after_a_multi_record_batch(settings: Settings) -> None:
+    topic = settings.topics.features
+    await create_topics(settings, {topic: 1})
+    await _produce_one_batch(settings, topic, 25)
+    tp = TopicPartition(topic, 0)
+    assert (await tansu_quirks.log_end_offsets(settings, [tp]))[tp] == 25
+
+
+async def test_committed_offsets_names_partitions(settings: Settings) -> None:
+    topic = settings.topics.actions
+    await create_topics(settings, {topic: 2})
+    await _produce_one_batch(settings, topic, 5)
+    tansu_quirks.install()
+    c = AIOKafkaConsumer(topic, bootstrap_servers=settings.bootstrap_servers, group_id="g-committed",
+                         enable_auto_commit=False, auto_offset_reset="earliest", session_timeout_ms=10_000)
+    await c.start()
+    try:
+        got = 0
+        while got < 5:
+            got += sum(len(v) for v in (await c.getmany(timeout_ms=500)).values())
+        await c.commit()
+    finally:
+        await c.stop()
+    offsets = await tansu_quirks.committed_offsets(
+        settings, "g-committed", [TopicPartition(topic, 0), TopicPartition(topic, 1)]
+    )
+    assert offsets[TopicPartition(topic, 0)] == 5
+    assert offsets[TopicPartition(topic, 1)] == 0  # assigned, empty: committed at its start
+
+
+async def test_first_generation_member_leaves_so_the_next_joins_fast(settings: Settings) -> None:
+    topic = settings.topics.examples
+    await create_topics(settings, {topic: 1})
+    tansu_quirks.install()
+
+    def member() -> AIOKafkaConsumer:
+        return AIOKafkaConsumer(topic, bootstrap_servers=settings.bootstrap_servers, group_id="g-leave",
+                                session_timeout_ms=30_000, heartbeat_interval_ms=1_000)
+
+    first = member()
+    await first.start()
+    while not first.assignment():
+        await first.getmany(timeout_ms=200)
+    await first.stop()  # sends LeaveGroup thanks to the workaround
+    second = member()
+    started = time.monotonic()
+    await second.start()
+    try:
+        while not second.assignment():
+            await second.getmany(timeout_ms=200)
+    finally:
+        await second.stop()
+    # Without LeaveGroup the second member waits for the first's 30 s session to expire.
+    assert time.monotonic() - started < 25
+
+
+async def test_broker_restart_is_detected_by_epoch(broker, settings: Settings, tmp_path: Path) -> None:
+    epoch = await tansu_quirks.ensure_broker_epoch(settings)
+    assert await tansu_quirks.ensure_broker_epoch(settings) == epoch  # stable while the broker lives
+    state = tmp_path / "state"
+    assert tansu_quirks.state_matches_broker(state, epoch)
+    broker.restart()  # memory storage: everything is gone
+    fresh = await tansu_quirks.ensure_broker_epoch(settings)
+    assert fresh != epoch
+    assert not tansu_quirks.state_matches_broker(state, fresh)

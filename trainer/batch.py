@@ -1,0 +1,108 @@
+"""A batch of examples as flat ids + offsets per slot (embedding-bag layout).
+
+>>> b = SparseBatch.from_slot_dicts([{"a": [1, 2], "b": [7]}, {"a": [3]}], slots=["a", "b"])
+>>> b.size, b.ids["a"].tolist(), b.offsets["a"].tolist(), b.offsets["b"].tolist()
+(2, [1, 2, 3], [0, 2, 3], [0, 1, 1])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from proto import Example
+
+
+@dataclass
+class SparseBatch:
+    """``ids[slot]`` int64 flat, ``offsets[slot]`` int64 ``[size + 1]`` (bag i is
+    ``ids[offsets[i]:offsets[i+1]]``). ``dense`` float32 ``[size, n_dense]`` or None."""
+
+    size: int
+    ids: dict[str, np.ndarray]
+    offsets: dict[str, np.ndarray]
+    labels: np.ndarray | None = None          # float32 [size]
+    event_time_ms: np.ndarray | None = None   # int64 [size]
+    sample_rate: np.ndarray | None = None     # float32 [size]
+    dense: np.ndarray | None = None
+    example_ids: list[str] | None = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def max_event_time(self) -> int:
+        if self.event_time_ms is None or self.event_time_ms.size == 0:
+            return 0
+        return int(self.event_time_ms.max())
+
+    def bag(self, slot: str) -> tuple[np.ndarray, np.ndarray]:
+        return self.ids[slot], self.offsets[slot]
+
+    def select(self, rows: np.ndarray) -> "SparseBatch":
+        """The sub-batch of ``rows`` (int indices), vectorized."""
+        rows = np.asarray(rows, np.int64)
+        ids, offs = {}, {}
+        for s in self.ids:
+            o = self.offsets[s]
+            lens = o[rows + 1] - o[rows]
+            no = np.zeros(rows.size + 1, np.int64)
+            np.cumsum(lens, out=no[1:])
+            starts = np.repeat(o[rows] - no[:-1], lens)
+            ids[s] = self.ids[s][starts + np.arange(no[-1], dtype=np.int64)]
+            offs[s] = no
+        pick = lambda a: None if a is None else a[rows]  # noqa: E731
+        return SparseBatch(int(rows.size), ids, offs, pick(self.labels), pick(self.event_time_ms),
+                           pick(self.sample_rate), pick(self.dense),
+                           None if self.example_ids is None else [self.example_ids[i] for i in rows])
+
+    @staticmethod
+    def from_slot_dicts(rows: Sequence[dict[str, Sequence[int]]], dense: np.ndarray | None = None, *,
+                        slots: Iterable[str] | None = None, labels=None, event_time_ms=None,
+                        sample_rate=None) -> "SparseBatch":
+        """From plain dicts ``slot -> ids`` (what the feature store holds). Missing slots are empty bags."""
+        slots = sorted({s for r in rows for s in r}) if slots is None else list(slots)
+        n = len(rows)
+        ids, offs = {}, {}
+        for s in slots:
+            bags = [r.get(s, ()) for r in rows]
+            lens = np.fromiter(map(len, bags), np.int64, n)
+            o = np.zeros(n + 1, np.int64)
+            np.cumsum(lens, out=o[1:])
+            ids[s] = np.fromiter(chain.from_iterable(bags), np.int64, int(o[-1]))
+            offs[s] = o
+        return SparseBatch(n, ids, offs, _opt(labels, np.float32), _opt(event_time_ms, np.int64),
+                           _opt(sample_rate, np.float32),
+                           None if dense is None else np.ascontiguousarray(dense, np.float32))
+
+    @staticmethod
+    def from_examples(examples: Sequence[Example], slots: Iterable[str] | None = None, label: str = "click",
+                      dense_features: Sequence[str] = ()) -> "SparseBatch":
+        """From Example protos. Missing labels read as NaN, missing dense features as NaN."""
+        n = len(examples)
+        feats = [e.features.sparse for e in examples]
+        if slots is None:
+            slots = sorted({s for f in feats for s in f})
+        ids, offs = {}, {}
+        empty = ()
+        for s in slots:
+            bags = [f[s].ids if s in f else empty for f in feats]
+            lens = np.fromiter(map(len, bags), np.int64, n)
+            o = np.zeros(n + 1, np.int64)
+            np.cumsum(lens, out=o[1:])
+            ids[s] = np.fromiter(chain.from_iterable(bags), np.int64, int(o[-1]))
+            offs[s] = o
+        labels = np.fromiter((e.labels.get(label, math.nan) for e in examples), np.float32, n)
+        t = np.fromiter((e.event_time_ms for e in examples), np.int64, n)
+        rate = np.fromiter((e.sample_rate or 1.0 for e in examples), np.float32, n)
+        dense = None
+        if dense_features:
+            dense = np.array([[e.features.dense.get(d, math.nan) for d in dense_features] for e in examples],
+                             np.float32).reshape(n, len(dense_features))
+        return SparseBatch(n, ids, offs, labels, t, rate, dense, [e.example_id for e in examples])
+
+
+def _opt(a, dtype):
+    return None if a is None else np.ascontiguousarray(a, dtype)

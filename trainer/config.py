@@ -1,0 +1,138 @@
+"""Models declared as typed data, not code.
+
+A model reads sparse *slots* (named bags of int64 ids, see :mod:`producers.movielens_features`).
+Each slot maps to a PS table that holds its embeddings; several slots may share one table (their
+ids are then salted per slot so equal ids of different slots do not collide). ``slots`` are the
+embedding fields (FM / MLP input, all of one ``dim`` for DeepFM); ``linear`` are first-order
+fields read from ``dim == 1`` tables. ``kind`` picks the dense head:
+
+* ``deepfm``: bias + sum(linear) + FM(second order over the fields) + MLP(concat(fields)).
+* ``lr``: bias + sum(linear) (+ dense features): logistic regression / "wide".
+
+>>> cfg = deepfm_config(); cfg.kind, len(cfg.slots), cfg.mlp
+('deepfm', 8, [256, 128])
+>>> ModelConfig.model_validate_json(cfg.model_dump_json()) == cfg
+True
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ps import AdagradConfig, InitializerConfig, TableConfig
+
+MOVIELENS_SLOTS = ("user_id", "gender", "age", "occupation", "zip", "item_id", "genres", "year")
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_id: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    kind: Literal["deepfm", "lr"] = "deepfm"
+    #: embedding fields: slot -> table name
+    slots: dict[str, str] = Field(default_factory=dict)
+    #: first-order fields: slot -> table name (tables of dim 1)
+    linear: dict[str, str] = Field(default_factory=dict)
+    tables: list[TableConfig]
+    #: per-slot pooling of multi-valued slots (embedding-bag semantics); default "sum"
+    pooling: dict[str, Literal["sum", "mean"]] = Field(default_factory=dict)
+    #: names of dense (float) features, in input order; an example missing one is rejected
+    dense_features: list[str] = Field(default_factory=list)
+    mlp: list[int] = Field(default_factory=lambda: [256, 128])
+    dense_optimizer: Literal["adam", "adagrad", "sgd"] = "adam"
+    dense_lr: float = Field(1e-3, gt=0)
+    label: str = "click"
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        names = {t.name for t in self.tables}
+        if len(names) != len(self.tables):
+            raise ValueError("duplicate table names")
+        for field, mapping in (("slots", self.slots), ("linear", self.linear)):
+            for slot, table in mapping.items():
+                if table not in names:
+                    raise ValueError(f"{field}[{slot!r}] -> unknown table {table!r}")
+        dims = {self.table(t).dim for t in self.slots.values()}
+        if self.kind == "deepfm" and len(dims) > 1:
+            raise ValueError(f"deepfm fields need one embedding dim, got {sorted(dims)}")
+        for slot, table in self.linear.items():
+            if self.table(table).dim != 1:
+                raise ValueError(f"linear[{slot!r}] -> table {table!r} must have dim 1")
+        if self.kind == "deepfm" and not self.slots:
+            raise ValueError("deepfm needs at least one embedding slot")
+        if not self.slots and not self.linear and not self.dense_features:
+            raise ValueError("model reads no input")
+        return self
+
+    def table(self, name: str) -> TableConfig:
+        for t in self.tables:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    @property
+    def all_slots(self) -> list[str]:
+        """Every slot the model reads, sorted (the batch layout)."""
+        return sorted(set(self.slots) | set(self.linear))
+
+    @property
+    def embed_dim(self) -> int:
+        return self.table(next(iter(self.slots.values()))).dim if self.slots else 0
+
+    def table_slots(self) -> dict[str, list[tuple[str, str]]]:
+        """table -> [(role, slot)] where role is "emb" or "lin"; order is stable."""
+        out: dict[str, list[tuple[str, str]]] = {t.name: [] for t in self.tables}
+        for s, t in self.slots.items():
+            out[t].append(("emb", s))
+        for s, t in self.linear.items():
+            out[t].append(("lin", s))
+        return {k: v for k, v in out.items() if v}
+
+    def salts(self) -> dict[tuple[str, str], int]:
+        """(table, slot) -> xor salt for ids (0 unless the table is shared by several slots)."""
+        out = {}
+        for table, uses in self.table_slots().items():
+            distinct = {s for _, s in uses}
+            for _, s in uses:
+                out[(table, s)] = _salt(s) if len(distinct) > 1 else 0
+        return out
+
+
+def _salt(slot: str) -> int:
+    return int.from_bytes(hashlib.blake2b(slot.encode(), digest_size=8).digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def deepfm_config(model_id: str = "deepfm", dim: int = 16, mlp: list[int] | None = None, lr: float = 0.05,
+                  slots: tuple[str, ...] = MOVIELENS_SLOTS, ttl_seconds: float | None = None,
+                  min_count: int = 1, shards: int = 1) -> ModelConfig:
+    """DeepFM over the MovieLens slots: one embedding + one first-order table per slot."""
+    init = InitializerConfig(kind="normal", scale=0.01, seed=1)
+    adm = {"min_count": min_count}
+    tables = [TableConfig(name=f"{s}", dim=dim, optimizer=AdagradConfig(lr=lr), initializer=init,
+                          admission=adm, ttl_seconds=ttl_seconds, shards=shards) for s in slots]
+    tables += [TableConfig(name=f"{s}_w", dim=1, optimizer=AdagradConfig(lr=lr),
+                           initializer=InitializerConfig(kind="zeros"), admission=adm,
+                           ttl_seconds=ttl_seconds, shards=shards) for s in slots]
+    return ModelConfig(model_id=model_id, kind="deepfm", slots={s: s for s in slots},
+                       linear={s: f"{s}_w" for s in slots}, tables=tables,
+                       pooling={"genres": "mean"}, mlp=list(mlp) if mlp is not None else [256, 128])
+
+
+def lr_config(model_id: str = "lr", lr: float = 0.05, slots: tuple[str, ...] = MOVIELENS_SLOTS) -> ModelConfig:
+    """Logistic regression: all slots share one dim-1 table (ids salted per slot)."""
+    t = TableConfig(name="weights", dim=1, optimizer=AdagradConfig(lr=lr), initializer=InitializerConfig(kind="zeros"))
+    return ModelConfig(model_id=model_id, kind="lr", linear={s: "weights" for s in slots}, tables=[t], mlp=[])
+
+
+def named_config(name: str) -> ModelConfig:
+    """A built-in model config by name ("deepfm", "lr"), or a path to a JSON ModelConfig."""
+    if name == "deepfm":
+        return deepfm_config()
+    if name == "lr":
+        return lr_config()
+    from pathlib import Path
+    return ModelConfig.model_validate_json(Path(name).read_text())

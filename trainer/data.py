@@ -1,0 +1,138 @@
+"""Training data: MovieLens ratings as vectorized batches, Parquet example dumps, Example protos.
+
+Per-user and per-item slot ids are precomputed once into arrays indexed by user/item id (CSR for
+multi-valued slots), so a batch of ratings becomes a :class:`SparseBatch` with numpy fancy
+indexing only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from proto import Example
+from producers.movielens import load
+from producers.movielens_features import MovieLensFeatures
+
+from .batch import SparseBatch
+
+
+@dataclass
+class _CSR:
+    offsets: np.ndarray  # [max_key + 2]
+    ids: np.ndarray
+
+    @staticmethod
+    def build(keyed: dict[int, list[int]]) -> "_CSR":
+        n = max(keyed) + 1 if keyed else 1
+        lens = np.zeros(n, np.int64)
+        for k, v in keyed.items():
+            lens[k] = len(v)
+        offs = np.zeros(n + 1, np.int64)
+        np.cumsum(lens, out=offs[1:])
+        ids = np.zeros(int(offs[-1]), np.int64)
+        for k, v in keyed.items():
+            ids[offs[k]:offs[k + 1]] = v
+        return _CSR(offs, ids)
+
+    def take(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        lens = self.offsets[keys + 1] - self.offsets[keys]
+        no = np.zeros(keys.size + 1, np.int64)
+        np.cumsum(lens, out=no[1:])
+        starts = np.repeat(self.offsets[keys] - no[:-1], lens)
+        return self.ids[starts + np.arange(no[-1], dtype=np.int64)], no
+
+
+class MovieLensData:
+    """ml-1m (or ml-100k) ratings + features, ready to cut into batches."""
+
+    def __init__(self, dataset: str = "ml-1m", data_dir: Path = Path("var/data"), limit: int | None = None,
+                 offset: int = 0):
+        ml = load(dataset, data_dir)
+        ratings = ml.ratings.slice(offset, limit) if (limit is not None or offset) else ml.ratings
+        self.features = MovieLensFeatures(ml.users, ml.items)
+        self.user_id = ratings["user_id"].to_numpy().astype(np.int64)
+        self.item_id = ratings["item_id"].to_numpy().astype(np.int64)
+        self.time_ms = ratings["timestamp"].to_numpy().astype(np.int64) * 1000
+        self.label = ratings["label"].to_numpy().astype(np.float32)
+        self.offset = offset
+        self._csr: dict[str, tuple[str, _CSR]] = {}
+        users = {u: self.features.user_slots(u) for u in self.features.user_ids}
+        items = {i: self.features.item_slots(i) for i in self.features.item_ids}
+        for slot in ("user_id", "gender", "age", "occupation", "zip"):
+            self._csr[slot] = ("user", _CSR.build({u: d.get(slot, []) for u, d in users.items()}))
+        for slot in ("item_id", "genres", "year"):
+            self._csr[slot] = ("item", _CSR.build({i: d.get(slot, []) for i, d in items.items()}))
+
+    def __len__(self) -> int:
+        return self.user_id.size
+
+    def batch(self, rows: np.ndarray) -> SparseBatch:
+        u, i = self.user_id[rows], self.item_id[rows]
+        ids, offs = {}, {}
+        for slot, (side, csr) in self._csr.items():
+            ids[slot], offs[slot] = csr.take(u if side == "user" else i)
+        eids = None
+        return SparseBatch(int(rows.size), ids, offs, self.label[rows], self.time_ms[rows],
+                           np.ones(rows.size, np.float32), None, eids)
+
+    def batches(self, batch_size: int, rows: np.ndarray | None = None) -> Iterator[SparseBatch]:
+        rows = np.arange(len(self)) if rows is None else rows
+        for a in range(0, rows.size, batch_size):
+            yield self.batch(rows[a:a + batch_size])
+
+    def split(self, test_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+        """Time split: the last ``test_fraction`` of ratings (in time order) are the test set."""
+        n = len(self)
+        cut = int(n * (1 - test_fraction))
+        return np.arange(cut), np.arange(cut, n)
+
+    def examples(self, rows: np.ndarray | None = None, model_id: str = "replay") -> list[Example]:
+        """Example protos (example_id = request_id/item_id, request_id = user@time)."""
+        rows = np.arange(len(self)) if rows is None else rows
+        out = []
+        for r in rows.tolist():
+            u, i, t = int(self.user_id[r]), int(self.item_id[r]), int(self.time_ms[r])
+            rid = f"{u}@{t}"
+            e = Example(example_id=f"{rid}/{i}", request_id=rid, item_id=i, user_id=u,
+                        event_time_ms=t, sample_rate=1.0, model_id=model_id)
+            e.labels["click"] = float(self.label[r])
+            for slot, ids in self.features.user_slots(u).items():
+                e.features.sparse[slot].ids.extend(ids)
+            for slot, ids in self.features.item_slots(i).items():
+                e.features.sparse[slot].ids.extend(ids)
+            out.append(e)
+        return out
+
+
+def parquet_files(root: Path = Path("var/examples")) -> list[Path]:
+    """The joiner dumper's files ``dt=*/hour=*/*.parquet`` in partition order."""
+    return sorted(Path(root).glob("dt=*/hour=*/*.parquet"))
+
+
+def parquet_batches(files: list[Path], batch_size: int, slots: list[str], label: str = "click") -> Iterator[SparseBatch]:
+    """Batches from example Parquet files. Expected columns: ``<slot>`` as list<int64> per slot,
+    ``label_<label>`` or ``labels`` map, ``event_time_ms``, optional ``sample_rate``, ``example_id``.
+    (The dumper's schema is not fixed yet; adapt here when it is.)"""
+    for f in files:
+        pf = pq.ParquetFile(f)
+        for rb in pf.iter_batches(batch_size=batch_size):
+            t = pa.Table.from_batches([rb])
+            n = t.num_rows
+            ids, offs = {}, {}
+            for s in slots:
+                if s in t.column_names:
+                    col = t[s].combine_chunks()
+                    ids[s] = col.values.to_numpy(zero_copy_only=False).astype(np.int64)
+                    offs[s] = col.offsets.to_numpy().astype(np.int64) - int(col.offsets[0].as_py())
+                else:
+                    ids[s], offs[s] = np.zeros(0, np.int64), np.zeros(n + 1, np.int64)
+            lab_col = f"label_{label}" if f"label_{label}" in t.column_names else label
+            labels = t[lab_col].to_numpy().astype(np.float32)
+            et = t["event_time_ms"].to_numpy().astype(np.int64) if "event_time_ms" in t.column_names else np.zeros(n, np.int64)
+            yield SparseBatch(n, ids, offs, labels, et, np.ones(n, np.float32))

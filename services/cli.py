@@ -37,7 +37,10 @@ def _cmd_data_fetch(args: argparse.Namespace, settings: Settings) -> int:
 
 def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     from producers.replay import replay
+    from services.metrics import serve_metrics
 
+    if settings.metrics_port:
+        serve_metrics(settings.metrics_port, host="0.0.0.0")
     stats = asyncio.run(
         replay(settings, dataset=args.dataset, speed=args.speed, limit=args.limit, progress=not args.no_progress)
     )

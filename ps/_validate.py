@@ -31,7 +31,8 @@ def as_grads(grads, n: int, dim: int) -> np.ndarray:
         raise InvalidGradientError(f"gradients must be floating point, got dtype {g.dtype}")
     if g.shape != (n, dim):
         raise InvalidGradientError(f"gradients must have shape {(n, dim)}, got {g.shape}")
-    g = np.ascontiguousarray(g, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        g = np.ascontiguousarray(g, dtype=np.float32)
     if not np.isfinite(g).all():
         # float64 -> float32 overflow is caught here too, after the cast
         bad = int((~np.isfinite(g)).any(axis=1).sum())

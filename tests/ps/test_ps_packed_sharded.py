@@ -1,0 +1,81 @@
+"""Packed multi-table lookup == per-table lookups; sharded table == unsharded."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ps import AdamConfig, EmbeddingTable, InitializerConfig, ParameterServer, TableConfig
+from ps.group import packed_gather_kernel  # noqa: F401  (the single kernel under test)
+
+from conftest import assert_tables_identical
+
+
+def test_packed_lookup_over_many_tables_equals_per_table(rng):
+    cfgs = [TableConfig(name=f"t{i}", dim=int(rng.integers(1, 17)), shards=int(rng.integers(1, 4)))
+            for i in range(40)]
+    slots = {f"slot{j}": f"t{j % 40}" for j in range(200)}
+    ps = ParameterServer(cfgs, slots=slots)
+    batch = {s: rng.integers(-50, 50, size=int(rng.integers(0, 30))) for s in slots}
+    ps.gather(batch, insert=True, event_time=0)
+    batch = {s: rng.integers(-80, 80, size=int(rng.integers(0, 30))) for s in slots}  # some absent
+    out = ps.gather(batch)
+    for s, ids in batch.items():
+        ref = ps[slots[s]].gather(ids)
+        assert out[s].shape == ref.shape and (out[s] == ref).all()
+
+
+def test_packed_insert_equals_per_table_insert(rng):
+    def build():
+        return ParameterServer([TableConfig(name="u", dim=4, shards=2), TableConfig(name="i", dim=3)],
+                               slots={"hist": "i"})
+    batch = {"u": rng.integers(0, 20, 50), "i": rng.integers(0, 20, 30), "hist": rng.integers(0, 30, 60)}
+    a, b = build(), build()
+    ea = a.gather(batch, insert=True, event_time=7)
+    b["u"].gather(batch["u"], insert=True, event_time=7)
+    b["i"].gather(np.concatenate([batch["i"], batch["hist"]]), insert=True, event_time=7)
+    for name in ("u", "i"):
+        assert_tables_identical(a[name], b[name])
+    assert (ea["hist"] == b["i"].gather(batch["hist"])).all()
+    grads = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in ea.items()}
+    a.apply_gradients(batch, grads, event_time=8)
+    b["u"].apply_gradients(batch["u"], grads["u"], event_time=8)
+    b["i"].apply_gradients(np.concatenate([batch["i"], batch["hist"]]),
+                           np.concatenate([grads["i"], grads["hist"]]), event_time=8)
+    for name in ("u", "i"):
+        assert_tables_identical(a[name], b[name])
+
+
+@settings(max_examples=25)
+@given(shards=st.integers(2, 7), seed=st.integers(0, 2**31))
+def test_sharded_equals_unsharded(shards, seed):
+    rng = np.random.default_rng(seed)
+    mk = lambda n: EmbeddingTable(TableConfig(name="s", dim=5, shards=n, optimizer=AdamConfig(lr=0.01),
+                                              initializer=InitializerConfig(kind="normal", seed=4)))
+    one, many = mk(1), mk(shards)
+    for step in range(5):
+        ids = rng.integers(-(2**63), 2**63 - 1, size=0, dtype=np.int64)
+        ids = np.concatenate([ids, rng.integers(-100, 100, 64), [-(2**63), 2**63 - 1]]).astype(np.int64)
+        t = np.full(ids.size, step * 10, np.int64) + rng.integers(0, 5, ids.size)
+        assert (one.gather(ids, insert=True, event_time=t) == many.gather(ids, insert=True, event_time=t)).all()
+        g = rng.normal(size=(ids.size, 5)).astype(np.float32)
+        assert one.apply_gradients(ids, g, t) == many.apply_gradients(ids, g, t)
+        gone = rng.integers(-100, 100, 5)
+        assert one.delete(gone) == many.delete(gone)
+    assert_tables_identical(one, many)
+    # every shard holds only its own ids
+    for i, s in enumerate(many.shards):
+        k = s.items()[0]
+        assert (many.router.shard_of(k) == i).all()
+    # the stream of the sharded table carries the same final state
+    a = {int(k): v for c in one.pop_updates() for k, v in zip(c.keys, c.values)}
+    b = {int(k): v for c in many.pop_updates() for k, v in zip(c.keys, c.values)}
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_gather_is_torch_friendly():
+    torch = pytest.importorskip("torch")
+    t = EmbeddingTable(TableConfig(name="z", dim=4))
+    out = t.gather(np.arange(3), insert=True, event_time=0)
+    tt = torch.from_numpy(out)
+    assert tt.dtype == torch.float32 and tt.data_ptr() == out.ctypes.data

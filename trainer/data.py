@@ -136,3 +136,19 @@ def parquet_batches(files: list[Path], batch_size: int, slots: list[str], label:
             labels = t[lab_col].to_numpy().astype(np.float32)
             et = t["event_time_ms"].to_numpy().astype(np.int64) if "event_time_ms" in t.column_names else np.zeros(n, np.int64)
             yield SparseBatch(n, ids, offs, labels, et, np.ones(n, np.float32))
+
+
+async def produce_examples(settings, examples: list[Example], topic: str | None = None) -> None:
+    """Write Examples to the examples topic keyed by user id (test and bench helper)."""
+    from services.kafka import create_topics, producer, start_client
+
+    topic = topic or settings.topics.examples
+    await create_topics(settings, {topic: settings.topics.partitions})
+    p = producer(settings)
+    await start_client(p, settings)
+    try:
+        futs = [await p.send(topic, e.SerializeToString(), key=str(e.user_id).encode()) for e in examples]
+        import asyncio
+        await asyncio.gather(*futs)
+    finally:
+        await p.stop()

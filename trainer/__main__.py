@@ -1,0 +1,121 @@
+"""``python -m trainer batch|online``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from services import metrics as service_metrics
+from services.settings import get_settings
+
+from . import metrics as M
+from .config import named_config
+from .model import SparseModel
+
+
+def run_batch(args) -> dict:
+    from .data import MovieLensData, parquet_batches, parquet_files
+
+    cfg = named_config(args.model)
+    model = SparseModel(cfg)
+    files = parquet_files(Path(args.examples_dir))
+    data = None if files and not args.movielens else MovieLensData(args.dataset, Path(args.data_dir), limit=args.limit)
+    results = []
+    for p in range(args.passes):
+        if data is not None:
+            train_rows, test_rows = data.split(args.test_fraction)
+            batches = data.batches(args.batch_size, train_rows)
+            total = -(-train_rows.size // args.batch_size)
+        else:
+            batches, total = parquet_batches(files, args.batch_size, cfg.all_slots, cfg.label), None
+        auc, losses, n, t0 = M.StreamingAUC(), [], 0, time.perf_counter()
+        for b in tqdm(batches, total=total, desc=f"pass {p + 1}/{args.passes}", disable=args.quiet):
+            loss, probs = model.train_step(b)
+            auc.update(probs, b.labels)
+            losses.append(loss)
+            n += b.size
+        dt = time.perf_counter() - t0
+        r = {"pass": p + 1, "examples": n, "ex_per_s": n / dt, "train_loss": float(np.mean(losses)),
+             "train_auc": auc.value()}
+        if data is not None and test_rows.size:
+            ta = M.StreamingAUC()
+            for b in data.batches(8192, test_rows):
+                ta.update(model.predict(b), b.labels)
+            r["test_auc"] = ta.value()
+        M.AUC.labels(cfg.model_id, "batch").set(r.get("test_auc", r["train_auc"]))
+        M.LOSS.labels(cfg.model_id, "batch").set(r["train_loss"])
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    print(json.dumps({"timings_s": dict(model.timings)}), flush=True)
+    if args.snapshot:
+        from . import snapshots
+        snapshots.save(get_settings().var_dir / "snapshots" / cfg.model_id, cfg, model.tables,
+                       {"head": model.head.state_dict(), "optimizer": model.optimizer.state_dict()},
+                       {"offsets": {}, "sparse_version": 0, "dense_version": 0, "param_deltas_offset": 0,
+                        "examples_applied": 0, "max_event_time_ms": 0})
+    return results[-1] if results else {}
+
+
+async def _run_online(args) -> dict:
+    from .online import OnlineTrainer
+
+    settings = get_settings()
+    cfg = named_config(args.model)
+    tr = OnlineTrainer(settings, cfg, sync_interval_s=args.sync_interval_s,
+                       snapshot_interval_event_s=args.snapshot_interval_event_s, batch_size=args.batch_size)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, tr.stop_event.set)
+    return await tr.run(stop_when_idle_s=args.stop_when_idle_s, max_examples=args.max_examples)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainer")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("batch", help="train from Parquet example dumps (or MovieLens directly)")
+    b.add_argument("--passes", type=int, default=1)
+    b.add_argument("--model", default="deepfm", help="deepfm | lr | path to a ModelConfig JSON")
+    b.add_argument("--batch-size", type=int, default=1024)
+    b.add_argument("--examples-dir", default="var/examples")
+    b.add_argument("--movielens", action="store_true", help="use MovieLens even if Parquet dumps exist")
+    b.add_argument("--dataset", default="ml-1m")
+    b.add_argument("--data-dir", default="var/data")
+    b.add_argument("--limit", type=int, default=None)
+    b.add_argument("--test-fraction", type=float, default=0.1)
+    b.add_argument("--snapshot", action="store_true", help="write a snapshot at the end")
+    b.add_argument("--quiet", action="store_true")
+    o = sub.add_parser("online", help="train from the examples topic")
+    o.add_argument("--model", default=None)
+    o.add_argument("--batch-size", type=int, default=None)
+    o.add_argument("--sync-interval-s", type=float, default=None)
+    o.add_argument("--snapshot-interval-event-s", type=float, default=None)
+    o.add_argument("--stop-when-idle-s", type=float, default=None)
+    o.add_argument("--max-examples", type=int, default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    settings = get_settings()
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if settings.metrics_port:
+        service_metrics.serve_metrics(settings.metrics_port)
+    service_metrics.SERVICE_UP.labels("trainer").set(1)
+    if args.cmd == "batch":
+        run_batch(args)
+    else:
+        args.model = args.model or settings.trainer.model
+        result = asyncio.run(_run_online(args))
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""The ranking API: FastAPI app factory, lifespan wiring and the endpoints.
+
+Unknown users are **scored with default features** (cold start is normal traffic, not an error):
+the response says ``user_known: false`` and ``driftline_serving_unknown_users_total`` counts them.
+Unknown items likewise get only their ``item_id`` slot, and ids the PS has not admitted read as
+the table default. If Redis fails, ranking still answers with default features and the
+``X-Driftline-Degraded: feature-store`` header. Bad input is a 422 with the offending field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from proto import Action, Candidate, FeatureLog, Features, ModelVersion
+from serving import metrics
+from serving.correction import correct
+from serving.deltas import DeltaFeed
+from serving.feature_log import FeatureLogger
+from serving.feature_store import FeatureStore, FeatureStoreError, RankFeatures
+from serving.model import FMModel
+from serving.options import ServingOptions
+from serving.realtime import RecentClicks
+from serving.schemas import (ActionsRequest, ActionsResponse, FeaturesIn, Health, ModelVersionOut,
+                             RankRequest, RankResponse, Readiness, ScoredItem)
+from services.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class Serving:
+    """Everything one serving replica holds; built by the lifespan, reachable as app.state.serving."""
+
+    def __init__(self, settings: Settings, options: ServingOptions, model: FMModel | None = None) -> None:
+        self.settings = settings
+        self.options = options
+        self.model = model if model is not None else FMModel(dim=options.embedding_dim, model_id=options.model_id)
+        self.store = FeatureStore(settings.redis, options.redis_prefix, options.recent_clicks)
+        self.feature_log = FeatureLogger(settings, options.feature_log_buffer,
+                                         options.feature_log_send_timeout_s, options.kafka_retry_s)
+        self.deltas = DeltaFeed(settings, self.model, options.snapshot_dir, options.kafka_retry_s)
+        self.realtime = RecentClicks(settings, self.store, options.click_actions, retry_s=options.kafka_retry_s)
+
+    def version(self) -> ModelVersionOut:
+        return ModelVersionOut(model_id=self.model.model_id, sparse_version=self.model.sparse.version,
+                               dense_version=self.model.dense.version)
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.deltas.load_snapshot)
+        self.feature_log.start()
+        self.deltas.start()
+        self.realtime.start()
+
+    async def stop(self) -> None:
+        await self.realtime.stop()
+        await self.deltas.stop()
+        await self.feature_log.stop()
+        await self.store.close()
+
+
+class _Metrics:
+    """Pure-ASGI middleware: request count and latency per route template."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_wrapper(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "other"
+            metrics.REQUESTS.labels(endpoint, str(status["code"])).inc()
+            metrics.LATENCY.labels(endpoint).observe(time.perf_counter() - started)
+
+
+def _to_proto(f: FeaturesIn | None, into: Features) -> None:
+    if f is None:
+        return
+    for name, ids in f.sparse.items():
+        into.sparse[name].ids.extend(ids)
+    for name, value in f.dense.items():
+        into.dense[name] = value
+
+
+def create_app(settings: Settings, options: ServingOptions | None = None,
+               model: FMModel | None = None) -> FastAPI:
+    opts = options if options is not None else ServingOptions.from_settings(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        serving = Serving(settings, opts, model)
+        app.state.serving = serving
+        await serving.start()
+        try:
+            yield
+        finally:
+            await serving.stop()
+
+    app = FastAPI(
+        title="driftline serving",
+        version="1",
+        description=__doc__,
+        lifespan=lifespan,
+    )
+    app.add_middleware(_Metrics)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors[:5]
+        )
+        return JSONResponse(status_code=422, content={"message": message or "invalid request",
+                                                      "detail": jsonable_encoder(errors, exclude={"input", "ctx", "url"})})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(status_code=exc.status_code, content={"message": str(exc.detail), "detail": exc.detail},
+                            headers=getattr(exc, "headers", None))
+
+    def serving_of(request: Request) -> Serving:
+        return request.app.state.serving  # type: ignore[no-any-return]
+
+    @app.post("/rank", response_model=RankResponse, summary="Rank candidate items for a user",
+              responses={422: {"description": "Invalid request (empty/oversize candidates, wrong types)"},
+                         503: {"description": "No model loaded yet"}})
+    async def rank(body: RankRequest, request: Request, response: Response) -> RankResponse:
+        s = serving_of(request)
+        n = len(body.candidates)
+        if n > s.options.max_candidates:
+            raise HTTPException(422, f"candidates: {n} given, at most {s.options.max_candidates} allowed")
+        if not s.deltas.loaded:
+            raise HTTPException(503, "no model loaded yet: waiting for a snapshot or the delta topic")
+        request_id = body.request_id or uuid.uuid4().hex
+        item_ids = [c.item_id for c in body.candidates]
+        try:
+            feats = await s.store.fetch(body.user_id, item_ids)
+        except FeatureStoreError as err:
+            log.warning("%s; scoring with default features", err)
+            response.headers["X-Driftline-Degraded"] = "feature-store"
+            feats = RankFeatures(None, [], [None] * n)
+        user_known = feats.user is not None
+        if not user_known:
+            metrics.UNKNOWN_USERS.inc()
+        user_slots: dict[str, list[int]] = dict(feats.user or {"user_id": [body.user_id]})
+        if feats.recent_items:
+            user_slots["recent_items"] = feats.recent_items
+        if body.context is not None:
+            for name, ids in body.context.sparse.items():
+                user_slots[name] = ids
+        item_slots: list[dict[str, list[int]]] = []
+        for c, stored in zip(body.candidates, feats.items):
+            slots = dict(stored or {"item_id": [c.item_id]})
+            if c.features is not None:
+                slots.update(c.features.sparse)
+            item_slots.append(slots)
+        version = s.version()  # read before scoring: the served version is at least this one
+        raw = s.model.score(user_slots, item_slots)
+        scores = correct(raw, s.options.negative_sample_rate)
+        order = sorted(range(n), key=lambda i: -scores[i])
+        metrics.CANDIDATES.observe(n)
+
+        log_msg = FeatureLog(request_id=request_id, event_time_ms=int(time.time() * 1000), user_id=body.user_id,
+                             model_version=ModelVersion(model_id=version.model_id,
+                                                        sparse_version=version.sparse_version,
+                                                        dense_version=version.dense_version))
+        for name, ids in user_slots.items():
+            log_msg.context.sparse[name].ids.extend(ids)
+        if body.context is not None:
+            for name, value in body.context.dense.items():
+                log_msg.context.dense[name] = value
+        for i, c in enumerate(body.candidates):
+            cand = Candidate(item_id=c.item_id, score=float(scores[i]))
+            for name, ids in item_slots[i].items():
+                cand.features.sparse[name].ids.extend(ids)
+            if c.features is not None:
+                for name, value in c.features.dense.items():
+                    cand.features.dense[name] = value
+            log_msg.candidates.append(cand)
+        s.feature_log.submit(request_id, log_msg.SerializeToString())
+
+        return RankResponse(
+            request_id=request_id, user_known=user_known, model_version=version,
+            items=[ScoredItem(item_id=item_ids[i], score=float(scores[i]), raw_score=float(raw[i])) for i in order],
+        )
+
+    @app.post("/actions", response_model=ActionsResponse, status_code=202,
+              summary="Record user actions (writes Action messages to the actions topic)",
+              responses={503: {"description": "Kafka unavailable"}})
+    async def actions(body: ActionsRequest, request: Request) -> ActionsResponse:
+        s = serving_of(request)
+        producer = s.feature_log._producer  # noqa: SLF001 - one producer per replica
+        if producer is None:
+            raise HTTPException(503, "Kafka unavailable: actions cannot be written now")
+        now = int(time.time() * 1000)
+        try:
+            futures = []
+            for a in body.actions:
+                msg = Action(request_id=a.request_id, item_id=a.item_id, action_type=a.action_type,
+                             event_time_ms=a.event_time_ms or now, user_id=a.user_id)
+                futures.append(await asyncio.wait_for(
+                    producer.send(s.settings.topics.actions, msg.SerializeToString(), key=a.request_id.encode()),
+                    s.options.feature_log_send_timeout_s))
+            await asyncio.wait_for(asyncio.gather(*futures), s.options.feature_log_send_timeout_s)
+        except Exception as err:  # noqa: BLE001 - Kafka errors and timeouts alike
+            raise HTTPException(503, f"Kafka unavailable: {type(err).__name__}") from None
+        metrics.ACTIONS_PRODUCED.inc(len(body.actions))
+        return ActionsResponse(accepted=len(body.actions))
+
+    @app.get("/healthz", response_model=Health, summary="Liveness: the process answers")
+    async def healthz() -> Health:
+        return Health(status="ok")
+
+    @app.get("/readyz", response_model=Readiness, summary="Readiness: a model is loaded",
+              responses={503: {"description": "Not ready", "model": Readiness}})
+    async def readyz(request: Request) -> JSONResponse:
+        s = serving_of(request)
+        store_ok = await s.store.ping()
+        body = Readiness(
+            ready=s.deltas.loaded, model_loaded=s.deltas.loaded, feature_store=store_ok,
+            model_version=s.version(),
+            sparse_staleness_s=s.model.sparse.staleness_s(), dense_staleness_s=s.model.dense.staleness_s(),
+            feature_log_connected=s.feature_log.connected, feature_log_buffered=s.feature_log.buffered,
+        )
+        return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
+
+    @app.get("/ping", include_in_schema=False)
+    async def ping() -> dict[str, str]:
+        """Trivial endpoint: the bench's baseline."""
+        return {"status": "ok"}
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    async def metrics_endpoint(request: Request) -> Response:
+        with contextlib.suppress(AttributeError):
+            serving_of(request).deltas.publish_metrics()
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    return app

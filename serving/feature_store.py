@@ -1,0 +1,176 @@
+"""The online feature store in Redis: user and item side features and real-time user features.
+
+Layout (``P`` = the key prefix, ``driftline`` by default):
+
+* ``P:u:<user_id>`` / ``P:i:<item_id>``: the sparse slots as one string, ``slot=id,id;slot=id``
+  (one ``MGET`` fetches a request's user and all its candidates in one round trip);
+* ``P:clicks:<user_id>``: a list of the user's last K clicked item ids, newest first, updated
+  from the ``actions`` topic (:func:`record_clicks`), served as the ``recent_items`` slot.
+
+Fill it from a dataset with ``python -m serving.feature_store load --dataset ml-1m``.
+
+>>> encode_slots({"user_id": [7], "genres": [1, 2]})
+b'user_id=7;genres=1,2'
+>>> decode_slots(b'user_id=7;genres=1,2;year=')
+{'user_id': [7], 'genres': [1, 2], 'year': []}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from serving import metrics
+
+Slots = dict[str, list[int]]
+
+
+def encode_slots(slots: Mapping[str, Sequence[int]]) -> bytes:
+    return ";".join(f"{k}={','.join(map(str, v))}" for k, v in slots.items()).encode()
+
+
+def decode_slots(raw: bytes | str) -> Slots:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    out: Slots = {}
+    if not text:
+        return out
+    for part in text.split(";"):
+        name, _, ids = part.partition("=")
+        out[name] = [int(i) for i in ids.split(",")] if ids else []
+    return out
+
+
+@dataclass(frozen=True)
+class RankFeatures:
+    """What the store knows for one /rank request."""
+
+    user: Slots | None          # None: user not in the store
+    recent_items: list[int]
+    items: list[Slots | None]   # None: item not in the store
+
+
+class FeatureStoreError(RuntimeError):
+    """Redis failed or timed out."""
+
+
+class FeatureStore:
+    """Async access to the feature store (one connection pool per process)."""
+
+    def __init__(self, url: str, prefix: str = "driftline", recent_clicks: int = 20,
+                 timeout_s: float = 1.0) -> None:
+        self.redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.prefix = prefix
+        self.recent_clicks = recent_clicks
+
+    def user_key(self, user_id: int) -> str:
+        return f"{self.prefix}:u:{user_id}"
+
+    def item_key(self, item_id: int) -> str:
+        return f"{self.prefix}:i:{item_id}"
+
+    def clicks_key(self, user_id: int) -> str:
+        return f"{self.prefix}:clicks:{user_id}"
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.redis.ping())
+        except Exception:  # noqa: BLE001 - any failure means "not reachable"
+            return False
+
+    async def fetch(self, user_id: int, item_ids: Sequence[int]) -> RankFeatures:
+        """User, recent clicks and candidate features in one pipelined round trip."""
+        started = time.perf_counter()
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.mget([self.user_key(user_id), *(self.item_key(i) for i in item_ids)])
+            pipe.lrange(self.clicks_key(user_id), 0, self.recent_clicks - 1)
+            values, clicks = await pipe.execute()
+        except Exception as err:  # noqa: BLE001 - redis raises many types; callers get one
+            metrics.FEATURE_STORE_ERRORS.labels("fetch").inc()
+            raise FeatureStoreError(f"feature store fetch failed: {err}") from err
+        finally:
+            metrics.FEATURE_STORE_SECONDS.labels("fetch").observe(time.perf_counter() - started)
+        user = decode_slots(values[0]) if values[0] is not None else None
+        items = [decode_slots(v) if v is not None else None for v in values[1:]]
+        return RankFeatures(user, [int(c) for c in clicks], items)
+
+    async def record_clicks(self, clicks: Sequence[tuple[int, int]]) -> None:
+        """Push (user_id, item_id) clicks, oldest first, keeping the last K per user."""
+        if not clicks:
+            return
+        started = time.perf_counter()
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for user_id, item_id in clicks:
+                pipe.lpush(self.clicks_key(user_id), item_id)
+            for user_id in {u for u, _ in clicks}:
+                pipe.ltrim(self.clicks_key(user_id), 0, self.recent_clicks - 1)
+            await pipe.execute()
+        except Exception as err:  # noqa: BLE001
+            metrics.FEATURE_STORE_ERRORS.labels("record_clicks").inc()
+            raise FeatureStoreError(f"feature store update failed: {err}") from err
+        finally:
+            metrics.FEATURE_STORE_SECONDS.labels("record_clicks").observe(time.perf_counter() - started)
+
+    async def put(self, users: Mapping[int, Slots], items: Mapping[int, Slots], batch: int = 10_000) -> int:
+        """Write user and item features (pipelined MSETs of ``batch`` keys); return keys written."""
+        pairs = [(self.user_key(u), encode_slots(s)) for u, s in users.items()]
+        pairs += [(self.item_key(i), encode_slots(s)) for i, s in items.items()]
+        pipe = self.redis.pipeline(transaction=False)
+        for start in range(0, len(pairs), batch):
+            pipe.mset(dict(pairs[start:start + batch]))
+        await pipe.execute()
+        return len(pairs)
+
+
+async def load_dataset(url: str, dataset: str, data_dir: Path, prefix: str = "driftline") -> tuple[int, float]:
+    """Fill the store with a MovieLens dataset's user and item features; return (keys, seconds)."""
+    from producers.movielens import load
+    from producers.movielens_features import MovieLensFeatures
+
+    started = time.perf_counter()
+    ml = load(dataset, data_dir)
+    feats = MovieLensFeatures(ml.users, ml.items)
+    store = FeatureStore(url, prefix, timeout_s=30.0)
+    try:
+        n = await store.put({u: feats.user_slots(u) for u in feats.user_ids},
+                            {i: feats.item_slots(i) for i in feats.item_ids})
+    finally:
+        await store.close()
+    return n, time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.settings import get_settings
+
+    settings = get_settings()
+    parser = argparse.ArgumentParser(prog="python -m serving.feature_store", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_load = sub.add_parser("load", help="fill the store from a MovieLens dataset")
+    p_load.add_argument("--dataset", default=settings.replay.dataset, choices=["ml-1m", "ml-100k"])
+    p_load.add_argument("--data-dir", type=Path, default=settings.data_dir)
+    p_load.add_argument("--redis-url", default=settings.redis)
+    p_load.add_argument("--prefix", default="driftline")
+    args = parser.parse_args(argv)
+    try:
+        n, seconds = asyncio.run(load_dataset(args.redis_url, args.dataset, args.data_dir, args.prefix))
+    except (ConnectionError, OSError, aioredis.ConnectionError) as err:
+        print(f"cannot reach Redis at {args.redis_url}: {err}; run `make up` or set REDIS_URL",
+              file=sys.stderr)
+        return 1
+    print(f"loaded {n} feature keys from {args.dataset} into {args.redis_url} in {seconds:.2f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""Prometheus metrics of the serving tier (default registry, names prefixed ``driftline_serving_``)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+REQUESTS = Counter(
+    "driftline_serving_requests_total", "HTTP requests, by endpoint and status code.", ["endpoint", "status"]
+)
+LATENCY = Histogram(
+    "driftline_serving_request_seconds", "HTTP request latency, by endpoint.", ["endpoint"],
+    buckets=_LATENCY_BUCKETS,
+)
+CANDIDATES = Histogram(
+    "driftline_serving_candidates_per_request", "Candidates scored per /rank request.",
+    buckets=(1, 5, 10, 20, 50, 100, 200, 500, 1000, 2000),
+)
+MODEL_VERSION = Gauge(
+    "driftline_serving_model_version", "Version of the model being served, by kind (sparse/dense).",
+    ["model_id", "kind"],
+)
+DELTA_STALENESS = Gauge(
+    "driftline_serving_model_staleness_seconds",
+    "Now minus the publish time of the newest applied version, by kind.", ["model_id", "kind"],
+)
+DELTA_LAG = Histogram(
+    "driftline_serving_delta_apply_lag_seconds",
+    "Publish-to-applied delay of each parameter-delta chunk, by kind.", ["kind"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0),
+)
+DELTA_APPLY_SECONDS = Histogram(
+    "driftline_serving_delta_apply_seconds", "Time to apply one parameter-delta chunk, by kind.",
+    ["kind"], buckets=_LATENCY_BUCKETS,
+)
+DELTAS_APPLIED = Counter(
+    "driftline_serving_deltas_applied_total", "Parameter-delta chunks applied, by kind.", ["kind"]
+)
+DELTAS_SKIPPED = Counter(
+    "driftline_serving_deltas_skipped_total",
+    "Parameter-delta chunks ignored, by reason (stale: older than the snapshot; other_model; "
+    "unknown_table; bad_shape).", ["reason"],
+)
+FEATURE_STORE_SECONDS = Histogram(
+    "driftline_serving_feature_store_seconds", "Redis feature-store round trip, by operation.",
+    ["op"], buckets=_LATENCY_BUCKETS,
+)
+FEATURE_STORE_ERRORS = Counter(
+    "driftline_serving_feature_store_errors_total", "Failed feature-store operations, by operation.",
+    ["op"],
+)
+FEATURE_LOG_SENT = Counter("driftline_serving_feature_log_sent_total", "FeatureLogs written to Kafka.")
+FEATURE_LOG_DROPPED = Counter(
+    "driftline_serving_feature_log_dropped_total",
+    "FeatureLogs dropped, by reason (buffer_full: Kafka slow or down; send_failed).", ["reason"],
+)
+FEATURE_LOG_BUFFERED = Gauge(
+    "driftline_serving_feature_log_buffered", "FeatureLogs waiting to be sent."
+)
+ACTIONS_PRODUCED = Counter(
+    "driftline_serving_actions_produced_total", "Actions accepted by POST /actions."
+)
+REALTIME_UPDATES = Counter(
+    "driftline_serving_realtime_updates_total", "Actions folded into real-time user features."
+)
+UNKNOWN_USERS = Counter(
+    "driftline_serving_unknown_users_total", "/rank requests for users absent from the feature store."
+)

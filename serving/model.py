@@ -1,0 +1,251 @@
+"""The model being served, behind a small interface, and a built-in FM over PS tables.
+
+:class:`ServingModel` is what the app needs: ``score(user_slots, item_slots_list)``,
+``apply_delta(msg)``, and the versions. :class:`FMModel` implements it with a factorization
+machine whose sparse parameters are one serving-replica :class:`ps.EmbeddingTable` per slot
+(row = ``[w, v_1..v_k]``) and whose dense parameters are named numpy arrays (``bias``). The
+trainer's DeepFM ``Scorer`` replaces it behind the same interface once it lands.
+
+Deltas are applied in place: a sparse chunk is one ``apply_sync`` (one lock hold per shard, so
+scoring keeps running between chunks); a dense tensor is copied into the existing array. There is
+never a second copy of the model. A version counts as served once all its chunks are applied;
+chunks of a newer version become visible as they arrive (Monolith does the same).
+
+>>> m = FMModel(slots=("user_id", "item_id"), dim=2)
+>>> m.score({"user_id": [1]}, [{"item_id": [5]}, {"item_id": [6]}]).tolist()
+[0.5, 0.5]
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from producers.movielens_features import ITEM_SLOTS, USER_SLOTS
+from proto import ParameterDelta
+from ps import EmbeddingTable, SyncChunk, TableConfig
+
+Slots = Mapping[str, Sequence[int]]
+
+#: slots of the built-in model: MovieLens user and item side plus the real-time recent clicks
+DEFAULT_SLOTS: tuple[str, ...] = USER_SLOTS + ITEM_SLOTS + ("recent_items",)
+
+
+@dataclass
+class VersionState:
+    """Served version of one kind of parameters and when it was published."""
+
+    version: int = 0
+    published_ms: int = 0
+    applied_ms: int = 0
+    #: version -> chunk indexes seen so far (a version completes when it has all of them)
+    pending: dict[int, set[int]] = field(default_factory=dict)
+
+    def staleness_s(self, now_ms: int | None = None) -> float | None:
+        if not self.published_ms:
+            return None
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        return max(0.0, (now_ms - self.published_ms) / 1000.0)
+
+
+class DeltaRejected(ValueError):
+    """A delta that cannot be applied to this model; ``reason`` is a metric label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class ServingModel(Protocol):
+    model_id: str
+    sparse: VersionState
+    dense: VersionState
+
+    def score(self, user_slots: Slots, item_slots_list: Sequence[Slots]) -> np.ndarray:
+        """Uncorrected probabilities, one per item, float64."""
+        ...
+
+    def apply_delta(self, msg: ParameterDelta) -> str:
+        """Apply one chunk in place; return its kind ("sparse" or "dense")."""
+        ...
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0)))
+
+
+class FMModel:
+    """Factorization machine over one embedding table per slot (sum-pooled multi-valued slots)."""
+
+    def __init__(self, slots: Sequence[str] = DEFAULT_SLOTS, dim: int = 8, model_id: str = "deepfm") -> None:
+        self.model_id = model_id
+        self.dim = dim
+        self.width = dim + 1
+        self.tables: dict[str, EmbeddingTable] = {
+            s: EmbeddingTable(TableConfig(name=s, dim=self.width, initial_capacity=4096).serving())
+            for s in slots
+        }
+        self.dense_params: dict[str, np.ndarray] = {"bias": np.zeros(1, np.float32)}
+        self._dense_lock = threading.Lock()
+        self.sparse = VersionState()
+        self.dense = VersionState()
+
+    # ------------------------------------------------------------------ scoring
+    def _pooled(self, slot: str, ids_per_row: Sequence[Sequence[int]]) -> np.ndarray:
+        """Sum of each row's embeddings in ``slot``: float32 [rows, width] (zeros when empty)."""
+        n = len(ids_per_row)
+        lengths = np.fromiter((len(ids) for ids in ids_per_row), np.int64, n)
+        total = int(lengths.sum())
+        out = np.zeros((n, self.width), np.float32)
+        if total == 0:
+            return out
+        flat = np.fromiter((i for ids in ids_per_row for i in ids), np.int64, total)
+        emb = self.tables[slot].gather(flat)
+        if total == n and bool((lengths == 1).all()):
+            return emb
+        np.add.at(out, np.repeat(np.arange(n), lengths), emb)
+        return out
+
+    def score(self, user_slots: Slots, item_slots_list: Sequence[Slots]) -> np.ndarray:
+        n = len(item_slots_list)
+        linear = np.zeros(n, np.float64)
+        v_sum = np.zeros((n, self.dim), np.float64)
+        v_sq = np.zeros(n, np.float64)
+
+        def add(e: np.ndarray) -> None:
+            nonlocal linear, v_sum, v_sq
+            linear = linear + e[:, 0]
+            v = e[:, 1:].astype(np.float64)
+            v_sum = v_sum + v
+            v_sq = v_sq + (v * v).sum(axis=1)
+
+        for slot, ids in user_slots.items():
+            if slot in self.tables and ids:
+                add(self._pooled(slot, [ids]))  # [1, width] broadcasts over candidates
+        item_slot_names = {s for slots in item_slots_list for s in slots if s in self.tables}
+        for slot in sorted(item_slot_names):
+            add(self._pooled(slot, [slots.get(slot, ()) for slots in item_slots_list]))
+        with self._dense_lock:
+            bias = float(self.dense_params["bias"][0])
+        z = bias + linear + 0.5 * ((v_sum * v_sum).sum(axis=1) - v_sq)
+        return _sigmoid(z)
+
+    # ------------------------------------------------------------------ deltas
+    def apply_delta(self, msg: ParameterDelta) -> str:
+        if msg.model_id != self.model_id:
+            raise DeltaRejected("other_model", f"delta for {msg.model_id!r}, serving {self.model_id!r}")
+        kind = msg.WhichOneof("payload")
+        if kind == "sparse":
+            self._apply_sparse(msg)
+            state = self.sparse
+        elif kind == "dense":
+            self._apply_dense(msg)
+            state = self.dense
+        else:
+            raise DeltaRejected("bad_shape", "delta without payload")
+        self._chunk_done(state, msg)
+        return kind
+
+    def _apply_sparse(self, msg: ParameterDelta) -> None:
+        rows = msg.sparse
+        table = self.tables.get(rows.table)
+        if table is None:
+            raise DeltaRejected("unknown_table", f"no table {rows.table!r}")
+        if rows.dim != table.dim:
+            raise DeltaRejected("bad_shape", f"table {rows.table} has dim {table.dim}, delta {rows.dim}")
+        keys = np.frombuffer(rows.keys, dtype="<i8").astype(np.int64)
+        values = np.frombuffer(rows.values, dtype="<f4").astype(np.float32).reshape(keys.size, rows.dim)
+        tomb = np.frombuffer(rows.tombstones, dtype="<i8").astype(np.int64)
+        when = msg.max_event_time_ms or msg.created_at_ms or 1
+        times = np.full(keys.size, when, np.int64)
+        table.apply_sync(SyncChunk(keys, values, times, tomb))
+
+    def _apply_dense(self, msg: ParameterDelta) -> None:
+        updates: list[tuple[np.ndarray, np.ndarray]] = []
+        for t in msg.dense.tensors:
+            current = self.dense_params.get(t.name)
+            value = np.frombuffer(t.values, dtype="<f4").reshape(tuple(t.shape))
+            if current is None:
+                raise DeltaRejected("unknown_table", f"no dense tensor {t.name!r}")
+            if current.shape != value.shape:
+                raise DeltaRejected("bad_shape", f"{t.name} is {current.shape}, delta {value.shape}")
+            updates.append((current, value))
+        with self._dense_lock:  # all tensors of a chunk change together
+            for current, value in updates:
+                np.copyto(current, value)
+
+    def _chunk_done(self, state: VersionState, msg: ParameterDelta) -> None:
+        if msg.version <= state.version:
+            return  # a re-delivered chunk of a version already complete: applied again, harmless
+        seen = state.pending.setdefault(msg.version, set())
+        seen.add(msg.chunk_index)
+        if len(seen) >= msg.chunk_count:
+            state.version = msg.version
+            state.published_ms = msg.created_at_ms
+            state.applied_ms = int(time.time() * 1000)
+            for v in [v for v in state.pending if v <= msg.version]:
+                del state.pending[v]
+
+    # ------------------------------------------------------------------ snapshots
+    def save_snapshot(self, root: Path) -> Path:
+        """Write a full snapshot under ``root``; return its directory. (Stand-in for the trainer's.)"""
+        path = root / f"snapshot-{self.sparse.version:012d}-{self.dense.version:012d}-{time.time_ns()}"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.mkdir(parents=True)
+        for name, table in self.tables.items():
+            keys, values, _state, _times = table.items()
+            np.savez(tmp / f"sparse-{name}.npz", keys=keys, values=values)
+        np.savez(tmp / "dense.npz", **self.dense_params)
+        meta = {"model_id": self.model_id, "dim": self.dim,
+                "sparse_version": self.sparse.version, "dense_version": self.dense.version,
+                "sparse_published_ms": self.sparse.published_ms,
+                "dense_published_ms": self.dense.published_ms}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        tmp.rename(path)
+        return path
+
+    def load_snapshot(self, path: Path) -> None:
+        meta = json.loads((path / "meta.json").read_text())
+        if meta["model_id"] != self.model_id or meta["dim"] != self.dim:
+            raise ValueError(f"snapshot {path} is for {meta['model_id']} dim {meta['dim']}")
+        for name, table in self.tables.items():
+            f = path / f"sparse-{name}.npz"
+            if f.exists():
+                with np.load(f) as z:
+                    keys = z["keys"].astype(np.int64)
+                    table.apply_sync(SyncChunk(keys, z["values"].astype(np.float32),
+                                               np.ones(keys.size, np.int64), np.empty(0, np.int64)))
+        with np.load(path / "dense.npz") as z:
+            with self._dense_lock:
+                for name in z.files:
+                    if name in self.dense_params:
+                        np.copyto(self.dense_params[name], z[name])
+        self.sparse.version, self.dense.version = meta["sparse_version"], meta["dense_version"]
+        self.sparse.published_ms = meta["sparse_published_ms"]
+        self.dense.published_ms = meta["dense_published_ms"]
+
+
+def latest_snapshot(root: Path | None) -> Path | None:
+    """The newest complete snapshot directory under ``root`` (by name: versions, then time)."""
+    if root is None or not root.is_dir():
+        return None
+    done = sorted(p for p in root.glob("snapshot-*") if p.is_dir() and (p / "meta.json").exists()
+                  and not p.name.endswith(".tmp"))
+    return done[-1] if done else None
+
+
+def parameters(model: FMModel) -> dict[str, np.ndarray]:
+    """Every parameter as arrays (for comparing replicas): per table sorted keys and values."""
+    out: dict[str, np.ndarray] = {}
+    for name, table in model.tables.items():
+        keys, values, _s, _t = table.items()
+        out[f"{name}.keys"], out[f"{name}.values"] = keys, values
+    out.update({f"dense.{k}": v.copy() for k, v in model.dense_params.items()})
+    return out

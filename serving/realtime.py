@@ -1,0 +1,70 @@
+"""Real-time user features: a consumer of ``actions`` that records each user's recent clicks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from proto import Action
+from serving import metrics
+from serving.feature_store import FeatureStore, FeatureStoreError
+from services.kafka import BrokerUnavailable, TypedConsumer
+from services.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class RecentClicks:
+    """Consume actions (one consumer group for all replicas: Redis is shared) into the store."""
+
+    def __init__(self, settings: Settings, store: FeatureStore, click_actions: tuple[str, ...],
+                 group_id: str = "serving-realtime", retry_s: float = 2.0) -> None:
+        self.settings = settings
+        self.store = store
+        self.click_actions = set(click_actions)
+        self.group_id = group_id
+        self.retry_s = retry_s
+        self.recorded = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="recent-clicks")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._consume()
+            except asyncio.CancelledError:
+                raise
+            except BrokerUnavailable as err:
+                log.warning("recent clicks: %s; retrying in %.1fs", err, self.retry_s)
+            except Exception:  # noqa: BLE001
+                log.exception("recent clicks: consumer failed; restarting in %.1fs", self.retry_s)
+            await asyncio.sleep(self.retry_s)
+
+    async def _consume(self) -> None:
+        consumer: TypedConsumer[Action] = TypedConsumer(
+            self.settings, "serving", Action, [self.settings.topics.actions], self.group_id,
+            auto_offset_reset="latest",
+        )
+        async with consumer:
+            async for batch in consumer.batches(max_records=2_000, timeout_ms=200):
+                clicks = [(r.value.user_id, r.value.item_id) for r in batch
+                          if r.value.user_id and r.value.action_type in self.click_actions]
+                while True:
+                    try:
+                        await self.store.record_clicks(clicks)
+                        break
+                    except FeatureStoreError as err:
+                        log.warning("%s; retrying", err)
+                        await asyncio.sleep(self.retry_s)
+                self.recorded += len(clicks)
+                metrics.REALTIME_UPDATES.inc(len(clicks))
+                await consumer.commit()

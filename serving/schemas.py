@@ -1,0 +1,122 @@
+"""Request and response bodies of the serving API (pydantic, with OpenAPI examples)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+INT64_MAX = 2**63 - 1
+#: hard cap in the schema; the configured ``max_candidates`` (smaller) is checked per request
+SCHEMA_MAX_CANDIDATES = 10_000
+
+Id = Annotated[int, Field(ge=0, le=INT64_MAX)]
+FeatureId = Annotated[int, Field(ge=-(2**63), le=INT64_MAX)]
+SlotName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+RequestId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class FeaturesIn(_Strict):
+    """Named sparse slots (bags of int64 ids) and named dense values."""
+
+    sparse: dict[SlotName, list[FeatureId]] = Field(default_factory=dict, max_length=64)
+    dense: dict[SlotName, float] = Field(default_factory=dict, max_length=64)
+
+    model_config = ConfigDict(
+        extra="forbid", allow_inf_nan=False,
+        json_schema_extra={"examples": [{"sparse": {"device": [3]}, "dense": {"hour": 14.0}}]},
+    )
+
+
+class CandidateIn(_Strict):
+    item_id: Id
+    features: FeaturesIn | None = None
+
+
+class RankRequest(_Strict):
+    """Rank ``candidates`` for ``user_id``. Unknown users are scored with default features."""
+
+    request_id: RequestId | None = Field(None, description="Echoed back; generated when absent.")
+    user_id: Id
+    context: FeaturesIn | None = Field(None, description="Request features shared by every candidate.")
+    candidates: list[CandidateIn] = Field(
+        ..., min_length=1, max_length=SCHEMA_MAX_CANDIDATES,
+        description="Items to rank (at most the configured max_candidates, 1000 by default).",
+    )
+
+    model_config = ConfigDict(
+        extra="forbid", allow_inf_nan=False,
+        json_schema_extra={"examples": [{
+            "request_id": "r-0001", "user_id": 42,
+            "context": {"sparse": {"device": [3]}},
+            "candidates": [{"item_id": 1193}, {"item_id": 661}, {"item_id": 914,
+                                                                    "features": {"sparse": {"slot_pos": [2]}}}],
+        }]},
+    )
+
+
+class ModelVersionOut(BaseModel):
+    model_id: str
+    sparse_version: int
+    dense_version: int
+
+
+class ScoredItem(BaseModel):
+    item_id: int
+    score: float = Field(description="Calibrated probability (after log-odds correction).")
+    raw_score: float = Field(description="The model's probability before correction.")
+
+
+class RankResponse(BaseModel):
+    request_id: str
+    user_known: bool = Field(description="False when the user is not in the feature store.")
+    model_version: ModelVersionOut
+    items: list[ScoredItem] = Field(description="Sorted by score, highest first.")
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "request_id": "r-0001", "user_known": True,
+        "model_version": {"model_id": "deepfm", "sparse_version": 17, "dense_version": 2},
+        "items": [{"item_id": 661, "score": 0.031, "raw_score": 0.114},
+                  {"item_id": 1193, "score": 0.02, "raw_score": 0.075}],
+    }]})
+
+
+class ActionIn(_Strict):
+    request_id: RequestId
+    item_id: Id
+    action_type: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    user_id: Id = Field(0, description="0 = unknown.")
+    event_time_ms: Annotated[int, Field(gt=0, le=INT64_MAX)] | None = Field(
+        None, description="Unix milliseconds; now when absent."
+    )
+
+
+class ActionsRequest(_Strict):
+    actions: list[ActionIn] = Field(..., min_length=1, max_length=1000)
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "actions": [{"request_id": "r-0001", "item_id": 661, "action_type": "click", "user_id": 42}],
+    }]})
+
+
+class ActionsResponse(BaseModel):
+    accepted: int
+
+
+class Health(BaseModel):
+    status: str
+
+
+class Readiness(BaseModel):
+    ready: bool
+    model_loaded: bool
+    feature_store: bool
+    model_version: ModelVersionOut
+    sparse_staleness_s: float | None
+    dense_staleness_s: float | None
+    feature_log_connected: bool
+    feature_log_buffered: int

@@ -1,0 +1,171 @@
+"""/rank, /actions, health and validation against a real uvicorn, Redis and broker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from proto import FeatureLog
+from serving.app import create_app
+from serving.model import FMModel
+from serving.options import ServingOptions
+from services.kafka import TypedConsumer
+from services.settings import Settings
+
+from .conftest import ITEMS, dense_delta, publish, running, sparse_delta, wait_ready
+
+
+def rank_body(user_id: int = 1, items: list[int] | None = None, **extra: object) -> dict:
+    items = items if items is not None else list(range(1, 21))
+    return {"user_id": user_id, "candidates": [{"item_id": i} for i in items], **extra}
+
+
+async def read_feature_logs(settings: Settings, n: int, timeout: float = 20.0) -> list[FeatureLog]:
+    consumer: TypedConsumer[FeatureLog] = TypedConsumer(settings, "test", FeatureLog, [settings.topics.features], None)
+    out: list[FeatureLog] = []
+    async with consumer:
+        deadline = time.monotonic() + timeout
+        while len(out) < n and time.monotonic() < deadline:
+            out += [r.value for r in await consumer.poll(timeout_ms=500)]
+    return out
+
+
+def test_rank_sorted_logged_and_deltas_change_scores(serving_settings: Settings, filled_store: ServingOptions) -> None:
+    app = create_app(serving_settings, filled_store)
+    with running(app) as base:
+        ready = wait_ready(base)
+        assert ready["model_version"]["sparse_version"] == 0
+        r = httpx.post(f"{base}/rank", json=rank_body(request_id="req-1"), timeout=10)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["request_id"] == "req-1" and body["user_known"] is True
+        scores = [it["score"] for it in body["items"]]
+        assert scores == sorted(scores, reverse=True) and len(scores) == 20
+        # Untrained model: p = 0.5, corrected with r = 0.25 -> 0.2.
+        assert scores[0] == pytest.approx(0.2)
+        before = {it["item_id"]: it["score"] for it in body["items"]}
+
+        # Publish deltas for three of the candidates and a bias: scores move within seconds.
+        keys = np.array([3, 7, 11], np.int64)
+        values = np.zeros((3, 5), np.float32)
+        values[:, 0] = [2.0, 1.0, -1.0]
+        asyncio.run(publish(serving_settings, [sparse_delta("item_id", keys, values, version=1),
+                                               dense_delta(-0.5, version=1)]))
+        deadline = time.monotonic() + 15
+        while True:
+            body = httpx.post(f"{base}/rank", json=rank_body(), timeout=10).json()
+            if body["model_version"]["sparse_version"] >= 1 and body["model_version"]["dense_version"] >= 1:
+                break
+            assert time.monotonic() < deadline, body["model_version"]
+            time.sleep(0.1)
+        after = {it["item_id"]: it["score"] for it in body["items"]}
+        assert [it["item_id"] for it in body["items"][:2]] == [3, 7]
+        assert after[11] < after[1] < before[1]
+        metrics = httpx.get(f"{base}/metrics").text
+        assert 'driftline_serving_model_version{kind="sparse",model_id="deepfm"} 1.0' in metrics
+        assert "driftline_serving_delta_apply_lag_seconds_count" in metrics
+        assert "driftline_serving_request_seconds_bucket" in metrics
+
+        # Unknown user: scored with defaults, flagged.
+        r = httpx.post(f"{base}/rank", json=rank_body(user_id=999_999), timeout=10)
+        assert r.status_code == 200 and r.json()["user_known"] is False
+
+        # /actions writes Actions; clicks become the user's real-time recent_items.
+        r = httpx.post(f"{base}/actions", timeout=10, json={"actions": [
+            {"request_id": "req-1", "item_id": 3, "action_type": "click", "user_id": 1}]})
+        assert r.status_code == 202, r.text
+
+    logs = asyncio.run(read_feature_logs(serving_settings, 3))
+    first = next(m for m in logs if m.request_id == "req-1")
+    assert len(first.candidates) == 20 and first.user_id == 1
+    assert list(first.context.sparse["gender"].ids) == [11]
+    assert set(first.candidates[0].features.sparse) == {"item_id", "genres", "year"}
+
+
+def test_recent_clicks_from_actions(serving_settings: Settings, filled_store: ServingOptions) -> None:
+    app = create_app(serving_settings, filled_store)
+    with running(app) as base:
+        wait_ready(base)
+        store = app.state.serving.store
+        deadline = time.monotonic() + 30
+        n = 0
+        while True:  # the realtime consumer joins its group a few seconds after start-up
+            n += 1
+            r = httpx.post(f"{base}/actions", timeout=10, json={"actions": [
+                {"request_id": f"a{n}", "item_id": 40 + n % 5, "action_type": "click", "user_id": 2},
+                {"request_id": f"a{n}", "item_id": 9, "action_type": "view", "user_id": 2}]})
+            assert r.status_code == 202
+            time.sleep(0.3)
+            clicks = asyncio.run(_clicks(serving_settings.redis, store.clicks_key(2)))
+            if clicks:
+                break
+            assert time.monotonic() < deadline, "recent clicks never recorded"
+        assert 9 not in clicks and all(40 <= c < 45 for c in clicks)
+
+
+async def _clicks(url: str, key: str) -> list[int]:
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(url)
+    try:
+        return [int(x) for x in await r.lrange(key, 0, -1)]
+    finally:
+        await r.aclose()
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"user_id": 1, "candidates": []}, "candidates"),
+        ({"user_id": 1, "candidates": [{"item_id": i} for i in range(1001)]}, "at most 1000"),
+        ({"user_id": "abc", "candidates": [{"item_id": 1}]}, "user_id"),
+        ({"user_id": 1, "candidates": [{"item_id": "x"}]}, "item_id"),
+        ({"user_id": -5, "candidates": [{"item_id": 1}]}, "user_id"),
+        ({"candidates": [{"item_id": 1}]}, "user_id"),
+        ({"user_id": 1, "candidates": [{"item_id": 1, "features": {"dense": {"x": "NaN"}}}]}, "dense"),
+        ({"user_id": 1, "candidates": [{"item_id": 1}], "surprise": 1}, "surprise"),
+        ({"user_id": 2**64, "candidates": [{"item_id": 1}]}, "user_id"),
+    ],
+)
+def test_rank_rejects_bad_input(serving_settings: Settings, filled_store: ServingOptions, body: dict, needle: str) -> None:
+    # Validation is our logic only: the ASGI transport suffices (no lifespan needed to reject).
+    app = create_app(serving_settings, filled_store)
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            async with app.router.lifespan_context(app):
+                return await c.post("/rank", json=body)
+
+    r = asyncio.run(go())
+    assert r.status_code == 422, r.text
+    assert needle in r.json()["message"] or needle in str(r.json()["detail"])
+
+
+def test_kafka_down_rank_answers_and_counts_drops(redis_url: str, tmp_path, filled_store: ServingOptions,
+                                                  serving_settings: Settings) -> None:
+    from services.embedded import free_port
+
+    down = serving_settings.model_copy(update={"kafka_bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    down.redis_url = redis_url
+    # A snapshot is the model when Kafka is unreachable.
+    model = FMModel(dim=filled_store.embedding_dim)
+    model.sparse.version, model.dense.version = 5, 2
+    model.save_snapshot(filled_store.snapshot_dir)
+    opts = filled_store.model_copy(update=dict(feature_log_buffer=5))
+    app = create_app(down, opts)
+    with running(app) as base:
+        ready = wait_ready(base, timeout=10)
+        assert ready["model_version"]["sparse_version"] == 5 and not ready["feature_log_connected"]
+        started = time.monotonic()
+        for _ in range(20):
+            r = httpx.post(f"{base}/rank", json=rank_body(), timeout=5)
+            assert r.status_code == 200
+        assert time.monotonic() - started < 5  # never blocked on Kafka
+        assert app.state.serving.feature_log.dropped >= 15
+        assert "driftline_serving_feature_log_dropped_total" in httpx.get(f"{base}/metrics").text
+        r = httpx.post(f"{base}/actions", json={"actions": [{"request_id": "r", "item_id": 1, "action_type": "click"}]})
+        assert r.status_code == 503 and "Kafka" in r.text

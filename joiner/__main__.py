@@ -1,0 +1,5 @@
+import sys
+
+from joiner.app import main
+
+sys.exit(main())

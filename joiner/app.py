@@ -1,0 +1,268 @@
+"""The online joiner service: features ⋈ actions -> examples. Run it with ``python -m joiner``.
+
+Each batch (up to ``joiner.batch_size`` records from both input topics, or what arrived within
+``joiner.batch_timeout_s``):
+
+1. decode; malformed records go to the dead-letter topic (awaited) and are skipped;
+2. join in :class:`joiner.core.JoinCore` (pure, event-time rules), then close the windows the
+   action watermark has passed and forget orphans/tombstones the watermarks have passed;
+3. produce the batch's examples to ``examples`` (keyed by user id) and wait for every ack;
+4. write all state changes *and the next input offsets* in one atomic RocksDB batch.
+
+A crash anywhere before 4 replays the batch from the previous offsets against the previous state
+and, because every decision is deterministic, re-emits the same examples: the topic is
+at-least-once and the duplicates are exact copies with the same ``example_id``, removed by
+:func:`joiner.dedup.dedup` / the dumper. See ``joiner/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import shutil
+import signal
+import struct
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from aiokafka import TopicPartition
+
+from joiner import metrics as jm
+from joiner.core import JoinCore
+from joiner.stores import open_store, store_path
+from joiner.tiered import TieredState
+from joiner.types import JoinConfig
+from proto import Action, FeatureLog
+from services import metrics, tansu_quirks
+from services.codecs import MalformedMessage, codec_for
+from services.kafka import BrokerUnavailable, TypedConsumer, create_topics, producer, start_client
+from services.log import setup_logging
+from services.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+SERVICE = "joiner"
+_I64 = struct.Struct("<q")
+
+
+class InputConsumer(TypedConsumer):
+    """Both input topics in one consumer (one fetch loop), each decoded with its own codec.
+
+    Manual partition assignment, no consumer group: the offsets live in the joiner's state
+    store, written in the same atomic batch as the state they produced.
+    """
+
+    def __init__(self, settings: Settings, dlq: object) -> None:
+        super().__init__(settings, SERVICE, FeatureLog, [], None, dead_letter_producer=dlq)  # type: ignore[arg-type]
+        t = settings.topics
+        self.codecs = {t.features: codec_for(FeatureLog), t.actions: codec_for(Action)}
+
+    async def poll_raw(self, timeout_ms: int, max_records: int) -> tuple[list, dict[TopicPartition, int]]:
+        fetched = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
+        out: list[tuple[str, int, object, int]] = []
+        positions: dict[TopicPartition, int] = {}
+        rejects = []
+        for tp, records in fetched.items():
+            if not records:
+                continue
+            decode = self.codecs[tp.topic].decode
+            for r in records:
+                try:
+                    value = decode(r.value)
+                except MalformedMessage as err:
+                    rejects.append(await self._dead_letter(r, err))
+                    continue
+                out.append((tp.topic, tp.partition, value, r.timestamp))
+            positions[tp] = records[-1].offset + 1
+            metrics.MESSAGES_CONSUMED.labels(SERVICE, tp.topic).inc(len(records))
+            hw = self.consumer.highwater(tp)
+            if hw is not None:
+                metrics.CONSUMER_LAG.labels(SERVICE, tp.topic, str(tp.partition)).set(max(0, hw - positions[tp]))
+        if rejects:
+            await asyncio.gather(*rejects)  # dead letters durable before their offsets are
+        return out, positions
+
+
+def default_store_url(settings: Settings) -> str:
+    return getattr(settings.joiner, "store_url", None) or f"rocksdb://{settings.var_dir / 'joiner' / 'state'}"
+
+
+def _offset_key(tp: TopicPartition) -> bytes:
+    return b"Moff:" + tp.topic.encode() + b":" + str(tp.partition).encode()
+
+
+async def run(
+    settings: Settings,
+    *,
+    stop: asyncio.Event | None = None,
+    until_idle_s: float | None = None,
+    store_url: str | None = None,
+    partitions: Sequence[int] | None = None,
+    config: JoinConfig | None = None,
+    cache_size: int | None = None,
+) -> dict[str, int]:
+    """Run the joiner until ``stop`` is set, or (with ``until_idle_s``) until the input has been
+    idle that long and fully consumed: then every open window is closed (drain) and it returns.
+    Returns the totals of its counters."""
+    stop = stop or asyncio.Event()
+    js = settings.joiner
+    cfg = config or JoinConfig.from_settings(js)
+    tansu_quirks.install()
+    await create_topics(settings)
+    url = store_url or default_store_url(settings)
+    if url.startswith("rocksdb://"):
+        path = Path(store_path(url))
+        epoch = await tansu_quirks.ensure_broker_epoch(settings)
+        if not tansu_quirks.state_matches_broker(path, epoch):
+            shutil.rmtree(path)
+            tansu_quirks.state_matches_broker(path, epoch)
+    store = open_store(url)
+    state = TieredState(store, js.cache_size if cache_size is None else cache_size)
+    core = JoinCore(state, cfg)
+    spill_after_ms = int(js.spill_after_seconds * 1000)
+    prod = producer(settings)
+    await start_client(prod, settings)
+    consumer = InputConsumer(settings, prod)
+    totals: dict[str, int] = {}
+    try:
+        await consumer.start()
+        c = consumer.consumer
+        await c.topics()  # full metadata
+        t = settings.topics
+        nf, na = c.partitions_for_topic(t.features) or set(), c.partitions_for_topic(t.actions) or set()
+        if len(nf) != len(na) or not nf:
+            raise RuntimeError(
+                f"{t.features} has {len(nf)} partitions and {t.actions} {len(na)}: the joiner needs "
+                "both keyed by request_id with the same partition count, so one request's features "
+                "and actions share a partition number"
+            )
+        parts = sorted(nf) if partitions is None else sorted(partitions)
+        tps = [TopicPartition(topic, p) for p in parts for topic in (t.features, t.actions)]
+        c.assign(tps)
+        for tp in tps:
+            raw = state.peek(_offset_key(tp))
+            if raw is None:
+                await c.seek_to_beginning(tp)
+            else:
+                c.seek(tp, _I64.unpack(raw)[0])
+        for p in parts:
+            core.load(p)
+        log.info("joiner started: partitions %s, store %s, window %.0f s", parts, url, cfg.window_ms / 1000)
+        metrics.SERVICE_UP.labels(SERVICE).set(1)
+
+        async def finish_batch(positions: dict[TopicPartition, int], started: float) -> None:
+            out = core.take()
+            if out:
+                futures = [await prod.send(t.examples, v, key=k) for k, v, _ in out]
+                await asyncio.gather(*futures)
+                now_ms = time.time() * 1000
+                for _, _, ref in out:
+                    if ref:
+                        jm.JOIN_LATENCY.observe(max(0.0, (now_ms - ref) / 1000))
+                jm.EXAMPLES.inc(len(out))
+                metrics.MESSAGES_PRODUCED.labels(SERVICE, t.examples).inc(len(out))
+            for tp, off in positions.items():
+                state.put(_offset_key(tp), _I64.pack(off))
+            state.commit()
+            cutoff = min(core.wf[p] for p in parts) - spill_after_ms
+            jm.SPILLED.inc(state.evict(cutoff))
+            _publish(core, state, parts)
+            jm.BATCH_SECONDS.observe(time.perf_counter() - started)
+
+        idle_since = time.monotonic()
+        while not stop.is_set():
+            records, positions = await consumer.poll_raw(int(js.batch_timeout_s * 1000), js.batch_size)
+            if not positions:
+                if until_idle_s is not None and time.monotonic() - idle_since >= until_idle_s:
+                    if await _caught_up(c, tps):
+                        started = time.perf_counter()
+                        for p in parts:
+                            core.advance(p, drain=True)
+                        await finish_batch({}, started)
+                        log.info("input idle for %.1f s and fully consumed: drained, stopping", until_idle_s)
+                        break
+                continue
+            idle_since = time.monotonic()
+            started = time.perf_counter()
+            touched = set()
+            for topic, p, value, ts in records:
+                touched.add(p)
+                if topic == t.features:
+                    core.on_features(p, value, ts)
+                else:
+                    core.on_action(p, value, ts)
+            for p in sorted(touched):
+                core.advance(p)
+            await finish_batch(positions, started)
+    finally:
+        totals = dict(core.counts)
+        metrics.SERVICE_UP.labels(SERVICE).set(0)
+        try:
+            await consumer.stop()
+        finally:
+            await prod.stop()
+            store.close()
+    return totals
+
+
+async def _caught_up(c: object, tps: list[TopicPartition]) -> bool:
+    for tp in tps:
+        hw = c.highwater(tp)  # type: ignore[attr-defined]
+        if hw is None or await c.position(tp) < hw:  # type: ignore[attr-defined]
+            return False
+    return True
+
+
+_last_published: dict[str, int] = {}
+
+
+def _publish(core: JoinCore, state: TieredState, parts: list[int]) -> None:
+    counts = dict(core.counts)
+    jm.publish({k: v - _last_published.get(k, 0) for k, v in counts.items()})
+    _last_published.update(counts)
+    for tier, n in (("cache", state.cache_hits), ("disk", state.disk_hits), ("miss", state.misses)):
+        key = f"lookup_{tier}"
+        if n > _last_published.get(key, 0):
+            jm.LOOKUPS.labels(tier).inc(n - _last_published.get(key, 0))
+        _last_published[key] = n
+    waiting = sum(core.waiting[p] for p in parts)
+    jm.WAITING.labels("memory").set(len(state.cache))
+    jm.WAITING.labels("disk").set(max(0, waiting - len(state.cache)))
+    jm.PENDING.set(sum(core.pending[p] for p in parts))
+    now = time.time()
+    for p in parts:
+        for stream, wm in (("features", core.wf[p]), ("actions", core.wa[p])):
+            if wm > 0:
+                jm.WATERMARK.labels(stream, str(p)).set(wm)
+                jm.WATERMARK_LAG.labels(stream, str(p)).set(now - wm / 1000)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m joiner", description=__doc__.split("\n")[0])
+    parser.add_argument("--until-idle", type=float, default=None, metavar="S",
+                        help="drain and exit once the input has been idle S seconds (replays, tests)")
+    parser.add_argument("--partitions", default=None, help="comma-separated partitions (default: all)")
+    parser.add_argument("--store", default=None, help="state store URL (default rocksdb://<var>/joiner/state)")
+    parser.add_argument("--metrics-port", type=int, default=None)
+    args = parser.parse_args(argv)
+    settings = get_settings()
+    setup_logging(SERVICE, settings.log_level)
+    port = metrics.serve_metrics(settings.metrics_port if args.metrics_port is None else args.metrics_port)
+    log.info("metrics on http://127.0.0.1:%d/metrics", port)
+    parts = [int(x) for x in args.partitions.split(",")] if args.partitions else None
+
+    async def _main() -> dict[str, int]:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await run(settings, stop=stop, until_idle_s=args.until_idle, store_url=args.store, partitions=parts)
+
+    try:
+        totals = asyncio.run(_main())
+    except BrokerUnavailable as err:
+        log.error("%s", err)
+        return 2
+    log.info("joiner stopped: %s", {k: v for k, v in sorted(totals.items())})
+    return 0

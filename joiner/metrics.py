@@ -1,0 +1,62 @@
+"""The joiner's Prometheus metrics (all ``driftline_joiner_*``), updated once per batch."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+IMPRESSIONS = Counter("driftline_joiner_impressions_total", "Impressions (candidates of feature logs) consumed.")
+DUPLICATE_IMPRESSIONS = Counter("driftline_joiner_duplicate_impressions_total", "Impressions seen again and ignored.")
+ACTIONS = Counter("driftline_joiner_actions_total", "Actions consumed.")
+UNMAPPED = Counter("driftline_joiner_unmapped_actions_total", "Actions whose type maps to no label.")
+JOINS = Counter("driftline_joiner_joined_actions_total", "Actions joined to their impression.")
+DUPLICATE_ACTIONS = Counter("driftline_joiner_duplicate_actions_total", "Repeated actions, ignored (idempotent).")
+POSITIVES = Counter("driftline_joiner_positives_total", "Positive examples emitted.")
+NEGATIVES = Counter("driftline_joiner_negatives_total", "Windows closed without a positive, by outcome.", ["outcome"])
+LATE = Counter("driftline_joiner_late_actions_total", "Actions for a closed window, by reason.", ["reason"])
+ORPHANS = Counter("driftline_joiner_orphan_actions_total", "Actions whose features never came (dropped).")
+CORRECTIONS = Counter("driftline_joiner_corrections_total", "Correction examples for late actions (late_policy=correction).")
+EXTRA_LABELS = Counter("driftline_joiner_extra_labels_total", "Second action types after an immediate positive (dropped).")
+LOOKUPS = Counter("driftline_joiner_lookups_total", "Waiting-state lookups by tier: cache, disk, miss.", ["tier"])
+SPILLED = Counter("driftline_joiner_spilled_total", "Impressions evicted from the memory cache (they stay on disk).")
+WAITING = Gauge("driftline_joiner_waiting_impressions", "Impressions whose window is open, by tier.", ["tier"])
+PENDING = Gauge("driftline_joiner_pending_actions", "Actions waiting for their features.")
+WATERMARK = Gauge("driftline_joiner_watermark_ms", "Event-time watermark, by stream and partition.", ["stream", "partition"])
+WATERMARK_LAG = Gauge(
+    "driftline_joiner_watermark_lag_seconds",
+    "Wall clock minus event-time watermark (large during replays; growth means the joiner falls behind).",
+    ["stream", "partition"],
+)
+JOIN_LATENCY = Histogram(
+    "driftline_joiner_join_latency_seconds",
+    "From the broker timestamp of the record that completed a join to the positive being acknowledged.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+BATCH_SECONDS = Histogram("driftline_joiner_batch_seconds", "Wall time per batch (join + produce + commit).")
+EXAMPLES = Counter("driftline_joiner_examples_produced_total", "Example messages produced (incl. re-emissions after a crash).")
+
+_COUNTERS = {
+    "impressions": IMPRESSIONS,
+    "duplicate_impressions": DUPLICATE_IMPRESSIONS,
+    "actions": ACTIONS,
+    "unmapped_actions": UNMAPPED,
+    "joins": JOINS,
+    "duplicate_actions": DUPLICATE_ACTIONS,
+    "positives": POSITIVES,
+    "orphan_actions": ORPHANS,
+    "corrections": CORRECTIONS,
+    "extra_labels": EXTRA_LABELS,
+}
+
+
+def publish(counts: dict[str, int]) -> None:
+    """Add a batch's counts to the counters."""
+    for name, metric in _COUNTERS.items():
+        n = counts.get(name)
+        if n:
+            metric.inc(n)
+    for outcome, name in (("emitted", "negatives"), ("sampled_out", "negatives_sampled_out")):
+        if counts.get(name):
+            NEGATIVES.labels(outcome).inc(counts[name])
+    for reason in ("late", "expired", "out_of_window"):
+        if counts.get(f"late_{reason}"):
+            LATE.labels(reason).inc(counts[f"late_{reason}"])

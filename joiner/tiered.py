@@ -1,0 +1,126 @@
+"""The two-tier waiting store: a bounded in-memory cache in front of the durable store.
+
+Write path (write-through, batched): every change of a batch goes to an in-memory *dirty*
+overlay; :meth:`TieredState.commit` writes the overlay to the durable store as one atomic batch
+(together with the input offsets, which the caller puts in the same overlay). Impression records
+are also kept in the *cache*, an insertion-ordered dict bounded by ``cache_size``: it is evicted
+("spilled") oldest-first when it overflows and when its entries have waited longer than
+``spill_after`` (event time). Spilling costs nothing because the record is already durable.
+
+Read path: dirty overlay -> cache -> durable store. Cache and disk hits are counted.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from sortedcontainers import SortedDict
+
+from joiner.types import KVStore
+
+_MISSING = object()
+_T = struct.Struct("<q")  # impression records start with their event time (core.HEADER)
+
+
+class TieredState:
+    def __init__(self, store: KVStore, cache_size: int) -> None:
+        self.store = store
+        self.cache_size = max(0, int(cache_size))
+        self.cache: OrderedDict[bytes, bytes] = OrderedDict()
+        self.dirty: dict[bytes, bytes | None] = {}
+        # Dirty keys of the ordered indexes, so scans can merge them with the store's range.
+        self._dirty_index: SortedDict = SortedDict()
+        self.cache_hits = 0
+        self.disk_hits = 0
+        self.misses = 0
+        self.spilled = 0
+
+    # -- reads ---------------------------------------------------------------------------------
+    def get(self, key: bytes) -> bytes | None:
+        """A record, counting where it was found (for impression and pending-action lookups)."""
+        v = self.dirty.get(key, _MISSING)
+        if v is not _MISSING:
+            if v is None:
+                self.misses += 1
+            else:
+                self.cache_hits += 1
+            return v  # type: ignore[return-value]
+        v = self.cache.get(key)
+        if v is not None:
+            self.cache_hits += 1
+            return v
+        v = self.store.get(key)
+        if v is None:
+            self.misses += 1
+        else:
+            self.disk_hits += 1
+        return v
+
+    def peek(self, key: bytes) -> bytes | None:
+        """A record, without counting (metadata)."""
+        v = self.dirty.get(key, _MISSING)
+        if v is not _MISSING:
+            return v  # type: ignore[return-value]
+        v = self.cache.get(key)
+        return v if v is not None else self.store.get(key)
+
+    def scan_keys(self, lo: bytes, hi: bytes) -> list[bytes]:
+        """Keys in ``[lo, hi)`` as they will be after this batch commits (index keyspaces only)."""
+        keys = {k for k, _ in self.store.scan(lo, hi)}
+        for k in self._dirty_index.irange(lo, hi, inclusive=(True, False)):
+            if self._dirty_index[k] is None:
+                keys.discard(k)
+            else:
+                keys.add(k)
+        return sorted(keys)
+
+    # -- writes --------------------------------------------------------------------------------
+    def put(self, key: bytes, value: bytes, *, cache: bool = False) -> None:
+        self.dirty[key] = value
+        if cache:
+            self.cache[key] = value
+        elif key in self.cache:
+            del self.cache[key]
+
+    def put_index(self, key: bytes) -> None:
+        self.dirty[key] = b""
+        self._dirty_index[key] = b""
+
+    def delete(self, key: bytes) -> None:
+        self.dirty[key] = None
+        self.cache.pop(key, None)
+
+    def delete_index(self, key: bytes) -> None:
+        self.dirty[key] = None
+        self._dirty_index[key] = None
+
+    def commit(self) -> int:
+        """Write the batch's changes atomically; return how many keys were written."""
+        n = len(self.dirty)
+        self.store.write(self.dirty)
+        self.dirty = {}
+        self._dirty_index.clear()
+        return n
+
+    def evict(self, older_than_ms: int | None = None) -> int:
+        """Spill cache entries beyond ``cache_size`` or with event time < ``older_than_ms``.
+
+        Only call after :meth:`commit`: evicted records must already be durable.
+        """
+        assert not self.dirty, "evict() after commit()"
+        n = 0
+        cache = self.cache
+        while len(cache) > self.cache_size:
+            cache.popitem(last=False)
+            n += 1
+        if older_than_ms is not None:
+            while cache:
+                key, value = next(iter(cache.items()))
+                if _T.unpack_from(value, 0)[0] >= older_than_ms:
+                    break
+                del cache[key]
+                n += 1
+        self.spilled += n
+        return n

@@ -1,0 +1,102 @@
+"""The joiner's interfaces: the durable key-value store under the waiting state, and the config.
+
+Store implementations live in :mod:`joiner.stores` and are chosen by URL (``memory://``,
+``rocksdb://path``), Faust style. A store is an ordered byte-key map with atomic multi-key writes:
+that is all the join needs (point lookups for joins, ordered range scans for event-time indexes,
+and one atomic write per batch that carries the state *and* the input offsets together).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class KVStore(Protocol):
+    """An ordered bytes -> bytes map with atomic batched writes."""
+
+    url: str
+
+    def get(self, key: bytes) -> bytes | None: ...
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
+
+    def scan(self, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """Items with ``lo <= key < hi`` in key order."""
+        ...
+
+    def write(self, changes: Mapping[bytes, bytes | None]) -> None:
+        """Apply puts (bytes) and deletes (None) atomically: all or nothing, even on kill -9."""
+        ...
+
+    def approximate_count(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+LATE_POLICIES = ("drop", "correction")
+POSITIVE_EMIT = ("immediate", "window_close")
+
+
+@dataclass(frozen=True)
+class JoinConfig:
+    """The join rules. Times are event-time milliseconds.
+
+    * ``window_ms`` W: an action joins an impression when ``action_time - impression_time <= W``.
+    * ``lateness_ms`` L: how far the action stream may be out of order. The window of an
+      impression closes when the action watermark (max action time seen on the partition)
+      passes ``impression_time + W + L``; an action that arrives after that is late.
+    * ``orphan_grace_ms`` G: an action whose features have not arrived by the time the features
+      watermark passes ``action_time + G`` is an orphan and is dropped.
+    * ``retention_ms`` R: closed impressions are remembered (as tombstones) until the action
+      watermark passes ``impression_time + W + L + R`` so that late actions are recognised as late.
+    """
+
+    window_ms: int = 900_000
+    lateness_ms: int = 5_000
+    orphan_grace_ms: int = 300_000
+    retention_ms: int = 900_000
+    negative_sample_rate: float = 0.25
+    # Per-slice negative rates; the slice of an impression is the model_id that served it.
+    slice_sample_rates: Mapping[str, float] = field(default_factory=dict)
+    seed: int = 7
+    label_map: Mapping[str, str] = field(default_factory=lambda: {"click": "click", "like": "like"})
+    late_policy: str = "drop"
+    positive_emit: str = "immediate"
+
+    def __post_init__(self) -> None:
+        if self.late_policy not in LATE_POLICIES:
+            raise ValueError(f"late_policy must be one of {LATE_POLICIES}, not {self.late_policy!r}")
+        if self.positive_emit not in POSITIVE_EMIT:
+            raise ValueError(f"positive_emit must be one of {POSITIVE_EMIT}, not {self.positive_emit!r}")
+        rates = [self.negative_sample_rate, *self.slice_sample_rates.values()]
+        if not all(0.0 < r <= 1.0 for r in rates):
+            raise ValueError(f"negative sample rates must lie in (0, 1]: {rates}")
+        if len(set(self.label_map.values())) > 16:
+            raise ValueError("at most 16 distinct labels")
+
+    @property
+    def labels(self) -> list[str]:
+        """Label names in a fixed order (bit i of a label mask is ``labels[i]``)."""
+        return sorted(set(self.label_map.values()))
+
+    @classmethod
+    def from_settings(cls, joiner_settings: object, **overrides: object) -> JoinConfig:
+        """Build from ``settings.joiner``; fields it lacks keep their defaults here."""
+        s = joiner_settings
+        values: dict[str, object] = dict(
+            window_ms=int(float(getattr(s, "window_seconds", 900.0)) * 1000),
+            lateness_ms=int(float(getattr(s, "allowed_lateness_seconds", 5.0)) * 1000),
+            orphan_grace_ms=int(float(getattr(s, "orphan_grace_seconds", 300.0)) * 1000),
+            retention_ms=int(float(getattr(s, "late_retention_seconds", getattr(s, "window_seconds", 900.0))) * 1000),
+            negative_sample_rate=float(getattr(s, "negative_sample_rate", 0.25)),
+            slice_sample_rates=dict(getattr(s, "slice_sample_rates", {}) or {}),
+            seed=int(getattr(s, "seed", 7)),
+            label_map=dict(getattr(s, "label_map", {"click": "click", "like": "like"})),
+            late_policy=str(getattr(s, "late_policy", "drop")),
+            positive_emit=str(getattr(s, "positive_emit", "immediate")),
+        )
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]

@@ -1,0 +1,211 @@
+"""The pure join logic, no broker: the state machine against the offline reference, under random
+interleavings of the two input topics, random batch boundaries, simulated crashes and a tiny cache."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import pytest
+from aiokafka.partitioner import DefaultPartitioner
+
+from joiner import sampling
+from joiner.core import JOIN, LATE, ORPHAN, OUT_OF_WINDOW, EXPIRED, JoinCore
+from joiner.reference import offline_join
+from joiner.stores.memory import MemoryStore
+from joiner.synth import ml_events
+from joiner.tiered import TieredState
+from joiner.types import JoinConfig
+from proto import Action, Candidate, Example, FeatureLog
+
+CFG = JoinConfig(window_ms=120_000, lateness_ms=5_000, orphan_grace_ms=300_000, retention_ms=120_000,
+                 negative_sample_rate=0.3, seed=11)
+NP = 3
+
+
+def simulate(events, cfg=CFG, *, seed=0, cache_size=1_000_000, crash_p=0.0, max_batch=50, store=None):
+    """Run JoinCore like the app does, with a random consumer interleaving; return emitted Examples."""
+    rng = random.Random(seed)
+    part = DefaultPartitioner()
+    parts = list(range(NP))
+    queues = {(k, p): [] for k in ("features", "actions") for p in parts}
+    for kind, key, value in events:
+        p = part(key, parts, parts)
+        queues[(kind, p)].append(FeatureLog.FromString(value) if kind == "features" else Action.FromString(value))
+    store = store or MemoryStore()
+    committed = {q: 0 for q in queues}
+
+    def boot():
+        state = TieredState(store, cache_size)
+        core = JoinCore(state, cfg)
+        for p in parts:
+            core.load(p)
+        return state, core
+
+    state, core = boot()
+    pos = dict(committed)
+    out: list[bytes] = []
+    crashes = 0
+    while any(pos[q] < len(queues[q]) for q in queues):
+        budget = rng.randint(1, max_batch)
+        touched = set()
+        while budget > 0:
+            live = [q for q in queues if pos[q] < len(queues[q])]
+            if not live:
+                break
+            q = rng.choice(live)
+            n = min(budget, rng.randint(1, 10), len(queues[q]) - pos[q])
+            for m in queues[q][pos[q]:pos[q] + n]:
+                (core.on_features if q[0] == "features" else core.on_action)(q[1], m)
+            pos[q] += n
+            budget -= n
+            touched.add(q[1])
+        for p in sorted(touched):
+            core.advance(p)
+        out += [v for _, v, _ in core.take()]  # "produced" before the commit
+        if rng.random() < crash_p:
+            crashes += 1
+            state, core = boot()  # lose dirty state and cache; rewind to committed offsets
+            pos = dict(committed)
+            continue
+        state.commit()
+        state.evict()
+        committed = dict(pos)
+    for p in parts:
+        core.advance(p, drain=True)
+    out += [v for _, v, _ in core.take()]
+    state.commit()
+    return [Example.FromString(v) for v in out], crashes, state
+
+
+def as_map(examples):
+    got = {}
+    for e in examples:
+        value = (dict(e.labels), round(e.sample_rate, 6), e.user_id)
+        if e.example_id in got:
+            assert got[e.example_id] == value, f"re-emission of {e.example_id} differs"
+        got[e.example_id] = value
+    return got
+
+
+def ref_map(events, cfg=CFG):
+    return {k: (lbl, round(r, 6), u) for k, (lbl, r, u) in offline_join(events, cfg, NP).items()}
+
+
+@pytest.fixture(scope="module")
+def events():
+    return ml_events(1500, seed=3)
+
+
+def test_judge_rules():
+    core = JoinCore(TieredState(MemoryStore(), 10), CFG)
+    W, L, G, R = 120_000, 5_000, 300_000, 120_000
+    assert core.judge(1000, 0, 2000, 0) == JOIN
+    assert core.judge(1000, 0, 1000 + W + 1, 0) == OUT_OF_WINDOW
+    assert core.judge(1000, 0, 2000, 1000 + W + L + 1) == LATE
+    assert core.judge(1000, 0, 2000, 1000 + W + L + R + 1) == EXPIRED
+    assert core.judge(1000, 2000 + G + 1, 2000, 0) == ORPHAN
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_matches_reference_under_any_interleaving(events, seed):
+    examples, _, _ = simulate(events, seed=seed)
+    assert len(examples) == len({e.example_id for e in examples}), "no duplicates without crashes"
+    assert as_map(examples) == ref_map(events)
+
+
+def test_exercises_every_path(events):
+    examples, _, _ = simulate(events, seed=5)
+    rng_core = _counts(events)
+    for name in ("positives", "negatives", "negatives_sampled_out", "duplicate_actions", "late_late",
+                 "late_out_of_window", "pending_actions"):
+        assert rng_core[name] > 0, name
+    assert sum(1 for e in examples if e.sample_rate == 1.0) == rng_core["positives"]
+
+
+def _counts(events):
+    store = MemoryStore()
+    state = TieredState(store, 10**6)
+    core = JoinCore(state, CFG)
+    part = DefaultPartitioner()
+    parts = list(range(NP))
+    for p in parts:
+        core.load(p)
+    for kind, key, value in events:
+        p = part(key, parts, parts)
+        if kind == "features":
+            core.on_features(p, FeatureLog.FromString(value))
+        else:
+            core.on_action(p, Action.FromString(value))
+        core.advance(p)
+    for p in parts:
+        core.advance(p, drain=True)
+    return core.counts
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_crashes_replay_to_the_same_examples(events, seed):
+    examples, crashes, _ = simulate(events, seed=seed, crash_p=0.15)
+    assert crashes > 3
+    assert as_map(examples) == ref_map(events)
+
+
+def test_tiny_cache_serves_from_disk_with_identical_results(events):
+    examples, _, state = simulate(events, seed=4, cache_size=20)
+    assert as_map(examples) == ref_map(events)
+    assert state.disk_hits > state.cache_hits > 0
+
+
+def test_duplicate_and_early_actions():
+    state = TieredState(MemoryStore(), 100)
+    core = JoinCore(state, CFG)
+    core.load(0)
+    click = Action(request_id="r", item_id=1, action_type="click", event_time_ms=10_000)
+    core.on_action(0, click)  # before its features
+    core.on_action(0, click)  # duplicate while pending
+    core.on_features(0, FeatureLog(request_id="r", event_time_ms=5_000, user_id=9,
+                                   candidates=[Candidate(item_id=1), Candidate(item_id=2)]))
+    core.on_action(0, click)  # duplicate after the join
+    core.on_action(0, Action(request_id="r", item_id=1, action_type="view", event_time_ms=10_000))
+    out = [Example.FromString(v) for _, v, _ in core.take()]
+    assert [(e.example_id, dict(e.labels), e.sample_rate) for e in out] == [("r/1", {"click": 1.0, "like": 0.0}, 1.0)]
+    assert core.counts["duplicate_actions"] == 2 and core.counts["unmapped_actions"] == 1
+    # Closing the window: r/2 becomes a negative (or is sampled out), never r/1 again.
+    core.on_action(0, Action(request_id="x", item_id=0, action_type="click", event_time_ms=131_000))
+    core.advance(0)
+    out = [Example.FromString(v) for _, v, _ in core.take()]
+    expect = ["r/2"] if sampling.keep("r/2", CFG.negative_sample_rate, CFG.seed) else []
+    assert [e.example_id for e in out] == expect
+    assert all(e.sample_rate == pytest.approx(0.3) for e in out)
+    # A late click for r/2: dropped and counted.
+    core.on_action(0, Action(request_id="r", item_id=2, action_type="click", event_time_ms=6_000))
+    assert core.take() == [] and core.counts["late_late"] == 1
+
+
+def test_late_policy_correction_emits_a_correction():
+    cfg = JoinConfig(window_ms=1000, lateness_ms=0, late_policy="correction", negative_sample_rate=1.0)
+    core = JoinCore(TieredState(MemoryStore(), 100), cfg)
+    core.load(0)
+    core.on_features(0, FeatureLog(request_id="r", event_time_ms=1000, user_id=1, candidates=[Candidate(item_id=1)]))
+    core.on_action(0, Action(request_id="z", item_id=1, action_type="click", event_time_ms=5000))
+    core.advance(0)
+    core.on_action(0, Action(request_id="r", item_id=1, action_type="click", event_time_ms=1500))
+    ids = [Example.FromString(v).example_id for _, v, _ in core.take()]
+    assert ids == ["r/1", "r/1#late-click"]
+
+
+def test_base_plus_tail_bytes_parse_to_merged_example():
+    from joiner import wire
+    from proto import Features, SparseSlot
+
+    ctx = Features(sparse={"u": SparseSlot(ids=[1])}, dense={"a": 1.0, "b": 2.0})
+    cand = Features(sparse={"i": SparseSlot(ids=[7])}, dense={"b": 3.0})
+    raw = wire.base_example("r/7", "r", 7, 1, 1000, "m", wire.features_field(ctx.SerializeToString()),
+                            cand.SerializeToString()) + wire.TailCache(["click", "like"]).tail(1, 0.5)
+    e = Example.FromString(raw)
+    merged = Features()
+    merged.CopyFrom(ctx)
+    merged.MergeFrom(cand)
+    assert e.features == merged and dict(e.features.dense) == {"a": 1.0, "b": 3.0}
+    assert dict(e.labels) == {"click": 1.0, "like": 0.0} and e.sample_rate == 0.5
+    assert (e.example_id, e.request_id, e.item_id, e.user_id, e.event_time_ms, e.model_id) == ("r/7", "r", 7, 1, 1000, "m")

@@ -1,0 +1,112 @@
+"""Serving test helpers: a real uvicorn server in a thread, delta publishing, a filled store."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from proto import ParameterDelta
+from proto.parameter_delta_pb2 import DenseParameters, SparseRows, Tensor
+from serving.feature_store import FeatureStore
+from serving.options import ServingOptions
+from services.embedded import free_port
+from services.kafka import producer, start_client
+from services.settings import Settings
+
+USERS = {1: {"user_id": [1], "gender": [11], "age": [25]}, 2: {"user_id": [2], "gender": [12], "age": [35]}}
+ITEMS = {i: {"item_id": [i], "genres": [100 + i % 3, 200], "year": [1990 + i % 5]} for i in range(1, 51)}
+
+
+@contextmanager
+def running(app: FastAPI) -> Iterator[str]:
+    """Serve ``app`` with uvicorn (lifespan on) in a thread; yield its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on",
+                                           log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+def wait_ready(base: str, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.get(f"{base}/readyz", timeout=5)
+        if r.status_code == 200:
+            return r.json()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not ready: {r.text}")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def serving_settings(settings: Settings, redis_url: str) -> Settings:
+    settings.redis_url = redis_url
+    return settings
+
+
+@pytest.fixture
+def options(serving_settings: Settings, tmp_path: Path) -> ServingOptions:
+    opts = ServingOptions.from_settings(serving_settings)
+    return opts.model_copy(update=dict(redis_prefix=f"t{time.time_ns()}", snapshot_dir=tmp_path / "snapshots",
+                                       kafka_retry_s=0.5, embedding_dim=4))
+
+
+@pytest.fixture
+def filled_store(serving_settings: Settings, options: ServingOptions) -> ServingOptions:
+    async def fill() -> None:
+        store = FeatureStore(serving_settings.redis, options.redis_prefix)
+        await store.put(USERS, ITEMS)
+        await store.close()
+
+    asyncio.run(fill())
+    return options
+
+
+def sparse_delta(table: str, keys: np.ndarray, values: np.ndarray, version: int, chunk: int = 0,
+                 chunks: int = 1, tombstones: np.ndarray | None = None, model_id: str = "deepfm") -> ParameterDelta:
+    tomb = np.empty(0, np.int64) if tombstones is None else tombstones
+    return ParameterDelta(
+        model_id=model_id, version=version, chunk_index=chunk, chunk_count=chunks,
+        created_at_ms=int(time.time() * 1000), max_event_time_ms=int(time.time() * 1000),
+        sparse=SparseRows(table=table, dim=values.shape[1], keys=keys.astype("<i8").tobytes(),
+                          values=values.astype("<f4").tobytes(), tombstones=tomb.astype("<i8").tobytes()),
+    )
+
+
+def dense_delta(bias: float, version: int, model_id: str = "deepfm") -> ParameterDelta:
+    return ParameterDelta(
+        model_id=model_id, version=version, chunk_index=0, chunk_count=1, created_at_ms=int(time.time() * 1000),
+        dense=DenseParameters(tensors=[Tensor(name="bias", shape=[1], values=np.array([bias], "<f4").tobytes())]),
+    )
+
+
+async def publish(settings: Settings, messages: list[ParameterDelta]) -> None:
+    p = producer(settings)
+    await start_client(p, settings)
+    try:
+        for m in messages:
+            key = f"{m.model_id}/{m.sparse.table if m.HasField('sparse') else 'dense'}".encode()
+            await p.send(settings.topics.param_deltas, m.SerializeToString(), key=key)
+        await p.flush()
+    finally:
+        await p.stop()

@@ -1,0 +1,79 @@
+"""Serving PS: replicas consuming the same deltas converge; bootstrap = snapshot + later deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+
+from serving.deltas import DeltaFeed
+from serving.model import FMModel, parameters
+from services.settings import Settings
+
+from serving_helpers import dense_delta, publish, sparse_delta
+
+DIM = 4
+
+
+def _stream(rng: np.random.Generator, versions: int, start: int = 1) -> list:
+    """Sparse versions in 3 chunks over two tables with overwrites and tombstones, plus dense ones."""
+    out = []
+    for v in range(start, start + versions):
+        for c in range(3):
+            keys = rng.choice(500, size=60, replace=False).astype(np.int64)
+            tomb = rng.choice(np.setdiff1d(np.arange(500), keys), size=5, replace=False).astype(np.int64)
+            table = "item_id" if c % 2 == 0 else "user_id"
+            out.append(sparse_delta(table, keys, rng.normal(size=(60, DIM + 1)).astype(np.float32), v, c, 3, tomb))
+        if v % 2 == 0:
+            out.append(dense_delta(float(rng.normal()), v // 2))
+    return out
+
+
+async def _until(feeds: list[DeltaFeed], sparse: int, dense: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(f.model.sparse.version >= sparse and f.model.dense.version >= dense for f in feeds):
+        assert time.monotonic() < deadline, [(f.model.sparse.version, f.model.dense.version) for f in feeds]
+        await asyncio.sleep(0.05)
+
+
+def _assert_same(a: FMModel, b: FMModel) -> None:
+    pa, pb = parameters(a), parameters(b)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+
+
+async def test_replicas_converge_and_bootstrap_from_snapshot(settings: Settings, tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    first = _stream(rng, 6)
+    # Replica A starts before anything is published; B starts in the middle of the stream.
+    a = DeltaFeed(settings, FMModel(dim=DIM), retry_s=0.2)
+    a.start()
+    await publish(settings, first[:10])
+    b = DeltaFeed(settings, FMModel(dim=DIM), retry_s=0.2)
+    b.start()
+    await publish(settings, first[10:])
+    await _until([a, b], 6, 3)
+    assert a.caught_up.is_set() and b.caught_up.is_set()
+    _assert_same(a.model, b.model)
+    assert len(a.model.tables["item_id"]) > 0
+    # Unknown ids read as the default (zeros): score is sigmoid(bias).
+    bias = float(a.model.dense_params["bias"][0])
+    assert a.model.score({"user_id": [10**12]}, [{"item_id": [10**12]}])[0] == np.float64(1 / (1 + np.exp(-bias)))
+
+    # C bootstraps from A's snapshot, skips the deltas the snapshot holds, and applies later ones.
+    snap_dir = tmp_path / "snapshots"
+    a.model.save_snapshot(snap_dir)
+    c = DeltaFeed(settings, FMModel(dim=DIM), snapshot_dir=snap_dir, retry_s=0.2)
+    c.load_snapshot()
+    assert c.loaded and (c.model.sparse.version, c.model.dense.version) == (6, 3)
+    c.start()
+    await publish(settings, _stream(rng, 2, start=7))
+    await _until([a, b, c], 8, 4)
+    _assert_same(a.model, b.model)
+    _assert_same(a.model, c.model)
+    assert c.skipped > 0  # the deltas already in the snapshot were not re-applied
+    for f in (a, b, c):
+        await f.stop()

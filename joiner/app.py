@@ -167,9 +167,10 @@ async def run(
             state.commit()
             cutoff = min(core.wf[p] for p in parts) - spill_after_ms
             jm.SPILLED.inc(state.evict(cutoff))
-            _publish(core, state, parts)
+            _publish(core, state, parts, published)
             jm.BATCH_SECONDS.observe(time.perf_counter() - started)
 
+        published: dict[str, int] = {}
         idle_since = time.monotonic()
         while not stop.is_set():
             records, positions = await consumer.poll_raw(int(js.batch_timeout_s * 1000), js.batch_size)
@@ -214,10 +215,8 @@ async def _caught_up(c: object, tps: list[TopicPartition]) -> bool:
     return True
 
 
-_last_published: dict[str, int] = {}
-
-
-def _publish(core: JoinCore, state: TieredState, parts: list[int]) -> None:
+def _publish(core: JoinCore, state: TieredState, parts: list[int], _last_published: dict[str, int]) -> None:
+    """Move this run's counts (totals so far) into the process-wide Prometheus metrics."""
     counts = dict(core.counts)
     jm.publish({k: v - _last_published.get(k, 0) for k, v in counts.items()})
     _last_published.update(counts)

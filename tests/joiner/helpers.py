@@ -1,0 +1,66 @@
+"""Shared by the joiner's broker tests and the benchmark: produce streams, read examples back."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from proto import Example
+from services import tansu_quirks
+from services.kafka import producer, start_client
+from services.settings import Settings
+
+
+async def produce(settings: Settings, events: list[tuple[str, bytes, bytes]]) -> None:
+    """Produce ``(kind, key, value)`` in order; kind is ``features``/``actions`` or a topic name."""
+    topics = {"features": settings.topics.features, "actions": settings.topics.actions}
+    p = producer(settings)
+    await start_client(p, settings)
+    try:
+        futures = [await p.send(topics.get(kind, kind), value, key=key) for kind, key, value in events]
+        await asyncio.gather(*futures)
+    finally:
+        await p.stop()
+
+
+async def read_topic(settings: Settings, topic: str) -> list[bytes]:
+    """Every record value on a topic, up to its true end offsets."""
+    c = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers, enable_auto_commit=False, group_id=None)
+    await c.start()
+    try:
+        await c.topics()
+        tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or [])]
+        ends = await tansu_quirks.log_end_offsets(settings, tps)
+        c.assign(tps)
+        for tp in tps:
+            await c.seek_to_beginning(tp)
+        out: list[bytes] = []
+        pos = {tp: 0 for tp in tps}
+        while any(pos[tp] < ends[tp] for tp in tps):
+            batch = await c.getmany(timeout_ms=1000)
+            for tp, records in batch.items():
+                for r in records:
+                    if r.offset < ends[tp]:
+                        out.append(r.value)
+                    pos[tp] = r.offset + 1
+        return out
+    finally:
+        await c.stop()
+
+
+async def read_examples(settings: Settings) -> list[Example]:
+    return [Example.FromString(v) for v in await read_topic(settings, settings.topics.examples)]
+
+
+def as_map(examples: list[Example]) -> dict[str, tuple[dict[str, float], float, int]]:
+    """Dedup by example_id, checking that every re-emission is an exact copy."""
+    got: dict[str, tuple[dict[str, float], float, int]] = {}
+    for e in examples:
+        value = (dict(e.labels), round(e.sample_rate, 6), e.user_id)
+        assert got.setdefault(e.example_id, value) == value, f"re-emission of {e.example_id} differs"
+    return got
+
+
+def ref_as_map(ref: dict) -> dict:
+    return {k: (lbl, round(r, 6), u) for k, (lbl, r, u) in ref.items()}

@@ -39,10 +39,22 @@ def probe(slots, mask, key):
 
 @njit
 def lookup_kernel(slots, mask, keys, out):
+    # Pass 1 only checks each id's home slot, without data-dependent branches, so the
+    # CPU keeps many cache misses in flight; most ids resolve here at load <= 0.7.
+    # Pass 2 walks the probe chain for the few that did not.
     for i in range(keys.size):
         k = keys[i]
         h = np.int64(mix64(k) & np.uint64(mask))
+        r = slots[h, 1]
+        hit = slots[h, 0] == k
+        out[i] = r if (hit or r < 0) else -2
+    for i in range(keys.size):
+        if out[i] != -2:
+            continue
+        k = keys[i]
+        h = np.int64(mix64(k) & np.uint64(mask))
         while True:
+            h = (h + 1) & mask
             r = slots[h, 1]
             if r < 0:
                 out[i] = -1
@@ -50,7 +62,6 @@ def lookup_kernel(slots, mask, keys, out):
             if slots[h, 0] == k:
                 out[i] = r
                 break
-            h = (h + 1) & mask
 
 
 @njit

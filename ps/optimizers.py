@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from ._jit import njit
+from .rowmarks import mark_changed
 from .config import AdagradConfig, AdamConfig, FtrlConfig, SGDConfig, TableConfig
 
 OPT_NONE, OPT_SGD, OPT_ADAGRAD, OPT_ADAM, OPT_FTRL = -1, 0, 1, 2, 3
@@ -106,12 +107,19 @@ def dedupe(rows, grads, times):
 
 
 @njit
-def apply_updates(kind, hyper, emb, state, urows, ugrads, k):
-    """One optimizer step on rows ``urows[:k]`` with summed gradients ``ugrads[:k]``."""
+def apply_updates(kind, hyper, emb, state, urows, ugrads, k, utimes, times, flags, dirty, meta, track):
+    """One optimizer step on rows ``urows[:k]`` with summed gradients ``ugrads[:k]``.
+
+    Also records each update (last-update time, change marks) in the same pass, while
+    the row's cache lines are being touched anyway.
+    """
     dim = emb.shape[1]
     lr = hyper[0]
     for u in range(k):
         r = urows[u]
+        if utimes[u] > times[r]:
+            times[r] = utimes[u]
+        mark_changed(r, flags, dirty, meta, track)
         w = emb[r]
         g = ugrads[u]
         if kind == OPT_SGD:

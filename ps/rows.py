@@ -24,8 +24,8 @@ from .hashmap import probe, remove
 from .initializers import init_row
 from .optimizers import init_state
 
-LIVE, DEAD, SYNC, SNAP = 1, 2, 4, 8
-M_SIZE, M_HIGH, M_NFREE, M_NDIRTY, M_DHEAD, M_RNG, M_CURSOR, M_WATERMARK = range(8)
+from .rowmarks import (DEAD, LIVE, M_CURSOR, M_DHEAD, M_HIGH, M_NDIRTY, M_NFREE, M_RNG, M_SIZE,  # noqa: F401
+                       M_WATERMARK, SNAP, SYNC, mark_changed)
 META_FIELDS = ("size", "high", "nfree", "ndirty", "dhead", "rng", "cursor", "watermark")
 
 
@@ -37,16 +37,6 @@ def alloc_row(meta, free):
     r = meta[M_HIGH]
     meta[M_HIGH] += 1
     return r
-
-
-@njit
-def mark_changed(r, flags, dirty, meta, track):
-    f = flags[r] | SNAP
-    if track and not (f & SYNC):
-        f |= SYNC
-        dirty[meta[M_NDIRTY]] = r
-        meta[M_NDIRTY] += 1
-    flags[r] = f
 
 
 @njit
@@ -95,21 +85,6 @@ def insert_kernel(slots, mask, keys, out, emb, state, row_keys, times, flags, fr
 
 
 @njit
-def lookup_gather_kernel(slots, mask, keys, emb, out, rows):
-    """Fused lookup + row copy; missing ids read as zeros."""
-    dim = emb.shape[1]
-    for i in range(keys.size):
-        r = slots[probe(slots, mask, keys[i]), 1]
-        rows[i] = r
-        if r >= 0:
-            for j in range(dim):
-                out[i, j] = emb[r, j]
-        else:
-            for j in range(dim):
-                out[i, j] = 0.0
-
-
-@njit
 def gather_rows_kernel(rows, emb, out):
     dim = emb.shape[1]
     for i in range(rows.size):
@@ -120,16 +95,6 @@ def gather_rows_kernel(rows, emb, out):
         else:
             for j in range(dim):
                 out[i, j] = 0.0
-
-
-@njit
-def touch_kernel(urows, utimes, k, times, flags, dirty, meta, track):
-    """Record an update: last-update time (never moves back) and change marks."""
-    for u in range(k):
-        r = urows[u]
-        if utimes[u] > times[r]:
-            times[r] = utimes[u]
-        mark_changed(r, flags, dirty, meta, track)
 
 
 @njit

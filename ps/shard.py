@@ -168,12 +168,9 @@ class TableShard:
         return out
 
     def _gather(self, ids, out, t=None):
-        if t is None:
-            rows = np.empty(ids.size, np.int64)
-            R.lookup_gather_kernel(self._slots, self._mask, ids, self._emb, out, rows)
-        else:
-            rows = self._lookup_or_insert(ids, t)
-            R.gather_rows_kernel(rows, self._emb, out)
+        # two passes beat a fused kernel: each loop keeps more independent misses in flight
+        rows = self._lookup(ids) if t is None else self._lookup_or_insert(ids, t)
+        R.gather_rows_kernel(rows, self._emb, out)
         return out
 
     # ------------------------------------------------------------------ writes
@@ -220,9 +217,9 @@ class TableShard:
         self._see_time(t)
         rows = self._lookup(ids)
         k, urows, ugrads, utimes = dedupe(rows, g, t)
-        apply_updates(self._opt_kind, self._hyper, self._emb, self._state, urows, ugrads, k)
         self._reserve(0, k)
-        R.touch_kernel(urows, utimes, k, self._times, self._flags, self._dirty, self.meta, self._track)
+        apply_updates(self._opt_kind, self._hyper, self._emb, self._state, urows, ugrads, k,
+                      utimes, self._times, self._flags, self._dirty, self.meta, self._track)
         if self.config.ttl_ms is not None and self.config.expire_on_update:
             self._expire(None, max(1024, 2 * ids.size))
         return int(k)

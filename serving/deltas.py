@@ -94,8 +94,8 @@ class DeltaFeed:
         consumer: TypedConsumer[ParameterDelta] = TypedConsumer(
             self.settings, self.service, ParameterDelta, [], None, auto_offset_reset="earliest"
         )
-        await consumer.start()
         try:
+            await consumer.start()
             parts = consumer.consumer.partitions_for_topic(topic)
             if not parts:
                 await consumer.consumer._client.force_metadata_update()  # noqa: SLF001
@@ -117,7 +117,8 @@ class DeltaFeed:
                     await self._apply(r.value)
                 self.publish_metrics()
         finally:
-            await consumer.stop()
+            with contextlib.suppress(Exception):
+                await asyncio.shield(consumer.stop())
 
     async def _apply(self, msg: ParameterDelta) -> None:
         kind = msg.WhichOneof("payload") or "none"

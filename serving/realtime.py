@@ -54,7 +54,8 @@ class RecentClicks:
             self.settings, "serving", Action, [self.settings.topics.actions], self.group_id,
             auto_offset_reset="latest",
         )
-        async with consumer:
+        try:
+            await consumer.start()
             async for batch in consumer.batches(max_records=2_000, timeout_ms=200):
                 clicks = [(r.value.user_id, r.value.item_id) for r in batch
                           if r.value.user_id and r.value.action_type in self.click_actions]
@@ -68,3 +69,6 @@ class RecentClicks:
                 self.recorded += len(clicks)
                 metrics.REALTIME_UPDATES.inc(len(clicks))
                 await consumer.commit()
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(consumer.stop())

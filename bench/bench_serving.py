@@ -1,0 +1,176 @@
+"""Serving bench: /rank (100 candidates) vs a trivial endpoint on the same uvicorn, and under a
+large parameter-delta burst.
+
+Starts its own redis-server and tansu broker (the embedded binaries), loads the ml-1m features
+into Redis, runs ``python -m serving`` in a subprocess (one uvicorn worker = one core), and drives
+it from this process with httpx (closed loop, fixed concurrency). ``QUICK=1`` finishes in < 1 min.
+The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from proto import ParameterDelta  # noqa: E402
+from proto.parameter_delta_pb2 import SparseRows  # noqa: E402
+from services.embedded import free_port, redis_command, tansu_command, wait_for_port  # noqa: E402
+from services.kafka import create_topics, producer, start_client  # noqa: E402
+from services.settings import Settings  # noqa: E402
+
+QUICK = os.environ.get("QUICK") == "1"
+DURATION = 4.0 if QUICK else 15.0
+CONCURRENCY = 8
+CANDIDATES = 100
+
+
+async def load(client: httpx.AsyncClient, method: str, path: str, bodies: list[dict] | None,
+               duration: float) -> tuple[list[float], int, int]:
+    """Closed-loop load: (latencies in s, ok requests, failed requests)."""
+    latencies: list[float] = []
+    failed = 0
+    stop_at = time.perf_counter() + duration
+
+    async def worker(w: int) -> None:
+        nonlocal failed
+        i = w
+        while time.perf_counter() < stop_at:
+            t = time.perf_counter()
+            try:
+                if bodies is None:
+                    r = await client.get(path)
+                else:
+                    r = await client.post(path, json=bodies[i % len(bodies)])
+                    i += CONCURRENCY
+                if r.status_code != 200:
+                    failed += 1
+                    continue
+            except httpx.HTTPError:
+                failed += 1
+                continue
+            latencies.append(time.perf_counter() - t)
+
+    await asyncio.gather(*(worker(w) for w in range(CONCURRENCY)))
+    return latencies, len(latencies), failed
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.array(xs) * 1000, q)) if xs else float("nan")
+
+
+async def delta_burst(settings: Settings, rows: int, chunk: int, dim: int) -> float:
+    """Publish ``rows`` random item/user rows as version-1 chunks; return the publish seconds."""
+    rng = np.random.default_rng(1)
+    p = producer(settings)
+    await start_client(p, settings)
+    started = time.perf_counter()
+    n_chunks = -(-rows // chunk)
+    try:
+        for c in range(n_chunks):
+            keys = rng.integers(1, 4000, size=chunk, dtype=np.int64) if c % 2 else \
+                rng.integers(1, 6041, size=chunk, dtype=np.int64)
+            keys = np.unique(keys) if c < 4 else rng.integers(10**6, 10**12, size=chunk, dtype=np.int64)
+            vals = rng.normal(scale=0.1, size=(keys.size, dim)).astype("<f4")
+            msg = ParameterDelta(model_id="deepfm", version=1, chunk_index=c, chunk_count=n_chunks,
+                                 created_at_ms=int(time.time() * 1000),
+                                 sparse=SparseRows(table="item_id" if c % 2 else "user_id", dim=dim,
+                                                   keys=keys.astype("<i8").tobytes(), values=vals.tobytes()))
+            await p.send(settings.topics.param_deltas, msg.SerializeToString(), key=b"deepfm")
+        await p.flush()
+    finally:
+        await p.stop()
+    return time.perf_counter() - started
+
+
+def start(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True, cwd=ROOT)
+
+
+def main() -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    host = "127.0.0.1"
+    bport, rport, sport = free_port(), free_port(), free_port()
+    procs = [start(tansu_command(host, bport), tmp / "tansu.log"),
+             start(redis_command(host, rport, tmp), tmp / "redis.log")]
+    try:
+        wait_for_port(host, bport, 20, "broker", procs[0])
+        wait_for_port(host, rport, 20, "redis", procs[1])
+        env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=f"{host}:{bport}", REDIS_URL=f"redis://{host}:{rport}/0",
+                   DRIFTLINE_SERVING__PORT=str(sport), DRIFTLINE_VAR_DIR=str(tmp / "var"),
+                   DRIFTLINE_LOG_LEVEL="WARNING")
+        settings = Settings(kafka_bootstrap_servers=f"{host}:{bport}")
+        asyncio.run(create_topics(settings))
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "serving.feature_store", "load", "--dataset", "ml-1m",
+                        "--data-dir", str(ROOT / "var" / "data")], env=env, check=True, cwd=ROOT)
+        load_s = time.perf_counter() - t
+        server = start([sys.executable, "-m", "serving"], tmp / "serving.log", env)
+        procs.append(server)
+        base = f"http://{host}:{sport}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise SystemExit(f"server not ready; see {tmp / 'serving.log'}")
+            time.sleep(0.2)
+
+        rng = np.random.default_rng(0)
+        bodies = [{"user_id": int(rng.integers(1, 6041)),
+                   "candidates": [{"item_id": int(i)} for i in rng.integers(1, 3953, CANDIDATES)]}
+                  for _ in range(256)]
+
+        async def run() -> dict:
+            limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
+            async with httpx.AsyncClient(base_url=base, limits=limits, timeout=10) as client:
+                await load(client, "POST", "/rank", bodies, 1.0)  # warm-up (numba, caches)
+                triv, triv_ok, triv_fail = await load(client, "GET", "/ping", None, DURATION / 2)
+                rank, rank_ok, rank_fail = await load(client, "POST", "/rank", bodies, DURATION)
+                rows = 200_000 if QUICK else 1_000_000
+                burst_task = asyncio.create_task(delta_burst(settings, rows, 50_000, 9))
+                during, during_ok, during_fail = await load(client, "POST", "/rank", bodies, DURATION)
+                publish_s = await burst_task
+                ready = (await client.get("/readyz")).json()
+            return dict(
+                trivial_p50_ms=pct(triv, 50), trivial_p99_ms=pct(triv, 99), trivial_rps=triv_ok / (DURATION / 2),
+                rank_p50_ms=pct(rank, 50), rank_p99_ms=pct(rank, 99), rank_rps=rank_ok / DURATION,
+                candidates_per_s_per_core=rank_ok * CANDIDATES / DURATION,  # one uvicorn worker = one core
+                during_delta_p50_ms=pct(during, 50), during_delta_p99_ms=pct(during, 99),
+                delta_rows=rows, delta_publish_s=publish_s,
+                sparse_version_after=ready["model_version"]["sparse_version"],
+                failed_requests=triv_fail + rank_fail + during_fail, feature_load_s=load_s,
+                concurrency=CONCURRENCY, candidates=CANDIDATES, duration_s=DURATION,
+            )
+
+        result = asyncio.run(run())
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    result["p99_ratio"] = result["rank_p99_ms"] / result["trivial_p99_ms"]
+    for k, v in result.items():
+        print(f"{k:>28}: {v:.3f}" if isinstance(v, float) else f"{k:>28}: {v}")
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in result.items()}))
+
+
+if __name__ == "__main__":
+    main()

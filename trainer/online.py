@@ -288,7 +288,11 @@ class OnlineTrainer:
         restored = self.restore(epoch)
         self._producer = producer(s)
         await start_client(self._producer, s)
-        self.consumer = TypedConsumer(s, "trainer", Example, [self.topic], self.group_id,
+        # a kill -9'd predecessor stays a group member until its session times out, and the join
+        # waits for it: allow the consumer start longer than the default connect timeout.
+        cs = s.model_copy(deep=True)
+        cs.kafka.connect_timeout_s = max(s.kafka.connect_timeout_s, 3 * s.kafka.session_timeout_ms / 1000)
+        self.consumer = TypedConsumer(cs, "trainer", Example, [self.topic], self.group_id,
                                       dead_letter_producer=self._producer)
         self.consumer.consumer.subscribe([self.topic], listener=_Seek(self))
         await self.consumer.start()
@@ -339,5 +343,5 @@ class OnlineTrainer:
             await self._producer.stop()
         elapsed = time.time() - started
         return {"examples_applied": self.examples_applied, "auc": self.auc.value(), "loss": self.loss_ema,
-                "bad": self.bad, "duplicates": self.duplicates, "sparse_version": self.sparse_version,
+                "bad": self.bad + self.consumer.dead_lettered, "duplicates": self.duplicates, "sparse_version": self.sparse_version,
                 "elapsed_s": elapsed, "stages": dict(self.stage, **{f"model_{k}": v for k, v in self.model.timings.items()})}

@@ -83,13 +83,32 @@ def build_parser() -> argparse.ArgumentParser:
     create = topics.add_parser("create", help="create driftline's topics (idempotent)")
     create.set_defaults(func=_cmd_topics_create)
 
-    for register in EXTRA_COMMANDS:
-        register(sub)
+    for name, (target, help_text) in SERVICE_COMMANDS.items():
+        # Each service parses its own flags: everything after the name goes to its main().
+        service = sub.add_parser(name, help=help_text, add_help=False)
+        service.add_argument("args", nargs=argparse.REMAINDER)
+        service.set_defaults(func=_run_service(target))
     return parser
 
 
-# Services add their own subcommands here: a function that takes the subparsers object.
-EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+# Subcommands that hand over to a service's own ``main(argv)``: name -> ("module:function", help).
+SERVICE_COMMANDS: dict[str, tuple[str, str]] = {
+    "joiner": ("joiner.app:main", "run the online joiner (features ⋈ actions -> examples)"),
+    "dumper": ("joiner.dumper:main", "dump topic examples to hourly Parquet files"),
+    "trainer": ("trainer.__main__:main", "train: `trainer online` from Kafka or `trainer batch` from Parquet"),
+    "serve": ("serving.__main__:main", "run the ranking API (uvicorn)"),
+    "features": ("serving.feature_store:main", "online feature store: `features load`"),
+}
+
+
+def _run_service(target: str) -> Callable[[argparse.Namespace, Settings], int]:
+    def run(args: argparse.Namespace, settings: Settings) -> int:
+        import importlib
+
+        module, function = target.split(":")
+        return int(getattr(importlib.import_module(module), function)(list(args.args)) or 0)
+
+    return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,7 +116,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from services.embedded import StackError
     from services.kafka import BrokerUnavailable
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if not hasattr(args, "args"):
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.args = [*args.args, *unknown]  # a service's own flags, e.g. `driftline serve --help`
     settings = get_settings()
     setup_logging(f"driftline-{args.command}", settings.log_level)
     try:

@@ -16,8 +16,6 @@ import struct
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from sortedcontainers import SortedDict
-
 from joiner.types import KVStore
 
 _MISSING = object()
@@ -30,8 +28,9 @@ class TieredState:
         self.cache_size = max(0, int(cache_size))
         self.cache: OrderedDict[bytes, bytes] = OrderedDict()
         self.dirty: dict[bytes, bytes | None] = {}
-        # Dirty keys of the ordered indexes, so scans can merge them with the store's range.
-        self._dirty_index: SortedDict = SortedDict()
+        # Dirty keys of the ordered indexes by their 3-byte prefix (kind + partition), so a scan
+        # merges the store's range with only its own partition's few dirty keys.
+        self._dirty_index: dict[bytes, dict[bytes, bytes | None]] = {}
         self.cache_hits = 0
         self.disk_hits = 0
         self.misses = 0
@@ -69,11 +68,13 @@ class TieredState:
     def scan_keys(self, lo: bytes, hi: bytes) -> list[bytes]:
         """Keys in ``[lo, hi)`` as they will be after this batch commits (index keyspaces only)."""
         keys = {k for k, _ in self.store.scan(lo, hi)}
-        for k in self._dirty_index.irange(lo, hi, inclusive=(True, False)):
-            if self._dirty_index[k] is None:
-                keys.discard(k)
-            else:
-                keys.add(k)
+        assert lo[:3] == hi[:3], "scans stay within one index prefix"
+        for k, v in self._dirty_index.get(lo[:3], {}).items():
+            if lo <= k < hi:
+                if v is None:
+                    keys.discard(k)
+                else:
+                    keys.add(k)
         return sorted(keys)
 
     # -- writes --------------------------------------------------------------------------------
@@ -86,7 +87,10 @@ class TieredState:
 
     def put_index(self, key: bytes) -> None:
         self.dirty[key] = b""
-        self._dirty_index[key] = b""
+        d = self._dirty_index.get(key[:3])
+        if d is None:
+            d = self._dirty_index[key[:3]] = {}
+        d[key] = b""
 
     def delete(self, key: bytes) -> None:
         self.dirty[key] = None
@@ -94,7 +98,10 @@ class TieredState:
 
     def delete_index(self, key: bytes) -> None:
         self.dirty[key] = None
-        self._dirty_index[key] = None
+        d = self._dirty_index.get(key[:3])
+        if d is None:
+            d = self._dirty_index[key[:3]] = {}
+        d[key] = None
 
     def commit(self) -> int:
         """Write the batch's changes atomically; return how many keys were written."""

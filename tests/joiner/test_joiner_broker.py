@@ -42,7 +42,8 @@ async def test_e2e_matches_offline_reference(settings: Settings) -> None:
     assert n_pos > 1000 and len(expected) - n_pos > 1000
     n_imp = sum(len(FeatureLog.FromString(v).candidates) for k, _, v in events if k == "features")
     assert counts["impressions"] == n_imp
-    assert counts["late_late"] > 0 and counts["duplicate_actions"] > 0 and counts["pending_actions"] > 0
+    # (Whether some actions are read before their features depends on fetch timing: see test_core.)
+    assert counts["late_late"] > 0 and counts["duplicate_actions"] > 0
     assert _sample("driftline_joiner_impressions_total") - before["impressions"] == n_imp
     assert _sample("driftline_joiner_positives_total") - before["positives"] == n_pos
     assert _sample("driftline_joiner_late_actions_total", {"reason": "late"}) - late_before == counts["late_late"]

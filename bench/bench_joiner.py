@@ -1,0 +1,172 @@
+"""Joiner benchmark: joined impressions/s through a real tansu broker vs a plain aiokafka
+passthrough of the same messages, spill-store lookups/s, and memory as waiting impressions grow.
+
+    .venv/bin/python bench/bench_joiner.py          # full
+    QUICK=1 .venv/bin/python bench/bench_joiner.py  # < 1 min
+
+The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from aiokafka import AIOKafkaConsumer, TopicPartition  # noqa: E402
+
+from joiner.app import run  # noqa: E402
+from joiner.core import JoinCore  # noqa: E402
+from joiner.stores.rocksdb import RocksDBStore  # noqa: E402
+from joiner.synth import ml_events  # noqa: E402
+from joiner.tiered import TieredState  # noqa: E402
+from joiner.types import JoinConfig  # noqa: E402
+from proto import Candidate, FeatureLog, Features, SparseSlot  # noqa: E402
+from services.embedded import free_port, tansu_command, wait_for_port  # noqa: E402
+from services.kafka import create_topics, producer, start_client  # noqa: E402
+from services.settings import Settings  # noqa: E402
+from tests.joiner.helpers import produce  # noqa: E402
+
+QUICK = os.environ.get("QUICK") == "1"
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def passthrough(settings: Settings, n_messages: int) -> float:
+    """Seconds to consume every input message and produce it unchanged to another topic."""
+    t = settings.topics
+    out_topic = t.examples + "-passthrough"
+    await create_topics(settings, {out_topic: t.partitions})
+    c = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers, enable_auto_commit=False,
+                         group_id=None, max_poll_records=settings.kafka.max_poll_records)
+    p = producer(settings)
+    await c.start()
+    await start_client(p, settings)
+    try:
+        await c.topics()
+        tps = [TopicPartition(topic, i) for topic in (t.features, t.actions) for i in range(t.partitions)]
+        c.assign(tps)
+        for tp in tps:
+            await c.seek_to_beginning(tp)
+        started = time.perf_counter()
+        seen = 0
+        while seen < n_messages:
+            batch = await c.getmany(timeout_ms=200, max_records=settings.joiner.batch_size)
+            futures = [await p.send(out_topic, r.value, key=r.key) for recs in batch.values() for r in recs]
+            seen += len(futures)
+            if futures:
+                await asyncio.gather(*futures)
+        return time.perf_counter() - started
+    finally:
+        await c.stop()
+        await p.stop()
+
+
+async def broker_bench(bootstrap: str, var: Path, n_requests: int) -> dict:
+    os.environ["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap
+    settings = Settings(var_dir=var)
+    events = ml_events(n_requests, seed=7)
+    n_imp = sum(len(FeatureLog.FromString(v).candidates) for k, _, v in events if k == "features")
+    await create_topics(settings)
+    await produce(settings, events)
+    pt_s = await passthrough(settings, len(events))
+    cfg = JoinConfig.from_settings(settings.joiner)
+    idle = 0.5
+    started = time.perf_counter()
+    counts = await run(settings, until_idle_s=idle, config=cfg)
+    join_s = time.perf_counter() - started - idle
+    assert counts["impressions"] == n_imp, counts
+    examples = counts.get("positives", 0) + counts.get("negatives", 0)
+    print(f"broker: {len(events)} messages, {n_imp} impressions, {examples} examples")
+    print(f"  joiner      {join_s:6.2f} s  {n_imp / join_s:9.0f} impressions/s (incl. start-up and drain)")
+    print(f"  passthrough {pt_s:6.2f} s  {n_imp / pt_s:9.0f} impressions/s ({len(events) / pt_s:.0f} msg/s)")
+    return {"joined_per_s": round(n_imp / join_s), "passthrough_per_s": round(n_imp / pt_s),
+            "ratio_vs_passthrough": round(pt_s / join_s, 3), "impressions": n_imp, "examples": examples}
+
+
+def memory_and_spill_bench(var: Path, target: int, cache_size: int) -> dict:
+    """Grow the waiting state to ``target`` impressions (no actions: nothing closes)."""
+    store = RocksDBStore(f"rocksdb://{var / 'spill'}")
+    state = TieredState(store, cache_size)
+    core = JoinCore(state, JoinConfig())
+    core.load(0)
+    rss: dict[int, float] = {}
+    checkpoints = [10_000, 100_000, 1_000_000]
+    per_request = 10
+    base_t = 1_700_000_000_000
+    n = 0
+    req = 0
+    started = time.perf_counter()
+    while n < target:
+        for _ in range(200):  # one batch of 200 requests x 10 candidates
+            fl = FeatureLog(request_id=f"m{req}", event_time_ms=base_t + req, user_id=req % 6040,
+                            context=Features(sparse={"user": SparseSlot(ids=[req % 6040])}))
+            for j in range(per_request):
+                fl.candidates.append(Candidate(item_id=j, features=Features(
+                    sparse={"item": SparseSlot(ids=[j])}, dense={"pop": 0.5})))
+            core.on_features(0, fl)
+            req += 1
+            n += per_request
+        core.advance(0)
+        state.commit()
+        state.evict()
+        for cp in checkpoints:
+            if n >= cp and cp not in rss:
+                rss[cp] = rss_mb()
+                print(f"  waiting {cp:>9,}  cache {len(state.cache):>7,}  rss {rss[cp]:7.1f} MB")
+    fill_s = time.perf_counter() - started
+    # Lookups on the disk tier: random waiting impressions, cache emptied.
+    state.cache.clear()
+    keys = [f"I m{random.randrange(req)}/{random.randrange(per_request)}".replace(" ", "").encode() for _ in range(200_000)]
+    t0 = time.perf_counter()
+    for k in keys:
+        assert state.get(k) is not None
+    single = len(keys) / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for i in range(0, len(keys), 1000):
+        store.get_many(keys[i:i + 1000])
+    batched = len(keys) / (time.perf_counter() - t0)
+    store.close()
+    print(f"spill: filled {n:,} waiting impressions in {fill_s:.1f} s ({n / fill_s:,.0f}/s); "
+          f"disk lookups {single:,.0f}/s one by one, {batched:,.0f}/s batched")
+    return {"spill_lookups_per_s": round(single), "spill_lookups_batched_per_s": round(batched),
+            "rss_mb_at_10k_waiting": round(rss.get(10_000, float("nan")), 1),
+            "rss_mb_at_100k_waiting": round(rss.get(100_000, float("nan")), 1),
+            "rss_mb_at_1m_waiting": round(rss.get(1_000_000, float("nan")), 1),
+            "cache_size": cache_size}
+
+
+def main() -> None:
+    var = Path(tempfile.mkdtemp(prefix="bench-joiner-"))
+    port = free_port()
+    proc = subprocess.Popen(tansu_command("127.0.0.1", port), stdout=open(var / "tansu.log", "wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_port("127.0.0.1", port, 20, "broker", proc)
+        result = asyncio.run(broker_bench(f"127.0.0.1:{port}", var / "var", 8_000 if QUICK else 40_000))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    result.update(memory_and_spill_bench(var, 1_000_000, 50_000))
+    result["quick"] = QUICK
+    shutil.rmtree(var, ignore_errors=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

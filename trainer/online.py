@@ -127,6 +127,8 @@ class OnlineTrainer:
         self.stage = {"decode": 0.0, "train": 0.0, "commit": 0.0, "sync": 0.0, "snapshot": 0.0}
         self.last_sync_tables: dict[str, tuple] | None = None
         self.keep_last_sync_copy = False
+        self.first_batch_at: float | None = None
+        self.last_batch_at: float | None = None
 
     # ------------------------------------------------------------------ state
     def restore(self, epoch: str | None) -> bool:
@@ -142,7 +144,8 @@ class OnlineTrainer:
         self.model = SparseModel(self.cfg, tables)
         self.model.head.load_state_dict(dense["head"])
         self.model.optimizer.load_state_dict(dense["optimizer"])
-        self.resume_offsets = {int(k): int(v) for k, v in man["offsets"].items()}
+        same_topic = man.get("topic", self.topic) == self.topic
+        self.resume_offsets = {int(k): int(v) for k, v in man["offsets"].items()} if same_topic else {}
         self.applied_offsets = dict(self.resume_offsets)
         self.sparse_version = man["sparse_version"]
         self.dense_version = man["dense_version"]
@@ -252,12 +255,15 @@ class OnlineTrainer:
                 good.append(r.value)
         t1 = time.perf_counter()
         if good:
+            if self.first_batch_at is None:
+                self.first_batch_at = time.perf_counter()
             batch = SparseBatch.from_examples(good, self.cfg.all_slots, self.cfg.label, self.cfg.dense_features)
             t2 = time.perf_counter()
             # progressive validation: the step's forward pass scores the batch before it is learned
             loss, probs = self.model.train_step(batch)
             self.auc.update(probs, batch.labels)
             self.examples_applied += batch.size
+            self.last_batch_at = time.perf_counter()
             self.max_event_time = max(self.max_event_time, batch.max_event_time)
             self._unsynced_times.append(batch.event_time_ms)
             self.loss_ema = loss if math.isnan(self.loss_ema) else 0.98 * self.loss_ema + 0.02 * loss

@@ -31,7 +31,7 @@ from serving.correction import correct
 from serving.deltas import DeltaFeed
 from serving.feature_log import FeatureLogger
 from serving.feature_store import FeatureStore, FeatureStoreError, RankFeatures
-from serving.model import FMModel
+from serving.model import FMModel, ServingModel, TrainerModel
 from serving.options import ServingOptions
 from serving.realtime import RecentClicks
 from serving.schemas import (ActionsRequest, ActionsResponse, FeaturesIn, Health, ModelVersionOut,
@@ -44,10 +44,16 @@ log = logging.getLogger(__name__)
 class Serving:
     """Everything one serving replica holds; built by the lifespan, reachable as app.state.serving."""
 
-    def __init__(self, settings: Settings, options: ServingOptions, model: FMModel | None = None) -> None:
+    def __init__(self, settings: Settings, options: ServingOptions, model: ServingModel | None = None) -> None:
         self.settings = settings
         self.options = options
-        self.model = model if model is not None else FMModel(dim=options.embedding_dim, model_id=options.model_id)
+        self.model: ServingModel
+        if model is not None:
+            self.model = model
+        elif options.model == "fm":
+            self.model = FMModel(dim=options.embedding_dim, model_id=options.model_id)
+        else:
+            self.model = TrainerModel(options.model)
         self.store = FeatureStore(settings.redis, options.redis_prefix, options.recent_clicks)
         self.feature_log = FeatureLogger(settings, options.feature_log_buffer,
                                          options.feature_log_send_timeout_s, options.kafka_retry_s)
@@ -108,7 +114,7 @@ def _to_proto(f: FeaturesIn | None, into: Features) -> None:
 
 
 def create_app(settings: Settings, options: ServingOptions | None = None,
-               model: FMModel | None = None) -> FastAPI:
+               model: ServingModel | None = None) -> FastAPI:
     opts = options if options is not None else ServingOptions.from_settings(settings)
 
     @asynccontextmanager

@@ -20,7 +20,7 @@ from aiokafka import TopicPartition
 
 from proto import ParameterDelta
 from serving import metrics
-from serving.model import DeltaRejected, FMModel, latest_snapshot
+from serving.model import DeltaRejected, ServingModel
 from services.kafka import BrokerUnavailable, TypedConsumer, create_topics
 from services.settings import Settings
 from pathlib import Path
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 class DeltaFeed:
     """Background task keeping ``model`` up to date with the delta topic."""
 
-    def __init__(self, settings: Settings, model: FMModel, snapshot_dir: Path | None = None,
+    def __init__(self, settings: Settings, model: ServingModel, snapshot_dir: Path | None = None,
                  retry_s: float = 2.0, service: str = "serving") -> None:
         self.settings = settings
         self.model = model
@@ -40,6 +40,7 @@ class DeltaFeed:
         self.service = service
         self.snapshot: Path | None = None
         self.snapshot_versions = (0, 0)
+        self.resume_offset: int | None = None
         self.caught_up = asyncio.Event()
         self.applied = 0
         self.skipped = 0
@@ -51,12 +52,12 @@ class DeltaFeed:
         return self.snapshot is not None or self.caught_up.is_set()
 
     def load_snapshot(self) -> None:
-        path = latest_snapshot(self.snapshot_dir)
-        if path is not None:
-            self.model.load_snapshot(path)
-            self.snapshot = path
-            self.snapshot_versions = (self.model.sparse.version, self.model.dense.version)
-            log.info("bootstrapped from %s (sparse %d, dense %d)", path, *self.snapshot_versions)
+        boot = self.model.bootstrap(self.snapshot_dir)
+        if boot is not None:
+            self.snapshot = boot.path
+            self.snapshot_versions = (boot.sparse_version, boot.dense_version)
+            self.resume_offset = boot.param_deltas_offset
+            log.info("bootstrapped from %s (sparse %d, dense %d)", boot.path, *self.snapshot_versions)
         self.publish_metrics()
 
     def start(self) -> None:
@@ -101,9 +102,16 @@ class DeltaFeed:
                 await consumer.consumer._client.force_metadata_update()  # noqa: SLF001
                 parts = consumer.consumer.partitions_for_topic(topic) or {0}
             tps = [TopicPartition(topic, p) for p in sorted(parts)]
+            if len(tps) > 1:
+                log.warning("%s has %d partitions: deltas are only ordered within one; replicas may "
+                            "diverge and snapshot offsets cannot be used", topic, len(tps))
             consumer.consumer.assign(tps)
-            # Re-read from the beginning on every (re)connect: versions already held are skipped.
-            await consumer.consumer.seek_to_beginning(*tps)
+            # Re-read from the snapshot's offset (single-partition topic) or the beginning on every
+            # (re)connect: versions the snapshot already holds are skipped.
+            if self.resume_offset is not None and len(tps) == 1:
+                consumer.consumer.seek(tps[0], self.resume_offset)
+            else:
+                await consumer.consumer.seek_to_beginning(*tps)
             ends = await consumer.consumer.end_offsets(tps)
             while True:
                 if not self.caught_up.is_set():

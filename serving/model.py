@@ -76,6 +76,34 @@ class ServingModel(Protocol):
         """Apply one chunk in place; return its kind ("sparse" or "dense")."""
         ...
 
+    def bootstrap(self, root: Path | None) -> Bootstrap | None:
+        """Load the newest snapshot under ``root`` into this (fresh) model; None when there is none."""
+        ...
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """What a snapshot gave: its path, versions, and where to resume the delta topic (None: start)."""
+
+    path: Path
+    sparse_version: int
+    dense_version: int
+    param_deltas_offset: int | None = None
+
+
+def chunk_done(state: VersionState, msg: ParameterDelta) -> None:
+    """Count one applied chunk; the version is served once all ``chunk_count`` chunks are in."""
+    if msg.version <= state.version:
+        return  # a re-delivered chunk of a version already complete: applied again, harmless
+    seen = state.pending.setdefault(msg.version, set())
+    seen.add(msg.chunk_index)
+    if len(seen) >= msg.chunk_count:
+        state.version = msg.version
+        state.published_ms = msg.created_at_ms
+        state.applied_ms = int(time.time() * 1000)
+        for v in [v for v in state.pending if v <= msg.version]:
+            del state.pending[v]
+
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0)))
@@ -150,7 +178,7 @@ class FMModel:
             state = self.dense
         else:
             raise DeltaRejected("bad_shape", "delta without payload")
-        self._chunk_done(state, msg)
+        chunk_done(state, msg)
         return kind
 
     def _apply_sparse(self, msg: ParameterDelta) -> None:
@@ -180,18 +208,6 @@ class FMModel:
         with self._dense_lock:  # all tensors of a chunk change together
             for current, value in updates:
                 np.copyto(current, value)
-
-    def _chunk_done(self, state: VersionState, msg: ParameterDelta) -> None:
-        if msg.version <= state.version:
-            return  # a re-delivered chunk of a version already complete: applied again, harmless
-        seen = state.pending.setdefault(msg.version, set())
-        seen.add(msg.chunk_index)
-        if len(seen) >= msg.chunk_count:
-            state.version = msg.version
-            state.published_ms = msg.created_at_ms
-            state.applied_ms = int(time.time() * 1000)
-            for v in [v for v in state.pending if v <= msg.version]:
-                del state.pending[v]
 
     # ------------------------------------------------------------------ snapshots
     def save_snapshot(self, root: Path) -> Path:
@@ -232,6 +248,14 @@ class FMModel:
         self.dense.published_ms = meta["dense_published_ms"]
 
 
+    def bootstrap(self, root: Path | None) -> Bootstrap | None:
+        path = latest_snapshot(root)
+        if path is None:
+            return None
+        self.load_snapshot(path)
+        return Bootstrap(path, self.sparse.version, self.dense.version)
+
+
 def latest_snapshot(root: Path | None) -> Path | None:
     """The newest complete snapshot directory under ``root`` (by name: versions, then time)."""
     if root is None or not root.is_dir():
@@ -241,11 +265,88 @@ def latest_snapshot(root: Path | None) -> Path | None:
     return done[-1] if done else None
 
 
-def parameters(model: FMModel) -> dict[str, np.ndarray]:
+class TrainerModel:
+    """The trainer's model (``trainer.inference.Scorer``: DeepFM or LR) over serving-replica tables.
+
+    Sparse deltas go through ``trainer.sync.apply_delta`` (``apply_sync`` in place, per chunk);
+    a dense delta builds the new (small) head and swaps one reference, so a concurrent ``score``
+    sees the old or the new head, never half of each. Snapshots are the trainer's
+    (``trainer.snapshots.load_latest(<root>/<model_id>)``), resumed at their ``param_deltas_offset``.
+    """
+
+    def __init__(self, model_name: str = "deepfm", config: object | None = None) -> None:
+        from trainer.config import named_config
+        from trainer.inference import Scorer
+
+        self.config = config if config is not None else named_config(model_name)
+        self.scorer = Scorer(self.config)  # type: ignore[arg-type]
+        self.model_id: str = self.config.model_id  # type: ignore[attr-defined]
+        self.sparse = VersionState()
+        self.dense = VersionState()
+
+    @property
+    def tables(self) -> dict[str, EmbeddingTable]:
+        return self.scorer.tables
+
+    def score(self, user_slots: Slots, item_slots_list: Sequence[Slots]) -> np.ndarray:
+        user = dict(user_slots)
+        rows = [{**user, **item} for item in item_slots_list]
+        return np.asarray(self.scorer.predict_slot_dicts(rows), dtype=np.float64)
+
+    def apply_delta(self, msg: ParameterDelta) -> str:
+        from trainer.sync import apply_delta, decode_dense
+
+        if msg.model_id != self.model_id:
+            raise DeltaRejected("other_model", f"delta for {msg.model_id!r}, serving {self.model_id!r}")
+        kind = msg.WhichOneof("payload")
+        if kind == "sparse":
+            table = self.scorer.tables.get(msg.sparse.table)
+            if table is None:
+                raise DeltaRejected("unknown_table", f"no table {msg.sparse.table!r}")
+            if msg.sparse.dim != table.dim:
+                raise DeltaRejected("bad_shape", f"table {table.name} has dim {table.dim}, delta {msg.sparse.dim}")
+            apply_delta(self.scorer.tables, msg)
+            chunk_done(self.sparse, msg)
+        elif kind == "dense":
+            try:
+                self.scorer.load_dense(decode_dense(msg))
+            except (RuntimeError, ValueError, KeyError) as err:
+                raise DeltaRejected("bad_shape", f"dense parameters do not fit the head: {err}") from None
+            chunk_done(self.dense, msg)
+        else:
+            raise DeltaRejected("bad_shape", "delta without payload")
+        return kind
+
+    def bootstrap(self, root: Path | None) -> Bootstrap | None:
+        from trainer.config import ModelConfig
+        from trainer.inference import Scorer
+        from trainer.snapshots import load_latest
+
+        if root is None:
+            return None
+        path = root / self.model_id
+        try:
+            tables, dense_state, manifest = load_latest(path)
+        except FileNotFoundError:
+            return None
+        self.config = ModelConfig.model_validate(manifest["config"])
+        self.scorer = Scorer(self.config, tables, dense_state)
+        self.sparse.version = int(manifest.get("sparse_version", 0))
+        self.dense.version = int(manifest.get("dense_version", 0))
+        self.sparse.published_ms = self.dense.published_ms = int(manifest.get("created_at_ms", 0))
+        offset = manifest.get("param_deltas_offset")
+        return Bootstrap(path / manifest["name"], self.sparse.version, self.dense.version,
+                         int(offset) if offset else None)
+
+
+def parameters(model: FMModel | TrainerModel) -> dict[str, np.ndarray]:
     """Every parameter as arrays (for comparing replicas): per table sorted keys and values."""
     out: dict[str, np.ndarray] = {}
     for name, table in model.tables.items():
         keys, values, _s, _t = table.items()
         out[f"{name}.keys"], out[f"{name}.values"] = keys, values
-    out.update({f"dense.{k}": v.copy() for k, v in model.dense_params.items()})
+    if isinstance(model, FMModel):
+        out.update({f"dense.{k}": v.copy() for k, v in model.dense_params.items()})
+    else:
+        out.update({f"dense.{k}": v.detach().numpy().copy() for k, v in model.scorer.head.state_dict().items()})
     return out

@@ -23,6 +23,9 @@ class ServingOptions(BaseModel):
     feature_log_send_timeout_s: float = 2.0
     #: seconds between attempts to (re)connect the feature-log producer while Kafka is down
     kafka_retry_s: float = 2.0
+    #: "fm": the built-in FM (serving.model.FMModel); otherwise a trainer model name ("deepfm",
+    #: "lr") or a ModelConfig JSON path, served with trainer.inference.Scorer
+    model: str = "deepfm"
     model_id: str = "deepfm"
     #: where the trainer writes snapshots; the newest one bootstraps the model
     snapshot_dir: Path | None = None
@@ -47,6 +50,8 @@ class ServingOptions(BaseModel):
         values = {name: getattr(section, name) for name in cls.model_fields if hasattr(section, name)}
         if not hasattr(section, "negative_sample_rate"):
             values["negative_sample_rate"] = settings.joiner.negative_sample_rate
+        if not hasattr(section, "model"):
+            values["model"] = settings.trainer.model
         if not hasattr(section, "snapshot_dir"):
             values["snapshot_dir"] = settings.var_dir / "snapshots"
         return cls(**values)

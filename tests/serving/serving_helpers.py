@@ -20,7 +20,7 @@ from proto.parameter_delta_pb2 import DenseParameters, SparseRows, Tensor
 from serving.feature_store import FeatureStore
 from serving.options import ServingOptions
 from services.embedded import free_port
-from services.kafka import producer, start_client
+from services.kafka import create_topics, producer, start_client
 from services.settings import Settings
 
 USERS = {1: {"user_id": [1], "gender": [11], "age": [25]}, 2: {"user_id": [2], "gender": [12], "age": [35]}}
@@ -67,7 +67,7 @@ def serving_settings(settings: Settings, redis_url: str) -> Settings:
 @pytest.fixture
 def options(serving_settings: Settings, tmp_path: Path) -> ServingOptions:
     opts = ServingOptions.from_settings(serving_settings)
-    return opts.model_copy(update=dict(redis_prefix=f"t{time.time_ns()}", snapshot_dir=tmp_path / "snapshots",
+    return opts.model_copy(update=dict(model="fm", redis_prefix=f"t{time.time_ns()}", snapshot_dir=tmp_path / "snapshots",
                                        kafka_retry_s=0.5, embedding_dim=4))
 
 
@@ -100,13 +100,18 @@ def dense_delta(bias: float, version: int, model_id: str = "deepfm") -> Paramete
     )
 
 
-async def publish(settings: Settings, messages: list[ParameterDelta]) -> None:
+async def publish(settings: Settings, messages: list[ParameterDelta]) -> int:
+    """Publish deltas in order; return the offset after the last one (a snapshot's resume point)."""
+    # One partition, as `make up` creates it: deltas must stay in order (auto-creation gives 4).
+    await create_topics(settings, {settings.topics.param_deltas: settings.topics.param_delta_partitions})
     p = producer(settings)
     await start_client(p, settings)
     try:
+        futures = []
         for m in messages:
             key = f"{m.model_id}/{m.sparse.table if m.HasField('sparse') else 'dense'}".encode()
-            await p.send(settings.topics.param_deltas, m.SerializeToString(), key=key)
-        await p.flush()
+            futures.append(await p.send(settings.topics.param_deltas, m.SerializeToString(), key=key))
+        metas = await asyncio.gather(*futures)
     finally:
         await p.stop()
+    return max(md.offset for md in metas) + 1

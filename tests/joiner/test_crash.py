@@ -86,3 +86,21 @@ async def test_kill_9_and_restart_gives_the_same_examples(settings: Settings) ->
 @pytest.mark.slow
 async def test_many_kills_larger_stream(settings: Settings) -> None:
     await _crash_run(settings, n_requests=30_000, kills=8, seed=22)
+
+
+async def test_sigterm_stops_cleanly_and_commits(settings: Settings) -> None:
+    await create_topics(settings)
+    await produce(settings, ml_events(2000, start=150_000, seed=23))
+    env = _env(settings)
+    settings.var_dir.mkdir(parents=True, exist_ok=True)
+    log = settings.var_dir.parent / "joiner-term.log"
+    proc = _joiner(env, log)
+    time.sleep(3.0)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, log.read_text()[-2000:]
+    first = await read_examples(settings)
+    proc = _joiner(env, log, "--until-idle", "1")
+    assert proc.wait(timeout=60) == 0
+    examples = await read_examples(settings)
+    assert len(first) > 0
+    assert len(examples) == len({e.example_id for e in examples}), "a clean stop re-emits nothing"

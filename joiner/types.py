@@ -86,11 +86,13 @@ class JoinConfig:
     def from_settings(cls, joiner_settings: object, **overrides: object) -> JoinConfig:
         """Build from ``settings.joiner``; fields it lacks keep their defaults here."""
         s = joiner_settings
+        window_s = float(getattr(s, "window_seconds", 900.0))
+        retention_s = getattr(s, "late_retention_seconds", None)
         values: dict[str, object] = dict(
-            window_ms=int(float(getattr(s, "window_seconds", 900.0)) * 1000),
+            window_ms=int(window_s * 1000),
             lateness_ms=int(float(getattr(s, "allowed_lateness_seconds", 5.0)) * 1000),
             orphan_grace_ms=int(float(getattr(s, "orphan_grace_seconds", 300.0)) * 1000),
-            retention_ms=int(float(getattr(s, "late_retention_seconds", getattr(s, "window_seconds", 900.0))) * 1000),
+            retention_ms=int((window_s if retention_s is None else float(retention_s)) * 1000),
             negative_sample_rate=float(getattr(s, "negative_sample_rate", 0.25)),
             slice_sample_rates=dict(getattr(s, "slice_sample_rates", {}) or {}),
             seed=int(getattr(s, "seed", 7)),

@@ -102,10 +102,17 @@ class TrainerSettings(BaseModel):
     """The online trainer."""
 
     model: str = "deepfm"
+    group_id: str = "driftline-trainer"
     batch_size: int = 1024
+    batch_timeout_s: float = 0.2
     sync_interval_s: float = 10.0
     dense_sync_interval_s: float = 3600.0
     snapshot_interval_event_s: float = 86_400.0
+    # Snapshots live under <var_dir>/snapshots/<model_id> unless set.
+    snapshot_dir: Path | None = None
+    # example_ids remembered for de-duplication (the joiner delivers at least once).
+    dedup_window: int = 200_000
+    consumer_start_timeout_s: float = 30.0
 
 
 class ServingSettings(BaseModel):

@@ -32,7 +32,7 @@ from services.settings import Settings  # noqa: E402
 
 QUICK = os.environ.get("QUICK") == "1"
 DURATION = 4.0 if QUICK else 15.0
-CONCURRENCY = 8
+CONCURRENCY = int(os.environ.get("BENCH_CONCURRENCY", "8"))
 CANDIDATES = 100
 
 
@@ -66,6 +66,20 @@ async def load(client: httpx.AsyncClient, method: str, path: str, bodies: list[d
     return latencies, len(latencies), failed
 
 
+def server_quantile(metrics_text: str, endpoint: str, q: float) -> float:
+    """Upper bucket bound (ms) of the server-side latency quantile, over the whole run."""
+    buckets: list[tuple[float, float]] = []
+    for line in metrics_text.splitlines():
+        if line.startswith("driftline_serving_request_seconds_bucket") and f'endpoint="{endpoint}"' in line:
+            le = line.split('le="')[1].split('"')[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+    buckets.sort()
+    if not buckets or buckets[-1][1] == 0:
+        return float("nan")
+    total = buckets[-1][1]
+    return next(le for le, count in buckets if count >= q * total) * 1000
+
+
 def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.array(xs) * 1000, q)) if xs else float("nan")
 
@@ -81,7 +95,7 @@ async def delta_burst(settings: Settings, rows: int, chunk: int, dim: int) -> fl
         for c in range(n_chunks):
             keys = rng.integers(1, 4000, size=chunk, dtype=np.int64) if c % 2 else \
                 rng.integers(1, 6041, size=chunk, dtype=np.int64)
-            keys = np.unique(keys) if c < 4 else rng.integers(10**6, 10**12, size=chunk, dtype=np.int64)
+            keys = np.unique(keys) if c < 2 else rng.integers(10**6, 10**12, size=chunk, dtype=np.int64)
             vals = rng.normal(scale=0.1, size=(keys.size, dim)).astype("<f4")
             msg = ParameterDelta(model_id="deepfm", version=1, chunk_index=c, chunk_count=n_chunks,
                                  created_at_ms=int(time.time() * 1000),
@@ -143,10 +157,11 @@ def main() -> None:
                 triv, triv_ok, triv_fail = await load(client, "GET", "/ping", None, DURATION / 2)
                 rank, rank_ok, rank_fail = await load(client, "POST", "/rank", bodies, DURATION)
                 rows = 200_000 if QUICK else 1_000_000
-                burst_task = asyncio.create_task(delta_burst(settings, rows, 50_000, 9))
+                burst_task = asyncio.create_task(delta_burst(settings, rows, 9_000, 16))
                 during, during_ok, during_fail = await load(client, "POST", "/rank", bodies, DURATION)
                 publish_s = await burst_task
                 ready = (await client.get("/readyz")).json()
+                server_p99 = server_quantile((await client.get("/metrics")).text, "/rank", 0.99)
             return dict(
                 trivial_p50_ms=pct(triv, 50), trivial_p99_ms=pct(triv, 99), trivial_rps=triv_ok / (DURATION / 2),
                 rank_p50_ms=pct(rank, 50), rank_p99_ms=pct(rank, 99), rank_rps=rank_ok / DURATION,
@@ -154,6 +169,7 @@ def main() -> None:
                 during_delta_p50_ms=pct(during, 50), during_delta_p99_ms=pct(during, 99),
                 delta_rows=rows, delta_publish_s=publish_s,
                 sparse_version_after=ready["model_version"]["sparse_version"],
+                rank_server_p99_ms_le=server_p99,
                 failed_requests=triv_fail + rank_fail + during_fail, feature_load_s=load_s,
                 concurrency=CONCURRENCY, candidates=CANDIDATES, duration_s=DURATION,
             )

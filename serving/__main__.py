@@ -20,6 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=opts.port)
     args = parser.parse_args(argv)
     setup_logging("serving", settings.log_level)
+    # One request's tensors are small: intra-op threads only contend with the event loop and
+    # other replicas. Scale out with processes (one per core), not torch threads.
+    import torch
+
+    torch.set_num_threads(1)
     app = create_app(settings, opts)
     uvicorn.run(app, host=args.host, port=args.port, log_level=settings.log_level.lower(), access_log=False)
     return 0

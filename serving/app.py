@@ -31,7 +31,7 @@ from serving.correction import correct
 from serving.deltas import DeltaFeed
 from serving.feature_log import FeatureLogger
 from serving.feature_store import FeatureStore, FeatureStoreError, RankFeatures
-from serving.model import FMModel, ServingModel, TrainerModel
+from serving.model import FMModel, ServingModel, TrainerModel, warm_up
 from serving.options import ServingOptions
 from serving.realtime import RecentClicks
 from serving.schemas import (ActionsRequest, ActionsResponse, FeaturesIn, Health, ModelVersionOut,
@@ -66,6 +66,7 @@ class Serving:
 
     async def start(self) -> None:
         await asyncio.to_thread(self.deltas.load_snapshot)
+        await asyncio.to_thread(warm_up, self.model)
         self.feature_log.start()
         self.deltas.start()
         self.realtime.start()

@@ -31,7 +31,7 @@ class FeatureLogger:
         self.send_timeout_s = send_timeout_s
         self.retry_s = retry_s
         self.service = service
-        self._queue: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue(maxsize=capacity)
+        self._queue: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue(maxsize=max(1, capacity))
         self._task: asyncio.Task[None] | None = None
         self._producer: AIOKafkaProducer | None = None
         self.sent = 0
@@ -47,6 +47,9 @@ class FeatureLogger:
 
     def submit(self, key: str, value: bytes) -> bool:
         """Buffer one FeatureLog; False (and counted) when the buffer is full."""
+        if self.capacity <= 0:  # asyncio.Queue(0) would be unbounded: 0 means "log nothing"
+            self._drop("buffer_full")
+            return False
         try:
             self._queue.put_nowait((key.encode(), value))
         except asyncio.QueueFull:

@@ -256,6 +256,18 @@ class FMModel:
         return Bootstrap(path, self.sparse.version, self.dense.version)
 
 
+def warm_up(model: ServingModel) -> None:
+    """Compile the PS kernels that deltas and scoring use (numba JITs on first call, holding the
+    GIL for seconds), on a scratch table, so the first live delta does not stall requests."""
+    scratch = EmbeddingTable(TableConfig(name="warmup", dim=2).serving())
+    scratch.apply_sync(SyncChunk(np.array([1, 2], np.int64), np.ones((2, 2), np.float32),
+                                 np.ones(2, np.int64), np.array([3], np.int64)))
+    scratch.apply_sync(SyncChunk(np.empty(0, np.int64), np.empty((0, 2), np.float32),
+                                 np.empty(0, np.int64), np.array([1], np.int64)))
+    scratch.gather(np.array([1, 2, 5], np.int64))
+    model.score({"user_id": [1]}, [{"item_id": [1]}, {"item_id": [2, 3]}])
+
+
 def latest_snapshot(root: Path | None) -> Path | None:
     """The newest complete snapshot directory under ``root`` (by name: versions, then time)."""
     if root is None or not root.is_dir():

@@ -23,7 +23,10 @@ class _Strict(BaseModel):
 class FeaturesIn(_Strict):
     """Named sparse slots (bags of int64 ids) and named dense values."""
 
-    sparse: dict[SlotName, list[FeatureId]] = Field(default_factory=dict, max_length=64)
+    sparse: dict[SlotName, Annotated[list[FeatureId], Field(max_length=256)]] = Field(
+        default_factory=dict, max_length=64,
+        description="Slot -> ids. Per-item slots replace the stored item slot of the same name; "
+                    "context slots replace the stored user slot of the same name.")
     dense: dict[SlotName, float] = Field(default_factory=dict, max_length=64)
 
     model_config = ConfigDict(

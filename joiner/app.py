@@ -71,7 +71,7 @@ class InputConsumer(TypedConsumer):
                 try:
                     value = decode(r.value)
                 except MalformedMessage as err:
-                    rejects.append(await self._dead_letter(r, err))
+                    rejects.append(await self.dead_letter(r, err))
                     continue
                 out.append((tp.topic, tp.partition, value, r.timestamp))
             positions[tp] = records[-1].offset + 1
@@ -85,7 +85,7 @@ class InputConsumer(TypedConsumer):
 
 
 def default_store_url(settings: Settings) -> str:
-    return getattr(settings.joiner, "store_url", None) or f"rocksdb://{settings.var_dir / 'joiner' / 'state'}"
+    return settings.joiner.store_url or f"rocksdb://{settings.var_dir / 'joiner' / 'state'}"
 
 
 def _offset_key(tp: TopicPartition) -> bytes:

@@ -223,7 +223,7 @@ async def run(
                     try:
                         e = consumer.codec.decode(r.value)
                     except Exception as err:  # MalformedMessage: dead-letter, skip
-                        await (await consumer._dead_letter(r, err))  # type: ignore[arg-type]
+                        await (await consumer.dead_letter(r, err))  # type: ignore[arg-type]
                         continue
                     if e.example_id in buffered_ids or store.get(b"S" + e.example_id.encode()) is not None:
                         totals["duplicates"] += 1

@@ -12,6 +12,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from services.settings import JoinerSettings
+
 
 @runtime_checkable
 class KVStore(Protocol):
@@ -84,21 +86,20 @@ class JoinConfig:
 
     @classmethod
     def from_settings(cls, joiner_settings: object, **overrides: object) -> JoinConfig:
-        """Build from ``settings.joiner``; fields it lacks keep their defaults here."""
-        s = joiner_settings
-        window_s = float(getattr(s, "window_seconds", 900.0))
-        retention_s = getattr(s, "late_retention_seconds", None)
+        """Build from ``settings.joiner``."""
+        s: JoinerSettings = joiner_settings  # type: ignore[assignment]
+        retention_s = s.window_seconds if s.late_retention_seconds is None else s.late_retention_seconds
         values: dict[str, object] = dict(
-            window_ms=int(window_s * 1000),
-            lateness_ms=int(float(getattr(s, "allowed_lateness_seconds", 5.0)) * 1000),
-            orphan_grace_ms=int(float(getattr(s, "orphan_grace_seconds", 300.0)) * 1000),
-            retention_ms=int((window_s if retention_s is None else float(retention_s)) * 1000),
-            negative_sample_rate=float(getattr(s, "negative_sample_rate", 0.25)),
-            slice_sample_rates=dict(getattr(s, "slice_sample_rates", {}) or {}),
-            seed=int(getattr(s, "seed", 7)),
-            label_map=dict(getattr(s, "label_map", {"click": "click", "like": "like"})),
-            late_policy=str(getattr(s, "late_policy", "drop")),
-            positive_emit=str(getattr(s, "positive_emit", "immediate")),
+            window_ms=int(s.window_seconds * 1000),
+            lateness_ms=int(s.allowed_lateness_seconds * 1000),
+            orphan_grace_ms=int(s.orphan_grace_seconds * 1000),
+            retention_ms=int(retention_s * 1000),
+            negative_sample_rate=s.negative_sample_rate,
+            slice_sample_rates=dict(s.slice_sample_rates),
+            seed=s.seed,
+            label_map=dict(s.label_map),
+            late_policy=s.late_policy,
+            positive_emit=s.positive_emit,
         )
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]

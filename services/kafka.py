@@ -175,7 +175,7 @@ class TypedConsumer(Generic[M]):
                 try:
                     value = self.codec.decode(r.value)
                 except MalformedMessage as err:
-                    rejects.append(await self._dead_letter(r, err))
+                    rejects.append(await self.dead_letter(r, err))
                     continue
                 out.append(Record(r.topic, r.partition, r.offset, r.key, value, r.timestamp))
             if records:
@@ -199,7 +199,9 @@ class TypedConsumer(Generic[M]):
             if batch:
                 yield batch
 
-    async def _dead_letter(self, record: object, err: MalformedMessage) -> asyncio.Future:
+    async def dead_letter(self, record: object, err: MalformedMessage) -> asyncio.Future:
+        """Send a raw record (anything with topic, partition, offset, key, value) to the dead-letter
+        topic with its reason and count it. Await the returned future before committing past it."""
         assert self._dlq is not None
         letter = DeadLetter(
             source_topic=record.topic,  # type: ignore[attr-defined]

@@ -89,13 +89,26 @@ class JoinerSettings(BaseModel):
     """The online joiner (features ⋈ actions -> examples)."""
 
     window_seconds: float = 900.0
+    # How far behind the action watermark an action may be and still count as on time.
+    allowed_lateness_seconds: float = 5.0
+    # How long an action waits for its features before it is counted as an orphan.
+    orphan_grace_seconds: float = 300.0
+    # How long a closed impression is remembered to recognise late actions (None: the window).
+    late_retention_seconds: float | None = None
     negative_sample_rate: float = 0.25
+    # Per-slice negative rates, the slice being the serving model_id; others use the default.
+    slice_sample_rates: dict[str, float] = Field(default_factory=dict)
+    seed: int = 7
+    # "immediate": a positive is emitted as soon as it joins; "window_close": when its window closes.
+    positive_emit: str = "immediate"
     cache_size: int = 200_000
     spill_after_seconds: float = 120.0
     late_policy: str = "drop"
     label_map: dict[str, str] = Field(default_factory=lambda: {"click": "click", "like": "like"})
     batch_size: int = 2_000
     batch_timeout_s: float = 0.2
+    # State store URL: memory:// or rocksdb://<path>; None means rocksdb://<var_dir>/joiner/state.
+    store_url: str | None = None
 
 
 class TrainerSettings(BaseModel):

@@ -101,10 +101,15 @@ async def run(
     partitions: Sequence[int] | None = None,
     config: JoinConfig | None = None,
     cache_size: int | None = None,
+    timings: dict[str, float] | None = None,
 ) -> dict[str, int]:
     """Run the joiner until ``stop`` is set, or (with ``until_idle_s``) until the input has been
     idle that long and fully consumed: then every open window is closed (drain) and it returns.
-    Returns the totals of its counters."""
+    Returns the totals of its counters.
+
+    ``timings`` (benchmarks) receives ``perf_counter`` marks: ``loop_start`` (first poll, after
+    start-up), ``last_batch_end`` (last batch with input committed) and ``drain_s`` (the drain's
+    own time, without the idle wait before it)."""
     stop = stop or asyncio.Event()
     js = settings.joiner
     cfg = config or JoinConfig.from_settings(js)
@@ -172,6 +177,8 @@ async def run(
 
         published: dict[str, int] = {}
         idle_since = time.monotonic()
+        if timings is not None:
+            timings["loop_start"] = time.perf_counter()
         while not stop.is_set():
             records, positions = await consumer.poll_raw(int(js.batch_timeout_s * 1000), js.batch_size)
             if not positions:
@@ -181,6 +188,8 @@ async def run(
                         for p in parts:
                             core.advance(p, drain=True)
                         await finish_batch({}, started)
+                        if timings is not None:
+                            timings["drain_s"] = time.perf_counter() - started
                         log.info("input idle for %.1f s and fully consumed: drained, stopping", until_idle_s)
                         break
                 continue
@@ -196,6 +205,8 @@ async def run(
             for p in sorted(touched):
                 core.advance(p)
             await finish_batch(positions, started)
+            if timings is not None:
+                timings["last_batch_end"] = time.perf_counter()
     finally:
         totals = dict(core.counts)
         metrics.SERVICE_UP.labels(SERVICE).set(0)

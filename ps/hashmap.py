@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import mix64, njit
+from ._jit import ALIGN, aligned_zeros, mix64, njit, prefetch, prefetch_row
 
 #: grow the index when it would be fuller than this (linear probing degrades past ~0.8)
 MAX_LOAD = 0.7
+#: ids per prefetch group in the batched kernels: enough cache misses in flight to hide
+#: memory latency, few enough that the group's lines are still in L1 when used
+GROUP = 64
 
 
 @njit
@@ -38,30 +41,70 @@ def probe(slots, mask, key):
 
 
 @njit
-def lookup_kernel(slots, mask, keys, out):
-    # Pass 1 only checks each id's home slot, without data-dependent branches, so the
-    # CPU keeps many cache misses in flight; most ids resolve here at load <= 0.7.
-    # Pass 2 walks the probe chain for the few that did not.
-    for i in range(keys.size):
-        k = keys[i]
-        h = np.int64(mix64(k) & np.uint64(mask))
+def home(key, mask):
+    return np.int64(mix64(key) & np.uint64(mask))
+
+
+@njit
+def resolve(slots, mask, key, h):
+    """Row of ``key`` (-1 if absent), probing from its home slot ``h``."""
+    r = slots[h, 1]
+    if r < 0 or slots[h, 0] == key:  # at load <= 0.7 most ids end here
+        return r
+    while True:
+        h = (h + 1) & mask
         r = slots[h, 1]
-        hit = slots[h, 0] == k
-        out[i] = r if (hit or r < 0) else -2
-    for i in range(keys.size):
-        if out[i] != -2:
-            continue
-        k = keys[i]
-        h = np.int64(mix64(k) & np.uint64(mask))
-        while True:
-            h = (h + 1) & mask
-            r = slots[h, 1]
-            if r < 0:
-                out[i] = -1
-                break
-            if slots[h, 0] == k:
-                out[i] = r
-                break
+        if r < 0 or slots[h, 0] == key:
+            return r
+
+
+@njit
+def lookup_kernel(slots, mask, keys, out):
+    # Batched probes: hash a group of ids and prefetch their home slots, then resolve
+    # them, so a group's cache misses overlap instead of being paid one after another.
+    n = keys.size
+    hs = np.empty(GROUP, np.int64)
+    for b in range(0, n, GROUP):
+        e = min(n, b + GROUP)
+        for i in range(b, e):
+            h = home(keys[i], mask)
+            hs[i - b] = h
+            prefetch(slots, h)
+        for i in range(b, e):
+            out[i] = resolve(slots, mask, keys[i], hs[i - b])
+
+
+@njit
+def gather_kernel(slots, mask, keys, emb, out, rows):
+    """Fused lookup + row copy: ``out[i] = emb[row of keys[i]]`` (zeros if absent).
+
+    Per group: hash + prefetch home slots, resolve rows + prefetch them, copy. ``rows``
+    receives each id's row (-1 if absent); returns how many ids were absent.
+    """
+    n = keys.size
+    dim = emb.shape[1]
+    hs = np.empty(GROUP, np.int64)
+    missing = 0
+    for b in range(0, n, GROUP):
+        e = min(n, b + GROUP)
+        for i in range(b, e):
+            h = home(keys[i], mask)
+            hs[i - b] = h
+            prefetch(slots, h)
+        for i in range(b, e):
+            r = resolve(slots, mask, keys[i], hs[i - b])
+            rows[i] = r
+            prefetch_row(emb, r)
+        for i in range(b, e):
+            r = rows[i]
+            if r >= 0:
+                for j in range(dim):
+                    out[i, j] = emb[r, j]
+            else:
+                missing += 1
+                for j in range(dim):
+                    out[i, j] = 0.0
+    return missing
 
 
 @njit
@@ -113,7 +156,7 @@ def empty_slots(capacity: int) -> np.ndarray:
     n = 8
     while n * MAX_LOAD < capacity:
         n *= 2
-    slots = np.empty((n, 2), np.int64)
+    slots = aligned_zeros((n, 2), np.int64, ALIGN)  # 4 slots per cache line, never straddling
     slots[:, 1] = -1
     return slots
 

@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from ._jit import njit
+from ._jit import njit, prefetch, prefetch_row
 from .rowmarks import mark_changed
 from .config import AdagradConfig, AdamConfig, FtrlConfig, SGDConfig, TableConfig
 
@@ -63,6 +63,21 @@ def init_state(w, s, kind, hyper):
             s[dim + j] = n0
 
 
+#: rows ahead whose cache lines :func:`apply_updates` prefetches
+AHEAD = 16
+#: ids per prefetch group in :func:`dedupe`
+DEDUPE_GROUP = 64
+
+
+@njit
+def dedupe_capacity(n):
+    """Slots of :func:`dedupe_into`'s scratch table for a batch of ``n`` ids (load <= 0.5)."""
+    cap = 16
+    while cap < 2 * n:
+        cap *= 2
+    return cap
+
+
 @njit
 def dedupe(rows, grads, times):
     """Sum gradients of equal rows (rows < 0 are skipped); keeps first-seen order.
@@ -71,39 +86,58 @@ def dedupe(rows, grads, times):
     event time among a row's occurrences (``times`` has one entry per row or just one).
     """
     n = rows.size
-    dim = grads.shape[1]
-    cap = 16
-    while cap < 2 * n:
-        cap *= 2
-    mask = cap - 1
-    tab_row = np.full(cap, -1, np.int64)
-    tab_pos = np.empty(cap, np.int64)
+    tab = np.empty((dedupe_capacity(n), 2), np.int64)
     urows = np.empty(n, np.int64)
-    ugrads = np.zeros((n, dim), np.float32)
+    ugrads = np.empty((n, grads.shape[1]), np.float32)
     utimes = np.empty(n, np.int64)
-    k = 0
-    for i in range(n):
-        r = rows[i]
-        if r < 0:
-            continue
-        t = times[i] if times.size > 1 else times[0]
-        h = (r * 0x9E3779B1) & mask
-        while tab_row[h] >= 0 and tab_row[h] != r:
-            h = (h + 1) & mask
-        if tab_row[h] < 0:
-            tab_row[h] = r
-            tab_pos[h] = k
-            urows[k] = r
-            utimes[k] = t
-            p = k
-            k += 1
-        else:
-            p = tab_pos[h]
-            if t > utimes[p]:
-                utimes[p] = t
-        for j in range(dim):
-            ugrads[p, j] += grads[i, j]
+    k = dedupe_into(rows, grads, times, tab, urows, ugrads, utimes)
     return k, urows, ugrads, utimes
+
+
+@njit
+def dedupe_into(rows, grads, times, tab, urows, ugrads, utimes):
+    """:func:`dedupe` into caller-given buffers; ``tab`` is ``int64[cap, 2]``, cap a power of two > n.
+
+    ``tab`` holds (row, position) pairs so a probe touches one cache line; its home
+    slots are prefetched a group at a time. Sums are float32, accumulated from 0.0 in
+    batch order (``0.0 + g`` first, so the result is bit-identical to summing into zeros).
+    """
+    n = rows.size
+    dim = grads.shape[1]
+    mask = tab.shape[0] - 1
+    for h in range(tab.shape[0]):
+        tab[h, 0] = -1
+    hs = np.empty(DEDUPE_GROUP, np.int64)
+    k = 0
+    for b in range(0, n, DEDUPE_GROUP):
+        e = min(n, b + DEDUPE_GROUP)
+        for i in range(b, e):
+            h = (rows[i] * 0x9E3779B1) & mask
+            hs[i - b] = h
+            prefetch(tab, h)
+        for i in range(b, e):
+            r = rows[i]
+            if r < 0:
+                continue
+            t = times[i] if times.size > 1 else times[0]
+            h = hs[i - b]
+            while tab[h, 0] >= 0 and tab[h, 0] != r:
+                h = (h + 1) & mask
+            if tab[h, 0] < 0:
+                tab[h, 0] = r
+                tab[h, 1] = k
+                urows[k] = r
+                utimes[k] = t
+                for j in range(dim):
+                    ugrads[k, j] = np.float32(0.0) + grads[i, j]
+                k += 1
+            else:
+                p = tab[h, 1]
+                if t > utimes[p]:
+                    utimes[p] = t
+                for j in range(dim):
+                    ugrads[p, j] += grads[i, j]
+    return k
 
 
 @njit
@@ -114,8 +148,16 @@ def apply_updates(kind, hyper, emb, state, urows, ugrads, k, utimes, times, flag
     the row's cache lines are being touched anyway.
     """
     dim = emb.shape[1]
+    width = state.shape[1]
     lr = hyper[0]
     for u in range(k):
+        if u + AHEAD < k:  # the rows' lines are random misses: start them early
+            ra = urows[u + AHEAD]
+            prefetch_row(emb, ra)
+            prefetch(times, ra)
+            prefetch(flags, ra)
+            if width > 0:
+                prefetch_row(state, ra)
         r = urows[u]
         if utimes[u] > times[r]:
             times[r] = utimes[u]

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import njit
+from ._jit import njit, prefetch_row
 from .admission import admit
-from .hashmap import probe, remove
+from .hashmap import GROUP, probe, remove
 from .initializers import init_row
 from .optimizers import init_state
 
@@ -86,8 +86,14 @@ def insert_kernel(slots, mask, keys, out, emb, state, row_keys, times, flags, fr
 
 @njit
 def gather_rows_kernel(rows, emb, out):
+    """``out[i] = emb[rows[i]]`` (zeros where ``rows[i] < 0``), prefetching a group ahead."""
     dim = emb.shape[1]
-    for i in range(rows.size):
+    n = rows.size
+    for i in range(min(n, GROUP)):
+        prefetch_row(emb, rows[i])
+    for i in range(n):
+        if i + GROUP < n:
+            prefetch_row(emb, rows[i + GROUP])
         r = rows[i]
         if r >= 0:
             for j in range(dim):

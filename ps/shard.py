@@ -29,10 +29,11 @@ from typing import Iterator
 import numpy as np
 
 from . import rows as R
+from ._jit import aligned_zeros
 from ._validate import as_event_time, as_grads, as_ids, as_values
 from .config import TableConfig
 from .errors import InvalidInputError, ReadOnlyTableError
-from .hashmap import MAX_LOAD, empty_slots, grow, lookup_kernel
+from .hashmap import MAX_LOAD, empty_slots, gather_kernel, grow, lookup_kernel
 from .initializers import KINDS
 from .optimizers import OPT_NONE, apply_updates, dedupe, encode
 from .sync import SyncChunk
@@ -72,7 +73,8 @@ class TableShard:
     def _resize_rows(self, cap: int) -> None:
         high = int(self.meta[R.M_HIGH])
         def grown(old, shape, dtype):
-            new = np.zeros(shape, dtype)
+            # 64-byte aligned: a dim-16 float32 row is then exactly one cache line
+            new = aligned_zeros(shape, dtype)
             if old is not None:
                 new[:high] = old[:high]
             return new
@@ -168,9 +170,19 @@ class TableShard:
         return out
 
     def _gather(self, ids, out, t=None):
-        # two passes beat a fused kernel: each loop keeps more independent misses in flight
-        rows = self._lookup(ids) if t is None else self._lookup_or_insert(ids, t)
-        R.gather_rows_kernel(rows, self._emb, out)
+        # One fused pass (hash, prefetch slots, resolve, prefetch rows, copy: see
+        # gather_kernel). With insert=True only the ids that missed take the insert path.
+        if t is not None:
+            self._check_writable()
+        rows = np.empty(ids.size, np.int64)
+        missing = gather_kernel(self._slots, self._mask, ids, self._emb, out, rows)
+        if missing and t is not None:
+            miss = np.flatnonzero(rows < 0)
+            new = self._insert_missing(ids, t, miss)
+            if (new >= 0).any():  # not-admitted ids stay zeros
+                vals = np.empty((miss.size, self.dim), np.float32)
+                R.gather_rows_kernel(new, self._emb, vals)
+                out[miss] = vals
         return out
 
     # ------------------------------------------------------------------ writes
@@ -181,23 +193,30 @@ class TableShard:
         with self.lock:
             return self._lookup_or_insert(ids, t)
 
-    def _lookup_or_insert(self, ids: np.ndarray, t: np.ndarray) -> np.ndarray:
+    def _check_writable(self) -> None:
         if self._opt_kind == OPT_NONE:
             raise ReadOnlyTableError(f"table {self.config.name!r} is a serving replica; it only takes apply_sync")
+
+    def _lookup_or_insert(self, ids: np.ndarray, t: np.ndarray) -> np.ndarray:
+        self._check_writable()
         rows = self._lookup(ids)
         miss = np.flatnonzero(rows < 0)
         if miss.size:
-            self._see_time(t)
-            mk, mt = ids[miss], (t[miss] if t.size > 1 else t)
-            self._reserve(miss.size, miss.size)
-            out = np.empty(miss.size, np.int64)
-            adm = self.config.admission
-            R.insert_kernel(self._slots, self._mask, mk, out, self._emb, self._state, self._row_keys,
-                            self._times, self._flags, self._free, self._dirty, self.meta, mt,
-                            self._track, *self._init, self._opt_kind, self._hyper, self._sketch,
-                            adm.seed, adm.min_count, adm.probability)
-            rows[miss] = out
+            rows[miss] = self._insert_missing(ids, t, miss)
         return rows
+
+    def _insert_missing(self, ids: np.ndarray, t: np.ndarray, miss: np.ndarray) -> np.ndarray:
+        """Admit/initialise ``ids[miss]`` (all absent); their rows, -1 where not admitted."""
+        self._see_time(t)
+        mk, mt = ids[miss], (t[miss] if t.size > 1 else t)
+        self._reserve(miss.size, miss.size)
+        out = np.empty(miss.size, np.int64)
+        adm = self.config.admission
+        R.insert_kernel(self._slots, self._mask, mk, out, self._emb, self._state, self._row_keys,
+                        self._times, self._flags, self._free, self._dirty, self.meta, mt,
+                        self._track, *self._init, self._opt_kind, self._hyper, self._sketch,
+                        adm.seed, adm.min_count, adm.probability)
+        return out
 
     def apply_gradients(self, ids, grads, event_time) -> int:
         """Sum ``grads`` per unique id and take one optimizer step on each existing row.
@@ -216,7 +235,7 @@ class TableShard:
             raise ReadOnlyTableError(f"table {self.config.name!r} is a serving replica; it has no optimizer")
         self._see_time(t)
         rows = self._lookup(ids)
-        k, urows, ugrads, utimes = dedupe(rows, g, t)
+        k, urows, ugrads, utimes = dedupe(rows, g, t)  # per-call buffers: no memset, no resident scratch
         self._reserve(0, k)
         apply_updates(self._opt_kind, self._hyper, self._emb, self._state, urows, ugrads, k,
                       utimes, self._times, self._flags, self._dirty, self.meta, self._track)

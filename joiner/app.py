@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import shutil
 import signal
 import struct
@@ -28,6 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from aiokafka import TopicPartition
+from aiokafka.partitioner import murmur2
+from google.protobuf.message import DecodeError
 
 from joiner import metrics as jm
 from joiner.core import JoinCore
@@ -36,7 +39,7 @@ from joiner.tiered import TieredState
 from joiner.types import JoinConfig
 from proto import Action, FeatureLog
 from services import metrics, tansu_quirks
-from services.codecs import MalformedMessage, codec_for
+from services.codecs import MalformedMessage, codec_for, validate_feature_log
 from services.kafka import BrokerUnavailable, TypedConsumer, create_topics, producer, start_client
 from services.log import setup_logging
 from services.settings import Settings, get_settings
@@ -44,6 +47,29 @@ from services.settings import Settings, get_settings
 log = logging.getLogger(__name__)
 SERVICE = "joiner"
 _I64 = struct.Struct("<q")
+
+
+def _features_ok(f: object) -> bool:
+    """Fast check of services.codecs' Features rule: every dense value finite (a float32 sum
+    cannot overflow a float64, and a nan/inf term makes the sum non-finite), no empty slot name."""
+    return math.isfinite(sum(f.dense.values())) and "" not in f.sparse  # type: ignore[attr-defined]
+
+
+def decode_feature_log(raw: bytes | None) -> FeatureLog:
+    """``codec_for(FeatureLog).decode`` with the same result and errors, faster on valid input:
+    the per-candidate validation runs as one cheap check, and the full validator (which raises
+    with the precise reason) only when that check fails."""
+    if raw is None:
+        raise MalformedMessage("undecodable", "FeatureLog value is null")
+    m = FeatureLog()
+    try:
+        m.ParseFromString(raw)
+    except (DecodeError, RuntimeError, ValueError):
+        raise MalformedMessage("undecodable", "FeatureLog does not parse") from None
+    if not (m.request_id and m.event_time_ms > 0 and m.candidates and _features_ok(m.context)
+            and all(_features_ok(c.features) for c in m.candidates)):
+        validate_feature_log(m)
+    return m
 
 
 class InputConsumer(TypedConsumer):
@@ -56,7 +82,7 @@ class InputConsumer(TypedConsumer):
     def __init__(self, settings: Settings, dlq: object) -> None:
         super().__init__(settings, SERVICE, FeatureLog, [], None, dead_letter_producer=dlq)  # type: ignore[arg-type]
         t = settings.topics
-        self.codecs = {t.features: codec_for(FeatureLog), t.actions: codec_for(Action)}
+        self.decoders = {t.features: decode_feature_log, t.actions: codec_for(Action).decode}
 
     async def poll_raw(self, timeout_ms: int, max_records: int) -> tuple[list, dict[TopicPartition, int]]:
         fetched = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
@@ -66,7 +92,7 @@ class InputConsumer(TypedConsumer):
         for tp, records in fetched.items():
             if not records:
                 continue
-            decode = self.codecs[tp.topic].decode
+            decode = self.decoders[tp.topic]
             for r in records:
                 try:
                     value = decode(r.value)
@@ -82,6 +108,46 @@ class InputConsumer(TypedConsumer):
         if rejects:
             await asyncio.gather(*rejects)  # dead letters durable before their offsets are
         return out, positions
+
+
+class BatchedSender:
+    """Produce a batch's examples as one aiokafka record batch per partition (``send_batch``)
+    instead of one ``send`` per example: the partition is the default partitioner's (murmur2 of
+    the key, memoised per key), so one user's examples keep their order exactly as with ``send``."""
+
+    def __init__(self, prod: object, topic: str, partitions: list[int]) -> None:
+        self.prod, self.topic, self.partitions = prod, topic, sorted(partitions)
+        self._part: dict[bytes, int] = {}
+
+    def partition(self, key: bytes) -> int:
+        p = self._part.get(key)
+        if p is None:
+            if len(self._part) > 1_000_000:
+                self._part.clear()
+            p = self._part[key] = self.partitions[(murmur2(key) & 0x7FFFFFFF) % len(self.partitions)]
+        return p
+
+    async def send_all(self, records: list[tuple[bytes, bytes, int]]) -> None:
+        """Send every ``(key, value, _)`` and wait until all are acknowledged."""
+        prod = self.prod
+        batches: dict[int, object] = {}
+        futures = []
+        partition = self.partition
+        for key, value, _ in records:
+            p = partition(key)
+            b = batches.get(p)
+            if b is None:
+                b = batches[p] = prod.create_batch()  # type: ignore[attr-defined]
+            if b.append(key=key, value=value, timestamp=None) is None:  # type: ignore[attr-defined]
+                b.close()  # type: ignore[attr-defined]
+                futures.append(await prod.send_batch(b, self.topic, partition=p))  # type: ignore[attr-defined]
+                b = batches[p] = prod.create_batch()  # type: ignore[attr-defined]
+                if b.append(key=key, value=value, timestamp=None) is None:  # type: ignore[attr-defined]
+                    raise ValueError(f"an example of {len(value)} bytes exceeds the producer's max_batch_size")
+        for p, b in batches.items():
+            b.close()  # type: ignore[attr-defined]
+            futures.append(await prod.send_batch(b, self.topic, partition=p))  # type: ignore[attr-defined]
+        await asyncio.gather(*futures)
 
 
 def default_store_url(settings: Settings) -> str:
@@ -143,6 +209,7 @@ async def run(
                 "and actions share a partition number"
             )
         parts = sorted(nf) if partitions is None else sorted(partitions)
+        sender = BatchedSender(prod, t.examples, sorted(await prod.partitions_for(t.examples)))
         tps = [TopicPartition(topic, p) for p in parts for topic in (t.features, t.actions)]
         c.assign(tps)
         for tp in tps:
@@ -159,8 +226,7 @@ async def run(
         async def finish_batch(positions: dict[TopicPartition, int], started: float) -> None:
             out = core.take()
             if out:
-                futures = [await prod.send(t.examples, v, key=k) for k, v, _ in out]
-                await asyncio.gather(*futures)
+                await sender.send_all(out)
                 now_ms = time.time() * 1000
                 for _, _, ref in out:
                     if ref:

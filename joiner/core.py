@@ -25,6 +25,7 @@ from __future__ import annotations
 import struct
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 from joiner import sampling, wire
 from joiner.tiered import TieredState
@@ -35,22 +36,36 @@ from proto import Action, FeatureLog
 #   t_i, user_id, wf_before, sample_rate, state, label mask, corrected mask
 HEADER = struct.Struct("<qqqfBHH")
 WAITING, POSITIVE, CLOSED = 0, 1, 2
+_STATE_AT = HEADER.size - 5
 # Pending (not yet joined) action: a.time, wa_before, label index, broker timestamp.
 PENDING = struct.Struct("<qqHq")
 _P = struct.Struct(">H")
 _TS = struct.Struct(">Q")
 _I64 = struct.Struct("<q")
+# Time-index keys: kind(1) partition(2) time(8) [tag(1)] id. T keys index one *group* of
+# impressions (the new candidates of one FeatureLog, which share their event time): the id is
+# ``request_id/first_item`` and the value the group's item ids (packed int64).
+_TAG_AT, _ID_AT = 11, 12
+_MAX_MS = (1 << 63) - 1
 
 JOIN, ORPHAN, OUT_OF_WINDOW, EXPIRED, LATE = "join", "orphan", "out_of_window", "expired", "late"
 NO_WATERMARK = -(1 << 62)
 
 
 def _t(ms: int) -> bytes:
-    return _TS.pack(min(max(ms, 0), (1 << 63) - 1))
+    return _TS.pack(min(max(ms, 0), _MAX_MS))
 
 
 def index_key(kind: bytes, partition: int, time_ms: int, tag: bytes, eid: bytes) -> bytes:
     return kind + _P.pack(partition) + _t(time_ms) + tag + eid
+
+
+def pack_items(items: list[int]) -> bytes:
+    return struct.pack(f"<{len(items)}q", *items)
+
+
+def unpack_items(raw: bytes) -> tuple[int, ...]:
+    return struct.unpack(f"<{len(raw) // 8}q", raw)
 
 
 class JoinCore:
@@ -71,6 +86,10 @@ class JoinCore:
         self.waiting: dict[int, int] = {}
         self.pending: dict[int, int] = {}
         self.out: list[tuple[bytes, bytes, int]] = []  # (key, value, latency reference ts ms or 0)
+        # (kind, partition) -> event time below which the index has no keys: the last scan's end
+        # (lowered when a key is put below it). In memory only: 0 after a restart. It keeps the
+        # scans off the range of deleted keys, which RocksDB would otherwise step over each time.
+        self.floor: dict[tuple[bytes, int], int] = {}
         self.counts: Counter[str] = Counter()
 
     # -- partition metadata -------------------------------------------------------------------
@@ -111,59 +130,78 @@ class JoinCore:
 
     # -- events ---------------------------------------------------------------------------------
     def on_features(self, p: int, fl: FeatureLog, ts_ms: int = 0) -> None:
-        state, cfg = self.state, self.cfg
+        state, cfg, counts = self.state, self.cfg, self.counts
+        get, put = state.get, state.put
         wf_before = self.wf[p]
         t_i = fl.event_time_ms
         rid = fl.request_id
+        rid_b = rid.encode()
         user_id = fl.user_id
         model_id = fl.model_version.model_id
         rate = float(cfg.slice_sample_rates.get(model_id, cfg.negative_sample_rate))
-        ctx = wire.features_field(fl.context.SerializeToString())
         closes_at = t_i + self.W + self.L
+        close_now = self.wa[p] > closes_at  # the action stream is already past this window
+        head = None
+        pending = self.pending[p] > 0
+        new_items: list[int] = []
+        records: list[bytes] = []
+        n = 0
         for c in fl.candidates:
-            self.counts["impressions"] += 1
-            eid_s = f"{rid}/{c.item_id}"
-            eid = eid_s.encode()
+            n += 1
+            item = c.item_id
+            eid = rid_b + b"/" + str(item).encode()
             ikey = b"I" + eid
-            if state.get(ikey) is not None:
-                self.counts["duplicate_impressions"] += 1
+            if get(ikey) is not None:
+                counts["duplicate_impressions"] += 1
                 continue
-            base = wire.base_example(eid_s, rid, c.item_id, user_id, t_i, model_id, ctx,
-                                     c.features.SerializeToString())
+            if head is None:
+                head = wire.request_head(rid_b, user_id, t_i, model_id, fl.context.SerializeToString())
+            base = wire.candidate_example(head, eid, item, c.features.SerializeToString())
             mask = corrected = 0
             st = WAITING
-            akey = b"A" + eid
-            pend = state.get(akey)
+            pend = get(b"A" + eid) if pending else None
             if pend is not None:
-                state.delete(akey)
-                for off in range(0, len(pend), PENDING.size):
-                    a_time, wa_before, li, a_ts = PENDING.unpack_from(pend, off)
-                    self.pending[p] -= 1
-                    verdict = self.judge(t_i, wf_before, a_time, wa_before)
-                    if verdict == JOIN:
-                        if mask >> li & 1:
-                            self.counts["duplicate_actions"] += 1
-                        mask |= 1 << li
-                        self.counts["joins"] += 1
-                    else:
-                        self._count_rejected(verdict)
-                        if verdict == LATE and self.correction and not (corrected >> li & 1):
-                            corrected |= 1 << li
-                            self._correction(eid, user_id, base, li, ts_ms)
+                mask, corrected = self._join_pending(p, eid, t_i, wf_before, user_id, base, pend, ts_ms)
                 if mask and self.immediate:
                     self._emit(user_id, base, mask, 1.0, ts_ms)
-                    self.counts["positives"] += 1
+                    counts["positives"] += 1
                     st = POSITIVE
             record = HEADER.pack(t_i, user_id, wf_before, rate, st, mask, corrected) + base
-            self.waiting[p] += 1
-            if self.wa[p] > closes_at:
-                # The action stream is already past this impression's window: close it now.
-                self._close(p, eid, record, None)
+            put(ikey, record, cache=not close_now)  # (also makes a repeated item a duplicate)
+            if close_now:
+                records.append(record)
+            new_items.append(item)
+        counts["impressions"] += n
+        if new_items:
+            self.waiting[p] += len(new_items)
+            gid = rid_b + b"/" + str(new_items[0]).encode()
+            if close_now:
+                self._close_group(p, rid_b, gid, closes_at, new_items, records, None)
             else:
-                state.put(ikey, record, cache=True)
-                state.put_index(index_key(b"T", p, closes_at, b"c", eid))
+                self._put_index(b"T", p, closes_at, b"c" + gid, pack_items(new_items))
         if t_i > wf_before:
             self.wf[p] = t_i
+
+    def _join_pending(self, p: int, eid: bytes, t_i: int, wf_before: int, user_id: int, base: bytes,
+                      pend: bytes, ts_ms: int) -> tuple[int, int]:
+        """Join the actions that came before their features; return (label mask, corrected)."""
+        self.state.delete(b"A" + eid)
+        mask = corrected = 0
+        for off in range(0, len(pend), PENDING.size):
+            a_time, wa_before, li, a_ts = PENDING.unpack_from(pend, off)
+            self.pending[p] -= 1
+            verdict = self.judge(t_i, wf_before, a_time, wa_before)
+            if verdict == JOIN:
+                if mask >> li & 1:
+                    self.counts["duplicate_actions"] += 1
+                mask |= 1 << li
+                self.counts["joins"] += 1
+            else:
+                self._count_rejected(verdict)
+                if verdict == LATE and self.correction and not (corrected >> li & 1):
+                    corrected |= 1 << li
+                    self._correction(eid, user_id, base, li, ts_ms)
+        return mask, corrected
 
     def on_action(self, p: int, a: Action, ts_ms: int = 0) -> None:
         state = self.state
@@ -218,9 +256,15 @@ class JoinCore:
                 self.counts["duplicate_actions"] += 1
                 return
         self.state.put(akey, pend + PENDING.pack(a_time, wa_before, li, ts_ms))
-        self.state.put_index(index_key(b"O", p, a_time + self.G, b"", eid))
+        self._put_index(b"O", p, a_time + self.G, eid, b"")
         self.pending[p] += 1
         self.counts["pending_actions"] += 1
+
+    def _put_index(self, kind: bytes, p: int, time_ms: int, rest: bytes, value: bytes) -> None:
+        self.state.put_index(kind + _P.pack(p) + _t(time_ms) + rest, value)
+        floor = self.floor.get((kind, p))
+        if floor is not None and time_ms < floor:
+            self.floor[(kind, p)] = time_ms  # scans start at the floor: keep the new key visible
 
     def _count_rejected(self, verdict: str) -> None:
         if verdict == ORPHAN:
@@ -230,23 +274,35 @@ class JoinCore:
             self.counts[f"late_{verdict}"] += 1
 
     # -- watermark-driven work ------------------------------------------------------------------
-    def _close(self, p: int, eid: bytes, record: bytes, index: bytes | None) -> None:
-        t_i, user_id, wf_before_i, rate, st, mask, corrected = HEADER.unpack_from(record, 0)
-        base = record[HEADER.size:]
-        if st == WAITING:
-            if mask:
-                self._emit(user_id, base, mask, 1.0, 0)
-                self.counts["positives"] += 1
-            elif sampling.keep(eid, rate, self.cfg.seed):
-                self._emit(user_id, base, 0, rate, 0)
-                self.counts["negatives"] += 1
-            else:
-                self.counts["negatives_sampled_out"] += 1
-        self.waiting[p] -= 1
-        # Keep a tombstone (with the features only if corrections may need them) until expiry.
-        keep_base = base if self.correction else b""
-        self.state.put(b"I" + eid, HEADER.pack(t_i, user_id, wf_before_i, rate, CLOSED, mask, corrected) + keep_base)
-        self.state.put_index(index_key(b"T", p, t_i + self.W + self.L + self.R, b"x", eid))
+    def _close_group(self, p: int, rid_b: bytes, gid: bytes, closes_at: int, items: Sequence[int],
+                     records: Sequence[bytes | None], index: bytes | None) -> None:
+        """Close the windows of one group (emit positives / sampled negatives), leave tombstones
+        until ``closes_at + R`` and move the group's index entry there."""
+        counts, emit, put = self.counts, self._emit, self.state.put
+        keep_base = self.correction
+        seed = self.cfg.seed
+        closed = []
+        for item, record in zip(items, records):
+            if record is None or record[_STATE_AT] == CLOSED:
+                continue
+            t_i, user_id, wf_before_i, rate, st, mask, corrected = HEADER.unpack_from(record, 0)
+            eid = rid_b + b"/" + str(item).encode()
+            if st == WAITING:
+                if mask:
+                    emit(user_id, record[HEADER.size:], mask, 1.0, 0)
+                    counts["positives"] += 1
+                elif rate >= 1.0 or sampling.keep(eid, rate, seed):
+                    emit(user_id, record[HEADER.size:], 0, rate, 0)
+                    counts["negatives"] += 1
+                else:
+                    counts["negatives_sampled_out"] += 1
+            # A tombstone, with the features only if corrections may need them.
+            put(b"I" + eid, HEADER.pack(t_i, user_id, wf_before_i, rate, CLOSED, mask, corrected)
+                + (record[HEADER.size:] if keep_base else b""))
+            closed.append(item)
+        self.waiting[p] -= len(closed)
+        if closed:
+            self._put_index(b"T", p, closes_at + self.R, b"x" + gid, pack_items(closed))
         if index is not None:
             self.state.delete_index(index)
 
@@ -257,43 +313,51 @@ class JoinCore:
         """
         state = self.state
         pfx = b"T" + _P.pack(p)
-        hi = pfx + (b"\xff" * 9 if drain else _t(self.wa[p]))
-        for key in state.scan_keys(pfx, hi):
-            tag = key[11:12]
-            eid = key[12:]
-            if tag == b"x":
-                if drain:
+        hi_ms = _MAX_MS if drain else self.wa[p]
+        lo_ms = self.floor.get((b"T", p), 0)
+        if hi_ms > lo_ms:
+            if not drain:
+                self.floor[(b"T", p)] = hi_ms  # (lowered again by keys put below it meanwhile)
+            for key, value in state.scan_items(pfx + _t(lo_ms), pfx + _t(hi_ms)):
+                tag = key[_TAG_AT]
+                gid = key[_ID_AT:]
+                rid_b = gid.rsplit(b"/", 1)[0]
+                items = unpack_items(value)
+                if tag == 0x78:  # b"x": the tombstones expire
+                    if drain:
+                        continue
+                    for item in items:
+                        state.delete(b"I" + rid_b + b"/" + str(item).encode())
+                    state.delete_index(key)
                     continue
-                state.delete(b"I" + eid)
-                state.delete_index(key)
-                continue
-            record = state.get(b"I" + eid)
-            if record is None or record[HEADER.size - 5] == CLOSED:
-                state.delete_index(key)
-                continue
-            self._close(p, eid, record, key)
+                records = [state.get(b"I" + rid_b + b"/" + str(item).encode()) for item in items]
+                closes_at = _TS.unpack_from(key, 3)[0]
+                self._close_group(p, rid_b, gid, closes_at, items, records, key)
         # Orphans: actions whose features the features stream has passed without delivering.
         pfx = b"O" + _P.pack(p)
         wf = self.wf[p]
-        for key in state.scan_keys(pfx, pfx + _t(wf)):
-            eid = key[11:]
-            state.delete_index(key)
-            akey = b"A" + eid
-            pend = state.peek(akey)
-            if pend is None:
-                continue
-            keep = b""
-            for off in range(0, len(pend), PENDING.size):
-                entry = pend[off:off + PENDING.size]
-                if PENDING.unpack(entry)[0] + self.G < wf:
-                    self.counts["orphan_actions"] += 1
-                    self.pending[p] -= 1
+        lo_ms = self.floor.get((b"O", p), 0)
+        if wf > lo_ms:
+            self.floor[(b"O", p)] = wf
+            for key, _ in state.scan_items(pfx + _t(lo_ms), pfx + _t(wf)):
+                eid = key[11:]
+                state.delete_index(key)
+                akey = b"A" + eid
+                pend = state.peek(akey)
+                if pend is None:
+                    continue
+                keep = b""
+                for off in range(0, len(pend), PENDING.size):
+                    entry = pend[off:off + PENDING.size]
+                    if PENDING.unpack(entry)[0] + self.G < wf:
+                        self.counts["orphan_actions"] += 1
+                        self.pending[p] -= 1
+                    else:
+                        keep += entry
+                if keep:
+                    state.put(akey, keep)
                 else:
-                    keep += entry
-            if keep:
-                state.put(akey, keep)
-            else:
-                state.delete(akey)
+                    state.delete(akey)
         self.save(p)
 
     def take(self) -> list[tuple[bytes, bytes, int]]:

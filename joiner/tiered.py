@@ -65,17 +65,25 @@ class TieredState:
         v = self.cache.get(key)
         return v if v is not None else self.store.get(key)
 
-    def scan_keys(self, lo: bytes, hi: bytes) -> list[bytes]:
-        """Keys in ``[lo, hi)`` as they will be after this batch commits (index keyspaces only)."""
-        keys = {k for k, _ in self.store.scan(lo, hi)}
+    def scan_items(self, lo: bytes, hi: bytes) -> list[tuple[bytes, bytes]]:
+        """Index items in ``[lo, hi)`` as they will be after this batch commits, in key order
+        (index keyspaces only; a list, so the caller may change the index while iterating)."""
         assert lo[:3] == hi[:3], "scans stay within one index prefix"
-        for k, v in self._dirty_index.get(lo[:3], {}).items():
+        dirty = self._dirty_index.get(lo[:3])
+        items = list(self.store.scan(lo, hi))
+        if not dirty:
+            return items
+        merged = dict(items)
+        for k, v in dirty.items():
             if lo <= k < hi:
                 if v is None:
-                    keys.discard(k)
+                    merged.pop(k, None)
                 else:
-                    keys.add(k)
-        return sorted(keys)
+                    merged[k] = v
+        return sorted(merged.items())
+
+    def scan_keys(self, lo: bytes, hi: bytes) -> list[bytes]:
+        return [k for k, _ in self.scan_items(lo, hi)]
 
     # -- writes --------------------------------------------------------------------------------
     def put(self, key: bytes, value: bytes, *, cache: bool = False) -> None:
@@ -85,12 +93,12 @@ class TieredState:
         elif key in self.cache:
             del self.cache[key]
 
-    def put_index(self, key: bytes) -> None:
-        self.dirty[key] = b""
+    def put_index(self, key: bytes, value: bytes = b"") -> None:
+        self.dirty[key] = value
         d = self._dirty_index.get(key[:3])
         if d is None:
             d = self._dirty_index[key[:3]] = {}
-        d[key] = b""
+        d[key] = value
 
     def delete(self, key: bytes) -> None:
         self.dirty[key] = None

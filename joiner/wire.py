@@ -17,7 +17,7 @@ from proto import Example
 _F32 = struct.Struct("<f")
 
 
-def varint(n: int) -> bytes:
+def _varint(n: int) -> bytes:
     out = bytearray()
     while True:
         b = n & 0x7F
@@ -27,6 +27,14 @@ def varint(n: int) -> bytes:
         else:
             out.append(b)
             return bytes(out)
+
+
+_SMALL = [_varint(n) for n in range(1 << 14)]
+
+
+def varint(n: int) -> bytes:
+    """Unsigned varint (n >= 0); the common small values come from a table."""
+    return _SMALL[n] if n < 16384 else _varint(n)
 
 
 def length_delimited(field: int, payload: bytes) -> bytes:
@@ -47,6 +55,34 @@ def base_example(
         event_time_ms=event_time_ms, model_id=model_id,
     ).SerializeToString()
     return head + context_field + features_field(candidate_features)
+
+
+def _int_field(tag: bytes, n: int) -> bytes:
+    """A proto3 int64 field (omitted when 0, as the serializer does)."""
+    return tag + varint(n & 0xFFFFFFFFFFFFFFFF) if n else b""
+
+
+def _str_field(tag: bytes, s: bytes) -> bytes:
+    return tag + varint(len(s)) + s if s else b""
+
+
+def request_head(request_id: bytes, user_id: int, event_time_ms: int, model_id: str, context: bytes) -> bytes:
+    """The Example fields every candidate of one FeatureLog shares (request_id, user_id,
+    event_time_ms, model_id, the context features), encoded once per request."""
+    return (_str_field(b"\x12", request_id) + _int_field(b"\x20", user_id) + _int_field(b"\x38", event_time_ms)
+            + _str_field(b"\x4a", model_id.encode()) + features_field(context))
+
+
+def candidate_example(head: bytes, example_id: bytes, item_id: int, candidate_features: bytes) -> bytes:
+    """Base bytes of one candidate's Example: example_id, the request's ``head``, item_id, then
+    the candidate's serialized Features as a second Example.features occurrence (merged after
+    the context by the parser). Same message as :func:`base_example`."""
+    small = _SMALL
+    n = len(candidate_features)
+    return (b"\x0a" + small[len(example_id)] + example_id + head
+            + (b"\x18" + (small[item_id] if 0 < item_id < 16384 else varint(item_id & 0xFFFFFFFFFFFFFFFF))
+               if item_id else b"")
+            + ((b"\x32" + (small[n] if n < 16384 else _varint(n)) + candidate_features) if n else b""))
 
 
 def label_entry(name: str, value: float) -> bytes:

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 import uuid
+
+import numpy as np
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -25,17 +28,17 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from proto import Action, Candidate, FeatureLog, Features, ModelVersion
+from proto import Action, ModelVersion
 from serving import metrics
 from serving.correction import correct
 from serving.deltas import DeltaFeed
-from serving.feature_log import FeatureLogger
+from serving.feature_log import FeatureLogEncoder, FeatureLogger, features_message
 from serving.feature_store import FeatureStore, FeatureStoreError, RankFeatures
 from serving.model import FMModel, ServingModel, TrainerModel, warm_up
 from serving.options import ServingOptions
 from serving.realtime import RecentClicks
-from serving.schemas import (ActionsRequest, ActionsResponse, FeaturesIn, Health, ModelVersionOut,
-                             RankRequest, RankResponse, Readiness, ScoredItem)
+from serving.schemas import (ActionsRequest, ActionsResponse, Health, ModelVersionOut,
+                             RankRequest, RankResponse, Readiness)
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,7 @@ class Serving:
         self.store = FeatureStore(settings.redis, options.redis_prefix, options.recent_clicks)
         self.feature_log = FeatureLogger(settings, options.feature_log_buffer,
                                          options.feature_log_send_timeout_s, options.kafka_retry_s)
+        self.log_encoder = FeatureLogEncoder()
         self.deltas = DeltaFeed(settings, self.model, options.snapshot_dir, options.kafka_retry_s)
         self.realtime = RecentClicks(settings, self.store, options.click_actions, retry_s=options.kafka_retry_s)
 
@@ -67,6 +71,10 @@ class Serving:
     async def start(self) -> None:
         await asyncio.to_thread(self.deltas.load_snapshot)
         await asyncio.to_thread(warm_up, self.model)
+        # Everything loaded so far (torch, numba, the model) lives for the whole process: move it
+        # out of the collector's reach, or each full collection walks it and stalls every request.
+        gc.collect()
+        gc.freeze()
         self.feature_log.start()
         self.deltas.start()
         self.realtime.start()
@@ -103,15 +111,6 @@ class _Metrics:
             endpoint = getattr(route, "path", None) or "other"
             metrics.REQUESTS.labels(endpoint, str(status["code"])).inc()
             metrics.LATENCY.labels(endpoint).observe(time.perf_counter() - started)
-
-
-def _to_proto(f: FeaturesIn | None, into: Features) -> None:
-    if f is None:
-        return
-    for name, ids in f.sparse.items():
-        into.sparse[name].ids.extend(ids)
-    for name, value in f.dense.items():
-        into.dense[name] = value
 
 
 def create_app(settings: Settings, options: ServingOptions | None = None,
@@ -156,7 +155,7 @@ def create_app(settings: Settings, options: ServingOptions | None = None,
     @app.post("/rank", response_model=RankResponse, summary="Rank candidate items for a user",
               responses={422: {"description": "Invalid request (empty/oversize candidates, wrong types)"},
                          503: {"description": "No model loaded yet"}})
-    async def rank(body: RankRequest, request: Request, response: Response) -> RankResponse:
+    async def rank(body: RankRequest, request: Request, response: Response) -> Response:
         s = serving_of(request)
         n = len(body.candidates)
         if n > s.options.max_candidates:
@@ -164,12 +163,13 @@ def create_app(settings: Settings, options: ServingOptions | None = None,
         if not s.deltas.loaded:
             raise HTTPException(503, "no model loaded yet: waiting for a snapshot or the delta topic")
         request_id = body.request_id or uuid.uuid4().hex
+        degraded = False
         item_ids = [c.item_id for c in body.candidates]
         try:
             feats = await s.store.fetch(body.user_id, item_ids)
         except FeatureStoreError as err:
             log.warning("%s; scoring with default features", err)
-            response.headers["X-Driftline-Degraded"] = "feature-store"
+            degraded = True
             feats = RankFeatures(None, [], [None] * n)
         user_known = feats.user is not None
         if not user_known:
@@ -189,32 +189,26 @@ def create_app(settings: Settings, options: ServingOptions | None = None,
         version = s.version()  # read before scoring: the served version is at least this one
         raw = s.model.score(user_slots, item_slots)
         scores = correct(raw, s.options.negative_sample_rate)
-        order = sorted(range(n), key=lambda i: -scores[i])
+        order = np.argsort(-scores, kind="stable").tolist()
         metrics.CANDIDATES.observe(n)
 
-        log_msg = FeatureLog(request_id=request_id, event_time_ms=int(time.time() * 1000), user_id=body.user_id,
-                             model_version=ModelVersion(model_id=version.model_id,
-                                                        sparse_version=version.sparse_version,
-                                                        dense_version=version.dense_version))
-        for name, ids in user_slots.items():
-            log_msg.context.sparse[name].ids.extend(ids)
-        if body.context is not None:
-            for name, value in body.context.dense.items():
-                log_msg.context.dense[name] = value
-        for i, c in enumerate(body.candidates):
-            cand = Candidate(item_id=c.item_id, score=float(scores[i]))
-            for name, ids in item_slots[i].items():
-                cand.features.sparse[name].ids.extend(ids)
-            if c.features is not None:
-                for name, value in c.features.dense.items():
-                    cand.features.dense[name] = value
-            log_msg.candidates.append(cand)
-        s.feature_log.submit(request_id, log_msg.SerializeToString())
+        context = features_message(user_slots, body.context.dense if body.context is not None else None)
+        mv = ModelVersion(model_id=version.model_id, sparse_version=version.sparse_version,
+                          dense_version=version.dense_version)
+        raws = feats.items_raw or [None] * n
+        encoded = s.log_encoder.encode(
+            request_id, int(time.time() * 1000), body.user_id, context, mv,
+            [(c.item_id, None if c.features is not None else raws[i], item_slots[i],
+              c.features.dense if c.features is not None else None, float(scores[i]))
+             for i, c in enumerate(body.candidates)])
+        s.feature_log.submit(request_id, encoded)
 
-        return RankResponse(
-            request_id=request_id, user_known=user_known, model_version=version,
-            items=[ScoredItem(item_id=item_ids[i], score=float(scores[i]), raw_score=float(raw[i])) for i in order],
-        )
+        # The body is built directly (response_model documents it; re-validating 1000 items is waste).
+        return JSONResponse({
+            "request_id": request_id, "user_known": user_known, "model_version": version.model_dump(),
+            "items": [{"item_id": item_ids[i], "score": float(scores[i]), "raw_score": float(raw[i])}
+                      for i in order],
+        }, headers={"X-Driftline-Degraded": "feature-store"} if degraded else None)
 
     @app.post("/actions", response_model=ActionsResponse, status_code=202,
               summary="Record user actions (writes Action messages to the actions topic)",

@@ -11,8 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
+from collections.abc import Callable, Mapping, Sequence
 
 from aiokafka import AIOKafkaProducer
+from google.protobuf.internal.encoder import _VarintBytes
+
+from proto import FeatureLog, Features, ModelVersion
 
 from services import metrics as shared_metrics
 from services.kafka import BrokerUnavailable, producer, start_client
@@ -20,6 +25,65 @@ from services.settings import Settings
 from serving import metrics
 
 log = logging.getLogger(__name__)
+_FLOAT = struct.Struct("<f")
+
+_CACHE_MAX = 200_000
+
+
+def _varint(n: int) -> bytes:
+    return _VarintBytes(n)
+
+
+def features_message(slots: Mapping[str, Sequence[int]], dense: Mapping[str, float] | None = None) -> Features:
+    f = Features()
+    for name, ids in slots.items():
+        f.sparse[name].ids.extend(ids)
+    for name, value in (dense or {}).items():
+        f.dense[name] = value
+    return f
+
+
+class FeatureLogEncoder:
+    """Builds an encoded FeatureLog by concatenating protobuf fields, caching each stored item's
+    encoded ``Features`` by its raw feature-store value: a 100-candidate log costs tens of
+    microseconds instead of building 100 messages, and the result is plain bytes (nothing for
+    the garbage collector to walk while it waits in the buffer).
+
+    >>> enc = FeatureLogEncoder()
+    >>> raw = enc.encode("r", 5, 7, Features(), ModelVersion(model_id="m", sparse_version=2),
+    ...                  [(3, b"k", {"item_id": [3]}, None, 0.5)])
+    >>> m = FeatureLog.FromString(raw)
+    >>> m.request_id, m.candidates[0].item_id, list(m.candidates[0].features.sparse["item_id"].ids)
+    ('r', 3, [3])
+    """
+
+    def __init__(self) -> None:
+        self._features: dict[bytes, bytes] = {}
+
+    def _item_features(self, key: bytes | None, slots: Mapping[str, Sequence[int]],
+                       dense: Mapping[str, float] | None) -> bytes:
+        if key is None or dense:
+            return features_message(slots, dense).SerializeToString()
+        cached = self._features.get(key)
+        if cached is None:
+            if len(self._features) >= _CACHE_MAX:
+                self._features.clear()
+            cached = self._features[key] = features_message(slots).SerializeToString()
+        return cached
+
+    def encode(self, request_id: str, event_time_ms: int, user_id: int, context: Features,
+               version: ModelVersion,
+               candidates: Sequence[tuple[int, bytes | None, Mapping[str, Sequence[int]], Mapping[str, float] | None, float]],
+               ) -> bytes:
+        """``candidates``: (item_id, cache key or None, sparse slots, dense or None, score)."""
+        parts = [FeatureLog(request_id=request_id, event_time_ms=event_time_ms, user_id=user_id,
+                            context=context, model_version=version).SerializeToString()]
+        for item_id, key, slots, dense, score in candidates:
+            fb = self._item_features(key, slots, dense)
+            body = b"".join((b"\x08", _varint(item_id), b"\x12", _varint(len(fb)), fb,
+                             b"\x1d", _FLOAT.pack(score)))
+            parts.append(b"\x32" + _varint(len(body)) + body)
+        return b"".join(parts)
 
 
 class FeatureLogger:
@@ -31,7 +95,7 @@ class FeatureLogger:
         self.send_timeout_s = send_timeout_s
         self.retry_s = retry_s
         self.service = service
-        self._queue: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue(maxsize=max(1, capacity))
+        self._queue: asyncio.Queue[tuple[bytes, bytes | Callable[[], bytes]]] = asyncio.Queue(maxsize=max(1, capacity))
         self._task: asyncio.Task[None] | None = None
         self._producer: AIOKafkaProducer | None = None
         self.sent = 0
@@ -45,8 +109,12 @@ class FeatureLogger:
     def buffered(self) -> int:
         return self._queue.qsize()
 
-    def submit(self, key: str, value: bytes) -> bool:
-        """Buffer one FeatureLog; False (and counted) when the buffer is full."""
+    def submit(self, key: str, value: bytes | Callable[[], bytes]) -> bool:
+        """Buffer one FeatureLog; False (and counted) when the buffer is full.
+
+        ``value`` may be a function returning the encoded message: it is then built in the
+        background task, off the request's path, and never built at all when it is dropped.
+        """
         if self.capacity <= 0:  # asyncio.Queue(0) would be unbounded: 0 means "log nothing"
             self._drop("buffer_full")
             return False
@@ -105,7 +173,7 @@ class FeatureLogger:
                     self._producer = await self._connect()
                 key, value = await self._queue.get()
                 batch = [(key, value)]
-                while len(batch) < 500 and not self._queue.empty():
+                while len(batch) < 64 and not self._queue.empty():
                     batch.append(self._queue.get_nowait())
                 metrics.FEATURE_LOG_BUFFERED.set(self._queue.qsize())
                 await self._send(batch)
@@ -115,11 +183,15 @@ class FeatureLogger:
                 log.exception("feature log loop error; continuing")
                 await asyncio.sleep(self.retry_s)
 
-    async def _send(self, batch: list[tuple[bytes, bytes]]) -> None:
+    async def _send(self, batch: list[tuple[bytes, bytes | Callable[[], bytes]]]) -> None:
         assert self._producer is not None
         try:
-            futures = [await asyncio.wait_for(self._producer.send(self.topic, value, key=key),
-                                              self.send_timeout_s) for key, value in batch]
+            futures = []
+            for key, value in batch:
+                raw = value if isinstance(value, bytes) else value()
+                futures.append(await asyncio.wait_for(self._producer.send(self.topic, raw, key=key),
+                                                      self.send_timeout_s))
+                await asyncio.sleep(0)  # one message at a time: requests go first
             await asyncio.wait_for(asyncio.gather(*futures), self.send_timeout_s)
         except Exception as err:  # noqa: BLE001 - timeouts and Kafka errors alike
             self._drop("send_failed", len(batch))

@@ -53,7 +53,9 @@ class RankFeatures:
 
     user: Slots | None          # None: user not in the store
     recent_items: list[int]
-    items: list[Slots | None]   # None: item not in the store
+    items: list[Slots | None]   # None: item not in the store (shared: copy before changing)
+    #: the raw stored value of each item (a cache key for what is derived from it)
+    items_raw: list[bytes | None] | None = None
 
 
 class FeatureStoreError(RuntimeError):
@@ -68,6 +70,8 @@ class FeatureStore:
         self.redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.prefix = prefix
         self.recent_clicks = recent_clicks
+        #: raw item value -> decoded slots (item features change rarely; the key is the value)
+        self._decoded: dict[bytes, Slots] = {}
 
     def user_key(self, user_id: int) -> str:
         return f"{self.prefix}:u:{user_id}"
@@ -101,8 +105,19 @@ class FeatureStore:
         finally:
             metrics.FEATURE_STORE_SECONDS.labels("fetch").observe(time.perf_counter() - started)
         user = decode_slots(values[0]) if values[0] is not None else None
-        items = [decode_slots(v) if v is not None else None for v in values[1:]]
-        return RankFeatures(user, [int(c) for c in clicks], items)
+        cache = self._decoded
+        if len(cache) > 200_000:
+            cache.clear()
+        items: list[Slots | None] = []
+        for v in values[1:]:
+            if v is None:
+                items.append(None)
+                continue
+            slots = cache.get(v)
+            if slots is None:
+                slots = cache[v] = decode_slots(v)
+            items.append(slots)
+        return RankFeatures(user, [int(c) for c in clicks], items, values[1:])
 
     async def record_clicks(self, clicks: Sequence[tuple[int, int]]) -> None:
         """Push (user_id, item_id) clicks, oldest first, keeping the last K per user."""

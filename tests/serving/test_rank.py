@@ -16,7 +16,7 @@ from serving.options import ServingOptions
 from services.kafka import TypedConsumer
 from services.settings import Settings
 
-from serving_helpers import ITEMS, dense_delta, publish, running, sparse_delta, wait_ready
+from serving_helpers import dense_delta, publish, running, sparse_delta, wait_ready
 
 
 def rank_body(user_id: int = 1, items: list[int] | None = None, **extra: object) -> dict:

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import ALIGN, aligned_zeros, mix64, njit, prefetch, prefetch_row
+from ._jit import ALIGN, aligned_zeros, mix64, njit, prefetch
 
 #: grow the index when it would be fuller than this (linear probing degrades past ~0.8)
 MAX_LOAD = 0.7
 #: ids per prefetch group in the batched kernels: enough cache misses in flight to hide
 #: memory latency, few enough that the group's lines are still in L1 when used
-GROUP = 64
+#: (measured on the bench: 32 -> 64 -> 128 ids gave ~150 -> 250 -> 290 M lookups/s)
+GROUP = 128
 
 
 @njit
@@ -72,39 +73,6 @@ def lookup_kernel(slots, mask, keys, out):
             prefetch(slots, h)
         for i in range(b, e):
             out[i] = resolve(slots, mask, keys[i], hs[i - b])
-
-
-@njit
-def gather_kernel(slots, mask, keys, emb, out, rows):
-    """Fused lookup + row copy: ``out[i] = emb[row of keys[i]]`` (zeros if absent).
-
-    Per group: hash + prefetch home slots, resolve rows + prefetch them, copy. ``rows``
-    receives each id's row (-1 if absent); returns how many ids were absent.
-    """
-    n = keys.size
-    dim = emb.shape[1]
-    hs = np.empty(GROUP, np.int64)
-    missing = 0
-    for b in range(0, n, GROUP):
-        e = min(n, b + GROUP)
-        for i in range(b, e):
-            h = home(keys[i], mask)
-            hs[i - b] = h
-            prefetch(slots, h)
-        for i in range(b, e):
-            r = resolve(slots, mask, keys[i], hs[i - b])
-            rows[i] = r
-            prefetch_row(emb, r)
-        for i in range(b, e):
-            r = rows[i]
-            if r >= 0:
-                for j in range(dim):
-                    out[i, j] = emb[r, j]
-            else:
-                missing += 1
-                for j in range(dim):
-                    out[i, j] = 0.0
-    return missing
 
 
 @njit

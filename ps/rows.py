@@ -86,9 +86,13 @@ def insert_kernel(slots, mask, keys, out, emb, state, row_keys, times, flags, fr
 
 @njit
 def gather_rows_kernel(rows, emb, out):
-    """``out[i] = emb[rows[i]]`` (zeros where ``rows[i] < 0``), prefetching a group ahead."""
+    """``out[i] = emb[rows[i]]`` (zeros where ``rows[i] < 0``); returns how many were < 0.
+
+    Rows are prefetched :data:`~ps.hashmap.GROUP` ahead so that many misses overlap.
+    """
     dim = emb.shape[1]
     n = rows.size
+    missing = 0
     for i in range(min(n, GROUP)):
         prefetch_row(emb, rows[i])
     for i in range(n):
@@ -99,8 +103,10 @@ def gather_rows_kernel(rows, emb, out):
             for j in range(dim):
                 out[i, j] = emb[r, j]
         else:
+            missing += 1
             for j in range(dim):
                 out[i, j] = 0.0
+    return missing
 
 
 @njit

@@ -33,7 +33,7 @@ from ._jit import aligned_zeros
 from ._validate import as_event_time, as_grads, as_ids, as_values
 from .config import TableConfig
 from .errors import InvalidInputError, ReadOnlyTableError
-from .hashmap import MAX_LOAD, empty_slots, gather_kernel, grow, lookup_kernel
+from .hashmap import MAX_LOAD, empty_slots, grow, lookup_kernel
 from .initializers import KINDS
 from .optimizers import OPT_NONE, apply_updates, dedupe, encode
 from .sync import SyncChunk
@@ -170,12 +170,13 @@ class TableShard:
         return out
 
     def _gather(self, ids, out, t=None):
-        # One fused pass (hash, prefetch slots, resolve, prefetch rows, copy: see
-        # gather_kernel). With insert=True only the ids that missed take the insert path.
+        # Two prefetching passes (batched probes, then row copy with rows prefetched a
+        # group ahead) measured faster than one fused pass of groups. With insert=True
+        # only the ids that missed take the insert path.
         if t is not None:
             self._check_writable()
-        rows = np.empty(ids.size, np.int64)
-        missing = gather_kernel(self._slots, self._mask, ids, self._emb, out, rows)
+        rows = self._lookup(ids)
+        missing = R.gather_rows_kernel(rows, self._emb, out)
         if missing and t is not None:
             miss = np.flatnonzero(rows < 0)
             new = self._insert_missing(ids, t, miss)

@@ -42,6 +42,7 @@ def api(broker, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
 def test_no_server_errors(api: schemathesis.BaseSchema) -> None:
     operations = [result.ok() for result in api.get_all_operations()]
     assert {op.path for op in operations} >= {"/rank", "/actions", "/healthz", "/readyz"}

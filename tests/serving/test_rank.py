@@ -169,3 +169,22 @@ def test_kafka_down_rank_answers_and_counts_drops(redis_url: str, tmp_path, fill
         assert "driftline_serving_feature_log_dropped_total" in httpx.get(f"{base}/metrics").text
         r = httpx.post(f"{base}/actions", json={"actions": [{"request_id": "r", "item_id": 1, "action_type": "click"}]})
         assert r.status_code == 503 and "Kafka" in r.text
+
+
+def test_not_ready_without_model(serving_settings: Settings, filled_store: ServingOptions) -> None:
+    """No snapshot and no reachable delta topic: /healthz is fine, /readyz and /rank say 503."""
+    from services.embedded import free_port
+
+    down = serving_settings.model_copy(update={"kafka_bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    down.redis_url = serving_settings.redis_url
+    app = create_app(down, filled_store)
+
+    async def go() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            async with app.router.lifespan_context(app):
+                return (await c.get("/healthz"), await c.get("/readyz"), await c.post("/rank", json=rank_body()))
+
+    health, ready, rank = asyncio.run(go())
+    assert health.status_code == 200
+    assert ready.status_code == 503 and ready.json()["model_loaded"] is False
+    assert rank.status_code == 503 and "no model loaded" in rank.json()["message"]

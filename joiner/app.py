@@ -168,6 +168,8 @@ async def run(
     config: JoinConfig | None = None,
     cache_size: int | None = None,
     timings: dict[str, float] | None = None,
+    idle_advance_s: float | None | object = ...,
+    idle_advance_margin_s: float | None = None,
 ) -> dict[str, int]:
     """Run the joiner until ``stop`` is set, or (with ``until_idle_s``) until the input has been
     idle that long and fully consumed: then every open window is closed (drain) and it returns.
@@ -175,7 +177,12 @@ async def run(
 
     ``timings`` (benchmarks) receives ``perf_counter`` marks: ``loop_start`` (first poll, after
     start-up), ``last_batch_end`` (last batch with input committed) and ``drain_s`` (the drain's
-    own time, without the idle wait before it)."""
+    own time, without the idle wait before it).
+
+    ``idle_advance_s`` (default ``settings.joiner.idle_advance_seconds``, None = off): when an
+    actions partition has had no record for that many wall seconds, its action watermark is
+    raised to its features watermark minus ``settings.joiner.idle_advance_margin_seconds``, so
+    the windows the features stream has left that far behind close (see the README)."""
     stop = stop or asyncio.Event()
     js = settings.joiner
     cfg = config or JoinConfig.from_settings(js)
@@ -192,6 +199,11 @@ async def run(
     state = TieredState(store, js.cache_size if cache_size is None else cache_size)
     core = JoinCore(state, cfg)
     spill_after_ms = int(js.spill_after_seconds * 1000)
+    if idle_advance_s is ...:
+        idle_advance_s = getattr(js, "idle_advance_seconds", None)
+    if idle_advance_margin_s is None:
+        idle_advance_margin_s = getattr(js, "idle_advance_margin_seconds", 60.0)
+    idle_margin_ms = int(idle_advance_margin_s * 1000)
     prod = producer(settings)
     await start_client(prod, settings)
     consumer = InputConsumer(settings, prod)
@@ -242,13 +254,39 @@ async def run(
             jm.BATCH_SECONDS.observe(time.perf_counter() - started)
 
         published: dict[str, int] = {}
+        # Close what the committed watermarks already passed (only ever something after an idle
+        # advance that was committed just before a crash), as a batch of its own.
+        started = time.perf_counter()
+        for p in parts:
+            core.advance(p)
+        await finish_batch({}, started)
         idle_since = time.monotonic()
+        last_action = {p: idle_since for p in parts}  # wall time of the last action per partition
         if timings is not None:
             timings["loop_start"] = time.perf_counter()
         while not stop.is_set():
             records, positions = await consumer.poll_raw(int(js.batch_timeout_s * 1000), js.batch_size)
+            now = time.monotonic()
+            bumped: list[int] = []
+            if idle_advance_s is not None:
+                for _, p, _, _ in (r for r in records if r[0] == t.actions):
+                    last_action[p] = now
+                assert not state.dirty, "between batches"
+                bumped = [p for p in parts if now - last_action[p] >= idle_advance_s
+                          and core.idle_advance(p, idle_margin_ms)]
+                if bumped:
+                    # The raised watermark is made durable before anything it causes (closed
+                    # windows, examples) and before the records of this poll: a restart then
+                    # replays with it, so the re-emitted examples are still exact copies.
+                    state.commit()
+                    jm.IDLE_ADVANCES.inc(len(bumped))
             if not positions:
-                if until_idle_s is not None and time.monotonic() - idle_since >= until_idle_s:
+                if bumped:
+                    started = time.perf_counter()
+                    for p in bumped:
+                        core.advance(p)
+                    await finish_batch({}, started)
+                if until_idle_s is not None and now - idle_since >= until_idle_s:
                     if await _caught_up(c, tps):
                         started = time.perf_counter()
                         for p in parts:
@@ -259,9 +297,9 @@ async def run(
                         log.info("input idle for %.1f s and fully consumed: drained, stopping", until_idle_s)
                         break
                 continue
-            idle_since = time.monotonic()
+            idle_since = now
             started = time.perf_counter()
-            touched = set()
+            touched = set(bumped)
             for topic, p, value, ts in records:
                 touched.add(p)
                 if topic == t.features:

@@ -360,6 +360,17 @@ class JoinCore:
                     state.delete(akey)
         self.save(p)
 
+    def idle_advance(self, p: int, margin_ms: int) -> bool:
+        """Raise the action watermark of ``p`` to its features watermark minus ``margin_ms`` (the
+        actions partition is idle: the caller decides when, by wall clock). True if it moved."""
+        wf = self.wf[p]
+        if wf == NO_WATERMARK or wf - margin_ms <= self.wa[p]:
+            return False
+        self.wa[p] = wf - margin_ms
+        self.counts["idle_advances"] += 1
+        self.save(p)
+        return True
+
     def take(self) -> list[tuple[bytes, bytes, int]]:
         out, self.out = self.out, []
         return out

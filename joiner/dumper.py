@@ -23,8 +23,12 @@ Files of different flushes may have different ``sparse_*``/``dense_*`` column se
 appear); read them with ``pyarrow.dataset.dataset(path, format="parquet", partitioning="hive")``
 after unifying schemas (:func:`read_examples` does), missing columns read as null.
 
-Exactly once: the joiner's topic is at-least-once with exact duplicates. The dumper keeps every
-example_id it has written and its own input offsets in RocksDB (``<var>/examples/_state``). A
+Exactly once: the joiner's topic is at-least-once with exact duplicates. The dumper keeps the
+example_ids it has written and its own input offsets in RocksDB (``<var>/examples/_state``).
+Ids are pruned once their event time is ``dedup_horizon_s`` behind the newest example written
+(:func:`default_dedup_horizon_s`: beyond the joiner's maximum re-emission distance), so the state
+stays bounded; an example older than the horizon is written without a dedup guarantee and
+counted (``beyond_horizon``). A
 flush writes each file to a temp name, fsyncs and renames it, *then* commits ids + offsets +
 the flush sequence number in one atomic batch. After a crash, part files with a sequence number
 above the committed one are deleted (their records are re-read from the committed offsets), so
@@ -59,6 +63,26 @@ from services.settings import Settings, get_settings
 log = logging.getLogger(__name__)
 SERVICE = "joiner-dumper"
 _I64 = struct.Struct("<q")
+
+
+_TS = struct.Struct(">Q")
+
+
+def default_dedup_horizon_s(settings: Settings) -> float:
+    """How far behind the newest example (event time) a duplicate can still arrive, with slack.
+
+    The joiner re-emits only the examples of batches it had not committed when it crashed, and it
+    emits an impression's examples while its action watermark is within W + L + R of the
+    impression (positives, negatives at window close, corrections) and its features watermark
+    has passed the impression; the newest example the dumper has seen is at most the features
+    watermark. So W + L + R + G (orphan grace, for actions before features) bounds the distance,
+    plus how far the actions stream lags behind the features stream (idle partitions: see
+    ``idle_advance_seconds``), for which one hour is added. Set ``--dedup-horizon`` higher when
+    the action stream may lag more than that.
+    """
+    js = settings.joiner
+    retention = js.window_seconds if js.late_retention_seconds is None else js.late_retention_seconds
+    return (js.window_seconds + js.allowed_lateness_seconds + retention + js.orphan_grace_seconds + 3600.0)
 
 
 def flatten(examples: list[Example], labels: list[str]) -> pa.Table:
@@ -153,8 +177,13 @@ async def run(
     until_idle_s: float | None = None,
     flush_rows: int = 100_000,
     flush_interval_s: float = 30.0,
+    dedup_horizon_s: float | None = None,
 ) -> dict[str, int]:
+    """Dump until ``stop`` (or ``until_idle_s`` of no input). Written ids are remembered for
+    ``dedup_horizon_s`` of event time behind the newest example seen (default
+    :func:`default_dedup_horizon_s`); older ones are pruned at each flush."""
     stop = stop or asyncio.Event()
+    horizon_ms = int((default_dedup_horizon_s(settings) if dedup_horizon_s is None else dedup_horizon_s) * 1000)
     root = out_dir or settings.var_dir / "examples"
     root.mkdir(parents=True, exist_ok=True)
     tansu_quirks.install()
@@ -170,12 +199,14 @@ async def run(
     store = RocksDBStore(f"rocksdb://{state_path}")
     raw_seq = store.get(b"seq")
     seq = _I64.unpack(raw_seq)[0] if raw_seq else 0
+    raw_max = store.get(b"maxt")
+    max_t = _I64.unpack(raw_max)[0] if raw_max else 0  # newest example event time written
     removed = recover(root, seq)
     if removed:
         log.warning("removed %d part files of a flush that did not commit (crash); re-reading them", removed)
     labels = sorted(set(settings.joiner.label_map.values()))
     consumer = TypedConsumer(settings, SERVICE, Example, [], None)
-    totals = {"examples": 0, "duplicates": 0, "files": 0}
+    totals = {"examples": 0, "duplicates": 0, "files": 0, "pruned_ids": 0, "beyond_horizon": 0}
     try:
         await consumer.start()
         c = consumer.consumer
@@ -190,23 +221,43 @@ async def run(
             else:
                 c.seek(tp, _I64.unpack(raw)[0])
         buffered: dict[Path, list[Example]] = defaultdict(list)
-        buffered_ids: set[str] = set()
+        buffered_ids: dict[str, int] = {}  # example_id -> event time
         positions: dict[TopicPartition, int] = {}
         first_at = None
         idle_since = time.monotonic()
+        prune_floor = [0]
 
         def flush() -> None:
-            nonlocal seq, first_at
+            nonlocal seq, first_at, max_t
             if not positions:
                 return
             seq += 1
             for n, (directory, rows) in enumerate(sorted(buffered.items())):
                 _write_atomic(flatten(rows, labels), directory / f"part-{seq:010d}-{n:04d}.parquet")
                 totals["files"] += 1
-            changes: dict[bytes, bytes | None] = {b"S" + eid.encode(): b"" for eid in buffered_ids}
+            changes: dict[bytes, bytes | None] = {}
+            max_t = max([max_t, *buffered_ids.values()])
+            # Forget the ids the horizon has passed (nothing re-emits them any more), those of
+            # this flush included.
+            cutoff = max_t - horizon_ms
+            for eid, t in buffered_ids.items():
+                if t < cutoff:
+                    totals["pruned_ids"] += 1
+                    continue
+                e = eid.encode()
+                changes[b"S" + e] = b""
+                changes[b"E" + _TS.pack(max(t, 0)) + e] = b""  # event-time index, for pruning
+            if cutoff > prune_floor[0]:
+                # (from the last cutoff, so the scan does not step over the deleted keys again)
+                for key, _ in store.scan(b"E" + _TS.pack(prune_floor[0]), b"E" + _TS.pack(cutoff)):
+                    changes[key] = None
+                    changes[b"S" + key[9:]] = None
+                    totals["pruned_ids"] += 1
+                prune_floor[0] = cutoff
             for tp, off in positions.items():
                 changes[b"off:" + str(tp.partition).encode()] = _I64.pack(off)
             changes[b"seq"] = _I64.pack(seq)
+            changes[b"maxt"] = _I64.pack(max_t)
             store.write(changes)
             totals["examples"] += len(buffered_ids)
             buffered.clear()
@@ -228,7 +279,9 @@ async def run(
                     if e.example_id in buffered_ids or store.get(b"S" + e.example_id.encode()) is not None:
                         totals["duplicates"] += 1
                         continue
-                    buffered_ids.add(e.example_id)
+                    if e.event_time_ms < max_t - horizon_ms:
+                        totals["beyond_horizon"] += 1  # its id may have been pruned: written anyway
+                    buffered_ids[e.example_id] = e.event_time_ms
                     buffered[hour_dir(root, e.event_time_ms)].append(e)
                 if records:
                     positions[tp] = records[-1].offset + 1
@@ -254,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--until-idle", type=float, default=None, metavar="S", help="flush and exit after S idle seconds")
     parser.add_argument("--flush-rows", type=int, default=100_000)
     parser.add_argument("--flush-interval", type=float, default=30.0)
+    parser.add_argument("--dedup-horizon", type=float, default=None, metavar="S",
+                        help="event-time seconds to remember written ids (default: from the joiner's windows)")
     parser.add_argument("--metrics-port", type=int, default=None)
     args = parser.parse_args(argv)
     settings = get_settings()
@@ -266,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         return await run(settings, out_dir=args.out, stop=stop, until_idle_s=args.until_idle,
-                         flush_rows=args.flush_rows, flush_interval_s=args.flush_interval)
+                         flush_rows=args.flush_rows, flush_interval_s=args.flush_interval,
+                         dedup_horizon_s=args.dedup_horizon)
 
     try:
         totals = asyncio.run(_main())

@@ -32,6 +32,10 @@ JOIN_LATENCY = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 BATCH_SECONDS = Histogram("driftline_joiner_batch_seconds", "Wall time per batch (join + produce + commit).")
+IDLE_ADVANCES = Counter(
+    "driftline_joiner_idle_advances_total",
+    "Action watermarks raised because an actions partition was idle (idle_advance_seconds).",
+)
 EXAMPLES = Counter("driftline_joiner_examples_produced_total", "Example messages produced (incl. re-emissions after a crash).")
 
 _COUNTERS = {

@@ -209,3 +209,26 @@ def test_base_plus_tail_bytes_parse_to_merged_example():
     assert e.features == merged and dict(e.features.dense) == {"a": 1.0, "b": 3.0}
     assert dict(e.labels) == {"click": 1.0, "like": 0.0} and e.sample_rate == 0.5
     assert (e.example_id, e.request_id, e.item_id, e.user_id, e.event_time_ms, e.model_id) == ("r/7", "r", 7, 1, 1000, "m")
+
+
+def test_idle_advance_closes_windows_the_features_stream_left_behind():
+    cfg = JoinConfig(window_ms=10_000, lateness_ms=1_000, negative_sample_rate=1.0)
+    core = JoinCore(TieredState(MemoryStore(), 100), cfg)
+    core.load(0)
+    for rid, t in (("a", 1_000), ("b", 50_000), ("c", 100_000)):
+        core.on_features(0, FeatureLog(request_id=rid, event_time_ms=t, user_id=1, candidates=[Candidate(item_id=1)]))
+    core.advance(0)
+    assert core.take() == []  # no action: the windows stay open
+    assert core.idle_advance(0, margin_ms=200_000)  # wa -> -100_000: closes nothing
+    core.advance(0)
+    assert core.take() == []
+    assert core.idle_advance(0, margin_ms=45_000)  # wa -> 55_000
+    assert core.wa[0] == 55_000
+    core.advance(0)
+    assert [Example.FromString(v).example_id for _, v, _ in core.take()] == ["a/1"]  # b closes at 61_000
+    assert not core.idle_advance(0, margin_ms=45_000)  # idempotent
+    # An action that comes later is judged against the raised watermark: late for a, joins b.
+    core.on_action(0, Action(request_id="a", item_id=1, action_type="click", event_time_ms=2_000))
+    core.on_action(0, Action(request_id="b", item_id=1, action_type="click", event_time_ms=51_000))
+    assert [Example.FromString(v).example_id for _, v, _ in core.take()] == ["b/1"]
+    assert core.counts["late_late"] == 1 and core.counts["idle_advances"] == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pyarrow.compute as pc
 
 from joiner import dumper
+from joiner.stores.rocksdb import RocksDBStore
 from joiner.app import run as run_joiner
 from joiner.synth import ml_events
 from joiner.types import JoinConfig
@@ -24,7 +25,10 @@ async def test_dumper_writes_each_example_once_by_event_hour(settings: Settings)
     # Duplicates as a crashed joiner would leave them: exact copies, later in the topic.
     await produce(settings, [(settings.topics.examples, b"dup", v) for v in raw[:300]])
     root = settings.var_dir / "examples"
-    totals = await dumper.run(settings, until_idle_s=1.0, flush_rows=1000)
+    # ml_events follows ml-1m's file order (by user), so event times jump by years: remember
+    # every id here (the horizon has its own test below).
+    forever = 20 * 365 * 86400.0
+    totals = await dumper.run(settings, until_idle_s=1.0, flush_rows=1000, dedup_horizon_s=forever)
     assert totals["duplicates"] == 300 and totals["examples"] == len(raw)
     table = dumper.read_examples(root)
     assert table.num_rows == len(raw)
@@ -43,10 +47,42 @@ async def test_dumper_writes_each_example_once_by_event_hour(settings: Settings)
     ghost.parent.mkdir(parents=True)
     ghost.write_bytes(b"partial")
     await produce(settings, [(settings.topics.examples, b"dup", v) for v in raw[:10]])
-    totals = await dumper.run(settings, until_idle_s=1.0)
+    totals = await dumper.run(settings, until_idle_s=1.0, dedup_horizon_s=forever)
     assert totals["duplicates"] == 10 and totals["examples"] == 0 and not ghost.exists()
     assert sorted(p.name for p in root.glob("dt=*/hour=*/part-*.parquet")) == before
 
 
 def test_flatten_empty() -> None:
     assert dumper.flatten([], ["click"]).num_rows == 0
+
+
+async def test_dumper_prunes_ids_beyond_the_dedup_horizon(settings: Settings) -> None:
+    from proto import Example
+
+    await create_topics(settings)
+    hour = 3_600_000
+    t0 = 1_700_000_000_000
+
+    def ex(i: int, t: int) -> tuple[str, bytes, bytes]:
+        e = Example(example_id=f"h/{i}", request_id="h", item_id=i, user_id=1, event_time_ms=t, sample_rate=1.0)
+        return settings.topics.examples, b"1", e.SerializeToString()
+
+    # 10 hours of examples, one every 6 minutes; horizon 2 hours.
+    first = [ex(i, t0 + i * hour // 10) for i in range(100)]
+    await produce(settings, first)
+    root = settings.var_dir / "examples"
+    totals = await dumper.run(settings, until_idle_s=1.0, flush_rows=10, dedup_horizon_s=7200)
+    assert totals["examples"] == 100
+    newest = t0 + 99 * hour // 10
+    pruned = [i for i in range(100) if t0 + i * hour // 10 < newest - 2 * hour]
+    assert totals["pruned_ids"] == len(pruned) > 70
+    store = RocksDBStore(f"rocksdb://{root / '_state'}")
+    try:
+        kept = [k for k, _ in store.scan(b"S", b"T")]
+        assert len(kept) == 100 - len(pruned)
+    finally:
+        store.close()
+    # Duplicates within the horizon are still dropped; one beyond it is written again (counted).
+    await produce(settings, [first[99], first[90], first[0]])
+    totals = await dumper.run(settings, until_idle_s=1.0, dedup_horizon_s=7200)
+    assert totals["duplicates"] == 2 and totals["examples"] == 1 and totals["beyond_horizon"] == 1

@@ -87,3 +87,35 @@ async def test_malformed_input_is_dead_lettered(settings: Settings) -> None:
     assert sorted(d.reason.split(":")[0] for d in letters) == ["invalid", "undecodable"]
     assert {d.consumer for d in letters} == {"joiner"}
     assert bad_features in {d.value for d in letters}
+
+
+async def _features_only_run(settings: Settings, idle_advance_s: float | None) -> list:
+    await create_topics(settings)
+    fls = []
+    for i in range(60):  # one request every 10 s of event time, on every partition; no actions
+        fl = FeatureLog(request_id=f"idle{i}", event_time_ms=1_700_000_000_000 + i * 10_000, user_id=i)
+        fl.candidates.add(item_id=1)
+        fls.append(("features", fl.request_id.encode(), fl.SerializeToString()))
+    await produce(settings, fls)
+    stop = asyncio.Event()
+    cfg = JoinConfig(window_ms=60_000, lateness_ms=5_000, negative_sample_rate=1.0)
+    task = asyncio.create_task(run(settings, stop=stop, config=cfg, idle_advance_s=idle_advance_s,
+                                   idle_advance_margin_s=100.0))
+    await asyncio.sleep(4.0)
+    stop.set()
+    counts = await task
+    assert counts["impressions"] == 60
+    return await read_examples(settings)
+
+
+async def test_idle_action_partitions_close_windows_with_idle_advance(settings: Settings) -> None:
+    examples = await _features_only_run(settings, idle_advance_s=0.5)
+    # Per partition the action watermark goes to (last feature time - 100 s): every impression
+    # with t + 65 s < that closes as a negative; the last ~165 s of each partition stay open.
+    assert 20 <= len(examples) < 60
+    assert all(e.labels["click"] == 0.0 and e.sample_rate == 1.0 for e in examples)
+    assert max(e.event_time_ms for e in examples) < 1_700_000_000_000 + 59 * 10_000 - 165_000
+
+
+async def test_without_idle_advance_idle_action_partitions_keep_windows_open(settings: Settings) -> None:
+    assert await _features_only_run(settings, idle_advance_s=None) == []

@@ -1,8 +1,11 @@
 """Online training from the ``examples`` topic (Monolith's streaming trainer).
 
-Loop: poll -> validate (bad -> dead letters) -> dedup by example_id (bounded window) -> score the
-batch with the current model and update the streaming AUC (progressive validation) -> train on it
--> commit its offsets. Every ``sync_interval_s`` the touched sparse rows are published to
+Loop: poll -> validate (bad -> dead letters, with the record's original bytes) -> dedup by
+example_id (bounded window) -> assemble the batch -> score it with the current model and update the
+streaming AUC (progressive validation) -> train on it -> commit its offsets. Training runs on one
+dedicated thread (torch ops and the PS kernels release the GIL) while the event loop fetches,
+decodes and assembles the next batch: decode overlaps compute, one core each. Only one batch is
+in flight, and a batch's offsets are committed after it is applied, in order. Every ``sync_interval_s`` the touched sparse rows are published to
 ``param-deltas`` as one version (several chunks); every ``dense_sync_interval_s`` the dense params.
 Every ``snapshot_interval_event_s`` of event time (and on a clean stop) a snapshot records tables,
 optimizer state, dense params, the next offsets of everything applied, the sync versions, the
@@ -30,14 +33,18 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 
-from proto import DeadLetter, Example
+from proto import Example
 from services import tansu_quirks
+from services.codecs import MalformedMessage
 from services.kafka import TypedConsumer, create_topics, producer, start_client
 from services.settings import Settings
 
@@ -63,16 +70,47 @@ class DedupWindow:
             return False
         if eid in self._ids:
             return True
-        self._ids[eid] = None
-        if len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
+        self.add(eid)
         return False
+
+    def __contains__(self, eid: str) -> bool:
+        return eid in self._ids
+
+    def add(self, eid: str) -> None:
+        if eid:
+            self._ids[eid] = None
+            if len(self._ids) > self.capacity:
+                self._ids.popitem(last=False)
 
     def state(self) -> list[str]:
         return list(self._ids)
 
     def load(self, ids: list[str]) -> None:
         self._ids = OrderedDict.fromkeys(ids[-self.capacity:])
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """A decoded Example and the exact bytes it came from (for dead letters)."""
+
+    message: Example
+    raw: bytes
+
+
+class KeepRawCodec:
+    """Wraps the consumer's Example codec so each record's value is ``Decoded(message, raw)``:
+    the trainer's own rejections then dead-letter the original bytes, not a re-serialization."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.message_type = inner.message_type
+        self.name = inner.name
+
+    def encode(self, message) -> bytes:
+        return self.inner.encode(message)
+
+    def decode(self, raw: bytes | None) -> Decoded:
+        return Decoded(self.inner.decode(raw), raw)
 
 
 class _Seek(ConsumerRebalanceListener):
@@ -88,13 +126,26 @@ class _Seek(ConsumerRebalanceListener):
             if off is not None and tp.topic == self.t.topic:
                 self.t.consumer.consumer.seek(tp, off)
                 log.info("resuming %s[%d] at snapshot offset %d", tp.topic, tp.partition, off)
+        self.t.ready.set()
+
+
+@dataclass
+class Prepared:
+    """One polled batch after validation and dedup: what to train on and what to commit."""
+
+    batch: SparseBatch | None
+    offsets: dict[int, int]  # partition -> next offset (records of this poll)
+    ids: list[str]  # example ids, entered into the dedup window once the batch is applied
 
 
 class OnlineTrainer:
+    """Every knob defaults to ``settings.trainer`` (:class:`services.settings.TrainerSettings`)."""
+
     def __init__(self, settings: Settings, cfg: ModelConfig, *, sync_interval_s: float | None = None,
                  dense_sync_interval_s: float | None = None, snapshot_interval_event_s: float | None = None,
-                 batch_size: int | None = None, batch_timeout_s: float = 0.2, dedup_window: int = 200_000,
-                 snapshot_root: Path | None = None, group_id: str | None = None):
+                 batch_size: int | None = None, batch_timeout_s: float | None = None,
+                 dedup_window: int | None = None, snapshot_root: Path | None = None, group_id: str | None = None,
+                 torch_threads: int = 1):
         ts = settings.trainer
         self.settings, self.cfg = settings, cfg
         self.topic = settings.topics.examples
@@ -103,12 +154,18 @@ class OnlineTrainer:
         self.snapshot_interval_ms = int(1000 * (ts.snapshot_interval_event_s if snapshot_interval_event_s is None
                                                 else snapshot_interval_event_s))
         self.batch_size = batch_size or ts.batch_size
-        self.batch_timeout_s = batch_timeout_s
-        self.snapshot_root = Path(snapshot_root or settings.var_dir / "snapshots") / cfg.model_id
-        self.group_id = group_id or f"trainer-{cfg.model_id}"
+        self.batch_timeout_s = ts.batch_timeout_s if batch_timeout_s is None else batch_timeout_s
+        root = snapshot_root or ts.snapshot_dir or settings.var_dir / "snapshots"
+        self.snapshot_root = Path(root) / cfg.model_id
+        self.group_id = group_id or ts.group_id
+        self.consumer_start_timeout_s = ts.consumer_start_timeout_s
+        # torch intra-op threads of the training thread. 1 by default: the other core decodes and
+        # assembles the next batch; 2 torch threads plus the decoding thread oversubscribe two
+        # cores, and OpenMP's barriers then wait on descheduled threads (10x slower steps measured).
+        self.torch_threads = torch_threads
         self.model = SparseModel(cfg)
         self.auc = M.StreamingAUC()
-        self.dedup = DedupWindow(dedup_window)
+        self.dedup = DedupWindow(ts.dedup_window if dedup_window is None else dedup_window)
         self.known_slots = set(cfg.all_slots)
         self.resume_offsets: dict[int, int] = {}
         self.applied_offsets: dict[int, int] = {}
@@ -119,16 +176,21 @@ class OnlineTrainer:
         self.max_event_time = 0
         self.next_snapshot_at: int | None = None
         self.stop_event = asyncio.Event()
+        self.ready = asyncio.Event()  # set once the group join assigned partitions
         self.bad = 0
         self.duplicates = 0
         self.delays: deque[float] = deque(maxlen=100_000)
         self._unsynced_times: list[np.ndarray] = []
         self.loss_ema = float("nan")
-        self.stage = {"decode": 0.0, "train": 0.0, "commit": 0.0, "sync": 0.0, "snapshot": 0.0}
+        self.stage = {k: 0.0 for k in ("poll", "prepare", "train", "wait_train", "commit", "sync", "snapshot")}
         self.last_sync_tables: dict[str, tuple] | None = None
         self.keep_last_sync_copy = False
         self.first_batch_at: float | None = None
         self.last_batch_at: float | None = None
+        self._pending: asyncio.Task | None = None
+        self._inflight_ids: set[str] = set()
+        self._executor: ThreadPoolExecutor | None = None
+        self._rate_mark = (time.monotonic(), 0)
 
     # ------------------------------------------------------------------ state
     def restore(self, epoch: str | None) -> bool:
@@ -159,6 +221,7 @@ class OnlineTrainer:
         return True
 
     def snapshot(self) -> Path:
+        """Write a snapshot (call with no batch in flight: see :meth:`_drain`)."""
         t0 = time.perf_counter()
         dense = {"head": self.model.head.state_dict(), "optimizer": self.model.optimizer.state_dict(),
                  "auc_pos": self.auc.pos, "auc_neg": self.auc.neg, "dedup": self.dedup.state()}
@@ -169,17 +232,23 @@ class OnlineTrainer:
                "auc": self.auc.value()}
         path = snapshots.save(self.snapshot_root, self.cfg, self.model.tables, dense, man)
         M.SNAPSHOTS.labels(self.cfg.model_id).inc()
-        self.stage["snapshot"] += time.perf_counter() - t0
+        self._stage("snapshot", time.perf_counter() - t0)
         return path
+
+    def _stage(self, name: str, seconds: float) -> None:
+        self.stage[name] += seconds
+        M.STAGE_SECONDS.labels(self.cfg.model_id, name).inc(seconds)
 
     # ------------------------------------------------------------------ sync
     async def sync_sparse(self) -> int:
+        """Publish the touched rows as one version (call with no batch in flight)."""
         t0 = time.perf_counter()
         msgs = encode_sparse_tables(self.cfg.model_id, self.sparse_version + 1, self.model.tables,
                                     max_event_time_ms=self.max_event_time)
         if self.keep_last_sync_copy:
             self.last_sync_tables = {n: t.items() for n, t in self.model.tables.items()}
         if not msgs:
+            self._unsynced_times = []  # their updates changed no row (e.g. ids not admitted yet)
             return 0
         self.sparse_version += 1
         nbytes = 0
@@ -202,7 +271,7 @@ class OnlineTrainer:
         dt = time.perf_counter() - t0
         M.SYNC_BYTES.labels(self.cfg.model_id, "sparse").observe(nbytes)
         M.SYNC_SECONDS.labels(self.cfg.model_id, "sparse").observe(dt)
-        self.stage["sync"] += dt
+        self._stage("sync", dt)
         for n, t in self.model.tables.items():
             M.TABLE_SIZE.labels(self.cfg.model_id, n).set(len(t))
         return nbytes
@@ -220,47 +289,77 @@ class OnlineTrainer:
         M.SYNC_SECONDS.labels(self.cfg.model_id, "dense").observe(time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ batches
-    async def _dead_letter(self, rec, reason: str):
+    async def _reject(self, rec, raw: bytes, kind: str, detail: str):
+        """Dead-letter one record (its original bytes) through the consumer's own dead-letter path."""
         self.bad += 1
-        M.BAD_EXAMPLES.labels(self.cfg.model_id, reason.split(":")[0]).inc()
-        letter = DeadLetter(source_topic=rec.topic, partition=rec.partition, offset=rec.offset, key=rec.key or b"",
-                            value=rec.value.SerializeToString(), reason=reason, consumer="trainer",
-                            rejected_at_ms=int(time.time() * 1000))
-        return await self._producer.send(self.settings.topics.dead_letters, letter.SerializeToString(), key=rec.key)
+        M.BAD_EXAMPLES.labels(self.cfg.model_id, kind).inc()
+        err = MalformedMessage(kind, detail)
+        original = SimpleNamespace(topic=rec.topic, partition=rec.partition, offset=rec.offset, key=rec.key,
+                                   value=raw)
+        return await self.consumer.dead_letter(original, err)
 
-    def _check(self, ex: Example) -> str | None:
-        unknown = set(ex.features.sparse.keys()) - self.known_slots
-        if unknown:
-            return f"unknown_slot: {sorted(unknown)}"
+    def _check(self, ex: Example) -> tuple[str, str] | None:
+        """Trainer-specific validation (the consumer's codec already checked finiteness, ids, ...)."""
+        sparse = ex.features.sparse
+        if not self.known_slots.issuperset(sparse.keys()):
+            return "unknown_slot", str(sorted(set(sparse.keys()) - self.known_slots))
         if self.cfg.label not in ex.labels or not math.isfinite(ex.labels[self.cfg.label]):
-            return f"bad_label: {self.cfg.label!r} missing or not finite"
+            return "bad_label", f"{self.cfg.label!r} missing or not finite"
         dense = ex.features.dense
         if len(dense) != len(self.cfg.dense_features) or any(k not in dense for k in self.cfg.dense_features):
-            return f"wrong_dim: dense features {sorted(dense)} != {self.cfg.dense_features}"
+            return "wrong_dim", f"dense features {sorted(dense)} != {self.cfg.dense_features}"
         if any(not math.isfinite(v) for v in dense.values()):
-            return "nan_value: non-finite dense feature"
+            return "nan_value", "non-finite dense feature"
         return None
 
-    async def process(self, recs) -> None:
+    async def prepare(self, recs) -> Prepared:
+        """Validate, dead-letter (durably), dedup and assemble one batch on the event loop."""
         t0 = time.perf_counter()
-        good, letters = [], []
+        good, letters, ids = [], [], {}
+        # duplicates of: the applied window, the batch in flight, this batch. The window learns a
+        # batch's ids only once it is applied, so a snapshot never holds ids it has not trained on.
+        inflight = self._inflight_ids
         for r in recs:
-            why = self._check(r.value)
+            ex = r.value.message
+            why = self._check(ex)
+            eid = ex.example_id
             if why is not None:
-                letters.append(await self._dead_letter(r, why))
-            elif self.dedup.seen_or_add(r.value.example_id):
+                letters.append(await self._reject(r, r.value.raw, *why))
+            elif eid and (eid in self.dedup or eid in inflight or eid in ids):
                 self.duplicates += 1
                 M.DUPLICATES.labels(self.cfg.model_id).inc()
             else:
-                good.append(r.value)
-        t1 = time.perf_counter()
-        if good:
+                ids[eid] = None
+                good.append(ex)
+        batch = (SparseBatch.from_examples(good, self.cfg.all_slots, self.cfg.label, self.cfg.dense_features)
+                 if good else None)
+        offsets: dict[int, int] = {}
+        for r in recs:
+            if r.offset + 1 > offsets.get(r.partition, -1):
+                offsets[r.partition] = r.offset + 1
+        self._stage("prepare", time.perf_counter() - t0)
+        if letters:  # dead letters durable before their offsets can be committed
+            await asyncio.gather(*letters)
+        return Prepared(batch, offsets, list(ids))
+
+    def _train(self, batch: SparseBatch):
+        """On the training thread."""
+        if torch.get_num_threads() != self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        t0 = time.perf_counter()
+        loss, probs = self.model.train_step(batch)
+        return loss, probs, time.perf_counter() - t0
+
+    async def _apply(self, p: Prepared) -> None:
+        """Train on a prepared batch (on the training thread), then commit its offsets."""
+        if p.batch is not None:
+            batch = p.batch
             if self.first_batch_at is None:
                 self.first_batch_at = time.perf_counter()
-            batch = SparseBatch.from_examples(good, self.cfg.all_slots, self.cfg.label, self.cfg.dense_features)
-            t2 = time.perf_counter()
+            loop = asyncio.get_running_loop()
             # progressive validation: the step's forward pass scores the batch before it is learned
-            loss, probs = self.model.train_step(batch)
+            loss, probs, dt = await loop.run_in_executor(self._executor, self._train, batch)
+            self._stage("train", dt)
             self.auc.update(probs, batch.labels)
             self.examples_applied += batch.size
             self.last_batch_at = time.perf_counter()
@@ -270,21 +369,44 @@ class OnlineTrainer:
             M.EXAMPLES.labels(self.cfg.model_id, "online").inc(batch.size)
             M.LOSS.labels(self.cfg.model_id, "online").set(self.loss_ema)
             M.AUC.labels(self.cfg.model_id, "online").set(self.auc.value())
-            self.stage["decode"] += t2 - t1
-            self.stage["train"] += time.perf_counter() - t2
-        self.stage["decode"] += t1 - t0
+        for eid in p.ids:
+            self.dedup.add(eid)
         t3 = time.perf_counter()
-        if letters:  # dead letters durable before their offsets are committed
-            await asyncio.gather(*letters)
-        for r in recs:
-            if r.offset + 1 > self.applied_offsets.get(r.partition, -1):
-                self.applied_offsets[r.partition] = r.offset + 1
-        await self.consumer.commit({TopicPartition(self.topic, p): o for p, o in self.applied_offsets.items()})
-        self.stage["commit"] += time.perf_counter() - t3
+        for part, off in p.offsets.items():
+            if off > self.applied_offsets.get(part, -1):
+                self.applied_offsets[part] = off
+        await self.consumer.commit({TopicPartition(self.topic, q): o for q, o in self.applied_offsets.items()})
+        self._stage("commit", time.perf_counter() - t3)
+
+    def _start(self, p: Prepared) -> None:
+        self._inflight_ids = set(p.ids)
+        self._pending = asyncio.create_task(self._apply(p))
+
+    async def _drain(self) -> None:
+        """Wait for the batch in flight (if any), then snapshot if its event time crossed a boundary."""
+        if self._pending is None:
+            return
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, None
+        await pending
+        self._inflight_ids = set()
+        self._stage("wait_train", time.perf_counter() - t0)
+        if self.snapshot_interval_ms > 0:
+            if self.next_snapshot_at is None:
+                self.next_snapshot_at = (self.max_event_time // self.snapshot_interval_ms + 1) * self.snapshot_interval_ms
+            elif self.max_event_time >= self.next_snapshot_at:
+                await self.sync_sparse()
+                self.snapshot()
+                self.next_snapshot_at = (self.max_event_time // self.snapshot_interval_ms + 1) * self.snapshot_interval_ms
+
+    def _update_rate(self, now: float) -> None:
+        t, n = self._rate_mark
+        if now - t >= 1.0:
+            M.EXAMPLES_PER_S.labels(self.cfg.model_id, "online").set((self.examples_applied - n) / (now - t))
+            self._rate_mark = (now, self.examples_applied)
 
     # ------------------------------------------------------------------ main loop
     async def run(self, stop_when_idle_s: float | None = None, max_examples: int | None = None) -> dict:
-        torch.set_num_threads(2)
         s = self.settings
         await create_topics(s, {self.topic: s.topics.partitions, s.topics.param_deltas: 1, s.topics.dead_letters: 1})
         try:
@@ -292,14 +414,16 @@ class OnlineTrainer:
         except Exception:  # noqa: BLE001 - an external Kafka without the marker topic
             epoch = None
         restored = self.restore(epoch)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="trainer-step")
         self._producer = producer(s)
         await start_client(self._producer, s)
         # a kill -9'd predecessor stays a group member until its session times out, and the join
         # waits for it: allow the consumer start longer than the default connect timeout.
         cs = s.model_copy(deep=True)
-        cs.kafka.connect_timeout_s = max(s.kafka.connect_timeout_s, 3 * s.kafka.session_timeout_ms / 1000)
+        cs.kafka.connect_timeout_s = max(s.kafka.connect_timeout_s, self.consumer_start_timeout_s)
         self.consumer = TypedConsumer(cs, "trainer", Example, [self.topic], self.group_id,
                                       dead_letter_producer=self._producer)
+        self.consumer.codec = KeepRawCodec(self.consumer.codec)
         self.consumer.consumer.subscribe([self.topic], listener=_Seek(self))
         await self.consumer.start()
         started = time.time()
@@ -309,9 +433,17 @@ class OnlineTrainer:
             await self.sync_dense()
         buf: list = []
         first_at = 0.0
+        queued = self.examples_applied
         try:
             while not self.stop_event.is_set():
-                recs = await self.consumer.poll(timeout_ms=100, max_records=self.batch_size - len(buf))
+                now = time.monotonic()
+                # wake up in time for the batch timeout and the next sync, not just every 100 ms
+                wait = min(0.1, max(0.0, last_sync + self.sync_interval_s - now))
+                if buf:
+                    wait = min(wait, max(0.0, first_at + self.batch_timeout_s - now))
+                t0 = time.perf_counter()
+                recs = await self.consumer.poll(timeout_ms=int(wait * 1000), max_records=self.batch_size - len(buf))
+                self._stage("poll", time.perf_counter() - t0)
                 now = time.monotonic()
                 if recs:
                     if not buf:
@@ -319,35 +451,40 @@ class OnlineTrainer:
                     buf.extend(recs)
                     last_data = now
                 if buf and (len(buf) >= self.batch_size or now - first_at >= self.batch_timeout_s):
-                    await self.process(buf)
+                    prepared = await self.prepare(buf)
                     buf = []
-                    if self.snapshot_interval_ms > 0:
-                        if self.next_snapshot_at is None:
-                            self.next_snapshot_at = (self.max_event_time // self.snapshot_interval_ms + 1) * self.snapshot_interval_ms
-                        elif self.max_event_time >= self.next_snapshot_at:
-                            await self.sync_sparse()
-                            self.snapshot()
-                            self.next_snapshot_at = (self.max_event_time // self.snapshot_interval_ms + 1) * self.snapshot_interval_ms
-                    if max_examples is not None and self.examples_applied >= max_examples:
+                    await self._drain()
+                    self._start(prepared)
+                    queued += prepared.batch.size if prepared.batch is not None else 0
+                    if max_examples is not None and queued >= max_examples:
                         break
                 now = time.monotonic()
+                self._update_rate(now)
                 if now - last_sync >= self.sync_interval_s:
                     last_sync = now
+                    await self._drain()
                     await self.sync_sparse()
                 if now - last_dense >= self.dense_sync_interval_s:
                     last_dense = now
+                    await self._drain()
                     await self.sync_dense()
                 if stop_when_idle_s is not None and not buf and now - last_data >= stop_when_idle_s:
                     break
             if buf:
-                await self.process(buf)
+                prepared = await self.prepare(buf)
+                await self._drain()
+                self._start(prepared)
+            await self._drain()
             await self.sync_sparse()
             await self.sync_dense()
             self.snapshot()
         finally:
+            if self._pending is not None:  # cancelled mid-batch: let the step finish, commit nothing more
+                self._pending.cancel()
             await self.consumer.stop()
             await self._producer.stop()
+            self._executor.shutdown(wait=True)
         elapsed = time.time() - started
         return {"examples_applied": self.examples_applied, "auc": self.auc.value(), "loss": self.loss_ema,
-                "bad": self.bad + self.consumer.dead_lettered, "duplicates": self.duplicates, "sparse_version": self.sparse_version,
+                "bad": self.consumer.dead_lettered, "duplicates": self.duplicates, "sparse_version": self.sparse_version,
                 "elapsed_s": elapsed, "stages": dict(self.stage, **{f"model_{k}": v for k, v in self.model.timings.items()})}

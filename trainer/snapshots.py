@@ -2,10 +2,10 @@
 consumer offsets and sync versions, under ``<root>/<model_id>/snap-<seq>/`` with a ``LATEST``
 pointer replaced atomically (a crash leaves either the old or the new snapshot, never half).
 
-``ps.snapshot`` is not there yet; until it is, tables are written from ``EmbeddingTable.items()``
-and restored with :func:`_restore_table` (``apply_sync`` + an optimizer-state write into the
-shards - the one place the trainer touches PS internals). Admission sketches are not saved: after
-a restore, ids still below ``min_count`` start counting again.
+Tables are written by the PS itself (:meth:`ps.ParameterServer.save` /
+:func:`ps.save_table` into ``snap-<seq>/tables/``, full snapshots) and read back with
+:func:`ps.restore_table`, so everything the PS keeps round-trips bit-identically: values,
+optimizer state, update times, admission sketches, free rows, expiry cursor and watermark.
 
 Serving: ``tables, dense_state, manifest = load_latest(Path("var/snapshots/deepfm"))`` gives
 read-only replicas; then apply ``param-deltas`` from ``manifest["param_deltas_offset"]`` on
@@ -24,10 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ps import EmbeddingTable, SyncChunk
+from ps import EmbeddingTable, SnapshotError, SyncChunk, restore_table, save_table
 
 from .config import ModelConfig
-from .model import make_tables
+
+FORMAT = "driftline-trainer-snapshot/2"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -58,15 +59,12 @@ def save(root: Path, config: ModelConfig, tables: dict[str, EmbeddingTable], den
     tmp.mkdir()
     rows = {}
     for tname, t in tables.items():
-        k, v, s, tm = t.items()
-        buf = io.BytesIO()
-        np.savez(buf, keys=k, values=v, state=s, times=tm)
-        _write(tmp / f"table-{tname}.npz", buf.getvalue())
-        rows[tname] = int(k.size)
+        save_table(t, tmp / "tables")  # per shard: temp file + fsync + rename, checksummed
+        rows[tname] = len(t)
     buf = io.BytesIO()
     torch.save(dense, buf)
     _write(tmp / "dense.pt", buf.getvalue())
-    full = dict(manifest, seq=seq, name=name, model_id=config.model_id, created_at_ms=int(time.time() * 1000),
+    full = dict(manifest, format=FORMAT, seq=seq, name=name, model_id=config.model_id, created_at_ms=int(time.time() * 1000),
                 rows=rows, config=json.loads(config.model_dump_json()))
     _write(tmp / "manifest.json", json.dumps(full, indent=1).encode())
     _fsync_dir(tmp)
@@ -88,17 +86,15 @@ def read_manifest(root: Path) -> dict | None:
     return json.loads((Path(root) / latest.read_text().strip() / "manifest.json").read_text())
 
 
-def _restore_table(table: EmbeddingTable, keys, values, state, times) -> None:
-    if keys.size == 0:
-        return
-    table.apply_sync(SyncChunk(keys, values, times, np.zeros(0, np.int64)))
-    if state.size and table.config.optimizer is not None:
-        for shard, pos in zip(table.shards, table.router.split(keys)):
-            if pos.size:
-                rows = shard.lookup(keys[pos])
-                shard._state[rows] = state[pos]  # noqa: SLF001 - until ps.snapshot lands
-    for _ in table.pop_updates(1 << 20):  # restored rows are not news for serving
+def _replica(table: EmbeddingTable, config) -> EmbeddingTable:
+    """A serving replica (``config.serving()``: no optimizer) holding ``table``'s rows."""
+    out = EmbeddingTable(config.serving())
+    k, v, _state, times = table.items()
+    if k.size:
+        out.apply_sync(SyncChunk(k, v, times, np.zeros(0, np.int64)))
+    for _ in out.pop_updates(1 << 20):  # restored rows are not news for serving
         pass
+    return out
 
 
 def load(root: Path, config: ModelConfig | None = None, *, serving: bool = True):
@@ -111,12 +107,16 @@ def load(root: Path, config: ModelConfig | None = None, *, serving: bool = True)
         return None
     config = config or ModelConfig.model_validate(manifest["config"])
     snap = root / manifest["name"]
-    tables = make_tables(config, serving=serving)
-    for name, t in tables.items():
-        f = snap / f"table-{name}.npz"
-        if f.exists():
-            z = np.load(f)
-            _restore_table(t, z["keys"], z["values"], z["state"], z["times"])
+    if manifest.get("format") != FORMAT:
+        raise SnapshotError(f"{snap}: snapshot format {manifest.get('format')!r} is not {FORMAT!r} "
+                            "(written before tables were PS snapshots); delete it or train again")
+    tables = {}
+    for t in config.tables:
+        if manifest.get("rows", {}).get(t.name) is None:
+            tables[t.name] = EmbeddingTable(t.serving() if serving else t)  # a table added since
+            continue
+        restored = restore_table(snap / "tables", t)  # verified (sha256) before it is returned
+        tables[t.name] = _replica(restored, t) if serving else restored
     dense = torch.load(snap / "dense.pt", weights_only=False)
     return tables, dense, manifest
 

@@ -38,11 +38,6 @@ class ServingOptions(BaseModel):
     recent_clicks: int = 20
     #: action types that count as a click for the real-time feature
     click_actions: tuple[str, ...] = ("click", "like")
-    #: the /readyz gate: wait for the delta topic to be read up to its end at start-up
-    bootstrap_timeout_s: float = 30.0
-    #: maximum ids in one sparse slot / slots in one feature set in a request
-    max_ids_per_slot: int = 256
-    max_slots: int = 64
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ServingOptions:

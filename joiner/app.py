@@ -150,6 +150,21 @@ class BatchedSender:
         await asyncio.gather(*futures)
 
 
+STATE_FORMAT = b"2"  # 2: time-index entries per FeatureLog group (joiner.core), value = item ids
+
+
+def _check_state_format(store: object, url: str) -> None:
+    """Refuse state written in another layout (it would be misread), mark a new store."""
+    fmt = store.get(b"Mformat")  # type: ignore[attr-defined]
+    if fmt == STATE_FORMAT:
+        return
+    if fmt is not None or next(iter(store.scan(b"", b"\xff")), None) is not None:  # type: ignore[attr-defined]
+        store.close()  # type: ignore[attr-defined]
+        raise RuntimeError(f"joiner state at {url} has format {fmt!r}, this joiner writes {STATE_FORMAT!r}: "
+                           "remove it to rebuild the state from the input topics")
+    store.write({b"Mformat": STATE_FORMAT})  # type: ignore[attr-defined]
+
+
 def default_store_url(settings: Settings) -> str:
     return settings.joiner.store_url or f"rocksdb://{settings.var_dir / 'joiner' / 'state'}"
 
@@ -196,6 +211,7 @@ async def run(
             shutil.rmtree(path)
             tansu_quirks.state_matches_broker(path, epoch)
     store = open_store(url)
+    _check_state_format(store, url)
     state = TieredState(store, js.cache_size if cache_size is None else cache_size)
     core = JoinCore(state, cfg)
     spill_after_ms = int(js.spill_after_seconds * 1000)

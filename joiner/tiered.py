@@ -40,22 +40,22 @@ class TieredState:
     def get(self, key: bytes) -> bytes | None:
         """A record, counting where it was found (for impression and pending-action lookups)."""
         v = self.dirty.get(key, _MISSING)
-        if v is not _MISSING:
+        if v is _MISSING:
+            v = self.cache.get(key)
+            if v is not None:
+                self.cache_hits += 1
+                return v
+            v = self.store.get(key)
             if v is None:
                 self.misses += 1
             else:
-                self.cache_hits += 1
-            return v  # type: ignore[return-value]
-        v = self.cache.get(key)
-        if v is not None:
-            self.cache_hits += 1
+                self.disk_hits += 1
             return v
-        v = self.store.get(key)
         if v is None:
             self.misses += 1
         else:
-            self.disk_hits += 1
-        return v
+            self.cache_hits += 1
+        return v  # type: ignore[return-value]
 
     def peek(self, key: bytes) -> bytes | None:
         """A record, without counting (metadata)."""

@@ -28,6 +28,7 @@ class RocksDBStore:
         opts.set_block_based_table_factory(table)
         opts.increase_parallelism(2)
         self._db = Rdict(str(self.path), opts)
+        self.get = self._db.get  # type: ignore[method-assign]  # hot path: no wrapper call
 
     def get(self, key: bytes) -> bytes | None:
         return self._db.get(key)

@@ -119,3 +119,15 @@ async def test_idle_action_partitions_close_windows_with_idle_advance(settings: 
 
 async def test_without_idle_advance_idle_action_partitions_keep_windows_open(settings: Settings) -> None:
     assert await _features_only_run(settings, idle_advance_s=None) == []
+
+
+def test_batched_sender_partitions_like_the_default_partitioner() -> None:
+    from aiokafka.partitioner import DefaultPartitioner
+
+    from joiner.app import BatchedSender
+
+    parts = [0, 1, 2, 3, 4]
+    sender = BatchedSender(None, "examples", parts)
+    for user in range(2000):
+        key = str(user).encode()
+        assert sender.partition(key) == DefaultPartitioner()(key, parts, parts)

@@ -67,6 +67,8 @@ class EmbeddedSettings(BaseModel):
     host: str = "127.0.0.1"
     broker_port: int = 9092
     redis_port: int = 6379
+    # Services started by `make up` export /metrics on consecutive ports from here.
+    metrics_port_base: int = 9101
     start_timeout_s: float = 20.0
 
 
@@ -135,6 +137,24 @@ class ServingSettings(BaseModel):
     port: int = 8000
     max_candidates: int = 1_000
     feature_log_buffer: int = 10_000
+    # Seconds a feature-log send may wait for the broker before it counts as failed.
+    feature_log_send_timeout_s: float = 2.0
+    # Seconds between reconnect attempts of the feature-log producer while Kafka is down.
+    kafka_retry_s: float = 2.0
+    # "fm" (built-in FM), a trainer model name ("deepfm", "lr") or a ModelConfig JSON path;
+    # None means the trainer's model.
+    model: str | None = None
+    model_id: str = "deepfm"
+    # Where the trainer writes snapshots (None: <var_dir>/snapshots); the newest bootstraps serving.
+    snapshot_dir: Path | None = None
+    # The rate the joiner kept negatives at, for log-odds correction (None: the joiner's; 1: off).
+    negative_sample_rate: float | None = None
+    # Embedding dimension of the built-in FM model.
+    embedding_dim: int = 8
+    redis_prefix: str = "driftline"
+    # How many recent clicks per user the real-time feature keeps, and which actions count.
+    recent_clicks: int = 20
+    click_actions: tuple[str, ...] = ("click", "like")
 
 
 class Settings(BaseSettings):

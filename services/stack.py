@@ -35,11 +35,31 @@ class AppService:
 
     name: str
     args: tuple[str, ...]
+    metrics_port: Callable[[Settings], int] | None = None
     urls: Callable[[Settings], dict[str, str]] = lambda s: {}
     ready: Callable[[Settings], bool] | None = None
+    blocking: bool = False  # a one-shot job the services after it need
 
 
-APP_SERVICES: list[AppService] = []
+def _serving_url(s: Settings) -> str:
+    return f"http://{s.serving.host}:{s.serving.port}"
+
+
+def _metrics(offset: int) -> Callable[[Settings], int]:
+    return lambda s: s.embedded.metrics_port_base + offset
+
+
+# In start order. Each long-running service exports /metrics on its own port.
+APP_SERVICES: list[AppService] = [
+    AppService("features-load", ("features", "load"), blocking=True),
+    AppService("joiner", ("joiner",), metrics_port=_metrics(0)),
+    AppService("dumper", ("dumper",), metrics_port=_metrics(1)),
+    AppService("trainer", ("trainer", "online"), metrics_port=_metrics(2)),
+    AppService("serving", ("serve",),
+               ready=lambda s: port_is_open(s.serving.host, s.serving.port),
+               urls=lambda s: {"ranking API docs": f"{_serving_url(s)}/docs",
+                               "serving metrics": f"{_serving_url(s)}/metrics"}),
+]
 
 
 def _driftline(*args: str) -> list[str]:
@@ -88,9 +108,15 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, replay
 
         for service in APP_SERVICES:
             ready = service.ready
+            env = {}
+            if service.metrics_port is not None:
+                port = service.metrics_port(settings)
+                env["DRIFTLINE_METRICS_PORT"] = str(port)
+                rows.append((f"{service.name} metrics", f"http://127.0.0.1:{port}/metrics"))
             supervisor.start(ServiceSpec(
-                service.name, _driftline(*service.args),
+                service.name, _driftline(*service.args), env=env,
                 ready=(lambda r=ready: r(settings)) if ready else None,
+                oneshot=service.blocking, blocking=service.blocking,
             ))
             rows += list(service.urls(settings).items())
         if replay:

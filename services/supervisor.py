@@ -45,6 +45,8 @@ class ServiceSpec:
     ready_timeout_s: float = 60.0
     oneshot: bool = False
     restart: bool = True
+    # A one-shot job others need (a data load): start() waits for it to exit successfully.
+    blocking: bool = False
 
 
 @dataclass
@@ -91,6 +93,16 @@ class Supervisor:
         with self._lock:
             self.running[spec.name] = _Running(spec, proc, self.log_path(spec.name), time.monotonic())
         log.info("started %s (pid %d), log %s", spec.name, proc.pid, self.log_path(spec.name))
+        if spec.blocking:
+            try:
+                code = proc.wait(timeout=spec.ready_timeout_s)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(
+                    f"{spec.name} did not finish within {spec.ready_timeout_s:.0f} s; see {self.log_path(spec.name)}"
+                ) from None
+            if code != 0:
+                raise RuntimeError(f"{spec.name} failed with code {code}; see {self.log_path(spec.name)}")
+            return
         if spec.ready is None:
             return
         deadline = time.monotonic() + spec.ready_timeout_s

@@ -29,11 +29,11 @@ from typing import Mapping, Sequence
 import numpy as np
 from numba.typed import List
 
-from ._jit import njit
+from ._jit import njit, prefetch, prefetch_row
 from ._validate import as_event_time, as_grads, as_ids
 from .config import TableConfig
 from .errors import InvalidInputError, UnknownTableError
-from .hashmap import probe
+from .hashmap import GROUP, home, resolve
 from .shard import TableShard
 from .sharding import shard_index
 from .table import EmbeddingTable
@@ -42,7 +42,13 @@ from .table import EmbeddingTable
 @njit
 def packed_gather_kernel(ids, seg_off, seg_table, tab_base, tab_nshards, slots_list, emb_list,
                          out, out_off, rows, shard_of):
-    """Resolve and copy every slot of a packed batch; rows[i] = -1 where absent (zeros out)."""
+    """Resolve and copy every slot of a packed batch; rows[i] = -1 where absent (zeros out).
+
+    Per (slot, shard), ids go through in groups of :data:`~ps.hashmap.GROUP`: hash and
+    prefetch home slots, resolve and prefetch rows, then copy, so misses overlap.
+    """
+    pos = np.empty(GROUP, np.int64)
+    hs = np.empty(GROUP, np.int64)
     for s in range(seg_table.size):
         t = seg_table[s]
         base = tab_base[t]
@@ -60,18 +66,32 @@ def packed_gather_kernel(ids, seg_off, seg_table, tab_base, tab_nshards, slots_l
             emb = emb_list[sh]
             mask = slots.shape[0] - 1
             dim = emb.shape[1]
-            for i in range(a, b):
-                if shard_of[i] != sh:
-                    continue
-                r = slots[probe(slots, mask, ids[i]), 1]
-                rows[i] = r
-                o = out_off[s] + (i - a) * dim
-                if r >= 0:
-                    for j in range(dim):
-                        out[o + j] = emb[r, j]
-                else:
-                    for j in range(dim):
-                        out[o + j] = 0.0
+            i = a
+            while i < b:
+                m = 0
+                while i < b and m < GROUP:
+                    if shard_of[i] == sh:
+                        pos[m] = i
+                        h = home(ids[i], mask)
+                        hs[m] = h
+                        prefetch(slots, h)
+                        m += 1
+                    i += 1
+                for q in range(m):
+                    p = pos[q]
+                    r = resolve(slots, mask, ids[p], hs[q])
+                    rows[p] = r
+                    prefetch_row(emb, r)
+                for q in range(m):
+                    p = pos[q]
+                    r = rows[p]
+                    o = out_off[s] + (p - a) * dim
+                    if r >= 0:
+                        for j in range(dim):
+                            out[o + j] = emb[r, j]
+                    else:
+                        for j in range(dim):
+                            out[o + j] = 0.0
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     from services.metrics import serve_metrics
 
     if settings.metrics_port:
-        serve_metrics(settings.metrics_port, host="0.0.0.0")
+        serve_metrics(settings.metrics_port)
     stats = asyncio.run(
         replay(settings, dataset=args.dataset, speed=args.speed, limit=args.limit, progress=not args.no_progress)
     )

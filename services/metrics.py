@@ -36,10 +36,14 @@ COMMIT_SECONDS = Histogram(
 SERVICE_UP = Gauge("driftline_service_up", "1 while the service runs.", ["service"])
 
 
-def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
+def serve_metrics(port: int, host: str | None = None) -> int:
     """Expose the default registry on ``http://host:port/metrics``; port 0 picks a free one.
 
-    Returns the bound port.
+    The host defaults to ``settings.metrics_host``. Returns the bound port.
     """
+    if host is None:
+        from services.settings import get_settings
+
+        host = get_settings().metrics_host
     server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
     return int(server.server_address[1])

@@ -111,6 +111,11 @@ class JoinerSettings(BaseModel):
     batch_timeout_s: float = 0.2
     # State store URL: memory:// or rocksdb://<path>; None means rocksdb://<var_dir>/joiner/state.
     store_url: str | None = None
+    # Live traffic only: when an actions partition has been idle this many wall seconds, advance
+    # its watermark to the features watermark minus the margin so windows close. None: off (a
+    # replay's result then depends only on the data).
+    idle_advance_seconds: float | None = None
+    idle_advance_margin_seconds: float = 60.0
 
 
 class TrainerSettings(BaseModel):
@@ -181,6 +186,8 @@ class Settings(BaseSettings):
     data_dir: Path = Path("var/data")
     log_level: str = "INFO"
     metrics_port: int = 0
+    # 0.0.0.0 in containers, so Prometheus can scrape from another host.
+    metrics_host: str = "127.0.0.1"
     service_name: str = "driftline"
 
     kafka: KafkaClientSettings = KafkaClientSettings()

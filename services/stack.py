@@ -11,8 +11,8 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from services.embedded import (
     check_port_free,
@@ -36,6 +36,7 @@ class AppService:
     name: str
     args: tuple[str, ...]
     metrics_port: Callable[[Settings], int] | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
     urls: Callable[[Settings], dict[str, str]] = lambda s: {}
     ready: Callable[[Settings], bool] | None = None
     blocking: bool = False  # a one-shot job the services after it need
@@ -52,7 +53,8 @@ def _metrics(offset: int) -> Callable[[Settings], int]:
 # In start order. Each long-running service exports /metrics on its own port.
 APP_SERVICES: list[AppService] = [
     AppService("features-load", ("features", "load"), blocking=True),
-    AppService("joiner", ("joiner",), metrics_port=_metrics(0)),
+    AppService("joiner", ("joiner",), metrics_port=_metrics(0),
+               env={"DRIFTLINE_JOINER__IDLE_ADVANCE_SECONDS": "30"}),
     AppService("dumper", ("dumper",), metrics_port=_metrics(1)),
     AppService("trainer", ("trainer", "online"), metrics_port=_metrics(2)),
     AppService("serving", ("serve",),
@@ -108,7 +110,7 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, replay
 
         for service in APP_SERVICES:
             ready = service.ready
-            env = {}
+            env = dict(service.env)
             if service.metrics_port is not None:
                 port = service.metrics_port(settings)
                 env["DRIFTLINE_METRICS_PORT"] = str(port)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,11 +33,24 @@ def test_official_images_for_the_infrastructure(repo_root: Path) -> None:
 
 def test_each_service_command_is_a_real_entry_point(repo_root: Path) -> None:
     ours = _driftline_services(_compose(repo_root))
-    assert {"topics", "replay"} <= set(ours)
+    assert {"topics", "replay", "joiner-0", "joiner-1", "dumper", "trainer", "serving-0"} <= set(ours)
     parser = build_parser()
     for name, service in ours.items():
-        args = parser.parse_args(service["command"])  # SystemExit on an unknown subcommand or flag
+        command = service["command"]
+        args, rest = parser.parse_known_args(command)  # SystemExit on an unknown subcommand
         assert callable(args.func), name
+        if not hasattr(args, "args"):
+            assert not rest, f"{name}: unknown flags {rest}"
+            continue
+        # A service parses its own flags: each one the compose file passes must be in its --help.
+        helptext = subprocess.run(
+            [sys.executable, "-m", "services.cli", command[0], *[c for c in command[1:] if not c.startswith("-")][:1], "--help"]
+            if command[0] == "trainer" else [sys.executable, "-m", "services.cli", command[0], "--help"],
+            capture_output=True, text=True, cwd=repo_root, timeout=120,
+        )
+        assert helptext.returncode == 0, helptext.stderr
+        for flag in (c for c in command[1:] if c.startswith("--")):
+            assert flag in helptext.stdout, f"{name}: {flag} is not a flag of `driftline {command[0]}`"
     dockerfile = (repo_root / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["driftline"]' in dockerfile
 
@@ -66,7 +80,7 @@ def test_every_environment_variable_is_one_our_settings_read(repo_root: Path) ->
 def test_prometheus_scrapes_every_driftline_service(repo_root: Path) -> None:
     config = yaml.safe_load((repo_root / "deploy" / "prometheus" / "prometheus.yml").read_text())
     targets = {t.split(":")[0] for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
-    long_running = {n for n, s in _driftline_services(_compose(repo_root)).items() if n != "topics"}
+    long_running = {n for n, s in _driftline_services(_compose(repo_root)).items() if s.get("restart") != "no"}
     assert long_running <= targets
 
 

@@ -216,9 +216,9 @@ async def run(
     core = JoinCore(state, cfg)
     spill_after_ms = int(js.spill_after_seconds * 1000)
     if idle_advance_s is ...:
-        idle_advance_s = getattr(js, "idle_advance_seconds", None)
+        idle_advance_s = js.idle_advance_seconds
     if idle_advance_margin_s is None:
-        idle_advance_margin_s = getattr(js, "idle_advance_margin_seconds", 60.0)
+        idle_advance_margin_s = js.idle_advance_margin_seconds
     idle_margin_ms = int(idle_advance_margin_s * 1000)
     prod = producer(settings)
     await start_client(prod, settings)

@@ -1,9 +1,20 @@
 """Trainer throughput and freshness. ``QUICK=1`` for a < 1 min run. Last line: JSON.
 
-* batch: DeepFM (8 slots, dim 16, MLP 256-128, batch 1024) on PS tables, ml-1m.
-* dense baseline: the same head over ``nn.EmbeddingBag(sparse=True)`` with hashed ids, sparse Adagrad.
-* online: the same model trained from a real (embedded tansu) broker.
-* freshness: live examples (event time = now) -> their sparse delta published, sync every 1 s.
+* batch: DeepFM (8 slots, dim 16, MLP 256-128, batch 1024) on PS tables, ml-1m: one packed
+  ``ParameterServer.gather`` + one ``apply_gradients`` per step.
+* dense baseline: the same head (same ``DenseHead``, same dense optimizer) over one
+  ``nn.EmbeddingBag(sparse=True)`` per field with hashed ids (2^18 buckets), torch's sparse Adagrad
+  (the paper's collision baseline).
+* Both in this process, after ``import trainer`` (libgomp in passive wait mode: see
+  ``trainer/__init__.py``); ``OMP_WAIT_POLICY=ACTIVE make bench-trainer`` shows the default.
+* The two run in alternating rounds over the same batches in one process, so load from other
+  jobs hits both; rates are medians over rounds and the ratio is the median of per-round ratios.
+  Done with 2 torch threads (both cores) and with 1.
+* decode: Example bytes -> validated protos -> ``SparseBatch`` (what the online path pays per batch).
+* online: the same model trained from a real (embedded tansu) broker, compared with batch.
+* freshness: live examples (event time = now) -> their sparse delta published, sync every 1 s,
+  measured after the consumer group joined and a warm-up (steady state; the first join on tansu
+  takes ~5 s and is reported apart as ``group_join_s``).
 """
 
 from __future__ import annotations
@@ -12,43 +23,36 @@ import asyncio
 import json
 import os
 import sys
+import tempfile
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import trainer  # noqa: E402,F401  - before torch: sets OMP_WAIT_POLICY=PASSIVE (see trainer/__init__.py)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import warnings  # noqa: E402
-warnings.filterwarnings("ignore", message="Sparse invariant")
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from trainer.config import deepfm_config  # noqa: E402
 from trainer.data import MovieLensData, produce_examples  # noqa: E402
-from trainer.model import DenseHead, SparseModel  # noqa: E402
+from trainer.model import DenseHead, SparseModel, make_dense_optimizer  # noqa: E402
 
+warnings.filterwarnings("ignore", message="Sparse invariant")
 QUICK = os.environ.get("QUICK") == "1"
-N_BATCH = 60_000 if QUICK else 400_000
+ROUNDS = 5 if QUICK else 9
+ROUND_BATCHES = 10 if QUICK else 40
 N_ONLINE = 30_000 if QUICK else 200_000
-torch.set_num_threads(2)
-
-
-def bench_batch(data, cfg):
-    m = SparseModel(cfg)
-    rows = np.arange(min(N_BATCH, len(data)))
-    batches = list(data.batches(1024, rows))
-    m.train_step(batches[0])  # warm-up (numba, allocator)
-    m.timings.clear()
-    t0 = time.perf_counter()
-    for b in batches[1:]:
-        m.train_step(b)
-    dt = time.perf_counter() - t0
-    return (rows.size - batches[0].size) / dt, dict(m.timings)
+LIVE_S = 4.0 if QUICK else 10.0
+LIVE_RATE = 2_000  # examples/s produced in the freshness phase
 
 
 class DenseBaseline(nn.Module):
+    """The same DeepFM head over hashed, fixed-size ``nn.EmbeddingBag`` tables (one per field)."""
+
     def __init__(self, cfg, buckets=1 << 18):
         super().__init__()
         self.cfg, self.buckets = cfg, buckets
@@ -56,7 +60,7 @@ class DenseBaseline(nn.Module):
                                   for s in cfg.slots})
         self.lin = nn.ModuleDict({s: nn.EmbeddingBag(buckets, 1, mode=cfg.pooling.get(s, "sum"), sparse=True)
                                   for s in cfg.linear})
-        for e in list(self.emb.values()):
+        for e in self.emb.values():
             nn.init.normal_(e.weight, std=0.01)
         for e in self.lin.values():
             nn.init.zeros_(e.weight)
@@ -64,20 +68,16 @@ class DenseBaseline(nn.Module):
 
     def forward(self, b):
         def bag(mod, s):
-            ids = torch.from_numpy(b.ids[s] % self.buckets)
-            return mod(ids, torch.from_numpy(b.offsets[s][:-1]))
+            return mod(torch.from_numpy(b.ids[s] % self.buckets), torch.from_numpy(b.offsets[s][:-1]))
         emb = torch.stack([bag(self.emb[s], s) for s in self.cfg.slots], 1)
         lin = torch.cat([bag(self.lin[s], s) for s in self.cfg.linear], 1)
         return self.head(emb, lin, None)
 
 
-def bench_dense(data, cfg):
+def dense_stepper(cfg):
     m = DenseBaseline(cfg)
-    sparse_params = list(m.emb.parameters()) + list(m.lin.parameters())
-    opt_s = torch.optim.Adagrad(sparse_params, lr=0.05)
-    opt_d = torch.optim.Adam(m.head.parameters(), lr=1e-3)
-    rows = np.arange(min(N_BATCH, len(data)))
-    batches = list(data.batches(1024, rows))
+    opt_s = torch.optim.Adagrad(list(m.emb.parameters()) + list(m.lin.parameters()), lr=0.05)
+    opt_d = make_dense_optimizer(cfg, m.head)  # the PS model's dense optimizer, exactly
 
     def step(b):
         loss = F.binary_cross_entropy_with_logits(m(b), torch.from_numpy(b.labels))
@@ -86,77 +86,152 @@ def bench_dense(data, cfg):
         loss.backward()
         opt_s.step()
         opt_d.step()
-    step(batches[0])
-    t0 = time.perf_counter()
-    for b in batches[1:]:
-        step(b)
-    return (rows.size - batches[0].size) / (time.perf_counter() - t0)
+    return step
+
+
+def bench_batch(data, cfg, threads):
+    """Alternating rounds: PS model, then dense baseline, on the same batches."""
+    torch.set_num_threads(threads)
+    ps_model = SparseModel(cfg)
+    steppers = {"ps": ps_model.train_step, "dense": dense_stepper(cfg)}
+    n = ROUNDS * ROUND_BATCHES + 3
+    batches = list(data.batches(1024, np.arange(min(n * 1024, len(data)))))
+    for f in steppers.values():  # warm-up: numba, allocator, optimizer state
+        for b in batches[:3]:
+            f(b)
+    ps_model.timings.clear()
+    rates = {k: [] for k in steppers}
+    for r in range(ROUNDS):
+        chunk = batches[3 + r * ROUND_BATCHES: 3 + (r + 1) * ROUND_BATCHES]
+        order = list(steppers) if r % 2 == 0 else list(steppers)[::-1]
+        for k in order:
+            t0 = time.perf_counter()
+            for b in chunk:
+                steppers[k](b)
+            rates[k].append(sum(b.size for b in chunk) / (time.perf_counter() - t0))
+    ratio = float(np.median(np.array(rates["ps"]) / np.array(rates["dense"])))
+    per_step = {k: round(v / (ROUNDS * ROUND_BATCHES) * 1000, 3) for k, v in ps_model.timings.items()}
+    return float(np.median(rates["ps"])), float(np.median(rates["dense"])), ratio, per_step, rates
+
+
+def bench_decode(data, cfg):
+    """Example bytes -> codec (parse + validate) -> trainer checks -> SparseBatch, per second."""
+    from services.codecs import codec_for
+    from proto import Example
+    from trainer.batch import SparseBatch
+
+    raw = [e.SerializeToString() for e in data.examples(np.arange(8192))]
+    codec = codec_for(Example)
+    known = set(cfg.all_slots)
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for a in range(0, len(raw), 1024):
+            msgs = [codec.decode(r) for r in raw[a:a + 1024]]
+            msgs = [m for m in msgs if known.issuperset(m.features.sparse.keys())]
+            SparseBatch.from_examples(msgs, cfg.all_slots, cfg.label)
+        best = max(best, len(raw) / (time.perf_counter() - t0))
+    return best
 
 
 async def bench_online(data, cfg, bootstrap):
+    from services.kafka import create_topics, producer, start_client
     from services.settings import Settings
     from trainer.online import OnlineTrainer
 
     os.environ["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap
     sfx = uuid.uuid4().hex[:8]
-    import tempfile
     s = Settings(var_dir=Path(tempfile.mkdtemp()))
     for t in ("examples", "param_deltas", "dead_letters"):
         setattr(s.topics, t, f"{t}-{sfx}")
-    ex = data.examples(np.arange(min(N_ONLINE, len(data))))
-    await produce_examples(s, ex)
-    tr = OnlineTrainer(s, cfg, sync_interval_s=10, snapshot_interval_event_s=0)
+    await produce_examples(s, data.examples(np.arange(min(N_ONLINE, len(data)))))
+    tr = OnlineTrainer(s, cfg, sync_interval_s=10, snapshot_interval_event_s=0, group_id=f"bench-{sfx}")
     res = await tr.run(stop_when_idle_s=2.0)
     online_rate = res["examples_applied"] / max(1e-9, tr.last_batch_at - tr.first_batch_at)
 
-    # freshness: live examples at ~2k/s for a few seconds, sync every 1 s
+    # freshness: live examples (event time = now) at LIVE_RATE/s, sync every 1 s, steady state
     s.topics.examples = f"examples-live-{sfx}"
+    await create_topics(s, {s.topics.examples: s.topics.partitions})
     tr2 = OnlineTrainer(s, cfg, sync_interval_s=1.0, snapshot_interval_event_s=0, group_id=f"live-{sfx}",
                         snapshot_root=s.var_dir / "snapshots-live")
+    t_join = time.monotonic()
     run = asyncio.create_task(tr2.run(stop_when_idle_s=3.0))
-    from services.kafka import producer, start_client
-    from services.kafka import create_topics
-    await create_topics(s, {s.topics.examples: s.topics.partitions})
+    await asyncio.wait_for(tr2.ready.wait(), 60)
+    join_s = time.monotonic() - t_join
     p = producer(s)
     await start_client(p, s)
-    live = data.examples(np.arange(20_000, 20_000 + (6_000 if QUICK else 20_000)))
-    for a in range(0, len(live), 200):
-        now = int(time.time() * 1000)
-        for e in live[a:a + 200]:
-            e.event_time_ms = now
-            await p.send(s.topics.examples, e.SerializeToString(), key=str(e.user_id).encode())
-        await asyncio.sleep(0.1)
+    live = data.examples(np.arange(len(data)))
+    pos = 0
+
+    async def produce_for(seconds):
+        nonlocal pos
+        tick, per_tick = 0.05, int(LIVE_RATE * 0.05)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            t0 = time.monotonic()
+            now = int(time.time() * 1000)
+            for e in live[pos:pos + per_tick]:
+                e.event_time_ms = now
+                await p.send(s.topics.examples, e.SerializeToString(), key=str(e.user_id).encode())
+            pos = (pos + per_tick) % (len(live) - per_tick)
+            await asyncio.sleep(max(0.0, tick - (time.monotonic() - t0)))
+
+    await produce_for(1.0)       # warm-up: first fetches, first syncs
+    await asyncio.sleep(1.5)     # let the warm-up examples be published
+    tr2.delays.clear()
+    await produce_for(LIVE_S)    # measured
     await p.flush()
     await p.stop()
     await run
-    fresh = float(np.percentile(np.array(tr2.delays), 95)) if tr2.delays else float("nan")
-    return online_rate, fresh, res["stages"]
+    d = np.array(tr2.delays)
+    fresh = {"p50": float(np.percentile(d, 50)), "p95": float(np.percentile(d, 95)), "max": float(d.max()),
+             "n": int(d.size)} if d.size else {"p50": float("nan"), "p95": float("nan"), "max": float("nan"), "n": 0}
+    return online_rate, res, fresh, join_s
 
 
 def main():
-    from services.embedded import free_port, tansu_command, wait_for_port
     import subprocess
 
+    from services.embedded import free_port, tansu_command, wait_for_port
+
+    t_start = time.time()
     cfg = deepfm_config(dim=16, mlp=[256, 128])
-    data = MovieLensData(limit=max(N_BATCH, N_ONLINE, 60_000))
-    batch_rate, timings = bench_batch(data, cfg)
-    print(f"batch (PS) {batch_rate:,.0f} ex/s  stage seconds {json.dumps({k: round(v, 2) for k, v in timings.items()})}")
-    dense_rate = bench_dense(data, cfg)
-    print(f"dense EmbeddingBag baseline {dense_rate:,.0f} ex/s  ratio {batch_rate / dense_rate:.2f}")
+    data = MovieLensData(limit=max(N_ONLINE, (ROUNDS * ROUND_BATCHES + 3) * 1024, 60_000))
+    out = {}
+    for threads in (2, 1):
+        ps_rate, dense_rate, ratio, per_step, rates = bench_batch(data, cfg, threads)
+        print(f"[{threads} torch threads] batch (PS) {ps_rate:,.0f} ex/s  dense EmbeddingBag {dense_rate:,.0f} ex/s  "
+              f"ratio {ratio:.2f} (per round: {', '.join(f'{a / b:.2f}' for a, b in zip(rates['ps'], rates['dense']))})"
+              f"  PS step ms {json.dumps(per_step)}", flush=True)
+        out[threads] = (ps_rate, dense_rate, ratio, per_step)
+    torch.set_num_threads(2)
+    decode_rate = bench_decode(data, cfg)
+    print(f"decode (Example bytes -> SparseBatch, one thread) {decode_rate:,.0f} ex/s", flush=True)
     port = free_port()
     proc = subprocess.Popen(tansu_command("127.0.0.1", port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
         wait_for_port("127.0.0.1", port, 20, "broker", proc)
-        online_rate, fresh, stages = asyncio.run(bench_online(data, cfg, f"127.0.0.1:{port}"))
+        online_rate, res, fresh, join_s = asyncio.run(bench_online(data, cfg, f"127.0.0.1:{port}"))
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-    print(f"online {online_rate:,.0f} ex/s (ratio to batch {online_rate / batch_rate:.2f}); "
-          f"stage seconds {json.dumps({k: round(v, 2) for k, v in stages.items()})}")
-    print(f"freshness p95 {fresh:.2f} s")
-    print(json.dumps({"batch_ex_per_s": round(batch_rate), "dense_baseline_ex_per_s": round(dense_rate),
-                      "online_ex_per_s": round(online_rate), "freshness_p95_s": round(fresh, 3)}))
+    batch_rate = out[2][0]
+    stages = {k: round(v, 2) for k, v in res["stages"].items()}
+    print(f"online {online_rate:,.0f} ex/s (ratio to batch {online_rate / batch_rate:.2f}; "
+          f"{res['examples_applied']} examples); stage seconds {json.dumps(stages)}", flush=True)
+    print(f"freshness (S=1 s, steady state, {fresh['n']} examples): p50 {fresh['p50']:.2f} s  p95 {fresh['p95']:.2f} s  "
+          f"max {fresh['max']:.2f} s; first group join {join_s:.1f} s", flush=True)
+    print(json.dumps({
+        "batch_ex_per_s": round(batch_rate), "dense_baseline_ex_per_s": round(out[2][1]),
+        "batch_vs_dense_ratio": round(out[2][2], 3),
+        "batch_ex_per_s_1thread": round(out[1][0]), "dense_baseline_ex_per_s_1thread": round(out[1][1]),
+        "batch_vs_dense_ratio_1thread": round(out[1][2], 3),
+        "decode_ex_per_s": round(decode_rate),
+        "online_ex_per_s": round(online_rate), "online_vs_batch_ratio": round(online_rate / batch_rate, 3),
+        "freshness_p50_s": round(fresh["p50"], 3), "freshness_p95_s": round(fresh["p95"], 3),
+        "freshness_max_s": round(fresh["max"], 3), "group_join_s": round(join_s, 2),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "quick": QUICK, "wall_s": round(time.time() - t_start, 1)}))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import struct
 import time
@@ -55,6 +54,7 @@ from aiokafka import TopicPartition
 
 from joiner.stores.rocksdb import RocksDBStore
 from proto import Example
+from services.atomic import write_parquet_atomic
 from services import metrics, tansu_quirks
 from services.kafka import BrokerUnavailable, TypedConsumer, create_topics
 from services.log import setup_logging
@@ -126,20 +126,6 @@ def flatten(examples: list[Example], labels: list[str]) -> pa.Table:
 def hour_dir(root: Path, event_time_ms: int) -> Path:
     t = datetime.fromtimestamp(event_time_ms / 1000, tz=timezone.utc)
     return root / f"dt={t:%Y-%m-%d}" / f"hour={t:%H}"
-
-
-def _write_atomic(table: pa.Table, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def _part_seq(path: Path) -> int:
@@ -233,7 +219,7 @@ async def run(
                 return
             seq += 1
             for n, (directory, rows) in enumerate(sorted(buffered.items())):
-                _write_atomic(flatten(rows, labels), directory / f"part-{seq:010d}-{n:04d}.parquet")
+                write_parquet_atomic(flatten(rows, labels), directory / f"part-{seq:010d}-{n:04d}.parquet")
                 totals["files"] += 1
             changes: dict[bytes, bytes | None] = {}
             max_t = max([max_t, *buffered_ids.values()])

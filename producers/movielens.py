@@ -68,6 +68,8 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from services.atomic import atomic_target, write_bytes_atomic, write_parquet_atomic
+
 try:  # POSIX advisory lock so two concurrent fetches of one dataset do not race.
     import fcntl
 except ImportError:  # pragma: no cover - non-POSIX
@@ -319,38 +321,8 @@ def _locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def _tmp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic_bytes(path: Path, data: bytes) -> None:
-    tmp = _tmp_path(path)
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _write_parquet_atomic(table: pa.Table, path: Path) -> None:
-    tmp = _tmp_path(path)
-    try:
-        pq.write_table(table, tmp, compression="zstd")
-        _fsync(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+def _write_parquet(table: pa.Table, path: Path) -> None:
+    write_parquet_atomic(table, path, compression="zstd")
 
 
 def _sha256_file(path: Path) -> str:
@@ -451,25 +423,19 @@ def _ensure_raw(source: _Source, paths: DatasetPaths, wheels_dir: Path, progress
 def _extract_member(
     zf: zipfile.ZipFile, info: zipfile.ZipInfo, target: Path, expected: str, bar: tqdm
 ) -> None:
-    tmp = _tmp_path(target)
     digest = hashlib.sha256()
-    try:
+    with atomic_target(target) as tmp:
         with zf.open(info) as src, open(tmp, "wb") as dst:
             for chunk in iter(lambda: src.read(1 << 20), b""):
                 digest.update(chunk)
                 dst.write(chunk)
                 bar.update(len(chunk))
-            dst.flush()
-            os.fsync(dst.fileno())
         actual = digest.hexdigest()
         if actual != expected:
             raise _checksum_error(
                 target.name, Path(zf.filename or "?") / info.filename, expected, actual,
                 "the wheel's content is not the pinned MovieLens file",
             )  # fmt: skip
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -612,7 +578,7 @@ def _convert(dataset: str, source: _Source, paths: DatasetPaths, progress: bool)
             "items": items.cast(ITEMS_SCHEMA),
         }
         for name, table in tables.items():
-            _write_parquet_atomic(table.replace_schema_metadata(meta), paths.outputs()[name])
+            _write_parquet(table.replace_schema_metadata(meta), paths.outputs()[name])
         bar.update(1)
 
         # manifest (last: it marks the run complete) --------------------------------------
@@ -644,5 +610,5 @@ def _convert(dataset: str, source: _Source, paths: DatasetPaths, progress: bool)
             },
             "created_unix": int(time.time()),
         }
-        _write_atomic_bytes(paths.manifest, (json.dumps(manifest, indent=2) + "\n").encode())
+        write_bytes_atomic(paths.manifest, (json.dumps(manifest, indent=2) + "\n").encode())
         bar.update(1)

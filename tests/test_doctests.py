@@ -10,6 +10,7 @@ import pytest
 MODULES = [
     "services.settings",
     "services.codecs",
+    "services.atomic",
     "producers.movielens_features",
 ]
 

@@ -51,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import time

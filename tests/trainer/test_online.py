@@ -60,10 +60,18 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
            Example(example_id="bad/2", event_time_ms=1, sample_rate=1.0, labels={"click": float("nan")})]
     bad[0].features.sparse["nonexistent_slot"].ids.append(3)
     dup = list(ml_examples[:500])  # at-least-once duplicates
-    await produce_examples(settings, ml_examples + bad + dup)
+    half = N // 2
+    await produce_examples(settings, ml_examples[:half] + bad)
     tr = OnlineTrainer(settings, small_cfg(), sync_interval_s=1.0, snapshot_interval_event_s=0)
     tr.keep_last_sync_copy = True
-    res = await asyncio.wait_for(tr.run(stop_when_idle_s=3.0), 120)
+    run = asyncio.create_task(tr.run(stop_when_idle_s=3.0))
+    # the second half arrives after a first version was published: several versions to replay
+    deadline = time.monotonic() + 60
+    while tr.sparse_version < 1 and not run.done():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    await produce_examples(settings, ml_examples[half:] + dup)
+    res = await asyncio.wait_for(run, 120)
     assert res["examples_applied"] == N
     assert res["bad"] == 2 and res["duplicates"] == 500
     assert res["auc"] > 0.6, res
@@ -111,7 +119,8 @@ def _spawn(settings, tmp: Path, log: Path) -> subprocess.Popen:
 
 async def test_kill_9_resume(settings, ml_examples, tmp_path):
     (tmp_path / "model.json").write_text(small_cfg().model_dump_json())
-    await produce_examples(settings, ml_examples)
+    half = N // 2  # the second half is produced after the kill: the trainer cannot finish first
+    await produce_examples(settings, ml_examples[:half])
     root = settings.var_dir / "snapshots" / "deepfm"
     log = tmp_path / "trainer.log"
     p = _spawn(settings, tmp_path, log)
@@ -127,7 +136,8 @@ async def test_kill_9_resume(settings, ml_examples, tmp_path):
     p.send_signal(signal.SIGKILL)
     p.wait()
     killed_at = snapshots.read_manifest(root)
-    assert killed_at["examples_applied"] < N, "trainer finished before the kill; enlarge N"
+    assert killed_at["examples_applied"] <= half
+    await produce_examples(settings, ml_examples[half:])
     p = _spawn(settings, tmp_path, log)
     assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
     final = snapshots.read_manifest(root)

@@ -1,0 +1,70 @@
+"""Fixtures of the status page's tests: a status app on a real port, and Debian's chromium."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from services.embedded import free_port
+from services.settings import Settings
+from status.app import create_app
+from status.options import StatusSettings, parse_target
+
+ENSURE_CHROMIUM = Path(__file__).with_name("ensure_chromium.sh")
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+
+
+class StatusServer:
+    """The status app served by uvicorn on a thread, on a free port."""
+
+    def __init__(self, targets: list[str], opts: StatusSettings) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = create_app(Settings(), [parse_target(t) for t in targets], opts)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("status server did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def status_server() -> Iterator[Callable[..., StatusServer]]:
+    started: list[StatusServer] = []
+
+    def start(targets: list[str], **opts: object) -> StatusServer:
+        s = StatusServer(targets, StatusSettings(**opts))
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """/usr/bin/chromium, installed with apt-get when missing; skips only when that install fails."""
+    try:
+        proc = subprocess.run(["sh", str(ENSURE_CHROMIUM)], capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        pytest.skip("apt-get install chromium timed out after 15 min")
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        pytest.skip(f"chromium missing and `apt-get install -y chromium` failed: {' | '.join(tail)}")
+    return CHROMIUM

@@ -39,12 +39,19 @@ def run_batch(args) -> dict:
         else:
             batches, total = parquet_batches(files, args.batch_size, cfg.all_slots, cfg.label), None
         auc, losses, n, t0 = M.StreamingAUC(), [], 0, time.perf_counter()
+        mark, mark_n = t0, 0
         for b in tqdm(batches, total=total, desc=f"pass {p + 1}/{args.passes}", disable=args.quiet):
             loss, probs = model.train_step(b)
             auc.update(probs, b.labels)
             losses.append(loss)
             n += b.size
+            M.EXAMPLES.labels(cfg.model_id, "batch").inc(b.size)
+            now = time.perf_counter()
+            if now - mark >= 1.0:
+                M.EXAMPLES_PER_S.labels(cfg.model_id, "batch").set((n - mark_n) / (now - mark))
+                mark, mark_n = now, n
         dt = time.perf_counter() - t0
+        M.EXAMPLES_PER_S.labels(cfg.model_id, "batch").set(n / dt)
         r = {"pass": p + 1, "examples": n, "ex_per_s": n / dt, "train_loss": float(np.mean(losses)),
              "train_auc": auc.value()}
         if data is not None and test_rows.size:
@@ -56,6 +63,8 @@ def run_batch(args) -> dict:
         M.LOSS.labels(cfg.model_id, "batch").set(r["train_loss"])
         results.append(r)
         print(json.dumps(r), flush=True)
+    for stage, seconds in model.timings.items():
+        M.STAGE_SECONDS.labels(cfg.model_id, stage).inc(seconds)
     print(json.dumps({"timings_s": dict(model.timings)}), flush=True)
     if args.snapshot:
         from . import snapshots

@@ -19,7 +19,10 @@ SYNC_DELAY = Histogram("driftline_trainer_sync_delay_seconds",
                        ["model"], buckets=(0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60, 300))
 TABLE_SIZE = Gauge("driftline_trainer_table_rows", "Rows per PS table.", ["model", "table"])
 SNAPSHOTS = Counter("driftline_trainer_snapshots_total", "Snapshots written.", ["model"])
-STAGE_SECONDS = Counter("driftline_trainer_stage_seconds_total", "Time per training stage.", ["model", "stage"])
+STAGE_SECONDS = Counter("driftline_trainer_stage_seconds_total",
+                        "Time per training stage: online poll/prepare (validate, dedup, assemble)/train/"
+                        "wait_train/commit/sync/snapshot; batch lookup/forward/backward/update.",
+                        ["model", "stage"])
 
 
 class StreamingAUC:

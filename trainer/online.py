@@ -342,6 +342,20 @@ class OnlineTrainer:
             await asyncio.gather(*letters)
         return Prepared(batch, offsets, list(ids))
 
+    def _warm_up(self) -> None:
+        """On the training thread, while the consumer joins its group (~5 s on tansu): load/compile
+        the PS's numba kernels and touch torch's kernels on a throwaway model (fresh tables, own
+        head), so the first real batch does not pay ~0.5 s of JIT/cache loading."""
+        torch.set_num_threads(self.torch_threads)
+        cfg = self.cfg
+        rows = [{s: [1, 2] for s in cfg.all_slots}, {s: [3] for s in cfg.all_slots}]
+        dense = np.zeros((2, len(cfg.dense_features)), np.float32) if cfg.dense_features else None
+        b = SparseBatch.from_slot_dicts(rows, dense, slots=cfg.all_slots, labels=[0.0, 1.0],
+                                        event_time_ms=[1, 1])
+        m = SparseModel(cfg)
+        m.train_step(b)
+        m.predict(b)
+
     def _train(self, batch: SparseBatch):
         """On the training thread."""
         if torch.get_num_threads() != self.torch_threads:
@@ -425,7 +439,9 @@ class OnlineTrainer:
                                       dead_letter_producer=self._producer)
         self.consumer.codec = KeepRawCodec(self.consumer.codec)
         self.consumer.consumer.subscribe([self.topic], listener=_Seek(self))
+        warm = asyncio.get_running_loop().run_in_executor(self._executor, self._warm_up)
         await self.consumer.start()
+        await warm
         started = time.time()
         last_sync = last_dense = time.monotonic()
         last_data = time.monotonic()

@@ -62,6 +62,15 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
     dup = list(ml_examples[:500])  # at-least-once duplicates
     half = N // 2
     await produce_examples(settings, ml_examples[:half] + bad)
+    # a bad Example whose bytes are not what re-serializing it gives (a repeated scalar field):
+    # the dead letter must carry these exact bytes
+    odd = bad[0].SerializeToString() + Example(event_time_ms=1).SerializeToString()
+    assert Example.FromString(odd).SerializeToString() != odd
+    from services.kafka import producer, start_client
+    prod = producer(settings)
+    await start_client(prod, settings)
+    await prod.send_and_wait(settings.topics.examples, odd, key=b"odd")
+    await prod.stop()
     tr = OnlineTrainer(settings, small_cfg(), sync_interval_s=1.0, snapshot_interval_event_s=0)
     tr.keep_last_sync_copy = True
     run = asyncio.create_task(tr.run(stop_when_idle_s=3.0))
@@ -73,7 +82,7 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
     await produce_examples(settings, ml_examples[half:] + dup)
     res = await asyncio.wait_for(run, 120)
     assert res["examples_applied"] == N
-    assert res["bad"] == 2 and res["duplicates"] == 500
+    assert res["bad"] == 3 and res["duplicates"] == 500
     assert res["auc"] > 0.6, res
     assert res["sparse_version"] >= 2
 
@@ -95,7 +104,9 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
 
     letters = [DeadLetter.FromString(v) for v in await read_topic(settings, settings.topics.dead_letters)]
     reasons = sorted(l.reason for l in letters)
-    assert len(letters) == 2 and any(r.startswith("unknown_slot") for r in reasons), reasons
+    assert len(letters) == 3 and sum(r.startswith("unknown_slot") for r in reasons) == 2, reasons
+    assert odd in [l.value for l in letters]
+    assert bad[0].SerializeToString() in [l.value for l in letters]
     assert any("not finite" in r for r in reasons), reasons
 
     # serving catch-up from the final snapshot equals the trainer's tables

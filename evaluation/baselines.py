@@ -1,0 +1,229 @@
+"""Baselines on one stream (the first ``base_limit`` ratings of ml-1m in time order), every model
+from scratch with progressive validation (score each example before learning it):
+
+* ``driftline_online``: the DeepFM of every other experiment, :class:`trainer.model.SparseModel`
+  over collisionless PS tables, mini-batches of ``base_batch_size`` (scores come from
+  ``train_step``'s forward pass, before the update);
+* ``driftline_online_throughput``: the same DeepFM at ``batch_size`` (throughput setting);
+* ``driftline_lr``: :func:`trainer.config.lr_config` on the same PS path;
+* ``hashed_embedding``: the same :class:`trainer.model.DenseHead`, with every slot's ids hashed
+  (salted per slot) into one fixed-size ``nn.Embedding``-style weight of ``hashed_buckets`` rows
+  (plus a first-order one), pooled with ``F.embedding_bag``, sparse Adagrad (same lr) for the
+  embeddings, Adam for the head: the "TensorFlow-style" fixed-size table;
+* ``river`` (LogisticRegression) and ``river_fm`` (FMClassifier), example by example through
+  ``predict_proba_one`` / ``learn_one`` (River's progressive validation), on one-hot features
+  ``slot=id`` of the same slots (genres weighted 1/len, like the DeepFM's mean pooling). Building
+  River's feature dicts is *not* timed (it would only slow River down).
+
+Examples/s count scoring + learning. Runs share the pool with each other (one torch thread each).
+"""
+
+from __future__ import annotations
+
+import time
+
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.batch import SparseBatch
+from trainer.config import ModelConfig, lr_config
+from trainer.model import DenseHead, SparseModel
+
+from .common import Settings, auc, data, mean_std, model_config, pmap, train_rows
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _salted_hash(ids: np.ndarray, salt: int, bits: int) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = (ids.astype(np.uint64) ^ np.uint64(salt)) * _MIX
+        x ^= x >> np.uint64(29)
+        x *= _MIX
+    return (x >> np.uint64(64 - bits)).astype(np.int64)
+
+
+class HashedEmbeddingDeepFM(nn.Module):
+    """DeepFM with a fixed-size hashed embedding (collisions by construction)."""
+
+    def __init__(self, cfg: ModelConfig, buckets: int, seed: int):
+        super().__init__()
+        if buckets & (buckets - 1):
+            raise ValueError("hashed_buckets must be a power of two")
+        self.cfg, self.bits = cfg, buckets.bit_length() - 1
+        self.head = DenseHead(cfg)
+        g = torch.Generator().manual_seed(seed)
+        self.emb = nn.Parameter(torch.randn(buckets, cfg.embed_dim, generator=g) * 0.01)
+        self.lin = nn.Parameter(torch.zeros(buckets, 1))
+        self.slots = list(cfg.slots)
+        self.salts = {s: (i + 1) * 0x5851F42D4C957F2D & 0x7FFF_FFFF_FFFF_FFFF for i, s in enumerate(self.slots)}
+        self.sparse_opt = torch.optim.Adagrad([self.emb, self.lin], lr=cfg.table(self.slots[0]).optimizer.lr)
+        self.dense_opt = torch.optim.Adam(self.head.parameters(), lr=cfg.dense_lr)
+
+    def buckets_of(self, b: SparseBatch, slot: str) -> np.ndarray:
+        return _salted_hash(b.ids[slot], self.salts[slot], self.bits)
+
+    def forward(self, b: SparseBatch) -> torch.Tensor:
+        embs, lins = [], []
+        for s in self.slots:
+            ids = torch.from_numpy(self.buckets_of(b, s))
+            offs = torch.from_numpy(b.offsets[s][:-1])
+            mode = self.cfg.pooling.get(s, "sum")
+            embs.append(F.embedding_bag(ids, self.emb, offs, mode=mode, sparse=True))
+            lins.append(F.embedding_bag(ids, self.lin, offs, mode=mode, sparse=True))
+        return self.head(torch.stack(embs, 1), torch.cat(lins, 1), None)
+
+    def train_step(self, b: SparseBatch) -> np.ndarray:
+        logits = self.forward(b)
+        loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(b.labels))
+        self.sparse_opt.zero_grad(set_to_none=True)
+        self.dense_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.sparse_opt.step()
+        self.dense_opt.step()
+        return torch.sigmoid(logits.detach()).numpy()
+
+
+def _stream(s: Settings):
+    d = data(s, s.base_limit, s.base_offset)
+    return d, np.arange(len(d))
+
+
+def run_driftline(s: Settings, seed: int, kind: str, batch_size: int | None = None) -> dict:
+    d, rows = _stream(s)
+    cfg = model_config(s, seed, "base-deepfm") if kind == "deepfm" else lr_config("base-lr", lr=s.sparse_lr)
+    model = SparseModel(cfg)
+    bs = batch_size or s.base_batch_size
+    p, dt = train_rows(model, d, rows, bs)
+    return {"seed": seed, "auc": auc(p, d.label), "batch_size": bs,
+            "ex_per_s": rows.size / dt, "seconds": dt, "rows": int(sum(len(t) for t in model.tables.values()))}
+
+
+def run_hashed(s: Settings, seed: int) -> dict:
+    warnings.filterwarnings("ignore", message="Sparse invariant checks")
+    d, rows = _stream(s)
+    model = HashedEmbeddingDeepFM(model_config(s, seed, "base-hashed"), s.hashed_buckets, seed)
+    p = np.empty(rows.size, np.float32)
+    used, keys = set(), set()
+    bs = s.base_batch_size
+    t0 = time.perf_counter()
+    for a in range(0, rows.size, bs):
+        b = d.batch(rows[a:a + bs])
+        p[a:a + b.size] = model.train_step(b)
+    dt = time.perf_counter() - t0
+    b = d.batch(rows)  # collision rate of the table over every (slot, id) in the stream
+    for sl in model.slots:
+        u = np.unique(b.ids[sl])
+        keys.update((sl, int(x)) for x in u)
+        used.update(model.buckets_of(SparseBatch(u.size, {sl: u}, {sl: np.arange(u.size + 1)}), sl).tolist())
+    return {"seed": seed, "auc": auc(p, d.label), "ex_per_s": rows.size / dt, "batch_size": bs,
+            "seconds": dt, "buckets": s.hashed_buckets, "distinct_keys": len(keys),
+            "keys_sharing_a_row": float(1 - len(used) / len(keys)) if keys else 0.0}
+
+
+def _river_features(d, rows) -> list[dict]:
+    f = d.features
+    out = []
+    for u, i in zip(d.user_id[rows].tolist(), d.item_id[rows].tolist()):
+        x = {}
+        for k, v in f.user_slots(u).items():
+            for id_ in v:
+                x[f"{k}={id_}"] = 1.0
+        for k, v in f.item_slots(i).items():
+            w = 1.0 / len(v) if k == "genres" and v else 1.0
+            for id_ in v:
+                x[f"{k}={id_}"] = w
+        out.append(x)
+    return out
+
+
+def run_river(s: Settings, kind: str, seed: int = 0) -> dict:
+    from river import facto, linear_model, optim
+
+    d, rows = _stream(s)
+    X, Y = _river_features(d, rows), (d.label[rows] > 0.5).tolist()
+    if kind == "lr":
+        model = linear_model.LogisticRegression(optimizer=optim.SGD(s.river_lr))
+    else:
+        model = facto.FMClassifier(n_factors=s.dim, seed=seed)
+    p = np.empty(len(X), np.float32)
+    t0 = time.perf_counter()
+    for j, (x, y) in enumerate(zip(X, Y)):
+        p[j] = model.predict_proba_one(x).get(True, 0.0)
+        model.learn_one(x, y)
+    dt = time.perf_counter() - t0
+    desc = (f"river.linear_model.LogisticRegression(optimizer=optim.SGD({s.river_lr}))" if kind == "lr"
+            else f"river.facto.FMClassifier(n_factors={s.dim})")
+    return {"seed": seed, "auc": auc(p, d.label), "ex_per_s": len(X) / dt, "seconds": dt, "batch_size": 1,
+            "river_model": desc}
+
+
+_WARM: set = set()
+
+
+def _warm_up(s: Settings) -> None:
+    """Untimed: compile/load the PS kernels and torch paths once per process before timing."""
+    if s in _WARM:
+        return
+    d, rows = _stream(s)
+    b = d.batch(rows[:256])
+    for cfg in (model_config(s, 99, "warm"), lr_config("warm", lr=s.sparse_lr)):
+        m = SparseModel(cfg)
+        for _ in range(3):
+            m.train_step(b)
+    warnings.filterwarnings("ignore", message="Sparse invariant checks")
+    h = HashedEmbeddingDeepFM(model_config(s, 99, "warm"), s.hashed_buckets, 99)
+    for _ in range(3):
+        h.train_step(b)
+    _WARM.add(s)
+
+
+def _task(s: Settings, what: str, seed: int) -> dict:
+    _warm_up(s)
+    if what == "river":
+        r = run_river(s, "lr", seed)
+    elif what == "river_fm":
+        r = run_river(s, "fm", seed)
+    elif what == "hashed_embedding":
+        r = run_hashed(s, seed)
+    elif what == "driftline_online_throughput":
+        r = run_driftline(s, seed, "deepfm", s.batch_size)
+    else:
+        r = run_driftline(s, seed, "deepfm" if what == "driftline_online" else "lr")
+    return dict(r, model=what)
+
+
+#: driftline_online: DeepFM, mini-batch base_batch_size (the headline); _throughput: the same at batch_size
+MODELS = ("driftline_online", "driftline_online_throughput", "driftline_lr", "hashed_embedding", "river", "river_fm")
+
+
+def run(s: Settings) -> dict:
+    d, rows = _stream(s)
+    # River is deterministic for a fixed stream (LR) or slow (FM): one run each; torch models per seed.
+    tasks = [(s, "river_fm", s.seeds[0]), (s, "river", s.seeds[0])]
+    tasks += [(s, m, seed) for m in ("hashed_embedding", "driftline_online", "driftline_online_throughput", "driftline_lr")
+              for seed in s.seeds]
+    runs = pmap(_task, tasks, s.workers, "baselines")
+    out: dict = {"setup": {"ratings": int(rows.size), "offset": s.base_offset, "batch_size": s.batch_size,
+                           "protocol": "progressive validation from scratch, one pass, time order"}}
+    for m in MODELS:
+        rs = [r for r in runs if r["model"] == m]
+        am, asd = mean_std(r["auc"] for r in rs)
+        out[m] = {"auc_mean": am, "auc_std": asd, "ex_per_s": float(np.mean([r["ex_per_s"] for r in rs])),
+                  "runs": len(rs), "batch_size": rs[0]["batch_size"]}
+        for k in ("river_model", "buckets", "distinct_keys", "keys_sharing_a_row"):
+            if k in rs[0]:
+                out[m][k] = rs[0][k]
+    dl = out["driftline_online"]
+    out["checks"] = {
+        "driftline_auc_ge_river": bool(dl["auc_mean"] >= out["river"]["auc_mean"]),
+        "driftline_speedup_vs_river": dl["ex_per_s"] / out["river"]["ex_per_s"],
+        "driftline_auc_ge_river_fm": bool(dl["auc_mean"] >= out["river_fm"]["auc_mean"]),
+        "driftline_speedup_vs_river_fm": dl["ex_per_s"] / out["river_fm"]["ex_per_s"],
+        "driftline_lr_speedup_vs_river": out["driftline_lr"]["ex_per_s"] / out["river"]["ex_per_s"],
+        "driftline_throughput_speedup_vs_river": out["driftline_online_throughput"]["ex_per_s"] / out["river"]["ex_per_s"],
+    }
+    return out

@@ -1,0 +1,114 @@
+"""``driftline eval collisions|online|staleness|baselines|all [--smoke] [--out docs]``.
+
+Each experiment writes its section of ``<out>/results.json`` (other sections are kept), then
+``<out>/results.md`` and the plots are regenerated from the JSON.
+
+>>> build_parser().parse_args(["online", "--smoke"]).experiment
+'online'
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from .common import Settings, full, set_threads, smoke
+
+EXPERIMENTS = ("collisions", "online", "staleness", "baselines")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="driftline eval",
+                                 description="Reproduce the Monolith paper's experiments on ml-1m (see docs/results.md).")
+    ap.add_argument("experiment", choices=[*EXPERIMENTS, "all"])
+    ap.add_argument("--smoke", action="store_true", help="tiny settings (seconds; what the tests run)")
+    ap.add_argument("--out", default="docs", help="where results.json, results.md and the plots go (default docs)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="override the seeds")
+    ap.add_argument("--workers", type=int, default=None, help="processes (default 2, 1 with --smoke)")
+    ap.add_argument("--data-dir", default=None, help="MovieLens cache (default var/data)")
+    ap.add_argument("--work-dir", default="var/eval", help="scratch space for snapshots (removed after)")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    return ap
+
+
+def settings_from(args) -> Settings:
+    s = smoke() if args.smoke else full()
+    if args.seeds:
+        s = replace(s, seeds=tuple(args.seeds))
+    if args.workers is not None:
+        s = replace(s, workers=args.workers)
+    if args.data_dir:
+        s = replace(s, data_dir=args.data_dir)
+    return s
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=5).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def run(experiments: list[str], s: Settings, out: Path, work_root: Path, plots: bool = True,
+        command: str = "all") -> dict:
+    """Run ``experiments`` with settings ``s``; write ``out/results.*``; returns the merged JSON."""
+    import torch
+
+    from . import baselines, collisions, online, report
+
+    set_threads(1 if s.workers > 1 else 2)
+    work_root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="eval-", dir=work_root))
+    results: dict = {}
+    seconds: dict = {}
+    try:
+        for e in experiments:
+            t0 = time.perf_counter()
+            if e == "collisions":
+                results[e] = collisions.run(s)
+            elif e == "online":
+                results[e] = online.run(s, work)
+            elif e == "staleness":
+                results[e] = online.run_staleness(s, work)
+            elif e == "baselines":
+                results[e] = baselines.run(s)
+            seconds[e] = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    prev = report.load(out).get("meta", {})
+    results["meta"] = {"command": command + (" --smoke" if s.name == "smoke" else ""), "settings": s.dump(),
+                       "git_commit": _git_commit(), "torch": torch.__version__, "python": platform.python_version(),
+                       "cpus": os.cpu_count(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       "seconds": {**prev.get("seconds", {}), **seconds}}
+    return report.write(out, results, plots=plots)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quiet:
+        os.environ["DRIFTLINE_EVAL_NO_PROGRESS"] = "1"
+    s = settings_from(args)
+    exps = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
+    t0 = time.perf_counter()
+    r = run(exps, s, Path(args.out), Path(args.work_dir), plots=not args.no_plots, command=args.experiment)
+    out = Path(args.out)
+    print(f"wrote {out / 'results.md'}, {out / 'results.json'} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    from . import report
+
+    for line in report.summary_lines(r, exps):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

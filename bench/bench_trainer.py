@@ -154,13 +154,14 @@ async def bench_online(data, cfg, bootstrap):
     await create_topics(s, {s.topics.examples: s.topics.partitions})
     tr2 = OnlineTrainer(s, cfg, sync_interval_s=1.0, snapshot_interval_event_s=0, group_id=f"live-{sfx}",
                         snapshot_root=s.var_dir / "snapshots-live")
+    n_live = int(LIVE_RATE * (LIVE_S + 2))
+    live = data.examples(np.arange(n_live) % len(data))
     t_join = time.monotonic()
-    run = asyncio.create_task(tr2.run(stop_when_idle_s=3.0))
+    run = asyncio.create_task(tr2.run())  # stopped below, once the last examples were published
     await asyncio.wait_for(tr2.ready.wait(), 60)
     join_s = time.monotonic() - t_join
     p = producer(s)
     await start_client(p, s)
-    live = data.examples(np.arange(len(data)))
     pos = 0
 
     async def produce_for(seconds):
@@ -173,7 +174,7 @@ async def bench_online(data, cfg, bootstrap):
             for e in live[pos:pos + per_tick]:
                 e.event_time_ms = now
                 await p.send(s.topics.examples, e.SerializeToString(), key=str(e.user_id).encode())
-            pos = (pos + per_tick) % (len(live) - per_tick)
+            pos = (pos + per_tick) % (n_live - per_tick)
             await asyncio.sleep(max(0.0, tick - (time.monotonic() - t0)))
 
     await produce_for(1.0)       # warm-up: first fetches, first syncs
@@ -182,6 +183,8 @@ async def bench_online(data, cfg, bootstrap):
     await produce_for(LIVE_S)    # measured
     await p.flush()
     await p.stop()
+    await asyncio.sleep(2.5)  # > 2 sync intervals: the last examples are trained on and published
+    tr2.stop_event.set()
     await run
     d = np.array(tr2.delays)
     fresh = {"p50": float(np.percentile(d, 50)), "p95": float(np.percentile(d, 95)), "max": float(d.max()),

@@ -3,9 +3,11 @@
 Loop: poll -> validate (bad -> dead letters, with the record's original bytes) -> dedup by
 example_id (bounded window) -> assemble the batch -> score it with the current model and update the
 streaming AUC (progressive validation) -> train on it -> commit its offsets. Training runs on one
-dedicated thread (torch ops and the PS kernels release the GIL) while the event loop fetches,
-decodes and assembles the next batch: decode overlaps compute, one core each. Only one batch is
-in flight, and a batch's offsets are committed after it is applied, in order. Every ``sync_interval_s`` the touched sparse rows are published to
+dedicated thread (1 torch intra-op thread; torch ops and the PS kernels release the GIL) while the
+event loop fetches, decodes and assembles the next batch. Only one batch is in flight, and a
+batch's offsets are committed after it is applied, in order. The overlap is partial: decoding is
+per-example Python (protobuf access) that holds the GIL, so the training thread stalls at each
+GIL re-acquisition; online throughput is bound by decoding (~20 us/example on the event loop). Every ``sync_interval_s`` the touched sparse rows are published to
 ``param-deltas`` as one version (several chunks); every ``dense_sync_interval_s`` the dense params.
 Every ``snapshot_interval_event_s`` of event time (and on a clean stop) a snapshot records tables,
 optimizer state, dense params, the next offsets of everything applied, the sync versions, the
@@ -22,7 +24,8 @@ Crash semantics (kill -9): the restart loads the latest snapshot and *seeks to i
   skips to its ``param_deltas_offset``: deltas of the dead run after it are applied and then
   superseded - a transient, bounded by T as well.
 * duplicates from the joiner (at-least-once) are dropped within ``dedup_window`` example ids,
-  and the window is saved in the snapshot so it survives restarts.
+  and the window is saved in the snapshot so it survives restarts. The window learns a batch's ids
+  only once the batch is applied, so a snapshot never marks as seen an example it did not train on.
 Without a snapshot the group's committed offsets are used (a fresh model starting from there).
 """
 

@@ -1,14 +1,19 @@
-"""``driftline up``: the whole stack as supervised local processes.
+"""``driftline up``: the whole loop as supervised local processes.
 
 Order: broker and Redis (unless ``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL`` point elsewhere),
-topics and the broker epoch, the data, every service in :data:`APP_SERVICES`, then the replay.
-Each later service registers itself by adding a :class:`AppService` to :data:`APP_SERVICES`.
+topics and the broker epoch, the data, the warm start (``trainer batch`` on the first
+:data:`WARM_START_FRACTION` of ml-1m, written as the snapshot that the online trainer and serving
+start from), every service in :data:`APP_SERVICES`, then the traffic: ``producers.traffic``
+replays the rest of ml-1m *through serving* (``POST /rank``, then ``POST /actions`` for the
+clicks), so the loop closes on serving's own feature log. Each later service registers itself by
+adding a :class:`AppService` to :data:`APP_SERVICES`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import signal
 import sys
 from collections.abc import Callable, Mapping
@@ -40,6 +45,8 @@ class AppService:
     urls: Callable[[Settings], dict[str, str]] = lambda s: {}
     ready: Callable[[Settings], bool] | None = None
     blocking: bool = False  # a one-shot job the services after it need
+    timeout_s: float = 60.0  # readiness (or, for a blocking job, completion) deadline
+    metrics_url: Callable[[Settings], str] | None = None  # /metrics served on the service's own port
 
 
 def _serving_url(s: Settings) -> str:
@@ -59,9 +66,33 @@ APP_SERVICES: list[AppService] = [
     AppService("trainer", ("trainer", "online"), metrics_port=_metrics(2)),
     AppService("serving", ("serve",),
                ready=lambda s: port_is_open(s.serving.host, s.serving.port),
-               urls=lambda s: {"ranking API docs": f"{_serving_url(s)}/docs",
-                               "serving metrics": f"{_serving_url(s)}/metrics"}),
+               urls=lambda s: {"ranking API docs": f"{_serving_url(s)}/docs"},
+               metrics_url=lambda s: f"{_serving_url(s)}/metrics"),
 ]
+
+
+# The warm start trains on this leading fraction of the ratings (time order: ml-1m up to
+# 2000-06-10, 100k ratings, a few seconds of training); the traffic replays the rest through serving.
+WARM_START_FRACTION = 0.1
+# The warm start's own hold-out (the last part of its slice, in time order): it reports a test AUC
+# in var/log/warm-start.log, and the traffic starts right at it, so no rating is skipped.
+WARM_START_TEST_FRACTION = 0.05
+# Where the live status page (package ``status``) listens; its AppService replaces the placeholder.
+STATUS_PORT = 8500
+# HTTP calls the traffic driver keeps in flight.
+TRAFFIC_CONCURRENCY = 16
+
+
+def warm_start_cut(settings: Settings, fraction: float = WARM_START_FRACTION) -> tuple[int, int]:
+    """``(trained, start)``: the warm start trains on ratings ``[0, trained)`` and holds out
+    ``[trained, start)``; the traffic replays from ``trained`` (the hold-out is new to the model)."""
+    import pyarrow.parquet as pq
+
+    from producers.movielens import DatasetPaths
+
+    n = pq.read_metadata(DatasetPaths.under(settings.replay.dataset, settings.data_dir).ratings).num_rows
+    start = int(n * fraction)
+    return int(start * (1 - WARM_START_TEST_FRACTION)), start
 
 
 def _driftline(*args: str) -> list[str]:
@@ -73,8 +104,39 @@ def _table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 
 
-def up(settings: Settings, replay_limit: int | None, speed: float | None, replay: bool = True) -> int:
-    """Run the stack until Ctrl-C. Returns the exit code."""
+def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external_broker: bool,
+                fraction: float) -> None:
+    """Train the batch model the loop starts from, unless a snapshot of this broker's data exists.
+
+    The embedded broker is new on every ``up`` (memory storage), so its snapshot is always stale:
+    it is replaced. With an external Kafka the online trainer's snapshot is kept (it holds the
+    topic offsets it trained to) and the warm start only runs when there is none.
+    """
+    root = settings.trainer.snapshot_dir or settings.var_dir / "snapshots"
+    snap = root / settings.trainer.model
+    marker = snap / "broker-epoch"
+    if external_broker and (snap / "LATEST").exists() and marker.exists() and marker.read_text().strip() == epoch:
+        log.info("warm start skipped: %s holds a snapshot of this broker's data", snap)
+        return
+    shutil.rmtree(snap, ignore_errors=True)
+    _trained, start = warm_start_cut(settings, fraction)  # trainer batch holds out the same rows
+    supervisor.start(ServiceSpec(
+        "warm-start",
+        _driftline("trainer", "batch", "--movielens", "--model", settings.trainer.model,
+                   "--dataset", settings.replay.dataset, "--data-dir", str(settings.data_dir),
+                   "--limit", str(start), "--test-fraction", str(WARM_START_TEST_FRACTION),
+                   "--snapshot", "--quiet"),
+        oneshot=True, blocking=True, ready_timeout_s=600.0,
+    ))
+
+
+def up(settings: Settings, replay_limit: int | None, speed: float | None, replay: bool = True,
+       warm_start_fraction: float = WARM_START_FRACTION) -> int:
+    """Run the stack until Ctrl-C. Returns the exit code.
+
+    ``replay_limit`` bounds the ratings the traffic replays (after the warm start's);
+    ``warm_start_fraction`` 0 skips the warm start (serving then waits for the first deltas).
+    """
     from producers.movielens import fetch
 
     supervisor = Supervisor(settings.log_dir)
@@ -87,6 +149,7 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, replay
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     rows: list[tuple[str, str]] = []
+    infra: list[tuple[str, str]] = []
     try:
         if settings.kafka_bootstrap_servers is None:
             check_port_free(e.host, e.broker_port, "broker", "DRIFTLINE_EMBEDDED__BROKER_PORT")
@@ -95,39 +158,52 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, replay
                 ready=lambda: port_is_open(e.host, e.broker_port), ready_timeout_s=e.start_timeout_s,
             ))
             wait_for_port(e.host, e.broker_port, e.start_timeout_s, "broker")
-        rows.append(("kafka", settings.bootstrap_servers))
+        infra.append(("kafka", settings.bootstrap_servers))
         if settings.redis_url is None:
             check_port_free(e.host, e.redis_port, "redis", "DRIFTLINE_EMBEDDED__REDIS_PORT")
             supervisor.start(ServiceSpec(
                 "redis", redis_command(e.host, e.redis_port, settings.var_dir / "redis"),
                 ready=lambda: port_is_open(e.host, e.redis_port), ready_timeout_s=e.start_timeout_s,
             ))
-        rows.append(("redis", settings.redis))
+        infra.append(("redis", settings.redis))
 
-        created = asyncio.run(_prepare_broker(settings))
+        created, epoch = asyncio.run(_prepare_broker_epoch(settings))
         log.info("topics ready (created: %s)", ", ".join(created) or "none")
         fetch(settings.replay.dataset, settings.data_dir, progress=True)
+        if warm_start_fraction > 0:
+            _warm_start(settings, supervisor, epoch, settings.kafka_bootstrap_servers is not None,
+                        warm_start_fraction)
 
+        metrics: list[str] = []
         for service in APP_SERVICES:
             ready = service.ready
             env = dict(service.env)
             if service.metrics_port is not None:
                 port = service.metrics_port(settings)
                 env["DRIFTLINE_METRICS_PORT"] = str(port)
-                rows.append((f"{service.name} metrics", f"http://127.0.0.1:{port}/metrics"))
+                metrics.append(f":{port} {service.name}")
+            if service.metrics_url is not None:
+                metrics.insert(0, f"{service.metrics_url(settings)} ({service.name})")
             supervisor.start(ServiceSpec(
                 service.name, _driftline(*service.args), env=env,
                 ready=(lambda r=ready: r(settings)) if ready else None,
-                oneshot=service.blocking, blocking=service.blocking,
+                oneshot=service.blocking, blocking=service.blocking, ready_timeout_s=service.timeout_s,
             ))
             rows += list(service.urls(settings).items())
         if replay:
-            args = ["replay", "--dataset", settings.replay.dataset]
-            if speed is not None:
-                args += ["--speed", str(speed)]
-            if replay_limit is not None:
-                args += ["--limit", str(replay_limit)]
-            supervisor.start(ServiceSpec("replay", _driftline(*args, "--no-progress"), oneshot=True))
+            port = traffic_metrics_port(settings)
+            metrics.append(f":{port} traffic")
+            supervisor.start(ServiceSpec(
+                # The replay of ml-1m, now through serving (producers.traffic); its log stays replay.log.
+                "replay", traffic_command(settings, replay_limit, speed, warm_start_fraction),
+                env={"DRIFTLINE_METRICS_PORT": str(port)}, oneshot=True,
+            ))
+        if not any(k == "status page" for k, _ in rows):
+            rows.append(("status page", f"http://127.0.0.1:{STATUS_PORT}/  (not built yet)"))
+        if metrics:  # one line: serving's URL first, then the other services' ports (same path)
+            first, rest = (metrics[0], metrics[1:]) if metrics[0].startswith("http") else ("", metrics)
+            rows.append(("metrics", "; ".join(x for x in (first, ("/metrics on " + ", ".join(rest)) if rest else "") if x)))
+        rows += infra
         rows.append(("logs", f"{settings.log_dir}/<service>.log"))
         print("\ndriftline is up. Ctrl-C stops everything.\n" + _table(rows) + "\n", flush=True)
         supervisor.run_forever()
@@ -137,7 +213,29 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, replay
         print("driftline stopped.", flush=True)
 
 
-async def _prepare_broker(settings: Settings) -> list[str]:
+def traffic_metrics_port(settings: Settings) -> int:
+    return settings.embedded.metrics_port_base + 3
+
+
+def traffic_command(settings: Settings, limit: int | None, speed: float | None,
+                    warm_start_fraction: float = WARM_START_FRACTION) -> list[str]:
+    """The traffic driver's command line: the ratings after the warm start's, through serving."""
+    start = warm_start_cut(settings, warm_start_fraction)[0] if warm_start_fraction > 0 else 0
+    args = [sys.executable, "-m", "producers.traffic", "--dataset", settings.replay.dataset,
+            "--start-rating", str(start), "--concurrency", str(TRAFFIC_CONCURRENCY), "--no-progress",
+            "--url", f"http://{settings.serving.host}:{settings.serving.port}"]
+    if speed is not None:
+        args += ["--speed", str(speed)]
+    if limit is not None:
+        args += ["--limit", str(limit)]
+    return args
+
+
+async def _prepare_broker_epoch(settings: Settings) -> tuple[list[str], str]:
     created = await create_topics(settings)
-    await ensure_broker_epoch(settings)
-    return created
+    epoch = await ensure_broker_epoch(settings)
+    return created, epoch
+
+
+async def _prepare_broker(settings: Settings) -> list[str]:
+    return (await _prepare_broker_epoch(settings))[0]

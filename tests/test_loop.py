@@ -1,0 +1,288 @@
+"""The whole loop under ``driftline up``, and :class:`LoopStack`, the helper other tests start it with.
+
+``LoopStack.start(tmp_path, repo_root, "--replay-limit", "30000", "--speed", "0")`` runs
+``python -m services.cli up ...`` as a subprocess on free ports (broker, Redis, serving, the
+services' metrics ports), waits for its "driftline is up" banner and returns; ``stop()`` sends
+Ctrl-C (SIGINT) and waits for "driftline stopped.". The ``loop_stack`` fixture shares one running
+stack between the tests of a session (``tests/test_dashboards.py`` imports it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.embedded import free_port
+from services.settings import Settings
+
+# The metrics ports `driftline up` gives its services: base + offset (services.stack).
+METRICS_OFFSETS = {"joiner": 0, "dumper": 1, "trainer": 2, "traffic": 3}
+
+
+def _free_port_block(n: int) -> int:
+    """A base port with ``n`` consecutive free ports, below the ephemeral range (where outgoing
+    connections would otherwise take them before the services bind)."""
+    import random
+    import socket
+
+    def free(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+        return True
+
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(20000, 32000 - n)
+        if all(free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no block of free ports")
+
+
+@dataclass
+class LoopStack:
+    """A running ``driftline up`` (a subprocess), its ports and its output so far."""
+
+    proc: subprocess.Popen
+    var_dir: Path
+    broker_port: int
+    redis_port: int
+    serving_port: int
+    metrics_base: int
+    output: list[str] = field(default_factory=list)
+    _reader: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, tmp_path: Path, repo_root: Path, *args: str, env: dict[str, str] | None = None,
+              timeout_s: float = 240.0) -> LoopStack:
+        """Start ``driftline up *args`` on free ports under ``tmp_path`` and wait for its banner."""
+        broker_port, redis_port, serving_port = free_port(), free_port(), free_port()
+        metrics_base = _free_port_block(8)
+        full_env = {k: v for k, v in os.environ.items() if k not in ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL")}
+        full_env.update(
+            DRIFTLINE_VAR_DIR=str(tmp_path / "var"),
+            DRIFTLINE_DATA_DIR=str(repo_root / "var" / "data"),
+            DRIFTLINE_EMBEDDED__BROKER_PORT=str(broker_port),
+            DRIFTLINE_EMBEDDED__REDIS_PORT=str(redis_port),
+            DRIFTLINE_SERVING__PORT=str(serving_port),
+            DRIFTLINE_EMBEDDED__METRICS_PORT_BASE=str(metrics_base),
+            NUMBA_CACHE_DIR=str(repo_root / "var" / "numba-cache"),
+            **(env or {}),
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", *args],
+            env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repo_root,
+        )
+        stack = cls(proc, tmp_path / "var", broker_port, redis_port, serving_port, metrics_base)
+        up = threading.Event()
+
+        def read() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                stack.output.append(line)
+                if "driftline is up" in line:
+                    up.set()
+            up.set()
+
+        stack._reader = threading.Thread(target=read, daemon=True)
+        stack._reader.start()
+        up.wait(timeout_s)
+        if not any("driftline is up" in line for line in stack.output):
+            stack.stop()
+            raise AssertionError(f"no banner within {timeout_s:.0f} s:\n{stack.text()}\n{stack.logs_tail()}")
+        return stack
+
+    # -------------------------------------------------------------- where things are
+    def text(self) -> str:
+        return "".join(self.output)
+
+    @property
+    def serving_url(self) -> str:
+        return f"http://127.0.0.1:{self.serving_port}"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.var_dir / "log"
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Every service's /metrics, by service name."""
+        urls = {name: f"http://127.0.0.1:{self.metrics_base + off}/metrics" for name, off in METRICS_OFFSETS.items()}
+        urls["serving"] = f"{self.serving_url}/metrics"
+        return urls
+
+    def settings(self) -> Settings:
+        return Settings(kafka_bootstrap_servers=f"127.0.0.1:{self.broker_port}", var_dir=self.var_dir)
+
+    def logs_tail(self, lines: int = 15) -> str:
+        out = []
+        for path in sorted(self.log_dir.glob("*.log")) if self.log_dir.exists() else []:
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {path.name}\n" + "\n".join(tail))
+        return "\n".join(out)
+
+    # -------------------------------------------------------------- probing
+    def get(self, url: str, timeout: float = 5.0) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    def json(self, path: str) -> Any:
+        return json.loads(self.get(self.serving_url + path)[1])
+
+    def metric(self, service: str, name: str, labels: dict[str, str] | None = None) -> float | None:
+        """The value of one sample of ``name`` on ``service``'s /metrics (None when absent)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            _, body = self.get(self.metrics_urls()[service])
+        except OSError:
+            return None
+        for family in text_string_to_metric_families(body):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
+                    return float(sample.value)
+        return None
+
+    def wait_for(self, what: str, check: Callable[[], Any], timeout_s: float, every_s: float = 1.0) -> Any:
+        """Poll ``check`` until it returns something truthy; fail with the logs after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                got = check()
+            except OSError:
+                got = None
+            if got:
+                return got
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n{self.logs_tail()}")
+            if self.proc.poll() is not None:
+                raise AssertionError(f"driftline up exited ({self.proc.returncode}) waiting for {what}\n{self.text()}")
+            time.sleep(every_s)
+
+    # -------------------------------------------------------------- stopping
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """Ctrl-C, then wait; returns the exit code (kills after ``timeout_s``)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        return int(self.proc.returncode)
+
+
+_SHARED: dict[str, LoopStack] = {}
+# Enough traffic for the loop to close (examples of both labels, a few syncs) and every
+# service's metrics to be live, small enough for a test.
+LOOP_ARGS = ("--replay-limit", "40000", "--speed", "0")
+
+
+@pytest.fixture(scope="session")
+def loop_stack(tmp_path_factory: pytest.TempPathFactory, repo_root: Path) -> Iterator[LoopStack]:
+    """One ``driftline up`` per session, shared by every module that imports this fixture."""
+    if "stack" not in _SHARED:
+        _SHARED["stack"] = LoopStack.start(tmp_path_factory.mktemp("loop"), repo_root, *LOOP_ARGS)
+    yield _SHARED["stack"]
+    stack = _SHARED.pop("stack", None)
+    if stack is not None:
+        stack.stop()
+
+
+def loop_blockers(stack: LoopStack) -> list[str]:
+    """Known changes the loop still waits for in other packages (empty once they land)."""
+    out = []
+    schema = stack.json("/openapi.json")["components"]["schemas"]["RankRequest"]["properties"]
+    if "event_time_ms" not in schema:
+        out.append("serving: RankRequest has no event_time_ms, so FeatureLogs carry wall-clock event time")
+    trainer_log = (stack.log_dir / "trainer.log").read_text(errors="replace")
+    if "KeyError: 'auc_pos'" in trainer_log:
+        out.append("trainer: OnlineTrainer.restore crashes on a `trainer batch --snapshot` warm start (no auc_pos)")
+    if "unknown_slot: ['recent_items']" in trainer_log:
+        out.append("trainer: examples with serving's recent_items slot are dead-lettered (unknown_slot)")
+    return out
+
+
+def _trainer_auc(stack: LoopStack) -> float | None:
+    return stack.metric("trainer", "driftline_trainer_auc", {"mode": "online"})
+
+
+@pytest.mark.timeout(420)
+def test_the_loop_closes_through_serving(loop_stack: LoopStack) -> None:
+    """Traffic goes through serving, examples join, the online AUC beats chance, versions tick."""
+    s = loop_stack
+    assert "ranking API docs" in s.text() and "status page" in s.text() and "logs" in s.text()
+    ready = s.wait_for("serving ready", lambda: s.get(s.serving_url + "/readyz")[0] == 200, 60)
+    assert ready
+    s.wait_for("/rank traffic", lambda: (s.metric("serving", "driftline_serving_requests_total",
+                                                  {"endpoint": "/rank", "status": "200"}) or 0) > 100, 120)
+    s.wait_for("/actions traffic", lambda: (s.metric("serving", "driftline_serving_actions_produced_total") or 0) > 50, 60)
+    s.wait_for("examples joined", lambda: (s.metric("joiner", "driftline_joiner_examples_produced_total") or 0) > 200, 120)
+    time.sleep(3)  # the trainer has had examples to choke on, if it does
+    blockers = loop_blockers(s)
+    if blockers:
+        pytest.xfail("; ".join(blockers))
+    s.wait_for("negatives emitted", lambda: (s.metric("joiner", "driftline_joiner_negatives_total",
+                                                      {"outcome": "emitted"}) or 0) > 0, 120)
+    auc = s.wait_for("online AUC > 0.5", lambda: (a := _trainer_auc(s)) is not None and a > 0.5 and a, 120)
+    assert 0.5 < auc <= 1.0
+    version = s.wait_for("served sparse version > 0",
+                         lambda: s.json("/readyz")["model_version"]["sparse_version"], 90)
+    assert version > 0
+    assert s.metric("trainer", "driftline_trainer_bad_examples_total") in (None, 0.0), s.logs_tail()
+
+
+@pytest.mark.timeout(300)
+def test_feature_logs_come_from_serving_with_data_event_time(loop_stack: LoopStack) -> None:
+    """The FeatureLogs on the topic are serving's (its request ids, its model), stamped with the
+    data's event time; the actions carry the request ids serving returned."""
+    from proto import Action, FeatureLog
+    from services.kafka import TypedConsumer
+
+    settings = loop_stack.settings()
+
+    async def read(topic: str, message: type, n: int) -> list:
+        got: list = []
+        async with TypedConsumer(settings, "t", message, [topic], f"t-{topic}-{time.monotonic_ns()}") as c:
+            for _ in range(120):
+                got += await c.poll(timeout_ms=500)
+                if len(got) >= n:
+                    break
+        return [r.value for r in got]
+
+    logs = asyncio.run(read(settings.topics.features, FeatureLog, 200))
+    actions = asyncio.run(read(settings.topics.actions, Action, 200))
+    assert len(logs) >= 200 and len(actions) >= 200, (len(logs), len(actions))
+    models = {f.model_version.model_id for f in logs}
+    assert models == {"deepfm"}, models  # serving's model, not "replay"
+    ids = [f.request_id for f in logs if len(f.request_id) != 32]
+    assert not ids, ids[:5]  # serving's uuid4().hex, not the replay's u<user>-t<ms>
+    logged = {f.request_id for f in logs}
+    assert any(a.request_id in logged for a in actions), "no click refers to a request id serving logged"
+    if "event_time_ms" not in loop_stack.json("/openapi.json")["components"]["schemas"]["RankRequest"]["properties"]:
+        pytest.xfail("serving: RankRequest has no event_time_ms, so FeatureLogs carry wall-clock event time")
+    year_2000, year_2004 = 946_684_800_000, 1_072_915_200_000
+    data_time = all(year_2000 <= f.event_time_ms < year_2004 for f in logs)
+    stats = loop_stack.log_dir / "replay.log"
+    assert data_time, f"FeatureLog event time is not the data's\n{stats.read_text()[-2000:]}"
+    assert all(year_2000 <= a.event_time_ms < year_2004 for a in actions), [a.event_time_ms for a in actions[:5]]

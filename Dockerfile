@@ -14,6 +14,6 @@ COPY proto proto
 COPY ps ps
 COPY producers producers
 RUN pip install --no-cache-dir .
-ENV DRIFTLINE_VAR_DIR=/var/lib/driftline DRIFTLINE_DATA_DIR=/var/lib/driftline/data
+ENV DRIFTLINE_VAR_DIR=/var/lib/driftline DRIFTLINE_DATA_DIR=/var/lib/driftline/data OMP_WAIT_POLICY=PASSIVE
 VOLUME /var/lib/driftline
 ENTRYPOINT ["driftline"]

@@ -6,14 +6,21 @@ few flags override them. Errors a user can fix are printed as one line, with exi
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
-import sys
-from collections.abc import Callable, Sequence
+import os
 
-from services.log import setup_logging
-from services.settings import Settings, get_settings
+# torch's libgomp threads spin while waiting by default; on a small shared machine a spinning
+# thread holds the core its sibling needs (2-thread steps measured 2-40x slower under load).
+# libgomp reads this once, so it must be set before anything imports torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+
+from services.log import setup_logging  # noqa: E402
+from services.settings import Settings, get_settings  # noqa: E402
 
 
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:

@@ -102,6 +102,7 @@ class Record(Generic[M]):
     key: bytes | None
     value: M
     timestamp_ms: int
+    raw: bytes = b""  # the record's original bytes (no copy), for dead-lettering after validation
 
 
 class TypedConsumer(Generic[M]):
@@ -177,7 +178,7 @@ class TypedConsumer(Generic[M]):
                 except MalformedMessage as err:
                     rejects.append(await self.dead_letter(r, err))
                     continue
-                out.append(Record(r.topic, r.partition, r.offset, r.key, value, r.timestamp))
+                out.append(Record(r.topic, r.partition, r.offset, r.key, value, r.timestamp, r.value))
             if records:
                 metrics.MESSAGES_CONSUMED.labels(self.service, tp.topic).inc(len(records))
                 highwater = self.consumer.highwater(tp)

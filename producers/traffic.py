@@ -313,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for serving's /readyz")
     p.add_argument("--metrics-port", type=int, default=None, help="/metrics port (default: settings.metrics_port)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--stay", action="store_true",
+                   help="after the replay, keep /metrics up until stopped (so its totals stay scrapeable)")
     return p
 
 
@@ -343,6 +345,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     print(json.dumps(stats), flush=True)
+    if args.stay:
+        import signal
+
+        log.info("replay done; /metrics stays up until stopped")
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        try:
+            while True:
+                signal.pause()
+        except KeyboardInterrupt:
+            pass
     return 0
 
 

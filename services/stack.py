@@ -222,7 +222,7 @@ def traffic_command(settings: Settings, limit: int | None, speed: float | None,
     """The traffic driver's command line: the ratings after the warm start's, through serving."""
     start = warm_start_cut(settings, warm_start_fraction)[0] if warm_start_fraction > 0 else 0
     args = [sys.executable, "-m", "producers.traffic", "--dataset", settings.replay.dataset,
-            "--start-rating", str(start), "--concurrency", str(TRAFFIC_CONCURRENCY), "--no-progress",
+            "--start-rating", str(start), "--concurrency", str(TRAFFIC_CONCURRENCY), "--no-progress", "--stay",
             "--url", f"http://{settings.serving.host}:{settings.serving.port}"]
     if speed is not None:
         args += ["--speed", str(speed)]

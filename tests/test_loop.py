@@ -261,16 +261,22 @@ def test_feature_logs_come_from_serving_with_data_event_time(loop_stack: LoopSta
 
     settings = loop_stack.settings()
 
-    async def read(topic: str, message: type, n: int) -> list:
+    async def read(topic: str, message: type, n: int, drain: bool = False) -> list:
+        """At least ``n`` records; with ``drain``, everything on the topic so far."""
         got: list = []
+        empty = 0
         async with TypedConsumer(settings, "t", message, [topic], f"t-{topic}-{time.monotonic_ns()}") as c:
-            for _ in range(120):
-                got += await c.poll(timeout_ms=500)
-                if len(got) >= n:
+            for _ in range(400):
+                batch = await c.poll(timeout_ms=500)
+                got += batch
+                empty = 0 if batch else empty + 1
+                if len(got) >= n and (not drain or empty >= 2):
                     break
         return [r.value for r in got]
 
-    logs = asyncio.run(read(settings.topics.features, FeatureLog, 200))
+    # Every FeatureLog so far, then the first actions: each click's request was served (and
+    # logged) before it, so its id is among them, whatever partitions the reads started on.
+    logs = asyncio.run(read(settings.topics.features, FeatureLog, 200, drain=True))
     actions = asyncio.run(read(settings.topics.actions, Action, 200))
     assert len(logs) >= 200 and len(actions) >= 200, (len(logs), len(actions))
     models = {f.model_version.model_id for f in logs}
@@ -278,7 +284,8 @@ def test_feature_logs_come_from_serving_with_data_event_time(loop_stack: LoopSta
     ids = [f.request_id for f in logs if len(f.request_id) != 32]
     assert not ids, ids[:5]  # serving's uuid4().hex, not the replay's u<user>-t<ms>
     logged = {f.request_id for f in logs}
-    assert any(a.request_id in logged for a in actions), "no click refers to a request id serving logged"
+    referring = sum(a.request_id in logged for a in actions)
+    assert referring >= 0.9 * len(actions), f"{referring}/{len(actions)} clicks refer to a request id serving logged"
     if "event_time_ms" not in loop_stack.json("/openapi.json")["components"]["schemas"]["RankRequest"]["properties"]:
         pytest.xfail("serving: RankRequest has no event_time_ms, so FeatureLogs carry wall-clock event time")
     year_2000, year_2004 = 946_684_800_000, 1_072_915_200_000

@@ -25,10 +25,12 @@ from .common import Settings, full, set_threads, smoke
 EXPERIMENTS = ("collisions", "online", "staleness", "baselines")
 
 
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="driftline eval",
                                  description="Reproduce the Monolith paper's experiments on ml-1m (see docs/results.md).")
-    ap.add_argument("experiment", choices=[*EXPERIMENTS, "all"])
+    ap.add_argument("experiment", choices=[*EXPERIMENTS, "all", "report"],
+                    help="an experiment, all of them, or `report`: re-render results.md and plots from results.json")
     ap.add_argument("--smoke", action="store_true", help="tiny settings (seconds; what the tests run)")
     ap.add_argument("--out", default="docs", help="where results.json, results.md and the plots go (default docs)")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="override the seeds")
@@ -86,10 +88,14 @@ def run(experiments: list[str], s: Settings, out: Path, work_root: Path, plots: 
     finally:
         shutil.rmtree(work, ignore_errors=True)
     prev = report.load(out).get("meta", {})
+    cmd = "driftline eval " + command + (" --smoke" if s.name == "smoke" else "")
+    stamp = {"command": cmd, "git_commit": _git_commit(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+             "settings": s.name, "seeds": list(s.seeds)}
     results["meta"] = {"command": command + (" --smoke" if s.name == "smoke" else ""), "settings": s.dump(),
-                       "git_commit": _git_commit(), "torch": torch.__version__, "python": platform.python_version(),
-                       "cpus": os.cpu_count(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                       "seconds": {**prev.get("seconds", {}), **seconds}}
+                       "git_commit": stamp["git_commit"], "torch": torch.__version__, "python": platform.python_version(),
+                       "cpus": os.cpu_count(), "finished_at": stamp["finished_at"],
+                       "seconds": {**prev.get("seconds", {}), **seconds},
+                       "sections": {**prev.get("sections", {}), **{e: dict(stamp, seconds=seconds[e]) for e in seconds}}}
     return report.write(out, results, plots=plots)
 
 
@@ -97,6 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quiet:
         os.environ["DRIFTLINE_EVAL_NO_PROGRESS"] = "1"
+    if args.experiment == "report":
+        from . import report
+
+        out = Path(args.out)
+        if not (out / "results.json").exists():
+            print(f"driftline eval: no {out / 'results.json'} to render", file=sys.stderr)
+            return 2
+        report.write(out, {}, plots=not args.no_plots)
+        print(f"wrote {out / 'results.md'}", file=sys.stderr)
+        return 0
     s = settings_from(args)
     exps = list(EXPERIMENTS) if args.experiment == "all" else [args.experiment]
     t0 = time.perf_counter()

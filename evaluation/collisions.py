@@ -18,7 +18,7 @@ import numpy as np
 
 from trainer.model import SparseModel
 
-from .common import HashedIds, Settings, auc, buckets_for_rate, data, mean_std, model_config, pmap, predict_rows, train_rows
+from .common import HashedIds, md5_bucket, Settings, auc, buckets_for_rate, data, mean_std, model_config, pmap, predict_rows, train_rows
 
 ARMS = ("collisionless", "hashed", "hashed_harsh")
 
@@ -63,6 +63,18 @@ def run_one(s: Settings, arm: str, seed: int, plan: dict | None) -> dict:
             "ex_per_s": n / secs if secs else float("nan"), "rows": {name: len(t) for name, t in model.tables.items()}}
 
 
+def _touched(d, rows: np.ndarray, arm_plan: dict) -> float:
+    """Share of ``rows`` whose user or movie shares its bucket with another id of the data."""
+    hit = np.zeros(rows.size, bool)
+    for slot, ids in (("user_id", d.user_id), ("item_id", d.item_id)):
+        u = np.unique(ids)
+        b = md5_bucket(u, arm_plan[slot]["buckets"])
+        _, inv, counts = np.unique(b, return_inverse=True, return_counts=True)
+        colliding = set(u[counts[inv] > 1].tolist())
+        hit |= np.fromiter((x in colliding for x in ids[rows].tolist()), bool, rows.size)
+    return float(hit.mean()) if rows.size else 0.0
+
+
 def run(s: Settings) -> dict:
     plan = hash_plan(s)
     tasks = [(s, arm, seed, plan) for arm in ARMS for seed in s.seeds]
@@ -85,6 +97,7 @@ def run(s: Settings) -> dict:
                     "runs": [{"seed": r["seed"], "test_auc": r["test_auc"]} for r in rs]}
         if arm in plan:
             out[arm]["collision_rates"] = plan[arm]
+            out[arm]["test_share_touched"] = _touched(d, te, plan[arm])
     base = np.array([r["test_auc"] for r in runs if r["arm"] == "collisionless"], np.float64)
     for arm in ARMS[1:]:
         other = np.array([r["test_auc"] for r in runs if r["arm"] == arm], np.float64)
@@ -94,6 +107,7 @@ def run(s: Settings) -> dict:
             sd = max(mean_std(base[:, e])[1], mean_std(other[:, e])[1])
             margin.append(float((base[:, e].mean() - other[:, e].mean()) / sd) if sd > 0 else float("inf"))
         out[f"gain_vs_{arm}"] = {"per_epoch_mean": diff.mean(0).tolist(),
+                                 "per_epoch_wins": (diff > 0).sum(0).tolist(), "seeds": int(diff.shape[0]),
                                  "per_epoch_paired_std": diff.std(0, ddof=1).tolist() if diff.shape[0] > 1 else [0.0] * diff.shape[1],
                                  "per_epoch_margin_in_std": margin,
                                  "beats_every_epoch_by_2std": bool(all(m > 2 for m in margin))}

@@ -1,0 +1,90 @@
+"""`driftline eval ... --smoke`: the real experiments at tiny settings, end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from evaluation import cli
+from evaluation.common import HashedIds, buckets_for_rate, collision_rate, data, md5_bucket, smoke
+
+
+@pytest.fixture(scope="module")
+def smoke_out(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("eval")
+    rc = cli.main(["all", "--smoke", "--out", str(out), "--work-dir", str(out / "work"), "--quiet"])
+    assert rc == 0
+    return out
+
+
+def test_results_json_has_the_required_keys(smoke_out):
+    r = json.loads((smoke_out / "results.json").read_text())
+    for arm in ("collisionless", "hashed"):
+        assert 0.5 < r["collisions"][arm]["auc_mean"] < 1 and r["collisions"][arm]["auc_std"] >= 0
+        assert len(r["collisions"][arm]["per_epoch_mean"]) == smoke().coll_epochs
+    for k in ("batch_only", "N10", "N50", "N100"):
+        assert 0.5 < r["online"][k]["auc_mean"] < 1 and r["online"][k]["auc_std"] >= 0
+    for k in ("river", "driftline_online"):
+        assert 0 < r["baselines"][k]["auc_mean"] < 1 and r["baselines"][k]["ex_per_s"] > 0
+    assert r["meta"]["settings"]["name"] == "smoke"
+    # measured collision rates near the paper's targets
+    rates = r["collisions"]["hashed"]["collision_rates"]
+    assert abs(rates["user_id"]["colliding"] - 0.0773) < 0.02
+    assert abs(rates["item_id"]["colliding"] - 0.0286) < 0.01
+
+
+def test_sync_through_parameter_delta_makes_serving_equal_trainer(smoke_out):
+    r = json.loads((smoke_out / "results.json").read_text())
+    for k in ("N10", "N50", "N100"):
+        assert r["online"][k]["sync_max_abs_diff"] == 0.0
+        assert r["online"][k]["sync_rows_per_shard"] > 0
+
+
+def test_restoring_a_fresh_snapshot_loses_nothing(smoke_out):
+    st = json.loads((smoke_out / "results.json").read_text())["staleness"]
+    assert st["k0"]["auc_lost_mean"] == 0.0  # snapshot restore is exact
+    assert all(f"k{k}" in st for k in st["setup"]["k"])
+
+
+def test_report_and_plots_are_written(smoke_out):
+    md = (smoke_out / "results.md").read_text()
+    assert "ml-1m" in md and "Criteo" in md and "| online N100 |" in md and "## Targets" in md
+    for png in ("eval_collisions.png", "eval_online.png", "eval_staleness.png", "eval_baselines.png"):
+        assert (smoke_out / png).stat().st_size > 1000
+    assert not any((smoke_out / "work").iterdir())  # scratch snapshots removed
+
+
+def test_one_section_rerun_keeps_the_others(smoke_out):
+    before = json.loads((smoke_out / "results.json").read_text())
+    assert cli.main(["staleness", "--smoke", "--out", str(smoke_out), "--work-dir", str(smoke_out / "work"),
+                     "--quiet", "--no-plots"]) == 0
+    after = json.loads((smoke_out / "results.json").read_text())
+    assert after["collisions"] == before["collisions"] and after["online"] == before["online"]
+    assert after["staleness"] == before["staleness"]  # seeded: the same numbers again
+
+
+def test_md5_hash_space_hits_the_rate():
+    ids = np.arange(1, 6041)
+    plan = buckets_for_rate(ids, 0.0773)
+    assert abs(plan["colliding"] - 0.0773) < 0.003
+    assert collision_rate(ids, plan["buckets"]) == {k: plan[k] for k in ("ids", "buckets", "colliding", "ids_lost")}
+    assert (md5_bucket(ids[:10], 1000) == md5_bucket(ids[:10], 1000)).all()
+
+
+def test_hashed_ids_only_touch_their_slots():
+    d = data(smoke(), 2000)
+    b = d.batch(np.arange(64))
+    h = HashedIds({"user_id": 7}, {"user_id": int(d.user_id.max())})(b)
+    assert h.ids["user_id"].max() < 7 and (h.ids["item_id"] == b.ids["item_id"]).all()
+    assert (h.ids["user_id"] == md5_bucket(b.ids["user_id"], 7)).all()
+
+
+def test_cli_docstring_examples():
+    import doctest
+
+    from evaluation import cli as mod
+
+    assert doctest.testmod(mod).failed == 0

@@ -1,14 +1,16 @@
 """Online training from the ``examples`` topic (Monolith's streaming trainer).
 
-Loop: poll -> validate (bad -> dead letters, with the record's original bytes) -> dedup by
+Loop: poll -> decode + validate (bad -> dead letters, with the record's original bytes) -> dedup by
 example_id (bounded window) -> assemble the batch -> score it with the current model and update the
 streaming AUC (progressive validation) -> train on it -> commit its offsets. Training runs on one
 dedicated thread (1 torch intra-op thread; torch ops and the PS kernels release the GIL) while the
 event loop fetches, decodes and assembles the next batch. Only one batch is in flight, and a
-batch's offsets are committed after it is applied, in order. The overlap is partial: decoding is
-per-example Python (protobuf access) that holds the GIL, so the training thread stalls at each
-GIL re-acquisition; online throughput is bound by decoding (~20 us/example on the event loop). Every ``sync_interval_s`` the touched sparse rows are published to
-``param-deltas`` as one version (several chunks); every ``dense_sync_interval_s`` the dense params.
+batch's offsets are committed after it is applied, in order. Decoding builds no protobuf objects:
+the consumer hands over each record's bytes and :mod:`trainer.wire` parses a whole poll's bytes
+into the batch arrays in one numba call with the GIL released (~1-3 us/example; refused records
+alone are re-decoded with protobuf, for the dead letter's exact reason). Every ``sync_interval_s``
+the touched sparse rows are published to ``param-deltas`` as one version (several chunks); every
+``dense_sync_interval_s`` the dense params.
 Every ``snapshot_interval_event_s`` of event time (and on a clean stop) a snapshot records tables,
 optimizer state, dense params, the next offsets of everything applied, the sync versions, the
 ``param-deltas`` offset after the last publish, the AUC histograms and the dedup window.
@@ -23,8 +25,8 @@ Crash semantics (kill -9): the restart loads the latest snapshot and *seeks to i
   with higher versions, so replicas converge. A serving replica restarting from this snapshot
   skips to its ``param_deltas_offset``: deltas of the dead run after it are applied and then
   superseded - a transient, bounded by T as well.
-* duplicates from the joiner (at-least-once) are dropped within ``dedup_window`` example ids,
-  and the window is saved in the snapshot so it survives restarts. The window learns a batch's ids
+* duplicates from the joiner (at-least-once) are dropped within ``dedup_window`` example ids
+  (compared as 128-bit hashes), and the window is saved in the snapshot so it survives restarts. The window learns a batch's ids
   only once the batch is applied, so a snapshot never marks as seen an example it did not train on.
 Without a snapshot the group's committed offsets are used (a fresh model starting from there).
 """
@@ -35,7 +37,7 @@ import asyncio
 import logging
 import math
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,73 +49,51 @@ from aiokafka import ConsumerRebalanceListener, TopicPartition
 
 from proto import Example
 from services import tansu_quirks
-from services.codecs import MalformedMessage
+from services.codecs import MalformedMessage, codec_for
 from services.kafka import TypedConsumer, create_topics, producer, start_client
 from services.settings import Settings
 
 from . import metrics as M
-from . import snapshots
+from . import snapshots, wire
 from .batch import SparseBatch
 from .config import ModelConfig
 from .model import SparseModel
 from .sync import encode_dense, encode_sparse_tables
 
 log = logging.getLogger(__name__)
+_NO_HASHES = np.zeros((0, 2), np.uint64)
 
 
-class DedupWindow:
-    """The last ``capacity`` example ids (insertion order)."""
+class RawExampleCodec:
+    """The trainer consumer's codec: record values stay bytes (``Record.value is Record.raw``).
+    A poll's records are decoded together by :class:`trainer.wire.ExampleDecoder`; only a null
+    value is refused here (the consumer dead-letters it, as the protobuf codec did)."""
 
-    def __init__(self, capacity: int = 200_000):
-        self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
+    message_type = Example
+    name = "Example"
 
-    def seen_or_add(self, eid: str) -> bool:
-        if not eid:
-            return False
-        if eid in self._ids:
-            return True
-        self.add(eid)
-        return False
+    def encode(self, message: Example) -> bytes:
+        return message.SerializeToString()
 
-    def __contains__(self, eid: str) -> bool:
-        return eid in self._ids
-
-    def add(self, eid: str) -> None:
-        if eid:
-            self._ids[eid] = None
-            if len(self._ids) > self.capacity:
-                self._ids.popitem(last=False)
-
-    def state(self) -> list[str]:
-        return list(self._ids)
-
-    def load(self, ids: list[str]) -> None:
-        self._ids = OrderedDict.fromkeys(ids[-self.capacity:])
+    def decode(self, raw: bytes | None) -> bytes:
+        if raw is None:
+            raise MalformedMessage("undecodable", "Example value is null")
+        return raw
 
 
-@dataclass(frozen=True, slots=True)
-class Decoded:
-    """A decoded Example and the exact bytes it came from (for dead letters)."""
-
-    message: Example
-    raw: bytes
-
-
-class KeepRawCodec:
-    """Wraps the consumer's Example codec so each record's value is ``Decoded(message, raw)``:
-    the trainer's own rejections then dead-letter the original bytes, not a re-serialization."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.message_type = inner.message_type
-        self.name = inner.name
-
-    def encode(self, message) -> bytes:
-        return self.inner.encode(message)
-
-    def decode(self, raw: bytes | None) -> Decoded:
-        return Decoded(self.inner.decode(raw), raw)
+def check_example(ex: Example, known_slots: set[str], label: str, dense_features: list[str]) -> tuple[str, str] | None:
+    """The trainer's own checks of an Example the codec accepted (``kind, detail`` or None)."""
+    sparse = ex.features.sparse
+    if not known_slots.issuperset(sparse.keys()):
+        return "unknown_slot", str(sorted(set(sparse.keys()) - known_slots))
+    if label not in ex.labels or not math.isfinite(ex.labels[label]):
+        return "bad_label", f"{label!r} missing or not finite"
+    dense = ex.features.dense
+    if len(dense) != len(dense_features) or any(k not in dense for k in dense_features):
+        return "wrong_dim", f"dense features {sorted(dense)} != {dense_features}"
+    if any(not math.isfinite(v) for v in dense.values()):
+        return "nan_value", "non-finite dense feature"
+    return None
 
 
 class _Seek(ConsumerRebalanceListener):
@@ -138,7 +118,7 @@ class Prepared:
 
     batch: SparseBatch | None
     offsets: dict[int, int]  # partition -> next offset (records of this poll)
-    ids: list[str]  # example ids, entered into the dedup window once the batch is applied
+    hashes: np.ndarray  # uint64 [n, 2] example id hashes, entered into the dedup window once applied
 
 
 class OnlineTrainer:
@@ -168,7 +148,7 @@ class OnlineTrainer:
         self.torch_threads = torch_threads
         self.model = SparseModel(cfg)
         self.auc = M.StreamingAUC()
-        self.dedup = DedupWindow(ts.dedup_window if dedup_window is None else dedup_window)
+        self.dedup = wire.DedupWindow(ts.dedup_window if dedup_window is None else dedup_window)
         self.known_slots = set(cfg.all_slots)
         self.resume_offsets: dict[int, int] = {}
         self.applied_offsets: dict[int, int] = {}
@@ -191,7 +171,9 @@ class OnlineTrainer:
         self.first_batch_at: float | None = None
         self.last_batch_at: float | None = None
         self._pending: asyncio.Task | None = None
-        self._inflight_ids: set[str] = set()
+        self._inflight_hashes = _NO_HASHES
+        self.decoder = wire.ExampleDecoder(cfg.all_slots, cfg.label, cfg.dense_features)
+        self._codec = codec_for(Example)
         self._executor: ThreadPoolExecutor | None = None
         self._rate_mark = (time.monotonic(), 0)
 
@@ -302,40 +284,44 @@ class OnlineTrainer:
         return await self.consumer.dead_letter(original, err)
 
     def _check(self, ex: Example) -> tuple[str, str] | None:
-        """Trainer-specific validation (the consumer's codec already checked finiteness, ids, ...)."""
-        sparse = ex.features.sparse
-        if not self.known_slots.issuperset(sparse.keys()):
-            return "unknown_slot", str(sorted(set(sparse.keys()) - self.known_slots))
-        if self.cfg.label not in ex.labels or not math.isfinite(ex.labels[self.cfg.label]):
-            return "bad_label", f"{self.cfg.label!r} missing or not finite"
-        dense = ex.features.dense
-        if len(dense) != len(self.cfg.dense_features) or any(k not in dense for k in self.cfg.dense_features):
-            return "wrong_dim", f"dense features {sorted(dense)} != {self.cfg.dense_features}"
-        if any(not math.isfinite(v) for v in dense.values()):
-            return "nan_value", "non-finite dense feature"
-        return None
+        """Trainer-specific validation (the codec's checks come first: finiteness, ids, ...)."""
+        return check_example(ex, self.known_slots, self.cfg.label, self.cfg.dense_features)
+
+    async def _reject_record(self, rec):
+        """Dead-letter a record the decoder refused, with the reason protobuf + the validators give
+        (re-decoding only the refused records: the reason text stays exactly what it was)."""
+        try:
+            ex = self._codec.decode(rec.raw)
+        except MalformedMessage as err:  # the codec's own refusal, as the consumer used to send it
+            return await self.consumer.dead_letter(rec, err)
+        why = self._check(ex)
+        if why is None:  # decoder and protobuf disagree: a decoder bug; never drop the record silently
+            log.error("fast decoder refused %s[%d]@%d that protobuf accepts", rec.topic, rec.partition, rec.offset)
+            why = ("decoder_mismatch", "trainer.wire refused an Example that protobuf accepts")
+        return await self._reject(rec, rec.raw, *why)
 
     async def prepare(self, recs) -> Prepared:
-        """Validate, dead-letter (durably), dedup and assemble one batch on the event loop."""
+        """Decode, validate, dead-letter (durably), dedup and assemble one batch on the event loop.
+
+        One numba pass over the poll's concatenated record bytes (GIL released): see
+        :mod:`trainer.wire`. Duplicates of: the applied window, the batch in flight, this batch.
+        The window learns a batch's ids only once it is applied, so a snapshot never holds ids it
+        has not trained on."""
         t0 = time.perf_counter()
-        good, letters, ids = [], [], {}
-        # duplicates of: the applied window, the batch in flight, this batch. The window learns a
-        # batch's ids only once it is applied, so a snapshot never holds ids it has not trained on.
-        inflight = self._inflight_ids
-        for r in recs:
-            ex = r.value.message
-            why = self._check(ex)
-            eid = ex.example_id
-            if why is not None:
-                letters.append(await self._reject(r, r.value.raw, *why))
-            elif eid and (eid in self.dedup or eid in inflight or eid in ids):
-                self.duplicates += 1
-                M.DUPLICATES.labels(self.cfg.model_id).inc()
-            else:
-                ids[eid] = None
-                good.append(ex)
-        batch = (SparseBatch.from_examples(good, self.cfg.all_slots, self.cfg.label, self.cfg.dense_features)
-                 if good else None)
+        dec = self.decoder.decode([r.raw for r in recs], self.dedup, self._inflight_hashes)
+        letters = []
+        status = dec.status
+        if dec.size < len(recs):
+            for i in np.flatnonzero((status == wire.UNDECODABLE) | (status == wire.REJECT)).tolist():
+                letters.append(await self._reject_record(recs[i]))
+            dups = int(np.count_nonzero(status == wire.DUPLICATE))
+            if dups:
+                self.duplicates += dups
+                M.DUPLICATES.labels(self.cfg.model_id).inc(dups)
+        batch = None
+        if dec.size:
+            ids, offs = dec.slot_arrays(self.cfg.all_slots)
+            batch = SparseBatch(dec.size, ids, offs, dec.labels, dec.event_time_ms, dec.sample_rate, dec.dense)
         offsets: dict[int, int] = {}
         for r in recs:
             if r.offset + 1 > offsets.get(r.partition, -1):
@@ -343,7 +329,7 @@ class OnlineTrainer:
         self._stage("prepare", time.perf_counter() - t0)
         if letters:  # dead letters durable before their offsets can be committed
             await asyncio.gather(*letters)
-        return Prepared(batch, offsets, list(ids))
+        return Prepared(batch, offsets, dec.hashes)
 
     def _warm_up(self) -> None:
         """On the training thread, while the consumer joins its group (~5 s on tansu): load/compile
@@ -358,6 +344,12 @@ class OnlineTrainer:
         m = SparseModel(cfg)
         m.train_step(b)
         m.predict(b)
+        ex = Example(example_id="warm-up", event_time_ms=1, sample_rate=1.0, labels={cfg.label: 1.0})
+        for s in cfg.all_slots:
+            ex.features.sparse[s].ids.append(1)
+        for d in cfg.dense_features:
+            ex.features.dense[d] = 0.0
+        self.decoder.decode([ex.SerializeToString()] * 2, wire.DedupWindow(4), _NO_HASHES)
 
     def _train(self, batch: SparseBatch):
         """On the training thread."""
@@ -386,8 +378,7 @@ class OnlineTrainer:
             M.EXAMPLES.labels(self.cfg.model_id, "online").inc(batch.size)
             M.LOSS.labels(self.cfg.model_id, "online").set(self.loss_ema)
             M.AUC.labels(self.cfg.model_id, "online").set(self.auc.value())
-        for eid in p.ids:
-            self.dedup.add(eid)
+        self.dedup.add_many(p.hashes)
         t3 = time.perf_counter()
         for part, off in p.offsets.items():
             if off > self.applied_offsets.get(part, -1):
@@ -396,7 +387,7 @@ class OnlineTrainer:
         self._stage("commit", time.perf_counter() - t3)
 
     def _start(self, p: Prepared) -> None:
-        self._inflight_ids = set(p.ids)
+        self._inflight_hashes = p.hashes
         self._pending = asyncio.create_task(self._apply(p))
 
     async def _drain(self) -> None:
@@ -406,7 +397,7 @@ class OnlineTrainer:
         t0 = time.perf_counter()
         pending, self._pending = self._pending, None
         await pending
-        self._inflight_ids = set()
+        self._inflight_hashes = _NO_HASHES
         self._stage("wait_train", time.perf_counter() - t0)
         if self.snapshot_interval_ms > 0:
             if self.next_snapshot_at is None:
@@ -440,7 +431,7 @@ class OnlineTrainer:
         cs.kafka.connect_timeout_s = max(s.kafka.connect_timeout_s, self.consumer_start_timeout_s)
         self.consumer = TypedConsumer(cs, "trainer", Example, [self.topic], self.group_id,
                                       dead_letter_producer=self._producer)
-        self.consumer.codec = KeepRawCodec(self.consumer.codec)
+        self.consumer.codec = RawExampleCodec()
         self.consumer.consumer.subscribe([self.topic], listener=_Seek(self))
         warm = asyncio.get_running_loop().run_in_executor(self._executor, self._warm_up)
         await self.consumer.start()

@@ -13,6 +13,8 @@ COPY serving serving
 COPY proto proto
 COPY ps ps
 COPY producers producers
+COPY status status
+COPY evaluation evaluation
 RUN pip install --no-cache-dir .
 ENV DRIFTLINE_VAR_DIR=/var/lib/driftline DRIFTLINE_DATA_DIR=/var/lib/driftline/data OMP_WAIT_POLICY=PASSIVE
 VOLUME /var/lib/driftline

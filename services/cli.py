@@ -105,6 +105,9 @@ SERVICE_COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("trainer.__main__:main", "train: `trainer online` from Kafka or `trainer batch` from Parquet"),
     "serve": ("serving.__main__:main", "run the ranking API (uvicorn)"),
     "features": ("serving.feature_store:main", "online feature store: `features load`"),
+    "traffic": ("producers.traffic:main", "replay MovieLens through serving (/rank, then /actions)"),
+    "status": ("status.app:main", "the live status page"),
+    "eval": ("evaluation.cli:main", "reproduce the Monolith paper's experiments on ml-1m"),
 }
 
 

@@ -197,7 +197,7 @@ def create_app(settings: Settings, options: ServingOptions | None = None,
                           dense_version=version.dense_version)
         raws = feats.items_raw or [None] * n
         encoded = s.log_encoder.encode(
-            request_id, int(time.time() * 1000), body.user_id, context, mv,
+            request_id, body.event_time_ms or int(time.time() * 1000), body.user_id, context, mv,
             [(c.item_id, None if c.features is not None else raws[i], item_slots[i],
               c.features.dense if c.features is not None else None, float(scores[i]))
              for i, c in enumerate(body.candidates)])

@@ -45,6 +45,8 @@ class RankRequest(_Strict):
 
     request_id: RequestId | None = Field(None, description="Echoed back; generated when absent.")
     user_id: Id
+    event_time_ms: Annotated[int, Field(gt=0, le=INT64_MAX)] | None = Field(
+        None, description="Unix milliseconds the request happened at (a replay's data time); now when absent.")
     context: FeaturesIn | None = Field(None, description="Request features shared by every candidate.")
     candidates: list[CandidateIn] = Field(
         ..., min_length=1, max_length=SCHEMA_MAX_CANDIDATES,

@@ -4,8 +4,9 @@ Loop: poll -> decode + validate (bad -> dead letters, with the record's original
 example_id (bounded window) -> assemble the batch -> score it with the current model and update the
 streaming AUC (progressive validation) -> train on it -> commit its offsets. Training runs on one
 dedicated thread (1 torch intra-op thread; torch ops and the PS kernels release the GIL) while the
-event loop fetches, decodes and assembles the next batch. Only one batch is in flight, and a
-batch's offsets are committed after it is applied, in order. Decoding builds no protobuf objects:
+event loop fetches, decodes and assembles the next batch. At most two batches are in flight (one
+training, the next queued on the training thread), and a batch's offsets are committed after it is
+applied, in order. Decoding builds no protobuf objects:
 the consumer hands over each record's bytes and :mod:`trainer.wire` parses a whole poll's bytes
 into the batch arrays in one numba call with the GIL released (~1-3 us/example; refused records
 alone are re-decoded with protobuf, for the dead letter's exact reason). Every ``sync_interval_s``
@@ -109,6 +110,8 @@ class _Seek(ConsumerRebalanceListener):
             if off is not None and tp.topic == self.t.topic:
                 self.t.consumer.consumer.seek(tp, off)
                 log.info("resuming %s[%d] at snapshot offset %d", tp.topic, tp.partition, off)
+            elif tp.topic == self.t.topic and tp.partition not in self.t.applied_offsets:
+                self.t.unknown_start.add(tp.partition)
         self.t.ready.set()
 
 
@@ -152,6 +155,8 @@ class OnlineTrainer:
         self.known_slots = set(cfg.all_slots)
         self.resume_offsets: dict[int, int] = {}
         self.applied_offsets: dict[int, int] = {}
+        # assigned partitions whose start position is not known yet (see _note_starts)
+        self.unknown_start: set[int] = set()
         self.sparse_version = 0
         self.dense_version = 0
         self.param_deltas_offset = 0
@@ -170,8 +175,11 @@ class OnlineTrainer:
         self.keep_last_sync_copy = False
         self.first_batch_at: float | None = None
         self.last_batch_at: float | None = None
-        self._pending: asyncio.Task | None = None
-        self._inflight_hashes = _NO_HASHES
+        # batches handed to the training thread, oldest first: (task following it, its id hashes)
+        self._pending: deque[tuple[asyncio.Task, np.ndarray]] = deque()
+        #: 2: the next batch waits on the training thread's queue while the current one trains, so
+        #: the thread goes from one step to the next without waiting for the event loop
+        self.max_in_flight = 2
         self.decoder = wire.ExampleDecoder(cfg.all_slots, cfg.label, cfg.dense_features)
         self._codec = codec_for(Example)
         self._executor: ThreadPoolExecutor | None = None
@@ -308,7 +316,9 @@ class OnlineTrainer:
         The window learns a batch's ids only once it is applied, so a snapshot never holds ids it
         has not trained on."""
         t0 = time.perf_counter()
-        dec = self.decoder.decode([r.raw for r in recs], self.dedup, self._inflight_hashes)
+        inflight = (np.concatenate([h for _, h in self._pending]) if len(self._pending) > 1
+                    else self._pending[0][1] if self._pending else _NO_HASHES)
+        dec = self.decoder.decode([r.raw for r in recs], self.dedup, inflight)
         letters = []
         status = dec.status
         if dec.size < len(recs):
@@ -359,15 +369,16 @@ class OnlineTrainer:
         loss, probs = self.model.train_step(batch)
         return loss, probs, time.perf_counter() - t0
 
-    async def _apply(self, p: Prepared) -> None:
-        """Train on a prepared batch (on the training thread), then commit its offsets."""
+    async def _apply(self, p: Prepared, step: asyncio.Future | None, prev: asyncio.Task | None) -> None:
+        """Wait for a prepared batch's step (on the training thread) and for the batch before it
+        (bookkeeping and commits stay in batch order), then commit its offsets."""
+        if p.batch is not None:
+            # progressive validation: the step's forward pass scores the batch before it is learned
+            loss, probs, dt = await step
+        if prev is not None:
+            await prev
         if p.batch is not None:
             batch = p.batch
-            if self.first_batch_at is None:
-                self.first_batch_at = time.perf_counter()
-            loop = asyncio.get_running_loop()
-            # progressive validation: the step's forward pass scores the batch before it is learned
-            loss, probs, dt = await loop.run_in_executor(self._executor, self._train, batch)
             self._stage("train", dt)
             self.auc.update(probs, batch.labels)
             self.examples_applied += batch.size
@@ -387,25 +398,58 @@ class OnlineTrainer:
         self._stage("commit", time.perf_counter() - t3)
 
     def _start(self, p: Prepared) -> None:
-        self._inflight_hashes = p.hashes
-        self._pending = asyncio.create_task(self._apply(p))
+        """Hand the batch to the training thread *now* (a task would only submit it when the event
+        loop next yields - after the next poll and prepare, serializing the two), then follow it."""
+        step = None
+        if p.batch is not None:
+            if self.first_batch_at is None:
+                self.first_batch_at = time.perf_counter()
+            step = asyncio.get_running_loop().run_in_executor(self._executor, self._train, p.batch)
+        prev = self._pending[-1][0] if self._pending else None
+        self._pending.append((asyncio.create_task(self._apply(p, step, prev)), p.hashes))
 
-    async def _drain(self) -> None:
-        """Wait for the batch in flight (if any), then snapshot if its event time crossed a boundary."""
-        if self._pending is None:
+    async def _drain(self, keep: int = 0) -> None:
+        """Wait until at most ``keep`` batches are in flight (oldest first), then snapshot if the
+        event time crossed a boundary (after draining every batch: a snapshot has none in flight)."""
+        if len(self._pending) <= keep:
             return
         t0 = time.perf_counter()
-        pending, self._pending = self._pending, None
-        await pending
-        self._inflight_hashes = _NO_HASHES
+        while len(self._pending) > keep:
+            await self._pending[0][0]
+            self._pending.popleft()
         self._stage("wait_train", time.perf_counter() - t0)
         if self.snapshot_interval_ms > 0:
             if self.next_snapshot_at is None:
                 self.next_snapshot_at = (self.max_event_time // self.snapshot_interval_ms + 1) * self.snapshot_interval_ms
             elif self.max_event_time >= self.next_snapshot_at:
+                while self._pending:
+                    await self._pending[0][0]
+                    self._pending.popleft()
                 await self.sync_sparse()
                 self.snapshot()
                 self.next_snapshot_at = (self.max_event_time // self.snapshot_interval_ms + 1) * self.snapshot_interval_ms
+
+    async def _note_starts(self, recs) -> None:
+        """Record where each newly assigned partition starts (its committed offset, or the earliest)
+        as its applied offset: snapshots then name every partition. A partition left out of a
+        snapshot would resume at the group's committed offset, which batches applied after the
+        snapshot moved past - losing them on a crash. The start is the first record this poll
+        returned from it, or, if none yet, the consumer's position (which only moves when records
+        are returned)."""
+        first: dict[int, int] = {}
+        for r in recs:
+            if r.partition in self.unknown_start and r.partition not in first:
+                first[r.partition] = r.offset
+        for part in list(self.unknown_start):
+            start = first.get(part)
+            if start is None:
+                try:
+                    start = await self.consumer.consumer.position(TopicPartition(self.topic, part))
+                except Exception:  # noqa: BLE001 - revoked meanwhile: nothing to record
+                    self.unknown_start.discard(part)
+                    continue
+            self.applied_offsets.setdefault(part, start)
+            self.unknown_start.discard(part)
 
     def _update_rate(self, now: float) -> None:
         t, n = self._rate_mark
@@ -454,6 +498,8 @@ class OnlineTrainer:
                 t0 = time.perf_counter()
                 recs = await self.consumer.poll(timeout_ms=int(wait * 1000), max_records=self.batch_size - len(buf))
                 self._stage("poll", time.perf_counter() - t0)
+                if self.unknown_start:
+                    await self._note_starts(recs)
                 now = time.monotonic()
                 if recs:
                     if not buf:
@@ -463,7 +509,7 @@ class OnlineTrainer:
                 if buf and (len(buf) >= self.batch_size or now - first_at >= self.batch_timeout_s):
                     prepared = await self.prepare(buf)
                     buf = []
-                    await self._drain()
+                    await self._drain(self.max_in_flight - 1)
                     self._start(prepared)
                     queued += prepared.batch.size if prepared.batch is not None else 0
                     if max_examples is not None and queued >= max_examples:
@@ -489,8 +535,8 @@ class OnlineTrainer:
             await self.sync_dense()
             self.snapshot()
         finally:
-            if self._pending is not None:  # cancelled mid-batch: let the step finish, commit nothing more
-                self._pending.cancel()
+            for task, _ in self._pending:  # cancelled mid-batch: let the steps finish, commit nothing more
+                task.cancel()
             await self.consumer.stop()
             await self._producer.stop()
             self._executor.shutdown(wait=True)

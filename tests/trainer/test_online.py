@@ -148,6 +148,9 @@ async def test_kill_9_resume(settings, ml_examples, tmp_path):
     p.wait()
     killed_at = snapshots.read_manifest(root)
     assert killed_at["examples_applied"] <= half
+    # every partition is named, even one nothing was applied from yet: a partition left out would
+    # resume at the committed offset, which batches applied after the snapshot moved past
+    assert len(killed_at["offsets"]) == settings.topics.partitions, killed_at["offsets"]
     await produce_examples(settings, ml_examples[half:])
     p = _spawn(settings, tmp_path, log)
     assert p.wait(timeout=120) == 0, log.read_text()[-3000:]

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 BENCHES := $(patsubst bench/bench_%.py,bench-%,$(wildcard bench/bench_*.py))
 
-.PHONY: up install install-dev test bench $(BENCHES) proto clean
+.PHONY: up install install-dev test bench $(BENCHES) eval proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ bench: $(BENCHES)
 
 $(BENCHES): bench-%: $(DEV_STAMP)
 	$(BIN)/python bench/bench_$*.py
+
+## Reproduce the Monolith paper's experiments on ml-1m (~17-20 min on 2 cores): docs/results.*, docs/eval_*.png
+eval: $(STAMP)
+	$(BIN)/driftline eval all --out docs
 
 ## Regenerate proto/*_pb2.py from proto/*.proto (tests/test_proto.py fails when they are stale).
 proto: $(DEV_STAMP)

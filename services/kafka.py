@@ -23,7 +23,7 @@ from google.protobuf.message import Message
 
 from proto import DeadLetter
 from services import metrics, tansu_quirks
-from services.codecs import MalformedMessage, codec_for
+from services.codecs import Codec, MalformedMessage, codec_for
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -122,11 +122,14 @@ class TypedConsumer(Generic[M]):
         *,
         auto_offset_reset: str = "earliest",
         dead_letter_producer: AIOKafkaProducer | None = None,
+        codec: Codec[M] | None = None,
         **consumer_options: object,
     ) -> None:
+        """``codec`` replaces the message type's protobuf codec, e.g. one that keeps values as
+        bytes for a service that decodes whole batches itself."""
         self.settings = settings
         self.service = service
-        self.codec = codec_for(message_type)
+        self.codec = codec if codec is not None else codec_for(message_type)
         self.topics = topics
         k = settings.kafka
         options: dict[str, object] = dict(

@@ -58,6 +58,10 @@ class TableShard:
         self._init = (KINDS[config.initializer.kind], float(config.initializer.scale),
                       config.initializer.seed)
         self._track = config.track_updates
+        #: process-lifetime counters (not in snapshots): ids admitted (rows created by training
+        #: inserts; replica upserts do not count) and rows removed by TTL expiry
+        self.admitted = 0
+        self.evicted = 0
         adm = config.admission
         self._sketch = (np.zeros((adm.sketch_depth, adm.sketch_width), np.uint16)
                         if adm.min_count > 1 else np.zeros((1, 1), np.uint16))
@@ -213,10 +217,12 @@ class TableShard:
         self._reserve(miss.size, miss.size)
         out = np.empty(miss.size, np.int64)
         adm = self.config.admission
+        before = int(self.meta[R.M_SIZE])
         R.insert_kernel(self._slots, self._mask, mk, out, self._emb, self._state, self._row_keys,
                         self._times, self._flags, self._free, self._dirty, self.meta, mt,
                         self._track, *self._init, self._opt_kind, self._hyper, self._sketch,
                         adm.seed, adm.min_count, adm.probability)
+        self.admitted += int(self.meta[R.M_SIZE]) - before  # inserting only adds rows
         return out
 
     def apply_gradients(self, ids, grads, event_time) -> int:
@@ -275,8 +281,10 @@ class TableShard:
         budget = int(self.meta[R.M_HIGH]) if max_scan is None else int(max_scan)
         self._reserve(0, budget)
         cutoff = max(now - ttl, INT64_MIN)
-        return int(R.expire_kernel(self._slots, self._mask, self._row_keys, self._times, self._flags,
-                                   self._dirty, self._free, self.meta, self._track, cutoff, budget))
+        n = int(R.expire_kernel(self._slots, self._mask, self._row_keys, self._times, self._flags,
+                                self._dirty, self._free, self.meta, self._track, cutoff, budget))
+        self.evicted += n
+        return n
 
     # ------------------------------------------------------------------ sync
     @property

@@ -54,6 +54,16 @@ class EmbeddingTable:
     def memory_bytes(self) -> int:
         return sum(s.memory_bytes() for s in self.shards)
 
+    @property
+    def admitted(self) -> int:
+        """Ids admitted (rows created by training inserts) since this process built the shards."""
+        return sum(getattr(s, "admitted", 0) for s in self.shards)
+
+    @property
+    def evicted(self) -> int:
+        """Rows removed by TTL expiry since this process built the shards."""
+        return sum(getattr(s, "evicted", 0) for s in self.shards)
+
     def _event_time(self, event_time, n):
         return as_event_time(event_time, n)
 

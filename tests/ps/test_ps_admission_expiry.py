@@ -95,3 +95,29 @@ def test_expire_on_update_sweeps_with_watermark():
     t.gather(ids, insert=True, event_time=60_000)
     t.apply_gradients(ids, np.ones((1, 4), np.float32), event_time=60_000)
     assert len(t) == 1 and t.contains(ids)[0]
+
+
+def test_admitted_and_evicted_counters():
+    """Per-shard process counters: rows created by training inserts, rows removed by TTL expiry
+    (packed multi-slot gathers, several shards; replica upserts and deletes count as neither)."""
+    from ps import ParameterServer, SyncChunk
+
+    t = EmbeddingTable(TableConfig(name="a", dim=2, shards=3, optimizer=SGDConfig(lr=1.0),
+                                   admission=AdmissionConfig(min_count=2), ttl_seconds=1,
+                                   expire_on_update=False))
+    ps_ = ParameterServer([t], slots={"b": "a"})
+    assert (t.admitted, t.evicted) == (0, 0)
+    ps_.gather({"a": np.array([1, 2, 3], np.int64), "b": np.array([1, 4], np.int64)}, insert=True, event_time=0)
+    assert t.admitted == 1 == len(t)  # id 1 seen twice; 2, 3, 4 not admitted yet
+    t.gather(np.array([2, 3, 1, 9], np.int64), insert=True, event_time=500)
+    assert t.admitted == 3 == len(t)
+    t.gather(np.array([2, 3], np.int64), insert=False)  # reads admit nothing
+    assert t.admitted == 3
+    assert t.expire(now=1_200) == 1 and t.evicted == 1  # id 1 (t=0) is past the 1 s TTL
+    t.delete(np.array([2], np.int64))
+    assert t.evicted == 1 and sum(s.evicted for s in t.shards) == 1
+    assert t.expire(now=10_000) == 1 and t.evicted == 2
+    replica = EmbeddingTable(t.config.serving())
+    replica.apply_sync(SyncChunk(np.array([5], np.int64), np.ones((1, 2), np.float32), np.zeros(1, np.int64),
+                                 np.zeros(0, np.int64)))
+    assert (replica.admitted, replica.evicted) == (0, 0)

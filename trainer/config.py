@@ -2,7 +2,9 @@
 
 A model reads sparse *slots* (named bags of int64 ids, see :mod:`producers.movielens_features`).
 Each slot maps to a PS table that holds its embeddings; several slots may share one table (their
-ids are then salted per slot so equal ids of different slots do not collide). ``slots`` are the
+ids are then salted per slot so equal ids of different slots do not collide, unless ``salt`` says
+otherwise for a slot: unsalted slots of one table read the same row for the same id, e.g. the
+real-time ``recent_items`` slot and ``item_id``). ``slots`` are the
 embedding fields (FM / MLP input, all of one ``dim`` for DeepFM); ``linear`` are first-order
 fields read from ``dim == 1`` tables. ``kind`` picks the dense head:
 
@@ -10,9 +12,13 @@ fields read from ``dim == 1`` tables. ``kind`` picks the dense head:
 * ``lr``: bias + sum(linear) (+ dense features): logistic regression / "wide".
 
 >>> cfg = deepfm_config(); cfg.kind, len(cfg.slots), cfg.mlp
-('deepfm', 8, [256, 128])
+('deepfm', 9, [256, 128])
+>>> cfg.slots["recent_items"], cfg.pooling["recent_items"], cfg.salts()[("item_id", "recent_items")]
+('item_id', 'mean', 0)
 >>> ModelConfig.model_validate_json(cfg.model_dump_json()) == cfg
 True
+>>> len(deepfm_config(recent_items=False).slots)  # the issue's 8-slot model
+8
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ps import AdagradConfig, InitializerConfig, TableConfig
 
 MOVIELENS_SLOTS = ("user_id", "gender", "age", "occupation", "zip", "item_id", "genres", "year")
+#: the real-time slot serving adds to its FeatureLogs after a user's first click: the user's last
+#: clicked item ids (Redis), absent from historical data (an empty bag pools to a zero vector)
+RECENT_ITEMS = "recent_items"
 
 
 class ModelConfig(BaseModel):
@@ -39,6 +48,9 @@ class ModelConfig(BaseModel):
     tables: list[TableConfig]
     #: per-slot pooling of multi-valued slots (embedding-bag semantics); default "sum"
     pooling: dict[str, Literal["sum", "mean"]] = Field(default_factory=dict)
+    #: per slot: salt its ids when its table is shared with other slots (default True). Slots with
+    #: False read a shared table with their raw ids, so equal ids of such slots share a row.
+    salt: dict[str, bool] = Field(default_factory=dict)
     #: names of dense (float) features, in input order; an example missing one is rejected
     dense_features: list[str] = Field(default_factory=list)
     mlp: list[int] = Field(default_factory=lambda: [256, 128])
@@ -62,6 +74,9 @@ class ModelConfig(BaseModel):
         for slot, table in self.linear.items():
             if self.table(table).dim != 1:
                 raise ValueError(f"linear[{slot!r}] -> table {table!r} must have dim 1")
+        unknown = set(self.salt) - set(self.slots) - set(self.linear)
+        if unknown:
+            raise ValueError(f"salt: unknown slots {sorted(unknown)}")
         if self.kind == "deepfm" and not self.slots:
             raise ValueError("deepfm needs at least one embedding slot")
         if not self.slots and not self.linear and not self.dense_features:
@@ -93,12 +108,13 @@ class ModelConfig(BaseModel):
         return {k: v for k, v in out.items() if v}
 
     def salts(self) -> dict[tuple[str, str], int]:
-        """(table, slot) -> xor salt for ids (0 unless the table is shared by several slots)."""
+        """(table, slot) -> xor salt for ids (0 unless the table is shared by several slots and
+        ``salt`` does not turn it off for the slot)."""
         out = {}
         for table, uses in self.table_slots().items():
             distinct = {s for _, s in uses}
             for _, s in uses:
-                out[(table, s)] = _salt(s) if len(distinct) > 1 else 0
+                out[(table, s)] = _salt(s) if len(distinct) > 1 and self.salt.get(s, True) else 0
         return out
 
 
@@ -108,24 +124,54 @@ def _salt(slot: str) -> int:
 
 def deepfm_config(model_id: str = "deepfm", dim: int = 16, mlp: list[int] | None = None, lr: float = 0.05,
                   slots: tuple[str, ...] = MOVIELENS_SLOTS, ttl_seconds: float | None = None,
-                  min_count: int = 1, shards: int = 1) -> ModelConfig:
-    """DeepFM over the MovieLens slots: one embedding + one first-order table per slot."""
-    init = InitializerConfig(kind="normal", scale=0.01, seed=1)
+                  min_count: int = 1, shards: int = 1, recent_items: bool = True,
+                  seed: int | None = None) -> ModelConfig:
+    """DeepFM over the MovieLens slots: one embedding + one first-order table per slot.
+
+    ``recent_items`` (when ``item_id`` is a slot) adds the real-time :data:`RECENT_ITEMS` slot as
+    one more embedding field: mean-pooled over the ``item_id`` table, unsalted on both sides, so a
+    clicked item's embedding is the item's own row (no table and no first-order term of its own).
+    ``seed`` (None: the historical defaults, head seed 0 and table initializer seed 1 everywhere)
+    seeds the dense head with ``seed`` and table ``i`` (in ``tables`` order) with ``1 + 1000*seed + i``.
+    """
+    def init(i: int) -> InitializerConfig:
+        return InitializerConfig(kind="normal", scale=0.01, seed=1 if seed is None else 1 + 1000 * seed + i)
+
+    def zeros(i: int) -> InitializerConfig:
+        return InitializerConfig(kind="zeros", **({} if seed is None else {"seed": 1 + 1000 * seed + i}))
+
     adm = {"min_count": min_count}
-    tables = [TableConfig(name=f"{s}", dim=dim, optimizer=AdagradConfig(lr=lr), initializer=init,
-                          admission=adm, ttl_seconds=ttl_seconds, shards=shards) for s in slots]
+    tables = [TableConfig(name=f"{s}", dim=dim, optimizer=AdagradConfig(lr=lr), initializer=init(i),
+                          admission=adm, ttl_seconds=ttl_seconds, shards=shards) for i, s in enumerate(slots)]
     tables += [TableConfig(name=f"{s}_w", dim=1, optimizer=AdagradConfig(lr=lr),
-                           initializer=InitializerConfig(kind="zeros"), admission=adm,
-                           ttl_seconds=ttl_seconds, shards=shards) for s in slots]
-    return ModelConfig(model_id=model_id, kind="deepfm", slots={s: s for s in slots},
-                       linear={s: f"{s}_w" for s in slots}, tables=tables,
-                       pooling={"genres": "mean"}, mlp=list(mlp) if mlp is not None else [256, 128])
+                           initializer=zeros(len(slots) + i), admission=adm,
+                           ttl_seconds=ttl_seconds, shards=shards) for i, s in enumerate(slots)]
+    fields = {s: s for s in slots}
+    pooling: dict = {"genres": "mean"}
+    salt: dict = {}
+    if recent_items and "item_id" in slots and RECENT_ITEMS not in slots:
+        fields[RECENT_ITEMS] = "item_id"
+        pooling[RECENT_ITEMS] = "mean"
+        salt = {"item_id": False, RECENT_ITEMS: False}
+    return ModelConfig(model_id=model_id, kind="deepfm", slots=fields,
+                       linear={s: f"{s}_w" for s in slots}, tables=tables, pooling=pooling, salt=salt,
+                       mlp=list(mlp) if mlp is not None else [256, 128], seed=0 if seed is None else seed)
 
 
-def lr_config(model_id: str = "lr", lr: float = 0.05, slots: tuple[str, ...] = MOVIELENS_SLOTS) -> ModelConfig:
-    """Logistic regression: all slots share one dim-1 table (ids salted per slot)."""
+def lr_config(model_id: str = "lr", lr: float = 0.05, slots: tuple[str, ...] = MOVIELENS_SLOTS,
+              recent_items: bool = True) -> ModelConfig:
+    """Logistic regression: all slots share one dim-1 table (ids salted per slot).
+
+    ``recent_items`` adds the real-time :data:`RECENT_ITEMS` slot as a mean-pooled first-order
+    field with its own (salted) weights: a linear model has no item interaction to share rows
+    for, but it must accept the Examples serving logs after a user's first click."""
     t = TableConfig(name="weights", dim=1, optimizer=AdagradConfig(lr=lr), initializer=InitializerConfig(kind="zeros"))
-    return ModelConfig(model_id=model_id, kind="lr", linear={s: "weights" for s in slots}, tables=[t], mlp=[])
+    linear = {s: "weights" for s in slots}
+    pooling: dict = {}
+    if recent_items and RECENT_ITEMS not in slots:
+        linear[RECENT_ITEMS] = "weights"
+        pooling[RECENT_ITEMS] = "mean"
+    return ModelConfig(model_id=model_id, kind="lr", linear=linear, tables=[t], pooling=pooling, mlp=[])
 
 
 def named_config(name: str) -> ModelConfig:

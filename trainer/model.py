@@ -16,6 +16,7 @@ No per-example Python loops, and no per-slot torch ops.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 
@@ -28,6 +29,9 @@ from ps import EmbeddingTable, PackedBatch, ParameterServer
 
 from .batch import SparseBatch
 from .config import ModelConfig
+
+
+_NO_IDS = np.zeros(0, np.int64)
 
 
 class DenseHead(nn.Module):
@@ -158,22 +162,35 @@ class SparseModel:
             else:
                 blocks.append(None)
         self._emb_block, self._lin_block = blocks
+        self._batch_slots = tuple(dict.fromkeys(slot for _, slot, _ in self._plan))
         self.ps = ParameterServer([self.tables[t.name] for t in cfg.tables], ps_slots)
         self._dims = {k: cfg.table(t).dim for k, t in ps_slots.items()}
         self.timings: dict[str, float] = defaultdict(float)
 
     # ------------------------------------------------------------------ forward
+    def complete(self, batch: SparseBatch) -> SparseBatch:
+        """``batch`` with an empty bag per example for every slot it lacks (e.g. the real-time
+        ``recent_items`` in historical data): such a field pools to a zero vector."""
+        missing = [s for s in self._batch_slots if s not in batch.ids]
+        if not missing:
+            return batch
+        empty = np.zeros(0, np.int64)
+        zeros = np.zeros(batch.size + 1, np.int64)
+        return dataclasses.replace(batch, ids={**batch.ids, **{s: empty for s in missing}},
+                                   offsets={**batch.offsets, **{s: zeros for s in missing}})
+
     def pack(self, batch: SparseBatch) -> PackedBatch:
         """The batch as one :class:`ps.PackedBatch` (ids salted where slots share a table)."""
         ids = {}
         for key, slot, salt in self._plan:
-            a = batch.ids[slot]
+            a = batch.ids.get(slot, _NO_IDS)
             ids[key] = a ^ salt if salt else a
         return self.ps.pack(ids)
 
     def forward(self, batch: SparseBatch, *, insert: bool = False, event_time: int | None = None):
         """Logits ``[B]`` and ``(packed batch, [(block, leaf)])``; leaves require grad when inserting."""
         t0 = time.perf_counter()
+        batch = self.complete(batch)
         pb = self.pack(batch)
         buf = _buffer(self.ps.gather(pb, insert=insert, event_time=event_time), pb, self._dims)
         t1 = time.perf_counter()

@@ -27,14 +27,16 @@ def _fill(model: SparseModel, rng: np.random.Generator, ids: np.ndarray) -> None
 
 
 def test_packed_forward_matches_per_slot_reference():
-    """One packed gather + one pooling op per block == per-slot lookups with sum/mean bags."""
+    """One packed gather + one pooling op per block == per-slot lookups with sum/mean bags
+    (``recent_items`` reads the item table with the raw ids: the same rows as ``item_id``)."""
     cfg = deepfm_config(dim=4, mlp=[8], slots=("user_id", "genres", "item_id"))
+    assert cfg.slots["recent_items"] == "item_id" and "recent_items" not in cfg.linear
     m = SparseModel(cfg)
     rng = np.random.default_rng(0)
     _fill(m, rng, np.arange(1, 10, dtype=np.int64))
-    rows = [{"user_id": [1], "genres": [2, 3, 4], "item_id": [5]},
-            {"user_id": [2], "genres": [], "item_id": [99]},   # empty bag, absent id
-            {"user_id": [3], "genres": [7], "item_id": [6]}]
+    rows = [{"user_id": [1], "genres": [2, 3, 4], "item_id": [5], "recent_items": [5, 6, 9]},
+            {"user_id": [2], "genres": [], "item_id": [99]},   # empty bags, absent id
+            {"user_id": [3], "genres": [7], "item_id": [6], "recent_items": [99, 8]}]
     b = SparseBatch.from_slot_dicts(rows, slots=cfg.all_slots)
 
     def bag(table, ids, mode):
@@ -44,7 +46,7 @@ def test_packed_forward_matches_per_slot_reference():
         v = t.gather(np.array(ids, np.int64))
         return v.mean(0) if mode == "mean" else v.sum(0)
 
-    emb = np.stack([np.stack([bag(cfg.slots[s], r[s], cfg.pooling.get(s, "sum")) for s in cfg.slots])
+    emb = np.stack([np.stack([bag(cfg.slots[s], r.get(s, []), cfg.pooling.get(s, "sum")) for s in cfg.slots])
                     for r in rows])
     lin = np.stack([np.concatenate([bag(cfg.linear[s], r[s], cfg.pooling.get(s, "sum")) for s in cfg.linear])
                     for r in rows])
@@ -52,6 +54,29 @@ def test_packed_forward_matches_per_slot_reference():
         want = m.head(torch.from_numpy(emb), torch.from_numpy(lin), None).numpy()
         got, _ = m.forward(b)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_recent_items_shares_item_rows_and_may_be_absent():
+    """Batches without the real-time slot (historical data) train and score as an empty bag; with
+    it, a clicked item's gradient lands on the item's own row (no salt, no row of its own)."""
+    cfg = deepfm_config(dim=4, mlp=[8], slots=("user_id", "item_id"))
+    with_slot = SparseBatch.from_slot_dicts([{"user_id": [1], "item_id": [5], "recent_items": [7]}],
+                                            slots=cfg.all_slots, labels=[1.0], event_time_ms=[1])
+    without = SparseBatch.from_slot_dicts([{"user_id": [1], "item_id": [5]}], slots=["user_id", "item_id"],
+                                          labels=[1.0], event_time_ms=[1])
+    assert "recent_items" not in without.ids
+    a, b = SparseModel(cfg), SparseModel(cfg)
+    b.head.load_state_dict(a.head.state_dict())
+    empty = SparseBatch.from_slot_dicts([{"user_id": [1], "item_id": [5], "recent_items": []}],
+                                        slots=cfg.all_slots)
+    np.testing.assert_array_equal(a.predict(without), a.predict(empty))
+    a.train_step(without)
+    assert len(a.tables["item_id"]) == 1  # item 5 only
+    b.train_step(with_slot)
+    keys = b.tables["item_id"].items()[0].tolist()
+    assert keys == [5, 7], keys  # the recent item is an item row under its raw id
+    other = deepfm_config(dim=4, mlp=[8], slots=("user_id", "item_id"), recent_items=False)
+    assert set(other.slots) == {"user_id", "item_id"} and other.salt == {}
 
 
 @pytest.mark.parametrize("make", [lr_config, lambda: deepfm_config(dim=8, mlp=[32])], ids=["lr", "deepfm"])

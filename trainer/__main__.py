@@ -28,9 +28,11 @@ def run_batch(args) -> dict:
 
     cfg = named_config(args.model)
     model = SparseModel(cfg)
+    ps_counts = M.PSCounts(cfg.model_id, model.tables)
     files = parquet_files(Path(args.examples_dir))
     data = None if files and not args.movielens else MovieLensData(args.dataset, Path(args.data_dir), limit=args.limit)
     results = []
+    max_event_time = 0
     for p in range(args.passes):
         if data is not None:
             train_rows, test_rows = data.split(args.test_fraction)
@@ -45,11 +47,13 @@ def run_batch(args) -> dict:
             auc.update(probs, b.labels)
             losses.append(loss)
             n += b.size
+            max_event_time = max(max_event_time, b.max_event_time)
             M.EXAMPLES.labels(cfg.model_id, "batch").inc(b.size)
             now = time.perf_counter()
             if now - mark >= 1.0:
                 M.EXAMPLES_PER_S.labels(cfg.model_id, "batch").set((n - mark_n) / (now - mark))
                 mark, mark_n = now, n
+                ps_counts.update()
         dt = time.perf_counter() - t0
         M.EXAMPLES_PER_S.labels(cfg.model_id, "batch").set(n / dt)
         r = {"pass": p + 1, "examples": n, "ex_per_s": n / dt, "train_loss": float(np.mean(losses)),
@@ -59,6 +63,9 @@ def run_batch(args) -> dict:
             for b in data.batches(8192, test_rows):
                 ta.update(model.predict(b), b.labels)
             r["test_auc"] = ta.value()
+        ps_counts.update()
+        for name, t in model.tables.items():
+            M.TABLE_SIZE.labels(cfg.model_id, name).set(len(t))
         M.AUC.labels(cfg.model_id, "batch").set(r.get("test_auc", r["train_auc"]))
         M.LOSS.labels(cfg.model_id, "batch").set(r["train_loss"])
         results.append(r)
@@ -67,12 +74,27 @@ def run_batch(args) -> dict:
         M.STAGE_SECONDS.labels(cfg.model_id, stage).inc(seconds)
     print(json.dumps({"timings_s": dict(model.timings)}), flush=True)
     if args.snapshot:
-        from . import snapshots
-        snapshots.save(get_settings().var_dir / "snapshots" / cfg.model_id, cfg, model.tables,
-                       {"head": model.head.state_dict(), "optimizer": model.optimizer.state_dict()},
-                       {"offsets": {}, "sparse_version": 0, "dense_version": 0, "param_deltas_offset": 0,
-                        "examples_applied": 0, "max_event_time_ms": 0})
+        write_batch_snapshot(model, max_event_time, sum(r["examples"] for r in results))
     return results[-1] if results else {}
+
+
+def write_batch_snapshot(model: SparseModel, max_event_time_ms: int, examples: int,
+                         root: Path | None = None) -> Path:
+    """The warm start ``trainer online`` (and serving) resume from: tables with optimizer state,
+    dense head and optimizer, no stream state - no topic offsets, no streaming AUC, no dedup window
+    (:meth:`trainer.online.OnlineTrainer.restore` starts those fresh) - under the same root the
+    online trainer reads (``settings.trainer.snapshot_dir`` or ``<var_dir>/snapshots``)."""
+    from . import snapshots
+
+    cfg = model.cfg
+    if root is None:
+        settings = get_settings()
+        root = settings.trainer.snapshot_dir or settings.var_dir / "snapshots"
+    return snapshots.save(Path(root) / cfg.model_id, cfg, model.tables,
+                          {"head": model.head.state_dict(), "optimizer": model.optimizer.state_dict()},
+                          {"offsets": {}, "sparse_version": 0, "dense_version": 0, "param_deltas_offset": 0,
+                           "examples_applied": 0, "max_event_time_ms": int(max_event_time_ms),
+                           "source": "batch", "batch_examples": int(examples)})
 
 
 async def _run_online(args) -> dict:

@@ -14,15 +14,51 @@ DUPLICATES = Counter("driftline_trainer_duplicate_examples_total", "Examples ski
 SYNC_BYTES = Histogram("driftline_trainer_sync_bytes", "Bytes per parameter sync.", ["model", "kind"],
                        buckets=(1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9))
 SYNC_SECONDS = Histogram("driftline_trainer_sync_seconds", "Duration of a parameter sync.", ["model", "kind"])
+_DELAY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60, 300)
 SYNC_DELAY = Histogram("driftline_trainer_sync_delay_seconds",
-                       "Wall delay from an example's arrival (event time in live mode) to its delta being published.",
-                       ["model"], buckets=(0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60, 300))
+                       "Wall delay from an example's arrival on the examples topic (its Kafka record timestamp; "
+                       "the trainer's poll time when the record has none) to its update being published as a "
+                       "delta. Observed per sync: the p50, p95 and max of that sync's examples.",
+                       ["model"], buckets=_DELAY_BUCKETS)
+EVENT_FRESHNESS = Histogram("driftline_trainer_event_freshness_seconds",
+                            "Wall delay from an example's event time to its update being published as a delta "
+                            "(freshness end to end for live traffic; in a replay of old data it is the data's "
+                            "age). Observed per sync: the p50, p95 and max of that sync's examples.",
+                            ["model"], buckets=_DELAY_BUCKETS)
 TABLE_SIZE = Gauge("driftline_trainer_table_rows", "Rows per PS table.", ["model", "table"])
+PS_ADMITTED = Counter("driftline_ps_admitted_total", "Ids admitted into a PS table (rows created by training).",
+                      ["model", "table"])
+PS_EVICTED = Counter("driftline_ps_evicted_total", "PS table rows removed by TTL expiry.", ["model", "table"])
 SNAPSHOTS = Counter("driftline_trainer_snapshots_total", "Snapshots written.", ["model"])
 STAGE_SECONDS = Counter("driftline_trainer_stage_seconds_total",
                         "Time per training stage: online poll/prepare (validate, dedup, assemble)/train/"
                         "wait_train/commit/sync/snapshot; batch lookup/forward/backward/update.",
                         ["model", "stage"])
+
+
+class PSCounts:
+    """Exports the PS tables' admission/eviction counts as :data:`PS_ADMITTED` / :data:`PS_EVICTED`:
+    ``update()`` after a step or an expiry pass adds what each table counted since the last call.
+    The counts are the tables' own (since their shards were built: restored tables start at 0), so
+    make a new one for new tables."""
+
+    def __init__(self, model_id: str, tables: dict):
+        self.model_id = model_id
+        self._seen: dict[str, tuple[int, int]] = {}
+        self.tables = tables
+        for name in tables:  # the series exist (at 0) from the start
+            PS_ADMITTED.labels(model_id, name)
+            PS_EVICTED.labels(model_id, name)
+
+    def update(self) -> None:
+        for name, t in self.tables.items():
+            a0, e0 = self._seen.get(name, (0, 0))
+            a, e = t.admitted, t.evicted
+            if a > a0:
+                PS_ADMITTED.labels(self.model_id, name).inc(a - a0)
+            if e > e0:
+                PS_EVICTED.labels(self.model_id, name).inc(e - e0)
+            self._seen[name] = (a, e)
 
 
 class StreamingAUC:

@@ -122,6 +122,7 @@ class Prepared:
     batch: SparseBatch | None
     offsets: dict[int, int]  # partition -> next offset (records of this poll)
     hashes: np.ndarray  # uint64 [n, 2] example id hashes, entered into the dedup window once applied
+    arrival_ms: np.ndarray | None = None  # int64 [batch.size]: when each example reached the topic
 
 
 class OnlineTrainer:
@@ -150,6 +151,7 @@ class OnlineTrainer:
         # cores, and OpenMP's barriers then wait on descheduled threads (10x slower steps measured).
         self.torch_threads = torch_threads
         self.model = SparseModel(cfg)
+        self.ps_counts = M.PSCounts(cfg.model_id, self.model.tables)
         self.auc = M.StreamingAUC()
         self.dedup = wire.DedupWindow(ts.dedup_window if dedup_window is None else dedup_window)
         self.known_slots = set(cfg.all_slots)
@@ -167,8 +169,12 @@ class OnlineTrainer:
         self.ready = asyncio.Event()  # set once the group join assigned partitions
         self.bad = 0
         self.duplicates = 0
+        #: recent sync delays (s): arrival -> published (:data:`M.SYNC_DELAY`) and event time ->
+        #: published (:data:`M.EVENT_FRESHNESS`), a sample of each sync's examples
         self.delays: deque[float] = deque(maxlen=100_000)
-        self._unsynced_times: list[np.ndarray] = []
+        self.event_delays: deque[float] = deque(maxlen=100_000)
+        # (event times, arrival times) in ms of the examples applied since the last sparse sync
+        self._unsynced_times: list[tuple[np.ndarray, np.ndarray]] = []
         self.loss_ema = float("nan")
         self.stage = {k: 0.0 for k in ("poll", "prepare", "train", "wait_train", "commit", "sync", "snapshot")}
         self.last_sync_tables: dict[str, tuple] | None = None
@@ -197,20 +203,27 @@ class OnlineTrainer:
             return False
         tables, dense, man = got
         self.model = SparseModel(self.cfg, tables)
+        self.ps_counts = M.PSCounts(self.cfg.model_id, self.model.tables)
         self.model.head.load_state_dict(dense["head"])
-        self.model.optimizer.load_state_dict(dense["optimizer"])
+        if "optimizer" in dense:
+            self.model.optimizer.load_state_dict(dense["optimizer"])
+        # A `trainer batch --snapshot` warm start has no stream state: no offsets (the group's
+        # committed ones, or the earliest, apply), no streaming AUC (the online AUC starts from the
+        # stream, not from the batch's training passes) and no dedup window.
         same_topic = man.get("topic", self.topic) == self.topic
-        self.resume_offsets = {int(k): int(v) for k, v in man["offsets"].items()} if same_topic else {}
+        self.resume_offsets = {int(k): int(v) for k, v in man.get("offsets", {}).items()} if same_topic else {}
         self.applied_offsets = dict(self.resume_offsets)
-        self.sparse_version = man["sparse_version"]
-        self.dense_version = man["dense_version"]
-        self.examples_applied = man["examples_applied"]
-        self.max_event_time = man["max_event_time_ms"]
+        self.sparse_version = int(man.get("sparse_version", 0))
+        self.dense_version = int(man.get("dense_version", 0))
+        self.param_deltas_offset = int(man.get("param_deltas_offset", 0) or 0)
+        self.examples_applied = int(man.get("examples_applied", 0))
+        self.max_event_time = int(man.get("max_event_time_ms", 0))
         self.next_snapshot_at = man.get("next_snapshot_at")
-        self.auc.load(dense["auc_pos"], dense["auc_neg"])
+        if "auc_pos" in dense and "auc_neg" in dense:
+            self.auc.load(dense["auc_pos"], dense["auc_neg"])
         self.dedup.load(dense.get("dedup", []))
-        log.info("restored snapshot %s: %d examples applied, offsets %s", man["name"], self.examples_applied,
-                 self.resume_offsets)
+        log.info("restored snapshot %s (%s): %d examples applied, offsets %s", man["name"],
+                 man.get("source", "online"), self.examples_applied, self.resume_offsets)
         return True
 
     def snapshot(self) -> Path:
@@ -222,7 +235,7 @@ class OnlineTrainer:
                "sparse_version": self.sparse_version, "dense_version": self.dense_version,
                "param_deltas_offset": self.param_deltas_offset, "examples_applied": self.examples_applied,
                "max_event_time_ms": self.max_event_time, "next_snapshot_at": self.next_snapshot_at,
-               "auc": self.auc.value()}
+               "auc": self.auc.value(), "source": "online"}
         path = snapshots.save(self.snapshot_root, self.cfg, self.model.tables, dense, man)
         M.SNAPSHOTS.labels(self.cfg.model_id).inc()
         self._stage("snapshot", time.perf_counter() - t0)
@@ -253,14 +266,8 @@ class OnlineTrainer:
                                                   key=f"{self.cfg.model_id}/{table}".encode(), partition=0))
         metas = await asyncio.gather(*futs)
         self.param_deltas_offset = max(md.offset for md in metas) + 1
-        now = time.time()
         if self._unsynced_times:
-            ts = np.concatenate(self._unsynced_times)
-            self._unsynced_times = []
-            d = now - ts / 1000.0
-            self.delays.extend(d.tolist() if d.size < 10_000 else d[:: d.size // 10_000 + 1].tolist())
-            for q in np.percentile(d, [50, 95, 100]):
-                M.SYNC_DELAY.labels(self.cfg.model_id).observe(float(q))
+            self._observe_delays(time.time())
         dt = time.perf_counter() - t0
         M.SYNC_BYTES.labels(self.cfg.model_id, "sparse").observe(nbytes)
         M.SYNC_SECONDS.labels(self.cfg.model_id, "sparse").observe(dt)
@@ -268,6 +275,18 @@ class OnlineTrainer:
         for n, t in self.model.tables.items():
             M.TABLE_SIZE.labels(self.cfg.model_id, n).set(len(t))
         return nbytes
+
+    def _observe_delays(self, now: float) -> None:
+        """Per example applied since the last sync: published ``now`` minus its arrival
+        (:data:`M.SYNC_DELAY`) and minus its event time (:data:`M.EVENT_FRESHNESS`)."""
+        event = np.concatenate([e for e, _ in self._unsynced_times])
+        arrival = np.concatenate([a for _, a in self._unsynced_times])
+        self._unsynced_times = []
+        for ts, sink, hist in ((arrival, self.delays, M.SYNC_DELAY), (event, self.event_delays, M.EVENT_FRESHNESS)):
+            d = np.maximum(now - ts / 1000.0, 0.0)
+            sink.extend(d.tolist() if d.size < 10_000 else d[:: d.size // 10_000 + 1].tolist())
+            for q in np.percentile(d, [50, 95, 100]):
+                hist.labels(self.cfg.model_id).observe(float(q))
 
     async def sync_dense(self) -> None:
         t0 = time.perf_counter()
@@ -308,13 +327,15 @@ class OnlineTrainer:
             why = ("decoder_mismatch", "trainer.wire refused an Example that protobuf accepts")
         return await self._reject(rec, rec.raw, *why)
 
-    async def prepare(self, recs) -> Prepared:
+    async def prepare(self, recs, polled_at_ms: int | None = None) -> Prepared:
         """Decode, validate, dead-letter (durably), dedup and assemble one batch on the event loop.
 
         One numba pass over the poll's concatenated record bytes (GIL released): see
         :mod:`trainer.wire`. Duplicates of: the applied window, the batch in flight, this batch.
         The window learns a batch's ids only once it is applied, so a snapshot never holds ids it
-        has not trained on."""
+        has not trained on. An example *arrives* at its record's Kafka timestamp (when the joiner
+        produced it), or at ``polled_at_ms`` (the trainer's poll) when the record has none; never
+        later than the poll."""
         t0 = time.perf_counter()
         inflight = (np.concatenate([h for _, h in self._pending]) if len(self._pending) > 1
                     else self._pending[0][1] if self._pending else _NO_HASHES)
@@ -328,18 +349,23 @@ class OnlineTrainer:
             if dups:
                 self.duplicates += dups
                 M.DUPLICATES.labels(self.cfg.model_id).inc(dups)
-        batch = None
+        offsets: dict[int, int] = {}
+        stamps = np.empty(len(recs), np.int64)
+        for i, r in enumerate(recs):
+            stamps[i] = r.timestamp_ms if r.timestamp_ms is not None else -1
+            if r.offset + 1 > offsets.get(r.partition, -1):
+                offsets[r.partition] = r.offset + 1
+        batch = arrival = None
         if dec.size:
             ids, offs = dec.slot_arrays(self.cfg.all_slots)
             batch = SparseBatch(dec.size, ids, offs, dec.labels, dec.event_time_ms, dec.sample_rate, dec.dense)
-        offsets: dict[int, int] = {}
-        for r in recs:
-            if r.offset + 1 > offsets.get(r.partition, -1):
-                offsets[r.partition] = r.offset + 1
+            polled = int(time.time() * 1000) if polled_at_ms is None else polled_at_ms
+            arrival = stamps[dec.keep]
+            arrival = np.where((arrival > 0) & (arrival < polled), arrival, polled)
         self._stage("prepare", time.perf_counter() - t0)
         if letters:  # dead letters durable before their offsets can be committed
             await asyncio.gather(*letters)
-        return Prepared(batch, offsets, dec.hashes)
+        return Prepared(batch, offsets, dec.hashes, arrival)
 
     def _warm_up(self) -> None:
         """On the training thread, while the consumer joins its group (~5 s on tansu): load/compile
@@ -384,7 +410,8 @@ class OnlineTrainer:
             self.examples_applied += batch.size
             self.last_batch_at = time.perf_counter()
             self.max_event_time = max(self.max_event_time, batch.max_event_time)
-            self._unsynced_times.append(batch.event_time_ms)
+            self._unsynced_times.append((batch.event_time_ms, p.arrival_ms))
+            self.ps_counts.update()
             self.loss_ema = loss if math.isnan(self.loss_ema) else 0.98 * self.loss_ema + 0.02 * loss
             M.EXAMPLES.labels(self.cfg.model_id, "online").inc(batch.size)
             M.LOSS.labels(self.cfg.model_id, "online").set(self.loss_ema)
@@ -474,8 +501,7 @@ class OnlineTrainer:
         cs = s.model_copy(deep=True)
         cs.kafka.connect_timeout_s = max(s.kafka.connect_timeout_s, self.consumer_start_timeout_s)
         self.consumer = TypedConsumer(cs, "trainer", Example, [self.topic], self.group_id,
-                                      dead_letter_producer=self._producer)
-        self.consumer.codec = RawExampleCodec()
+                                      dead_letter_producer=self._producer, codec=RawExampleCodec())
         self.consumer.consumer.subscribe([self.topic], listener=_Seek(self))
         warm = asyncio.get_running_loop().run_in_executor(self._executor, self._warm_up)
         await self.consumer.start()
@@ -487,6 +513,7 @@ class OnlineTrainer:
             await self.sync_dense()
         buf: list = []
         first_at = 0.0
+        polled_at_ms = 0  # wall time of the first poll that filled buf
         queued = self.examples_applied
         try:
             while not self.stop_event.is_set():
@@ -504,10 +531,11 @@ class OnlineTrainer:
                 if recs:
                     if not buf:
                         first_at = now
+                        polled_at_ms = int(time.time() * 1000)
                     buf.extend(recs)
                     last_data = now
                 if buf and (len(buf) >= self.batch_size or now - first_at >= self.batch_timeout_s):
-                    prepared = await self.prepare(buf)
+                    prepared = await self.prepare(buf, polled_at_ms)
                     buf = []
                     await self._drain(self.max_in_flight - 1)
                     self._start(prepared)
@@ -527,7 +555,7 @@ class OnlineTrainer:
                 if stop_when_idle_s is not None and not buf and now - last_data >= stop_when_idle_s:
                     break
             if buf:
-                prepared = await self.prepare(buf)
+                prepared = await self.prepare(buf, polled_at_ms)
                 await self._drain()
                 self._start(prepared)
             await self._drain()

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from prometheus_client import REGISTRY
 
 from proto import DeadLetter, Example, ParameterDelta
 from trainer import snapshots
@@ -163,3 +164,47 @@ async def test_kill_9_resume(settings, ml_examples, tmp_path):
     total = sum(final["offsets"].values())
     assert total == N  # next offsets of all partitions: every record consumed
     assert "resuming" in log.read_text() or "restored snapshot" in log.read_text()
+
+
+async def test_online_resumes_from_batch_warm_start(settings, ml_examples, tmp_path):
+    """`trainer batch --snapshot` (what `make up` runs first) writes a snapshot that `trainer online`
+    resumes from: tables, head and optimizer restored, stream state (offsets, streaming AUC, dedup)
+    started fresh. Examples carrying serving's real-time `recent_items` slot train (no dead letter)
+    on the item rows; the sync delay counts from the examples' arrival, not their (year 2000) event time."""
+    cfg = small_cfg()
+    (tmp_path / "model.json").write_text(cfg.model_dump_json())
+    env = dict(os.environ, DRIFTLINE_VAR_DIR=str(settings.var_dir), DRIFTLINE_METRICS_PORT="0")
+    warm = 4_000
+    out = subprocess.run([sys.executable, "-m", "trainer", "batch", "--movielens", "--model", str(tmp_path / "model.json"),
+                          "--limit", str(warm), "--test-fraction", "0.1", "--snapshot", "--quiet"],
+                         env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    root = settings.var_dir / "snapshots" / cfg.model_id
+    man = snapshots.read_manifest(root)
+    assert man["source"] == "batch" and man["offsets"] == {} and man["max_event_time_ms"] > 0
+    batch_tables, _, _ = snapshots.load(root, cfg, serving=False)
+    batch_items = batch_tables["item_id"].items()[0]
+    assert batch_items.size > 100
+
+    stream = [Example.FromString(e.SerializeToString()) for e in ml_examples[warm:warm + 3_000]]
+    for i, e in enumerate(stream[::3]):  # after a first click serving logs the user's recent clicks
+        e.features.sparse["recent_items"].ids.extend([int(batch_items[i % batch_items.size]), 10_000_000 + i])
+    await produce_examples(settings, stream)
+    tr = OnlineTrainer(settings, cfg, sync_interval_s=0.5, snapshot_interval_event_s=0)
+    labels = {"model": cfg.model_id, "table": "item_id"}
+    admitted = REGISTRY.get_sample_value("driftline_ps_admitted_total", labels) or 0.0
+    res = await asyncio.wait_for(tr.run(stop_when_idle_s=3.0), 120)
+    assert res["examples_applied"] == len(stream) and res["bad"] == 0, res
+    # the online model continued the batch one: every batch-trained item row is still there
+    items = tr.model.tables["item_id"].items()[0]
+    assert np.isin(batch_items, items).all()
+    assert np.isin(10_000_000 + np.arange(0, len(stream[::3])), items).all()  # recent items: item rows, raw ids
+    # the PS's admissions are exported: at least the new recent items became item rows
+    assert REGISTRY.get_sample_value("driftline_ps_admitted_total", labels) - admitted >= len(stream[::3])
+    assert REGISTRY.get_sample_value("driftline_ps_evicted_total", labels) is not None  # no TTL: 0
+    final = snapshots.read_manifest(root)
+    assert final["source"] == "online" and final["seq"] == man["seq"] + 1
+    assert sum(final["offsets"].values()) == len(stream)
+    assert 0.5 < final["auc"] <= 1.0  # the stream's own progressive AUC, not the batch's
+    assert tr.delays and max(tr.delays) < 60, max(tr.delays)  # arrival -> published
+    assert min(tr.event_delays) > 20 * 365 * 86_400  # event time (2000) -> published: the data's age

@@ -19,13 +19,6 @@ import yaml
 
 from tests.test_loop import LoopStack, loop_stack  # noqa: F401 - the shared stack fixture
 
-# Panels whose metrics no service exports yet, and who has to add them. The test below checks
-# they are still missing (strict xfail), so it fails, and reminds us to empty this, once they land.
-PENDING: dict[str, str] = {
-    "driftline_ps_admitted_total": "trainer: counter {model, table}, ids admitted into a PS table",
-    "driftline_ps_evicted_total": "trainer: counter {model, table}, rows removed by TTL expiry",
-}
-
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset",
              "and", "or", "unless", "inf", "nan", "atan2"}
 _GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)")
@@ -161,19 +154,8 @@ def test_the_panels_cover_the_loop(repo_root: Path) -> None:
 @pytest.fixture(scope="module")
 def scraped(loop_stack: LoopStack) -> dict[str, str]:  # noqa: F811 - the imported fixture
     """Every service's /metrics, once traffic has gone all the way round (examples trained on)."""
-    from tests.test_loop import loop_blockers
-
     s = loop_stack
-
-    def trained() -> bool:
-        if (s.metric("trainer", "driftline_trainer_examples_total") or 0) > 0:
-            return True
-        crash = [b for b in loop_blockers(s) if "crashes" in b]
-        if crash:  # the trainer cannot start: no point waiting for its metrics
-            pytest.xfail("; ".join(crash))
-        return False
-
-    s.wait_for("examples trained on", trained, 180)
+    s.wait_for("examples trained on", lambda: (s.metric("trainer", "driftline_trainer_examples_total") or 0) > 0, 180)
     s.wait_for("a parameter sync", lambda: s.metric("trainer", "driftline_trainer_sync_bytes_count") or 0, 120)
     bodies = {}
     for service, url in s.metrics_urls().items():
@@ -190,13 +172,6 @@ def test_every_dashboard_metric_is_exported(repo_root: Path, scraped: dict[str, 
     for dashboard, exprs in dashboard_expressions(repo_root).items():
         for expr in exprs:
             for name in metric_names(expr):
-                if name not in PENDING and not is_exported(name, names, distributions):
+                if not is_exported(name, names, distributions):
                     missing.setdefault(name, []).append(f"{dashboard}: {expr}")
     assert not missing, "queried but exported by no service:\n" + json.dumps(missing, indent=1)
-
-
-@pytest.mark.timeout(420)
-@pytest.mark.xfail(strict=True, reason="PS admission/eviction counters are not exported yet (see PENDING)")
-def test_pending_metrics_are_exported(scraped: dict[str, str]) -> None:
-    names, distributions = exported(scraped)
-    assert all(is_exported(n, names, distributions) for n in PENDING)

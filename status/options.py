@@ -77,11 +77,14 @@ def default_targets(settings: Settings) -> list[Target]:
     for service in APP_SERVICES:
         if service.name == "status":
             continue
+        metrics_url = getattr(service, "metrics_url", None)  # /metrics on the service's own port
         if service.metrics_port is not None:
             targets.append(Target(service.name, f"http://127.0.0.1:{service.metrics_port(settings)}/metrics"))
-        for label, url in service.urls(settings).items():
-            if label.endswith("metrics") and url.endswith("/metrics"):
-                targets.append(Target(service.name, url))
+        elif metrics_url is not None:
+            targets.append(Target(service.name, metrics_url(settings)))
+        else:
+            targets += [Target(service.name, url) for label, url in service.urls(settings).items()
+                        if label.endswith("metrics") and url.endswith("/metrics")]
     return targets
 
 

@@ -5,41 +5,53 @@
 
 const PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#4b5563"];
 const HEIGHT = 220;
+// Tick steps of integer-valued charts (model versions): no 0.5 ticks.
+const INTEGER_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 1e6];
 
 // ---------------------------------------------------------------- formatting
 function fmtNumber(v, digits = 3) {
   if (v == null || !isFinite(v)) return "–";
   const a = Math.abs(v);
-  if (a >= 1e9) return (v / 1e9).toFixed(2) + "G";
-  if (a >= 1e6) return (v / 1e6).toFixed(2) + "M";
-  if (a >= 1e4) return (v / 1e3).toFixed(1) + "k";
+  if (a >= 1e9) return (v / 1e9).toFixed(digits - 1) + "G";
+  if (a >= 1e6) return (v / 1e6).toFixed(digits - 1) + "M";
+  if (a >= 1e4) return (v / 1e3).toFixed(digits - 2) + "k";
   if (a >= 100 || Number.isInteger(v)) return v.toFixed(0);
   return v.toPrecision(digits);
 }
 
-function fmtDuration(s) {
+function fmtDuration(s, digits = 1) {
   if (s == null || !isFinite(s)) return "–";
   const a = Math.abs(s);
-  if (a < 1) return (s * 1000).toFixed(0) + " ms";
-  if (a < 120) return s.toFixed(1) + " s";
-  if (a < 7200) return (s / 60).toFixed(1) + " min";
-  if (a < 2 * 86400) return (s / 3600).toFixed(1) + " h";
-  if (a < 365 * 86400) return (s / 86400).toFixed(1) + " d";
-  return (s / (365.25 * 86400)).toFixed(1) + " y";
+  if (a < 1) return (s * 1000).toFixed(Math.max(0, digits - 1)) + " ms";
+  if (a < 120) return s.toFixed(digits) + " s";
+  if (a < 7200) return (s / 60).toFixed(digits) + " min";
+  if (a < 2 * 86400) return (s / 3600).toFixed(digits) + " h";
+  if (a < 365 * 86400) return (s / 86400).toFixed(digits) + " d";
+  return (s / (365.25 * 86400)).toFixed(digits) + " y";
+}
+
+// Axis tick labels: the chart's formatter, with more digits until neighbouring ticks differ
+// (a watermark lag of 25.9 y moves by hours during a replay).
+function axisLabels(fmt, vals) {
+  let labels = vals.map((v) => fmt(v));
+  for (let digits = 2; digits <= 6 && new Set(labels).size < labels.length; digits++) {
+    labels = vals.map((v) => fmt(v, digits));
+  }
+  return labels;
 }
 
 const fmtMs = (v) => (v == null ? "–" : v < 10 ? v.toFixed(2) + " ms" : v.toFixed(0) + " ms");
-const fmtAuc = (v) => (v == null ? "–" : v.toFixed(3));
+const fmtAuc = (v, digits = 3) => (v == null ? "–" : v.toFixed(digits));
 const fmtDate = (s) => (s == null ? "–" : new Date(s * 1000).toISOString().slice(0, 16).replace("T", " "));
 
 // ---------------------------------------------------------------- chart definitions
 const CHARTS = [
   { id: "auc", x: "event_time_s", prefix: "auc", fmt: fmtAuc },
   { id: "rps", keys: [["rank_rps", "requests/s"], ["rank_error_rps", "5xx/s"]], fmt: fmtNumber },
-  { id: "latency", keys: [["rank_p50_ms", "p50"], ["rank_p99_ms", "p99"]], fmt: (v) => fmtNumber(v) },
+  { id: "latency", keys: [["rank_p50_ms", "p50"], ["rank_p99_ms", "p99"]], fmt: fmtNumber },
   { id: "sync", keys: [["sync_delay_p50_s", "p50"], ["sync_delay_p99_s", "p99"]], fmt: fmtDuration },
   { id: "tables", prefix: "table_rows", fmt: fmtNumber },
-  { id: "version", prefix: "model_version", fmt: fmtNumber, stepped: true },
+  { id: "version", prefix: "model_version", fmt: fmtNumber, stepped: true, integer: true },
   { id: "examples", keys: [["join_rate", "joined"]], prefix: "train_rate", prefixLabel: (m) => `trained (${m})`, fmt: fmtNumber },
   { id: "lag", prefix: "consumer_lag", fmt: fmtNumber },
   { id: "wm-lag", prefix: "watermark_lag_s", prefixLabel: (s) => `${s} watermark`, fmt: fmtDuration },
@@ -91,7 +103,12 @@ function makePlot(chart, el, cols, data) {
         value: (u, v) => chart.fmt(v),
       })),
     ],
-    axes: [{}, { size: 62, values: (u, vals) => vals.map((v) => chart.fmt(v)) }],
+    axes: [{}, {
+      // wide enough for the longest tick label (about 7 px a character at 11 px)
+      size: (u, values) => Math.max(50, 16 + 7 * Math.max(0, ...(values || []).map((v) => String(v).length))),
+      values: (u, vals) => axisLabels(chart.fmt, vals),
+      incrs: chart.integer ? INTEGER_INCRS : undefined,
+    }],
     legend: { live: true },
   };
   return new uPlot(opts, data, el);

@@ -30,6 +30,8 @@ function fmtDuration(s, digits = 1) {
   return (s / (365.25 * 86400)).toFixed(digits) + " y";
 }
 
+const isPowerOf10 = (v) => v > 0 && Math.abs(Math.log10(v) - Math.round(Math.log10(v))) < 1e-9;
+
 // Axis tick labels: the chart's formatter, with more digits until neighbouring ticks differ
 // (a watermark lag of 25.9 y moves by hours during a replay).
 function axisLabels(fmt, vals) {
@@ -42,6 +44,11 @@ function axisLabels(fmt, vals) {
 
 const fmtMs = (v) => (v == null ? "–" : v < 10 ? v.toFixed(2) + " ms" : v.toFixed(0) + " ms");
 const fmtAuc = (v, digits = 3) => (v == null ? "–" : v.toFixed(digits));
+const pad2 = (n) => String(n).padStart(2, "0");
+const fmtClock = (s) => {
+  const d = new Date(s * 1000);
+  return `${pad2(d.getHours())}:${pad2(d.getMinutes())}:${pad2(d.getSeconds())}`;
+};
 const fmtDate = (s) => (s == null ? "–" : new Date(s * 1000).toISOString().slice(0, 16).replace("T", " "));
 
 // ---------------------------------------------------------------- chart definitions
@@ -49,8 +56,8 @@ const CHARTS = [
   { id: "auc", x: "event_time_s", prefix: "auc", fmt: fmtAuc },
   { id: "rps", keys: [["rank_rps", "requests/s"], ["rank_error_rps", "5xx/s"]], fmt: fmtNumber },
   { id: "latency", keys: [["rank_p50_ms", "p50"], ["rank_p99_ms", "p99"]], fmt: fmtNumber },
-  { id: "sync", keys: [["sync_delay_p50_s", "p50"], ["sync_delay_p99_s", "p99"]], fmt: fmtDuration },
-  { id: "tables", prefix: "table_rows", fmt: fmtNumber },
+  { id: "sync", keys: [["sync_delay_p50_s", "median"], ["sync_delay_p99_s", "p99"]], fmt: fmtDuration },
+  { id: "tables", prefix: "table_rows", fmt: fmtNumber, log: true },
   { id: "version", prefix: "model_version", fmt: fmtNumber, stepped: true, integer: true },
   { id: "examples", keys: [["join_rate", "joined"]], prefix: "train_rate", prefixLabel: (m) => `trained (${m})`, fmt: fmtNumber },
   { id: "lag", prefix: "consumer_lag", fmt: fmtNumber },
@@ -75,7 +82,8 @@ function columnsOf(chart, api) {
 // uPlot's columnar data: [x, y1, y2, ...]. Wall-clock charts use api.t; the AUC chart uses event
 // time, keeping only points where it is known, sorted and de-duplicated (uPlot needs x ascending).
 function dataOf(chart, api, cols) {
-  const ys = cols.map((c) => api.series[c.key]);
+  // A log scale has no place for 0: an empty table is a gap there.
+  const ys = cols.map((c) => (chart.log ? api.series[c.key].map((v) => (v > 0 ? v : null)) : api.series[c.key]));
   if (!chart.x) return [api.t, ...ys];
   const xs = api.series[chart.x] || [];
   const rows = [];
@@ -92,7 +100,7 @@ function makePlot(chart, el, cols, data) {
   const opts = {
     width: Math.max(300, el.clientWidth),
     height: HEIGHT,
-    scales: { x: { time: true } },
+    scales: { x: { time: true }, y: chart.log ? { distr: 3 } : {} },
     series: [
       { label: chart.x ? "event time" : "time" },
       ...cols.map((c, i) => ({
@@ -103,10 +111,11 @@ function makePlot(chart, el, cols, data) {
         value: (u, v) => chart.fmt(v),
       })),
     ],
-    axes: [{}, {
+    axes: [chart.x ? {} : { space: 70, values: (u, vals) => vals.map(fmtClock) }, {
       // wide enough for the longest tick label (about 7 px a character at 11 px)
       size: (u, values) => Math.max(50, 16 + 7 * Math.max(0, ...(values || []).map((v) => String(v).length))),
-      values: (u, vals) => axisLabels(chart.fmt, vals),
+      // log scale: label the powers of ten only (the ticks between are unlabelled)
+      values: (u, vals) => (chart.log ? vals.map((v) => (isPowerOf10(v) ? chart.fmt(v) : "")) : axisLabels(chart.fmt, vals)),
       incrs: chart.integer ? INTEGER_INCRS : undefined,
     }],
     legend: { live: true },
@@ -124,14 +133,17 @@ function renderChart(chart, api) {
   const cols = columnsOf(chart, api);
   const data = dataOf(chart, api, cols);
   const signature = cols.map((c) => c.key).join("|");
-  if (state.plots[chart.id] && state.signatures[chart.id] === signature) {
-    state.plots[chart.id].setData(data);
+  let plot = state.plots[chart.id];
+  if (plot && state.signatures[chart.id] === signature) {
+    plot.setData(data);
   } else {
-    if (state.plots[chart.id]) state.plots[chart.id].destroy();
+    if (plot) plot.destroy();
     el.textContent = "";
-    state.plots[chart.id] = makePlot(chart, el, cols, data);
+    plot = state.plots[chart.id] = makePlot(chart, el, cols, data);
     state.signatures[chart.id] = signature;
   }
+  // The legend shows the newest values while the cursor is not over the chart.
+  if (data[0].length && (plot.cursor.left == null || plot.cursor.left < 0)) plot.setLegend({ idx: data[0].length - 1 });
   let points = 0;
   for (const y of data.slice(1)) for (const v of y) if (v != null) points++;
   fig.dataset.points = String(points);

@@ -162,6 +162,22 @@ class ServingSettings(BaseModel):
     click_actions: tuple[str, ...] = ("click", "like")
 
 
+class StatusSettings(BaseModel):
+    """The live status page (``driftline status``): what it scrapes, how often, how much it keeps."""
+
+    host: str = "127.0.0.1"
+    port: int = 8500
+    scrape_interval_s: float = 2.0
+    # Per-target timeout of one scrape; a slower target counts as down for that round.
+    scrape_timeout_s: float = 1.5
+    # Points kept per series (900 at 2 s: the last 30 minutes).
+    history_points: int = 900
+    # Rates and latency quantiles are computed over this much wall time of counter history.
+    rate_window_s: float = 10.0
+    # "name=url" or "url" entries; empty means every service `make up` runs (services.stack).
+    targets: list[str] = Field(default_factory=list)
+
+
 class Settings(BaseSettings):
     """All of driftline's configuration. Build it once per process with :func:`get_settings`."""
 
@@ -197,6 +213,7 @@ class Settings(BaseSettings):
     joiner: JoinerSettings = JoinerSettings()
     trainer: TrainerSettings = TrainerSettings()
     serving: ServingSettings = ServingSettings()
+    status: StatusSettings = StatusSettings()
 
     @property
     def bootstrap_servers(self) -> str:

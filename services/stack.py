@@ -68,6 +68,9 @@ APP_SERVICES: list[AppService] = [
                ready=lambda s: port_is_open(s.serving.host, s.serving.port),
                urls=lambda s: {"ranking API docs": f"{_serving_url(s)}/docs"},
                metrics_url=lambda s: f"{_serving_url(s)}/metrics"),
+    AppService("status", ("status",),
+               ready=lambda s: port_is_open(s.status.host, s.status.port),
+               urls=lambda s: {"status page": f"http://{s.status.host}:{s.status.port}/"}),
 ]
 
 
@@ -77,8 +80,6 @@ WARM_START_FRACTION = 0.1
 # The warm start's own hold-out (the last part of its slice, in time order): it reports a test AUC
 # in var/log/warm-start.log, and the traffic starts right at it, so no rating is skipped.
 WARM_START_TEST_FRACTION = 0.05
-# Where the live status page (package ``status``) listens; its AppService replaces the placeholder.
-STATUS_PORT = 8500
 # HTTP calls the traffic driver keeps in flight.
 TRAFFIC_CONCURRENCY = 16
 
@@ -198,8 +199,6 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, replay
                 "replay", traffic_command(settings, replay_limit, speed, warm_start_fraction),
                 env={"DRIFTLINE_METRICS_PORT": str(port)}, oneshot=True,
             ))
-        if not any(k == "status page" for k, _ in rows):
-            rows.append(("status page", f"http://127.0.0.1:{STATUS_PORT}/  (not built yet)"))
         if metrics:  # one line: serving's URL first, then the other services' ports (same path)
             first, rest = (metrics[0], metrics[1:]) if metrics[0].startswith("http") else ("", metrics)
             rows.append(("metrics", "; ".join(x for x in (first, ("/metrics on " + ", ".join(rest)) if rest else "") if x)))

@@ -1,8 +1,5 @@
-"""The status page's settings, and which ``/metrics`` endpoints it scrapes.
-
-:class:`StatusSettings` is meant to move into :mod:`services.settings` as ``Settings.status``
-(environment variables ``DRIFTLINE_STATUS__<FIELD>``). Until it does, :func:`status_settings`
-reads the same variables itself, so nothing changes for a user when it moves.
+"""Which ``/metrics`` endpoints the status page scrapes. Its settings are
+:class:`services.settings.StatusSettings` (``DRIFTLINE_STATUS__<FIELD>``).
 
 >>> s = StatusSettings()
 >>> s.port, s.scrape_interval_s, s.history_points
@@ -18,38 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from services.settings import Settings
-
-
-class StatusSettings(BaseModel):
-    """The live status page (``driftline status``): what it scrapes, how often, how much it keeps."""
-
-    host: str = "127.0.0.1"
-    port: int = 8500
-    scrape_interval_s: float = 2.0
-    # Per-target timeout of one scrape; a slower target counts as down for that round.
-    scrape_timeout_s: float = 1.5
-    # Points kept per series (900 at 2 s: the last 30 minutes).
-    history_points: int = 900
-    # Rates and latency quantiles are computed over this much wall time of counter history.
-    rate_window_s: float = 10.0
-    # "name=url" or "url" entries; empty means every service `make up` runs (services.stack).
-    targets: list[str] = Field(default_factory=list)
-
-
-class _EnvStatusSettings(StatusSettings, BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="DRIFTLINE_STATUS__", extra="ignore")
+from services.settings import Settings, StatusSettings
 
 
 def status_settings(settings: Settings) -> StatusSettings:
-    """``settings.status`` once it exists; until then the defaults with DRIFTLINE_STATUS__* applied."""
-    found = getattr(settings, "status", None)
-    if isinstance(found, BaseModel):
-        return StatusSettings(**found.model_dump())
-    return StatusSettings(**_EnvStatusSettings().model_dump())
+    """The status page's section of the settings."""
+    return settings.status
 
 
 @dataclass(frozen=True)

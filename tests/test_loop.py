@@ -65,6 +65,7 @@ class LoopStack:
     redis_port: int
     serving_port: int
     metrics_base: int
+    status_port: int
     output: list[str] = field(default_factory=list)
     _reader: threading.Thread | None = None
 
@@ -72,7 +73,7 @@ class LoopStack:
     def start(cls, tmp_path: Path, repo_root: Path, *args: str, env: dict[str, str] | None = None,
               timeout_s: float = 240.0) -> LoopStack:
         """Start ``driftline up *args`` on free ports under ``tmp_path`` and wait for its banner."""
-        broker_port, redis_port, serving_port = free_port(), free_port(), free_port()
+        broker_port, redis_port, serving_port, status_port = free_port(), free_port(), free_port(), free_port()
         metrics_base = _free_port_block(8)
         full_env = {k: v for k, v in os.environ.items() if k not in ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL")}
         full_env.update(
@@ -81,6 +82,7 @@ class LoopStack:
             DRIFTLINE_EMBEDDED__BROKER_PORT=str(broker_port),
             DRIFTLINE_EMBEDDED__REDIS_PORT=str(redis_port),
             DRIFTLINE_SERVING__PORT=str(serving_port),
+            DRIFTLINE_STATUS__PORT=str(status_port),
             DRIFTLINE_EMBEDDED__METRICS_PORT_BASE=str(metrics_base),
             NUMBA_CACHE_DIR=str(repo_root / "var" / "numba-cache"),
             **(env or {}),
@@ -89,7 +91,7 @@ class LoopStack:
             [sys.executable, "-m", "services.cli", "up", *args],
             env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repo_root,
         )
-        stack = cls(proc, tmp_path / "var", broker_port, redis_port, serving_port, metrics_base)
+        stack = cls(proc, tmp_path / "var", broker_port, redis_port, serving_port, metrics_base, status_port)
         up = threading.Event()
 
         def read() -> None:

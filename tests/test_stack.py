@@ -53,6 +53,7 @@ def _env(tmp_path: Path, repo_root: Path, broker_port: int, redis_port: int) -> 
         DRIFTLINE_EMBEDDED__BROKER_PORT=str(broker_port),
         DRIFTLINE_EMBEDDED__REDIS_PORT=str(redis_port),
         DRIFTLINE_SERVING__PORT=str(free_port()),
+        DRIFTLINE_STATUS__PORT=str(free_port()),
         DRIFTLINE_EMBEDDED__METRICS_PORT_BASE=str(20000 + broker_port % 20000),
     )
     return env

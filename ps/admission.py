@@ -32,11 +32,7 @@ MAX_COUNT = 65535
 def sketch_add(sketch, key, seed):
     """Count one occurrence of ``key``; returns its estimated count afterwards."""
     depth, width = sketch.shape
-    lo = MAX_COUNT
-    for d in range(depth):
-        c = np.int64(sketch[d, np.int64(mix64_seeded(key, seed + d) % np.uint64(width))])
-        if c < lo:
-            lo = c
+    lo = sketch_estimate(sketch, key, seed)
     new = lo + 1 if lo < MAX_COUNT else MAX_COUNT
     # conservative update: only counters below the new estimate move, which keeps
     # overestimation far below plain count-min for skewed (Zipf) streams

@@ -20,6 +20,7 @@ from aiokafka import TopicPartition
 
 from proto import ParameterDelta
 from serving import metrics
+from serving.background import BackgroundLoop
 from serving.model import DeltaRejected, ServingModel
 from services.kafka import BrokerUnavailable, TypedConsumer, create_topics
 from services.settings import Settings
@@ -28,8 +29,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-class DeltaFeed:
+class DeltaFeed(BackgroundLoop):
     """Background task keeping ``model`` up to date with the delta topic."""
+
+    task_name = "param-deltas"
 
     def __init__(self, settings: Settings, model: ServingModel, snapshot_dir: Path | None = None,
                  retry_s: float = 2.0, service: str = "serving") -> None:
@@ -59,15 +62,6 @@ class DeltaFeed:
             self.resume_offset = boot.param_deltas_offset
             log.info("bootstrapped from %s (sparse %d, dense %d)", boot.path, *self.snapshot_versions)
         self.publish_metrics()
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="param-deltas")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
 
     def publish_metrics(self) -> None:
         mid = self.model.model_id

@@ -8,6 +8,7 @@ import logging
 
 from proto import Action
 from serving import metrics
+from serving.background import BackgroundLoop
 from serving.feature_store import FeatureStore, FeatureStoreError
 from services.kafka import BrokerUnavailable, TypedConsumer
 from services.settings import Settings
@@ -15,8 +16,10 @@ from services.settings import Settings
 log = logging.getLogger(__name__)
 
 
-class RecentClicks:
+class RecentClicks(BackgroundLoop):
     """Consume actions (one consumer group for all replicas: Redis is shared) into the store."""
+
+    task_name = "recent-clicks"
 
     def __init__(self, settings: Settings, store: FeatureStore, click_actions: tuple[str, ...],
                  group_id: str = "serving-realtime", retry_s: float = 2.0) -> None:
@@ -27,15 +30,6 @@ class RecentClicks:
         self.retry_s = retry_s
         self.recorded = 0
         self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="recent-clicks")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
 
     async def _run(self) -> None:
         while True:

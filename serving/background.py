@@ -4,16 +4,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+
+from services.kafka import BrokerUnavailable
+
+log = logging.getLogger(__name__)
 
 
 class BackgroundLoop:
-    """Subclasses implement ``_run`` and name ``task_name``; ``stop`` never raises."""
+    """Subclasses implement ``_consume`` and name ``task_name``; ``stop`` never raises.
+
+    ``_consume`` is restarted after ``retry_s`` whenever it ends or fails: serving keeps answering
+    with what it has (current parameters, stored features) while the broker is away."""
 
     task_name = "background"
+    retry_s: float = 2.0
     _task: asyncio.Task[None] | None = None
 
-    async def _run(self) -> None:
+    async def _consume(self) -> None:
         raise NotImplementedError
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._consume()
+            except asyncio.CancelledError:
+                raise
+            except BrokerUnavailable as err:
+                log.warning("%s: %s; retrying in %.1fs", self.task_name, err, self.retry_s)
+            except Exception:  # noqa: BLE001 - a bad record or a bug must not stop serving
+                log.exception("%s: consumer failed; restarting in %.1fs", self.task_name, self.retry_s)
+            await asyncio.sleep(self.retry_s)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=self.task_name)

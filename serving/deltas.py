@@ -22,7 +22,7 @@ from proto import ParameterDelta
 from serving import metrics
 from serving.background import BackgroundLoop
 from serving.model import DeltaRejected, ServingModel
-from services.kafka import BrokerUnavailable, TypedConsumer, create_topics
+from services.kafka import TypedConsumer, create_topics
 from services.settings import Settings
 from pathlib import Path
 
@@ -70,18 +70,6 @@ class DeltaFeed(BackgroundLoop):
             stale = state.staleness_s()
             if stale is not None:
                 metrics.DELTA_STALENESS.labels(mid, kind).set(stale)
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self._consume()
-            except asyncio.CancelledError:
-                raise
-            except BrokerUnavailable as err:
-                log.warning("param deltas: %s; retrying in %.1fs", err, self.retry_s)
-            except Exception:  # noqa: BLE001 - keep serving the current parameters
-                log.exception("param deltas: consumer failed; restarting in %.1fs", self.retry_s)
-            await asyncio.sleep(self.retry_s)
 
     async def _consume(self) -> None:
         topic = self.settings.topics.param_deltas

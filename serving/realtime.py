@@ -10,7 +10,7 @@ from proto import Action
 from serving import metrics
 from serving.background import BackgroundLoop
 from serving.feature_store import FeatureStore, FeatureStoreError
-from services.kafka import BrokerUnavailable, TypedConsumer
+from services.kafka import TypedConsumer
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -30,18 +30,6 @@ class RecentClicks(BackgroundLoop):
         self.retry_s = retry_s
         self.recorded = 0
         self._task: asyncio.Task[None] | None = None
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self._consume()
-            except asyncio.CancelledError:
-                raise
-            except BrokerUnavailable as err:
-                log.warning("recent clicks: %s; retrying in %.1fs", err, self.retry_s)
-            except Exception:  # noqa: BLE001
-                log.exception("recent clicks: consumer failed; restarting in %.1fs", self.retry_s)
-            await asyncio.sleep(self.retry_s)
 
     async def _consume(self) -> None:
         consumer: TypedConsumer[Action] = TypedConsumer(

@@ -6,6 +6,8 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,27 @@ def chromium() -> str:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         pytest.skip(f"chromium missing and `apt-get install -y chromium` failed: {' | '.join(tail)}")
     return CHROMIUM
+
+
+@dataclass
+class BrowserPage:
+    """A headless-chromium page and every console error, page error and failed request it saw."""
+
+    page: Any
+    errors: list[str] = field(default_factory=list)
+
+
+@pytest.fixture
+def browser_page(chromium: str) -> Iterator[BrowserPage]:
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright pip package is not installed")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            seen = BrowserPage(page)
+            page.on("console", lambda m: seen.errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda e: seen.errors.append(f"pageerror: {e}"))
+            page.on("requestfailed", lambda r: seen.errors.append(f"requestfailed: {r.url}"))
+            yield seen
+        finally:
+            browser.close()

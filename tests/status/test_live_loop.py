@@ -8,46 +8,37 @@ import time
 
 import pytest
 
-from tests.status.conftest import CHROMIUM_ARGS
+from tests.status.conftest import BrowserPage
 from tests.test_loop import LoopStack, loop_stack  # noqa: F401 - the shared stack fixture
 
 
 @pytest.mark.timeout(480)
-def test_status_page_shows_the_loop_closing(loop_stack: LoopStack, chromium: str) -> None:  # noqa: F811
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright pip package is not installed")
+def test_status_page_shows_the_loop_closing(loop_stack: LoopStack, browser_page: BrowserPage) -> None:  # noqa: F811
     s = loop_stack
     url = f"http://127.0.0.1:{s.status_port}/"
     assert url in s.text(), "the banner names the status page"
-    errors: list[str] = []
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.on("console", lambda m: errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
-            page.goto(url, wait_until="load")
-            started = time.monotonic()
-            # The two numbers someone trying driftline waits for, as the page shows them.
-            page.wait_for_function(
-                """() => {
-                    const auc = parseFloat(document.getElementById('tile-auc').textContent);
-                    const version = document.getElementById('tile-version').textContent;
-                    const sparse = parseInt(version.split('/')[0]);
-                    return auc > 0.5 && sparse > 0;
-                }""",
-                timeout=120_000,
-            )
-            waited = time.monotonic() - started
-            auc = float(page.text_content("#tile-auc"))
-            sparse = int(page.text_content("#tile-version").split("/")[0])
-            counts = page.evaluate("""() => Object.fromEntries(Object.entries(window.driftline.plots).map(
-                ([id, u]) => [id, u.data.slice(1).map(ys => ys.filter(v => v != null).length)]))""")
-        finally:
-            browser.close()
+    page = browser_page.page
+    page.goto(url, wait_until="load")
+    started = time.monotonic()
+    # The two numbers someone trying driftline waits for, as the page shows them.
+    page.wait_for_function(
+        """() => {
+            const auc = parseFloat(document.getElementById('tile-auc').textContent);
+            const version = document.getElementById('tile-version').textContent;
+            const sparse = parseInt(version.split('/')[0]);
+            return auc > 0.5 && sparse > 0;
+        }""",
+        timeout=120_000,
+    )
+    waited = time.monotonic() - started
+    auc = float(page.text_content("#tile-auc"))
+    sparse = int(page.text_content("#tile-version").split("/")[0])
+    counts = page.evaluate("""() => Object.fromEntries(Object.entries(window.driftline.plots).map(
+        ([id, u]) => [id, u.data.slice(1).map(ys => ys.filter(v => v != null).length)]))""")
     assert 0.5 < auc <= 1.0 and sparse > 0, (auc, sparse)
     assert waited < 120
     assert max(counts["auc"]) >= 1 and max(counts["version"]) >= 1, counts
-    assert errors == []
+    assert browser_page.errors == []
     # The APIs say the same: the trainer's online AUC and serving's model version.
     trainer_auc = s.metric("trainer", "driftline_trainer_auc", {"mode": "online"})
     assert trainer_auc is not None and trainer_auc > 0.5

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from services.embedded import free_port
-from tests.status.conftest import CHROMIUM_ARGS
+from tests.status.conftest import BrowserPage
 from tests.status.fakestack import FakeStack
 
 CHART_IDS = ["auc", "rps", "latency", "sync", "tables", "version", "examples", "lag", "wm-lag"]
@@ -59,43 +59,34 @@ def test_endpoints_over_http_with_one_service_down(fake_stack, status_server) ->
         assert client.get("/healthz").json() == {"ok": True}
 
 
-def test_page_in_headless_chromium_has_live_charts_and_no_console_errors(fake_stack, status_server, chromium,
+def test_page_in_headless_chromium_has_live_charts_and_no_console_errors(fake_stack, status_server,
+                                                                        browser_page: BrowserPage,
                                                                         tmp_path: Path) -> None:
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright pip package is not installed")
     srv = status_server(fake_stack.targets(), scrape_interval_s=0.5, rate_window_s=2.0)
-    errors: list[str] = []
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.on("console", lambda m: errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
-            page.on("requestfailed", lambda r: errors.append(f"requestfailed: {r.url}"))
-            page.goto(srv.url + "/", wait_until="load")
-            assert page.title() == "driftline · live status"
-            # Every chart gets data points, and they keep coming (the page polls live).
-            page.wait_for_function(
-                f"{CHART_IDS!r}.every(id => +(document.getElementById('chart-' + id).dataset.points || 0) >= 5)",
-                timeout=30_000,
-            )
-            before = page.evaluate("window.driftline.updates")
-            page.wait_for_function(f"window.driftline.updates >= {before + 2}", timeout=10_000)
-            # The uPlot instances themselves hold the data (x and at least one y series with values).
-            counts = page.evaluate("""() => Object.fromEntries(Object.entries(window.driftline.plots).map(
-                ([id, u]) => [id, {x: u.data[0].length,
-                                   y: u.data.slice(1).map(ys => ys.filter(v => v != null).length)}]))""")
-            assert set(counts) == set(CHART_IDS)
-            for chart_id, c in counts.items():
-                assert c["x"] >= 5 and max(c["y"]) >= 5, (chart_id, c)
-            assert page.locator("canvas").count() >= len(CHART_IDS)
-            assert page.locator(".badge.up").count() == 3
-            auc = float(page.text_content("#tile-auc"))
-            assert 0.5 < auc < 1
-            assert page.text_content("#tile-version").strip() != "– / –"
-            assert page.text_content("#tile-event-time").startswith("2000-12")
-            shot = Path(os.environ.get("DRIFTLINE_STATUS_SCREENSHOT", tmp_path / "status.png"))
-            page.screenshot(path=str(shot), full_page=True)
-            assert shot.stat().st_size > 10_000
-        finally:
-            browser.close()
-    assert errors == []
+    page = browser_page.page
+    page.goto(srv.url + "/", wait_until="load")
+    assert page.title() == "driftline · live status"
+    # Every chart gets data points, and they keep coming (the page polls live).
+    page.wait_for_function(
+        f"{CHART_IDS!r}.every(id => +(document.getElementById('chart-' + id).dataset.points || 0) >= 5)",
+        timeout=30_000,
+    )
+    before = page.evaluate("window.driftline.updates")
+    page.wait_for_function(f"window.driftline.updates >= {before + 2}", timeout=10_000)
+    # The uPlot instances themselves hold the data (x and at least one y series with values).
+    counts = page.evaluate("""() => Object.fromEntries(Object.entries(window.driftline.plots).map(
+        ([id, u]) => [id, {x: u.data[0].length,
+                           y: u.data.slice(1).map(ys => ys.filter(v => v != null).length)}]))""")
+    assert set(counts) == set(CHART_IDS)
+    for chart_id, c in counts.items():
+        assert c["x"] >= 5 and max(c["y"]) >= 5, (chart_id, c)
+    assert page.locator("canvas").count() >= len(CHART_IDS)
+    assert page.locator(".badge.up").count() == 3
+    auc = float(page.text_content("#tile-auc"))
+    assert 0.5 < auc < 1
+    assert page.text_content("#tile-version").strip() != "– / –"
+    assert page.text_content("#tile-event-time").startswith("2000-12")
+    shot = Path(os.environ.get("DRIFTLINE_STATUS_SCREENSHOT", tmp_path / "status.png"))
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    assert browser_page.errors == []

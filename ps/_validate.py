@@ -24,8 +24,9 @@ def as_ids(ids) -> np.ndarray:
     raise InvalidIdsError(f"ids must be an integer array that fits int64, got dtype {a.dtype}")
 
 
-def as_grads(grads, n: int, dim: int) -> np.ndarray:
-    """float32 ``[n, dim]`` C-contiguous gradients, all finite."""
+def as_grads(grads, n: int, dim: int, check_finite: bool = True) -> np.ndarray:
+    """float32 ``[n, dim]`` C-contiguous gradients, all finite (unless the caller checks that
+    itself, once over many slots: ``check_finite=False``)."""
     g = np.asarray(grads)
     if g.dtype.kind != "f":
         raise InvalidGradientError(f"gradients must be floating point, got dtype {g.dtype}")
@@ -33,7 +34,7 @@ def as_grads(grads, n: int, dim: int) -> np.ndarray:
         raise InvalidGradientError(f"gradients must have shape {(n, dim)}, got {g.shape}")
     with np.errstate(over="ignore"):
         g = np.ascontiguousarray(g, dtype=np.float32)
-    if not np.isfinite(g).all():
+    if check_finite and not np.isfinite(g).all():
         # float64 -> float32 overflow is caught here too, after the cast
         bad = int((~np.isfinite(g)).any(axis=1).sum())
         raise NonFiniteGradientError(f"{bad} gradient row(s) contain NaN or Inf; nothing applied")

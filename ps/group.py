@@ -32,8 +32,10 @@ from numba.typed import List
 from ._jit import njit, prefetch, prefetch_row
 from ._validate import as_event_time, as_grads, as_ids
 from .config import TableConfig
-from .errors import InvalidInputError, UnknownTableError
+from .errors import InvalidGradientError, InvalidInputError, NonFiniteGradientError, ReadOnlyTableError, UnknownTableError
 from .hashmap import GROUP, home, resolve
+from .optimizers import DEDUPE_GROUP, OPT_NONE, apply_updates, dedupe_capacity
+from .rowmarks import M_DHEAD, M_NDIRTY, M_WATERMARK
 from .shard import TableShard
 from .sharding import shard_index
 from .table import EmbeddingTable
@@ -94,6 +96,144 @@ def packed_gather_kernel(ids, seg_off, seg_table, tab_base, tab_nshards, slots_l
                             out[o + j] = 0.0
 
 
+@njit
+def packed_dedupe(ids_rows, pos, gst, m, dim, grads, tarr):
+    """:func:`ps.optimizers.dedupe_into` over rows ``ids_rows[:m]`` whose gradients start at
+    ``grads[gst[q]]`` (the packed buffer, no per-slot copies) and whose times are ``tarr[pos[q]]``
+    (or ``tarr[0]``). Same order, same float32 sums: bit-identical to the per-table path."""
+    tab = np.empty((dedupe_capacity(m), 2), np.int64)
+    mask = tab.shape[0] - 1
+    for h in range(tab.shape[0]):
+        tab[h, 0] = -1
+    urows = np.empty(m, np.int64)
+    ugrads = np.empty((m, dim), np.float32)
+    utimes = np.empty(m, np.int64)
+    one_time = tarr.size == 1
+    hs = np.empty(DEDUPE_GROUP, np.int64)
+    k = 0
+    for b in range(0, m, DEDUPE_GROUP):
+        e = min(m, b + DEDUPE_GROUP)
+        for q in range(b, e):
+            h = (ids_rows[q] * 0x9E3779B1) & mask
+            hs[q - b] = h
+            prefetch(tab, h)
+        for q in range(b, e):
+            r = ids_rows[q]
+            if r < 0:
+                continue
+            t = tarr[0] if one_time else tarr[pos[q]]
+            h = hs[q - b]
+            while tab[h, 0] >= 0 and tab[h, 0] != r:
+                h = (h + 1) & mask
+            g0 = gst[q]
+            if tab[h, 0] < 0:
+                tab[h, 0] = r
+                tab[h, 1] = k
+                urows[k] = r
+                utimes[k] = t
+                for j in range(dim):
+                    ugrads[k, j] = np.float32(0.0) + grads[g0 + j]
+                k += 1
+            else:
+                p = tab[h, 1]
+                if t > utimes[p]:
+                    utimes[p] = t
+                for j in range(dim):
+                    ugrads[p, j] += grads[g0 + j]
+    return k, urows, ugrads, utimes
+
+
+@njit
+def packed_apply_kernel(ids, seg_off, seg_table, grads, grad_off, tarr, tab_base, tab_nshards, tab_dim,
+                        tab_kind, tab_hyper, tab_track, tab_present, slots_list, emb_list, state_list,
+                        times_list, flags_list, dirty_list, meta_list, shard_n, shard_k):
+    """One optimizer step on every table of a packed batch, from one packed gradient buffer.
+
+    Per (table, shard), in batch order: the ids' rows are resolved (prefetched a group ahead),
+    gradients of equal rows summed (slots sharing a table are summed together) and each row
+    stepped, exactly as :meth:`ps.shard.TableShard.apply_gradients` does per call; ``shard_n``
+    and ``shard_k`` get each shard's ids and updated rows."""
+    n = ids.size
+    nseg = seg_table.size
+    shard_of = np.empty(n, np.int64)
+    for s in range(nseg):
+        t = seg_table[s]
+        base = tab_base[t]
+        ns = tab_nshards[t]
+        for i in range(seg_off[s], seg_off[s + 1]):
+            shard_of[i] = base + shard_index(ids[i], ns) if ns > 1 else base
+    pos = np.empty(n, np.int64)
+    gst = np.empty(n, np.int64)
+    rows = np.empty(n, np.int64)
+    hs = np.empty(GROUP, np.int64)
+    one_time = tarr.size == 1
+    for t in range(tab_base.size):
+        if not tab_present[t]:
+            continue
+        dim = tab_dim[t]
+        base = tab_base[t]
+        ns = tab_nshards[t]
+        for sh in range(base, base + ns):
+            m = 0
+            for s in range(nseg):
+                if seg_table[s] != t:
+                    continue
+                a = seg_off[s]
+                for i in range(a, seg_off[s + 1]):
+                    if shard_of[i] == sh:
+                        pos[m] = i
+                        gst[m] = grad_off[s] + (i - a) * dim
+                        m += 1
+            shard_n[sh] = m
+            shard_k[sh] = 0
+            meta = meta_list[sh]
+            # the watermark moves as the per-shard calls moved it (a single-shard table is
+            # called even with no ids of its own in the batch)
+            if one_time:
+                if (m > 0 or ns == 1) and tarr[0] > meta[M_WATERMARK]:
+                    meta[M_WATERMARK] = tarr[0]
+            else:
+                for q in range(m):
+                    if tarr[pos[q]] > meta[M_WATERMARK]:
+                        meta[M_WATERMARK] = tarr[pos[q]]
+            if m == 0:
+                continue
+            slots = slots_list[sh]
+            mask = slots.shape[0] - 1
+            for b in range(0, m, GROUP):
+                e = min(m, b + GROUP)
+                for q in range(b, e):
+                    h = home(ids[pos[q]], mask)
+                    hs[q - b] = h
+                    prefetch(slots, h)
+                for q in range(b, e):
+                    rows[q] = resolve(slots, mask, ids[pos[q]], hs[q - b])
+            k, urows, ugrads, utimes = packed_dedupe(rows, pos, gst, m, dim, grads, tarr)
+            dirty = dirty_list[sh]
+            if meta[M_NDIRTY] + k > dirty.size:
+                # TableShard._compact_dirty: each row is queued at most once, so it then fits
+                h0 = meta[M_DHEAD]
+                nd = meta[M_NDIRTY]
+                if h0:
+                    for q in range(nd - h0):
+                        dirty[q] = dirty[h0 + q]
+                    meta[M_DHEAD] = 0
+                    meta[M_NDIRTY] = nd - h0
+            apply_updates(tab_kind[t], tab_hyper[t], emb_list[sh], state_list[sh], urows, ugrads, k,
+                          utimes, times_list[sh], flags_list[sh], dirty, meta, tab_track[t])
+            shard_k[sh] = k
+
+
+
+@njit
+def all_finite(g):
+    """Whether every value of the 1-D float32 ``g`` is finite (one pass, no temporaries)."""
+    for i in range(g.size):
+        if not np.isfinite(g[i]):
+            return False
+    return True
+
+
 @dataclass(frozen=True)
 class PackedBatch:
     """A batch of many slots as one id array: slot ``k`` owns ``ids[offsets[k]:offsets[k+1]]``."""
@@ -135,6 +275,15 @@ class ParameterServer:
         self._tab_base = np.concatenate([[0], np.cumsum(nsh)[:-1]]).astype(np.int64)
         self._dims = np.array([t.dim for t in self.tables.values()], np.int64)
         self._cache_key = None
+        if self._local:  # per-table optimizer settings, as arrays for packed_apply_kernel
+            first = [t.shards[0] for t in self.tables.values()]
+            self._tab_kind = np.array([s._opt_kind for s in first], np.int64)
+            self._tab_hyper = np.array([s._hyper for s in first], np.float64).reshape(len(first), -1)
+            self._tab_track = np.array([s._track for s in first], np.bool_)
+            #: (table index, global shard number) of shards that expire on every update
+            self._expiring = [(ti, int(self._tab_base[ti]) + j) for ti, t in enumerate(self.tables.values())
+                              if t.config.ttl_ms is not None and t.config.expire_on_update
+                              for j in range(len(t.shards))]
 
     def __getitem__(self, name: str) -> EmbeddingTable:
         try:
@@ -167,8 +316,16 @@ class ParameterServer:
         if key != self._cache_key:
             self._slots_list = List([s._slots for s in self._shards])
             self._emb_list = List([s._emb for s in self._shards])
+            self._row_lists = tuple(List([getattr(s, a) for s in self._shards])
+                                    for a in ("_state", "_times", "_flags", "_dirty", "meta"))
             self._cache_key = key
         return self._slots_list, self._emb_list
+
+    def _lock_all(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for s in self._shards:
+            stack.enter_context(s.lock)
+        return stack
 
     # ------------------------------------------------------------------ reads
     def gather(self, batch: Mapping[str, np.ndarray] | PackedBatch, *, insert: bool = False,
@@ -245,6 +402,67 @@ class ParameterServer:
         t = as_event_time(event_time, pb.ids.size)
         if set(grads) != set(pb.slots):
             raise InvalidInputError(f"gradients given for {sorted(grads)}, batch has slots {sorted(pb.slots)}")
+        if not self._local:
+            return self._apply_per_table(pb, grads, t)
+        parts = [as_grads(grads[slot], int(pb.offsets[k + 1] - pb.offsets[k]), int(self._dims[pb.slot_table[k]]),
+                          check_finite=False).reshape(-1) for k, slot in enumerate(pb.slots)]
+        flat = np.concatenate(parts) if parts else np.empty(0, np.float32)
+        return self._apply_packed(pb, flat, t)
+
+    def apply_packed_gradients(self, batch: Mapping[str, np.ndarray] | PackedBatch, grads: np.ndarray,
+                               event_time) -> dict[str, int]:
+        """:meth:`apply_gradients` with every slot's gradients in **one** 1-D buffer, laid out as
+        :meth:`gather` lays out its result (slot ``k``'s ``[n_k, dim]`` rows back to back, in
+        packed order): one validation and one numba call for all tables and shards."""
+        pb = self.pack(batch)
+        t = as_event_time(event_time, pb.ids.size)
+        g = np.asarray(grads)
+        total = int((np.diff(pb.offsets) * self._dims[pb.slot_table]).sum())
+        if g.dtype.kind != "f":
+            raise InvalidGradientError(f"gradients must be floating point, got dtype {g.dtype}")
+        if g.ndim != 1 or g.size != total:
+            raise InvalidGradientError(f"packed gradients must be 1-D with {total} values, got shape {g.shape}")
+        with np.errstate(over="ignore"):
+            g = np.ascontiguousarray(g, dtype=np.float32)
+        if not self._local:
+            out_off = self._out_offsets(pb)
+            return self._apply_per_table(pb, {s: g[out_off[k]:out_off[k + 1]].reshape(-1, int(self._dims[pb.slot_table[k]]))
+                                              for k, s in enumerate(pb.slots)}, t)
+        return self._apply_packed(pb, g, t)
+
+    def _out_offsets(self, pb: PackedBatch) -> np.ndarray:
+        out_off = np.zeros(len(pb.slots) + 1, np.int64)
+        np.cumsum(np.diff(pb.offsets) * self._dims[pb.slot_table], out=out_off[1:])
+        return out_off
+
+    def _apply_packed(self, pb: PackedBatch, g: np.ndarray, t: np.ndarray) -> dict[str, int]:
+        """One kernel for every table and shard; ``g`` is float32, C-contiguous, the packed layout."""
+        if not all_finite(g):
+            bad = sum(int((~np.isfinite(g[a:b].reshape(-1, int(self._dims[pb.slot_table[k]])))).any(axis=1).sum())
+                      for k, (a, b) in enumerate(zip(self._out_offsets(pb)[:-1], self._out_offsets(pb)[1:])))
+            raise NonFiniteGradientError(f"{bad} gradient row(s) contain NaN or Inf; nothing applied")
+        present = np.zeros(len(self.table_names), np.bool_)
+        present[pb.slot_table] = True
+        for ti in np.flatnonzero(present & (self._tab_kind == OPT_NONE)).tolist():
+            raise ReadOnlyTableError(f"table {self.table_names[ti]!r} is a serving replica; it has no optimizer")
+        shard_n = np.zeros(len(self._shards), np.int64)
+        shard_k = np.zeros(len(self._shards), np.int64)
+        with self._lock_all():
+            slots_list, emb_list = self._lists()
+            packed_apply_kernel(pb.ids, pb.offsets, pb.slot_table, g, self._out_offsets(pb), t,
+                                self._tab_base, self._tab_nshards, self._dims, self._tab_kind, self._tab_hyper,
+                                self._tab_track, present, slots_list, emb_list, *self._row_lists, shard_n, shard_k)
+            for ti, sh in self._expiring:
+                if present[ti] and (shard_n[sh] or self._tab_nshards[ti] == 1):
+                    self._shards[sh]._expire(None, max(1024, 2 * int(shard_n[sh])))
+        done = {}
+        for ti in np.flatnonzero(present).tolist():
+            b = int(self._tab_base[ti])
+            done[self.table_names[ti]] = int(shard_k[b:b + int(self._tab_nshards[ti])].sum())
+        return done
+
+    def _apply_per_table(self, pb: PackedBatch, grads: Mapping[str, np.ndarray], t: np.ndarray) -> dict[str, int]:
+        """Remote shards: one call per table (validating every slot first)."""
         per_table: dict[int, list] = {}
         for k, slot in enumerate(pb.slots):
             ti = int(pb.slot_table[k])

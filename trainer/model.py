@@ -9,7 +9,8 @@
 * those two blocks become the two torch leaves (``requires_grad`` only while training), and
   **one** ``index_add_`` per block pools every slot's bags (``mean`` slots through row weights;
   nothing at all when every bag holds one id);
-* after ``backward`` **one** :meth:`ps.ParameterServer.apply_gradients` steps every table.
+* after ``backward`` **one** :meth:`ps.ParameterServer.apply_packed_gradients` steps every table
+  from the two blocks' gradients (one packed buffer, laid out as ``gather``'s).
 
 No per-example Python loops, and no per-slot torch ops.
 """
@@ -240,14 +241,11 @@ class SparseModel:
         loss.backward()
         self.optimizer.step()
         t2 = time.perf_counter()
-        grads = {}
-        for blk, w in leaves:
-            g = w.grad.numpy() if w.grad is not None else np.zeros(tuple(w.shape), np.float32)
-            base = int(pb.offsets[pb.slots.index(blk.keys[0])])
-            for key in blk.keys:
-                k = pb.slots.index(key)
-                grads[key] = g[int(pb.offsets[k]) - base:int(pb.offsets[k + 1]) - base]
-        self.ps.apply_gradients(pb, grads, t)
+        # the leaves are the packed buffer's blocks in order, so their gradients back to back are
+        # the packed gradient buffer: one validation and one PS call for every table
+        gs = [w.grad.numpy().reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32)
+              for _, w in leaves]
+        self.ps.apply_packed_gradients(pb, np.concatenate(gs) if len(gs) > 1 else gs[0], t)
         self.timings["backward"] += t2 - t1
         self.timings["update"] += time.perf_counter() - t2
         return float(loss.detach()), torch.sigmoid(logits.detach()).numpy()

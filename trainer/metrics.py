@@ -25,6 +25,8 @@ EVENT_FRESHNESS = Histogram("driftline_trainer_event_freshness_seconds",
                             "(freshness end to end for live traffic; in a replay of old data it is the data's "
                             "age). Observed per sync: the p50, p95 and max of that sync's examples.",
                             ["model"], buckets=_DELAY_BUCKETS)
+EVENT_TIME = Gauge("driftline_trainer_event_time_ms",
+                   "Event time (ms since the epoch) of the newest example applied to the model.", ["model"])
 TABLE_SIZE = Gauge("driftline_trainer_table_rows", "Rows per PS table.", ["model", "table"])
 PS_ADMITTED = Counter("driftline_ps_admitted_total", "Ids admitted into a PS table (rows created by training).",
                       ["model", "table"])

@@ -219,6 +219,8 @@ class OnlineTrainer:
         self.examples_applied = int(man.get("examples_applied", 0))
         self.max_event_time = int(man.get("max_event_time_ms", 0))
         self.next_snapshot_at = man.get("next_snapshot_at")
+        if self.max_event_time:
+            M.EVENT_TIME.labels(self.cfg.model_id).set(self.max_event_time)
         if "auc_pos" in dense and "auc_neg" in dense:
             self.auc.load(dense["auc_pos"], dense["auc_neg"])
         self.dedup.load(dense.get("dedup", []))
@@ -410,6 +412,7 @@ class OnlineTrainer:
             self.examples_applied += batch.size
             self.last_batch_at = time.perf_counter()
             self.max_event_time = max(self.max_event_time, batch.max_event_time)
+            M.EVENT_TIME.labels(self.cfg.model_id).set(self.max_event_time)
             self._unsynced_times.append((batch.event_time_ms, p.arrival_ms))
             self.ps_counts.update()
             self.loss_ema = loss if math.isnan(self.loss_ema) else 0.98 * self.loss_ema + 0.02 * loss

@@ -202,6 +202,8 @@ async def test_online_resumes_from_batch_warm_start(settings, ml_examples, tmp_p
     # the PS's admissions are exported: at least the new recent items became item rows
     assert REGISTRY.get_sample_value("driftline_ps_admitted_total", labels) - admitted >= len(stream[::3])
     assert REGISTRY.get_sample_value("driftline_ps_evicted_total", labels) is not None  # no TTL: 0
+    newest = max(e.event_time_ms for e in stream)
+    assert REGISTRY.get_sample_value("driftline_trainer_event_time_ms", {"model": cfg.model_id}) == newest
     final = snapshots.read_manifest(root)
     assert final["source"] == "online" and final["seq"] == man["seq"] + 1
     assert sum(final["offsets"].values()) == len(stream)

@@ -1,4 +1,7 @@
-"""``driftline eval collisions|online|staleness|baselines|all [--smoke] [--out docs]``.
+"""``driftline eval tune|collisions|online|staleness|baselines|all [--smoke] [--out docs]``.
+
+``tune`` picks the collisions model and the baselines' learning rates on validation data (never
+the test split; see :mod:`evaluation.tune`); its section is ``tuning``.
 
 Each experiment writes its section of ``<out>/results.json`` (other sections are kept), then
 ``<out>/results.md`` and the plots are regenerated from the JSON.
@@ -22,7 +25,8 @@ from pathlib import Path
 
 from .common import Settings, full, set_threads, smoke
 
-EXPERIMENTS = ("collisions", "online", "staleness", "baselines")
+EXPERIMENTS = ("tune", "collisions", "online", "staleness", "baselines")
+SECTION = {"tune": "tuning"}
 
 
 
@@ -45,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from(args) -> Settings:
     s = smoke() if args.smoke else full()
     if args.seeds:
-        s = replace(s, seeds=tuple(args.seeds))
+        s = replace(s, seeds=tuple(args.seeds), coll_seeds=None)
     if args.workers is not None:
         s = replace(s, workers=args.workers)
     if args.data_dir:
@@ -66,7 +70,7 @@ def run(experiments: list[str], s: Settings, out: Path, work_root: Path, plots: 
     """Run ``experiments`` with settings ``s``; write ``out/results.*``; returns the merged JSON."""
     import torch
 
-    from . import baselines, collisions, online, report
+    from . import baselines, collisions, online, report, tune
 
     set_threads(1 if s.workers > 1 else 2)
     work_root.mkdir(parents=True, exist_ok=True)
@@ -76,7 +80,9 @@ def run(experiments: list[str], s: Settings, out: Path, work_root: Path, plots: 
     try:
         for e in experiments:
             t0 = time.perf_counter()
-            if e == "collisions":
+            if e == "tune":
+                results[SECTION[e]] = tune.run(s)
+            elif e == "collisions":
                 results[e] = collisions.run(s)
             elif e == "online":
                 results[e] = online.run(s, work)

@@ -1,7 +1,8 @@
 """Collisionless vs MD5-hashed ids (Monolith Figure 7) on a chronological split of ml-1m.
 
-Three arms, same DeepFM, same PS, same data order per seed; only the ``user_id`` and
-``item_id`` slots differ:
+Three arms, same DeepFM (``coll_*`` settings: ids only, tuned on validation by
+:mod:`evaluation.tune`), same PS, same data order per seed; only the ``user_id`` and ``item_id``
+slots differ:
 
 * ``collisionless``: raw ids (the PS table has one row per id);
 * ``hashed``: ids MD5-hashed into a space sized so that the measured share of colliding ids
@@ -18,7 +19,8 @@ import numpy as np
 
 from trainer.model import SparseModel
 
-from .common import HashedIds, md5_bucket, Settings, auc, buckets_for_rate, data, mean_std, model_config, pmap, predict_rows, train_rows
+from .common import (HashedIds, Settings, auc, buckets_for_rate, coll_model_config, data, md5_bucket, mean_std, pmap,
+                     predict_rows, train_rows)
 
 ARMS = ("collisionless", "hashed", "hashed_harsh")
 
@@ -41,14 +43,25 @@ def _transform(s: Settings, arm: str, plan: dict | None):
     d = data(s, s.coll_limit)
     max_ids = {"user_id": int(max(d.user_id.max(), max(d.features.user_ids))),
                "item_id": int(max(d.item_id.max(), max(d.features.item_ids)))}
-    return HashedIds({k: v["buckets"] for k, v in plan[arm].items()}, max_ids)
+    return HashedIds({k: v["buckets"] for k, v in plan[arm].items()}, max_ids,
+                     present={"user_id": d.user_id, "item_id": d.item_id})
 
 
-def run_one(s: Settings, arm: str, seed: int, plan: dict | None) -> dict:
-    """One arm, one seed: test AUC (and train loss proxy) after each of ``coll_epochs`` epochs."""
-    d = data(s, s.coll_limit)
+def split(s: Settings, d, validation: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(train, test) rows in time order; with ``validation`` the test part is never touched: the
+    last ``coll_val_fraction`` of the train part is held out instead (what settings are tuned on)."""
     tr, te = d.split(s.coll_test_fraction)
-    model = SparseModel(model_config(s, seed, f"coll-{arm}"))
+    if not validation:
+        return tr, te
+    cut = int(tr.size * (1 - s.coll_val_fraction))
+    return tr[:cut], tr[cut:]
+
+
+def run_one(s: Settings, arm: str, seed: int, plan: dict | None, validation: bool = False) -> dict:
+    """One arm, one seed: test (or validation) AUC after each of ``coll_epochs`` epochs."""
+    d = data(s, s.coll_limit)
+    tr, te = split(s, d, validation)
+    model = SparseModel(coll_model_config(s, seed, f"coll-{arm}"))
     tf = _transform(s, arm, plan)
     rng = np.random.default_rng(seed)
     aucs, train_aucs, secs, n = [], [], 0.0, 0
@@ -77,15 +90,19 @@ def _touched(d, rows: np.ndarray, arm_plan: dict) -> float:
 
 def run(s: Settings) -> dict:
     plan = hash_plan(s)
-    tasks = [(s, arm, seed, plan) for arm in ARMS for seed in s.seeds]
+    seeds = s.coll_seeds or s.seeds
+    tasks = [(s, arm, seed, plan) for arm in ARMS for seed in seeds]
     runs = pmap(run_one, tasks, s.workers, "collisions")
     d = data(s, s.coll_limit)
     tr, te = d.split(s.coll_test_fraction)
     out: dict = {"setup": {"ratings": len(d), "train": int(tr.size), "test": int(te.size),
-                           "epochs": s.coll_epochs, "seeds": list(s.seeds),
+                           "epochs": s.coll_epochs, "seeds": list(seeds),
                            "first_test_time_ms": int(d.time_ms[te[0]]) if te.size else None,
                            "test_new_user_share": float(np.isin(d.user_id[te], d.user_id[tr], invert=True).mean())
-                           if te.size else None}}
+                           if te.size else None,
+                           "model": {"slots": list(s.coll_slots), "dim": s.coll_dim, "mlp": list(s.coll_mlp),
+                                     "sparse_lr": s.coll_sparse_lr, "init_acc": s.coll_init_acc,
+                                     "dense_lr": s.coll_dense_lr, "batch_size": s.batch_size}}}
     for arm in ARMS:
         rs = [r for r in runs if r["arm"] == arm]
         per = np.array([r["test_auc"] for r in rs], np.float64)  # [seeds, epochs]
@@ -111,4 +128,11 @@ def run(s: Settings) -> dict:
                                  "per_epoch_paired_std": diff.std(0, ddof=1).tolist() if diff.shape[0] > 1 else [0.0] * diff.shape[1],
                                  "per_epoch_margin_in_std": margin,
                                  "beats_every_epoch_by_2std": bool(all(m > 2 for m in margin))}
+        if diff.shape[0] > 1:
+            sd = diff.std(0, ddof=1)
+            out[f"gain_vs_{arm}"]["beats_every_epoch_by_2_paired_std"] = bool(np.all(diff.mean(0) > 2 * sd))
+    cm, cs = out["collisionless"]["per_epoch_mean"], out["collisionless"]["per_epoch_std"]
+    # "does not overfit": the last epoch is within one seed std of the best epoch
+    out["collisionless"]["overfit"] = {"best_epoch": int(np.argmax(cm)) + 1, "drop_best_to_last": float(max(cm) - cm[-1]),
+                                       "no_overfit": bool(max(cm) - cm[-1] <= (cs[-1] or 0.0))}
     return out

@@ -46,6 +46,17 @@ class Settings:
     coll_user_rate: float = 0.0773         # the paper's ml-25m rates
     coll_item_rate: float = 0.0286
     coll_harsh_factor: float = 4.0         # harsher arm: this many times the paper's rates
+    #: seeds of the collisions runs (None: ``seeds``); ten because a run is cheap (ids only) and the
+    #: effect at the paper's rates is small next to seed noise, so its std needs a firmer estimate
+    coll_seeds: tuple[int, ...] | None = tuple(range(10))
+    # the collisions DeepFM (its own model: see collisions.py for why it differs from the others)
+    coll_slots: tuple[str, ...] = ("user_id", "item_id")
+    coll_dim: int = 16
+    coll_mlp: tuple[int, ...] = (128, 64)
+    coll_sparse_lr: float = 0.005
+    coll_init_acc: float = 0.0             # Adagrad initial_accumulator_value of the sparse tables
+    coll_dense_lr: float = 1e-3
+    coll_val_fraction: float = 0.1         # tuning: the last share of the train part is the validation set
     # online (Algorithm 1)
     online_limit: int | None = None
     online_batch_fraction: float = 0.7
@@ -58,7 +69,13 @@ class Settings:
     base_limit: int | None = 300_000
     base_offset: int = 0
     base_batch_size: int = 64              # online mini-batch for the from-scratch stream
-    river_lr: float = 0.1
+    base_sparse_lr: float = 0.05           # DeepFM's sparse Adagrad lr on the stream (tuned: evaluation/tune.py)
+    river_lr: float = 0.1                  # River LR's SGD lr (tuned)
+    base_lr_lr: float = 0.3                # driftline LR's Adagrad lr (tuned)
+    base_lr_batch: int = 32                # driftline LR's mini-batch in the model-matched comparison
+    #: driftline LR's speed/quality curve: (mini-batch, Adagrad lr tuned for it)
+    base_lr_curve: tuple[tuple[int, float], ...] = ((32, 0.3), (64, 0.3), (128, 0.3), (256, 0.3), (1024, 0.2), (4096, 0.3))
+    tune_base_limit: int = 100_000         # the tuning stream: this many ratings right after the reported one
     hashed_buckets: int = 1 << 13
 
     def dump(self) -> dict:
@@ -72,8 +89,9 @@ def full() -> Settings:
 def smoke() -> Settings:
     """Tiny settings for the tests (seconds): same code paths, same JSON keys."""
     return Settings(name="smoke", seeds=(0, 1), workers=1, dim=4, mlp=(16,), batch_size=512,
-                    coll_limit=20_000, coll_epochs=2, online_limit=20_000, stale_shards=10,
-                    stale_k=(0, 2), base_limit=6_000, base_batch_size=256, hashed_buckets=1 << 10)
+                    coll_limit=20_000, coll_epochs=2, coll_seeds=None, coll_dim=4, coll_mlp=(16,), online_limit=20_000, stale_shards=10,
+                    stale_k=(0, 2), base_limit=6_000, base_batch_size=256, hashed_buckets=1 << 10,
+                    base_lr_batch=64, base_lr_curve=((64, 0.3), (256, 0.3)), tune_base_limit=3_000)
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -95,6 +113,19 @@ def model_config(s: Settings, seed: int, model_id: str = "eval") -> ModelConfig:
     real-time ``recent_items`` slot is absent from ml-1m, so it stays out of the experiments."""
     return deepfm_config(model_id=model_id, dim=s.dim, mlp=list(s.mlp), lr=s.sparse_lr, seed=seed,
                          recent_items=False)
+
+
+def coll_model_config(s: Settings, seed: int, model_id: str = "coll") -> ModelConfig:
+    """The collisions DeepFM: :func:`trainer.config.deepfm_config` on ``coll_slots`` with the
+    ``coll_*`` hyper-parameters (Adagrad ``initial_accumulator_value`` and the dense lr are not
+    arguments of ``deepfm_config``, so they are set on its validated dump)."""
+    cfg = deepfm_config(model_id=model_id, dim=s.coll_dim, mlp=list(s.coll_mlp), lr=s.coll_sparse_lr, seed=seed,
+                        slots=tuple(s.coll_slots), recent_items=False)
+    d = cfg.model_dump()
+    for t in d["tables"]:
+        t["optimizer"]["initial_accumulator_value"] = s.coll_init_acc
+    d["dense_lr"] = s.coll_dense_lr
+    return ModelConfig.model_validate(d)
 
 
 def set_threads(n: int = 1) -> None:
@@ -134,11 +165,31 @@ def buckets_for_rate(ids: np.ndarray, target: float, tries: int = 400) -> dict:
 
 class HashedIds:
     """Maps the raw ids of some slots through MD5 into ``buckets[slot]`` buckets (vectorized
-    with a lookup table over the raw id range). Other slots pass through unchanged."""
+    with a lookup table over the raw id range). Other slots pass through unchanged.
 
-    def __init__(self, buckets: dict[str, int], max_ids: dict[str, int]):
+    With ``present`` (slot -> the ids that occur in the data), each bucket is *labelled* by the
+    smallest present id in it instead of by its bucket number. Which ids share a row is exactly the
+    same (it is the same hashing), but an id alone in its bucket then keeps its own row key, so the
+    PS initializer (a function of seed and key) gives it the very row the collisionless model
+    starts from: a hashed run differs from its paired collisionless run only in the ids that
+    collide, not in the random start of every row."""
+
+    def __init__(self, buckets: dict[str, int], max_ids: dict[str, int],
+                 present: dict[str, np.ndarray] | None = None):
         self.buckets = dict(buckets)
-        self.lut = {s: md5_bucket(np.arange(max_ids[s] + 1), m) for s, m in buckets.items()}
+        self.lut = {}
+        for s, m in buckets.items():
+            b = md5_bucket(np.arange(max_ids[s] + 1), m)
+            if present is None:
+                self.lut[s] = b
+                continue
+            ids = np.unique(present[s])
+            label = np.full(m, np.iinfo(np.int64).max, np.int64)
+            np.minimum.at(label, b[ids], ids)
+            empty = label == np.iinfo(np.int64).max
+            # buckets no present id falls in: keys above every raw id (never seen in the data)
+            label[empty] = np.flatnonzero(empty) + max_ids[s] + 1
+            self.lut[s] = label[b]
 
     def __call__(self, b: SparseBatch) -> SparseBatch:
         ids = dict(b.ids)
@@ -238,6 +289,6 @@ def nan_to_none(x):
     return x
 
 
-__all__ = ["Settings", "full", "smoke", "replace", "field", "data", "model_config", "md5_bucket",
+__all__ = ["Settings", "full", "smoke", "replace", "field", "data", "model_config", "coll_model_config", "md5_bucket",
            "collision_rate", "buckets_for_rate", "HashedIds", "auc", "train_rows", "predict_rows",
            "mean_std", "pmap", "nan_to_none", "set_threads"]

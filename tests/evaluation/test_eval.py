@@ -82,6 +82,42 @@ def test_hashed_ids_only_touch_their_slots():
     assert (h.ids["user_id"] == md5_bucket(b.ids["user_id"], 7)).all()
 
 
+def test_relabelled_hashing_keeps_the_collisions_and_lone_ids_keep_their_key():
+    d = data(smoke(), 2000)
+    users = np.unique(d.user_id)
+    m = 97  # small: many collisions
+    h = HashedIds({"user_id": m}, {"user_id": int(d.user_id.max())}, present={"user_id": d.user_id})
+    keys, buckets = h.lut["user_id"][users], md5_bucket(users, m)
+    # the same partition of the ids into shared rows as plain MD5 bucketing
+    assert len(set(zip(keys.tolist(), buckets.tolist()))) == len(set(keys.tolist())) == len(set(buckets.tolist()))
+    _, inv, counts = np.unique(buckets, return_inverse=True, return_counts=True)
+    alone = counts[inv] == 1
+    assert (keys[alone] == users[alone]).all()  # a lone id is its own key: same PS init as collisionless
+    assert all(keys[i] == users[buckets == buckets[i]].min() for i in np.flatnonzero(~alone))
+
+
+def test_tuning_never_reads_the_test_split(smoke_out):
+    from evaluation import collisions
+
+    s = smoke()
+    d = data(s, s.coll_limit)
+    tr, te = collisions.split(s, d)
+    vtr, vte = collisions.split(s, d, validation=True)
+    assert np.union1d(vtr, vte).tolist() == tr.tolist() and vtr.max() < vte.min()
+    tn = json.loads((smoke_out / "results.json").read_text())["tuning"]
+    assert tn["collisions"]["settings_match_choice"]
+    base = json.loads((smoke_out / "results.json").read_text())["baselines"]["setup"]
+    assert tn["baselines"]["stream"]["offset"] >= base["offset"] + base["ratings"]  # disjoint from the reported stream
+
+
+def test_model_matched_baselines_are_reported(smoke_out):
+    b = json.loads((smoke_out / "results.json").read_text())["baselines"]
+    assert set(b["model_matched"]) == {"lr", "fm"}
+    assert [c["batch_size"] for c in b["driftline_lr_curve"]] == [bs for bs, _ in smoke().base_lr_curve]
+    md = (smoke_out / "results.md").read_text()
+    assert "Model-matched comparisons" in md and "How settings were chosen" in md
+
+
 def test_cli_docstring_examples():
     import doctest
 

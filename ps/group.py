@@ -336,17 +336,23 @@ class ParameterServer:
         (an int, or one int per id in packed order). Absent ids read as zeros.
         """
         pb = self.pack(batch)
+        out, out_off = self._gather_flat(pb, insert, event_time)
+        return self._views(pb, out, out_off, self._dims[pb.slot_table])
+
+    def gather_packed(self, batch: Mapping[str, np.ndarray] | PackedBatch, *, insert: bool = False,
+                      event_time=None) -> np.ndarray:
+        """:meth:`gather` as the one float32 buffer behind its views: slot ``k``'s ``[n_k, dim]``
+        rows back to back in packed order (the layout :meth:`apply_packed_gradients` takes)."""
+        return self._gather_flat(self.pack(batch), insert, event_time)[0]
+
+    def _gather_flat(self, pb: PackedBatch, insert: bool, event_time) -> tuple[np.ndarray, np.ndarray]:
         t = as_event_time(event_time, pb.ids.size) if insert else None
-        seg_dims = self._dims[pb.slot_table]
-        sizes = np.diff(pb.offsets) * seg_dims
-        out_off = np.zeros(len(pb.slots) + 1, np.int64)
-        np.cumsum(sizes, out=out_off[1:])
+        out_off = self._out_offsets(pb)
         out = np.empty(int(out_off[-1]), np.float32)
         if not self._local:  # remote shards: fall back to per-table calls
-            return self._gather_per_table(pb, out, out_off, insert, t)
-        with contextlib.ExitStack() as stack:
-            for s in self._shards:
-                stack.enter_context(s.lock)
+            self._gather_per_table(pb, out, out_off, insert, t)
+            return out, out_off
+        with self._lock_all():
             slots_list, emb_list = self._lists()
             rows = np.empty(pb.ids.size, np.int64)
             shard_of = np.empty(pb.ids.size, np.int64)
@@ -354,7 +360,7 @@ class ParameterServer:
                                  slots_list, emb_list, out, out_off, rows, shard_of)
             if insert:
                 self._insert_missing(pb, rows, out, out_off, t)
-        return self._views(pb, out, out_off, seg_dims)
+        return out, out_off
 
     def _insert_missing(self, pb, rows, out, out_off, t):
         miss = rows < 0
@@ -384,7 +390,6 @@ class ParameterServer:
             a, b = pb.offsets[k], pb.offsets[k + 1]
             st = None if t is None else (t[a:b] if t.size > 1 else int(t[0]))
             out[out_off[k]:out_off[k + 1]] = table.gather(pb.ids[a:b], insert=insert, event_time=st).reshape(-1)
-        return self._views(pb, out, out_off, self._dims[pb.slot_table])
 
     @staticmethod
     def _views(pb, out, out_off, seg_dims):

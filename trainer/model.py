@@ -3,7 +3,7 @@
 :class:`DenseHead` is the torch part (DeepFM or LR head) over pooled slot embeddings.
 :class:`SparseModel` joins it with the PS tables. Per batch:
 
-* **one** :meth:`ps.ParameterServer.gather` resolves every slot of every table (one packed numba
+* **one** :meth:`ps.ParameterServer.gather_packed` resolves every slot of every table (one packed numba
   call). The slots are packed embedding fields first, then first-order fields, so the result is
   one float32 buffer: a ``[n_emb_ids, dim]`` block and a ``[n_lin_ids, 1]`` block;
 * those two blocks become the two torch leaves (``requires_grad`` only while training), and
@@ -193,9 +193,10 @@ class SparseModel:
         t0 = time.perf_counter()
         batch = self.complete(batch)
         pb = self.pack(batch)
-        buf = _buffer(self.ps.gather(pb, insert=insert, event_time=event_time), pb, self._dims)
+        buf = self.ps.gather_packed(pb, insert=insert, event_time=event_time)
         t1 = time.perf_counter()
         pooled, leaves, elem, seg = [], [], 0, 0
+        bags: dict[tuple, tuple] = {}  # blocks over the same slots pool the same bags (DeepFM's two)
         for blk in (self._emb_block, self._lin_block):
             if blk is None:
                 pooled.append(None)
@@ -208,7 +209,10 @@ class SparseModel:
             if insert:
                 w.requires_grad_(True)
             leaves.append((blk, w))
-            x = pool(w, *bag_inputs(batch, blk.slots, blk.modes), nf * batch.size)
+            key = (tuple(blk.slots), tuple(blk.modes))
+            if key not in bags:
+                bags[key] = bag_inputs(batch, blk.slots, blk.modes)
+            x = pool(w, *bags[key], nf * batch.size)
             pooled.append(x.view(nf, batch.size, blk.dim).transpose(0, 1))  # [B, F, dim]
         emb, lin = pooled
         if lin is not None:
@@ -249,15 +253,3 @@ class SparseModel:
         self.timings["backward"] += t2 - t1
         self.timings["update"] += time.perf_counter() - t2
         return float(loss.detach()), torch.sigmoid(logits.detach()).numpy()
-
-
-def _buffer(views: dict[str, np.ndarray], pb: PackedBatch, dims: dict[str, int]) -> np.ndarray:
-    """The one float32 buffer behind ``ParameterServer.gather``'s per-slot views (zero-copy);
-    a copy if the views are not laid out back to back in packed order."""
-    total = sum(int(pb.offsets[k + 1] - pb.offsets[k]) * dims[s] for k, s in enumerate(pb.slots))
-    first = views[pb.slots[0]] if pb.slots else None
-    base = first.base if first is not None else None
-    if (isinstance(base, np.ndarray) and base.dtype == np.float32 and base.ndim == 1 and base.size == total
-            and base.ctypes.data == first.ctypes.data):
-        return base
-    return np.concatenate([views[s].reshape(-1) for s in pb.slots]) if pb.slots else np.empty(0, np.float32)

@@ -23,6 +23,8 @@ def test_packed_lookup_over_many_tables_equals_per_table(rng):
     for s, ids in batch.items():
         ref = ps[slots[s]].gather(ids)
         assert out[s].shape == ref.shape and (out[s] == ref).all()
+    flat = ps.gather_packed(batch)  # the same values as one buffer, in packed order
+    assert flat.tobytes() == b"".join(out[s].tobytes() for s in batch)
 
 
 def test_packed_insert_equals_per_table_insert(rng):

@@ -6,7 +6,7 @@ streaming AUC (progressive validation) -> train on it -> commit its offsets. Tra
 dedicated thread (1 torch intra-op thread; torch ops and the PS kernels release the GIL) while the
 event loop fetches, decodes and assembles the next batch. At most two batches are in flight (one
 training, the next queued on the training thread), and a batch's offsets are committed after it is
-applied, in order. Decoding builds no protobuf objects:
+applied, in order (in the background, one commit in flight, each taking the newest offsets). Decoding builds no protobuf objects:
 the consumer hands over each record's bytes and :mod:`trainer.wire` parses a whole poll's bytes
 into the batch arrays in one numba call with the GIL released (~1-3 us/example; refused records
 alone are re-decoded with protobuf, for the dead letter's exact reason). Every ``sync_interval_s``
@@ -41,6 +41,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -63,6 +64,27 @@ from .sync import encode_dense, encode_sparse_tables
 
 log = logging.getLogger(__name__)
 _NO_HASHES = np.zeros((0, 2), np.uint64)
+
+
+_RAW, _PART, _OFF, _STAMP = (attrgetter(a) for a in ("raw", "partition", "offset", "timestamp_ms"))
+
+
+def _positions(recs) -> tuple[dict[int, int], np.ndarray]:
+    """``({partition: next offset}, int64 Kafka timestamps with -1 where none)`` of a poll's records.
+
+    The event loop fetches and decodes the next batch while the current one trains, and whatever
+    Python it runs per record delays both (GIL, the other core): C-level ``map``s instead of a
+    Python loop over the ~1000 records."""
+    n = len(recs)
+    parts = np.fromiter(map(_PART, recs), np.int64, n)
+    offs = np.fromiter(map(_OFF, recs), np.int64, n)
+    try:
+        stamps = np.fromiter(map(_STAMP, recs), np.int64, n)
+    except TypeError:  # a record without a timestamp (None)
+        stamps = np.array([-1 if t is None else t for t in map(_STAMP, recs)], np.int64)
+    if n and (parts == parts[0]).all():
+        return {int(parts[0]): int(offs.max()) + 1}, stamps
+    return {int(p): int(offs[parts == p].max()) + 1 for p in np.unique(parts)}, stamps
 
 
 class RawExampleCodec:
@@ -183,6 +205,8 @@ class OnlineTrainer:
         self.last_batch_at: float | None = None
         # batches handed to the training thread, oldest first: (task following it, its id hashes)
         self._pending: deque[tuple[asyncio.Task, np.ndarray]] = deque()
+        self._commit_task: asyncio.Task | None = None
+        self._commit_wanted = False
         #: 2: the next batch waits on the training thread's queue while the current one trains, so
         #: the thread goes from one step to the next without waiting for the event loop
         self.max_in_flight = 2
@@ -341,7 +365,7 @@ class OnlineTrainer:
         t0 = time.perf_counter()
         inflight = (np.concatenate([h for _, h in self._pending]) if len(self._pending) > 1
                     else self._pending[0][1] if self._pending else _NO_HASHES)
-        dec = self.decoder.decode([r.raw for r in recs], self.dedup, inflight)
+        dec = self.decoder.decode(list(map(_RAW, recs)), self.dedup, inflight)
         letters = []
         status = dec.status
         if dec.size < len(recs):
@@ -351,12 +375,7 @@ class OnlineTrainer:
             if dups:
                 self.duplicates += dups
                 M.DUPLICATES.labels(self.cfg.model_id).inc(dups)
-        offsets: dict[int, int] = {}
-        stamps = np.empty(len(recs), np.int64)
-        for i, r in enumerate(recs):
-            stamps[i] = r.timestamp_ms if r.timestamp_ms is not None else -1
-            if r.offset + 1 > offsets.get(r.partition, -1):
-                offsets[r.partition] = r.offset + 1
+        offsets, stamps = _positions(recs)
         batch = arrival = None
         if dec.size:
             ids, offs = dec.slot_arrays(self.cfg.all_slots)
@@ -420,12 +439,32 @@ class OnlineTrainer:
             M.LOSS.labels(self.cfg.model_id, "online").set(self.loss_ema)
             M.AUC.labels(self.cfg.model_id, "online").set(self.auc.value())
         self.dedup.add_many(p.hashes)
-        t3 = time.perf_counter()
         for part, off in p.offsets.items():
             if off > self.applied_offsets.get(part, -1):
                 self.applied_offsets[part] = off
-        await self.consumer.commit({TopicPartition(self.topic, q): o for q, o in self.applied_offsets.items()})
-        self._stage("commit", time.perf_counter() - t3)
+        self._request_commit()
+
+    def _request_commit(self) -> None:
+        """Commit the applied offsets in the background, one commit in flight at a time (the next
+        one takes the newest offsets). The broker round trip stays off the path that hands the next
+        batch to the training thread: awaited there, it left the thread idle between steps."""
+        self._commit_wanted = True
+        if self._commit_task is None or self._commit_task.done():
+            if self._commit_task is not None:
+                self._commit_task.result()  # a failed commit (a rebalance) stops the run, as it did
+            self._commit_task = asyncio.create_task(self._committer())
+
+    async def _committer(self) -> None:
+        while self._commit_wanted:
+            self._commit_wanted = False
+            t0 = time.perf_counter()
+            await self.consumer.commit({TopicPartition(self.topic, q): o for q, o in self.applied_offsets.items()})
+            self._stage("commit", time.perf_counter() - t0)
+
+    async def _flush_commits(self) -> None:
+        """Wait until every applied batch's offsets are committed (raises a failed commit)."""
+        if self._commit_task is not None:  # it loops while commits were requested meanwhile
+            await self._commit_task
 
     def _start(self, p: Prepared) -> None:
         """Hand the batch to the training thread *now* (a task would only submit it when the event
@@ -448,6 +487,8 @@ class OnlineTrainer:
             await self._pending[0][0]
             self._pending.popleft()
         self._stage("wait_train", time.perf_counter() - t0)
+        if self._commit_task is not None and self._commit_task.done():
+            self._commit_task.result()  # a failed commit (a rebalance) stops the run, as it did
         if self.snapshot_interval_ms > 0:
             if self.next_snapshot_at is None:
                 self.next_snapshot_at = (self.max_event_time // self.snapshot_interval_ms + 1) * self.snapshot_interval_ms
@@ -565,9 +606,12 @@ class OnlineTrainer:
             await self.sync_sparse()
             await self.sync_dense()
             self.snapshot()
+            await self._flush_commits()
         finally:
             for task, _ in self._pending:  # cancelled mid-batch: let the steps finish, commit nothing more
                 task.cancel()
+            if self._commit_task is not None and not self._commit_task.done():
+                self._commit_task.cancel()
             await self.consumer.stop()
             await self._producer.stop()
             self._executor.shutdown(wait=True)

@@ -207,6 +207,15 @@ async def test_online_resumes_from_batch_warm_start(settings, ml_examples, tmp_p
     final = snapshots.read_manifest(root)
     assert final["source"] == "online" and final["seq"] == man["seq"] + 1
     assert sum(final["offsets"].values()) == len(stream)
+    # offsets are committed in the background (one commit in flight); the run ends with all committed
+    c = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers, group_id=tr.group_id, enable_auto_commit=False)
+    await c.start()
+    try:
+        committed = {p: await c.committed(TopicPartition(settings.topics.examples, p))
+                     for p in range(settings.topics.partitions)}
+    finally:
+        await c.stop()
+    assert {p: o for p, o in committed.items() if o is not None} == {int(k): v for k, v in final["offsets"].items()}
     assert 0.5 < final["auc"] <= 1.0  # the stream's own progressive AUC, not the batch's
     assert tr.delays and max(tr.delays) < 60, max(tr.delays)  # arrival -> published
     assert min(tr.event_delays) > 20 * 365 * 86_400  # event time (2000) -> published: the data's age

@@ -394,13 +394,16 @@ class OnlineTrainer:
         head), so the first real batch does not pay ~0.5 s of JIT/cache loading."""
         torch.set_num_threads(self.torch_threads)
         cfg = self.cfg
-        rows = [{s: [1, 2] for s in cfg.all_slots}, {s: [3] for s in cfg.all_slots}]
-        dense = np.zeros((2, len(cfg.dense_features)), np.float32) if cfg.dense_features else None
-        b = SparseBatch.from_slot_dicts(rows, dense, slots=cfg.all_slots, labels=[0.0, 1.0],
-                                        event_time_ms=[1, 1])
         m = SparseModel(cfg)
-        m.train_step(b)
-        m.predict(b)
+        # a tiny batch, then a full one: torch's allocator and BLAS see the real shapes here, not in
+        # the first streamed steps (which took ~3x a steady step)
+        for n in (2, self.batch_size):
+            rows = [{s: [i, i + 1] if i % 2 else [i] for s in cfg.all_slots} for i in range(n)]
+            dense = np.zeros((n, len(cfg.dense_features)), np.float32) if cfg.dense_features else None
+            b = SparseBatch.from_slot_dicts(rows, dense, slots=cfg.all_slots, labels=[float(i % 2) for i in range(n)],
+                                            event_time_ms=[1] * n)
+            m.train_step(b)
+            m.predict(b)
         ex = Example(example_id="warm-up", event_time_ms=1, sample_rate=1.0, labels={cfg.label: 1.0})
         for s in cfg.all_slots:
             ex.features.sparse[s].ids.append(1)

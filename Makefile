@@ -39,7 +39,7 @@ bench: $(BENCHES)
 $(BENCHES): bench-%: $(DEV_STAMP)
 	$(BIN)/python bench/bench_$*.py
 
-## Reproduce the Monolith paper's experiments on ml-1m (~17-20 min on 2 cores): docs/results.*, docs/eval_*.png
+## Reproduce the Monolith paper's experiments on ml-1m (~10 min on 2 cores): docs/results.*, docs/eval_*.png
 eval: $(STAMP)
 	$(BIN)/driftline eval all --out docs
 

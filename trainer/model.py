@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import defaultdict
-from typing import Callable
 
 import numpy as np
 import torch
@@ -168,9 +167,6 @@ class SparseModel:
         self.ps = ParameterServer([self.tables[t.name] for t in cfg.tables], ps_slots)
         self._dims = {k: cfg.table(t).dim for k, t in ps_slots.items()}
         self.timings: dict[str, float] = defaultdict(float)
-        #: called by train_step just before the backward pass (GIL-free for milliseconds): the
-        #: online trainer hands the previous step's result to its event loop there
-        self.before_backward: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ forward
     def complete(self, batch: SparseBatch) -> SparseBatch:
@@ -246,8 +242,6 @@ class SparseModel:
         t1 = time.perf_counter()
         loss = F.binary_cross_entropy_with_logits(logits, labels)
         self.optimizer.zero_grad(set_to_none=True)
-        if self.before_backward is not None:
-            self.before_backward()
         loss.backward()
         self.optimizer.step()
         t2 = time.perf_counter()

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -65,15 +64,6 @@ from .sync import encode_dense, encode_sparse_tables
 
 log = logging.getLogger(__name__)
 _NO_HASHES = np.zeros((0, 2), np.uint64)
-
-
-def _settle(fut: asyncio.Future, res, err: BaseException | None) -> None:
-    if fut.done():
-        return
-    if err is not None:
-        fut.set_exception(err)
-    else:
-        fut.set_result(res)
 
 
 _RAW, _PART, _OFF, _STAMP = (attrgetter(a) for a in ("raw", "partition", "offset", "timestamp_ms"))
@@ -223,11 +213,6 @@ class OnlineTrainer:
         self.decoder = wire.ExampleDecoder(cfg.all_slots, cfg.label, cfg.dense_features)
         self._codec = codec_for(Example)
         self._executor: ThreadPoolExecutor | None = None
-        # steps queued on the training thread and finished steps whose results wait to be handed
-        # over (see _train)
-        self._queued = 0
-        self._queue_lock = threading.Lock()
-        self._undelivered: deque[tuple] = deque()
         self._rate_mark = (time.monotonic(), 0)
 
     # ------------------------------------------------------------------ state
@@ -426,37 +411,13 @@ class OnlineTrainer:
             ex.features.dense[d] = 0.0
         self.decoder.decode([ex.SerializeToString()] * 2, wire.DedupWindow(4), _NO_HASHES)
 
-    def _train(self, batch: SparseBatch, fut: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
-        """On the training thread: one step, its result handed to ``fut``.
-
-        Handing a result over wakes the event loop, which then runs Python (the batch's
-        bookkeeping, the next poll and prepare) holding the GIL for milliseconds; the training
-        thread, needing the GIL back after each GIL-free call, waited on it at the start of every
-        step (measured: the step's lookup, 0.25 ms alone, took ~3.7 ms online). So when the next
-        batch is already queued, the result is handed over from that step, just before its
-        backward pass: the GIL-free stretch where the event loop's Python costs it nothing."""
-        with self._queue_lock:
-            self._queued -= 1
-        try:
-            if torch.get_num_threads() != self.torch_threads:
-                torch.set_num_threads(self.torch_threads)
-            t0 = time.perf_counter()
-            loss, probs = self.model.train_step(batch)
-            result = (fut, (loss, probs, time.perf_counter() - t0), None)
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
-            result = (fut, None, e)
-        self._undelivered.append(result)
-        with self._queue_lock:
-            defer = self._queued > 0 and result[2] is None
-        if not defer:
-            self._deliver(loop)
-
-    def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Hand the finished steps' results to their futures (training thread; the GIL guards the
-        list: only this thread appends and pops)."""
-        while self._undelivered:
-            fut, res, err = self._undelivered.popleft()
-            loop.call_soon_threadsafe(_settle, fut, res, err)
+    def _train(self, batch: SparseBatch):
+        """On the training thread."""
+        if torch.get_num_threads() != self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        t0 = time.perf_counter()
+        loss, probs = self.model.train_step(batch)
+        return loss, probs, time.perf_counter() - t0
 
     async def _apply(self, p: Prepared, step: asyncio.Future | None, prev: asyncio.Task | None) -> None:
         """Wait for a prepared batch's step (on the training thread) and for the batch before it
@@ -515,14 +476,7 @@ class OnlineTrainer:
         if p.batch is not None:
             if self.first_batch_at is None:
                 self.first_batch_at = time.perf_counter()
-            loop = asyncio.get_running_loop()
-            step = loop.create_future()
-            with self._queue_lock:
-                self._queued += 1
-            done = self._executor.submit(self._train, p.batch, step, loop)
-            # _train settles `step` itself; this only catches _train failing outside its own guard
-            done.add_done_callback(lambda f, step=step, loop=loop: f.exception() is not None and
-                                   loop.call_soon_threadsafe(_settle, step, None, f.exception()))
+            step = asyncio.get_running_loop().run_in_executor(self._executor, self._train, p.batch)
         prev = self._pending[-1][0] if self._pending else None
         self._pending.append((asyncio.create_task(self._apply(p, step, prev)), p.hashes))
 
@@ -587,8 +541,6 @@ class OnlineTrainer:
             epoch = None
         restored = self.restore(epoch)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="trainer-step")
-        running = asyncio.get_running_loop()
-        self.model.before_backward = lambda: self._deliver(running)
         self._producer = producer(s)
         await start_client(self._producer, s)
         # a kill -9'd predecessor stays a group member until its session times out, and the join

@@ -127,16 +127,3 @@ def test_snapshot_round_trip_is_exact(ml, tmp_path):
     np.testing.assert_array_equal(k, saved_keys)
     np.testing.assert_array_equal(v, saved_values)
     assert st["item_id"].config.optimizer is None
-
-
-def test_before_backward_hook_runs_once_per_step_between_forward_and_backward(ml):
-    """The online trainer hands the previous step's result over from this hook (see
-    ``OnlineTrainer._train``): it must run once per step, after the forward pass, before any
-    gradient exists."""
-    m = SparseModel(deepfm_config(dim=4, mlp=[8], recent_items=False))
-    seen = []
-    m.before_backward = lambda: seen.append((m.head.bias.grad, m.timings["lookup"] > 0))
-    for b in list(ml.batches(64, np.arange(128))):
-        m.train_step(b)
-    assert seen == [(None, True), (None, True)]
-    assert m.head.bias.grad is not None

@@ -149,7 +149,6 @@ def apply_updates(kind, hyper, emb, state, urows, ugrads, k, utimes, times, flag
     """
     dim = emb.shape[1]
     width = state.shape[1]
-    lr = hyper[0]
     for u in range(k):
         if u + AHEAD < k:  # the rows' lines are random misses: start them early
             ra = urows[u + AHEAD]
@@ -162,46 +161,71 @@ def apply_updates(kind, hyper, emb, state, urows, ugrads, k, utimes, times, flag
         if utimes[u] > times[r]:
             times[r] = utimes[u]
         mark_changed(r, flags, dirty, meta, track)
-        w = emb[r]
-        g = ugrads[u]
+        # one loop per kind, each passing step_elem a constant kind: its dispatch folds away
         if kind == OPT_SGD:
             for j in range(dim):
-                w[j] = np.float32(w[j] - lr * g[j])
+                emb[r, j] = step_elem(OPT_SGD, hyper, np.float64(emb[r, j]), 0.0, 0.0,
+                                      np.float64(ugrads[u, j]), 1.0, 1.0)[0]
         elif kind == OPT_ADAGRAD:
-            eps = hyper[2]
-            s = state[r]
             for j in range(dim):
-                gj = np.float64(g[j])
-                acc = np.float32(s[j] + gj * gj)
-                s[j] = acc
-                w[j] = np.float32(w[j] - lr * gj / (math.sqrt(np.float64(acc)) + eps))
-        elif kind == OPT_ADAM:
-            b1, b2, eps = hyper[1], hyper[2], hyper[3]
-            s = state[r]
-            step = np.float64(s[2 * dim]) + 1.0
-            s[2 * dim] = step
-            bc1 = 1.0 - b1 ** step
-            bc2 = math.sqrt(1.0 - b2 ** step)
+                w, a, _ = step_elem(OPT_ADAGRAD, hyper, np.float64(emb[r, j]), np.float64(state[r, j]), 0.0,
+                                    np.float64(ugrads[u, j]), 1.0, 1.0)
+                emb[r, j] = w
+                state[r, j] = a
+        elif kind == OPT_ADAM:  # state [m_0..m_dim-1, v_0..v_dim-1, step]
+            step = np.float64(state[r, 2 * dim]) + 1.0
+            state[r, 2 * dim] = step
+            bc1, bc2 = adam_corrections(hyper, step)
             for j in range(dim):
-                gj = np.float64(g[j])
-                m = np.float32(b1 * s[j] + (1.0 - b1) * gj)
-                v = np.float32(b2 * s[dim + j] + (1.0 - b2) * gj * gj)
-                s[j] = m
-                s[dim + j] = v
-                w[j] = np.float32(w[j] - (lr / bc1) * m / (math.sqrt(np.float64(v)) / bc2 + eps))
-        elif kind == OPT_FTRL:
-            beta, l1, l2 = hyper[1], hyper[2], hyper[3]
-            s = state[r]
+                w, a, b = step_elem(OPT_ADAM, hyper, np.float64(emb[r, j]), np.float64(state[r, j]),
+                                    np.float64(state[r, dim + j]), np.float64(ugrads[u, j]), bc1, bc2)
+                emb[r, j] = w
+                state[r, j] = a
+                state[r, dim + j] = b
+        elif kind == OPT_FTRL:  # state [z_0..z_dim-1, n_0..n_dim-1]
             for j in range(dim):
-                gj = np.float64(g[j])
-                n_old = np.float64(s[dim + j])
-                n_new = n_old + gj * gj
-                sigma = (math.sqrt(n_new) - math.sqrt(n_old)) / lr
-                z = np.float64(s[j]) + gj - sigma * np.float64(w[j])
-                s[j] = z
-                s[dim + j] = n_new
-                if abs(z) <= l1:
-                    w[j] = 0.0
-                else:
-                    sign = 1.0 if z > 0 else -1.0
-                    w[j] = np.float32(-(z - sign * l1) / ((beta + math.sqrt(n_new)) / lr + l2))
+                w, a, b = step_elem(OPT_FTRL, hyper, np.float64(emb[r, j]), np.float64(state[r, j]),
+                                    np.float64(state[r, dim + j]), np.float64(ugrads[u, j]), 1.0, 1.0)
+                emb[r, j] = w
+                state[r, j] = a
+                state[r, dim + j] = b
+
+
+@njit
+def step_elem(kind, hyper, w, a, b, g, bc1, bc2):
+    """One optimizer step of one weight: ``(w, a, b)`` after gradient ``g``, all float64.
+
+    ``a``, ``b`` are the weight's state (Adagrad: accumulator; Adam: m, v; FTRL: z, n; unused
+    ones pass through), ``bc1``, ``bc2`` Adam's bias corrections for the row's step. The one
+    place the update formulas live (:func:`apply_updates` and :mod:`ps.sequential` both step through it);
+    scalars only, so the hot loops pay no per-call array overhead. Storing a result into a
+    float32 array rounds it as the formulas intend.
+    """
+    lr = hyper[0]
+    if kind == OPT_SGD:
+        return np.float64(np.float32(w - lr * g)), a, b
+    if kind == OPT_ADAGRAD:
+        acc = np.float32(a + g * g)
+        return np.float64(np.float32(w - lr * g / (math.sqrt(np.float64(acc)) + hyper[2]))), np.float64(acc), b
+    if kind == OPT_ADAM:
+        b1, b2, eps = hyper[1], hyper[2], hyper[3]
+        m = np.float32(b1 * a + (1.0 - b1) * g)
+        v = np.float32(b2 * b + (1.0 - b2) * g * g)
+        return (np.float64(np.float32(w - (lr / bc1) * m / (math.sqrt(np.float64(v)) / bc2 + eps))),
+                np.float64(m), np.float64(v))
+    if kind == OPT_FTRL:
+        beta, l1, l2 = hyper[1], hyper[2], hyper[3]
+        n_new = b + g * g
+        sigma = (math.sqrt(n_new) - math.sqrt(b)) / lr
+        z = a + g - sigma * w
+        if abs(z) <= l1:
+            return 0.0, z, n_new
+        sign = 1.0 if z > 0 else -1.0
+        return np.float64(np.float32(-(z - sign * l1) / ((beta + math.sqrt(n_new)) / lr + l2))), z, n_new
+    return w, a, b
+
+
+@njit
+def adam_corrections(hyper, step):
+    """Adam's bias corrections ``(1 - beta1**step, sqrt(1 - beta2**step))``."""
+    return 1.0 - hyper[1] ** step, math.sqrt(1.0 - hyper[2] ** step)

@@ -9,10 +9,21 @@ M_SIZE, M_HIGH, M_NFREE, M_NDIRTY, M_DHEAD, M_RNG, M_CURSOR, M_WATERMARK = range
 
 
 @njit
-def mark_changed(r, flags, dirty, meta, track):
-    f = flags[r] | SNAP
+def marked(f, track):
+    """``(new flags, whether to queue the row for sync)`` of a row with flags ``f`` that changed.
+
+    Scalars only: per-row kernels call it in their hot loop, where a call taking arrays costs
+    more than a dim-1 update."""
+    f |= SNAP
     if track and not (f & SYNC):
-        f |= SYNC
+        return f | SYNC, True
+    return f, False
+
+
+@njit
+def mark_changed(r, flags, dirty, meta, track):
+    f, queue = marked(flags[r], track)
+    if queue:
         dirty[meta[M_NDIRTY]] = r
         meta[M_NDIRTY] += 1
     flags[r] = f

@@ -1,0 +1,235 @@
+"""Exact per-example updates for sparse linear models (logistic regression) over a packed batch.
+
+Mini-batch SGD gives a weight one step per batch however often the batch holds it; ml-1m users
+rate in bursts, so a batch of 1024 learns much less than 1024 single steps (River's way). Here the
+examples of a batch are taken in order: each is scored with the weights as its predecessors left
+them (the probability is recorded *before* its update: progressive validation), then each of its
+rows is stepped at once with its table's optimizer (:func:`ps.optimizers.step_elem`, the batch
+path's formulas and state) and marked changed for parameter sync, as a batch update marks it.
+
+Per example ``e``: ``logit = offset[e] + sum_slots pool(w[rows])`` (``sum``, or ``mean``: each id
+weighted ``1/len(bag)``), ``p = sigmoid(logit)``, ``g = p - y``; row ``r`` of the example gets
+one step with gradient ``float32(g * sum of its weights in the example)``.
+Absent ids (not admitted) read 0 and are not stepped. ``offset`` holds what the kernel does not
+learn (bias, dense features); the caller updates those from the returned residuals.
+
+>>> from ps import InitializerConfig, ParameterServer, SGDConfig, TableConfig
+>>> server = ParameterServer([TableConfig(name="w", dim=1, optimizer=SGDConfig(lr=0.5),
+...                                       initializer=InitializerConfig(kind="zeros"))])
+>>> pb = server.pack({"w": np.array([7, 7])})      # two examples, both with id 7
+>>> bags = np.array([[0, 1, 2]])                    # segment 0: example 0 -> ids[0:1], 1 -> ids[1:2]
+>>> p, loss, resid = train_linear_sequential(server, pb, bags, np.zeros(1, bool),
+...                                          np.array([1.0, 1.0]), np.zeros(2), event_time=1)
+>>> p.tolist()  # the second example already sees the first one's step: w = 0 + 0.5 * 0.5
+[0.5, 0.562176525592804]
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._jit import njit, prefetch
+from .errors import InvalidInputError, ReadOnlyTableError
+from .group import ParameterServer, PackedBatch
+from .hashmap import GROUP, home, resolve
+from .optimizers import OPT_ADAM, OPT_NONE, adam_corrections, step_elem
+from .rowmarks import M_DHEAD, M_NDIRTY, M_WATERMARK, marked
+from .sharding import shard_index
+
+
+@njit
+def _resolve_rows(ids, seg_off, seg_table, tab_base, tab_nshards, slots_list, shard_of, rows, shard_n):
+    """Shard and row of every id (-1: absent); hash slots prefetched a group ahead."""
+    hs = np.empty(GROUP, np.int64)
+    for s in range(seg_table.size):
+        t = seg_table[s]
+        base = tab_base[t]
+        ns = tab_nshards[t]
+        a = seg_off[s]
+        b = seg_off[s + 1]
+        for i in range(a, b):
+            shard_of[i] = base + shard_index(ids[i], ns) if ns > 1 else base
+            shard_n[shard_of[i]] += 1
+        for sh in range(base, base + ns):  # one typed-list read per shard, not per id
+            slots = slots_list[sh]
+            mask = slots.shape[0] - 1
+            for g in range(a, b, GROUP):
+                e = min(b, g + GROUP)
+                for i in range(g, e):
+                    if shard_of[i] == sh:
+                        h = home(ids[i], mask)
+                        hs[i - g] = h
+                        prefetch(slots, h)
+                for i in range(g, e):
+                    if shard_of[i] == sh:
+                        rows[i] = resolve(slots, mask, ids[i], hs[i - g])
+
+
+@njit
+def sequential_linear_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, offset, t,
+                             tab_base, tab_nshards, tab_kind, tab_hyper, tab_track, slots_list, emb_list,
+                             state_list, times_list, flags_list, dirty_list, meta_list, probs, resid, shard_n):
+    """Learn ``labels.size`` examples in order (see the module docstring); returns the summed log loss.
+
+    ``bags[s]`` are segment ``s``'s per-example offsets (relative to ``seg_off[s]``); every table
+    read has dim 1. ``probs`` and ``resid`` get each example's pre-update probability and ``p - y``.
+    """
+    n = ids.size
+    nseg = seg_table.size
+    shard_of = np.empty(n, np.int64)
+    rows = np.empty(n, np.int64)
+    _resolve_rows(ids, seg_off, seg_table, tab_base, tab_nshards, slots_list, shard_of, rows, shard_n)
+    tab_of_shard = np.empty(len(emb_list), np.int64)
+    for ti in range(tab_base.size):
+        for sh in range(tab_base[ti], tab_base[ti] + tab_nshards[ti]):
+            tab_of_shard[sh] = ti
+    present = np.zeros(tab_base.size, np.bool_)
+    for s in range(nseg):
+        present[seg_table[s]] = True
+    # watermarks and dirty queues move as packed_apply_kernel moves them
+    for ti in range(tab_base.size):
+        if not present[ti]:
+            continue
+        for sh in range(tab_base[ti], tab_base[ti] + tab_nshards[ti]):
+            meta = meta_list[sh]
+            if (shard_n[sh] > 0 or tab_nshards[ti] == 1) and t > meta[M_WATERMARK]:
+                meta[M_WATERMARK] = t
+            dirty = dirty_list[sh]
+            if meta[M_NDIRTY] + shard_n[sh] > dirty.size:
+                # each row is queued at most once, so after compaction the batch's rows fit
+                h0 = meta[M_DHEAD]
+                nd = meta[M_NDIRTY]
+                if h0:
+                    for q in range(nd - h0):
+                        dirty[q] = dirty[h0 + q]
+                    meta[M_DHEAD] = 0
+                    meta[M_NDIRTY] = nd - h0
+    # one example's rows, equal rows summed (first-seen order)
+    ush = np.empty(n, np.int64)
+    urow = np.empty(n, np.int64)
+    uwgt = np.empty(n, np.float64)
+    # typed-list reads cost more than the update itself: hold the current shard's arrays
+    cur = tab_base[seg_table[0]] if nseg else 0
+    emb = emb_list[cur]
+    state = state_list[cur]
+    times = times_list[cur]
+    flags = flags_list[cur]
+    dirty = dirty_list[cur]
+    meta = meta_list[cur]
+    ti = tab_of_shard[cur]
+    kind = tab_kind[ti]
+    hyper = tab_hyper[ti]
+    track = tab_track[ti]
+    loss = 0.0
+    for e in range(labels.size):
+        logit = np.float64(offset[e])
+        k = 0
+        for s in range(nseg):
+            a = seg_off[s] + bags[s, e]
+            b = seg_off[s] + bags[s, e + 1]
+            if b <= a:
+                continue
+            wgt = 1.0 / (b - a) if seg_mean[s] else 1.0
+            for i in range(a, b):
+                r = rows[i]
+                if r < 0:
+                    continue
+                sh = shard_of[i]
+                logit += wgt * np.float64(emb_list[sh][r, 0] if sh != cur else emb[r, 0])
+                q = 0
+                while q < k and (urow[q] != r or ush[q] != sh):
+                    q += 1
+                if q == k:
+                    ush[k] = sh
+                    urow[k] = r
+                    uwgt[k] = wgt
+                    k += 1
+                else:
+                    uwgt[q] += wgt
+        p = 1.0 / (1.0 + math.exp(-logit))
+        y = np.float64(labels[e])
+        probs[e] = p
+        g = p - y
+        resid[e] = g
+        loss += max(logit, 0.0) - logit * y + math.log1p(math.exp(-abs(logit)))
+        for q in range(k):
+            sh = ush[q]
+            r = urow[q]
+            if sh != cur:
+                cur = sh
+                emb = emb_list[sh]
+                state = state_list[sh]
+                times = times_list[sh]
+                flags = flags_list[sh]
+                dirty = dirty_list[sh]
+                meta = meta_list[sh]
+                ti = tab_of_shard[sh]
+                kind = tab_kind[ti]
+                hyper = tab_hyper[ti]
+                track = tab_track[ti]
+            # apply_updates' bookkeeping and step_row for one dim-1 row, written out: a call
+            # taking arrays costs several times this whole update
+            if t > times[r]:
+                times[r] = t
+            f, queue = marked(flags[r], track)
+            if queue:
+                dirty[meta[M_NDIRTY]] = r
+                meta[M_NDIRTY] += 1
+            flags[r] = f
+            width = state.shape[1]
+            bc1 = bc2 = 1.0
+            if kind == OPT_ADAM:
+                step = np.float64(state[r, 2]) + 1.0
+                state[r, 2] = step
+                bc1, bc2 = adam_corrections(hyper, step)
+            sa = np.float64(state[r, 0]) if width > 0 else 0.0
+            sb = np.float64(state[r, 1]) if width > 1 else 0.0
+            w, sa, sb = step_elem(kind, hyper, np.float64(emb[r, 0]), sa, sb,
+                                  np.float64(np.float32(g * uwgt[q])), bc1, bc2)
+            emb[r, 0] = w
+            if width > 0:
+                state[r, 0] = sa
+            if width > 1:
+                state[r, 1] = sb
+    return loss
+
+
+def train_linear_sequential(server: ParameterServer, pb: PackedBatch, bags: np.ndarray, mean: np.ndarray,
+                            labels: np.ndarray, offset: np.ndarray, event_time: int):
+    """Learn a batch of a linear model example by example: ``(probs float32, mean loss, residuals)``.
+
+    Ids are looked up (and inserted through admission) once for the batch by the packed gather;
+    ``bags`` int64 ``[n_segments, B + 1]`` are each packed segment's per-example offsets, ``mean``
+    which segments mean-pool; ``offset`` float64 ``[B]`` is each example's fixed logit part.
+    """
+    if not server._local:
+        raise InvalidInputError("sequential updates need local shards")
+    dims = server._dims[pb.slot_table]
+    if (dims != 1).any():
+        raise InvalidInputError("sequential updates are for dim-1 (linear) tables only")
+    n_ex = int(labels.size)
+    bags = np.ascontiguousarray(bags, np.int64).reshape(len(pb.slots), n_ex + 1)
+    if ((bags[:, -1] != np.diff(pb.offsets)) | (bags[:, 0] != 0)).any() or (np.diff(bags, axis=1) < 0).any():
+        raise InvalidInputError("bags must be per-segment offsets covering each segment's ids")
+    present = np.zeros(len(server.table_names), np.bool_)
+    present[pb.slot_table] = True
+    for ti in np.flatnonzero(present & (server._tab_kind == OPT_NONE)).tolist():
+        raise ReadOnlyTableError(f"table {server.table_names[ti]!r} is a serving replica; it has no optimizer")
+    t = int(event_time)
+    server.gather_packed(pb, insert=True, event_time=t)
+    probs = np.empty(n_ex, np.float32)
+    resid = np.empty(n_ex, np.float64)
+    shard_n = np.zeros(len(server._shards), np.int64)
+    with server._lock_all():
+        slots_list, emb_list = server._lists()
+        loss = sequential_linear_kernel(
+            pb.ids, pb.offsets, pb.slot_table, bags, np.ascontiguousarray(mean, np.bool_),
+            np.ascontiguousarray(labels, np.float64), np.ascontiguousarray(offset, np.float64), t,
+            server._tab_base, server._tab_nshards, server._tab_kind, server._tab_hyper, server._tab_track,
+            slots_list, emb_list, *server._row_lists, probs, resid, shard_n)
+        for ti, sh in server._expiring:
+            if present[ti] and (shard_n[sh] or server._tab_nshards[ti] == 1):
+                server._shards[sh]._expire(None, max(1024, 2 * int(shard_n[sh])))
+    return probs, loss / max(n_ex, 1), resid

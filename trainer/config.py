@@ -11,6 +11,11 @@ fields read from ``dim == 1`` tables. ``kind`` picks the dense head:
 * ``deepfm``: bias + sum(linear) + FM(second order over the fields) + MLP(concat(fields)).
 * ``lr``: bias + sum(linear) (+ dense features): logistic regression / "wide".
 
+``sequential`` (``lr`` without embedding fields only) makes ``train_step`` learn a mini-batch
+example by example (:mod:`ps.sequential`): each example is scored, then its sparse weights are
+stepped before the next example is scored, as River's ``learn_one`` does; bias and dense weights
+still take one step per batch (from the mean residual). Same results as batch 1, at batch speed.
+
 >>> cfg = deepfm_config(); cfg.kind, len(cfg.slots), cfg.mlp
 ('deepfm', 9, [256, 128])
 >>> cfg.slots["recent_items"], cfg.pooling["recent_items"], cfg.salts()[("item_id", "recent_items")]
@@ -58,6 +63,8 @@ class ModelConfig(BaseModel):
     dense_lr: float = Field(1e-3, gt=0)
     label: str = "click"
     seed: int = 0
+    #: kind "lr" only: per-example updates of the sparse weights inside each mini-batch
+    sequential: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -81,6 +88,8 @@ class ModelConfig(BaseModel):
             raise ValueError("deepfm needs at least one embedding slot")
         if not self.slots and not self.linear and not self.dense_features:
             raise ValueError("model reads no input")
+        if self.sequential and (self.kind != "lr" or self.slots):
+            raise ValueError("sequential needs kind 'lr' with first-order (linear) fields only")
         return self
 
     def table(self, name: str) -> TableConfig:
@@ -159,7 +168,7 @@ def deepfm_config(model_id: str = "deepfm", dim: int = 16, mlp: list[int] | None
 
 
 def lr_config(model_id: str = "lr", lr: float = 0.05, slots: tuple[str, ...] = MOVIELENS_SLOTS,
-              recent_items: bool = True) -> ModelConfig:
+              recent_items: bool = True, sequential: bool = False) -> ModelConfig:
     """Logistic regression: all slots share one dim-1 table (ids salted per slot).
 
     ``recent_items`` adds the real-time :data:`RECENT_ITEMS` slot as a mean-pooled first-order
@@ -171,7 +180,8 @@ def lr_config(model_id: str = "lr", lr: float = 0.05, slots: tuple[str, ...] = M
     if recent_items and RECENT_ITEMS not in slots:
         linear[RECENT_ITEMS] = "weights"
         pooling[RECENT_ITEMS] = "mean"
-    return ModelConfig(model_id=model_id, kind="lr", linear=linear, tables=[t], pooling=pooling, mlp=[])
+    return ModelConfig(model_id=model_id, kind="lr", linear=linear, tables=[t], pooling=pooling, mlp=[],
+                       sequential=sequential)
 
 
 def named_config(name: str) -> ModelConfig:

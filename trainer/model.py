@@ -30,6 +30,7 @@ from ps import EmbeddingTable, PackedBatch, ParameterServer
 
 from .batch import SparseBatch
 from .config import ModelConfig
+from .sequential import sequential_train_step
 
 
 _NO_IDS = np.zeros(0, np.int64)
@@ -234,8 +235,11 @@ class SparseModel:
         """One step on ``batch``: returns ``(mean loss, probabilities before the update)``.
 
         The probabilities come from this step's forward pass, i.e. before the batch is learned
-        (progressive validation)."""
+        (progressive validation). A ``sequential`` LR learns the batch example by example
+        (:mod:`trainer.sequential`): each probability is taken before that example is learned."""
         assert self.optimizer is not None, "not a training model"
+        if self.cfg.sequential:
+            return sequential_train_step(self, batch)
         t = batch.max_event_time
         logits, (pb, leaves) = self.forward(batch, insert=True, event_time=t)
         labels = torch.from_numpy(batch.labels)

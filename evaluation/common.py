@@ -75,6 +75,9 @@ class Settings:
     base_lr_batch: int = 32                # driftline LR's mini-batch in the model-matched comparison
     #: driftline LR's speed/quality curve: (mini-batch, Adagrad lr tuned for it)
     base_lr_curve: tuple[tuple[int, float], ...] = ((32, 0.3), (64, 0.3), (128, 0.3), (256, 0.3), (1024, 0.2), (4096, 0.3))
+    #: driftline's sequential LR (ModelConfig.sequential: per-example updates inside each mini-batch)
+    base_lr_seq_batch: int = 1024
+    base_lr_seq_lr: float = 0.3            # its Adagrad lr (tuned)
     tune_base_limit: int = 100_000         # the tuning stream: this many ratings right after the reported one
     hashed_buckets: int = 1 << 13
 
@@ -91,7 +94,8 @@ def smoke() -> Settings:
     return Settings(name="smoke", seeds=(0, 1), workers=1, dim=4, mlp=(16,), batch_size=512,
                     coll_limit=20_000, coll_epochs=2, coll_seeds=None, coll_dim=4, coll_mlp=(16,), online_limit=20_000, stale_shards=10,
                     stale_k=(0, 2), base_limit=6_000, base_batch_size=256, hashed_buckets=1 << 10,
-                    base_lr_batch=64, base_lr_curve=((64, 0.3), (256, 0.3)), tune_base_limit=3_000)
+                    base_lr_batch=64, base_lr_curve=((64, 0.3), (256, 0.3)), base_lr_seq_batch=256,
+                    tune_base_limit=3_000)
 
 
 # ---------------------------------------------------------------------------------------- data

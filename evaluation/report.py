@@ -213,7 +213,8 @@ def _md_tuning(tn: dict, settings: dict) -> list[str]:
         if lb:
             L += ["", f"driftline LR's mini-batch for the model-matched comparison: {lb['rule']}: {lb['chosen']}."]
         L += ["", f"Used in section 4: River SGD lr {settings.get('river_lr')}, driftline LR Adagrad lr "
-              f"{settings.get('base_lr_lr')} at batch {settings.get('base_lr_batch')}, curve "
+              f"{settings.get('base_lr_lr')} at batch {settings.get('base_lr_batch')}, sequential LR Adagrad lr "
+              f"{settings.get('base_lr_seq_lr')} at batch {settings.get('base_lr_seq_batch')}, curve "
               f"{[tuple(x) for x in settings.get('base_lr_curve', [])]}, DeepFM sparse lr {settings.get('base_sparse_lr')}: "
               + ("the lrs chosen above." if b.get("settings_match_choice") else "**not all the lrs chosen above**.")]
     L += [""]
@@ -285,11 +286,15 @@ def _md_baselines(b: dict, plots: bool) -> list[str]:
          "thread per process (two runs at a time). River's feature dicts and driftline's mini-batches are built "
          "outside the timed loop. The "
          "learning rates were tuned on a separate, later stream (*How settings were chosen*). driftline LR and River LR "
-         "see exactly the same features: one weight per `slot=id` of the 8 MovieLens slots, genres weighted 1/len.", "",
+         "see exactly the same features: one weight per `slot=id` of the 8 MovieLens slots, genres weighted 1/len. "
+         "driftline_lr_sequential is that LR with `ModelConfig.sequential`: inside each mini-batch every example is "
+         "scored, then its weights take their Adagrad step before the next example is scored (River's order), in one "
+         "numba pass; only the bias (one global scalar) steps once per batch.", "",
          "| model | batch | AUC (mean ± std) | examples/s | notes |", "|---|---|---|---|---|"]
     notes = {"driftline_online": "DeepFM, collisionless PS tables",
              "driftline_online_throughput": "same DeepFM, throughput mini-batch",
              "driftline_lr": "driftline LR on the PS, River's features",
+             "driftline_lr_sequential": "same LR, sequential per-example updates",
              "hashed_embedding": "same DenseHead, fixed-size hashed table",
              "river": "", "river_fm": ""}
     for m, note in notes.items():
@@ -304,9 +309,14 @@ def _md_baselines(b: dict, plots: bool) -> list[str]:
     if mm:
         r = b["river"]
         L += ["", "**Model-matched comparisons** (the same model on both sides; speedup = driftline examples/s / River's):", "",
-              "| pair | driftline AUC | River AUC | speedup | AUC >= River and >= 5x |", "|---|---|---|---|---|",
-              f"| driftline LR (batch {b['driftline_lr']['batch_size']}) vs River LogisticRegression | {_f(mm['lr']['auc'])} | "
-              f"{_f(mm['lr']['river_auc'])} | {mm['lr']['speedup']:.2f}x | {_ok(mm['lr']['auc_ge_river'] and mm['lr']['speedup'] >= 5)} |",
+              "| pair | driftline AUC | River AUC | speedup | AUC >= River and >= 5x |", "|---|---|---|---|---|"]
+        lr_rows = [("lr", "driftline_lr_sequential", "sequential LR")] if "lr_minibatch" in mm else []
+        lr_rows.append(("lr_minibatch" if "lr_minibatch" in mm else "lr", "driftline_lr", "LR"))
+        for key, model, name in lr_rows:
+            p = mm[key]
+            L.append(f"| driftline {name} (batch {b[model]['batch_size']}) vs River LogisticRegression | {_f(p['auc'])} | "
+                     f"{_f(p['river_auc'])} | {p['speedup']:.2f}x | {_ok(p['auc_ge_river'] and p['speedup'] >= 5)} |")
+        L += [
               f"| driftline DeepFM (batch {b['driftline_online']['batch_size']}) vs River FMClassifier | {_f(mm['fm']['auc'])} | "
               f"{_f(mm['fm']['river_auc'])} | {mm['fm']['speedup']:.1f}x | {_ok(mm['fm']['met'])} |"]
         curve = b.get("driftline_lr_curve") or []
@@ -368,22 +378,35 @@ def _md_targets(r: dict) -> list[str]:
         ch = b["checks"]
         mm = b.get("model_matched")
         if mm:
-            lr, fm = mm["lr"], mm["fm"]
-            fast = lr.get("curve_fastest_at_river_auc")
-            at5 = lr.get("curve_best_auc_at_5x")
+            fm = mm["fm"]
+            mb = mm.get("lr_minibatch", mm["lr"])
+            seq = mm["lr"] if "lr_minibatch" in mm else None
+            fast = mb.get("curve_fastest_at_river_auc")
+            at5 = mb.get("curve_best_auc_at_5x")
+            minibatch = (f"plain mini-batch LR at batch {b['driftline_lr']['batch_size']}: AUC {_f(mb['auc'])} vs "
+                         f"{_f(mb['river_auc'])} at {mb['speedup']:.2f}x"
+                         + (f"; the fastest curve point that reaches River's AUC is batch {fast['batch_size']} at {fast['speedup']:.2f}x" if fast else
+                            "; no curve point reaches River's AUC")
+                         + (f"; at >= 5x (batch {at5['batch_size']}) the AUC is {_f(at5['auc_mean'])}" if at5 else ""))
+            why = ("Larger mini-batches buy speed (a step's fixed cost is shared) but cost the plain LR AUC on this stream: "
+                   "ml-1m users rate in bursts, so within one batch a user's later ratings are scored before the "
+                   "model has learned from the earlier ones, and a row gets one Adagrad step per batch instead of one per "
+                   "example. River updates after every example")
+            if seq:
+                sb = b["driftline_lr_sequential"]["batch_size"]
+                lr_txt = (f"LR vs River LogisticRegression {_ok(seq['met'])}, judged with the sequential LR "
+                          f"(`ModelConfig.sequential`, mini-batches of {sb}): AUC {_f(seq['auc'])} vs {_f(seq['river_auc'])} "
+                          f"at {seq['speedup']:.2f}x River's examples/s. For comparison, the " + minibatch + ". " + why
+                          + "; so does the sequential LR's kernel (per-example steps of the sparse weights inside the batch; "
+                          "only the bias, one global scalar, steps once per batch). The optimizers are each side's tuned "
+                          "choice: SGD for River, Adagrad for driftline.")
+            else:
+                lr_txt = f"LR vs River LogisticRegression {_ok(mb['met'])}: " + minibatch + ". " + why + "."
             L.append("- driftline's online AUC >= River's at >= 5x its examples/s, judged on the **model-matched** pairs "
                      "(the same model on both sides, so the comparison is about the system, not about DeepFM against a linear "
                      "model): "
                      f"DeepFM vs River FMClassifier {_ok(fm['met'])} ({_f(fm['auc'])} vs {_f(fm['river_auc'])}, {fm['speedup']:.1f}x); "
-                     f"LR vs River LogisticRegression {_ok(lr['met'])}: at batch {b['driftline_lr']['batch_size']} AUC "
-                     f"{_f(lr['auc'])} vs {_f(lr['river_auc'])} at {lr['speedup']:.2f}x"
-                     + (f"; the fastest curve point that reaches River's AUC is batch {fast['batch_size']} at {fast['speedup']:.2f}x" if fast else
-                        "; no curve point reaches River's AUC")
-                     + (f"; at >= 5x (batch {at5['batch_size']}) the AUC is {_f(at5['auc_mean'])}" if at5 else "")
-                     + ". Larger mini-batches buy speed (a step's fixed cost is shared) but cost AUC on this stream: "
-                     "ml-1m users rate in bursts, so within one batch a user's later ratings are scored before the "
-                     "model has learned from the earlier ones, and a row gets one Adagrad step per batch instead of one per "
-                     "example. River updates after every example.")
+                     + lr_txt)
         L.append(f"- Cross-model, for reference: driftline DeepFM vs River LR: AUC {_ok(ch['driftline_auc_ge_river'])} "
                  f"({_f(b['driftline_online']['auc_mean'])} vs {_f(b['river']['auc_mean'])}), speed "
                  f"{_ok(ch['driftline_speedup_vs_river'] >= 5)} ({ch['driftline_speedup_vs_river']:.2f}x; at batch "
@@ -408,8 +431,8 @@ def summary_lines(r: dict, sections) -> list[str]:
         keys = {"collisions": ("collisionless", "hashed", "hashed_harsh"),
                 "online": ("batch_only", "N10", "N50", "N100"),
                 "staleness": tuple(f"k{k}" for k in d.get("setup", {}).get("k", [])),
-                "baselines": ("driftline_online", "driftline_online_throughput", "driftline_lr", "hashed_embedding",
-                              "river", "river_fm")}[sec]
+                "baselines": ("driftline_online", "driftline_online_throughput", "driftline_lr", "driftline_lr_sequential",
+                              "hashed_embedding", "river", "river_fm")}[sec]
         for k in keys:
             a = d.get(k, {})
             if sec == "staleness":
@@ -506,7 +529,8 @@ def plot_staleness(s: dict, path: Path) -> None:
 def plot_baselines(b: dict, path: Path) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for m in ("driftline_online", "driftline_online_throughput", "driftline_lr", "hashed_embedding", "river", "river_fm"):
+    for m in ("driftline_online", "driftline_online_throughput", "driftline_lr", "driftline_lr_sequential",
+              "hashed_embedding", "river", "river_fm"):
         a = b.get(m)
         if not a or a.get("auc_mean") is None:
             continue

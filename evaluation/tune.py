@@ -8,8 +8,9 @@
   Only the collisionless arm is tuned: choosing settings by the collisionless - hashed gap would
   select for the effect being measured.
 * **baselines**: on a tuning stream disjoint from the reported one (``tune_base_limit`` ratings
-  after the first ``base_limit``), progressive validation from scratch: River's SGD lr and
-  driftline LR's Adagrad lr per mini-batch size, and driftline DeepFM's sparse lr per batch size;
+  after the first ``base_limit``), progressive validation from scratch: River's SGD lr,
+  driftline LR's Adagrad lr per mini-batch size (and the sequential LR's at its batch), and
+  driftline DeepFM's sparse lr per batch size;
   per (model, batch) the lr with the best AUC is chosen.
 
 ``driftline eval tune`` writes the ``tuning`` section; the ``full()`` settings hold the choices it
@@ -35,6 +36,8 @@ COLL_KEYS = ("coll_sparse_lr", "coll_dense_lr", "coll_dim", "coll_mlp", "coll_in
 RIVER_LRS = (0.01, 0.03, 0.1, 0.3)
 LR_BATCHES = (32, 64, 128, 256, 1024, 4096)
 LR_LRS = (0.1, 0.2, 0.3, 0.5, 1.0)
+#: the sequential LR's Adagrad lr at its batch (spans River's SGD lrs and the mini-batch LR's)
+SEQ_LRS = (0.03, 0.1, 0.2, 0.3, 0.5, 1.0)
 DEEPFM_BATCHES = (64, 1024)
 DEEPFM_LRS = (0.02, 0.05, 0.1, 0.2)
 
@@ -65,6 +68,8 @@ def _base_candidate(s: Settings, what: str, batch: int, lr: float) -> dict:
         r = baselines.run_river(replace(t, river_lr=lr), "lr")
     elif what == "driftline_lr":
         r = baselines.run_driftline(replace(t, base_lr_lr=lr), 0, "lr", batch)
+    elif what == "driftline_lr_sequential":
+        r = baselines.run_driftline(replace(t, base_lr_seq_lr=lr), 0, "lr_sequential", batch)
     else:
         r = baselines.run_driftline(replace(t, base_sparse_lr=lr), 0, "deepfm", batch)
     return {"model": what, "batch_size": batch, "lr": lr, "auc": r["auc"], "ex_per_s": r["ex_per_s"]}
@@ -82,6 +87,8 @@ def run(s: Settings) -> dict:
     df_b, df_l = (DEEPFM_BATCHES, DEEPFM_LRS) if s.name == "full" else ((64,), (0.05,))
     btasks = [(s, "river", 1, lr) for lr in (RIVER_LRS if s.name == "full" else (0.1,))]
     btasks += [(s, "driftline_lr", b, lr) for b in lr_b for lr in lr_l]
+    btasks += [(s, "driftline_lr_sequential", s.base_lr_seq_batch, lr)
+               for lr in (SEQ_LRS if s.name == "full" else (0.1,))]
     btasks += [(s, "driftline_online", b, lr) for b in df_b for lr in df_l]
     coll = pmap(_coll_candidate, tasks, s.workers, "tune collisions")
     base = pmap(_base_candidate, btasks, s.workers, "tune baselines")
@@ -100,7 +107,7 @@ def run(s: Settings) -> dict:
                       "criterion": "progressive-validation AUC on the tuning stream, per (model, batch size)",
                       "candidates": base, "chosen": {}},
     }
-    for m in ("river", "driftline_lr", "driftline_online"):
+    for m in ("river", "driftline_lr", "driftline_lr_sequential", "driftline_online"):
         for b in sorted({r["batch_size"] for r in base if r["model"] == m}):
             out["baselines"]["chosen"][f"{m}@{b}"] = _best([r for r in base if r["model"] == m and r["batch_size"] == b], "auc")
     # driftline LR's batch for the model-matched comparison: the largest (fastest) whose tuned AUC reaches River's
@@ -113,6 +120,7 @@ def run(s: Settings) -> dict:
     ch = {k: v["lr"] for k, v in out["baselines"]["chosen"].items()}
     used = {"river@1": s.river_lr, f"driftline_lr@{s.base_lr_batch}": s.base_lr_lr,
             f"driftline_online@{s.base_batch_size}": s.base_sparse_lr,
+            f"driftline_lr_sequential@{s.base_lr_seq_batch}": s.base_lr_seq_lr,
             **{f"driftline_lr@{b}": lr for b, lr in s.base_lr_curve}}
     out["baselines"]["settings_used"] = used
     out["baselines"]["settings_match_choice"] = (all(ch.get(k) == v for k, v in used.items() if k in ch)

@@ -112,7 +112,8 @@ def test_tuning_never_reads_the_test_split(smoke_out):
 
 def test_model_matched_baselines_are_reported(smoke_out):
     b = json.loads((smoke_out / "results.json").read_text())["baselines"]
-    assert set(b["model_matched"]) == {"lr", "fm"}
+    assert set(b["model_matched"]) == {"lr", "lr_minibatch", "fm"}
+    assert b["driftline_lr_sequential"]["batch_size"] == smoke().base_lr_seq_batch
     assert [c["batch_size"] for c in b["driftline_lr_curve"]] == [bs for bs, _ in smoke().base_lr_curve]
     md = (smoke_out / "results.md").read_text()
     assert "Model-matched comparisons" in md and "How settings were chosen" in md

@@ -50,12 +50,14 @@ import torch
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 
 from proto import Example
+from services import metrics as service_metrics
 from services import tansu_quirks
 from services.codecs import MalformedMessage, codec_for
 from services.kafka import TypedConsumer, create_topics, producer, start_client
 from services.settings import Settings
 
 from . import metrics as M
+from . import loader as loader_mod
 from . import snapshots, wire
 from .batch import SparseBatch
 from .config import ModelConfig
@@ -137,6 +139,23 @@ class _Seek(ConsumerRebalanceListener):
         self.t.ready.set()
 
 
+class _Assign(ConsumerRebalanceListener):
+    """The group member's listener when a loader process fetches (``loader="process"``): the member
+    never fetches (its partitions are paused); every assignment goes to the loader as a new
+    generation, with each partition's start (see :meth:`OnlineTrainer._send_assignment`)."""
+
+    def __init__(self, trainer: "OnlineTrainer"):
+        self.t = trainer
+
+    async def on_partitions_revoked(self, revoked):
+        self.t._new_generation(set())
+
+    async def on_partitions_assigned(self, assigned):
+        self.t.consumer.consumer.pause(*assigned)
+        self.t._new_generation({tp.partition for tp in assigned if tp.topic == self.t.topic})
+        self.t.ready.set()
+
+
 @dataclass
 class Prepared:
     """One polled batch after validation and dedup: what to train on and what to commit."""
@@ -154,7 +173,7 @@ class OnlineTrainer:
                  dense_sync_interval_s: float | None = None, snapshot_interval_event_s: float | None = None,
                  batch_size: int | None = None, batch_timeout_s: float | None = None,
                  dedup_window: int | None = None, snapshot_root: Path | None = None, group_id: str | None = None,
-                 torch_threads: int = 1):
+                 torch_threads: int = 1, loader: str | None = None):
         ts = settings.trainer
         self.settings, self.cfg = settings, cfg
         self.topic = settings.topics.examples
@@ -168,6 +187,16 @@ class OnlineTrainer:
         self.snapshot_root = Path(root) / cfg.model_id
         self.group_id = group_id or ts.group_id
         self.consumer_start_timeout_s = ts.consumer_start_timeout_s
+        #: "process": a loader subprocess fetches (:mod:`trainer.loader`); "inline": this process
+        self.loader = ts.loader if loader is None else loader
+        if self.loader not in ("process", "inline"):
+            raise ValueError(f"loader must be 'process' or 'inline', not {self.loader!r}")
+        self._loader: loader_mod.LoaderClient | None = None
+        self.generation = 0  # of the partitions assigned (loader="process")
+        # partition -> next offset after the records taken into batches this run (loader="process"):
+        # where a partition kept across a rebalance continues
+        self._fetched: dict[int, int] = {}
+        self._assign_task: asyncio.Task | None = None
         # torch intra-op threads of the training thread. 1 by default: the other core decodes and
         # assembles the next batch; 2 torch threads plus the decoding thread oversubscribe two
         # cores, and OpenMP's barriers then wait on descheduled threads (10x slower steps measured).
@@ -363,19 +392,70 @@ class OnlineTrainer:
         produced it), or at ``polled_at_ms`` (the trainer's poll) when the record has none; never
         later than the poll."""
         t0 = time.perf_counter()
+        raws = list(map(_RAW, recs))
+        starts = np.zeros(len(raws) + 1, np.int64)
+        np.cumsum(np.fromiter(map(len, raws), np.int64, len(raws)), out=starts[1:])
+        offsets, stamps = _positions(recs)
+        return await self._prepare(np.frombuffer(b"".join(raws), np.uint8), starts, offsets, stamps,
+                                   recs.__getitem__, polled_at_ms, [], t0)
+
+    async def prepare_shipment(self, sh: loader_mod.Shipment) -> Prepared:
+        """:meth:`prepare` of a batch the loader process shipped (raw bytes + record arrays).
+        Null values are dead-lettered here, as the inline consumer's codec does."""
+        t0 = time.perf_counter()
+        service_metrics.MESSAGES_CONSUMED.labels("trainer", self.topic).inc(sh.size)
+        for part, lag in sh.lag.items():
+            service_metrics.CONSUMER_LAG.labels("trainer", self.topic, str(part)).set(lag)
+        lengths, parts, offs = sh.lengths, sh.partitions, sh.offsets
+        if sh.size and (parts == parts[0]).all():
+            offsets = {int(parts[0]): int(offs.max()) + 1}
+        else:
+            offsets = {int(p): int(offs[parts == p].max()) + 1 for p in np.unique(parts)}
+        for part, off in offsets.items():
+            if off > self._fetched.get(part, -1):
+                self._fetched[part] = off
+        vstarts = np.zeros(sh.size + 1, np.int64)
+        np.cumsum(np.maximum(lengths, 0), out=vstarts[1:])
+        kstarts = np.zeros(sh.size + 1, np.int64)
+        np.cumsum(np.maximum(sh.key_lengths, 0), out=kstarts[1:])
+
+        def record(j: int) -> SimpleNamespace:
+            kl = int(sh.key_lengths[j])
+            raw = None if lengths[j] < 0 else sh.values[vstarts[j]:vstarts[j + 1]]
+            return SimpleNamespace(topic=self.topic, partition=int(parts[j]), offset=int(offs[j]),
+                                   key=None if kl < 0 else sh.keys[kstarts[j]:kstarts[j + 1]], value=raw, raw=raw)
+
+        letters = []
+        stamps = sh.timestamps
+        nulls = lengths < 0
+        if nulls.any():
+            for j in np.flatnonzero(nulls).tolist():
+                letters.append(await self.consumer.dead_letter(
+                    record(j), MalformedMessage("undecodable", "Example value is null")))
+            sel = np.flatnonzero(~nulls)
+            vstarts_sel = np.append(vstarts[sel], vstarts[-1])
+            stamps = stamps[sel]
+            record_at = (lambda i: record(int(sel[i])))
+        else:
+            vstarts_sel = vstarts
+            record_at = record
+        return await self._prepare(np.frombuffer(sh.values, np.uint8), vstarts_sel, offsets, stamps, record_at,
+                                   sh.polled_at_ms, letters, t0)
+
+    async def _prepare(self, buf, starts, offsets, stamps, record_at, polled_at_ms, letters, t0) -> Prepared:
+        """Decode records ``buf[starts[i]:starts[i + 1]]`` (``record_at(i)``: the record, for a dead
+        letter), dedup, assemble; ``offsets``: the next offset per partition of all the records."""
         inflight = (np.concatenate([h for _, h in self._pending]) if len(self._pending) > 1
                     else self._pending[0][1] if self._pending else _NO_HASHES)
-        dec = self.decoder.decode(list(map(_RAW, recs)), self.dedup, inflight)
-        letters = []
+        dec = self.decoder.decode_concat(buf, starts, self.dedup, inflight)
         status = dec.status
-        if dec.size < len(recs):
+        if dec.size < status.size:
             for i in np.flatnonzero((status == wire.UNDECODABLE) | (status == wire.REJECT)).tolist():
-                letters.append(await self._reject_record(recs[i]))
+                letters.append(await self._reject_record(record_at(i)))
             dups = int(np.count_nonzero(status == wire.DUPLICATE))
             if dups:
                 self.duplicates += dups
                 M.DUPLICATES.labels(self.cfg.model_id).inc(dups)
-        offsets, stamps = _positions(recs)
         batch = arrival = None
         if dec.size:
             ids, offs = dec.slot_arrays(self.cfg.all_slots)
@@ -525,6 +605,58 @@ class OnlineTrainer:
             self.applied_offsets.setdefault(part, start)
             self.unknown_start.discard(part)
 
+    # ------------------------------------------------------------------ loader process
+    def _new_generation(self, partitions: set[int]) -> None:
+        """A (re)assignment (an empty set: a revocation): from now on shipments of older
+        generations are dropped, and the loader is told where to fetch the new one's partitions."""
+        self.generation += 1
+        if self._assign_task is not None and not self._assign_task.done():
+            self._assign_task.cancel()
+        self._assign_task = asyncio.create_task(self._send_assignment(self.generation, partitions))
+
+    async def _send_assignment(self, generation: int, partitions: set[int]) -> None:
+        """Each partition's start: after the last record taken into a batch this run (a partition
+        kept across a rebalance continues where it was; what the loader had fetched beyond is
+        dropped with its generation), else the snapshot's offset, else the group's committed
+        offset, else the earliest (None: the loader resolves it and reports it back)."""
+        starts: dict[int, int | None] = {}
+        for part in sorted(partitions):
+            off = self._fetched.get(part, self.resume_offsets.get(part))
+            if off is None:
+                off = await self.consumer.consumer.committed(TopicPartition(self.topic, part))
+            elif part not in self._fetched:
+                log.info("resuming %s[%d] at snapshot offset %d", self.topic, part, off)
+            starts[part] = off
+        if generation == self.generation:
+            self._loader.assign(generation, starts)
+
+    def _loader_started(self, generation: int, positions: dict[int, int]) -> None:
+        """The loader's start positions: a partition's becomes its applied offset if it has none
+        yet, so snapshots name every partition (see :meth:`_note_starts`)."""
+        if generation != self.generation:
+            return
+        for part, off in positions.items():
+            self.applied_offsets.setdefault(part, off)
+
+    async def _next_shipment(self, timeout_s: float) -> loader_mod.Shipment | None:
+        """The loader's next batch of the current generation (None after ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._assign_task is not None and self._assign_task.done():
+                self._assign_task.result()  # a failed committed-offset lookup stops the run
+            msg = await self._loader.get(max(0.0, deadline - time.monotonic()))
+            if msg is None:
+                return None
+            if isinstance(msg, tuple):  # ("started", generation, positions)
+                self._loader_started(msg[1], msg[2])
+            elif msg.generation == self.generation:
+                return msg
+            else:
+                log.info("dropped a batch of %d records fetched for superseded assignment %d (now %d)",
+                         msg.size, msg.generation, self.generation)
+            if time.monotonic() >= deadline:
+                return None
+
     def _update_rate(self, now: float) -> None:
         t, n = self._rate_mark
         if now - t >= 1.0:
@@ -547,12 +679,89 @@ class OnlineTrainer:
         # waits for it: allow the consumer start longer than the default connect timeout.
         cs = s.model_copy(deep=True)
         cs.kafka.connect_timeout_s = max(s.kafka.connect_timeout_s, self.consumer_start_timeout_s)
+        process = self.loader == "process"
         self.consumer = TypedConsumer(cs, "trainer", Example, [self.topic], self.group_id,
                                       dead_letter_producer=self._producer, codec=RawExampleCodec())
-        self.consumer.consumer.subscribe([self.topic], listener=_Seek(self))
-        warm = asyncio.get_running_loop().run_in_executor(self._executor, self._warm_up)
-        await self.consumer.start()
-        await warm
+        self.consumer.consumer.subscribe([self.topic], listener=_Assign(self) if process else _Seek(self))
+        if process:  # spawned before the join: its start-up overlaps the join's wait
+            self._loader = loader_mod.LoaderClient(s, self.topic, self.batch_size, self.batch_timeout_s)
+        try:
+            warm = asyncio.get_running_loop().run_in_executor(self._executor, self._warm_up)
+            await self.consumer.start()
+            await warm
+            return await (self._run_process if process else self._run_inline)(restored, stop_when_idle_s, max_examples)
+        finally:
+            if self._loader is not None:
+                self._loader.close()
+            if self._assign_task is not None and not self._assign_task.done():
+                self._assign_task.cancel()
+
+    async def _run_process(self, restored: bool, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
+        """The main loop when the loader process fetches: each shipment is one batch."""
+        started = time.time()
+        last_sync = last_dense = last_keepalive = time.monotonic()
+        last_data = time.monotonic()
+        if not restored or self.dense_version == 0:
+            await self.sync_dense()
+        queued = self.examples_applied
+        try:
+            while not self.stop_event.is_set():
+                now = time.monotonic()
+                wait = min(0.1, max(0.0, last_sync + self.sync_interval_s - now))
+                t0 = time.perf_counter()
+                sh = await self._next_shipment(wait)
+                self._stage("poll", time.perf_counter() - t0)
+                now = time.monotonic()
+                if sh is not None:
+                    last_data = now
+                    prepared = await self.prepare_shipment(sh)
+                    await self._drain(self.max_in_flight - 1)
+                    self._start(prepared)
+                    queued += prepared.batch.size if prepared.batch is not None else 0
+                    if max_examples is not None and queued >= max_examples:
+                        break
+                if now - last_keepalive >= 1.0:
+                    # the member's partitions are paused, so this fetches nothing; it tells aiokafka
+                    # the consumer is polled (max_poll_interval_ms) and raises its errors
+                    last_keepalive = now
+                    await self.consumer.consumer.getmany(timeout_ms=0)
+                self._update_rate(now)
+                if now - last_sync >= self.sync_interval_s:
+                    last_sync = now
+                    await self._drain()
+                    await self.sync_sparse()
+                if now - last_dense >= self.dense_sync_interval_s:
+                    last_dense = now
+                    await self._drain()
+                    await self.sync_dense()
+                if stop_when_idle_s is not None and now - last_data >= stop_when_idle_s:
+                    break
+            return await self._finish(started)
+        finally:
+            await self._teardown()
+
+    async def _finish(self, started: float) -> dict:
+        await self._drain()
+        await self.sync_sparse()
+        await self.sync_dense()
+        self.snapshot()
+        await self._flush_commits()
+        elapsed = time.time() - started
+        return {"examples_applied": self.examples_applied, "auc": self.auc.value(), "loss": self.loss_ema,
+                "bad": self.consumer.dead_lettered, "duplicates": self.duplicates, "sparse_version": self.sparse_version,
+                "elapsed_s": elapsed, "stages": dict(self.stage, **{f"model_{k}": v for k, v in self.model.timings.items()})}
+
+    async def _teardown(self) -> None:
+        for task, _ in self._pending:  # cancelled mid-batch: let the steps finish, commit nothing more
+            task.cancel()
+        if self._commit_task is not None and not self._commit_task.done():
+            self._commit_task.cancel()
+        await self.consumer.stop()
+        await self._producer.stop()
+        self._executor.shutdown(wait=True)
+
+    async def _run_inline(self, restored: bool, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
+        """The main loop when this process' consumer fetches (``loader="inline"``)."""
         started = time.time()
         last_sync = last_dense = time.monotonic()
         last_data = time.monotonic()
@@ -605,20 +814,6 @@ class OnlineTrainer:
                 prepared = await self.prepare(buf, polled_at_ms)
                 await self._drain()
                 self._start(prepared)
-            await self._drain()
-            await self.sync_sparse()
-            await self.sync_dense()
-            self.snapshot()
-            await self._flush_commits()
+            return await self._finish(started)
         finally:
-            for task, _ in self._pending:  # cancelled mid-batch: let the steps finish, commit nothing more
-                task.cancel()
-            if self._commit_task is not None and not self._commit_task.done():
-                self._commit_task.cancel()
-            await self.consumer.stop()
-            await self._producer.stop()
-            self._executor.shutdown(wait=True)
-        elapsed = time.time() - started
-        return {"examples_applied": self.examples_applied, "auc": self.auc.value(), "loss": self.loss_ema,
-                "bad": self.consumer.dead_lettered, "duplicates": self.duplicates, "sparse_version": self.sparse_version,
-                "elapsed_s": elapsed, "stages": dict(self.stage, **{f"model_{k}": v for k, v in self.model.timings.items()})}
+            await self._teardown()

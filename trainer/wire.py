@@ -788,9 +788,15 @@ class ExampleDecoder:
     def decode(self, raws: list[bytes], window: DedupWindow | None = None,
                inflight: np.ndarray | None = None) -> "DecodedBatch":
         n = len(raws)
-        buf = np.frombuffer(b"".join(raws), np.uint8)
         starts = np.zeros(n + 1, np.int64)
         np.cumsum(np.fromiter(map(len, raws), np.int64, n), out=starts[1:])
+        return self.decode_concat(np.frombuffer(b"".join(raws), np.uint8), starts, window, inflight)
+
+    def decode_concat(self, buf: np.ndarray, starts: np.ndarray, window: DedupWindow | None = None,
+                      inflight: np.ndarray | None = None) -> "DecodedBatch":
+        """:meth:`decode` of records already concatenated: record ``i`` is ``buf[starts[i]:starts[i + 1]]``
+        (``buf`` uint8, ``starts`` int64 ``[n + 1]``)."""
+        n = starts.size - 1
         S, D = len(self.slots), len(self.dense_features)
         status = np.empty(n, np.int8)
         labels = np.empty(n, np.float32)

@@ -548,6 +548,8 @@ def plot_baselines(b: dict, path: Path) -> None:
             ax.axvline(5 * r["ex_per_s"], color="r", ls=":", lw=1, label="5x River LR")
         ax.legend(fontsize=8, loc="lower left")
     ax.set_xscale("log")
+    lo, hi = ax.get_xlim()
+    ax.set_xlim(lo, hi * 3)  # room for the rightmost point's label
     ax.set_xlabel("examples/s (score + learn, 1 thread)")
     ax.set_ylabel("progressive-validation AUC")
     ax.set_title("Same stream, from scratch: quality vs throughput")

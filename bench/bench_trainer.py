@@ -12,7 +12,9 @@
   Done with 2 torch threads (both cores) and with 1.
 * decode: Example bytes -> validated, deduplicated ``SparseBatch`` (what the online path pays per
   batch: ``trainer.wire``), next to the protobuf-object path it replaced.
-* online: the same model trained from a real (embedded tansu) broker, compared with batch.
+* online: the same model trained from a real (embedded tansu) broker, compared with batch. The
+  examples are fetched by the trainer's loader process (``TrainerSettings.loader``; run with
+  ``DRIFTLINE_TRAINER__LOADER=inline`` for the trainer's own consumer); ``loader`` in the JSON.
 * freshness: live examples (event time = now, stamped as each is produced) -> their sparse delta
   published (``OnlineTrainer.event_delays``: event time to publish, which here is the issue's
   "action as produced -> delta published"; ``sync_delay_seconds`` counts from arrival), sync every 1 s,
@@ -210,6 +212,7 @@ async def bench_online(data, cfg, bootstrap):
     d = np.array(tr2.event_delays)  # event time (= when produced) -> delta published
     fresh = {"p50": float(np.percentile(d, 50)), "p95": float(np.percentile(d, 95)), "max": float(d.max()),
              "n": int(d.size)} if d.size else {"p50": float("nan"), "p95": float("nan"), "max": float("nan"), "n": 0}
+    res["loader"] = tr.loader
     return online_rate, res, fresh, join_s
 
 
@@ -254,6 +257,7 @@ def main():
         "batch_vs_dense_ratio_1thread": round(out[1][2], 3),
         "decode_ex_per_s": round(decode_rate), "decode_protobuf_ex_per_s": round(decode_pb_rate),
         "online_ex_per_s": round(online_rate), "online_vs_batch_ratio": round(online_rate / batch_rate, 3),
+        "loader": res["loader"],
         "freshness_p50_s": round(fresh["p50"], 3), "freshness_p95_s": round(fresh["p95"], 3),
         "freshness_max_s": round(fresh["max"], 3), "group_join_s": round(join_s, 2),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "quick": QUICK, "wall_s": round(time.time() - t_start, 1)}))

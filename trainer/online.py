@@ -1,5 +1,10 @@
 """Online training from the ``examples`` topic (Monolith's streaming trainer).
 
+Fetching: by default a loader subprocess (:mod:`trainer.loader`, ``TrainerSettings.loader``)
+fetches the records and ships each batch's raw bytes; this process keeps the consumer group member
+(membership, the rebalance listener, commits; its partitions paused, it never fetches) and drops
+batches of a superseded assignment (generation). ``loader="inline"``: this process' consumer fetches.
+
 Loop: poll -> decode + validate (bad -> dead letters, with the record's original bytes) -> dedup by
 example_id (bounded window) -> assemble the batch -> score it with the current model and update the
 streaming AUC (progressive validation) -> train on it -> commit its offsets. Training runs on one

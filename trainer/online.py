@@ -237,6 +237,7 @@ class OnlineTrainer:
         self.keep_last_sync_copy = False
         self.first_batch_at: float | None = None
         self.last_batch_at: float | None = None
+        self._last_sync = self._last_dense = 0.0  # monotonic times of the last sparse / dense sync
         # batches handed to the training thread, oldest first: (task following it, its id hashes)
         self._pending: deque[tuple[asyncio.Task, np.ndarray]] = deque()
         self._commit_task: asyncio.Task | None = None
@@ -662,6 +663,18 @@ class OnlineTrainer:
             if time.monotonic() >= deadline:
                 return None
 
+    async def _sync_when_due(self, now: float) -> None:
+        """Publish sparse rows every ``sync_interval_s`` and dense weights every ``dense_sync_interval_s``,
+        each after the batches in flight are applied (a sync holds only applied updates)."""
+        if now - self._last_sync >= self.sync_interval_s:
+            self._last_sync = now
+            await self._drain()
+            await self.sync_sparse()
+        if now - self._last_dense >= self.dense_sync_interval_s:
+            self._last_dense = now
+            await self._drain()
+            await self.sync_dense()
+
     def _update_rate(self, now: float) -> None:
         t, n = self._rate_mark
         if now - t >= 1.0:
@@ -704,7 +717,7 @@ class OnlineTrainer:
     async def _run_process(self, restored: bool, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
         """The main loop when the loader process fetches: each shipment is one batch."""
         started = time.time()
-        last_sync = last_dense = last_keepalive = time.monotonic()
+        self._last_sync = self._last_dense = last_keepalive = time.monotonic()
         last_data = time.monotonic()
         if not restored or self.dense_version == 0:
             await self.sync_dense()
@@ -712,7 +725,7 @@ class OnlineTrainer:
         try:
             while not self.stop_event.is_set():
                 now = time.monotonic()
-                wait = min(0.1, max(0.0, last_sync + self.sync_interval_s - now))
+                wait = min(0.1, max(0.0, self._last_sync + self.sync_interval_s - now))
                 t0 = time.perf_counter()
                 sh = await self._next_shipment(wait)
                 self._stage("poll", time.perf_counter() - t0)
@@ -731,14 +744,7 @@ class OnlineTrainer:
                     last_keepalive = now
                     await self.consumer.consumer.getmany(timeout_ms=0)
                 self._update_rate(now)
-                if now - last_sync >= self.sync_interval_s:
-                    last_sync = now
-                    await self._drain()
-                    await self.sync_sparse()
-                if now - last_dense >= self.dense_sync_interval_s:
-                    last_dense = now
-                    await self._drain()
-                    await self.sync_dense()
+                await self._sync_when_due(now)
                 if stop_when_idle_s is not None and now - last_data >= stop_when_idle_s:
                     break
             return await self._finish(started)
@@ -768,7 +774,7 @@ class OnlineTrainer:
     async def _run_inline(self, restored: bool, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
         """The main loop when this process' consumer fetches (``loader="inline"``)."""
         started = time.time()
-        last_sync = last_dense = time.monotonic()
+        self._last_sync = self._last_dense = time.monotonic()
         last_data = time.monotonic()
         if not restored or self.dense_version == 0:
             await self.sync_dense()
@@ -780,7 +786,7 @@ class OnlineTrainer:
             while not self.stop_event.is_set():
                 now = time.monotonic()
                 # wake up in time for the batch timeout and the next sync, not just every 100 ms
-                wait = min(0.1, max(0.0, last_sync + self.sync_interval_s - now))
+                wait = min(0.1, max(0.0, self._last_sync + self.sync_interval_s - now))
                 if buf:
                     wait = min(wait, max(0.0, first_at + self.batch_timeout_s - now))
                 t0 = time.perf_counter()
@@ -805,14 +811,7 @@ class OnlineTrainer:
                         break
                 now = time.monotonic()
                 self._update_rate(now)
-                if now - last_sync >= self.sync_interval_s:
-                    last_sync = now
-                    await self._drain()
-                    await self.sync_sparse()
-                if now - last_dense >= self.dense_sync_interval_s:
-                    last_dense = now
-                    await self._drain()
-                    await self.sync_dense()
+                await self._sync_when_due(now)
                 if stop_when_idle_s is not None and not buf and now - last_data >= stop_when_idle_s:
                     break
             if buf:

@@ -35,7 +35,7 @@ from .config import TableConfig
 from .errors import InvalidGradientError, InvalidInputError, NonFiniteGradientError, ReadOnlyTableError, UnknownTableError
 from .hashmap import GROUP, home, resolve
 from .optimizers import DEDUPE_GROUP, OPT_NONE, apply_updates, dedupe_capacity
-from .rowmarks import M_DHEAD, M_NDIRTY, M_WATERMARK
+from .rowmarks import M_WATERMARK, reserve_dirty
 from .shard import TableShard
 from .sharding import shard_index
 from .table import EmbeddingTable
@@ -210,15 +210,7 @@ def packed_apply_kernel(ids, seg_off, seg_table, grads, grad_off, tarr, tab_base
                     rows[q] = resolve(slots, mask, ids[pos[q]], hs[q - b])
             k, urows, ugrads, utimes = packed_dedupe(rows, pos, gst, m, dim, grads, tarr)
             dirty = dirty_list[sh]
-            if meta[M_NDIRTY] + k > dirty.size:
-                # TableShard._compact_dirty: each row is queued at most once, so it then fits
-                h0 = meta[M_DHEAD]
-                nd = meta[M_NDIRTY]
-                if h0:
-                    for q in range(nd - h0):
-                        dirty[q] = dirty[h0 + q]
-                    meta[M_DHEAD] = 0
-                    meta[M_NDIRTY] = nd - h0
+            reserve_dirty(dirty, meta, k)
             apply_updates(tab_kind[t], tab_hyper[t], emb_list[sh], state_list[sh], urows, ugrads, k,
                           utimes, times_list[sh], flags_list[sh], dirty, meta, tab_track[t])
             shard_k[sh] = k

@@ -29,3 +29,18 @@ def mark_changed(r, flags, dirty, meta, track):
     flags[r] = f
 
 
+
+
+@njit
+def reserve_dirty(dirty, meta, pushes):
+    """Make room for ``pushes`` appends to a shard's dirty list by dropping its drained head.
+
+    Each row is queued at most once, so after compaction a batch's rows always fit."""
+    if meta[M_NDIRTY] + pushes > dirty.size:
+        h0 = meta[M_DHEAD]
+        nd = meta[M_NDIRTY]
+        if h0:
+            for q in range(nd - h0):
+                dirty[q] = dirty[h0 + q]
+            meta[M_DHEAD] = 0
+            meta[M_NDIRTY] = nd - h0

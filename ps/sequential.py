@@ -35,7 +35,7 @@ from .errors import InvalidInputError, ReadOnlyTableError
 from .group import ParameterServer, PackedBatch
 from .hashmap import GROUP, home, resolve
 from .optimizers import OPT_ADAM, OPT_NONE, adam_corrections, step_elem
-from .rowmarks import M_DHEAD, M_NDIRTY, M_WATERMARK, marked
+from .rowmarks import M_NDIRTY, M_WATERMARK, marked, reserve_dirty
 from .sharding import shard_index
 
 
@@ -96,16 +96,7 @@ def sequential_linear_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, of
             meta = meta_list[sh]
             if (shard_n[sh] > 0 or tab_nshards[ti] == 1) and t > meta[M_WATERMARK]:
                 meta[M_WATERMARK] = t
-            dirty = dirty_list[sh]
-            if meta[M_NDIRTY] + shard_n[sh] > dirty.size:
-                # each row is queued at most once, so after compaction the batch's rows fit
-                h0 = meta[M_DHEAD]
-                nd = meta[M_NDIRTY]
-                if h0:
-                    for q in range(nd - h0):
-                        dirty[q] = dirty[h0 + q]
-                    meta[M_DHEAD] = 0
-                    meta[M_NDIRTY] = nd - h0
+            reserve_dirty(dirty_list[sh], meta, shard_n[sh])
     # one example's rows, equal rows summed (first-seen order)
     ush = np.empty(n, np.int64)
     urow = np.empty(n, np.int64)

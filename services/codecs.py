@@ -35,7 +35,8 @@ M = TypeVar("M", bound=Message)
 
 
 class MalformedMessage(ValueError):
-    """A message that cannot be used. ``kind`` is ``undecodable`` or ``invalid``."""
+    """A message that cannot be used. ``kind`` is ``undecodable``, ``invalid`` or (decoded, but
+    processing it failed) ``failed``."""
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
@@ -54,6 +55,36 @@ def _check_features(features: Features, where: str) -> None:
     for name in features.sparse:
         if not name:
             raise _invalid(f"{where}.sparse has an empty slot name")
+
+
+def processing_failed(err: BaseException) -> MalformedMessage:
+    """The dead-letter reason for a record that decoded but failed later (kind ``failed``), so
+    a consumer moves past it instead of crash-looping on it.
+
+    >>> str(processing_failed(ValueError("year 292278994 is out of range")))
+    'failed: ValueError: year 292278994 is out of range'
+    """
+    return MalformedMessage("failed", f"{type(err).__name__}: {err}"[:500])
+
+
+def event_time_error(event_time_ms: int, now_ms: int, max_past_s: float, max_future_s: float) -> str | None:
+    """Why an event time is refused at an edge (outside ``[now - past, now + future]``), or None.
+
+    >>> now = 1_700_000_000_000
+    >>> event_time_error(now - 1000, now, 86400, 300) is None
+    True
+    >>> event_time_error(2**63 - 1, now, 86400, 300)
+    'event_time_ms 9223372036854775807 is 9223370336854776.000 s ahead of the clock (at most 300 s allowed: event_time.max_future_s)'
+    >>> event_time_error(0, now, 86400, 300)
+    'event_time_ms 0 is 1700000000.000 s behind the clock (at most 86400 s allowed: event_time.max_past_s)'
+    """
+    if event_time_ms > now_ms + max_future_s * 1000:
+        return (f"event_time_ms {event_time_ms} is {(event_time_ms - now_ms) / 1000:.3f} s ahead of the "
+                f"clock (at most {max_future_s:g} s allowed: event_time.max_future_s)")
+    if event_time_ms < now_ms - max_past_s * 1000:
+        return (f"event_time_ms {event_time_ms} is {(now_ms - event_time_ms) / 1000:.3f} s behind the "
+                f"clock (at most {max_past_s:g} s allowed: event_time.max_past_s)")
+    return None
 
 
 def validate_feature_log(m: FeatureLog) -> None:

@@ -33,6 +33,17 @@ COMMIT_SECONDS = Histogram(
     "Time to commit consumer offsets.",
     ["service"],
 )
+BROKER_RESETS = Counter(
+    "driftline_broker_resets_total",
+    "Resets of the broker's data (a new broker epoch) noticed by a running service.",
+    ["service"],
+)
+BROKER_RESET_LOST = Counter(
+    "driftline_broker_reset_lost_total",
+    "Records that lived only in the broker when its data was reset (not yet consumed by this "
+    "service, by the consumer's last known high watermark), by service and topic.",
+    ["service", "topic"],
+)
 SERVICE_UP = Gauge("driftline_service_up", "1 while the service runs.", ["service"])
 
 

@@ -62,6 +62,20 @@ class KafkaClientSettings(BaseModel):
     connect_timeout_s: float = 10.0
 
 
+class EventTimeSettings(BaseModel):
+    """Which event times the edges accept (``/rank``, ``/actions``, the producers, the replay).
+
+    An event time outside ``[now - max_past_s, now + max_future_s]`` (wall clock) is refused with
+    a 4xx or dead-lettered: one far-future timestamp would otherwise move the joiner's watermarks.
+    Replays of old data raise ``max_past_s`` (``driftline up`` does for its demo data).
+    """
+
+    # A week: actions may follow their impression by days; older is a replay (raise it) or a bug.
+    max_past_s: float = 7 * 86_400.0
+    # Clock skew between a client and us.
+    max_future_s: float = 300.0
+
+
 class EmbeddedSettings(BaseModel):
     """The local stack that ``make up`` starts when no external Kafka or Redis is configured."""
 
@@ -214,6 +228,7 @@ class Settings(BaseSettings):
     kafka: KafkaClientSettings = KafkaClientSettings()
     topics: TopicSettings = TopicSettings()
     embedded: EmbeddedSettings = EmbeddedSettings()
+    event_time: EventTimeSettings = EventTimeSettings()
     replay: ReplaySettings = ReplaySettings()
     joiner: JoinerSettings = JoinerSettings()
     trainer: TrainerSettings = TrainerSettings()

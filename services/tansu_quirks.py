@@ -17,6 +17,10 @@ Each workaround is also correct on Apache Kafka, so the same code runs against b
    epoch id into a marker topic when the stack starts; a service that keeps state across broker
    restarts compares it with the one stored beside its state (:func:`state_matches_broker`) and
    discards stale state with a clear log line instead of crashing on offsets that no longer exist.
+   A *running* consumer notices a reset with :class:`EpochWatch` (the topics are recreated under
+   it, and offsets it held may be valid again on the new, shorter logs: nothing else tells).
+   What a reset means for each service's state (kept: it lives outside the broker) and what it
+   still loses (records that lived only in the broker) is in ``docs/broker-reset.md``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.consumer import group_coordinator
+from aiokafka.errors import KafkaError
 
+from services import metrics
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -168,3 +174,77 @@ def state_matches_broker(state_dir: Path, epoch: str | None) -> bool:
         )
         return False
     return True
+
+
+class EpochWatch:
+    """Tells a running consumer that the broker's data was reset under it (quirk 5).
+
+    :meth:`check` reads the epoch record over a connection kept open (one Fetch, about a
+    millisecond on a local broker), so a service can afford it before every commit: that is the
+    point after which records read at stale offsets would count as done. A broker with no epoch
+    (it has just restarted with empty memory storage) is given a new one first, so every service
+    that checks agrees on it. On a change :meth:`check` returns the new epoch, counts it in
+    ``driftline_broker_resets_total`` and logs it; the caller then re-reads its input from the
+    beginning of the new topics and keeps the state it holds outside the broker.
+    """
+
+    def __init__(self, settings: Settings, service: str, epoch: str | None = None) -> None:
+        self.settings = settings
+        self.service = service
+        self.epoch = epoch
+        self._consumer: AIOKafkaConsumer | None = None
+        self._tp = TopicPartition(EPOCH_TOPIC, 0)
+
+    async def start(self) -> str:
+        """Open the watch; return the broker's epoch (written first if it has none)."""
+        if self.epoch is None:
+            self.epoch = await ensure_broker_epoch(self.settings)
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.settings.bootstrap_servers, enable_auto_commit=False, group_id=None
+        )
+        await self._consumer.start()
+        return self.epoch
+
+    async def stop(self) -> None:
+        if self._consumer is not None:
+            consumer, self._consumer = self._consumer, None
+            await consumer.stop()
+
+    async def _read_fast(self) -> str | None:
+        c = self._consumer
+        if c is None:
+            return None
+        if c.assignment() != {self._tp}:
+            if not c.partitions_for_topic(EPOCH_TOPIC):
+                return None
+            c.assign([self._tp])
+        c.seek(self._tp, 0)
+        batch = await c.getmany(self._tp, timeout_ms=500, max_records=1)
+        records = batch.get(self._tp, [])
+        return records[0].value.decode() if records else None
+
+    async def check(self) -> str | None:
+        """The new epoch if the broker's data was reset since the last check, else None.
+
+        None also when the broker cannot be asked right now (it is down): the caller's own Kafka
+        calls fail then, and the next check, once the broker is back, sees the reset.
+        """
+        try:
+            current = await self._read_fast()
+            if current is None:
+                # The topic is new or gone (a restarted broker): the slow path writes an epoch.
+                current = await asyncio.wait_for(
+                    ensure_broker_epoch(self.settings), self.settings.kafka.connect_timeout_s
+                )
+        except (KafkaError, OSError, asyncio.TimeoutError) as err:
+            log.debug("epoch check failed (%r); the broker is unreachable", err)
+            return None
+        if current == self.epoch:
+            return None
+        log.warning(
+            "%s: the broker's data was reset (epoch %s -> %s): re-reading the new topics from "
+            "their start; state outside the broker is kept", self.service, self.epoch, current,
+        )
+        self.epoch = current
+        metrics.BROKER_RESETS.labels(self.service).inc()
+        return current

@@ -10,6 +10,11 @@ order among themselves, as real client logs do.
 Both topics are keyed by request id: with equal partition counts, a request's features and
 actions land on the same partition number, which lets the joiner scale by partitions.
 
+Event times are checked at this edge like at serving's (``settings.event_time``): an event outside
+``[now - max_past_s, now + max_future_s]`` goes to ``dead-letters`` with the reason instead of the
+topics. The data is years old by design, so the replay widens the past bound to the data's age
+(:func:`replay_event_time_bounds`) unless ``DRIFTLINE_EVENT_TIME__MAX_PAST_S`` sets it.
+
 The whole plan is computed with numpy (a few arrays of the dataset's length), and messages are
 encoded lazily while producing, so memory stays bounded by the dataset's arrays, not by messages.
 """
@@ -17,6 +22,7 @@ encoded lazily while producing, so memory stays bounded by the dataset's arrays,
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,8 +33,9 @@ from tqdm import tqdm
 
 from producers.movielens import load
 from producers.movielens_features import MovieLensFeatures
-from proto import Action, FeatureLog, ModelVersion
+from proto import Action, DeadLetter, FeatureLog, ModelVersion
 from services import metrics
+from services.codecs import event_time_error
 from services.kafka import create_topics, producer, start_client
 from services.settings import ReplaySettings, Settings
 
@@ -114,6 +121,44 @@ def make_plan(
     )
 
 
+PAST_BOUND_VAR = "DRIFTLINE_EVENT_TIME__MAX_PAST_S"
+
+
+def replay_event_time_bounds(settings: Settings, oldest_ms: int, now_ms: int) -> tuple[float, float]:
+    """``(max_past_s, max_future_s)`` for replaying data whose oldest event is at ``oldest_ms``:
+    the past bound grows to the data's age plus a day, unless the environment set it.
+
+    >>> s = Settings()
+    >>> replay_event_time_bounds(s, oldest_ms=0, now_ms=10 * 86_400_000)
+    (950400.0, 300.0)
+    """
+    past = settings.event_time.max_past_s
+    if PAST_BOUND_VAR not in os.environ:
+        past = max(past, (now_ms - oldest_ms) / 1000 + 86_400)
+    return past, settings.event_time.max_future_s
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Events of a plan refused at the edge, as masks over its requests and its actions."""
+
+    requests: np.ndarray
+    actions: np.ndarray
+
+    @classmethod
+    def check(cls, plan: ReplayPlan, now_ms: int, max_past_s: float, max_future_s: float) -> Refused:
+        lo, hi = now_ms - max_past_s * 1000, now_ms + max_future_s * 1000
+        requests = (plan.request_time_ms < lo) | (plan.request_time_ms > hi)
+        # An action of a refused request has nothing to join: refused with it.
+        actions = (plan.action_time_ms < lo) | (plan.action_time_ms > hi) | requests[plan.action_request]
+        return cls(requests, actions)
+
+
+def _dead_letter(topic: str, key: bytes, value: bytes, reason: str) -> bytes:
+    return DeadLetter(source_topic=topic, partition=-1, offset=-1, key=key, value=value, reason=reason,
+                      consumer="replay", rejected_at_ms=int(time.time() * 1000)).SerializeToString()
+
+
 def load_plan(dataset: str, data_dir: Path, config: ReplaySettings, limit: int | None = None) -> tuple[ReplayPlan, MovieLensFeatures]:
     ratings, users, items = load(dataset, data_dir)
     if limit is not None:
@@ -129,10 +174,15 @@ def load_plan(dataset: str, data_dir: Path, config: ReplaySettings, limit: int |
 
 
 def encode_messages(
-    plan: ReplayPlan, features: MovieLensFeatures, topics: tuple[str, str]
+    plan: ReplayPlan, features: MovieLensFeatures, topics: tuple[str, str],
+    refused: Refused | None = None, dead_letters: str = "dead-letters", now_ms: int = 0,
+    bounds: tuple[float, float] = (0.0, 0.0),
 ) -> Iterator[tuple[str, bytes, bytes, int]]:
-    """Yield ``(topic, key, value, emit_time_ms)`` in emission order."""
+    """Yield ``(topic, key, value, emit_time_ms)`` in emission order; a ``refused`` event is
+    yielded on ``dead_letters`` as a DeadLetter with its reason."""
     features_topic, actions_topic = topics
+    bad_requests = refused.requests if refused is not None else None
+    bad_actions = refused.actions if refused is not None else None
     version = FeatureLog(model_version=ModelVersion(model_id=REPLAY_MODEL_ID)).SerializeToString()
     n_requests = plan.n_requests
     starts = plan.request_start
@@ -146,6 +196,10 @@ def encode_messages(
             # Protobuf merges concatenated fields: pre-encoded context and candidates just append.
             parts = [head, version, features.context_field_bytes(user)]
             parts += [features.candidate_field_bytes(i) for i in plan.item_id[starts[v] : starts[v + 1]].tolist()]
+            if bad_requests is not None and bad_requests[v]:
+                reason = f"invalid: {event_time_error(t, now_ms, *bounds)}"
+                yield dead_letters, rid.encode(), _dead_letter(features_topic, rid.encode(), b"".join(parts), reason), emit
+                continue
             yield features_topic, rid.encode(), b"".join(parts), emit
         else:
             a = v - n_requests
@@ -159,6 +213,11 @@ def encode_messages(
                 event_time_ms=int(plan.action_time_ms[a]),
                 user_id=user,
             )
+            if bad_actions is not None and bad_actions[a]:
+                why = event_time_error(action.event_time_ms, now_ms, *bounds) or "its request was refused"
+                yield dead_letters, rid.encode(), _dead_letter(actions_topic, rid.encode(),
+                                                               action.SerializeToString(), f"invalid: {why}"), emit
+                continue
             yield actions_topic, rid.encode(), action.SerializeToString(), emit
 
 
@@ -185,17 +244,23 @@ async def replay(
     speed = config.speed if speed is None else speed
     limit = config.limit if limit is None else limit
     plan, features = load_plan(dataset, settings.data_dir, config, limit)
+    now_ms = int(time.time() * 1000)
+    oldest = int(min(plan.request_time_ms.min(initial=now_ms), plan.action_time_ms.min(initial=now_ms)))
+    bounds = replay_event_time_bounds(settings, oldest, now_ms)
+    refused = Refused.check(plan, now_ms, *bounds)
     await create_topics(settings)
     p = producer(settings)
     await start_client(p, settings)
     topics = (settings.topics.features, settings.topics.actions)
-    produced = {topics[0]: 0, topics[1]: 0}
+    dead_letters = settings.topics.dead_letters
+    produced = {topics[0]: 0, topics[1]: 0, dead_letters: 0}
     pending: list[asyncio.Future] = []
     started = time.perf_counter()
     first_emit = int(plan.emit_time_ms[0]) if plan.n_messages else 0
     bar = tqdm(total=plan.n_messages, unit="msg", disable=not progress, smoothing=0.05, mininterval=0.5)
     try:
-        for n, (topic, key, value, emit) in enumerate(encode_messages(plan, features, topics)):
+        messages = encode_messages(plan, features, topics, refused, dead_letters, now_ms, bounds)
+        for n, (topic, key, value, emit) in enumerate(messages):
             if speed > 0 and n % 64 == 0:
                 ahead = (emit - first_emit) / 1000.0 / speed - (time.perf_counter() - started)
                 if ahead > 0:
@@ -216,12 +281,16 @@ async def replay(
     seconds = time.perf_counter() - started
     for topic, count in produced.items():
         metrics.MESSAGES_PRODUCED.labels("replay", topic).inc(count)
-    total = sum(produced.values())
+    if produced[dead_letters]:
+        metrics.DEAD_LETTERS.labels("replay", topics[0], "invalid").inc(int(refused.requests.sum()))
+        metrics.DEAD_LETTERS.labels("replay", topics[1], "invalid").inc(int(refused.actions.sum()))
+    total = produced[topics[0]] + produced[topics[1]]
     return {
         "requests": plan.n_requests,
         "impressions": int(plan.request_start[-1]),
         "feature_logs": produced[topics[0]],
         "actions": produced[topics[1]],
+        "refused": produced[dead_letters],
         "messages": total,
         "seconds": round(seconds, 3),
         "messages_per_s": round(total / seconds, 1) if seconds else 0.0,

@@ -16,6 +16,7 @@ import logging
 import shutil
 import signal
 import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -96,6 +97,26 @@ def warm_start_cut(settings: Settings, fraction: float = WARM_START_FRACTION) ->
     return int(start * (1 - WARM_START_TEST_FRACTION)), start
 
 
+def demo_event_time_env(settings: Settings) -> dict[str, str]:
+    """The demo replays MovieLens ratings from years ago with their own event times: every
+    service's edge gets the replay's past bound (``event_time.max_past_s`` widened to the data's
+    age, :func:`producers.replay.replay_event_time_bounds`), unless the environment set it."""
+    import os
+
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from producers.movielens import DatasetPaths
+    from producers.replay import PAST_BOUND_VAR, replay_event_time_bounds
+
+    if PAST_BOUND_VAR in os.environ:
+        return {}
+    ts = pq.read_table(DatasetPaths.under(settings.replay.dataset, settings.data_dir).ratings,
+                       columns=["timestamp"])["timestamp"]
+    past, _ = replay_event_time_bounds(settings, pc.min(ts).as_py() * 1000, int(time.time() * 1000))
+    return {PAST_BOUND_VAR: str(int(past))}
+
+
 def _driftline(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
@@ -157,6 +178,11 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, replay
             supervisor.start(ServiceSpec(
                 "broker", tansu_command(e.host, e.broker_port),
                 ready=lambda: port_is_open(e.host, e.broker_port), ready_timeout_s=e.start_timeout_s,
+                infra=True,
+                # A restarted tansu has lost every topic (memory storage): recreate them with their
+                # partition counts before a producer's auto-creation picks its own, and write the
+                # new epoch the running services compare against (tansu_quirks.EpochWatch).
+                on_restart=lambda: asyncio.run(_prepare_broker_epoch(settings)),
             ))
             wait_for_port(e.host, e.broker_port, e.start_timeout_s, "broker")
         infra.append(("kafka", settings.bootstrap_servers))
@@ -165,12 +191,14 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, replay
             supervisor.start(ServiceSpec(
                 "redis", redis_command(e.host, e.redis_port, settings.var_dir / "redis"),
                 ready=lambda: port_is_open(e.host, e.redis_port), ready_timeout_s=e.start_timeout_s,
+                infra=True,
             ))
         infra.append(("redis", settings.redis))
 
         created, epoch = asyncio.run(_prepare_broker_epoch(settings))
         log.info("topics ready (created: %s)", ", ".join(created) or "none")
         fetch(settings.replay.dataset, settings.data_dir, progress=True)
+        demo_env = demo_event_time_env(settings)
         if warm_start_fraction > 0:
             _warm_start(settings, supervisor, epoch, settings.kafka_bootstrap_servers is not None,
                         warm_start_fraction)
@@ -178,7 +206,7 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, replay
         metrics: list[str] = []
         for service in APP_SERVICES:
             ready = service.ready
-            env = dict(service.env)
+            env = {**demo_env, **service.env}
             if service.metrics_port is not None:
                 port = service.metrics_port(settings)
                 env["DRIFTLINE_METRICS_PORT"] = str(port)
@@ -197,7 +225,7 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, replay
             supervisor.start(ServiceSpec(
                 # The replay of ml-1m, now through serving (producers.traffic); its log stays replay.log.
                 "replay", traffic_command(settings, replay_limit, speed, warm_start_fraction),
-                env={"DRIFTLINE_METRICS_PORT": str(port)}, oneshot=True,
+                env={**demo_env, "DRIFTLINE_METRICS_PORT": str(port)}, oneshot=True,
             ))
         if metrics:  # one line: serving's URL first, then the other services' ports (same path)
             first, rest = (metrics[0], metrics[1:]) if metrics[0].startswith("http") else ("", metrics)
@@ -206,10 +234,12 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, replay
         rows.append(("logs", f"{settings.log_dir}/<service>.log"))
         print("\ndriftline is up. Ctrl-C stops everything.\n" + _table(rows) + "\n", flush=True)
         supervisor.run_forever()
-        return 0
     finally:
-        supervisor.stop_all()
-        print("driftline stopped.", flush=True)
+        failed = supervisor.stop_all()
+        print("driftline stopped." if not failed else
+              "driftline stopped; not cleanly: " + ", ".join(f"{n} (exit {c})" for n, c in failed.items())
+              + f"; see {settings.log_dir}/", flush=True)
+    return 0 if not failed else 1
 
 
 def traffic_metrics_port(settings: Settings) -> int:

@@ -5,11 +5,21 @@ that exits is restarted with exponential back-off; a one-shot job (a replay) run
 Ctrl-C or SIGTERM every child's process group is stopped (SIGTERM, then SIGKILL after a grace
 period), and each child is also told by the kernel to die if the supervisor itself is killed
 (``PR_SET_PDEATHSIG``), so nothing is left behind either way.
+
+The stop is staged: the application services first, all at once, so each can drain into the
+broker (serving ships its spool, the trainer commits and writes its final snapshot), then the
+infrastructure they drain into (``ServiceSpec.infra``: the broker, Redis). :meth:`Supervisor.stop_all`
+returns the children that did not exit 0, so ``driftline up`` can exit 0 only on a clean stop.
+
+A service that exits within a minute of its start :data:`CRASH_LOOP_EXITS` times in a row is
+*crash-looping*: logged as such, counted, and written with every restart count to
+``<log_dir>/../run/supervisor.json`` (what ``make chaos`` and the status of a run read).
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -23,6 +33,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# Quick exits in a row (each within a minute of its start) that make a service crash-looping.
+CRASH_LOOP_EXITS = 3
 
 
 def _die_with_parent() -> None:
@@ -47,6 +59,10 @@ class ServiceSpec:
     restart: bool = True
     # A one-shot job others need (a data load): start() waits for it to exit successfully.
     blocking: bool = False
+    # Infrastructure the services drain into on a stop (broker, Redis): stopped after them.
+    infra: bool = False
+    # Runs (in a thread) once a *restarted* process is ready: e.g. recreate a fresh broker's topics.
+    on_restart: Callable[[], None] | None = None
 
 
 @dataclass
@@ -55,7 +71,7 @@ class _Running:
     proc: subprocess.Popen
     log_path: Path
     started_at: float
-    restarts: int = 0
+    restarts: int = 0  # quick exits in a row
 
 
 class Supervisor:
@@ -68,6 +84,9 @@ class Supervisor:
         self.running: dict[str, _Running] = {}
         self._stopping = threading.Event()
         self._lock = threading.Lock()
+        self.restarts: dict[str, int] = {}  # every restart, by service
+        self.crash_loops: dict[str, int] = {}  # times a service reached CRASH_LOOP_EXITS quick exits
+        self.state_path = log_dir.parent / "run" / "supervisor.json"
 
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
@@ -93,6 +112,7 @@ class Supervisor:
         with self._lock:
             self.running[spec.name] = _Running(spec, proc, self.log_path(spec.name), time.monotonic())
         log.info("started %s (pid %d), log %s", spec.name, proc.pid, self.log_path(spec.name))
+        self._write_state()
         if spec.blocking:
             try:
                 code = proc.wait(timeout=spec.ready_timeout_s)
@@ -137,11 +157,47 @@ class Supervisor:
             restarts = 0 if uptime > 60 else r.restarts + 1
             backoff = min(self.max_backoff_s, 0.5 * 2 ** min(restarts, 10))
             log.warning("%s exited with code %d; restarting in %.1f s (see %s)", name, code, backoff, r.log_path)
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            if restarts == CRASH_LOOP_EXITS:
+                self.crash_loops[name] = self.crash_loops.get(name, 0) + 1
+                log.error("%s is crash-looping: %d exits within a minute of starting; see %s",
+                          name, restarts, r.log_path)
+            self._write_state()
             if self._stopping.wait(backoff):
                 return
             proc = self._spawn(r.spec)
             with self._lock:
                 self.running[name] = _Running(r.spec, proc, r.log_path, time.monotonic(), restarts)
+            if r.spec.on_restart is not None:
+                threading.Thread(target=self._after_restart, args=(r.spec,), daemon=True,
+                                 name=f"{name}-restarted").start()
+
+    def _after_restart(self, spec: ServiceSpec) -> None:
+        deadline = time.monotonic() + spec.ready_timeout_s
+        while spec.ready is not None and not spec.ready():
+            if time.monotonic() > deadline or self._stopping.is_set():
+                log.warning("%s was not ready after its restart; its restart hook did not run", spec.name)
+                return
+            time.sleep(0.1)
+        try:
+            assert spec.on_restart is not None
+            spec.on_restart()
+        except Exception:  # noqa: BLE001 - the services recover on their own too, only later
+            log.exception("%s: restart hook failed", spec.name)
+
+    def _write_state(self) -> None:
+        with self._lock:
+            pids = {name: r.proc.pid for name, r in self.running.items()}
+        state = {name: {"pid": pids.get(name), "restarts": self.restarts.get(name, 0),
+                        "crash_loops": self.crash_loops.get(name, 0)}
+                 for name in sorted(set(pids) | set(self.restarts))}
+        try:
+            self.state_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.state_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(state, indent=1))
+            tmp.replace(self.state_path)
+        except OSError as err:
+            log.warning("cannot write %s: %s", self.state_path, err)
 
     def run_forever(self, poll_interval_s: float = 0.5) -> None:
         while not self._stopping.wait(poll_interval_s):
@@ -150,11 +206,23 @@ class Supervisor:
     def request_stop(self) -> None:
         self._stopping.set()
 
-    def stop_all(self, grace_s: float = 10.0) -> None:
-        """Stop every child, newest first: SIGTERM to its group, SIGKILL after the grace period."""
+    def stop_all(self, grace_s: float = 10.0) -> dict[str, int]:
+        """Stop every child: the services first, then the infrastructure (``ServiceSpec.infra``).
+        Each stage sends SIGTERM to every group at once and SIGKILLs what is left after the grace
+        period. Returns ``{name: exit code}`` of the children that did not exit 0 (a SIGKILL'd
+        one as -9); a child that had already exited is judged by its own code."""
         self._stopping.set()
         with self._lock:
             items = list(self.running.values())[::-1]
+        failed: dict[str, int] = {}
+        for stage in ([r for r in items if not r.spec.infra], [r for r in items if r.spec.infra]):
+            failed.update(self._stop_stage(stage, grace_s))
+        with self._lock:
+            self.running.clear()
+        self._write_state()
+        return failed
+
+    def _stop_stage(self, items: list[_Running], grace_s: float) -> dict[str, int]:
         for r in items:
             if r.proc.poll() is None:
                 try:
@@ -162,9 +230,10 @@ class Supervisor:
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + grace_s
+        failed: dict[str, int] = {}
         for r in items:
             try:
-                r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                code = r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop within %.0f s; killing it", r.spec.name, grace_s)
                 try:
@@ -172,5 +241,9 @@ class Supervisor:
                 except ProcessLookupError:
                     pass
                 r.proc.wait()
-        with self._lock:
-            self.running.clear()
+                code = -signal.SIGKILL
+            # A one-shot job's own failure was reported when it ended; SIGTERM's is the stop's.
+            if code != 0 and not (r.spec.oneshot and code == -signal.SIGTERM):
+                log.warning("%s exited with code %d on stop; see %s", r.spec.name, code, r.log_path)
+                failed[r.spec.name] = code
+        return failed

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
-from producers.replay import make_plan, replay, replay_events, request_id
-from proto import Action, FeatureLog
+from producers.movielens_features import MovieLensFeatures
+from producers.replay import Refused, encode_messages, make_plan, replay, replay_events, request_id
+from proto import Action, DeadLetter, FeatureLog
 from services.codecs import codec_for
 from services.kafka import TypedConsumer
 from services.settings import ReplaySettings, Settings
@@ -29,6 +31,29 @@ def test_plan_groups_one_users_ratings_in_one_second_into_one_request() -> None:
     # Every action happens after its impression.
     assert (plan.action_time_ms > plan.request_time_ms[plan.action_request]).all()
     assert np.all(np.diff(plan.emit_time_ms) >= 0)
+
+
+def test_events_outside_the_bounds_are_dead_lettered_not_produced() -> None:
+    """The replay is an edge: an int64-max or far-past event time goes to dead-letters with its
+    reason, and the actions of a refused request with it; the rest is produced as usual."""
+    now_ms = 1_700_000_000_000
+    user = np.array([1, 2, 3])
+    item = np.array([10, 20, 30])
+    ts = np.array([now_ms // 1000 - 60, (2**63 - 1) // 1000, now_ms // 1000 - 10 * 86_400])
+    plan = make_plan(user, item, ts, np.array([1, 1, 1]), ReplaySettings(seed=1))
+    refused = Refused.check(plan, now_ms, max_past_s=86_400, max_future_s=300)
+    assert sorted(plan.request_user[refused.requests].tolist()) == [2, 3]
+    assert sorted(plan.request_user[plan.action_request[refused.actions]].tolist()) == [2, 3]
+    feats = MovieLensFeatures(pa.table({"user_id": pa.array([], pa.int64())}),
+                              pa.table({"item_id": pa.array([], pa.int64())}))
+    out = list(encode_messages(plan, feats, ("f", "a"), refused, "dl", now_ms, (86_400, 300)))
+    produced = [(t, k) for t, k, _, _ in out if t != "dl"]
+    letters = [DeadLetter.FromString(v) for t, _, v, _ in out if t == "dl"]
+    assert produced == [("f", b"u1-t" + str(ts[0] * 1000).encode()), ("a", b"u1-t" + str(ts[0] * 1000).encode())]
+    assert len(letters) == 4
+    assert any("ahead of the clock" in d.reason for d in letters)
+    assert any("behind the clock" in d.reason for d in letters)
+    assert {d.source_topic for d in letters} == {"f", "a"}
 
 
 def test_ml1m_slice_messages_decode_and_actions_follow_their_impressions(settings: Settings) -> None:

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 BENCHES := $(patsubst bench/bench_%.py,bench-%,$(wildcard bench/bench_*.py))
 
-.PHONY: up install install-dev test bench $(BENCHES) eval proto clean
+.PHONY: up install install-dev test bench $(BENCHES) chaos eval proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ bench: $(BENCHES)
 
 $(BENCHES): bench-%: $(DEV_STAMP)
 	$(BIN)/python bench/bench_$*.py
+
+## kill -9 every service, then the broker, under load; print what was lost as one JSON line (QUICK=1: < 5 min).
+chaos: $(DEV_STAMP)
+	$(BIN)/python bench/chaos.py
 
 ## Reproduce the Monolith paper's experiments on ml-1m (~10 min on 2 cores): docs/results.*, docs/eval_*.png
 eval: $(STAMP)

@@ -147,7 +147,8 @@ async def drive(
     start_rating: int | None = None,
     progress: bool = False,
     ready_timeout_s: float = 180.0,
-    retries: int = 8,
+    # ~2.5 minutes of back-off (capped at 4 s): a serving restart or a broker restart under it.
+    retries: int = 40,
     report_every_s: float = 10.0,
 ) -> dict:
     """Replay ``dataset`` after ``start_fraction`` through serving; returns stats (see :func:`main`)."""
@@ -161,6 +162,7 @@ async def drive(
     clicks_left = np.bincount(plan.action_request, minlength=plan.n_requests)
     request_ids: dict[int, asyncio.Future[str | None]] = {}
     tasks: set[asyncio.Task] = set()
+    answered = open(settings.replay.answered_log, "a", buffering=1) if settings.replay.answered_log else None  # noqa: SIM115
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=httpx.Timeout(30.0)) as client:
         ready = await wait_ready(client, ready_timeout_s)
@@ -185,6 +187,8 @@ async def drive(
                     stats.rank_latency_s.append(time.perf_counter() - t0)
                     out = r.json()
                     rid = out["request_id"]
+                    if answered is not None:
+                        answered.write(rid + "\n")
                     version = int(out["model_version"]["sparse_version"])
                     if stats.first_version is None:
                         stats.first_version = version
@@ -279,6 +283,8 @@ async def drive(
             bar.close()
             for t in list(tasks):
                 t.cancel()
+            if answered is not None:
+                answered.close()
     seconds = time.perf_counter() - started
     lat = np.array(stats.rank_latency_s) if stats.rank_latency_s else np.zeros(1)
     return {

@@ -100,6 +100,9 @@ class ReplaySettings(BaseModel):
     action_delay_max_s: float = 900.0
     seed: int = 7
     limit: int | None = None
+    # The traffic driver appends the request id of every /rank answered 200 here, one per line
+    # (unset: nowhere): what `make chaos` checks against the features topic.
+    answered_log: Path | None = None
 
 
 class JoinerSettings(BaseModel):

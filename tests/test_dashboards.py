@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_loop import LoopStack, loop_stack  # noqa: F401 - the shared stack fixture
+from tests.loopstack import LoopStack
+from tests.test_loop import loop_stack  # noqa: F401 - the shared stack fixture
 
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset",
              "and", "or", "unless", "inf", "nan", "atan2"}

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             status.stop()
             stack.stop()
     else:
-        from tests.test_loop import LoopStack
+        from tests.loopstack import LoopStack
 
         with tempfile.TemporaryDirectory(prefix="driftline-status-") as tmp:
             loop = LoopStack.start(Path(tmp), REPO, "--replay-limit", args.replay_limit)

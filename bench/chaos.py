@@ -1,0 +1,319 @@
+"""`make chaos`: kill -9 every service and then the broker under load; count what was lost.
+
+It runs ``driftline up --replay-limit N --speed 0`` on free ports (``tests.loopstack``), with
+the traffic driver writing every request id it got a 200 for (``replay.answered_log``), and a
+capture that tails ``features``, ``actions`` and ``examples`` from their start, across broker
+resets (:class:`services.tansu_quirks.EpochWatch`). Once the loop has closed it kill -9s the
+joiner twice, the dumper, the trainer and serving (the supervisor restarts each), then the
+broker (tansu, memory storage: every topic is gone). Nobody touches anything after that: the
+run waits for the traffic to end and the pipeline to drain, stops the stack with Ctrl-C and
+compares.
+
+The last line printed is one JSON object: ``answered_feature_logs_lost`` (request ids answered
+200 that never reached ``features``), ``conflicting_duplicates`` (example ids with two different
+contents, on the topic or in Parquet), ``parquet_rows_deleted`` (example ids in Parquet before the
+broker reset and not after), ``crash_loops`` (services the supervisor saw crash-looping),
+``missing_vs_reference`` (examples the offline reference join of the captured topics has, windows
+still open excluded, that Parquet lacks) and ``broker_reset_recovered`` (every service made
+progress on the new broker on its own), plus the numbers behind them. ``QUICK=1`` runs a smaller
+replay with shorter pauses (under 5 minutes); the full run stays under 15.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from aiokafka import AIOKafkaConsumer, TopicPartition  # noqa: E402
+
+from joiner.dumper import read_examples  # noqa: E402
+from joiner.reference import offline_join  # noqa: E402
+from joiner.types import JoinConfig  # noqa: E402
+from proto import Action, Example, FeatureLog, ModelVersion  # noqa: E402
+from services import tansu_quirks  # noqa: E402
+from services.settings import Settings  # noqa: E402
+from tests.loopstack import LoopStack  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+KILLED = ("joiner", "joiner", "dumper", "trainer", "serving")
+
+
+def log(msg: str) -> None:
+    print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Capture:
+    """What reached the topics, epoch by epoch, deduplicated by content (a reset re-reads)."""
+
+    settings: Settings
+    epochs: int = 0
+    # request_id -> (partition key, stripped FeatureLog bytes, event time): first copy
+    features: dict[str, tuple[bytes, bytes, int]] = field(default_factory=dict)
+    feature_order: list[str] = field(default_factory=list)
+    actions: dict[tuple, tuple[bytes, bytes]] = field(default_factory=dict)
+    examples: dict[str, bytes] = field(default_factory=dict)
+    example_epoch: dict[str, int] = field(default_factory=dict)
+    example_conflicts: set[str] = field(default_factory=set)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        asyncio.run(self._run())
+
+    async def _run(self) -> None:
+        t = self.settings.topics
+        topics = [t.features, t.actions, t.examples]
+        watch = tansu_quirks.EpochWatch(self.settings, "chaos-capture")
+        await watch.start()
+        c = AIOKafkaConsumer(bootstrap_servers=self.settings.bootstrap_servers, enable_auto_commit=False,
+                             group_id=None, max_partition_fetch_bytes=8 << 20)
+        await c.start()
+        try:
+            while not self.stop.is_set():
+                await c._client.force_metadata_update()  # noqa: SLF001 - the topics may be new
+                tps = [TopicPartition(topic, p) for topic in topics for p in sorted(c.partitions_for_topic(topic) or [])]
+                if len(tps) < 3:
+                    await asyncio.sleep(0.5)
+                    continue
+                c.assign(tps)
+                await c.seek_to_beginning(*tps)
+                while not self.stop.is_set():
+                    try:
+                        fetched = await c.getmany(timeout_ms=300, max_records=5000)
+                    except Exception as err:  # noqa: BLE001 - the broker is being killed
+                        log(f"capture: {err!r}")
+                        await asyncio.sleep(0.5)
+                        fetched = {}
+                    if await watch.check() is not None:
+                        self.epochs += 1
+                        log(f"capture: broker reset seen (epoch {self.epochs}); re-reading the new topics")
+                        break  # this fetch may hold new-epoch records at stale offsets: re-read all
+                    for tp, records in fetched.items():
+                        for r in records:
+                            self._add(tp.topic, r.key, r.value)
+        finally:
+            await c.stop()
+            await watch.stop()
+
+    def _add(self, topic: str, key: bytes, value: bytes) -> None:
+        t = self.settings.topics
+        if topic == t.features:
+            fl = FeatureLog.FromString(value)
+            if fl.request_id not in self.features:
+                stripped = FeatureLog(request_id=fl.request_id, event_time_ms=fl.event_time_ms, user_id=fl.user_id,
+                                      model_version=ModelVersion(model_id=fl.model_version.model_id))
+                for cand in fl.candidates:
+                    stripped.candidates.add(item_id=cand.item_id)
+                self.features[fl.request_id] = (key, stripped.SerializeToString(), fl.event_time_ms)
+                self.feature_order.append(fl.request_id)
+        elif topic == t.actions:
+            a = Action.FromString(value)
+            self.actions.setdefault((a.request_id, a.item_id, a.action_type, a.event_time_ms), (key, value))
+        else:
+            e = Example.FromString(value)
+            seen = self.examples.setdefault(e.example_id, value)
+            self.example_epoch.setdefault(e.example_id, self.epochs)
+            if seen != value:
+                self.example_conflicts.add(e.example_id)
+
+
+def _supervisor_state(stack: LoopStack) -> dict:
+    try:
+        return json.loads((stack.var_dir / "run" / "supervisor.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _kill(stack: LoopStack, name: str) -> None:
+    pid = _supervisor_state(stack).get(name, {}).get("pid")
+    if pid is None:
+        raise RuntimeError(f"no pid for {name} in supervisor.json")
+    log(f"kill -9 {name} (pid {pid})")
+    os.killpg(pid, signal.SIGKILL)  # the service and its children (the trainer's loader)
+
+
+def _parquet_ids(stack: LoopStack) -> dict[str, list[tuple]]:
+    root = stack.var_dir / "examples"
+    table = read_examples(root) if root.exists() else None
+    if table is None or table.num_rows == 0:
+        return {}
+    labels = sorted(c for c in table.column_names if c.startswith("label_"))
+    cols = [table[c].to_pylist() for c in ["example_id", "sample_rate", *labels]]
+    out: dict[str, list[tuple]] = defaultdict(list)
+    for eid, rate, *lab in zip(*cols):
+        out[eid].append((round(rate, 6), *lab))
+    return out
+
+
+def _wait(stack: LoopStack, what: str, check, timeout_s: float) -> bool:
+    try:
+        stack.wait_for(what, check, timeout_s)
+        return True
+    except AssertionError as err:
+        log(f"not reached: {str(err).splitlines()[0]}")
+        return False
+
+
+def _metric(stack: LoopStack, service: str, name: str, labels: dict | None = None) -> float:
+    return stack.metric(service, name, labels) or 0.0
+
+
+def _metric_sum(stack: LoopStack, service: str, name: str) -> float:
+    """The sum of every sample of ``name`` on ``service``'s /metrics (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        _, body = stack.get(stack.metrics_urls()[service])
+    except OSError:
+        return 0.0
+    return sum(s.value for fam in text_string_to_metric_families(body) for s in fam.samples
+               if s.name == name or s.name == name + "_total")
+
+
+def run_chaos(work: Path, quick: bool) -> dict:
+    limit = 60_000 if quick else 150_000
+    pause = 4.0 if quick else 8.0
+    answered = work / "answered.txt"
+    stack = LoopStack.start(work, REPO, "--replay-limit", str(limit), "--speed", "0",
+                            env={"DRIFTLINE_REPLAY__ANSWERED_LOG": str(answered)})
+    settings = stack.settings()
+    capture = Capture(settings)
+    reader = threading.Thread(target=capture.run, daemon=True)
+    reader.start()
+    result: dict = {}
+    try:
+        started = time.monotonic()
+        _wait(stack, "examples flowing", lambda: _metric(stack, "joiner", "driftline_joiner_examples_produced_total") > 500, 180)
+        for name in KILLED:
+            time.sleep(pause)
+            _kill(stack, name)
+        time.sleep(pause)
+        _wait(stack, "serving back", lambda: stack.get(stack.serving_url + "/readyz")[0] == 200, 90)
+        before = _parquet_ids(stack)
+        version_before = stack.json("/readyz")["model_version"]["sparse_version"]
+        examples_before = len(capture.examples)
+        _kill(stack, "broker")
+        reset_at = time.monotonic()
+        _wait(stack, "the reset seen", lambda: capture.epochs >= 1, 120)
+        trained_before = _metric_sum(stack, "trainer", "driftline_trainer_examples_total")
+        # Recovery on its own: every service makes progress on the new broker.
+        checks = {
+            "traffic on the new broker": lambda: capture.epochs >= 1 and len(capture.features) > 0,
+            "joiner emits on the new broker": lambda: capture.epochs >= 1 and any(
+                ep >= 1 for ep in capture.example_epoch.values()),
+            "dumper writes new-epoch examples": lambda: any(
+                eid in _parquet_ids(stack) for eid, ep in list(capture.example_epoch.items()) if ep >= 1),
+            "trainer trains on the new broker": lambda: capture.epochs >= 1 and _metric_sum(
+                stack, "trainer", "driftline_trainer_examples_total") > trained_before,
+            "serving applies new deltas": lambda: stack.json("/readyz")["model_version"]["sparse_version"] > version_before,
+        }
+        recovered = {what: _wait(stack, what, check, 240) for what, check in checks.items()}
+        log(f"recovery: {recovered} ({time.monotonic() - reset_at:.0f} s)")
+        _wait(stack, "traffic done", lambda: '"requests"' in (stack.log_dir / "replay.log").read_text(), 600)
+        # Drain: actions idle -> the joiner's idle advance closes windows; the dumper flushes every 30 s.
+        stable, last = 0, -1
+        deadline = time.monotonic() + 240
+        while stable < 3 and time.monotonic() < deadline:
+            time.sleep(15)
+            n = sum(len(v) for v in _parquet_ids(stack).values())
+            stable = stable + 1 if n == last else 0
+            last = n
+        wa = {}
+        from prometheus_client.parser import text_string_to_metric_families
+
+        _, body = stack.get(stack.metrics_urls()["joiner"])
+        for fam in text_string_to_metric_families(body):
+            for s in fam.samples:
+                if s.name == "driftline_joiner_watermark_ms" and s.labels.get("stream") == "actions":
+                    wa[int(s.labels["partition"])] = int(s.value)
+        lost_reported = {svc: _metric_sum(stack, svc, "driftline_broker_reset_lost_total")
+                         for svc in ("joiner", "dumper", "trainer", "serving")}
+    finally:
+        code = stack.stop(timeout_s=90)
+        capture.stop.set()
+        reader.join(timeout=10)
+    stop_text = stack.text()
+    after = _parquet_ids(stack)
+    state = _supervisor_state(stack)
+
+    # --- answered vs logged
+    answered_ids = set(answered.read_text().split()) if answered.exists() else set()
+    lost = answered_ids - set(capture.features)
+    # --- duplicates and conflicts
+    parquet_conflicts = sum(1 for rows in after.values() if len(set(rows)) > 1)
+    parquet_dups = sum(len(rows) - 1 for rows in after.values())
+    deleted = sum(len(rows) for eid, rows in before.items() if eid not in after)
+    # --- reference join of what reached the topics (state kept across the reset: one stream)
+    cfg = JoinConfig.from_settings(settings.joiner)
+    events = [("features", key, value) for key, value, _ in (capture.features[r] for r in capture.feature_order)]
+    events += [("actions", key, value) for key, value in capture.actions.values()]
+    ref = offline_join(events, cfg, settings.topics.partitions)
+    from aiokafka.partitioner import DefaultPartitioner
+
+    part = DefaultPartitioner()
+    parts = list(range(settings.topics.partitions))
+    t_of = {}
+    for rid, (key, _, t) in capture.features.items():
+        t_of[rid] = (t, part(key, parts, parts))
+    closes = cfg.window_ms + cfg.lateness_ms
+
+    def closed(eid: str, labels: dict) -> bool:
+        t, p = t_of[eid.rsplit("/", 1)[0]]
+        return any(labels.values()) or t + closes < wa.get(p, 0)
+
+    expected = {eid for eid, (labels, _, _) in ref.items() if closed(eid, labels)}
+    missing = expected - set(after)
+    wrong_label = sum(1 for eid in expected & set(after)
+                      if tuple(ref[eid][0][k] for k in sorted(ref[eid][0])) != after[eid][0][1:])
+    result = {
+        "answered_feature_logs_lost": len(lost),
+        "conflicting_duplicates": parquet_conflicts + len(capture.example_conflicts),
+        "parquet_rows_deleted": deleted,
+        "crash_loops": sum(v.get("crash_loops", 0) for v in state.values()),
+        "missing_vs_reference": len(missing),
+        "broker_reset_recovered": all(recovered.values()),
+        "recovery": recovered,
+        "answered_requests": len(answered_ids),
+        "feature_logs_on_topic": len(capture.features),
+        "actions_on_topic": len(capture.actions),
+        "examples_on_topic": len(capture.examples),
+        "examples_on_topic_before_reset": examples_before,
+        "topic_conflicting_duplicates": len(capture.example_conflicts),
+        "parquet_conflicting_duplicates": parquet_conflicts,
+        "parquet_exact_duplicates": parquet_dups,
+        "parquet_examples_before_reset": len(before),
+        "parquet_examples_after": len(after),
+        "reference_examples_closed": len(expected),
+        "label_mismatch_vs_reference": wrong_label,
+        "broker_epochs": capture.epochs + 1,
+        "reset_lost_reported": lost_reported,
+        "restarts": {k: v.get("restarts", 0) for k, v in state.items()},
+        "stop_exit_code": code,
+        "stopped_cleanly": code == 0 and "not cleanly" not in stop_text,
+        "seconds": round(time.monotonic() - started, 1),
+        "quick": quick,
+    }
+    return result
+
+
+def main() -> int:
+    quick = os.environ.get("QUICK") == "1"
+    with tempfile.TemporaryDirectory(prefix="driftline-chaos-") as tmp:
+        result = run_chaos(Path(tmp), quick)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

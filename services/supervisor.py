@@ -242,8 +242,9 @@ class Supervisor:
                     pass
                 r.proc.wait()
                 code = -signal.SIGKILL
-            # A one-shot job's own failure was reported when it ended; SIGTERM's is the stop's.
-            if code != 0 and not (r.spec.oneshot and code == -signal.SIGTERM):
+            # A one-shot job's own failure was reported when it ended, and a server we do not own
+            # (broker, Redis) may simply die of SIGTERM: for those, SIGTERM's exit is the stop's.
+            if code != 0 and not ((r.spec.oneshot or r.spec.infra) and code == -signal.SIGTERM):
                 log.warning("%s exited with code %d on stop; see %s", r.spec.name, code, r.log_path)
                 failed[r.spec.name] = code
         return failed

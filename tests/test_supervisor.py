@@ -60,3 +60,57 @@ def test_oneshot_job_is_not_restarted(tmp_path: Path) -> None:
     sup.poll_once()
     assert "job" not in sup.running
     assert "done" in (tmp_path / "log" / "job.log").read_text()
+
+
+def test_crash_loop_is_counted_and_written(tmp_path: Path) -> None:
+    """Three exits within a minute of starting in a row make a crash loop, in supervisor.json."""
+    import json
+
+    sup = Supervisor(tmp_path / "log", max_backoff_s=0.05)
+    sup.start(ServiceSpec("crasher", [sys.executable, "-c", "raise SystemExit(3)"]))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not sup.crash_loops:
+        sup.poll_once()
+        time.sleep(0.05)
+    sup.stop_all(grace_s=5)
+    state = json.loads((tmp_path / "run" / "supervisor.json").read_text())
+    assert state["crasher"]["crash_loops"] == 1 and state["crasher"]["restarts"] >= 3
+
+
+def test_stop_drains_services_before_infra_and_reports_unclean_exits(tmp_path: Path) -> None:
+    """Services get SIGTERM first and may still use the infrastructure while they drain; the
+    infra is stopped after them. A child that dies on SIGTERM is reported, a clean one is not."""
+    marker = tmp_path / "infra-alive-when-service-stopped"
+    infra = ServiceSpec("infra", [sys.executable, "-c", "import time; time.sleep(60)"], infra=True)
+    sup = Supervisor(tmp_path / "log")
+    sup.start(infra)
+    infra_pid = sup.running["infra"].proc.pid
+    drains = ServiceSpec("drains", [sys.executable, "-c", (
+        "import os, signal, sys, time\n"
+        "def stop(*_):\n"
+        f"    time.sleep(0.5); os.kill({infra_pid}, 0); open({str(marker)!r}, 'w').close(); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "time.sleep(60)\n")])
+    dies = ServiceSpec("dies", [sys.executable, "-c", "import time; time.sleep(60)"])
+    sup.start(drains)
+    sup.start(dies)
+    time.sleep(0.5)
+    failed = sup.stop_all(grace_s=10)
+    assert marker.exists(), "the infrastructure was stopped before the service had drained"
+    assert failed == {"dies": -15}
+
+
+def test_restart_hook_runs_once_the_restarted_service_is_ready(tmp_path: Path) -> None:
+    flag = tmp_path / "ready"
+    calls: list[int] = []
+    spec = ServiceSpec("flaky", [sys.executable, "-c",
+                                 f"import pathlib, time; pathlib.Path({str(flag)!r}).touch(); time.sleep(0.3)"],
+                       ready=flag.exists, on_restart=lambda: calls.append(1))
+    sup = Supervisor(tmp_path / "log", max_backoff_s=0.05)
+    sup.start(spec)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not calls:
+        sup.poll_once()
+        time.sleep(0.05)
+    sup.stop_all(grace_s=5)
+    assert calls, "the restart hook never ran"

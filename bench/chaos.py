@@ -135,12 +135,24 @@ def _supervisor_state(stack: LoopStack) -> dict:
         return {}
 
 
-def _kill(stack: LoopStack, name: str) -> None:
-    pid = _supervisor_state(stack).get(name, {}).get("pid")
-    if pid is None:
-        raise RuntimeError(f"no pid for {name} in supervisor.json")
-    log(f"kill -9 {name} (pid {pid})")
-    os.killpg(pid, signal.SIGKILL)  # the service and its children (the trainer's loader)
+def _kill(stack: LoopStack, name: str, killed: set[int]) -> None:
+    """kill -9 the service's process group (its children too: the trainer's loader), once the
+    supervisor runs it under a pid not killed before (it may still be restarting it)."""
+    deadline = time.monotonic() + 60
+    while True:
+        pid = _supervisor_state(stack).get(name, {}).get("pid")
+        if pid is not None and pid not in killed:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            else:
+                killed.add(pid)
+                log(f"kill -9 {name} (pid {pid})")
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} has no running pid in supervisor.json to kill")
+        time.sleep(0.2)
 
 
 def _parquet_ids(stack: LoopStack) -> dict[str, list[tuple]]:
@@ -195,15 +207,16 @@ def run_chaos(work: Path, quick: bool) -> dict:
     try:
         started = time.monotonic()
         _wait(stack, "examples flowing", lambda: _metric(stack, "joiner", "driftline_joiner_examples_produced_total") > 500, 180)
+        killed: set[int] = set()
         for name in KILLED:
             time.sleep(pause)
-            _kill(stack, name)
+            _kill(stack, name, killed)
         time.sleep(pause)
         _wait(stack, "serving back", lambda: stack.get(stack.serving_url + "/readyz")[0] == 200, 90)
         before = _parquet_ids(stack)
         version_before = stack.json("/readyz")["model_version"]["sparse_version"]
         examples_before = len(capture.examples)
-        _kill(stack, "broker")
+        _kill(stack, "broker", killed)
         reset_at = time.monotonic()
         _wait(stack, "the reset seen", lambda: capture.epochs >= 1, 120)
         trained_before = _metric_sum(stack, "trainer", "driftline_trainer_examples_total")
@@ -308,6 +321,9 @@ def run_chaos(work: Path, quick: bool) -> dict:
 
 
 def main() -> int:
+    import logging
+
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # the capture outlives the broker twice
     quick = os.environ.get("QUICK") == "1"
     with tempfile.TemporaryDirectory(prefix="driftline-chaos-") as tmp:
         result = run_chaos(Path(tmp), quick)

@@ -168,6 +168,7 @@ class Supervisor:
             proc = self._spawn(r.spec)
             with self._lock:
                 self.running[name] = _Running(r.spec, proc, r.log_path, time.monotonic(), restarts)
+            self._write_state()
             if r.spec.on_restart is not None:
                 threading.Thread(target=self._after_restart, args=(r.spec,), daemon=True,
                                  name=f"{name}-restarted").start()

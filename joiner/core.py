@@ -1,12 +1,14 @@
 """The join itself, with no Kafka in it: events in, Example bytes out, state in a TieredState.
 
 Every decision is a pure function of (a) the impression's event time, (b) the action's event
-time, and (c) the *prefix watermarks*: for a feature log, the max event time of the feature logs
-before it on its partition (``wf_before``); for an action, the max event time of the actions
-before it on its partition (``wa_before``). Both depend only on the order of records within one
-partition of one topic, which Kafka fixes. So the examples do not depend on how the features and
-actions partitions happen to be interleaved by the consumer, on batch boundaries, or on when a
-restart happened: this is what makes a crash + replay produce the same examples.
+time, and (c) the *prefix watermarks*: for a feature log, the features watermark of the feature
+logs before it on its partition (``wf_before``); for an action, the actions watermark of the
+actions before it on its partition (``wa_before``). A watermark is the (k+1)-th largest distinct
+event time seen on the partition (:mod:`joiner.watermark`, k = ``watermark_outliers``), so up to
+k far-off events cannot move it. Both depend only on the order of records within one partition
+of one topic, which Kafka fixes. So the examples do not depend on how the features and actions
+partitions happen to be interleaved by the consumer, on batch boundaries, or on when a restart
+happened: this is what makes a crash + replay produce the same examples.
 
 An action ``a`` joins impression ``i`` (same request id and item id) iff all of::
 
@@ -17,7 +19,11 @@ An action ``a`` joins impression ``i`` (same request id and item id) iff all of:
 
 The window of ``i`` closes when the action watermark passes ``i.time + W + L``; then ``i`` is
 emitted as a negative (sampled) unless it was positive. Closing is driven by the action watermark
-of the partition: event time, never the wall clock.
+of the partition: event time, never the wall clock. The closed impression stays as a tombstone
+until *both* watermarks pass ``i.time + W + L + R``, and a feature log with
+``wf_before > time + W + L + R`` is refused (``expired_impressions``): so an impression whose
+tombstone is gone can never come back as a new one (a re-sent feature log, or one re-read after a
+broker reset), and the joiner never emits a second, different example under an example id.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from collections.abc import Sequence
 from joiner import sampling, wire
 from joiner.tiered import TieredState
 from joiner.types import JoinConfig
+from joiner.watermark import NO_WATERMARK, Watermark
 from proto import Action, FeatureLog
 
 # Impression record: header + base Example bytes (see joiner.wire).
@@ -49,7 +56,6 @@ _TAG_AT, _ID_AT = 11, 12
 _MAX_MS = (1 << 63) - 1
 
 JOIN, ORPHAN, OUT_OF_WINDOW, EXPIRED, LATE = "join", "orphan", "out_of_window", "expired", "late"
-NO_WATERMARK = -(1 << 62)
 
 
 def _t(ms: int) -> bytes:
@@ -81,8 +87,12 @@ class JoinCore:
         self.G, self.R = config.orphan_grace_ms, config.retention_ms
         self.correction = config.late_policy == "correction"
         self.immediate = config.positive_emit == "immediate"
+        self.k = config.watermark_outliers
+        # The watermark values (read on every record) and the Watermarks that compute them.
         self.wf: dict[int, int] = {}
         self.wa: dict[int, int] = {}
+        self.wmf: dict[int, Watermark] = {}
+        self.wma: dict[int, Watermark] = {}
         self.waiting: dict[int, int] = {}
         self.pending: dict[int, int] = {}
         self.out: list[tuple[bytes, bytes, int]] = []  # (key, value, latency reference ts ms or 0)
@@ -98,14 +108,19 @@ class JoinCore:
             raw = self.state.peek(b"M" + name.encode() + _P.pack(p))
             return _I64.unpack(raw)[0] if raw else default
 
-        self.wf[p] = meta("wf", NO_WATERMARK)
-        self.wa[p] = meta("wa", NO_WATERMARK)
+        # (a store written before the outlier-robust rule has only the values: "wf", "wa")
+        wmf = self.wmf[p] = Watermark.decode(self.state.peek(b"Mwmf" + _P.pack(p)), self.k, meta("wf", NO_WATERMARK))
+        wma = self.wma[p] = Watermark.decode(self.state.peek(b"Mwma" + _P.pack(p)), self.k, meta("wa", NO_WATERMARK))
+        self.wf[p], self.wa[p] = wmf.value, wma.value
         self.waiting[p] = meta("waiting", 0)
         self.pending[p] = meta("pending", 0)
 
     def save(self, p: int) -> None:
-        for name, d in (("wf", self.wf), ("wa", self.wa), ("waiting", self.waiting), ("pending", self.pending)):
-            self.state.put(b"M" + name.encode() + _P.pack(p), _I64.pack(d[p]))
+        put, pp = self.state.put, _P.pack(p)
+        put(b"Mwmf" + pp, self.wmf[p].encode())
+        put(b"Mwma" + pp, self.wma[p].encode())
+        put(b"Mwaiting" + pp, _I64.pack(self.waiting[p]))
+        put(b"Mpending" + pp, _I64.pack(self.pending[p]))
 
     # -- decisions -----------------------------------------------------------------------------
     def judge(self, t_i: int, wf_before_i: int, a_time: int, wa_before: int) -> str:
@@ -134,6 +149,15 @@ class JoinCore:
         get, put = state.get, state.put
         wf_before = self.wf[p]
         t_i = fl.event_time_ms
+        wm = self.wmf[p]
+        wm.observe(t_i)
+        self.wf[p] = wm.value
+        if wf_before > t_i + self.W + self.L + self.R:
+            # Its tombstone may be gone already: it cannot be told apart from a new impression,
+            # and emitting it could give a second, different example under its example id.
+            counts["impressions"] += len(fl.candidates)
+            counts["expired_impressions"] += len(fl.candidates)
+            return
         rid = fl.request_id
         rid_b = rid.encode()
         user_id = fl.user_id
@@ -179,8 +203,6 @@ class JoinCore:
                 self._close_group(p, rid_b, gid, closes_at, new_items, records, None)
             else:
                 self._put_index(b"T", p, closes_at, b"c" + gid, pack_items(new_items))
-        if t_i > wf_before:
-            self.wf[p] = t_i
 
     def _join_pending(self, p: int, eid: bytes, t_i: int, wf_before: int, user_id: int, base: bytes,
                       pend: bytes, ts_ms: int) -> tuple[int, int]:
@@ -207,8 +229,9 @@ class JoinCore:
         state = self.state
         self.counts["actions"] += 1
         wa_before = self.wa[p]
-        if a.event_time_ms > wa_before:
-            self.wa[p] = a.event_time_ms
+        wm = self.wma[p]
+        wm.observe(a.event_time_ms)
+        self.wa[p] = wm.value
         li = self.label_index.get(a.action_type)
         if li is None:
             self.counts["unmapped_actions"] += 1
@@ -314,22 +337,30 @@ class JoinCore:
         state = self.state
         pfx = b"T" + _P.pack(p)
         hi_ms = _MAX_MS if drain else self.wa[p]
+        # Tombstones expire only once the features watermark has passed them too (see the module
+        # doc), so the next scan starts no higher than that.
+        forget_below = self.wf[p]
         lo_ms = self.floor.get((b"T", p), 0)
         if hi_ms > lo_ms:
             if not drain:
-                self.floor[(b"T", p)] = hi_ms  # (lowered again by keys put below it meanwhile)
-            for key, value in state.scan_items(pfx + _t(lo_ms), pfx + _t(hi_ms)):
+                # (lowered again by keys put below it meanwhile)
+                self.floor[(b"T", p)] = max(lo_ms, min(hi_ms, forget_below))
+            hi_key = pfx + b"\xff" * 9 if drain else pfx + _t(hi_ms)  # (drain: the clamped times too)
+            for key, value in state.scan_items(pfx + _t(lo_ms), hi_key):
                 tag = key[_TAG_AT]
-                gid = key[_ID_AT:]
-                rid_b = gid.rsplit(b"/", 1)[0]
-                items = unpack_items(value)
                 if tag == 0x78:  # b"x": the tombstones expire
-                    if drain:
+                    if drain or _TS.unpack_from(key, 3)[0] >= forget_below:
                         continue
+                    gid = key[_ID_AT:]
+                    rid_b = gid.rsplit(b"/", 1)[0]
+                    items = unpack_items(value)
                     for item in items:
                         state.delete(b"I" + rid_b + b"/" + str(item).encode())
                     state.delete_index(key)
                     continue
+                gid = key[_ID_AT:]
+                rid_b = gid.rsplit(b"/", 1)[0]
+                items = unpack_items(value)
                 records = [state.get(b"I" + rid_b + b"/" + str(item).encode()) for item in items]
                 closes_at = _TS.unpack_from(key, 3)[0]
                 self._close_group(p, rid_b, gid, closes_at, items, records, key)
@@ -364,12 +395,21 @@ class JoinCore:
         """Raise the action watermark of ``p`` to its features watermark minus ``margin_ms`` (the
         actions partition is idle: the caller decides when, by wall clock). True if it moved."""
         wf = self.wf[p]
-        if wf == NO_WATERMARK or wf - margin_ms <= self.wa[p]:
+        if wf == NO_WATERMARK or not self.wma[p].raise_to(wf - margin_ms):
             return False
         self.wa[p] = wf - margin_ms
         self.counts["idle_advances"] += 1
         self.save(p)
         return True
+
+    def rollback(self, parts: Sequence[int], counts: Counter[str]) -> None:
+        """Back to the last committed state (after ``state.rollback()``): what a record that
+        failed half-way did is undone; ``counts`` are the counters as they were then."""
+        self.out = []
+        self.counts = counts
+        self.floor.clear()
+        for p in parts:
+            self.load(p)
 
     def take(self) -> list[tuple[bytes, bytes, int]]:
         out, self.out = self.out, []

@@ -12,8 +12,9 @@ from collections.abc import Iterable
 from aiokafka.partitioner import DefaultPartitioner
 
 from joiner import sampling
-from joiner.core import JOIN, JoinCore, NO_WATERMARK
+from joiner.core import JOIN, JoinCore
 from joiner.types import JoinConfig
+from joiner.watermark import Watermark
 from proto import Action, FeatureLog
 
 
@@ -23,11 +24,16 @@ def offline_join(
     """``example_id -> (labels, sample_rate, user_id)`` for every example the joiner emits.
 
     ``events`` are ``(kind, key, value)`` in production order with the default partitioner.
+    Watermarks follow the joiner's rule (:mod:`joiner.watermark`); a feature log the features
+    watermark had passed by more than W + L + R is refused (``expired_impressions``), and only
+    the first feature log of an example id counts.
     """
     part = DefaultPartitioner()
     all_parts = list(range(n_partitions))
-    wf: dict[int, int] = defaultdict(lambda: NO_WATERMARK)
-    wa: dict[int, int] = defaultdict(lambda: NO_WATERMARK)
+    k = cfg.watermark_outliers
+    wf: dict[int, Watermark] = defaultdict(lambda: Watermark(k))
+    wa: dict[int, Watermark] = defaultdict(lambda: Watermark(k))
+    horizon = cfg.window_ms + cfg.lateness_ms + cfg.retention_ms
     impressions: dict[str, tuple[int, int, int, float]] = {}  # eid -> t, wf_before, user, rate
     actions: dict[str, list[tuple[int, int, str]]] = defaultdict(list)  # eid -> (time, wa_before, label)
     for kind, key, value in events:
@@ -35,14 +41,16 @@ def offline_join(
         if kind == "features":
             fl = FeatureLog.FromString(value)
             rate = cfg.slice_sample_rates.get(fl.model_version.model_id, cfg.negative_sample_rate)
-            for c in fl.candidates:
-                impressions.setdefault(f"{fl.request_id}/{c.item_id}", (fl.event_time_ms, wf[p], fl.user_id, rate))
-            wf[p] = max(wf[p], fl.event_time_ms)
+            wf_before = wf[p].value
+            if wf_before <= fl.event_time_ms + horizon:
+                for c in fl.candidates:
+                    impressions.setdefault(f"{fl.request_id}/{c.item_id}", (fl.event_time_ms, wf_before, fl.user_id, rate))
+            wf[p].observe(fl.event_time_ms)
         else:
             a = Action.FromString(value)
             if a.action_type in cfg.label_map:
-                actions[f"{a.request_id}/{a.item_id}"].append((a.event_time_ms, wa[p], cfg.label_map[a.action_type]))
-            wa[p] = max(wa[p], a.event_time_ms)
+                actions[f"{a.request_id}/{a.item_id}"].append((a.event_time_ms, wa[p].value, cfg.label_map[a.action_type]))
+            wa[p].observe(a.event_time_ms)
     judge = JoinCore.judge.__get__(_Rules(cfg))
     out: dict[str, tuple[dict[str, float], float, int]] = {}
     labels = cfg.labels

@@ -54,6 +54,8 @@ class JoinConfig:
       watermark passes ``action_time + G`` is an orphan and is dropped.
     * ``retention_ms`` R: closed impressions are remembered (as tombstones) until the action
       watermark passes ``impression_time + W + L + R`` so that late actions are recognised as late.
+    * ``watermark_outliers`` k: a watermark is the (k+1)-th largest distinct event time seen on
+      its partition, so k far-off events cannot move it (:mod:`joiner.watermark`).
     """
 
     window_ms: int = 900_000
@@ -67,6 +69,7 @@ class JoinConfig:
     label_map: Mapping[str, str] = field(default_factory=lambda: {"click": "click", "like": "like"})
     late_policy: str = "drop"
     positive_emit: str = "immediate"
+    watermark_outliers: int = JoinerSettings.model_fields["watermark_outliers"].default
 
     def __post_init__(self) -> None:
         if self.late_policy not in LATE_POLICIES:
@@ -78,6 +81,8 @@ class JoinConfig:
             raise ValueError(f"negative sample rates must lie in (0, 1]: {rates}")
         if len(set(self.label_map.values())) > 16:
             raise ValueError("at most 16 distinct labels")
+        if self.watermark_outliers < 0:
+            raise ValueError(f"watermark_outliers must be >= 0, not {self.watermark_outliers}")
 
     @property
     def labels(self) -> list[str]:
@@ -100,6 +105,7 @@ class JoinConfig:
             label_map=dict(s.label_map),
             late_policy=s.late_policy,
             positive_emit=s.positive_emit,
+            watermark_outliers=s.watermark_outliers,
         )
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]

@@ -79,7 +79,8 @@ def candidate_example(head: bytes, example_id: bytes, item_id: int, candidate_fe
     the context by the parser). Same message as :func:`base_example`."""
     small = _SMALL
     n = len(candidate_features)
-    return (b"\x0a" + small[len(example_id)] + example_id + head
+    m = len(example_id)
+    return (b"\x0a" + (small[m] if m < 16384 else _varint(m)) + example_id + head
             + (b"\x18" + (small[item_id] if 0 < item_id < 16384 else varint(item_id & 0xFFFFFFFFFFFFFFFF))
                if item_id else b"")
             + ((b"\x32" + (small[n] if n < 16384 else _varint(n)) + candidate_features) if n else b""))

@@ -134,6 +134,9 @@ class JoinerSettings(BaseModel):
     # replay's result then depends only on the data).
     idle_advance_seconds: float | None = None
     idle_advance_margin_seconds: float = 60.0
+    # A partition's watermark is the (k+1)-th largest distinct event time seen on it, so k
+    # far-off events (a bad client clock) cannot close every window; windows close k events later.
+    watermark_outliers: int = 2
 
 
 class TrainerSettings(BaseModel):
@@ -163,9 +166,24 @@ class ServingSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8000
     max_candidates: int = 1_000
-    feature_log_buffer: int = 10_000
-    # Seconds a feature-log send may wait for the broker before it counts as failed.
+    # Largest FeatureLog (encoded, + its request-id key) /rank logs; a larger one is a 413. A bit
+    # under Kafka's default message.max.bytes (1,048,588), so a logged request always fits the
+    # topic; the feature-log producer's max_request_size follows it.
+    feature_log_max_bytes: int = 1_000_000
+    # Seconds a feature-log send may wait for the broker before it is retried.
     feature_log_send_timeout_s: float = 2.0
+    # The feature-log spool (serving/spool.py): None means <var_dir>/serving/spool-<port>, stable
+    # across restarts so a restarted replica ships what it left.
+    spool_dir: Path | None = None
+    # Bytes of FeatureLogs the spool may hold; when unshipped ones fill it, /rank answers 503.
+    spool_max_bytes: int = 1 << 30
+    # Shipped FeatureLogs are kept this long to re-ship after a broker reset (the joiner's window).
+    spool_retention_s: float = 900.0
+    # fsync every spooled FeatureLog: survives a machine crash, not only a process kill, at a few
+    # ms per /rank instead of ~10-30 us.
+    spool_sync: bool = False
+    # A clean stop ships the spool this long at most; what is left ships at the next start.
+    spool_drain_timeout_s: float = 5.0
     # Seconds between reconnect attempts of the feature-log producer while Kafka is down.
     kafka_retry_s: float = 2.0
     # "fm" (built-in FM), a trainer model name ("deepfm", "lr") or a ModelConfig JSON path;

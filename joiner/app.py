@@ -6,148 +6,52 @@ Each batch (up to ``joiner.batch_size`` records from both input topics, or what 
 1. decode; malformed records go to the dead-letter topic (awaited) and are skipped;
 2. join in :class:`joiner.core.JoinCore` (pure, event-time rules), then close the windows the
    action watermark has passed and forget orphans/tombstones the watermarks have passed;
-3. produce the batch's examples to ``examples`` (keyed by user id) and wait for every ack;
-4. write all state changes *and the next input offsets* in one atomic RocksDB batch.
+3. ask the broker whether its data was reset (:class:`services.tansu_quirks.EpochWatch`);
+4. produce the batch's examples to ``examples`` (keyed by user id) and wait for every ack;
+5. write all state changes *and the next input offsets* in one atomic RocksDB batch.
 
-A crash anywhere before 4 replays the batch from the previous offsets against the previous state
+A crash anywhere before 5 replays the batch from the previous offsets against the previous state
 and, because every decision is deterministic, re-emits the same examples: the topic is
 at-least-once and the duplicates are exact copies with the same ``example_id``, removed by
 :func:`joiner.dedup.dedup` / the dumper. See ``joiner/README.md``.
+
+A record that decodes but makes the join raise is dead-lettered (kind ``failed``) and skipped:
+the batch is rolled back to the last commit, the records before it are applied and committed,
+and the loop goes on after it; the failure depends only on the record and the state, so a replay
+skips it the same way. A broker reset (step 3, or a recorded epoch that differs at start-up)
+keeps the committed join state, drops the batch in flight and the input offsets, and re-reads
+both topics from the start of the new topics (:mod:`joiner.offsets`); what the state remembers
+makes re-read records duplicates.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
-import math
-import shutil
 import signal
-import struct
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 from aiokafka import TopicPartition
-from aiokafka.partitioner import murmur2
-from google.protobuf.message import DecodeError
 
 from joiner import metrics as jm
 from joiner.core import JoinCore
+from joiner.kafka_io import SERVICE, BatchedSender, InputConsumer
+from joiner.offsets import LEGACY_MARKER, OffsetBook
 from joiner.stores import open_store, store_path
 from joiner.tiered import TieredState
 from joiner.types import JoinConfig
-from proto import Action, FeatureLog
 from services import metrics, tansu_quirks
-from services.codecs import MalformedMessage, codec_for, validate_feature_log
-from services.kafka import BrokerUnavailable, TypedConsumer, create_topics, producer, start_client
+from services.codecs import processing_failed
+from services.kafka import BrokerUnavailable, create_topics, producer, start_client
 from services.log import setup_logging
 from services.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
-SERVICE = "joiner"
-_I64 = struct.Struct("<q")
-
-
-def _features_ok(f: object) -> bool:
-    """Fast check of services.codecs' Features rule: every dense value finite (a float32 sum
-    cannot overflow a float64, and a nan/inf term makes the sum non-finite), no empty slot name."""
-    return math.isfinite(sum(f.dense.values())) and "" not in f.sparse  # type: ignore[attr-defined]
-
-
-def decode_feature_log(raw: bytes | None) -> FeatureLog:
-    """``codec_for(FeatureLog).decode`` with the same result and errors, faster on valid input:
-    the per-candidate validation runs as one cheap check, and the full validator (which raises
-    with the precise reason) only when that check fails."""
-    if raw is None:
-        raise MalformedMessage("undecodable", "FeatureLog value is null")
-    m = FeatureLog()
-    try:
-        m.ParseFromString(raw)
-    except (DecodeError, RuntimeError, ValueError):
-        raise MalformedMessage("undecodable", "FeatureLog does not parse") from None
-    if not (m.request_id and m.event_time_ms > 0 and m.candidates and _features_ok(m.context)
-            and all(_features_ok(c.features) for c in m.candidates)):
-        validate_feature_log(m)
-    return m
-
-
-class InputConsumer(TypedConsumer):
-    """Both input topics in one consumer (one fetch loop), each decoded with its own codec.
-
-    Manual partition assignment, no consumer group: the offsets live in the joiner's state
-    store, written in the same atomic batch as the state they produced.
-    """
-
-    def __init__(self, settings: Settings, dlq: object) -> None:
-        super().__init__(settings, SERVICE, FeatureLog, [], None, dead_letter_producer=dlq)  # type: ignore[arg-type]
-        t = settings.topics
-        self.decoders = {t.features: decode_feature_log, t.actions: codec_for(Action).decode}
-
-    async def poll_raw(self, timeout_ms: int, max_records: int) -> tuple[list, dict[TopicPartition, int]]:
-        fetched = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
-        out: list[tuple[str, int, object, int]] = []
-        positions: dict[TopicPartition, int] = {}
-        rejects = []
-        for tp, records in fetched.items():
-            if not records:
-                continue
-            decode = self.decoders[tp.topic]
-            for r in records:
-                try:
-                    value = decode(r.value)
-                except MalformedMessage as err:
-                    rejects.append(await self.dead_letter(r, err))
-                    continue
-                out.append((tp.topic, tp.partition, value, r.timestamp))
-            positions[tp] = records[-1].offset + 1
-            metrics.MESSAGES_CONSUMED.labels(SERVICE, tp.topic).inc(len(records))
-            hw = self.consumer.highwater(tp)
-            if hw is not None:
-                metrics.CONSUMER_LAG.labels(SERVICE, tp.topic, str(tp.partition)).set(max(0, hw - positions[tp]))
-        if rejects:
-            await asyncio.gather(*rejects)  # dead letters durable before their offsets are
-        return out, positions
-
-
-class BatchedSender:
-    """Produce a batch's examples as one aiokafka record batch per partition (``send_batch``)
-    instead of one ``send`` per example: the partition is the default partitioner's (murmur2 of
-    the key, memoised per key), so one user's examples keep their order exactly as with ``send``."""
-
-    def __init__(self, prod: object, topic: str, partitions: list[int]) -> None:
-        self.prod, self.topic, self.partitions = prod, topic, sorted(partitions)
-        self._part: dict[bytes, int] = {}
-
-    def partition(self, key: bytes) -> int:
-        p = self._part.get(key)
-        if p is None:
-            if len(self._part) > 1_000_000:
-                self._part.clear()
-            p = self._part[key] = self.partitions[(murmur2(key) & 0x7FFFFFFF) % len(self.partitions)]
-        return p
-
-    async def send_all(self, records: list[tuple[bytes, bytes, int]]) -> None:
-        """Send every ``(key, value, _)`` and wait until all are acknowledged."""
-        prod = self.prod
-        batches: dict[int, object] = {}
-        futures = []
-        partition = self.partition
-        for key, value, _ in records:
-            p = partition(key)
-            b = batches.get(p)
-            if b is None:
-                b = batches[p] = prod.create_batch()  # type: ignore[attr-defined]
-            if b.append(key=key, value=value, timestamp=None) is None:  # type: ignore[attr-defined]
-                b.close()  # type: ignore[attr-defined]
-                futures.append(await prod.send_batch(b, self.topic, partition=p))  # type: ignore[attr-defined]
-                b = batches[p] = prod.create_batch()  # type: ignore[attr-defined]
-                if b.append(key=key, value=value, timestamp=None) is None:  # type: ignore[attr-defined]
-                    raise ValueError(f"an example of {len(value)} bytes exceeds the producer's max_batch_size")
-        for p, b in batches.items():
-            b.close()  # type: ignore[attr-defined]
-            futures.append(await prod.send_batch(b, self.topic, partition=p))  # type: ignore[attr-defined]
-        await asyncio.gather(*futures)
 
 
 STATE_FORMAT = b"2"  # 2: time-index entries per FeatureLog group (joiner.core), value = item ids
@@ -159,7 +63,6 @@ def _check_state_format(store: object, url: str) -> None:
     if fmt == STATE_FORMAT:
         return
     if fmt is not None or next(iter(store.scan(b"", b"\xff")), None) is not None:  # type: ignore[attr-defined]
-        store.close()  # type: ignore[attr-defined]
         raise RuntimeError(f"joiner state at {url} has format {fmt!r}, this joiner writes {STATE_FORMAT!r}: "
                            "remove it to rebuild the state from the input topics")
     store.write({b"Mformat": STATE_FORMAT})  # type: ignore[attr-defined]
@@ -171,6 +74,131 @@ def default_store_url(settings: Settings) -> str:
 
 def _offset_key(tp: TopicPartition) -> bytes:
     return b"Moff:" + tp.topic.encode() + b":" + str(tp.partition).encode()
+
+
+def _apply(changes: dict[bytes, bytes | None], state: TieredState) -> None:
+    for key, value in changes.items():
+        if value is None:
+            state.delete(key)
+        else:
+            state.put(key, value)
+
+
+def _positions_of(records: Sequence[tuple]) -> dict[TopicPartition, int]:
+    """The next offset per partition after ``records`` (raw record last in each tuple)."""
+    return {TopicPartition(r[-1].topic, r[-1].partition): r[-1].offset + 1 for r in records}
+
+
+class _Batches:
+    """The per-batch steps of :func:`run` over its open resources: join, commit, and the two ways
+    off the straight path (a record that fails, a broker reset)."""
+
+    def __init__(self, settings: Settings, core: JoinCore, state: TieredState, consumer: InputConsumer,
+                 sender: BatchedSender, watch: tansu_quirks.EpochWatch, book: OffsetBook, parts: list[int]) -> None:
+        self.settings, self.core, self.state, self.consumer = settings, core, state, consumer
+        self.sender, self.watch, self.book, self.parts = sender, watch, book, parts
+        self.features_topic = settings.topics.features
+        self.spill_after_ms = int(settings.joiner.spill_after_seconds * 1000)
+        self.published: dict[str, int] = {}
+
+    async def finish(self, positions: dict[TopicPartition, int], highwaters: dict[TopicPartition, int],
+                     started: float, counts: Counter[str] | None = None) -> bool:
+        """Produce the batch's examples, then commit its state and ``positions`` atomically.
+
+        False if the broker's data was reset: then the batch is dropped (rolled back, ``counts``
+        being the counters before it) and both inputs are re-read from the new topics' start."""
+        core, state, book = self.core, self.state, self.book
+        # The commit is the point of no return for these offsets: check that they still name
+        # records of this broker's data (about a millisecond).
+        reset_to = await self.watch.check() if positions else None
+        if reset_to is not None:
+            await self.reset(reset_to, counts if counts is not None else Counter(core.counts))
+            return False
+        out = core.take()
+        if out:
+            await self.sender.send_all(out)
+            now_ms = time.time() * 1000
+            for _, _, ref in out:
+                if ref:
+                    jm.JOIN_LATENCY.observe(max(0.0, (now_ms - ref) / 1000))
+            jm.EXAMPLES.inc(len(out))
+            metrics.MESSAGES_PRODUCED.labels(SERVICE, self.settings.topics.examples).inc(len(out))
+        _apply(book.commit(positions, highwaters), state)
+        state.commit()
+        jm.SPILLED.inc(state.evict(min(core.wf[p] for p in self.parts) - self.spill_after_ms))
+        _publish(core, state, self.parts, self.published)
+        jm.BATCH_SECONDS.observe(time.perf_counter() - started)
+        return True
+
+    async def reset(self, epoch: str, counts: Counter[str]) -> None:
+        """The broker's data was reset under a batch: drop the batch, keep the committed state,
+        drop the offsets and re-read both inputs from the start of the new topics.
+
+        The batch may hold records read at the old offsets from the *new* topics (the later ones
+        of a partition before the earlier ones): joining them would move the watermarks past the
+        records skipped, which would then come as late; so nothing of it is kept. Records of the
+        old data in it are lost with the rest of what was not committed (counted)."""
+        self.state.rollback()
+        self.core.rollback(self.parts, counts)
+        changes, lost = self.book.reset(self.state.peek, epoch)
+        _apply(changes, self.state)
+        self.state.commit()
+        await create_topics(self.settings)  # (the reset removed them; a producer may not have yet)
+        for tp in self.book.tps:
+            await self.consumer.consumer.seek_to_beginning(tp)
+        log.warning("broker reset: the join state is kept, both inputs are re-read from the start of the new "
+                    "topics; records not consumed before the reset are lost: %s", lost)
+
+    def join(self, records: Sequence[tuple], touched: set[int]) -> tuple[int, Exception] | None:
+        """Apply the records, then advance the touched partitions. On a record that raises:
+        its index and the error (the state is half-changed then: roll it back)."""
+        core, features = self.core, self.features_topic
+        i = 0
+        try:
+            for i, (topic, p, value, ts, _) in enumerate(records):
+                touched.add(p)
+                if topic == features:
+                    core.on_features(p, value, ts)
+                else:
+                    core.on_action(p, value, ts)
+        except (MemoryError, OSError):
+            raise  # the machine's fault, not the record's
+        except Exception as err:  # noqa: BLE001 - whatever a record triggers, it must not loop
+            return i, err
+        for p in sorted(touched):
+            core.advance(p)
+        return None
+
+    async def process(self, records: list[tuple], positions: dict[TopicPartition, int],
+                      highwaters: dict[TopicPartition, int], touched: set[int]) -> None:
+        """Join one polled batch and commit it. A record that fails is dead-lettered and skipped:
+        the others are joined as if it were not there, so a replay skips it the same way."""
+        started = time.perf_counter()
+        while True:
+            counts = Counter(self.core.counts)
+            failed = self.join(records, set(touched))
+            if failed is None:
+                await self.finish(positions, highwaters, started, counts)
+                return
+            i, err = failed
+            self.state.rollback()
+            self.core.rollback(self.parts, counts)
+            if i:
+                if self.join(records[:i], set(touched)) is not None:
+                    raise RuntimeError("records that joined a moment ago failed on a second try") from err
+                if not await self.finish(_positions_of(records[:i]), {}, started, counts):
+                    return  # a broker reset: everything is read again
+            bad = records[i][-1]
+            await (await self.consumer.dead_letter(bad, processing_failed(err)))
+            self.core.counts["failed_records"] += 1
+            records, touched = records[i + 1:], set()
+
+    async def advance(self, parts: Sequence[int], *, drain: bool = False) -> None:
+        """Close what the watermarks passed (or everything, ``drain``) as a batch of its own."""
+        started = time.perf_counter()
+        for p in parts:
+            self.core.advance(p, drain=drain)
+        await self.finish({}, {}, started)
 
 
 async def run(
@@ -201,92 +229,69 @@ async def run(
     stop = stop or asyncio.Event()
     js = settings.joiner
     cfg = config or JoinConfig.from_settings(js)
+    if idle_advance_s is ...:
+        idle_advance_s = js.idle_advance_seconds
+    idle_margin_ms = int((js.idle_advance_margin_seconds if idle_advance_margin_s is None else idle_advance_margin_s) * 1000)
     tansu_quirks.install()
     await create_topics(settings)
     url = store_url or default_store_url(settings)
-    if url.startswith("rocksdb://"):
-        path = Path(store_path(url))
-        epoch = await tansu_quirks.ensure_broker_epoch(settings)
-        if not tansu_quirks.state_matches_broker(path, epoch):
-            shutil.rmtree(path)
-            tansu_quirks.state_matches_broker(path, epoch)
-    store = open_store(url)
-    _check_state_format(store, url)
-    state = TieredState(store, js.cache_size if cache_size is None else cache_size)
-    core = JoinCore(state, cfg)
-    spill_after_ms = int(js.spill_after_seconds * 1000)
-    if idle_advance_s is ...:
-        idle_advance_s = js.idle_advance_seconds
-    if idle_advance_margin_s is None:
-        idle_advance_margin_s = js.idle_advance_margin_seconds
-    idle_margin_ms = int(idle_advance_margin_s * 1000)
-    prod = producer(settings)
-    await start_client(prod, settings)
-    consumer = InputConsumer(settings, prod)
-    totals: dict[str, int] = {}
-    try:
+    core: JoinCore | None = None
+    async with contextlib.AsyncExitStack() as resources:
+        watch = tansu_quirks.EpochWatch(settings, SERVICE)
+        resources.push_async_callback(watch.stop)
+        epoch = await watch.start()
+        store = open_store(url)
+        resources.callback(store.close)
+        _check_state_format(store, url)
+        state = TieredState(store, js.cache_size if cache_size is None else cache_size)
+        core = JoinCore(state, cfg)
+        prod = producer(settings)
+        await start_client(prod, settings)
+        resources.push_async_callback(prod.stop)
+        consumer = InputConsumer(settings, prod)
+        resources.push_async_callback(consumer.stop)
         await consumer.start()
         c = consumer.consumer
-        await c.topics()  # full metadata
-        t = settings.topics
-        nf, na = c.partitions_for_topic(t.features) or set(), c.partitions_for_topic(t.actions) or set()
-        if len(nf) != len(na) or not nf:
-            raise RuntimeError(
-                f"{t.features} has {len(nf)} partitions and {t.actions} {len(na)}: the joiner needs "
-                "both keyed by request_id with the same partition count, so one request's features "
-                "and actions share a partition number"
-            )
-        parts = sorted(nf) if partitions is None else sorted(partitions)
-        sender = BatchedSender(prod, t.examples, sorted(await prod.partitions_for(t.examples)))
-        tps = [TopicPartition(topic, p) for p in parts for topic in (t.features, t.actions)]
+        parts, tps = await _assignment(c, settings, partitions)
+        book = OffsetBook(SERVICE, tps, _offset_key, prefix=b"M")
+        state_dir = Path(store_path(url)) if url.startswith("rocksdb://") else None
+        _apply(book.at_start(state.peek, epoch, state_dir, "the join state (waiting impressions, tombstones, "
+                             "watermarks)"), state)
+        state.commit()
+        if state_dir is not None:
+            (state_dir / LEGACY_MARKER).unlink(missing_ok=True)  # the epoch lives in the store now
         c.assign(tps)
+        stored = book.positions(state.peek)
         for tp in tps:
-            raw = state.peek(_offset_key(tp))
-            if raw is None:
-                await c.seek_to_beginning(tp)
+            if tp in stored:
+                c.seek(tp, stored[tp])
             else:
-                c.seek(tp, _I64.unpack(raw)[0])
+                await c.seek_to_beginning(tp)
         for p in parts:
             core.load(p)
-        log.info("joiner started: partitions %s, store %s, window %.0f s", parts, url, cfg.window_ms / 1000)
+        t = settings.topics
+        batches = _Batches(settings, core, state, consumer,
+                           BatchedSender(prod, t.examples, sorted(await prod.partitions_for(t.examples))),
+                           watch, book, parts)
+        log.info("joiner started: partitions %s, store %s, window %.0f s, broker epoch %s",
+                 parts, url, cfg.window_ms / 1000, epoch)
         metrics.SERVICE_UP.labels(SERVICE).set(1)
-
-        async def finish_batch(positions: dict[TopicPartition, int], started: float) -> None:
-            out = core.take()
-            if out:
-                await sender.send_all(out)
-                now_ms = time.time() * 1000
-                for _, _, ref in out:
-                    if ref:
-                        jm.JOIN_LATENCY.observe(max(0.0, (now_ms - ref) / 1000))
-                jm.EXAMPLES.inc(len(out))
-                metrics.MESSAGES_PRODUCED.labels(SERVICE, t.examples).inc(len(out))
-            for tp, off in positions.items():
-                state.put(_offset_key(tp), _I64.pack(off))
-            state.commit()
-            cutoff = min(core.wf[p] for p in parts) - spill_after_ms
-            jm.SPILLED.inc(state.evict(cutoff))
-            _publish(core, state, parts, published)
-            jm.BATCH_SECONDS.observe(time.perf_counter() - started)
-
-        published: dict[str, int] = {}
+        resources.callback(metrics.SERVICE_UP.labels(SERVICE).set, 0)
         # Close what the committed watermarks already passed (only ever something after an idle
-        # advance that was committed just before a crash), as a batch of its own.
-        started = time.perf_counter()
-        for p in parts:
-            core.advance(p)
-        await finish_batch({}, started)
+        # advance that was committed just before a crash).
+        await batches.advance(parts)
         idle_since = time.monotonic()
         last_action = {p: idle_since for p in parts}  # wall time of the last action per partition
         if timings is not None:
             timings["loop_start"] = time.perf_counter()
         while not stop.is_set():
-            records, positions = await consumer.poll_raw(int(js.batch_timeout_s * 1000), js.batch_size)
+            records, positions, highwaters = await consumer.poll_raw(int(js.batch_timeout_s * 1000), js.batch_size)
             now = time.monotonic()
             bumped: list[int] = []
             if idle_advance_s is not None:
-                for _, p, _, _ in (r for r in records if r[0] == t.actions):
-                    last_action[p] = now
+                for r in records:
+                    if r[0] == t.actions:
+                        last_action[r[1]] = now
                 assert not state.dirty, "between batches"
                 bumped = [p for p in parts if now - last_action[p] >= idle_advance_s
                           and core.idle_advance(p, idle_margin_ms)]
@@ -296,46 +301,39 @@ async def run(
                     # replays with it, so the re-emitted examples are still exact copies.
                     state.commit()
                     jm.IDLE_ADVANCES.inc(len(bumped))
-            if not positions:
-                if bumped:
-                    started = time.perf_counter()
-                    for p in bumped:
-                        core.advance(p)
-                    await finish_batch({}, started)
-                if until_idle_s is not None and now - idle_since >= until_idle_s:
-                    if await _caught_up(c, tps):
-                        started = time.perf_counter()
-                        for p in parts:
-                            core.advance(p, drain=True)
-                        await finish_batch({}, started)
-                        if timings is not None:
-                            timings["drain_s"] = time.perf_counter() - started
-                        log.info("input idle for %.1f s and fully consumed: drained, stopping", until_idle_s)
-                        break
+            if positions:
+                idle_since = now
+                await batches.process(records, positions, highwaters, set(bumped))
+                if timings is not None:
+                    timings["last_batch_end"] = time.perf_counter()
                 continue
-            idle_since = now
-            started = time.perf_counter()
-            touched = set(bumped)
-            for topic, p, value, ts in records:
-                touched.add(p)
-                if topic == t.features:
-                    core.on_features(p, value, ts)
-                else:
-                    core.on_action(p, value, ts)
-            for p in sorted(touched):
-                core.advance(p)
-            await finish_batch(positions, started)
-            if timings is not None:
-                timings["last_batch_end"] = time.perf_counter()
-    finally:
-        totals = dict(core.counts)
-        metrics.SERVICE_UP.labels(SERVICE).set(0)
-        try:
-            await consumer.stop()
-        finally:
-            await prod.stop()
-            store.close()
-    return totals
+            if bumped:
+                await batches.advance(bumped)
+            if until_idle_s is not None and now - idle_since >= until_idle_s and await _caught_up(c, tps):
+                started = time.perf_counter()
+                await batches.advance(parts, drain=True)
+                if timings is not None:
+                    timings["drain_s"] = time.perf_counter() - started
+                log.info("input idle for %.1f s and fully consumed: drained, stopping", until_idle_s)
+                break
+    return dict(core.counts) if core is not None else {}
+
+
+async def _assignment(c: object, settings: Settings, partitions: Sequence[int] | None
+                      ) -> tuple[list[int], list[TopicPartition]]:
+    """This worker's partitions and input topic-partitions (both inputs need as many partitions)."""
+    await c.topics()  # type: ignore[attr-defined]  # full metadata
+    t = settings.topics
+    nf = c.partitions_for_topic(t.features) or set()  # type: ignore[attr-defined]
+    na = c.partitions_for_topic(t.actions) or set()  # type: ignore[attr-defined]
+    if len(nf) != len(na) or not nf:
+        raise RuntimeError(
+            f"{t.features} has {len(nf)} partitions and {t.actions} {len(na)}: the joiner needs "
+            "both keyed by request_id with the same partition count, so one request's features "
+            "and actions share a partition number"
+        )
+    parts = sorted(nf) if partitions is None else sorted(partitions)
+    return parts, [TopicPartition(topic, p) for p in parts for topic in (t.features, t.actions)]
 
 
 async def _caught_up(c: object, tps: list[TopicPartition]) -> bool:

@@ -25,20 +25,30 @@ after unifying schemas (:func:`read_examples` does), missing columns read as nul
 
 Exactly once: the joiner's topic is at-least-once with exact duplicates. The dumper keeps the
 example_ids it has written and its own input offsets in RocksDB (``<var>/examples/_state``).
-Ids are pruned once their event time is ``dedup_horizon_s`` behind the newest example written
-(:func:`default_dedup_horizon_s`: beyond the joiner's maximum re-emission distance), so the state
-stays bounded; an example older than the horizon is written without a dedup guarantee and
-counted (``beyond_horizon``). A
-flush writes each file to a temp name, fsyncs and renames it, *then* commits ids + offsets +
-the flush sequence number in one atomic batch. After a crash, part files with a sequence number
-above the committed one are deleted (their records are re-read from the committed offsets), so
-each example_id is in exactly one file.
+Ids are pruned once their event time is ``dedup_horizon_s`` behind the dedup clock (the
+(k+1)-th newest distinct example time written, k = ``joiner.watermark_outliers``, so one
+far-future example cannot make it forget every id; :func:`default_dedup_horizon_s`: beyond the
+joiner's maximum re-emission distance), so the state stays bounded; an example older than the
+horizon is written without a dedup guarantee and counted (``beyond_horizon``). A flush writes
+each file to a temp name, fsyncs and renames it, *then* commits ids + offsets + the flush
+sequence number in one atomic batch.
+
+Nothing here deletes a Parquet part file. After a crash between the rename and the commit, the
+part files above the committed sequence number are *adopted*: their example ids join the dedup
+state and the sequence number moves past them, so their rows stay even when their records can no
+longer be re-read (a broker reset), and the records that are re-read are duplicates. Only temp
+files are removed (a file that cannot be read is renamed ``*.unreadable`` and left alone). A
+broker reset (:mod:`joiner.offsets`: noticed before each flush commit and at start-up) keeps the
+files and the dedup state and drops only the input offsets: the new topic is read from its start.
+An example that decodes but cannot be written (an event time beyond the calendar) is
+dead-lettered (kind ``failed``) instead of stopping the dumper.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import struct
@@ -52,10 +62,13 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 from aiokafka import TopicPartition
 
+from joiner.offsets import LEGACY_MARKER, OffsetBook
 from joiner.stores.rocksdb import RocksDBStore
+from joiner.watermark import Watermark
 from proto import Example
 from services.atomic import write_parquet_atomic
 from services import metrics, tansu_quirks
+from services.codecs import MalformedMessage, processing_failed
 from services.kafka import BrokerUnavailable, TypedConsumer, create_topics
 from services.log import setup_logging
 from services.settings import Settings, get_settings
@@ -132,14 +145,38 @@ def _part_seq(path: Path) -> int:
     return int(path.name.split("-")[1])
 
 
-def recover(root: Path, committed_seq: int) -> int:
-    """Delete temp files and part files of flushes that never committed; return how many."""
-    removed = 0
-    for path in list(root.glob("dt=*/hour=*/*")):
-        if path.name.endswith(".tmp") or (path.name.startswith("part-") and _part_seq(path) > committed_seq):
+def _is_temp(path: Path) -> bool:
+    """A temp file of :func:`services.atomic.atomic_target` (``.<name>.tmp-<pid>``) or an older ``*.tmp``."""
+    return path.name.endswith(".tmp") or (path.name.startswith(".") and ".tmp-" in path.name)
+
+
+def recover(root: Path, committed_seq: int) -> tuple[dict[str, int], int]:
+    """After a crash: remove temp files and read the part files of flushes that renamed their
+    files but never committed (sequence number above ``committed_seq``), to be adopted.
+
+    Returns their ``example_id -> event_time_ms`` and the highest sequence number among all part
+    files (at least ``committed_seq``), so the next flush's file names are new. A part file that
+    cannot be read is renamed ``<name>.unreadable`` (kept, outside :func:`read_examples`)."""
+    adopted: dict[str, int] = {}
+    top = committed_seq
+    for path in sorted(root.glob("dt=*/hour=*/*")):
+        if _is_temp(path):
             path.unlink()
-            removed += 1
-    return removed
+            continue
+        if not (path.name.startswith("part-") and path.name.endswith(".parquet")):
+            continue
+        seq = _part_seq(path)
+        if seq <= committed_seq:
+            continue
+        try:
+            table = pq.read_table(path, columns=["example_id", "event_time_ms"])
+        except (OSError, pa.ArrowException) as err:
+            log.error("part file %s cannot be read (%s): renamed *.unreadable, its rows are not adopted", path, err)
+            path.rename(path.with_name(path.name + ".unreadable"))
+            continue
+        top = max(top, seq)
+        adopted.update(zip(table["example_id"].to_pylist(), table["event_time_ms"].to_pylist()))
+    return adopted, top
 
 
 def read_examples(root: Path) -> pa.Table:
@@ -155,6 +192,134 @@ def read_examples(root: Path) -> pa.Table:
     ).to_table()
 
 
+class _Dumper:
+    """The dumper's state between flushes over its open resources (see :func:`run`)."""
+
+    def __init__(self, settings: Settings, root: Path, store: RocksDBStore, consumer: TypedConsumer,
+                 watch: tansu_quirks.EpochWatch, book: OffsetBook, horizon_ms: int) -> None:
+        self.root, self.store, self.consumer, self.watch, self.book = root, store, consumer, watch, book
+        self.settings = settings
+        self.horizon_ms = horizon_ms
+        self.labels = sorted(set(settings.joiner.label_map.values()))
+        raw_seq = store.get(b"seq")
+        self.seq = _I64.unpack(raw_seq)[0] if raw_seq else 0
+        raw_max = store.get(b"maxt")  # (a store from before the outlier-robust clock)
+        self.clock = Watermark.decode(store.get(b"clock"), settings.joiner.watermark_outliers,
+                                      _I64.unpack(raw_max)[0] if raw_max else 0)
+        self.buffered: dict[Path, list[Example]] = defaultdict(list)
+        self.buffered_ids: dict[str, int] = {}  # example_id -> event time
+        self.positions: dict[TopicPartition, int] = {}
+        self.highwaters: dict[TopicPartition, int] = {}
+        self.first_at: float | None = None
+        self.prune_floor = 0
+        self.totals = {"examples": 0, "duplicates": 0, "files": 0, "pruned_ids": 0, "beyond_horizon": 0,
+                       "failed": 0, "adopted_rows": 0}
+
+    def adopt(self) -> None:
+        """Take over the part files of a flush that crashed before its commit (:func:`recover`)."""
+        ids, top = recover(self.root, self.seq)
+        if ids or top > self.seq:
+            log.warning("adopted %d rows of part files above the committed flush %d (a crash between "
+                        "their rename and the commit): their records read again are duplicates", len(ids), self.seq)
+            self.buffered_ids = ids
+            self.seq = top - 1  # _commit writes seq + 1
+            self._commit({}, write_files=False)
+            self.totals["adopted_rows"] += len(ids)
+
+    def take(self, r: object) -> None:
+        """One record: decoded, deduplicated, buffered for its hour's file. Raises
+        :class:`MalformedMessage` for a record that does not decode, anything else for one that
+        cannot be written (nothing is buffered then)."""
+        e = self.consumer.codec.decode(r.value)  # type: ignore[attr-defined]
+        if e.example_id in self.buffered_ids or self.store.get(b"S" + e.example_id.encode()) is not None:
+            self.totals["duplicates"] += 1
+            return
+        directory = hour_dir(self.root, e.event_time_ms)
+        if e.event_time_ms < self.clock.value - self.horizon_ms:
+            self.totals["beyond_horizon"] += 1  # its id may have been pruned: written anyway
+        self.buffered_ids[e.example_id] = e.event_time_ms
+        self.buffered[directory].append(e)
+
+    async def poll(self, timeout_ms: int) -> bool:
+        """Fetch and take a batch; True if there were records."""
+        c = self.consumer.consumer
+        fetched = await c.getmany(timeout_ms=timeout_ms, max_records=self.settings.joiner.batch_size)
+        got = False
+        for tp, records in fetched.items():
+            for r in records:
+                got = True
+                try:
+                    self.take(r)
+                except MalformedMessage as err:
+                    await (await self.consumer.dead_letter(r, err))
+                except (MemoryError, OSError):
+                    raise  # the machine's fault, not the record's
+                except Exception as err:  # noqa: BLE001 - a record must not stop the dumper for good
+                    self.totals["failed"] += 1
+                    await (await self.consumer.dead_letter(r, processing_failed(err)))
+            if records:
+                self.positions[tp] = records[-1].offset + 1
+                hw = c.highwater(tp)
+                if hw is not None:
+                    self.highwaters[tp] = hw
+                metrics.MESSAGES_CONSUMED.labels(SERVICE, tp.topic).inc(len(records))
+        return got
+
+    async def flush(self) -> None:
+        """Write the buffered rows (one file per hour), then commit ids, offsets and the sequence
+        number; on a broker reset noticed just before the commit, the offsets are dropped and the
+        new topic is read from its start."""
+        if not self.positions:
+            return
+        reset_to = await self.watch.check()
+        if reset_to is None:
+            changes = self.book.commit(self.positions, self.highwaters)
+        else:
+            changes, lost = self.book.reset(self.store.get, reset_to)
+            log.warning("broker reset: Parquet files and dedup ids are kept, the examples topic is re-read "
+                        "from its start; examples not consumed before the reset are lost: %s", lost)
+        self.totals["examples"] += len(self.buffered_ids)
+        self._commit(changes, write_files=True)
+        if reset_to is not None:
+            for tp in self.book.tps:
+                await self.consumer.consumer.seek_to_beginning(tp)
+
+    def _commit(self, changes: dict[bytes, bytes | None], *, write_files: bool) -> None:
+        self.seq += 1
+        seq = self.seq
+        if write_files:
+            for n, (directory, rows) in enumerate(sorted(self.buffered.items())):
+                write_parquet_atomic(flatten(rows, self.labels), directory / f"part-{seq:010d}-{n:04d}.parquet")
+                self.totals["files"] += 1
+        for t in self.buffered_ids.values():
+            self.clock.observe(t)
+        # Forget the ids the horizon has passed (nothing re-emits them any more), those of this
+        # flush included.
+        cutoff = self.clock.value - self.horizon_ms
+        for eid, t in self.buffered_ids.items():
+            if t < cutoff:
+                self.totals["pruned_ids"] += 1
+                continue
+            e = eid.encode()
+            changes[b"S" + e] = b""
+            changes[b"E" + _TS.pack(max(t, 0)) + e] = b""  # event-time index, for pruning
+        if cutoff > self.prune_floor:
+            # (from the last cutoff, so the scan does not step over the deleted keys again)
+            for key, _ in self.store.scan(b"E" + _TS.pack(max(self.prune_floor, 0)), b"E" + _TS.pack(max(cutoff, 0))):
+                changes[key] = None
+                changes[b"S" + key[9:]] = None
+                self.totals["pruned_ids"] += 1
+            self.prune_floor = cutoff
+        changes[b"seq"] = _I64.pack(seq)
+        changes[b"clock"] = self.clock.encode()
+        self.store.write(changes)
+        self.buffered.clear()
+        self.buffered_ids.clear()
+        self.positions.clear()
+        self.highwaters.clear()
+        self.first_at = None
+
+
 async def run(
     settings: Settings,
     *,
@@ -165,8 +330,8 @@ async def run(
     flush_interval_s: float = 30.0,
     dedup_horizon_s: float | None = None,
 ) -> dict[str, int]:
-    """Dump until ``stop`` (or ``until_idle_s`` of no input). Written ids are remembered for
-    ``dedup_horizon_s`` of event time behind the newest example seen (default
+    """Dump until ``stop`` (or ``until_idle_s`` of no input), then flush. Written ids are
+    remembered for ``dedup_horizon_s`` of event time behind the dedup clock (default
     :func:`default_dedup_horizon_s`); older ones are pruned at each flush."""
     stop = stop or asyncio.Event()
     horizon_ms = int((default_dedup_horizon_s(settings) if dedup_horizon_s is None else dedup_horizon_s) * 1000)
@@ -174,117 +339,45 @@ async def run(
     root.mkdir(parents=True, exist_ok=True)
     tansu_quirks.install()
     await create_topics(settings)
-    epoch = await tansu_quirks.ensure_broker_epoch(settings)
     state_path = root / "_state"
-    if not tansu_quirks.state_matches_broker(state_path, epoch):
-        # The broker lost its data: offsets are meaningless, but written files stay valid.
-        import shutil
-
-        shutil.rmtree(state_path)
-        tansu_quirks.state_matches_broker(state_path, epoch)
-    store = RocksDBStore(f"rocksdb://{state_path}")
-    raw_seq = store.get(b"seq")
-    seq = _I64.unpack(raw_seq)[0] if raw_seq else 0
-    raw_max = store.get(b"maxt")
-    max_t = _I64.unpack(raw_max)[0] if raw_max else 0  # newest example event time written
-    removed = recover(root, seq)
-    if removed:
-        log.warning("removed %d part files of a flush that did not commit (crash); re-reading them", removed)
-    labels = sorted(set(settings.joiner.label_map.values()))
-    consumer = TypedConsumer(settings, SERVICE, Example, [], None)
-    totals = {"examples": 0, "duplicates": 0, "files": 0, "pruned_ids": 0, "beyond_horizon": 0}
-    try:
+    async with contextlib.AsyncExitStack() as resources:
+        watch = tansu_quirks.EpochWatch(settings, SERVICE)
+        resources.push_async_callback(watch.stop)
+        epoch = await watch.start()
+        store = RocksDBStore(f"rocksdb://{state_path}")
+        resources.callback(store.close)
+        consumer = TypedConsumer(settings, SERVICE, Example, [], None)
+        resources.push_async_callback(consumer.stop)
         await consumer.start()
         c = consumer.consumer
         await c.topics()
         topic = settings.topics.examples
         tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or [])]
+        book = OffsetBook(SERVICE, tps, lambda tp: b"off:" + str(tp.partition).encode())
+        store.write(book.at_start(store.get, epoch, state_path, "the Parquet files and the dedup ids"))
+        (state_path / LEGACY_MARKER).unlink(missing_ok=True)  # the epoch lives in the store now
+        d = _Dumper(settings, root, store, consumer, watch, book, horizon_ms)
+        d.adopt()
         c.assign(tps)
+        stored = book.positions(store.get)
         for tp in tps:
-            raw = store.get(b"off:" + str(tp.partition).encode())
-            if raw is None:
-                await c.seek_to_beginning(tp)
+            if tp in stored:
+                c.seek(tp, stored[tp])
             else:
-                c.seek(tp, _I64.unpack(raw)[0])
-        buffered: dict[Path, list[Example]] = defaultdict(list)
-        buffered_ids: dict[str, int] = {}  # example_id -> event time
-        positions: dict[TopicPartition, int] = {}
-        first_at = None
+                await c.seek_to_beginning(tp)
         idle_since = time.monotonic()
-        prune_floor = [0]
-
-        def flush() -> None:
-            nonlocal seq, first_at, max_t
-            if not positions:
-                return
-            seq += 1
-            for n, (directory, rows) in enumerate(sorted(buffered.items())):
-                write_parquet_atomic(flatten(rows, labels), directory / f"part-{seq:010d}-{n:04d}.parquet")
-                totals["files"] += 1
-            changes: dict[bytes, bytes | None] = {}
-            max_t = max([max_t, *buffered_ids.values()])
-            # Forget the ids the horizon has passed (nothing re-emits them any more), those of
-            # this flush included.
-            cutoff = max_t - horizon_ms
-            for eid, t in buffered_ids.items():
-                if t < cutoff:
-                    totals["pruned_ids"] += 1
-                    continue
-                e = eid.encode()
-                changes[b"S" + e] = b""
-                changes[b"E" + _TS.pack(max(t, 0)) + e] = b""  # event-time index, for pruning
-            if cutoff > prune_floor[0]:
-                # (from the last cutoff, so the scan does not step over the deleted keys again)
-                for key, _ in store.scan(b"E" + _TS.pack(prune_floor[0]), b"E" + _TS.pack(cutoff)):
-                    changes[key] = None
-                    changes[b"S" + key[9:]] = None
-                    totals["pruned_ids"] += 1
-                prune_floor[0] = cutoff
-            for tp, off in positions.items():
-                changes[b"off:" + str(tp.partition).encode()] = _I64.pack(off)
-            changes[b"seq"] = _I64.pack(seq)
-            changes[b"maxt"] = _I64.pack(max_t)
-            store.write(changes)
-            totals["examples"] += len(buffered_ids)
-            buffered.clear()
-            buffered_ids.clear()
-            positions.clear()
-            first_at = None
-
         while not stop.is_set():
-            fetched = await c.getmany(timeout_ms=500, max_records=settings.joiner.batch_size)
-            got = False
-            for tp, records in fetched.items():
-                for r in records:
-                    got = True
-                    try:
-                        e = consumer.codec.decode(r.value)
-                    except Exception as err:  # MalformedMessage: dead-letter, skip
-                        await (await consumer.dead_letter(r, err))  # type: ignore[arg-type]
-                        continue
-                    if e.example_id in buffered_ids or store.get(b"S" + e.example_id.encode()) is not None:
-                        totals["duplicates"] += 1
-                        continue
-                    if e.event_time_ms < max_t - horizon_ms:
-                        totals["beyond_horizon"] += 1  # its id may have been pruned: written anyway
-                    buffered_ids[e.example_id] = e.event_time_ms
-                    buffered[hour_dir(root, e.event_time_ms)].append(e)
-                if records:
-                    positions[tp] = records[-1].offset + 1
-                    metrics.MESSAGES_CONSUMED.labels(SERVICE, topic).inc(len(records))
+            got = await d.poll(500)
             now = time.monotonic()
             if got:
                 idle_since = now
-                first_at = first_at or now
-            if len(buffered_ids) >= flush_rows or (first_at and now - first_at >= flush_interval_s):
-                flush()
+                d.first_at = d.first_at or now
+            if len(d.buffered_ids) >= flush_rows or (d.first_at and now - d.first_at >= flush_interval_s):
+                await d.flush()
             if not got and until_idle_s is not None and now - idle_since >= until_idle_s:
                 break
-        flush()
-    finally:
-        await consumer.stop()
-        store.close()
-    return totals
+        await d.flush()
+    return d.totals
 
 
 def main(argv: list[str] | None = None) -> int:

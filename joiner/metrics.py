@@ -6,6 +6,11 @@ from prometheus_client import Counter, Gauge, Histogram
 
 IMPRESSIONS = Counter("driftline_joiner_impressions_total", "Impressions (candidates of feature logs) consumed.")
 DUPLICATE_IMPRESSIONS = Counter("driftline_joiner_duplicate_impressions_total", "Impressions seen again and ignored.")
+EXPIRED_IMPRESSIONS = Counter(
+    "driftline_joiner_expired_impressions_total",
+    "Impressions refused: the features watermark had passed them by more than W + L + R, so their "
+    "tombstone may be gone and they cannot be told from a repeat (a re-sent or re-read feature log).",
+)
 ACTIONS = Counter("driftline_joiner_actions_total", "Actions consumed.")
 UNMAPPED = Counter("driftline_joiner_unmapped_actions_total", "Actions whose type maps to no label.")
 JOINS = Counter("driftline_joiner_joined_actions_total", "Actions joined to their impression.")
@@ -41,6 +46,7 @@ EXAMPLES = Counter("driftline_joiner_examples_produced_total", "Example messages
 _COUNTERS = {
     "impressions": IMPRESSIONS,
     "duplicate_impressions": DUPLICATE_IMPRESSIONS,
+    "expired_impressions": EXPIRED_IMPRESSIONS,
     "actions": ACTIONS,
     "unmapped_actions": UNMAPPED,
     "joins": JOINS,

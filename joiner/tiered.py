@@ -119,6 +119,13 @@ class TieredState:
         self._dirty_index.clear()
         return n
 
+    def rollback(self) -> None:
+        """Forget every change since the last :meth:`commit` (the cache too: it may hold
+        uncommitted records; it refills from the store)."""
+        self.dirty = {}
+        self._dirty_index.clear()
+        self.cache.clear()
+
     def evict(self, older_than_ms: int | None = None) -> int:
         """Spill cache entries beyond ``cache_size`` or with event time < ``older_than_ms``.
 

@@ -124,7 +124,7 @@ async def test_without_idle_advance_idle_action_partitions_keep_windows_open(set
 def test_batched_sender_partitions_like_the_default_partitioner() -> None:
     from aiokafka.partitioner import DefaultPartitioner
 
-    from joiner.app import BatchedSender
+    from joiner.kafka_io import BatchedSender
 
     parts = [0, 1, 2, 3, 4]
     sender = BatchedSender(None, "examples", parts)

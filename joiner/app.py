@@ -101,8 +101,8 @@ class _Batches:
         self.spill_after_ms = int(settings.joiner.spill_after_seconds * 1000)
         self.published: dict[str, int] = {}
 
-    async def finish(self, positions: dict[TopicPartition, int], highwaters: dict[TopicPartition, int],
-                     started: float, counts: Counter[str] | None = None) -> bool:
+    async def finish(self, positions: dict[TopicPartition, int], started: float,
+                     counts: Counter[str] | None = None) -> bool:
         """Produce the batch's examples, then commit its state and ``positions`` atomically.
 
         False if the broker's data was reset: then the batch is dropped (rolled back, ``counts``
@@ -123,7 +123,10 @@ class _Batches:
                     jm.JOIN_LATENCY.observe(max(0.0, (now_ms - ref) / 1000))
             jm.EXAMPLES.inc(len(out))
             metrics.MESSAGES_PRODUCED.labels(SERVICE, self.settings.topics.examples).inc(len(out))
-        _apply(book.commit(positions, highwaters), state)
+        if positions:
+            c = self.consumer.consumer
+            highwaters = {tp: hw for tp in book.tps if (hw := c.highwater(tp)) is not None}
+            _apply(book.commit(positions, highwaters), state)
         state.commit()
         jm.SPILLED.inc(state.evict(min(core.wf[p] for p in self.parts) - self.spill_after_ms))
         _publish(core, state, self.parts, self.published)
@@ -169,8 +172,7 @@ class _Batches:
             core.advance(p)
         return None
 
-    async def process(self, records: list[tuple], positions: dict[TopicPartition, int],
-                      highwaters: dict[TopicPartition, int], touched: set[int]) -> None:
+    async def process(self, records: list[tuple], positions: dict[TopicPartition, int], touched: set[int]) -> None:
         """Join one polled batch and commit it. A record that fails is dead-lettered and skipped:
         the others are joined as if it were not there, so a replay skips it the same way."""
         started = time.perf_counter()
@@ -178,7 +180,7 @@ class _Batches:
             counts = Counter(self.core.counts)
             failed = self.join(records, set(touched))
             if failed is None:
-                await self.finish(positions, highwaters, started, counts)
+                await self.finish(positions, started, counts)
                 return
             i, err = failed
             self.state.rollback()
@@ -186,7 +188,7 @@ class _Batches:
             if i:
                 if self.join(records[:i], set(touched)) is not None:
                     raise RuntimeError("records that joined a moment ago failed on a second try") from err
-                if not await self.finish(_positions_of(records[:i]), {}, started, counts):
+                if not await self.finish(_positions_of(records[:i]), started, counts):
                     return  # a broker reset: everything is read again
             bad = records[i][-1]
             await (await self.consumer.dead_letter(bad, processing_failed(err)))
@@ -198,7 +200,7 @@ class _Batches:
         started = time.perf_counter()
         for p in parts:
             self.core.advance(p, drain=drain)
-        await self.finish({}, {}, started)
+        await self.finish({}, started)
 
 
 async def run(
@@ -285,7 +287,7 @@ async def run(
         if timings is not None:
             timings["loop_start"] = time.perf_counter()
         while not stop.is_set():
-            records, positions, highwaters = await consumer.poll_raw(int(js.batch_timeout_s * 1000), js.batch_size)
+            records, positions = await consumer.poll_raw(int(js.batch_timeout_s * 1000), js.batch_size)
             now = time.monotonic()
             bumped: list[int] = []
             if idle_advance_s is not None:
@@ -303,7 +305,7 @@ async def run(
                     jm.IDLE_ADVANCES.inc(len(bumped))
             if positions:
                 idle_since = now
-                await batches.process(records, positions, highwaters, set(bumped))
+                await batches.process(records, positions, set(bumped))
                 if timings is not None:
                     timings["last_batch_end"] = time.perf_counter()
                 continue

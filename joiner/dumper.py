@@ -209,7 +209,6 @@ class _Dumper:
         self.buffered: dict[Path, list[Example]] = defaultdict(list)
         self.buffered_ids: dict[str, int] = {}  # example_id -> event time
         self.positions: dict[TopicPartition, int] = {}
-        self.highwaters: dict[TopicPartition, int] = {}
         self.first_at: float | None = None
         self.prune_floor = 0
         self.totals = {"examples": 0, "duplicates": 0, "files": 0, "pruned_ids": 0, "beyond_horizon": 0,
@@ -221,10 +220,10 @@ class _Dumper:
         if ids or top > self.seq:
             log.warning("adopted %d rows of part files above the committed flush %d (a crash between "
                         "their rename and the commit): their records read again are duplicates", len(ids), self.seq)
+            self.totals["adopted_rows"] += len(ids)
             self.buffered_ids = ids
             self.seq = top - 1  # _commit writes seq + 1
             self._commit({}, write_files=False)
-            self.totals["adopted_rows"] += len(ids)
 
     def take(self, r: object) -> None:
         """One record: decoded, deduplicated, buffered for its hour's file. Raises
@@ -259,9 +258,6 @@ class _Dumper:
                     await (await self.consumer.dead_letter(r, processing_failed(err)))
             if records:
                 self.positions[tp] = records[-1].offset + 1
-                hw = c.highwater(tp)
-                if hw is not None:
-                    self.highwaters[tp] = hw
                 metrics.MESSAGES_CONSUMED.labels(SERVICE, tp.topic).inc(len(records))
         return got
 
@@ -273,7 +269,9 @@ class _Dumper:
             return
         reset_to = await self.watch.check()
         if reset_to is None:
-            changes = self.book.commit(self.positions, self.highwaters)
+            c = self.consumer.consumer
+            highwaters = {tp: hw for tp in self.book.tps if (hw := c.highwater(tp)) is not None}
+            changes = self.book.commit(self.positions, highwaters)
         else:
             changes, lost = self.book.reset(self.store.get, reset_to)
             log.warning("broker reset: Parquet files and dedup ids are kept, the examples topic is re-read "
@@ -316,7 +314,6 @@ class _Dumper:
         self.buffered.clear()
         self.buffered_ids.clear()
         self.positions.clear()
-        self.highwaters.clear()
         self.first_at = None
 
 

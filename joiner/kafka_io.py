@@ -54,14 +54,12 @@ class InputConsumer(TypedConsumer):
         t = settings.topics
         self.decoders = {t.features: decode_feature_log, t.actions: codec_for(Action).decode}
 
-    async def poll_raw(self, timeout_ms: int, max_records: int
-                       ) -> tuple[list, dict[TopicPartition, int], dict[TopicPartition, int]]:
+    async def poll_raw(self, timeout_ms: int, max_records: int) -> tuple[list, dict[TopicPartition, int]]:
         """``(topic, partition, message, broker timestamp, raw record)`` of the decoded records,
-        the next offset and the high watermark of each partition that had records."""
+        and the next offset of each partition that had records."""
         fetched = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
         out: list[tuple[str, int, object, int, object]] = []
         positions: dict[TopicPartition, int] = {}
-        highwaters: dict[TopicPartition, int] = {}
         rejects = []
         for tp, records in fetched.items():
             if not records:
@@ -78,11 +76,10 @@ class InputConsumer(TypedConsumer):
             metrics.MESSAGES_CONSUMED.labels(SERVICE, tp.topic).inc(len(records))
             hw = self.consumer.highwater(tp)
             if hw is not None:
-                highwaters[tp] = hw
                 metrics.CONSUMER_LAG.labels(SERVICE, tp.topic, str(tp.partition)).set(max(0, hw - positions[tp]))
         if rejects:
             await asyncio.gather(*rejects)  # dead letters durable before their offsets are
-        return out, positions, highwaters
+        return out, positions
 
 
 class BatchedSender:

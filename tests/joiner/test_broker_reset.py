@@ -212,3 +212,29 @@ async def test_dumper_keeps_every_parquet_row_across_broker_resets(settings: Set
     table = dumper.read_examples(root)
     assert table.num_rows == 900 == pc.count_distinct(table["example_id"]).as_py()
     assert files <= {p.name for p in root.glob("dt=*/hour=*/part-*.parquet")}, "no part file deleted"
+
+
+async def test_dumper_keeps_the_rows_of_an_uncommitted_flush_whose_records_a_reset_took(
+        settings: Settings, broker: Broker, monkeypatch) -> None:
+    """Crash between flush 2's renames and its commit, then a broker reset: flush 2's records
+    can no longer be re-read, and its rows survive because they are adopted, not deleted."""
+    from tests.joiner.test_dumper import _Crash, _crash_at_commit
+
+    settings.joiner.batch_size = 50  # (polls of 50: flushes of 100)
+    topic = settings.topics.examples
+    root = settings.var_dir / "examples"
+    await create_topics(settings)
+    await produce(settings, [(topic, k, v) for _, k, v in (_ex("a", i) for i in range(300))])
+    _crash_at_commit(monkeypatch, 2)
+    with pytest.raises(_Crash):
+        await dumper.run(settings, until_idle_s=1.0, flush_rows=100)
+    monkeypatch.undo()
+    on_disk = dumper.read_examples(root)["example_id"].to_pylist()  # flush 1, and flush 2 uncommitted
+    await asyncio.to_thread(broker.restart)
+    await create_topics(settings)
+    await produce(settings, [(topic, k, v) for _, k, v in (_ex("b", i) for i in range(50))])
+    totals = await dumper.run(settings, until_idle_s=1.0, flush_rows=100)
+    assert totals["adopted_rows"] >= 100 and totals["examples"] == 50
+    ids = dumper.read_examples(root)["example_id"].to_pylist()
+    assert len(ids) == len(set(ids))
+    assert sorted(ids) == sorted(on_disk + [f"b/{i}" for i in range(50)])

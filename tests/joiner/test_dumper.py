@@ -3,7 +3,10 @@ each example exactly once, flat columns; a flush that crashed before committing 
 
 from __future__ import annotations
 
+import struct
+
 import pyarrow.compute as pc
+import pytest
 
 from joiner import dumper
 from joiner.stores.rocksdb import RocksDBStore
@@ -89,3 +92,48 @@ async def test_dumper_prunes_ids_beyond_the_dedup_horizon(settings: Settings) ->
     await produce(settings, [first[99], first[90], first[0]])
     totals = await dumper.run(settings, until_idle_s=1.0, dedup_horizon_s=7200)
     assert totals["duplicates"] == 2 and totals["examples"] == 1 and totals["beyond_horizon"] == 1
+
+
+class _Crash(Exception):
+    """The process dying between a flush's renames and its commit."""
+
+
+def _crash_at_commit(monkeypatch, seq: int) -> None:
+    """The dumper's store refuses the commit of flush ``seq`` (its files are renamed by then)."""
+    real = RocksDBStore.write
+
+    def write(self: RocksDBStore, changes: dict) -> None:
+        if b"seq" in changes and struct.unpack("<q", changes[b"seq"])[0] == seq:
+            raise _Crash
+        real(self, changes)
+
+    monkeypatch.setattr(RocksDBStore, "write", write)
+
+
+def _examples(settings: Settings, n: int) -> list[tuple[str, bytes, bytes]]:
+    from proto import Example
+
+    return [(settings.topics.examples, b"1", Example(
+        example_id=f"c/{i}", request_id="c", item_id=i, user_id=1, event_time_ms=1_700_000_000_000 + i,
+        sample_rate=1.0).SerializeToString()) for i in range(n)]
+
+
+async def test_a_flush_that_crashed_before_its_commit_is_adopted_not_deleted(settings: Settings, monkeypatch) -> None:
+    """Crash after flush 2 renamed its files, before it committed: the restart keeps those rows
+    (adopted: ids in the dedup state), skips their records when it reads them again, and writes
+    the rest once."""
+    settings.joiner.batch_size = 50  # (polls of 50: flushes of 100)
+    await create_topics(settings)
+    await produce(settings, _examples(settings, 300))
+    root = settings.var_dir / "examples"
+    _crash_at_commit(monkeypatch, 2)
+    with pytest.raises(_Crash):
+        await dumper.run(settings, until_idle_s=1.0, flush_rows=100)
+    monkeypatch.undo()
+    files = {p.name for p in root.glob("dt=*/hour=*/part-*.parquet")}
+    assert dumper.read_examples(root).num_rows == 200  # flush 1 committed, flush 2 renamed only
+    totals = await dumper.run(settings, until_idle_s=1.0, flush_rows=100)
+    assert totals["adopted_rows"] == 100 and totals["duplicates"] == 100 and totals["examples"] == 100
+    table = dumper.read_examples(root)
+    assert table.num_rows == 300 == pc.count_distinct(table["example_id"]).as_py()
+    assert files <= {p.name for p in root.glob("dt=*/hour=*/part-*.parquet")}

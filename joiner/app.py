@@ -193,7 +193,7 @@ class _Batches:
             bad = records[i][-1]
             await (await self.consumer.dead_letter(bad, processing_failed(err)))
             self.core.counts["failed_records"] += 1
-            records, touched = records[i + 1:], set()
+            records, touched = records[i + 1:], (set() if i else touched)  # (advanced if committed)
 
     async def advance(self, parts: Sequence[int], *, drain: bool = False) -> None:
         """Close what the watermarks passed (or everything, ``drain``) as a batch of its own."""

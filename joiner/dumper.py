@@ -87,8 +87,8 @@ def default_dedup_horizon_s(settings: Settings) -> float:
     The joiner re-emits only the examples of batches it had not committed when it crashed, and it
     emits an impression's examples while its action watermark is within W + L + R of the
     impression (positives, negatives at window close, corrections) and its features watermark
-    has passed the impression; the newest example the dumper has seen is at most the features
-    watermark. So W + L + R + G (orphan grace, for actions before features) bounds the distance,
+    has passed the impression; the dumper's dedup clock (the (k+1)-th newest example time it
+    wrote) is at most about the features watermark (the same rule over impression times). So W + L + R + G (orphan grace, for actions before features) bounds the distance,
     plus how far the actions stream lags behind the features stream (idle partitions: see
     ``idle_advance_seconds``), for which one hour is added. Set ``--dedup-horizon`` higher when
     the action stream may lag more than that.

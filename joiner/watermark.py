@@ -57,11 +57,14 @@ class Watermark:
         top = self.top
         if len(top) > self.k:
             if t <= top[0]:
-                return  # the common case: not among the k + 1 newest
-            i = bisect.bisect_left(top, t)
-            if i < len(top) and top[i] == t:
-                return
-            top.insert(i, t)
+                return  # older than the k + 1 newest
+            if t > top[-1]:
+                top.append(t)  # the common case of a stream in order: a new newest
+            else:
+                i = bisect.bisect_left(top, t)
+                if top[i] == t:
+                    return
+                top.insert(i, t)
             del top[0]
             if top[0] > self.value:
                 self.value = top[0]

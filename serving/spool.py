@@ -1,0 +1,233 @@
+"""The feature-log spool: a FeatureLog is on local disk before /rank answers 200.
+
+/rank appends the encoded FeatureLog to this spool (one RocksDB put, ~10-30 µs) and only then
+answers; a background shipper (:class:`serving.feature_log.FeatureLogger`) sends the entries to
+topic ``features`` in order and marks them shipped once Kafka acknowledged them. So a 200 means
+the feature log survives a ``kill -9`` of serving: the next start (same spool directory) ships
+the unacknowledged tail first.
+
+Layout (RocksDB through ``rocksdict``, no file format of our own):
+
+* default column family: key = the entry's *position* (8 bytes, big-endian) + the Kafka key
+  (the request id), value = the encoded FeatureLog. A position is the byte offset of the entry
+  in the log (the previous entry's position + its size), so positions sort in append order and
+  "how many bytes between two positions" needs no bookkeeping;
+* column family ``meta``: ``shipped`` (the position below which Kafka acknowledged everything)
+  and ``epoch`` (the broker epoch that holds those entries).
+
+Durability: a put goes to RocksDB's write-ahead log in the OS page cache, which survives a kill
+of the process but not a crash of the machine (power loss, kernel panic): the last unsynced
+writes can be lost then. ``sync=True`` (``serving.spool_sync``) fsyncs every append, which
+survives that too at a few milliseconds per request instead of tens of microseconds.
+
+Shipped entries are kept ``retention_s`` (the joiner's window) and then deleted with one
+``delete_range``: after a broker reset the shipper re-ships them (they may have lived only in the
+broker); the joiner drops the duplicate impressions. The spool holds at most ``max_bytes`` (keys +
+values, as appended; on disk RocksDB adds its own overhead until compaction): retained entries
+are dropped early when it fills, and when *unshipped* entries fill it :meth:`append` raises
+:class:`SpoolFull`, so /rank answers 503 instead of a 200 it could not keep.
+
+>>> import tempfile
+>>> spool = Spool(Path(tempfile.mkdtemp()) / "spool", max_bytes=100, retention_s=0)
+>>> spool.append(b"r1", b"x" * 40), spool.append(b"r2", b"y" * 40)
+(0, 50)
+>>> spool.append(b"r3", b"z" * 40)
+Traceback (most recent call last):
+...
+serving.spool.SpoolFull: feature-log spool full: 100 of 100 bytes unshipped (Kafka slow or down)
+>>> [(e.position, e.key) for e in spool.read(0, 10, 1 << 20)]
+[(0, b'r1'), (50, b'r2')]
+>>> spool.mark_shipped(spool.read(0, 1, 1 << 20)); spool.pending, spool.shipped
+(1, 50)
+>>> spool.trim_expired(); spool.bytes, spool.append(b"r3", b"z" * 40)
+(50, 100)
+>>> spool.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rocksdict import Options, Rdict, WriteOptions
+
+log = logging.getLogger(__name__)
+
+_POS = 8  # bytes of the position prefix of every key
+_META = "meta"
+
+
+class SpoolError(RuntimeError):
+    """The spool cannot take or give entries (closed, or RocksDB failed)."""
+
+
+class SpoolLocked(SpoolError):
+    """Another process has the spool open: two replicas must not share one spool directory."""
+
+
+class SpoolFull(SpoolError):
+    """Unshipped entries fill ``max_bytes``: Kafka has been slow or down for a while."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    position: int
+    key: bytes
+    value: bytes
+
+    @property
+    def end(self) -> int:
+        """The next entry's position."""
+        return self.position + _POS + len(self.key) + len(self.value)
+
+
+def _pos(position: int) -> bytes:
+    return position.to_bytes(_POS, "big")
+
+
+def _options() -> Options:
+    opts = Options(raw_mode=True)
+    opts.create_if_missing(True)
+    opts.create_missing_column_families(True)
+    return opts
+
+
+class Spool:
+    """Append-only log of (key, value) entries with a shipped cursor, in one RocksDB."""
+
+    def __init__(self, path: Path, max_bytes: int, *, sync: bool = False, retention_s: float = 900.0) -> None:
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.retention_s = retention_s
+        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = Rdict(str(self.path), _options(), column_families={_META: _options()})
+        except Exception as err:  # rocksdict raises a bare Exception carrying RocksDB's message
+            if "lock" in str(err).lower():
+                raise SpoolLocked(
+                    f"feature-log spool {self.path} is in use by another process (two serving "
+                    f"replicas on one port or one serving.spool_dir?): {err}") from None
+            raise SpoolError(f"cannot open the feature-log spool {self.path}: {err}") from None
+        self._meta = self._db.get_column_family(_META)
+        self._write = WriteOptions()
+        self._write.sync = sync
+        it = self._db.iter()
+        it.seek_to_first()
+        first = int.from_bytes(it.key()[:_POS], "big") if it.valid() else None
+        it.seek_to_last()
+        end = (int.from_bytes(it.key()[:_POS], "big") + len(it.key()) + len(it.value())) if it.valid() else None
+        del it
+        shipped_raw = self._meta.get(b"shipped")
+        shipped = int.from_bytes(shipped_raw, "big") if shipped_raw else 0
+        #: the first entry kept; [low, shipped) shipped and retained, [shipped, end) unshipped
+        self.low = first if first is not None else shipped
+        self.end = end if end is not None else self.low
+        self.shipped = min(max(shipped, self.low), self.end)
+        self.pending = sum(1 for _ in self._keys(self.shipped, self.end))
+        # (position, monotonic time): everything below position was shipped by then. What was
+        # shipped before this start counts as shipped now (kept a little longer, never shorter).
+        self._marks: deque[tuple[int, float]] = deque([(self.shipped, time.monotonic())])
+        self._closed = False
+
+    # ------------------------------------------------------------------ state
+    @property
+    def bytes(self) -> int:
+        """Bytes held (keys + values): unshipped and retained entries."""
+        return self.end - self.low
+
+    @property
+    def pending_bytes(self) -> int:
+        return self.end - self.shipped
+
+    @property
+    def epoch(self) -> str | None:
+        """The broker epoch the shipped entries were sent to (None: never shipped)."""
+        raw = self._meta.get(b"epoch")
+        return raw.decode() if raw else None
+
+    def set_epoch(self, epoch: str) -> None:
+        self._meta.put(b"epoch", epoch.encode(), self._write)
+
+    # ------------------------------------------------------------------ writing
+    def append(self, key: bytes, value: bytes) -> int:
+        """Store one entry durably (see the module docstring); return its position."""
+        if self._closed:
+            raise SpoolError("the feature-log spool is closed (serving is stopping)")
+        size = _POS + len(key) + len(value)
+        if self.end + size - self.low > self.max_bytes and self.low < self.shipped:
+            log.warning("feature-log spool %s is full: dropping %d bytes of shipped entries before "
+                        "their retention ends (a broker reset now could lose them)",
+                        self.path, self.shipped - self.low)
+            self.trim(self.shipped)
+        if self.end + size - self.shipped > self.max_bytes:
+            raise SpoolFull(f"feature-log spool full: {self.end - self.shipped} of {self.max_bytes} "
+                            "bytes unshipped (Kafka slow or down)")
+        position = self.end
+        try:
+            self._db.put(_pos(position) + key, value, self._write)
+        except Exception as err:  # disk full, I/O error: never answer 200 without the log
+            raise SpoolError(f"feature-log spool {self.path}: write failed: {err}") from None
+        self.end = position + size
+        self.pending += 1
+        return position
+
+    def mark_shipped(self, entries: Sequence[Entry]) -> None:
+        """Kafka acknowledged ``entries`` (consecutive, in order): move the shipped cursor."""
+        if not entries or entries[-1].end <= self.shipped:
+            return  # re-shipped entries (after a broker reset): already counted as shipped
+        self.pending -= sum(1 for e in entries if e.position >= self.shipped)
+        self.shipped = entries[-1].end
+        self._meta.put(b"shipped", _pos(self.shipped), self._write)
+        self._marks.append((self.shipped, time.monotonic()))
+
+    def trim(self, upto: int) -> None:
+        """Delete the shipped entries below position ``upto``."""
+        upto = min(upto, self.shipped)
+        if upto <= self.low:
+            return
+        self._db.delete_range(_pos(self.low), _pos(upto), self._write)
+        self.low = upto
+
+    def trim_expired(self, now: float | None = None) -> None:
+        """Delete the entries shipped more than ``retention_s`` ago."""
+        cutoff = (time.monotonic() if now is None else now) - self.retention_s
+        upto = None
+        while self._marks and self._marks[0][1] <= cutoff:
+            upto = self._marks.popleft()[0]
+        if upto is not None:
+            self.trim(upto)
+
+    # ------------------------------------------------------------------ reading
+    def read(self, start: int, max_entries: int, max_bytes: int) -> list[Entry]:
+        """Up to ``max_entries`` entries from position ``start`` on (at least one if any is there,
+        however large; then no more than ``max_bytes`` in all)."""
+        out: list[Entry] = []
+        total = 0
+        it = self._db.iter()
+        it.seek(_pos(max(start, self.low)))
+        while it.valid() and len(out) < max_entries:
+            key, value = it.key(), it.value()
+            total += len(key) + len(value)
+            if out and total > max_bytes:
+                break
+            out.append(Entry(int.from_bytes(key[:_POS], "big"), key[_POS:], value))
+            it.next()
+        return out
+
+    def _keys(self, start: int, end: int):
+        it = self._db.iter()
+        it.seek(_pos(start))
+        while it.valid() and int.from_bytes(it.key()[:_POS], "big") < end:
+            yield it.key()
+            it.next()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        del self._meta  # a column family handle keeps the database (and its lock) open
+        self._db.close()

@@ -200,6 +200,8 @@ class ServingSettings(BaseModel):
     # How many recent clicks per user the real-time feature keeps, and which actions count.
     recent_clicks: int = 20
     click_actions: tuple[str, ...] = ("click", "like")
+    # The consumer group of the real-time reader (one for all replicas: Redis is shared).
+    realtime_group_id: str = "serving-realtime"
 
 
 class StatusSettings(BaseModel):

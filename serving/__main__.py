@@ -1,8 +1,16 @@
-"""``python -m serving``: run the ranking API under uvicorn on settings.serving.host/port."""
+"""``python -m serving``: run the ranking API under uvicorn on settings.serving.host/port.
+
+SIGTERM or SIGINT stops it cleanly: uvicorn stops accepting, finishes the requests in flight and
+runs the app's shutdown, which ships the feature-log spool for up to
+``serving.spool_drain_timeout_s`` (what is left stays on disk for the next start); then the
+process exits 0.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -12,13 +20,24 @@ from services.log import setup_logging
 from services.settings import get_settings
 
 
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises the signal that stopped it once it has shut down, so the process would
+        # die of SIGTERM (or raise KeyboardInterrupt) after a complete, clean stop. A signal here
+        # means "stop", and the stop is done: forget it and exit 0.
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+
 def main(argv: list[str] | None = None) -> int:
     settings = get_settings()
-    opts = ServingOptions.from_settings(settings)
     parser = argparse.ArgumentParser(prog="python -m serving", description=__doc__)
-    parser.add_argument("--host", default=opts.host)
-    parser.add_argument("--port", type=int, default=opts.port)
+    parser.add_argument("--host", default=settings.serving.host)
+    parser.add_argument("--port", type=int, default=settings.serving.port)
     args = parser.parse_args(argv)
+    opts = ServingOptions.from_settings(settings, port=args.port)
     setup_logging("serving", settings.log_level)
     # One request's tensors are small: intra-op threads only contend with the event loop and
     # other replicas. Scale out with processes (one per core), not torch threads.
@@ -26,8 +45,12 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     app = create_app(settings, opts)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=settings.log_level.lower(), access_log=False)
-    return 0
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                    log_level=settings.log_level.lower(), access_log=False))
+    server.run()
+    # uvicorn reports a failed start-up (e.g. the spool is locked by another replica) by exiting
+    # the server without serving; the log says why.
+    return 0 if server.started else 3
 
 
 if __name__ == "__main__":

@@ -4,7 +4,14 @@ Unknown users are **scored with default features** (cold start is normal traffic
 the response says ``user_known: false`` and ``driftline_serving_unknown_users_total`` counts them.
 Unknown items likewise get only their ``item_id`` slot, and ids the PS has not admitted read as
 the table default. If Redis fails, ranking still answers with default features and the
-``X-Driftline-Degraded: feature-store`` header. Bad input is a 422 with the offending field.
+``X-Driftline-Degraded: feature-store`` header. Bad input is a 422 with the offending field;
+an event time outside ``[now - event_time.max_past_s, now + event_time.max_future_s]`` is bad input.
+
+A 200 from ``/rank`` means its feature log is in the local spool and survives a ``kill -9``
+(:mod:`serving.feature_log`); a request whose feature log is larger than the topic takes is a
+413, and when the spool is full (Kafka down for long) ``/rank`` answers 503 with ``Retry-After``:
+a 200 it could not keep would be a lost impression. A 202 from ``/actions`` means Kafka
+acknowledged the actions; when it cannot, the answer is a 503.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import time
 import uuid
 
@@ -31,14 +39,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from proto import Action, ModelVersion
 from serving import metrics
 from serving.correction import correct
+from serving.broker_epoch import SharedEpoch
 from serving.deltas import DeltaFeed
-from serving.feature_log import FeatureLogEncoder, FeatureLogger, features_message
+from serving.feature_log import FeatureLogEncoder, FeatureLogger, FeatureLogTooLarge, features_message
 from serving.feature_store import FeatureStore, FeatureStoreError, RankFeatures
 from serving.model import FMModel, ServingModel, TrainerModel, warm_up
 from serving.options import ServingOptions
 from serving.realtime import RecentClicks
 from serving.schemas import (ActionsRequest, ActionsResponse, Health, ModelVersionOut,
                              RankRequest, RankResponse, Readiness)
+from serving.spool import SpoolError, SpoolFull
+from services.codecs import event_time_error
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -58,11 +69,13 @@ class Serving:
         else:
             self.model = TrainerModel(options.model)
         self.store = FeatureStore(settings.redis, options.redis_prefix, options.recent_clicks)
-        self.feature_log = FeatureLogger(settings, options.feature_log_buffer,
-                                         options.feature_log_send_timeout_s, options.kafka_retry_s)
+        self.epochs = SharedEpoch(settings)
+        self.feature_log = FeatureLogger(settings, options, self.epochs)
         self.log_encoder = FeatureLogEncoder()
-        self.deltas = DeltaFeed(settings, self.model, options.snapshot_dir, options.kafka_retry_s)
-        self.realtime = RecentClicks(settings, self.store, options.click_actions, retry_s=options.kafka_retry_s)
+        self.deltas = DeltaFeed(settings, self.model, options.snapshot_dir, options.kafka_retry_s,
+                                epochs=self.epochs)
+        self.realtime = RecentClicks(settings, self.store, options.click_actions, options.realtime_group_id,
+                                     retry_s=options.kafka_retry_s, epochs=self.epochs)
 
     def version(self) -> ModelVersionOut:
         return ModelVersionOut(model_id=self.model.model_id, sparse_version=self.model.sparse.version,
@@ -83,7 +96,18 @@ class Serving:
         await self.realtime.stop()
         await self.deltas.stop()
         await self.feature_log.stop()
+        await self.epochs.stop()
         await self.store.close()
+
+    def event_time(self, field: str, event_time_ms: int | None, now_ms: int) -> int:
+        """The request's event time (now when absent); a 422 naming ``field`` when out of range."""
+        if event_time_ms is None:
+            return now_ms
+        bounds = self.settings.event_time
+        error = event_time_error(event_time_ms, now_ms, bounds.max_past_s, bounds.max_future_s)
+        if error is not None:
+            raise HTTPException(422, f"{field}: {error}")
+        return event_time_ms
 
 
 class _Metrics:
@@ -153,13 +177,17 @@ def create_app(settings: Settings, options: ServingOptions | None = None,
         return request.app.state.serving  # type: ignore[no-any-return]
 
     @app.post("/rank", response_model=RankResponse, summary="Rank candidate items for a user",
-              responses={422: {"description": "Invalid request (empty/oversize candidates, wrong types)"},
-                         503: {"description": "No model loaded yet"}})
+              responses={413: {"description": "The request's feature log would exceed the topic's message size"},
+                         422: {"description": "Invalid request (empty/oversize candidates, wrong types, "
+                                              "event time out of range)"},
+                         503: {"description": "No model loaded yet, or the feature-log spool is full "
+                                              "(with Retry-After)"}})
     async def rank(body: RankRequest, request: Request, response: Response) -> Response:
         s = serving_of(request)
         n = len(body.candidates)
         if n > s.options.max_candidates:
             raise HTTPException(422, f"candidates: {n} given, at most {s.options.max_candidates} allowed")
+        event_time_ms = s.event_time("event_time_ms", body.event_time_ms, int(time.time() * 1000))
         if not s.deltas.loaded:
             raise HTTPException(503, "no model loaded yet: waiting for a snapshot or the delta topic")
         request_id = body.request_id or uuid.uuid4().hex
@@ -197,11 +225,21 @@ def create_app(settings: Settings, options: ServingOptions | None = None,
                           dense_version=version.dense_version)
         raws = feats.items_raw or [None] * n
         encoded = s.log_encoder.encode(
-            request_id, body.event_time_ms or int(time.time() * 1000), body.user_id, context, mv,
+            request_id, event_time_ms, body.user_id, context, mv,
             [(c.item_id, None if c.features is not None else raws[i], item_slots[i],
               c.features.dense if c.features is not None else None, float(scores[i]))
              for i, c in enumerate(body.candidates)])
-        s.feature_log.submit(request_id, encoded)
+        try:
+            s.feature_log.submit(request_id, encoded)
+        except FeatureLogTooLarge as err:
+            raise HTTPException(413, str(err)) from None
+        except SpoolFull as err:
+            # Kafka has been away long enough to fill the spool: a 200 now would be an impression
+            # nobody can join. The client retries later (or another replica takes it).
+            raise HTTPException(503, f"{err}: retry later", headers={
+                "Retry-After": str(max(1, math.ceil(s.options.kafka_retry_s)))}) from None
+        except SpoolError as err:
+            raise HTTPException(503, str(err)) from None
 
         # The body is built directly (response_model documents it; re-validating 1000 items is waste).
         return JSONResponse({
@@ -212,24 +250,27 @@ def create_app(settings: Settings, options: ServingOptions | None = None,
 
     @app.post("/actions", response_model=ActionsResponse, status_code=202,
               summary="Record user actions (writes Action messages to the actions topic)",
-              responses={503: {"description": "Kafka unavailable"}})
+              responses={422: {"description": "Invalid request (wrong types, event time out of range)"},
+                         503: {"description": "Kafka unavailable"}})
     async def actions(body: ActionsRequest, request: Request) -> ActionsResponse:
         s = serving_of(request)
-        producer = s.feature_log._producer  # noqa: SLF001 - one producer per replica
+        now = int(time.time() * 1000)
+        times = [s.event_time(f"actions[{i}].event_time_ms", a.event_time_ms, now)
+                 for i, a in enumerate(body.actions)]
+        producer = s.feature_log.producer  # one producer per replica
         if producer is None:
             raise HTTPException(503, "Kafka unavailable: actions cannot be written now")
-        now = int(time.time() * 1000)
         try:
             futures = []
-            for a in body.actions:
+            for a, event_time_ms in zip(body.actions, times):
                 msg = Action(request_id=a.request_id, item_id=a.item_id, action_type=a.action_type,
-                             event_time_ms=a.event_time_ms or now, user_id=a.user_id)
+                             event_time_ms=event_time_ms, user_id=a.user_id)
                 futures.append(await asyncio.wait_for(
                     producer.send(s.settings.topics.actions, msg.SerializeToString(), key=a.request_id.encode()),
                     s.options.feature_log_send_timeout_s))
             await asyncio.wait_for(asyncio.gather(*futures), s.options.feature_log_send_timeout_s)
         except Exception as err:  # noqa: BLE001 - Kafka errors and timeouts alike
-            raise HTTPException(503, f"Kafka unavailable: {type(err).__name__}") from None
+            raise HTTPException(503, f"Kafka unavailable: {type(err).__name__}: {err}"[:300]) from None
         metrics.ACTIONS_PRODUCED.inc(len(body.actions))
         return ActionsResponse(accepted=len(body.actions))
 
@@ -247,6 +288,7 @@ def create_app(settings: Settings, options: ServingOptions | None = None,
             model_version=s.version(),
             sparse_staleness_s=s.model.sparse.staleness_s(), dense_staleness_s=s.model.dense.staleness_s(),
             feature_log_connected=s.feature_log.connected, feature_log_buffered=s.feature_log.buffered,
+            feature_log_spool_bytes=s.feature_log.spool.bytes,
         )
         return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
 

@@ -41,6 +41,18 @@ class BackgroundLoop:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await cancel_and_wait(self._task)
+
+
+async def cancel_and_wait(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` and wait for it to end, cancelling again if a cancellation was lost.
+
+    Python 3.11's ``asyncio.wait_for`` drops a cancellation that arrives as the awaited call
+    fails (it raises the call's error instead), and a retry loop that handles that error then
+    runs on: one ``cancel()`` is not always enough.
+    """
+    while not task.done():
+        task.cancel()
+        await asyncio.wait([task], timeout=0.5)
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        task.result()

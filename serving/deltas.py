@@ -1,32 +1,53 @@
 """The serving parameter server's feed: consume ``param-deltas`` and apply them in place.
 
-Bootstrap: load the newest snapshot (if any), then read the delta topic from its beginning,
-skipping versions the snapshot already holds, up to the end offsets seen at start-up; from then
-on the model counts as loaded (``/readyz``) and deltas keep being applied as they arrive.
+Bootstrap: load the newest snapshot (if any), then read the delta topic from the snapshot's
+offset (or its beginning), skipping versions the snapshot already holds, up to the end offsets
+seen at start-up; from then on the model counts as loaded (``/readyz``) and deltas keep being
+applied as they arrive.
 
 Every replica reads every partition by manual assignment (no consumer group), so replicas never
 split the stream between them, and since the topic has one partition per model the order is the
 trainer's order: replicas that have read the same offsets hold identical parameters.
+
+A delta that decodes but fails to apply (a bug, a shape the model does not expect) is written to
+``dead-letters`` with the reason and skipped, counted in
+``driftline_serving_deltas_skipped_total{reason="failed"}``: one record never stops the feed.
+
+Broker resets (tansu memory storage; :class:`serving.broker_epoch.SharedEpoch` tells): the old
+topic and its offsets are gone, so the feed re-reads the new topic from its beginning, keeps
+serving the current model (no 503), and waits for the trainer's first snapshot of the new epoch
+(manifest key ``broker_epoch``): it reloads the model from it and resumes at its
+``param_deltas_offset``, so every replica converges to the trainer's state although the deltas
+of the old topic are gone. The same happens at start-up when the newest snapshot belongs to an
+older epoch. Deltas that were on the old topic and not read yet are lost with it and counted in
+``driftline_broker_reset_lost_total{service="serving"}``; the new snapshot contains their effect.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
+from pathlib import Path
 
 from aiokafka import TopicPartition
 
 from proto import ParameterDelta
 from serving import metrics
 from serving.background import BackgroundLoop
-from serving.model import DeltaRejected, ServingModel
-from services.kafka import TypedConsumer, create_topics
+from serving.broker_epoch import SharedEpoch
+from serving.model import Bootstrap, DeltaRejected, ServingModel
+from services import metrics as shared_metrics
+from services.codecs import processing_failed
+from services.kafka import Record, TypedConsumer, create_topics
 from services.settings import Settings
-from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+#: how often the snapshot directory is looked at while waiting for a new-epoch snapshot
+_SNAPSHOT_POLL_S = 1.0
 
 
 class DeltaFeed(BackgroundLoop):
@@ -35,18 +56,29 @@ class DeltaFeed(BackgroundLoop):
     task_name = "param-deltas"
 
     def __init__(self, settings: Settings, model: ServingModel, snapshot_dir: Path | None = None,
-                 retry_s: float = 2.0, service: str = "serving") -> None:
+                 retry_s: float = 2.0, service: str = "serving", epochs: SharedEpoch | None = None) -> None:
         self.settings = settings
         self.model = model
         self.snapshot_dir = snapshot_dir
         self.retry_s = retry_s
         self.service = service
+        self.epochs = epochs if epochs is not None else SharedEpoch(settings, service)
+        self._own_epochs = epochs is None
         self.snapshot: Path | None = None
         self.snapshot_versions = (0, 0)
+        self.snapshot_epoch: str | None = None
         self.resume_offset: int | None = None
+        #: the broker epoch the feed's offsets belong to
+        self.epoch: str | None = None
+        #: after a reset: the epoch whose first snapshot the model is reloaded from
+        self.awaiting_epoch: str | None = None
         self.caught_up = asyncio.Event()
         self.applied = 0
         self.skipped = 0
+        self.failed = 0
+        self.reloads = 0
+        self._lag: dict[int, int] = {}
+        self._snapshot_looked = 0.0
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -57,11 +89,15 @@ class DeltaFeed(BackgroundLoop):
     def load_snapshot(self) -> None:
         boot = self.model.bootstrap(self.snapshot_dir)
         if boot is not None:
-            self.snapshot = boot.path
-            self.snapshot_versions = (boot.sparse_version, boot.dense_version)
-            self.resume_offset = boot.param_deltas_offset
+            self._adopt(boot)
             log.info("bootstrapped from %s (sparse %d, dense %d)", boot.path, *self.snapshot_versions)
         self.publish_metrics()
+
+    def _adopt(self, boot: Bootstrap) -> None:
+        self.snapshot = boot.path
+        self.snapshot_versions = (boot.sparse_version, boot.dense_version)
+        self.resume_offset = boot.param_deltas_offset
+        self.snapshot_epoch = boot.broker_epoch
 
     def publish_metrics(self) -> None:
         mid = self.model.model_id
@@ -71,9 +107,15 @@ class DeltaFeed(BackgroundLoop):
             if stale is not None:
                 metrics.DELTA_STALENESS.labels(mid, kind).set(stale)
 
+    async def stop(self) -> None:
+        await super().stop()
+        if self._own_epochs:
+            await self.epochs.stop()
+
     async def _consume(self) -> None:
         topic = self.settings.topics.param_deltas
         await create_topics(self.settings, {topic: self.settings.topics.param_delta_partitions})
+        await self._start_epoch()
         consumer: TypedConsumer[ParameterDelta] = TypedConsumer(
             self.settings, self.service, ParameterDelta, [], None, auto_offset_reset="earliest"
         )
@@ -103,14 +145,92 @@ class DeltaFeed(BackgroundLoop):
                         log.info("param deltas caught up: sparse %d, dense %d",
                                  self.model.sparse.version, self.model.dense.version)
                 records = await consumer.poll(timeout_ms=200, max_records=64)
+                self._note_lag(consumer, records)
                 for r in records:
-                    await self._apply(r.value)
+                    await self._apply(consumer, r)
                 self.publish_metrics()
+                # Both end this connection; the next one seeks where the new state says.
+                if await self._reset_seen() or await self._reloaded():
+                    return
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.shield(consumer.stop())
 
-    async def _apply(self, msg: ParameterDelta) -> None:
+    async def _start_epoch(self) -> None:
+        """On the first connection: a snapshot from before a broker reset has an offset into a
+        topic that no longer exists; read the new one from its start and wait for a new snapshot."""
+        if self.epoch is not None:
+            return
+        current = await self.epochs.current(0)
+        if current is None:
+            return  # the broker is unreachable: the consumer's start fails and is retried
+        self.epoch = current
+        if self.snapshot_epoch is not None and self.snapshot_epoch != current:
+            log.warning("param deltas: snapshot %s was taken on broker epoch %s, the broker is now at "
+                        "%s (reset since): reading the new topic from its start and reloading from "
+                        "the trainer's first snapshot of this epoch", self.snapshot, self.snapshot_epoch,
+                        current)
+            self.resume_offset = None
+            self.awaiting_epoch = current
+
+    def _note_lag(self, consumer: TypedConsumer[ParameterDelta], records: list[Record[ParameterDelta]]) -> None:
+        last: dict[int, int] = {}
+        for r in records:
+            last[r.partition] = r.offset
+        for partition, offset in last.items():
+            hw = consumer.consumer.highwater(TopicPartition(self.settings.topics.param_deltas, partition))
+            if hw is not None:
+                self._lag[partition] = max(0, hw - offset - 1)
+
+    async def _reset_seen(self) -> bool:
+        current = await self.epochs.current(1.0)
+        if current is None or current == self.epoch:
+            return False
+        if self.epoch is None:
+            self.epoch = current
+            return False
+        lost = sum(self._lag.values())
+        if lost:
+            shared_metrics.BROKER_RESET_LOST.labels(self.service, self.settings.topics.param_deltas).inc(lost)
+        log.warning("param deltas: the broker's data was reset (%d deltas not yet read are lost with "
+                    "it): reading the new topic from its start, serving the current model until the "
+                    "trainer's snapshot of epoch %s appears in %s", lost, current, self.snapshot_dir)
+        self._lag.clear()
+        self.epoch = current
+        self.resume_offset = None
+        self.awaiting_epoch = current
+        return True
+
+    async def _reloaded(self) -> bool:
+        """While a reset is pending: reload from the new epoch's snapshot once it is there."""
+        awaiting = self.awaiting_epoch
+        if awaiting is None or time.monotonic() - self._snapshot_looked < _SNAPSHOT_POLL_S:
+            return False
+        self._snapshot_looked = time.monotonic()
+        if await asyncio.to_thread(self.model.snapshot_epoch, self.snapshot_dir) != awaiting:
+            return False
+        try:
+            # In a worker thread, building new tables: requests keep being scored on the old ones.
+            boot = await asyncio.to_thread(self.model.bootstrap, self.snapshot_dir)
+        except Exception:  # noqa: BLE001 - a bad snapshot: keep serving, look again later
+            log.exception("param deltas: reloading from the snapshot of epoch %s failed; keeping the "
+                          "current model", awaiting)
+            return False
+        if boot is None:
+            return False
+        self._adopt(boot)
+        if boot.broker_epoch == awaiting:
+            self.awaiting_epoch = None
+        self.reloads += 1
+        metrics.SNAPSHOT_RELOADS.inc()
+        log.info("param deltas: reloaded from %s (broker epoch %s, sparse %d, dense %d); resuming the "
+                 "deltas at offset %s", boot.path, boot.broker_epoch, boot.sparse_version,
+                 boot.dense_version, boot.param_deltas_offset)
+        self.publish_metrics()
+        return True
+
+    async def _apply(self, consumer: TypedConsumer[ParameterDelta], record: Record[ParameterDelta]) -> None:
+        msg = record.value
         kind = msg.WhichOneof("payload") or "none"
         held = self.snapshot_versions[0] if kind == "sparse" else self.snapshot_versions[1]
         if msg.version <= held:
@@ -126,6 +246,14 @@ class DeltaFeed(BackgroundLoop):
             self.skipped += 1
             metrics.DELTAS_SKIPPED.labels(err.reason).inc()
             log.warning("param delta v%d chunk %d skipped: %s", msg.version, msg.chunk_index, err)
+            return
+        except Exception as err:  # noqa: BLE001 - decoded but failed: dead-letter it, move on
+            self.skipped += 1
+            self.failed += 1
+            metrics.DELTAS_SKIPPED.labels("failed").inc()
+            # The record's original bytes go to the dead letter, not the decoded message.
+            await (await consumer.dead_letter(dataclasses.replace(record, value=record.raw),
+                                              processing_failed(err)))
             return
         self.applied += 1
         metrics.DELTAS_APPLIED.labels(kind).inc()

@@ -1,9 +1,19 @@
-"""Asynchronous, bounded feature logging: what /rank scored goes to topic ``features``.
+"""Feature logging: what /rank scored goes to topic ``features``, and nothing answered is lost.
 
-``submit`` never blocks and never raises: it puts the encoded FeatureLog on a bounded in-memory
-buffer, or, when the buffer is full (Kafka slow or down), drops it and counts the drop. One
-background task drains the buffer into an aiokafka producer, (re)connecting with back-off while
-the broker is unreachable; a send that fails or times out is dropped and counted.
+:meth:`FeatureLogger.submit` runs on the request's path, before the 200: it refuses a FeatureLog
+larger than ``serving.feature_log_max_bytes`` (:class:`FeatureLogTooLarge`: the topic could never
+take it) and appends the rest to the local spool (:mod:`serving.spool`, one RocksDB put), which
+survives a ``kill -9``. It never waits for Kafka. One background task ships the spool to Kafka in
+order (keyed by request id), retrying every failure with back-off and never dropping an entry;
+it marks entries shipped once Kafka acknowledged them, ships the unshipped tail first after a
+restart, and after a broker reset re-ships what the spool still retains (the joiner drops the
+duplicate impressions). A crash between Kafka's acknowledgement and the shipped mark re-ships
+those entries too: delivery is at least once.
+
+Why refuse an oversized log rather than split it: a FeatureLog is one impression group, joined by
+request id; split over several messages the joiner would have to know how many parts to wait
+for and merge them, and a lost part would corrupt the group. Requests with that many features are
+a client error (413), named with the size and the limit.
 """
 
 from __future__ import annotations
@@ -12,9 +22,11 @@ import asyncio
 import contextlib
 import logging
 import struct
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Mapping, Sequence
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import MessageSizeTooLargeError, RecordTooLargeError
 from google.protobuf.internal.encoder import _VarintBytes
 
 from proto import FeatureLog, Features, ModelVersion
@@ -23,6 +35,10 @@ from services import metrics as shared_metrics
 from services.kafka import BrokerUnavailable, producer, start_client
 from services.settings import Settings
 from serving import metrics
+from serving.background import cancel_and_wait
+from serving.broker_epoch import SharedEpoch
+from serving.options import ServingOptions
+from serving.spool import Entry, Spool
 
 log = logging.getLogger(__name__)
 _FLOAT = struct.Struct("<f")
@@ -86,74 +102,114 @@ class FeatureLogEncoder:
         return b"".join(parts)
 
 
+class FeatureLogTooLarge(ValueError):
+    """A FeatureLog (+ its key) larger than the topic takes: the request is refused (413)."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(
+            f"the feature log of this request is {size} bytes, over the limit of {limit} bytes "
+            "(serving.feature_log_max_bytes, kept under the topic's maximum message size): send "
+            "fewer candidates or fewer features per candidate")
+        self.size = size
+        self.limit = limit
+
+
+# Room for the record batch header and the record's own overhead (aiokafka estimates < 100 bytes)
+# on top of key + value, so the producer never refuses a log that submit() accepted.
+_RECORD_OVERHEAD = 1024
+_BATCH_ENTRIES = 256
+_BATCH_BYTES = 8 << 20
+_MIN_BACKOFF_S = 0.1
+# Errors no retry can fix: the broker refuses the record for its size (a broker whose limit is
+# below serving.feature_log_max_bytes). Retrying would stop every later entry for good.
+_PERMANENT = (MessageSizeTooLargeError, RecordTooLargeError)
+
+
 class FeatureLogger:
-    def __init__(self, settings: Settings, capacity: int, send_timeout_s: float = 2.0,
-                 retry_s: float = 2.0, service: str = "serving") -> None:
+    """Spools FeatureLogs on :meth:`submit` and ships them to Kafka in the background."""
+
+    def __init__(self, settings: Settings, options: ServingOptions, epochs: SharedEpoch,
+                 service: str = "serving") -> None:
+        assert options.spool_dir is not None, "ServingOptions.from_settings resolves the spool dir"
         self.settings = settings
         self.topic = settings.topics.features
-        self.capacity = capacity
-        self.send_timeout_s = send_timeout_s
-        self.retry_s = retry_s
+        self.max_bytes = options.feature_log_max_bytes
+        self.send_timeout_s = options.feature_log_send_timeout_s
+        self.retry_s = options.kafka_retry_s
+        self.drain_timeout_s = options.spool_drain_timeout_s
         self.service = service
-        self._queue: asyncio.Queue[tuple[bytes, bytes | Callable[[], bytes]]] = asyncio.Queue(maxsize=max(1, capacity))
+        self.epochs = epochs
+        self.spool = Spool(options.spool_dir, options.spool_max_bytes, sync=options.spool_sync,
+                           retention_s=options.spool_retention_s)
+        self.producer: AIOKafkaProducer | None = None
+        self.shipped = 0
+        self.reshipped = 0
+        self._cursor = self.spool.shipped  # the next position to send
+        self._reship_until = 0  # positions below this are being re-shipped after a broker reset
+        self._reship_epoch: str | None = None
+        self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._producer: AIOKafkaProducer | None = None
-        self.sent = 0
-        self.dropped = 0
+        if self.spool.pending:
+            log.info("feature-log spool %s: %d entries left unshipped by the last run; shipping them first",
+                     self.spool.path, self.spool.pending)
+        self._gauges()
 
     @property
     def connected(self) -> bool:
-        return self._producer is not None
+        return self.producer is not None
 
     @property
     def buffered(self) -> int:
-        return self._queue.qsize()
+        """Feature logs spooled and not yet acknowledged by Kafka."""
+        return self.spool.pending
 
-    def submit(self, key: str, value: bytes | Callable[[], bytes]) -> bool:
-        """Buffer one FeatureLog; False (and counted) when the buffer is full.
+    def submit(self, key: str, value: bytes) -> None:
+        """Spool one encoded FeatureLog (durable when this returns; see :mod:`serving.spool`).
 
-        ``value`` may be a function returning the encoded message: it is then built in the
-        background task, off the request's path, and never built at all when it is dropped.
+        Raises :class:`FeatureLogTooLarge`, :class:`serving.spool.SpoolFull` or
+        :class:`serving.spool.SpoolError`; the caller must then not answer 200.
         """
-        if self.capacity <= 0:  # asyncio.Queue(0) would be unbounded: 0 means "log nothing"
-            self._drop("buffer_full")
-            return False
+        raw_key = key.encode()
+        size = len(raw_key) + len(value)
+        if size > self.max_bytes:
+            metrics.FEATURE_LOG_REFUSED.labels("too_large").inc()
+            raise FeatureLogTooLarge(size, self.max_bytes)
         try:
-            self._queue.put_nowait((key.encode(), value))
-        except asyncio.QueueFull:
-            self._drop("buffer_full")
-            return False
-        metrics.FEATURE_LOG_BUFFERED.set(self._queue.qsize())
-        return True
+            self.spool.append(raw_key, value)
+        except Exception as err:
+            metrics.FEATURE_LOG_REFUSED.labels(type(err).__name__).inc()
+            raise
+        metrics.FEATURE_LOG_SPOOLED.inc()
+        self._gauges()
+        self._wake.set()
 
-    def _drop(self, reason: str, n: int = 1) -> None:
-        self.dropped += n
-        metrics.FEATURE_LOG_DROPPED.labels(reason).inc(n)
+    def _gauges(self) -> None:
+        metrics.FEATURE_LOG_PENDING.set(self.spool.pending)
+        metrics.FEATURE_LOG_SPOOL_BYTES.set(self.spool.bytes)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="feature-log")
 
-    async def stop(self, drain_timeout_s: float = 2.0) -> None:
-        """Flush what can be flushed within ``drain_timeout_s``, then stop."""
-        if self._producer is not None and not self._queue.empty():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._drained(), drain_timeout_s)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-        if self._producer is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._producer.stop(), drain_timeout_s)
-            self._producer = None
-
-    async def _drained(self) -> None:
-        while not self._queue.empty():
+    async def stop(self) -> None:
+        """Ship what can be shipped within ``drain_timeout_s``; the rest stays for the next start."""
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self.producer is not None and self.spool.pending and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        if self._task is not None:
+            await cancel_and_wait(self._task)
+        if self.producer is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.producer.stop(), max(0.5, deadline - time.monotonic()))
+            self.producer = None
+        if self.spool.pending:
+            log.warning("%d feature logs stay in the spool %s: the next start ships them",
+                        self.spool.pending, self.spool.path)
+        self.spool.close()
 
     async def _connect(self) -> AIOKafkaProducer:
         while True:
-            p = producer(self.settings, request_timeout_ms=int(self.send_timeout_s * 1000) + 1000)
+            p = producer(self.settings, request_timeout_ms=int(self.send_timeout_s * 1000) + 1000,
+                         max_request_size=self.max_bytes + _RECORD_OVERHEAD)
             try:
                 await start_client(p, self.settings)
                 log.info("feature log connected to %s", self.settings.bootstrap_servers)
@@ -163,40 +219,103 @@ class FeatureLogger:
                     await p.stop()
                 raise
             except BrokerUnavailable as err:
-                log.warning("feature log: %s; retrying in %.1fs (buffering meanwhile)", err, self.retry_s)
+                log.warning("feature log: %s; retrying in %.1fs (spooling meanwhile)", err, self.retry_s)
                 await asyncio.sleep(self.retry_s)
 
     async def _run(self) -> None:
+        backoff = _MIN_BACKOFF_S
         while True:
             try:
-                if self._producer is None:
-                    self._producer = await self._connect()
-                key, value = await self._queue.get()
-                batch = [(key, value)]
-                while len(batch) < 64 and not self._queue.empty():
-                    batch.append(self._queue.get_nowait())
-                metrics.FEATURE_LOG_BUFFERED.set(self._queue.qsize())
-                await self._send(batch)
+                if self.producer is None:
+                    self.producer = await self._connect()
+                await self._follow_epoch()
+                self.spool.trim_expired()
+                self._wake.clear()
+                entries = self.spool.read(self._cursor, _BATCH_ENTRIES, _BATCH_BYTES)
+                if not entries:
+                    self._gauges()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), 1.0)
+                    continue
+                await self._ship(entries)
+                backoff = _MIN_BACKOFF_S
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - the logger must outlive any broker trouble
-                log.exception("feature log loop error; continuing")
-                await asyncio.sleep(self.retry_s)
+            except Exception as err:  # noqa: BLE001 - every failure is retried; nothing is dropped
+                metrics.FEATURE_LOG_SEND_ERRORS.inc()
+                log.warning("feature log: shipping failed (%r); retrying in %.1fs, the entries stay "
+                            "in the spool", err, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, max(self.retry_s, _MIN_BACKOFF_S))
 
-    async def _send(self, batch: list[tuple[bytes, bytes | Callable[[], bytes]]]) -> None:
-        assert self._producer is not None
-        try:
-            futures = []
-            for key, value in batch:
-                raw = value if isinstance(value, bytes) else value()
-                futures.append(await asyncio.wait_for(self._producer.send(self.topic, raw, key=key),
-                                                      self.send_timeout_s))
-                await asyncio.sleep(0)  # one message at a time: requests go first
-            await asyncio.wait_for(asyncio.gather(*futures), self.send_timeout_s)
-        except Exception as err:  # noqa: BLE001 - timeouts and Kafka errors alike
-            self._drop("send_failed", len(batch))
-            log.warning("feature log: dropped %d records: %r", len(batch), err)
+    async def _follow_epoch(self) -> None:
+        """After a broker reset, send the retained (already shipped) entries again: they may have
+        lived only in the reset broker."""
+        current = await self.epochs.current(1.0)
+        if current is None:
             return
-        self.sent += len(batch)
-        metrics.FEATURE_LOG_SENT.inc(len(batch))
-        shared_metrics.MESSAGES_PRODUCED.labels(self.service, self.topic).inc(len(batch))
+        known = self.spool.epoch
+        if known is None:
+            self.spool.set_epoch(current)
+        elif current != known and current != self._reship_epoch:
+            self._reship_epoch = current
+            self._reship_until = self.spool.shipped
+            self._cursor = self.spool.low
+            log.warning("feature log: the broker's data was reset: re-shipping the %d retained bytes "
+                        "of shipped feature logs", self._reship_until - self._cursor)
+        self._end_reship()
+
+    def _end_reship(self) -> None:
+        """Once the re-shipped range is sent, the spool's entries all live in the new epoch."""
+        if self._reship_epoch is not None and self._cursor >= self._reship_until:
+            self.spool.set_epoch(self._reship_epoch)
+            self._reship_epoch = None
+
+    async def _ship(self, entries: list[Entry]) -> None:
+        """Send ``entries`` in order; mark the acknowledged prefix shipped; raise on the first
+        entry that failed (it and the ones after it are sent again after the back-off)."""
+        assert self.producer is not None
+        sends: list[asyncio.Future | BaseException] = []
+        for e in entries:
+            try:
+                sends.append(await asyncio.wait_for(
+                    self.producer.send(self.topic, e.value, key=e.key), self.send_timeout_s))
+            except _PERMANENT as err:
+                sends.append(err)
+            await asyncio.sleep(0)  # one message at a time: requests go first
+        futures = [f for f in sends if not isinstance(f, BaseException)]
+        results = iter(await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True),
+                                              self.send_timeout_s))
+        done: list[Entry] = []
+        skipped = 0
+        failure: BaseException | None = None
+        for e, sent in zip(entries, sends):
+            outcome = sent if isinstance(sent, BaseException) else next(results)
+            if isinstance(outcome, _PERMANENT):
+                skipped += 1
+                metrics.FEATURE_LOG_UNSHIPPABLE.inc()
+                log.error("feature log %r (%d bytes) refused by the broker for its size (%r): skipped; "
+                          "lower serving.feature_log_max_bytes to the broker's limit",
+                          e.key, len(e.value), outcome)
+            elif isinstance(outcome, BaseException):
+                failure = outcome
+                break
+            done.append(e)
+        if done:
+            self._shipped(done, skipped)
+        if failure is not None:
+            raise failure
+
+    def _shipped(self, done: list[Entry], skipped: int) -> None:
+        again = sum(1 for e in done if e.position < self._reship_until)
+        self.spool.mark_shipped(done)
+        self._cursor = done[-1].end
+        sent = len(done) - skipped
+        self.shipped += sent
+        self.reshipped += again
+        metrics.FEATURE_LOG_SHIPPED.inc(sent)
+        if again:
+            metrics.FEATURE_LOG_RESHIPPED.inc(again)
+        shared_metrics.MESSAGES_PRODUCED.labels(self.service, self.topic).inc(sent)
+        self._end_reship()
+        self._gauges()

@@ -5,7 +5,9 @@ Layout (``P`` = the key prefix, ``driftline`` by default):
 * ``P:u:<user_id>`` / ``P:i:<item_id>``: the sparse slots as one string, ``slot=id,id;slot=id``
   (one ``MGET`` fetches a request's user and all its candidates in one round trip);
 * ``P:clicks:<user_id>``: a list of the user's last K clicked item ids, newest first, updated
-  from the ``actions`` topic (:func:`record_clicks`), served as the ``recent_items`` slot.
+  from the ``actions`` topic (:func:`record_clicks`), served as the ``recent_items`` slot;
+* ``P:meta:<name>``: small values of the readers that fill it (the broker epoch whose actions the
+  clicks were last read from).
 
 Fill it from a dataset with ``python -m serving.feature_store load --dataset ml-1m``.
 
@@ -119,10 +121,15 @@ class FeatureStore:
             items.append(slots)
         return RankFeatures(user, [int(c) for c in clicks], items, values[1:])
 
-    async def record_clicks(self, clicks: Sequence[tuple[int, int]]) -> None:
-        """Push (user_id, item_id) clicks, oldest first, keeping the last K per user."""
+    async def record_clicks(self, clicks: Sequence[tuple[int, int]]) -> list[tuple[int, Exception]]:
+        """Push (user_id, item_id) clicks, oldest first, keeping the last K per user.
+
+        Returns the clicks Redis refused, as (index, error): a user's key holding another type,
+        say. Raises :class:`FeatureStoreError` when Redis cannot be reached (nothing to blame on
+        the clicks: retry).
+        """
         if not clicks:
-            return
+            return []
         started = time.perf_counter()
         try:
             pipe = self.redis.pipeline(transaction=False)
@@ -130,12 +137,33 @@ class FeatureStore:
                 pipe.lpush(self.clicks_key(user_id), item_id)
             for user_id in {u for u, _ in clicks}:
                 pipe.ltrim(self.clicks_key(user_id), 0, self.recent_clicks - 1)
-            await pipe.execute()
+            results = await pipe.execute(raise_on_error=False)
         except Exception as err:  # noqa: BLE001
             metrics.FEATURE_STORE_ERRORS.labels("record_clicks").inc()
             raise FeatureStoreError(f"feature store update failed: {err}") from err
         finally:
             metrics.FEATURE_STORE_SECONDS.labels("record_clicks").observe(time.perf_counter() - started)
+        refused = [(i, r) for i, r in enumerate(results[:len(clicks)]) if isinstance(r, Exception)]
+        if refused:
+            metrics.FEATURE_STORE_ERRORS.labels("record_clicks").inc()
+        return refused
+
+    def marker_key(self, name: str) -> str:
+        return f"{self.prefix}:meta:{name}"
+
+    async def get_marker(self, name: str) -> str | None:
+        """A small named value kept beside the features (e.g. the broker epoch they were read in)."""
+        try:
+            raw = await self.redis.get(self.marker_key(name))
+        except Exception as err:  # noqa: BLE001
+            raise FeatureStoreError(f"feature store read failed: {err}") from err
+        return raw.decode() if raw is not None else None
+
+    async def set_marker(self, name: str, value: str) -> None:
+        try:
+            await self.redis.set(self.marker_key(name), value)
+        except Exception as err:  # noqa: BLE001
+            raise FeatureStoreError(f"feature store update failed: {err}") from err
 
     async def put(self, users: Mapping[int, Slots], items: Mapping[int, Slots], batch: int = 10_000) -> int:
         """Write user and item features (pipelined MSETs of ``batch`` keys); return keys written."""

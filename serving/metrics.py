@@ -50,13 +50,43 @@ FEATURE_STORE_ERRORS = Counter(
     "driftline_serving_feature_store_errors_total", "Failed feature-store operations, by operation.",
     ["op"],
 )
-FEATURE_LOG_SENT = Counter("driftline_serving_feature_log_sent_total", "FeatureLogs written to Kafka.")
-FEATURE_LOG_DROPPED = Counter(
-    "driftline_serving_feature_log_dropped_total",
-    "FeatureLogs dropped, by reason (buffer_full: Kafka slow or down; send_failed).", ["reason"],
+FEATURE_LOG_SPOOLED = Counter(
+    "driftline_serving_feature_log_spooled_total",
+    "FeatureLogs written to the local spool (each one answered 200 after it).",
 )
-FEATURE_LOG_BUFFERED = Gauge(
-    "driftline_serving_feature_log_buffered", "FeatureLogs waiting to be sent."
+FEATURE_LOG_SHIPPED = Counter(
+    "driftline_serving_feature_log_shipped_total",
+    "FeatureLogs acknowledged by Kafka (re-shipped ones included).",
+)
+FEATURE_LOG_RESHIPPED = Counter(
+    "driftline_serving_feature_log_reshipped_total",
+    "Already shipped FeatureLogs sent again after a broker reset (they may have lived only in it).",
+)
+FEATURE_LOG_PENDING = Gauge(
+    "driftline_serving_feature_log_pending", "FeatureLogs spooled and not yet acknowledged by Kafka."
+)
+FEATURE_LOG_SPOOL_BYTES = Gauge(
+    "driftline_serving_feature_log_spool_bytes",
+    "Bytes (keys + values) in the feature-log spool: unshipped and retained entries.",
+)
+FEATURE_LOG_REFUSED = Counter(
+    "driftline_serving_feature_log_refused_total",
+    "/rank requests refused because their FeatureLog could not be kept, by reason (too_large: "
+    "over serving.feature_log_max_bytes, 413; SpoolFull; SpoolError: 503).", ["reason"],
+)
+FEATURE_LOG_SEND_ERRORS = Counter(
+    "driftline_serving_feature_log_send_errors_total",
+    "Failed attempts to ship spooled FeatureLogs to Kafka (each is retried).",
+)
+FEATURE_LOG_UNSHIPPABLE = Counter(
+    "driftline_serving_feature_log_unshippable_total",
+    "Spooled FeatureLogs the broker refused for their size and that were skipped (a broker limit "
+    "below serving.feature_log_max_bytes).",
+)
+SNAPSHOT_RELOADS = Counter(
+    "driftline_serving_snapshot_reloads_total",
+    "Models reloaded from a snapshot while serving (after a broker reset: the trainer's new-epoch "
+    "snapshot).",
 )
 ACTIONS_PRODUCED = Counter(
     "driftline_serving_actions_produced_total", "Actions accepted by POST /actions."

@@ -77,7 +77,12 @@ class ServingModel(Protocol):
         ...
 
     def bootstrap(self, root: Path | None) -> Bootstrap | None:
-        """Load the newest snapshot under ``root`` into this (fresh) model; None when there is none."""
+        """Load the newest snapshot under ``root`` into this model, replacing its parameters (a
+        running model keeps scoring with the old ones meanwhile); None when there is none."""
+        ...
+
+    def snapshot_epoch(self, root: Path | None) -> str | None:
+        """The broker epoch recorded in the newest snapshot under ``root`` (None: none recorded)."""
         ...
 
 
@@ -89,6 +94,8 @@ class Bootstrap:
     sparse_version: int
     dense_version: int
     param_deltas_offset: int | None = None
+    #: the broker epoch the offset belongs to (the trainer's manifest key ``broker_epoch``)
+    broker_epoch: str | None = None
 
 
 def chunk_done(state: VersionState, msg: ParameterDelta) -> None:
@@ -210,7 +217,7 @@ class FMModel:
                 np.copyto(current, value)
 
     # ------------------------------------------------------------------ snapshots
-    def save_snapshot(self, root: Path) -> Path:
+    def save_snapshot(self, root: Path, broker_epoch: str | None = None) -> Path:
         """Write a full snapshot under ``root``; return its directory. (Stand-in for the trainer's.)"""
         path = root / f"snapshot-{self.sparse.version:012d}-{self.dense.version:012d}-{time.time_ns()}"
         tmp = path.with_name(path.name + ".tmp")
@@ -222,7 +229,7 @@ class FMModel:
         meta = {"model_id": self.model_id, "dim": self.dim,
                 "sparse_version": self.sparse.version, "dense_version": self.dense.version,
                 "sparse_published_ms": self.sparse.published_ms,
-                "dense_published_ms": self.dense.published_ms}
+                "dense_published_ms": self.dense.published_ms, "broker_epoch": broker_epoch}
         (tmp / "meta.json").write_text(json.dumps(meta))
         tmp.rename(path)
         return path
@@ -231,13 +238,18 @@ class FMModel:
         meta = json.loads((path / "meta.json").read_text())
         if meta["model_id"] != self.model_id or meta["dim"] != self.dim:
             raise ValueError(f"snapshot {path} is for {meta['model_id']} dim {meta['dim']}")
-        for name, table in self.tables.items():
+        # Fresh tables, swapped in at the end: a running model reloading keeps scoring with the
+        # old rows until then, and keeps none of them after.
+        tables = {name: EmbeddingTable(TableConfig(name=name, dim=self.width, initial_capacity=4096).serving())
+                  for name in self.tables}
+        for name, table in tables.items():
             f = path / f"sparse-{name}.npz"
             if f.exists():
                 with np.load(f) as z:
                     keys = z["keys"].astype(np.int64)
                     table.apply_sync(SyncChunk(keys, z["values"].astype(np.float32),
                                                np.ones(keys.size, np.int64), np.empty(0, np.int64)))
+        self.tables = tables
         with np.load(path / "dense.npz") as z:
             with self._dense_lock:
                 for name in z.files:
@@ -246,14 +258,25 @@ class FMModel:
         self.sparse.version, self.dense.version = meta["sparse_version"], meta["dense_version"]
         self.sparse.published_ms = meta["sparse_published_ms"]
         self.dense.published_ms = meta["dense_published_ms"]
-
+        self.sparse.pending.clear()
+        self.dense.pending.clear()
 
     def bootstrap(self, root: Path | None) -> Bootstrap | None:
         path = latest_snapshot(root)
         if path is None:
             return None
         self.load_snapshot(path)
-        return Bootstrap(path, self.sparse.version, self.dense.version)
+        meta = json.loads((path / "meta.json").read_text())
+        return Bootstrap(path, self.sparse.version, self.dense.version, broker_epoch=meta.get("broker_epoch"))
+
+    def snapshot_epoch(self, root: Path | None) -> str | None:
+        path = latest_snapshot(root)
+        if path is None:
+            return None
+        try:
+            return json.loads((path / "meta.json").read_text()).get("broker_epoch")
+        except (OSError, ValueError):
+            return None
 
 
 def warm_up(model: ServingModel) -> None:
@@ -346,9 +369,22 @@ class TrainerModel:
         self.sparse.version = int(manifest.get("sparse_version", 0))
         self.dense.version = int(manifest.get("dense_version", 0))
         self.sparse.published_ms = self.dense.published_ms = int(manifest.get("created_at_ms", 0))
+        self.sparse.pending.clear()
+        self.dense.pending.clear()
         offset = manifest.get("param_deltas_offset")
         return Bootstrap(path / manifest["name"], self.sparse.version, self.dense.version,
-                         int(offset) if offset else None)
+                         int(offset) if offset else None, manifest.get("broker_epoch"))
+
+    def snapshot_epoch(self, root: Path | None) -> str | None:
+        from trainer.snapshots import read_manifest
+
+        if root is None:
+            return None
+        try:
+            manifest = read_manifest(root / self.model_id)
+        except (OSError, ValueError):
+            return None  # being replaced right now: the next look sees the new one
+        return manifest.get("broker_epoch") if manifest else None
 
 
 def parameters(model: FMModel | TrainerModel) -> dict[str, np.ndarray]:

@@ -1,19 +1,41 @@
-"""Real-time user features: a consumer of ``actions`` that records each user's recent clicks."""
+"""Real-time user features: a consumer of ``actions`` that records each user's recent clicks.
+
+One consumer group for all replicas (Redis is shared), committing after each batch is in Redis.
+A group without committed offsets starts at the end of the topic (old clicks are not "recent"),
+except after a broker reset: the reset took the group's offsets with it, and every action on the
+new topic is new, so the reader then starts at the new topic's beginning. A reset is seen live
+(:class:`serving.broker_epoch.SharedEpoch`, checked before every commit, so no offset of the new
+topic is committed by a reader that has not noticed) and across restarts: the epoch whose actions
+were last recorded is kept in Redis beside the clicks. Actions that were on the old topic and not
+read yet are lost with it, counted in ``driftline_broker_reset_lost_total{service="serving"}``.
+
+A click that decodes but cannot be recorded (Redis refuses it, e.g. the user's key holds another
+type; Redis being down is retried instead) is written to ``dead-letters`` with the reason and
+skipped: one record never stops the reader.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+
+from aiokafka import TopicPartition
 
 from proto import Action
 from serving import metrics
 from serving.background import BackgroundLoop
+from serving.broker_epoch import SharedEpoch
 from serving.feature_store import FeatureStore, FeatureStoreError
-from services.kafka import TypedConsumer
+from services import metrics as shared_metrics
+from services.codecs import processing_failed
+from services.kafka import Record, TypedConsumer
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
+
+_EPOCH_MARKER = "realtime-epoch"
 
 
 class RecentClicks(BackgroundLoop):
@@ -22,35 +44,128 @@ class RecentClicks(BackgroundLoop):
     task_name = "recent-clicks"
 
     def __init__(self, settings: Settings, store: FeatureStore, click_actions: tuple[str, ...],
-                 group_id: str = "serving-realtime", retry_s: float = 2.0) -> None:
+                 group_id: str = "serving-realtime", retry_s: float = 2.0, service: str = "serving",
+                 epochs: SharedEpoch | None = None) -> None:
         self.settings = settings
         self.store = store
         self.click_actions = set(click_actions)
         self.group_id = group_id
         self.retry_s = retry_s
+        self.service = service
+        self.epochs = epochs if epochs is not None else SharedEpoch(settings, service)
+        self._own_epochs = epochs is None
         self.recorded = 0
+        self.failed = 0
+        #: a broker reset was seen: a partition without committed offsets starts at the beginning
+        self.from_beginning = False
+        self._lag: dict[int, int] = {}
         self._task: asyncio.Task[None] | None = None
 
+    async def stop(self) -> None:
+        await super().stop()
+        if self._own_epochs:
+            await self.epochs.stop()
+
     async def _consume(self) -> None:
+        epoch = await self.epochs.current(0)
+        marker = await self._marker()
+        if epoch is not None and marker is not None and marker != epoch and not self.from_beginning:
+            log.warning("recent clicks: the broker was reset since actions were last recorded (epoch "
+                        "%s, now %s): reading the new actions topic from its start", marker, epoch)
+            self.from_beginning = True
         consumer: TypedConsumer[Action] = TypedConsumer(
-            self.settings, "serving", Action, [self.settings.topics.actions], self.group_id,
-            auto_offset_reset="latest",
+            self.settings, self.service, Action, [self.settings.topics.actions], self.group_id,
+            auto_offset_reset="earliest" if self.from_beginning else "latest",
         )
         try:
             await consumer.start()
-            async for batch in consumer.batches(max_records=2_000, timeout_ms=200):
-                clicks = [(r.value.user_id, r.value.item_id) for r in batch
-                          if r.value.user_id and r.value.action_type in self.click_actions]
-                while True:
-                    try:
-                        await self.store.record_clicks(clicks)
-                        break
-                    except FeatureStoreError as err:
-                        log.warning("%s; retrying", err)
-                        await asyncio.sleep(self.retry_s)
-                self.recorded += len(clicks)
-                metrics.REALTIME_UPDATES.inc(len(clicks))
+            while True:
+                batch = await consumer.poll(timeout_ms=200, max_records=2_000)
+                self._note_lag(consumer, batch)
+                # Before a commit always (an offset of the new topic committed by a reader that has
+                # not noticed the reset would skip actions), else at most once a second.
+                current = await self.epochs.current(0 if batch else 1.0)
+                if epoch is None:
+                    epoch = current
+                elif current is not None and current != epoch:
+                    self._reset(epoch, current)
+                    return  # reconnect: the new consumer starts at the new topic's beginning
+                if not batch:
+                    continue
+                letters = await self._record(consumer, batch)
+                if letters:
+                    await asyncio.gather(*letters)
                 await consumer.commit()
+                if epoch is not None and marker != epoch and await self._set_marker(epoch):
+                    marker = epoch
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.shield(consumer.stop())
+
+    def _reset(self, old: str, new: str) -> None:
+        lost = sum(self._lag.values())
+        if lost:
+            shared_metrics.BROKER_RESET_LOST.labels(self.service, self.settings.topics.actions).inc(lost)
+        log.warning("recent clicks: the broker's data was reset (epoch %s -> %s; %d actions not yet "
+                    "read are lost with it): reading the new actions topic from its start", old, new, lost)
+        self._lag.clear()
+        self.from_beginning = True
+
+    def _note_lag(self, consumer: TypedConsumer[Action], records: list[Record[Action]]) -> None:
+        last: dict[int, int] = {}
+        for r in records:
+            last[r.partition] = r.offset
+        for partition, offset in last.items():
+            hw = consumer.consumer.highwater(TopicPartition(self.settings.topics.actions, partition))
+            if hw is not None:
+                self._lag[partition] = max(0, hw - offset - 1)
+
+    async def _record(self, consumer: TypedConsumer[Action], batch: list[Record[Action]]) -> list[asyncio.Future]:
+        """Record the batch's clicks; return the dead letters of the records that failed (to await
+        before committing). Redis being down is retried until it is back, never dead-lettered."""
+        owners = [r for r in batch if r.value.user_id and r.value.action_type in self.click_actions]
+        clicks = [(r.value.user_id, r.value.item_id) for r in owners]
+        try:
+            refused = await self._with_retry(clicks)
+        except Exception as err:  # noqa: BLE001 - a bug, not Redis: find the records it fails on
+            log.warning("recent clicks: a batch failed (%r); recording its clicks one by one", err)
+            refused = []
+            for i, click in enumerate(clicks):
+                try:
+                    refused += [(i, e) for _, e in await self._with_retry([click])]
+                except Exception as one:  # noqa: BLE001
+                    refused.append((i, one))
+        letters = []
+        for i, err in refused:
+            self.failed += 1
+            r = owners[i]
+            letters.append(await consumer.dead_letter(dataclasses.replace(r, value=r.raw), processing_failed(err)))
+        self._count(len(clicks) - len(refused))
+        return letters
+
+    async def _with_retry(self, clicks: list[tuple[int, int]]) -> list[tuple[int, Exception]]:
+        while True:
+            try:
+                return await self.store.record_clicks(clicks)
+            except FeatureStoreError as err:
+                log.warning("%s; retrying", err)
+                await asyncio.sleep(self.retry_s)
+
+    def _count(self, n: int) -> None:
+        self.recorded += n
+        metrics.REALTIME_UPDATES.inc(n)
+
+    async def _marker(self) -> str | None:
+        while True:
+            try:
+                return await self.store.get_marker(_EPOCH_MARKER)
+            except FeatureStoreError as err:
+                log.warning("%s; retrying", err)
+                await asyncio.sleep(self.retry_s)
+
+    async def _set_marker(self, epoch: str) -> bool:
+        try:
+            await self.store.set_marker(_EPOCH_MARKER, epoch)
+            return True
+        except FeatureStoreError:
+            return False  # written after the next commit

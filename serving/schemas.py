@@ -14,6 +14,10 @@ Id = Annotated[int, Field(ge=0, le=INT64_MAX)]
 FeatureId = Annotated[int, Field(ge=-(2**63), le=INT64_MAX)]
 SlotName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 RequestId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")]
+#: dense values are logged as float32: a larger magnitude would become inf, which the joiner
+#: rejects (the impression would be lost after a 200)
+FLOAT32_MAX = 3.4028234663852886e38
+DenseValue = Annotated[float, Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 
 
 class _Strict(BaseModel):
@@ -27,7 +31,7 @@ class FeaturesIn(_Strict):
         default_factory=dict, max_length=64,
         description="Slot -> ids. Per-item slots replace the stored item slot of the same name; "
                     "context slots replace the stored user slot of the same name.")
-    dense: dict[SlotName, float] = Field(default_factory=dict, max_length=64)
+    dense: dict[SlotName, DenseValue] = Field(default_factory=dict, max_length=64)
 
     model_config = ConfigDict(
         extra="forbid", allow_inf_nan=False,
@@ -46,7 +50,8 @@ class RankRequest(_Strict):
     request_id: RequestId | None = Field(None, description="Echoed back; generated when absent.")
     user_id: Id
     event_time_ms: Annotated[int, Field(gt=0, le=INT64_MAX)] | None = Field(
-        None, description="Unix milliseconds the request happened at (a replay's data time); now when absent.")
+        None, description="Unix milliseconds the request happened at (a replay's data time); now when "
+                          "absent. Outside [now - event_time.max_past_s, now + event_time.max_future_s]: 422.")
     context: FeaturesIn | None = Field(None, description="Request features shared by every candidate.")
     candidates: list[CandidateIn] = Field(
         ..., min_length=1, max_length=SCHEMA_MAX_CANDIDATES,
@@ -96,7 +101,8 @@ class ActionIn(_Strict):
     action_type: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
     user_id: Id = Field(0, description="0 = unknown.")
     event_time_ms: Annotated[int, Field(gt=0, le=INT64_MAX)] | None = Field(
-        None, description="Unix milliseconds; now when absent."
+        None, description="Unix milliseconds; now when absent. Outside [now - event_time.max_past_s, "
+                          "now + event_time.max_future_s]: 422."
     )
 
 
@@ -124,4 +130,5 @@ class Readiness(BaseModel):
     sparse_staleness_s: float | None
     dense_staleness_s: float | None
     feature_log_connected: bool
-    feature_log_buffered: int
+    feature_log_buffered: int = Field(description="Feature logs spooled, not yet acknowledged by Kafka.")
+    feature_log_spool_bytes: int = Field(description="Bytes in the feature-log spool (unshipped + retained).")

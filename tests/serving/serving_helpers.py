@@ -115,3 +115,22 @@ async def publish(settings: Settings, messages: list[ParameterDelta]) -> int:
     finally:
         await p.stop()
     return max(md.offset for md in metas) + 1
+
+
+async def read_keys(settings: Settings, topic: str, want: set[str], timeout: float = 20.0) -> set[str]:
+    """The record keys on ``topic`` (read from its beginning) once ``want`` is among them, or what
+    was there when ``timeout`` ran out."""
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=settings.bootstrap_servers, group_id=None,
+                                auto_offset_reset="earliest", enable_auto_commit=False)
+    await start_client(consumer, settings)
+    seen: set[str] = set()
+    try:
+        deadline = time.monotonic() + timeout
+        while not want <= seen and time.monotonic() < deadline:
+            batches = await consumer.getmany(timeout_ms=300)
+            seen |= {r.key.decode() for records in batches.values() for r in records if r.key}
+    finally:
+        await consumer.stop()
+    return seen

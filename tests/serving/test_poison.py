@@ -1,0 +1,94 @@
+"""Serving's readers never crash-loop on one record: a record that decodes and then fails is
+dead-lettered with the reason, counted, and the reader moves on (real broker, real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from proto import Action, DeadLetter, ParameterDelta
+from proto.parameter_delta_pb2 import DenseParameters, Tensor
+from serving.deltas import DeltaFeed
+from serving.feature_store import FeatureStore
+from serving.model import FMModel
+from serving.realtime import RecentClicks
+from services.kafka import TypedConsumer, create_topics, producer, start_client
+from services.settings import Settings
+
+from serving_helpers import dense_delta, publish, sparse_delta
+
+
+async def _dead_letters(settings: Settings, n: int, timeout: float = 20.0) -> list[DeadLetter]:
+    consumer: TypedConsumer[DeadLetter] = TypedConsumer(settings, "test", DeadLetter,
+                                                        [settings.topics.dead_letters], None)
+    out: list[DeadLetter] = []
+    async with consumer:
+        deadline = time.monotonic() + timeout
+        while len(out) < n and time.monotonic() < deadline:
+            out += [r.value for r in await consumer.poll(timeout_ms=300)]
+    return out
+
+
+async def test_a_delta_that_fails_to_apply_is_dead_lettered(settings: Settings) -> None:
+    # Decodes and validates (one value for a shape whose product is 1), but cannot be reshaped.
+    poison = ParameterDelta(model_id="deepfm", version=1, chunk_index=0, chunk_count=1,
+                            dense=DenseParameters(tensors=[Tensor(name="bias", shape=[-1, -1],
+                                                                  values=np.ones(1, "<f4").tobytes())]))
+    feed = DeltaFeed(settings, FMModel(dim=4), retry_s=0.2)
+    feed.start()
+    try:
+        await publish(settings, [poison, sparse_delta("item_id", np.array([5], np.int64),
+                                                      np.ones((1, 5), np.float32), version=1),
+                                 dense_delta(0.5, version=2)])
+        deadline = time.monotonic() + 20
+        while not (feed.model.sparse.version == 1 and feed.model.dense.version == 2):
+            assert time.monotonic() < deadline, (feed.model.sparse.version, feed.model.dense.version)
+            await asyncio.sleep(0.05)
+        assert feed.failed == 1 and float(feed.model.dense_params["bias"][0]) == 0.5
+    finally:
+        await feed.stop()
+    [letter] = await _dead_letters(settings, 1)
+    assert letter.source_topic == settings.topics.param_deltas and letter.offset == 0
+    assert letter.reason.startswith("failed: ValueError") and letter.value == poison.SerializeToString()
+
+
+async def _produce(settings: Settings, actions: list[Action]) -> None:
+    p = producer(settings)
+    await start_client(p, settings)
+    try:
+        for a in actions:
+            await p.send_and_wait(settings.topics.actions, a.SerializeToString(), key=a.request_id.encode(),
+                                  partition=0)
+    finally:
+        await p.stop()
+
+
+async def test_a_click_redis_refuses_is_dead_lettered(serving_settings: Settings) -> None:
+    settings = serving_settings
+    settings.kafka.session_timeout_ms = 6_000  # tansu's first join waits about half of it
+    settings.kafka.heartbeat_interval_ms = 1_000
+    store = FeatureStore(settings.redis, f"p{time.time_ns()}")
+    await store.redis.set(store.clicks_key(9), "not a list")  # user 9's clicks cannot be pushed
+    await create_topics(settings, {settings.topics.actions: 1})
+    now = int(time.time() * 1000)
+    await _produce(settings, [
+        Action(request_id="r1", item_id=11, action_type="click", user_id=10, event_time_ms=now),
+        Action(request_id="poison", item_id=12, action_type="click", user_id=9, event_time_ms=now),
+        Action(request_id="r3", item_id=13, action_type="click", user_id=10, event_time_ms=now)])
+    reader = RecentClicks(settings, store, ("click",), group_id=f"g{time.time_ns()}", retry_s=0.2)
+    reader.from_beginning = True  # a fresh group would start at the end
+    reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while reader.recorded < 2:
+            assert time.monotonic() < deadline, reader.recorded
+            await asyncio.sleep(0.1)
+        assert [int(x) for x in await store.redis.lrange(store.clicks_key(10), 0, -1)] == [13, 11]
+        assert reader.failed == 1
+    finally:
+        await reader.stop()
+        await store.close()
+    [letter] = await _dead_letters(settings, 1)
+    assert letter.key == b"poison" and "WRONGTYPE" in letter.reason and letter.reason.startswith("failed:")

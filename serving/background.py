@@ -34,6 +34,7 @@ class BackgroundLoop:
                 log.warning("%s: %s; retrying in %.1fs", self.task_name, err, self.retry_s)
             except Exception:  # noqa: BLE001 - a bad record or a bug must not stop serving
                 log.exception("%s: consumer failed; restarting in %.1fs", self.task_name, self.retry_s)
+            raise_if_cancelled()
             await asyncio.sleep(self.retry_s)
 
     def start(self) -> None:
@@ -44,15 +45,21 @@ class BackgroundLoop:
             await cancel_and_wait(self._task)
 
 
-async def cancel_and_wait(task: asyncio.Task[None]) -> None:
-    """Cancel ``task`` and wait for it to end, cancelling again if a cancellation was lost.
+def raise_if_cancelled() -> None:
+    """Raise CancelledError if the running task was asked to stop, also when the cancellation
+    itself was lost: Python 3.11's ``asyncio.wait_for`` raises the awaited call's error instead of
+    the cancellation when both arrive together, and a retry loop that handles the error would
+    otherwise run on. Retry loops call this before they sleep."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
-    Python 3.11's ``asyncio.wait_for`` drops a cancellation that arrives as the awaited call
-    fails (it raises the call's error instead), and a retry loop that handles that error then
-    runs on: one ``cancel()`` is not always enough.
-    """
-    while not task.done():
+
+async def cancel_and_wait(task: asyncio.Task[None], nudge_s: float = 5.0) -> None:
+    """Cancel ``task`` and wait for it to end (its clean-up included), cancelling again every
+    ``nudge_s`` in case a cancellation was lost where no retry loop checks for it."""
+    task.cancel()
+    while not (await asyncio.wait([task], timeout=nudge_s))[0]:
         task.cancel()
-        await asyncio.wait([task], timeout=0.5)
     with contextlib.suppress(asyncio.CancelledError, Exception):
         task.result()

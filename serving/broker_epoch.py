@@ -16,6 +16,7 @@ import time
 
 from aiokafka.errors import KafkaError
 
+from serving.background import raise_if_cancelled
 from services.kafka import BrokerUnavailable
 from services.settings import Settings
 from services.tansu_quirks import EpochWatch
@@ -46,11 +47,13 @@ class SharedEpoch:
                     with contextlib.suppress(Exception):
                         await self.watch.stop()
                     self.watch.epoch = None
+                    raise_if_cancelled()
                     return None
                 self._started = True
                 self._checked = now
             elif now - self._checked >= max_age_s:
-                await self.watch.check()
+                await self.watch.check()  # returns None on errors, a lost cancellation among them
+                raise_if_cancelled()
                 self._checked = now
             return self.watch.epoch
 

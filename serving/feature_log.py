@@ -35,7 +35,7 @@ from services import metrics as shared_metrics
 from services.kafka import BrokerUnavailable, producer, start_client
 from services.settings import Settings
 from serving import metrics
-from serving.background import cancel_and_wait
+from serving.background import cancel_and_wait, raise_if_cancelled
 from serving.broker_epoch import SharedEpoch
 from serving.options import ServingOptions
 from serving.spool import Entry, Spool
@@ -220,6 +220,7 @@ class FeatureLogger:
                 raise
             except BrokerUnavailable as err:
                 log.warning("feature log: %s; retrying in %.1fs (spooling meanwhile)", err, self.retry_s)
+                raise_if_cancelled()
                 await asyncio.sleep(self.retry_s)
 
     async def _run(self) -> None:
@@ -245,6 +246,7 @@ class FeatureLogger:
                 metrics.FEATURE_LOG_SEND_ERRORS.inc()
                 log.warning("feature log: shipping failed (%r); retrying in %.1fs, the entries stay "
                             "in the spool", err, backoff)
+                raise_if_cancelled()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, max(self.retry_s, _MIN_BACKOFF_S))
 

@@ -25,7 +25,7 @@ from aiokafka import TopicPartition
 
 from proto import Action
 from serving import metrics
-from serving.background import BackgroundLoop
+from serving.background import BackgroundLoop, raise_if_cancelled
 from serving.broker_epoch import SharedEpoch
 from serving.feature_store import FeatureStore, FeatureStoreError
 from services import metrics as shared_metrics
@@ -149,6 +149,7 @@ class RecentClicks(BackgroundLoop):
                 return await self.store.record_clicks(clicks)
             except FeatureStoreError as err:
                 log.warning("%s; retrying", err)
+                raise_if_cancelled()
                 await asyncio.sleep(self.retry_s)
 
     def _count(self, n: int) -> None:
@@ -161,6 +162,7 @@ class RecentClicks(BackgroundLoop):
                 return await self.store.get_marker(_EPOCH_MARKER)
             except FeatureStoreError as err:
                 log.warning("%s; retrying", err)
+                raise_if_cancelled()
                 await asyncio.sleep(self.retry_s)
 
     async def _set_marker(self, epoch: str) -> bool:

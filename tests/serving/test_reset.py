@@ -211,3 +211,32 @@ async def test_recent_clicks_read_the_new_actions_topic_from_its_start(
     finally:
         await reader.stop()
         await store.close()
+
+
+async def test_a_snapshot_from_before_a_reset_is_replaced_at_start(settings: Settings, tmp_path: Path) -> None:
+    """Serving starts after a reset it did not see: the newest snapshot's offset points into a topic
+    that is gone, so the feed reads the new topic from its start and reloads the first snapshot
+    of the broker's current epoch."""
+    from serving.model import FMModel
+
+    root = tmp_path / "snapshots"
+    old = FMModel(dim=4)
+    old.sparse.version = old.dense.version = 7
+    old.save_snapshot(root, broker_epoch="an-epoch-before-the-reset")
+    feed = DeltaFeed(settings, FMModel(dim=4), snapshot_dir=root, retry_s=0.2)
+    feed.load_snapshot()
+    feed.resume_offset = 10**6  # where the old topic was; the new one is far shorter
+    feed.start()
+    try:
+        await _until(lambda: feed.epoch is not None, what="the feed's first connection")
+        epoch = await read_broker_epoch(settings)
+        assert feed.awaiting_epoch == epoch and feed.resume_offset is None and feed.loaded
+        new = FMModel(dim=4)
+        new.sparse.version, new.dense.version = 9, 8  # the stand-in's newest is by versions
+        new.dense_params["bias"][0] = 0.25
+        new.save_snapshot(root, broker_epoch=epoch)
+        await _until(lambda: feed.reloads == 1, what="the reload")
+        assert (feed.model.sparse.version, feed.model.dense.version) == (9, 8)
+        assert float(feed.model.dense_params["bias"][0]) == 0.25 and feed.awaiting_epoch is None
+    finally:
+        await feed.stop()

@@ -134,7 +134,7 @@ async def test_dumper_kill_9_and_restart_writes_each_example_once(settings: Sett
     rng = random.Random(24)
     seen: set[str] = set()
     rows_at_kills = []
-    for _ in range(3):
+    for _ in range(2):
         proc = _dumper(env, log, "--flush-rows", "10", "--flush-interval", "0.05")
         time.sleep(rng.uniform(1.3, 2.2))  # start-up takes ~1.2 s
         proc.send_signal(signal.SIGKILL)

@@ -131,6 +131,7 @@ class Spool:
         # (position, monotonic time): everything below position was shipped by then. What was
         # shipped before this start counts as shipped now (kept a little longer, never shorter).
         self._marks: deque[tuple[int, float]] = deque([(self.shipped, time.monotonic())])
+        self._warned = -1e9
         self._closed = False
 
     # ------------------------------------------------------------------ state
@@ -159,10 +160,7 @@ class Spool:
             raise SpoolError("the feature-log spool is closed (serving is stopping)")
         size = _POS + len(key) + len(value)
         if self.end + size - self.low > self.max_bytes and self.low < self.shipped:
-            log.warning("feature-log spool %s is full: dropping %d bytes of shipped entries before "
-                        "their retention ends (a broker reset now could lose them)",
-                        self.path, self.shipped - self.low)
-            self.trim(self.shipped)
+            self._make_room(self.end + size - self.max_bytes)
         if self.end + size - self.shipped > self.max_bytes:
             raise SpoolFull(f"feature-log spool full: {self.end - self.shipped} of {self.max_bytes} "
                             "bytes unshipped (Kafka slow or down)")
@@ -174,6 +172,18 @@ class Spool:
         self.end = position + size
         self.pending += 1
         return position
+
+    def _make_room(self, lowest: int) -> None:
+        """Delete the oldest shipped entries, up to the first shipped batch at or above position
+        ``lowest`` (all shipped ones if none is), before their retention ends."""
+        upto = next((pos for pos, _t in self._marks if pos >= lowest), self.shipped)
+        now = time.monotonic()
+        if now - self._warned >= 60.0:
+            self._warned = now
+            log.warning("feature-log spool %s is full (%d bytes): dropping shipped entries before "
+                        "their retention ends (a broker reset now could lose them); raise "
+                        "serving.spool_max_bytes or lower serving.spool_retention_s", self.path, self.max_bytes)
+        self.trim(upto)
 
     def mark_shipped(self, entries: Sequence[Entry]) -> None:
         """Kafka acknowledged ``entries`` (consecutive, in order): move the shipped cursor."""
@@ -191,6 +201,8 @@ class Spool:
             return
         self._db.delete_range(_pos(self.low), _pos(upto), self._write)
         self.low = upto
+        while self._marks and self._marks[0][0] <= upto:
+            self._marks.popleft()
 
     def trim_expired(self, now: float | None = None) -> None:
         """Delete the entries shipped more than ``retention_s`` ago."""

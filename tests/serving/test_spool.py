@@ -45,15 +45,18 @@ def test_shipped_entries_are_retained_then_deleted(tmp_path: Path) -> None:
     spool.close()
 
 
-def test_full_spool_drops_retained_entries_first_then_refuses(tmp_path: Path) -> None:
+def test_full_spool_drops_the_oldest_retained_entries_first_then_refuses(tmp_path: Path) -> None:
     entry = 8 + 2 + 100
     spool = Spool(tmp_path / "s", max_bytes=5 * entry)
     _fill(spool, 5)
     with pytest.raises(SpoolFull, match="unshipped"):
         _fill(spool, 1, start=5)
-    spool.mark_shipped(spool.read(0, 2, 1 << 20))
-    _fill(spool, 2, start=5)  # room made by dropping the two shipped (retained) entries
-    assert spool.bytes == 5 * entry and spool.pending == 5
+    for _ in range(2):  # two shipped batches of one entry each
+        spool.mark_shipped(spool.read(spool.shipped, 1, 1 << 20))
+    _fill(spool, 1, start=5)  # room made by dropping the oldest shipped entry only
+    assert [e.key for e in spool.read(0, 10, 1 << 20)] == [b"r1", b"r2", b"r3", b"r4", b"r5"]
+    _fill(spool, 1, start=6)
+    assert spool.bytes == 5 * entry and spool.pending == 5 and spool.low == spool.shipped
     with pytest.raises(SpoolFull):
         _fill(spool, 1, start=7)
     spool.close()

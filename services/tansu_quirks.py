@@ -115,8 +115,8 @@ async def read_broker_epoch(settings: Settings, timeout_s: float = 5.0) -> str |
     consumer = AIOKafkaConsumer(
         bootstrap_servers=settings.bootstrap_servers, enable_auto_commit=False, group_id=None
     )
-    await consumer.start()
     try:
+        await consumer.start()
         partitions = consumer.partitions_for_topic(EPOCH_TOPIC)
         if not partitions:
             await consumer._client.force_metadata_update()

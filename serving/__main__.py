@@ -9,26 +9,12 @@ process exits 0.
 from __future__ import annotations
 
 import argparse
-import contextlib
-from collections.abc import Iterator
-
-import uvicorn
 
 from serving.app import create_app
 from serving.options import ServingOptions
 from services.log import setup_logging
 from services.settings import get_settings
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # uvicorn re-raises the signal that stopped it once it has shut down, so the process would
-        # die of SIGTERM (or raise KeyboardInterrupt) after a complete, clean stop. A signal here
-        # means "stop", and the stop is done: forget it and exit 0.
-        with super().capture_signals():
-            yield
-            self._captured_signals.clear()
+from services.uvicorn_server import serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,12 +31,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     app = create_app(settings, opts)
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                    log_level=settings.log_level.lower(), access_log=False))
-    server.run()
     # uvicorn reports a failed start-up (e.g. the spool is locked by another replica) by exiting
     # the server without serving; the log says why.
-    return 0 if server.started else 3
+    return 0 if serve(app, args.host, args.port, settings.log_level) else 3
 
 
 if __name__ == "__main__":

@@ -77,9 +77,8 @@ def create_app(settings: Settings, targets: Sequence[Target] | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    import uvicorn
-
     from services.log import setup_logging
+    from services.uvicorn_server import serve
 
     settings = get_settings()
     opts = status_settings(settings)
@@ -94,5 +93,4 @@ def main(argv: list[str] | None = None) -> int:
     opts = opts.model_copy(update={"host": args.host, "port": args.port, "scrape_interval_s": args.interval})
     targets = [parse_target(t) for t in args.target] if args.target else None
     app = create_app(settings, targets, opts)
-    uvicorn.run(app, host=opts.host, port=opts.port, log_level=settings.log_level.lower(), access_log=False)
-    return 0
+    return 0 if serve(app, opts.host, opts.port, settings.log_level) else 3

@@ -1,0 +1,30 @@
+"""uvicorn for driftline's HTTP services (serving, the status page): SIGTERM or SIGINT is a clean
+stop that exits 0.
+
+uvicorn re-raises the signal that stopped it once it has shut down, so a process would die of
+SIGTERM (or raise KeyboardInterrupt) after a complete, clean stop, and the supervisor would count
+an unclean exit. Here a signal means "stop", and once the stop is done it is forgotten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+
+class Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+
+def serve(app: Any, host: str, port: int, log_level: str) -> bool:
+    """Run ``app`` until SIGTERM/SIGINT; False when it never started (the log says why)."""
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False))
+    server.run()
+    return bool(server.started)

@@ -22,9 +22,14 @@ The group membership, the rebalance listener and the offset commits stay in the 
 member whose partitions are paused: it never fetches). The trainer drops shipments of an older
 generation, so a rebalance never applies records fetched for a superseded assignment.
 
-The loader dies with the trainer: it exits when its pipe to the trainer closes (the kernel closes it
-when the trainer dies, kill -9 included: the read sees EOF, a blocked write a broken pipe) or its
-parent process changes. A loader that dies is an error in the trainer (:class:`LoaderClient`).
+The loader dies with the trainer, and only with it: it exits when its pipe to the trainer closes (the
+kernel closes it when the trainer dies, kill -9 included: the read sees EOF, a blocked write a broken
+pipe), when its parent process changes, or on ``("stop",)``. It ignores SIGINT and SIGTERM: a
+supervisor stops a service by signalling its whole process group (and Ctrl-C reaches a terminal's
+foreground group), and a loader dying first would end the trainer with :class:`LoaderDied` before
+it drained, committed and wrote its final snapshot. It is spawned ignoring them already, so one
+sent while it starts up is not fatal either. A loader that dies is an error in the trainer
+(:class:`LoaderClient`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import asyncio
 import logging
 import os
 import pickle
+import signal
 import time
 import traceback
 from collections import deque
@@ -70,6 +76,7 @@ class LoaderDied(RuntimeError):
     """The loader process exited or reported an error."""
 
 
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 _VAL, _KEY, _PART, _OFF, _STAMP = (attrgetter(a) for a in ("value", "key", "partition", "offset", "timestamp"))
 
 
@@ -93,6 +100,8 @@ def _ship(generation: int, polled_at_ms: int, recs: list, highwater) -> Shipment
 
 def main(conn, settings, topic: str, batch_size: int, batch_timeout_s: float, parent_pid: int) -> None:
     """The loader process' entry point (``multiprocessing`` spawn target)."""
+    for sig in _STOP_SIGNALS:  # the trainer stops us (see the module docstring)
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s loader %(name)s: %(message)s")
     try:
         asyncio.run(_serve(conn, settings, topic, batch_size, batch_timeout_s, parent_pid))
@@ -180,6 +189,25 @@ async def _serve(conn, settings, topic, batch_size, batch_timeout_s, parent_pid)
         await consumer.stop()
 
 
+def _start_ignoring_stop_signals(process) -> None:
+    """Start ``process`` with SIGINT and SIGTERM ignored from its first instruction: an ignored
+    disposition survives fork and exec, and the spawned interpreter spends a second or two
+    importing the trainer's modules before :func:`main` runs. The parent ignores them for the few
+    milliseconds of the fork (a stop signal landing exactly then is lost: the supervisor's SIGKILL
+    after its grace period then ends the trainer, which a restart recovers from its snapshot)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # signal.signal: main thread only
+        process.start()
+        return
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _STOP_SIGNALS}
+    try:
+        process.start()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
 class LoaderClient:
     """The trainer's end: starts the loader process and receives its messages on the event loop
     (a reader callback; at most ``max_ahead`` undelivered batches are held, then reading pauses and
@@ -192,7 +220,7 @@ class LoaderClient:
         self._conn, child = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=main, name="driftline-loader", daemon=True,
                                    args=(child, settings, topic, batch_size, batch_timeout_s, os.getpid()))
-        self.process.start()
+        _start_ignoring_stop_signals(self.process)
         child.close()
         self.max_ahead = max_ahead
         self._queue: deque = deque()
@@ -254,13 +282,16 @@ class LoaderClient:
         return None
 
     def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the loader: ``("stop",)``, then our end of the pipe closes (a loader blocked writing
+        a batch gets a broken pipe); SIGKILL if it is still there after ``timeout_s`` (it ignores
+        SIGTERM)."""
         self._pause_reading()
         try:
             self._conn.send(("stop",))
         except OSError:
             pass
+        self._conn.close()
         self.process.join(timeout_s)
         if self.process.is_alive():
-            self.process.terminate()
+            self.process.kill()
             self.process.join(timeout_s)
-        self._conn.close()

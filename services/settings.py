@@ -158,6 +158,9 @@ class TrainerSettings(BaseModel):
     # per-record Python off the trainer process' GIL, which the training thread needs) and ships
     # each batch's raw bytes over a pipe; "inline" - the trainer's own consumer fetches them.
     loader: Literal["process", "inline"] = "process"
+    # Seconds between broker-epoch checks (a reset of the broker's data) while no offsets are
+    # committed; a busy trainer also checks before every commit (~1 ms each).
+    epoch_check_interval_s: float = 0.5
 
 
 class ServingSettings(BaseModel):

@@ -18,6 +18,7 @@ No per-example Python loops, and no per-slot torch ops.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import defaultdict
 
@@ -34,6 +35,15 @@ from .sequential import sequential_train_step
 
 
 _NO_IDS = np.zeros(0, np.int64)
+
+
+class NonFiniteStepError(ValueError):
+    """A training step's loss or dense gradients are NaN or infinite; nothing was applied."""
+
+
+def _finite_grads(module: nn.Module) -> bool:
+    """Whether every gradient of ``module``'s parameters is finite (one reduction per tensor)."""
+    return all(bool(torch.isfinite(p.grad).all()) for p in module.parameters() if p.grad is not None)
 
 
 class DenseHead(nn.Module):
@@ -247,13 +257,22 @@ class SparseModel:
         loss = F.binary_cross_entropy_with_logits(logits, labels)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        self.optimizer.step()
+        value = float(loss.detach())
+        # Nothing is applied before everything is known to be finite, so a step that raises
+        # changed no parameter and its batch can be retried without its poison record
+        # (trainer.isolate): the loss and the head's gradients here, the sparse gradients in
+        # the PS (NonFiniteGradientError, before it touches a row).
+        if not math.isfinite(value) or not _finite_grads(self.head):
+            raise NonFiniteStepError(f"the step's loss ({value}) or dense gradients are not finite; "
+                                     "nothing applied")
         t2 = time.perf_counter()
         # the leaves are the packed buffer's blocks in order, so their gradients back to back are
         # the packed gradient buffer: one validation and one PS call for every table
         gs = [w.grad.numpy().reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32)
               for _, w in leaves]
         self.ps.apply_packed_gradients(pb, np.concatenate(gs) if len(gs) > 1 else gs[0], t)
-        self.timings["backward"] += t2 - t1
-        self.timings["update"] += time.perf_counter() - t2
-        return float(loss.detach()), torch.sigmoid(logits.detach()).numpy()
+        t3 = time.perf_counter()
+        self.optimizer.step()
+        self.timings["backward"] += t2 - t1 + time.perf_counter() - t3
+        self.timings["update"] += t3 - t2
+        return value, torch.sigmoid(logits.detach()).numpy()

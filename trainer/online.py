@@ -18,8 +18,19 @@ alone are re-decoded with protobuf, for the dead letter's exact reason). Every `
 the touched sparse rows are published to ``param-deltas`` as one version (several chunks); every
 ``dense_sync_interval_s`` the dense params.
 Every ``snapshot_interval_event_s`` of event time (and on a clean stop) a snapshot records tables,
-optimizer state, dense params, the next offsets of everything applied, the sync versions, the
-``param-deltas`` offset after the last publish, the AUC histograms and the dedup window.
+optimizer state, dense params, the next offsets of everything applied, the broker epoch they belong
+to, the sync versions, the ``param-deltas`` offset after the last publish, the AUC histograms and
+the dedup window.
+
+Bad records never stop the trainer: a record the decoder refuses is dead-lettered with protobuf's
+reason; one that decodes but must not be learned is dead-lettered after decoding (an event time
+more than ``event_time.max_future_s`` ahead of the wall clock: it would move the trainer's
+event-time clock, which schedules snapshots and expires TTL rows, for good; a label outside
+[0, 1]); a record the decoding or the training step *fails* on is found by retrying alone
+(:mod:`trainer.isolate`: a failing step changes no parameter) and dead-lettered as ``failed``
+with the error, while the rest of its batch is trained once. Each is counted
+(``driftline_dead_letters_total``, ``driftline_trainer_bad_examples_total``) and its offset is
+committed past like any other, so a restart never meets it again.
 
 Crash semantics (kill -9): the restart loads the latest snapshot and *seeks to its offsets*
 (committed group offsets are ahead of it and are ignored while a snapshot exists). So:
@@ -35,15 +46,42 @@ Crash semantics (kill -9): the restart loads the latest snapshot and *seeks to i
   (compared as 128-bit hashes), and the window is saved in the snapshot so it survives restarts. The window learns a batch's ids
   only once the batch is applied, so a snapshot never marks as seen an example it did not train on.
 Without a snapshot the group's committed offsets are used (a fresh model starting from there).
+
+Broker resets (tansu's memory storage lost with a broker restart; told by
+:class:`services.tansu_quirks.EpochWatch`, a check costing ~1 ms, made before every offset commit
+and every ``epoch_check_interval_s`` when idle): the snapshots are kept, they live outside the broker.
+* at start, the newest snapshot is restored even if written in another broker epoch, but its
+  offsets are not used: every partition of the new ``examples`` is read from its start (the dedup
+  window drops the examples the snapshot had learned); a snapshot of the new epoch (manifest
+  ``broker_epoch``) is written before the first batch, after the dense weights went out on the new
+  ``param-deltas``, so serving can reload from it and resume the deltas at its
+  ``param_deltas_offset``;
+* a running trainer does the same when it notices the reset: it applies the batches in flight, drops
+  what was fetched but not handed to training (the old topic's records are gone; records fetched at
+  the old positions from the new topic are read again), starts a new assignment generation at the
+  new topic's start, creates the topics with their configured partitions, publishes the dense
+  weights and writes the new epoch's snapshot. Versions keep increasing across it;
+* offsets of the old epoch are never committed into the new broker's group, and until every
+  partition has an offset of the new epoch a partition without one starts at its earliest record,
+  not at a committed offset (a snapshot records this as ``from_start``);
+* what a reset loses is what lived only in the broker: the old topic's records this trainer had not
+  applied (counted in ``driftline_broker_reset_lost_total`` from the last known high watermark).
+
+Clean stop (SIGTERM or SIGINT, also when sent to the whole process group as the supervisor does:
+the loader process ignores them): the loop ends, the batches in flight are applied, sparse and
+dense weights published, the final snapshot written, the offsets committed, the loader stopped;
+exit 0, well within the supervisor's 10 s grace period.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from operator import attrgetter
@@ -53,11 +91,13 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from aiokafka import ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import KafkaError
 
 from proto import Example
 from services import metrics as service_metrics
 from services import tansu_quirks
-from services.codecs import MalformedMessage, codec_for
+from services.atomic import write_bytes_atomic
+from services.codecs import MalformedMessage, codec_for, event_time_error, processing_failed
 from services.kafka import TypedConsumer, create_topics, producer, start_client
 from services.settings import Settings
 
@@ -66,10 +106,12 @@ from . import loader as loader_mod
 from . import snapshots, wire
 from .batch import SparseBatch
 from .config import ModelConfig
+from .isolate import train_isolating
 from .model import SparseModel
 from .sync import encode_dense, encode_sparse_tables
 
 log = logging.getLogger(__name__)
+_EPOCH_MARKER = "broker-epoch"  # tansu_quirks.state_matches_broker's marker file
 _NO_HASHES = np.zeros((0, 2), np.uint64)
 
 
@@ -134,13 +176,20 @@ class _Seek(ConsumerRebalanceListener):
         pass
 
     async def on_partitions_assigned(self, assigned):
+        """A partition continues after the last record applied (a snapshot's offset right after a
+        restore), not at the group's committed offset; one with none starts at the committed offset,
+        or at its earliest record after a broker reset (see ``OnlineTrainer._from_start``)."""
         for tp in assigned:
-            off = self.t.resume_offsets.get(tp.partition)
-            if off is not None and tp.topic == self.t.topic:
+            if tp.topic != self.t.topic:
+                continue
+            off = self.t.applied_offsets.get(tp.partition)
+            if off is not None:
                 self.t.consumer.consumer.seek(tp, off)
-                log.info("resuming %s[%d] at snapshot offset %d", tp.topic, tp.partition, off)
-            elif tp.topic == self.t.topic and tp.partition not in self.t.applied_offsets:
-                self.t.unknown_start.add(tp.partition)
+                log.info("resuming %s[%d] at offset %d", tp.topic, tp.partition, off)
+                continue
+            if self.t._from_start:
+                await self.t.consumer.consumer.seek_to_beginning(tp)
+            self.t.unknown_start.add(tp.partition)
         self.t.ready.set()
 
 
@@ -169,6 +218,7 @@ class Prepared:
     offsets: dict[int, int]  # partition -> next offset (records of this poll)
     hashes: np.ndarray  # uint64 [n, 2] example id hashes, entered into the dedup window once applied
     arrival_ms: np.ndarray | None = None  # int64 [batch.size]: when each example reached the topic
+    record_of: Callable[[int], object] | None = None  # batch row -> its record (for a dead letter)
 
 
 class OnlineTrainer:
@@ -213,6 +263,23 @@ class OnlineTrainer:
         self.known_slots = set(cfg.all_slots)
         self.resume_offsets: dict[int, int] = {}
         self.applied_offsets: dict[int, int] = {}
+        #: the broker epoch the offsets belong to (None: an external Kafka without one)
+        self.epoch: str | None = None
+        self._watch: tansu_quirks.EpochWatch | None = None
+        self.epoch_check_interval_s = ts.epoch_check_interval_s
+        self._epoch_checked_at = 0.0  # monotonic time of the last check
+        self._epoch_lock = asyncio.Lock()  # one check at a time over the watch's connection
+        self._reset_epoch: str | None = None  # a reset noticed and not handled yet: its new epoch
+        self._reset_at_start = False  # the restored snapshot was written in another broker epoch
+        #: a partition without an applied offset starts at its earliest record, not at the group's
+        #: committed offset (after a reset: a stale commit may have reached the new broker)
+        self._from_start = False
+        self._highwater: dict[int, int] = {}  # partition -> last known high watermark
+        # (high watermarks, applied offsets) when a check last saw the current epoch
+        self._confirmed: tuple[dict[int, int], dict[int, int]] = ({}, {})
+        #: examples further ahead of the wall clock are refused (one would move the trainer's
+        #: event-time clock: snapshots due by event time, the PS's TTL watermark)
+        self.max_future_ms = int(1000 * settings.event_time.max_future_s)
         # assigned partitions whose start position is not known yet (see _note_starts)
         self.unknown_start: set[int] = set()
         self.sparse_version = 0
@@ -252,15 +319,20 @@ class OnlineTrainer:
 
     # ------------------------------------------------------------------ state
     def restore(self, epoch: str | None) -> bool:
-        if not tansu_quirks.state_matches_broker(self.snapshot_root, epoch):
-            import shutil
-            shutil.rmtree(self.snapshot_root, ignore_errors=True)
-            tansu_quirks.state_matches_broker(self.snapshot_root, epoch)
-            return False
+        """Load the newest snapshot, whatever broker epoch it was written in (its state lives
+        outside the broker). Its offsets only count on the broker data they were read from: after a
+        broker reset (``epoch`` differs from the snapshot's) every partition is read from its start
+        instead, and the dedup window drops the examples the snapshot already learned."""
+        self.epoch = epoch
         got = snapshots.load(self.snapshot_root, self.cfg, serving=False)
         if got is None:
+            self._record_epoch()
             return False
         tables, dense, man = got
+        # snapshots written before manifests named their epoch: the marker beside them
+        marker = self.snapshot_root / _EPOCH_MARKER
+        snap_epoch = man.get("broker_epoch") or (marker.read_text().strip() if marker.exists() else None)
+        self._reset_at_start = epoch is not None and snap_epoch is not None and snap_epoch != epoch
         self.model = SparseModel(self.cfg, tables)
         self.ps_counts = M.PSCounts(self.cfg.model_id, self.model.tables)
         self.model.head.load_state_dict(dense["head"])
@@ -270,8 +342,17 @@ class OnlineTrainer:
         # committed ones, or the earliest, apply), no streaming AUC (the online AUC starts from the
         # stream, not from the batch's training passes) and no dedup window.
         same_topic = man.get("topic", self.topic) == self.topic
-        self.resume_offsets = {int(k): int(v) for k, v in man.get("offsets", {}).items()} if same_topic else {}
+        if self._reset_at_start:
+            log.warning("the broker's data was reset since snapshot %s (epoch %s, now %s): keeping its "
+                        "state, reading every partition of %s from its start", man["name"], snap_epoch,
+                        epoch, self.topic)
+            self.resume_offsets, self._from_start = {}, True
+        else:
+            self.resume_offsets = ({int(k): int(v) for k, v in man.get("offsets", {}).items()} if same_topic
+                                   else {})
+            self._from_start = bool(man.get("from_start", False))
         self.applied_offsets = dict(self.resume_offsets)
+        self._record_epoch()
         self.sparse_version = int(man.get("sparse_version", 0))
         self.dense_version = int(man.get("dense_version", 0))
         self.param_deltas_offset = int(man.get("param_deltas_offset", 0) or 0)
@@ -293,6 +374,7 @@ class OnlineTrainer:
         dense = {"head": self.model.head.state_dict(), "optimizer": self.model.optimizer.state_dict(),
                  "auc_pos": self.auc.pos, "auc_neg": self.auc.neg, "dedup": self.dedup.state()}
         man = {"offsets": {str(k): v for k, v in self.applied_offsets.items()}, "topic": self.topic,
+               "broker_epoch": self.epoch, "from_start": self._from_start,
                "sparse_version": self.sparse_version, "dense_version": self.dense_version,
                "param_deltas_offset": self.param_deltas_offset, "examples_applied": self.examples_applied,
                "max_event_time_ms": self.max_event_time, "next_snapshot_at": self.next_snapshot_at,
@@ -301,6 +383,12 @@ class OnlineTrainer:
         M.SNAPSHOTS.labels(self.cfg.model_id).inc()
         self._stage("snapshot", time.perf_counter() - t0)
         return path
+
+    def _record_epoch(self) -> None:
+        """The broker epoch the trainer's state now follows, beside the snapshots (what ``driftline
+        up`` compares with an external broker's before it skips the warm start)."""
+        if self.epoch is not None:
+            write_bytes_atomic(self.snapshot_root / _EPOCH_MARKER, self.epoch.encode())
 
     def _stage(self, name: str, seconds: float) -> None:
         self.stage[name] += seconds
@@ -318,15 +406,9 @@ class OnlineTrainer:
             self._unsynced_times = []  # their updates changed no row (e.g. ids not admitted yet)
             return 0
         self.sparse_version += 1
-        nbytes = 0
-        futs = []
-        for table, m in msgs:
-            data = m.SerializeToString()
-            nbytes += len(data)
-            futs.append(await self._producer.send(self.settings.topics.param_deltas, data,
-                                                  key=f"{self.cfg.model_id}/{table}".encode(), partition=0))
-        metas = await asyncio.gather(*futs)
-        self.param_deltas_offset = max(md.offset for md in metas) + 1
+        records = [(f"{self.cfg.model_id}/{table}".encode(), m.SerializeToString()) for table, m in msgs]
+        nbytes = sum(len(v) for _, v in records)
+        self.param_deltas_offset = await self._publish(records)
         if self._unsynced_times:
             self._observe_delays(time.time())
         dt = time.perf_counter() - t0
@@ -355,18 +437,36 @@ class OnlineTrainer:
         m = encode_dense(self.cfg.model_id, self.dense_version, self.model.head,
                          max_event_time_ms=self.max_event_time)
         data = m.SerializeToString()
-        md = await self._producer.send_and_wait(self.settings.topics.param_deltas, data,
-                                                key=f"{self.cfg.model_id}/dense".encode(), partition=0)
-        self.param_deltas_offset = md.offset + 1
+        self.param_deltas_offset = await self._publish([(f"{self.cfg.model_id}/dense".encode(), data)])
         M.SYNC_BYTES.labels(self.cfg.model_id, "dense").observe(len(data))
         M.SYNC_SECONDS.labels(self.cfg.model_id, "dense").observe(time.perf_counter() - t0)
+
+    async def _publish(self, records: list[tuple[bytes, bytes]]) -> int:
+        """Send ``(key, value)`` records to ``param-deltas`` (partition 0, in order); the offset
+        after the last. A refused send is retried for up to ``kafka.connect_timeout_s`` (tansu
+        refuses produce requests for a moment after a reset, while the topics are recreated); a
+        version sent twice is harmless (serving upserts rows, and skips versions it holds)."""
+        deadline = time.monotonic() + self.settings.kafka.connect_timeout_s
+        while True:
+            try:
+                futs = [await self._producer.send(self.settings.topics.param_deltas, value, key=key, partition=0)
+                        for key, value in records]
+                metas = await asyncio.gather(*futs)
+                return max(md.offset for md in metas) + 1
+            except KafkaError as err:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("publishing %d parameter deltas failed (%r); retrying", len(records), err)
+                await asyncio.sleep(0.2)
 
     # ------------------------------------------------------------------ batches
     async def _reject(self, rec, raw: bytes, kind: str, detail: str):
         """Dead-letter one record (its original bytes) through the consumer's own dead-letter path."""
+        return await self._dead_letter(rec, raw, MalformedMessage(kind, detail))
+
+    async def _dead_letter(self, rec, raw: bytes, err: MalformedMessage):
         self.bad += 1
-        M.BAD_EXAMPLES.labels(self.cfg.model_id, kind).inc()
-        err = MalformedMessage(kind, detail)
+        M.BAD_EXAMPLES.labels(self.cfg.model_id, err.kind).inc()
         original = SimpleNamespace(topic=rec.topic, partition=rec.partition, offset=rec.offset, key=rec.key,
                                    value=raw)
         return await self.consumer.dead_letter(original, err)
@@ -402,6 +502,10 @@ class OnlineTrainer:
         starts = np.zeros(len(raws) + 1, np.int64)
         np.cumsum(np.fromiter(map(len, raws), np.int64, len(raws)), out=starts[1:])
         offsets, stamps = _positions(recs)
+        for part in offsets:
+            hw = self.consumer.consumer.highwater(TopicPartition(self.topic, part))
+            if hw is not None:
+                self._highwater[part] = hw
         return await self._prepare(np.frombuffer(b"".join(raws), np.uint8), starts, offsets, stamps,
                                    recs.__getitem__, polled_at_ms, [], t0)
 
@@ -410,13 +514,14 @@ class OnlineTrainer:
         Null values are dead-lettered here, as the inline consumer's codec does."""
         t0 = time.perf_counter()
         service_metrics.MESSAGES_CONSUMED.labels("trainer", self.topic).inc(sh.size)
-        for part, lag in sh.lag.items():
-            service_metrics.CONSUMER_LAG.labels("trainer", self.topic, str(part)).set(lag)
         lengths, parts, offs = sh.lengths, sh.partitions, sh.offsets
         if sh.size and (parts == parts[0]).all():
             offsets = {int(parts[0]): int(offs.max()) + 1}
         else:
             offsets = {int(p): int(offs[parts == p].max()) + 1 for p in np.unique(parts)}
+        for part, lag in sh.lag.items():
+            service_metrics.CONSUMER_LAG.labels("trainer", self.topic, str(part)).set(lag)
+            self._highwater[part] = offsets.get(part, 0) + lag
         for part, off in offsets.items():
             if off > self._fetched.get(part, -1):
                 self._fetched[part] = off
@@ -453,26 +558,87 @@ class OnlineTrainer:
         letter), dedup, assemble; ``offsets``: the next offset per partition of all the records."""
         inflight = (np.concatenate([h for _, h in self._pending]) if len(self._pending) > 1
                     else self._pending[0][1] if self._pending else _NO_HASHES)
-        dec = self.decoder.decode_concat(buf, starts, self.dedup, inflight)
+        try:
+            dec, batch = self._decode(buf, starts, inflight)
+            rec_index = np.arange(starts.size - 1)
+        except Exception as err:  # noqa: BLE001 - a record this path fails on must not stop the trainer
+            dec, batch, rec_index = await self._decode_isolating(buf, starts, inflight, record_at, letters, err)
         status = dec.status
         if dec.size < status.size:
             for i in np.flatnonzero((status == wire.UNDECODABLE) | (status == wire.REJECT)).tolist():
-                letters.append(await self._reject_record(record_at(i)))
+                letters.append(await self._reject_record(record_at(int(rec_index[i]))))
             dups = int(np.count_nonzero(status == wire.DUPLICATE))
             if dups:
                 self.duplicates += dups
                 M.DUPLICATES.labels(self.cfg.model_id).inc(dups)
-        batch = arrival = None
-        if dec.size:
-            ids, offs = dec.slot_arrays(self.cfg.all_slots)
-            batch = SparseBatch(dec.size, ids, offs, dec.labels, dec.event_time_ms, dec.sample_rate, dec.dense)
+        rows, hashes, arrival = rec_index[dec.keep], dec.hashes, None
+        if batch is not None:
+            refused = await self._refuse_unlearnable(batch, rows, record_at, letters)
+            if refused is not None:
+                ok = np.flatnonzero(~refused)
+                batch = batch.select(ok) if ok.size else None
+                rows, hashes = rows[ok], hashes[ok]
+        if batch is not None:
             polled = int(time.time() * 1000) if polled_at_ms is None else polled_at_ms
-            arrival = stamps[dec.keep]
+            arrival = stamps[rows]
             arrival = np.where((arrival > 0) & (arrival < polled), arrival, polled)
         self._stage("prepare", time.perf_counter() - t0)
         if letters:  # dead letters durable before their offsets can be committed
             await asyncio.gather(*letters)
-        return Prepared(batch, offsets, dec.hashes, arrival)
+        return Prepared(batch, offsets, hashes, arrival, lambda j: record_at(int(rows[j])))
+
+    def _decode(self, buf, starts, inflight) -> tuple[wire.DecodedBatch, SparseBatch | None]:
+        """Records ``buf[starts[i]:starts[i + 1]]`` -> verdicts and the batch of the accepted ones."""
+        dec = self.decoder.decode_concat(buf, starts, self.dedup, inflight)
+        if not dec.size:
+            return dec, None
+        ids, offs = dec.slot_arrays(self.cfg.all_slots)
+        return dec, SparseBatch(dec.size, ids, offs, dec.labels, dec.event_time_ms, dec.sample_rate, dec.dense)
+
+    async def _decode_isolating(self, buf, starts, inflight, record_at, letters, err):
+        """:meth:`_decode` raised on a poll's records: decode each alone, dead-letter the ones that
+        raise (``failed``), then decode the rest together. Returns ``(dec, batch, rec_index)``
+        where ``rec_index[i]`` is the poll's index of ``dec``'s record ``i``."""
+        log.error("decoding %d records failed (%r): decoding them one by one", starts.size - 1, err)
+        good = []
+        for i in range(starts.size - 1):
+            try:
+                self._decode(buf[starts[i]:starts[i + 1]], np.array([0, starts[i + 1] - starts[i]]), inflight)
+            except Exception as e:  # noqa: BLE001 - this record is the one
+                rec = record_at(i)
+                letters.append(await self._dead_letter(rec, rec.raw, processing_failed(e)))
+            else:
+                good.append(i)
+        idx = np.array(good, np.int64)
+        lengths = starts[idx + 1] - starts[idx]
+        sub_starts = np.zeros(idx.size + 1, np.int64)
+        np.cumsum(lengths, out=sub_starts[1:])
+        sub = np.concatenate([buf[starts[i]:starts[i + 1]] for i in good]) if good else buf[:0]
+        dec, batch = self._decode(sub, sub_starts, inflight)  # raises again: not one record's fault
+        return dec, batch, idx
+
+    async def _refuse_unlearnable(self, batch: SparseBatch, rows, record_at, letters) -> np.ndarray | None:
+        """Values the decoder's validation lets through but the trainer must not learn from; dead-
+        lettered here. A label outside [0, 1] is not a log-loss target (1e38 made the loss -1e35).
+        An event time further ahead of the wall clock than ``event_time.max_future_s`` would move
+        the trainer's event-time clock for good: snapshots are due by event time (none would be
+        due again) and a TTL table expires rows against it (every row would expire).
+        Returns the mask of the batch's refused rows, or None when there is none."""
+        now_ms = int(time.time() * 1000)
+        late = batch.event_time_ms > now_ms + self.max_future_ms
+        label = (batch.labels < 0) | (batch.labels > 1)
+        refused = late | label
+        if not refused.any():
+            return None
+        for j in np.flatnonzero(refused).tolist():
+            rec = record_at(int(rows[j]))
+            if late[j]:
+                why = ("event_time", event_time_error(int(batch.event_time_ms[j]), now_ms, math.inf,
+                                                      self.max_future_ms / 1000))
+            else:
+                why = ("bad_label", f"{self.cfg.label!r} = {float(batch.labels[j])!r} is outside [0, 1]")
+            letters.append(await self._reject(rec, rec.raw, *why))
+        return refused
 
     def _warm_up(self) -> None:
         """On the training thread, while the consumer joins its group (~5 s on tansu): load/compile
@@ -502,17 +668,27 @@ class OnlineTrainer:
         if torch.get_num_threads() != self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         t0 = time.perf_counter()
-        loss, probs = self.model.train_step(batch)
-        return loss, probs, time.perf_counter() - t0
+        return train_isolating(self.model.train_step, batch), time.perf_counter() - t0
 
     async def _apply(self, p: Prepared, step: asyncio.Future | None, prev: asyncio.Task | None) -> None:
         """Wait for a prepared batch's step (on the training thread) and for the batch before it
         (bookkeeping and commits stay in batch order), then commit its offsets."""
         if p.batch is not None:
             # progressive validation: the step's forward pass scores the batch before it is learned
-            loss, probs, dt = await step
+            res, dt = await step
+            loss, probs = res.loss, res.probs
         if prev is not None:
             await prev
+        hashes = p.hashes
+        if p.batch is not None and res.failed:
+            letters = []  # records the step failed on alone (durable before the commit below)
+            for row, err in res.failed:
+                rec = p.record_of(row)
+                letters.append(await self._dead_letter(rec, rec.raw, processing_failed(err)))
+            await asyncio.gather(*letters)
+            hashes = hashes[res.applied]
+            p = dataclasses.replace(p, batch=p.batch.select(res.applied) if res.applied.size else None,
+                                    arrival_ms=p.arrival_ms[res.applied])
         if p.batch is not None:
             batch = p.batch
             self._stage("train", dt)
@@ -527,7 +703,7 @@ class OnlineTrainer:
             M.EXAMPLES.labels(self.cfg.model_id, "online").inc(batch.size)
             M.LOSS.labels(self.cfg.model_id, "online").set(self.loss_ema)
             M.AUC.labels(self.cfg.model_id, "online").set(self.auc.value())
-        self.dedup.add_many(p.hashes)
+        self.dedup.add_many(hashes)
         for part, off in p.offsets.items():
             if off > self.applied_offsets.get(part, -1):
                 self.applied_offsets[part] = off
@@ -546,8 +722,24 @@ class OnlineTrainer:
     async def _committer(self) -> None:
         while self._commit_wanted:
             self._commit_wanted = False
+            # offsets read from a broker whose data is gone must not land in the new data's group
+            if await self._reset_noticed():
+                return
             t0 = time.perf_counter()
-            await self.consumer.commit({TopicPartition(self.topic, q): o for q, o in self.applied_offsets.items()})
+            deadline = time.monotonic() + self.settings.kafka.connect_timeout_s
+            while True:
+                try:
+                    await self.consumer.commit({TopicPartition(self.topic, q): o
+                                                for q, o in self.applied_offsets.items()})
+                    break
+                except KafkaError:
+                    # the group is gone with the broker's data (a reset), or rejoining (after one, or
+                    # a rebalance): the member keeps its partitions, so the next try commits
+                    if await self._reset_noticed():
+                        return
+                    if time.monotonic() >= deadline:
+                        raise
+                    await asyncio.sleep(0.5)
             self._stage("commit", time.perf_counter() - t0)
 
     async def _flush_commits(self) -> None:
@@ -624,12 +816,14 @@ class OnlineTrainer:
         """Each partition's start: after the last record taken into a batch this run (a partition
         kept across a rebalance continues where it was; what the loader had fetched beyond is
         dropped with its generation), else the snapshot's offset, else the group's committed
-        offset, else the earliest (None: the loader resolves it and reports it back)."""
+        offset (not after a broker reset: see ``_from_start``), else the earliest (None: the loader
+        resolves it and reports it back)."""
         starts: dict[int, int | None] = {}
         for part in sorted(partitions):
             off = self._fetched.get(part, self.resume_offsets.get(part))
             if off is None:
-                off = await self.consumer.consumer.committed(TopicPartition(self.topic, part))
+                if not self._from_start:
+                    off = await self.consumer.consumer.committed(TopicPartition(self.topic, part))
             elif part not in self._fetched:
                 log.info("resuming %s[%d] at snapshot offset %d", self.topic, part, off)
             starts[part] = off
@@ -665,12 +859,17 @@ class OnlineTrainer:
 
     async def _sync_when_due(self, now: float) -> None:
         """Publish sparse rows every ``sync_interval_s`` and dense weights every ``dense_sync_interval_s``,
-        each after the batches in flight are applied (a sync holds only applied updates)."""
-        if now - self._last_sync >= self.sync_interval_s:
+        each after the batches in flight are applied (a sync holds only applied updates); not while
+        a broker reset waits to be handled (it publishes onto the new topics itself)."""
+        sparse = now - self._last_sync >= self.sync_interval_s
+        dense = now - self._last_dense >= self.dense_sync_interval_s
+        if not (sparse or dense) or await self._reset_noticed():
+            return
+        if sparse:
             self._last_sync = now
             await self._drain()
             await self.sync_sparse()
-        if now - self._last_dense >= self.dense_sync_interval_s:
+        if dense:
             self._last_dense = now
             await self._drain()
             await self.sync_dense()
@@ -681,14 +880,101 @@ class OnlineTrainer:
             M.EXAMPLES_PER_S.labels(self.cfg.model_id, "online").set((self.examples_applied - n) / (now - t))
             self._rate_mark = (now, self.examples_applied)
 
+    # ------------------------------------------------------------------ broker resets
+    async def _reset_noticed(self) -> bool:
+        """Whether the broker's data was reset (a new epoch) and the reset is not handled yet; asks
+        the broker (~1 ms; while the broker is down, until it is back or ``connect_timeout_s``)."""
+        if self._reset_epoch is None and self._watch is not None:
+            async with self._epoch_lock:
+                if self._reset_epoch is None:
+                    self._reset_epoch = await self._watch.check()
+                    self._epoch_checked_at = time.monotonic()
+                    if self._reset_epoch is None:  # what a reset from here on would lose
+                        self._confirmed = (dict(self._highwater), dict(self.applied_offsets))
+        return self._reset_epoch is not None
+
+    async def _check_epoch_when_due(self, now: float) -> bool:
+        """Ask every ``epoch_check_interval_s`` (a busy trainer asks before each commit anyway)."""
+        if self._reset_epoch is None and now - self._epoch_checked_at >= self.epoch_check_interval_s:
+            await self._reset_noticed()
+        return self._reset_epoch is not None
+
+    async def _handle_reset(self) -> None:
+        """The broker's data was reset under the running trainer: the topics are new (empty, or
+        refilled since), the group and its offsets are gone. The model, the versions and the dedup
+        window are kept; every partition of the new ``examples`` is read from its start (the window
+        drops what was applied already), as a new assignment generation. What the old topics held
+        beyond the last record applied is lost with them: counted from the last known high
+        watermark and the last record applied, both as of the last check that still saw the old
+        epoch (``driftline_broker_reset_lost_total``; over by what was applied after that check, a
+        batch or two at most: a busy trainer checks before every commit). Then the topics are
+        created with their configured partitions (tansu auto-creates a missing one with its
+        default), the dense weights are published on the new ``param-deltas``, and a snapshot of
+        the new epoch is written at once: serving reloads from it and reads the new
+        ``param-deltas`` after its ``param_deltas_offset``."""
+        epoch = self._reset_epoch
+        # batches handed over before the reset was noticed hold real examples: apply them (not
+        # committed: the committer sees the pending reset); their ids enter the dedup window
+        while self._pending:
+            await self._pending[0][0]
+            self._pending.popleft()
+        if self._commit_task is not None:  # a commit of the old offsets, waiting for the lost group
+            self._commit_task.cancel()
+            try:
+                await self._commit_task
+            except (asyncio.CancelledError, KafkaError):
+                pass
+            self._commit_task = None
+        # as of the last check that saw the old epoch: later fetches may come from the new topics
+        highwater, applied = self._confirmed
+        lost = sum(max(0, hw - applied[p]) for p, hw in highwater.items() if p in applied)
+        service_metrics.BROKER_RESET_LOST.labels("trainer", self.topic).inc(lost)
+        log.warning("broker reset (epoch %s -> %s): %d examples of the old %s were not applied yet and are "
+                    "lost; model kept at %d examples applied, re-reading %s from its start", self.epoch,
+                    epoch, lost, self.topic, self.examples_applied, self.topic)
+        # sends still retrying since the reset (a sync in flight then) land before ours, not among them
+        try:
+            await asyncio.wait_for(self._producer.flush(), self.settings.kafka.connect_timeout_s)
+        except (asyncio.TimeoutError, KafkaError) as err:
+            log.warning("sends of the old epoch still pending after the reset (%r)", err)
+        await create_topics(self.settings)
+        self.epoch = epoch
+        self.applied_offsets, self.resume_offsets, self._fetched, self._highwater = {}, {}, {}, {}
+        self._confirmed = ({}, {})
+        self.unknown_start = set()
+        self._from_start = True
+        self._reset_epoch = None
+        assigned = {tp.partition for tp in self.consumer.consumer.assignment() if tp.topic == self.topic}
+        if self.loader == "process":
+            self._new_generation(assigned)  # drops what the loader fetched at the old positions
+        else:
+            for part in sorted(assigned):
+                await self.consumer.consumer.seek_to_beginning(TopicPartition(self.topic, part))
+                self.unknown_start.add(part)
+        await self.sync_dense()  # the new topic's first delta; param_deltas_offset now points into it
+        self.snapshot()
+        self._record_epoch()
+
+    async def _begin(self, restored: bool) -> None:
+        """Before the first batch: publish the dense weights if serving has none of this run's; if
+        the restored snapshot was written in another broker epoch, also write a snapshot of this
+        one at once (serving bootstraps from it after a reset)."""
+        if not restored or self.dense_version == 0 or self._reset_at_start:
+            await self.sync_dense()
+        if self._reset_at_start:
+            self.snapshot()
+            self._reset_at_start = False
+
     # ------------------------------------------------------------------ main loop
     async def run(self, stop_when_idle_s: float | None = None, max_examples: int | None = None) -> dict:
         s = self.settings
         await create_topics(s, {self.topic: s.topics.partitions, s.topics.param_deltas: 1, s.topics.dead_letters: 1})
+        self._watch = tansu_quirks.EpochWatch(s, "trainer")
         try:
-            epoch = await tansu_quirks.ensure_broker_epoch(s)
+            epoch = await self._watch.start()
         except Exception:  # noqa: BLE001 - an external Kafka without the marker topic
-            epoch = None
+            await self._watch.stop()
+            self._watch, epoch = None, None
         restored = self.restore(epoch)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="trainer-step")
         self._producer = producer(s)
@@ -713,18 +999,21 @@ class OnlineTrainer:
                 self._loader.close()
             if self._assign_task is not None and not self._assign_task.done():
                 self._assign_task.cancel()
+            if self._watch is not None:
+                await self._watch.stop()
 
     async def _run_process(self, restored: bool, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
         """The main loop when the loader process fetches: each shipment is one batch."""
         started = time.time()
         self._last_sync = self._last_dense = last_keepalive = time.monotonic()
         last_data = time.monotonic()
-        if not restored or self.dense_version == 0:
-            await self.sync_dense()
+        await self._begin(restored)
         queued = self.examples_applied
         try:
             while not self.stop_event.is_set():
                 now = time.monotonic()
+                if await self._check_epoch_when_due(now):
+                    await self._handle_reset()
                 wait = min(0.1, max(0.0, self._last_sync + self.sync_interval_s - now))
                 t0 = time.perf_counter()
                 sh = await self._next_shipment(wait)
@@ -776,8 +1065,7 @@ class OnlineTrainer:
         started = time.time()
         self._last_sync = self._last_dense = time.monotonic()
         last_data = time.monotonic()
-        if not restored or self.dense_version == 0:
-            await self.sync_dense()
+        await self._begin(restored)
         buf: list = []
         first_at = 0.0
         polled_at_ms = 0  # wall time of the first poll that filled buf
@@ -785,6 +1073,9 @@ class OnlineTrainer:
         try:
             while not self.stop_event.is_set():
                 now = time.monotonic()
+                if await self._check_epoch_when_due(now):
+                    buf = []  # fetched from the old topic or at its positions: counted lost / read again
+                    await self._handle_reset()
                 # wake up in time for the batch timeout and the next sync, not just every 100 ms
                 wait = min(0.1, max(0.0, self._last_sync + self.sync_interval_s - now))
                 if buf:

@@ -1,0 +1,101 @@
+"""Records that pass ``validate_example`` and still must not be learned, or make the training step
+fail: dead-lettered with the reason, counted, and training goes on past them (no crash loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from proto import DeadLetter, Example
+from services.codecs import validate_example
+from trainer import snapshots
+from trainer.batch import SparseBatch
+from trainer.config import ModelConfig, deepfm_config
+from trainer.data import MovieLensData, produce_examples
+from trainer.isolate import train_isolating
+from trainer.model import NonFiniteStepError, SparseModel
+from trainer.online import OnlineTrainer
+
+from .test_online import read_topic
+
+N = 3_000
+HUGE = 3e38  # a finite float32: the decoder accepts it
+
+
+def dense_cfg() -> ModelConfig:
+    return ModelConfig.model_validate({**deepfm_config(dim=8, mlp=[32]).model_dump(), "dense_features": ["x"]})
+
+
+def _overflowing(model: SparseModel) -> None:
+    """A dense weight above 1: ``x = HUGE`` then overflows the logit to inf (a state training could
+    reach; the other examples' ``x = 0`` never move the weight)."""
+    with torch.no_grad():
+        model.head.dense_linear.weight.fill_(2.0)
+
+
+def test_a_failing_step_changes_nothing_and_its_record_is_isolated():
+    cfg = dense_cfg()
+    model = SparseModel(cfg)
+    _overflowing(model)
+    n = 16
+    rows = [{s: [i + 1] for s in cfg.all_slots} for i in range(n)]
+    dense = np.zeros((n, 1), np.float32)
+    dense[5, 0] = HUGE
+    batch = SparseBatch.from_slot_dicts(rows, dense, slots=cfg.all_slots, labels=[0.0] * n, event_time_ms=[1] * n)
+    model.train_step(batch.select(np.arange(4)))  # some rows exist before
+    head = {k: v.clone() for k, v in model.head.state_dict().items()}
+    tables = {name: t.items()[:2] for name, t in model.tables.items()}
+    with pytest.raises(NonFiniteStepError):
+        model.train_step(batch)
+    assert all(torch.equal(v, model.head.state_dict()[k]) for k, v in head.items())
+    for name, (keys, values) in tables.items():  # rows the failed step read are unchanged
+        k, v, _, _ = model.tables[name].items()
+        got = dict(zip(k.tolist(), map(tuple, v.tolist())))
+        assert all(got[key] == tuple(val) for key, val in zip(keys.tolist(), values.tolist())), name
+    res = train_isolating(model.train_step, batch)
+    assert [row for row, _ in res.failed] == [5] and isinstance(res.failed[0][1], NonFiniteStepError)
+    assert res.applied.tolist() == [r for r in range(n) if r != 5] and res.probs.size == n - 1
+    assert not torch.equal(model.head.bias, head["bias"])  # the others were learned
+
+
+async def test_poison_records_are_dead_lettered_and_training_goes_on(settings):
+    cfg = dense_cfg()
+    examples = MovieLensData(limit=N).examples()
+    for e in examples:
+        e.features.dense["x"] = 0.0
+    now = int(time.time() * 1000)
+
+    def poison(i: int) -> Example:
+        e = Example.FromString(examples[i].SerializeToString())
+        e.example_id = f"poison/{i}"
+        e.labels["click"] = 0.0
+        return e
+
+    overflow, future, label = poison(100), poison(200), poison(300)
+    overflow.features.dense["x"] = HUGE  # the step's loss overflows: it fails in training
+    future.event_time_ms = 2**63 - 1  # would move the trainer's event-time clock for good
+    label.labels["click"] = 5.0  # not a log-loss target
+    for e in (overflow, future, label):
+        validate_example(e)  # all pass the consumer's validation
+    await produce_examples(settings, examples[:1000] + [overflow, future] + examples[1000:2000] + [label]
+                           + examples[2000:])
+    tr = OnlineTrainer(settings, cfg, sync_interval_s=0.5, snapshot_interval_event_s=3600, batch_size=256)
+    _overflowing(tr.model)
+    res = await asyncio.wait_for(tr.run(stop_when_idle_s=2.0), 120)
+
+    assert res["examples_applied"] == N and res["bad"] == 3, res
+    letters = {DeadLetter.FromString(v).reason.split(":")[0]: DeadLetter.FromString(v)
+               for v in await read_topic(settings, settings.topics.dead_letters, timeout_s=1.0)}
+    assert sorted(letters) == ["bad_label", "event_time", "failed"], letters
+    assert "NonFiniteStepError" in letters["failed"].reason
+    assert letters["failed"].value == overflow.SerializeToString()
+    assert letters["event_time"].value == future.SerializeToString()
+    assert letters["bad_label"].value == label.SerializeToString()
+    assert tr.max_event_time < now  # the event-time clock did not jump
+    man = snapshots.read_manifest(tr.snapshot_root)
+    assert man["examples_applied"] == N and sum(man["offsets"].values()) == N + 3  # moved past them
+    assert man["next_snapshot_at"] < now  # periodic snapshots still come due

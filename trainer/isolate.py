@@ -1,0 +1,93 @@
+"""Train a batch without letting one record stop the trainer: find the records a step fails on.
+
+A record can pass every check and still make the training step raise (a value no check foresaw,
+a bug a rare input reaches). Raising would stop the trainer, and the restart would fetch the same
+record and stop again: a crash loop. Instead, when a batch's step raises, the batch is split in
+halves and each half is trained on its own, recursively, down to single records: the records whose
+step fails alone are returned (the trainer dead-letters them with the error), every other record is
+trained once, in order.
+
+This relies on a failing step changing no parameter (:meth:`trainer.model.SparseModel.train_step`
+checks the loss and gradients before it applies anything), so a half can be retried. What a failed
+step does leave: the rows its forward pass inserted (a later step would insert them anyway) and
+their admission counts (an id seen in a failed step counts once more towards ``min_count``).
+
+>>> import numpy as np
+>>> from trainer.batch import SparseBatch
+>>> b = SparseBatch.from_slot_dicts([{"a": [i]} for i in range(5)], slots=["a"], labels=[0.0] * 5)
+>>> def step(batch):  # fails on any batch holding id 3
+...     if (batch.ids["a"] == 3).any():
+...         raise ValueError("id 3")
+...     return 0.5, np.full(batch.size, 0.25, np.float32)
+>>> r = train_isolating(step, b)
+>>> r.applied.tolist(), [(row, str(err)) for row, err in r.failed], r.probs.tolist(), r.loss
+([0, 1, 2, 4], [(3, 'id 3')], [0.25, 0.25, 0.25, 0.25], 0.5)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .batch import SparseBatch
+
+log = logging.getLogger(__name__)
+
+Step = Callable[[SparseBatch], tuple[float, np.ndarray]]
+
+
+@dataclass
+class StepResult:
+    """A batch's training: mean ``loss`` and ``probs`` of the rows applied (``applied``: their row
+    indices in the batch, None when all were), and ``failed``: ``(row, error)`` of each record
+    whose step failed on its own (nothing of it was learned)."""
+
+    loss: float
+    probs: np.ndarray
+    applied: np.ndarray | None = None
+    failed: list[tuple[int, Exception]] = field(default_factory=list)
+
+
+def train_isolating(step: Step, batch: SparseBatch) -> StepResult:
+    """``step(batch)``; if it raises, bisect (see the module docstring). Never raises for a
+    record's sake: if every record fails on its own, each is returned as failed (and it is logged
+    as an error: the trainer itself may be broken, which the dead letters then show)."""
+    try:
+        loss, probs = step(batch)
+        return StepResult(loss, probs)
+    except Exception as err:  # noqa: BLE001 - any step failure is isolated, then reported
+        log.warning("a training step on %d examples failed (%s: %s); isolating the record(s) it fails on",
+                    batch.size, type(err).__name__, err)
+        first = err
+    done: list[tuple[np.ndarray, float, np.ndarray]] = []
+    failed: list[tuple[int, Exception]] = []
+    _bisect(step, batch, np.arange(batch.size, dtype=np.int64), first, done, failed)
+    if batch.size > 1 and len(failed) == batch.size:
+        log.error("every one of %d examples failed its training step on its own (%r): a broken "
+                  "trainer rather than poison records?", batch.size, first)
+    if not done:
+        return StepResult(float("nan"), np.zeros(0, np.float32), np.zeros(0, np.int64), failed)
+    rows = np.concatenate([r for r, _, _ in done])
+    n = int(rows.size)
+    loss = sum(l * r.size for r, l, _ in done) / n
+    return StepResult(float(loss), np.concatenate([p for _, _, p in done]), rows, failed)
+
+
+def _bisect(step: Step, batch: SparseBatch, rows: np.ndarray, err: Exception,
+            done: list, failed: list) -> None:
+    """``rows`` failed together with ``err``: train each half alone, recursing into failing ones
+    (halves in order, so the rows applied stay in batch order)."""
+    if rows.size == 1:
+        failed.append((int(rows[0]), err))
+        return
+    mid = rows.size // 2
+    for half in (rows[:mid], rows[mid:]):
+        try:
+            loss, probs = step(batch.select(half))
+        except Exception as e:  # noqa: BLE001 - narrowed down further
+            _bisect(step, batch, half, e, done, failed)
+        else:
+            done.append((half, loss, probs))

@@ -75,27 +75,38 @@ async def test_poison_records_are_dead_lettered_and_training_goes_on(settings):
         e.labels["click"] = 0.0
         return e
 
-    overflow, future, label = poison(100), poison(200), poison(300)
+    overflow, future, label, undecodable = poison(100), poison(200), poison(300), poison(400)
     overflow.features.dense["x"] = HUGE  # the step's loss overflows: it fails in training
     future.event_time_ms = 2**63 - 1  # would move the trainer's event-time clock for good
     label.labels["click"] = 5.0  # not a log-loss target
-    for e in (overflow, future, label):
+    for e in (overflow, future, label, undecodable):
         validate_example(e)  # all pass the consumer's validation
     await produce_examples(settings, examples[:1000] + [overflow, future] + examples[1000:2000] + [label]
-                           + examples[2000:])
+                           + examples[2000:2500] + [undecodable] + examples[2500:])
     tr = OnlineTrainer(settings, cfg, sync_interval_s=0.5, snapshot_interval_event_s=3600, batch_size=256)
     _overflowing(tr.model)
+    decode = tr.decoder.decode_concat
+
+    def failing_decode(buf, *args):  # stands in for a decoder bug that one record's bytes reach
+        if b"poison/400" in buf.tobytes():
+            raise IndexError("a decoder bug")
+        return decode(buf, *args)
+
+    tr.decoder.decode_concat = failing_decode
     res = await asyncio.wait_for(tr.run(stop_when_idle_s=2.0), 120)
 
-    assert res["examples_applied"] == N and res["bad"] == 3, res
-    letters = {DeadLetter.FromString(v).reason.split(":")[0]: DeadLetter.FromString(v)
-               for v in await read_topic(settings, settings.topics.dead_letters, timeout_s=1.0)}
+    assert res["examples_applied"] == N and res["bad"] == 4, res
+    letters: dict[str, list[DeadLetter]] = {}
+    for v in await read_topic(settings, settings.topics.dead_letters, timeout_s=1.0):
+        letter = DeadLetter.FromString(v)
+        letters.setdefault(letter.reason.split(":")[0], []).append(letter)
     assert sorted(letters) == ["bad_label", "event_time", "failed"], letters
-    assert "NonFiniteStepError" in letters["failed"].reason
-    assert letters["failed"].value == overflow.SerializeToString()
-    assert letters["event_time"].value == future.SerializeToString()
-    assert letters["bad_label"].value == label.SerializeToString()
+    failed = {l.value: l.reason for l in letters["failed"]}
+    assert "NonFiniteStepError" in failed[overflow.SerializeToString()]  # in the training step
+    assert failed[undecodable.SerializeToString()] == "failed: IndexError: a decoder bug"  # in decoding
+    assert [l.value for l in letters["event_time"]] == [future.SerializeToString()]
+    assert [l.value for l in letters["bad_label"]] == [label.SerializeToString()]
     assert tr.max_event_time < now  # the event-time clock did not jump
     man = snapshots.read_manifest(tr.snapshot_root)
-    assert man["examples_applied"] == N and sum(man["offsets"].values()) == N + 3  # moved past them
+    assert man["examples_applied"] == N and sum(man["offsets"].values()) == N + 4  # moved past them
     assert man["next_snapshot_at"] < now  # periodic snapshots still come due

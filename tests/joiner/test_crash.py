@@ -120,6 +120,17 @@ def _examples(n: int, prefix: str = "d") -> list[bytes]:
                     labels={"click": float(i % 3 == 0)}).SerializeToString() for i in range(n)]
 
 
+def _wait_for_new_part(root: Path, seen: set[str], proc: subprocess.Popen, timeout: float) -> None:
+    """Block until the dumper has written a part file not in `seen` (it is then mid-stream)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if {p.name for p in root.glob("dt=*/hour=*/part-*.parquet")} - seen:
+            return
+        assert proc.poll() is None, f"the dumper exited with {proc.returncode} before writing"
+        time.sleep(0.005)
+    raise AssertionError(f"no new part file within {timeout} s")
+
+
 async def test_dumper_kill_9_and_restart_writes_each_example_once(settings: Settings) -> None:
     """kill -9 the dumper mid-stream (many small flushes: kills land in and between them),
     restart, repeat: every example in Parquet exactly once, no part file deleted."""
@@ -136,7 +147,10 @@ async def test_dumper_kill_9_and_restart_writes_each_example_once(settings: Sett
     rows_at_kills = []
     for _ in range(2):
         proc = _dumper(env, log, "--flush-rows", "10", "--flush-interval", "0.05")
-        time.sleep(rng.uniform(1.3, 2.2))  # start-up takes ~1.2 s
+        # Kill on progress, not on a clock: start-up time varies from machine to machine, and a
+        # fast one finished the whole stream inside a fixed sleep.
+        _wait_for_new_part(root, seen, proc, timeout=60)
+        time.sleep(rng.uniform(0.0, 0.05))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         now = {p.name for p in root.glob("dt=*/hour=*/part-*.parquet")}

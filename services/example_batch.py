@@ -1,27 +1,29 @@
 """One Kafka record on ``examples`` = one columnar batch of examples (Arrow IPC stream).
 
 Decision (groundwork for issue 13): an Arrow IPC stream holding one RecordBatch, decoded by
-pyarrow into numpy views. Measured by ``bench/bench_example_format.py`` (2000 examples, 8 slots of
-1-5 ids, 2 labels, 1 dense; 2 shared cores, best of several runs, QUICK=0):
+pyarrow into numpy views. Measured by ``bench/bench_example_format.py`` (one batch of 2000 examples,
+8 slots of 1-5 random 62-bit ids, 2 labels, 1 dense; best of 10 on 2 shared cores, so +-30%):
 
-============================  ==========  ==========  =========  ===========
-format                        encode/s    decode/s    B/ex raw   B/ex lz4
-============================  ==========  ==========  =========  ===========
-protobuf Example per record   ~0.20 M     ~1.9 M      ~250       ~250 (*)
-Arrow IPC, list<int64>        ~1.3 M      ~27 M       ~283       ~192
-Arrow IPC, large_list<int64>  ~1.3 M      ~28 M       ~316       ~196
-protobuf ExampleBatch bytes   ~1.3 M      ~35 M       ~276       ~183
-============================  ==========  ==========  =========  ===========
+============================  ==========  ==========  ========  ========
+format                        encode/s    decode/s    B/ex raw  B/ex lz4
+============================  ==========  ==========  ========  ========
+protobuf Example per record   0.44 M      0.37 M      411       282
+Arrow IPC, list<int64>        1.04 M      3.65 M      331       275
+Arrow IPC, large_list<int64>  1.06 M      3.65 M      363       277
+protobuf ExampleBatch bytes   0.87 M      6.0 M       329       275
+============================  ==========  ==========  ========  ========
 
-(*) per-example records compress ~not at all; plus per-record Kafka overhead. Decode is "bytes ->
-SparseBatch arrays" (ids/offsets per slot, label, times, rates, dense, id hashes). Both columnar
-formats are ~15x faster to decode than today's numba parser and both spend encode time mostly in
-the stdlib blake2b id hash (~0.6 us/example). Arrow is chosen although the packed-bytes protobuf
-is a little smaller and faster: the schema travels with the data (names, types, nullability) and
-is checked by a library (``validate(full=True)``: offsets, UTF-8), whereas the packed protobuf
-needs a hand-written layout convention (byte order, offset widths, which lengths must agree) that
-every reader re-implements. ``list<int64>`` (int32 offsets) is written: smaller; the decoder
-accepts ``large_list`` too.
+Decode is bytes -> ``SparseBatch`` arrays + id hashes (today's row: the numba ``trainer.wire``
+parser); lz4 is aiokafka's codec over what one Kafka batch compresses (per-example records
+concatenated; their per-record Kafka overhead is not counted). Random feature ids do not compress,
+so lz4 only evens out varints vs fixed 8 bytes. Encode of both columnar formats is mostly the
+stdlib BLAKE2b-128 id hash (~0.5 us/example). Arrow is chosen over the packed protobuf although
+that decodes ~1.6x faster (~0.3 vs ~0.5 ms per 2000-example record, both ~10x today's parser): the
+schema travels with the data (names, types, nullability), and a library validates it
+(``validate(full=True)``: offsets in bounds and monotonic, UTF-8), whereas packed byte columns
+need a hand-written layout convention (byte order, offset widths, which lengths agree) and
+hand-written checks in every reader. ``list<int64>`` (int32 offsets) is written, 10% smaller than
+``large_list``; the decoder accepts both.
 
 Layout: fixed columns :data:`FIXED_SCHEMA` first, then by naming rule ``label.<name>`` float32,
 ``sparse.<slot>`` list<int64> (non-null ids), ``dense.<name>`` float32. NaN in a label or dense
@@ -219,7 +221,9 @@ def _decode(raw: bytes) -> ExampleColumns:
     eid = c[0]
     if n and pc.min(pc.binary_length(eid)).as_py() == 0:
         raise _invalid("an example_id is empty")
-    h = np.frombuffer(c[1].buffers()[1], "<u8", 2 * n, 16 * c[1].offset).reshape(n, 2) if n else np.zeros((0, 2), np.uint64)
+    h = np.zeros((0, 2), np.uint64)
+    if n:  # a view of the fixed_size_binary(16) data buffer (mind the array's offset)
+        h = np.frombuffer(c[1].buffers()[1], "<u8", 2 * n, 16 * c[1].offset).reshape(n, 2)
     t, rate = _np(c[5]), _np(c[6])
     if np.any(t <= 0):
         raise _invalid("an event_time_ms is not set (<= 0)")

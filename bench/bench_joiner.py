@@ -96,8 +96,8 @@ async def joiner_round(settings: Settings, var: Path, round_no: int) -> tuple[di
     idle = 0.5
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
-    counts = await run(settings, until_idle_s=idle, config=cfg, timings=timings,
-                       store_url=f"rocksdb://{var / f'joiner-state-{round_no}'}")
+    settings = settings.updated(joiner={"store_url": f"rocksdb://{var / f'joiner-state-{round_no}'}"})
+    counts = await run(settings, until_idle_s=idle, config=cfg, timings=timings)
     steady = timings["last_batch_end"] - timings["loop_start"] + timings.get("drain_s", 0.0)
     total = steady + (timings["loop_start"] - t_start)
     return {"steady_s": steady, "total_s": total}, counts

@@ -168,15 +168,14 @@ async def bench_online(data, cfg, bootstrap):
     for t in ("examples", "param_deltas", "dead_letters"):
         setattr(s.topics, t, f"{t}-{sfx}")
     await produce_examples(s, data.examples(np.arange(min(N_ONLINE, len(data)))))
-    tr = OnlineTrainer(s, cfg, sync_interval_s=10, snapshot_interval_event_s=0, group_id=f"bench-{sfx}")
+    tr = OnlineTrainer(s.updated(trainer=dict(sync_interval_s=10, snapshot_interval_event_s=0, group_id=f"bench-{sfx}")), cfg)
     res = await tr.run(stop_when_idle_s=2.0)
     online_rate = res["examples_applied"] / max(1e-9, tr.last_batch_at - tr.first_batch_at)
 
     # freshness: live examples (event time = now) at LIVE_RATE/s, sync every 1 s, steady state
     s.topics.examples = f"examples-live-{sfx}"
     await create_topics(s, {s.topics.examples: s.topics.partitions})
-    tr2 = OnlineTrainer(s, cfg, sync_interval_s=1.0, snapshot_interval_event_s=0, group_id=f"live-{sfx}",
-                        snapshot_root=s.var_dir / "snapshots-live")
+    tr2 = OnlineTrainer(s.updated(trainer=dict(sync_interval_s=1.0, snapshot_interval_event_s=0, group_id=f"live-{sfx}", snapshot_dir=s.var_dir / "snapshots-live")), cfg)
     n_live = int(LIVE_RATE * (LIVE_S + 2))
     live = data.examples(np.arange(n_live) % len(data))
     t_join = time.monotonic()

@@ -208,13 +208,9 @@ async def run(
     *,
     stop: asyncio.Event | None = None,
     until_idle_s: float | None = None,
-    store_url: str | None = None,
     partitions: Sequence[int] | None = None,
     config: JoinConfig | None = None,
-    cache_size: int | None = None,
     timings: dict[str, float] | None = None,
-    idle_advance_s: float | None | object = ...,
-    idle_advance_margin_s: float | None = None,
 ) -> dict[str, int]:
     """Run the joiner until ``stop`` is set, or (with ``until_idle_s``) until the input has been
     idle that long and fully consumed: then every open window is closed (drain) and it returns.
@@ -224,19 +220,18 @@ async def run(
     start-up), ``last_batch_end`` (last batch with input committed) and ``drain_s`` (the drain's
     own time, without the idle wait before it).
 
-    ``idle_advance_s`` (default ``settings.joiner.idle_advance_seconds``, None = off): when an
+    ``settings.joiner.idle_advance_seconds`` (None = off): when an
     actions partition has had no record for that many wall seconds, its action watermark is
     raised to its features watermark minus ``settings.joiner.idle_advance_margin_seconds``, so
     the windows the features stream has left that far behind close (see the README)."""
     stop = stop or asyncio.Event()
     js = settings.joiner
     cfg = config or JoinConfig.from_settings(js)
-    if idle_advance_s is ...:
-        idle_advance_s = js.idle_advance_seconds
-    idle_margin_ms = int((js.idle_advance_margin_seconds if idle_advance_margin_s is None else idle_advance_margin_s) * 1000)
+    idle_advance_s = js.idle_advance_seconds
+    idle_margin_ms = int(js.idle_advance_margin_seconds * 1000)
     tansu_quirks.install()
     await create_topics(settings)
-    url = store_url or default_store_url(settings)
+    url = default_store_url(settings)
     core: JoinCore | None = None
     async with contextlib.AsyncExitStack() as resources:
         watch = tansu_quirks.EpochWatch(settings, SERVICE)
@@ -245,7 +240,7 @@ async def run(
         store = open_store(url)
         resources.callback(store.close)
         _check_state_format(store, url)
-        state = TieredState(store, js.cache_size if cache_size is None else cache_size)
+        state = TieredState(store, js.cache_size)
         core = JoinCore(state, cfg)
         prod = producer(settings)
         await start_client(prod, settings)
@@ -381,13 +376,15 @@ def main(argv: list[str] | None = None) -> int:
     port = metrics.serve_metrics(settings.metrics_port if args.metrics_port is None else args.metrics_port)
     log.info("metrics on http://127.0.0.1:%d/metrics", port)
     parts = [int(x) for x in args.partitions.split(",")] if args.partitions else None
+    if args.store:
+        settings = settings.updated(joiner={"store_url": args.store})
 
     async def _main() -> dict[str, int]:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        return await run(settings, stop=stop, until_idle_s=args.until_idle, store_url=args.store, partitions=parts)
+        return await run(settings, stop=stop, until_idle_s=args.until_idle, partitions=parts)
 
     try:
         totals = asyncio.run(_main())

@@ -323,15 +323,16 @@ async def run(
     out_dir: Path | None = None,
     stop: asyncio.Event | None = None,
     until_idle_s: float | None = None,
-    flush_rows: int = 100_000,
-    flush_interval_s: float = 30.0,
-    dedup_horizon_s: float | None = None,
 ) -> dict[str, int]:
-    """Dump until ``stop`` (or ``until_idle_s`` of no input), then flush. Written ids are
-    remembered for ``dedup_horizon_s`` of event time behind the dedup clock (default
-    :func:`default_dedup_horizon_s`); older ones are pruned at each flush."""
+    """Dump until ``stop`` (or ``until_idle_s`` of no input), then flush (``settings.dumper``:
+    when and how much). Written ids are remembered for ``settings.dumper.dedup_horizon_s`` of
+    event time behind the dedup clock (None: :func:`default_dedup_horizon_s`); older ones are
+    pruned at each flush."""
     stop = stop or asyncio.Event()
-    horizon_ms = int((default_dedup_horizon_s(settings) if dedup_horizon_s is None else dedup_horizon_s) * 1000)
+    ds = settings.dumper
+    flush_rows, flush_interval_s = ds.flush_rows, ds.flush_interval_s
+    horizon_s = default_dedup_horizon_s(settings) if ds.dedup_horizon_s is None else ds.dedup_horizon_s
+    horizon_ms = int(horizon_s * 1000)
     root = out_dir or settings.var_dir / "examples"
     root.mkdir(parents=True, exist_ok=True)
     tansu_quirks.install()
@@ -381,13 +382,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m joiner.dumper", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="output root (default <var>/examples)")
     parser.add_argument("--until-idle", type=float, default=None, metavar="S", help="flush and exit after S idle seconds")
-    parser.add_argument("--flush-rows", type=int, default=100_000)
-    parser.add_argument("--flush-interval", type=float, default=30.0)
+    parser.add_argument("--flush-rows", type=int, default=None, help="(default: dumper.flush_rows)")
+    parser.add_argument("--flush-interval", type=float, default=None, metavar="S",
+                        help="(default: dumper.flush_interval_s)")
     parser.add_argument("--dedup-horizon", type=float, default=None, metavar="S",
-                        help="event-time seconds to remember written ids (default: from the joiner's windows)")
+                        help="event-time seconds to remember written ids (default: dumper.dedup_horizon_s, "
+                             "else from the joiner's windows)")
     parser.add_argument("--metrics-port", type=int, default=None)
     args = parser.parse_args(argv)
-    settings = get_settings()
+    flags = {"flush_rows": args.flush_rows, "flush_interval_s": args.flush_interval,
+             "dedup_horizon_s": args.dedup_horizon}
+    settings = get_settings().updated(dumper={k: v for k, v in flags.items() if v is not None})
     setup_logging(SERVICE, settings.log_level)
     metrics.serve_metrics(settings.metrics_port if args.metrics_port is None else args.metrics_port)
 
@@ -396,9 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        return await run(settings, out_dir=args.out, stop=stop, until_idle_s=args.until_idle,
-                         flush_rows=args.flush_rows, flush_interval_s=args.flush_interval,
-                         dedup_horizon_s=args.dedup_horizon)
+        return await run(settings, out_dir=args.out, stop=stop, until_idle_s=args.until_idle)
 
     try:
         totals = asyncio.run(_main())

@@ -139,6 +139,17 @@ class JoinerSettings(BaseModel):
     watermark_outliers: int = 2
 
 
+class DumperSettings(BaseModel):
+    """``python -m joiner.dumper``: the ``examples`` topic -> Parquet."""
+
+    # A flush writes the buffered rows when this many are buffered or the oldest waited this long.
+    flush_rows: int = 100_000
+    flush_interval_s: float = 30.0
+    # Event-time seconds a written example id is remembered for de-duplication; None: derived
+    # from the joiner's windows (joiner.dumper.default_dedup_horizon_s).
+    dedup_horizon_s: float | None = None
+
+
 class TrainerSettings(BaseModel):
     """The online trainer."""
 
@@ -257,6 +268,7 @@ class Settings(BaseSettings):
     event_time: EventTimeSettings = EventTimeSettings()
     replay: ReplaySettings = ReplaySettings()
     joiner: JoinerSettings = JoinerSettings()
+    dumper: DumperSettings = DumperSettings()
     trainer: TrainerSettings = TrainerSettings()
     serving: ServingSettings = ServingSettings()
     status: StatusSettings = StatusSettings()
@@ -274,6 +286,23 @@ class Settings(BaseSettings):
     @property
     def log_dir(self) -> Path:
         return self.var_dir / "log"
+
+    @property
+    def snapshot_root(self) -> Path:
+        """Where the trainer writes snapshots (one folder per model id) and serving finds them."""
+        return self.trainer.snapshot_dir or self.var_dir / "snapshots"
+
+    def updated(self, **sections: dict) -> Settings:
+        """A copy with some fields of the named sections replaced: how code that runs a service
+        with other values (a test, a benchmark, a command-line flag) passes them, instead of
+        constructor arguments that shadow the settings.
+
+        >>> s = Settings().updated(trainer={"batch_size": 64}, dumper={"flush_rows": 10})
+        >>> s.trainer.batch_size, s.dumper.flush_rows, Settings().trainer.batch_size
+        (64, 10, 1024)
+        """
+        return self.model_copy(update={
+            name: getattr(self, name).model_copy(update=fields) for name, fields in sections.items()})
 
 
 @lru_cache(maxsize=1)

@@ -134,7 +134,7 @@ def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external
     it is replaced. With an external Kafka the online trainer's snapshot is kept (it holds the
     topic offsets it trained to) and the warm start only runs when there is none.
     """
-    root = settings.trainer.snapshot_dir or settings.var_dir / "snapshots"
+    root = settings.snapshot_root
     snap = root / settings.trainer.model
     marker = snap / "broker-epoch"
     if external_broker and (snap / "LATEST").exists() and marker.exists() and marker.read_text().strip() == epoch:

@@ -83,13 +83,12 @@ def write_batch_snapshot(model: SparseModel, max_event_time_ms: int, examples: i
     """The warm start ``trainer online`` (and serving) resume from: tables with optimizer state,
     dense head and optimizer, no stream state - no topic offsets, no streaming AUC, no dedup window
     (:meth:`trainer.online.OnlineTrainer.restore` starts those fresh) - under the same root the
-    online trainer reads (``settings.trainer.snapshot_dir`` or ``<var_dir>/snapshots``)."""
+    online trainer reads (``settings.snapshot_root``)."""
     from . import snapshots
 
     cfg = model.cfg
     if root is None:
-        settings = get_settings()
-        root = settings.trainer.snapshot_dir or settings.var_dir / "snapshots"
+        root = get_settings().snapshot_root
     return snapshots.save(Path(root) / cfg.model_id, cfg, model.tables,
                           {"head": model.head.state_dict(), "optimizer": model.optimizer.state_dict()},
                           {"offsets": {}, "sparse_version": 0, "dense_version": 0, "param_deltas_offset": 0,
@@ -100,10 +99,11 @@ def write_batch_snapshot(model: SparseModel, max_event_time_ms: int, examples: i
 async def _run_online(args) -> dict:
     from .online import OnlineTrainer
 
-    settings = get_settings()
+    flags = {"batch_size": args.batch_size, "sync_interval_s": args.sync_interval_s,
+             "snapshot_interval_event_s": args.snapshot_interval_event_s}
+    settings = get_settings().updated(trainer={k: v for k, v in flags.items() if v is not None})
     cfg = named_config(args.model)
-    tr = OnlineTrainer(settings, cfg, sync_interval_s=args.sync_interval_s,
-                       snapshot_interval_event_s=args.snapshot_interval_event_s, batch_size=args.batch_size)
+    tr = OnlineTrainer(settings, cfg)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, tr.stop_event.set)

@@ -222,30 +222,23 @@ class Prepared:
 
 
 class OnlineTrainer:
-    """Every knob defaults to ``settings.trainer`` (:class:`services.settings.TrainerSettings`)."""
+    """Every knob is a field of ``settings.trainer`` (:class:`services.settings.TrainerSettings`):
+    run one with other values through ``settings.updated(trainer={...})``."""
 
-    def __init__(self, settings: Settings, cfg: ModelConfig, *, sync_interval_s: float | None = None,
-                 dense_sync_interval_s: float | None = None, snapshot_interval_event_s: float | None = None,
-                 batch_size: int | None = None, batch_timeout_s: float | None = None,
-                 dedup_window: int | None = None, snapshot_root: Path | None = None, group_id: str | None = None,
-                 torch_threads: int = 1, loader: str | None = None):
+    def __init__(self, settings: Settings, cfg: ModelConfig, *, torch_threads: int = 1):
         ts = settings.trainer
         self.settings, self.cfg = settings, cfg
         self.topic = settings.topics.examples
-        self.sync_interval_s = ts.sync_interval_s if sync_interval_s is None else sync_interval_s
-        self.dense_sync_interval_s = ts.dense_sync_interval_s if dense_sync_interval_s is None else dense_sync_interval_s
-        self.snapshot_interval_ms = int(1000 * (ts.snapshot_interval_event_s if snapshot_interval_event_s is None
-                                                else snapshot_interval_event_s))
-        self.batch_size = batch_size or ts.batch_size
-        self.batch_timeout_s = ts.batch_timeout_s if batch_timeout_s is None else batch_timeout_s
-        root = snapshot_root or ts.snapshot_dir or settings.var_dir / "snapshots"
-        self.snapshot_root = Path(root) / cfg.model_id
-        self.group_id = group_id or ts.group_id
+        self.sync_interval_s = ts.sync_interval_s
+        self.dense_sync_interval_s = ts.dense_sync_interval_s
+        self.snapshot_interval_ms = int(1000 * ts.snapshot_interval_event_s)
+        self.batch_size = ts.batch_size
+        self.batch_timeout_s = ts.batch_timeout_s
+        self.snapshot_root = settings.snapshot_root / cfg.model_id
+        self.group_id = ts.group_id
         self.consumer_start_timeout_s = ts.consumer_start_timeout_s
         #: "process": a loader subprocess fetches (:mod:`trainer.loader`); "inline": this process
-        self.loader = ts.loader if loader is None else loader
-        if self.loader not in ("process", "inline"):
-            raise ValueError(f"loader must be 'process' or 'inline', not {self.loader!r}")
+        self.loader = ts.loader
         self._loader: loader_mod.LoaderClient | None = None
         self.generation = 0  # of the partitions assigned (loader="process")
         # partition -> next offset after the records taken into batches this run (loader="process"):
@@ -259,7 +252,7 @@ class OnlineTrainer:
         self.model = SparseModel(cfg)
         self.ps_counts = M.PSCounts(cfg.model_id, self.model.tables)
         self.auc = M.StreamingAUC()
-        self.dedup = wire.DedupWindow(ts.dedup_window if dedup_window is None else dedup_window)
+        self.dedup = wire.DedupWindow(ts.dedup_window)
         self.known_slots = set(cfg.all_slots)
         self.resume_offsets: dict[int, int] = {}
         self.applied_offsets: dict[int, int] = {}

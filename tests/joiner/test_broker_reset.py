@@ -192,7 +192,7 @@ async def test_dumper_keeps_every_parquet_row_across_broker_resets(settings: Set
     await put(a)
     resets = _value("driftline_broker_resets_total", service="joiner-dumper")
     stop = asyncio.Event()
-    task = asyncio.create_task(dumper.run(settings, stop=stop, flush_rows=100, flush_interval_s=0.3))
+    task = asyncio.create_task(dumper.run(settings.updated(dumper=dict(flush_rows=100, flush_interval_s=0.3)), stop=stop))
     await _until(lambda: len(rows()) == 300 or task.done(), what="A in Parquet")
     files = {p.name for p in root.glob("dt=*/hour=*/part-*.parquet")}
     await asyncio.to_thread(broker.restart)
@@ -227,13 +227,13 @@ async def test_dumper_keeps_the_rows_of_an_uncommitted_flush_whose_records_a_res
     await produce(settings, [(topic, k, v) for _, k, v in (_ex("a", i) for i in range(300))])
     _crash_at_commit(monkeypatch, 2)
     with pytest.raises(_Crash):
-        await dumper.run(settings, until_idle_s=1.0, flush_rows=100)
+        await dumper.run(settings.updated(dumper=dict(flush_rows=100)), until_idle_s=1.0)
     monkeypatch.undo()
     on_disk = dumper.read_examples(root)["example_id"].to_pylist()  # flush 1, and flush 2 uncommitted
     await asyncio.to_thread(broker.restart)
     await create_topics(settings)
     await produce(settings, [(topic, k, v) for _, k, v in (_ex("b", i) for i in range(50))])
-    totals = await dumper.run(settings, until_idle_s=1.0, flush_rows=100)
+    totals = await dumper.run(settings.updated(dumper=dict(flush_rows=100)), until_idle_s=1.0)
     assert totals["adopted_rows"] >= 100 and totals["examples"] == 50
     ids = dumper.read_examples(root)["example_id"].to_pylist()
     assert len(ids) == len(set(ids))

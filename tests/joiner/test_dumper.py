@@ -31,7 +31,7 @@ async def test_dumper_writes_each_example_once_by_event_hour(settings: Settings)
     # ml_events follows ml-1m's file order (by user), so event times jump by years: remember
     # every id here (the horizon has its own test below).
     forever = 20 * 365 * 86400.0
-    totals = await dumper.run(settings, until_idle_s=1.0, flush_rows=1000, dedup_horizon_s=forever)
+    totals = await dumper.run(settings.updated(dumper=dict(flush_rows=1000, dedup_horizon_s=forever)), until_idle_s=1.0)
     assert totals["duplicates"] == 300 and totals["examples"] == len(raw)
     table = dumper.read_examples(root)
     assert table.num_rows == len(raw)
@@ -50,7 +50,7 @@ async def test_dumper_writes_each_example_once_by_event_hour(settings: Settings)
     ghost.parent.mkdir(parents=True)
     ghost.write_bytes(b"partial")
     await produce(settings, [(settings.topics.examples, b"dup", v) for v in raw[:10]])
-    totals = await dumper.run(settings, until_idle_s=1.0, dedup_horizon_s=forever)
+    totals = await dumper.run(settings.updated(dumper=dict(dedup_horizon_s=forever)), until_idle_s=1.0)
     assert totals["duplicates"] == 10 and totals["examples"] == 0 and not ghost.exists()
     assert ghost.with_name(ghost.name + ".unreadable").read_bytes() == b"partial"
     assert sorted(p.name for p in root.glob("dt=*/hour=*/part-*.parquet")) == before
@@ -75,7 +75,7 @@ async def test_dumper_prunes_ids_beyond_the_dedup_horizon(settings: Settings) ->
     first = [ex(i, t0 + i * hour // 10) for i in range(100)]
     await produce(settings, first)
     root = settings.var_dir / "examples"
-    totals = await dumper.run(settings, until_idle_s=1.0, flush_rows=10, dedup_horizon_s=7200)
+    totals = await dumper.run(settings.updated(dumper=dict(flush_rows=10, dedup_horizon_s=7200)), until_idle_s=1.0)
     assert totals["examples"] == 100
     # The dedup clock: the (k+1)-th newest distinct example time (one far-future example
     # cannot make it forget every id).
@@ -90,7 +90,7 @@ async def test_dumper_prunes_ids_beyond_the_dedup_horizon(settings: Settings) ->
         store.close()
     # Duplicates within the horizon are still dropped; one beyond it is written again (counted).
     await produce(settings, [first[99], first[90], first[0]])
-    totals = await dumper.run(settings, until_idle_s=1.0, dedup_horizon_s=7200)
+    totals = await dumper.run(settings.updated(dumper=dict(dedup_horizon_s=7200)), until_idle_s=1.0)
     assert totals["duplicates"] == 2 and totals["examples"] == 1 and totals["beyond_horizon"] == 1
 
 
@@ -128,11 +128,11 @@ async def test_a_flush_that_crashed_before_its_commit_is_adopted_not_deleted(set
     root = settings.var_dir / "examples"
     _crash_at_commit(monkeypatch, 2)
     with pytest.raises(_Crash):
-        await dumper.run(settings, until_idle_s=1.0, flush_rows=100)
+        await dumper.run(settings.updated(dumper=dict(flush_rows=100)), until_idle_s=1.0)
     monkeypatch.undo()
     files = {p.name for p in root.glob("dt=*/hour=*/part-*.parquet")}
     assert dumper.read_examples(root).num_rows == 200  # flush 1 committed, flush 2 renamed only
-    totals = await dumper.run(settings, until_idle_s=1.0, flush_rows=100)
+    totals = await dumper.run(settings.updated(dumper=dict(flush_rows=100)), until_idle_s=1.0)
     assert totals["adopted_rows"] == 100 and totals["duplicates"] == 100 and totals["examples"] == 100
     table = dumper.read_examples(root)
     assert table.num_rows == 300 == pc.count_distinct(table["example_id"]).as_py()

@@ -57,13 +57,13 @@ async def test_restart_resumes_from_state_without_reemitting(settings: Settings)
     await produce(settings, events[:half])
     # The first run is stopped (as by SIGTERM) mid-stream, without draining.
     stop = asyncio.Event()
-    task = asyncio.create_task(run(settings, stop=stop, config=CFG, cache_size=50))
+    task = asyncio.create_task(run(settings.updated(joiner={"cache_size": 50}), stop=stop, config=CFG))
     await asyncio.sleep(3.0)
     stop.set()
     await task
     first = await read_examples(settings)
     await produce(settings, events[half:])
-    await run(settings, until_idle_s=1.0, config=CFG, cache_size=50)
+    await run(settings.updated(joiner={"cache_size": 50}), until_idle_s=1.0, config=CFG)
     examples = await read_examples(settings)
     assert len(examples) == len({e.example_id for e in examples}), "a clean stop re-emits nothing"
     assert len(first) > 0
@@ -99,8 +99,8 @@ async def _features_only_run(settings: Settings, idle_advance_s: float | None) -
     await produce(settings, fls)
     stop = asyncio.Event()
     cfg = JoinConfig(window_ms=60_000, lateness_ms=5_000, negative_sample_rate=1.0)
-    task = asyncio.create_task(run(settings, stop=stop, config=cfg, idle_advance_s=idle_advance_s,
-                                   idle_advance_margin_s=100.0))
+    settings = settings.updated(joiner={"idle_advance_seconds": idle_advance_s, "idle_advance_margin_seconds": 100.0})
+    task = asyncio.create_task(run(settings, stop=stop, config=cfg))
     await asyncio.sleep(4.0)
     stop.set()
     counts = await task

@@ -82,7 +82,7 @@ async def test_dumper_dead_letters_an_example_it_cannot_file(settings: Settings)
     await produce(settings, [(topic, b"1", e.SerializeToString()) for e in good[:10] + [poison] + good[10:]])
     before = _failed("joiner-dumper", topic)
     root = settings.var_dir / "examples"
-    totals = await dumper.run(settings, until_idle_s=1.0, flush_rows=5)
+    totals = await dumper.run(settings.updated(dumper=dict(flush_rows=5)), until_idle_s=1.0)
     assert totals["failed"] == 1 and totals["examples"] == 20
     assert _failed("joiner-dumper", topic) - before == 1
     assert sorted(dumper.read_examples(root)["example_id"].to_pylist()) == sorted(e.example_id for e in good)

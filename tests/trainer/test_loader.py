@@ -94,8 +94,7 @@ async def test_stale_generation_not_applied(settings, ml_examples, tmp_path, cap
     of an old generation still in the pipe is dropped, never trained on."""
     caplog.set_level("INFO", logger="trainer.online")
     await produce_examples(settings, ml_examples)
-    tr = OnlineTrainer(settings, small_cfg(), sync_interval_s=0.5, snapshot_interval_event_s=0, batch_size=256,
-                       loader="process")
+    tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=0.5, snapshot_interval_event_s=0, batch_size=256, loader="process")), small_cfg())
     run = asyncio.create_task(tr.run(stop_when_idle_s=3.0))
     deadline = time.monotonic() + 60
     while tr.examples_applied < 1000:
@@ -123,7 +122,7 @@ async def test_stale_generation_not_applied(settings, ml_examples, tmp_path, cap
 
 async def test_loader_crash_is_a_trainer_error(settings, ml_examples):
     await produce_examples(settings, ml_examples[:500])
-    tr = OnlineTrainer(settings, small_cfg(), sync_interval_s=0.5, snapshot_interval_event_s=0, loader="process")
+    tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=0.5, snapshot_interval_event_s=0, loader="process")), small_cfg())
     run = asyncio.create_task(tr.run())
     deadline = time.monotonic() + 60
     while tr.examples_applied < 500:

@@ -72,7 +72,7 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
     await start_client(prod, settings)
     await prod.send_and_wait(settings.topics.examples, odd, key=b"odd")
     await prod.stop()
-    tr = OnlineTrainer(settings, small_cfg(), sync_interval_s=1.0, snapshot_interval_event_s=0)
+    tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=1.0, snapshot_interval_event_s=0)), small_cfg())
     tr.keep_last_sync_copy = True
     run = asyncio.create_task(tr.run(stop_when_idle_s=3.0))
     # the second half arrives after a first version was published: several versions to replay
@@ -190,7 +190,7 @@ async def test_online_resumes_from_batch_warm_start(settings, ml_examples, tmp_p
     for i, e in enumerate(stream[::3]):  # after a first click serving logs the user's recent clicks
         e.features.sparse["recent_items"].ids.extend([int(batch_items[i % batch_items.size]), 10_000_000 + i])
     await produce_examples(settings, stream)
-    tr = OnlineTrainer(settings, cfg, sync_interval_s=0.5, snapshot_interval_event_s=0)
+    tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=0.5, snapshot_interval_event_s=0)), cfg)
     labels = {"model": cfg.model_id, "table": "item_id"}
     admitted = REGISTRY.get_sample_value("driftline_ps_admitted_total", labels) or 0.0
     res = await asyncio.wait_for(tr.run(stop_when_idle_s=3.0), 120)

@@ -83,7 +83,7 @@ async def test_poison_records_are_dead_lettered_and_training_goes_on(settings):
         validate_example(e)  # all pass the consumer's validation
     await produce_examples(settings, examples[:1000] + [overflow, future] + examples[1000:2000] + [label]
                            + examples[2000:2500] + [undecodable] + examples[2500:])
-    tr = OnlineTrainer(settings, cfg, sync_interval_s=0.5, snapshot_interval_event_s=3600, batch_size=256)
+    tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=0.5, snapshot_interval_event_s=3600, batch_size=256)), cfg)
     _overflowing(tr.model)
     decode = tr.decoder.decode_concat
 

@@ -121,8 +121,7 @@ def _lost(settings: Settings) -> float:
 async def test_running_trainer_follows_a_broker_reset(settings, own_broker, ml_examples, loader):
     old, new = ml_examples[:OLD], ml_examples[OLD:OLD + NEW]
     await produce_examples(settings, old)
-    tr = OnlineTrainer(settings, small_cfg(), sync_interval_s=0.5, snapshot_interval_event_s=0, batch_size=256,
-                       loader=loader)
+    tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=0.5, snapshot_interval_event_s=0, batch_size=256, loader=loader)), small_cfg())
     run = asyncio.create_task(tr.run())
     # all applied and published: a sync in flight at the kill would be retried by the producer into the
     # new broker before its topic exists, which tansu 0.6 acknowledges and then numbers over
@@ -176,7 +175,7 @@ async def test_trainer_restarted_after_a_reset_keeps_its_snapshot(settings, own_
     old, new = ml_examples[:OLD], ml_examples[OLD:OLD + NEW]
     await produce_examples(settings, old)
     cfg = small_cfg()
-    tr = OnlineTrainer(settings, cfg, sync_interval_s=0.5, snapshot_interval_event_s=0, batch_size=256)
+    tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=0.5, snapshot_interval_event_s=0, batch_size=256)), cfg)
     res = await asyncio.wait_for(tr.run(stop_when_idle_s=2.0), 90)
     assert res["examples_applied"] == OLD
     stopped = snapshots.read_manifest(tr.snapshot_root)
@@ -184,7 +183,7 @@ async def test_trainer_restarted_after_a_reset_keeps_its_snapshot(settings, own_
 
     await asyncio.to_thread(_kill_9_and_restart, own_broker)
     await produce_examples(settings, old[:REPEATED] + new)
-    tr2 = OnlineTrainer(settings, cfg, sync_interval_s=0.5, snapshot_interval_event_s=0, batch_size=256)
+    tr2 = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=0.5, snapshot_interval_event_s=0, batch_size=256)), cfg)
     res = await asyncio.wait_for(tr2.run(stop_when_idle_s=3.0), 90)
     assert tr2.epoch != tr.epoch
     # the restored model continued: the old examples counted, the repeated ones dropped, every new one applied

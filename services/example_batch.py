@@ -61,7 +61,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 __all__ = ["BadExampleBatch", "ExampleColumns", "FIXED_SCHEMA", "decode", "encode", "from_examples",
-           "hash_ids", "to_sparse_batch_arrays"]
+           "hash_ids", "to_examples", "to_sparse_batch_arrays"]
 
 FORMAT = b"driftline.ExampleBatch/1"
 FIXED_SCHEMA = pa.schema([
@@ -299,3 +299,36 @@ def from_examples(examples: Sequence) -> ExampleColumns:
         labels={k: col(lambda e: e.labels.get(k, math.nan), np.float32) for k in label_names},
         sparse=sparse,
         dense={k: col(lambda e: e.features.dense.get(k, math.nan), np.float32) for k in dense_names})
+
+
+def to_examples(c: ExampleColumns) -> list:
+    """The ``driftline.v1.Example`` protos of a batch (per-example Python: tests and tools only):
+    the inverse of :func:`from_examples` (a NaN label or dense value is left out, an empty bag
+    is an absent slot).
+
+    >>> from proto import Example
+    >>> e = Example(example_id="r/1", request_id="r", item_id=1, event_time_ms=5, sample_rate=1.0)
+    >>> e.labels["click"] = 1.0
+    >>> e.features.sparse["genre"].ids.extend([3, 4])
+    >>> to_examples(decode(encode(from_examples([e])))) == [e]
+    True
+    """
+    from proto import Example
+
+    out = []
+    sparse = {s: (ids, offs) for s, (ids, offs) in c.sparse.items()}
+    for i in range(c.size):
+        e = Example(example_id=c.example_ids[i], request_id=c.request_ids[i], item_id=int(c.item_id[i]),
+                    user_id=int(c.user_id[i]), event_time_ms=int(c.event_time_ms[i]),
+                    sample_rate=float(c.sample_rate[i]), model_id=c.model_ids[i])
+        for name, v in c.labels.items():
+            if not math.isnan(v[i]):
+                e.labels[name] = float(v[i])
+        for s, (ids, offs) in sparse.items():
+            if offs[i + 1] > offs[i]:
+                e.features.sparse[s].ids.extend(ids[offs[i]:offs[i + 1]].tolist())
+        for name, v in c.dense.items():
+            if not math.isnan(v[i]):
+                e.features.dense[name] = float(v[i])
+        out.append(e)
+    return out

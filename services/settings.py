@@ -201,13 +201,10 @@ class ServingSettings(BaseModel):
     # Seconds between reconnect attempts of the feature-log producer while Kafka is down.
     kafka_retry_s: float = 2.0
     # "fm" (built-in FM), a trainer model name ("deepfm", "lr") or a ModelConfig JSON path;
-    # None means the trainer's model.
+    # None means the trainer's model (Settings.serving_model). The newest snapshot under
+    # Settings.snapshot_root bootstraps it.
     model: str | None = None
     model_id: str = "deepfm"
-    # Where the trainer writes snapshots (None: <var_dir>/snapshots); the newest bootstraps serving.
-    snapshot_dir: Path | None = None
-    # The rate the joiner kept negatives at, for log-odds correction (None: the joiner's; 1: off).
-    negative_sample_rate: float | None = None
     # Embedding dimension of the built-in FM model.
     embedding_dim: int = 8
     redis_prefix: str = "driftline"
@@ -291,6 +288,31 @@ class Settings(BaseSettings):
     def snapshot_root(self) -> Path:
         """Where the trainer writes snapshots (one folder per model id) and serving finds them."""
         return self.trainer.snapshot_dir or self.var_dir / "snapshots"
+
+    @property
+    def serving_model(self) -> str:
+        """The model serving runs: its own setting, else the trainer's."""
+        return self.serving.model or self.trainer.model
+
+    @property
+    def serving_spool_dir(self) -> Path:
+        """The replica's feature-log spool: one per port, found again by a restart.
+
+        >>> Settings(var_dir=Path("v")).updated(serving={"port": 8001}).serving_spool_dir
+        PosixPath('v/serving/spool-8001')
+        """
+        return self.serving.spool_dir or self.var_dir / "serving" / f"spool-{self.serving.port}"
+
+    @property
+    def served_sample_rate(self) -> float:
+        """The rate the joiner keeps negatives of the served model's slice at (its
+        ``slice_sample_rates`` entry for ``serving.model_id``, else its default): what serving's
+        log-odds correction divides by.
+
+        >>> Settings().updated(joiner={"slice_sample_rates": {"deepfm": 0.1}}).served_sample_rate
+        0.1
+        """
+        return self.joiner.slice_sample_rates.get(self.serving.model_id, self.joiner.negative_sample_rate)
 
     def updated(self, **sections: dict) -> Settings:
         """A copy with some fields of the named sections replaced: how code that runs a service

@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -231,6 +231,67 @@ class StatusSettings(BaseModel):
     targets: list[str] = Field(default_factory=list)
 
 
+class EvalSettings(BaseModel):
+    """``driftline eval``: everything an experiment reads (``evaluation/``). These defaults are
+    what docs/results.* come from; ``evaluation.common.smoke()`` shrinks them for the tests."""
+
+    model_config = ConfigDict(frozen=True)
+
+    """Everything an experiment reads; ``full()`` is what docs/results.* come from."""
+
+    name: str = "full"
+    dataset: str = "ml-1m"
+    data_dir: str = "var/data"
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    workers: int = 2
+    # model (one DeepFM for every experiment)
+    dim: int = 16
+    mlp: tuple[int, ...] = (128, 64)
+    sparse_lr: float = 0.05
+    batch_size: int = 1024
+    # collisions
+    coll_limit: int | None = None          # first N ratings in time order (None: all)
+    coll_test_fraction: float = 0.1
+    coll_epochs: int = 10
+    coll_user_rate: float = 0.0773         # the paper's ml-25m rates
+    coll_item_rate: float = 0.0286
+    coll_harsh_factor: float = 4.0         # harsher arm: this many times the paper's rates
+    #: seeds of the collisions runs (None: ``seeds``); ten because a run is cheap (ids only) and the
+    #: effect at the paper's rates is small next to seed noise, so its std needs a firmer estimate
+    coll_seeds: tuple[int, ...] | None = tuple(range(10))
+    # the collisions DeepFM (its own model: see collisions.py for why it differs from the others)
+    coll_slots: tuple[str, ...] = ("user_id", "item_id")
+    coll_dim: int = 16
+    coll_mlp: tuple[int, ...] = (128, 64)
+    coll_sparse_lr: float = 0.005
+    coll_init_acc: float = 0.0             # Adagrad initial_accumulator_value of the sparse tables
+    coll_dense_lr: float = 1e-3
+    coll_val_fraction: float = 0.1         # tuning: the last share of the train part is the validation set
+    # online (Algorithm 1)
+    online_limit: int | None = None
+    online_batch_fraction: float = 0.7
+    online_batch_epochs: int = 1
+    online_shards: tuple[int, ...] = (10, 50, 100)
+    # staleness
+    stale_shards: int = 50
+    stale_k: tuple[int, ...] = (0, 1, 5, 10)  # k = 0: restore only (control)
+    # baselines
+    base_limit: int | None = 300_000
+    base_offset: int = 0
+    base_batch_size: int = 64              # online mini-batch for the from-scratch stream
+    base_sparse_lr: float = 0.05           # DeepFM's sparse Adagrad lr on the stream (tuned: evaluation/tune.py)
+    river_lr: float = 0.1                  # River LR's SGD lr (tuned)
+    base_lr_lr: float = 0.3                # driftline LR's Adagrad lr (tuned)
+    base_lr_batch: int = 32                # driftline LR's mini-batch in the model-matched comparison
+    #: driftline LR's speed/quality curve: (mini-batch, Adagrad lr tuned for it)
+    base_lr_curve: tuple[tuple[int, float], ...] = ((32, 0.3), (64, 0.3), (128, 0.3), (256, 0.3), (1024, 0.2), (4096, 0.3))
+    #: driftline's sequential LR (ModelConfig.sequential: per-example updates inside each mini-batch)
+    base_lr_seq_batch: int = 1024
+    base_lr_seq_lr: float = 0.3            # its Adagrad lr (tuned)
+    tune_base_limit: int = 100_000         # the tuning stream: this many ratings right after the reported one
+    hashed_buckets: int = 1 << 13
+
+
 class Settings(BaseSettings):
     """All of driftline's configuration. Build it once per process with :func:`get_settings`."""
 
@@ -269,6 +330,7 @@ class Settings(BaseSettings):
     trainer: TrainerSettings = TrainerSettings()
     serving: ServingSettings = ServingSettings()
     status: StatusSettings = StatusSettings()
+    eval: EvalSettings = EvalSettings()
 
     @property
     def bootstrap_servers(self) -> str:

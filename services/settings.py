@@ -148,6 +148,11 @@ class DumperSettings(BaseModel):
     # Event-time seconds a written example id is remembered for de-duplication; None: derived
     # from the joiner's windows (joiner.dumper.default_dedup_horizon_s).
     dedup_horizon_s: float | None = None
+    # ... and wall seconds at least: copies that come back through wall-clock processes (producer
+    # retries, restarts, serving's re-ship after a broker reset: serving.spool_retention_s) are
+    # bounded in wall time, not in event time, and a fast replay crosses the event-time horizon
+    # in well under a second.
+    dedup_min_wall_s: float = 900.0
 
 
 class TrainerSettings(BaseModel):

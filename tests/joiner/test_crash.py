@@ -20,6 +20,7 @@ from joiner.reference import offline_join
 from joiner.synth import ml_events
 from joiner.types import JoinConfig
 from proto import Example
+from services import example_batch
 from services.kafka import create_topics
 from services.settings import Settings
 from tests.joiner.helpers import as_map, produce, read_examples, ref_as_map
@@ -114,10 +115,15 @@ async def test_a_signal_stops_cleanly_and_commits(settings: Settings, sig: signa
     assert len(examples) == len({e.example_id for e in examples}), "a clean stop re-emits nothing"
 
 
-def _examples(n: int, prefix: str = "d") -> list[bytes]:
+def _examples(n: int, prefix: str = "d") -> list[Example]:
     return [Example(example_id=f"{prefix}/{i}", request_id=prefix, item_id=i, user_id=i % 13,
                     event_time_ms=1_700_000_000_000 + i * 100, sample_rate=1.0,
-                    labels={"click": float(i % 3 == 0)}).SerializeToString() for i in range(n)]
+                    labels={"click": float(i % 3 == 0)}) for i in range(n)]
+
+
+def _batch(e: Example) -> bytes:
+    """One example as a batch record (a batch of one keeps the record counts of the flushes)."""
+    return example_batch.encode(example_batch.from_examples([e]))
 
 
 def _wait_for_new_part(root: Path, seen: set[str], proc: subprocess.Popen, timeout: float) -> None:
@@ -137,7 +143,7 @@ async def test_dumper_kill_9_and_restart_writes_each_example_once(settings: Sett
     values = _examples(6000)
     await create_topics(settings)
     t = settings.topics.examples
-    await produce(settings, [(t, str(i % 13).encode(), v) for i, v in enumerate(values)])
+    await produce(settings, [(t, str(e.user_id).encode(), _batch(e)) for e in values])
     env = _env(settings) | {"DRIFTLINE_JOINER__BATCH_SIZE": "10"}  # polls and flushes of 10: ~600 flushes
     settings.var_dir.mkdir(parents=True, exist_ok=True)
     log = settings.var_dir.parent / "dumper.log"
@@ -161,7 +167,7 @@ async def test_dumper_kill_9_and_restart_writes_each_example_once(settings: Sett
     proc = _dumper(env, log, "--flush-rows", "10", "--until-idle", "1")
     assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     table = dumper.read_examples(root)
-    assert sorted(table["example_id"].to_pylist()) == sorted(Example.FromString(v).example_id for v in values)
+    assert sorted(table["example_id"].to_pylist()) == sorted(e.example_id for e in values)
     assert seen <= {p.name for p in root.glob("dt=*/hour=*/part-*.parquet")}
     assert not [p for p in root.rglob("*") if ".tmp" in p.name], "temp files are removed"
 
@@ -171,7 +177,7 @@ async def test_dumper_signal_flushes_and_exits_0(settings: Settings, sig: signal
     """With flushes that would never come on their own, a signal flushes what was read."""
     values = _examples(500, prefix="s")
     await create_topics(settings)
-    await produce(settings, [(settings.topics.examples, b"1", v) for v in values])
+    await produce(settings, [(settings.topics.examples, b"1", _batch(e)) for e in values])
     env = _env(settings)
     settings.var_dir.mkdir(parents=True, exist_ok=True)
     log = settings.var_dir.parent / "dumper-term.log"
@@ -182,4 +188,4 @@ async def test_dumper_signal_flushes_and_exits_0(settings: Settings, sig: signal
     assert proc.wait(timeout=30) == 0, log.read_text()[-2000:]
     table = dumper.read_examples(settings.var_dir / "examples")
     assert table.num_rows == 500 and sorted(table["example_id"].to_pylist()) == sorted(
-        Example.FromString(v).example_id for v in values)
+        e.example_id for e in values)

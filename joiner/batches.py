@@ -1,0 +1,146 @@
+"""What the joiner stores per waiting impression, and the columnar batches it emits from it.
+
+Stored payload (after :data:`joiner.core.HEADER`): a ``struct`` frame of two lengths, then the
+model id (UTF-8), the request's context ``Features`` and the candidate's ``Features``, both as
+serialized by the protobuf library. Nothing is encoded by hand: at emission both are parsed by
+the library into one ``Features`` (``MergeFromString`` twice: the candidate's slots and dense
+values override the context's of the same name, protobuf's merge rule).
+
+An emitted example is an :data:`Emitted` tuple ``(user_id, event_time_ms, example_id bytes,
+payload, label mask, sample_rate, latency reference ts ms or 0, correction suffix or "")``.
+:func:`build` turns a list of them into :class:`services.example_batch.ExampleColumns` in one
+pass (one ``Features`` parse per example; ids, times, labels and rates as numpy arrays), and
+:func:`valid_rows` checks, vectorized, what :func:`services.example_batch.encode`/``decode``
+would reject, so a bad example is filtered (counted) instead of failing its whole batch.
+
+>>> import numpy as np
+>>> from proto import Features, SparseSlot
+>>> ctx = Features(sparse={"u": SparseSlot(ids=[1])}, dense={"a": 1.0, "b": 2.0}).SerializeToString()
+>>> cand = Features(sparse={"i": SparseSlot(ids=[7, 8])}, dense={"b": 3.0}).SerializeToString()
+>>> p = payload("m", ctx, cand)
+>>> c, nan_input = build([(9, 1000, b"r/7", p, 1, 1.0, 0, ""), (9, 1000, b"r/7", p, 1, 1.0, 0, "#late-click")],
+...           ["click", "like"])
+>>> list(c.example_ids), list(c.request_ids), c.item_id.tolist(), c.labels["like"].tolist()
+(['r/7', 'r/7#late-click'], ['r', 'r'], [7, 7], [0.0, 0.0])
+>>> c.sparse["i"][0].tolist(), c.sparse["i"][1].tolist(), c.dense["b"].tolist()
+([7, 8, 7, 8], [0, 2, 4], [3.0, 3.0])
+>>> c.dense["b"][1] = np.inf; valid_rows(c, nan_input)
+(array([ True, False]), Counter({'non_finite': 1}))
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from itertools import chain
+
+import numpy as np
+
+from proto import Features
+from services.example_batch import ExampleColumns
+
+# (user_id, event_time_ms, example id, payload, label mask, sample_rate, latency ref ts, id suffix)
+Emitted = tuple[int, int, bytes, bytes, int, float, int, str]
+
+_LENS = struct.Struct("<HI")  # len(model_id), len(context Features bytes)
+
+
+def payload(model_id: str, context: bytes, candidate: bytes) -> bytes:
+    """The stored part of an impression: model id, context and candidate ``Features`` bytes."""
+    m = model_id.encode()
+    return _LENS.pack(len(m), len(context)) + m + context + candidate
+
+
+def build(emitted: Sequence[Emitted], labels: Sequence[str]) -> tuple[ExampleColumns, np.ndarray]:
+    """The columns of ``emitted`` (in order), and which rows had a NaN dense input value (NaN
+    reads as "absent" in a batch, so those rows are invalid: see :func:`valid_rows`). Labels:
+    1.0/0.0 per bit of the mask, every label present; a slot with an empty bag is left out (the
+    batch format's "absent")."""
+    n = len(emitted)
+    eids: list[str] = []
+    rids: list[str] = []
+    items: list[int] = []
+    models: list[str] = []
+    sp_rows: dict[str, list[int]] = defaultdict(list)
+    sp_bags: dict[str, list] = defaultdict(list)
+    de_rows: dict[str, list[int]] = defaultdict(list)
+    de_vals: dict[str, list[float]] = defaultdict(list)
+    model_of: dict[bytes, str] = {}
+    unpack = _LENS.unpack_from
+    hdr = _LENS.size
+    for i, (_, _, eid, pl, _, _, _, suffix) in enumerate(emitted):
+        rid, _, item = eid.rpartition(b"/")
+        s = eid.decode()
+        eids.append(s + suffix if suffix else s)
+        rids.append(rid.decode())
+        items.append(int(item))
+        ml, cl = unpack(pl)
+        a = hdr + ml
+        b = a + cl
+        mb = pl[hdr:a]
+        model = model_of.get(mb)
+        if model is None:
+            model = model_of[mb] = mb.decode()
+        models.append(model)
+        view = memoryview(pl)
+        f = Features()
+        f.MergeFromString(view[a:b])
+        f.MergeFromString(view[b:])
+        for name, slot in f.sparse.items():
+            ids = slot.ids
+            if ids:
+                sp_rows[name].append(i)
+                sp_bags[name].append(ids)
+        for name, v in f.dense.items():
+            de_rows[name].append(i)
+            de_vals[name].append(v)
+    col = lambda k, dt: np.fromiter((e[k] for e in emitted), dt, n)  # noqa: E731
+    masks = col(4, np.int64)
+    sparse = {}
+    for name, rows in sp_rows.items():
+        bags = sp_bags[name]
+        lens = np.zeros(n, np.int64)
+        lens[rows] = [len(b) for b in bags]
+        offs = np.zeros(n + 1, np.int64)
+        np.cumsum(lens, out=offs[1:])
+        sparse[name] = np.fromiter(chain.from_iterable(bags), np.int64, int(offs[-1])), offs
+    dense = {}
+    nan_input = np.zeros(n, bool)
+    for name, rows in de_rows.items():
+        vals = np.array(de_vals[name], np.float32)
+        nan_input[np.array(rows)[np.isnan(vals)]] = True
+        v = np.full(n, math.nan, np.float32)
+        v[rows] = vals
+        dense[name] = v
+    return ExampleColumns(
+        eids, rids, np.array(items, np.int64), col(0, np.int64), col(1, np.int64), col(5, np.float32), models,
+        labels={name: ((masks >> i) & 1).astype(np.float32) for i, name in enumerate(labels)},
+        sparse=sparse, dense=dense), nan_input
+
+
+def valid_rows(c: ExampleColumns, nan_input: np.ndarray) -> tuple[np.ndarray, Counter[str]]:
+    """``(ok, reasons)``: which rows :func:`services.example_batch.encode` + ``decode`` would
+    accept (a non-empty example id, ``event_time_ms > 0``, ``sample_rate`` in (0, 1], finite
+    labels and dense values: NaN there would read as "absent", so an input NaN is refused too),
+    and how many rows fail each check (a row is counted under its first failed check)."""
+    checks = [
+        ("empty_example_id", np.fromiter(map(len, c.example_ids), np.int64, c.size) == 0),
+        ("event_time", np.asarray(c.event_time_ms) <= 0),
+        ("sample_rate", ~((c.sample_rate > 0) & (c.sample_rate <= 1))),  # (NaN fails too)
+    ]
+    non_finite = nan_input.copy()
+    for v in c.labels.values():
+        non_finite |= ~np.isfinite(v)
+    for v in c.dense.values():
+        non_finite |= np.isinf(v)  # (NaN = absent here; NaN input values are in nan_input)
+    checks.append(("non_finite", non_finite))
+    ok = np.ones(c.size, bool)
+    reasons: Counter[str] = Counter()
+    for reason, bad in checks:
+        bad = bad & ok
+        if bad.any():
+            reasons[reason] = int(bad.sum())
+            ok &= ~bad
+    return ok, reasons

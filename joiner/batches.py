@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Sequence
 from itertools import chain
 
@@ -53,24 +53,61 @@ def payload(model_id: str, context: bytes, candidate: bytes) -> bytes:
     return _LENS.pack(len(m), len(context)) + m + context + candidate
 
 
-def build(emitted: Sequence[Emitted], labels: Sequence[str]) -> tuple[ExampleColumns, np.ndarray]:
+class ParsedFeatures:
+    """Parsed ``Features`` by their serialized bytes (a bounded memo: contexts repeat across a
+    request's candidates, candidate features across requests). A value is ``(sparse, dense,
+    names, has_nan)``: ``{slot: ids}`` of the non-empty slots, ``{name: value}``, both kinds'
+    names (to spot a candidate that overrides a context name) and whether a dense value is NaN."""
+
+    def __init__(self, max_entries: int = 200_000) -> None:
+        self.max_entries = max_entries
+        self.memo: dict[bytes, tuple[dict, dict, frozenset, bool]] = {}
+
+    def get(self, raw: bytes) -> tuple[dict, dict, frozenset, bool]:
+        v = self.memo.get(raw)
+        return v if v is not None else self.miss(raw)
+
+    def miss(self, raw: bytes) -> tuple[dict, dict, frozenset, bool]:
+        if len(self.memo) >= self.max_entries:
+            self.memo.clear()
+        v = self.memo[raw] = self.parse(raw)
+        return v
+
+    @staticmethod
+    def parse(*parts: bytes) -> tuple[dict, dict, frozenset, bool]:
+        """Parse by the protobuf library; several parts merge in order (later names win)."""
+        f = Features()
+        for raw in parts:
+            f.MergeFromString(raw)
+        sp = f.sparse  # (keys then [name]: faster than items() on upb maps)
+        sparse = {name: tuple(ids) for name in sp if (ids := sp[name].ids)}
+        dense = dict(f.dense)
+        total = sum(dense.values())  # NaN iff a value is NaN (or both infinities: invalid too)
+        return sparse, dense, frozenset(chain(sp, dense)), total != total
+
+
+_NONE: tuple[dict, dict, frozenset, bool] = ({}, {}, frozenset(), False)
+
+
+def build(emitted: Sequence[Emitted], labels: Sequence[str],
+          parsed: ParsedFeatures | None = None) -> tuple[ExampleColumns, np.ndarray]:
     """The columns of ``emitted`` (in order), and which rows had a NaN dense input value (NaN
     reads as "absent" in a batch, so those rows are invalid: see :func:`valid_rows`). Labels:
     1.0/0.0 per bit of the mask, every label present; a slot with an empty bag is left out (the
-    batch format's "absent")."""
+    batch format's "absent"). ``parsed``: a memo kept across calls (a fresh one by default)."""
     n = len(emitted)
+    parsed = parsed or ParsedFeatures()
+    memo, miss = parsed.memo, parsed.miss
     eids: list[str] = []
     rids: list[str] = []
     items: list[int] = []
     models: list[str] = []
-    sp_rows: dict[str, list[int]] = defaultdict(list)
-    sp_bags: dict[str, list] = defaultdict(list)
-    de_rows: dict[str, list[int]] = defaultdict(list)
-    de_vals: dict[str, list[float]] = defaultdict(list)
+    ctxs: list[tuple] = []
+    cands: list[tuple] = []
     model_of: dict[bytes, str] = {}
     unpack = _LENS.unpack_from
     hdr = _LENS.size
-    for i, (_, _, eid, pl, _, _, _, suffix) in enumerate(emitted):
+    for _, _, eid, pl, _, _, _, suffix in emitted:
         rid, _, item = eid.rpartition(b"/")
         s = eid.decode()
         eids.append(s + suffix if suffix else s)
@@ -84,36 +121,28 @@ def build(emitted: Sequence[Emitted], labels: Sequence[str]) -> tuple[ExampleCol
         if model is None:
             model = model_of[mb] = mb.decode()
         models.append(model)
-        view = memoryview(pl)
-        f = Features()
-        f.MergeFromString(view[a:b])
-        f.MergeFromString(view[b:])
-        for name, slot in f.sparse.items():
-            ids = slot.ids
-            if ids:
-                sp_rows[name].append(i)
-                sp_bags[name].append(ids)
-        for name, v in f.dense.items():
-            de_rows[name].append(i)
-            de_vals[name].append(v)
+        ck, kk = pl[a:b], pl[b:]
+        ctx = memo.get(ck) or miss(ck)
+        cand = memo.get(kk) or miss(kk)
+        if ctx[2] & cand[2]:  # the candidate overrides a context slot or value: merge them
+            ctx, cand = ParsedFeatures.parse(ck, kk), _NONE
+        ctxs.append(ctx)
+        cands.append(cand)
+    distinct = {id(f): f for f in chain(ctxs, cands)}.values()
+    slots = sorted({name for f in distinct for name in f[0]})
+    dense_names = sorted({name for f in distinct for name in f[1]})
+    nan_input = np.fromiter((c[3] or k[3] for c, k in zip(ctxs, cands)), bool, n)
+    sparse = {}
+    for name in slots:
+        bags = [c[0].get(name) or k[0].get(name, ()) for c, k in zip(ctxs, cands)]
+        offs = np.zeros(n + 1, np.int64)
+        np.cumsum(np.fromiter(map(len, bags), np.int64, n), out=offs[1:])
+        sparse[name] = np.fromiter(chain.from_iterable(bags), np.int64, int(offs[-1])), offs
+    nan = math.nan
+    dense = {name: np.array([c[1].get(name, k[1].get(name, nan)) for c, k in zip(ctxs, cands)], np.float32)
+             for name in dense_names}
     col = lambda k, dt: np.fromiter((e[k] for e in emitted), dt, n)  # noqa: E731
     masks = col(4, np.int64)
-    sparse = {}
-    for name, rows in sp_rows.items():
-        bags = sp_bags[name]
-        lens = np.zeros(n, np.int64)
-        lens[rows] = [len(b) for b in bags]
-        offs = np.zeros(n + 1, np.int64)
-        np.cumsum(lens, out=offs[1:])
-        sparse[name] = np.fromiter(chain.from_iterable(bags), np.int64, int(offs[-1])), offs
-    dense = {}
-    nan_input = np.zeros(n, bool)
-    for name, rows in de_rows.items():
-        vals = np.array(de_vals[name], np.float32)
-        nan_input[np.array(rows)[np.isnan(vals)]] = True
-        v = np.full(n, math.nan, np.float32)
-        v[rows] = vals
-        dense[name] = v
     return ExampleColumns(
         eids, rids, np.array(items, np.int64), col(0, np.int64), col(1, np.int64), col(5, np.float32), models,
         labels={name: ((masks >> i) & 1).astype(np.float32) for i, name in enumerate(labels)},

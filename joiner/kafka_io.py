@@ -112,6 +112,7 @@ class BatchedSender:
         self.prod, self.topic, self.partitions = prod, topic, sorted(partitions)
         self.labels, self.max_record_bytes = list(labels), max_record_bytes
         self._part: dict[int, int] = {}
+        self.parsed = batches.ParsedFeatures()
 
     def partition(self, key: bytes) -> int:
         """The default partitioner's partition of ``key``."""
@@ -138,7 +139,7 @@ class BatchedSender:
         records: list[tuple[int, bytes, int]] = []
         bad: Counter[str] = Counter()
         for p, group in sorted(groups.items()):
-            cols, nan_input = batches.build(group, self.labels)
+            cols, nan_input = batches.build(group, self.labels, self.parsed)
             ok, reasons = batches.valid_rows(cols, nan_input)
             if reasons:
                 bad.update(reasons)
@@ -152,7 +153,7 @@ class BatchedSender:
         return records, bad
 
     def _encode(self, group: Sequence[Emitted], cols: object) -> list[tuple[bytes, int]]:
-        raw = example_batch.encode(cols if cols is not None else batches.build(group, self.labels)[0])
+        raw = example_batch.encode(cols if cols is not None else batches.build(group, self.labels, self.parsed)[0])
         if len(raw) <= self.max_record_bytes or len(group) == 1:
             return [(raw, len(group))]
         h = len(group) // 2

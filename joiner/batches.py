@@ -56,25 +56,31 @@ def payload(model_id: str, context: bytes, candidate: bytes) -> bytes:
 class ParsedFeatures:
     """Parsed ``Features`` by their serialized bytes (a bounded memo: contexts repeat across a
     request's candidates, candidate features across requests). A value is ``(sparse, dense,
-    names, has_nan)``: ``{slot: ids}`` of the non-empty slots, ``{name: value}``, both kinds'
-    names (to spot a candidate that overrides a context name) and whether a dense value is NaN."""
+    names, has_nan, model_id)``: ``{slot: ids}`` of the non-empty slots, ``{name: value}``,
+    both kinds' names (to spot a candidate that overrides a context name), whether a dense value
+    is NaN, and for a payload's head (model id + context) the model id."""
 
     def __init__(self, max_entries: int = 200_000) -> None:
         self.max_entries = max_entries
-        self.memo: dict[bytes, tuple[dict, dict, frozenset, bool]] = {}
+        self.memo: dict[bytes, tuple] = {}
+        self.heads: dict[bytes, tuple] = {}
 
-    def get(self, raw: bytes) -> tuple[dict, dict, frozenset, bool]:
-        v = self.memo.get(raw)
-        return v if v is not None else self.miss(raw)
-
-    def miss(self, raw: bytes) -> tuple[dict, dict, frozenset, bool]:
+    def features(self, raw: bytes) -> tuple:
         if len(self.memo) >= self.max_entries:
             self.memo.clear()
         v = self.memo[raw] = self.parse(raw)
         return v
 
+    def head(self, raw: bytes) -> tuple:
+        """``raw``: a payload's head (lengths, model id and context bytes)."""
+        if len(self.heads) >= self.max_entries:
+            self.heads.clear()
+        a = _LENS.size + _LENS.unpack_from(raw)[0]
+        v = self.heads[raw] = self.parse(raw[a:]) + (raw[_LENS.size:a].decode(),)
+        return v
+
     @staticmethod
-    def parse(*parts: bytes) -> tuple[dict, dict, frozenset, bool]:
+    def parse(*parts: bytes) -> tuple:
         """Parse by the protobuf library; several parts merge in order (later names win)."""
         f = Features()
         for raw in parts:
@@ -86,7 +92,7 @@ class ParsedFeatures:
         return sparse, dense, frozenset(chain(sp, dense)), total != total
 
 
-_NONE: tuple[dict, dict, frozenset, bool] = ({}, {}, frozenset(), False)
+_NONE: tuple = ({}, {}, frozenset(), False)
 
 
 def build(emitted: Sequence[Emitted], labels: Sequence[str],
@@ -97,37 +103,27 @@ def build(emitted: Sequence[Emitted], labels: Sequence[str],
     batch format's "absent"). ``parsed``: a memo kept across calls (a fresh one by default)."""
     n = len(emitted)
     parsed = parsed or ParsedFeatures()
-    memo, miss = parsed.memo, parsed.miss
-    eids: list[str] = []
-    rids: list[str] = []
-    items: list[int] = []
-    models: list[str] = []
-    ctxs: list[tuple] = []
-    cands: list[tuple] = []
-    model_of: dict[bytes, str] = {}
+    memo, heads, features, head = parsed.memo, parsed.heads, parsed.features, parsed.head
+    rows = []
     unpack = _LENS.unpack_from
-    hdr = _LENS.size
     for _, _, eid, pl, _, _, _, suffix in emitted:
-        rid, _, item = eid.rpartition(b"/")
-        s = eid.decode()
-        eids.append(s + suffix if suffix else s)
-        rids.append(rid.decode())
-        items.append(int(item))
         ml, cl = unpack(pl)
-        a = hdr + ml
-        b = a + cl
-        mb = pl[hdr:a]
-        model = model_of.get(mb)
-        if model is None:
-            model = model_of[mb] = mb.decode()
-        models.append(model)
-        ck, kk = pl[a:b], pl[b:]
-        ctx = memo.get(ck) or miss(ck)
-        cand = memo.get(kk) or miss(kk)
+        b = 6 + ml + cl  # (_LENS.size == 6)
+        hk, kk = pl[:b], pl[b:]
+        ctx = heads.get(hk) or head(hk)
+        cand = memo.get(kk) or features(kk)
         if ctx[2] & cand[2]:  # the candidate overrides a context slot or value: merge them
-            ctx, cand = ParsedFeatures.parse(ck, kk), _NONE
-        ctxs.append(ctx)
-        cands.append(cand)
+            cand = ParsedFeatures.parse(pl[6 + ml:b], kk)
+            ctx = _NONE + (ctx[4],)
+        rows.append((eid, suffix, ctx, cand))
+    plain = [r[0].decode() for r in rows]
+    eids = [s + r[1] if r[1] else s for s, r in zip(plain, rows)]
+    split = [s.rpartition("/") for s in plain]
+    rids = [t[0] for t in split]
+    items = np.fromiter((int(t[2]) for t in split), np.int64, n)
+    models = [r[2][4] for r in rows]
+    ctxs = [r[2] for r in rows]
+    cands = [r[3] for r in rows]
     distinct = {id(f): f for f in chain(ctxs, cands)}.values()
     slots = sorted({name for f in distinct for name in f[0]})
     dense_names = sorted({name for f in distinct for name in f[1]})
@@ -144,7 +140,7 @@ def build(emitted: Sequence[Emitted], labels: Sequence[str],
     col = lambda k, dt: np.fromiter((e[k] for e in emitted), dt, n)  # noqa: E731
     masks = col(4, np.int64)
     return ExampleColumns(
-        eids, rids, np.array(items, np.int64), col(0, np.int64), col(1, np.int64), col(5, np.float32), models,
+        eids, rids, items, col(0, np.int64), col(1, np.int64), col(5, np.float32), models,
         labels={name: ((masks >> i) & 1).astype(np.float32) for i, name in enumerate(labels)},
         sparse=sparse, dense=dense), nan_input
 

@@ -5,6 +5,7 @@ same for the dumper (every example in Parquet once), and SIGTERM/SIGINT stop bot
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -14,13 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
+from aiokafka import TopicPartition
 
 from joiner import dumper
 from joiner.reference import offline_join
 from joiner.synth import ml_events
 from joiner.types import JoinConfig
 from proto import Example
-from services import example_batch
+from services import example_batch, tansu_quirks
 from services.kafka import create_topics
 from services.settings import Settings
 from tests.joiner.helpers import as_map, produce, read_examples, ref_as_map
@@ -58,6 +60,19 @@ def _dumper(env: dict[str, str], log: Path, *args: str) -> subprocess.Popen:
     return _joiner(env, log, *args, module="joiner.dumper")
 
 
+async def _until_output(settings: Settings, proc: subprocess.Popen, timeout: float) -> None:
+    """Wait until the examples topic has a record (the joiner is then mid-stream)."""
+    t = settings.topics
+    tps = [TopicPartition(t.examples, p) for p in range(t.partitions)]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum((await tansu_quirks.log_end_offsets(settings, tps)).values()) > 0:
+            return
+        assert proc.poll() is None, f"the joiner exited with {proc.returncode} before producing"
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no example within {timeout} s")
+
+
 async def _crash_run(settings: Settings, n_requests: int, kills: int, seed: int) -> None:
     events = ml_events(n_requests, start=100_000, seed=seed)
     await create_topics(settings)
@@ -67,9 +82,13 @@ async def _crash_run(settings: Settings, n_requests: int, kills: int, seed: int)
     settings.var_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     produced_before_kill = []
-    for _ in range(kills):
+    for k in range(kills):
         proc = _joiner(env, log)
-        time.sleep(rng.uniform(0.9, 2.0))  # start-up takes ~0.8 s; then it is mid-stream
+        if k == 0:  # on progress: start-up time varies with the machine's load
+            await _until_output(settings, proc, timeout=60)
+            time.sleep(rng.uniform(0.0, 0.5))
+        else:
+            time.sleep(rng.uniform(0.9, 2.0))  # start-up takes ~1 s; then it is mid-stream
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         produced_before_kill.append(len(await read_examples(settings)))

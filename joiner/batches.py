@@ -56,40 +56,59 @@ def payload(model_id: str, context: bytes, candidate: bytes) -> bytes:
 class ParsedFeatures:
     """Parsed ``Features`` by their serialized bytes (a bounded memo: contexts repeat across a
     request's candidates, candidate features across requests). A value is ``(sparse, dense,
-    names, has_nan, model_id)``: ``{slot: ids}`` of the non-empty slots, ``{name: value}``,
-    both kinds' names (to spot a candidate that overrides a context name), whether a dense value
-    is NaN, and for a payload's head (model id + context) the model id."""
+    names, has_nan)``: ``{slot: ids}`` of the non-empty slots, ``{name: value}``, both kinds'
+    names (to spot a candidate that overrides a context name) and whether a dense value is NaN;
+    a payload's head (model id + context) has the model id as a fifth item. ``sparse_in[1]`` and
+    ``dense_in[1]`` hold the names seen in contexts, ``[2]`` in candidates, and ``nan_seen``
+    whether a NaN was: :func:`build` reads only where a name can be."""
 
     def __init__(self, max_entries: int = 200_000) -> None:
         self.max_entries = max_entries
         self.memo: dict[bytes, tuple] = {}
         self.heads: dict[bytes, tuple] = {}
+        self.trim(force=True)
+
+    def trim(self, force: bool = False) -> None:
+        """Forget everything once a memo is full (between builds only: a build needs the names
+        of what it parsed)."""
+        if force or len(self.memo) >= self.max_entries or len(self.heads) >= self.max_entries:
+            self.memo.clear()
+            self.heads.clear()
+            self.sparse_in: tuple[set[str], set[str], set[str]] = (set(), set(), set())
+            self.dense_in: tuple[set[str], set[str], set[str]] = (set(), set(), set())
+            self.nan_seen = False
 
     def features(self, raw: bytes) -> tuple:
-        if len(self.memo) >= self.max_entries:
-            self.memo.clear()
-        v = self.memo[raw] = self.parse(raw)
+        v = self.memo[raw] = self.parse(2, raw)
         return v
 
     def head(self, raw: bytes) -> tuple:
         """``raw``: a payload's head (lengths, model id and context bytes)."""
-        if len(self.heads) >= self.max_entries:
-            self.heads.clear()
         a = _LENS.size + _LENS.unpack_from(raw)[0]
-        v = self.heads[raw] = self.parse(raw[a:]) + (raw[_LENS.size:a].decode(),)
+        v = self.heads[raw] = self.parse(1, raw[a:]) + (raw[_LENS.size:a].decode(),)
         return v
 
-    @staticmethod
-    def parse(*parts: bytes) -> tuple:
+    def parse(self, where: int, *parts: bytes) -> tuple:
         """Parse by the protobuf library; several parts merge in order (later names win)."""
         f = Features()
         for raw in parts:
             f.MergeFromString(raw)
-        sp = f.sparse  # (keys then [name]: faster than items() on upb maps)
-        sparse = {name: tuple(ids) for name in sp if (ids := sp[name].ids)}
+        sp = f.sparse
+        keys = list(sp)  # (keys then [name]: faster than items() on upb maps)
+        sparse = {name: tuple(ids) for name in keys if (ids := sp[name].ids)}
         dense = dict(f.dense)
+        for names, seen in ((sparse, self.sparse_in), (dense, self.dense_in)):
+            if not seen[where].issuperset(names):
+                seen[where].update(names)
         total = sum(dense.values())  # NaN iff a value is NaN (or both infinities: invalid too)
-        return sparse, dense, frozenset(chain(sp, dense)), total != total
+        if total != total:
+            self.nan_seen = True
+        return sparse, dense, frozenset(keys).union(dense), total != total
+
+
+def _where(seen: tuple[set[str], set[str], set[str]]) -> list[tuple[str, int]]:
+    """``(name, 1 | 2 | 3)``: seen in contexts, candidates or both; by name."""
+    return [(name, (name in seen[1]) | (name in seen[2]) << 1) for name in sorted(seen[1] | seen[2])]
 
 
 _NONE: tuple = ({}, {}, frozenset(), False)
@@ -103,6 +122,7 @@ def build(emitted: Sequence[Emitted], labels: Sequence[str],
     batch format's "absent"). ``parsed``: a memo kept across calls (a fresh one by default)."""
     n = len(emitted)
     parsed = parsed or ParsedFeatures()
+    parsed.trim()
     memo, heads, features, head = parsed.memo, parsed.heads, parsed.features, parsed.head
     rows = []
     unpack = _LENS.unpack_from
@@ -113,7 +133,7 @@ def build(emitted: Sequence[Emitted], labels: Sequence[str],
         ctx = heads.get(hk) or head(hk)
         cand = memo.get(kk) or features(kk)
         if ctx[2] & cand[2]:  # the candidate overrides a context slot or value: merge them
-            cand = ParsedFeatures.parse(pl[6 + ml:b], kk)
+            cand = parsed.parse(2, pl[6 + ml:b], kk)
             ctx = _NONE + (ctx[4],)
         rows.append((eid, suffix, ctx, cand))
     plain = [r[0].decode() for r in rows]
@@ -124,19 +144,31 @@ def build(emitted: Sequence[Emitted], labels: Sequence[str],
     models = [r[2][4] for r in rows]
     ctxs = [r[2] for r in rows]
     cands = [r[3] for r in rows]
-    distinct = {id(f): f for f in chain(ctxs, cands)}.values()
-    slots = sorted({name for f in distinct for name in f[0]})
-    dense_names = sorted({name for f in distinct for name in f[1]})
-    nan_input = np.fromiter((c[3] or k[3] for c, k in zip(ctxs, cands)), bool, n)
+    nan_input = (np.fromiter((c[3] or k[3] for c, k in zip(ctxs, cands)), bool, n) if parsed.nan_seen
+                 else np.zeros(n, bool))
     sparse = {}
-    for name in slots:
-        bags = [c[0].get(name) or k[0].get(name, ()) for c, k in zip(ctxs, cands)]
+    for name, where in _where(parsed.sparse_in):  # (a name no row has gives no column)
+        if where == 1:
+            bags = [c[0].get(name, ()) for c in ctxs]
+        elif where == 2:
+            bags = [k[0].get(name, ()) for k in cands]
+        else:
+            bags = [k[0].get(name) or c[0].get(name, ()) for c, k in zip(ctxs, cands)]
         offs = np.zeros(n + 1, np.int64)
         np.cumsum(np.fromiter(map(len, bags), np.int64, n), out=offs[1:])
-        sparse[name] = np.fromiter(chain.from_iterable(bags), np.int64, int(offs[-1])), offs
+        if offs[-1]:
+            sparse[name] = np.fromiter(chain.from_iterable(bags), np.int64, int(offs[-1])), offs
     nan = math.nan
-    dense = {name: np.array([c[1].get(name, k[1].get(name, nan)) for c, k in zip(ctxs, cands)], np.float32)
-             for name in dense_names}
+    dense = {}
+    for name, where in _where(parsed.dense_in):
+        if where == 1:
+            v = np.array([c[1].get(name, nan) for c in ctxs], np.float32)
+        elif where == 2:
+            v = np.array([k[1].get(name, nan) for k in cands], np.float32)
+        else:
+            v = np.array([k[1].get(name, c[1].get(name, nan)) for c, k in zip(ctxs, cands)], np.float32)
+        if not np.isnan(v).all():  # (all absent; or NaN inputs, whose rows are invalid anyway)
+            dense[name] = v
     col = lambda k, dt: np.fromiter((e[k] for e in emitted), dt, n)  # noqa: E731
     masks = col(4, np.int64)
     return ExampleColumns(

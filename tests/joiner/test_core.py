@@ -241,3 +241,39 @@ def test_idle_advance_closes_windows_the_features_stream_left_behind():
     core.on_action(0, Action(request_id="b", item_id=1, action_type="click", event_time_ms=51_000))
     assert [e.example_id for e in take_examples(core)] == ["b/1"]
     assert core.counts["late_late"] == 1 and core.counts["idle_advances"] == 2
+
+
+def test_a_bad_example_is_left_out_of_its_batch_and_counted():
+    """What example_batch would reject never reaches a record; the rest of the batch does."""
+    import math
+
+    from joiner import batches
+    from joiner.kafka_io import BatchedSender
+    from proto import Features
+    from services import example_batch
+
+    ok = batches.payload("m", b"", Features(dense={"pop": 0.5}).SerializeToString())
+    nan = batches.payload("m", b"", Features(dense={"pop": math.nan}).SerializeToString())
+    emitted = [(1, 1000, b"r/1", ok, 1, 1.0, 0, ""), (1, 0, b"r/2", ok, 0, 0.3, 0, ""),
+               (1, 1000, b"r/3", ok, 0, 1.5, 0, ""), (1, 1000, b"r/4", nan, 0, 0.3, 0, ""),
+               (1, 1000, b"r/5", ok, 0, 0.3, 0, "")]
+    sender = BatchedSender(None, "examples", [0, 1, 2], ["click"])
+    records, bad = sender.encode(emitted)
+    assert bad == {"event_time": 1, "sample_rate": 1, "non_finite": 1}
+    [(p, raw, n)] = records
+    assert p == sender.partition(b"1") and n == 2
+    assert list(example_batch.decode(raw).example_ids) == ["r/1", "r/5"]
+
+
+def test_a_batch_record_over_the_size_limit_is_split_in_order():
+    from joiner import batches
+    from joiner.kafka_io import BatchedSender
+    from proto import Features, SparseSlot
+    from services import example_batch
+
+    pl = batches.payload("m", b"", Features(sparse={"i": SparseSlot(ids=list(range(100)))}).SerializeToString())
+    emitted = [(7, 1000, f"r/{i}".encode(), pl, 0, 1.0, 0, "") for i in range(40)]
+    records, bad = BatchedSender(None, "examples", [0, 1], [], max_record_bytes=10_000).encode(emitted)
+    assert not bad and len(records) > 2 and {p for p, _, _ in records} == {BatchedSender(None, "", [0, 1]).partition(b"7")}
+    ids = [i for _, raw, _ in records for i in example_batch.decode(raw).example_ids]
+    assert ids == [f"r/{i}" for i in range(40)]

@@ -95,8 +95,9 @@ class ParsedFeatures:
             f.MergeFromString(raw)
         sp = f.sparse
         keys = list(sp)  # (keys then [name]: faster than items() on upb maps)
-        sparse = {name: tuple(ids) for name in keys if (ids := sp[name].ids)}
-        dense = dict(f.dense)
+        sparse = {name: ids[:] for name in keys if (ids := sp[name].ids)}  # (lists of int)
+        dn = f.dense
+        dense = {name: dn[name] for name in dn}
         for names, seen in ((sparse, self.sparse_in), (dense, self.dense_in)):
             if not seen[where].issuperset(names):
                 seen[where].update(names)

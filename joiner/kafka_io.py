@@ -164,6 +164,12 @@ class BatchedSender:
         number of records and the bad examples left out (by reason)."""
         records, bad = self.encode(emitted)
         prod = self.prod
-        futures = [await prod.send(self.topic, raw, partition=p) for p, raw, _ in records]  # type: ignore[attr-defined]
+        futures = []
+        for p, raw, _ in records:  # each in an aiokafka batch of its own: sent at once, no linger
+            b = prod.create_batch()  # type: ignore[attr-defined]
+            if b.append(key=None, value=raw, timestamp=None) is None:
+                raise ValueError(f"a batch record of {len(raw)} bytes exceeds the producer's max_batch_size")
+            b.close()
+            futures.append(await prod.send_batch(b, self.topic, partition=p))  # type: ignore[attr-defined]
         await asyncio.gather(*futures)
         return len(records), bad

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from aiokafka import TopicPartition
 from aiokafka.partitioner import murmur2
@@ -128,6 +128,12 @@ class BatchedSender:
 
     def encode(self, emitted: Sequence[Emitted]) -> tuple[list[tuple[int, bytes, int]], Counter[str]]:
         """``([(partition, record value, n examples)], bad example counts by reason)``."""
+        bad: Counter[str] = Counter()
+        return list(self.records(emitted, bad)), bad
+
+    def records(self, emitted: Sequence[Emitted], bad: Counter[str]) -> Iterator[tuple[int, bytes, int]]:
+        """``(partition, record value, n examples)`` partition by partition (so the first can be
+        sent while the next is encoded); the bad examples left out are added to ``bad``."""
         groups: dict[int, list[Emitted]] = {}
         part = self._user_partition
         for e in emitted:
@@ -136,8 +142,6 @@ class BatchedSender:
             if g is None:
                 g = groups[p] = []
             g.append(e)
-        records: list[tuple[int, bytes, int]] = []
-        bad: Counter[str] = Counter()
         for p, group in sorted(groups.items()):
             cols, nan_input = batches.build(group, self.labels, self.parsed)
             ok, reasons = batches.valid_rows(cols, nan_input)
@@ -149,8 +153,8 @@ class BatchedSender:
                 if not group:
                     continue
                 cols = None
-            records += [(p, raw, n) for raw, n in self._encode(group, cols)]
-        return records, bad
+            for raw, n in self._encode(group, cols):
+                yield p, raw, n
 
     def _encode(self, group: Sequence[Emitted], cols: object) -> list[tuple[bytes, int]]:
         raw = example_batch.encode(cols if cols is not None else batches.build(group, self.labels, self.parsed)[0])
@@ -162,14 +166,14 @@ class BatchedSender:
     async def send_all(self, emitted: Sequence[Emitted]) -> tuple[int, Counter[str]]:
         """Encode and send ``emitted``, wait until every record is acknowledged; return the
         number of records and the bad examples left out (by reason)."""
-        records, bad = self.encode(emitted)
+        bad: Counter[str] = Counter()
         prod = self.prod
         futures = []
-        for p, raw, _ in records:  # each in an aiokafka batch of its own: sent at once, no linger
+        for p, raw, _ in self.records(emitted, bad):  # each in an aiokafka batch of its own: no linger
             b = prod.create_batch()  # type: ignore[attr-defined]
             if b.append(key=None, value=raw, timestamp=None) is None:
                 raise ValueError(f"a batch record of {len(raw)} bytes exceeds the producer's max_batch_size")
             b.close()
             futures.append(await prod.send_batch(b, self.topic, partition=p))  # type: ignore[attr-defined]
         await asyncio.gather(*futures)
-        return len(records), bad
+        return len(futures), bad

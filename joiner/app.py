@@ -7,12 +7,15 @@ Each batch (up to ``joiner.batch_size`` records from both input topics, or what 
 2. join in :class:`joiner.core.JoinCore` (pure, event-time rules), then close the windows the
    action watermark has passed and forget orphans/tombstones the watermarks have passed;
 3. ask the broker whether its data was reset (:class:`services.tansu_quirks.EpochWatch`);
-4. produce the batch's examples to ``examples`` (keyed by user id) and wait for every ack;
+4. produce the batch's examples to ``examples``, one columnar batch record
+   (:mod:`services.example_batch`) per output partition, the partition being the default
+   partitioner's of the user id (:class:`joiner.kafka_io.BatchedSender`), and wait for every ack;
 5. write all state changes *and the next input offsets* in one atomic RocksDB batch.
 
 A crash anywhere before 5 replays the batch from the previous offsets against the previous state
 and, because every decision is deterministic, re-emits the same examples: the topic is
-at-least-once and the duplicates are exact copies with the same ``example_id``, removed by
+at-least-once and the duplicates are exact copies (per example: batch boundaries may differ)
+with the same ``example_id``, removed by
 :func:`joiner.dedup.dedup` / the dumper. See ``joiner/README.md``.
 
 A record that decodes but makes the join raise is dead-lettered (kind ``failed``) and skipped:
@@ -54,7 +57,9 @@ from services.settings import Settings, get_settings
 log = logging.getLogger(__name__)
 
 
-STATE_FORMAT = b"2"  # 2: time-index entries per FeatureLog group (joiner.core), value = item ids
+# 2: time-index entries per FeatureLog group (joiner.core), value = item ids.
+# 3: an impression record's payload is joiner.batches.payload (no longer Example bytes).
+STATE_FORMAT = b"3"
 
 
 def _check_state_format(store: object, url: str) -> None:
@@ -116,13 +121,16 @@ class _Batches:
             return False
         out = core.take()
         if out:
-            await self.sender.send_all(out)
+            n_records, bad = await self.sender.send_all(out)
             now_ms = time.time() * 1000
-            for _, _, ref in out:
-                if ref:
-                    jm.JOIN_LATENCY.observe(max(0.0, (now_ms - ref) / 1000))
-            jm.EXAMPLES.inc(len(out))
-            metrics.MESSAGES_PRODUCED.labels(SERVICE, self.settings.topics.examples).inc(len(out))
+            for e in out:
+                if e[6]:
+                    jm.JOIN_LATENCY.observe(max(0.0, (now_ms - e[6]) / 1000))
+            if bad:
+                core.counts["bad_examples"] += sum(bad.values())
+                core.counts.update({f"bad_examples_{reason}": n for reason, n in bad.items()})
+            jm.EXAMPLES.inc(len(out) - sum(bad.values()))
+            metrics.MESSAGES_PRODUCED.labels(SERVICE, self.settings.topics.examples).inc(n_records)
         if positions:
             c = self.consumer.consumer
             highwaters = {tp: hw for tp in book.tps if (hw := c.highwater(tp)) is not None}
@@ -268,7 +276,7 @@ async def run(
             core.load(p)
         t = settings.topics
         batches = _Batches(settings, core, state, consumer,
-                           BatchedSender(prod, t.examples, sorted(await prod.partitions_for(t.examples))),
+                           BatchedSender(prod, t.examples, sorted(await prod.partitions_for(t.examples)), cfg.labels),
                            watch, book, parts)
         log.info("joiner started: partitions %s, store %s, window %.0f s, broker epoch %s",
                  parts, url, cfg.window_ms / 1000, epoch)

@@ -1,4 +1,7 @@
-"""The join itself, with no Kafka in it: events in, Example bytes out, state in a TieredState.
+"""The join itself, with no Kafka in it: events in, emitted examples out, state in a TieredState.
+
+Emitted examples are :data:`joiner.batches.Emitted` tuples (:meth:`JoinCore.take`); the app turns
+each flush's into one columnar batch record per output partition (:func:`joiner.batches.build`).
 
 Every decision is a pure function of (a) the impression's event time, (b) the action's event
 time, and (c) the *prefix watermarks*: for a feature log, the features watermark of the feature
@@ -33,13 +36,13 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from joiner import sampling, wire
+from joiner import batches, sampling
 from joiner.tiered import TieredState
 from joiner.types import JoinConfig
 from joiner.watermark import NO_WATERMARK, Watermark
 from proto import Action, FeatureLog
 
-# Impression record: header + base Example bytes (see joiner.wire).
+# Impression record: header + payload (joiner.batches.payload: model id, context and candidate Features).
 #   t_i, user_id, wf_before, sample_rate, state, label mask, corrected mask
 HEADER = struct.Struct("<qqqfBHH")
 WAITING, POSITIVE, CLOSED = 0, 1, 2
@@ -82,7 +85,6 @@ class JoinCore:
         self.cfg = config
         self.labels = config.labels
         self.label_index = {t: self.labels.index(lbl) for t, lbl in config.label_map.items()}
-        self.tails = wire.TailCache(self.labels)
         self.W, self.L = config.window_ms, config.lateness_ms
         self.G, self.R = config.orphan_grace_ms, config.retention_ms
         self.correction = config.late_policy == "correction"
@@ -95,7 +97,7 @@ class JoinCore:
         self.wma: dict[int, Watermark] = {}
         self.waiting: dict[int, int] = {}
         self.pending: dict[int, int] = {}
-        self.out: list[tuple[bytes, bytes, int]] = []  # (key, value, latency reference ts ms or 0)
+        self.out: list[batches.Emitted] = []
         # (kind, partition) -> event time below which the index has no keys: the last scan's end
         # (lowered when a key is put below it). In memory only: 0 after a restart. It keeps the
         # scans off the range of deleted keys, which RocksDB would otherwise step over each time.
@@ -134,13 +136,12 @@ class JoinCore:
             return LATE
         return JOIN
 
-    def _emit(self, user_id: int, base: bytes, mask: int, rate: float, ref_ts: int, extra: bytes = b"") -> None:
-        self.out.append((str(user_id).encode(), base + self.tails.tail(mask, rate) + extra, ref_ts))
+    def _emit(self, user_id: int, t_i: int, eid: bytes, base: bytes, mask: int, rate: float, ref_ts: int,
+              suffix: str = "") -> None:
+        self.out.append((user_id, t_i, eid, base, mask, rate, ref_ts, suffix))
 
-    def _correction(self, eid: bytes, user_id: int, base: bytes, li: int, ref_ts: int) -> None:
-        label = self.labels[li]
-        cid = f"{eid.decode()}#late-{label}"
-        self._emit(user_id, base, 1 << li, 1.0, ref_ts, wire.example_id_field(cid))
+    def _correction(self, eid: bytes, user_id: int, t_i: int, base: bytes, li: int, ref_ts: int) -> None:
+        self._emit(user_id, t_i, eid, base, 1 << li, 1.0, ref_ts, f"#late-{self.labels[li]}")
         self.counts["corrections"] += 1
 
     # -- events ---------------------------------------------------------------------------------
@@ -179,15 +180,15 @@ class JoinCore:
                 counts["duplicate_impressions"] += 1
                 continue
             if head is None:
-                head = wire.request_head(rid_b, user_id, t_i, model_id, fl.context.SerializeToString())
-            base = wire.candidate_example(head, eid, item, c.features.SerializeToString())
+                head = batches.payload(model_id, fl.context.SerializeToString(), b"")
+            base = head + c.features.SerializeToString()  # (the candidate's Features come last)
             mask = corrected = 0
             st = WAITING
             pend = get(b"A" + eid) if pending else None
             if pend is not None:
                 mask, corrected = self._join_pending(p, eid, t_i, wf_before, user_id, base, pend, ts_ms)
                 if mask and self.immediate:
-                    self._emit(user_id, base, mask, 1.0, ts_ms)
+                    self._emit(user_id, t_i, eid, base, mask, 1.0, ts_ms)
                     counts["positives"] += 1
                     st = POSITIVE
             record = HEADER.pack(t_i, user_id, wf_before, rate, st, mask, corrected) + base
@@ -222,7 +223,7 @@ class JoinCore:
                 self._count_rejected(verdict)
                 if verdict == LATE and self.correction and not (corrected >> li & 1):
                     corrected |= 1 << li
-                    self._correction(eid, user_id, base, li, ts_ms)
+                    self._correction(eid, user_id, t_i, base, li, ts_ms)
         return mask, corrected
 
     def on_action(self, p: int, a: Action, ts_ms: int = 0) -> None:
@@ -251,7 +252,7 @@ class JoinCore:
             if verdict == LATE and self.correction and not ((corrected | mask) >> li & 1) \
                     and len(record) > HEADER.size:
                 corrected |= 1 << li
-                self._correction(eid, user_id, record[HEADER.size:], li, ts_ms)
+                self._correction(eid, user_id, t_i, record[HEADER.size:], li, ts_ms)
                 state.put(ikey, HEADER.pack(t_i, user_id, wf_before_i, rate, st, mask, corrected)
                           + record[HEADER.size:])
             return
@@ -263,7 +264,7 @@ class JoinCore:
         if self.immediate:
             if st == WAITING:
                 st = POSITIVE
-                self._emit(user_id, record[HEADER.size:], mask, 1.0, ts_ms)
+                self._emit(user_id, t_i, eid, record[HEADER.size:], mask, 1.0, ts_ms)
                 self.counts["positives"] += 1
             else:
                 self.counts["extra_labels"] += 1  # a second action type after the positive went out
@@ -312,10 +313,10 @@ class JoinCore:
             eid = rid_b + b"/" + str(item).encode()
             if st == WAITING:
                 if mask:
-                    emit(user_id, record[HEADER.size:], mask, 1.0, 0)
+                    emit(user_id, t_i, eid, record[HEADER.size:], mask, 1.0, 0)
                     counts["positives"] += 1
                 elif rate >= 1.0 or sampling.keep(eid, rate, seed):
-                    emit(user_id, record[HEADER.size:], 0, rate, 0)
+                    emit(user_id, t_i, eid, record[HEADER.size:], 0, rate, 0)
                     counts["negatives"] += 1
                 else:
                     counts["negatives_sampled_out"] += 1
@@ -411,6 +412,7 @@ class JoinCore:
         for p in parts:
             self.load(p)
 
-    def take(self) -> list[tuple[bytes, bytes, int]]:
+    def take(self) -> list[batches.Emitted]:
+        """The examples emitted since the last take, in emission order."""
         out, self.out = self.out, []
         return out

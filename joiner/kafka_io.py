@@ -1,22 +1,32 @@
 """The joiner's two ends on Kafka: one consumer for both input topics (decoded, malformed
-records dead-lettered) and the batched producer of examples."""
+records dead-lettered) and the producer of columnar example batches (:class:`BatchedSender`)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+from collections import Counter
+from collections.abc import Iterator, Sequence
 
 from aiokafka import TopicPartition
 from aiokafka.partitioner import murmur2
 from google.protobuf.message import DecodeError
 
+from joiner import batches
+from joiner.batches import Emitted
 from proto import Action, FeatureLog
-from services import metrics
+from services import example_batch, metrics
 from services.codecs import MalformedMessage, codec_for, validate_feature_log
 from services.kafka import TypedConsumer
 from services.settings import Settings
 
 SERVICE = "joiner"
+# A batch record's largest size before it is split: under aiokafka's max_request_size and the
+# broker's message.max.bytes (both about 1 MiB by default).
+MAX_RECORD_BYTES = 900_000
+
+log = logging.getLogger(__name__)
 
 
 def _features_ok(f: object) -> bool:
@@ -83,40 +93,87 @@ class InputConsumer(TypedConsumer):
 
 
 class BatchedSender:
-    """Produce a batch's examples as one aiokafka record batch per partition (``send_batch``)
-    instead of one ``send`` per example: the partition is the default partitioner's (murmur2 of
-    the key, memoised per key), so one user's examples keep their order exactly as with ``send``."""
+    """Produce a flush's emitted examples as columnar batch records: one record (an
+    :func:`services.example_batch.encode` Arrow IPC batch) per output partition per flush, more
+    only when one would exceed ``max_record_bytes`` (split in order).
 
-    def __init__(self, prod: object, topic: str, partitions: list[int]) -> None:
+    An example goes to the partition aiokafka's default partitioner gives its user id key
+    (murmur2 of ``str(user_id)``, memoised per key), as when each example was its own record keyed
+    by user id; the record is sent to that partition explicitly and has no key (it holds many
+    users). Within a record the examples keep their emission order, and a flush's records are all
+    acknowledged before the next flush is sent, so one user's examples keep their order.
+
+    Before encoding, the rows are checked once, vectorized (:func:`joiner.batches.valid_rows`):
+    a bad example is left out and counted (``bad_examples_<reason>``), the rest of its batch goes.
+    """
+
+    def __init__(self, prod: object, topic: str, partitions: list[int], labels: Sequence[str] = (),
+                 max_record_bytes: int = MAX_RECORD_BYTES) -> None:
         self.prod, self.topic, self.partitions = prod, topic, sorted(partitions)
-        self._part: dict[bytes, int] = {}
+        self.labels, self.max_record_bytes = list(labels), max_record_bytes
+        self._part: dict[int, int] = {}
+        self.parsed = batches.ParsedFeatures()
 
     def partition(self, key: bytes) -> int:
-        p = self._part.get(key)
+        """The default partitioner's partition of ``key``."""
+        return self.partitions[(murmur2(key) & 0x7FFFFFFF) % len(self.partitions)]
+
+    def _user_partition(self, user_id: int) -> int:
+        p = self._part.get(user_id)
         if p is None:
             if len(self._part) > 1_000_000:
                 self._part.clear()
-            p = self._part[key] = self.partitions[(murmur2(key) & 0x7FFFFFFF) % len(self.partitions)]
+            p = self._part[user_id] = self.partition(str(user_id).encode())
         return p
 
-    async def send_all(self, records: list[tuple[bytes, bytes, int]]) -> None:
-        """Send every ``(key, value, _)`` and wait until all are acknowledged."""
+    def encode(self, emitted: Sequence[Emitted]) -> tuple[list[tuple[int, bytes, int]], Counter[str]]:
+        """``([(partition, record value, n examples)], bad example counts by reason)``."""
+        bad: Counter[str] = Counter()
+        return list(self.records(emitted, bad)), bad
+
+    def records(self, emitted: Sequence[Emitted], bad: Counter[str]) -> Iterator[tuple[int, bytes, int]]:
+        """``(partition, record value, n examples)`` partition by partition (so the first can be
+        sent while the next is encoded); the bad examples left out are added to ``bad``."""
+        groups: dict[int, list[Emitted]] = {}
+        part = self._user_partition
+        for e in emitted:
+            p = part(e[0])
+            g = groups.get(p)
+            if g is None:
+                g = groups[p] = []
+            g.append(e)
+        for p, group in sorted(groups.items()):
+            cols, nan_input = batches.build(group, self.labels, self.parsed)
+            ok, reasons = batches.valid_rows(cols, nan_input)
+            if reasons:
+                bad.update(reasons)
+                log.warning("left out %d invalid examples of a batch for partition %d: %s",
+                            sum(reasons.values()), p, dict(reasons))
+                group = [e for e, keep in zip(group, ok.tolist()) if keep]
+                if not group:
+                    continue
+                cols = None
+            for raw, n in self._encode(group, cols):
+                yield p, raw, n
+
+    def _encode(self, group: Sequence[Emitted], cols: object) -> list[tuple[bytes, int]]:
+        raw = example_batch.encode(cols if cols is not None else batches.build(group, self.labels, self.parsed)[0])
+        if len(raw) <= self.max_record_bytes or len(group) == 1:
+            return [(raw, len(group))]
+        h = len(group) // 2
+        return self._encode(group[:h], None) + self._encode(group[h:], None)
+
+    async def send_all(self, emitted: Sequence[Emitted]) -> tuple[int, Counter[str]]:
+        """Encode and send ``emitted``, wait until every record is acknowledged; return the
+        number of records and the bad examples left out (by reason)."""
+        bad: Counter[str] = Counter()
         prod = self.prod
-        batches: dict[int, object] = {}
         futures = []
-        partition = self.partition
-        for key, value, _ in records:
-            p = partition(key)
-            b = batches.get(p)
-            if b is None:
-                b = batches[p] = prod.create_batch()  # type: ignore[attr-defined]
-            if b.append(key=key, value=value, timestamp=None) is None:  # type: ignore[attr-defined]
-                b.close()  # type: ignore[attr-defined]
-                futures.append(await prod.send_batch(b, self.topic, partition=p))  # type: ignore[attr-defined]
-                b = batches[p] = prod.create_batch()  # type: ignore[attr-defined]
-                if b.append(key=key, value=value, timestamp=None) is None:  # type: ignore[attr-defined]
-                    raise ValueError(f"an example of {len(value)} bytes exceeds the producer's max_batch_size")
-        for p, b in batches.items():
-            b.close()  # type: ignore[attr-defined]
+        for p, raw, _ in self.records(emitted, bad):  # each in an aiokafka batch of its own: no linger
+            b = prod.create_batch()  # type: ignore[attr-defined]
+            if b.append(key=None, value=raw, timestamp=None) is None:
+                raise ValueError(f"a batch record of {len(raw)} bytes exceeds the producer's max_batch_size")
+            b.close()
             futures.append(await prod.send_batch(b, self.topic, partition=p))  # type: ignore[attr-defined]
         await asyncio.gather(*futures)
+        return len(futures), bad

@@ -41,7 +41,11 @@ IDLE_ADVANCES = Counter(
     "driftline_joiner_idle_advances_total",
     "Action watermarks raised because an actions partition was idle (idle_advance_seconds).",
 )
-EXAMPLES = Counter("driftline_joiner_examples_produced_total", "Example messages produced (incl. re-emissions after a crash).")
+EXAMPLES = Counter("driftline_joiner_examples_produced_total",
+                   "Examples produced, in batch records (incl. re-emissions after a crash).")
+BAD_EXAMPLES = Counter("driftline_joiner_bad_examples_total",
+                       "Examples left out of their batch record as invalid (services.example_batch rules), by reason.",
+                       ["reason"])
 
 _COUNTERS = {
     "impressions": IMPRESSIONS,
@@ -67,6 +71,9 @@ def publish(counts: dict[str, int]) -> None:
     for outcome, name in (("emitted", "negatives"), ("sampled_out", "negatives_sampled_out")):
         if counts.get(name):
             NEGATIVES.labels(outcome).inc(counts[name])
+    for name, n in counts.items():
+        if n and name.startswith("bad_examples_"):
+            BAD_EXAMPLES.labels(name[len("bad_examples_"):]).inc(n)
     for reason in ("late", "expired", "out_of_window"):
         if counts.get(f"late_{reason}"):
             LATE.labels(reason).inc(counts[f"late_{reason}"])

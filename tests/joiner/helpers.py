@@ -6,8 +6,9 @@ import asyncio
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from joiner import batches
 from proto import Example
-from services import tansu_quirks
+from services import example_batch, tansu_quirks
 from services.kafka import producer, start_client
 from services.settings import Settings
 
@@ -49,8 +50,26 @@ async def read_topic(settings: Settings, topic: str) -> list[bytes]:
         await c.stop()
 
 
+def batch_examples(values: list[bytes]) -> list[Example]:
+    """The examples of batch records (``services.example_batch``), in record order."""
+    return [e for v in values for e in example_batch.to_examples(example_batch.decode(v))]
+
+
 async def read_examples(settings: Settings) -> list[Example]:
-    return [Example.FromString(v) for v in await read_topic(settings, settings.topics.examples)]
+    """Every example on the examples topic (its records are columnar batches)."""
+    return batch_examples(await read_topic(settings, settings.topics.examples))
+
+
+def emitted_examples(emitted: list, labels: list[str]) -> list[Example]:
+    """``JoinCore.take()``'s emitted examples as Example protos, through the joiner's own path:
+    :func:`joiner.batches.build`, then ``example_batch.encode`` and ``decode``."""
+    if not emitted:
+        return []
+    return batch_examples([example_batch.encode(batches.build(emitted, labels)[0])])
+
+
+def take_examples(core) -> list[Example]:
+    return emitted_examples(core.take(), core.labels)
 
 
 def as_map(examples: list[Example]) -> dict[str, tuple[dict[str, float], float, int]]:

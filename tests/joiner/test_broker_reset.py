@@ -19,6 +19,7 @@ from joiner.reference import offline_join
 from joiner.synth import ml_events
 from joiner.types import JoinConfig
 from proto import Example
+from services import example_batch
 from services.kafka import create_topics
 from services.settings import Settings
 from tests.conftest import Broker
@@ -171,7 +172,7 @@ async def test_joiner_after_a_reset_refuses_expired_impressions_and_remembers_th
 def _ex(prefix: str, i: int) -> tuple[str, bytes, bytes]:
     e = Example(example_id=f"{prefix}/{i}", request_id=prefix, item_id=i, user_id=i % 7,
                 event_time_ms=1_700_000_000_000 + i * 1_000, sample_rate=1.0, labels={"click": float(i % 2)})
-    return "examples", str(i % 7).encode(), e.SerializeToString()
+    return "examples", str(i % 7).encode(), example_batch.encode(example_batch.from_examples([e]))  # a batch of one
 
 
 async def test_dumper_keeps_every_parquet_row_across_broker_resets(settings: Settings, broker: Broker) -> None:

@@ -17,7 +17,8 @@ from joiner.stores.memory import MemoryStore
 from joiner.synth import ml_events
 from joiner.tiered import TieredState
 from joiner.types import JoinConfig
-from proto import Action, Candidate, Example, FeatureLog
+from proto import Action, Candidate, FeatureLog
+from tests.joiner.helpers import emitted_examples, take_examples
 
 CFG = JoinConfig(window_ms=120_000, lateness_ms=5_000, orphan_grace_ms=300_000, retention_ms=120_000,
                  negative_sample_rate=0.3, seed=11)
@@ -48,7 +49,7 @@ def simulate(events, cfg=CFG, *, seed=0, cache_size=1_000_000, crash_p=0.0, max_
 
     state, core = boot()
     pos = dict(committed)
-    out: list[bytes] = []
+    out: list = []
     crashes = 0
     while any(pos[q] < len(queues[q]) for q in queues):
         budget = rng.randint(1, max_batch)
@@ -66,7 +67,7 @@ def simulate(events, cfg=CFG, *, seed=0, cache_size=1_000_000, crash_p=0.0, max_
             touched.add(q[1])
         for p in sorted(touched):
             core.advance(p)
-        out += [v for _, v, _ in core.take()]  # "produced" before the commit
+        out += core.take()  # "produced" before the commit
         if rng.random() < crash_p:
             crashes += 1
             state, core = boot()  # lose dirty state and cache; rewind to committed offsets
@@ -77,9 +78,9 @@ def simulate(events, cfg=CFG, *, seed=0, cache_size=1_000_000, crash_p=0.0, max_
         committed = dict(pos)
     for p in parts:
         core.advance(p, drain=True)
-    out += [v for _, v, _ in core.take()]
+    out += core.take()
     state.commit()
-    return [Example.FromString(v) for v in out], crashes, state
+    return emitted_examples(out, cfg.labels), crashes, state
 
 
 def as_map(examples):
@@ -171,13 +172,13 @@ def test_duplicate_and_early_actions():
                                    candidates=[Candidate(item_id=1), Candidate(item_id=2)]))
     core.on_action(0, click)  # duplicate after the join
     core.on_action(0, Action(request_id="r", item_id=1, action_type="view", event_time_ms=10_000))
-    out = [Example.FromString(v) for _, v, _ in core.take()]
+    out = take_examples(core)
     assert [(e.example_id, dict(e.labels), e.sample_rate) for e in out] == [("r/1", {"click": 1.0, "like": 0.0}, 1.0)]
     assert core.counts["duplicate_actions"] == 2 and core.counts["unmapped_actions"] == 1
     # Closing the window: r/2 becomes a negative (or is sampled out), never r/1 again.
     core.on_action(0, Action(request_id="x", item_id=0, action_type="click", event_time_ms=131_000))
     core.advance(0)
-    out = [Example.FromString(v) for _, v, _ in core.take()]
+    out = take_examples(core)
     expect = ["r/2"] if sampling.keep("r/2", CFG.negative_sample_rate, CFG.seed) else []
     assert [e.example_id for e in out] == expect
     assert all(e.sample_rate == pytest.approx(0.3) for e in out)
@@ -195,24 +196,27 @@ def test_late_policy_correction_emits_a_correction():
     core.on_action(0, Action(request_id="z", item_id=1, action_type="click", event_time_ms=5000))
     core.advance(0)
     core.on_action(0, Action(request_id="r", item_id=1, action_type="click", event_time_ms=1500))
-    ids = [Example.FromString(v).example_id for _, v, _ in core.take()]
+    ids = [e.example_id for e in take_examples(core)]
     assert ids == ["r/1", "r/1#late-click"]
 
 
-def test_base_plus_tail_bytes_parse_to_merged_example():
-    from joiner import wire
+def test_emitted_columns_hold_the_merged_example():
     from proto import Features, SparseSlot
 
     ctx = Features(sparse={"u": SparseSlot(ids=[1])}, dense={"a": 1.0, "b": 2.0})
     cand = Features(sparse={"i": SparseSlot(ids=[7])}, dense={"b": 3.0})
-    raw = wire.base_example("r/7", "r", 7, 1, 1000, "m", wire.features_field(ctx.SerializeToString()),
-                            cand.SerializeToString()) + wire.TailCache(["click", "like"]).tail(1, 0.5)
-    e = Example.FromString(raw)
+    core = JoinCore(TieredState(MemoryStore(), 100), MAX_WM)
+    core.load(0)
+    core.on_features(0, FeatureLog(request_id="r", event_time_ms=1000, user_id=1, context=ctx,
+                                   model_version={"model_id": "m"},
+                                   candidates=[Candidate(item_id=7, features=cand)]))
+    core.on_action(0, Action(request_id="r", item_id=7, action_type="click", event_time_ms=1500))
+    [e] = take_examples(core)
     merged = Features()
     merged.CopyFrom(ctx)
     merged.MergeFrom(cand)
     assert e.features == merged and dict(e.features.dense) == {"a": 1.0, "b": 3.0}
-    assert dict(e.labels) == {"click": 1.0, "like": 0.0} and e.sample_rate == 0.5
+    assert dict(e.labels) == {"click": 1.0, "like": 0.0} and e.sample_rate == 1.0
     assert (e.example_id, e.request_id, e.item_id, e.user_id, e.event_time_ms, e.model_id) == ("r/7", "r", 7, 1, 1000, "m")
 
 
@@ -230,10 +234,46 @@ def test_idle_advance_closes_windows_the_features_stream_left_behind():
     assert core.idle_advance(0, margin_ms=45_000)  # wa -> 55_000
     assert core.wa[0] == 55_000
     core.advance(0)
-    assert [Example.FromString(v).example_id for _, v, _ in core.take()] == ["a/1"]  # b closes at 61_000
+    assert [e.example_id for e in take_examples(core)] == ["a/1"]  # b closes at 61_000
     assert not core.idle_advance(0, margin_ms=45_000)  # idempotent
     # An action that comes later is judged against the raised watermark: late for a, joins b.
     core.on_action(0, Action(request_id="a", item_id=1, action_type="click", event_time_ms=2_000))
     core.on_action(0, Action(request_id="b", item_id=1, action_type="click", event_time_ms=51_000))
-    assert [Example.FromString(v).example_id for _, v, _ in core.take()] == ["b/1"]
+    assert [e.example_id for e in take_examples(core)] == ["b/1"]
     assert core.counts["late_late"] == 1 and core.counts["idle_advances"] == 2
+
+
+def test_a_bad_example_is_left_out_of_its_batch_and_counted():
+    """What example_batch would reject never reaches a record; the rest of the batch does."""
+    import math
+
+    from joiner import batches
+    from joiner.kafka_io import BatchedSender
+    from proto import Features
+    from services import example_batch
+
+    ok = batches.payload("m", b"", Features(dense={"pop": 0.5}).SerializeToString())
+    nan = batches.payload("m", b"", Features(dense={"pop": math.nan}).SerializeToString())
+    emitted = [(1, 1000, b"r/1", ok, 1, 1.0, 0, ""), (1, 0, b"r/2", ok, 0, 0.3, 0, ""),
+               (1, 1000, b"r/3", ok, 0, 1.5, 0, ""), (1, 1000, b"r/4", nan, 0, 0.3, 0, ""),
+               (1, 1000, b"r/5", ok, 0, 0.3, 0, "")]
+    sender = BatchedSender(None, "examples", [0, 1, 2], ["click"])
+    records, bad = sender.encode(emitted)
+    assert bad == {"event_time": 1, "sample_rate": 1, "non_finite": 1}
+    [(p, raw, n)] = records
+    assert p == sender.partition(b"1") and n == 2
+    assert list(example_batch.decode(raw).example_ids) == ["r/1", "r/5"]
+
+
+def test_a_batch_record_over_the_size_limit_is_split_in_order():
+    from joiner import batches
+    from joiner.kafka_io import BatchedSender
+    from proto import Features, SparseSlot
+    from services import example_batch
+
+    pl = batches.payload("m", b"", Features(sparse={"i": SparseSlot(ids=list(range(100)))}).SerializeToString())
+    emitted = [(7, 1000, f"r/{i}".encode(), pl, 0, 1.0, 0, "") for i in range(40)]
+    records, bad = BatchedSender(None, "examples", [0, 1], [], max_record_bytes=10_000).encode(emitted)
+    assert not bad and len(records) > 2 and {p for p, _, _ in records} == {BatchedSender(None, "", [0, 1]).partition(b"7")}
+    ids = [i for _, raw, _ in records for i in example_batch.decode(raw).example_ids]
+    assert ids == [f"r/{i}" for i in range(40)]

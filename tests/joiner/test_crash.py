@@ -5,6 +5,7 @@ same for the dumper (every example in Parquet once), and SIGTERM/SIGINT stop bot
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -14,12 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
+from aiokafka import TopicPartition
 
 from joiner import dumper
 from joiner.reference import offline_join
 from joiner.synth import ml_events
 from joiner.types import JoinConfig
 from proto import Example
+from services import example_batch, tansu_quirks
 from services.kafka import create_topics
 from services.settings import Settings
 from tests.joiner.helpers import as_map, produce, read_examples, ref_as_map
@@ -57,6 +60,19 @@ def _dumper(env: dict[str, str], log: Path, *args: str) -> subprocess.Popen:
     return _joiner(env, log, *args, module="joiner.dumper")
 
 
+async def _until_output(settings: Settings, proc: subprocess.Popen, timeout: float) -> None:
+    """Wait until the examples topic has a record (the joiner is then mid-stream)."""
+    t = settings.topics
+    tps = [TopicPartition(t.examples, p) for p in range(t.partitions)]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum((await tansu_quirks.log_end_offsets(settings, tps)).values()) > 0:
+            return
+        assert proc.poll() is None, f"the joiner exited with {proc.returncode} before producing"
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no example within {timeout} s")
+
+
 async def _crash_run(settings: Settings, n_requests: int, kills: int, seed: int) -> None:
     events = ml_events(n_requests, start=100_000, seed=seed)
     await create_topics(settings)
@@ -66,9 +82,13 @@ async def _crash_run(settings: Settings, n_requests: int, kills: int, seed: int)
     settings.var_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     produced_before_kill = []
-    for _ in range(kills):
+    for k in range(kills):
         proc = _joiner(env, log)
-        time.sleep(rng.uniform(0.9, 2.0))  # start-up takes ~0.8 s; then it is mid-stream
+        if k == 0:  # on progress: start-up time varies with the machine's load
+            await _until_output(settings, proc, timeout=60)
+            time.sleep(rng.uniform(0.0, 0.5))
+        else:
+            time.sleep(rng.uniform(0.9, 2.0))  # start-up takes ~1 s; then it is mid-stream
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         produced_before_kill.append(len(await read_examples(settings)))
@@ -114,10 +134,15 @@ async def test_a_signal_stops_cleanly_and_commits(settings: Settings, sig: signa
     assert len(examples) == len({e.example_id for e in examples}), "a clean stop re-emits nothing"
 
 
-def _examples(n: int, prefix: str = "d") -> list[bytes]:
+def _examples(n: int, prefix: str = "d") -> list[Example]:
     return [Example(example_id=f"{prefix}/{i}", request_id=prefix, item_id=i, user_id=i % 13,
                     event_time_ms=1_700_000_000_000 + i * 100, sample_rate=1.0,
-                    labels={"click": float(i % 3 == 0)}).SerializeToString() for i in range(n)]
+                    labels={"click": float(i % 3 == 0)}) for i in range(n)]
+
+
+def _batch(e: Example) -> bytes:
+    """One example as a batch record (a batch of one keeps the record counts of the flushes)."""
+    return example_batch.encode(example_batch.from_examples([e]))
 
 
 def _wait_for_new_part(root: Path, seen: set[str], proc: subprocess.Popen, timeout: float) -> None:
@@ -137,7 +162,7 @@ async def test_dumper_kill_9_and_restart_writes_each_example_once(settings: Sett
     values = _examples(6000)
     await create_topics(settings)
     t = settings.topics.examples
-    await produce(settings, [(t, str(i % 13).encode(), v) for i, v in enumerate(values)])
+    await produce(settings, [(t, str(e.user_id).encode(), _batch(e)) for e in values])
     env = _env(settings) | {"DRIFTLINE_JOINER__BATCH_SIZE": "10"}  # polls and flushes of 10: ~600 flushes
     settings.var_dir.mkdir(parents=True, exist_ok=True)
     log = settings.var_dir.parent / "dumper.log"
@@ -161,7 +186,7 @@ async def test_dumper_kill_9_and_restart_writes_each_example_once(settings: Sett
     proc = _dumper(env, log, "--flush-rows", "10", "--until-idle", "1")
     assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     table = dumper.read_examples(root)
-    assert sorted(table["example_id"].to_pylist()) == sorted(Example.FromString(v).example_id for v in values)
+    assert sorted(table["example_id"].to_pylist()) == sorted(e.example_id for e in values)
     assert seen <= {p.name for p in root.glob("dt=*/hour=*/part-*.parquet")}
     assert not [p for p in root.rglob("*") if ".tmp" in p.name], "temp files are removed"
 
@@ -171,7 +196,7 @@ async def test_dumper_signal_flushes_and_exits_0(settings: Settings, sig: signal
     """With flushes that would never come on their own, a signal flushes what was read."""
     values = _examples(500, prefix="s")
     await create_topics(settings)
-    await produce(settings, [(settings.topics.examples, b"1", v) for v in values])
+    await produce(settings, [(settings.topics.examples, b"1", _batch(e)) for e in values])
     env = _env(settings)
     settings.var_dir.mkdir(parents=True, exist_ok=True)
     log = settings.var_dir.parent / "dumper-term.log"
@@ -182,4 +207,4 @@ async def test_dumper_signal_flushes_and_exits_0(settings: Settings, sig: signal
     assert proc.wait(timeout=30) == 0, log.read_text()[-2000:]
     table = dumper.read_examples(settings.var_dir / "examples")
     assert table.num_rows == 500 and sorted(table["example_id"].to_pylist()) == sorted(
-        Example.FromString(v).example_id for v in values)
+        e.example_id for e in values)

@@ -17,7 +17,8 @@ from joiner.stores.memory import MemoryStore
 from joiner.synth import ml_events
 from joiner.tiered import TieredState
 from joiner.watermark import NO_WATERMARK, Watermark
-from proto import Action, Candidate, Example, FeatureLog
+from proto import Action, Candidate, FeatureLog
+from tests.joiner.helpers import take_examples
 from tests.joiner.test_core import CFG, NP, as_map, ref_map, simulate
 
 FAR = 2**63 - 1  # the poison value of issue 12
@@ -115,7 +116,7 @@ def test_a_resent_feature_log_after_its_tombstone_expired_is_refused_not_re_emit
     fl = _fl("r", 1_000, 1, 2)
     core.on_features(0, fl)
     core.on_action(0, _click("r", 1, 2_000))
-    first = {Example.FromString(v).example_id: v for _, v, _ in core.take()}
+    first = {e.example_id: e for e in take_examples(core)}
     assert list(first) == ["r/1"]
     # Both streams move on well past r's tombstone.
     for i in range(4):
@@ -124,13 +125,13 @@ def test_a_resent_feature_log_after_its_tombstone_expired_is_refused_not_re_emit
         core.on_action(0, _click("zz", 0, t))
     core.advance(0)
     core.advance(0)  # (the tombstones made by one advance expire at the next)
-    closed = {Example.FromString(v).example_id: v for _, v, _ in core.take()}
+    closed = {e.example_id: e for e in take_examples(core)}
     assert "r/2" in closed and "r/1" not in closed
     assert core.state.get(b"Ir/1") is None, "the tombstone expired"
     core.on_features(0, fl)  # re-sent (a client retry, a re-read after a broker reset)
     core.on_action(0, _click("r", 2, 3_000))
     core.advance(0, drain=True)
-    again = [Example.FromString(v).example_id for _, v, _ in core.take()]
+    again = [e.example_id for e in take_examples(core)]
     assert not any(e.startswith("r/") for e in again), again
     assert core.counts["expired_impressions"] == 2
 
@@ -149,7 +150,7 @@ def test_a_tombstone_stays_until_the_features_watermark_passes_it_too():
     for i in range(4):  # the action stream runs far ahead
         core.on_action(0, _click("zz", 0, 1_000 + W + L + R + 10_000 * (i + 1)))
     core.advance(0)
-    assert [Example.FromString(v).example_id for _, v, _ in core.take()] == ["a0/1", "a1/1", "a2/1", "r/1"]
+    assert [e.example_id for e in take_examples(core)] == ["a0/1", "a1/1", "a2/1", "r/1"]
     assert core.state.get(b"Ir/1") is not None, "kept: the features watermark has not passed it"
     core.on_features(0, fl)
     core.advance(0, drain=True)

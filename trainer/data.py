@@ -138,8 +138,28 @@ def parquet_batches(files: list[Path], batch_size: int, slots: list[str], label:
             yield SparseBatch(n, ids, offs, labels, et, np.ones(n, np.float32))
 
 
-async def produce_examples(settings, examples: list[Example], topic: str | None = None) -> None:
-    """Write Examples to the examples topic keyed by user id (test and bench helper)."""
+def example_records(examples: list[Example], partitions: list[int], chunk: int = 1000) -> list[tuple[int, bytes]]:
+    """``(partition, value)`` records of the examples topic for ``examples``: grouped by the
+    partition a record keyed by ``str(user_id)`` goes to (aiokafka's ``DefaultPartitioner``, as
+    when each example was one record), in order, ``chunk`` examples per example batch
+    (:func:`services.example_batch.encode`)."""
+    from aiokafka.partitioner import DefaultPartitioner
+
+    from services import example_batch
+
+    pick = DefaultPartitioner()
+    groups: dict[int, list[Example]] = {}
+    for e in examples:
+        groups.setdefault(pick(str(e.user_id).encode(), partitions, partitions), []).append(e)
+    return [(part, example_batch.encode(example_batch.from_examples(group[a:a + chunk])))
+            for part, group in sorted(groups.items()) for a in range(0, len(group), chunk)]
+
+
+async def produce_examples(settings, examples: list[Example], topic: str | None = None, chunk: int = 1000) -> int:
+    """Write Examples to the examples topic as example batches (:func:`example_records`), each
+    record sent to its partition (test and bench helper). Returns the number of records."""
+    import asyncio
+
     from services.kafka import create_topics, producer, start_client
 
     topic = topic or settings.topics.examples
@@ -147,8 +167,9 @@ async def produce_examples(settings, examples: list[Example], topic: str | None 
     p = producer(settings)
     await start_client(p, settings)
     try:
-        futs = [await p.send(topic, e.SerializeToString(), key=str(e.user_id).encode()) for e in examples]
-        import asyncio
+        records = example_records(examples, sorted(await p.partitions_for(topic)), chunk)
+        futs = [await p.send(topic, value, partition=part) for part, value in records]
         await asyncio.gather(*futs)
+        return len(futs)
     finally:
         await p.stop()

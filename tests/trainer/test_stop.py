@@ -27,7 +27,7 @@ N = 3_000
 async def test_sigterm_to_the_process_group_stops_cleanly(settings, tmp_path):
     cfg = deepfm_config(dim=8, mlp=[32])
     (tmp_path / "model.json").write_text(cfg.model_dump_json())
-    await produce_examples(settings, MovieLensData(limit=N).examples())
+    records = await produce_examples(settings, MovieLensData(limit=N).examples())
     env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=settings.bootstrap_servers, DRIFTLINE_VAR_DIR=str(settings.var_dir),
                DRIFTLINE_TOPICS__EXAMPLES=settings.topics.examples,
                DRIFTLINE_TOPICS__PARAM_DELTAS=settings.topics.param_deltas,
@@ -45,7 +45,7 @@ async def test_sigterm_to_the_process_group_stops_cleanly(settings, tmp_path):
         parts = [TopicPartition(settings.topics.examples, q) for q in range(settings.topics.partitions)]
         deadline = time.monotonic() + 90
         committed = 0
-        while committed < N:  # offsets are committed once their batch is applied
+        while committed < records:  # offsets are committed once their batch is applied
             assert time.monotonic() < deadline and p.poll() is None, log.read_text()[-3000:]
             await asyncio.sleep(0.5)
             offs = await tansu_quirks.committed_offsets(settings, settings.trainer.group_id, parts)
@@ -64,6 +64,6 @@ async def test_sigterm_to_the_process_group_stops_cleanly(settings, tmp_path):
     out = log.read_text()
     assert "LoaderDied" not in out and "Traceback" not in out, out[-3000:]
     man = snapshots.read_manifest(settings.var_dir / "snapshots" / cfg.model_id)
-    assert man is not None and man["examples_applied"] == N and sum(man["offsets"].values()) == N
+    assert man is not None and man["examples_applied"] == N and sum(man["offsets"].values()) == records
     assert man["broker_epoch"] == (await tansu_quirks.read_broker_epoch(settings))
     assert not any(_alive(c) for c in loaders), "the loader outlived its trainer"

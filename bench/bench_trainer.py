@@ -14,8 +14,8 @@
   deduplicated ``SparseBatch`` (what the online path pays per batch), next to a per-example
   protobuf-object path; ``record_bytes_per_example``: the records' bytes per example.
 * online: the same model trained from a real (embedded tansu) broker (example batches of 1000
-  per record, ``trainer.data.produce_examples``), compared with batch. The examples are fetched by the trainer's loader process (``TrainerSettings.loader``; run with
-  ``DRIFTLINE_TRAINER__LOADER=inline`` for the trainer's own consumer); ``loader`` in the JSON.
+  per record, ``trainer.data.produce_examples``), compared with batch. The trainer's own consumer fetches (``loader`` in the JSON: ``inline``,
+  kept for comparison with older runs, which used a loader process).
 * freshness: live examples (event time = now, stamped as each tick's batches are produced) -> their sparse delta
   published (``OnlineTrainer.event_delays``: event time to publish, which here is the issue's
   "action as produced -> delta published"; ``sync_delay_seconds`` counts from arrival), sync every 1 s,
@@ -229,7 +229,7 @@ async def bench_online(data, cfg, bootstrap):
     d = np.array(tr2.event_delays)  # event time (= when produced) -> delta published
     fresh = {"p50": float(np.percentile(d, 50)), "p95": float(np.percentile(d, 95)), "max": float(d.max()),
              "n": int(d.size)} if d.size else {"p50": float("nan"), "p95": float("nan"), "max": float("nan"), "n": 0}
-    res["loader"] = tr.loader
+    res["loader"] = "inline"
     return online_rate, res, fresh, join_s
 
 

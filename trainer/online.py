@@ -1,9 +1,9 @@
 """Online training from the ``examples`` topic (Monolith's streaming trainer).
 
-Fetching: by default a loader subprocess (:mod:`trainer.loader`, ``TrainerSettings.loader``)
-fetches the records and ships each batch's raw bytes; this process keeps the consumer group member
-(membership, the rebalance listener, commits; its partitions paused, it never fetches) and drops
-batches of a superseded assignment (generation). ``loader="inline"``: this process' consumer fetches.
+Fetching: this process' consumer fetches, on the event loop. (A loader subprocess fetched while
+each record carried one example: it hid aiokafka's per-record Python. With ~1000 examples per
+record that cost is ~1000x smaller, and measured with ``bench/bench_trainer.py`` (QUICK=1) the
+inline consumer trained 62.8k ex/s against 24.1k ex/s through the loader, so it was removed.)
 
 Records: one record on ``examples`` is one example batch (:mod:`services.example_batch`: an Arrow
 IPC record batch of many examples, ~1000 from the producers' chunks, with an ``id_hash`` column).
@@ -71,7 +71,7 @@ and every ``epoch_check_interval_s`` when idle): the snapshots are kept, they li
   ``param_deltas_offset``;
 * a running trainer does the same when it notices the reset: it applies the batches in flight, drops
   what was fetched but not handed to training (the old topic's records are gone; records fetched at
-  the old positions from the new topic are read again), starts a new assignment generation at the
+  the old positions from the new topic are read again), seeks every assigned partition to the
   new topic's start, creates the topics with their configured partitions, publishes the dense
   weights and writes the new epoch's snapshot. Versions keep increasing across it;
 * offsets of the old epoch are never committed into the new broker's group, and until every
@@ -80,10 +80,9 @@ and every ``epoch_check_interval_s`` when idle): the snapshots are kept, they li
 * what a reset loses is what lived only in the broker: the old topic's records this trainer had not
   applied (counted in ``driftline_broker_reset_lost_total`` from the last known high watermark).
 
-Clean stop (SIGTERM or SIGINT, also when sent to the whole process group as the supervisor does:
-the loader process ignores them): the loop ends, the batches in flight are applied, sparse and
-dense weights published, the final snapshot written, the offsets committed, the loader stopped;
-exit 0, well within the supervisor's 10 s grace period.
+Clean stop (SIGTERM or SIGINT, also when sent to the whole process group as the supervisor does):
+the loop ends, the batches in flight are applied, sparse and dense weights published, the final
+snapshot written, the offsets committed; exit 0, well within the supervisor's 10 s grace period.
 """
 
 from __future__ import annotations
@@ -117,7 +116,6 @@ from services.kafka import TypedConsumer, create_topics, producer, start_client
 from services.settings import Settings
 
 from . import metrics as M
-from . import loader as loader_mod
 from . import dedup, ingest, snapshots
 from .batch import SparseBatch
 from .config import ModelConfig
@@ -128,8 +126,6 @@ from .sync import encode_dense, encode_sparse_tables
 log = logging.getLogger(__name__)
 _EPOCH_MARKER = "broker-epoch"  # tansu_quirks.state_matches_broker's marker file
 _NO_HASHES = np.zeros((0, 2), np.uint64)
-#: examples per ``examples`` record the loader process assumes (its batches count records)
-EXAMPLES_PER_RECORD = 1000
 
 
 _RAW, _PART, _OFF, _STAMP = (attrgetter(a) for a in ("raw", "partition", "offset", "timestamp_ms"))
@@ -206,23 +202,6 @@ class _Seek(ConsumerRebalanceListener):
         self.t.ready.set()
 
 
-class _Assign(ConsumerRebalanceListener):
-    """The group member's listener when a loader process fetches (``loader="process"``): the member
-    never fetches (its partitions are paused); every assignment goes to the loader as a new
-    generation, with each partition's start (see :meth:`OnlineTrainer._send_assignment`)."""
-
-    def __init__(self, trainer: "OnlineTrainer"):
-        self.t = trainer
-
-    async def on_partitions_revoked(self, revoked):
-        self.t._new_generation(set())
-
-    async def on_partitions_assigned(self, assigned):
-        self.t.consumer.consumer.pause(*assigned)
-        self.t._new_generation({tp.partition for tp in assigned if tp.topic == self.t.topic})
-        self.t.ready.set()
-
-
 @dataclass
 class Prepared:
     """One polled batch after validation and dedup: what to train on and what to commit."""
@@ -251,14 +230,6 @@ class OnlineTrainer:
         self.snapshot_root = settings.snapshot_root / cfg.model_id
         self.group_id = ts.group_id
         self.consumer_start_timeout_s = ts.consumer_start_timeout_s
-        #: "process": a loader subprocess fetches (:mod:`trainer.loader`); "inline": this process
-        self.loader = ts.loader
-        self._loader: loader_mod.LoaderClient | None = None
-        self.generation = 0  # of the partitions assigned (loader="process")
-        # partition -> next offset after the records taken into batches this run (loader="process"):
-        # where a partition kept across a rebalance continues
-        self._fetched: dict[int, int] = {}
-        self._assign_task: asyncio.Task | None = None
         # torch intra-op threads of the training thread. 1 by default: the other core decodes and
         # assembles the next batch; 2 torch threads plus the decoding thread oversubscribe two
         # cores, and OpenMP's barriers then wait on descheduled threads (10x slower steps measured).
@@ -512,46 +483,6 @@ class OnlineTrainer:
                 self._highwater[part] = hw
         return await self._prepare(decoded, offsets, polled_at_ms, t0)
 
-    async def prepare_shipment(self, sh: loader_mod.Shipment) -> Prepared:
-        """:meth:`prepare` of a batch the loader process shipped (raw bytes + record arrays).
-        Null values are dead-lettered here, as the inline consumer's codec does."""
-        t0 = time.perf_counter()
-        service_metrics.MESSAGES_CONSUMED.labels("trainer", self.topic).inc(sh.size)
-        lengths, parts, offs = sh.lengths, sh.partitions, sh.offsets
-        if sh.size and (parts == parts[0]).all():
-            offsets = {int(parts[0]): int(offs.max()) + 1}
-        else:
-            offsets = {int(p): int(offs[parts == p].max()) + 1 for p in np.unique(parts)}
-        for part, lag in sh.lag.items():
-            service_metrics.CONSUMER_LAG.labels("trainer", self.topic, str(part)).set(lag)
-            self._highwater[part] = offsets.get(part, 0) + lag
-        for part, off in offsets.items():
-            if off > self._fetched.get(part, -1):
-                self._fetched[part] = off
-        vstarts = np.zeros(sh.size + 1, np.int64)
-        np.cumsum(np.maximum(lengths, 0), out=vstarts[1:])
-        kstarts = np.zeros(sh.size + 1, np.int64)
-        np.cumsum(np.maximum(sh.key_lengths, 0), out=kstarts[1:])
-
-        def record(j: int) -> SimpleNamespace:
-            kl = int(sh.key_lengths[j])
-            raw = None if lengths[j] < 0 else sh.values[vstarts[j]:vstarts[j + 1]]
-            return SimpleNamespace(topic=self.topic, partition=int(parts[j]), offset=int(offs[j]),
-                                   key=None if kl < 0 else sh.keys[kstarts[j]:kstarts[j + 1]], value=raw, raw=raw,
-                                   timestamp_ms=int(sh.timestamps[j]))
-
-        decoded = _Decoded()
-        good = []
-        for j in range(sh.size):
-            if lengths[j] < 0:
-                decoded.letters.append(await self.consumer.dead_letter(
-                    record(j), MalformedMessage("undecodable", "Example batch value is null")))
-            else:
-                good.append(j)
-        await self._decode_records([sh.values[vstarts[j]:vstarts[j + 1]] for j in good],
-                                   lambda i: record(good[i]), decoded)
-        return await self._prepare(decoded, offsets, sh.polled_at_ms, t0)
-
     async def _prepare(self, decoded: _Decoded, offsets: dict[int, int], polled_at_ms: int | None, t0: float) -> Prepared:
         """Check the decoded batches' examples (:func:`trainer.ingest.refusals`: a refused example
         is dead-lettered as a batch of the refused examples of its record and kind, and counted;
@@ -775,60 +706,6 @@ class OnlineTrainer:
             self.applied_offsets.setdefault(part, start)
             self.unknown_start.discard(part)
 
-    # ------------------------------------------------------------------ loader process
-    def _new_generation(self, partitions: set[int]) -> None:
-        """A (re)assignment (an empty set: a revocation): from now on shipments of older
-        generations are dropped, and the loader is told where to fetch the new one's partitions."""
-        self.generation += 1
-        if self._assign_task is not None and not self._assign_task.done():
-            self._assign_task.cancel()
-        self._assign_task = asyncio.create_task(self._send_assignment(self.generation, partitions))
-
-    async def _send_assignment(self, generation: int, partitions: set[int]) -> None:
-        """Each partition's start: after the last record taken into a batch this run (a partition
-        kept across a rebalance continues where it was; what the loader had fetched beyond is
-        dropped with its generation), else the snapshot's offset, else the group's committed
-        offset (not after a broker reset: see ``_from_start``), else the earliest (None: the loader
-        resolves it and reports it back)."""
-        starts: dict[int, int | None] = {}
-        for part in sorted(partitions):
-            off = self._fetched.get(part, self.resume_offsets.get(part))
-            if off is None:
-                if not self._from_start:
-                    off = await self.consumer.consumer.committed(TopicPartition(self.topic, part))
-            elif part not in self._fetched:
-                log.info("resuming %s[%d] at snapshot offset %d", self.topic, part, off)
-            starts[part] = off
-        if generation == self.generation:
-            self._loader.assign(generation, starts)
-
-    def _loader_started(self, generation: int, positions: dict[int, int]) -> None:
-        """The loader's start positions: a partition's becomes its applied offset if it has none
-        yet, so snapshots name every partition (see :meth:`_note_starts`)."""
-        if generation != self.generation:
-            return
-        for part, off in positions.items():
-            self.applied_offsets.setdefault(part, off)
-
-    async def _next_shipment(self, timeout_s: float) -> loader_mod.Shipment | None:
-        """The loader's next batch of the current generation (None after ``timeout_s``)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self._assign_task is not None and self._assign_task.done():
-                self._assign_task.result()  # a failed committed-offset lookup stops the run
-            msg = await self._loader.get(max(0.0, deadline - time.monotonic()))
-            if msg is None:
-                return None
-            if isinstance(msg, tuple):  # ("started", generation, positions)
-                self._loader_started(msg[1], msg[2])
-            elif msg.generation == self.generation:
-                return msg
-            else:
-                log.info("dropped a batch of %d records fetched for superseded assignment %d (now %d)",
-                         msg.size, msg.generation, self.generation)
-            if time.monotonic() >= deadline:
-                return None
-
     async def _sync_when_due(self, now: float) -> None:
         """Publish sparse rows every ``sync_interval_s`` and dense weights every ``dense_sync_interval_s``,
         each after the batches in flight are applied (a sync holds only applied updates); not while
@@ -875,7 +752,7 @@ class OnlineTrainer:
         """The broker's data was reset under the running trainer: the topics are new (empty, or
         refilled since), the group and its offsets are gone. The model, the versions and the dedup
         window are kept; every partition of the new ``examples`` is read from its start (the window
-        drops what was applied already), as a new assignment generation. What the old topics held
+        drops what was applied already). What the old topics held
         beyond the last record applied is lost with them: counted from the last known high
         watermark and the last record applied, both as of the last check that still saw the old
         epoch (``driftline_broker_reset_lost_total``; over by what was applied after that check, a
@@ -911,18 +788,15 @@ class OnlineTrainer:
             log.warning("sends of the old epoch still pending after the reset (%r)", err)
         await create_topics(self.settings)
         self.epoch = epoch
-        self.applied_offsets, self.resume_offsets, self._fetched, self._highwater = {}, {}, {}, {}
+        self.applied_offsets, self.resume_offsets, self._highwater = {}, {}, {}
         self._confirmed = ({}, {})
         self.unknown_start = set()
         self._from_start = True
         self._reset_epoch = None
         assigned = {tp.partition for tp in self.consumer.consumer.assignment() if tp.topic == self.topic}
-        if self.loader == "process":
-            self._new_generation(assigned)  # drops what the loader fetched at the old positions
-        else:
-            for part in sorted(assigned):
-                await self.consumer.consumer.seek_to_beginning(TopicPartition(self.topic, part))
-                self.unknown_start.add(part)
+        for part in sorted(assigned):
+            await self.consumer.consumer.seek_to_beginning(TopicPartition(self.topic, part))
+            self.unknown_start.add(part)
         await self.sync_dense()  # the new topic's first delta; param_deltas_offset now points into it
         self.snapshot()
         self._record_epoch()
@@ -955,65 +829,17 @@ class OnlineTrainer:
         # waits for it: allow the consumer start longer than the default connect timeout.
         cs = s.model_copy(deep=True)
         cs.kafka.connect_timeout_s = max(s.kafka.connect_timeout_s, self.consumer_start_timeout_s)
-        process = self.loader == "process"
         self.consumer = TypedConsumer(cs, "trainer", Example, [self.topic], self.group_id,
                                       dead_letter_producer=self._producer, codec=RawExampleCodec())
-        self.consumer.consumer.subscribe([self.topic], listener=_Assign(self) if process else _Seek(self))
-        if process:  # spawned before the join: its start-up overlaps the join's wait
-            # the loader ships batches of records: about batch_size examples at the producers'
-            # 1000 examples per record (example_batch chunks), at least one record
-            records = max(1, round(self.batch_size / EXAMPLES_PER_RECORD))
-            self._loader = loader_mod.LoaderClient(s, self.topic, records, self.batch_timeout_s)
+        self.consumer.consumer.subscribe([self.topic], listener=_Seek(self))
         try:
             warm = asyncio.get_running_loop().run_in_executor(self._executor, self._warm_up)
             await self.consumer.start()
             await warm
-            return await (self._run_process if process else self._run_inline)(restored, stop_when_idle_s, max_examples)
+            return await self._loop(restored, stop_when_idle_s, max_examples)
         finally:
-            if self._loader is not None:
-                self._loader.close()
-            if self._assign_task is not None and not self._assign_task.done():
-                self._assign_task.cancel()
             if self._watch is not None:
                 await self._watch.stop()
-
-    async def _run_process(self, restored: bool, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
-        """The main loop when the loader process fetches: each shipment is one batch."""
-        started = time.time()
-        self._last_sync = self._last_dense = last_keepalive = time.monotonic()
-        last_data = time.monotonic()
-        await self._begin(restored)
-        queued = self.examples_applied
-        try:
-            while not self.stop_event.is_set():
-                now = time.monotonic()
-                if await self._check_epoch_when_due(now):
-                    await self._handle_reset()
-                wait = min(0.1, max(0.0, self._last_sync + self.sync_interval_s - now))
-                t0 = time.perf_counter()
-                sh = await self._next_shipment(wait)
-                self._stage("poll", time.perf_counter() - t0)
-                now = time.monotonic()
-                if sh is not None:
-                    last_data = now
-                    prepared = await self.prepare_shipment(sh)
-                    await self._drain(self.max_in_flight - 1)
-                    self._start(prepared)
-                    queued += prepared.batch.size if prepared.batch is not None else 0
-                    if max_examples is not None and queued >= max_examples:
-                        break
-                if now - last_keepalive >= 1.0:
-                    # the member's partitions are paused, so this fetches nothing; it tells aiokafka
-                    # the consumer is polled (max_poll_interval_ms) and raises its errors
-                    last_keepalive = now
-                    await self.consumer.consumer.getmany(timeout_ms=0)
-                self._update_rate(now)
-                await self._sync_when_due(now)
-                if stop_when_idle_s is not None and now - last_data >= stop_when_idle_s:
-                    break
-            return await self._finish(started)
-        finally:
-            await self._teardown()
 
     async def _finish(self, started: float) -> dict:
         await self._drain()
@@ -1035,8 +861,9 @@ class OnlineTrainer:
         await self._producer.stop()
         self._executor.shutdown(wait=True)
 
-    async def _run_inline(self, restored: bool, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
-        """The main loop when this process' consumer fetches (``loader="inline"``)."""
+    async def _loop(self, restored: bool, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
+        """The main loop: poll records until they hold ``batch_size`` examples (or
+        ``batch_timeout_s`` passed), decoding each as it arrives, then hand the batch over."""
         started = time.time()
         self._last_sync = self._last_dense = time.monotonic()
         last_data = time.monotonic()

@@ -117,11 +117,10 @@ def _lost(settings: Settings) -> float:
                                      {"service": "trainer", "topic": settings.topics.examples}) or 0.0
 
 
-@pytest.mark.parametrize("loader", ["process", "inline"])
-async def test_running_trainer_follows_a_broker_reset(settings, own_broker, ml_examples, loader):
+async def test_running_trainer_follows_a_broker_reset(settings, own_broker, ml_examples):
     old, new = ml_examples[:OLD], ml_examples[OLD:OLD + NEW]
     await produce_examples(settings, old)
-    tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=0.5, snapshot_interval_event_s=0, batch_size=256, loader=loader)), small_cfg())
+    tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=0.5, snapshot_interval_event_s=0, batch_size=256)), small_cfg())
     run = asyncio.create_task(tr.run())
     # all applied and published: a sync in flight at the kill would be retried by the producer into the
     # new broker before its topic exists, which tansu 0.6 acknowledges and then numbers over

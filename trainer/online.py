@@ -2,15 +2,17 @@
 
 Fetching: this process' consumer fetches, on the event loop. (A loader subprocess fetched while
 each record carried one example: it hid aiokafka's per-record Python. With ~1000 examples per
-record that cost is ~1000x smaller; measured with ``QUICK=1 bench/bench_trainer.py`` on 2 shared
-cores, ``online_vs_batch_ratio`` was 0.80 and 0.86 inline against 0.65 and 0.65 through the
-loader (58-68k vs 50-63k ex/s), so the loader was removed.)
+record that cost is ~1000x smaller. Measured with ``QUICK=1 bench/bench_trainer.py`` on 2 shared
+cores (30 steps, so +-15%), ``online_vs_batch_ratio``: inline 0.80 and 0.86 with batches of 2
+records (this loop), 0.47 and 0.50 with batches of 1 record; the loader 0.695 with shipments of 2
+records, 0.61-0.65 with 1 record. Inline at its best beat the loader at its best, so the loader,
+its process and its assignment generations were removed.)
 
 Records: one record on ``examples`` is one example batch (:mod:`services.example_batch`: an Arrow
 IPC record batch of many examples, ~1000 from the producers' chunks, with an ``id_hash`` column).
-A training batch is the records polled until they hold ``batch_size`` examples (or
-``batch_timeout_s`` passed), whole records: a record's offset is committed once all of it is
-applied.
+A training batch is whole records (a record's offset is committed once all of it is applied):
+those polled until they hold ``batch_size`` examples (with records of 1000 and ``batch_size`` 1024:
+two records, 2000 examples), or ``batch_timeout_s`` passed.
 
 Loop: poll -> decode each record (``example_batch.decode``: schema and values validated; bad ->
 the whole record dead-lettered with its original bytes) -> the trainer's checks per example,

@@ -72,7 +72,9 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
     await start_client(prod, settings)
     await prod.send_and_wait(settings.topics.examples, odd, key=b"odd")
     await prod.stop()
-    tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=1.0, snapshot_interval_event_s=0)), small_cfg())
+    # batches of one 1000-example record (batch_size 1024 takes two: fewer steps, AUC ~0.6)
+    tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=1.0, snapshot_interval_event_s=0, batch_size=512)),
+                       small_cfg())
     tr.keep_last_sync_copy = True
     run = asyncio.create_task(tr.run(stop_when_idle_s=3.0))
     # the second half arrives after a first version was published: several versions to replay

@@ -3,10 +3,10 @@
 Fetching: this process' consumer fetches, on the event loop. (A loader subprocess fetched while
 each record carried one example: it hid aiokafka's per-record Python. With ~1000 examples per
 record that cost is ~1000x smaller. Measured with ``QUICK=1 bench/bench_trainer.py`` on 2 shared
-cores (30 steps, so +-15%), ``online_vs_batch_ratio``: inline 0.80 and 0.86 with batches of 2
-records (this loop), 0.47 and 0.50 with batches of 1 record; the loader 0.695 with shipments of 2
-records, 0.61-0.65 with 1 record. Inline at its best beat the loader at its best, so the loader,
-its process and its assignment generations were removed.)
+cores (30 steps, so +-15%), ``online_vs_batch_ratio``: inline 0.80, 0.86, 0.74 and 0.69 with
+batches of 2 records (this loop), 0.47 and 0.50 with batches of 1 record; the loader 0.70 with
+shipments of 2 records, 0.61, 0.65 and 0.65 with 1 record. Inline at its best beat the loader at
+its best, so the loader, its process and its assignment generations were removed.)
 
 Records: one record on ``examples`` is one example batch (:mod:`services.example_batch`: an Arrow
 IPC record batch of many examples, ~1000 from the producers' chunks, with an ``id_hash`` column).

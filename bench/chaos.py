@@ -213,6 +213,9 @@ def run_chaos(work: Path, quick: bool) -> dict:
             _kill(stack, name, killed)
         time.sleep(pause)
         _wait(stack, "serving back", lambda: stack.get(stack.serving_url + "/readyz")[0] == 200, 90)
+        # The dumper flushes every 30 s: kill the broker once Parquet holds rows, so "no Parquet row
+        # deleted by the reset" is checked against something.
+        _wait(stack, "Parquet written before the reset", lambda: len(_parquet_ids(stack)) > 0, 120)
         before = _parquet_ids(stack)
         version_before = stack.json("/readyz")["model_version"]["sparse_version"]
         examples_before = len(capture.examples)
@@ -259,6 +262,9 @@ def run_chaos(work: Path, quick: bool) -> dict:
     stop_text = stack.text()
     after = _parquet_ids(stack)
     state = _supervisor_state(stack)
+    dumper_log = stack.log_dir / "dumper.log"
+    stops = [ln for ln in dumper_log.read_text(errors="replace").splitlines()
+             if "dumper stopped:" in ln] if dumper_log.exists() else []
 
     # --- answered vs logged
     answered_ids = set(answered.read_text().split()) if answered.exists() else set()
@@ -312,6 +318,7 @@ def run_chaos(work: Path, quick: bool) -> dict:
         "broker_epochs": capture.epochs + 1,
         "reset_lost_reported": lost_reported,
         "restarts": {k: v.get("restarts", 0) for k, v in state.items()},
+        "dumper_last_run": stops[-1].split("dumper stopped:", 1)[1].strip() if stops else None,
         "stop_exit_code": code,
         "stopped_cleanly": code == 0 and "not cleanly" not in stop_text,
         "seconds": round(time.monotonic() - started, 1),

@@ -41,7 +41,7 @@ from ps import AdagradConfig
 from trainer.config import ModelConfig, lr_config
 from trainer.model import DenseHead, SparseModel
 
-from .common import Settings, auc, data, mean_std, model_config, pmap, replace
+from .common import EvalSettings, auc, data, mean_std, model_config, pmap
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
@@ -101,12 +101,12 @@ def _batches(d, rows: np.ndarray, bs: int) -> list:
     return [(a, d.batch(rows[a:a + bs])) for a in range(0, rows.size, bs)]
 
 
-def _stream(s: Settings):
+def _stream(s: EvalSettings):
     d = data(s, s.base_limit, s.base_offset)
     return d, np.arange(len(d))
 
 
-def lr_model_config(s: Settings, lr: float | None = None, model_id: str = "base-lr",
+def lr_model_config(s: EvalSettings, lr: float | None = None, model_id: str = "base-lr",
                     sequential: bool = False) -> ModelConfig:
     """LR on River's features (see the module docstring), sparse Adagrad at ``lr`` (default
     ``base_lr_lr``, or ``base_lr_seq_lr`` when ``sequential``)."""
@@ -117,12 +117,12 @@ def lr_model_config(s: Settings, lr: float | None = None, model_id: str = "base-
     return ModelConfig.model_validate(d)
 
 
-def deepfm_model_config(s: Settings, seed: int, model_id: str = "base-deepfm") -> ModelConfig:
+def deepfm_model_config(s: EvalSettings, seed: int, model_id: str = "base-deepfm") -> ModelConfig:
     """The experiments' DeepFM with the stream's (tuned) sparse lr."""
-    return model_config(replace(s, sparse_lr=s.base_sparse_lr), seed, model_id)
+    return model_config(s.model_copy(update=dict(sparse_lr=s.base_sparse_lr)), seed, model_id)
 
 
-def run_driftline(s: Settings, seed: int, kind: str, batch_size: int | None = None, lr: float | None = None) -> dict:
+def run_driftline(s: EvalSettings, seed: int, kind: str, batch_size: int | None = None, lr: float | None = None) -> dict:
     d, rows = _stream(s)
     cfg = (deepfm_model_config(s, seed) if kind == "deepfm"
            else lr_model_config(s, lr, sequential=kind == "lr_sequential"))
@@ -138,7 +138,7 @@ def run_driftline(s: Settings, seed: int, kind: str, batch_size: int | None = No
             "ex_per_s": rows.size / dt, "seconds": dt, "rows": int(sum(len(t) for t in model.tables.values()))}
 
 
-def run_hashed(s: Settings, seed: int) -> dict:
+def run_hashed(s: EvalSettings, seed: int) -> dict:
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
     d, rows = _stream(s)
     model = HashedEmbeddingDeepFM(deepfm_model_config(s, seed, "base-hashed"), s.hashed_buckets, seed)
@@ -176,7 +176,7 @@ def _river_features(d, rows) -> list[dict]:
     return out
 
 
-def run_river(s: Settings, kind: str, seed: int = 0) -> dict:
+def run_river(s: EvalSettings, kind: str, seed: int = 0) -> dict:
     from river import facto, linear_model, optim
 
     d, rows = _stream(s)
@@ -200,7 +200,7 @@ def run_river(s: Settings, kind: str, seed: int = 0) -> dict:
 _WARM: set = set()
 
 
-def _warm_up(s: Settings) -> None:
+def _warm_up(s: EvalSettings) -> None:
     """Untimed: compile/load the PS kernels and torch paths once per process before timing."""
     if s in _WARM:
         return
@@ -218,7 +218,7 @@ def _warm_up(s: Settings) -> None:
     _WARM.add(s)
 
 
-def _task(s: Settings, what: str, seed: int, batch: int | None = None, lr: float | None = None) -> dict:
+def _task(s: EvalSettings, what: str, seed: int, batch: int | None = None, lr: float | None = None) -> dict:
     _warm_up(s)
     if what == "river":
         r = run_river(s, "lr", seed)
@@ -244,7 +244,7 @@ MODELS = ("driftline_online", "driftline_online_throughput", "driftline_lr", "dr
           "hashed_embedding", "river", "river_fm")
 
 
-def run(s: Settings) -> dict:
+def run(s: EvalSettings) -> dict:
     d, rows = _stream(s)
     # River is deterministic for a fixed stream (LR) or slow (FM): one run each; torch models per seed.
     tasks = [(s, "river_fm", s.seeds[0]), (s, "river", s.seeds[0])]

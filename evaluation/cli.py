@@ -20,10 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from .common import Settings, full, set_threads, smoke
+from .common import EvalSettings, full, set_threads, smoke
 
 EXPERIMENTS = ("tune", "collisions", "online", "staleness", "baselines")
 SECTION = {"tune": "tuning"}
@@ -46,14 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def settings_from(args) -> Settings:
+def settings_from(args) -> EvalSettings:
     s = smoke() if args.smoke else full()
     if args.seeds:
-        s = replace(s, seeds=tuple(args.seeds), coll_seeds=None)
+        s = s.model_copy(update=dict(seeds=tuple(args.seeds), coll_seeds=None))
     if args.workers is not None:
-        s = replace(s, workers=args.workers)
+        s = s.model_copy(update=dict(workers=args.workers))
     if args.data_dir:
-        s = replace(s, data_dir=args.data_dir)
+        s = s.model_copy(update=dict(data_dir=args.data_dir))
     return s
 
 
@@ -65,7 +64,7 @@ def _git_commit() -> str:
         return "?"
 
 
-def run(experiments: list[str], s: Settings, out: Path, work_root: Path, plots: bool = True,
+def run(experiments: list[str], s: EvalSettings, out: Path, work_root: Path, plots: bool = True,
         command: str = "all") -> dict:
     """Run ``experiments`` with settings ``s``; write ``out/results.*``; returns the merged JSON."""
     import torch
@@ -97,7 +96,7 @@ def run(experiments: list[str], s: Settings, out: Path, work_root: Path, plots: 
     cmd = "driftline eval " + command + (" --smoke" if s.name == "smoke" else "")
     stamp = {"command": cmd, "git_commit": _git_commit(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
              "settings": s.name, "seeds": list(s.seeds)}
-    results["meta"] = {"command": command + (" --smoke" if s.name == "smoke" else ""), "settings": s.dump(),
+    results["meta"] = {"command": command + (" --smoke" if s.name == "smoke" else ""), "settings": s.model_dump(),
                        "git_commit": stamp["git_commit"], "torch": torch.__version__, "python": platform.python_version(),
                        "cpus": os.cpu_count(), "finished_at": stamp["finished_at"],
                        "seconds": {**prev.get("seconds", {}), **seconds},

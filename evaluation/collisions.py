@@ -19,13 +19,13 @@ import numpy as np
 
 from trainer.model import SparseModel
 
-from .common import (HashedIds, Settings, auc, buckets_for_rate, coll_model_config, data, md5_bucket, mean_std, pmap,
+from .common import (HashedIds, EvalSettings, auc, buckets_for_rate, coll_model_config, data, md5_bucket, mean_std, pmap,
                      predict_rows, train_rows)
 
 ARMS = ("collisionless", "hashed", "hashed_harsh")
 
 
-def hash_plan(s: Settings) -> dict:
+def hash_plan(s: EvalSettings) -> dict:
     """Per hashed arm: buckets per slot chosen to hit the target rates, with measured rates."""
     d = data(s, s.coll_limit)
     users, items = np.unique(d.user_id), np.unique(d.item_id)
@@ -37,7 +37,7 @@ def hash_plan(s: Settings) -> dict:
     return plan
 
 
-def _transform(s: Settings, arm: str, plan: dict | None):
+def _transform(s: EvalSettings, arm: str, plan: dict | None):
     if arm == "collisionless" or plan is None:
         return None
     d = data(s, s.coll_limit)
@@ -47,7 +47,7 @@ def _transform(s: Settings, arm: str, plan: dict | None):
                      present={"user_id": d.user_id, "item_id": d.item_id})
 
 
-def split(s: Settings, d, validation: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def split(s: EvalSettings, d, validation: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(train, test) rows in time order; with ``validation`` the test part is never touched: the
     last ``coll_val_fraction`` of the train part is held out instead (what settings are tuned on)."""
     tr, te = d.split(s.coll_test_fraction)
@@ -57,7 +57,7 @@ def split(s: Settings, d, validation: bool = False) -> tuple[np.ndarray, np.ndar
     return tr[:cut], tr[cut:]
 
 
-def run_one(s: Settings, arm: str, seed: int, plan: dict | None, validation: bool = False) -> dict:
+def run_one(s: EvalSettings, arm: str, seed: int, plan: dict | None, validation: bool = False) -> dict:
     """One arm, one seed: test (or validation) AUC after each of ``coll_epochs`` epochs."""
     d = data(s, s.coll_limit)
     tr, te = split(s, d, validation)
@@ -88,7 +88,7 @@ def _touched(d, rows: np.ndarray, arm_plan: dict) -> float:
     return float(hit.mean()) if rows.size else 0.0
 
 
-def run(s: Settings) -> dict:
+def run(s: EvalSettings) -> dict:
     plan = hash_plan(s)
     seeds = s.coll_seeds or s.seeds
     tasks = [(s, arm, seed, plan) for arm in ARMS for seed in seeds]

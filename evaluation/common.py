@@ -1,4 +1,4 @@
-"""Shared pieces: settings (smoke / full), data, seeded model configs, train / score loops,
+"""Shared pieces: the evaluation settings (smoke / full: ``services.settings.EvalSettings``), data, seeded model configs, train / score loops,
 MD5 id hashing, AUC and a small process pool with a progress bar."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import math
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -18,6 +17,7 @@ import trainer  # noqa: F401  (before torch: OMP_WAIT_POLICY)
 import torch
 from tqdm import tqdm
 
+from services.settings import EvalSettings, get_settings
 from trainer.batch import SparseBatch
 from trainer.config import ModelConfig, deepfm_config
 from trainer.data import MovieLensData
@@ -25,73 +25,14 @@ from trainer.metrics import auc as _auc
 from trainer.model import SparseModel
 
 
-@dataclass(frozen=True)
-class Settings:
-    """Everything an experiment reads; ``full()`` is what docs/results.* come from."""
-
-    name: str = "full"
-    dataset: str = "ml-1m"
-    data_dir: str = "var/data"
-    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
-    workers: int = 2
-    # model (one DeepFM for every experiment)
-    dim: int = 16
-    mlp: tuple[int, ...] = (128, 64)
-    sparse_lr: float = 0.05
-    batch_size: int = 1024
-    # collisions
-    coll_limit: int | None = None          # first N ratings in time order (None: all)
-    coll_test_fraction: float = 0.1
-    coll_epochs: int = 10
-    coll_user_rate: float = 0.0773         # the paper's ml-25m rates
-    coll_item_rate: float = 0.0286
-    coll_harsh_factor: float = 4.0         # harsher arm: this many times the paper's rates
-    #: seeds of the collisions runs (None: ``seeds``); ten because a run is cheap (ids only) and the
-    #: effect at the paper's rates is small next to seed noise, so its std needs a firmer estimate
-    coll_seeds: tuple[int, ...] | None = tuple(range(10))
-    # the collisions DeepFM (its own model: see collisions.py for why it differs from the others)
-    coll_slots: tuple[str, ...] = ("user_id", "item_id")
-    coll_dim: int = 16
-    coll_mlp: tuple[int, ...] = (128, 64)
-    coll_sparse_lr: float = 0.005
-    coll_init_acc: float = 0.0             # Adagrad initial_accumulator_value of the sparse tables
-    coll_dense_lr: float = 1e-3
-    coll_val_fraction: float = 0.1         # tuning: the last share of the train part is the validation set
-    # online (Algorithm 1)
-    online_limit: int | None = None
-    online_batch_fraction: float = 0.7
-    online_batch_epochs: int = 1
-    online_shards: tuple[int, ...] = (10, 50, 100)
-    # staleness
-    stale_shards: int = 50
-    stale_k: tuple[int, ...] = (0, 1, 5, 10)  # k = 0: restore only (control)
-    # baselines
-    base_limit: int | None = 300_000
-    base_offset: int = 0
-    base_batch_size: int = 64              # online mini-batch for the from-scratch stream
-    base_sparse_lr: float = 0.05           # DeepFM's sparse Adagrad lr on the stream (tuned: evaluation/tune.py)
-    river_lr: float = 0.1                  # River LR's SGD lr (tuned)
-    base_lr_lr: float = 0.3                # driftline LR's Adagrad lr (tuned)
-    base_lr_batch: int = 32                # driftline LR's mini-batch in the model-matched comparison
-    #: driftline LR's speed/quality curve: (mini-batch, Adagrad lr tuned for it)
-    base_lr_curve: tuple[tuple[int, float], ...] = ((32, 0.3), (64, 0.3), (128, 0.3), (256, 0.3), (1024, 0.2), (4096, 0.3))
-    #: driftline's sequential LR (ModelConfig.sequential: per-example updates inside each mini-batch)
-    base_lr_seq_batch: int = 1024
-    base_lr_seq_lr: float = 0.3            # its Adagrad lr (tuned)
-    tune_base_limit: int = 100_000         # the tuning stream: this many ratings right after the reported one
-    hashed_buckets: int = 1 << 13
-
-    def dump(self) -> dict:
-        return asdict(self)
+def full() -> EvalSettings:
+    """The settings docs/results.* come from: ``settings.eval`` (``DRIFTLINE_EVAL__*`` overrides)."""
+    return get_settings().eval
 
 
-def full() -> Settings:
-    return Settings()
-
-
-def smoke() -> Settings:
+def smoke() -> EvalSettings:
     """Tiny settings for the tests (seconds): same code paths, same JSON keys."""
-    return Settings(name="smoke", seeds=(0, 1), workers=1, dim=4, mlp=(16,), batch_size=512,
+    return EvalSettings(name="smoke", seeds=(0, 1), workers=1, dim=4, mlp=(16,), batch_size=512,
                     coll_limit=20_000, coll_epochs=2, coll_seeds=None, coll_dim=4, coll_mlp=(16,), online_limit=20_000, stale_shards=10,
                     stale_k=(0, 2), base_limit=6_000, base_batch_size=256, hashed_buckets=1 << 10,
                     base_lr_batch=64, base_lr_curve=((64, 0.3), (256, 0.3)), base_lr_seq_batch=256,
@@ -103,7 +44,7 @@ def smoke() -> Settings:
 _DATA: dict[tuple, MovieLensData] = {}
 
 
-def data(s: Settings, limit: int | None = None, offset: int = 0) -> MovieLensData:
+def data(s: EvalSettings, limit: int | None = None, offset: int = 0) -> MovieLensData:
     """ml-1m ratings (time order) with their features; cached per process."""
     key = (s.dataset, s.data_dir, limit, offset)
     if key not in _DATA:
@@ -111,7 +52,7 @@ def data(s: Settings, limit: int | None = None, offset: int = 0) -> MovieLensDat
     return _DATA[key]
 
 
-def model_config(s: Settings, seed: int, model_id: str = "eval") -> ModelConfig:
+def model_config(s: EvalSettings, seed: int, model_id: str = "eval") -> ModelConfig:
     """:func:`trainer.config.deepfm_config` with ``seed`` in the dense head's and every table's
     initializer (the trainer's default fixes the table seed to 1), on the 8 MovieLens slots: the
     real-time ``recent_items`` slot is absent from ml-1m, so it stays out of the experiments."""
@@ -119,7 +60,7 @@ def model_config(s: Settings, seed: int, model_id: str = "eval") -> ModelConfig:
                          recent_items=False)
 
 
-def coll_model_config(s: Settings, seed: int, model_id: str = "coll") -> ModelConfig:
+def coll_model_config(s: EvalSettings, seed: int, model_id: str = "coll") -> ModelConfig:
     """The collisions DeepFM: :func:`trainer.config.deepfm_config` on ``coll_slots`` with the
     ``coll_*`` hyper-parameters (Adagrad ``initial_accumulator_value`` and the dense lr are not
     arguments of ``deepfm_config``, so they are set on its validated dump)."""
@@ -293,6 +234,6 @@ def nan_to_none(x):
     return x
 
 
-__all__ = ["Settings", "full", "smoke", "replace", "field", "data", "model_config", "coll_model_config", "md5_bucket",
+__all__ = ["EvalSettings", "full", "smoke", "replace", "field", "data", "model_config", "coll_model_config", "md5_bucket",
            "collision_rate", "buckets_for_rate", "HashedIds", "auc", "train_rows", "predict_rows",
            "mean_std", "pmap", "nan_to_none", "set_threads"]

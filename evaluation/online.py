@@ -36,12 +36,12 @@ from trainer.inference import Scorer
 from trainer.model import SparseModel
 from trainer.sync import apply_delta, complete_versions, decode_dense, encode_dense, encode_sparse_tables
 
-from .common import Settings, auc, data, mean_std, model_config, pmap, predict_rows, train_rows
+from .common import EvalSettings, auc, data, mean_std, model_config, pmap, predict_rows, train_rows
 
 MODEL_ID = "online"
 
 
-def stream(s: Settings):
+def stream(s: EvalSettings):
     """``(data, batch rows, online rows)`` in time order."""
     d = data(s, s.online_limit)
     cut = int(len(d) * s.online_batch_fraction)
@@ -59,7 +59,7 @@ def _save(root: Path, model: SparseModel, version: int, max_t: int) -> Path:
                           _manifest(version, max_t), keep=1)
 
 
-def _restore(s: Settings, seed: int, root: Path) -> tuple[SparseModel, Scorer, dict]:
+def _restore(s: EvalSettings, seed: int, root: Path) -> tuple[SparseModel, Scorer, dict]:
     """Trainer restored from a snapshot (tables with optimizer state, head, dense optimizer) and a
     serving Scorer bootstrapped from the same snapshot."""
     cfg = model_config(s, seed, MODEL_ID)
@@ -71,7 +71,7 @@ def _restore(s: Settings, seed: int, root: Path) -> tuple[SparseModel, Scorer, d
     return model, Scorer(cfg, serve_tables, head_state), manifest
 
 
-def batch_phase(s: Settings, seed: int, work: Path) -> dict:
+def batch_phase(s: EvalSettings, seed: int, work: Path) -> dict:
     """Batch-train on the first part, snapshot it, and score the rest with the frozen model."""
     d, brows, orows = stream(s)
     model = SparseModel(model_config(s, seed, MODEL_ID))
@@ -111,7 +111,7 @@ class _Sync:
         return {"bytes": n_bytes, "rows": n_rows}
 
 
-def online_run(s: Settings, seed: int, n_shards: int, snap: Path, start: int = 0,
+def online_run(s: EvalSettings, seed: int, n_shards: int, snap: Path, start: int = 0,
                save_before: dict[int, Path] | None = None) -> dict:
     """Algorithm 1 over shards ``start ..`` of the online part, from snapshot ``snap``."""
     d, _, orows = stream(s)
@@ -148,7 +148,7 @@ def shard_aucs(scores: np.ndarray, labels: np.ndarray, n_shards: int) -> list[fl
     return [auc(scores[i], labels[i]) for i in idx]
 
 
-def _batch_all(s: Settings, work: Path) -> dict[int, dict]:
+def _batch_all(s: EvalSettings, work: Path) -> dict[int, dict]:
     """The batch phase per seed, once per (settings, work dir) in this process."""
     key = (s, str(work))
     cache = _BATCH_CACHE.setdefault(key, {})
@@ -161,7 +161,7 @@ def _batch_all(s: Settings, work: Path) -> dict[int, dict]:
 _BATCH_CACHE: dict[tuple, dict[int, dict]] = {}
 
 
-def run(s: Settings, work: Path) -> dict:
+def run(s: EvalSettings, work: Path) -> dict:
     d, brows, orows = stream(s)
     labels = d.label[orows]
     batch = _batch_all(s, work)
@@ -206,7 +206,7 @@ def run(s: Settings, work: Path) -> dict:
 
 # -------------------------------------------------------------------------------- staleness
 
-def stale_baseline(s: Settings, seed: int, snap: Path, work: Path) -> dict:
+def stale_baseline(s: EvalSettings, seed: int, snap: Path, work: Path) -> dict:
     n, f = s.stale_shards, s.stale_shards // 2
     saves = {f - k: work / f"seed{seed}" / f"stale-k{k}" for k in s.stale_k if 0 <= f - k}
     r = online_run(s, seed, n, snap, save_before=saves)
@@ -214,7 +214,7 @@ def stale_baseline(s: Settings, seed: int, snap: Path, work: Path) -> dict:
     return r
 
 
-def stale_failure(s: Settings, seed: int, k: int, work: Path) -> dict:
+def stale_failure(s: EvalSettings, seed: int, k: int, work: Path) -> dict:
     f = s.stale_shards // 2
     r = online_run(s, seed, s.stale_shards, work / f"seed{seed}" / f"stale-k{k}", start=f)
     r.pop("scores")
@@ -222,7 +222,7 @@ def stale_failure(s: Settings, seed: int, k: int, work: Path) -> dict:
     return r
 
 
-def run_staleness(s: Settings, work: Path) -> dict:
+def run_staleness(s: EvalSettings, work: Path) -> dict:
     warnings.filterwarnings("ignore", message="Mean of empty slice")
     batch = _batch_all(s, work)
     n, f = s.stale_shards, s.stale_shards // 2

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import Settings, pmap, replace
+from .common import EvalSettings, pmap
 
-#: candidate collisions settings (overrides of ``Settings``), one seed each, on validation
+#: candidate collisions settings (overrides of ``EvalSettings``), one seed each, on validation
 COLL_GRID: tuple[dict, ...] = (
     *({"coll_sparse_lr": lr} for lr in (0.05, 0.02, 0.01, 0.005, 0.003, 0.002)),
     *({"coll_sparse_lr": lr, "coll_dense_lr": 1e-4} for lr in (0.05, 0.02, 0.01, 0.005)),
@@ -42,36 +42,36 @@ DEEPFM_BATCHES = (64, 1024)
 DEEPFM_LRS = (0.02, 0.05, 0.1, 0.2)
 
 
-def coll_grid(s: Settings) -> list[dict]:
+def coll_grid(s: EvalSettings) -> list[dict]:
     return list(COLL_GRID) if s.name == "full" else [{"coll_sparse_lr": 0.05}, {"coll_sparse_lr": 0.005}]
 
 
-def _coll_candidate(s: Settings, ov: dict, seed: int) -> dict:
+def _coll_candidate(s: EvalSettings, ov: dict, seed: int) -> dict:
     from . import collisions
 
-    c = replace(s, **ov)
+    c = s.model_copy(update=dict(**ov))
     r = collisions.run_one(c, "collisionless", seed, None, validation=True)
     return {"overrides": ov, "seed": seed, "val_auc": r["test_auc"], "criterion": float(np.mean(r["test_auc"]))}
 
 
-def tuning_stream(s: Settings) -> Settings:
-    """Settings whose baselines stream is the tuning stream (right after the reported one)."""
-    return replace(s, base_offset=s.base_offset + (s.base_limit or 0), base_limit=s.tune_base_limit)
+def tuning_stream(s: EvalSettings) -> EvalSettings:
+    """EvalSettings whose baselines stream is the tuning stream (right after the reported one)."""
+    return s.model_copy(update=dict(base_offset=s.base_offset + (s.base_limit or 0), base_limit=s.tune_base_limit))
 
 
-def _base_candidate(s: Settings, what: str, batch: int, lr: float) -> dict:
+def _base_candidate(s: EvalSettings, what: str, batch: int, lr: float) -> dict:
     from . import baselines
 
     t = tuning_stream(s)
     baselines._warm_up(t)
     if what == "river":
-        r = baselines.run_river(replace(t, river_lr=lr), "lr")
+        r = baselines.run_river(t.model_copy(update=dict(river_lr=lr)), "lr")
     elif what == "driftline_lr":
-        r = baselines.run_driftline(replace(t, base_lr_lr=lr), 0, "lr", batch)
+        r = baselines.run_driftline(t.model_copy(update=dict(base_lr_lr=lr)), 0, "lr", batch)
     elif what == "driftline_lr_sequential":
-        r = baselines.run_driftline(replace(t, base_lr_seq_lr=lr), 0, "lr_sequential", batch)
+        r = baselines.run_driftline(t.model_copy(update=dict(base_lr_seq_lr=lr)), 0, "lr_sequential", batch)
     else:
-        r = baselines.run_driftline(replace(t, base_sparse_lr=lr), 0, "deepfm", batch)
+        r = baselines.run_driftline(t.model_copy(update=dict(base_sparse_lr=lr)), 0, "deepfm", batch)
     return {"model": what, "batch_size": batch, "lr": lr, "auc": r["auc"], "ex_per_s": r["ex_per_s"]}
 
 
@@ -79,7 +79,7 @@ def _best(rows: list[dict], key: str) -> dict:
     return max(rows, key=lambda r: -np.inf if r[key] is None or np.isnan(r[key]) else r[key])
 
 
-def run(s: Settings) -> dict:
+def run(s: EvalSettings) -> dict:
     seed = s.seeds[0]
     grid = coll_grid(s)
     tasks = [(s, ov, seed) for ov in grid]
@@ -93,7 +93,7 @@ def run(s: Settings) -> dict:
     coll = pmap(_coll_candidate, tasks, s.workers, "tune collisions")
     base = pmap(_base_candidate, btasks, s.workers, "tune baselines")
     best = _best(coll, "criterion")
-    chosen = {k: getattr(replace(s, **best["overrides"]), k) for k in COLL_KEYS}
+    chosen = {k: getattr(s.model_copy(update=dict(**best["overrides"])), k) for k in COLL_KEYS}
     used = {k: getattr(s, k) for k in COLL_KEYS}
     t = tuning_stream(s)
     out: dict = {

@@ -36,7 +36,10 @@ example_ids it has written and its own input offsets in RocksDB (``<var>/example
 Ids are pruned once their event time is ``dedup_horizon_s`` behind the dedup clock (the
 (k+1)-th newest distinct example time written, k = ``joiner.watermark_outliers``, so one
 far-future example cannot make it forget every id; :func:`default_dedup_horizon_s`: beyond the
-joiner's maximum re-emission distance), so the state stays bounded; an example older than the
+joiner's maximum re-emission distance) *as the clock stood* ``dedup_min_wall_s`` *of wall time
+ago* (copies that come back through producer retries, restarts or serving's re-ship after a
+broker reset are bounded in wall time, and a fast replay moves event time by hours a second), so
+the state stays bounded; an example older than the
 horizon is written without a dedup guarantee and counted (``beyond_horizon``). A flush writes
 each file to a temp name, fsyncs and renames it, *then* commits ids + offsets + the flush
 sequence number in one atomic batch.
@@ -93,6 +96,7 @@ _I64 = struct.Struct("<q")
 
 
 _TS = struct.Struct(">Q")
+_NO_PRUNE = -(1 << 62)
 
 
 def default_dedup_horizon_s(settings: Settings) -> float:
@@ -215,6 +219,11 @@ class _Dumper:
         raw_max = store.get(b"maxt")  # (a store from before the outlier-robust clock)
         self.clock = Watermark.decode(store.get(b"clock"), settings.joiner.watermark_outliers,
                                       _I64.unpack(raw_max)[0] if raw_max else 0)
+        #: (wall ms, clock value) at each flush of the last dedup_min_wall_s, plus the newest older
+        #: one: the clock pruning goes by is the one that newest older entry saw
+        self.min_wall_ms = int(settings.dumper.dedup_min_wall_s * 1000)
+        raw_hist = store.get(b"clockhist")
+        self.clock_history = np.frombuffer(raw_hist, "<i8").reshape(-1, 2).tolist() if raw_hist else []
         self.buffered: dict[Path, list[pa.Table]] = defaultdict(list)  # rows of each hour's next file
         self.buffered_ids: dict[str, int] = {}  # example_id -> event time
         self.positions: dict[TopicPartition, int] = {}
@@ -233,6 +242,18 @@ class _Dumper:
             self.buffered_ids = ids
             self.seq = top - 1  # _commit writes seq + 1
             self._commit({}, write_files=False)
+
+    def _prune_clock(self) -> int:
+        """The dedup clock as it stood ``dedup_min_wall_s`` ago; while the history does not reach
+        back that far (a fresh state), a clock below every event time: nothing is pruned yet."""
+        now = int(time.time() * 1000)
+        hist = self.clock_history
+        hist.append([now, self.clock.value])
+        old = [i for i, (wall, _) in enumerate(hist) if wall <= now - self.min_wall_ms]
+        if not old:
+            return _NO_PRUNE
+        del hist[:old[-1]]  # keep the newest entry old enough and what came after it
+        return hist[0][1]
 
     async def take(self, r: object) -> None:
         """One record: decoded, deduplicated, its rows buffered by their hour's file. Raises
@@ -335,9 +356,9 @@ class _Dumper:
                 self.totals["files"] += 1
         for t in self.buffered_ids.values():
             self.clock.observe(t)
-        # Forget the ids the horizon has passed (nothing re-emits them any more), those of this
-        # flush included.
-        cutoff = self.clock.value - self.horizon_ms
+        # Forget the ids the horizon had passed dedup_min_wall_s ago (nothing re-emits them any
+        # more), those of this flush included.
+        cutoff = self._prune_clock() - self.horizon_ms
         for eid, t in self.buffered_ids.items():
             if t < cutoff:
                 self.totals["pruned_ids"] += 1
@@ -354,6 +375,7 @@ class _Dumper:
             self.prune_floor = cutoff
         changes[b"seq"] = _I64.pack(seq)
         changes[b"clock"] = self.clock.encode()
+        changes[b"clockhist"] = np.asarray(self.clock_history, "<i8").tobytes()
         self.store.write(changes)
         self.buffered.clear()
         self.buffered_ids.clear()

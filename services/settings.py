@@ -20,7 +20,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import AliasChoices, BaseModel, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -147,6 +147,11 @@ class DumperSettings(BaseModel):
     # Event-time seconds a written example id is remembered for de-duplication; None: derived
     # from the joiner's windows (joiner.dumper.default_dedup_horizon_s).
     dedup_horizon_s: float | None = None
+    # ... and wall seconds at least: copies that come back through wall-clock processes (producer
+    # retries, restarts, serving's re-ship after a broker reset: serving.spool_retention_s) are
+    # bounded in wall time, not in event time, and a fast replay crosses the event-time horizon
+    # in well under a second.
+    dedup_min_wall_s: float = 900.0
 
 
 class TrainerSettings(BaseModel):
@@ -196,13 +201,10 @@ class ServingSettings(BaseModel):
     # Seconds between reconnect attempts of the feature-log producer while Kafka is down.
     kafka_retry_s: float = 2.0
     # "fm" (built-in FM), a trainer model name ("deepfm", "lr") or a ModelConfig JSON path;
-    # None means the trainer's model.
+    # None means the trainer's model (Settings.serving_model). The newest snapshot under
+    # Settings.snapshot_root bootstraps it.
     model: str | None = None
     model_id: str = "deepfm"
-    # Where the trainer writes snapshots (None: <var_dir>/snapshots); the newest bootstraps serving.
-    snapshot_dir: Path | None = None
-    # The rate the joiner kept negatives at, for log-odds correction (None: the joiner's; 1: off).
-    negative_sample_rate: float | None = None
     # Embedding dimension of the built-in FM model.
     embedding_dim: int = 8
     redis_prefix: str = "driftline"
@@ -227,6 +229,67 @@ class StatusSettings(BaseModel):
     rate_window_s: float = 10.0
     # "name=url" or "url" entries; empty means every service `make up` runs (services.stack).
     targets: list[str] = Field(default_factory=list)
+
+
+class EvalSettings(BaseModel):
+    """``driftline eval``: everything an experiment reads (``evaluation/``). These defaults are
+    what docs/results.* come from; ``evaluation.common.smoke()`` shrinks them for the tests."""
+
+    model_config = ConfigDict(frozen=True)
+
+    """Everything an experiment reads; ``full()`` is what docs/results.* come from."""
+
+    name: str = "full"
+    dataset: str = "ml-1m"
+    data_dir: str = "var/data"
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+    workers: int = 2
+    # model (one DeepFM for every experiment)
+    dim: int = 16
+    mlp: tuple[int, ...] = (128, 64)
+    sparse_lr: float = 0.05
+    batch_size: int = 1024
+    # collisions
+    coll_limit: int | None = None          # first N ratings in time order (None: all)
+    coll_test_fraction: float = 0.1
+    coll_epochs: int = 10
+    coll_user_rate: float = 0.0773         # the paper's ml-25m rates
+    coll_item_rate: float = 0.0286
+    coll_harsh_factor: float = 4.0         # harsher arm: this many times the paper's rates
+    #: seeds of the collisions runs (None: ``seeds``); ten because a run is cheap (ids only) and the
+    #: effect at the paper's rates is small next to seed noise, so its std needs a firmer estimate
+    coll_seeds: tuple[int, ...] | None = tuple(range(10))
+    # the collisions DeepFM (its own model: see collisions.py for why it differs from the others)
+    coll_slots: tuple[str, ...] = ("user_id", "item_id")
+    coll_dim: int = 16
+    coll_mlp: tuple[int, ...] = (128, 64)
+    coll_sparse_lr: float = 0.005
+    coll_init_acc: float = 0.0             # Adagrad initial_accumulator_value of the sparse tables
+    coll_dense_lr: float = 1e-3
+    coll_val_fraction: float = 0.1         # tuning: the last share of the train part is the validation set
+    # online (Algorithm 1)
+    online_limit: int | None = None
+    online_batch_fraction: float = 0.7
+    online_batch_epochs: int = 1
+    online_shards: tuple[int, ...] = (10, 50, 100)
+    # staleness
+    stale_shards: int = 50
+    stale_k: tuple[int, ...] = (0, 1, 5, 10)  # k = 0: restore only (control)
+    # baselines
+    base_limit: int | None = 300_000
+    base_offset: int = 0
+    base_batch_size: int = 64              # online mini-batch for the from-scratch stream
+    base_sparse_lr: float = 0.05           # DeepFM's sparse Adagrad lr on the stream (tuned: evaluation/tune.py)
+    river_lr: float = 0.1                  # River LR's SGD lr (tuned)
+    base_lr_lr: float = 0.3                # driftline LR's Adagrad lr (tuned)
+    base_lr_batch: int = 32                # driftline LR's mini-batch in the model-matched comparison
+    #: driftline LR's speed/quality curve: (mini-batch, Adagrad lr tuned for it)
+    base_lr_curve: tuple[tuple[int, float], ...] = ((32, 0.3), (64, 0.3), (128, 0.3), (256, 0.3), (1024, 0.2), (4096, 0.3))
+    #: driftline's sequential LR (ModelConfig.sequential: per-example updates inside each mini-batch)
+    base_lr_seq_batch: int = 1024
+    base_lr_seq_lr: float = 0.3            # its Adagrad lr (tuned)
+    tune_base_limit: int = 100_000         # the tuning stream: this many ratings right after the reported one
+    hashed_buckets: int = 1 << 13
 
 
 class Settings(BaseSettings):
@@ -267,6 +330,7 @@ class Settings(BaseSettings):
     trainer: TrainerSettings = TrainerSettings()
     serving: ServingSettings = ServingSettings()
     status: StatusSettings = StatusSettings()
+    eval: EvalSettings = EvalSettings()
 
     @property
     def bootstrap_servers(self) -> str:
@@ -286,6 +350,31 @@ class Settings(BaseSettings):
     def snapshot_root(self) -> Path:
         """Where the trainer writes snapshots (one folder per model id) and serving finds them."""
         return self.trainer.snapshot_dir or self.var_dir / "snapshots"
+
+    @property
+    def serving_model(self) -> str:
+        """The model serving runs: its own setting, else the trainer's."""
+        return self.serving.model or self.trainer.model
+
+    @property
+    def serving_spool_dir(self) -> Path:
+        """The replica's feature-log spool: one per port, found again by a restart.
+
+        >>> Settings(var_dir=Path("v")).updated(serving={"port": 8001}).serving_spool_dir
+        PosixPath('v/serving/spool-8001')
+        """
+        return self.serving.spool_dir or self.var_dir / "serving" / f"spool-{self.serving.port}"
+
+    @property
+    def served_sample_rate(self) -> float:
+        """The rate the joiner keeps negatives of the served model's slice at (its
+        ``slice_sample_rates`` entry for ``serving.model_id``, else its default): what serving's
+        log-odds correction divides by.
+
+        >>> Settings().updated(joiner={"slice_sample_rates": {"deepfm": 0.1}}).served_sample_rate
+        0.1
+        """
+        return self.joiner.slice_sample_rates.get(self.serving.model_id, self.joiner.negative_sample_rate)
 
     def updated(self, **sections: dict) -> Settings:
         """A copy with some fields of the named sections replaced: how code that runs a service

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 
 from serving.app import create_app
-from serving.options import ServingOptions
 from services.log import setup_logging
 from services.settings import get_settings
 from services.uvicorn_server import serve
@@ -23,14 +22,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default=settings.serving.host)
     parser.add_argument("--port", type=int, default=settings.serving.port)
     args = parser.parse_args(argv)
-    opts = ServingOptions.from_settings(settings, port=args.port)
+    settings = settings.updated(serving={"host": args.host, "port": args.port})
     setup_logging("serving", settings.log_level)
     # One request's tensors are small: intra-op threads only contend with the event loop and
     # other replicas. Scale out with processes (one per core), not torch threads.
     import torch
 
     torch.set_num_threads(1)
-    app = create_app(settings, opts)
+    app = create_app(settings)
     # uvicorn reports a failed start-up (e.g. the spool is locked by another replica) by exiting
     # the server without serving; the log says why.
     return 0 if serve(app, args.host, args.port, settings.log_level) else 3

@@ -44,7 +44,6 @@ from serving.deltas import DeltaFeed
 from serving.feature_log import FeatureLogEncoder, FeatureLogger, FeatureLogTooLarge, features_message
 from serving.feature_store import FeatureStore, FeatureStoreError, RankFeatures
 from serving.model import FMModel, ServingModel, TrainerModel, warm_up
-from serving.options import ServingOptions
 from serving.realtime import RecentClicks
 from serving.schemas import (ActionsRequest, ActionsResponse, Health, ModelVersionOut,
                              RankRequest, RankResponse, Readiness)
@@ -58,21 +57,21 @@ log = logging.getLogger(__name__)
 class Serving:
     """Everything one serving replica holds; built by the lifespan, reachable as app.state.serving."""
 
-    def __init__(self, settings: Settings, options: ServingOptions, model: ServingModel | None = None) -> None:
+    def __init__(self, settings: Settings, model: ServingModel | None = None) -> None:
         self.settings = settings
-        self.options = options
+        self.options = options = settings.serving
         self.model: ServingModel
         if model is not None:
             self.model = model
-        elif options.model == "fm":
+        elif settings.serving_model == "fm":
             self.model = FMModel(dim=options.embedding_dim, model_id=options.model_id)
         else:
-            self.model = TrainerModel(options.model)
+            self.model = TrainerModel(settings.serving_model)
         self.store = FeatureStore(settings.redis, options.redis_prefix, options.recent_clicks)
         self.epochs = SharedEpoch(settings)
-        self.feature_log = FeatureLogger(settings, options, self.epochs)
+        self.feature_log = FeatureLogger(settings, self.epochs)
         self.log_encoder = FeatureLogEncoder()
-        self.deltas = DeltaFeed(settings, self.model, options.snapshot_dir, options.kafka_retry_s,
+        self.deltas = DeltaFeed(settings, self.model, settings.snapshot_root, options.kafka_retry_s,
                                 epochs=self.epochs)
         self.realtime = RecentClicks(settings, self.store, options.click_actions, options.realtime_group_id,
                                      retry_s=options.kafka_retry_s, epochs=self.epochs)
@@ -137,13 +136,11 @@ class _Metrics:
             metrics.LATENCY.labels(endpoint).observe(time.perf_counter() - started)
 
 
-def create_app(settings: Settings, options: ServingOptions | None = None,
-               model: ServingModel | None = None) -> FastAPI:
-    opts = options if options is not None else ServingOptions.from_settings(settings)
+def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        serving = Serving(settings, opts, model)
+        serving = Serving(settings, model)
         app.state.serving = serving
         await serving.start()
         try:
@@ -216,7 +213,7 @@ def create_app(settings: Settings, options: ServingOptions | None = None,
             item_slots.append(slots)
         version = s.version()  # read before scoring: the served version is at least this one
         raw = s.model.score(user_slots, item_slots)
-        scores = correct(raw, s.options.negative_sample_rate)
+        scores = correct(raw, s.settings.served_sample_rate)
         order = np.argsort(-scores, kind="stable").tolist()
         metrics.CANDIDATES.observe(n)
 

@@ -37,7 +37,6 @@ from services.settings import Settings
 from serving import metrics
 from serving.background import cancel_and_wait, raise_if_cancelled
 from serving.broker_epoch import SharedEpoch
-from serving.options import ServingOptions
 from serving.spool import Entry, Spool
 
 log = logging.getLogger(__name__)
@@ -128,9 +127,8 @@ _PERMANENT = (MessageSizeTooLargeError, RecordTooLargeError)
 class FeatureLogger:
     """Spools FeatureLogs on :meth:`submit` and ships them to Kafka in the background."""
 
-    def __init__(self, settings: Settings, options: ServingOptions, epochs: SharedEpoch,
-                 service: str = "serving") -> None:
-        assert options.spool_dir is not None, "ServingOptions.from_settings resolves the spool dir"
+    def __init__(self, settings: Settings, epochs: SharedEpoch, service: str = "serving") -> None:
+        options = settings.serving
         self.settings = settings
         self.topic = settings.topics.features
         self.max_bytes = options.feature_log_max_bytes
@@ -139,7 +137,7 @@ class FeatureLogger:
         self.drain_timeout_s = options.spool_drain_timeout_s
         self.service = service
         self.epochs = epochs
-        self.spool = Spool(options.spool_dir, options.spool_max_bytes, sync=options.spool_sync,
+        self.spool = Spool(settings.serving_spool_dir, options.spool_max_bytes, sync=options.spool_sync,
                            retention_s=options.spool_retention_s)
         self.producer: AIOKafkaProducer | None = None
         self.shipped = 0

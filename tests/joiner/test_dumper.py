@@ -90,7 +90,8 @@ async def test_dumper_prunes_ids_beyond_the_dedup_horizon(settings: Settings) ->
     first = [ex(i, t0 + i * hour // 10) for i in range(100)]
     await produce(settings, batches(settings.topics.examples, first, 10))
     root = settings.var_dir / "examples"
-    totals = await dumper.run(settings.updated(dumper=dict(flush_rows=10, dedup_horizon_s=7200)), until_idle_s=1.0)
+    pruning_now = dict(dedup_horizon_s=7200, dedup_min_wall_s=0)  # the event-time rule alone
+    totals = await dumper.run(settings.updated(dumper=dict(flush_rows=10, **pruning_now)), until_idle_s=1.0)
     assert totals["examples"] == 100
     # The dedup clock: the (k+1)-th newest distinct example time (one far-future example
     # cannot make it forget every id).
@@ -105,8 +106,43 @@ async def test_dumper_prunes_ids_beyond_the_dedup_horizon(settings: Settings) ->
         store.close()
     # Duplicates within the horizon are still dropped; one beyond it is written again (counted).
     await produce(settings, batches(settings.topics.examples, [first[99], first[90], first[0]], 3))
-    totals = await dumper.run(settings.updated(dumper=dict(dedup_horizon_s=7200)), until_idle_s=1.0)
+    totals = await dumper.run(settings.updated(dumper=pruning_now), until_idle_s=1.0)
     assert totals["duplicates"] == 2 and totals["examples"] == 1 and totals["beyond_horizon"] == 1
+
+
+async def test_dedup_remembers_ids_for_a_wall_time_minimum(settings: Settings, monkeypatch) -> None:
+    """A fast replay moves event time by hours a second, so copies that come back through
+    wall-clock processes (producer retries, restarts, serving's re-ship after a broker reset)
+    can land far behind the event-time horizon: an id is remembered for dedup_min_wall_s of wall
+    time after its flush whatever its event time, then the event-time horizon applies."""
+    from proto import Example
+
+    await create_topics(settings)
+    hour, t0 = 3_600_000, 1_700_000_000_000
+
+    def ex(i: int) -> tuple[str, bytes, bytes]:
+        e = Example(example_id=f"w/{i}", request_id="w", item_id=i, user_id=1, event_time_ms=t0 + i * hour,
+                    sample_rate=1.0)
+        return batches(settings.topics.examples, [e])[0]  # a record of one example
+
+    # 100 hours of event time in one stream, horizon 2 hours: most ids are beyond it at once.
+    await produce(settings, [ex(i) for i in range(100)])
+    s = settings.updated(dumper=dict(flush_rows=10, dedup_horizon_s=7200, dedup_min_wall_s=900))
+    totals = await dumper.run(s, until_idle_s=1.0)
+    assert totals["examples"] == 100 and totals["pruned_ids"] == 0
+    await produce(settings, [ex(0), ex(50), ex(99)])  # re-delivered seconds later
+    totals = await dumper.run(s, until_idle_s=1.0)
+    assert totals["duplicates"] == 3 and totals["examples"] == 0
+    # A quarter of an hour later the ids behind the horizon (as the clock stood then) are forgotten.
+    real = dumper.time.time
+    monkeypatch.setattr(dumper.time, "time", lambda: real() + 1000)
+    await produce(settings, [ex(100)])
+    totals = await dumper.run(s, until_idle_s=1.0)
+    assert totals["examples"] == 1 and totals["pruned_ids"] > 90
+    await produce(settings, [ex(0), ex(99)])
+    totals = await dumper.run(s, until_idle_s=1.0)
+    assert totals["duplicates"] == 1 and totals["examples"] == 1 and totals["beyond_horizon"] == 1
+    assert dumper.read_examples(settings.var_dir / "examples").num_rows == 102
 
 
 class _Crash(Exception):

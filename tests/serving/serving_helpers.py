@@ -18,7 +18,6 @@ from fastapi import FastAPI
 from proto import ParameterDelta
 from proto.parameter_delta_pb2 import DenseParameters, SparseRows, Tensor
 from serving.feature_store import FeatureStore
-from serving.options import ServingOptions
 from services.embedded import free_port
 from services.kafka import create_topics, producer, start_client
 from services.settings import Settings
@@ -65,16 +64,17 @@ def serving_settings(settings: Settings, redis_url: str) -> Settings:
 
 
 @pytest.fixture
-def options(serving_settings: Settings, tmp_path: Path) -> ServingOptions:
-    opts = ServingOptions.from_settings(serving_settings)
-    return opts.model_copy(update=dict(model="fm", redis_prefix=f"t{time.time_ns()}", snapshot_dir=tmp_path / "snapshots",
-                                       kafka_retry_s=0.5, embedding_dim=4))
+def options(serving_settings: Settings, tmp_path: Path) -> Settings:
+    """The serving settings of a test replica: the built-in FM, its own Redis prefix."""
+    return serving_settings.updated(
+        serving=dict(model="fm", redis_prefix=f"t{time.time_ns()}", kafka_retry_s=0.5, embedding_dim=4),
+        trainer=dict(snapshot_dir=tmp_path / "snapshots"))
 
 
 @pytest.fixture
-def filled_store(serving_settings: Settings, options: ServingOptions) -> ServingOptions:
+def filled_store(options: Settings) -> Settings:
     async def fill() -> None:
-        store = FeatureStore(serving_settings.redis, options.redis_prefix)
+        store = FeatureStore(options.redis, options.serving.redis_prefix)
         await store.put(USERS, ITEMS)
         await store.close()
 

@@ -9,7 +9,7 @@ import pytest
 
 
 @pytest.mark.parametrize("name", ["serving.model", "serving.correction", "serving.feature_store",
-                                  "serving.feature_log", "serving.spool", "serving.options"])
+                                  "serving.feature_log", "serving.spool"])
 def test_docstring_examples(name: str) -> None:
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

@@ -10,7 +10,6 @@ import httpx
 
 from proto import Action, FeatureLog
 from serving.app import create_app
-from serving.options import ServingOptions
 from services.kafka import TypedConsumer
 from services.settings import Settings
 
@@ -33,8 +32,8 @@ async def _read(settings: Settings, topic: str, message_type: type, n: int, time
     return out
 
 
-def test_event_time_bounds_sizes_and_extreme_ids(serving_settings: Settings, filled_store: ServingOptions) -> None:
-    app = create_app(serving_settings, filled_store)
+def test_event_time_bounds_sizes_and_extreme_ids(serving_settings: Settings, filled_store: Settings) -> None:
+    app = create_app(filled_store)
     bounds = serving_settings.event_time
     with running(app) as base:
         wait_ready(base)
@@ -81,8 +80,8 @@ def test_event_time_bounds_sizes_and_extreme_ids(serving_settings: Settings, fil
         r = post("/rank", big)
         assert r.status_code == 413, r.text
         message = r.json()["message"]
-        assert f"over the limit of {filled_store.feature_log_max_bytes} bytes" in message
-        assert int(message.split(" is ")[1].split(" bytes")[0]) > filled_store.feature_log_max_bytes
+        assert f"over the limit of {filled_store.serving.feature_log_max_bytes} bytes" in message
+        assert int(message.split(" is ")[1].split(" bytes")[0]) > filled_store.serving.feature_log_max_bytes
         assert app.state.serving.feature_log.buffered <= pending
         assert 'driftline_serving_feature_log_refused_total{reason="too_large"} 1.0' in httpx.get(f"{base}/metrics").text
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import schemathesis
@@ -14,7 +13,6 @@ from hypothesis import HealthCheck, given, settings as hsettings
 
 from serving.app import create_app
 from serving.feature_store import FeatureStore
-from serving.options import ServingOptions
 from services.settings import Settings
 
 from serving_helpers import ITEMS, USERS, running, wait_ready
@@ -27,8 +25,7 @@ def api(broker, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
                  var_dir=tmp_path_factory.mktemp("fuzz"))
     for name in ("features", "actions", "examples", "param_deltas", "dead_letters"):
         setattr(s.topics, name, f"{name}-{suffix}")
-    opts = ServingOptions.from_settings(s).model_copy(update=dict(
-        redis_prefix=suffix, snapshot_dir=Path(s.var_dir) / "snapshots", kafka_retry_s=0.5, max_candidates=50))
+    s = s.updated(serving=dict(redis_prefix=suffix, kafka_retry_s=0.5, max_candidates=50))
 
     async def fill() -> None:
         store = FeatureStore(redis_url, suffix)
@@ -36,7 +33,7 @@ def api(broker, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
         await store.close()
 
     asyncio.run(fill())
-    with running(create_app(s, opts)) as base:
+    with running(create_app(s)) as base:
         wait_ready(base)
         yield schemathesis.openapi.from_url(f"{base}/openapi.json")
 

@@ -12,7 +12,6 @@ import pytest
 from proto import FeatureLog
 from serving.app import create_app
 from serving.model import FMModel
-from serving.options import ServingOptions
 from services.kafka import TypedConsumer
 from services.settings import Settings
 
@@ -34,8 +33,8 @@ async def read_feature_logs(settings: Settings, n: int, timeout: float = 20.0) -
     return out
 
 
-def test_rank_sorted_logged_and_deltas_change_scores(serving_settings: Settings, filled_store: ServingOptions) -> None:
-    app = create_app(serving_settings, filled_store)
+def test_rank_sorted_logged_and_deltas_change_scores(serving_settings: Settings, filled_store: Settings) -> None:
+    app = create_app(filled_store)
     with running(app) as base:
         ready = wait_ready(base)
         assert ready["model_version"]["sparse_version"] == 0
@@ -86,8 +85,8 @@ def test_rank_sorted_logged_and_deltas_change_scores(serving_settings: Settings,
     assert set(first.candidates[0].features.sparse) == {"item_id", "genres", "year"}
 
 
-def test_recent_clicks_from_actions(serving_settings: Settings, filled_store: ServingOptions) -> None:
-    app = create_app(serving_settings, filled_store)
+def test_recent_clicks_from_actions(serving_settings: Settings, filled_store: Settings) -> None:
+    app = create_app(filled_store)
     with running(app) as base:
         wait_ready(base)
         store = app.state.serving.store
@@ -131,9 +130,9 @@ async def _clicks(url: str, key: str) -> list[int]:
         ({"user_id": 2**64, "candidates": [{"item_id": 1}]}, "user_id"),
     ],
 )
-def test_rank_rejects_bad_input(serving_settings: Settings, filled_store: ServingOptions, body: dict, needle: str) -> None:
+def test_rank_rejects_bad_input(serving_settings: Settings, filled_store: Settings, body: dict, needle: str) -> None:
     # Validation is our logic only: the ASGI transport suffices (no lifespan needed to reject).
-    app = create_app(serving_settings, filled_store)
+    app = create_app(filled_store)
 
     async def go() -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
@@ -145,20 +144,19 @@ def test_rank_rejects_bad_input(serving_settings: Settings, filled_store: Servin
     assert needle in r.json()["message"] or needle in str(r.json()["detail"])
 
 
-def test_kafka_down_rank_answers_from_the_spool(redis_url: str, tmp_path, filled_store: ServingOptions,
+def test_kafka_down_rank_answers_from_the_spool(redis_url: str, tmp_path, filled_store: Settings,
                                                 serving_settings: Settings) -> None:
     """Kafka unreachable: /rank still answers (each feature log spooled, never blocking on Kafka)
     until the spool is full, then 503 with Retry-After; /actions is a 503 naming Kafka."""
     from services.embedded import free_port
 
-    down = serving_settings.model_copy(update={"kafka_bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    down = filled_store.model_copy(update={"kafka_bootstrap_servers": f"127.0.0.1:{free_port()}"})
     down.redis_url = redis_url
     # A snapshot is the model when Kafka is unreachable.
-    model = FMModel(dim=filled_store.embedding_dim)
+    model = FMModel(dim=filled_store.serving.embedding_dim)
     model.sparse.version, model.dense.version = 5, 2
-    model.save_snapshot(filled_store.snapshot_dir)
-    opts = filled_store.model_copy(update=dict(spool_max_bytes=20_000))
-    app = create_app(down, opts)
+    model.save_snapshot(filled_store.snapshot_root)
+    app = create_app(down.updated(serving=dict(spool_max_bytes=20_000)))
     with running(app) as base:
         ready = wait_ready(base, timeout=10)
         assert ready["model_version"]["sparse_version"] == 5 and not ready["feature_log_connected"]
@@ -178,13 +176,12 @@ def test_kafka_down_rank_answers_from_the_spool(redis_url: str, tmp_path, filled
         assert r.status_code == 503 and "Kafka" in r.text
 
 
-def test_not_ready_without_model(serving_settings: Settings, filled_store: ServingOptions) -> None:
+def test_not_ready_without_model(serving_settings: Settings, filled_store: Settings) -> None:
     """No snapshot and no reachable delta topic: /healthz is fine, /readyz and /rank say 503."""
     from services.embedded import free_port
 
-    down = serving_settings.model_copy(update={"kafka_bootstrap_servers": f"127.0.0.1:{free_port()}"})
-    down.redis_url = serving_settings.redis_url
-    app = create_app(down, filled_store)
+    down = filled_store.model_copy(update={"kafka_bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    app = create_app(down)
 
     async def go() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:

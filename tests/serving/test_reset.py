@@ -19,7 +19,6 @@ from serving.deltas import DeltaFeed
 from serving.feature_log import FeatureLogger
 from serving.feature_store import FeatureStore
 from serving.model import TrainerModel, parameters
-from serving.options import ServingOptions
 from serving.realtime import RecentClicks
 from services.kafka import create_topics, producer, start_client
 from services.settings import Settings
@@ -61,9 +60,8 @@ async def _until(predicate, timeout_s: float = 30.0, what: str = "") -> None:
 
 
 async def test_feature_log_reships_retained_logs_after_a_reset(settings: Settings, broker: Broker) -> None:
-    opts = ServingOptions.from_settings(settings).model_copy(update=dict(kafka_retry_s=0.2))
     epochs = SharedEpoch(settings)
-    log = FeatureLogger(settings, opts, epochs)
+    log = FeatureLogger(settings.updated(serving=dict(kafka_retry_s=0.2)), epochs)
     log.start()
     try:
         before = [f"before-{i}" for i in range(20)]

@@ -10,12 +10,13 @@
 * The two run in alternating rounds over the same batches in one process, so load from other
   jobs hits both; rates are medians over rounds and the ratio is the median of per-round ratios.
   Done with 2 torch threads (both cores) and with 1.
-* decode: Example bytes -> validated, deduplicated ``SparseBatch`` (what the online path pays per
-  batch: ``trainer.wire``), next to the protobuf-object path it replaced.
-* online: the same model trained from a real (embedded tansu) broker, compared with batch. The
-  examples are fetched by the trainer's loader process (``TrainerSettings.loader``; run with
-  ``DRIFTLINE_TRAINER__LOADER=inline`` for the trainer's own consumer); ``loader`` in the JSON.
-* freshness: live examples (event time = now, stamped as each is produced) -> their sparse delta
+* decode: example-batch records (:mod:`services.example_batch`, 1000 examples each) -> checked,
+  deduplicated ``SparseBatch`` (what the online path pays per batch), next to a per-example
+  protobuf-object path; ``record_bytes_per_example``: the records' bytes per example.
+* online: the same model trained from a real (embedded tansu) broker (example batches of 1000
+  per record, ``trainer.data.produce_examples``), compared with batch. The trainer's own consumer fetches (``loader`` in the JSON: ``inline``,
+  kept for comparison with older runs, which used a loader process).
+* freshness: live examples (event time = now, stamped as each tick's batches are produced) -> their sparse delta
   published (``OnlineTrainer.event_delays``: event time to publish, which here is the issue's
   "action as produced -> delta published"; ``sync_delay_seconds`` counts from arrival), sync every 1 s,
   measured after the consumer group joined and a warm-up (steady state; the first join on tansu
@@ -120,27 +121,39 @@ def bench_batch(data, cfg, threads):
 
 
 def bench_decode(data, cfg):
-    """Example bytes -> validated, deduplicated ``SparseBatch`` per second, one thread: the online
-    path (``trainer.wire``: one numba pass over a poll's bytes) and, for comparison, the protobuf
-    path it replaced (codec parse + validate, trainer checks, ``SparseBatch.from_examples``)."""
+    """Example-batch records -> checked, deduplicated ``SparseBatch`` per second, one thread: the
+    online path (``example_batch.decode``, ``trainer.ingest.refusals``, the dedup window,
+    ``example_batch.to_sparse_batch_arrays``) over records of 1000 examples, and, for comparison,
+    the per-example protobuf path (codec parse + validate, slot check, ``SparseBatch.from_examples``).
+    Also the bytes per example on the topic (the records' values)."""
+    from services import example_batch
     from services.codecs import codec_for
     from proto import Example
+    from trainer import ingest
     from trainer.batch import SparseBatch
-    from trainer.wire import DedupWindow, ExampleDecoder
+    from trainer.data import example_records
+    from trainer.dedup import DedupWindow, duplicates
 
-    raw = [e.SerializeToString() for e in data.examples(np.arange(8192))]
+    examples = data.examples(np.arange(8192))
+    records = [v for _, v in example_records(examples, [0], 1000)]
+    raw = [e.SerializeToString() for e in examples]
     codec = codec_for(Example)
     known = set(cfg.all_slots)
-    dec = ExampleDecoder(cfg.all_slots, cfg.label, cfg.dense_features)
-    dec.decode(raw[:4], DedupWindow(8))  # compile / load the numba cache
+    duplicates(DedupWindow(8), np.zeros((0, 2), np.uint64), example_batch.hash_ids(["a"]))  # numba cache
 
-    def wire_path():
+    def batch_path():
         window = DedupWindow(200_000)
-        for a in range(0, len(raw), 1024):
-            d = dec.decode(raw[a:a + 1024], window)
-            ids, offs = d.slot_arrays(cfg.all_slots)
-            SparseBatch(d.size, ids, offs, d.labels, d.event_time_ms, d.sample_rate, d.dense)
-            window.add_many(d.hashes)
+        for v in records:
+            c = example_batch.decode(v)
+            keep = ingest.refusals(c, known, cfg.label, cfg.dense_features, now_ms=2**62, max_future_ms=0) == 0
+            arrays = example_batch.to_sparse_batch_arrays([c], cfg.all_slots, cfg.label, cfg.dense_features)
+            h = arrays.pop("meta")["id_hash"]
+            rows = np.flatnonzero(keep)
+            rows = rows[~duplicates(window, np.zeros((0, 2), np.uint64), h[rows])]
+            b = SparseBatch(**arrays)
+            if rows.size < b.size:
+                b = b.select(rows)
+            window.add_many(h[rows])
 
     def protobuf_path():
         for a in range(0, len(raw), 1024):
@@ -149,17 +162,18 @@ def bench_decode(data, cfg):
             SparseBatch.from_examples(msgs, cfg.all_slots, cfg.label)
 
     best = {}
-    for name, f in (("wire", wire_path), ("protobuf", protobuf_path)):
+    for name, f in (("batch", batch_path), ("protobuf", protobuf_path)):
         for _ in range(3):
             t0 = time.perf_counter()
             f()
             best[name] = max(best.get(name, 0.0), len(raw) / (time.perf_counter() - t0))
-    return best["wire"], best["protobuf"]
+    return best["batch"], best["protobuf"], sum(map(len, records)) / len(examples)
 
 
 async def bench_online(data, cfg, bootstrap):
     from services.kafka import create_topics, producer, start_client
     from services.settings import Settings
+    from trainer.data import example_records
     from trainer.online import OnlineTrainer
 
     os.environ["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap
@@ -184,6 +198,7 @@ async def bench_online(data, cfg, bootstrap):
     join_s = time.monotonic() - t_join
     p = producer(s)
     await start_client(p, s)
+    partitions = sorted(await p.partitions_for(s.topics.examples))
     pos = 0
 
     async def produce_for(seconds):
@@ -195,7 +210,10 @@ async def bench_online(data, cfg, bootstrap):
             now = int(time.time() * 1000)
             for e in live[pos:pos + per_tick]:
                 e.event_time_ms = now
-                await p.send(s.topics.examples, e.SerializeToString(), key=str(e.user_id).encode())
+            # a tick's examples as example batches, one per partition (what a joiner batching its
+            # output every 50 ms sends)
+            for part, value in example_records(live[pos:pos + per_tick], partitions):
+                await p.send(s.topics.examples, value, partition=part)
             pos = (pos + per_tick) % (n_live - per_tick)
             await asyncio.sleep(max(0.0, tick - (time.monotonic() - t0)))
 
@@ -211,7 +229,7 @@ async def bench_online(data, cfg, bootstrap):
     d = np.array(tr2.event_delays)  # event time (= when produced) -> delta published
     fresh = {"p50": float(np.percentile(d, 50)), "p95": float(np.percentile(d, 95)), "max": float(d.max()),
              "n": int(d.size)} if d.size else {"p50": float("nan"), "p95": float("nan"), "max": float("nan"), "n": 0}
-    res["loader"] = tr.loader
+    res["loader"] = "inline"
     return online_rate, res, fresh, join_s
 
 
@@ -231,9 +249,10 @@ def main():
               f"  PS step ms {json.dumps(per_step)}", flush=True)
         out[threads] = (ps_rate, dense_rate, ratio, per_step)
     torch.set_num_threads(2)
-    decode_rate, decode_pb_rate = bench_decode(data, cfg)
-    print(f"decode (Example bytes -> SparseBatch, one thread) {decode_rate:,.0f} ex/s "
-          f"(protobuf objects, the path it replaced: {decode_pb_rate:,.0f} ex/s)", flush=True)
+    decode_rate, decode_pb_rate, record_bytes = bench_decode(data, cfg)
+    print(f"decode (example-batch records -> SparseBatch, one thread) {decode_rate:,.0f} ex/s "
+          f"(per-example protobuf objects: {decode_pb_rate:,.0f} ex/s); {record_bytes:.0f} bytes/example "
+          f"on the topic", flush=True)
     port = free_port()
     proc = subprocess.Popen(tansu_command("127.0.0.1", port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -255,6 +274,7 @@ def main():
         "batch_ex_per_s_1thread": round(out[1][0]), "dense_baseline_ex_per_s_1thread": round(out[1][1]),
         "batch_vs_dense_ratio_1thread": round(out[1][2], 3),
         "decode_ex_per_s": round(decode_rate), "decode_protobuf_ex_per_s": round(decode_pb_rate),
+        "record_bytes_per_example": round(record_bytes, 1),
         "online_ex_per_s": round(online_rate), "online_vs_batch_ratio": round(online_rate / batch_rate, 3),
         "loader": res["loader"],
         "freshness_p50_s": round(fresh["p50"], 3), "freshness_p95_s": round(fresh["p95"], 3),

@@ -1,5 +1,11 @@
 """``python -m joiner.dumper``: the ``examples`` topic -> Parquet files by event hour, each example once.
 
+Each ``examples`` record is one example batch (:mod:`services.example_batch`: an Arrow record
+batch); the dumper builds its Parquet tables from the decoded Arrow columns (:func:`flatten`,
+renaming ``label.x`` to ``label_x``, ``sparse.s`` to ``sparse_s``, ``dense.d`` to ``dense_d``),
+splits a batch's rows by UTC event hour with numpy and drops its duplicates with a mask: no
+per-example re-encoding. A record that does not decode is dead-lettered whole.
+
 Layout: ``<var>/examples/dt=YYYY-MM-DD/hour=HH/part-<seq>-<n>.parquet`` (UTC event hour of the
 impression). One row per example, flattened so a trainer reads columns with no per-row work:
 
@@ -14,9 +20,11 @@ event_time_ms          int64               impression event time, unix ms
 sample_rate            float32             negative-sampling keep rate (1.0 for positives);
                                            log-odds correction: p' = p / (p + (1 - p) / rate)
 model_id               string              the model that served the impression
-label_<name>           float32             one column per label (label_click, label_like, ...)
-sparse_<slot>          list<int64>         one column per sparse slot (context and candidate)
-dense_<name>           float32             one column per dense feature
+label_<name>           float32             one column per label (label_click, label_like, ...;
+                                           absent: 0.0)
+sparse_<slot>          list<int64>         one column per sparse slot (context and candidate; an
+                                           example without the slot: an empty list)
+dense_<name>           float32             one column per dense feature (absent: null)
 =====================  ==================  =====================================================
 
 Files of different flushes may have different ``sparse_*``/``dense_*`` column sets (new features
@@ -44,7 +52,8 @@ files are removed (a file that cannot be read is renamed ``*.unreadable`` and le
 broker reset (:mod:`joiner.offsets`: noticed before each flush commit and at start-up) keeps the
 files and the dedup state and drops only the input offsets: the new topic is read from its start.
 An example that decodes but cannot be written (an event time beyond the calendar) is
-dead-lettered (kind ``failed``) instead of stopping the dumper.
+dead-lettered (kind ``failed``, as a batch of the examples of its record that cannot be placed)
+instead of stopping the dumper; the rest of its record is written.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ import signal
 import struct
 import time
 from collections import defaultdict
+from types import SimpleNamespace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -70,7 +80,10 @@ from joiner.offsets import LEGACY_MARKER, OffsetBook
 from joiner.stores.rocksdb import RocksDBStore
 from joiner.watermark import Watermark
 from proto import Example
+from services import example_batch
 from services.atomic import write_parquet_atomic
+from services.example_batch import BadExampleBatch, ExampleColumns
+from services.example_rows import take
 from services import metrics, tansu_quirks
 from services.codecs import MalformedMessage, processing_failed
 from services.kafka import BrokerUnavailable, TypedConsumer, create_topics
@@ -103,42 +116,37 @@ def default_dedup_horizon_s(settings: Settings) -> float:
     return (js.window_seconds + js.allowed_lateness_seconds + retention + js.orphan_grace_seconds + 3600.0)
 
 
-def flatten(examples: list[Example], labels: list[str]) -> pa.Table:
-    """Examples -> one flat table (schema in the module doc)."""
-    n = len(examples)
-    cols: dict[str, list] = {
-        "example_id": [e.example_id for e in examples],
-        "request_id": [e.request_id for e in examples],
-        "item_id": [e.item_id for e in examples],
-        "user_id": [e.user_id for e in examples],
-        "event_time_ms": [e.event_time_ms for e in examples],
-        "sample_rate": [e.sample_rate for e in examples],
-        "model_id": [e.model_id for e in examples],
-    }
-    label_names = sorted(set(labels).union(*(e.labels.keys() for e in examples)))
-    sparse_names = sorted(set().union(*(e.features.sparse.keys() for e in examples)))
-    dense_names = sorted(set().union(*(e.features.dense.keys() for e in examples)))
-    for name in label_names:
-        cols[f"label_{name}"] = [e.labels.get(name, 0.0) for e in examples]
-    for name in sparse_names:
-        cols[f"sparse_{name}"] = [list(e.features.sparse[name].ids) if name in e.features.sparse else None
-                                  for e in examples]
-    for name in dense_names:
-        cols[f"dense_{name}"] = [e.features.dense[name] if name in e.features.dense else None for e in examples]
-    types = {"item_id": pa.int64(), "user_id": pa.int64(), "event_time_ms": pa.int64(),
-             "sample_rate": pa.float32()}
-    arrays = {}
-    for k, v in cols.items():
-        if k in types:
-            t = types[k]
-        elif k.startswith(("label_", "dense_")):
-            t = pa.float32()
-        elif k.startswith("sparse_"):
-            t = pa.list_(pa.int64())
-        else:
-            t = pa.string()
-        arrays[k] = pa.array(v, type=t, size=n)
-    return pa.table(arrays)
+def flatten(c: ExampleColumns, labels: list[str]) -> pa.Table:
+    """A decoded example batch -> one flat table (schema in the module doc), from its Arrow columns
+    (no per-example work): ``label.x`` -> ``label_x`` (every label of ``labels`` present, an absent
+    label is 0.0), ``sparse.s`` -> ``sparse_s``, ``dense.d`` -> ``dense_d`` (absent: null).
+
+    >>> import numpy as np
+    >>> from services.example_batch import decode, encode
+    >>> c = ExampleColumns(["r/1", "r/2"], ["r", "r"], np.array([1, 2]), np.array([9, 9]), np.array([5, 6]),
+    ...                    np.ones(2, np.float32), ["m", "m"], labels={"click": np.array([1, np.nan], np.float32)},
+    ...                    sparse={"genre": (np.array([7, 8]), np.array([0, 2, 2]))},
+    ...                    dense={"pop": np.array([0.5, np.nan], np.float32)})
+    >>> t = flatten(decode(encode(c)), ["click", "like"])
+    >>> t.column_names
+    ['example_id', 'request_id', 'item_id', 'user_id', 'event_time_ms', 'sample_rate', 'model_id', 'label_click', 'label_like', 'sparse_genre', 'dense_pop']
+    >>> t["label_click"].to_pylist(), t["sparse_genre"].to_pylist(), t["dense_pop"].to_pylist()
+    ([1.0, 0.0], [[7, 8], []], [0.5, None])
+    """
+    n = c.size
+    strings = lambda v: v.arrow if hasattr(v, "arrow") else pa.array(list(v), pa.string())  # noqa: E731
+    cols = {"example_id": strings(c.example_ids), "request_id": strings(c.request_ids),
+            "item_id": pa.array(np.asarray(c.item_id, np.int64)), "user_id": pa.array(np.asarray(c.user_id, np.int64)),
+            "event_time_ms": pa.array(np.asarray(c.event_time_ms, np.int64)),
+            "sample_rate": pa.array(np.asarray(c.sample_rate, np.float32)), "model_id": strings(c.model_ids)}
+    for name in sorted(set(labels).union(c.labels)):
+        v = c.labels.get(name)
+        cols[f"label_{name}"] = pa.array(np.zeros(n, np.float32) if v is None else np.nan_to_num(v, nan=0.0))
+    for name, (ids, offs) in sorted(c.sparse.items()):
+        cols[f"sparse_{name}"] = pa.ListArray.from_arrays(pa.array(np.asarray(offs, np.int32)), pa.array(ids, pa.int64()))
+    for name, v in sorted(c.dense.items()):
+        cols[f"dense_{name}"] = pa.array(v, pa.float32(), mask=np.isnan(v))
+    return pa.table(cols)
 
 
 def hour_dir(root: Path, event_time_ms: int) -> Path:
@@ -216,7 +224,7 @@ class _Dumper:
         self.min_wall_ms = int(settings.dumper.dedup_min_wall_s * 1000)
         raw_hist = store.get(b"clockhist")
         self.clock_history = np.frombuffer(raw_hist, "<i8").reshape(-1, 2).tolist() if raw_hist else []
-        self.buffered: dict[Path, list[Example]] = defaultdict(list)
+        self.buffered: dict[Path, list[pa.Table]] = defaultdict(list)  # rows of each hour's next file
         self.buffered_ids: dict[str, int] = {}  # example_id -> event time
         self.positions: dict[TopicPartition, int] = {}
         self.first_at: float | None = None
@@ -247,19 +255,53 @@ class _Dumper:
         del hist[:old[-1]]  # keep the newest entry old enough and what came after it
         return hist[0][1]
 
-    def take(self, r: object) -> None:
-        """One record: decoded, deduplicated, buffered for its hour's file. Raises
-        :class:`MalformedMessage` for a record that does not decode, anything else for one that
-        cannot be written (nothing is buffered then)."""
-        e = self.consumer.codec.decode(r.value)  # type: ignore[attr-defined]
-        if e.example_id in self.buffered_ids or self.store.get(b"S" + e.example_id.encode()) is not None:
-            self.totals["duplicates"] += 1
+    async def take(self, r: object) -> None:
+        """One record: decoded, deduplicated, its rows buffered by their hour's file. Raises
+        :class:`MalformedMessage` for a record that does not decode; its examples that cannot be
+        filed (no calendar hour) are dead-lettered here (``failed``), the others buffered."""
+        try:
+            c = example_batch.decode(r.value)  # type: ignore[attr-defined]
+        except BadExampleBatch as err:
+            raise MalformedMessage(err.kind, err.detail) from err
+        if not c.size:
             return
-        directory = hour_dir(self.root, e.event_time_ms)
-        if e.event_time_ms < self.clock.value - self.horizon_ms:
-            self.totals["beyond_horizon"] += 1  # its id may have been pruned: written anyway
-        self.buffered_ids[e.example_id] = e.event_time_ms
-        self.buffered[directory].append(e)
+        t = np.asarray(c.event_time_ms, np.int64)
+        keep = np.ones(c.size, np.bool_)
+        new: dict[str, int] = {}  # this record's ids to buffer (-> event time), once all went well
+        for i, eid in enumerate(c.example_ids):
+            if eid in self.buffered_ids or eid in new or self.store.get(b"S" + eid.encode()) is not None:
+                keep[i] = False
+                self.totals["duplicates"] += 1
+            else:
+                new[eid] = int(t[i])
+        hours = t // 3_600_000
+        dirs, unfiled = {}, np.zeros(c.size, np.bool_)
+        for h in np.unique(hours[keep]).tolist():
+            try:
+                dirs[h] = hour_dir(self.root, h * 3_600_000)
+            except (OverflowError, ValueError, OSError):  # no calendar hour (year > 9999)
+                unfiled |= keep & (hours == h)
+        if unfiled.any():
+            rows = np.flatnonzero(unfiled)
+            for i in rows.tolist():
+                del new[c.example_ids[i]]
+            keep &= ~unfiled
+            self.totals["failed"] += int(rows.size)
+            err = ValueError(f"{rows.size} of {c.size} examples have an event time with no calendar hour "
+                             f"(the first: {int(t[rows[0]])})")
+            await (await self.consumer.dead_letter(SimpleNamespace(
+                topic=r.topic, partition=r.partition, offset=r.offset, key=r.key,
+                value=example_batch.encode(take(c, rows))), processing_failed(err)))
+        if not keep.any():
+            return
+        table = flatten(c, self.labels)
+        old = t < self.clock.value - self.horizon_ms
+        self.totals["beyond_horizon"] += int(np.count_nonzero(old & keep))  # ids may have been pruned: written anyway
+        self.buffered_ids.update(new)
+        for h, directory in dirs.items():
+            rows = np.flatnonzero(keep & (hours == h))
+            if rows.size:
+                self.buffered[directory].append(table.take(pa.array(rows)))
 
     async def poll(self, timeout_ms: int) -> bool:
         """Fetch and take a batch; True if there were records."""
@@ -270,7 +312,7 @@ class _Dumper:
             for r in records:
                 got = True
                 try:
-                    self.take(r)
+                    await self.take(r)
                 except MalformedMessage as err:
                     await (await self.consumer.dead_letter(r, err))
                 except (MemoryError, OSError):
@@ -309,7 +351,8 @@ class _Dumper:
         seq = self.seq
         if write_files:
             for n, (directory, rows) in enumerate(sorted(self.buffered.items())):
-                write_parquet_atomic(flatten(rows, self.labels), directory / f"part-{seq:010d}-{n:04d}.parquet")
+                table = pa.concat_tables(rows, promote_options="default") if len(rows) > 1 else rows[0]
+                write_parquet_atomic(table, directory / f"part-{seq:010d}-{n:04d}.parquet")
                 self.totals["files"] += 1
         for t in self.buffered_ids.values():
             self.clock.observe(t)

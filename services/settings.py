@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -170,10 +169,6 @@ class TrainerSettings(BaseModel):
     # example_ids remembered for de-duplication (the joiner delivers at least once).
     dedup_window: int = 200_000
     consumer_start_timeout_s: float = 30.0
-    # Where the examples are fetched: "process" - a loader subprocess fetches them (aiokafka's
-    # per-record Python off the trainer process' GIL, which the training thread needs) and ships
-    # each batch's raw bytes over a pipe; "inline" - the trainer's own consumer fetches them.
-    loader: Literal["process", "inline"] = "process"
     # Seconds between broker-epoch checks (a reset of the broker's data) while no offsets are
     # committed; a busy trainer also checks before every commit (~1 ms each).
     epoch_check_interval_s: float = 0.5

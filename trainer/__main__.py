@@ -39,7 +39,7 @@ def run_batch(args) -> dict:
             batches = data.batches(args.batch_size, train_rows)
             total = -(-train_rows.size // args.batch_size)
         else:
-            batches, total = parquet_batches(files, args.batch_size, cfg.all_slots, cfg.label), None
+            batches, total = parquet_batches(files, args.batch_size, cfg.all_slots, cfg.label, cfg.dense_features), None
         auc, losses, n, t0 = M.StreamingAUC(), [], 0, time.perf_counter()
         mark, mark_n = t0, 0
         for b in tqdm(batches, total=total, desc=f"pass {p + 1}/{args.passes}", disable=args.quiet):

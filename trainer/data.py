@@ -115,31 +115,63 @@ def parquet_files(root: Path = Path("var/examples")) -> list[Path]:
     return sorted(Path(root).glob("dt=*/hour=*/*.parquet"))
 
 
-def parquet_batches(files: list[Path], batch_size: int, slots: list[str], label: str = "click") -> Iterator[SparseBatch]:
-    """Batches from example Parquet files. Expected columns: ``<slot>`` as list<int64> per slot,
-    ``label_<label>`` or ``labels`` map, ``event_time_ms``, optional ``sample_rate``, ``example_id``.
-    (The dumper's schema is not fixed yet; adapt here when it is.)"""
+def parquet_batches(files: list[Path], batch_size: int, slots: list[str], label: str = "click",
+                    dense_features: list[str] | tuple = ()) -> Iterator[SparseBatch]:
+    """Batches from the dumper's Parquet files (schema in :mod:`joiner.dumper`'s docstring):
+    ``sparse_<slot>`` list<int64> per slot (missing column or null: empty bags), ``label_<label>``
+    (null: NaN), ``event_time_ms``, ``sample_rate`` (missing: 1.0), ``dense_<name>`` (missing or
+    null: NaN), ``example_id``."""
+    import pyarrow.compute as pc
+
     for f in files:
         pf = pq.ParquetFile(f)
         for rb in pf.iter_batches(batch_size=batch_size):
             t = pa.Table.from_batches([rb])
             n = t.num_rows
+            names = set(t.column_names)
             ids, offs = {}, {}
             for s in slots:
-                if s in t.column_names:
-                    col = t[s].combine_chunks()
-                    ids[s] = col.values.to_numpy(zero_copy_only=False).astype(np.int64)
-                    offs[s] = col.offsets.to_numpy().astype(np.int64) - int(col.offsets[0].as_py())
+                o = np.zeros(n + 1, np.int64)
+                if f"sparse_{s}" in names:
+                    col = t[f"sparse_{s}"].combine_chunks()
+                    np.cumsum(pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False), out=o[1:])
+                    ids[s] = pc.list_flatten(col).to_numpy(zero_copy_only=False).astype(np.int64)
                 else:
-                    ids[s], offs[s] = np.zeros(0, np.int64), np.zeros(n + 1, np.int64)
-            lab_col = f"label_{label}" if f"label_{label}" in t.column_names else label
-            labels = t[lab_col].to_numpy().astype(np.float32)
-            et = t["event_time_ms"].to_numpy().astype(np.int64) if "event_time_ms" in t.column_names else np.zeros(n, np.int64)
-            yield SparseBatch(n, ids, offs, labels, et, np.ones(n, np.float32))
+                    ids[s] = np.zeros(0, np.int64)
+                offs[s] = o
+
+            def floats(name: str, default: float) -> np.ndarray:
+                if name not in names:
+                    return np.full(n, default, np.float32)
+                return pc.fill_null(t[name], default).to_numpy().astype(np.float32)
+
+            et = t["event_time_ms"].to_numpy().astype(np.int64) if "event_time_ms" in names else np.zeros(n, np.int64)
+            dense = (np.stack([floats(f"dense_{d}", np.nan) for d in dense_features], 1) if dense_features else None)
+            yield SparseBatch(n, ids, offs, floats(f"label_{label}", np.nan), et, floats("sample_rate", 1.0), dense)
 
 
-async def produce_examples(settings, examples: list[Example], topic: str | None = None) -> None:
-    """Write Examples to the examples topic keyed by user id (test and bench helper)."""
+def example_records(examples: list[Example], partitions: list[int], chunk: int = 1000) -> list[tuple[int, bytes]]:
+    """``(partition, value)`` records of the examples topic for ``examples``: grouped by the
+    partition a record keyed by ``str(user_id)`` goes to (aiokafka's ``DefaultPartitioner``, as
+    when each example was one record), in order, ``chunk`` examples per example batch
+    (:func:`services.example_batch.encode`)."""
+    from aiokafka.partitioner import DefaultPartitioner
+
+    from services import example_batch
+
+    pick = DefaultPartitioner()
+    groups: dict[int, list[Example]] = {}
+    for e in examples:
+        groups.setdefault(pick(str(e.user_id).encode(), partitions, partitions), []).append(e)
+    return [(part, example_batch.encode(example_batch.from_examples(group[a:a + chunk])))
+            for part, group in sorted(groups.items()) for a in range(0, len(group), chunk)]
+
+
+async def produce_examples(settings, examples: list[Example], topic: str | None = None, chunk: int = 1000) -> int:
+    """Write Examples to the examples topic as example batches (:func:`example_records`), each
+    record sent to its partition (test and bench helper). Returns the number of records."""
+    import asyncio
+
     from services.kafka import create_topics, producer, start_client
 
     topic = topic or settings.topics.examples
@@ -147,8 +179,9 @@ async def produce_examples(settings, examples: list[Example], topic: str | None 
     p = producer(settings)
     await start_client(p, settings)
     try:
-        futs = [await p.send(topic, e.SerializeToString(), key=str(e.user_id).encode()) for e in examples]
-        import asyncio
+        records = example_records(examples, sorted(await p.partitions_for(topic)), chunk)
+        futs = [await p.send(topic, value, partition=part) for part, value in records]
         await asyncio.gather(*futs)
+        return len(futs)
     finally:
         await p.stop()

@@ -1,35 +1,49 @@
 """Online training from the ``examples`` topic (Monolith's streaming trainer).
 
-Fetching: by default a loader subprocess (:mod:`trainer.loader`, ``TrainerSettings.loader``)
-fetches the records and ships each batch's raw bytes; this process keeps the consumer group member
-(membership, the rebalance listener, commits; its partitions paused, it never fetches) and drops
-batches of a superseded assignment (generation). ``loader="inline"``: this process' consumer fetches.
+Fetching: this process' consumer fetches, on the event loop. (A loader subprocess fetched while
+each record carried one example: it hid aiokafka's per-record Python. With ~1000 examples per
+record that cost is ~1000x smaller. Measured with ``QUICK=1 bench/bench_trainer.py`` on 2 shared
+cores (30 steps, so +-15%), ``online_vs_batch_ratio``: inline 0.80, 0.86, 0.74 and 0.69 with
+batches of 2 records (this loop), 0.47 and 0.50 with batches of 1 record; the loader 0.70 with
+shipments of 2 records, 0.61, 0.65 and 0.65 with 1 record. Inline at its best beat the loader at
+its best, so the loader, its process and its assignment generations were removed.)
 
-Loop: poll -> decode + validate (bad -> dead letters, with the record's original bytes) -> dedup by
-example_id (bounded window) -> assemble the batch -> score it with the current model and update the
-streaming AUC (progressive validation) -> train on it -> commit its offsets. Training runs on one
-dedicated thread (1 torch intra-op thread; torch ops and the PS kernels release the GIL) while the
-event loop fetches, decodes and assembles the next batch. At most two batches are in flight (one
-training, the next queued on the training thread), and a batch's offsets are committed after it is
-applied, in order (in the background, one commit in flight, each taking the newest offsets). Decoding builds no protobuf objects:
-the consumer hands over each record's bytes and :mod:`trainer.wire` parses a whole poll's bytes
-into the batch arrays in one numba call with the GIL released (~1-3 us/example; refused records
-alone are re-decoded with protobuf, for the dead letter's exact reason). Every ``sync_interval_s``
-the touched sparse rows are published to ``param-deltas`` as one version (several chunks); every
-``dense_sync_interval_s`` the dense params.
+Records: one record on ``examples`` is one example batch (:mod:`services.example_batch`: an Arrow
+IPC record batch of many examples, ~1000 from the producers' chunks, with an ``id_hash`` column).
+A training batch is whole records (a record's offset is committed once all of it is applied):
+those polled until they hold ``batch_size`` examples (with records of 1000 and ``batch_size`` 1024:
+two records, 2000 examples), or ``batch_timeout_s`` passed.
+
+Loop: poll -> decode each record (``example_batch.decode``: schema and values validated; bad ->
+the whole record dead-lettered with its original bytes) -> the trainer's checks per example,
+vectorized (:mod:`trainer.ingest`) -> dedup by the shipped ``id_hash`` (:mod:`trainer.dedup`,
+bounded window) -> assemble the batch (``example_batch.to_sparse_batch_arrays``: the model's slots,
+label and dense features only) -> score it with the current model and update the streaming AUC
+(progressive validation) -> train on it -> commit its offsets. Training runs on one dedicated
+thread (1 torch intra-op thread; torch ops and the PS kernels release the GIL) while the event
+loop fetches, decodes and assembles the next batch. At most two batches are in flight (one
+training, the next queued on the training thread), and a batch's offsets are committed after it
+is applied, in order (in the background, one commit in flight, each taking the newest offsets).
+Decoding builds no protobuf objects and no per-example Python: pyarrow hands numpy views of the
+record's buffers. Every ``sync_interval_s`` the touched sparse rows are published to
+``param-deltas`` as one version (several chunks); every ``dense_sync_interval_s`` the dense params.
 Every ``snapshot_interval_event_s`` of event time (and on a clean stop) a snapshot records tables,
 optimizer state, dense params, the next offsets of everything applied, the broker epoch they belong
 to, the sync versions, the ``param-deltas`` offset after the last publish, the AUC histograms and
 the dedup window.
 
-Bad records never stop the trainer: a record the decoder refuses is dead-lettered with protobuf's
-reason; one that decodes but must not be learned is dead-lettered after decoding (an event time
-more than ``event_time.max_future_s`` ahead of the wall clock: it would move the trainer's
-event-time clock, which schedules snapshots and expires TTL rows, for good; a label outside
-[0, 1]); a record the decoding or the training step *fails* on is found by retrying alone
-(:mod:`trainer.isolate`: a failing step changes no parameter) and dead-lettered as ``failed``
-with the error, while the rest of its batch is trained once. Each is counted
-(``driftline_dead_letters_total``, ``driftline_trainer_bad_examples_total``) and its offset is
+Bad records never stop the trainer: a record ``example_batch.decode`` refuses is dead-lettered
+whole with its reason (``undecodable``/``invalid``); a record whose decoding *raises* something
+else (a bug) whole as ``failed``. An example that decodes but must not be learned
+(:func:`trainer.ingest.refusals`: an unknown slot, the label missing or outside [0, 1], the dense
+features not the model's, an event time more than ``event_time.max_future_s`` ahead of the wall
+clock: it would move the trainer's event-time clock, which schedules snapshots and expires TTL
+rows, for good) is dropped and dead-lettered as a batch of the refused examples of its record and
+kind (``services.example_rows.take``), and the rest of its record is learned. An example the
+training step *fails* on is found by retrying alone (:mod:`trainer.isolate`: a failing step
+changes no parameter) and dead-lettered as ``failed`` (a batch of that example) with the error,
+while the rest of its batch is trained once. Each is counted (``driftline_dead_letters_total``
+per letter, ``driftline_trainer_bad_examples_total`` per example) and its record's offset is
 committed past like any other, so a restart never meets it again.
 
 Crash semantics (kill -9): the restart loads the latest snapshot and *seeks to its offsets*
@@ -43,7 +57,9 @@ Crash semantics (kill -9): the restart loads the latest snapshot and *seeks to i
   skips to its ``param_deltas_offset``: deltas of the dead run after it are applied and then
   superseded - a transient, bounded by T as well.
 * duplicates from the joiner (at-least-once) are dropped within ``dedup_window`` example ids
-  (compared as 128-bit hashes), and the window is saved in the snapshot so it survives restarts. The window learns a batch's ids
+  (compared as the shipped 128-bit BLAKE2b ``id_hash``), and the window is saved in the snapshot so
+  it survives restarts (a window restored from a snapshot written before example batches holds
+  MurmurHash3 hashes: it misses the duplicates of its last window once, see :mod:`trainer.dedup`). The window learns a batch's ids
   only once the batch is applied, so a snapshot never marks as seen an example it did not train on.
 Without a snapshot the group's committed offsets are used (a fresh model starting from there).
 
@@ -58,7 +74,7 @@ and every ``epoch_check_interval_s`` when idle): the snapshots are kept, they li
   ``param_deltas_offset``;
 * a running trainer does the same when it notices the reset: it applies the batches in flight, drops
   what was fetched but not handed to training (the old topic's records are gone; records fetched at
-  the old positions from the new topic are read again), starts a new assignment generation at the
+  the old positions from the new topic are read again), seeks every assigned partition to the
   new topic's start, creates the topics with their configured partitions, publishes the dense
   weights and writes the new epoch's snapshot. Versions keep increasing across it;
 * offsets of the old epoch are never committed into the new broker's group, and until every
@@ -67,10 +83,9 @@ and every ``epoch_check_interval_s`` when idle): the snapshots are kept, they li
 * what a reset loses is what lived only in the broker: the old topic's records this trainer had not
   applied (counted in ``driftline_broker_reset_lost_total`` from the last known high watermark).
 
-Clean stop (SIGTERM or SIGINT, also when sent to the whole process group as the supervisor does:
-the loader process ignores them): the loop ends, the batches in flight are applied, sparse and
-dense weights published, the final snapshot written, the offsets committed, the loader stopped;
-exit 0, well within the supervisor's 10 s grace period.
+Clean stop (SIGTERM or SIGINT, also when sent to the whole process group as the supervisor does):
+the loop ends, the batches in flight are applied, sparse and dense weights published, the final
+snapshot written, the offsets committed; exit 0, well within the supervisor's 10 s grace period.
 """
 
 from __future__ import annotations
@@ -83,7 +98,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
 from types import SimpleNamespace
@@ -97,13 +112,14 @@ from proto import Example
 from services import metrics as service_metrics
 from services import tansu_quirks
 from services.atomic import write_bytes_atomic
-from services.codecs import MalformedMessage, codec_for, event_time_error, processing_failed
+from services import example_batch
+from services.codecs import MalformedMessage, processing_failed
+from services.example_batch import BadExampleBatch
 from services.kafka import TypedConsumer, create_topics, producer, start_client
 from services.settings import Settings
 
 from . import metrics as M
-from . import loader as loader_mod
-from . import snapshots, wire
+from . import dedup, ingest, snapshots
 from .batch import SparseBatch
 from .config import ModelConfig
 from .isolate import train_isolating
@@ -137,35 +153,31 @@ def _positions(recs) -> tuple[dict[int, int], np.ndarray]:
 
 
 class RawExampleCodec:
-    """The trainer consumer's codec: record values stay bytes (``Record.value is Record.raw``).
-    A poll's records are decoded together by :class:`trainer.wire.ExampleDecoder`; only a null
-    value is refused here (the consumer dead-letters it, as the protobuf codec did)."""
+    """The trainer consumer's codec: record values stay bytes (``Record.value is Record.raw``), each
+    decoded by :func:`services.example_batch.decode` in the trainer; only a null value is refused
+    here (the consumer dead-letters it)."""
 
     message_type = Example
-    name = "Example"
+    name = "ExampleBatch"
 
-    def encode(self, message: Example) -> bytes:
-        return message.SerializeToString()
+    def encode(self, message: bytes) -> bytes:
+        return message
 
     def decode(self, raw: bytes | None) -> bytes:
         if raw is None:
-            raise MalformedMessage("undecodable", "Example value is null")
+            raise MalformedMessage("undecodable", "Example batch value is null")
         return raw
 
 
-def check_example(ex: Example, known_slots: set[str], label: str, dense_features: list[str]) -> tuple[str, str] | None:
-    """The trainer's own checks of an Example the codec accepted (``kind, detail`` or None)."""
-    sparse = ex.features.sparse
-    if not known_slots.issuperset(sparse.keys()):
-        return "unknown_slot", str(sorted(set(sparse.keys()) - known_slots))
-    if label not in ex.labels or not math.isfinite(ex.labels[label]):
-        return "bad_label", f"{label!r} missing or not finite"
-    dense = ex.features.dense
-    if len(dense) != len(dense_features) or any(k not in dense for k in dense_features):
-        return "wrong_dim", f"dense features {sorted(dense)} != {dense_features}"
-    if any(not math.isfinite(v) for v in dense.values()):
-        return "nan_value", "non-finite dense feature"
-    return None
+@dataclass
+class _Decoded:
+    """Records decoded so far for the next batch: their non-empty example batches with the record
+    each came from, and the dead letters of the records refused (sent, awaited before a commit)."""
+
+    parts: list = field(default_factory=list)
+    records: list = field(default_factory=list)
+    letters: list = field(default_factory=list)
+    examples: int = 0
 
 
 class _Seek(ConsumerRebalanceListener):
@@ -193,23 +205,6 @@ class _Seek(ConsumerRebalanceListener):
         self.t.ready.set()
 
 
-class _Assign(ConsumerRebalanceListener):
-    """The group member's listener when a loader process fetches (``loader="process"``): the member
-    never fetches (its partitions are paused); every assignment goes to the loader as a new
-    generation, with each partition's start (see :meth:`OnlineTrainer._send_assignment`)."""
-
-    def __init__(self, trainer: "OnlineTrainer"):
-        self.t = trainer
-
-    async def on_partitions_revoked(self, revoked):
-        self.t._new_generation(set())
-
-    async def on_partitions_assigned(self, assigned):
-        self.t.consumer.consumer.pause(*assigned)
-        self.t._new_generation({tp.partition for tp in assigned if tp.topic == self.t.topic})
-        self.t.ready.set()
-
-
 @dataclass
 class Prepared:
     """One polled batch after validation and dedup: what to train on and what to commit."""
@@ -218,7 +213,8 @@ class Prepared:
     offsets: dict[int, int]  # partition -> next offset (records of this poll)
     hashes: np.ndarray  # uint64 [n, 2] example id hashes, entered into the dedup window once applied
     arrival_ms: np.ndarray | None = None  # int64 [batch.size]: when each example reached the topic
-    record_of: Callable[[int], object] | None = None  # batch row -> its record (for a dead letter)
+    #: batch row -> (its record, the bytes of a batch of that one example): a dead letter's
+    letter_of: Callable[[int], tuple[object, bytes]] | None = None
 
 
 class OnlineTrainer:
@@ -237,14 +233,6 @@ class OnlineTrainer:
         self.snapshot_root = settings.snapshot_root / cfg.model_id
         self.group_id = ts.group_id
         self.consumer_start_timeout_s = ts.consumer_start_timeout_s
-        #: "process": a loader subprocess fetches (:mod:`trainer.loader`); "inline": this process
-        self.loader = ts.loader
-        self._loader: loader_mod.LoaderClient | None = None
-        self.generation = 0  # of the partitions assigned (loader="process")
-        # partition -> next offset after the records taken into batches this run (loader="process"):
-        # where a partition kept across a rebalance continues
-        self._fetched: dict[int, int] = {}
-        self._assign_task: asyncio.Task | None = None
         # torch intra-op threads of the training thread. 1 by default: the other core decodes and
         # assembles the next batch; 2 torch threads plus the decoding thread oversubscribe two
         # cores, and OpenMP's barriers then wait on descheduled threads (10x slower steps measured).
@@ -252,7 +240,7 @@ class OnlineTrainer:
         self.model = SparseModel(cfg)
         self.ps_counts = M.PSCounts(cfg.model_id, self.model.tables)
         self.auc = M.StreamingAUC()
-        self.dedup = wire.DedupWindow(ts.dedup_window)
+        self.dedup = dedup.DedupWindow(ts.dedup_window)
         self.known_slots = set(cfg.all_slots)
         self.resume_offsets: dict[int, int] = {}
         self.applied_offsets: dict[int, int] = {}
@@ -305,8 +293,8 @@ class OnlineTrainer:
         #: 2: the next batch waits on the training thread's queue while the current one trains, so
         #: the thread goes from one step to the next without waiting for the event loop
         self.max_in_flight = 2
-        self.decoder = wire.ExampleDecoder(cfg.all_slots, cfg.label, cfg.dense_features)
-        self._codec = codec_for(Example)
+        #: record bytes -> :class:`services.example_batch.ExampleColumns` (raises BadExampleBatch)
+        self.decode = example_batch.decode
         self._executor: ThreadPoolExecutor | None = None
         self._rate_mark = (time.monotonic(), 0)
 
@@ -457,181 +445,110 @@ class OnlineTrainer:
         """Dead-letter one record (its original bytes) through the consumer's own dead-letter path."""
         return await self._dead_letter(rec, raw, MalformedMessage(kind, detail))
 
-    async def _dead_letter(self, rec, raw: bytes, err: MalformedMessage):
-        self.bad += 1
-        M.BAD_EXAMPLES.labels(self.cfg.model_id, err.kind).inc()
+    async def _dead_letter(self, rec, raw: bytes, err: MalformedMessage, examples: int = 1):
+        """Dead-letter ``raw`` (a record's bytes, or a batch of some of its examples) as if it were
+        record ``rec``'s value; ``examples``: how many examples it refuses (counted)."""
+        self.bad += examples
+        M.BAD_EXAMPLES.labels(self.cfg.model_id, err.kind).inc(examples)
         original = SimpleNamespace(topic=rec.topic, partition=rec.partition, offset=rec.offset, key=rec.key,
                                    value=raw)
         return await self.consumer.dead_letter(original, err)
 
-    def _check(self, ex: Example) -> tuple[str, str] | None:
-        """Trainer-specific validation (the codec's checks come first: finiteness, ids, ...)."""
-        return check_example(ex, self.known_slots, self.cfg.label, self.cfg.dense_features)
+    async def _decode_records(self, raws, record_at, out: _Decoded) -> None:
+        """Decode records (``record_at(i)``: record ``i``, for a dead letter) into ``out``; a record
+        that does not decode is dead-lettered whole with its reason (``undecodable``/``invalid``,
+        or ``failed`` when decoding raised something else: a bug must not stop the trainer)."""
+        for i, raw in enumerate(raws):
+            try:
+                c = self.decode(raw)
+            except BadExampleBatch as err:
+                out.letters.append(await self._reject(record_at(i), raw, err.kind, err.detail))
+                continue
+            except Exception as err:  # noqa: BLE001 - a record this path fails on must not stop the trainer
+                out.letters.append(await self._dead_letter(record_at(i), raw, processing_failed(err)))
+                continue
+            if c.size:
+                out.parts.append(c)
+                out.records.append(record_at(i))
+                out.examples += c.size
 
-    async def _reject_record(self, rec):
-        """Dead-letter a record the decoder refused, with the reason protobuf + the validators give
-        (re-decoding only the refused records: the reason text stays exactly what it was)."""
-        try:
-            ex = self._codec.decode(rec.raw)
-        except MalformedMessage as err:  # the codec's own refusal, as the consumer used to send it
-            return await self.consumer.dead_letter(rec, err)
-        why = self._check(ex)
-        if why is None:  # decoder and protobuf disagree: a decoder bug; never drop the record silently
-            log.error("fast decoder refused %s[%d]@%d that protobuf accepts", rec.topic, rec.partition, rec.offset)
-            why = ("decoder_mismatch", "trainer.wire refused an Example that protobuf accepts")
-        return await self._reject(rec, rec.raw, *why)
-
-    async def prepare(self, recs, polled_at_ms: int | None = None) -> Prepared:
-        """Decode, validate, dead-letter (durably), dedup and assemble one batch on the event loop.
-
-        One numba pass over the poll's concatenated record bytes (GIL released): see
-        :mod:`trainer.wire`. Duplicates of: the applied window, the batch in flight, this batch.
-        The window learns a batch's ids only once it is applied, so a snapshot never holds ids it
-        has not trained on. An example *arrives* at its record's Kafka timestamp (when the joiner
-        produced it), or at ``polled_at_ms`` (the trainer's poll) when the record has none; never
-        later than the poll."""
+    async def prepare(self, recs, polled_at_ms: int | None = None, decoded: _Decoded | None = None) -> Prepared:
+        """Decode (unless ``decoded`` holds the records' decoded batches already), check, dead-letter
+        (durably), dedup and assemble one batch on the event loop: see :meth:`_prepare`."""
         t0 = time.perf_counter()
-        raws = list(map(_RAW, recs))
-        starts = np.zeros(len(raws) + 1, np.int64)
-        np.cumsum(np.fromiter(map(len, raws), np.int64, len(raws)), out=starts[1:])
+        if decoded is None:
+            decoded = _Decoded()
+            await self._decode_records(list(map(_RAW, recs)), recs.__getitem__, decoded)
         offsets, stamps = _positions(recs)
         for part in offsets:
             hw = self.consumer.consumer.highwater(TopicPartition(self.topic, part))
             if hw is not None:
                 self._highwater[part] = hw
-        return await self._prepare(np.frombuffer(b"".join(raws), np.uint8), starts, offsets, stamps,
-                                   recs.__getitem__, polled_at_ms, [], t0)
+        return await self._prepare(decoded, offsets, polled_at_ms, t0)
 
-    async def prepare_shipment(self, sh: loader_mod.Shipment) -> Prepared:
-        """:meth:`prepare` of a batch the loader process shipped (raw bytes + record arrays).
-        Null values are dead-lettered here, as the inline consumer's codec does."""
-        t0 = time.perf_counter()
-        service_metrics.MESSAGES_CONSUMED.labels("trainer", self.topic).inc(sh.size)
-        lengths, parts, offs = sh.lengths, sh.partitions, sh.offsets
-        if sh.size and (parts == parts[0]).all():
-            offsets = {int(parts[0]): int(offs.max()) + 1}
-        else:
-            offsets = {int(p): int(offs[parts == p].max()) + 1 for p in np.unique(parts)}
-        for part, lag in sh.lag.items():
-            service_metrics.CONSUMER_LAG.labels("trainer", self.topic, str(part)).set(lag)
-            self._highwater[part] = offsets.get(part, 0) + lag
-        for part, off in offsets.items():
-            if off > self._fetched.get(part, -1):
-                self._fetched[part] = off
-        vstarts = np.zeros(sh.size + 1, np.int64)
-        np.cumsum(np.maximum(lengths, 0), out=vstarts[1:])
-        kstarts = np.zeros(sh.size + 1, np.int64)
-        np.cumsum(np.maximum(sh.key_lengths, 0), out=kstarts[1:])
-
-        def record(j: int) -> SimpleNamespace:
-            kl = int(sh.key_lengths[j])
-            raw = None if lengths[j] < 0 else sh.values[vstarts[j]:vstarts[j + 1]]
-            return SimpleNamespace(topic=self.topic, partition=int(parts[j]), offset=int(offs[j]),
-                                   key=None if kl < 0 else sh.keys[kstarts[j]:kstarts[j + 1]], value=raw, raw=raw)
-
-        letters = []
-        stamps = sh.timestamps
-        nulls = lengths < 0
-        if nulls.any():
-            for j in np.flatnonzero(nulls).tolist():
-                letters.append(await self.consumer.dead_letter(
-                    record(j), MalformedMessage("undecodable", "Example value is null")))
-            sel = np.flatnonzero(~nulls)
-            vstarts_sel = np.append(vstarts[sel], vstarts[-1])
-            stamps = stamps[sel]
-            record_at = (lambda i: record(int(sel[i])))
-        else:
-            vstarts_sel = vstarts
-            record_at = record
-        return await self._prepare(np.frombuffer(sh.values, np.uint8), vstarts_sel, offsets, stamps, record_at,
-                                   sh.polled_at_ms, letters, t0)
-
-    async def _prepare(self, buf, starts, offsets, stamps, record_at, polled_at_ms, letters, t0) -> Prepared:
-        """Decode records ``buf[starts[i]:starts[i + 1]]`` (``record_at(i)``: the record, for a dead
-        letter), dedup, assemble; ``offsets``: the next offset per partition of all the records."""
+    async def _prepare(self, decoded: _Decoded, offsets: dict[int, int], polled_at_ms: int | None, t0: float) -> Prepared:
+        """Check the decoded batches' examples (:func:`trainer.ingest.refusals`: a refused example
+        is dead-lettered as a batch of the refused examples of its record and kind, and counted;
+        the rest of its record is learned), dedup by the shipped ``id_hash`` against the applied
+        window, the batches in flight and this batch itself, and assemble the ``SparseBatch``
+        (:func:`services.example_batch.to_sparse_batch_arrays`). The window learns a batch's ids
+        only once it is applied, so a snapshot never holds ids it has not trained on. An example
+        *arrives* at its record's Kafka timestamp (when the joiner produced it), or at
+        ``polled_at_ms`` (the trainer's poll) when the record has none; never later than the poll.
+        ``offsets``: the next offset per partition of all the records."""
+        letters, parts, cfg = decoded.letters, decoded.parts, self.cfg
         inflight = (np.concatenate([h for _, h in self._pending]) if len(self._pending) > 1
                     else self._pending[0][1] if self._pending else _NO_HASHES)
-        try:
-            dec, batch = self._decode(buf, starts, inflight)
-            rec_index = np.arange(starts.size - 1)
-        except Exception as err:  # noqa: BLE001 - a record this path fails on must not stop the trainer
-            dec, batch, rec_index = await self._decode_isolating(buf, starts, inflight, record_at, letters, err)
-        status = dec.status
-        if dec.size < status.size:
-            for i in np.flatnonzero((status == wire.UNDECODABLE) | (status == wire.REJECT)).tolist():
-                letters.append(await self._reject_record(record_at(int(rec_index[i]))))
-            dups = int(np.count_nonzero(status == wire.DUPLICATE))
-            if dups:
-                self.duplicates += dups
-                M.DUPLICATES.labels(self.cfg.model_id).inc(dups)
-        rows, hashes, arrival = rec_index[dec.keep], dec.hashes, None
+        now_ms = int(time.time() * 1000)
+        keep = []
+        for c, rec in zip(parts, decoded.records):
+            codes = ingest.refusals(c, self.known_slots, cfg.label, cfg.dense_features, now_ms=now_ms,
+                                    max_future_ms=self.max_future_ms)
+            keep.append(codes == 0)
+            if keep[-1].all():
+                continue
+            for k in np.unique(codes[codes > 0]).tolist():
+                rows = np.flatnonzero(codes == k)
+                kind = ingest.KINDS[k]
+                why = ingest.detail(c, int(rows[0]), kind, self.known_slots, cfg.label, cfg.dense_features,
+                                    now_ms=now_ms, max_future_ms=self.max_future_ms)
+                if rows.size > 1:
+                    why = f"{rows.size} of {c.size} examples, the first: {why}"
+                letters.append(await self._dead_letter(rec, example_batch.encode(ingest.take(c, rows)),
+                                                       MalformedMessage(kind, why), int(rows.size)))
+        batch, hashes, arrival, rows = None, _NO_HASHES, None, np.zeros(0, np.int64)
+        if parts:
+            keep = np.concatenate(keep)
+            arrays = example_batch.to_sparse_batch_arrays(parts, cfg.all_slots, cfg.label, cfg.dense_features)
+            hashes = arrays.pop("meta")["id_hash"]
+            rows = np.flatnonzero(keep)
+            dup = dedup.duplicates(self.dedup, inflight, hashes[rows])
+            if dup.any():
+                self.duplicates += int(dup.sum())
+                M.DUPLICATES.labels(cfg.model_id).inc(int(dup.sum()))
+                rows = rows[~dup]
+            batch = SparseBatch(**arrays)
+            if rows.size < batch.size:
+                batch = batch.select(rows) if rows.size else None
+            hashes = hashes[rows]
         if batch is not None:
-            refused = await self._refuse_unlearnable(batch, rows, record_at, letters)
-            if refused is not None:
-                ok = np.flatnonzero(~refused)
-                batch = batch.select(ok) if ok.size else None
-                rows, hashes = rows[ok], hashes[ok]
-        if batch is not None:
-            polled = int(time.time() * 1000) if polled_at_ms is None else polled_at_ms
-            arrival = stamps[rows]
+            sizes = np.array([c.size for c in parts], np.int64)
+            part_of = np.repeat(np.arange(len(parts)), sizes)[rows]
+            stamps = np.array([-1 if t is None else t for t in map(_STAMP, decoded.records)], np.int64)
+            polled = now_ms if polled_at_ms is None else polled_at_ms
+            arrival = stamps[part_of]
             arrival = np.where((arrival > 0) & (arrival < polled), arrival, polled)
+            starts = np.concatenate([[0], np.cumsum(sizes)])
+
+            def letter_of(j: int) -> tuple[object, bytes]:  # batch row -> (its record, its example's batch bytes)
+                q = int(part_of[j])
+                return decoded.records[q], example_batch.encode(ingest.take(parts[q], rows[j:j + 1] - starts[q]))
+        else:
+            letter_of = None
         self._stage("prepare", time.perf_counter() - t0)
         if letters:  # dead letters durable before their offsets can be committed
             await asyncio.gather(*letters)
-        return Prepared(batch, offsets, hashes, arrival, lambda j: record_at(int(rows[j])))
-
-    def _decode(self, buf, starts, inflight) -> tuple[wire.DecodedBatch, SparseBatch | None]:
-        """Records ``buf[starts[i]:starts[i + 1]]`` -> verdicts and the batch of the accepted ones."""
-        dec = self.decoder.decode_concat(buf, starts, self.dedup, inflight)
-        if not dec.size:
-            return dec, None
-        ids, offs = dec.slot_arrays(self.cfg.all_slots)
-        return dec, SparseBatch(dec.size, ids, offs, dec.labels, dec.event_time_ms, dec.sample_rate, dec.dense)
-
-    async def _decode_isolating(self, buf, starts, inflight, record_at, letters, err):
-        """:meth:`_decode` raised on a poll's records: decode each alone, dead-letter the ones that
-        raise (``failed``), then decode the rest together. Returns ``(dec, batch, rec_index)``
-        where ``rec_index[i]`` is the poll's index of ``dec``'s record ``i``."""
-        log.error("decoding %d records failed (%r): decoding them one by one", starts.size - 1, err)
-        good = []
-        for i in range(starts.size - 1):
-            try:
-                self._decode(buf[starts[i]:starts[i + 1]], np.array([0, starts[i + 1] - starts[i]]), inflight)
-            except Exception as e:  # noqa: BLE001 - this record is the one
-                rec = record_at(i)
-                letters.append(await self._dead_letter(rec, rec.raw, processing_failed(e)))
-            else:
-                good.append(i)
-        idx = np.array(good, np.int64)
-        lengths = starts[idx + 1] - starts[idx]
-        sub_starts = np.zeros(idx.size + 1, np.int64)
-        np.cumsum(lengths, out=sub_starts[1:])
-        sub = np.concatenate([buf[starts[i]:starts[i + 1]] for i in good]) if good else buf[:0]
-        dec, batch = self._decode(sub, sub_starts, inflight)  # raises again: not one record's fault
-        return dec, batch, idx
-
-    async def _refuse_unlearnable(self, batch: SparseBatch, rows, record_at, letters) -> np.ndarray | None:
-        """Values the decoder's validation lets through but the trainer must not learn from; dead-
-        lettered here. A label outside [0, 1] is not a log-loss target (1e38 made the loss -1e35).
-        An event time further ahead of the wall clock than ``event_time.max_future_s`` would move
-        the trainer's event-time clock for good: snapshots are due by event time (none would be
-        due again) and a TTL table expires rows against it (every row would expire).
-        Returns the mask of the batch's refused rows, or None when there is none."""
-        now_ms = int(time.time() * 1000)
-        late = batch.event_time_ms > now_ms + self.max_future_ms
-        label = (batch.labels < 0) | (batch.labels > 1)
-        refused = late | label
-        if not refused.any():
-            return None
-        for j in np.flatnonzero(refused).tolist():
-            rec = record_at(int(rows[j]))
-            if late[j]:
-                why = ("event_time", event_time_error(int(batch.event_time_ms[j]), now_ms, math.inf,
-                                                      self.max_future_ms / 1000))
-            else:
-                why = ("bad_label", f"{self.cfg.label!r} = {float(batch.labels[j])!r} is outside [0, 1]")
-            letters.append(await self._reject(rec, rec.raw, *why))
-        return refused
+        return Prepared(batch, offsets, hashes, arrival, letter_of)
 
     def _warm_up(self) -> None:
         """On the training thread, while the consumer joins its group (~5 s on tansu): load/compile
@@ -649,12 +566,8 @@ class OnlineTrainer:
                                             event_time_ms=[1] * n)
             m.train_step(b)
             m.predict(b)
-        ex = Example(example_id="warm-up", event_time_ms=1, sample_rate=1.0, labels={cfg.label: 1.0})
-        for s in cfg.all_slots:
-            ex.features.sparse[s].ids.append(1)
-        for d in cfg.dense_features:
-            ex.features.dense[d] = 0.0
-        self.decoder.decode([ex.SerializeToString()] * 2, wire.DedupWindow(4), _NO_HASHES)
+        h = example_batch.hash_ids(["warm-up", "warm-up"])
+        dedup.duplicates(dedup.DedupWindow(4), _NO_HASHES, h)  # load the numba kernels
 
     def _train(self, batch: SparseBatch):
         """On the training thread."""
@@ -676,8 +589,8 @@ class OnlineTrainer:
         if p.batch is not None and res.failed:
             letters = []  # records the step failed on alone (durable before the commit below)
             for row, err in res.failed:
-                rec = p.record_of(row)
-                letters.append(await self._dead_letter(rec, rec.raw, processing_failed(err)))
+                rec, raw = p.letter_of(row)
+                letters.append(await self._dead_letter(rec, raw, processing_failed(err)))
             await asyncio.gather(*letters)
             hashes = hashes[res.applied]
             p = dataclasses.replace(p, batch=p.batch.select(res.applied) if res.applied.size else None,
@@ -796,60 +709,6 @@ class OnlineTrainer:
             self.applied_offsets.setdefault(part, start)
             self.unknown_start.discard(part)
 
-    # ------------------------------------------------------------------ loader process
-    def _new_generation(self, partitions: set[int]) -> None:
-        """A (re)assignment (an empty set: a revocation): from now on shipments of older
-        generations are dropped, and the loader is told where to fetch the new one's partitions."""
-        self.generation += 1
-        if self._assign_task is not None and not self._assign_task.done():
-            self._assign_task.cancel()
-        self._assign_task = asyncio.create_task(self._send_assignment(self.generation, partitions))
-
-    async def _send_assignment(self, generation: int, partitions: set[int]) -> None:
-        """Each partition's start: after the last record taken into a batch this run (a partition
-        kept across a rebalance continues where it was; what the loader had fetched beyond is
-        dropped with its generation), else the snapshot's offset, else the group's committed
-        offset (not after a broker reset: see ``_from_start``), else the earliest (None: the loader
-        resolves it and reports it back)."""
-        starts: dict[int, int | None] = {}
-        for part in sorted(partitions):
-            off = self._fetched.get(part, self.resume_offsets.get(part))
-            if off is None:
-                if not self._from_start:
-                    off = await self.consumer.consumer.committed(TopicPartition(self.topic, part))
-            elif part not in self._fetched:
-                log.info("resuming %s[%d] at snapshot offset %d", self.topic, part, off)
-            starts[part] = off
-        if generation == self.generation:
-            self._loader.assign(generation, starts)
-
-    def _loader_started(self, generation: int, positions: dict[int, int]) -> None:
-        """The loader's start positions: a partition's becomes its applied offset if it has none
-        yet, so snapshots name every partition (see :meth:`_note_starts`)."""
-        if generation != self.generation:
-            return
-        for part, off in positions.items():
-            self.applied_offsets.setdefault(part, off)
-
-    async def _next_shipment(self, timeout_s: float) -> loader_mod.Shipment | None:
-        """The loader's next batch of the current generation (None after ``timeout_s``)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self._assign_task is not None and self._assign_task.done():
-                self._assign_task.result()  # a failed committed-offset lookup stops the run
-            msg = await self._loader.get(max(0.0, deadline - time.monotonic()))
-            if msg is None:
-                return None
-            if isinstance(msg, tuple):  # ("started", generation, positions)
-                self._loader_started(msg[1], msg[2])
-            elif msg.generation == self.generation:
-                return msg
-            else:
-                log.info("dropped a batch of %d records fetched for superseded assignment %d (now %d)",
-                         msg.size, msg.generation, self.generation)
-            if time.monotonic() >= deadline:
-                return None
-
     async def _sync_when_due(self, now: float) -> None:
         """Publish sparse rows every ``sync_interval_s`` and dense weights every ``dense_sync_interval_s``,
         each after the batches in flight are applied (a sync holds only applied updates); not while
@@ -896,7 +755,7 @@ class OnlineTrainer:
         """The broker's data was reset under the running trainer: the topics are new (empty, or
         refilled since), the group and its offsets are gone. The model, the versions and the dedup
         window are kept; every partition of the new ``examples`` is read from its start (the window
-        drops what was applied already), as a new assignment generation. What the old topics held
+        drops what was applied already). What the old topics held
         beyond the last record applied is lost with them: counted from the last known high
         watermark and the last record applied, both as of the last check that still saw the old
         epoch (``driftline_broker_reset_lost_total``; over by what was applied after that check, a
@@ -932,18 +791,15 @@ class OnlineTrainer:
             log.warning("sends of the old epoch still pending after the reset (%r)", err)
         await create_topics(self.settings)
         self.epoch = epoch
-        self.applied_offsets, self.resume_offsets, self._fetched, self._highwater = {}, {}, {}, {}
+        self.applied_offsets, self.resume_offsets, self._highwater = {}, {}, {}
         self._confirmed = ({}, {})
         self.unknown_start = set()
         self._from_start = True
         self._reset_epoch = None
         assigned = {tp.partition for tp in self.consumer.consumer.assignment() if tp.topic == self.topic}
-        if self.loader == "process":
-            self._new_generation(assigned)  # drops what the loader fetched at the old positions
-        else:
-            for part in sorted(assigned):
-                await self.consumer.consumer.seek_to_beginning(TopicPartition(self.topic, part))
-                self.unknown_start.add(part)
+        for part in sorted(assigned):
+            await self.consumer.consumer.seek_to_beginning(TopicPartition(self.topic, part))
+            self.unknown_start.add(part)
         await self.sync_dense()  # the new topic's first delta; param_deltas_offset now points into it
         self.snapshot()
         self._record_epoch()
@@ -976,62 +832,17 @@ class OnlineTrainer:
         # waits for it: allow the consumer start longer than the default connect timeout.
         cs = s.model_copy(deep=True)
         cs.kafka.connect_timeout_s = max(s.kafka.connect_timeout_s, self.consumer_start_timeout_s)
-        process = self.loader == "process"
         self.consumer = TypedConsumer(cs, "trainer", Example, [self.topic], self.group_id,
                                       dead_letter_producer=self._producer, codec=RawExampleCodec())
-        self.consumer.consumer.subscribe([self.topic], listener=_Assign(self) if process else _Seek(self))
-        if process:  # spawned before the join: its start-up overlaps the join's wait
-            self._loader = loader_mod.LoaderClient(s, self.topic, self.batch_size, self.batch_timeout_s)
+        self.consumer.consumer.subscribe([self.topic], listener=_Seek(self))
         try:
             warm = asyncio.get_running_loop().run_in_executor(self._executor, self._warm_up)
             await self.consumer.start()
             await warm
-            return await (self._run_process if process else self._run_inline)(restored, stop_when_idle_s, max_examples)
+            return await self._loop(restored, stop_when_idle_s, max_examples)
         finally:
-            if self._loader is not None:
-                self._loader.close()
-            if self._assign_task is not None and not self._assign_task.done():
-                self._assign_task.cancel()
             if self._watch is not None:
                 await self._watch.stop()
-
-    async def _run_process(self, restored: bool, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
-        """The main loop when the loader process fetches: each shipment is one batch."""
-        started = time.time()
-        self._last_sync = self._last_dense = last_keepalive = time.monotonic()
-        last_data = time.monotonic()
-        await self._begin(restored)
-        queued = self.examples_applied
-        try:
-            while not self.stop_event.is_set():
-                now = time.monotonic()
-                if await self._check_epoch_when_due(now):
-                    await self._handle_reset()
-                wait = min(0.1, max(0.0, self._last_sync + self.sync_interval_s - now))
-                t0 = time.perf_counter()
-                sh = await self._next_shipment(wait)
-                self._stage("poll", time.perf_counter() - t0)
-                now = time.monotonic()
-                if sh is not None:
-                    last_data = now
-                    prepared = await self.prepare_shipment(sh)
-                    await self._drain(self.max_in_flight - 1)
-                    self._start(prepared)
-                    queued += prepared.batch.size if prepared.batch is not None else 0
-                    if max_examples is not None and queued >= max_examples:
-                        break
-                if now - last_keepalive >= 1.0:
-                    # the member's partitions are paused, so this fetches nothing; it tells aiokafka
-                    # the consumer is polled (max_poll_interval_ms) and raises its errors
-                    last_keepalive = now
-                    await self.consumer.consumer.getmany(timeout_ms=0)
-                self._update_rate(now)
-                await self._sync_when_due(now)
-                if stop_when_idle_s is not None and now - last_data >= stop_when_idle_s:
-                    break
-            return await self._finish(started)
-        finally:
-            await self._teardown()
 
     async def _finish(self, started: float) -> dict:
         await self._drain()
@@ -1053,13 +864,17 @@ class OnlineTrainer:
         await self._producer.stop()
         self._executor.shutdown(wait=True)
 
-    async def _run_inline(self, restored: bool, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
-        """The main loop when this process' consumer fetches (``loader="inline"``)."""
+    async def _loop(self, restored: bool, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
+        """The main loop: poll records until they hold ``batch_size`` examples (or
+        ``batch_timeout_s`` passed), decoding each as it arrives, then hand the batch over."""
         started = time.time()
         self._last_sync = self._last_dense = time.monotonic()
         last_data = time.monotonic()
         await self._begin(restored)
-        buf: list = []
+        buf: list = []  # records polled for the next batch, decoded into `dec`
+        dec = _Decoded()
+        # examples per record lately (how many records to poll for a batch): from one record at a time
+        per_record = float(self.batch_size)
         first_at = 0.0
         polled_at_ms = 0  # wall time of the first poll that filled buf
         queued = self.examples_applied
@@ -1067,14 +882,15 @@ class OnlineTrainer:
             while not self.stop_event.is_set():
                 now = time.monotonic()
                 if await self._check_epoch_when_due(now):
-                    buf = []  # fetched from the old topic or at its positions: counted lost / read again
+                    buf, dec = [], _Decoded()  # fetched from the old topic or at its positions: lost / read again
                     await self._handle_reset()
                 # wake up in time for the batch timeout and the next sync, not just every 100 ms
                 wait = min(0.1, max(0.0, self._last_sync + self.sync_interval_s - now))
                 if buf:
                     wait = min(wait, max(0.0, first_at + self.batch_timeout_s - now))
                 t0 = time.perf_counter()
-                recs = await self.consumer.poll(timeout_ms=int(wait * 1000), max_records=self.batch_size - len(buf))
+                want = max(1, int((self.batch_size - dec.examples) / per_record))
+                recs = await self.consumer.poll(timeout_ms=int(wait * 1000), max_records=want)
                 self._stage("poll", time.perf_counter() - t0)
                 if self.unknown_start:
                     await self._note_starts(recs)
@@ -1085,9 +901,14 @@ class OnlineTrainer:
                         polled_at_ms = int(time.time() * 1000)
                     buf.extend(recs)
                     last_data = now
-                if buf and (len(buf) >= self.batch_size or now - first_at >= self.batch_timeout_s):
-                    prepared = await self.prepare(buf, polled_at_ms)
-                    buf = []
+                    t0 = time.perf_counter()
+                    before = dec.examples
+                    await self._decode_records(list(map(_RAW, recs)), recs.__getitem__, dec)
+                    self._stage("prepare", time.perf_counter() - t0)
+                    per_record = max(1.0, 0.8 * per_record + 0.2 * (dec.examples - before) / len(recs))
+                if buf and (dec.examples >= self.batch_size or now - first_at >= self.batch_timeout_s):
+                    prepared = await self.prepare(buf, polled_at_ms, dec)
+                    buf, dec = [], _Decoded()
                     await self._drain(self.max_in_flight - 1)
                     self._start(prepared)
                     queued += prepared.batch.size if prepared.batch is not None else 0
@@ -1099,7 +920,7 @@ class OnlineTrainer:
                 if stop_when_idle_s is not None and not buf and now - last_data >= stop_when_idle_s:
                     break
             if buf:
-                prepared = await self.prepare(buf, polled_at_ms)
+                prepared = await self.prepare(buf, polled_at_ms, dec)
                 await self._drain()
                 self._start(prepared)
             return await self._finish(started)

@@ -175,6 +175,13 @@ def _ex(prefix: str, i: int) -> tuple[str, bytes, bytes]:
     return "examples", str(i % 7).encode(), example_batch.encode(example_batch.from_examples([e]))  # a batch of one
 
 
+def _batch(raw: bytes) -> bytes:
+    """An Example's bytes as a record of the examples topic (a batch of that one example)."""
+    from services import example_batch
+
+    return example_batch.encode(example_batch.from_examples([Example.FromString(raw)]))
+
+
 async def test_dumper_keeps_every_parquet_row_across_broker_resets(settings: Settings, broker: Broker) -> None:
     """A: dumped. Reset under the running dumper, then B (with some of A again, as a joiner's
     re-emission). Stop, reset again, C; restart. Every row of A, B and C is in Parquet once; no
@@ -182,8 +189,8 @@ async def test_dumper_keeps_every_parquet_row_across_broker_resets(settings: Set
     topic = settings.topics.examples
     root = settings.var_dir / "examples"
 
-    async def put(rows: list) -> None:
-        await produce(settings, [(topic, k, v) for _, k, v in rows])
+    async def put(rows: list) -> None:  # one example batch per example
+        await produce(settings, [(topic, k, _batch(v)) for _, k, v in rows])
 
     def rows() -> list[str]:
         return dumper.read_examples(root)["example_id"].to_pylist() if list(root.glob("dt=*")) else []
@@ -225,7 +232,7 @@ async def test_dumper_keeps_the_rows_of_an_uncommitted_flush_whose_records_a_res
     topic = settings.topics.examples
     root = settings.var_dir / "examples"
     await create_topics(settings)
-    await produce(settings, [(topic, k, v) for _, k, v in (_ex("a", i) for i in range(300))])
+    await produce(settings, [(topic, k, _batch(v)) for _, k, v in (_ex("a", i) for i in range(300))])
     _crash_at_commit(monkeypatch, 2)
     with pytest.raises(_Crash):
         await dumper.run(settings.updated(dumper=dict(flush_rows=100)), until_idle_s=1.0)
@@ -233,7 +240,7 @@ async def test_dumper_keeps_the_rows_of_an_uncommitted_flush_whose_records_a_res
     on_disk = dumper.read_examples(root)["example_id"].to_pylist()  # flush 1, and flush 2 uncommitted
     await asyncio.to_thread(broker.restart)
     await create_topics(settings)
-    await produce(settings, [(topic, k, v) for _, k, v in (_ex("b", i) for i in range(50))])
+    await produce(settings, [(topic, k, _batch(v)) for _, k, v in (_ex("b", i) for i in range(50))])
     totals = await dumper.run(settings.updated(dumper=dict(flush_rows=100)), until_idle_s=1.0)
     assert totals["adopted_rows"] >= 100 and totals["examples"] == 50
     ids = dumper.read_examples(root)["example_id"].to_pylist()

@@ -1,5 +1,6 @@
-"""The dumper: examples topic (with the joiner's at-least-once duplicates) -> hourly Parquet,
-each example exactly once, flat columns; a flush that crashed before committing is redone."""
+"""The dumper: examples topic (example batches, with the joiner's at-least-once duplicates) ->
+hourly Parquet, each example exactly once, flat columns; a flush that crashed before committing is
+redone."""
 
 from __future__ import annotations
 
@@ -13,30 +14,44 @@ from joiner.stores.rocksdb import RocksDBStore
 from joiner.app import run as run_joiner
 from joiner.synth import ml_events
 from joiner.types import JoinConfig
+from services import example_batch
 from services.kafka import create_topics
 from services.settings import Settings
-from tests.joiner.helpers import produce, read_examples, read_topic
+from tests.joiner.helpers import produce, read_examples
 
 CFG = JoinConfig(window_ms=120_000, negative_sample_rate=0.3)
+
+
+def batches(topic: str, examples: list, per_record: int = 1) -> list[tuple[str, bytes, bytes]]:
+    """``(topic, key, value)`` records of example batches, ``per_record`` examples each."""
+    return [(topic, str(examples[a].user_id).encode(),
+             example_batch.encode(example_batch.from_examples(examples[a:a + per_record])))
+            for a in range(0, len(examples), per_record)]
 
 
 async def test_dumper_writes_each_example_once_by_event_hour(settings: Settings) -> None:
     await create_topics(settings)
     await produce(settings, ml_events(800, start=60_000, seed=9))
     await run_joiner(settings, until_idle_s=0.5, config=CFG)
-    raw = await read_topic(settings, settings.topics.examples)
-    # Duplicates as a crashed joiner would leave them: exact copies, later in the topic.
-    await produce(settings, [(settings.topics.examples, b"dup", v) for v in raw[:300]])
+    joined = await read_examples(settings)
+    # the joiner's examples on a topic of their own as batches of 100, then duplicates as a
+    # crashed joiner would leave them: exact copies of whole records and examples again in new
+    # records, later in the topic
+    s = settings.model_copy(deep=True)
+    s.topics.examples = settings.topics.examples + "-batches"
+    records = batches(s.topics.examples, joined, 100)
+    await create_topics(s)
+    await produce(s, records + records[:2] + batches(s.topics.examples, joined[200:300], 30))
     root = settings.var_dir / "examples"
     # ml_events follows ml-1m's file order (by user), so event times jump by years: remember
     # every id here (the horizon has its own test below).
     forever = 20 * 365 * 86400.0
-    totals = await dumper.run(settings.updated(dumper=dict(flush_rows=1000, dedup_horizon_s=forever)), until_idle_s=1.0)
-    assert totals["duplicates"] == 300 and totals["examples"] == len(raw)
+    totals = await dumper.run(s.updated(dumper=dict(flush_rows=1000, dedup_horizon_s=forever)), until_idle_s=1.0)
+    assert totals["duplicates"] == 300 and totals["examples"] == len(joined) > 300
     table = dumper.read_examples(root)
-    assert table.num_rows == len(raw)
-    assert pc.count_distinct(table["example_id"]).as_py() == len(raw)
-    expected = {e.example_id: e for e in await read_examples(settings)}
+    assert table.num_rows == len(joined)
+    assert pc.count_distinct(table["example_id"]).as_py() == len(joined)
+    expected = {e.example_id: e for e in joined}
     for row in table.select(["example_id", "label_click", "sample_rate", "event_time_ms", "sparse_item", "dense_pop",
                              "sparse_user", "dt", "hour"]).to_pylist()[:200]:
         e = expected[row["example_id"]]
@@ -49,15 +64,16 @@ async def test_dumper_writes_each_example_once_by_event_hour(settings: Settings)
     ghost = root / "dt=2000-01-01" / "hour=00" / "part-9999999999-0000.parquet"
     ghost.parent.mkdir(parents=True)
     ghost.write_bytes(b"partial")
-    await produce(settings, [(settings.topics.examples, b"dup", v) for v in raw[:10]])
-    totals = await dumper.run(settings.updated(dumper=dict(dedup_horizon_s=forever)), until_idle_s=1.0)
+    await produce(s, batches(s.topics.examples, joined[:10], 10))
+    totals = await dumper.run(s.updated(dumper=dict(dedup_horizon_s=forever)), until_idle_s=1.0)
     assert totals["duplicates"] == 10 and totals["examples"] == 0 and not ghost.exists()
     assert ghost.with_name(ghost.name + ".unreadable").read_bytes() == b"partial"
     assert sorted(p.name for p in root.glob("dt=*/hour=*/part-*.parquet")) == before
 
 
 def test_flatten_empty() -> None:
-    assert dumper.flatten([], ["click"]).num_rows == 0
+    t = dumper.flatten(example_batch.decode(example_batch.encode(example_batch.from_examples([]))), ["click"])
+    assert t.num_rows == 0 and "label_click" in t.column_names
 
 
 async def test_dumper_prunes_ids_beyond_the_dedup_horizon(settings: Settings) -> None:
@@ -67,13 +83,12 @@ async def test_dumper_prunes_ids_beyond_the_dedup_horizon(settings: Settings) ->
     hour = 3_600_000
     t0 = 1_700_000_000_000
 
-    def ex(i: int, t: int) -> tuple[str, bytes, bytes]:
-        e = Example(example_id=f"h/{i}", request_id="h", item_id=i, user_id=1, event_time_ms=t, sample_rate=1.0)
-        return settings.topics.examples, b"1", e.SerializeToString()
+    def ex(i: int, t: int) -> Example:
+        return Example(example_id=f"h/{i}", request_id="h", item_id=i, user_id=1, event_time_ms=t, sample_rate=1.0)
 
     # 10 hours of examples, one every 6 minutes; horizon 2 hours.
     first = [ex(i, t0 + i * hour // 10) for i in range(100)]
-    await produce(settings, first)
+    await produce(settings, batches(settings.topics.examples, first, 10))
     root = settings.var_dir / "examples"
     pruning_now = dict(dedup_horizon_s=7200, dedup_min_wall_s=0)  # the event-time rule alone
     totals = await dumper.run(settings.updated(dumper=dict(flush_rows=10, **pruning_now)), until_idle_s=1.0)
@@ -90,7 +105,7 @@ async def test_dumper_prunes_ids_beyond_the_dedup_horizon(settings: Settings) ->
     finally:
         store.close()
     # Duplicates within the horizon are still dropped; one beyond it is written again (counted).
-    await produce(settings, [first[99], first[90], first[0]])
+    await produce(settings, batches(settings.topics.examples, [first[99], first[90], first[0]], 3))
     totals = await dumper.run(settings.updated(dumper=pruning_now), until_idle_s=1.0)
     assert totals["duplicates"] == 2 and totals["examples"] == 1 and totals["beyond_horizon"] == 1
 
@@ -108,7 +123,7 @@ async def test_dedup_remembers_ids_for_a_wall_time_minimum(settings: Settings, m
     def ex(i: int) -> tuple[str, bytes, bytes]:
         e = Example(example_id=f"w/{i}", request_id="w", item_id=i, user_id=1, event_time_ms=t0 + i * hour,
                     sample_rate=1.0)
-        return settings.topics.examples, b"1", e.SerializeToString()
+        return batches(settings.topics.examples, [e])[0]  # a record of one example
 
     # 100 hours of event time in one stream, horizon 2 hours: most ids are beyond it at once.
     await produce(settings, [ex(i) for i in range(100)])
@@ -149,9 +164,9 @@ def _crash_at_commit(monkeypatch, seq: int) -> None:
 def _examples(settings: Settings, n: int) -> list[tuple[str, bytes, bytes]]:
     from proto import Example
 
-    return [(settings.topics.examples, b"1", Example(
+    return batches(settings.topics.examples, [Example(
         example_id=f"c/{i}", request_id="c", item_id=i, user_id=1, event_time_ms=1_700_000_000_000 + i,
-        sample_rate=1.0).SerializeToString()) for i in range(n)]
+        sample_rate=1.0) for i in range(n)])
 
 
 async def test_a_flush_that_crashed_before_its_commit_is_adopted_not_deleted(settings: Settings, monkeypatch) -> None:

@@ -13,10 +13,11 @@ from joiner.reference import offline_join
 from joiner.synth import ml_events
 from joiner.types import JoinConfig
 from proto import Action, Candidate, DeadLetter, Example, FeatureLog
-from services.codecs import validate_example
+from services import example_batch
 from services.kafka import create_topics
 from services.settings import Settings
 from tests.joiner.helpers import as_map, produce, read_examples, read_topic, ref_as_map
+from tests.joiner.test_dumper import batches
 
 CFG = JoinConfig(window_ms=120_000, lateness_ms=5_000, orphan_grace_ms=300_000, retention_ms=120_000,
                  negative_sample_rate=0.3, seed=11)
@@ -70,16 +71,17 @@ async def test_joiner_dead_letters_a_record_the_join_fails_on(settings: Settings
 
 async def test_dumper_dead_letters_an_example_it_cannot_file(settings: Settings) -> None:
     """event_time_ms = 2**63 - 1 passes validation but has no calendar hour (``hour_dir``
-    raised ValueError on every restart): dead-lettered, and the examples after it written."""
+    raised ValueError on every restart): dead-lettered (a batch of just it), and the examples of
+    its batch and after it written."""
     await create_topics(settings)
     poison = Example(example_id="p/1", request_id="p", item_id=1, user_id=1, event_time_ms=2**63 - 1,
                      sample_rate=1.0, labels={"click": 1.0})
-    validate_example(poison)
+    example_batch.decode(example_batch.encode(example_batch.from_examples([poison])))  # passes validation
     t0 = 1_700_000_000_000
     good = [Example(example_id=f"g/{i}", request_id="g", item_id=i, user_id=1, event_time_ms=t0 + i,
                     sample_rate=1.0, labels={"click": 0.0}) for i in range(20)]
     topic = settings.topics.examples
-    await produce(settings, [(topic, b"1", e.SerializeToString()) for e in good[:10] + [poison] + good[10:]])
+    await produce(settings, batches(topic, good[:10] + [poison] + good[10:], 7))  # poison in a batch of good ones
     before = _failed("joiner-dumper", topic)
     root = settings.var_dir / "examples"
     totals = await dumper.run(settings.updated(dumper=dict(flush_rows=5)), until_idle_s=1.0)
@@ -87,7 +89,7 @@ async def test_dumper_dead_letters_an_example_it_cannot_file(settings: Settings)
     assert _failed("joiner-dumper", topic) - before == 1
     assert sorted(dumper.read_examples(root)["example_id"].to_pylist()) == sorted(e.example_id for e in good)
     letters = [DeadLetter.FromString(v) for v in await read_topic(settings, settings.topics.dead_letters)]
-    assert len(letters) == 1 and letters[0].value == poison.SerializeToString()
+    assert len(letters) == 1 and example_batch.to_examples(example_batch.decode(letters[0].value)) == [poison]
     assert letters[0].reason.startswith("failed: ") and letters[0].consumer == "joiner-dumper"
     # The restart does not meet it again.
     totals = await dumper.run(settings, until_idle_s=0.5)

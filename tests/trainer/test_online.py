@@ -17,6 +17,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from prometheus_client import REGISTRY
 
 from proto import DeadLetter, Example, ParameterDelta
+from services import example_batch
 from trainer import snapshots
 from trainer.config import deepfm_config
 from trainer.data import MovieLensData, produce_examples
@@ -63,16 +64,17 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
     dup = list(ml_examples[:500])  # at-least-once duplicates
     half = N // 2
     await produce_examples(settings, ml_examples[:half] + bad)
-    # a bad Example whose bytes are not what re-serializing it gives (a repeated scalar field):
-    # the dead letter must carry these exact bytes
+    # a record that is not an example batch (an Example proto, the format before batches): dead-
+    # lettered whole with its exact bytes
     odd = bad[0].SerializeToString() + Example(event_time_ms=1).SerializeToString()
-    assert Example.FromString(odd).SerializeToString() != odd
     from services.kafka import producer, start_client
     prod = producer(settings)
     await start_client(prod, settings)
     await prod.send_and_wait(settings.topics.examples, odd, key=b"odd")
     await prod.stop()
-    tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=1.0, snapshot_interval_event_s=0)), small_cfg())
+    # batches of one 1000-example record (batch_size 1024 takes two: fewer steps, AUC ~0.6)
+    tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=1.0, snapshot_interval_event_s=0, batch_size=512)),
+                       small_cfg())
     tr.keep_last_sync_copy = True
     run = asyncio.create_task(tr.run(stop_when_idle_s=3.0))
     # the second half arrives after a first version was published: several versions to replay
@@ -83,7 +85,7 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
     await produce_examples(settings, ml_examples[half:] + dup)
     res = await asyncio.wait_for(run, 120)
     assert res["examples_applied"] == N
-    assert res["bad"] == 3 and res["duplicates"] == 500
+    assert res["bad"] == 3 and res["duplicates"] == 500 and tr.bad == 3
     assert res["auc"] > 0.6, res
     assert res["sparse_version"] >= 2
 
@@ -105,10 +107,13 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
 
     letters = [DeadLetter.FromString(v) for v in await read_topic(settings, settings.topics.dead_letters)]
     reasons = sorted(l.reason for l in letters)
-    assert len(letters) == 3 and sum(r.startswith("unknown_slot") for r in reasons) == 2, reasons
+    assert len(letters) == 3 and [r.split(":")[0] for r in reasons] == ["bad_label", "undecodable", "unknown_slot"]
     assert odd in [l.value for l in letters]
-    assert bad[0].SerializeToString() in [l.value for l in letters]
-    assert any("not finite" in r for r in reasons), reasons
+    # a refused example's letter is a batch of that example (the rest of its record was learned)
+    refused = {l.reason.split(":")[0]: example_batch.to_examples(example_batch.decode(l.value))
+               for l in letters if l.value != odd}
+    assert refused["unknown_slot"] == [bad[0]] and [e.example_id for e in refused["bad_label"]] == ["bad/2"]
+    assert "nonexistent_slot" in reasons[2] and "'click' missing" in reasons[0], reasons
 
     # serving catch-up from the final snapshot equals the trainer's tables
     tables, dense, man = snapshots.load_latest(tr.snapshot_root)
@@ -132,7 +137,7 @@ def _spawn(settings, tmp: Path, log: Path) -> subprocess.Popen:
 async def test_kill_9_resume(settings, ml_examples, tmp_path):
     (tmp_path / "model.json").write_text(small_cfg().model_dump_json())
     half = N // 2  # the second half is produced after the kill: the trainer cannot finish first
-    await produce_examples(settings, ml_examples[:half])
+    records = await produce_examples(settings, ml_examples[:half])
     root = settings.var_dir / "snapshots" / "deepfm"
     log = tmp_path / "trainer.log"
     p = _spawn(settings, tmp_path, log)
@@ -152,7 +157,7 @@ async def test_kill_9_resume(settings, ml_examples, tmp_path):
     # every partition is named, even one nothing was applied from yet: a partition left out would
     # resume at the committed offset, which batches applied after the snapshot moved past
     assert len(killed_at["offsets"]) == settings.topics.partitions, killed_at["offsets"]
-    await produce_examples(settings, ml_examples[half:])
+    records += await produce_examples(settings, ml_examples[half:])
     p = _spawn(settings, tmp_path, log)
     assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
     final = snapshots.read_manifest(root)
@@ -162,7 +167,7 @@ async def test_kill_9_resume(settings, ml_examples, tmp_path):
     assert final["sparse_version"] > killed_at["sparse_version"]
     assert final["auc"] > 0.6
     total = sum(final["offsets"].values())
-    assert total == N  # next offsets of all partitions: every record consumed
+    assert total == records  # next offsets of all partitions: every record consumed
     assert "resuming" in log.read_text() or "restored snapshot" in log.read_text()
 
 
@@ -189,7 +194,7 @@ async def test_online_resumes_from_batch_warm_start(settings, ml_examples, tmp_p
     stream = [Example.FromString(e.SerializeToString()) for e in ml_examples[warm:warm + 3_000]]
     for i, e in enumerate(stream[::3]):  # after a first click serving logs the user's recent clicks
         e.features.sparse["recent_items"].ids.extend([int(batch_items[i % batch_items.size]), 10_000_000 + i])
-    await produce_examples(settings, stream)
+    records = await produce_examples(settings, stream)
     tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=0.5, snapshot_interval_event_s=0)), cfg)
     labels = {"model": cfg.model_id, "table": "item_id"}
     admitted = REGISTRY.get_sample_value("driftline_ps_admitted_total", labels) or 0.0
@@ -206,7 +211,7 @@ async def test_online_resumes_from_batch_warm_start(settings, ml_examples, tmp_p
     assert REGISTRY.get_sample_value("driftline_trainer_event_time_ms", {"model": cfg.model_id}) == newest
     final = snapshots.read_manifest(root)
     assert final["source"] == "online" and final["seq"] == man["seq"] + 1
-    assert sum(final["offsets"].values()) == len(stream)
+    assert sum(final["offsets"].values()) == records
     # offsets are committed in the background (one commit in flight); the run ends with all committed
     c = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers, group_id=tr.group_id, enable_auto_commit=False)
     await c.start()

@@ -1,5 +1,5 @@
-"""Records that pass ``validate_example`` and still must not be learned, or make the training step
-fail: dead-lettered with the reason, counted, and training goes on past them (no crash loop)."""
+"""Examples that decode and still must not be learned, or make the training step (or decoding) fail:
+dead-lettered with the reason, counted, and training goes on past them (no crash loop)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from proto import DeadLetter, Example
-from services.codecs import validate_example
+from services import example_batch
 from trainer import snapshots
 from trainer.batch import SparseBatch
 from trainer.config import ModelConfig, deepfm_config
@@ -79,34 +79,41 @@ async def test_poison_records_are_dead_lettered_and_training_goes_on(settings):
     overflow.features.dense["x"] = HUGE  # the step's loss overflows: it fails in training
     future.event_time_ms = 2**63 - 1  # would move the trainer's event-time clock for good
     label.labels["click"] = 5.0  # not a log-loss target
-    for e in (overflow, future, label, undecodable):
-        validate_example(e)  # all pass the consumer's validation
-    await produce_examples(settings, examples[:1000] + [overflow, future] + examples[1000:2000] + [label]
-                           + examples[2000:2500] + [undecodable] + examples[2500:])
+    records = await produce_examples(settings, examples[:1000] + [overflow, future] + examples[1000:2000] + [label]
+                                     + examples[2000:2500])
+    # a record of its own that decoding fails on (not BadExampleBatch: a bug): dead-lettered whole
+    records += await produce_examples(settings, [undecodable])
+    records += await produce_examples(settings, examples[2500:])
+    undecodable_raw = example_batch.encode(example_batch.from_examples([undecodable]))
     tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=0.5, snapshot_interval_event_s=3600, batch_size=256)), cfg)
     _overflowing(tr.model)
-    decode = tr.decoder.decode_concat
+    decode = tr.decode
 
-    def failing_decode(buf, *args):  # stands in for a decoder bug that one record's bytes reach
-        if b"poison/400" in buf.tobytes():
+    def failing_decode(raw):  # stands in for a decoder bug that one record's bytes reach
+        if b"poison/400" in bytes(raw):
             raise IndexError("a decoder bug")
-        return decode(buf, *args)
+        return decode(raw)
 
-    tr.decoder.decode_concat = failing_decode
+    tr.decode = failing_decode
     res = await asyncio.wait_for(tr.run(stop_when_idle_s=2.0), 120)
 
-    assert res["examples_applied"] == N and res["bad"] == 4, res
+    assert res["examples_applied"] == N and res["bad"] == 4 and tr.bad == 4, res
     letters: dict[str, list[DeadLetter]] = {}
     for v in await read_topic(settings, settings.topics.dead_letters, timeout_s=1.0):
         letter = DeadLetter.FromString(v)
         letters.setdefault(letter.reason.split(":")[0], []).append(letter)
     assert sorted(letters) == ["bad_label", "event_time", "failed"], letters
+
+    def ids(letter: DeadLetter) -> list[str]:  # a refused example's letter: a batch of that example
+        return [e.example_id for e in example_batch.to_examples(example_batch.decode(letter.value))]
+
     failed = {l.value: l.reason for l in letters["failed"]}
-    assert "NonFiniteStepError" in failed[overflow.SerializeToString()]  # in the training step
-    assert failed[undecodable.SerializeToString()] == "failed: IndexError: a decoder bug"  # in decoding
-    assert [l.value for l in letters["event_time"]] == [future.SerializeToString()]
-    assert [l.value for l in letters["bad_label"]] == [label.SerializeToString()]
+    assert failed[undecodable_raw] == "failed: IndexError: a decoder bug"  # in decoding: the whole record
+    [in_step] = [l for l in letters["failed"] if l.value != undecodable_raw]
+    assert ids(in_step) == ["poison/100"] and "NonFiniteStepError" in in_step.reason  # in the training step
+    assert [ids(l) for l in letters["event_time"]] == [["poison/200"]]
+    assert [ids(l) for l in letters["bad_label"]] == [["poison/300"]]
     assert tr.max_event_time < now  # the event-time clock did not jump
     man = snapshots.read_manifest(tr.snapshot_root)
-    assert man["examples_applied"] == N and sum(man["offsets"].values()) == N + 4  # moved past them
+    assert man["examples_applied"] == N and sum(man["offsets"].values()) == records  # moved past them
     assert man["next_snapshot_at"] < now  # periodic snapshots still come due

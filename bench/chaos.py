@@ -40,8 +40,8 @@ from aiokafka import AIOKafkaConsumer, TopicPartition  # noqa: E402
 from joiner.dumper import read_examples  # noqa: E402
 from joiner.reference import offline_join  # noqa: E402
 from joiner.types import JoinConfig  # noqa: E402
-from proto import Action, Example, FeatureLog, ModelVersion  # noqa: E402
-from services import tansu_quirks  # noqa: E402
+from proto import Action, FeatureLog, ModelVersion  # noqa: E402
+from services import example_batch, tansu_quirks  # noqa: E402
 from services.settings import Settings  # noqa: E402
 from tests.loopstack import LoopStack  # noqa: E402
 
@@ -120,12 +120,13 @@ class Capture:
         elif topic == t.actions:
             a = Action.FromString(value)
             self.actions.setdefault((a.request_id, a.item_id, a.action_type, a.event_time_ms), (key, value))
-        else:
-            e = Example.FromString(value)
-            seen = self.examples.setdefault(e.example_id, value)
-            self.example_epoch.setdefault(e.example_id, self.epochs)
-            if seen != value:
-                self.example_conflicts.add(e.example_id)
+        else:  # one record = a batch of examples; compared example by example
+            for e in example_batch.to_examples(example_batch.decode(value)):
+                raw = e.SerializeToString(deterministic=True)
+                seen = self.examples.setdefault(e.example_id, raw)
+                self.example_epoch.setdefault(e.example_id, self.epochs)
+                if seen != raw:
+                    self.example_conflicts.add(e.example_id)
 
 
 def _supervisor_state(stack: LoopStack) -> dict:

@@ -172,13 +172,11 @@ async def test_joiner_after_a_reset_refuses_expired_impressions_and_remembers_th
 def _ex(prefix: str, i: int) -> tuple[str, bytes, bytes]:
     e = Example(example_id=f"{prefix}/{i}", request_id=prefix, item_id=i, user_id=i % 7,
                 event_time_ms=1_700_000_000_000 + i * 1_000, sample_rate=1.0, labels={"click": float(i % 2)})
-    return "examples", str(i % 7).encode(), example_batch.encode(example_batch.from_examples([e]))  # a batch of one
+    return "examples", str(i % 7).encode(), e.SerializeToString()  # produced as a batch of one: _batch
 
 
 def _batch(raw: bytes) -> bytes:
     """An Example's bytes as a record of the examples topic (a batch of that one example)."""
-    from services import example_batch
-
     return example_batch.encode(example_batch.from_examples([Example.FromString(raw)]))
 
 

@@ -83,7 +83,7 @@ from proto import Example
 from services import example_batch
 from services.atomic import write_parquet_atomic
 from services.example_batch import BadExampleBatch, ExampleColumns
-from services.example_rows import take
+from services.example_batch import take
 from services import metrics, tansu_quirks
 from services.codecs import MalformedMessage, processing_failed
 from services.kafka import BrokerUnavailable, TypedConsumer, create_topics

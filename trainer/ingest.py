@@ -33,7 +33,7 @@ import numpy as np
 
 from services.codecs import event_time_error
 from services.example_batch import ExampleColumns
-from services.example_rows import take
+from services.example_batch import take
 
 __all__ = ["KINDS", "detail", "refusals", "take"]
 

@@ -39,7 +39,7 @@ else (a bug) whole as ``failed``. An example that decodes but must not be learne
 features not the model's, an event time more than ``event_time.max_future_s`` ahead of the wall
 clock: it would move the trainer's event-time clock, which schedules snapshots and expires TTL
 rows, for good) is dropped and dead-lettered as a batch of the refused examples of its record and
-kind (``services.example_rows.take``), and the rest of its record is learned. An example the
+kind (``services.example_batch.take``), and the rest of its record is learned. An example the
 training step *fails* on is found by retrying alone (:mod:`trainer.isolate`: a failing step
 changes no parameter) and dead-lettered as ``failed`` (a batch of that example) with the error,
 while the rest of its batch is trained once. Each is counted (``driftline_dead_letters_total``

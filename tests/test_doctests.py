@@ -12,6 +12,10 @@ MODULES = [
     "services.codecs",
     "services.atomic",
     "producers.movielens_features",
+    "services.example_batch",
+    "joiner.batches",
+    "trainer.dedup",
+    "trainer.ingest",
 ]
 
 

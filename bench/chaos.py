@@ -302,6 +302,10 @@ def run_chaos(work: Path, quick: bool) -> dict:
         "parquet_rows_deleted": deleted,
         "crash_loops": sum(v.get("crash_loops", 0) for v in state.values()),
         "missing_vs_reference": len(missing),
+        # by the broker epoch they reached the topic in (0: the first broker); those of epoch 0 that
+        # the dumper never read lived only in the killed broker (docs/broker-reset.md)
+        "missing_by_epoch": {str(ep): sum(1 for eid in missing if capture.example_epoch.get(eid) == ep)
+                             for ep in sorted({capture.example_epoch.get(eid) for eid in missing}, key=str)},
         "broker_reset_recovered": all(recovered.values()),
         "recovery": recovered,
         "answered_requests": len(answered_ids),

@@ -30,7 +30,7 @@ from services.settings import Settings
 METRICS_OFFSETS = {"joiner": 0, "dumper": 1, "trainer": 2, "traffic": 3}
 
 
-def _free_port_block(n: int) -> int:
+def free_port_block(n: int) -> int:
     """A base port with ``n`` consecutive free ports, below the ephemeral range (where outgoing
     connections would otherwise take them before the services bind)."""
     import random
@@ -71,7 +71,7 @@ class LoopStack:
               timeout_s: float = 240.0) -> LoopStack:
         """Start ``driftline up *args`` on free ports under ``tmp_path`` and wait for its banner."""
         broker_port, redis_port, serving_port, status_port = free_port(), free_port(), free_port(), free_port()
-        metrics_base = _free_port_block(8)
+        metrics_base = free_port_block(8)
         full_env = {k: v for k, v in os.environ.items() if k not in ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL")}
         full_env.update(
             DRIFTLINE_VAR_DIR=str(tmp_path / "var"),

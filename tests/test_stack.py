@@ -17,6 +17,7 @@ from proto import Action, FeatureLog
 from services.embedded import free_port, port_is_open
 from services.kafka import TypedConsumer
 from services.settings import Settings
+from tests.loopstack import free_port_block
 
 
 def _descendants(pid: int) -> set[int]:
@@ -54,7 +55,8 @@ def _env(tmp_path: Path, repo_root: Path, broker_port: int, redis_port: int) -> 
         DRIFTLINE_EMBEDDED__REDIS_PORT=str(redis_port),
         DRIFTLINE_SERVING__PORT=str(free_port()),
         DRIFTLINE_STATUS__PORT=str(free_port()),
-        DRIFTLINE_EMBEDDED__METRICS_PORT_BASE=str(20000 + broker_port % 20000),
+        # (20000 + broker_port % 20000 once collided with an outgoing connection's ephemeral port)
+        DRIFTLINE_EMBEDDED__METRICS_PORT_BASE=str(free_port_block(8)),
     )
     return env
 

@@ -59,6 +59,24 @@ class Broker:
         self.start()
 
 
+class KilledBroker(Broker):
+    """``restart()`` is a kill -9 and a start, as in a crash (a clean stop waits for clients)."""
+
+    def restart(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+        self.start()
+
+
+def killed_broker(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[KilledBroker]:
+    """A test module's own broker (yield from it in a module-scoped ``broker`` fixture, which the
+    ``settings`` fixture then uses): restarting it wipes only that module's topics."""
+    b = KilledBroker(tmp_path_factory.mktemp(name))
+    yield b
+    b.stop()
+
+
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     b = Broker(tmp_path_factory.mktemp("broker"))

@@ -22,30 +22,16 @@ from proto import Example
 from services import example_batch
 from services.kafka import create_topics
 from services.settings import Settings
-from tests.conftest import Broker
+from tests.conftest import Broker, KilledBroker, killed_broker
 from tests.joiner.helpers import as_map, produce, read_examples, ref_as_map
 
 CFG = JoinConfig(window_ms=120_000, lateness_ms=5_000, orphan_grace_ms=300_000, retention_ms=120_000,
                  negative_sample_rate=0.3, seed=11)
 
 
-class KilledBroker(Broker):
-    """``restart()`` is a kill -9 and a start (as in a crash; a clean stop waits for clients)."""
-
-    def restart(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-        self.start()
-
-
 @pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
-    """This module's own broker (the ``settings`` fixture uses it): restarting it wipes only the
-    topics of these tests."""
-    b = KilledBroker(tmp_path_factory.mktemp("reset-broker"))
-    yield b
-    b.stop()
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilledBroker]:
+    yield from killed_broker(tmp_path_factory, "reset-broker")
 
 
 def _value(name: str, **labels: str) -> float:

@@ -23,7 +23,7 @@ from serving.realtime import RecentClicks
 from services.kafka import create_topics, producer, start_client
 from services.settings import Settings
 from services.tansu_quirks import read_broker_epoch
-from tests.conftest import Broker
+from tests.conftest import Broker, KilledBroker, killed_broker
 from trainer import snapshots
 from trainer.batch import SparseBatch
 from trainer.config import deepfm_config
@@ -33,23 +33,9 @@ from trainer.sync import encode_dense, encode_sparse_tables
 from serving_helpers import publish, read_keys
 
 
-class KilledBroker(Broker):
-    """``restart()`` is a kill -9 and a start, as in a crash."""
-
-    def restart(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-        self.start()
-
-
 @pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
-    """This module's own broker (the ``settings`` fixture uses it): restarting it wipes only the
-    topics of these tests."""
-    b = KilledBroker(tmp_path_factory.mktemp("serving-reset-broker"))
-    yield b
-    b.stop()
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilledBroker]:
+    yield from killed_broker(tmp_path_factory, "serving-reset-broker")
 
 
 async def _until(predicate, timeout_s: float = 30.0, what: str = "") -> None:

@@ -118,10 +118,3 @@ def test_model_matched_baselines_are_reported(smoke_out):
     md = (smoke_out / "results.md").read_text()
     assert "Model-matched comparisons" in md and "How settings were chosen" in md
 
-
-def test_cli_docstring_examples():
-    import doctest
-
-    from evaluation import cli as mod
-
-    assert doctest.testmod(mod).failed == 0

@@ -1,6 +1,5 @@
 """Sequential (per-example) linear updates equal a plain per-example loop, and feed parameter sync."""
 
-import doctest
 import math
 
 import numpy as np
@@ -142,6 +141,3 @@ def test_rejects_wide_tables_and_bad_bags():
         train_linear_sequential(server, server.pack({"w": np.array([1, 2])}), np.array([[0, 1]]),
                                 np.zeros(1, bool), np.ones(1, np.float32), np.zeros(1), event_time=1)
 
-
-def test_docstring():
-    assert doctest.testmod(ps.sequential).failed == 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
-import importlib
 import httpx
 import pytest
 
@@ -81,12 +79,6 @@ def servers():
     yield start
     for s in started:
         s.stop()
-
-
-def test_doctests_of_the_status_modules() -> None:
-    for name in ("status.options", "status.scrape", "status.series"):
-        result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
-        assert result.failed == 0, name
 
 
 async def test_rates_quantiles_and_gauges_from_two_scrapes(servers) -> None:

@@ -26,11 +26,13 @@ training, the next queued on the training thread), and a batch's offsets are com
 is applied, in order (in the background, one commit in flight, each taking the newest offsets).
 Decoding builds no protobuf objects and no per-example Python: pyarrow hands numpy views of the
 record's buffers. Every ``sync_interval_s`` the touched sparse rows are published to
-``param-deltas`` as one version (several chunks); every ``dense_sync_interval_s`` the dense params.
+``param-deltas`` as one version (several chunks); every ``dense_sync_interval_s`` the dense params,
+with the negative sample rates the model learned under (:mod:`trainer.sample_rates`, per slice and
+global: serving's log-odds correction uses them, not the joiner's setting).
 Every ``snapshot_interval_event_s`` of event time (and on a clean stop) a snapshot records tables,
 optimizer state, dense params, the next offsets of everything applied, the broker epoch they belong
-to, the sync versions, the ``param-deltas`` offset after the last publish, the AUC histograms and
-the dedup window.
+to, the sync versions, the ``param-deltas`` offset after the last publish, the AUC histograms,
+the dedup window and the sample-rate tracker (manifest ``sample_rates``).
 
 Bad records never stop the trainer: a record ``example_batch.decode`` refuses is dead-lettered
 whole with its reason (``undecodable``/``invalid``); a record whose decoding *raises* something

@@ -28,7 +28,10 @@ apart needs: it learns one pooled base rate, inflated by the pooled factor. Serv
 slice's rate if the trainer saw negatives of that slice, else the global one (a slice the model
 never learned is scored like the pooled traffic), else 1.0 (no negative learned: nothing to undo).
 Serving's slice is its model's ``model_id``: the value its feature logs carry and the joiner keys
-``slice_sample_rates`` by.
+``slice_sample_rates`` by. The limit of this choice: slices that split the *same* traffic (an A/B
+test over one user population) with different rates are not told apart by the model, and each
+slice's rate is then off by its ratio to the global rate; give the model a feature that names the
+slice (then the per-slice rate is right again), or sample both slices at one rate.
 
 Decay: the sums decay exponentially per *negative example* of their own slice (the global sums
 per negative of any slice), with half-life ``trainer.sample_rate_half_life``. Per example, not per

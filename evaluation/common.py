@@ -141,7 +141,7 @@ class HashedIds:
         for s, lut in self.lut.items():
             ids[s] = lut[ids[s]]
         return SparseBatch(b.size, ids, b.offsets, b.labels, b.event_time_ms, b.sample_rate, b.dense,
-                           b.example_ids, b.meta)
+                           b.example_ids, b.meta, b.slice_ids, b.slice_names)
 
 
 # ------------------------------------------------------------------------------ train / score

@@ -9,7 +9,7 @@ from proto.dead_letter_pb2 import DeadLetter
 from proto.example_pb2 import Example
 from proto.feature_log_pb2 import Candidate, FeatureLog, ModelVersion
 from proto.features_pb2 import Features, SparseSlot
-from proto.parameter_delta_pb2 import DenseParameters, ParameterDelta, SparseRows, Tensor
+from proto.parameter_delta_pb2 import DenseParameters, ParameterDelta, SampleRates, SparseRows, Tensor
 
 __all__ = [
     "Action",
@@ -21,6 +21,7 @@ __all__ = [
     "Features",
     "ModelVersion",
     "ParameterDelta",
+    "SampleRates",
     "SparseRows",
     "SparseSlot",
     "Tensor",

@@ -24,19 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bproto/parameter_delta.proto\x12\x0c\x64riftline.v1\"Z\n\nSparseRows\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12\x0e\n\x06values\x18\x04 \x01(\x0c\x12\x12\n\ntombstones\x18\x05 \x01(\x0c\"5\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06values\x18\x03 \x01(\x0c\"8\n\x0f\x44\x65nseParameters\x12%\n\x07tensors\x18\x01 \x03(\x0b\x32\x14.driftline.v1.Tensor\"\xf6\x01\n\x0eParameterDelta\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x04 \x01(\r\x12\x15\n\rcreated_at_ms\x18\x05 \x01(\x03\x12\x19\n\x11max_event_time_ms\x18\x06 \x01(\x03\x12*\n\x06sparse\x18\n \x01(\x0b\x32\x18.driftline.v1.SparseRowsH\x00\x12.\n\x05\x64\x65nse\x18\x0b \x01(\x0b\x32\x1d.driftline.v1.DenseParametersH\x00\x42\t\n\x07payloadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bproto/parameter_delta.proto\x12\x0c\x64riftline.v1\"Z\n\nSparseRows\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12\x0e\n\x06values\x18\x04 \x01(\x0c\x12\x12\n\ntombstones\x18\x05 \x01(\x0c\"5\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06values\x18\x03 \x01(\x0c\"\x88\x01\n\x0bSampleRates\x12\x13\n\x0bglobal_rate\x18\x01 \x01(\x02\x12\x35\n\x06slices\x18\x02 \x03(\x0b\x32%.driftline.v1.SampleRates.SlicesEntry\x1a-\n\x0bSlicesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"i\n\x0f\x44\x65nseParameters\x12%\n\x07tensors\x18\x01 \x03(\x0b\x32\x14.driftline.v1.Tensor\x12/\n\x0csample_rates\x18\x02 \x01(\x0b\x32\x19.driftline.v1.SampleRates\"\xf6\x01\n\x0eParameterDelta\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x04 \x01(\r\x12\x15\n\rcreated_at_ms\x18\x05 \x01(\x03\x12\x19\n\x11max_event_time_ms\x18\x06 \x01(\x03\x12*\n\x06sparse\x18\n \x01(\x0b\x32\x18.driftline.v1.SparseRowsH\x00\x12.\n\x05\x64\x65nse\x18\x0b \x01(\x0b\x32\x1d.driftline.v1.DenseParametersH\x00\x42\t\n\x07payloadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.parameter_delta_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLERATES_SLICESENTRY']._loaded_options = None
+  _globals['_SAMPLERATES_SLICESENTRY']._serialized_options = b'8\001'
   _globals['_SPARSEROWS']._serialized_start=45
   _globals['_SPARSEROWS']._serialized_end=135
   _globals['_TENSOR']._serialized_start=137
   _globals['_TENSOR']._serialized_end=190
-  _globals['_DENSEPARAMETERS']._serialized_start=192
-  _globals['_DENSEPARAMETERS']._serialized_end=248
-  _globals['_PARAMETERDELTA']._serialized_start=251
-  _globals['_PARAMETERDELTA']._serialized_end=497
+  _globals['_SAMPLERATES']._serialized_start=193
+  _globals['_SAMPLERATES']._serialized_end=329
+  _globals['_SAMPLERATES_SLICESENTRY']._serialized_start=284
+  _globals['_SAMPLERATES_SLICESENTRY']._serialized_end=329
+  _globals['_DENSEPARAMETERS']._serialized_start=331
+  _globals['_DENSEPARAMETERS']._serialized_end=436
+  _globals['_PARAMETERDELTA']._serialized_start=439
+  _globals['_PARAMETERDELTA']._serialized_end=685
 # @@protoc_insertion_point(module_scope)

@@ -30,11 +30,28 @@ class Tensor(_message.Message):
     values: bytes
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., values: _Optional[bytes] = ...) -> None: ...
 
+class SampleRates(_message.Message):
+    __slots__ = ("global_rate", "slices")
+    class SlicesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    GLOBAL_RATE_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    global_rate: float
+    slices: _containers.ScalarMap[str, float]
+    def __init__(self, global_rate: _Optional[float] = ..., slices: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
 class DenseParameters(_message.Message):
-    __slots__ = ("tensors",)
+    __slots__ = ("tensors", "sample_rates")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATES_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+    sample_rates: SampleRates
+    def __init__(self, tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample_rates: _Optional[_Union[SampleRates, _Mapping]] = ...) -> None: ...
 
 class ParameterDelta(_message.Message):
     __slots__ = ("model_id", "version", "chunk_index", "chunk_count", "created_at_ms", "max_event_time_ms", "sparse", "dense")

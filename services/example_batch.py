@@ -61,7 +61,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 __all__ = ["BadExampleBatch", "ExampleColumns", "FIXED_SCHEMA", "decode", "encode", "from_examples",
-           "hash_ids", "take", "to_examples", "to_sparse_batch_arrays"]
+           "hash_ids", "slice_codes", "take", "to_examples", "to_sparse_batch_arrays"]
 
 FORMAT = b"driftline.ExampleBatch/1"
 FIXED_SCHEMA = pa.schema([
@@ -255,7 +255,8 @@ def to_sparse_batch_arrays(parts: Sequence[ExampleColumns], slots: Sequence[str]
                            dense_features: Sequence[str] = ()) -> dict:
     """Several decoded batches as the keyword arguments of ``trainer.batch.SparseBatch`` (a missing
     slot column = empty bags, a missing label or dense column = NaN); ``meta["id_hash"]`` holds the
-    ids' hashes. ``SparseBatch(**to_sparse_batch_arrays(...))``."""
+    ids' hashes; ``slice_ids``/``slice_names`` each example's slice (:func:`slice_codes`: the
+    trainer's sample-rate tracker groups by it). ``SparseBatch(**to_sparse_batch_arrays(...))``."""
     sizes = np.array([p.size for p in parts], np.int64)
     n = int(sizes.sum())
     cat = lambda xs, dt: np.concatenate(xs).astype(dt, copy=False) if xs else np.zeros(0, dt)  # noqa: E731
@@ -270,11 +271,38 @@ def to_sparse_batch_arrays(parts: Sequence[ExampleColumns], slots: Sequence[str]
     dense = None
     if dense_features:
         dense = np.stack([cat([p.dense.get(d, nan(p)) for p in parts], np.float32) for d in dense_features], 1)
+    slice_names, slice_ids = slice_codes([p.model_ids for p in parts])
     return dict(size=n, ids=ids, offsets=offsets,
                 labels=cat([p.labels.get(label, nan(p)) for p in parts], np.float32),
                 event_time_ms=cat([p.event_time_ms for p in parts], np.int64),
                 sample_rate=cat([p.sample_rate for p in parts], np.float32), dense=dense,
-                meta={"id_hash": cat([p.id_hash for p in parts], np.uint64).reshape(n, 2)})
+                meta={"id_hash": cat([p.id_hash for p in parts], np.uint64).reshape(n, 2)},
+                slice_ids=slice_ids, slice_names=slice_names)
+
+
+def slice_codes(columns: Sequence[Sequence[str] | pa.Array]) -> tuple[tuple[str, ...], np.ndarray]:
+    """The slices (``model_id``: the serving model an impression was served by) of several
+    ``model_ids`` columns as ``(names, int32 index into names per example)``: the trainer groups
+    examples by slice with integer codes (its sample-rate tracker), not per-example strings.
+    Arrow's ``dictionary_encode`` does the per-example work; Python only sees the few names.
+
+    >>> names, ids = slice_codes([["a", "b", "a"], ["b", "c"]])
+    >>> names, ids.tolist()
+    (('a', 'b', 'c'), [0, 1, 0, 1, 2])
+    """
+    names: dict[str, int] = {}
+    codes = []
+    for col in columns:
+        arr = col.arrow if isinstance(col, _Strings) else col if isinstance(col, (pa.Array, pa.ChunkedArray)) \
+            else pa.array(list(col), pa.string())
+        if isinstance(arr, pa.ChunkedArray):
+            arr = arr.combine_chunks()
+        if len(arr) == 0:
+            continue
+        enc = arr if pa.types.is_dictionary(arr.type) else arr.dictionary_encode()
+        local = np.array([names.setdefault(s, len(names)) for s in enc.dictionary.to_pylist()], np.int32)
+        codes.append(local[enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)])
+    return tuple(names), np.concatenate(codes) if codes else np.zeros(0, np.int32)
 
 
 def from_examples(examples: Sequence) -> ExampleColumns:

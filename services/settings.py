@@ -172,6 +172,11 @@ class TrainerSettings(BaseModel):
     # Seconds between broker-epoch checks (a reset of the broker's data) while no offsets are
     # committed; a busy trainer also checks before every commit (~1 ms each).
     epoch_check_interval_s: float = 0.5
+    # Half-life, in negative examples (per slice, and over all slices for the global rate), of the
+    # sample rates the trainer records (trainer/sample_rates.py): how fast the recorded rate
+    # follows a changed joiner setting. ~25 batches of negatives: about as fast as the model's own
+    # bias moves to the new mix; under a constant setting the rate is exact whatever the value.
+    sample_rate_half_life: float = 50_000.0
 
 
 class ServingSettings(BaseModel):
@@ -364,17 +369,6 @@ class Settings(BaseSettings):
         PosixPath('v/serving/spool-8001')
         """
         return self.serving.spool_dir or self.var_dir / "serving" / f"spool-{self.serving.port}"
-
-    @property
-    def served_sample_rate(self) -> float:
-        """The rate the joiner keeps negatives of the served model's slice at (its
-        ``slice_sample_rates`` entry for ``serving.model_id``, else its default): what serving's
-        log-odds correction divides by.
-
-        >>> Settings().updated(joiner={"slice_sample_rates": {"deepfm": 0.1}}).served_sample_rate
-        0.1
-        """
-        return self.joiner.slice_sample_rates.get(self.serving.model_id, self.joiner.negative_sample_rate)
 
     def updated(self, **sections: dict) -> Settings:
         """A copy with some fields of the named sections replaced: how code that runs a service

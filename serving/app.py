@@ -46,7 +46,7 @@ from serving.feature_store import FeatureStore, FeatureStoreError, RankFeatures
 from serving.model import FMModel, ServingModel, TrainerModel, warm_up
 from serving.realtime import RecentClicks
 from serving.schemas import (ActionsRequest, ActionsResponse, Health, ModelVersionOut,
-                             RankRequest, RankResponse, Readiness)
+                             RankRequest, RankResponse, Readiness, SampleRateOut)
 from serving.spool import SpoolError, SpoolFull
 from services.codecs import event_time_error
 from services.settings import Settings
@@ -75,6 +75,11 @@ class Serving:
                                 epochs=self.epochs)
         self.realtime = RecentClicks(settings, self.store, options.click_actions, options.realtime_group_id,
                                      retry_s=options.kafka_retry_s, epochs=self.epochs)
+
+    def sample_rate(self) -> SampleRateOut:
+        """The log-odds correction's rate now: the served model's rate for its slice."""
+        rate, source = self.model.sample_rates.rate_for(self.model.model_id)
+        return SampleRateOut(rate=rate, source=source, slice=self.model.model_id)
 
     def version(self) -> ModelVersionOut:
         return ModelVersionOut(model_id=self.model.model_id, sparse_version=self.model.sparse.version,
@@ -213,7 +218,9 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
             item_slots.append(slots)
         version = s.version()  # read before scoring: the served version is at least this one
         raw = s.model.score(user_slots, item_slots)
-        scores = correct(raw, s.settings.served_sample_rate)
+        # the rate the served parameters were trained under, for the slice this replica serves
+        rate, _source = s.model.sample_rates.rate_for(s.model.model_id)
+        scores = correct(raw, rate)
         order = np.argsort(-scores, kind="stable").tolist()
         metrics.CANDIDATES.observe(n)
 
@@ -286,6 +293,7 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
             sparse_staleness_s=s.model.sparse.staleness_s(), dense_staleness_s=s.model.dense.staleness_s(),
             feature_log_connected=s.feature_log.connected, feature_log_buffered=s.feature_log.buffered,
             feature_log_spool_bytes=s.feature_log.spool.bytes,
+            sample_rate=s.sample_rate(),
         )
         return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)
 

@@ -101,6 +101,12 @@ class DeltaFeed(BackgroundLoop):
 
     def publish_metrics(self) -> None:
         mid = self.model.model_id
+        rate, source = self.model.sample_rates.rate_for(mid)
+        for other in ("slice", "global", "unrecorded"):  # one series: the source in use
+            if other != source:
+                with contextlib.suppress(KeyError):
+                    metrics.SAMPLE_RATE.remove(mid, other)
+        metrics.SAMPLE_RATE.labels(mid, source).set(rate)
         for kind, state in (("sparse", self.model.sparse), ("dense", self.model.dense)):
             metrics.MODEL_VERSION.labels(mid, kind).set(state.version)
             stale = state.staleness_s()

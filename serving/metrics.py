@@ -25,6 +25,12 @@ DELTA_STALENESS = Gauge(
     "driftline_serving_model_staleness_seconds",
     "Now minus the publish time of the newest applied version, by kind.", ["model_id", "kind"],
 )
+SAMPLE_RATE = Gauge(
+    "driftline_serving_sample_rate",
+    "Negative sample rate of the log-odds correction: the served model's rate for its slice (source "
+    "slice), else over all slices (global), else 1.0 (unrecorded: its trainer recorded none).",
+    ["model_id", "source"],
+)
 DELTA_LAG = Histogram(
     "driftline_serving_delta_apply_lag_seconds",
     "Publish-to-applied delay of each parameter-delta chunk, by kind.", ["kind"],
@@ -40,7 +46,7 @@ DELTAS_APPLIED = Counter(
 DELTAS_SKIPPED = Counter(
     "driftline_serving_deltas_skipped_total",
     "Parameter-delta chunks ignored, by reason (stale: older than the snapshot; other_model; "
-    "unknown_table; bad_shape).", ["reason"],
+    "unknown_table; bad_shape; bad_sample_rate).", ["reason"],
 )
 FEATURE_STORE_SECONDS = Histogram(
     "driftline_serving_feature_store_seconds", "Redis feature-store round trip, by operation.",

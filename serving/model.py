@@ -31,6 +31,7 @@ import numpy as np
 from producers.movielens_features import ITEM_SLOTS, USER_SLOTS
 from proto import ParameterDelta
 from ps import EmbeddingTable, SyncChunk, TableConfig
+from serving.correction import BadSampleRates, SampleRates
 
 Slots = Mapping[str, Sequence[int]]
 
@@ -67,6 +68,9 @@ class ServingModel(Protocol):
     model_id: str
     sparse: VersionState
     dense: VersionState
+    #: the negative sample rates the parameters were trained under (snapshot manifest, then every
+    #: dense delta that carries them): what ``/rank``'s log-odds correction uses
+    sample_rates: SampleRates
 
     def score(self, user_slots: Slots, item_slots_list: Sequence[Slots]) -> np.ndarray:
         """Uncorrected probabilities, one per item, float64."""
@@ -112,6 +116,22 @@ def chunk_done(state: VersionState, msg: ParameterDelta) -> None:
             del state.pending[v]
 
 
+def delta_sample_rates(msg: ParameterDelta, current: SampleRates) -> SampleRates:
+    """The rates a dense delta brings (checked before any of it is applied), or ``current`` when it
+    carries none (a trainer that does not record them: the delta says nothing about them)."""
+    if not msg.dense.HasField("sample_rates"):
+        return current
+    try:
+        return SampleRates.from_message(msg.dense.sample_rates)
+    except BadSampleRates as err:
+        raise DeltaRejected("bad_sample_rate", str(err)) from None
+
+
+def manifest_sample_rates(rates: Mapping | None) -> SampleRates:
+    """A snapshot's ``sample_rates`` (None or empty: the trainer recorded none: no correction)."""
+    return SampleRates.from_mapping(rates) if rates else SampleRates()
+
+
 def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0)))
 
@@ -131,6 +151,7 @@ class FMModel:
         self._dense_lock = threading.Lock()
         self.sparse = VersionState()
         self.dense = VersionState()
+        self.sample_rates = SampleRates()
 
     # ------------------------------------------------------------------ scoring
     def _pooled(self, slot: str, ids_per_row: Sequence[Sequence[int]]) -> np.ndarray:
@@ -203,6 +224,7 @@ class FMModel:
         table.apply_sync(SyncChunk(keys, values, times, tomb))
 
     def _apply_dense(self, msg: ParameterDelta) -> None:
+        rates = delta_sample_rates(msg, self.sample_rates)
         updates: list[tuple[np.ndarray, np.ndarray]] = []
         for t in msg.dense.tensors:
             current = self.dense_params.get(t.name)
@@ -215,6 +237,7 @@ class FMModel:
         with self._dense_lock:  # all tensors of a chunk change together
             for current, value in updates:
                 np.copyto(current, value)
+            self.sample_rates = rates
 
     # ------------------------------------------------------------------ snapshots
     def save_snapshot(self, root: Path, broker_epoch: str | None = None) -> Path:
@@ -229,7 +252,8 @@ class FMModel:
         meta = {"model_id": self.model_id, "dim": self.dim,
                 "sparse_version": self.sparse.version, "dense_version": self.dense.version,
                 "sparse_published_ms": self.sparse.published_ms,
-                "dense_published_ms": self.dense.published_ms, "broker_epoch": broker_epoch}
+                "dense_published_ms": self.dense.published_ms, "broker_epoch": broker_epoch,
+                "sample_rates": self.sample_rates.as_dict()}
         (tmp / "meta.json").write_text(json.dumps(meta))
         tmp.rename(path)
         return path
@@ -255,6 +279,7 @@ class FMModel:
                 for name in z.files:
                     if name in self.dense_params:
                         np.copyto(self.dense_params[name], z[name])
+        self.sample_rates = manifest_sample_rates(meta.get("sample_rates"))
         self.sparse.version, self.dense.version = meta["sparse_version"], meta["dense_version"]
         self.sparse.published_ms = meta["sparse_published_ms"]
         self.dense.published_ms = meta["dense_published_ms"]
@@ -318,6 +343,7 @@ class TrainerModel:
         self.model_id: str = self.config.model_id  # type: ignore[attr-defined]
         self.sparse = VersionState()
         self.dense = VersionState()
+        self.sample_rates = SampleRates()
 
     @property
     def tables(self) -> dict[str, EmbeddingTable]:
@@ -343,10 +369,12 @@ class TrainerModel:
             apply_delta(self.scorer.tables, msg)
             chunk_done(self.sparse, msg)
         elif kind == "dense":
+            rates = delta_sample_rates(msg, self.sample_rates)
             try:
                 self.scorer.load_dense(decode_dense(msg))
             except (RuntimeError, ValueError, KeyError) as err:
                 raise DeltaRejected("bad_shape", f"dense parameters do not fit the head: {err}") from None
+            self.sample_rates = rates
             chunk_done(self.dense, msg)
         else:
             raise DeltaRejected("bad_shape", "delta without payload")
@@ -365,7 +393,9 @@ class TrainerModel:
         except FileNotFoundError:
             return None
         self.config = ModelConfig.model_validate(manifest["config"])
+        rates = manifest_sample_rates(manifest.get("sample_rates"))  # a bad one fails before the swap
         self.scorer = Scorer(self.config, tables, dense_state)
+        self.sample_rates = rates
         self.sparse.version = int(manifest.get("sparse_version", 0))
         self.dense.version = int(manifest.get("dense_version", 0))
         self.sparse.published_ms = self.dense.published_ms = int(manifest.get("created_at_ms", 0))

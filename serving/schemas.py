@@ -122,6 +122,14 @@ class Health(BaseModel):
     status: str
 
 
+class SampleRateOut(BaseModel):
+    rate: float = Field(description="The negative sample rate /rank's log-odds correction uses now.")
+    source: str = Field(description="slice: the served model's rate for its slice; global: its rate over "
+                                    "all slices (it learned no negative of this one); unrecorded: its "
+                                    "trainer recorded none, scores are uncorrected (rate 1.0).")
+    slice: str = Field(description="The slice served: the model's model_id (what its feature logs carry).")
+
+
 class Readiness(BaseModel):
     ready: bool
     model_loaded: bool
@@ -132,3 +140,4 @@ class Readiness(BaseModel):
     feature_log_connected: bool
     feature_log_buffered: int = Field(description="Feature logs spooled, not yet acknowledged by Kafka.")
     feature_log_spool_bytes: int = Field(description="Bytes in the feature-log spool (unshipped + retained).")
+    sample_rate: SampleRateOut

@@ -21,6 +21,7 @@ from services.settings import get_settings
 from . import metrics as M
 from .config import named_config
 from .model import SparseModel
+from .sample_rates import SampleRateTracker
 
 
 def run_batch(args) -> dict:
@@ -33,6 +34,8 @@ def run_batch(args) -> dict:
     data = None if files and not args.movielens else MovieLensData(args.dataset, Path(args.data_dir), limit=args.limit)
     results = []
     max_event_time = 0
+    # the rates of the last pass (every pass sees the same examples): recorded in the snapshot
+    sample_rates = SampleRateTracker(get_settings().trainer.sample_rate_half_life)
     for p in range(args.passes):
         if data is not None:
             train_rows, test_rows = data.split(args.test_fraction)
@@ -41,10 +44,13 @@ def run_batch(args) -> dict:
         else:
             batches, total = parquet_batches(files, args.batch_size, cfg.all_slots, cfg.label, cfg.dense_features), None
         auc, losses, n, t0 = M.StreamingAUC(), [], 0, time.perf_counter()
+        sample_rates = SampleRateTracker(sample_rates.half_life)
         mark, mark_n = t0, 0
         for b in tqdm(batches, total=total, desc=f"pass {p + 1}/{args.passes}", disable=args.quiet):
             loss, probs = model.train_step(b)
             auc.update(probs, b.labels)
+            if b.sample_rate is not None:
+                sample_rates.update(b.slice_ids, b.slice_names, b.sample_rate, b.labels)
             losses.append(loss)
             n += b.size
             max_event_time = max(max_event_time, b.max_event_time)
@@ -74,16 +80,18 @@ def run_batch(args) -> dict:
         M.STAGE_SECONDS.labels(cfg.model_id, stage).inc(seconds)
     print(json.dumps({"timings_s": dict(model.timings)}), flush=True)
     if args.snapshot:
-        write_batch_snapshot(model, max_event_time, sum(r["examples"] for r in results))
+        write_batch_snapshot(model, max_event_time, sum(r["examples"] for r in results), sample_rates=sample_rates)
     return results[-1] if results else {}
 
 
 def write_batch_snapshot(model: SparseModel, max_event_time_ms: int, examples: int,
-                         root: Path | None = None) -> Path:
+                         root: Path | None = None, *, sample_rates: SampleRateTracker) -> Path:
     """The warm start ``trainer online`` (and serving) resume from: tables with optimizer state,
     dense head and optimizer, no stream state - no topic offsets, no streaming AUC, no dedup window
     (:meth:`trainer.online.OnlineTrainer.restore` starts those fresh) - under the same root the
-    online trainer reads (``settings.snapshot_root``)."""
+    online trainer reads (``settings.snapshot_root``). ``sample_rates``: the rates the examples were
+    sampled at (``sample_rates`` in the manifest, as the online trainer records them: serving
+    corrects with them, and ``trainer online`` continues the tracker from them)."""
     from . import snapshots
 
     cfg = model.cfg
@@ -93,7 +101,8 @@ def write_batch_snapshot(model: SparseModel, max_event_time_ms: int, examples: i
                           {"head": model.head.state_dict(), "optimizer": model.optimizer.state_dict()},
                           {"offsets": {}, "sparse_version": 0, "dense_version": 0, "param_deltas_offset": 0,
                            "examples_applied": 0, "max_event_time_ms": int(max_event_time_ms),
-                           "source": "batch", "batch_examples": int(examples)})
+                           "source": "batch", "batch_examples": int(examples),
+                           "sample_rates": sample_rates.state()})
 
 
 async def _run_online(args) -> dict:

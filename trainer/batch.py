@@ -31,6 +31,11 @@ class SparseBatch:
     dense: np.ndarray | None = None
     example_ids: list[str] | None = None
     meta: dict = field(default_factory=dict)
+    #: each example's slice (the serving model_id that served its impression; the joiner's unit of
+    #: negative sampling) as an index into ``slice_names``: int32 [size], or None when unknown.
+    #: What :class:`trainer.sample_rates.SampleRateTracker` groups the sample rates by.
+    slice_ids: np.ndarray | None = None
+    slice_names: tuple[str, ...] = ()
 
     @property
     def max_event_time(self) -> int:
@@ -56,7 +61,8 @@ class SparseBatch:
         pick = lambda a: None if a is None else a[rows]  # noqa: E731
         return SparseBatch(int(rows.size), ids, offs, pick(self.labels), pick(self.event_time_ms),
                            pick(self.sample_rate), pick(self.dense),
-                           None if self.example_ids is None else [self.example_ids[i] for i in rows])
+                           None if self.example_ids is None else [self.example_ids[i] for i in rows],
+                           slice_ids=pick(self.slice_ids), slice_names=self.slice_names)
 
     @staticmethod
     def from_slot_dicts(rows: Sequence[dict[str, Sequence[int]]], dense: np.ndarray | None = None, *,
@@ -101,7 +107,10 @@ class SparseBatch:
         if dense_features:
             dense = np.array([[e.features.dense.get(d, math.nan) for d in dense_features] for e in examples],
                              np.float32).reshape(n, len(dense_features))
-        return SparseBatch(n, ids, offs, labels, t, rate, dense, [e.example_id for e in examples])
+        names: dict[str, int] = {}
+        slice_ids = np.fromiter((names.setdefault(e.model_id, len(names)) for e in examples), np.int32, n)
+        return SparseBatch(n, ids, offs, labels, t, rate, dense, [e.example_id for e in examples],
+                           slice_ids=slice_ids, slice_names=tuple(names))
 
 
 def _opt(a, dtype):

@@ -120,8 +120,10 @@ def parquet_batches(files: list[Path], batch_size: int, slots: list[str], label:
     """Batches from the dumper's Parquet files (schema in :mod:`joiner.dumper`'s docstring):
     ``sparse_<slot>`` list<int64> per slot (missing column or null: empty bags), ``label_<label>``
     (null: NaN), ``event_time_ms``, ``sample_rate`` (missing: 1.0), ``dense_<name>`` (missing or
-    null: NaN), ``example_id``."""
+    null: NaN), ``example_id``, ``model_id`` (each example's slice; missing: slices unknown)."""
     import pyarrow.compute as pc
+
+    from services.example_batch import slice_codes
 
     for f in files:
         pf = pq.ParquetFile(f)
@@ -147,7 +149,9 @@ def parquet_batches(files: list[Path], batch_size: int, slots: list[str], label:
 
             et = t["event_time_ms"].to_numpy().astype(np.int64) if "event_time_ms" in names else np.zeros(n, np.int64)
             dense = (np.stack([floats(f"dense_{d}", np.nan) for d in dense_features], 1) if dense_features else None)
-            yield SparseBatch(n, ids, offs, floats(f"label_{label}", np.nan), et, floats("sample_rate", 1.0), dense)
+            slice_names, slice_ids = slice_codes([t["model_id"]]) if "model_id" in names else ((), None)
+            yield SparseBatch(n, ids, offs, floats(f"label_{label}", np.nan), et, floats("sample_rate", 1.0), dense,
+                              slice_ids=slice_ids, slice_names=slice_names)
 
 
 def example_records(examples: list[Example], partitions: list[int], chunk: int = 1000) -> list[tuple[int, bytes]]:

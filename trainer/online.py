@@ -26,11 +26,13 @@ training, the next queued on the training thread), and a batch's offsets are com
 is applied, in order (in the background, one commit in flight, each taking the newest offsets).
 Decoding builds no protobuf objects and no per-example Python: pyarrow hands numpy views of the
 record's buffers. Every ``sync_interval_s`` the touched sparse rows are published to
-``param-deltas`` as one version (several chunks); every ``dense_sync_interval_s`` the dense params.
+``param-deltas`` as one version (several chunks); every ``dense_sync_interval_s`` the dense params,
+with the negative sample rates the model learned under (:mod:`trainer.sample_rates`, per slice and
+global: serving's log-odds correction uses them, not the joiner's setting).
 Every ``snapshot_interval_event_s`` of event time (and on a clean stop) a snapshot records tables,
 optimizer state, dense params, the next offsets of everything applied, the broker epoch they belong
-to, the sync versions, the ``param-deltas`` offset after the last publish, the AUC histograms and
-the dedup window.
+to, the sync versions, the ``param-deltas`` offset after the last publish, the AUC histograms,
+the dedup window and the sample-rate tracker (manifest ``sample_rates``).
 
 Bad records never stop the trainer: a record ``example_batch.decode`` refuses is dead-lettered
 whole with its reason (``undecodable``/``invalid``); a record whose decoding *raises* something
@@ -124,6 +126,7 @@ from .batch import SparseBatch
 from .config import ModelConfig
 from .isolate import train_isolating
 from .model import SparseModel
+from .sample_rates import SampleRateTracker
 from .sync import encode_dense, encode_sparse_tables
 
 log = logging.getLogger(__name__)
@@ -241,6 +244,7 @@ class OnlineTrainer:
         self.ps_counts = M.PSCounts(cfg.model_id, self.model.tables)
         self.auc = M.StreamingAUC()
         self.dedup = dedup.DedupWindow(ts.dedup_window)
+        self.sample_rates = SampleRateTracker(ts.sample_rate_half_life)  # what serving corrects with
         self.known_slots = set(cfg.all_slots)
         self.resume_offsets: dict[int, int] = {}
         self.applied_offsets: dict[int, int] = {}
@@ -345,6 +349,7 @@ class OnlineTrainer:
         if "auc_pos" in dense and "auc_neg" in dense:
             self.auc.load(dense["auc_pos"], dense["auc_neg"])
         self.dedup.load(dense.get("dedup", []))
+        self.sample_rates.load(man.get("sample_rates", {}))
         log.info("restored snapshot %s (%s): %d examples applied, offsets %s", man["name"],
                  man.get("source", "online"), self.examples_applied, self.resume_offsets)
         return True
@@ -359,7 +364,7 @@ class OnlineTrainer:
                "sparse_version": self.sparse_version, "dense_version": self.dense_version,
                "param_deltas_offset": self.param_deltas_offset, "examples_applied": self.examples_applied,
                "max_event_time_ms": self.max_event_time, "next_snapshot_at": self.next_snapshot_at,
-               "auc": self.auc.value(), "source": "online"}
+               "auc": self.auc.value(), "source": "online", "sample_rates": self.sample_rates.state()}
         path = snapshots.save(self.snapshot_root, self.cfg, self.model.tables, dense, man)
         M.SNAPSHOTS.labels(self.cfg.model_id).inc()
         self._stage("snapshot", time.perf_counter() - t0)
@@ -416,7 +421,7 @@ class OnlineTrainer:
         t0 = time.perf_counter()
         self.dense_version += 1
         m = encode_dense(self.cfg.model_id, self.dense_version, self.model.head,
-                         max_event_time_ms=self.max_event_time)
+                         max_event_time_ms=self.max_event_time, sample_rates=self.sample_rates.rates())
         data = m.SerializeToString()
         self.param_deltas_offset = await self._publish([(f"{self.cfg.model_id}/dense".encode(), data)])
         M.SYNC_BYTES.labels(self.cfg.model_id, "dense").observe(len(data))
@@ -599,6 +604,7 @@ class OnlineTrainer:
             batch = p.batch
             self._stage("train", dt)
             self.auc.update(probs, batch.labels)
+            self.sample_rates.update(batch.slice_ids, batch.slice_names, batch.sample_rate, batch.labels)
             self.examples_applied += batch.size
             self.last_batch_at = time.perf_counter()
             self.max_event_time = max(self.max_event_time, batch.max_event_time)

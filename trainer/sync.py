@@ -15,12 +15,13 @@ Serving imports these; nothing here touches Kafka.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Iterable, Iterator
 
 import numpy as np
 import torch
 
-from proto import DenseParameters, ParameterDelta, SparseRows, Tensor
+from proto import DenseParameters, ParameterDelta, SampleRates, SparseRows, Tensor
 from ps import EmbeddingTable, SyncChunk
 
 #: keep each message well under the producer's 1 MiB request size
@@ -85,7 +86,11 @@ def encode_sparse_tables(model_id: str, version: int, tables: dict[str, Embeddin
 
 
 def encode_dense(model_id: str, version: int, state: dict[str, torch.Tensor] | torch.nn.Module, *,
-                 max_event_time_ms: int = 0, created_at_ms: int | None = None) -> ParameterDelta:
+                 max_event_time_ms: int = 0, created_at_ms: int | None = None,
+                 sample_rates: Mapping | None = None) -> ParameterDelta:
+    """The dense delta; ``sample_rates``: the rates the parameters were trained under
+    (:meth:`trainer.sample_rates.SampleRateTracker.rates`: ``{"global": r, "slices": {s: r}}``),
+    sent along so serving corrects with them (None: the message carries none)."""
     if isinstance(state, torch.nn.Module):
         state = state.state_dict()
     tensors = []
@@ -94,7 +99,10 @@ def encode_dense(model_id: str, version: int, state: dict[str, torch.Tensor] | t
         tensors.append(Tensor(name=name, shape=list(a.shape), values=a.astype("<f4").tobytes()))
     return ParameterDelta(model_id=model_id, version=version, chunk_index=0, chunk_count=1,
                           created_at_ms=int(time.time() * 1000) if created_at_ms is None else created_at_ms,
-                          max_event_time_ms=max_event_time_ms, dense=DenseParameters(tensors=tensors))
+                          max_event_time_ms=max_event_time_ms,
+                          dense=DenseParameters(tensors=tensors, sample_rates=None if sample_rates is None else
+                                                SampleRates(global_rate=sample_rates["global"],
+                                                            slices=sample_rates["slices"])))
 
 
 def decode_dense(msg: ParameterDelta) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from proto import ParameterDelta
-from proto.parameter_delta_pb2 import DenseParameters, SparseRows, Tensor
+from proto.parameter_delta_pb2 import DenseParameters, SampleRates, SparseRows, Tensor
 from serving.feature_store import FeatureStore
 from services.embedded import free_port
 from services.kafka import create_topics, producer, start_client
@@ -93,10 +93,15 @@ def sparse_delta(table: str, keys: np.ndarray, values: np.ndarray, version: int,
     )
 
 
-def dense_delta(bias: float, version: int, model_id: str = "deepfm") -> ParameterDelta:
+def dense_delta(bias: float, version: int, model_id: str = "deepfm",
+                sample_rates: dict | None = None) -> ParameterDelta:
+    """``sample_rates``: ``{"global": r, "slices": {...}}`` the trainer sends along (None: none)."""
+    rates = None if sample_rates is None else SampleRates(global_rate=sample_rates["global"],
+                                                          slices=sample_rates["slices"])
     return ParameterDelta(
         model_id=model_id, version=version, chunk_index=0, chunk_count=1, created_at_ms=int(time.time() * 1000),
-        dense=DenseParameters(tensors=[Tensor(name="bias", shape=[1], values=np.array([bias], "<f4").tobytes())]),
+        dense=DenseParameters(tensors=[Tensor(name="bias", shape=[1], values=np.array([bias], "<f4").tobytes())],
+                              sample_rates=rates),
     )
 
 

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from serving.deltas import DeltaFeed
 from serving.model import FMModel, parameters
@@ -77,3 +78,34 @@ async def test_replicas_converge_and_bootstrap_from_snapshot(settings: Settings,
     assert c.skipped > 0  # the deltas already in the snapshot were not re-applied
     for f in (a, b, c):
         await f.stop()
+
+
+async def test_sample_rates_follow_dense_deltas_without_restart(settings: Settings, tmp_path: Path) -> None:
+    """The correction's rate is the served model's: each dense delta that carries rates replaces
+    them (a changed joiner setting reaches serving with the parameters trained under it), one
+    without rates keeps them, a snapshot carries them to a replica that bootstraps from it, and
+    bad rates are skipped (the dense tensors with them)."""
+    feed = DeltaFeed(settings, FMModel(dim=DIM), retry_s=0.2)
+    assert feed.model.sample_rates.rate_for("deepfm") == (1.0, "unrecorded")
+    feed.start()
+    await publish(settings, [dense_delta(0.1, 1, sample_rates={"global": 0.3, "slices": {"deepfm": 0.25}})])
+    await _until([feed], 0, 1)
+    assert feed.model.sample_rates.rate_for("deepfm") == (0.25, "slice")
+    assert feed.model.sample_rates.rate_for("other") == (pytest.approx(0.3), "global")
+    await publish(settings, [dense_delta(0.2, 2, sample_rates={"global": 0.5, "slices": {"deepfm": 0.5}})])
+    await _until([feed], 0, 2)
+    assert feed.model.sample_rates.rate_for("deepfm") == (0.5, "slice")
+    await publish(settings, [dense_delta(0.3, 3)])  # no rates: the model's stay
+    await _until([feed], 0, 3)
+    assert feed.model.sample_rates.rate_for("deepfm") == (0.5, "slice")
+    skipped = feed.skipped
+    await publish(settings, [dense_delta(0.4, 4, sample_rates={"global": 0.0, "slices": {}}),
+                             dense_delta(0.5, 5, sample_rates={"global": 0.5, "slices": {"deepfm": 0.125}})])
+    await _until([feed], 0, 5)
+    assert feed.skipped == skipped + 1 and feed.model.sample_rates.rate_for("deepfm") == (0.125, "slice")
+    snap_dir = tmp_path / "snapshots"
+    feed.model.save_snapshot(snap_dir)
+    await feed.stop()
+    other = DeltaFeed(settings, FMModel(dim=DIM), snapshot_dir=snap_dir, retry_s=0.2)
+    other.load_snapshot()
+    assert other.model.sample_rates == feed.model.sample_rates

@@ -11,6 +11,7 @@ import pytest
 
 from proto import FeatureLog
 from serving.app import create_app
+from serving.correction import correct
 from serving.model import FMModel
 from services.kafka import TypedConsumer
 from services.settings import Settings
@@ -44,8 +45,9 @@ def test_rank_sorted_logged_and_deltas_change_scores(serving_settings: Settings,
         assert body["request_id"] == "req-1" and body["user_known"] is True
         scores = [it["score"] for it in body["items"]]
         assert scores == sorted(scores, reverse=True) and len(scores) == 20
-        # Untrained model: p = 0.5, corrected with r = 0.25 -> 0.2.
-        assert scores[0] == pytest.approx(0.2)
+        # Untrained model: p = 0.5, and no sample rate recorded with it: not corrected.
+        assert scores[0] == pytest.approx(0.5)
+        assert ready["sample_rate"] == {"rate": 1.0, "source": "unrecorded", "slice": "deepfm"}
         before = {it["item_id"]: it["score"] for it in body["items"]}
 
         # Publish deltas for three of the candidates and a bias: scores move within seconds.
@@ -53,7 +55,8 @@ def test_rank_sorted_logged_and_deltas_change_scores(serving_settings: Settings,
         values = np.zeros((3, 5), np.float32)
         values[:, 0] = [2.0, 1.0, -1.0]
         asyncio.run(publish(serving_settings, [sparse_delta("item_id", keys, values, version=1),
-                                               dense_delta(-0.5, version=1)]))
+                                               dense_delta(-0.5, version=1, sample_rates={
+                                                   "global": 0.5, "slices": {"deepfm": 0.25, "other": 0.1}})]))
         deadline = time.monotonic() + 15
         while True:
             body = httpx.post(f"{base}/rank", json=rank_body(), timeout=10).json()
@@ -64,9 +67,15 @@ def test_rank_sorted_logged_and_deltas_change_scores(serving_settings: Settings,
         after = {it["item_id"]: it["score"] for it in body["items"]}
         assert [it["item_id"] for it in body["items"][:2]] == [3, 7]
         assert after[11] < after[1] < before[1]
+        # item 1 has no rows: raw sigmoid(-0.5), corrected with the delta's rate of this slice
+        assert after[1] == pytest.approx(float(correct(1 / (1 + np.exp(0.5)), 0.25)), rel=1e-6)
+        assert httpx.get(f"{base}/readyz").json()["sample_rate"] == {"rate": 0.25, "source": "slice",
+                                                                     "slice": "deepfm"}
         metrics = httpx.get(f"{base}/metrics").text
         assert 'driftline_serving_model_version{kind="sparse",model_id="deepfm"} 1.0' in metrics
         assert "driftline_serving_delta_apply_lag_seconds_count" in metrics
+        assert 'driftline_serving_sample_rate{model_id="deepfm",source="slice"} 0.25' in metrics
+        assert 'source="unrecorded"' not in metrics
         assert "driftline_serving_request_seconds_bucket" in metrics
 
         # Unknown user: scored with defaults, flagged.

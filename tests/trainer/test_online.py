@@ -118,6 +118,11 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
     # serving catch-up from the final snapshot equals the trainer's tables
     tables, dense, man = snapshots.load_latest(tr.snapshot_root)
     assert man["examples_applied"] == N and man["sparse_version"] == tr.sparse_version
+    # the sample rates it learned under travel with it (MovieLens replay: every negative kept, slice "replay")
+    assert (man["sample_rates"]["global"], man["sample_rates"]["slices"]) == (1.0, {"replay": 1.0})
+    dense_msgs = [m for m in msgs if m.WhichOneof("payload") == "dense"]
+    assert all(m.dense.HasField("sample_rates") for m in dense_msgs)
+    assert dict(dense_msgs[-1].dense.sample_rates.slices) == {"replay": 1.0}
     k, v, _, _ = tables["item_id"].items()
     assert np.array_equal(v, tr.model.tables["item_id"].items()[1])
 

@@ -236,7 +236,7 @@ class SparseModel:
             pooled.append(x.view(nf, batch.size, blk.dim).transpose(0, 1))  # [B, F, dim]
         emb, lin = pooled
         if lin is not None:
-            lin = lin.reshape(batch.size, -1)  # dim 1: [B, L]
+            lin = lin.reshape(batch.size, lin.shape[1])  # dim 1: [B, L] (also for B == 0)
         dense = torch.from_numpy(batch.dense) if batch.dense is not None and self.cfg.dense_features else None
         logits = self.head(emb, lin, dense)
         self.timings["forward"] += time.perf_counter() - t1

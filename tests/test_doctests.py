@@ -16,6 +16,7 @@ MODULES = [
     "joiner.batches",
     "trainer.dedup",
     "trainer.ingest",
+    "trainer.sharding",
 ]
 
 

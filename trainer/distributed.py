@@ -44,7 +44,7 @@ empty is skipped by all ranks together.
 the row width (DeepFM here: 16 for a field, 1 for its first-order weight, so ``8 + 4*17*2`` per
 (field, id) pair), plus ``8 (T + 2) N`` header bytes per step and the dense head's gradients
 (``4 P`` bytes per step, all-reduced, P parameters) independent of the batch size.
-:attr:`DistributedModel.wire_bytes` counts what left this rank.
+:attr:`DistributedModel.alltoall_bytes` counts what left this rank (``allreduce_bytes``: the dense part).
 
 **Mode** ``hybrid`` (PERSIA): steps 2-5 of batch ``t+1`` (the lookup) run in a background thread,
 on a second process group, while batch ``t`` does its forward, backward and updates; a looked-up
@@ -138,7 +138,8 @@ class DistributedModel:
         self._lookup_group = dist.new_group(backend="gloo") if mode == "hybrid" else group
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dist-lookup") if mode == "hybrid" else None
         self._lock = threading.Lock()
-        self.wire_bytes = 0       # bytes this rank sent to other ranks (all_to_all + all_reduce)
+        self.alltoall_bytes = 0   # bytes this rank sent to other ranks through all_to_all
+        self.allreduce_bytes = 0  # the dense all-reduce's share (ring estimate)
         self.comm_s: list[float] = []   # per step: seconds in collectives (lookup + gradients)
         self.steps = 0
 
@@ -166,7 +167,7 @@ class DistributedModel:
         dist.all_to_all_single(out, torch.from_numpy(np.ascontiguousarray(send)), [int(x) for x in recv_splits],
                                [int(x) for x in send_splits], group=group)
         with self._lock:  # what a rank sends itself is no traffic
-            self.wire_bytes += (send.size - int(send_splits[self.rank])) * send.itemsize
+            self.alltoall_bytes += (send.size - int(send_splits[self.rank])) * send.itemsize
         return out.numpy()
 
     # ------------------------------------------------------------------ steps 1-5
@@ -262,7 +263,8 @@ class DistributedModel:
         tc = time.perf_counter()
         dist.all_reduce(flat, group=g)
         with self._lock:
-            self.wire_bytes += flat.numel() * 4 * 2 * (self.world - 1) // self.world  # ring all-reduce
+            # what a ring all-reduce sends per rank (gloo's algorithm may differ: an estimate)
+            self.allreduce_bytes += flat.numel() * 4 * 2 * (self.world - 1) // self.world
         comm = time.perf_counter() - tc
         value = float(flat[-2])
         if not math.isfinite(value) or not bool(torch.isfinite(flat[:-2]).all()) or float(flat[-1]) != 0.0:

@@ -52,7 +52,7 @@ def _run(rank: int, mode: str, min_count: int) -> dict:
     out = list(dm.train(batches))
     dm.close()
     return {"losses": [v for v, _ in out], "probs": [p for _, p in out],
-            **_state(dm.tables, dm.head, dm.optimizer), "wire_bytes": dm.wire_bytes}
+            **_state(dm.tables, dm.head, dm.optimizer), "wire_bytes": dm.alltoall_bytes}
 
 
 def _worker(rank: int, world: int, mode: str) -> list[dict]:

@@ -205,6 +205,15 @@ class SparseModel:
         batch = self.complete(batch)
         pb = self.pack(batch)
         buf = self.ps.gather_packed(pb, insert=insert, event_time=event_time)
+        self.timings["lookup"] += time.perf_counter() - t0
+        logits, leaves = self.forward_packed(batch, pb, buf, requires_grad=insert)
+        return logits, (pb, leaves)
+
+    def forward_packed(self, batch: SparseBatch, pb: PackedBatch, buf: np.ndarray, *, requires_grad: bool):
+        """Logits ``[B]`` and ``[(block, leaf)]`` from an already looked-up packed buffer ``buf``
+        (``pb``'s rows in :meth:`ps.ParameterServer.gather_packed`'s layout; ``batch`` completed).
+        Split from :meth:`forward` so that a lookup elsewhere (the owners of
+        :mod:`trainer.distributed`) feeds the same pooling and head."""
         t1 = time.perf_counter()
         pooled, leaves, elem, seg = [], [], 0, 0
         bags: dict[tuple, tuple] = {}  # blocks over the same slots pool the same bags (DeepFM's two)
@@ -217,7 +226,7 @@ class SparseModel:
             w = torch.from_numpy(buf[elem:elem + n * blk.dim].reshape(n, blk.dim))
             elem += n * blk.dim
             seg += nf
-            if insert:
+            if requires_grad:
                 w.requires_grad_(True)
             leaves.append((blk, w))
             key = (tuple(blk.slots), tuple(blk.modes))
@@ -227,12 +236,11 @@ class SparseModel:
             pooled.append(x.view(nf, batch.size, blk.dim).transpose(0, 1))  # [B, F, dim]
         emb, lin = pooled
         if lin is not None:
-            lin = lin.reshape(batch.size, -1)  # dim 1: [B, L]
+            lin = lin.reshape(batch.size, lin.shape[1])  # dim 1: [B, L] (also for B == 0)
         dense = torch.from_numpy(batch.dense) if batch.dense is not None and self.cfg.dense_features else None
         logits = self.head(emb, lin, dense)
-        self.timings["lookup"] += t1 - t0
         self.timings["forward"] += time.perf_counter() - t1
-        return logits, (pb, leaves)
+        return logits, leaves
 
     @torch.no_grad()
     def predict(self, batch: SparseBatch) -> np.ndarray:

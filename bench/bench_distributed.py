@@ -1,0 +1,116 @@
+"""Distributed training (:mod:`trainer.distributed`): 2 gloo ranks vs 1 process. ``QUICK=1`` for a
+< 1 min run. Last line: JSON.
+
+* model: DeepFM (8 slots, dim 16, MLP 256-128) on ml-1m in time order, as bench_trainer.
+* ``ex_per_s_1rank_1thread``: one process, one torch thread, plain ``SparseModel.train_step`` on
+  batches of ``BATCH`` (no collectives at all: the honest baseline).
+* ``ex_per_s_2rank_{sync,hybrid}``: 2 spawned ranks, 1 torch thread each, each on its own
+  ``BATCH`` examples per step (global batch ``2 * BATCH``); examples of all ranks over the slowest
+  rank's wall time, after ``WARMUP`` steps. ``scaling_*``: that over the 1-rank rate (targets on 2
+  cores: sync >= 1.6, hybrid >= 1.8).
+* ``alltoall_bytes_per_example``: bytes sent rank-to-rank through ``all_to_all`` (ids, rows,
+  gradients, headers), all ranks, per example; ``allreduce_bytes_per_step``: the dense gradients.
+* ``comm_ms_per_step_p50``: rank 0's median time inside collectives per step (sync run).
+* ``auc_*``: progressive validation AUC (each example scored before it is learned) over every
+  step; ``auc_1rank`` on the 1-rank stream (batches of ``BATCH``) for reference.
+
+The machine's 2 cores are shared with whatever else runs: rates are noisy, read them as such.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import trainer  # noqa: E402,F401  - before torch: OMP_WAIT_POLICY=PASSIVE (see trainer/__init__.py)
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from trainer.config import deepfm_config  # noqa: E402
+from trainer.data import MovieLensData  # noqa: E402
+from trainer.distributed import DistributedModel, run_local  # noqa: E402
+from trainer.metrics import auc  # noqa: E402
+from trainer.model import SparseModel  # noqa: E402
+
+QUICK = os.environ.get("QUICK") == "1"
+BATCH = 1024
+WARMUP = 3
+STEPS = 24 if QUICK else 200      # measured global steps (each 2 * BATCH examples)
+LIMIT = (WARMUP + STEPS) * 2 * BATCH
+
+
+def _cfg():
+    return deepfm_config(dim=16, mlp=[256, 128], recent_items=False)
+
+
+def _data():
+    return MovieLensData(limit=LIMIT)
+
+
+def _rank(rank: int, world: int, mode: str) -> dict:
+    data = _data()
+    # global step s is rows [s * world * BATCH, (s + 1) * world * BATCH): rank r takes its r-th slice
+    batches = [data.batch(np.arange((s * world + rank) * BATCH, (s * world + rank + 1) * BATCH))
+               for s in range(WARMUP + STEPS)]
+    dm = DistributedModel(_cfg(), mode=mode)
+    probs = []
+    it = dm.train(batches)
+    for _ in range(WARMUP):  # numba compile, allocator, optimizer state
+        probs.append(next(it)[1])
+    dist.barrier()
+    a2a0, comm0, steps0 = dm.alltoall_bytes, len(dm.comm_s), dm.steps
+    dm.model.timings.clear()  # per-step stage times of the measured steps only
+    t0 = time.perf_counter()
+    for _, p in it:
+        probs.append(p)
+    wall = time.perf_counter() - t0
+    dm.close()
+    return {"wall": wall, "examples": STEPS * BATCH, "a2a": dm.alltoall_bytes - a2a0,
+            "allreduce_per_step": dm.allreduce_bytes / max(1, dm.steps), "comm_s": dm.comm_s[comm0:],
+            "probs": np.concatenate(probs), "labels": np.concatenate([b.labels for b in batches]),
+            "timings": {k: round(v / (dm.steps - steps0) * 1000, 2) for k, v in dm.model.timings.items()}}
+
+
+def one_rank(data) -> tuple[float, float]:
+    torch.set_num_threads(1)
+    m = SparseModel(_cfg())
+    batches = list(data.batches(BATCH, np.arange(LIMIT)))
+    probs = [m.train_step(b)[1] for b in batches[:WARMUP]]
+    t0 = time.perf_counter()
+    probs += [m.train_step(b)[1] for b in batches[WARMUP:]]
+    rate = sum(b.size for b in batches[WARMUP:]) / (time.perf_counter() - t0)
+    return rate, auc(np.concatenate(probs), np.concatenate([b.labels for b in batches]))
+
+
+def main():
+    t_start = time.time()
+    data = _data()
+    rate1, auc1 = one_rank(data)
+    print(f"1 rank, 1 thread: {rate1:,.0f} ex/s  auc {auc1:.4f}", flush=True)
+    out = {"ex_per_s_1rank_1thread": round(rate1), "auc_1rank": round(auc1, 4)}
+    for mode in ("sync", "hybrid"):
+        res = run_local(_rank, 2, mode, timeout_s=120)
+        rate = sum(r["examples"] for r in res) / max(r["wall"] for r in res)
+        a = auc(np.concatenate([r["probs"] for r in res]), np.concatenate([r["labels"] for r in res]))
+        comm = float(np.median(res[0]["comm_s"])) * 1000
+        a2a = sum(r["a2a"] for r in res) / sum(r["examples"] for r in res)
+        print(f"2 ranks {mode}: {rate:,.0f} ex/s (scaling {rate / rate1:.2f})  auc {a:.4f}  "
+              f"all_to_all {a2a:.0f} B/example  comm p50 {comm:.2f} ms/step  "
+              f"rank 0 ms/step {json.dumps(res[0]['timings'])}", flush=True)
+        out.update({f"ex_per_s_2rank_{mode}": round(rate), f"scaling_{mode}": round(rate / rate1, 3),
+                    f"auc_{mode}": round(a, 4)})
+        if mode == "sync":
+            out.update({"alltoall_bytes_per_example": round(a2a, 1), "comm_ms_per_step_p50": round(comm, 3),
+                        "allreduce_bytes_per_step": round(res[0]["allreduce_per_step"])})
+    out.update({"batch_per_rank": BATCH, "steps": STEPS, "quick": QUICK, "wall_s": round(time.time() - t_start, 1)})
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

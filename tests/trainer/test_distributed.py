@@ -1,0 +1,132 @@
+"""trainer.distributed in real processes (2 gloo ranks, 1 torch thread each, tiny DeepFM).
+
+``sync``: 2 ranks == 1 process on the concatenated global batch (rows, PS optimizer state, row
+times, dense head, Adam state, losses), with an idle rank and an all-idle step on the way.
+``hybrid``: finishes, replicas stay equal, same rows as ``sync``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.batch import SparseBatch
+from trainer.config import ModelConfig, deepfm_config
+from trainer.distributed import DistributedError, DistributedModel, run_local
+from trainer.model import SparseModel
+
+#: examples per rank per step: an idle rank (step 1) and an all-idle step (step 2) included
+SIZES = [(12, 12), (12, 0), (0, 0), (6, 12)]
+
+
+def _cfg(min_count: int = 1) -> ModelConfig:
+    # recent_items shares the item table unsalted: one row per (table, id) across slots.
+    # min_count 2: the owners must count occurrences as the 1-process PS does
+    return deepfm_config(dim=4, mlp=[8], min_count=min_count, slots=("user_id", "genres", "item_id"))
+
+
+def _rows(step: int, rank: int, n: int) -> list[dict]:
+    rng = np.random.default_rng(100 * step + rank)
+    return [{"user_id": [int(rng.integers(0, 40))], "item_id": [int(rng.integers(0, 8))],
+             "genres": rng.integers(0, 5, int(rng.integers(0, 3))).tolist(),
+             "recent_items": rng.integers(0, 8, int(rng.integers(0, 3))).tolist()} for _ in range(n)]
+
+
+def _batch(rows: list[dict], step: int, rank: int) -> SparseBatch:
+    rng = np.random.default_rng(7 + 100 * step + rank)
+    n = len(rows)
+    return SparseBatch.from_slot_dicts(rows, slots=_cfg().all_slots, labels=rng.integers(0, 2, n),
+                                       event_time_ms=1_000 * step + rng.integers(0, 500, n))
+
+
+def _state(tables, head, opt) -> dict:
+    st = opt.state_dict()["state"]
+    return {"tables": {n: t.items() for n, t in tables.items()},
+            "head": {k: v.detach().numpy().copy() for k, v in head.state_dict().items()},
+            "adam": {i: {k: v.numpy().copy() for k, v in s.items()} for i, s in st.items()}}
+
+
+def _run(rank: int, mode: str, min_count: int) -> dict:
+    dm = DistributedModel(_cfg(min_count), mode=mode)
+    batches = [_batch(_rows(s, rank, SIZES[s][rank]), s, rank) for s in range(len(SIZES))]
+    out = list(dm.train(batches))
+    dm.close()
+    return {"losses": [v for v, _ in out], "probs": [p for _, p in out],
+            **_state(dm.tables, dm.head, dm.optimizer), "wire_bytes": dm.alltoall_bytes}
+
+
+def _worker(rank: int, world: int, mode: str) -> list[dict]:
+    # both admission settings in one process group: one spawn per test
+    return [_run(rank, mode, 1), _run(rank, mode, 2)]
+
+
+def _reference(min_count: int = 1) -> tuple[list, dict]:
+    torch.set_num_threads(1)
+    m = SparseModel(_cfg(min_count))
+    losses = []
+    for s, sizes in enumerate(SIZES):
+        rows = [r for rank in range(2) for r in _rows(s, rank, sizes[rank])]
+        if not rows:
+            continue
+        b = [_batch(_rows(s, rank, sizes[rank]), s, rank) for rank in range(2)]
+        batch = SparseBatch.from_slot_dicts(rows, slots=_cfg().all_slots,
+                                            labels=np.concatenate([x.labels for x in b]),
+                                            event_time_ms=np.concatenate([x.event_time_ms for x in b]))
+        losses.append(m.train_step(batch)[0])
+    return losses, _state(m.tables, m.head, m.optimizer)
+
+
+def _merged(parts: list[dict], name: str):
+    cat = [np.concatenate([p["tables"][name][i] for p in parts]) for i in range(4)]
+    o = np.argsort(cat[0], kind="stable")
+    return [c[o] for c in cat]
+
+
+def test_sync_two_ranks_equal_one_process_on_the_global_batch():
+    both = run_local(_worker, 2, "sync", timeout_s=60)
+    res = [r[0] for r in both]
+    ref_losses, ref = _reference()
+    # an all-idle step is skipped by every rank together (loss 0.0, no probabilities)
+    assert [len(p) for p in res[1]["probs"]] == [12, 0, 0, 12] and res[0]["losses"][2] == 0.0
+    for r in res:
+        got = [v for v, (a, b) in zip(r["losses"], SIZES) if a + b]
+        np.testing.assert_allclose(got, ref_losses, rtol=1e-5)
+    for name, items in ref["tables"].items():
+        keys, vals, state, times = _merged(res, name)
+        assert keys.tolist() == items[0].tolist(), name       # same ids admitted
+        np.testing.assert_allclose(vals, items[1], rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(state, items[2], rtol=1e-5, atol=1e-7, err_msg=name)  # Adagrad sums
+        assert times.tolist() == items[3].tolist(), name
+    # both shards hold rows: the ids really are split over the owners
+    assert all(len(r["tables"]["item_id"][0]) for r in res)
+    for r in res:
+        for k, v in ref["head"].items():
+            np.testing.assert_allclose(r["head"][k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+        assert r["adam"].keys() == ref["adam"].keys()
+        for i, s in ref["adam"].items():
+            for k, v in s.items():
+                np.testing.assert_allclose(r["adam"][i][k], v, rtol=1e-4, atol=1e-9, err_msg=f"{i}.{k}")
+    assert all(r["wire_bytes"] > 0 for r in res)
+    # count admission: the owners admit exactly the ids the 1-process PS admits
+    _, ref2 = _reference(2)
+    for name, items in ref2["tables"].items():
+        assert _merged([r[1] for r in both], name)[0].tolist() == items[0].tolist(), name
+    assert sum(len(items[0]) for items in ref2["tables"].values()) < sum(len(i[0]) for i in ref["tables"].values())
+
+
+def test_hybrid_finishes_and_keeps_replicas_equal():
+    res = [r[0] for r in run_local(_worker, 2, "hybrid", timeout_s=60)]
+    a, b = res
+    assert [len(p) for p in a["probs"]] == [12, 12, 0, 6]
+    assert all(np.isfinite(a["losses"])) and a["losses"] == b["losses"]
+    for k in a["head"]:
+        assert (a["head"][k] == b["head"][k]).all(), k     # same all-reduced gradients
+    ref_losses, ref = _reference()
+    assert a["losses"][0] == pytest.approx(ref_losses[0], rel=1e-5)  # nothing stale at step 0
+    for name, items in ref["tables"].items():              # admission does not depend on timing
+        assert _merged(res, name)[0].tolist() == items[0].tolist(), name
+
+
+def test_needs_a_process_group():
+    with pytest.raises(DistributedError, match="not initialized"):
+        DistributedModel(_cfg())

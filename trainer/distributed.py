@@ -1,0 +1,383 @@
+"""Distributed training over ``torch.distributed``: sparse model parallel, dense data parallel.
+
+N ranks train one model. Rank ``r`` owns shard ``r`` of every PS table (the ids with
+:func:`trainer.sharding.shard_of` ``(id, N) == r``: the PS's own shard hash) and a full replica of
+the dense head. Every rank reads its own batches. Only ``torch.distributed`` collectives are used
+(gloo on CPU): no RPC of our own.
+
+**One step** (mode ``sync``), on every rank, in this order:
+
+1. *plan*: the batch's ids (salted and packed as :class:`trainer.model.SparseModel` packs them) are
+   deduplicated per ``(table, id)`` and sorted by ``(owner, table, id)``: that order is the wire
+   order, so no per-id table tag is sent.
+2. *header* (``all_to_all_single``, equal splits): to each owner, ``int64 [T + 2]``: how many
+   unique ids of each of the T tables it will get, the local batch size and the local max event
+   time. Everyone then knows its uneven split sizes, the global batch size (the loss is a mean
+   over the *global* batch) and the global event time (the 1-process step's ``max_event_time``).
+3. *ids* (``all_to_all_single``, uneven): the unique ids to their owners (plus, when a table has
+   count admission or probabilistic admission, each id's occurrence count in the batch: the
+   owner repeats the id so its sketch counts what the 1-process PS counts; an id admitted by this
+   very batch then reads its new row at every position, where the 1-process PS reads zeros at the
+   occurrences before the admitting one: deduplication cannot tell positions apart).
+4. *lookup*: each owner runs, per table, ``EmbeddingTable.gather(insert=True)`` (admission,
+   lookup-or-insert): exactly the 1-process PS's insert path.
+5. *embeddings* (``all_to_all_single``, uneven): float32 rows back, in the order they came.
+6. *forward/backward* locally (:meth:`SparseModel.forward_packed`), loss = sum / global batch.
+7. *dense* (``all_reduce`` SUM, one flat buffer): the head's gradients plus the loss sum and a
+   non-finite flag of the sparse gradients, so every rank takes the same decision: a step with a
+   non-finite loss or gradient raises :class:`~trainer.model.NonFiniteStepError` on **every**
+   rank before anything is applied. Summing ``d(sum/B_global)`` over ranks is the gradient of the
+   1-process mean loss on the concatenated batch.
+8. *gradients* (``all_to_all_single``, the embeddings' splits reversed): per unique id the sum of
+   its rows' gradients, to the owner; the owner concatenates every rank's part per table and
+   steps it with the table's optimizer (``apply_gradients`` sums an id's parts first).
+9. the dense optimizer steps on every replica (same gradients: replicas stay equal; rank 0's
+   initial head is broadcast once).
+
+So an N-rank ``sync`` run equals a 1-process run on the concatenated global batch, up to float
+summation order (and the admitting batch of an id, step 3) (tests/trainer/test_distributed.py checks rows, PS optimizer state and Adam's
+state). An idle rank (empty batch) takes part in every collective; a step whose global batch is
+empty is skipped by all ranks together.
+
+**Wire**, per example with U unique ids per example sent off-rank (about (N-1)/N of them):
+``8 U`` (ids) + ``4 U d`` (rows) + ``4 U d`` (gradients) bytes through ``all_to_all``, ``d`` being
+the row width (DeepFM here: 16 for a field, 1 for its first-order weight, so ``8 + 4*17*2`` per
+(field, id) pair), plus ``8 (T + 2) N`` header bytes per step and the dense head's gradients
+(``4 P`` bytes per step, all-reduced, P parameters) independent of the batch size.
+:attr:`DistributedModel.alltoall_bytes` counts what left this rank (``allreduce_bytes``: the dense part).
+
+**Mode** ``hybrid`` (PERSIA): steps 2-5 of batch ``t+1`` (the lookup) run in a background thread,
+on a second process group, while batch ``t`` does its forward, backward and updates; a looked-up
+row may therefore miss the updates of at most ``staleness`` earlier steps (``staleness`` lookups
+in flight). The dense part stays synchronous. Use :meth:`DistributedModel.train` (an iterator over
+batches) to get the overlap; every rank must give it the same number of batches (empty ones for an
+idle rank).
+
+**Not here yet** (issue #14): the online trainer and launcher do not use this module; snapshots,
+deltas and serving do not name shards by :func:`trainer.sharding.shard_of` yet (a rank's rows are
+shard ``rank`` of an N-shard table, so ``ps.save_shard`` layouts fit); ``hybrid`` overlaps only the
+lookup: the gradient exchange and the owners' updates of step ``t`` still block step ``t+1``'s
+learning (PERSIA also makes those asynchronous); TTL watermarks move only on owners that got ids
+of a table in a step (the 1-process PS moves a single-shard table's watermark every step).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .batch import SparseBatch
+from .config import ModelConfig
+from .model import NonFiniteStepError, SparseModel
+from .sharding import shard_of
+
+MODES = ("sync", "hybrid")
+
+
+class DistributedError(RuntimeError):
+    """Distributed training misuse: no process group, unknown mode, bad staleness."""
+
+
+def _starts(lengths: np.ndarray) -> np.ndarray:
+    """Exclusive prefix sums: where each of ``lengths``' pieces starts (empty in, empty out)."""
+    return (np.cumsum(lengths) - lengths).astype(np.int64)
+
+
+@dataclass
+class _Lookup:
+    """One batch's looked-up rows and what its gradient step needs (see the module docstring)."""
+
+    batch: SparseBatch
+    pb: object                    # ps.PackedBatch (salted ids, packed)
+    buf: np.ndarray               # float32, the packed layout: the forward's input
+    src_elem: np.ndarray          # buf[i] = rows[src_elem[i]]: unique rows -> packed positions
+    n_rows: int                   # float32 values of the unique rows (what we received)
+    row_splits: list[int]         # values per owner (received rows; sent gradients)
+    back_splits: list[int]        # values per requester (sent rows; received gradients)
+    owned: list                   # [(table index, ids, element index into the sent rows)]
+    global_size: int
+    event_time: int
+    comm_s: float
+
+
+class DistributedModel:
+    """A :class:`SparseModel` whose tables are sharded over the ranks of ``group`` (the default
+    process group when None). Call collectively: every rank builds one, then every rank calls
+    :meth:`train_step` (or :meth:`train`) the same number of times."""
+
+    def __init__(self, cfg: ModelConfig, *, mode: str = "sync", staleness: int = 1, group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise DistributedError("torch.distributed is not initialized: call init_process_group first")
+        if mode not in MODES:
+            raise DistributedError(f"mode must be one of {MODES}, got {mode!r}")
+        if staleness < 1:
+            raise DistributedError(f"staleness must be >= 1, got {staleness}")
+        self.mode, self.staleness, self.group = mode, staleness, group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        # one local shard per table: this rank's rows are shard `rank` of an N-shard table
+        # already, and a second split by the same hash would be lopsided (trainer.sharding)
+        local = cfg.model_copy(update={"tables": [t.model_copy(update={"shards": 1}) for t in cfg.tables]})
+        self.model = SparseModel(local)
+        self.cfg = cfg
+        self._names = self.model.ps.table_names
+        self._tables = [self.model.tables[n] for n in self._names]
+        self._dims = np.array([t.dim for t in self._tables], np.int64)
+        # an admission that depends on occurrences needs each id's count in the batch
+        self._counts = any(t.config.admission.min_count > 1 or t.config.admission.probability < 1.0
+                           for t in self._tables)
+        self._params = [p for p in self.model.head.parameters()]
+        with torch.no_grad():  # equal replicas even if a head was built from another seed
+            for p in self._params:
+                dist.broadcast(p.data, 0, group=group)
+        # hybrid: lookups run in their own thread on their own group, so their collectives never
+        # interleave with the gradient collectives of the step in flight (gloo matches
+        # collectives by issue order per group)
+        self._lookup_group = dist.new_group(backend="gloo") if mode == "hybrid" else group
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dist-lookup") if mode == "hybrid" else None
+        self._lock = threading.Lock()
+        self.alltoall_bytes = 0   # bytes this rank sent to other ranks through all_to_all
+        self.allreduce_bytes = 0  # the dense all-reduce's share (ring estimate)
+        self.comm_s: list[float] = []   # per step: seconds in collectives (lookup + gradients)
+        self.steps = 0
+
+    @property
+    def head(self):
+        return self.model.head
+
+    @property
+    def tables(self):
+        """This rank's shard of every table (name -> :class:`ps.EmbeddingTable`)."""
+        return self.model.tables
+
+    @property
+    def optimizer(self):
+        return self.model.optimizer
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # ------------------------------------------------------------------ collectives
+    def _a2a(self, send: np.ndarray, send_splits, recv_splits, group) -> np.ndarray:
+        out = torch.empty(int(sum(recv_splits)), dtype=torch.from_numpy(send[:0]).dtype)
+        dist.all_to_all_single(out, torch.from_numpy(np.ascontiguousarray(send)), [int(x) for x in recv_splits],
+                               [int(x) for x in send_splits], group=group)
+        with self._lock:  # what a rank sends itself is no traffic
+            self.alltoall_bytes += (send.size - int(send_splits[self.rank])) * send.itemsize
+        return out.numpy()
+
+    # ------------------------------------------------------------------ steps 1-5
+    def _lookup(self, batch: SparseBatch) -> _Lookup:
+        t0 = time.perf_counter()
+        m, n, T, g = self.model, self.world, len(self._names), self._lookup_group
+        batch = m.complete(batch)
+        pb = m.pack(batch)
+        ids = pb.ids
+        tab = np.repeat(pb.slot_table, np.diff(pb.offsets))
+        own = shard_of(ids, n)
+        order = np.lexsort((ids, tab, own))        # the wire order: owner, table, id
+        s_ids, s_tab = ids[order], tab[order]
+        first = np.ones(ids.size, bool)
+        first[1:] = (s_ids[1:] != s_ids[:-1]) | (s_tab[1:] != s_tab[:-1])
+        inv = np.empty(ids.size, np.int64)
+        inv[order] = np.cumsum(first) - 1
+        u_ids, u_tab, u_own = s_ids[first], s_tab[first], own[order][first]
+        counts = np.bincount(u_own * T + u_tab, minlength=n * T).reshape(n, T)
+        header = np.empty((n, T + 2), np.int64)
+        header[:, :T] = counts
+        header[:, T] = batch.size
+        header[:, T + 1] = batch.max_event_time
+        tc = time.perf_counter()
+        got = self._a2a(header.reshape(-1), [T + 2] * n, [T + 2] * n, g).reshape(n, T + 2)
+        rcounts = got[:, :T]                        # [source, table]: ids this rank owns
+        global_size, t_event = int(got[:, T].sum()), int(got[:, T + 1].max())
+        r_ids = self._a2a(u_ids, counts.sum(1), rcounts.sum(1), g)
+        if self._counts:
+            occ = np.diff(np.flatnonzero(np.append(first, True)))
+            r_occ = self._a2a(occ.astype(np.int64), counts.sum(1), rcounts.sum(1), g)
+        comm = time.perf_counter() - tc
+        # owner side: per table, every requester's ids (in arrival order) -> one gather
+        r_tab = np.repeat(np.tile(np.arange(T), n), rcounts.reshape(-1))
+        r_dim = self._dims[r_tab]
+        r_start = _starts(r_dim)
+        reply = np.empty(int(r_dim.sum()), np.float32)
+        owned = []
+        for ti in np.unique(r_tab).tolist():
+            sel = np.flatnonzero(r_tab == ti)
+            d = int(self._dims[ti])
+            elem = (r_start[sel][:, None] + np.arange(d)).reshape(-1)
+            tid = r_ids[sel]
+            if self._counts:  # the sketch counts every occurrence, as in the 1-process batch
+                occ = r_occ[sel]
+                rep = np.repeat(tid, occ)
+                # the row as it is after the batch's occurrences (an id admitted by its 2nd
+                # occurrence reads its row everywhere; the 1-process PS gives its 1st occurrence
+                # zeros: a difference only in the batch that admits an id)
+                vals = self._tables[ti].gather(rep, insert=True, event_time=t_event)[_starts(occ) + occ - 1]
+            else:
+                vals = self._tables[ti].gather(tid, insert=True, event_time=t_event)
+            reply[elem] = vals.reshape(-1)
+            owned.append((ti, tid, elem))
+        back_splits = (rcounts * self._dims).sum(1)
+        row_splits = (counts * self._dims).sum(1)
+        tc = time.perf_counter()
+        rows = self._a2a(reply, back_splits, row_splits, g)
+        comm += time.perf_counter() - tc
+        # unique rows -> packed positions (element-wise index, built once, reused by the backward)
+        u_dim = self._dims[u_tab]
+        u_start = _starts(u_dim)
+        p_dim = self._dims[tab]
+        p_start = _starts(p_dim)
+        within = np.arange(int(p_dim.sum()), dtype=np.int64) - np.repeat(p_start, p_dim)
+        src_elem = np.repeat(u_start[inv], p_dim) + within
+        buf = rows[src_elem]
+        m.timings["lookup"] += time.perf_counter() - t0 - comm
+        return _Lookup(batch, pb, buf, src_elem, rows.size, list(row_splits), list(back_splits), owned,
+                       global_size, t_event, comm)
+
+    # ------------------------------------------------------------------ steps 6-9
+    def _learn(self, lk: _Lookup):
+        m, g = self.model, self.group
+        if lk.global_size == 0:  # every rank knows: nothing to learn, no more collectives
+            return 0.0, np.zeros(0, np.float32)
+        logits, leaves = m.forward_packed(lk.batch, lk.pb, lk.buf, requires_grad=True)
+        t1 = time.perf_counter()
+        labels = lk.batch.labels if lk.batch.labels is not None else np.zeros(lk.batch.size, np.float32)
+        # a sum over the local examples / the global size: summed over ranks it is the 1-process
+        # mean loss of the concatenated batch (and an idle rank's empty sum is 0, not NaN)
+        loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(labels), reduction="sum") / lk.global_size
+        m.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        gs = [w.grad.numpy().reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32)
+              for _, w in leaves]
+        gpacked = np.concatenate(gs) if len(gs) > 1 else gs[0]
+        # per unique row, the sum of its positions' gradients (float64 accumulation)
+        g_rows = np.bincount(lk.src_elem, weights=gpacked, minlength=lk.n_rows).astype(np.float32)
+        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                          for p in self._params]
+                         + [loss.detach().reshape(1), torch.tensor([0.0 if np.isfinite(g_rows).all() else 1.0])])
+        tc = time.perf_counter()
+        dist.all_reduce(flat, group=g)
+        with self._lock:
+            # what a ring all-reduce sends per rank (gloo's algorithm may differ: an estimate)
+            self.allreduce_bytes += flat.numel() * 4 * 2 * (self.world - 1) // self.world
+        comm = time.perf_counter() - tc
+        value = float(flat[-2])
+        if not math.isfinite(value) or not bool(torch.isfinite(flat[:-2]).all()) or float(flat[-1]) != 0.0:
+            raise NonFiniteStepError(f"the step's loss ({value}) or gradients are not finite on some rank; "
+                                     "nothing applied")
+        t2 = time.perf_counter()
+        tc = time.perf_counter()
+        r_grads = self._a2a(g_rows, lk.row_splits, lk.back_splits, g)
+        comm += time.perf_counter() - tc
+        t3 = time.perf_counter()
+        for ti, tid, elem in lk.owned:
+            self._tables[ti].apply_gradients(tid, r_grads[elem].reshape(tid.size, -1), lk.event_time)
+        off = 0
+        for p in self._params:
+            p.grad = flat[off:off + p.numel()].view_as(p).clone()
+            off += p.numel()
+        m.optimizer.step()
+        m.timings["backward"] += t2 - t1 - comm
+        m.timings["update"] += time.perf_counter() - t3
+        self.comm_s.append(lk.comm_s + comm)
+        self.steps += 1
+        return value, torch.sigmoid(logits.detach()).numpy()
+
+    # ------------------------------------------------------------------ public
+    def train_step(self, batch: SparseBatch):
+        """One synchronous step (both modes): ``(global mean loss, this rank's probabilities
+        before the update)``. Collective: every rank calls it, with an empty batch when idle."""
+        return self._learn(self._lookup(batch))
+
+    def train(self, batches: Iterable[SparseBatch]) -> Iterator[tuple[float, np.ndarray]]:
+        """:meth:`train_step` over ``batches``; in ``hybrid`` mode up to ``staleness`` lookups of
+        the next batches run in the background while a batch learns. Every rank must give the
+        same number of batches."""
+        if self.mode == "sync":
+            for b in batches:
+                yield self.train_step(b)
+            return
+        pending: deque = deque()
+        it = iter(batches)
+        for b in it:
+            pending.append(self._pool.submit(self._lookup, b))
+            if len(pending) > self.staleness:
+                yield self._learn(pending.popleft().result())
+        while pending:
+            yield self._learn(pending.popleft().result())
+
+
+# ---------------------------------------------------------------------- local launcher
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the rendezvous of :func:`run_local`)."""
+    import socket
+    with socket.socket() as sk:
+        sk.bind((host, 0))
+        return int(sk.getsockname()[1])
+
+
+def _rank_main(fn, rank: int, world: int, port: int, args: tuple, timeout_s: float, threads: int, q) -> None:
+    import traceback
+    from datetime import timedelta
+    torch.set_num_threads(threads)  # ranks share the cores: one intra-op thread each by default
+    try:
+        # the timeout bounds every collective: a rank that never arrives fails the others
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        try:
+            q.put((rank, True, fn(rank, world, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        q.put((rank, False, traceback.format_exc()))
+
+
+def run_local(fn, world: int, *args, timeout_s: float = 60.0, threads: int = 1) -> list:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by a gloo process
+    group on 127.0.0.1; returns their results by rank. ``fn`` must be importable (module level).
+    Raises :class:`DistributedError` with the failing rank's traceback, or when ranks do not all
+    finish within ``2 * timeout_s`` (the processes are then killed)."""
+    import multiprocessing as mp
+    import queue
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, args, timeout_s, threads, q), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    deadline = time.monotonic() + 2 * timeout_s
+    try:
+        while len(results) + len(errors) < world:
+            try:
+                rank, ok, val = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise DistributedError(f"ranks {sorted(set(range(world)) - set(results))} did not finish "
+                                       f"in {2 * timeout_s:.0f} s") from None
+            if ok:
+                results[rank] = val
+            else:
+                errors.append(f"rank {rank}:\n{val}")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise DistributedError("\n".join(errors))
+    return [results[r] for r in range(world)]

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from types import SimpleNamespace
@@ -221,7 +221,7 @@ class Ingest:
                 out.examples += c.size
 
     async def prepare(self, recs, polled_at_ms: int | None = None, decoded: Decoded | None = None,
-                      inflight: list[np.ndarray] = ()) -> Prepared:
+                      inflight: Sequence[np.ndarray] = ()) -> Prepared:
         """One batch of ``recs``: decoded (unless ``decoded`` holds their decoded batches already),
         checked (:meth:`_check`), deduplicated against the window, ``inflight`` (the id hashes of
         the batches in flight) and itself, and assembled (:meth:`_assemble`). An example *arrives*

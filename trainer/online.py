@@ -80,6 +80,7 @@ from .ingest import NO_HASHES, Decoded, Ingest, Prepared, RawExampleCodec
 from .isolate import train_isolating
 from .model import SparseModel
 from .publisher import Publisher
+from .resets import ResetWatch
 from .resume import Snapshots
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class OnlineTrainer:
     """Every knob is a field of ``settings.trainer`` (:class:`services.settings.TrainerSettings`):
     run one with other values through ``settings.updated(trainer={...})``. Its parts:
     :attr:`ingest` (records -> batches), :attr:`publisher` (``param-deltas``), :attr:`snapshots`
-    (restarts), :attr:`commits` (the group's offsets, once running)."""
+    (restarts), :attr:`commits` (the group's offsets, once running), :attr:`resets` (broker resets)."""
 
     def __init__(self, settings: Settings, cfg: ModelConfig, *, torch_threads: int = 1):
         ts = settings.trainer
@@ -156,17 +157,11 @@ class OnlineTrainer:
         self.applied_offsets: dict[int, int] = {}
         #: the broker epoch the offsets belong to (None: an external Kafka without one)
         self.epoch: str | None = None
-        self._watch: tansu_quirks.EpochWatch | None = None
-        self.epoch_check_interval_s = ts.epoch_check_interval_s
-        self._epoch_checked_at = 0.0  # monotonic time of the last check
-        self._epoch_lock = asyncio.Lock()  # one check at a time over the watch's connection
-        self._reset_epoch: str | None = None  # a reset noticed and not handled yet: its new epoch
+        self.resets = ResetWatch(ts.epoch_check_interval_s, lambda: (self.ingest.highwater, self.applied_offsets))
         self._reset_at_start = False  # the restored snapshot was written in another broker epoch
         #: a partition without an applied offset starts at its earliest record, not at the group's
         #: committed offset (after a reset: a stale commit may have reached the new broker)
         self._from_start = False
-        # (high watermarks, applied offsets) when a check last saw the current epoch
-        self._confirmed: tuple[dict[int, int], dict[int, int]] = ({}, {})
         # assigned partitions whose start position is not known yet (see _note_starts)
         self.unknown_start: set[int] = set()
         self.examples_applied = 0
@@ -379,7 +374,7 @@ class OnlineTrainer:
         a broker reset waits to be handled (it publishes onto the new topics itself)."""
         sparse = now - self._last_sync >= self.sync_interval_s
         dense = now - self._last_dense >= self.dense_sync_interval_s
-        if not (sparse or dense) or await self._reset_noticed():
+        if not (sparse or dense) or await self.resets.noticed():
             return
         if sparse:
             self._last_sync = now
@@ -397,24 +392,6 @@ class OnlineTrainer:
             self._rate_mark = (now, self.examples_applied)
 
     # ------------------------------------------------------------------ broker resets
-    async def _reset_noticed(self) -> bool:
-        """Whether the broker's data was reset (a new epoch) and the reset is not handled yet; asks
-        the broker (~1 ms; while the broker is down, until it is back or ``connect_timeout_s``)."""
-        if self._reset_epoch is None and self._watch is not None:
-            async with self._epoch_lock:
-                if self._reset_epoch is None:
-                    self._reset_epoch = await self._watch.check()
-                    self._epoch_checked_at = time.monotonic()
-                    if self._reset_epoch is None:  # what a reset from here on would lose
-                        self._confirmed = (dict(self.ingest.highwater), dict(self.applied_offsets))
-        return self._reset_epoch is not None
-
-    async def _check_epoch_when_due(self, now: float) -> bool:
-        """Ask every ``epoch_check_interval_s`` (a busy trainer asks before each commit anyway)."""
-        if self._reset_epoch is None and now - self._epoch_checked_at >= self.epoch_check_interval_s:
-            await self._reset_noticed()
-        return self._reset_epoch is not None
-
     async def _handle_reset(self) -> None:
         """The broker's data was reset under the running trainer: the topics are new (empty, or
         refilled since), the group and its offsets are gone. The model, the versions and the dedup
@@ -428,16 +405,14 @@ class OnlineTrainer:
         default), the dense weights are published on the new ``param-deltas``, and a snapshot of
         the new epoch is written at once: serving reloads from it and reads the new
         ``param-deltas`` after its ``param_deltas_offset``."""
-        epoch = self._reset_epoch
+        epoch = self.resets.new_epoch
         # batches handed over before the reset was noticed hold real examples: apply them (not
         # committed: the committer sees the pending reset); their ids enter the dedup window
         while self._pending:
             await self._pending[0][0]
             self._pending.popleft()
         await self.commits.drop()  # a commit of the old offsets, waiting for the lost group
-        # as of the last check that saw the old epoch: later fetches may come from the new topics
-        highwater, applied = self._confirmed
-        lost = sum(max(0, hw - applied[p]) for p, hw in highwater.items() if p in applied)
+        lost = self.resets.lost()
         service_metrics.BROKER_RESET_LOST.labels("trainer", self.topic).inc(lost)
         log.warning("broker reset (epoch %s -> %s): %d examples of the old %s were not applied yet and are "
                     "lost; model kept at %d examples applied, re-reading %s from its start", self.epoch,
@@ -450,10 +425,9 @@ class OnlineTrainer:
         await create_topics(self.settings)
         self.epoch = epoch
         self.applied_offsets, self.resume_offsets, self.ingest.highwater = {}, {}, {}
-        self._confirmed = ({}, {})
         self.unknown_start = set()
         self._from_start = True
-        self._reset_epoch = None
+        self.resets.handled()
         assigned = {tp.partition for tp in self.consumer.consumer.assignment() if tp.topic == self.topic}
         for part in sorted(assigned):
             await self.consumer.consumer.seek_to_beginning(TopicPartition(self.topic, part))
@@ -476,12 +450,13 @@ class OnlineTrainer:
     async def run(self, stop_when_idle_s: float | None = None, max_examples: int | None = None) -> dict:
         s = self.settings
         await create_topics(s, {self.topic: s.topics.partitions, s.topics.param_deltas: 1, s.topics.dead_letters: 1})
-        self._watch = tansu_quirks.EpochWatch(s, "trainer")
+        watch = tansu_quirks.EpochWatch(s, "trainer")
         try:
-            epoch = await self._watch.start()
+            epoch = await watch.start()
+            self.resets.watch = watch
         except Exception:  # noqa: BLE001 - an external Kafka without the marker topic
-            await self._watch.stop()
-            self._watch, epoch = None, None
+            await watch.stop()
+            epoch = None
         restored = self.restore(epoch)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="trainer-step")
         self._producer = self.publisher.producer = producer(s)
@@ -493,7 +468,7 @@ class OnlineTrainer:
         self.consumer = self.ingest.consumer = TypedConsumer(
             cs, "trainer", Example, [self.topic], self.group_id, dead_letter_producer=self._producer,
             codec=RawExampleCodec())
-        self.commits = Committer(self.consumer, self.topic, lambda: self.applied_offsets, self._reset_noticed,
+        self.commits = Committer(self.consumer, self.topic, lambda: self.applied_offsets, self.resets.noticed,
                                  s.kafka.connect_timeout_s, self._stage)
         self.consumer.consumer.subscribe([self.topic], listener=_Seek(self))
         try:
@@ -502,8 +477,8 @@ class OnlineTrainer:
             await warm
             return await self._loop(restored, stop_when_idle_s, max_examples)
         finally:
-            if self._watch is not None:
-                await self._watch.stop()
+            if self.resets.watch is not None:
+                await self.resets.watch.stop()
 
     async def _finish(self, started: float) -> dict:
         await self._drain()
@@ -537,7 +512,7 @@ class OnlineTrainer:
         try:
             while not self.stop_event.is_set():
                 now = time.monotonic()
-                if await self._check_epoch_when_due(now):
+                if await self.resets.check_when_due(now):
                     nxt = _NextBatch()  # fetched from the old topic or at its positions: lost / read again
                     await self._handle_reset()
                 recs = await self._poll(nxt, now)

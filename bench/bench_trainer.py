@@ -17,7 +17,7 @@
   per record, ``trainer.data.produce_examples``), compared with batch. The trainer's own consumer fetches (``loader`` in the JSON: ``inline``,
   kept for comparison with older runs, which used a loader process).
 * freshness: live examples (event time = now, stamped as each tick's batches are produced) -> their sparse delta
-  published (``OnlineTrainer.event_delays``: event time to publish, which here is the issue's
+  published (``OnlineTrainer.publisher.event_delays``: event time to publish, which here is the issue's
   "action as produced -> delta published"; ``sync_delay_seconds`` counts from arrival), sync every 1 s,
   measured after the consumer group joined and a warm-up (steady state; the first join on tansu
   takes ~5 s and is reported apart as ``group_join_s``).
@@ -219,14 +219,14 @@ async def bench_online(data, cfg, bootstrap):
 
     await produce_for(1.0)       # warm-up: first fetches, first syncs
     await asyncio.sleep(1.5)     # let the warm-up examples be published
-    tr2.event_delays.clear()
+    tr2.publisher.event_delays.clear()
     await produce_for(LIVE_S)    # measured
     await p.flush()
     await p.stop()
     await asyncio.sleep(2.5)  # > 2 sync intervals: the last examples are trained on and published
     tr2.stop_event.set()
     await run
-    d = np.array(tr2.event_delays)  # event time (= when produced) -> delta published
+    d = np.array(tr2.publisher.event_delays)  # event time (= when produced) -> delta published
     fresh = {"p50": float(np.percentile(d, 50)), "p95": float(np.percentile(d, 95)), "max": float(d.max()),
              "n": int(d.size)} if d.size else {"p50": float("nan"), "p95": float("nan"), "max": float("nan"), "n": 0}
     res["loader"] = "inline"

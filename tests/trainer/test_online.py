@@ -75,17 +75,17 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
     # batches of one 1000-example record (batch_size 1024 takes two: fewer steps, AUC ~0.6)
     tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=1.0, snapshot_interval_event_s=0, batch_size=512)),
                        small_cfg())
-    tr.keep_last_sync_copy = True
+    tr.publisher.keep_last_sync_copy = True
     run = asyncio.create_task(tr.run(stop_when_idle_s=3.0))
     # the second half arrives after a first version was published: several versions to replay
     deadline = time.monotonic() + 60
-    while tr.sparse_version < 1 and not run.done():
+    while tr.publisher.sparse_version < 1 and not run.done():
         assert time.monotonic() < deadline
         await asyncio.sleep(0.05)
     await produce_examples(settings, ml_examples[half:] + dup)
     res = await asyncio.wait_for(run, 120)
     assert res["examples_applied"] == N
-    assert res["bad"] == 3 and res["duplicates"] == 500 and tr.bad == 3
+    assert res["bad"] == 3 and res["duplicates"] == 500 and tr.ingest.bad == 3
     assert res["auc"] > 0.6, res
     assert res["sparse_version"] >= 2
 
@@ -99,7 +99,7 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
         for m in version:
             apply_delta(replicas, m)
     for name, t in tr.model.tables.items():
-        k, v, _, _ = tr.last_sync_tables[name]
+        k, v, _, _ = tr.publisher.last_sync_tables[name]
         rk, rv, _, _ = replicas[name].items()
         assert np.array_equal(k, rk), name
         assert np.array_equal(v, rv), name
@@ -117,7 +117,7 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
 
     # serving catch-up from the final snapshot equals the trainer's tables
     tables, dense, man = snapshots.load_latest(tr.snapshot_root)
-    assert man["examples_applied"] == N and man["sparse_version"] == tr.sparse_version
+    assert man["examples_applied"] == N and man["sparse_version"] == tr.publisher.sparse_version
     # the sample rates it learned under travel with it (MovieLens replay: every negative kept, slice "replay")
     assert (man["sample_rates"]["global"], man["sample_rates"]["slices"]) == (1.0, {"replay": 1.0})
     dense_msgs = [m for m in msgs if m.WhichOneof("payload") == "dense"]
@@ -227,5 +227,5 @@ async def test_online_resumes_from_batch_warm_start(settings, ml_examples, tmp_p
         await c.stop()
     assert {p: o for p, o in committed.items() if o is not None} == {int(k): v for k, v in final["offsets"].items()}
     assert 0.5 < final["auc"] <= 1.0  # the stream's own progressive AUC, not the batch's
-    assert tr.delays and max(tr.delays) < 60, max(tr.delays)  # arrival -> published
-    assert min(tr.event_delays) > 20 * 365 * 86_400  # event time (2000) -> published: the data's age
+    assert tr.publisher.delays and max(tr.publisher.delays) < 60, max(tr.publisher.delays)  # arrival -> published
+    assert min(tr.publisher.event_delays) > 20 * 365 * 86_400  # event time (2000) -> published: the data's age

@@ -87,17 +87,17 @@ async def test_poison_records_are_dead_lettered_and_training_goes_on(settings):
     undecodable_raw = example_batch.encode(example_batch.from_examples([undecodable]))
     tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=0.5, snapshot_interval_event_s=3600, batch_size=256)), cfg)
     _overflowing(tr.model)
-    decode = tr.decode
+    decode = tr.ingest.decode
 
     def failing_decode(raw):  # stands in for a decoder bug that one record's bytes reach
         if b"poison/400" in bytes(raw):
             raise IndexError("a decoder bug")
         return decode(raw)
 
-    tr.decode = failing_decode
+    tr.ingest.decode = failing_decode
     res = await asyncio.wait_for(tr.run(stop_when_idle_s=2.0), 120)
 
-    assert res["examples_applied"] == N and res["bad"] == 4 and tr.bad == 4, res
+    assert res["examples_applied"] == N and res["bad"] == 4 and tr.ingest.bad == 4, res
     letters: dict[str, list[DeadLetter]] = {}
     for v in await read_topic(settings, settings.topics.dead_letters, timeout_s=1.0):
         letter = DeadLetter.FromString(v)

@@ -125,9 +125,9 @@ async def test_running_trainer_follows_a_broker_reset(settings, own_broker, ml_e
     # all applied and published: a sync in flight at the kill would be retried by the producer into the
     # new broker before its topic exists, which tansu 0.6 acknowledges and then numbers over
     # (offsets given twice): see the report on issue 12
-    await _until(lambda: tr.examples_applied == OLD and tr.sparse_version > 0 and not tr._unsynced_times,
+    await _until(lambda: tr.examples_applied == OLD and tr.publisher.sparse_version > 0 and not tr.publisher.unsynced,
                  "the old epoch's examples", run)
-    before = dict(epoch=tr.epoch, sparse=tr.sparse_version, dense=tr.dense_version)
+    before = dict(epoch=tr.epoch, sparse=tr.publisher.sparse_version, dense=tr.publisher.dense_version)
     tr.snapshot()  # a snapshot of the old epoch, to be kept
     old_seq = snapshots.read_manifest(tr.snapshot_root)["seq"]
 

@@ -1,0 +1,142 @@
+"""The online trainer's publishing to ``param-deltas``: sparse rows and dense weights, as versions.
+
+Every ``sync_interval_s`` the rows touched since the last sync are published as one sparse version
+(several chunks, :func:`trainer.sync.encode_sparse_tables`); every ``dense_sync_interval_s`` the dense
+params as one dense version, with the negative sample rates the model learned under
+(:mod:`trainer.sample_rates`, per slice and global: serving's log-odds correction uses them, not the
+joiner's setting). The trainer calls both with no batch in flight, so a version holds
+only applied updates. Versions keep increasing across restarts and broker resets (a snapshot records
+them, with the ``param-deltas`` offset after the last publish: where a serving replica restarting
+from that snapshot resumes). A version sent twice is harmless: serving upserts rows and skips
+versions it holds.
+
+Each sparse sync also measures freshness over the examples applied since the previous one:
+arrival -> published (:data:`trainer.metrics.SYNC_DELAY`, kept in :attr:`Publisher.delays`) and
+event time -> published (:data:`trainer.metrics.EVENT_FRESHNESS`, :attr:`Publisher.event_delays`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from aiokafka.errors import KafkaError
+
+from services.settings import Settings
+
+from . import metrics as M
+from .sync import encode_dense, encode_sparse_tables
+
+log = logging.getLogger(__name__)
+
+
+class Publisher:
+    """Publishes one model's parameters to ``param-deltas`` (partition 0, in order) through
+    :attr:`producer` (set by the trainer once started); ``stage(name, seconds)`` accounts the time."""
+
+    def __init__(self, settings: Settings, model_id: str, stage: Callable[[str, float], None]):
+        self.settings, self.model_id, self._stage = settings, model_id, stage
+        self.producer = None
+        self.sparse_version = 0
+        self.dense_version = 0
+        #: the ``param-deltas`` offset after the last publish (a snapshot's resume point for serving)
+        self.param_deltas_offset = 0
+        #: recent sync delays (s): arrival -> published (:data:`M.SYNC_DELAY`) and event time ->
+        #: published (:data:`M.EVENT_FRESHNESS`), a sample of each sync's examples
+        self.delays: deque[float] = deque(maxlen=100_000)
+        self.event_delays: deque[float] = deque(maxlen=100_000)
+        # (event times, arrival times) in ms of the examples applied since the last sparse sync
+        self._unsynced_times: list[tuple[np.ndarray, np.ndarray]] = []
+        #: with keep_last_sync_copy, every table's items as of the last sparse sync (for tests)
+        self.last_sync_tables: dict[str, tuple] | None = None
+        self.keep_last_sync_copy = False
+
+    def applied(self, event_time_ms: np.ndarray, arrival_ms: np.ndarray) -> None:
+        """Note a batch applied (its examples' event and arrival times) for the next sync's delays."""
+        self._unsynced_times.append((event_time_ms, arrival_ms))
+
+    @property
+    def unsynced(self) -> bool:
+        """Whether examples were applied since the last sparse sync."""
+        return bool(self._unsynced_times)
+
+    def versions(self) -> dict[str, int]:
+        """What a snapshot records of the publishing (the manifest's fields)."""
+        return {"sparse_version": self.sparse_version, "dense_version": self.dense_version,
+                "param_deltas_offset": self.param_deltas_offset}
+
+    def restore(self, manifest: dict) -> None:
+        self.sparse_version = int(manifest.get("sparse_version", 0))
+        self.dense_version = int(manifest.get("dense_version", 0))
+        self.param_deltas_offset = int(manifest.get("param_deltas_offset", 0) or 0)
+
+    async def sync_sparse(self, tables: dict, max_event_time_ms: int) -> int:
+        """Publish the touched rows of ``tables`` as one version; the bytes published."""
+        t0 = time.perf_counter()
+        msgs = encode_sparse_tables(self.model_id, self.sparse_version + 1, tables,
+                                    max_event_time_ms=max_event_time_ms)
+        if self.keep_last_sync_copy:
+            self.last_sync_tables = {n: t.items() for n, t in tables.items()}
+        if not msgs:
+            self._unsynced_times = []  # their updates changed no row (e.g. ids not admitted yet)
+            return 0
+        self.sparse_version += 1
+        records = [(f"{self.model_id}/{table}".encode(), m.SerializeToString()) for table, m in msgs]
+        nbytes = sum(len(v) for _, v in records)
+        self.param_deltas_offset = await self._publish(records)
+        if self._unsynced_times:
+            self._observe_delays(time.time())
+        dt = time.perf_counter() - t0
+        M.SYNC_BYTES.labels(self.model_id, "sparse").observe(nbytes)
+        M.SYNC_SECONDS.labels(self.model_id, "sparse").observe(dt)
+        self._stage("sync", dt)
+        for n, t in tables.items():
+            M.TABLE_SIZE.labels(self.model_id, n).set(len(t))
+        return nbytes
+
+    def _observe_delays(self, now: float) -> None:
+        """Per example applied since the last sync: published ``now`` minus its arrival
+        (:data:`M.SYNC_DELAY`) and minus its event time (:data:`M.EVENT_FRESHNESS`)."""
+        event = np.concatenate([e for e, _ in self._unsynced_times])
+        arrival = np.concatenate([a for _, a in self._unsynced_times])
+        self._unsynced_times = []
+        for ts, sink, hist in ((arrival, self.delays, M.SYNC_DELAY), (event, self.event_delays, M.EVENT_FRESHNESS)):
+            d = np.maximum(now - ts / 1000.0, 0.0)
+            sink.extend(d.tolist() if d.size < 10_000 else d[:: d.size // 10_000 + 1].tolist())
+            for q in np.percentile(d, [50, 95, 100]):
+                hist.labels(self.model_id).observe(float(q))
+
+    async def sync_dense(self, head: torch.nn.Module, max_event_time_ms: int, sample_rates: dict) -> None:
+        """Publish the dense params (``head``) as one version, with the negative sample rates the model
+        learned under (:mod:`trainer.sample_rates`: serving's log-odds correction uses them)."""
+        t0 = time.perf_counter()
+        self.dense_version += 1
+        m = encode_dense(self.model_id, self.dense_version, head, max_event_time_ms=max_event_time_ms,
+                         sample_rates=sample_rates)
+        data = m.SerializeToString()
+        self.param_deltas_offset = await self._publish([(f"{self.model_id}/dense".encode(), data)])
+        M.SYNC_BYTES.labels(self.model_id, "dense").observe(len(data))
+        M.SYNC_SECONDS.labels(self.model_id, "dense").observe(time.perf_counter() - t0)
+
+    async def _publish(self, records: list[tuple[bytes, bytes]]) -> int:
+        """Send ``(key, value)`` records to ``param-deltas`` (partition 0, in order); the offset
+        after the last. A refused send is retried for up to ``kafka.connect_timeout_s`` (tansu
+        refuses produce requests for a moment after a reset, while the topics are recreated); a
+        version sent twice is harmless (serving upserts rows, and skips versions it holds)."""
+        deadline = time.monotonic() + self.settings.kafka.connect_timeout_s
+        while True:
+            try:
+                futs = [await self.producer.send(self.settings.topics.param_deltas, value, key=key, partition=0)
+                        for key, value in records]
+                metas = await asyncio.gather(*futs)
+                return max(md.offset for md in metas) + 1
+            except KafkaError as err:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("publishing %d parameter deltas failed (%r); retrying", len(records), err)
+                await asyncio.sleep(0.2)

@@ -1,0 +1,108 @@
+"""Where the online trainer resumes after a restart: what its snapshots record and how they are used.
+
+(:mod:`trainer.snapshots` is the file format; this is the online trainer's use of it.)
+
+Every ``snapshot_interval_event_s`` of event time (and on a clean stop) a snapshot records tables,
+optimizer state, dense params, the next offsets of everything applied, the broker epoch they belong
+to, the sync versions, the ``param-deltas`` offset after the last publish, the AUC histograms, the
+dedup window and the sample-rate tracker (manifest ``sample_rates``). It is written with no batch in flight, after the touched rows were published.
+
+Crash semantics (kill -9): the restart loads the latest snapshot and *seeks to its offsets*
+(committed group offsets are ahead of it and are ignored while a snapshot exists). So:
+* nothing is lost: every example after the snapshot is re-consumed (needs topic retention >= T);
+* nothing is applied twice to the restored state: the examples re-consumed were applied only to
+  the state that died. The work redone is bounded by one snapshot interval T of event time
+  (plus one batch), i.e. at most the examples with event time in [snapshot, crash].
+* serving may have received deltas from the lost work; the redone training republishes those rows
+  with higher versions, so replicas converge. A serving replica restarting from this snapshot
+  skips to its ``param_deltas_offset``: deltas of the dead run after it are applied and then
+  superseded - a transient, bounded by T as well.
+* duplicates from the joiner (at-least-once) are dropped within ``dedup_window`` example ids
+  (compared as the shipped 128-bit BLAKE2b ``id_hash``), and the window is saved in the snapshot so
+  it survives restarts (a window restored from a snapshot written before example batches holds
+  MurmurHash3 hashes: it misses the duplicates of its last window once, see :mod:`trainer.dedup`).
+  The window learns a batch's ids only once the batch is applied, so a snapshot never marks as seen
+  an example it did not train on.
+Without a snapshot the group's committed offsets are used (a fresh model starting from there).
+
+After a broker reset (the snapshots live outside the broker, see :mod:`trainer.online`) the newest
+snapshot is restored even if written in another broker epoch, but its offsets are not used: every
+partition is read from its start (``from_start``, recorded in the snapshots until every partition
+has an offset of the new epoch), and the dedup window drops the examples the snapshot had learned.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.atomic import write_bytes_atomic
+
+from . import metrics as M
+from . import snapshots
+from .config import ModelConfig
+from .model import SparseModel
+
+log = logging.getLogger(__name__)
+EPOCH_MARKER = "broker-epoch"  # tansu_quirks.state_matches_broker's marker file
+
+
+@dataclass
+class Restored:
+    """The newest snapshot, read for a restart."""
+
+    tables: dict
+    dense: dict  # head, optimizer (absent in a warm start's), auc_pos/auc_neg, dedup
+    manifest: dict
+    #: it was written in another broker epoch: its offsets are not used
+    reset: bool
+    offsets: dict[int, int]  # partition -> next offset, where to resume ({}: the group's, or the start)
+    from_start: bool  # a partition without an offset starts at its earliest record
+
+
+class Snapshots:
+    """The online trainer's snapshots of one model under ``root`` (``settings.snapshot_root / model_id``)."""
+
+    def __init__(self, root: Path, cfg: ModelConfig, topic: str):
+        self.root, self.cfg, self.topic = root, cfg, topic
+
+    def load(self, epoch: str | None) -> Restored | None:
+        """The newest snapshot, whatever broker epoch it was written in (its state lives outside the
+        broker). Its offsets only count on the broker data they were read from: after a broker reset
+        (``epoch`` differs from the snapshot's) every partition is read from its start instead."""
+        got = snapshots.load(self.root, self.cfg, serving=False)
+        if got is None:
+            return None
+        tables, dense, man = got
+        # snapshots written before manifests named their epoch: the marker beside them
+        marker = self.root / EPOCH_MARKER
+        snap_epoch = man.get("broker_epoch") or (marker.read_text().strip() if marker.exists() else None)
+        reset = epoch is not None and snap_epoch is not None and snap_epoch != epoch
+        # A `trainer batch --snapshot` warm start has no stream state: no offsets (the group's
+        # committed ones, or the earliest, apply), no streaming AUC (the online AUC starts from the
+        # stream, not from the batch's training passes) and no dedup window.
+        if reset:
+            log.warning("the broker's data was reset since snapshot %s (epoch %s, now %s): keeping its "
+                        "state, reading every partition of %s from its start", man["name"], snap_epoch,
+                        epoch, self.topic)
+            offsets, from_start = {}, True
+        else:
+            same_topic = man.get("topic", self.topic) == self.topic
+            offsets = {int(k): int(v) for k, v in man.get("offsets", {}).items()} if same_topic else {}
+            from_start = bool(man.get("from_start", False))
+        return Restored(tables, dense, man, reset, offsets, from_start)
+
+    def save(self, model: SparseModel, dense: dict, manifest: dict) -> Path:
+        """Write a snapshot of ``model`` (tables, head, optimizer) with more ``dense`` state and the
+        ``manifest``'s stream state."""
+        dense = {"head": model.head.state_dict(), "optimizer": model.optimizer.state_dict(), **dense}
+        path = snapshots.save(self.root, self.cfg, model.tables, dense, dict(manifest, source="online"))
+        M.SNAPSHOTS.labels(self.cfg.model_id).inc()
+        return path
+
+    def record_epoch(self, epoch: str | None) -> None:
+        """The broker epoch the trainer's state now follows, beside the snapshots (what ``driftline
+        up`` compares with an external broker's before it skips the warm start)."""
+        if epoch is not None:
+            write_bytes_atomic(self.root / EPOCH_MARKER, epoch.encode())

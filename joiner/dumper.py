@@ -112,8 +112,7 @@ def default_dedup_horizon_s(settings: Settings) -> float:
     the action stream may lag more than that.
     """
     js = settings.joiner
-    retention = js.window_seconds if js.late_retention_seconds is None else js.late_retention_seconds
-    return (js.window_seconds + js.allowed_lateness_seconds + retention + js.orphan_grace_seconds + 3600.0)
+    return js.window_seconds + js.allowed_lateness_seconds + js.retention_seconds + js.orphan_grace_seconds + 3600.0
 
 
 def flatten(c: ExampleColumns, labels: list[str]) -> pa.Table:

@@ -14,6 +14,7 @@ MODULES = [
     "producers.movielens_features",
     "services.example_batch",
     "joiner.batches",
+    "joiner.types",
     "trainer.dedup",
     "trainer.ingest",
 ]

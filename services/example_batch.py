@@ -61,7 +61,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 __all__ = ["BadExampleBatch", "ExampleColumns", "FIXED_SCHEMA", "decode", "encode", "from_examples",
-           "ROW_RULES", "hash_ids", "invalid_rows", "take", "to_examples", "to_sparse_batch_arrays"]
+           "ROW_RULES", "hash_ids", "invalid_rows", "take", "take_lists", "to_examples", "to_sparse_batch_arrays"]
 
 FORMAT = b"driftline.ExampleBatch/1"
 FIXED_SCHEMA = pa.schema([
@@ -365,6 +365,19 @@ def to_examples(c: ExampleColumns) -> list:
     return out
 
 
+def take_lists(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``rows`` (int indices, in any order, repeats allowed) of a list column given as
+    ``(values, offsets)`` (row i is ``values[offsets[i]:offsets[i + 1]]``), as ``(values, offsets)``
+    of their own (offsets int64 from 0): pyarrow's ``take`` of a large list array.
+
+    >>> v, o = take_lists(np.array([7, 8, 9]), np.array([0, 1, 1, 3]), np.array([2, 0, 2]))
+    >>> v.tolist(), o.tolist()
+    ([8, 9, 7, 8, 9], [0, 2, 3, 5])
+    """
+    col = pa.LargeListArray.from_arrays(np.asarray(offsets, np.int64), values).take(np.asarray(rows, np.int64))
+    return col.flatten().to_numpy(), col.offsets.to_numpy()
+
+
 def take(c: ExampleColumns, rows: np.ndarray) -> ExampleColumns:
     """The examples ``rows`` (int indices) of a batch, as a batch of their own: how a consumer
     dead-letters just the examples it refuses.
@@ -377,12 +390,7 @@ def take(c: ExampleColumns, rows: np.ndarray) -> ExampleColumns:
     """
     rows = np.asarray(rows, np.int64)
     idx = rows.tolist()
-    sparse = {}
-    for s, (ids, o) in c.sparse.items():
-        lens = o[rows + 1] - o[rows]
-        no = np.zeros(rows.size + 1, np.int64)
-        np.cumsum(lens, out=no[1:])
-        sparse[s] = ids[np.repeat(o[rows] - no[:-1], lens) + np.arange(no[-1], dtype=np.int64)], no
+    sparse = {s: take_lists(ids, o, rows) for s, (ids, o) in c.sparse.items()}
     return ExampleColumns([c.example_ids[i] for i in idx], [c.request_ids[i] for i in idx], c.item_id[rows],
                           c.user_id[rows], c.event_time_ms[rows], c.sample_rate[rows],
                           [c.model_ids[i] for i in idx], labels={k: v[rows] for k, v in c.labels.items()},

@@ -92,12 +92,11 @@ async def joiner_round(settings: Settings, var: Path, round_no: int) -> tuple[di
     """One joiner run from offset 0 with a fresh state store. ``steady_s`` is from the first poll
     (after start-up) to the last input batch committed, plus the drain's own work (closing the
     windows still open at the end), without the idle wait that detects the end of input."""
-    cfg = JoinConfig.from_settings(settings.joiner)
     idle = 0.5
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
     settings = settings.updated(joiner={"store_url": f"rocksdb://{var / f'joiner-state-{round_no}'}"})
-    counts = await run(settings, until_idle_s=idle, config=cfg, timings=timings)
+    counts = await run(settings, until_idle_s=idle, timings=timings)
     steady = timings["last_batch_end"] - timings["loop_start"] + timings.get("drain_s", 0.0)
     total = steady + (timings["loop_start"] - t_start)
     return {"steady_s": steady, "total_s": total}, counts
@@ -142,7 +141,7 @@ def memory_and_spill_bench(var: Path, target: int, cache_size: int) -> dict:
     """Grow the waiting state to ``target`` impressions (no actions: nothing closes)."""
     store = RocksDBStore(f"rocksdb://{var / 'spill'}")
     state = TieredState(store, cache_size)
-    core = JoinCore(state, JoinConfig())
+    core = JoinCore(state, JoinConfig.from_settings(Settings().joiner))
     core.load(0)
     rss: dict[int, float] = {}
     checkpoints = [10_000, 100_000, 1_000_000]

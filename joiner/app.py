@@ -217,7 +217,6 @@ async def run(
     stop: asyncio.Event | None = None,
     until_idle_s: float | None = None,
     partitions: Sequence[int] | None = None,
-    config: JoinConfig | None = None,
     timings: dict[str, float] | None = None,
 ) -> dict[str, int]:
     """Run the joiner until ``stop`` is set, or (with ``until_idle_s``) until the input has been
@@ -234,7 +233,7 @@ async def run(
     the windows the features stream has left that far behind close (see the README)."""
     stop = stop or asyncio.Event()
     js = settings.joiner
-    cfg = config or JoinConfig.from_settings(js)
+    cfg = JoinConfig.from_settings(js)
     idle_advance_s = js.idle_advance_seconds
     idle_margin_ms = int(js.idle_advance_margin_seconds * 1000)
     tansu_quirks.install()

@@ -10,8 +10,7 @@ An emitted example is an :data:`Emitted` tuple ``(user_id, event_time_ms, exampl
 payload, label mask, sample_rate, latency reference ts ms or 0, correction suffix or "")``.
 :func:`build` turns a list of them into :class:`services.example_batch.ExampleColumns` in one
 pass (one ``Features`` parse per example; ids, times, labels and rates as numpy arrays), and
-:func:`valid_rows` checks, vectorized, what :func:`services.example_batch.encode`/``decode``
-would reject, so a bad example is filtered (counted) instead of failing its whole batch.
+:func:`valid_rows` checks, vectorized, what :func:`services.example_batch.decode` would reject, so a bad example is filtered (counted) instead of failing its whole batch.
 
 >>> import numpy as np
 >>> from proto import Features, SparseSlot
@@ -39,6 +38,7 @@ from itertools import chain
 import numpy as np
 
 from proto import Features
+from services import example_batch
 from services.example_batch import ExampleColumns
 
 # (user_id, event_time_ms, example id, payload, label mask, sample_rate, latency ref ts, id suffix)
@@ -179,24 +179,15 @@ def build(emitted: Sequence[Emitted], labels: Sequence[str],
 
 
 def valid_rows(c: ExampleColumns, nan_input: np.ndarray) -> tuple[np.ndarray, Counter[str]]:
-    """``(ok, reasons)``: which rows :func:`services.example_batch.encode` + ``decode`` would
-    accept (a non-empty example id, ``event_time_ms > 0``, ``sample_rate`` in (0, 1], finite
-    labels and dense values: NaN there would read as "absent", so an input NaN is refused too),
-    and how many rows fail each check (a row is counted under its first failed check)."""
-    checks = [
-        ("empty_example_id", np.fromiter(map(len, c.example_ids), np.int64, c.size) == 0),
-        ("event_time", np.asarray(c.event_time_ms) <= 0),
-        ("sample_rate", ~((c.sample_rate > 0) & (c.sample_rate <= 1))),  # (NaN fails too)
-    ]
-    non_finite = nan_input.copy()
-    for v in c.labels.values():
-        non_finite |= ~np.isfinite(v)
-    for v in c.dense.values():
-        non_finite |= np.isinf(v)  # (NaN = absent here; NaN input values are in nan_input)
-    checks.append(("non_finite", non_finite))
+    """``(ok, reasons)``: which rows :func:`services.example_batch.decode` would accept (its
+    :func:`~services.example_batch.invalid_rows` rules; and no NaN input value, in ``nan_input``,
+    which would read as "absent" in the batch, so it counts as ``non_finite``), and how many rows
+    fail each rule (a row is counted under its first failed rule)."""
+    checks = example_batch.invalid_rows(c)
+    checks["non_finite"] = checks["non_finite"] | nan_input
     ok = np.ones(c.size, bool)
     reasons: Counter[str] = Counter()
-    for reason, bad in checks:
+    for reason, bad in checks.items():
         bad = bad & ok
         if bad.any():
             reasons[reason] = int(bad.sum())

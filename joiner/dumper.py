@@ -112,8 +112,7 @@ def default_dedup_horizon_s(settings: Settings) -> float:
     the action stream may lag more than that.
     """
     js = settings.joiner
-    retention = js.window_seconds if js.late_retention_seconds is None else js.late_retention_seconds
-    return (js.window_seconds + js.allowed_lateness_seconds + retention + js.orphan_grace_seconds + 3600.0)
+    return js.window_seconds + js.allowed_lateness_seconds + js.retention_seconds + js.orphan_grace_seconds + 3600.0
 
 
 def flatten(c: ExampleColumns, labels: list[str]) -> pa.Table:
@@ -268,8 +267,10 @@ class _Dumper:
         t = np.asarray(c.event_time_ms, np.int64)
         keep = np.ones(c.size, np.bool_)
         new: dict[str, int] = {}  # this record's ids to buffer (-> event time), once all went well
-        for i, eid in enumerate(c.example_ids):
-            if eid in self.buffered_ids or eid in new or self.store.get(b"S" + eid.encode()) is not None:
+        ids = list(c.example_ids)
+        stored = self.store.get_many([b"S" + eid.encode() for eid in ids])  # one multi-get per record
+        for i, (eid, seen) in enumerate(zip(ids, stored)):
+            if seen is not None or eid in self.buffered_ids or eid in new:
                 keep[i] = False
                 self.totals["duplicates"] += 1
             else:

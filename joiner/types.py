@@ -9,7 +9,7 @@ and one atomic write per batch that carries the state *and* the input offsets to
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from services.settings import JoinerSettings
@@ -56,20 +56,31 @@ class JoinConfig:
       watermark passes ``impression_time + W + L + R`` so that late actions are recognised as late.
     * ``watermark_outliers`` k: a watermark is the (k+1)-th largest distinct event time seen on
       its partition, so k far-off events cannot move it (:mod:`joiner.watermark`).
+
+    The values, and their defaults, come from ``settings.joiner`` (:class:`JoinerSettings`, in
+    seconds) through :meth:`from_settings` only; its keyword overrides are in the fields' units:
+
+    >>> cfg = JoinConfig.from_settings(JoinerSettings(window_seconds=60), lateness_ms=0)
+    >>> cfg.window_ms, cfg.lateness_ms, cfg.retention_ms, cfg.labels
+    (60000, 0, 60000, ['click', 'like'])
+    >>> JoinConfig.from_settings(JoinerSettings(), late_policy="never")
+    Traceback (most recent call last):
+    ...
+    ValueError: late_policy must be one of ('drop', 'correction'), not 'never'
     """
 
-    window_ms: int = 900_000
-    lateness_ms: int = 5_000
-    orphan_grace_ms: int = 300_000
-    retention_ms: int = 900_000
-    negative_sample_rate: float = 0.25
+    window_ms: int
+    lateness_ms: int
+    orphan_grace_ms: int
+    retention_ms: int
+    negative_sample_rate: float
     # Per-slice negative rates; the slice of an impression is the model_id that served it.
-    slice_sample_rates: Mapping[str, float] = field(default_factory=dict)
-    seed: int = 7
-    label_map: Mapping[str, str] = field(default_factory=lambda: {"click": "click", "like": "like"})
-    late_policy: str = "drop"
-    positive_emit: str = "immediate"
-    watermark_outliers: int = JoinerSettings.model_fields["watermark_outliers"].default
+    slice_sample_rates: Mapping[str, float]
+    seed: int
+    label_map: Mapping[str, str]
+    late_policy: str
+    positive_emit: str
+    watermark_outliers: int
 
     def __post_init__(self) -> None:
         if self.late_policy not in LATE_POLICIES:
@@ -90,15 +101,13 @@ class JoinConfig:
         return sorted(set(self.label_map.values()))
 
     @classmethod
-    def from_settings(cls, joiner_settings: object, **overrides: object) -> JoinConfig:
-        """Build from ``settings.joiner``."""
-        s: JoinerSettings = joiner_settings  # type: ignore[assignment]
-        retention_s = s.window_seconds if s.late_retention_seconds is None else s.late_retention_seconds
+    def from_settings(cls, s: JoinerSettings, **overrides: object) -> JoinConfig:
+        """Build from ``settings.joiner``, some fields replaced by ``overrides``."""
         values: dict[str, object] = dict(
             window_ms=int(s.window_seconds * 1000),
             lateness_ms=int(s.allowed_lateness_seconds * 1000),
             orphan_grace_ms=int(s.orphan_grace_seconds * 1000),
-            retention_ms=int(retention_s * 1000),
+            retention_ms=int(s.retention_seconds * 1000),
             negative_sample_rate=s.negative_sample_rate,
             slice_sample_rates=dict(s.slice_sample_rates),
             seed=s.seed,

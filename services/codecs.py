@@ -1,7 +1,10 @@
 """Message codecs: bytes on a topic <-> a validated protobuf message.
 
 Protobuf alone accepts almost any bytes (unknown fields are skipped, missing fields read as
-zero), so every message type also has a validator for what our services rely on. A message that
+zero), so every message type also has a validator for what our services rely on. Examples are
+the exception: they travel as columnar batches, one per record, which their consumers decode and
+validate whole, vectorized (:func:`services.example_batch.decode`); their codec
+(:class:`ExampleBatchBytes`) keeps a record's value as bytes. A message that
 fails either step raises :class:`MalformedMessage` with a reason short enough for a metric label
 and a dead-letter record.
 
@@ -108,19 +111,6 @@ def validate_action(m: Action) -> None:
         raise _invalid("Action.event_time_ms is not set")
 
 
-def validate_example(m: Example) -> None:
-    if not m.example_id:
-        raise _invalid("Example.example_id is empty")
-    if m.event_time_ms <= 0:
-        raise _invalid("Example.event_time_ms is not set")
-    if not (0.0 < m.sample_rate <= 1.0):
-        raise _invalid(f"Example.sample_rate {m.sample_rate} is outside (0, 1]")
-    for name, value in m.labels.items():
-        if not math.isfinite(value):
-            raise _invalid(f"Example.labels[{name}] is not finite")
-    _check_features(m.features, "Example.features")
-
-
 def validate_parameter_delta(m: ParameterDelta) -> None:
     if not m.model_id:
         raise _invalid("ParameterDelta.model_id is empty")
@@ -174,10 +164,35 @@ class Codec(Generic[M]):
         return message
 
 
+class ExampleBatchBytes:
+    """The codec of the ``examples`` topic: a record's value stays bytes (``Record.value is
+    Record.raw``), an example batch for its consumer to :func:`services.example_batch.decode`;
+    only a null value is refused here.
+
+    >>> codec_for(Example).decode(b"batch bytes")
+    b'batch bytes'
+    >>> codec_for(Example).decode(None)
+    Traceback (most recent call last):
+    ...
+    services.codecs.MalformedMessage: undecodable: ExampleBatch value is null
+    """
+
+    message_type = Example
+    name = "ExampleBatch"
+
+    def encode(self, message: bytes) -> bytes:
+        return message
+
+    def decode(self, raw: bytes | None) -> bytes:
+        if raw is None:
+            raise MalformedMessage("undecodable", f"{self.name} value is null")
+        return raw
+
+
 _CODECS: dict[type[Message], Codec] = {
     FeatureLog: Codec(FeatureLog, validate_feature_log),
     Action: Codec(Action, validate_action),
-    Example: Codec(Example, validate_example),
+    Example: ExampleBatchBytes(),  # type: ignore[dict-item]
     ParameterDelta: Codec(ParameterDelta, validate_parameter_delta),
     DeadLetter: Codec(DeadLetter, validate_dead_letter),
 }

@@ -61,7 +61,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 __all__ = ["BadExampleBatch", "ExampleColumns", "FIXED_SCHEMA", "decode", "encode", "from_examples",
-           "hash_ids", "slice_codes", "take", "to_examples", "to_sparse_batch_arrays"]
+           "ROW_RULES", "hash_ids", "invalid_rows", "slice_codes", "take", "take_lists", "to_examples",
+           "to_sparse_batch_arrays"]
 
 FORMAT = b"driftline.ExampleBatch/1"
 FIXED_SCHEMA = pa.schema([
@@ -218,18 +219,10 @@ def _decode(raw: bytes) -> ExampleColumns:
     for f, col in zip(schema, c):
         if col.null_count or (pa.types.is_list(f.type) or pa.types.is_large_list(f.type)) and col.values.null_count:
             raise _invalid(f"column {f.name} has nulls")
-    eid = c[0]
-    if n and pc.min(pc.binary_length(eid)).as_py() == 0:
-        raise _invalid("an example_id is empty")
     h = np.zeros((0, 2), np.uint64)
     if n:  # a view of the fixed_size_binary(16) data buffer (mind the array's offset)
         h = np.frombuffer(c[1].buffers()[1], "<u8", 2 * n, 16 * c[1].offset).reshape(n, 2)
-    t, rate = _np(c[5]), _np(c[6])
-    if np.any(t <= 0):
-        raise _invalid("an event_time_ms is not set (<= 0)")
-    if not np.all((rate > 0) & (rate <= 1)):  # NaN fails too
-        raise _invalid("a sample_rate is outside (0, 1]")
-    out = ExampleColumns(_Strings(eid), _Strings(c[2]), _np(c[3]), _np(c[4]), t, rate,
+    out = ExampleColumns(_Strings(c[0]), _Strings(c[2]), _np(c[3]), _np(c[4]), _np(c[5]), _np(c[6]),
                          _Strings(c[7].dictionary.take(c[7].indices)), id_hash=h.view(np.uint64))
     for f, col in zip(list(schema)[k:], c[k:]):
         prefix, _, name = f.name.partition(".")
@@ -244,11 +237,50 @@ def _decode(raw: bytes) -> ExampleColumns:
             continue
         if f.type != pa.float32():
             raise _invalid(f"column {f.name} is {f.type}, not float")
-        v = _np(col)
-        if np.isinf(v).any():
-            raise _invalid(f"column {f.name} has an infinite value")
-        (out.labels if prefix == "label" else out.dense)[name] = v
+        (out.labels if prefix == "label" else out.dense)[name] = _np(col)
+    for reason, bad in invalid_rows(out).items():
+        if bad.any():
+            raise _invalid(f"{int(bad.sum())} of {n} examples break a rule: {ROW_RULES[reason]}")
     return out
+
+
+#: The rules every example of a batch keeps (:func:`invalid_rows`), by reason.
+ROW_RULES = {
+    "empty_example_id": "a non-empty example_id",
+    "event_time": "event_time_ms > 0",
+    "sample_rate": "sample_rate in (0, 1]",
+    "non_finite": "no infinite label or dense value (NaN means absent)",
+}
+
+
+def invalid_rows(c: ExampleColumns) -> dict[str, np.ndarray]:
+    """Which examples of a batch break each of :data:`ROW_RULES`: ``{reason: bool [n]}``, vectorized.
+    :func:`decode` refuses a batch with any such example; the joiner leaves them out before
+    :func:`encode` (``joiner.batches.valid_rows``).
+
+    >>> c = ExampleColumns(["a", "", "c"], ["r"] * 3, np.arange(3), np.zeros(3), np.array([5, 5, 0]),
+    ...                    np.array([1, 0.5, 2], np.float32), ["m"] * 3,
+    ...                    dense={"d": np.array([np.nan, 1, np.inf], np.float32)})
+    >>> {reason: bad.tolist() for reason, bad in invalid_rows(c).items()}  # doctest: +NORMALIZE_WHITESPACE
+    {'empty_example_id': [False, True, False], 'event_time': [False, False, True],
+     'sample_rate': [False, False, True], 'non_finite': [False, False, True]}
+    >>> decode(encode(c))
+    Traceback (most recent call last):
+    ...
+    services.example_batch.BadExampleBatch: invalid: 1 of 3 examples break a rule: a non-empty example_id
+    """
+    ids = c.example_ids
+    if isinstance(ids, _Strings):
+        empty = pc.equal(pc.binary_length(ids.arrow), 0).to_numpy(zero_copy_only=False)
+    else:
+        empty = np.fromiter(map(len, ids), np.int64, c.size) == 0
+    non_finite = np.zeros(c.size, np.bool_)
+    for v in (*c.labels.values(), *c.dense.values()):
+        non_finite |= np.isinf(v)
+    rate = c.sample_rate
+    return {"empty_example_id": empty, "event_time": np.asarray(c.event_time_ms) <= 0,
+            "sample_rate": ~((rate > 0) & (rate <= 1)),  # (NaN fails too)
+            "non_finite": non_finite}
 
 
 def to_sparse_batch_arrays(parts: Sequence[ExampleColumns], slots: Sequence[str], label: str,
@@ -362,6 +394,19 @@ def to_examples(c: ExampleColumns) -> list:
     return out
 
 
+def take_lists(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``rows`` (int indices, in any order, repeats allowed) of a list column given as
+    ``(values, offsets)`` (row i is ``values[offsets[i]:offsets[i + 1]]``), as ``(values, offsets)``
+    of their own (offsets int64 from 0): pyarrow's ``take`` of a large list array.
+
+    >>> v, o = take_lists(np.array([7, 8, 9]), np.array([0, 1, 1, 3]), np.array([2, 0, 2]))
+    >>> v.tolist(), o.tolist()
+    ([8, 9, 7, 8, 9], [0, 2, 3, 5])
+    """
+    col = pa.LargeListArray.from_arrays(np.asarray(offsets, np.int64), values).take(np.asarray(rows, np.int64))
+    return col.flatten().to_numpy(), col.offsets.to_numpy()
+
+
 def take(c: ExampleColumns, rows: np.ndarray) -> ExampleColumns:
     """The examples ``rows`` (int indices) of a batch, as a batch of their own: how a consumer
     dead-letters just the examples it refuses.
@@ -374,12 +419,7 @@ def take(c: ExampleColumns, rows: np.ndarray) -> ExampleColumns:
     """
     rows = np.asarray(rows, np.int64)
     idx = rows.tolist()
-    sparse = {}
-    for s, (ids, o) in c.sparse.items():
-        lens = o[rows + 1] - o[rows]
-        no = np.zeros(rows.size + 1, np.int64)
-        np.cumsum(lens, out=no[1:])
-        sparse[s] = ids[np.repeat(o[rows] - no[:-1], lens) + np.arange(no[-1], dtype=np.int64)], no
+    sparse = {s: take_lists(ids, o, rows) for s, (ids, o) in c.sparse.items()}
     return ExampleColumns([c.example_ids[i] for i in idx], [c.request_ids[i] for i in idx], c.item_id[rows],
                           c.user_id[rows], c.event_time_ms[rows], c.sample_rate[rows],
                           [c.model_ids[i] for i in idx], labels={k: v[rows] for k, v in c.labels.items()},

@@ -137,6 +137,15 @@ class JoinerSettings(BaseModel):
     # far-off events (a bad client clock) cannot close every window; windows close k events later.
     watermark_outliers: int = 2
 
+    @property
+    def retention_seconds(self) -> float:
+        """How long a closed impression is remembered: ``late_retention_seconds``, else the window.
+
+        >>> JoinerSettings(window_seconds=60).retention_seconds
+        60.0
+        """
+        return self.window_seconds if self.late_retention_seconds is None else self.late_retention_seconds
+
 
 class DumperSettings(BaseModel):
     """``python -m joiner.dumper``: the ``examples`` topic -> Parquet."""

@@ -28,7 +28,7 @@ are dropped early when it fills, and when *unshipped* entries fill it :meth:`app
 :class:`SpoolFull`, so /rank answers 503 instead of a 200 it could not keep.
 
 >>> import tempfile
->>> spool = Spool(Path(tempfile.mkdtemp()) / "spool", max_bytes=100, retention_s=0)
+>>> spool = Spool(Path(tempfile.mkdtemp()) / "spool", max_bytes=100, sync=False, retention_s=0)
 >>> spool.append(b"r1", b"x" * 40), spool.append(b"r2", b"y" * 40)
 (0, 50)
 >>> spool.append(b"r3", b"z" * 40)
@@ -99,7 +99,8 @@ def _options() -> Options:
 class Spool:
     """Append-only log of (key, value) entries with a shipped cursor, in one RocksDB."""
 
-    def __init__(self, path: Path, max_bytes: int, *, sync: bool = False, retention_s: float = 900.0) -> None:
+    def __init__(self, path: Path, max_bytes: int, *, sync: bool, retention_s: float) -> None:
+        """``max_bytes``, ``sync``, ``retention_s``: ``settings.serving``'s ``spool_*`` fields."""
         self.path = Path(path)
         self.max_bytes = max_bytes
         self.retention_s = retention_s

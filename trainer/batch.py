@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from proto import Example
+from services.example_batch import take_lists
 
 
 @dataclass
@@ -51,13 +52,7 @@ class SparseBatch:
         rows = np.asarray(rows, np.int64)
         ids, offs = {}, {}
         for s in self.ids:
-            o = self.offsets[s]
-            lens = o[rows + 1] - o[rows]
-            no = np.zeros(rows.size + 1, np.int64)
-            np.cumsum(lens, out=no[1:])
-            starts = np.repeat(o[rows] - no[:-1], lens)
-            ids[s] = self.ids[s][starts + np.arange(no[-1], dtype=np.int64)]
-            offs[s] = no
+            ids[s], offs[s] = take_lists(self.ids[s], self.offsets[s], rows)
         pick = lambda a: None if a is None else a[rows]  # noqa: E731
         return SparseBatch(int(rows.size), ids, offs, pick(self.labels), pick(self.event_time_ms),
                            pick(self.sample_rate), pick(self.dense),

@@ -7,10 +7,20 @@ import asyncio
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from joiner import batches
+from joiner.types import JoinConfig
 from proto import Example
 from services import example_batch, tansu_quirks
 from services.kafka import producer, start_client
-from services.settings import Settings
+from services.settings import JoinerSettings, Settings
+
+# The join rules of most joiner tests: a two-minute window, the rest as in services/settings.py.
+JOINER = {"window_seconds": 120, "negative_sample_rate": 0.3, "seed": 11}
+
+
+def join_config(joiner: dict | None = None, **overrides: object) -> JoinConfig:
+    """The rules ``settings.updated(joiner=joiner)`` gives the joiner (default: :data:`JOINER`),
+    some fields replaced (``overrides``, in :class:`JoinConfig`'s units)."""
+    return JoinConfig.from_settings(JoinerSettings(**(JOINER if joiner is None else joiner)), **overrides)
 
 
 async def produce(settings: Settings, events: list[tuple[str, bytes, bytes]]) -> None:

@@ -17,16 +17,14 @@ from joiner import dumper
 from joiner.app import run as run_joiner
 from joiner.reference import offline_join
 from joiner.synth import ml_events
-from joiner.types import JoinConfig
 from proto import Example
 from services import example_batch
 from services.kafka import create_topics
 from services.settings import Settings
 from tests.conftest import Broker, KilledBroker, killed_broker
-from tests.joiner.helpers import as_map, produce, read_examples, ref_as_map
+from tests.joiner.helpers import JOINER, as_map, join_config, produce, read_examples, ref_as_map
 
-CFG = JoinConfig(window_ms=120_000, lateness_ms=5_000, orphan_grace_ms=300_000, retention_ms=120_000,
-                 negative_sample_rate=0.3, seed=11)
+CFG = join_config()
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +94,7 @@ async def test_joiner_keeps_its_state_across_a_broker_reset(settings: Settings, 
     resets = _value("driftline_broker_resets_total", service="joiner")
     lost = [_value("driftline_broker_reset_lost_total", service="joiner", topic=x) for x in (t.features, t.actions)]
     stop = asyncio.Event()
-    task = asyncio.create_task(run_joiner(settings, stop=stop, config=CFG))
+    task = asyncio.create_task(run_joiner(settings.updated(joiner=JOINER), stop=stop))
     consumed = {t.features: _consumed("joiner", t.features), t.actions: _consumed("joiner", t.actions)}
     want = {t.features: consumed[t.features] + _count(part1, "features"),
             t.actions: consumed[t.actions] + _count(part1, "actions")}
@@ -118,7 +116,7 @@ async def test_joiner_keeps_its_state_across_a_broker_reset(settings: Settings, 
         stop.set()
         await task
     # Drain (closes every window) on the new epoch; the stopped joiner notices the reset here.
-    counts = await run_joiner(settings, until_idle_s=1.0, config=CFG)
+    counts = await run_joiner(settings.updated(joiner=JOINER), until_idle_s=1.0)
     assert _value("driftline_broker_resets_total", service="joiner") == resets + 1
     after = await read_examples(settings)
     assert as_map(before + after) == ref_as_map(offline_join(events, CFG, t.partitions))
@@ -139,7 +137,7 @@ async def test_joiner_after_a_reset_refuses_expired_impressions_and_remembers_th
     events = ml_events(1500, start=260_000, seed=32)
     await create_topics(settings)
     await produce(settings, events)
-    await run_joiner(settings, until_idle_s=1.0, config=CFG)
+    await run_joiner(settings.updated(joiner=JOINER), until_idle_s=1.0)
     first = await read_examples(settings)
     await asyncio.to_thread(broker.restart)
     await create_topics(settings)
@@ -147,7 +145,7 @@ async def test_joiner_after_a_reset_refuses_expired_impressions_and_remembers_th
     # The newest feature logs (still remembered) and the oldest (far behind the watermark).
     resent = features[:50] + features[-20:]
     await produce(settings, resent)
-    counts = await run_joiner(settings, until_idle_s=1.0, config=CFG)
+    counts = await run_joiner(settings.updated(joiner=JOINER), until_idle_s=1.0)
     again = await read_examples(settings)
     assert again == [], "nothing re-emitted"
     assert counts["expired_impressions"] > 0 and counts["duplicate_impressions"] > 0

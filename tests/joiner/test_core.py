@@ -16,12 +16,10 @@ from joiner.reference import offline_join
 from joiner.stores.memory import MemoryStore
 from joiner.synth import ml_events
 from joiner.tiered import TieredState
-from joiner.types import JoinConfig
 from proto import Action, Candidate, FeatureLog
-from tests.joiner.helpers import emitted_examples, take_examples
+from tests.joiner.helpers import emitted_examples, join_config, take_examples
 
-CFG = JoinConfig(window_ms=120_000, lateness_ms=5_000, orphan_grace_ms=300_000, retention_ms=120_000,
-                 negative_sample_rate=0.3, seed=11)
+CFG = join_config()
 # The single-event tests below: with no outliers tolerated the watermark is the max time seen,
 # so one action moves it.
 MAX_WM = dataclasses.replace(CFG, watermark_outliers=0)
@@ -188,8 +186,8 @@ def test_duplicate_and_early_actions():
 
 
 def test_late_policy_correction_emits_a_correction():
-    cfg = JoinConfig(window_ms=1000, lateness_ms=0, late_policy="correction", negative_sample_rate=1.0,
-                     watermark_outliers=0)
+    cfg = join_config(window_ms=1000, lateness_ms=0, late_policy="correction", negative_sample_rate=1.0,
+                      watermark_outliers=0)
     core = JoinCore(TieredState(MemoryStore(), 100), cfg)
     core.load(0)
     core.on_features(0, FeatureLog(request_id="r", event_time_ms=1000, user_id=1, candidates=[Candidate(item_id=1)]))
@@ -221,7 +219,7 @@ def test_emitted_columns_hold_the_merged_example():
 
 
 def test_idle_advance_closes_windows_the_features_stream_left_behind():
-    cfg = JoinConfig(window_ms=10_000, lateness_ms=1_000, negative_sample_rate=1.0, watermark_outliers=0)
+    cfg = join_config(window_ms=10_000, lateness_ms=1_000, negative_sample_rate=1.0, watermark_outliers=0)
     core = JoinCore(TieredState(MemoryStore(), 100), cfg)
     core.load(0)
     for rid, t in (("a", 1_000), ("b", 50_000), ("c", 100_000)):

@@ -20,12 +20,11 @@ from aiokafka import TopicPartition
 from joiner import dumper
 from joiner.reference import offline_join
 from joiner.synth import ml_events
-from joiner.types import JoinConfig
 from proto import Example
 from services import example_batch, tansu_quirks
 from services.kafka import create_topics
 from services.settings import Settings
-from tests.joiner.helpers import as_map, produce, read_examples, ref_as_map
+from tests.joiner.helpers import as_map, join_config, produce, read_examples, ref_as_map
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,7 +94,7 @@ async def _crash_run(settings: Settings, n_requests: int, kills: int, seed: int)
     proc = _joiner(env, log, "--until-idle", "1")
     assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     examples = await read_examples(settings)
-    cfg = JoinConfig.from_settings(Settings(_env_file=None, **{}).joiner, window_ms=120_000, negative_sample_rate=0.3)
+    cfg = join_config({"window_seconds": 120, "negative_sample_rate": 0.3})  # as _env sets
     expected = ref_as_map(offline_join(events, cfg, settings.topics.partitions))
     got = as_map(examples)
     assert got == expected

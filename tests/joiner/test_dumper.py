@@ -13,13 +13,10 @@ from joiner import dumper
 from joiner.stores.rocksdb import RocksDBStore
 from joiner.app import run as run_joiner
 from joiner.synth import ml_events
-from joiner.types import JoinConfig
 from services import example_batch
 from services.kafka import create_topics
 from services.settings import Settings
-from tests.joiner.helpers import produce, read_examples
-
-CFG = JoinConfig(window_ms=120_000, negative_sample_rate=0.3)
+from tests.joiner.helpers import JOINER, produce, read_examples
 
 
 def batches(topic: str, examples: list, per_record: int = 1) -> list[tuple[str, bytes, bytes]]:
@@ -32,7 +29,7 @@ def batches(topic: str, examples: list, per_record: int = 1) -> list[tuple[str, 
 async def test_dumper_writes_each_example_once_by_event_hour(settings: Settings) -> None:
     await create_topics(settings)
     await produce(settings, ml_events(800, start=60_000, seed=9))
-    await run_joiner(settings, until_idle_s=0.5, config=CFG)
+    await run_joiner(settings.updated(joiner=JOINER), until_idle_s=0.5)
     joined = await read_examples(settings)
     # the joiner's examples on a topic of their own as batches of 100, then duplicates as a
     # crashed joiner would leave them: exact copies of whole records and examples again in new

@@ -11,14 +11,12 @@ from prometheus_client import REGISTRY
 from joiner.app import run
 from joiner.reference import offline_join
 from joiner.synth import ml_events
-from joiner.types import JoinConfig
 from proto import Action, DeadLetter, FeatureLog
 from services.kafka import create_topics
 from services.settings import Settings
-from tests.joiner.helpers import as_map, produce, read_examples, read_topic, ref_as_map
+from tests.joiner.helpers import JOINER, as_map, join_config, produce, read_examples, read_topic, ref_as_map
 
-CFG = JoinConfig(window_ms=120_000, lateness_ms=5_000, orphan_grace_ms=300_000, retention_ms=120_000,
-                 negative_sample_rate=0.3, seed=11)
+CFG = join_config()
 
 
 def _sample(name: str, labels: dict | None = None) -> float:
@@ -32,7 +30,7 @@ async def test_e2e_matches_offline_reference(settings: Settings) -> None:
     before = {n: _sample(f"driftline_joiner_{n}_total") for n in ("impressions", "positives", "duplicate_actions")}
     late_before = _sample("driftline_joiner_late_actions_total", {"reason": "late"})
     started = time.perf_counter()
-    counts = await run(settings, until_idle_s=1.0, config=CFG)
+    counts = await run(settings.updated(joiner=JOINER), until_idle_s=1.0)
     elapsed = time.perf_counter() - started
     examples = await read_examples(settings)
     expected = ref_as_map(offline_join(events, CFG, settings.topics.partitions))
@@ -57,13 +55,13 @@ async def test_restart_resumes_from_state_without_reemitting(settings: Settings)
     await produce(settings, events[:half])
     # The first run is stopped (as by SIGTERM) mid-stream, without draining.
     stop = asyncio.Event()
-    task = asyncio.create_task(run(settings.updated(joiner={"cache_size": 50}), stop=stop, config=CFG))
+    task = asyncio.create_task(run(settings.updated(joiner={**JOINER, "cache_size": 50}), stop=stop))
     await asyncio.sleep(3.0)
     stop.set()
     await task
     first = await read_examples(settings)
     await produce(settings, events[half:])
-    await run(settings.updated(joiner={"cache_size": 50}), until_idle_s=1.0, config=CFG)
+    await run(settings.updated(joiner={**JOINER, "cache_size": 50}), until_idle_s=1.0)
     examples = await read_examples(settings)
     assert len(examples) == len({e.example_id for e in examples}), "a clean stop re-emits nothing"
     assert len(first) > 0
@@ -81,7 +79,7 @@ async def test_malformed_input_is_dead_lettered(settings: Settings) -> None:
         ("actions", b"r1", b"\xff\xff not an action"),
         ("actions", b"r1", Action(request_id="r1", item_id=1, action_type="click", event_time_ms=2000).SerializeToString()),
     ])
-    counts = await run(settings, until_idle_s=0.5, config=CFG)
+    counts = await run(settings.updated(joiner=JOINER), until_idle_s=0.5)
     assert counts["impressions"] == 1 and counts["actions"] == 1 and counts["positives"] == 1
     letters = [DeadLetter.FromString(v) for v in await read_topic(settings, settings.topics.dead_letters)]
     assert sorted(d.reason.split(":")[0] for d in letters) == ["invalid", "undecodable"]
@@ -98,9 +96,9 @@ async def _features_only_run(settings: Settings, idle_advance_s: float | None) -
         fls.append(("features", fl.request_id.encode(), fl.SerializeToString()))
     await produce(settings, fls)
     stop = asyncio.Event()
-    cfg = JoinConfig(window_ms=60_000, lateness_ms=5_000, negative_sample_rate=1.0)
-    settings = settings.updated(joiner={"idle_advance_seconds": idle_advance_s, "idle_advance_margin_seconds": 100.0})
-    task = asyncio.create_task(run(settings, stop=stop, config=cfg))
+    settings = settings.updated(joiner={"window_seconds": 60, "negative_sample_rate": 1.0,
+                                        "idle_advance_seconds": idle_advance_s, "idle_advance_margin_seconds": 100.0})
+    task = asyncio.create_task(run(settings, stop=stop))
     await asyncio.sleep(4.0)
     stop.set()
     counts = await task

@@ -11,16 +11,14 @@ from joiner.app import run as run_joiner
 from joiner.core import JoinCore
 from joiner.reference import offline_join
 from joiner.synth import ml_events
-from joiner.types import JoinConfig
 from proto import Action, Candidate, DeadLetter, Example, FeatureLog
 from services import example_batch
 from services.kafka import create_topics
 from services.settings import Settings
-from tests.joiner.helpers import as_map, produce, read_examples, read_topic, ref_as_map
+from tests.joiner.helpers import JOINER, as_map, join_config, produce, read_examples, read_topic, ref_as_map
 from tests.joiner.test_dumper import batches
 
-CFG = JoinConfig(window_ms=120_000, lateness_ms=5_000, orphan_grace_ms=300_000, retention_ms=120_000,
-                 negative_sample_rate=0.3, seed=11)
+CFG = join_config()
 BOOM = "boom"
 
 
@@ -57,7 +55,7 @@ async def test_joiner_dead_letters_a_record_the_join_fails_on(settings: Settings
     await create_topics(settings)
     await produce(settings, events[:at] + [(kind, BOOM.encode(), poison)] + events[at:])
     before = _failed("joiner", getattr(settings.topics, kind))
-    counts = await run_joiner(settings, until_idle_s=0.5, config=CFG)
+    counts = await run_joiner(settings.updated(joiner=JOINER), until_idle_s=0.5)
     assert counts["failed_records"] == 1
     assert _failed("joiner", getattr(settings.topics, kind)) - before == 1
     assert as_map(await read_examples(settings)) == ref_as_map(offline_join(events, CFG, settings.topics.partitions))
@@ -65,7 +63,7 @@ async def test_joiner_dead_letters_a_record_the_join_fails_on(settings: Settings
     assert [(d.value, d.consumer, d.reason) for d in letters] == [
         (poison, "joiner", "failed: KeyError: 'a bug in the join'")]
     # Committed past it: a restart does not meet it again.
-    counts = await run_joiner(settings, until_idle_s=0.5, config=CFG)
+    counts = await run_joiner(settings.updated(joiner=JOINER), until_idle_s=0.5)
     assert counts.get("failed_records", 0) == 0
 
 

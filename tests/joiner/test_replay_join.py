@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from joiner.app import run
 from joiner.reference import offline_join
-from joiner.types import JoinConfig
 from producers.replay import replay, replay_events
 from services.settings import Settings
-from tests.joiner.helpers import as_map, read_examples, ref_as_map
+from tests.joiner.helpers import as_map, join_config, read_examples, ref_as_map
 
-CFG = JoinConfig(window_ms=600_000, lateness_ms=5_000, orphan_grace_ms=300_000, retention_ms=600_000,
-                 negative_sample_rate=0.25, seed=3)
+JOINER = {"window_seconds": 600, "seed": 3}
+CFG = join_config(JOINER)
 
 
 async def test_replayed_ml1m_slice_joins_to_the_offline_reference(settings: Settings) -> None:
@@ -19,7 +18,7 @@ async def test_replayed_ml1m_slice_joins_to_the_offline_reference(settings: Sett
     kinds = {settings.topics.features: "features", settings.topics.actions: "actions"}
     events = [(kinds[topic], key, value) for topic, key, value in replay_events(settings, "ml-1m", limit=4000)]
     assert len(events) == stats["messages"]
-    counts = await run(settings, until_idle_s=1.0, config=CFG)
+    counts = await run(settings.updated(joiner=JOINER), until_idle_s=1.0)
     assert counts["impressions"] == 4000
     expected = ref_as_map(offline_join(events, CFG, settings.topics.partitions))
     examples = await read_examples(settings)

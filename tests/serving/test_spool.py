@@ -10,6 +10,13 @@ from pathlib import Path
 import pytest
 
 from serving.spool import Spool, SpoolFull, SpoolLocked
+from services.settings import ServingSettings
+
+
+def spool_at(path: Path, max_bytes: int = 1 << 20, **overrides: object) -> Spool:
+    """A spool with serving's spool settings (services/settings.py), some replaced."""
+    s = ServingSettings()
+    return Spool(path, max_bytes, **{"sync": s.spool_sync, "retention_s": s.spool_retention_s, **overrides})
 
 
 def _fill(spool: Spool, n: int, start: int = 0, size: int = 100) -> None:
@@ -18,13 +25,13 @@ def _fill(spool: Spool, n: int, start: int = 0, size: int = 100) -> None:
 
 
 def test_restart_keeps_the_unshipped_tail_in_order(tmp_path: Path) -> None:
-    spool = Spool(tmp_path / "s", max_bytes=1 << 20)
+    spool = spool_at(tmp_path / "s")
     _fill(spool, 10)
     spool.mark_shipped(spool.read(spool.shipped, 4, 1 << 20))
     assert (spool.pending, spool.shipped) == (6, spool.read(0, 10, 1 << 20)[4].position)
     spool.close()
 
-    again = Spool(tmp_path / "s", max_bytes=1 << 20)
+    again = spool_at(tmp_path / "s")
     assert again.pending == 6 and again.bytes == spool.bytes
     tail = again.read(again.shipped, 100, 1 << 20)
     assert [e.key for e in tail] == [f"r{i}".encode() for i in range(4, 10)]
@@ -35,7 +42,7 @@ def test_restart_keeps_the_unshipped_tail_in_order(tmp_path: Path) -> None:
 
 
 def test_shipped_entries_are_retained_then_deleted(tmp_path: Path) -> None:
-    spool = Spool(tmp_path / "s", max_bytes=1 << 20, retention_s=60)
+    spool = spool_at(tmp_path / "s", retention_s=60)
     _fill(spool, 5)
     spool.mark_shipped(spool.read(0, 5, 1 << 20))
     spool.trim_expired()
@@ -47,7 +54,7 @@ def test_shipped_entries_are_retained_then_deleted(tmp_path: Path) -> None:
 
 def test_full_spool_drops_the_oldest_retained_entries_first_then_refuses(tmp_path: Path) -> None:
     entry = 8 + 2 + 100
-    spool = Spool(tmp_path / "s", max_bytes=5 * entry)
+    spool = spool_at(tmp_path / "s", 5 * entry)
     _fill(spool, 5)
     with pytest.raises(SpoolFull, match="unshipped"):
         _fill(spool, 1, start=5)
@@ -63,9 +70,9 @@ def test_full_spool_drops_the_oldest_retained_entries_first_then_refuses(tmp_pat
 
 
 def test_a_second_process_cannot_open_the_same_spool(tmp_path: Path) -> None:
-    spool = Spool(tmp_path / "s", max_bytes=1 << 20)
+    spool = spool_at(tmp_path / "s")
     code = ("import sys; from pathlib import Path; from serving.spool import Spool, SpoolLocked\n"
-            "try: Spool(Path(sys.argv[1]), 1 << 20)\n"
+            "from tests.serving.test_spool import spool_at\ntry: spool_at(Path(sys.argv[1]))\n"
             "except SpoolLocked as e: print(e); sys.exit(7)\n")
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s")], capture_output=True, text=True,
@@ -73,11 +80,11 @@ def test_a_second_process_cannot_open_the_same_spool(tmp_path: Path) -> None:
     assert r.returncode == 7, r.stderr
     assert "in use by another process" in r.stdout and str(tmp_path / "s") in r.stdout
     spool.close()
-    Spool(tmp_path / "s", max_bytes=1 << 20).close()  # free again once closed
+    spool_at(tmp_path / "s").close()  # free again once closed
 
 
 def test_same_process_second_open_is_refused_too(tmp_path: Path) -> None:
-    spool = Spool(tmp_path / "s", max_bytes=1 << 20)
+    spool = spool_at(tmp_path / "s")
     with pytest.raises(SpoolLocked):
-        Spool(tmp_path / "s", max_bytes=1 << 20)
+        spool_at(tmp_path / "s")
     spool.close()

@@ -56,7 +56,6 @@ from types import SimpleNamespace
 import numpy as np
 from aiokafka import TopicPartition
 
-from proto import Example
 from services import example_batch
 from services.codecs import MalformedMessage, event_time_error, processing_failed
 from services.example_batch import BadExampleBatch, ExampleColumns
@@ -67,7 +66,7 @@ from .batch import SparseBatch
 from .config import ModelConfig
 from .dedup import DedupWindow, duplicates
 
-__all__ = ["KINDS", "Decoded", "Ingest", "Prepared", "RawExampleCodec", "detail", "positions", "refusals", "take"]
+__all__ = ["KINDS", "Decoded", "Ingest", "Prepared", "detail", "positions", "refusals", "take"]
 
 #: refusal codes (0: learnable), in the order they are checked (an example gets the first that applies)
 KINDS = (None, "unknown_slot", "bad_label", "wrong_dim", "event_time")
@@ -131,23 +130,6 @@ def positions(recs) -> tuple[dict[int, int], np.ndarray]:
     if n and (parts == parts[0]).all():
         return {int(parts[0]): int(offs.max()) + 1}, stamps
     return {int(p): int(offs[parts == p].max()) + 1 for p in np.unique(parts)}, stamps
-
-
-class RawExampleCodec:
-    """The trainer consumer's codec: record values stay bytes (``Record.value is Record.raw``), each
-    decoded by :func:`services.example_batch.decode` in the trainer; only a null value is refused
-    here (the consumer dead-letters it)."""
-
-    message_type = Example
-    name = "ExampleBatch"
-
-    def encode(self, message: bytes) -> bytes:
-        return message
-
-    def decode(self, raw: bytes | None) -> bytes:
-        if raw is None:
-            raise MalformedMessage("undecodable", "Example batch value is null")
-        return raw
 
 
 @dataclass

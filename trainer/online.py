@@ -76,7 +76,7 @@ from . import dedup
 from .batch import SparseBatch
 from .commits import Committer
 from .config import ModelConfig
-from .ingest import NO_HASHES, Decoded, Ingest, Prepared, RawExampleCodec
+from .ingest import NO_HASHES, Decoded, Ingest, Prepared
 from .isolate import train_isolating
 from .model import SparseModel
 from .publisher import Publisher
@@ -471,8 +471,7 @@ class OnlineTrainer:
         cs = s.model_copy(deep=True)
         cs.kafka.connect_timeout_s = max(s.kafka.connect_timeout_s, self.consumer_start_timeout_s)
         self.consumer = self.ingest.consumer = TypedConsumer(
-            cs, "trainer", Example, [self.topic], self.group_id, dead_letter_producer=self._producer,
-            codec=RawExampleCodec())
+            cs, "trainer", Example, [self.topic], self.group_id, dead_letter_producer=self._producer)
         self.commits = Committer(self.consumer, self.topic, lambda: self.applied_offsets, self.resets.noticed,
                                  s.kafka.connect_timeout_s, self._stage)
         self.consumer.consumer.subscribe([self.topic], listener=_Seek(self))

@@ -108,8 +108,9 @@ class SampleRateTracker:
 
     @staticmethod
     def _rate(sums: np.ndarray) -> float:
-        # min: all negatives kept at 1.0 sum to n == w up to rounding, and a rate is at most 1
-        return min(1.0, float(sums[0] / sums[1])) if sums[1] > 0 else 1.0
+        # the two decayed sums of negatives all kept at 1.0 are equal only up to rounding, and the
+        # rates they come from are float32 (7 digits): round to 9 decimals, and a rate is at most 1
+        return min(1.0, round(float(sums[0] / sums[1]), 9)) if sums[1] > 0 else 1.0
 
     def rates(self) -> dict:
         """``{"global": r, "slices": {slice: r}}`` (1.0 where no negative was learned)."""

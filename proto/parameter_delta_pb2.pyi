@@ -54,13 +54,15 @@ class DenseParameters(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample_rates: _Optional[_Union[SampleRates, _Mapping]] = ...) -> None: ...
 
 class ParameterDelta(_message.Message):
-    __slots__ = ("model_id", "version", "chunk_index", "chunk_count", "created_at_ms", "max_event_time_ms", "sparse", "dense")
+    __slots__ = ("model_id", "version", "chunk_index", "chunk_count", "created_at_ms", "max_event_time_ms", "shard", "shard_count", "sparse", "dense")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_EVENT_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
@@ -69,6 +71,8 @@ class ParameterDelta(_message.Message):
     chunk_count: int
     created_at_ms: int
     max_event_time_ms: int
+    shard: int
+    shard_count: int
     sparse: SparseRows
     dense: DenseParameters
-    def __init__(self, model_id: _Optional[str] = ..., version: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., created_at_ms: _Optional[int] = ..., max_event_time_ms: _Optional[int] = ..., sparse: _Optional[_Union[SparseRows, _Mapping]] = ..., dense: _Optional[_Union[DenseParameters, _Mapping]] = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., version: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., created_at_ms: _Optional[int] = ..., max_event_time_ms: _Optional[int] = ..., shard: _Optional[int] = ..., shard_count: _Optional[int] = ..., sparse: _Optional[_Union[SparseRows, _Mapping]] = ..., dense: _Optional[_Union[DenseParameters, _Mapping]] = ...) -> None: ...

@@ -34,14 +34,14 @@ def rows_per_chunk(dim: int, max_bytes: int = MAX_MESSAGE_BYTES) -> int:
 
 def encode_sparse(model_id: str, version: int, table: str, dim: int, chunk: SyncChunk, *,
                   chunk_index: int = 0, chunk_count: int = 1, created_at_ms: int | None = None,
-                  max_event_time_ms: int = 0) -> ParameterDelta:
+                  max_event_time_ms: int = 0, shard: int = 0, shard_count: int = 0) -> ParameterDelta:
     keys = np.ascontiguousarray(chunk.keys, "<i8")
     values = np.ascontiguousarray(chunk.values, "<f4").reshape(keys.size, dim)
     tomb = np.ascontiguousarray(chunk.tombstones, "<i8")
     return ParameterDelta(
         model_id=model_id, version=version, chunk_index=chunk_index, chunk_count=chunk_count,
         created_at_ms=int(time.time() * 1000) if created_at_ms is None else created_at_ms,
-        max_event_time_ms=max_event_time_ms,
+        max_event_time_ms=max_event_time_ms, shard=shard, shard_count=shard_count,
         sparse=SparseRows(table=table, dim=dim, keys=keys.tobytes(), values=values.tobytes(),
                           tombstones=tomb.tobytes()))
 
@@ -72,8 +72,10 @@ def apply_delta(tables: dict[str, EmbeddingTable], msg: ParameterDelta) -> str |
 
 
 def encode_sparse_tables(model_id: str, version: int, tables: dict[str, EmbeddingTable], *,
-                         max_event_time_ms: int = 0) -> list[tuple[str, ParameterDelta]]:
-    """Drain every table's touched-key stream into ``[(table, delta)]`` of one version."""
+                         max_event_time_ms: int = 0, shard: int = 0,
+                         shard_count: int = 0) -> list[tuple[str, ParameterDelta]]:
+    """Drain every table's touched-key stream into ``[(table, delta)]`` of one version (of shard
+    ``shard`` of ``shard_count`` when the trainer runs ranks, see ``ParameterDelta.shard``)."""
     created = int(time.time() * 1000)
     pending: list[tuple[str, int, SyncChunk]] = []
     for name, t in tables.items():
@@ -81,7 +83,8 @@ def encode_sparse_tables(model_id: str, version: int, tables: dict[str, Embeddin
             pending.append((name, t.dim, c))
     n = len(pending)
     return [(name, encode_sparse(model_id, version, name, dim, c, chunk_index=i, chunk_count=n,
-                                 created_at_ms=created, max_event_time_ms=max_event_time_ms))
+                                 created_at_ms=created, max_event_time_ms=max_event_time_ms,
+                                 shard=shard, shard_count=shard_count))
             for i, (name, dim, c) in enumerate(pending)]
 
 

@@ -149,7 +149,9 @@ class OnlineTrainer:
         self.auc = M.StreamingAUC()
         self.dedup = dedup.DedupWindow(ts.dedup_window)
         self.sample_rates = SampleRateTracker(ts.sample_rate_half_life)  # what serving corrects with
-        self.stage = {k: 0.0 for k in ("poll", "prepare", "train", "wait_train", "commit", "sync", "snapshot")}
+        self.stage = {k: 0.0 for k in ("poll", "prepare", "train", "step_gap", "wait_train", "commit",
+                                                "sync", "snapshot")}
+        self._step_end: float | None = None  # perf_counter when the training thread last finished a step
         self.ingest = Ingest(cfg, self.topic, self.dedup, max_future_ms=int(1000 * settings.event_time.max_future_s),
                              stage=self._stage)
         self.publisher = Publisher(settings, cfg.model_id, self._stage)
@@ -269,7 +271,12 @@ class OnlineTrainer:
         if torch.get_num_threads() != self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         t0 = time.perf_counter()
-        return train_isolating(self.model.train_step, batch), time.perf_counter() - t0
+        # stage "step_gap": the training thread idle between two steps, no batch ready (no data, or
+        # the event loop late with the next one: a backlog should show ~0)
+        gap = 0.0 if self._step_end is None else t0 - self._step_end
+        res = train_isolating(self.model.train_step, batch)
+        self._step_end = time.perf_counter()
+        return res, self._step_end - t0, gap
 
     async def _apply(self, p: Prepared, step: asyncio.Future | None, prev: asyncio.Task | None) -> None:
         """Wait for a prepared batch's step (on the training thread) and for the batch before it
@@ -279,7 +286,7 @@ class OnlineTrainer:
         while the rest of its batch was trained once."""
         if p.batch is not None:
             # progressive validation: the step's forward pass scores the batch before it is learned
-            res, dt = await step
+            res, dt, gap = await step
             loss, probs = res.loss, res.probs
         if prev is not None:
             await prev
@@ -296,6 +303,7 @@ class OnlineTrainer:
         if p.batch is not None:
             batch = p.batch
             self._stage("train", dt)
+            self._stage("step_gap", gap)
             self.auc.update(probs, batch.labels)
             self.sample_rates.update(batch.slice_ids, batch.slice_names, batch.sample_rate, batch.labels)
             self.examples_applied += batch.size

@@ -82,8 +82,11 @@ class Serving:
         return SampleRateOut(rate=rate, source=source, slice=self.model.model_id)
 
     def version(self) -> ModelVersionOut:
-        return ModelVersionOut(model_id=self.model.model_id, sparse_version=self.model.sparse.version,
-                               dense_version=self.model.dense.version)
+        # One read of the layout: sparse_version is the minimum of exactly the versions reported.
+        shard_count, versions = self.model.sparse.report()
+        return ModelVersionOut(model_id=self.model.model_id, sparse_version=min(versions.values()),
+                               dense_version=self.model.dense.version, shard_count=shard_count,
+                               sparse_versions=versions)
 
     async def start(self) -> None:
         await asyncio.to_thread(self.deltas.load_snapshot)

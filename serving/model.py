@@ -104,6 +104,13 @@ class SparseVersions:
     def version(self) -> int:
         return min(state.version for state in self._layout())
 
+    @version.setter
+    def version(self, version: int) -> None:
+        """Set every shard of the current layout to ``version`` (a one-process layout's one
+        version: what a stand-in model that knows no shards sets)."""
+        for s in range(max(1, self.shard_count)):
+            self.shards.setdefault(s, VersionState()).version = version
+
     @property
     def published_ms(self) -> int:
         """Publish time of the stalest shard's newest version (0: no shard has any)."""

@@ -54,6 +54,18 @@ from services.settings import Settings
 log = logging.getLogger(__name__)
 
 
+def model_version(model: ServingModel) -> ModelVersionOut:
+    """The served version as ``/readyz`` and ``/rank`` report it (and the FeatureLog logs it).
+
+    ``sparse_version`` is the minimum of the per-shard ``sparse_versions`` (see
+    :class:`serving.model.SparseVersions`: the version every shard has reached), read in one go
+    with them, so it is the minimum of exactly the versions reported."""
+    shard_count, versions = model.sparse.report()
+    return ModelVersionOut(model_id=model.model_id, sparse_version=min(versions.values()),
+                           dense_version=model.dense.version, shard_count=shard_count,
+                           sparse_versions=versions)
+
+
 class Serving:
     """Everything one serving replica holds; built by the lifespan, reachable as app.state.serving."""
 
@@ -82,8 +94,7 @@ class Serving:
         return SampleRateOut(rate=rate, source=source, slice=self.model.model_id)
 
     def version(self) -> ModelVersionOut:
-        return ModelVersionOut(model_id=self.model.model_id, sparse_version=self.model.sparse.version,
-                               dense_version=self.model.dense.version)
+        return model_version(self.model)
 
     async def start(self) -> None:
         await asyncio.to_thread(self.deltas.load_snapshot)

@@ -5,6 +5,18 @@ offset (or its beginning), skipping versions the snapshot already holds, up to t
 seen at start-up; from then on the model counts as loaded (``/readyz``) and deltas keep being
 applied as they arrive.
 
+Sharded trainers: the sparse deltas of an N-rank trainer name their shard and ``shard_count`` and
+number their versions per shard, interleaved in any order on the one partition. "Versions the
+snapshot holds" is then per shard: a sparse delta of the snapshot's layout is skipped when its
+version is at most the manifest's ``sparse_versions[shard]`` (a one-process trainer's manifest has
+one ``sparse_version``, layout 0). A delta of another layout is either from before the snapshot
+(the trainer was restarted with another rank count and resharded an older snapshot) or after it
+(restarted since, from this snapshot): read from the snapshot's offset, everything is after it and
+is applied; read from the topic's beginning, it is taken as before the snapshot until a delta of
+the snapshot's own layout has been read. The first delta of a later layout applied supersedes the
+snapshot's versions: from then on they gate nothing (the new ranks number afresh), and the model
+resets its per-shard versions to the new layout (:class:`serving.model.SparseVersions`).
+
 Every replica reads every partition by manual assignment (no consumer group), so replicas never
 split the stream between them, and since the topic has one partition per model the order is the
 trainer's order: replicas that have read the same offsets hold identical parameters.
@@ -66,6 +78,12 @@ class DeltaFeed(BackgroundLoop):
         self._own_epochs = epochs is None
         self.snapshot: Path | None = None
         self.snapshot_versions = (0, 0)
+        #: the snapshot whose per-shard sparse versions decide which deltas it already holds (None:
+        #: no snapshot, or superseded by a delta of a later shard layout)
+        self.gate: Bootstrap | None = None
+        #: the feed is past the snapshot's position in the topic (at its offset, or it has read a
+        #: delta of the snapshot's layout): a delta of another layout is then a later one
+        self.past_snapshot = True
         self.snapshot_epoch: str | None = None
         self.resume_offset: int | None = None
         #: the broker epoch the feed's offsets belong to
@@ -78,6 +96,7 @@ class DeltaFeed(BackgroundLoop):
         self.failed = 0
         self.reloads = 0
         self._lag: dict[int, int] = {}
+        self._shard_series: set[str] = set()
         self._snapshot_looked = 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -98,6 +117,8 @@ class DeltaFeed(BackgroundLoop):
         self.snapshot_versions = (boot.sparse_version, boot.dense_version)
         self.resume_offset = boot.param_deltas_offset
         self.snapshot_epoch = boot.broker_epoch
+        self.gate = boot
+        self.past_snapshot = False
 
     def publish_metrics(self) -> None:
         mid = self.model.model_id
@@ -112,6 +133,14 @@ class DeltaFeed(BackgroundLoop):
             stale = state.staleness_s()
             if stale is not None:
                 metrics.DELTA_STALENESS.labels(mid, kind).set(stale)
+        versions = self.model.sparse.versions()
+        for shard in self._shard_series - versions.keys():  # a previous layout's shards
+            with contextlib.suppress(KeyError):
+                metrics.SPARSE_VERSION.remove(mid, shard)
+        for shard, version in versions.items():
+            metrics.SPARSE_VERSION.labels(mid, shard).set(version)
+        self._shard_series = set(versions)
+        metrics.SHARD_COUNT.labels(mid).set(self.model.sparse.shard_count)
 
     async def stop(self) -> None:
         await super().stop()
@@ -140,8 +169,10 @@ class DeltaFeed(BackgroundLoop):
             # (re)connect: versions the snapshot already holds are skipped.
             if self.resume_offset is not None and len(tps) == 1:
                 consumer.consumer.seek(tps[0], self.resume_offset)
+                self.past_snapshot = True
             else:
                 await consumer.consumer.seek_to_beginning(*tps)
+                self.past_snapshot = self.gate is None
             ends = await consumer.consumer.end_offsets(tps)
             while True:
                 if not self.caught_up.is_set():
@@ -235,11 +266,28 @@ class DeltaFeed(BackgroundLoop):
         self.publish_metrics()
         return True
 
+    def _held(self, msg: ParameterDelta, kind: str) -> bool:
+        """Whether the snapshot the model was loaded from already holds this delta (module doc)."""
+        if kind != "sparse":
+            return msg.version <= self.snapshot_versions[1]
+        gate = self.gate
+        if gate is None:
+            return msg.version <= 0
+        holds = gate.holds(msg)
+        if holds is not None:
+            self.past_snapshot = True
+            return holds
+        if not self.past_snapshot:
+            return True  # another layout, read before the snapshot's own: older than the snapshot
+        log.info("param deltas: sparse shard layout %d (snapshot: %d): the snapshot's versions are "
+                 "superseded", msg.shard_count, gate.shard_count)
+        self.gate = None
+        return False
+
     async def _apply(self, consumer: TypedConsumer[ParameterDelta], record: Record[ParameterDelta]) -> None:
         msg = record.value
         kind = msg.WhichOneof("payload") or "none"
-        held = self.snapshot_versions[0] if kind == "sparse" else self.snapshot_versions[1]
-        if msg.version <= held:
+        if self._held(msg, kind):
             self.skipped += 1
             metrics.DELTAS_SKIPPED.labels("stale").inc()
             return

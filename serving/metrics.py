@@ -21,6 +21,16 @@ MODEL_VERSION = Gauge(
     "driftline_serving_model_version", "Version of the model being served, by kind (sparse/dense).",
     ["model_id", "kind"],
 )
+SPARSE_VERSION = Gauge(
+    "driftline_serving_sparse_version",
+    "Sparse version served of each shard of the trainer's current layout (shard 0 alone for a "
+    "one-process trainer); driftline_serving_model_version{kind=\"sparse\"} is their minimum.",
+    ["model_id", "shard"],
+)
+SHARD_COUNT = Gauge(
+    "driftline_serving_sparse_shard_count",
+    "Shard count of the sparse deltas served (0: a one-process trainer).", ["model_id"],
+)
 DELTA_STALENESS = Gauge(
     "driftline_serving_model_staleness_seconds",
     "Now minus the publish time of the newest applied version, by kind.", ["model_id", "kind"],
@@ -46,7 +56,8 @@ DELTAS_APPLIED = Counter(
 DELTAS_SKIPPED = Counter(
     "driftline_serving_deltas_skipped_total",
     "Parameter-delta chunks ignored, by reason (stale: older than the snapshot; other_model; "
-    "unknown_table; bad_shape; bad_sample_rate).", ["reason"],
+    "unknown_table; bad_shape; bad_sample_rate; bad_shard: a shard outside its shard_count; "
+    "wrong_shard: rows another shard owns).", ["reason"],
 )
 FEATURE_STORE_SECONDS = Histogram(
     "driftline_serving_feature_store_seconds", "Redis feature-store round trip, by operation.",

@@ -11,6 +11,15 @@ scoring keeps running between chunks); a dense tensor is copied into the existin
 never a second copy of the model. A version counts as served once all its chunks are applied;
 chunks of a newer version become visible as they arrive (Monolith does the same).
 
+Sparse versions are per shard (:class:`SparseVersions`): a trainer running N ranks publishes each
+rank's shard with its own version sequence (``ParameterDelta.shard`` / ``shard_count``), and the
+shards interleave on the one delta partition in no fixed order. The shards own disjoint ids
+(``trainer.sharding.shard_of``; a delta with a row of another shard is rejected, ``wrong_shard``),
+so applying each shard's deltas in its own order gives the union of the trainer's shards whatever
+the interleaving, and every shard's version is counted on its own. ``sparse.version`` is the
+*minimum* over the shards: the newest version every shard has reached (what the FeatureLog's
+``ModelVersion.sparse_version`` and the old single gauge carry; see :class:`SparseVersions`).
+
 >>> m = FMModel(slots=("user_id", "item_id"), dim=2)
 >>> m.score({"user_id": [1]}, [{"item_id": [5]}, {"item_id": [6]}]).tolist()
 [0.5, 0.5]
@@ -56,6 +65,115 @@ class VersionState:
         return max(0.0, (now_ms - self.published_ms) / 1000.0)
 
 
+class SparseVersions:
+    """Served sparse versions: one :class:`VersionState` per shard of the trainer's current layout.
+
+    ``shard_count`` is the layout the deltas name (0: a one-process trainer, which has one shard,
+    0, and behaves exactly as before shards existed). The shards' version sequences are
+    independent, so each is tracked (and its chunks counted) on its own.
+
+    A delta naming another ``shard_count`` comes from a trainer restarted with another number of
+    ranks (it resharded its snapshot on load): it supersedes the old layout, whose versions are not
+    comparable with the new ones. Every shard's version then restarts at 0 (nothing of the new
+    layout served yet) and counts up as the new ranks' versions complete; the rows already held
+    stay (they are the old trainer's, and the new one started from a snapshot of them). A replica
+    that reloads from a snapshot takes the layout and per-shard versions of its manifest
+    (:meth:`restore`).
+
+    ``version`` is the minimum over the layout's shards: the newest version every shard has
+    reached, so the rows served include each shard's updates up to at least it. Ranks publish at
+    the same steps (they step together), so it is the trainer's version the whole model has
+    reached; a sum would move when any shard moves but match no version of the trainer. It equals
+    the one version of a one-process trainer, and never decreases within one layout.
+    """
+
+    def __init__(self) -> None:
+        self.shard_count = 0
+        self.shards: dict[int, VersionState] = {0: VersionState()}
+
+    def _layout(self) -> list[VersionState]:
+        return self.layout()[1]
+
+    def layout(self) -> tuple[int, list[VersionState]]:
+        """``(shard_count, [state of shard 0, 1, ...])`` read once: it is read on the event loop
+        while a worker thread applies deltas (so no writes here either)."""
+        shards, n = self.shards, self.shard_count
+        return n, [shards.get(s) or VersionState() for s in range(max(1, n))]
+
+    @property
+    def version(self) -> int:
+        return min(state.version for state in self._layout())
+
+    @version.setter
+    def version(self, version: int) -> None:
+        """Set every shard of the current layout to ``version`` (a one-process layout's one
+        version: what a stand-in model that knows no shards sets)."""
+        for s in range(max(1, self.shard_count)):
+            self.shards.setdefault(s, VersionState()).version = version
+
+    @property
+    def published_ms(self) -> int:
+        """Publish time of the stalest shard's newest version (0: no shard has any)."""
+        published = [state.published_ms for state in self._layout() if state.published_ms]
+        return min(published) if published else 0
+
+    def staleness_s(self, now_ms: int | None = None) -> float | None:
+        """Age of the stalest shard: one rank that stopped publishing shows here."""
+        published = self.published_ms
+        if not published:
+            return None
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        return max(0.0, (now_ms - published) / 1000.0)
+
+    def versions(self) -> dict[str, int]:
+        """``{"<shard>": version}`` of the current layout (string keys: they are JSON keys)."""
+        return self.report()[1]
+
+    def report(self) -> tuple[int, dict[str, int]]:
+        """``(shard_count, versions())`` of one moment."""
+        n, states = self.layout()
+        return n, {str(s): state.version for s, state in enumerate(states)}
+
+    def restore(self, shard_count: int, versions: Mapping[int, int], published_ms: int = 0) -> None:
+        """Take the layout and per-shard versions of a snapshot (no chunk pending)."""
+        self.shards = {s: VersionState(int(versions.get(s, 0)), published_ms)
+                       for s in range(max(1, shard_count))}
+        self.shard_count = shard_count
+
+    def done(self, msg: ParameterDelta) -> None:
+        """Count one applied sparse chunk for its shard (a new layout resets every shard first)."""
+        if msg.shard_count != self.shard_count:
+            self.restore(msg.shard_count, {})
+        chunk_done(self.shards.setdefault(msg.shard, VersionState()), msg)
+
+
+def manifest_sparse_versions(manifest: Mapping) -> tuple[int, dict[int, int]]:
+    """``(shard_count, {shard: version})`` a snapshot holds: ``shard_count`` and ``sparse_versions``
+    written by an N-rank trainer, or the one ``sparse_version`` of a one-process trainer."""
+    shard_count = int(manifest.get("shard_count") or 0)
+    per_shard = manifest.get("sparse_versions")
+    if shard_count and per_shard is not None:
+        return shard_count, {int(s): int(v) for s, v in per_shard.items()}
+    return shard_count, {0: int(manifest.get("sparse_version", 0))}
+
+
+def check_shard(msg: ParameterDelta) -> None:
+    """Refuse a sparse delta whose shard is not in its layout or that carries rows another shard
+    owns: two shards writing one row would make replicas depend on how the shards interleave."""
+    n, shard = msg.shard_count, msg.shard
+    if shard >= max(1, n):
+        raise DeltaRejected("bad_shard", f"shard {shard} of shard_count {n}")
+    if n <= 1:
+        return
+    from trainer.sharding import shard_of  # the one sharding function; numpy + ps only
+
+    for what, raw in (("keys", msg.sparse.keys), ("tombstones", msg.sparse.tombstones)):
+        ids = np.frombuffer(raw, dtype="<i8").astype(np.int64)
+        if ids.size and not bool((shard_of(ids, n) == shard).all()):
+            raise DeltaRejected("wrong_shard", f"{msg.sparse.table}: {what} of another shard in "
+                                               f"shard {shard} of {n} (version {msg.version})")
+
+
 class DeltaRejected(ValueError):
     """A delta that cannot be applied to this model; ``reason`` is a metric label."""
 
@@ -66,7 +184,7 @@ class DeltaRejected(ValueError):
 
 class ServingModel(Protocol):
     model_id: str
-    sparse: VersionState
+    sparse: SparseVersions
     dense: VersionState
     #: the negative sample rates the parameters were trained under (snapshot manifest, then every
     #: dense delta that carries them): what ``/rank``'s log-odds correction uses
@@ -100,6 +218,17 @@ class Bootstrap:
     param_deltas_offset: int | None = None
     #: the broker epoch the offset belongs to (the trainer's manifest key ``broker_epoch``)
     broker_epoch: str | None = None
+    #: the layout of the snapshot's sparse versions (0: a one-process trainer's)
+    shard_count: int = 0
+    #: shard -> the sparse version the snapshot holds of it (``{0: sparse_version}`` for layout 0)
+    sparse_versions: Mapping[int, int] = field(default_factory=dict)
+
+    def holds(self, msg: ParameterDelta) -> bool | None:
+        """Whether the snapshot already holds this sparse delta: True or False for a delta of the
+        snapshot's layout (its version against the shard's), None for another layout."""
+        if msg.shard_count != self.shard_count:
+            return None
+        return msg.version <= self.sparse_versions.get(msg.shard, 0)
 
 
 def chunk_done(state: VersionState, msg: ParameterDelta) -> None:
@@ -149,7 +278,7 @@ class FMModel:
         }
         self.dense_params: dict[str, np.ndarray] = {"bias": np.zeros(1, np.float32)}
         self._dense_lock = threading.Lock()
-        self.sparse = VersionState()
+        self.sparse = SparseVersions()
         self.dense = VersionState()
         self.sample_rates = SampleRates()
 
@@ -199,14 +328,14 @@ class FMModel:
             raise DeltaRejected("other_model", f"delta for {msg.model_id!r}, serving {self.model_id!r}")
         kind = msg.WhichOneof("payload")
         if kind == "sparse":
+            check_shard(msg)
             self._apply_sparse(msg)
-            state = self.sparse
+            self.sparse.done(msg)
         elif kind == "dense":
             self._apply_dense(msg)
-            state = self.dense
+            chunk_done(self.dense, msg)
         else:
             raise DeltaRejected("bad_shape", "delta without payload")
-        chunk_done(state, msg)
         return kind
 
     def _apply_sparse(self, msg: ParameterDelta) -> None:
@@ -251,6 +380,7 @@ class FMModel:
         np.savez(tmp / "dense.npz", **self.dense_params)
         meta = {"model_id": self.model_id, "dim": self.dim,
                 "sparse_version": self.sparse.version, "dense_version": self.dense.version,
+                "shard_count": self.sparse.shard_count, "sparse_versions": self.sparse.versions(),
                 "sparse_published_ms": self.sparse.published_ms,
                 "dense_published_ms": self.dense.published_ms, "broker_epoch": broker_epoch,
                 "sample_rates": self.sample_rates.as_dict()}
@@ -280,10 +410,9 @@ class FMModel:
                     if name in self.dense_params:
                         np.copyto(self.dense_params[name], z[name])
         self.sample_rates = manifest_sample_rates(meta.get("sample_rates"))
-        self.sparse.version, self.dense.version = meta["sparse_version"], meta["dense_version"]
-        self.sparse.published_ms = meta["sparse_published_ms"]
+        self.sparse.restore(*manifest_sparse_versions(meta), meta["sparse_published_ms"])
+        self.dense.version = meta["dense_version"]
         self.dense.published_ms = meta["dense_published_ms"]
-        self.sparse.pending.clear()
         self.dense.pending.clear()
 
     def bootstrap(self, root: Path | None) -> Bootstrap | None:
@@ -292,7 +421,9 @@ class FMModel:
             return None
         self.load_snapshot(path)
         meta = json.loads((path / "meta.json").read_text())
-        return Bootstrap(path, self.sparse.version, self.dense.version, broker_epoch=meta.get("broker_epoch"))
+        shard_count, versions = manifest_sparse_versions(meta)
+        return Bootstrap(path, self.sparse.version, self.dense.version, broker_epoch=meta.get("broker_epoch"),
+                         shard_count=shard_count, sparse_versions=versions)
 
     def snapshot_epoch(self, root: Path | None) -> str | None:
         path = latest_snapshot(root)
@@ -328,7 +459,8 @@ def latest_snapshot(root: Path | None) -> Path | None:
 class TrainerModel:
     """The trainer's model (``trainer.inference.Scorer``: DeepFM or LR) over serving-replica tables.
 
-    Sparse deltas go through ``trainer.sync.apply_delta`` (``apply_sync`` in place, per chunk);
+    Sparse deltas go through ``trainer.sync.apply_delta`` (``apply_sync`` in place, per chunk,
+    versions per shard: :class:`SparseVersions`);
     a dense delta builds the new (small) head and swaps one reference, so a concurrent ``score``
     sees the old or the new head, never half of each. Snapshots are the trainer's
     (``trainer.snapshots.load_latest(<root>/<model_id>)``), resumed at their ``param_deltas_offset``.
@@ -341,7 +473,7 @@ class TrainerModel:
         self.config = config if config is not None else named_config(model_name)
         self.scorer = Scorer(self.config)  # type: ignore[arg-type]
         self.model_id: str = self.config.model_id  # type: ignore[attr-defined]
-        self.sparse = VersionState()
+        self.sparse = SparseVersions()
         self.dense = VersionState()
         self.sample_rates = SampleRates()
 
@@ -366,8 +498,9 @@ class TrainerModel:
                 raise DeltaRejected("unknown_table", f"no table {msg.sparse.table!r}")
             if msg.sparse.dim != table.dim:
                 raise DeltaRejected("bad_shape", f"table {table.name} has dim {table.dim}, delta {msg.sparse.dim}")
+            check_shard(msg)
             apply_delta(self.scorer.tables, msg)
-            chunk_done(self.sparse, msg)
+            self.sparse.done(msg)
         elif kind == "dense":
             rates = delta_sample_rates(msg, self.sample_rates)
             try:
@@ -396,14 +529,16 @@ class TrainerModel:
         rates = manifest_sample_rates(manifest.get("sample_rates"))  # a bad one fails before the swap
         self.scorer = Scorer(self.config, tables, dense_state)
         self.sample_rates = rates
-        self.sparse.version = int(manifest.get("sparse_version", 0))
+        created = int(manifest.get("created_at_ms", 0))
+        shard_count, versions = manifest_sparse_versions(manifest)
+        self.sparse.restore(shard_count, versions, created)
         self.dense.version = int(manifest.get("dense_version", 0))
-        self.sparse.published_ms = self.dense.published_ms = int(manifest.get("created_at_ms", 0))
-        self.sparse.pending.clear()
+        self.dense.published_ms = created
         self.dense.pending.clear()
         offset = manifest.get("param_deltas_offset")
         return Bootstrap(path / manifest["name"], self.sparse.version, self.dense.version,
-                         int(offset) if offset else None, manifest.get("broker_epoch"))
+                         int(offset) if offset else None, manifest.get("broker_epoch"),
+                         shard_count, versions)
 
     def snapshot_epoch(self, root: Path | None) -> str | None:
         from trainer.snapshots import read_manifest

@@ -71,8 +71,12 @@ class RankRequest(_Strict):
 
 class ModelVersionOut(BaseModel):
     model_id: str
-    sparse_version: int
+    sparse_version: int = Field(description="The newest sparse version every shard has reached "
+                                            "(the minimum of sparse_versions).")
     dense_version: int
+    shard_count: int = Field(0, description="Shards of the trainer's sparse deltas (0: one process).")
+    sparse_versions: dict[str, int] = Field(default_factory=dict, description=(
+        "Shard -> the sparse version served of it (shard numbers as strings; one-process: {\"0\": v})."))
 
 
 class ScoredItem(BaseModel):
@@ -89,7 +93,8 @@ class RankResponse(BaseModel):
 
     model_config = ConfigDict(json_schema_extra={"examples": [{
         "request_id": "r-0001", "user_known": True,
-        "model_version": {"model_id": "deepfm", "sparse_version": 17, "dense_version": 2},
+        "model_version": {"model_id": "deepfm", "sparse_version": 17, "dense_version": 2,
+                          "shard_count": 2, "sparse_versions": {"0": 17, "1": 18}},
         "items": [{"item_id": 661, "score": 0.031, "raw_score": 0.114},
                   {"item_id": 1193, "score": 0.02, "raw_score": 0.075}],
     }]})

@@ -73,17 +73,21 @@ class FeatureLogEncoder:
     """
 
     def __init__(self) -> None:
-        self._features: dict[bytes, bytes] = {}
+        #: (item_id, raw stored value) -> the encoded candidate up to its score: the field tag and
+        #: length, item_id and features, and the score's tag (the score is the only part that
+        #: changes between requests, and it is a fixed 4 bytes, so the length is known)
+        self._candidates: dict[tuple[int, bytes], bytes] = {}
 
-    def _item_features(self, key: bytes | None, slots: Mapping[str, Sequence[int]],
-                       dense: Mapping[str, float] | None) -> bytes:
+    def _candidate_head(self, item_id: int, key: bytes | None, slots: Mapping[str, Sequence[int]],
+                        dense: Mapping[str, float] | None) -> bytes:
         if key is None or dense:
-            return features_message(slots, dense).SerializeToString()
-        cached = self._features.get(key)
+            return _candidate_head(item_id, features_message(slots, dense).SerializeToString())
+        cached = self._candidates.get((item_id, key))
         if cached is None:
-            if len(self._features) >= _CACHE_MAX:
-                self._features.clear()
-            cached = self._features[key] = features_message(slots).SerializeToString()
+            if len(self._candidates) >= _CACHE_MAX:
+                self._candidates.clear()
+            cached = self._candidates[(item_id, key)] = _candidate_head(
+                item_id, features_message(slots).SerializeToString())
         return cached
 
     def encode(self, request_id: str, event_time_ms: int, user_id: int, context: Features,
@@ -94,11 +98,16 @@ class FeatureLogEncoder:
         parts = [FeatureLog(request_id=request_id, event_time_ms=event_time_ms, user_id=user_id,
                             context=context, model_version=version).SerializeToString()]
         for item_id, key, slots, dense, score in candidates:
-            fb = self._item_features(key, slots, dense)
-            body = b"".join((b"\x08", _varint(item_id), b"\x12", _varint(len(fb)), fb,
-                             b"\x1d", _FLOAT.pack(score)))
-            parts.append(b"\x32" + _varint(len(body)) + body)
+            parts.append(self._candidate_head(item_id, key, slots, dense))
+            parts.append(_FLOAT.pack(score))
         return b"".join(parts)
+
+
+def _candidate_head(item_id: int, features: bytes) -> bytes:
+    """A FeatureLog ``candidates`` field (6) but the score's 4 bytes: ``Candidate{item_id = 1,
+    features = 2, score = 3 (float)}`` with the score last, so the length is known before it."""
+    body = b"".join((b"\x08", _varint(item_id), b"\x12", _varint(len(features)), features, b"\x1d"))
+    return b"\x32" + _varint(len(body) + _FLOAT.size) + body
 
 
 class FeatureLogTooLarge(ValueError):

@@ -45,6 +45,7 @@ from serving.feature_log import FeatureLogEncoder, FeatureLogger, FeatureLogTooL
 from serving.feature_store import FeatureStore, FeatureStoreError, RankFeatures
 from serving.model import FMModel, ServingModel, TrainerModel, warm_up
 from serving.realtime import RecentClicks
+from serving.responses import FastJSONResponse
 from serving.schemas import (ActionsRequest, ActionsResponse, Health, ModelVersionOut,
                              RankRequest, RankResponse, Readiness, SampleRateOut)
 from serving.spool import SpoolError, SpoolFull
@@ -189,7 +190,8 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
     def serving_of(request: Request) -> Serving:
         return request.app.state.serving  # type: ignore[no-any-return]
 
-    @app.post("/rank", response_model=RankResponse, summary="Rank candidate items for a user",
+    @app.post("/rank", response_model=RankResponse, response_class=FastJSONResponse,
+              summary="Rank candidate items for a user",
               responses={413: {"description": "The request's feature log would exceed the topic's message size"},
                          422: {"description": "Invalid request (empty/oversize candidates, wrong types, "
                                               "event time out of range)"},
@@ -232,7 +234,7 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         # the rate the served parameters were trained under, for the slice this replica serves
         rate, _source = s.model.sample_rates.rate_for(s.model.model_id)
         scores = correct(raw, rate)
-        order = np.argsort(-scores, kind="stable").tolist()
+        order = np.argsort(-scores, kind="stable")
         metrics.CANDIDATES.observe(n)
 
         context = features_message(user_slots, body.context.dense if body.context is not None else None)
@@ -241,9 +243,9 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         raws = feats.items_raw or [None] * n
         encoded = s.log_encoder.encode(
             request_id, event_time_ms, body.user_id, context, mv,
-            [(c.item_id, None if c.features is not None else raws[i], item_slots[i],
-              c.features.dense if c.features is not None else None, float(scores[i]))
-             for i, c in enumerate(body.candidates)])
+            [(c.item_id, None if c.features is not None else key, slots,
+              c.features.dense if c.features is not None else None, score)
+             for c, key, slots, score in zip(body.candidates, raws, item_slots, scores.tolist())])
         try:
             s.feature_log.submit(request_id, encoded)
         except FeatureLogTooLarge as err:
@@ -257,10 +259,10 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
             raise HTTPException(503, str(err)) from None
 
         # The body is built directly (response_model documents it; re-validating 1000 items is waste).
-        return JSONResponse({
+        ranked = zip(np.asarray(item_ids, np.int64)[order].tolist(), scores[order].tolist(), raw[order].tolist())
+        return FastJSONResponse({
             "request_id": request_id, "user_known": user_known, "model_version": version.model_dump(),
-            "items": [{"item_id": item_ids[i], "score": float(scores[i]), "raw_score": float(raw[i])}
-                      for i in order],
+            "items": [{"item_id": i, "score": p, "raw_score": r} for i, p, r in ranked],
         }, headers={"X-Driftline-Degraded": "feature-store"} if degraded else None)
 
     @app.post("/actions", response_model=ActionsResponse, status_code=202,

@@ -13,29 +13,8 @@ A 200 from ``/rank`` means its feature log is in the local spool and survives a 
 a 200 it could not keep would be a lost impression. A 202 from ``/actions`` means Kafka
 acknowledged the actions; when it cannot, the answer is a 503.
 
-Where a ``/rank`` spends its time (100 candidates, the trainer's DeepFM, ml-1m features,
-``python bench/profile_rank.py``: in process, median ms per stage, median of 3 runs, 2 shared cores;
-HTTP itself — uvicorn's h11, FastAPI routing — comes on top, see ``bench/bench_serving.py``):
-
-================  ======  =====  ==============================================================
-stage             before  after  what changed
-================  ======  =====  ==============================================================
-json parse        0.045   0.040
-validate          0.105   0.086
-checks            0.029   0.023
-redis fetch       1.113   0.994  (already one pipelined MGET + LRANGE; pure-Python RESP parsing)
-assemble slots    0.106   0.092
-score             1.465   1.134  user's fields looked up and pooled once, ``inference_mode``
-correct+sort      0.025   0.017
-log encode        0.329   0.167  candidate encodings cached up to the score
-spool put         0.090   0.067
-response          0.287   0.085  pydantic-core JSON, items from arrays (no per-item models)
-total             3.606   2.737
-================  ======  =====  ==============================================================
-
-What is left: the Redis client's reply parsing (~0.7 ms of the fetch is Python parsing 101 bulk
-strings; ``hiredis`` would do it in C) and the DeepFM head (~0.3 ms; its first layer could take the
-user's part once per request).
+Where a ``/rank`` spends its time, stage by stage, and what made each stage cheaper: the
+profile in ``bench/profile_rank.py``.
 """
 
 from __future__ import annotations

@@ -115,7 +115,8 @@ class DistributedModel:
     process group when None). Call collectively: every rank builds one, then every rank calls
     :meth:`train_step` (or :meth:`train`) the same number of times."""
 
-    def __init__(self, cfg: ModelConfig, *, mode: str = "sync", staleness: int = 1, group=None):
+    def __init__(self, cfg: ModelConfig, *, mode: str = "sync", staleness: int = 1, group=None,
+                 tables: dict | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise DistributedError("torch.distributed is not initialized: call init_process_group first")
         if mode not in MODES:
@@ -127,7 +128,7 @@ class DistributedModel:
         # one local shard per table: this rank's rows are shard `rank` of an N-shard table
         # already, and a second split by the same hash would be lopsided (trainer.sharding)
         local = cfg.model_copy(update={"tables": [t.model_copy(update={"shards": 1}) for t in cfg.tables]})
-        self.model = SparseModel(local)
+        self.model = SparseModel(local, tables)  # tables: this rank's restored shard
         self.cfg = cfg
         self._names = self.model.ps.table_names
         self._tables = [self.model.tables[n] for n in self._names]

@@ -199,6 +199,9 @@ class TrainerSettings(BaseModel):
     # Seconds a collective waits for a rank that does not arrive before it fails: bounds a hang
     # on a rank stuck outside the step (a dead rank's peers fail at once, its socket closes).
     collective_timeout_s: float = 120.0
+    # Rank r > 0 exports its /metrics on metrics_port + r * rank_metrics_port_stride (rank 0 on
+    # metrics_port): ports next to the trainer's belong to other services under `driftline up`.
+    rank_metrics_port_stride: int = 100
 
 
 class ServingSettings(BaseModel):

@@ -182,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
             launch.launch(nproc, [a for a in _without_nproc(argv)], settings.trainer)
             return 0
     if settings.metrics_port:
-        # a rank exports its metrics on its own port: metrics_port + rank
-        service_metrics.serve_metrics(settings.metrics_port + (rank or 0))
+        # each rank exports its metrics on its own port (rank 0 on metrics_port): a rank's
+        # examples/s, step and communication times are its own
+        service_metrics.serve_metrics(settings.metrics_port + (rank or 0) * settings.trainer.rank_metrics_port_stride)
     service_metrics.SERVICE_UP.labels("trainer").set(1)
     if args.cmd == "batch":
         run_batch(args)

@@ -53,9 +53,10 @@ in flight). The dense part stays synchronous. Use :meth:`DistributedModel.train`
 batches) to get the overlap; every rank must give it the same number of batches (empty ones for an
 idle rank).
 
-**Not here yet** (issue #14): the online trainer and launcher do not use this module; snapshots,
-deltas and serving do not name shards by :func:`trainer.sharding.shard_of` yet (a rank's rows are
-shard ``rank`` of an N-shard table, so ``ps.save_shard`` layouts fit); ``hybrid`` overlaps only the
+The online trainer's ranks (:mod:`trainer.ranks`, launched by :mod:`trainer.launch`) step it one
+batch per round; their snapshots and deltas name shards by :func:`trainer.sharding.shard_of`.
+
+**Not here yet** (issue #14): ``hybrid`` overlaps only the
 lookup: the gradient exchange and the owners' updates of step ``t`` still block step ``t+1``'s
 learning (PERSIA also makes those asynchronous); TTL watermarks move only on owners that got ids
 of a table in a step (the 1-process PS moves a single-shard table's watermark every step).

@@ -44,9 +44,9 @@ split by the partition rule, the global stream state given to rank 0).
 
 **Not here yet** (issue #14): broker resets (the 1-process trainer's :mod:`trainer.resets`) are
 not watched: after a tansu reset the group must be restarted; ``hybrid`` mode runs the engine's
-``train_step``, so the online loop does not overlap lookups yet; the dedup window is per rank (a
-joiner duplicate landing in another partition is not caught; the joiner keys an example to one
-partition); polling and training alternate within a round instead of overlapping.
+``train_step``, so the online loop does not overlap lookups yet; polling and training alternate
+within a round instead of overlapping. (The dedup window is per rank: enough, examples are keyed
+by user, so a joiner duplicate lands on the same partition, i.e. the same rank.)
 """
 
 from __future__ import annotations

@@ -55,5 +55,17 @@ def init_rank(ts: TrainerSettings) -> tuple[int, int]:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=ts.collective_timeout_s))
-    return dist.get_rank(), dist.get_world_size()
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    timeout = timedelta(seconds=ts.collective_timeout_s)
+    # The launcher's store outlives a restart of the group, and torch's env:// init does not
+    # separate attempts in it (it counts on a fresh store per attempt): a restarted rank then read
+    # its dead peer's gloo address and hung or was refused (seen here after a kill -9). So the
+    # group's keys live under the attempt's own prefix.
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=not agent and rank == 0,
+                         timeout=timeout, multi_tenant=not agent)
+    store = dist.PrefixStore(f"driftline/{env.get('TORCHELASTIC_RUN_ID', '')}/attempt-"
+                             f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    return rank, world

@@ -128,7 +128,11 @@ async def _run_online(args, ranks: bool = False) -> dict:
 
 
 def _without_nproc(argv: list[str]) -> list[str]:
-    """The worker's command line: the launcher's, less ``--nproc`` (a worker is one rank)."""
+    """The worker's command line: the launcher's, less ``--nproc`` (a worker is one rank).
+
+    >>> _without_nproc(["online", "--nproc", "2", "--batch-size", "64", "--nproc=3"])
+    ['--batch-size', '64']
+    """
     out, skip = [], False
     for a in argv:
         if skip:

@@ -8,7 +8,8 @@ each sees torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` environment and run
 and restarts the whole group, up to ``trainer.max_restarts`` times; every rank then resumes from
 the last complete snapshot (:mod:`trainer.ranks`). Past that it fails, and ``driftline up``'s
 supervisor restarts the launcher. A SIGTERM of the launcher is passed on to the workers (each
-stops cleanly: the last snapshot, the offsets). Several machines: run ``torchrun`` itself on each
+stops cleanly: the last snapshot, the offsets) and the launcher exits 0; a rank whose launcher is
+gone (kill -9: nobody would restart it) stops cleanly too. Several machines: run ``torchrun`` itself on each
 (docs/scale-out.md); the workers are the same.
 """
 
@@ -34,6 +35,9 @@ def under_launcher() -> bool:
 def launch(nproc: int, argv: list[str], ts: TrainerSettings) -> None:
     """Run ``python -m trainer online *argv`` as ``nproc`` ranks until they all exit; raises
     :class:`LaunchError` when the group failed ``ts.max_restarts + 1`` times."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -46,6 +50,11 @@ def launch(nproc: int, argv: list[str], ts: TrainerSettings) -> None:
         elastic_launch(cfg, sys.executable)("-u", "-m", "trainer", "online", *argv)
     except ChildFailedError as err:
         raise LaunchError(f"the trainer's {nproc} ranks failed {ts.max_restarts + 1} times: {err}") from err
+    except SignalException as err:
+        # the agent passed the stop on to the ranks and waited for them (each stops cleanly: last
+        # snapshot, offsets); a requested stop is a clean exit, as for the 1-process trainer
+        if err.sigval not in (signal.SIGTERM, signal.SIGINT):
+            raise
 
 
 def init_rank(ts: TrainerSettings) -> tuple[int, int]:

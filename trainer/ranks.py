@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -126,7 +127,8 @@ class RankTrainer:
         self.topic = settings.topics.examples
         self.root = settings.snapshot_root / cfg.model_id
         self.snapshot_interval_ms = int(1000 * ts.snapshot_interval_event_s)
-        self.stage = {k: 0.0 for k in ("poll", "prepare", "train", "commit", "sync", "snapshot", "agree")}
+        self.stage = {k: 0.0 for k in ("poll", "prepare", "train", "commit", "sync", "snapshot", "agree",
+                                         "comm")}
         self.dedup = dedup.DedupWindow(ts.dedup_window)
         self.auc = M.StreamingAUC()
         self.sample_rates = SampleRateTracker(ts.sample_rate_half_life)
@@ -145,6 +147,9 @@ class RankTrainer:
         # every collective runs on this one thread, in the same order on every rank
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"rank{self.rank}-step")
         self.dm: DistributedModel | None = None
+        self._rate_mark = (time.monotonic(), 0)
+        self._parent = os.getppid()
+        self._per_record = float(ts.batch_size)  # examples per record lately
         self.restored = False
 
     def _stage(self, name: str, seconds: float) -> None:
@@ -299,10 +304,15 @@ class RankTrainer:
                 if not self.partitions:
                     await asyncio.sleep(max(0.0, left))
                 break
-            got = await self.consumer.poll(timeout_ms=max(1, int(min(0.1, left) * 1000)))
+            # about as many records as complete the batch (by the examples per record lately), as
+            # the 1-process trainer polls: a batch does not swallow everything fetched
+            want = max(1, int((self.ts.batch_size - decoded.examples) / self._per_record))
+            got = await self.consumer.poll(timeout_ms=max(1, int(min(0.1, left) * 1000)), max_records=want)
             if got:
                 recs.extend(got)
+                before = decoded.examples
                 await self.ingest.decode_records(got, decoded)
+                self._per_record = max(1.0, 0.8 * self._per_record + 0.2 * (decoded.examples - before) / len(got))
         self._stage("poll", time.perf_counter() - t0)
         return recs, decoded, polled_at
 
@@ -372,10 +382,17 @@ class RankTrainer:
                 last_data = now
             batch = p.batch if p is not None and p.batch is not None else None
             idle = stop_when_idle_s is not None and not recs and now - last_data >= stop_when_idle_s
+            if os.getppid() != self._parent:  # the launcher is gone (kill -9): nobody would restart us
+                log.warning("rank %d: the launcher (pid %d) is gone: stopping", self.rank, self._parent)
+                self.stop_event.set()
             ctl = await self._agree(self.stop_event.is_set(), idle, batch.size if batch is not None else 0,
                                     batch.max_event_time if batch is not None else 0, now)
+            steps = self.dm.steps
             res, dt = await self._coll(self._step, batch if batch is not None else self._empty())
             self._stage("train", dt)
+            if self.dm.steps > steps:  # the step's seconds in collectives (an empty global step has none)
+                self._stage("comm", self.dm.comm_s[-1])
+            self._update_rate(time.monotonic())
             if p is not None:
                 self._applied(p, batch, res)
             queued += int(ctl[:, _EXAMPLES].sum())
@@ -399,6 +416,13 @@ class RankTrainer:
                 "sparse_version": self.publisher.sparse_version, "elapsed_s": time.time() - started,
                 "alltoall_bytes": self.dm.alltoall_bytes, "comm_s": float(sum(self.dm.comm_s)),
                 "stages": dict(self.stage)}
+
+    def _update_rate(self, now: float) -> None:
+        """This rank's examples/s (its own /metrics port: see trainer.__main__)."""
+        t, n = self._rate_mark
+        if now - t >= 1.0:
+            M.EXAMPLES_PER_S.labels(self.cfg.model_id, "online").set((self.examples_applied - n) / (now - t))
+            self._rate_mark = (now, self.examples_applied)
 
     def _applied(self, p, batch: SparseBatch | None, res) -> None:
         """Bookkeeping of a round's batch (as :meth:`trainer.online.OnlineTrainer._apply`)."""

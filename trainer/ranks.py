@@ -37,7 +37,8 @@ retry protocol not built yet; its offsets still move on (at-most-once for that b
 state) and its own stream state (its partitions' next offsets, dedup window, AUC histograms,
 sample-rate sums, examples applied); rank 0, after an ``all_gather`` of the ranks' summaries (the
 barrier), writes the dense weights and optimizer and the manifest last
-(:func:`trainer.snapshots.commit_ranks`). A kill -9 of any rank makes the elastic launcher stop
+(:func:`trainer.snapshots.commit_ranks`; what is recorded and how a rank resumes:
+:mod:`trainer.rank_resume`). A kill -9 of any rank makes the elastic launcher stop
 and restart the whole group (``trainer.max_restarts``), and every rank resumes from the last
 complete manifest; a snapshot of N ranks restores into M ranks (rows resharded on load, offsets
 split by the partition rule, the global stream state given to rank 0).
@@ -70,7 +71,7 @@ from services.settings import Settings
 
 from . import dedup
 from . import metrics as M
-from . import snapshots
+from . import rank_resume, snapshots
 from .batch import SparseBatch
 from .commits import Committer
 from .config import ModelConfig
@@ -97,22 +98,6 @@ def my_partitions(partitions: int, rank: int, world: int) -> list[int]:
     ([1, 3], [0, 3], [])
     """
     return [p for p in range(partitions) if p % world == rank]
-
-
-def merged_rates(states: list[dict], half_life: float) -> SampleRateTracker:
-    """One tracker holding the sums of every rank's (the rate of all ranks' negatives: each rank's
-    sums decayed by its own negatives, an approximation of one tracker over the merged stream that
-    is exact while the rates are constant)."""
-    out = SampleRateTracker(half_life)
-    g = np.zeros(2)
-    slices: dict[str, np.ndarray] = {}
-    for st in states:
-        sums = st.get("sums", {"global": [0.0, 0.0], "slices": {}})
-        g += np.array(sums["global"], np.float64)
-        for s, v in sums["slices"].items():
-            slices[s] = slices.get(s, np.zeros(2)) + np.array(v, np.float64)
-    out.load({"sums": {"global": g.tolist(), "slices": {s: v.tolist() for s, v in slices.items()}}})
-    return out
 
 
 class RankTrainer:
@@ -163,95 +148,56 @@ class RankTrainer:
 
     # ------------------------------------------------------------------ state
     def _restore(self) -> None:
-        """Build the model from the latest complete snapshot (any number of ranks wrote it) or fresh.
-        Collective (the engine broadcasts rank 0's head)."""
+        """Build the model from the latest complete snapshot (any number of ranks wrote it,
+        :mod:`trainer.rank_resume`) or fresh. Collective (the engine broadcasts rank 0's head)."""
         torch.set_num_threads(1)
-        got = snapshots.load_rank(self.root, self.cfg, self.rank, self.world)
+        got = rank_resume.load(self.root, self.cfg, self.topic, self.rank, self.world)
         ts = self.ts
+        self.dm = DistributedModel(self.cfg, mode=ts.dist_mode, staleness=ts.staleness,
+                                   tables=got.tables if got is not None else None)
         if got is None:
-            self.dm = DistributedModel(self.cfg, mode=ts.dist_mode, staleness=ts.staleness)
             return
-        tables, dense, man, state = got
-        self.dm = DistributedModel(self.cfg, mode=ts.dist_mode, staleness=ts.staleness, tables=tables)
-        self.dm.head.load_state_dict(dense["head"])
-        if "optimizer" in dense:
-            self.dm.optimizer.load_state_dict(dense["optimizer"])
+        man = got.manifest
+        self.dm.head.load_state_dict(got.dense["head"])
+        if "optimizer" in got.dense:
+            self.dm.optimizer.load_state_dict(got.dense["optimizer"])
         self.restored = True
         self.publisher.dense_version = int(man.get("dense_version", 0))
         self.publisher.param_deltas_offset = int(man.get("param_deltas_offset", 0) or 0)
-        versions = {int(k): int(v) for k, v in (man.get("sparse_versions") or {}).items()}
+        self.publisher.sparse_version = got.sparse_version
         self.max_event_time = int(man.get("max_event_time_ms", 0))
         self.next_snapshot_at = man.get("next_snapshot_at")
-        same_topic = man.get("topic", self.topic) == self.topic
-        if state is not None:  # written by as many ranks: this rank's own part
-            self.publisher.sparse_version = versions.get(self.rank, 0)
-            offsets = state["offsets"] if same_topic else {}
-            self.dedup.load(state["dedup"])
-            self.auc.load(state["auc_pos"], state["auc_neg"])
-            self.sample_rates.load(state["sample_rates"])
-            self.examples_applied = int(state["examples_applied"])
-        else:  # resharded: this rank's partitions; the global stream state to rank 0
-            # a new (shard_count, shard) stream: start above every version written before
-            self.publisher.sparse_version = max([int(man.get("sparse_version", 0)), *versions.values()])
-            offsets = {int(k): int(v) for k, v in man.get("offsets", {}).items()} if same_topic else {}
-            parts = self._rank_states(man)
-            # every rank's window (bounded by this one's size): a partition may have moved here
-            windows = [p["dedup"] for p in parts] if parts else [dense.get("dedup", [])]
-            arrays = [w.reshape(-1, 2) for w in windows if isinstance(w, np.ndarray)]
-            self.dedup.load(np.concatenate(arrays) if arrays else windows[0])
-            if self.rank == 0:
-                self.examples_applied = int(man.get("examples_applied", 0))
-                if parts:
-                    self.auc.load(sum(p["auc_pos"] for p in parts), sum(p["auc_neg"] for p in parts))
-                elif "auc_pos" in dense:
-                    self.auc.load(dense["auc_pos"], dense["auc_neg"])
-                self.sample_rates.load(man.get("sample_rates", {}))
-        self.applied_offsets = {int(k): int(v) for k, v in offsets.items()}
+        self.dedup.load(got.dedup)
+        if got.auc is not None:
+            self.auc.load(*got.auc)
+        self.sample_rates.load(got.sample_rates)
+        self.examples_applied = got.examples_applied
+        self.applied_offsets = {int(k): int(v) for k, v in got.offsets.items()}
         log.info("rank %d/%d restored snapshot %s (%d ranks wrote it): %d examples applied here",
                  self.rank, self.world, man["name"], int(man.get("shard_count", 0) or 1), self.examples_applied)
-
-    def _rank_states(self, man: dict) -> list[dict]:
-        """Every rank's own state of an N-rank snapshot ([] for a 1-process one)."""
-        n = int(man.get("shard_count", 0) or 0)
-        snap = self.root / man["name"]
-        return [torch.load(snap / f"rank-{r}" / "state.pt", weights_only=False) for r in range(n)]
 
     async def snapshot(self) -> Path | None:
         """Collective: every rank writes its part, rank 0 commits the set (the manifest last)."""
         t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
         seq = [snapshots.next_seq(self.root) if self.rank == 0 else 0]
         await self._coll(dist.broadcast_object_list, seq, 0)
         seq = int(seq[0])
         tables = self.dm.tables
-        state = {"offsets": dict(self.applied_offsets), "dedup": self.dedup.state(), "auc_pos": self.auc.pos,
-                 "auc_neg": self.auc.neg, "sample_rates": self.sample_rates.state(),
-                 "examples_applied": self.examples_applied}
-        await asyncio.get_running_loop().run_in_executor(
-            None, snapshots.save_rank, self.root, seq, self.rank, tables, state)
-        mine = {"offsets": state["offsets"], "sparse_version": self.publisher.sparse_version,
-                "param_deltas_offset": self.publisher.param_deltas_offset, "examples_applied": self.examples_applied,
-                "rows": {n: len(t) for n, t in tables.items()}, "sample_rates": state["sample_rates"],
-                "auc_pos": self.auc.pos, "auc_neg": self.auc.neg}
+        part = rank_resume.rank_part(self.applied_offsets, self.dedup.state(), self.auc, self.sample_rates,
+                                     self.examples_applied)
+        await loop.run_in_executor(None, snapshots.save_rank, self.root, seq, self.rank, tables, part)
+        mine = rank_resume.summary(part, self.publisher.sparse_version, self.publisher.param_deltas_offset, tables)
         parts: list = [None] * self.world
         await self._coll(dist.all_gather_object, parts, mine)  # also the barrier: every part is written
         path = None
         if self.rank == 0:
-            auc = M.StreamingAUC()
-            auc.load(sum(p["auc_pos"] for p in parts), sum(p["auc_neg"] for p in parts))
-            versions = {str(r): int(p["sparse_version"]) for r, p in enumerate(parts)}
-            man = {"offsets": {str(k): v for p in parts for k, v in p["offsets"].items()}, "topic": self.topic,
-                   "broker_epoch": None, "from_start": False,
-                   "sparse_version": max(versions.values()), "sparse_versions": versions,
-                   "dense_version": self.publisher.dense_version,
-                   # serving resumes here: every shard's deltas after its snapshot version follow it
-                   "param_deltas_offset": min(int(p["param_deltas_offset"]) for p in parts),
-                   "examples_applied": sum(int(p["examples_applied"]) for p in parts),
-                   "max_event_time_ms": self.max_event_time, "next_snapshot_at": self.next_snapshot_at,
-                   "auc": auc.value(), "source": "online",
-                   "sample_rates": merged_rates([p["sample_rates"] for p in parts], self.ts.sample_rate_half_life).state()}
-            rows = {n: sum(int(p["rows"][n]) for p in parts) for n in tables}
+            man, rows = rank_resume.manifest_of(
+                parts, topic=self.topic, dense_version=self.publisher.dense_version,
+                max_event_time_ms=self.max_event_time, next_snapshot_at=self.next_snapshot_at,
+                half_life=self.ts.sample_rate_half_life)
             dense = {"head": self.dm.head.state_dict(), "optimizer": self.dm.optimizer.state_dict()}
-            path = await asyncio.get_running_loop().run_in_executor(
+            path = await loop.run_in_executor(
                 None, lambda: snapshots.commit_ranks(self.root, self.cfg, seq, self.world, dense, man, rows))
             M.SNAPSHOTS.labels(self.cfg.model_id).inc()
         self._stage("snapshot", time.perf_counter() - t0)
@@ -266,7 +212,7 @@ class RankTrainer:
         states: list = [None] * self.world
         await self._coll(dist.all_gather_object, states, self.sample_rates.state())
         if self.rank == 0:
-            rates = merged_rates(states, self.ts.sample_rate_half_life).rates()
+            rates = rank_resume.merged_rates(states, self.ts.sample_rate_half_life).rates()
             await self.publisher.sync_dense(self.dm.head, self.max_event_time, rates)
 
     # ------------------------------------------------------------------ input

@@ -50,7 +50,14 @@ class RankRestored:
 def merged_rates(states: list[dict], half_life: float) -> SampleRateTracker:
     """One tracker holding the sums of every rank's (the rate of all ranks' negatives: each rank's
     sums decayed by its own negatives, an approximation of one tracker over the merged stream that
-    is exact while the rates are constant)."""
+    is exact while the rates are constant).
+
+    >>> a, b = SampleRateTracker(1e9), SampleRateTracker(1e9)
+    >>> a.update(None, (), np.array([0.1, 0.1]), np.array([0.0, 0.0]))  # 2 negatives of 20
+    >>> b.update(None, (), np.array([0.5]), np.array([0.0]))            # 1 of 2
+    >>> round(merged_rates([a.state(), b.state()], 1e9).rates()["global"], 4)  # 3 of 22
+    0.1364
+    """
     out = SampleRateTracker(half_life)
     g = np.zeros(2)
     slices: dict[str, np.ndarray] = {}

@@ -335,6 +335,26 @@ class TableShard:
             R.upsert_kernel(self._slots, self._mask, keys, vals, times, self._emb, self._row_keys,
                             self._times, self._flags, self._free, self._dirty, self.meta, self._track)
 
+    def load_rows(self, keys, values, state, times) -> None:
+        """Insert rows with their optimizer state (resharding a snapshot: rows move to the shard
+        that owns them now, keeping what training learned about them). Not news for replicas: the
+        rows are not put on the touched-key stream, so call it on a table being built: it drains
+        that stream. A key present already is overwritten."""
+        keys = as_ids(keys)
+        vals = as_values(values, keys.size, self.dim)
+        times = as_event_time(times, keys.size) if keys.size else np.zeros(1, np.int64)
+        state = np.asarray(state, np.float32).reshape(keys.size, -1)
+        if state.shape[1] != self._state.shape[1]:
+            raise InvalidInputError(f"{self.config.name}: optimizer state width {state.shape[1]}, "
+                                    f"the table's is {self._state.shape[1]}")
+        if not keys.size:
+            return
+        with self.lock:
+            self._apply_sync(keys, vals, times, np.zeros(0, np.int64))
+            self._state[self._lookup(keys)] = state
+            for _ in self.pop_updates(1 << 30):
+                pass
+
     # ------------------------------------------------------------------ inspection
     def items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(keys, values, optimizer_state, times)`` of all live rows, sorted by key (copies)."""

@@ -142,6 +142,16 @@ class EmbeddingTable:
             if a.size or b.size:
                 s.apply_sync(SyncChunk(keys[a], vals[a], times[a], tomb[b]))
 
+    def load_rows(self, keys, values, state, times) -> None:
+        """Insert rows with their optimizer state, split per shard (:meth:`TableShard.load_rows`)."""
+        keys = as_ids(keys)
+        values = as_values(values, keys.size, self.dim)
+        state = np.asarray(state, np.float32).reshape(keys.size, -1)
+        times = np.asarray(times, np.int64).reshape(keys.size)
+        for s, pos in zip(self.shards, self.router.split(keys)):
+            if pos.size:
+                s.load_rows(keys[pos], values[pos], state[pos], times[pos])
+
     def items(self):
         """``(keys, values, optimizer_state, times)`` of all rows sorted by key."""
         parts = [s.items() for s in self.shards]

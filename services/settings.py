@@ -186,6 +186,22 @@ class TrainerSettings(BaseModel):
     # follows a changed joiner setting. ~25 batches of negatives: about as fast as the model's own
     # bias moves to the new mix; under a constant setting the rate is exact whatever the value.
     sample_rate_half_life: float = 50_000.0
+    # Ranks of distributed training on this machine (trainer/ranks.py, docs/scale-out.md): 1 is
+    # one trainer process owning every shard; N > 1 starts N ranks through torch's elastic
+    # launcher, rank r owning shard r of every table and the partitions p with p % N == r.
+    nproc: int = 1
+    # "sync" or "hybrid" (trainer/distributed.py); staleness: hybrid's lookups in flight.
+    dist_mode: str = "sync"
+    staleness: int = 1
+    # Times the elastic launcher restarts the whole group after a rank failed (kill -9 included)
+    # before it gives up (then `driftline up`'s supervisor restarts the launcher).
+    max_restarts: int = 3
+    # Seconds a collective waits for a rank that does not arrive before it fails: bounds a hang
+    # on a rank stuck outside the step (a dead rank's peers fail at once, its socket closes).
+    collective_timeout_s: float = 120.0
+    # Rank r > 0 exports its /metrics on metrics_port + r * rank_metrics_port_stride (rank 0 on
+    # metrics_port): ports next to the trainer's belong to other services under `driftline up`.
+    rank_metrics_port_stride: int = 100
 
 
 class ServingSettings(BaseModel):

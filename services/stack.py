@@ -48,6 +48,8 @@ class AppService:
     blocking: bool = False  # a one-shot job the services after it need
     timeout_s: float = 60.0  # readiness (or, for a blocking job, completion) deadline
     metrics_url: Callable[[Settings], str] | None = None  # /metrics served on the service's own port
+    #: settings the service must see as this process resolved them (its environment, by name)
+    settings_env: Callable[[Settings], dict[str, str]] = lambda s: {}
 
 
 def _serving_url(s: Settings) -> str:
@@ -64,7 +66,10 @@ APP_SERVICES: list[AppService] = [
     AppService("joiner", ("joiner",), metrics_port=_metrics(0),
                env={"DRIFTLINE_JOINER__IDLE_ADVANCE_SECONDS": "30"}),
     AppService("dumper", ("dumper",), metrics_port=_metrics(1)),
-    AppService("trainer", ("trainer", "online"), metrics_port=_metrics(2)),
+    # trainer.nproc > 1: that many ranks under torch's elastic launcher (trainer/launch.py); rank
+    # r > 0 exports metrics on the trainer's port + r * trainer.rank_metrics_port_stride
+    AppService("trainer", ("trainer", "online"), metrics_port=_metrics(2),
+               settings_env=lambda s: {"DRIFTLINE_TRAINER__NPROC": str(s.trainer.nproc)}),
     AppService("serving", ("serve",),
                ready=lambda s: port_is_open(s.serving.host, s.serving.port),
                urls=lambda s: {"ranking API docs": f"{_serving_url(s)}/docs"},
@@ -206,11 +211,14 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, replay
         metrics: list[str] = []
         for service in APP_SERVICES:
             ready = service.ready
-            env = {**demo_env, **service.env}
+            env = {**demo_env, **service.env, **service.settings_env(settings)}
             if service.metrics_port is not None:
                 port = service.metrics_port(settings)
                 env["DRIFTLINE_METRICS_PORT"] = str(port)
                 metrics.append(f":{port} {service.name}")
+                if service.name == "trainer" and settings.trainer.nproc > 1:
+                    stride = settings.trainer.rank_metrics_port_stride
+                    metrics += [f":{port + r * stride} trainer rank {r}" for r in range(1, settings.trainer.nproc)]
             if service.metrics_url is not None:
                 metrics.insert(0, f"{service.metrics_url(settings)} ({service.name})")
             supervisor.start(ServiceSpec(

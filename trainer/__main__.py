@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -105,18 +106,42 @@ def write_batch_snapshot(model: SparseModel, max_event_time_ms: int, examples: i
                            "sample_rates": sample_rates.state()})
 
 
-async def _run_online(args) -> dict:
-    from .online import OnlineTrainer
-
+def _online_settings(args):
     flags = {"batch_size": args.batch_size, "sync_interval_s": args.sync_interval_s,
-             "snapshot_interval_event_s": args.snapshot_interval_event_s}
-    settings = get_settings().updated(trainer={k: v for k, v in flags.items() if v is not None})
+             "snapshot_interval_event_s": args.snapshot_interval_event_s, "nproc": args.nproc}
+    return get_settings().updated(trainer={k: v for k, v in flags.items() if v is not None})
+
+
+async def _run_online(args, ranks: bool = False) -> dict:
+    settings = _online_settings(args)
     cfg = named_config(args.model)
-    tr = OnlineTrainer(settings, cfg)
+    if ranks:
+        from .ranks import RankTrainer
+        tr = RankTrainer(settings, cfg)
+    else:
+        from .online import OnlineTrainer
+        tr = OnlineTrainer(settings, cfg)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, tr.stop_event.set)
     return await tr.run(stop_when_idle_s=args.stop_when_idle_s, max_examples=args.max_examples)
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The worker's command line: the launcher's, less ``--nproc`` (a worker is one rank).
+
+    >>> _without_nproc(["online", "--nproc", "2", "--batch-size", "64", "--nproc=3"])
+    ['--batch-size', '64']
+    """
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out[1:] if out and out[0] == "online" else out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,18 +166,40 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--snapshot-interval-event-s", type=float, default=None)
     o.add_argument("--stop-when-idle-s", type=float, default=None)
     o.add_argument("--max-examples", type=int, default=None)
+    o.add_argument("--nproc", type=int, default=None,
+                   help="ranks on this machine (default trainer.nproc); > 1 starts them through torch's elastic launcher")
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     settings = get_settings()
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    rank = world = None
+    if args.cmd == "online":
+        from . import launch
+        nproc = _online_settings(args).trainer.nproc
+        if launch.under_launcher():
+            import faulthandler  # a rank stuck in a collective: `kill -USR1` prints every thread's stack
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+            if int(os.environ["WORLD_SIZE"]) > 1:
+                rank, world = launch.init_rank(settings.trainer)
+        elif nproc > 1:  # this process only launches the ranks (each serves its own metrics)
+            launch.launch(nproc, [a for a in _without_nproc(argv)], settings.trainer)
+            return 0
     if settings.metrics_port:
-        service_metrics.serve_metrics(settings.metrics_port)
+        # each rank exports its metrics on its own port (rank 0 on metrics_port): a rank's
+        # examples/s, step and communication times are its own
+        service_metrics.serve_metrics(settings.metrics_port + (rank or 0) * settings.trainer.rank_metrics_port_stride)
     service_metrics.SERVICE_UP.labels("trainer").set(1)
     if args.cmd == "batch":
         run_batch(args)
     else:
         args.model = args.model or settings.trainer.model
-        result = asyncio.run(_run_online(args))
+        try:
+            result = asyncio.run(_run_online(args, ranks=world is not None))
+        finally:
+            if world is not None:
+                import torch.distributed as dist
+                dist.destroy_process_group()
         print(json.dumps(result), flush=True)
     return 0
 

@@ -53,9 +53,10 @@ in flight). The dense part stays synchronous. Use :meth:`DistributedModel.train`
 batches) to get the overlap; every rank must give it the same number of batches (empty ones for an
 idle rank).
 
-**Not here yet** (issue #14): the online trainer and launcher do not use this module; snapshots,
-deltas and serving do not name shards by :func:`trainer.sharding.shard_of` yet (a rank's rows are
-shard ``rank`` of an N-shard table, so ``ps.save_shard`` layouts fit); ``hybrid`` overlaps only the
+The online trainer's ranks (:mod:`trainer.ranks`, launched by :mod:`trainer.launch`) step it one
+batch per round; their snapshots and deltas name shards by :func:`trainer.sharding.shard_of`.
+
+**Not here yet** (issue #14): ``hybrid`` overlaps only the
 lookup: the gradient exchange and the owners' updates of step ``t`` still block step ``t+1``'s
 learning (PERSIA also makes those asynchronous); TTL watermarks move only on owners that got ids
 of a table in a step (the 1-process PS moves a single-shard table's watermark every step).
@@ -115,7 +116,8 @@ class DistributedModel:
     process group when None). Call collectively: every rank builds one, then every rank calls
     :meth:`train_step` (or :meth:`train`) the same number of times."""
 
-    def __init__(self, cfg: ModelConfig, *, mode: str = "sync", staleness: int = 1, group=None):
+    def __init__(self, cfg: ModelConfig, *, mode: str = "sync", staleness: int = 1, group=None,
+                 tables: dict | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise DistributedError("torch.distributed is not initialized: call init_process_group first")
         if mode not in MODES:
@@ -127,7 +129,7 @@ class DistributedModel:
         # one local shard per table: this rank's rows are shard `rank` of an N-shard table
         # already, and a second split by the same hash would be lopsided (trainer.sharding)
         local = cfg.model_copy(update={"tables": [t.model_copy(update={"shards": 1}) for t in cfg.tables]})
-        self.model = SparseModel(local)
+        self.model = SparseModel(local, tables)  # tables: this rank's restored shard
         self.cfg = cfg
         self._names = self.model.ps.table_names
         self._tables = [self.model.tables[n] for n in self._names]

@@ -42,6 +42,9 @@ class Publisher:
     def __init__(self, settings: Settings, model_id: str, stage: Callable[[str, float], None]):
         self.settings, self.model_id, self._stage = settings, model_id, stage
         self.producer = None
+        #: the shard this publisher's sparse rows are (rank r of N ranks: r and N; 0 and 0 for one
+        #: trainer process): serving applies each shard's versions independently
+        self.shard, self.shard_count = 0, 0
         self.sparse_version = 0
         self.dense_version = 0
         #: the ``param-deltas`` offset after the last publish (a snapshot's resume point for serving)
@@ -79,7 +82,8 @@ class Publisher:
         """Publish the touched rows of ``tables`` as one version; the bytes published."""
         t0 = time.perf_counter()
         msgs = encode_sparse_tables(self.model_id, self.sparse_version + 1, tables,
-                                    max_event_time_ms=max_event_time_ms)
+                                    max_event_time_ms=max_event_time_ms, shard=self.shard,
+                                    shard_count=self.shard_count)
         if self.keep_last_sync_copy:
             self.last_sync_tables = {n: t.items() for n, t in tables.items()}
         if not msgs:

@@ -61,6 +61,19 @@ class Restored:
     from_start: bool  # a partition without an offset starts at its earliest record
 
 
+def _ranks_stream_state(snap: Path, n: int) -> dict:
+    """The stream state of a snapshot written by ``n`` ranks (:mod:`trainer.ranks`), as one process
+    keeps it: the ranks' AUC histograms summed, their dedup windows together (each read other
+    partitions; the window keeps its newest ``dedup_window`` ids). A 1-process trainer resuming
+    from it (N -> 1) then loses neither; the sample rates are the manifest's, merged by rank 0."""
+    import numpy as np
+    import torch
+
+    parts = [torch.load(snap / f"rank-{r}" / "state.pt", weights_only=False) for r in range(n)]
+    return {"auc_pos": sum(p["auc_pos"] for p in parts), "auc_neg": sum(p["auc_neg"] for p in parts),
+            "dedup": np.concatenate([np.asarray(p["dedup"], np.uint64).reshape(-1, 2) for p in parts])}
+
+
 class Snapshots:
     """The online trainer's snapshots of one model under ``root`` (``settings.snapshot_root / model_id``)."""
 
@@ -75,6 +88,8 @@ class Snapshots:
         if got is None:
             return None
         tables, dense, man = got
+        if man.get("shard_count"):
+            dense = dict(dense, **_ranks_stream_state(self.root / man["name"], int(man["shard_count"])))
         # snapshots written before manifests named their epoch: the marker beside them
         marker = self.root / EPOCH_MARKER
         snap_epoch = man.get("broker_epoch") or (marker.read_text().strip() if marker.exists() else None)

@@ -10,6 +10,17 @@ optimizer state, update times, admission sketches, free rows, expiry cursor and 
 Serving: ``tables, dense_state, manifest = load_latest(Path("var/snapshots/deepfm"))`` gives
 read-only replicas; then apply ``param-deltas`` from ``manifest["param_deltas_offset"]`` on
 (sparse versions <= ``manifest["sparse_version"]`` are already included).
+
+**N ranks** (:mod:`trainer.ranks`): each rank writes its shard into
+``.snap-<seq>.tmp/rank-<r>/`` (:func:`save_rank`: ``tables/`` as the PS writes a one-shard table,
+and ``state.pt``: its offsets, dedup window, AUC histograms, sample-rate sums); after a barrier
+rank 0 writes ``dense.pt`` and the manifest (``"shard_count": N``, ``"sparse_versions": {"0": v0,
+...}``, the union of the offsets) and renames the directory into place, then ``LATEST``
+(:func:`commit_ranks`): the manifest and ``LATEST`` come last, so a crash before them leaves the
+previous complete snapshot in force. :func:`load` returns the union of the shards' rows, so readers
+(serving) need not know how many ranks wrote a snapshot; :func:`load_rank` gives one rank of M its
+rows (its own directory when M == N, bit-identical; else the union resharded with
+:func:`trainer.sharding.shard_of`).
 """
 
 from __future__ import annotations
@@ -79,6 +90,126 @@ def save(root: Path, config: ModelConfig, tables: dict[str, EmbeddingTable], den
     return root / name
 
 
+def _staging(root: Path, seq: int) -> Path:
+    return Path(root) / f".snap-{seq:09d}.tmp"
+
+
+def next_seq(root: Path) -> int:
+    """The sequence number of the next snapshot under ``root`` (rank 0 decides it for all ranks)."""
+    prev = read_manifest(root)
+    return (prev["seq"] + 1) if prev else 1
+
+
+def local_config(t):
+    """A rank's table config: its rows are shard ``rank`` of the N-shard table already, held in one
+    local shard (see :mod:`trainer.sharding`)."""
+    return t.model_copy(update={"shards": 1})
+
+
+def save_rank(root: Path, seq: int, rank: int, tables: dict[str, EmbeddingTable], state: dict) -> None:
+    """Rank ``rank``'s part of snapshot ``seq``: its shard of every table (optimizer state included)
+    and its own ``state`` (torch-saveable), durable when it returns; invisible until
+    :func:`commit_ranks`."""
+    d = _staging(root, seq) / f"rank-{rank}"
+    shutil.rmtree(d, ignore_errors=True)  # a part left by a crashed attempt at the same seq
+    (d / "tables").mkdir(parents=True)
+    for t in tables.values():
+        save_table(t, d / "tables")
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    _write(d / "state.pt", buf.getvalue())
+    _fsync_dir(d)
+
+
+def commit_ranks(root: Path, config: ModelConfig, seq: int, shard_count: int, dense: dict, manifest: dict,
+                 rows: dict[str, int], keep: int = 3) -> Path:
+    """Rank 0, once every rank's :func:`save_rank` returned (a barrier): write ``dense.pt`` and the
+    manifest, move the snapshot into place, then point ``LATEST`` at it."""
+    root = Path(root)
+    tmp, name = _staging(root, seq), f"snap-{seq:09d}"
+    missing = [r for r in range(shard_count) if not (tmp / f"rank-{r}" / "state.pt").exists()]
+    if missing:
+        raise SnapshotError(f"{tmp}: ranks {missing} wrote no part; not committing snapshot {seq}")
+    buf = io.BytesIO()
+    torch.save(dense, buf)
+    _write(tmp / "dense.pt", buf.getvalue())
+    full = dict(manifest, format=FORMAT, seq=seq, name=name, model_id=config.model_id,
+                created_at_ms=int(time.time() * 1000), rows=rows, shard_count=shard_count,
+                config=json.loads(config.model_dump_json()))
+    _write(tmp / "manifest.json", json.dumps(full, indent=1).encode())
+    _fsync_dir(tmp)
+    shutil.rmtree(root / name, ignore_errors=True)  # never pointed at: LATEST names seq - 1
+    os.replace(tmp, root / name)
+    _fsync_dir(root)
+    _write(root / "LATEST.tmp", name.encode())
+    os.replace(root / "LATEST.tmp", root / "LATEST")
+    _fsync_dir(root)
+    for p in sorted(p for p in root.glob("snap-*") if p.is_dir())[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob(".snap-*.tmp"):  # parts of attempts that never committed
+        if p.name < tmp.name:
+            shutil.rmtree(p, ignore_errors=True)
+    return root / name
+
+
+def _shard_parts(snap: Path, t, shard_count: int) -> list[EmbeddingTable]:
+    """Every rank's shard of table ``t`` in an N-rank snapshot (verified, optimizer state included)."""
+    return [restore_table(snap / f"rank-{r}" / "tables", local_config(t)) for r in range(shard_count)]
+
+
+def _union(parts: list[EmbeddingTable], t, serving: bool, keep=None) -> EmbeddingTable:
+    """One table (``t``'s config; a replica when ``serving``) holding the rows of ``parts``, or
+    only those ``keep(keys)`` selects."""
+    out = EmbeddingTable(t.serving() if serving else t)
+    for part in parts:
+        k, v, st, times = part.items()
+        if keep is not None:
+            sel = keep(k)
+            k, v, st, times = k[sel], v[sel], st[sel], times[sel]
+        if not k.size:
+            continue
+        if serving:
+            out.apply_sync(SyncChunk(k, v, times, np.zeros(0, np.int64)))
+        else:
+            out.load_rows(k, v, st, times)
+    for _ in out.pop_updates(1 << 30):  # restored rows are not news for serving
+        pass
+    return out
+
+
+def load_rank(root: Path, config: ModelConfig, rank: int, world: int):
+    """Rank ``rank`` of ``world``'s part of the latest snapshot: ``(tables, dense, manifest, state)``
+    with ``tables`` its shard in one local shard per table (:func:`local_config`), ``state`` its
+    own :func:`save_rank` state when the snapshot was written by ``world`` ranks (else None: the
+    caller splits the manifest's global state), or None when there is no snapshot. Any snapshot
+    restores into any number of ranks: rows move to the rank :func:`trainer.sharding.shard_of`
+    names (an admission sketch's counts of ids not admitted yet are not moved)."""
+    from .sharding import shard_of
+
+    root = Path(root)
+    manifest = read_manifest(root)
+    if manifest is None:
+        return None
+    snap = root / manifest["name"]
+    if manifest.get("format") != FORMAT:
+        raise SnapshotError(f"{snap}: snapshot format {manifest.get('format')!r} is not {FORMAT!r}")
+    n = int(manifest.get("shard_count", 0) or 0)
+    tables, state = {}, None
+    for t in config.tables:
+        lt = local_config(t)
+        if manifest.get("rows", {}).get(t.name) is None:
+            tables[t.name] = EmbeddingTable(lt)
+        elif n == world:
+            tables[t.name] = restore_table(snap / f"rank-{rank}" / "tables", lt)
+        else:
+            parts = _shard_parts(snap, t, n) if n else [restore_table(snap / "tables", t)]
+            tables[t.name] = _union(parts, lt, False, keep=lambda k: shard_of(k, world) == rank)
+    if n == world:
+        state = torch.load(snap / f"rank-{rank}" / "state.pt", weights_only=False)
+    dense = torch.load(snap / "dense.pt", weights_only=False)
+    return tables, dense, manifest, state
+
+
 def read_manifest(root: Path) -> dict | None:
     latest = Path(root) / "LATEST"
     if not latest.exists():
@@ -98,7 +229,8 @@ def _replica(table: EmbeddingTable, config) -> EmbeddingTable:
 
 
 def load(root: Path, config: ModelConfig | None = None, *, serving: bool = True):
-    """``(tables, dense, manifest)`` of the latest snapshot, or None when there is none.
+    """``(tables, dense, manifest)`` of the latest snapshot, or None when there is none; the tables
+    hold every row (of every rank's shard when N ranks wrote it).
 
     ``dense`` is the saved dict (``dense["head"]`` is the head's state_dict)."""
     root = Path(root)
@@ -111,9 +243,13 @@ def load(root: Path, config: ModelConfig | None = None, *, serving: bool = True)
         raise SnapshotError(f"{snap}: snapshot format {manifest.get('format')!r} is not {FORMAT!r} "
                             "(written before tables were PS snapshots); delete it or train again")
     tables = {}
+    n = int(manifest.get("shard_count", 0) or 0)
     for t in config.tables:
         if manifest.get("rows", {}).get(t.name) is None:
             tables[t.name] = EmbeddingTable(t.serving() if serving else t)  # a table added since
+            continue
+        if n:  # written by n ranks: the union of their shards
+            tables[t.name] = _union(_shard_parts(snap, t, n), t, serving)
             continue
         restored = restore_table(snap / "tables", t)  # verified (sha256) before it is returned
         tables[t.name] = _replica(restored, t) if serving else restored

@@ -1,0 +1,86 @@
+"""The N-rank snapshot layout (trainer.snapshots): a snapshot of N ranks restores into M (2 -> 1,
+1 -> 2, rows with their PS optimizer state), and ``snapshots.load`` gives serving the union."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ps import EmbeddingTable
+from trainer import snapshots
+from trainer.config import deepfm_config
+from trainer.data import MovieLensData
+from trainer.model import SparseModel
+from trainer.sharding import shard_of
+
+
+def small_cfg():
+    return deepfm_config(dim=8, mlp=[32])
+
+
+def _trained(cfg) -> SparseModel:
+    m = SparseModel(cfg)
+    d = MovieLensData(limit=2000)
+    for b in d.batches(500, np.arange(2000)):
+        m.train_step(b)
+    return m
+
+
+def _items(tables) -> dict:
+    return {n: t.items() for n, t in tables.items()}
+
+
+def _same(a: dict, b: dict) -> None:
+    for n in a:
+        for x, y in zip(a[n], b[n]):
+            assert np.array_equal(x, y), n
+
+
+def test_one_rank_snapshot_restores_into_two(tmp_path):
+    cfg = small_cfg()
+    m = _trained(cfg)
+    snapshots.save(tmp_path, cfg, m.tables, {"head": m.head.state_dict(), "optimizer": m.optimizer.state_dict()},
+                   {"offsets": {"0": 5, "1": 7}, "sparse_version": 3})
+    parts = [snapshots.load_rank(tmp_path, cfg, r, 2) for r in range(2)]
+    for r, (tables, dense, man, state) in enumerate(parts):
+        assert state is None  # written by another number of ranks: the caller splits the stream state
+        for t in tables.values():
+            k = t.items()[0]
+            assert (shard_of(k, 2) == r).all()
+    union = {n: tuple(np.concatenate([p[0][n].items()[i] for p in parts]) for i in range(4)) for n in m.tables}
+    for n, u in union.items():
+        o = np.argsort(u[0])
+        for x, y in zip(m.tables[n].items(), (c[o] for c in u)):
+            assert np.array_equal(x, y), n  # rows, PS optimizer state and times moved intact
+
+
+def test_two_rank_snapshot_restores_into_one_and_serving_gets_the_union(tmp_path):
+    cfg = small_cfg()
+    m = _trained(cfg)
+    full = _items(m.tables)
+    for r in range(2):  # each rank's shard, as the ranks hold them (one local shard per table)
+        tables = {}
+        for t in cfg.tables:
+            lt = snapshots.local_config(t)
+            tables[t.name] = EmbeddingTable(lt)
+            k, v, s, ti = full[t.name]
+            sel = shard_of(k, 2) == r
+            tables[t.name].load_rows(k[sel], v[sel], s[sel], ti[sel])
+        snapshots.save_rank(tmp_path, 1, r, tables, {"offsets": {r: 10 + r}})
+    # no manifest yet: nothing is in force
+    assert snapshots.read_manifest(tmp_path) is None
+    snapshots.commit_ranks(tmp_path, cfg, 1, 2, {"head": m.head.state_dict(), "optimizer": m.optimizer.state_dict()},
+                           {"offsets": {"0": 10, "1": 11}, "sparse_versions": {"0": 4, "1": 6}, "sparse_version": 6},
+                           {n: len(t) for n, t in m.tables.items()})
+    man = snapshots.read_manifest(tmp_path)
+    assert man["shard_count"] == 2 and man["sparse_versions"] == {"0": 4, "1": 6}
+    tables, dense, _ = snapshots.load(tmp_path, cfg, serving=False)
+    _same(full, _items(tables))  # 2 -> 1: one process gets every row with its optimizer state
+    one, _, _, state = snapshots.load_rank(tmp_path, cfg, 0, 1)
+    for n in full:
+        assert np.array_equal(full[n][0], one[n].items()[0]) and np.array_equal(full[n][2], one[n].items()[2])
+    served, dense, _ = snapshots.load(tmp_path, cfg, serving=True)
+    for n in full:  # serving: read-only replicas of the union
+        k, v, _, _ = served[n].items()
+        assert np.array_equal(k, full[n][0]) and np.array_equal(v, full[n][1])
+    two, _, _, state = snapshots.load_rank(tmp_path, cfg, 1, 2)
+    assert state == {"offsets": {1: 11}}  # same number of ranks: its own part

@@ -1,0 +1,204 @@
+"""Distributed online training: N ranks under torch's elastic launcher, on the real broker.
+
+The snapshot layout alone: tests/trainer/test_rank_snapshots.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from proto import ParameterDelta
+from trainer import snapshots
+from trainer.config import deepfm_config
+from trainer.data import MovieLensData, produce_examples
+from trainer.ranks import my_partitions
+from trainer.sharding import shard_of
+from trainer.sync import decode_sparse
+
+N = 8_000
+REPO = Path(__file__).parents[2]
+
+
+def small_cfg():
+    return deepfm_config(dim=8, mlp=[32])
+
+
+@pytest.fixture(scope="module")
+def ml_examples():
+    return MovieLensData(limit=N).examples()
+
+
+def test_partition_rule():
+    assert my_partitions(4, 0, 2) == [0, 2] and my_partitions(4, 1, 2) == [1, 3]
+    assert sorted(p for r in range(3) for p in my_partitions(4, r, 3)) == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------------------- ranks on the broker
+def _env(settings, tmp: Path) -> dict:
+    return dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=settings.bootstrap_servers,
+                DRIFTLINE_VAR_DIR=str(settings.var_dir),
+                DRIFTLINE_TOPICS__EXAMPLES=settings.topics.examples,
+                DRIFTLINE_TOPICS__PARAM_DELTAS=settings.topics.param_deltas,
+                DRIFTLINE_TOPICS__DEAD_LETTERS=settings.topics.dead_letters,
+                DRIFTLINE_TRAINER__MODEL=str(tmp / "model.json"), DRIFTLINE_METRICS_PORT="0",
+                DRIFTLINE_TRAINER__NPROC="2")
+
+
+def _spawn(settings, tmp: Path, log: Path, snapshot_s: str = "0", idle_s: str = "4") -> subprocess.Popen:
+    (tmp / "model.json").write_text(small_cfg().model_dump_json())
+    return subprocess.Popen([sys.executable, "-m", "trainer", "online", "--sync-interval-s", "1",
+                             "--snapshot-interval-event-s", snapshot_s, "--stop-when-idle-s", idle_s,
+                             "--batch-size", "512"],
+                            env=_env(settings, tmp), stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO,
+                            start_new_session=True)
+
+
+def _results(log: Path) -> dict[int, dict]:
+    """The last result line of each rank (a restarted group prints again)."""
+    out = {}
+    for line in log.read_text().splitlines():
+        if line.startswith("{") and '"rank"' in line:
+            r = json.loads(line)
+            out[r["rank"]] = r
+    return out
+
+
+async def _deltas(settings) -> list[ParameterDelta]:
+    from tests.trainer.test_online import read_topic
+    out = []
+    for raw in await read_topic(settings, settings.topics.param_deltas):
+        m = ParameterDelta()
+        m.ParseFromString(raw)
+        out.append(m)
+    return out
+
+
+async def test_two_ranks_train_the_stream_and_deltas_reproduce_the_union(settings, ml_examples, tmp_path):
+    await produce_examples(settings, ml_examples)
+    log = tmp_path / "trainer.log"
+    p = _spawn(settings, tmp_path, log)
+    assert p.wait(timeout=240) == 0, log.read_text()[-4000:]
+    res = _results(log)
+    assert sorted(res) == [0, 1], log.read_text()[-3000:]
+    assert sum(r["examples_applied"] for r in res.values()) == N
+    assert all(r["examples_applied"] > 0 for r in res.values())  # both ranks read partitions
+    root = settings.var_dir / "snapshots" / "deepfm"
+    man = snapshots.read_manifest(root)
+    assert man["shard_count"] == 2 and man["examples_applied"] == N
+    assert sorted(man["offsets"]) == ["0", "1", "2", "3"]
+    tables, dense, _ = snapshots.load(root, small_cfg(), serving=True)
+    # replay: per (shard, table) the last value of each key; dense from rank 0 only
+    msgs = await _deltas(settings)
+    sparse = [m for m in msgs if m.WhichOneof("payload") == "sparse"]
+    assert {m.shard for m in sparse} == {0, 1} and {m.shard_count for m in sparse} == {2}
+    assert {int(v) for v in man["sparse_versions"].values()} == {max(m.version for m in sparse if m.shard == s)
+                                                                 for s in (0, 1)}
+    rows: dict = {}
+    for m in sorted(sparse, key=lambda m: (m.shard, m.version)):
+        t, k, v, tomb = decode_sparse(m)
+        assert (shard_of(k, 2) == m.shard).all()  # a shard publishes its own rows only
+        for key, val in zip(k.tolist(), v):
+            rows[(t, key)] = val
+    for name, t in tables.items():
+        k, v, _, _ = t.items()
+        got = np.stack([rows[(name, key)] for key in k.tolist()]) if k.size else v
+        assert np.array_equal(got, v), name
+    assert len(rows) == sum(len(t) for t in tables.values())
+    dense_msgs = [m for m in msgs if m.WhichOneof("payload") == "dense"]
+    assert dense_msgs and {m.shard_count for m in dense_msgs} == {0}
+
+
+async def test_kill_9_of_one_rank_restarts_the_group_from_the_last_manifest(settings, ml_examples, tmp_path):
+    half = N // 2
+    # records of 250 examples: a batch of 512 takes 3, so a first snapshot comes mid-stream
+    records = await produce_examples(settings, ml_examples[:half], chunk=250)
+    root = settings.var_dir / "snapshots" / "deepfm"
+    log = tmp_path / "trainer.log"
+    # idle 10 s before stopping: the group is still up when the first snapshot is seen
+    p = _spawn(settings, tmp_path, log, snapshot_s="1800", idle_s="10")
+    deadline = time.monotonic() + 120
+    first = None
+    while time.monotonic() < deadline:
+        m = snapshots.read_manifest(root)
+        if m and m.get("shard_count") == 2 and m["examples_applied"] >= 500:
+            first = m
+            break
+        await asyncio.sleep(0.2)
+    assert first is not None, log.read_text()[-3000:]
+    ranks = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    assert len(ranks) >= 2, ranks
+    os.kill(int(ranks[-1]), signal.SIGKILL)
+    records += await produce_examples(settings, ml_examples[half:], chunk=250)
+    assert p.wait(timeout=300) == 0, log.read_text()[-4000:]
+    text = log.read_text()
+    assert "restored snapshot" in text, text[-3000:]
+    # one failure (the kill), one restart: the restarted ranks found each other at once (they read
+    # a dead peer's address from the launcher's store before trainer.launch.init_rank separated attempts)
+    assert text.count("failed (exitcode") == 1, text[-4000:]
+    final = snapshots.read_manifest(root)
+    assert final["shard_count"] == 2
+    assert final["examples_applied"] == N, (first, final)
+    assert sum(r["examples_applied"] for r in _results(log).values()) == N
+    assert sum(final["offsets"].values()) == records
+    assert final["seq"] > first["seq"]
+
+
+def _one_process(settings):
+    from trainer.online import OnlineTrainer
+    return OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=1.0, snapshot_interval_event_s=0, batch_size=512)),
+                         small_cfg())
+
+
+async def test_two_ranks_then_one_process_then_two_ranks(settings, ml_examples, tmp_path):
+    """2 -> 1 -> 2 on one stream: each run resumes from the other's snapshot, every example is
+    applied once, every record consumed."""
+    third = N // 3
+    root = settings.var_dir / "snapshots" / "deepfm"
+    log = tmp_path / "trainer.log"
+    records = await produce_examples(settings, ml_examples[:third])
+    p = _spawn(settings, tmp_path, log)
+    assert p.wait(timeout=240) == 0, log.read_text()[-4000:]
+    assert snapshots.read_manifest(root)["examples_applied"] == third
+    records += await produce_examples(settings, ml_examples[third:2 * third])
+    out = await _one_process(settings).run(stop_when_idle_s=3.0)
+    assert out["examples_applied"] == 2 * third
+    man = snapshots.read_manifest(root)
+    assert not man.get("shard_count") and man["examples_applied"] == 2 * third
+    records += await produce_examples(settings, ml_examples[2 * third:])
+    p = _spawn(settings, tmp_path, log)
+    assert p.wait(timeout=240) == 0, log.read_text()[-4000:]
+    man = snapshots.read_manifest(root)
+    assert man["shard_count"] == 2 and man["examples_applied"] == N
+    assert sum(man["offsets"].values()) == records
+
+
+async def test_sigterm_of_the_launcher_stops_every_rank_cleanly(settings, ml_examples, tmp_path):
+    """``driftline up``'s supervisor stops the trainer with SIGTERM: every rank applies what it
+    has, publishes, writes the last snapshot and commits; the launcher exits 0, within the
+    supervisor's 10 s grace."""
+    records = await produce_examples(settings, ml_examples[:N // 2])
+    log = tmp_path / "trainer.log"
+    p = _spawn(settings, tmp_path, log, snapshot_s="1800", idle_s="600")
+    root = settings.var_dir / "snapshots" / "deepfm"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not ((m := snapshots.read_manifest(root)) and m.get("shard_count") == 2):
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(3)  # the rest of the stream is trained by then (it is idle; snapshots are due by event time)
+    p.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    assert p.wait(timeout=30) == 0, log.read_text()[-4000:]
+    assert time.monotonic() - t0 < 10
+    man = snapshots.read_manifest(root)
+    assert man["shard_count"] == 2 and man["examples_applied"] == N // 2
+    assert sum(man["offsets"].values()) == records
+    assert sorted(_results(log)) == [0, 1]

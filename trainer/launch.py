@@ -1,0 +1,80 @@
+"""Starting N ranks of the online trainer on this machine: torch's elastic launcher, not ours.
+
+``trainer online --nproc N`` (or ``trainer.nproc``, ``DRIFTLINE_TRAINER__NPROC``) calls
+:func:`launch`: :func:`torch.distributed.launcher.api.elastic_launch` with a c10d rendezvous on a
+free local port starts ``N`` worker processes (``python -m trainer online`` with the same flags;
+each sees torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` environment and runs as a rank,
+:func:`init_rank`). When a worker fails (an exception, or a kill -9) the launcher stops the others
+and restarts the whole group, up to ``trainer.max_restarts`` times; every rank then resumes from
+the last complete snapshot (:mod:`trainer.ranks`). Past that it fails, and ``driftline up``'s
+supervisor restarts the launcher. A SIGTERM of the launcher is passed on to the workers (each
+stops cleanly: the last snapshot, the offsets) and the launcher exits 0; a rank whose launcher is
+gone (kill -9: nobody would restart it) stops cleanly too. Several machines: run ``torchrun`` itself on each
+(docs/scale-out.md); the workers are the same.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from datetime import timedelta
+
+from services.settings import TrainerSettings
+
+
+class LaunchError(RuntimeError):
+    """The rank group failed more often than ``trainer.max_restarts`` allows."""
+
+
+def under_launcher() -> bool:
+    """Whether this process is a worker started by torchrun / the elastic launcher."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch(nproc: int, argv: list[str], ts: TrainerSettings) -> None:
+    """Run ``python -m trainer online *argv`` as ``nproc`` ranks until they all exit; raises
+    :class:`LaunchError` when the group failed ``ts.max_restarts + 1`` times."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from .distributed import free_port
+
+    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"driftline-{uuid.uuid4().hex[:8]}",
+                       rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                       max_restarts=ts.max_restarts, monitor_interval=0.5, start_method="spawn")
+    try:
+        elastic_launch(cfg, sys.executable)("-u", "-m", "trainer", "online", *argv)
+    except ChildFailedError as err:
+        raise LaunchError(f"the trainer's {nproc} ranks failed {ts.max_restarts + 1} times: {err}") from err
+    except SignalException as err:
+        # the agent passed the stop on to the ranks and waited for them (each stops cleanly: last
+        # snapshot, offsets); a requested stop is a clean exit, as for the 1-process trainer
+        if err.sigval not in (signal.SIGTERM, signal.SIGINT):
+            raise
+
+
+def init_rank(ts: TrainerSettings) -> tuple[int, int]:
+    """Join the gloo process group of the launcher's workers (one torch intra-op thread: the ranks
+    share the cores); ``(rank, world)``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    timeout = timedelta(seconds=ts.collective_timeout_s)
+    # The launcher's store outlives a restart of the group, and torch's env:// init does not
+    # separate attempts in it (it counts on a fresh store per attempt): a restarted rank then read
+    # its dead peer's gloo address and hung or was refused (seen here after a kill -9). So the
+    # group's keys live under the attempt's own prefix.
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=not agent and rank == 0,
+                         timeout=timeout, multi_tenant=not agent)
+    store = dist.PrefixStore(f"driftline/{env.get('TORCHELASTIC_RUN_ID', '')}/attempt-"
+                             f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    return rank, world

@@ -207,10 +207,14 @@ async def test_replicas_and_snapshot_bootstrap_on_the_broker(settings: Settings,
     # v1 and v2 of shard 0, v1 of shard 1: then the snapshot.
     await publish(settings, interleave([ranks[0].step() + ranks[0].step(), ranks[1].step()], rng))
     root = tmp_path / "snapshots"
-    whole = restored(cfg, union(ranks))  # what an N-rank snapshot's load gives: the union
     head = TrainerModel(config=cfg).scorer.head.state_dict()
-    snapshots.save(root / cfg.model_id, cfg, whole, {"head": head},
-                   {"shard_count": 2, "sparse_versions": {"0": 2, "1": 1}, "dense_version": 0})
+    # written as two ranks write one (each its shard, then rank 0's manifest): load gives the union
+    seq = snapshots.next_seq(root / cfg.model_id)
+    for r in ranks:
+        snapshots.save_rank(root / cfg.model_id, seq, r.rank, restored(cfg, union([r])), {})
+    rows = {t.name: sum(len(r.tables[t.name]) for r in ranks) for t in cfg.tables}
+    snapshots.commit_ranks(root / cfg.model_id, cfg, seq, 2, {"head": head},
+                           {"sparse_versions": {"0": 2, "1": 1}, "dense_version": 0}, rows)
     # Then shard 1's v2, v3 and shard 0's v3, interleaved with shard 1 first.
     await publish(settings, ranks[1].step() + interleave([ranks[0].step(), ranks[1].step()], rng))
     b = DeltaFeed(settings, TrainerModel(config=cfg), retry_s=0.2)

@@ -23,8 +23,10 @@ class Server(uvicorn.Server):
             self._captured_signals.clear()
 
 
-def serve(app: Any, host: str, port: int, log_level: str) -> bool:
-    """Run ``app`` until SIGTERM/SIGINT; False when it never started (the log says why)."""
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False))
+def serve(app: Any, host: str, port: int, log_level: str, fd: int | None = None) -> bool:
+    """Run ``app`` until SIGTERM/SIGINT; False when it never started (the log says why).
+    ``fd``: an inherited listening socket to accept on (a worker of a shared serving PS)."""
+    server = Server(uvicorn.Config(app, host=host, port=port, fd=fd, log_level=log_level.lower(),
+                                   access_log=False))
     server.run()
     return bool(server.started)

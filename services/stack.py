@@ -65,7 +65,7 @@ APP_SERVICES: list[AppService] = [
                env={"DRIFTLINE_JOINER__IDLE_ADVANCE_SECONDS": "30"}),
     AppService("dumper", ("dumper",), metrics_port=_metrics(1)),
     AppService("trainer", ("trainer", "online"), metrics_port=_metrics(2)),
-    AppService("serving", ("serve",),
+    AppService("serving", ("serve", "--workers", "2"),  # one serving PS, two workers
                ready=lambda s: port_is_open(s.serving.host, s.serving.port),
                urls=lambda s: {"ranking API docs": f"{_serving_url(s)}/docs"},
                metrics_url=lambda s: f"{_serving_url(s)}/metrics"),

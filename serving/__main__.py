@@ -27,26 +27,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default=settings.serving.host)
     parser.add_argument("--port", type=int, default=settings.serving.port)
     parser.add_argument("--workers", type=int, default=settings.serving.workers)
-    parser.add_argument("--worker-fd", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     settings = settings.updated(serving={"host": args.host, "port": args.port, "workers": max(1, args.workers)})
     shared = settings.serving.workers > 1 and settings.serving_model != "fm"
-    if args.worker_fd is None and shared:
+    if args.worker_index is None and shared:
         from serving.serving_ps import main as serving_ps
 
         setup_logging("serving-ps", settings.log_level)
         return serving_ps(settings)
-    model = None
-    if args.worker_fd is not None:
-        from serving.serving_ps import worker_spool
+    model, sock = None, None
+    if args.worker_index is not None:  # a worker of this machine's serving PS
+        from serving.serving_ps import listen, worker_spool
         from serving.shared_model import SharedModel
 
         settings = settings.updated(serving={"spool_dir": worker_spool(settings, args.worker_index)})
         options = settings.serving
         model = SharedModel(settings.serving_model, settings.serving_ps_dir, options.ps_max_shards,
                             options.ps_state_bytes)
-    setup_logging("serving" if args.worker_fd is None else f"serving-w{args.worker_index}", settings.log_level)
+        sock = listen(args.host, args.port)
+    setup_logging("serving" if args.worker_index is None else f"serving-w{args.worker_index}", settings.log_level)
     # One request's tensors are small: intra-op threads only contend with the event loop and
     # other replicas. Scale out with processes (one per core), not torch threads.
     import torch
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(settings, model)
     # uvicorn reports a failed start-up (e.g. the spool is locked by another replica) by exiting
     # the server without serving; the log says why.
-    return 0 if serve(app, args.host, args.port, settings.log_level, args.worker_fd) else 3
+    return 0 if serve(app, args.host, args.port, settings.log_level, sock) else 3
 
 
 if __name__ == "__main__":

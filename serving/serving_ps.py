@@ -1,7 +1,9 @@
 """``driftline serve --workers N`` (N > 1): one serving PS process and N uvicorn workers.
 
-The PS process (this one) binds the port, starts the N workers (``python -m serving --worker-fd``)
-on the inherited listening socket (the kernel spreads connections over them), then bootstraps
+The PS process (this one) starts the N workers (``python -m serving --worker-index i``), each of
+which listens on the port with ``SO_REUSEPORT``: the kernel spreads connections over them by
+hash (one shared accept socket would not: the first worker to wake accepts every waiting
+connection, so 8 keep-alive clients all land on one worker). Then the PS bootstraps
 the model from the snapshot and runs the one :class:`serving.deltas.DeltaFeed` of this machine
 into :class:`serving.shared_model.PSModel`, whose tables live in shared memory. Workers read the
 rows with no copy and no IPC per request (:mod:`serving.shared_tables`) and answer 503 until the
@@ -42,20 +44,19 @@ def worker_spool(settings: Settings, index: int) -> Path:
     return base.with_name(f"{base.name}-w{index}")
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
+    """A worker's listening socket: ``SO_REUSEPORT``, so every worker of the replica binds the port."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.listen(2048)
-    sock.set_inheritable(True)
     return sock
 
 
-def start_workers(settings: Settings, sock: socket.socket) -> list[subprocess.Popen[bytes]]:
-    fd = sock.fileno()
-    return [subprocess.Popen([sys.executable, "-m", "serving", "--worker-fd", str(fd), "--worker-index", str(i),
-                              "--port", str(settings.serving.port), "--host", settings.serving.host],
-                             pass_fds=(fd,))
+def start_workers(settings: Settings) -> list[subprocess.Popen[bytes]]:
+    return [subprocess.Popen([sys.executable, "-m", "serving", "--worker-index", str(i),
+                              "--port", str(settings.serving.port), "--host", settings.serving.host])
             for i in range(settings.serving.workers)]
 
 
@@ -108,7 +109,5 @@ async def _run_ps(settings: Settings, workers: list[subprocess.Popen[bytes]]) ->
 
 def main(settings: Settings) -> int:
     """Run the serving PS and its workers until SIGTERM/SIGINT."""
-    sock = _listen(settings.serving.host, settings.serving.port)
-    workers = start_workers(settings, sock)
-    sock.close()  # the workers hold it
+    workers = start_workers(settings)
     return asyncio.run(_run_ps(settings, workers))

@@ -115,3 +115,35 @@ def test_serve_with_two_workers(tmp_path: Path) -> None:
         rc = proc.wait(60)
     assert rc == 0, (tmp_path / "log").read_text()[-3000:]
     assert not (tmp_path / "ps").exists()
+
+
+def test_worker_app_serves_the_ps_versions(filled_store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A worker's app: 503 until the PS publishes a loaded model, then /rank and /readyz carry the
+    PS's versions, and a dense delta on the PS reaches the worker's next request."""
+    from serving.app import create_app
+    from serving_helpers import running, wait_ready
+
+    settings = filled_store.updated(serving={"model": "deepfm"})
+    ps_dir = tmp_path / "ps"
+    worker = SharedModel("deepfm", ps_dir, 64, 1 << 20, config=CFG)
+    with running(create_app(settings, worker)) as base:
+        body = {"user_id": 1, "candidates": [{"item_id": i} for i in range(1, 11)]}
+        assert httpx.post(f"{base}/rank", json=body, timeout=10).status_code == 503
+        assert httpx.get(f"{base}/readyz", timeout=10).status_code == 503
+        ps = PSModel("deepfm", ps_dir, 64, 1 << 20, config=CFG)
+        trainer = SparseModel(CFG, train=True)
+        _train(trainer, np.random.default_rng(2), 5, 1_700_000_000_000)
+        for _t, msg in encode_sparse_tables(CFG.model_id, 7, trainer.tables):
+            ps.apply_delta(msg)
+        ps.loaded = lambda: True
+        ps.apply_delta(encode_dense(CFG.model_id, 7, trainer.head))
+        ready = wait_ready(base)
+        assert ready["model_version"]["sparse_version"] == 7 and ready["model_version"]["dense_version"] == 7
+        r = httpx.post(f"{base}/rank", json=body, timeout=10)
+        assert r.status_code == 200 and r.json()["model_version"]["dense_version"] == 7
+        ps.apply_delta(encode_dense(CFG.model_id, 8, trainer.head, sample_rates={"global": 0.25, "slices": {}}))
+        r = httpx.post(f"{base}/rank", json=body, timeout=10).json()
+        assert r["model_version"]["dense_version"] == 8
+        # the log-odds correction uses the PS's rates: corrected != raw once a rate is known
+        assert all(i["score"] < i["raw_score"] for i in r["items"])
+        assert httpx.get(f"{base}/readyz", timeout=10).json()["sample_rate"]["rate"] == 0.25

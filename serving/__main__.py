@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=settings.serving.port)
     parser.add_argument("--workers", type=int, default=settings.serving.workers)
     parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--ps-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     settings = settings.updated(serving={"host": args.host, "port": args.port, "workers": max(1, args.workers)})
     shared = settings.serving.workers > 1 and settings.serving_model != "fm"
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings.updated(serving={"spool_dir": worker_spool(settings, args.worker_index)})
         options = settings.serving
         model = SharedModel(settings.serving_model, settings.serving_ps_dir, options.ps_max_shards,
-                            options.ps_state_bytes)
+                            options.ps_state_bytes, ps_pid=args.ps_pid)
         sock = listen(args.host, args.port)
     setup_logging("serving" if args.worker_index is None else f"serving-w{args.worker_index}", settings.log_level)
     # One request's tensors are small: intra-op threads only contend with the event loop and

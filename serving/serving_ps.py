@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -55,7 +56,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def start_workers(settings: Settings) -> list[subprocess.Popen[bytes]]:
-    return [subprocess.Popen([sys.executable, "-m", "serving", "--worker-index", str(i),
+    return [subprocess.Popen([sys.executable, "-m", "serving", "--worker-index", str(i), "--ps-pid", str(os.getpid()),
                               "--port", str(settings.serving.port), "--host", settings.serving.host])
             for i in range(settings.serving.workers)]
 

@@ -15,7 +15,11 @@ head (loaded whole, swapped by reference), or a new table layout after the PS bo
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +29,7 @@ import torch
 
 from proto import ParameterDelta
 from serving.correction import SampleRates
+from serving.deltas import publish_model_metrics
 from serving.model import Bootstrap, DeltaRejected, TrainerModel, VersionState
 from serving.shared_tables import Control, NotPublished, TablePublisher, attach_tables
 
@@ -100,8 +105,10 @@ class SharedModel(TrainerModel):
     """A worker's model: scores with the rows the serving PS publishes (read-only, no copy)."""
 
     def __init__(self, model_name: str, root: Path, max_shards: int, state_bytes: int,
-                 config: object | None = None) -> None:
+                 config: object | None = None, ps_pid: int | None = None) -> None:
         super().__init__(model_name, config)
+        #: the serving PS's pid (the parent that started this worker): gone means stop
+        self.ps_pid = os.getppid() if ps_pid is None else ps_pid
         self.root, self.max_shards, self.state_bytes = root, max_shards, state_bytes
         self.control: Control | None = None
         self.loaded = False
@@ -168,10 +175,18 @@ class SharedModel(TrainerModel):
 
 
 class SharedFeed:
-    """What a worker's app has in place of a :class:`serving.deltas.DeltaFeed`: the PS's state."""
+    """What a worker's app has in place of a :class:`serving.deltas.DeltaFeed`: the PS's state.
 
-    def __init__(self, model: SharedModel) -> None:
+    It also watches the PS: a worker whose PS is gone (its parent changed) would serve frozen
+    parameters forever, so it stops itself (SIGTERM: a clean stop that ships its spool) and the
+    replica's supervisor restarts the whole replica."""
+
+    def __init__(self, model: SharedModel, parent_poll_s: float = 1.0) -> None:
         self.model = model
+        self.parent_poll_s = parent_poll_s
+        self._parent = model.ps_pid
+        self._task: asyncio.Task[None] | None = None
+        self._shard_series: set[str] = set()
 
     @property
     def loaded(self) -> bool:
@@ -182,10 +197,20 @@ class SharedFeed:
         self.model.refresh()
 
     def start(self) -> None:
-        pass
+        self._task = asyncio.get_running_loop().create_task(self._watch_parent(), name="serving-ps-watch")
+
+    async def _watch_parent(self) -> None:
+        while os.getppid() == self._parent:
+            await asyncio.sleep(self.parent_poll_s)
+        log.error("the serving PS (pid %d) is gone: stopping this worker", self._parent)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     async def stop(self) -> None:
-        pass
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
 
     def publish_metrics(self) -> None:
-        pass
+        self.model.refresh()
+        self._shard_series = publish_model_metrics(self.model, self._shard_series)

@@ -110,11 +110,30 @@ def test_serve_with_two_workers(tmp_path: Path) -> None:
             assert r.json()["model_version"]["dense_version"] == 4
         assert (var / "serving" / f"spool-{port}-w0").exists() and (var / "serving" / f"spool-{port}-w1").exists()
         assert (tmp_path / "ps" / "control").exists()
+        assert 'driftline_serving_model_version{kind="sparse",model_id="deepfm"} 4.0' in httpx.get(
+            f"{url}/metrics", timeout=10).text
     finally:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(60)
     assert rc == 0, (tmp_path / "log").read_text()[-3000:]
     assert not (tmp_path / "ps").exists()
+
+    # A PS killed -9 leaves no worker serving frozen parameters: they stop themselves.
+    proc = subprocess.Popen([sys.executable, "-m", "serving", "--port", str(port), "--workers", "2"],
+                            cwd=ROOT, env=env, stdout=open(tmp_path / "log", "ab"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 90
+    while not (workers := Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()) or \
+            len(workers) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.kill()
+    proc.wait(10)
+    deadline = time.monotonic() + 60
+    while any(Path(f"/proc/{w}").exists() and "zombie" not in Path(f"/proc/{w}/status").read_text()
+              for w in workers):
+        assert time.monotonic() < deadline, "workers outlived their PS"
+        time.sleep(0.3)
 
 
 def test_worker_app_serves_the_ps_versions(filled_store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -293,12 +293,38 @@ class SharedShard:
         self._mm: mmap.mmap | None = None
         #: reads retried because the writer changed the shard meanwhile
         self.retries = 0
+        #: the PS replaced this table (a snapshot reload): the mapping is frozen, no seqlock
+        self.orphaned = False
 
     def __len__(self) -> int:
         return int((self._slots[:, 1] >= 0).sum())
 
     def memory_bytes(self) -> int:
         return 0  # shared: the PS's
+
+    def _follow(self, s1: int) -> bool:
+        """Map the generation the entry names, if it moved; False when the entry changed meanwhile.
+
+        ``gen``, ``nslots`` and ``cap`` are read between two equal even ``seq`` s: they describe
+        one generation (mapping a file with another's sizes would make wrong-shaped views that
+        later reads, passing the seqlock, would trust)."""
+        e = self.entry
+        gen = int(e[1])
+        if gen == self.gen or self.orphaned:
+            return True
+        nslots, cap = int(e[2]), int(e[3])
+        if int(e[0]) != s1:
+            return False
+        if self._attach(gen, nslots, cap):
+            return True
+        if int(e[0]) == s1 and int(e[1]) == gen:
+            # The entry is stable and names a generation this shard has no file of: the PS
+            # published a new set of tables (a snapshot reload) and the entry is another's now.
+            # This shard's last mapping is never written again: read it, frozen, until the
+            # request that holds it is done (the next request uses the new tables).
+            self.orphaned = True
+            return True
+        return False
 
     def _attach(self, gen: int, nslots: int, cap: int) -> bool:
         path = _rows_file(self.root, self.table, self.shard_index, gen)
@@ -317,13 +343,15 @@ class SharedShard:
         if out is None:
             out = np.empty((ids.size, self.dim), np.float32)
         e = self.entry
+        if self.orphaned:
+            if not shared_gather_kernel(self._slots, self._emb, ids, out):
+                raise SharedTablesError(f"table {self.table!r}: a frozen generation reads out of range")
+            return out
         spins = 0
         while True:
             s1 = int(e[0])
             if not s1 & 1:
-                gen = int(e[1])
-                ok = gen == self.gen or self._attach(gen, int(e[2]), int(e[3]))
-                if ok and shared_gather_kernel(self._slots, self._emb, ids, out) and int(e[0]) == s1:
+                if self._follow(s1) and shared_gather_kernel(self._slots, self._emb, ids, out) and int(e[0]) == s1:
                     return out
             self.retries += 1
             spins += 1
@@ -337,16 +365,15 @@ class SharedShard:
         """Live ``(keys, values, state, times)`` sorted by key, read consistently (for tests)."""
         while True:
             s1 = int(self.entry[0])
-            if s1 & 1 or (int(self.entry[1]) != self.gen
-                          and not self._attach(int(self.entry[1]), int(self.entry[2]), int(self.entry[3]))):
+            if not self.orphaned and (s1 & 1 or not self._follow(s1)):
                 time.sleep(0.0002)
                 continue
             live = self._slots[:, 1] >= 0
             keys, rows = self._slots[live, 0].copy(), self._slots[live, 1].copy()
-            if int(self.entry[0]) != s1 or (rows.size and int(rows.max()) >= self._emb.shape[0]):
+            if (int(self.entry[0]) != s1 and not self.orphaned) or (rows.size and int(rows.max()) >= self._emb.shape[0]):
                 continue
             values = self._emb[rows].copy()
-            if int(self.entry[0]) != s1:
+            if int(self.entry[0]) != s1 and not self.orphaned:
                 continue
             o = np.argsort(keys, kind="stable")
             return keys[o], values[o], np.zeros((keys.size, 0), np.float32), np.zeros(keys.size, np.int64)

@@ -110,3 +110,26 @@ def test_reader_refuses_inserts(tmp_path: Path) -> None:
                            {"tables": pub.layout()}, {"t": _config(1)})["t"]
     with pytest.raises(SharedTablesError):
         shared.gather(np.array([1], np.int64), insert=True, event_time=1)
+
+
+def test_a_reader_of_replaced_tables_reads_them_frozen(tmp_path: Path) -> None:
+    """A snapshot reload publishes new tables (entries reused by other tables): a request still
+    holding the old ones reads their last rows, consistently, instead of waiting forever."""
+    old = EmbeddingTable(_config(1))
+    old.apply_sync(_chunk(np.arange(1, 100, dtype=np.int64), 3))
+    pub = TablePublisher(tmp_path, MAX_SHARDS, STATE)
+    pub.adopt({"t": old})
+    control = Control(tmp_path, MAX_SHARDS, STATE, write=False)
+    reader = attach_tables(tmp_path, control, {"tables": pub.layout()}, {"t": _config(1)})["t"]
+    assert reader.gather(np.array([5], np.int64))[0, 1] == 3
+    other = EmbeddingTable(TableConfig(name="u", dim=DIM, initial_capacity=64).serving())
+    new = EmbeddingTable(_config(1))
+    new.apply_sync(_chunk(np.arange(1, 100, dtype=np.int64), 4))
+    pub.adopt({"u": other, "t": new})  # "t" moved to another entry; entry 0 is "u"'s now
+    with pub.writing("u"):
+        other.apply_sync(_chunk(np.array([7], np.int64), 9))
+    assert reader.gather(np.array([5, 500], np.int64))[:, 1].tolist() == [3.0, 0.0]
+    assert reader.shards[0].orphaned
+    fresh = attach_tables(tmp_path, control, {"tables": pub.layout()},
+                          {"t": _config(1), "u": other.config})["t"]
+    assert fresh.gather(np.array([5], np.int64))[0, 1] == 4

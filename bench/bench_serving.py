@@ -319,12 +319,18 @@ def main() -> None:
             cpu0 = [cpu_s(p) for p in [shared.pid, *workers]]
             # 1 and 2 workers alternate (the cores are shared with whatever else runs): medians
             rps1, rps2, fail = [], [], 0
+            served = {sport: 0, wport: 0}
+            single0 = cpu_s(server.pid)
             for _ in range(3):
                 for port, out in ((sport, rps1), (wport, rps2)):
                     _lat, ok, failed = await load(host, port, rank_reqs_2, DURATION / 2)
                     out.append(ok / (DURATION / 2))
+                    served[port] += ok
                     fail += failed
             cpu = [round(cpu_s(p) - c, 2) for p, c in zip([shared.pid, *workers], cpu0)]
+            # server CPU per /rank: whether the shared path costs more work, whatever the contention
+            cpu_1 = (cpu_s(server.pid) - single0) / max(1, served[sport]) * 1000
+            cpu_2 = sum(cpu) / max(1, served[wport]) * 1000
             before = [uss_mb(w) for w in workers]
             rows = 1_000_000
             await delta_burst(settings, rows, 9_000, 16)
@@ -341,7 +347,8 @@ def main() -> None:
                         rank_rps_2workers=float(np.median(rps2)), workers_failed_requests=fail,
                         table_rows=rows, table_mb=table_mb,
                         extra_worker_rss_mb=max(a - b for a, b in zip(after, before)),
-                        worker_uss_mb=max(after), ps_and_worker_cpu_s=cpu)
+                        worker_uss_mb=max(after), ps_and_worker_cpu_s=cpu,
+                        cpu_ms_per_rank_1worker=cpu_1, cpu_ms_per_rank_2workers=cpu_2)
 
         result.update(asyncio.run(run_workers()))
         result["worker_scaling"] = result["rank_rps_2workers"] / result["rank_rps_1worker"]

@@ -7,7 +7,19 @@ it from this process over keep-alive HTTP/1.1. Latency (the ``rank_p*``/``trivia
 measured one request at a time, so it compares the work per request with the framework's floor
 instead of queueing behind other requests; throughput and the delta-burst run use a closed loop
 of ``BENCH_CONCURRENCY`` connections (default 8), whose latencies are reported as ``*_loaded_*``.
-``QUICK=1`` finishes in < 1 min.
+``QUICK=1`` finishes in about a minute.
+
+Workers (issue #17): the run above is ``--workers 1`` (the single-process path, today's keys;
+``rank_rps_1worker`` is its rps in the alternation below). A second server, ``--workers 2`` (one serving PS and two
+uvicorn workers over its shared tables), takes the same closed-loop /rank load
+(``rank_rps_2workers``, ``worker_scaling`` = their ratio; the two servers alternate three times
+and the medians are kept, as the cores are shared), then a delta burst of ``table_rows``
+rows: ``table_mb`` is the size of the PS's shared index + rows, ``extra_worker_rss_mb`` how much
+one worker's private memory (USS: what one more worker adds, shared pages excluded) grew while the
+table grew to that size, and ``worker_uss_mb`` a worker's whole private memory (python, torch,
+numba: the same with any table). ``torn_reads`` is the seqlock check: a writer applies chunks
+(growing and rehashing) while a reader process gathers in a loop, rows checked against their
+versions.
 The last line is JSON.
 """
 
@@ -152,6 +164,80 @@ async def delta_burst(settings: Settings, rows: int, chunk: int, dim: int) -> fl
     return time.perf_counter() - started
 
 
+def uss_mb(pid: int) -> float:
+    """Private memory of ``pid`` (what it alone holds; shared mappings excluded), MB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+    return sum(int(fields[k].split()[0]) for k in ("Private_Clean", "Private_Dirty")) / 1024
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _torn_reader(root: str, seconds: float, q) -> None:  # type: ignore[no-untyped-def]
+    from serving.shared_tables import Control, attach_tables
+    from ps import TableConfig
+
+    control = Control(Path(root), 16, 1 << 16, write=False)
+    table = attach_tables(Path(root), control, control.read_state()[1],
+                          {"t": TableConfig(name="t", dim=8, initial_capacity=64).serving()})["t"]
+    rng, torn, end = np.random.default_rng(), 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        ids = rng.integers(0, 40_000, 256).astype(np.int64)
+        rows = table.gather(ids)
+        present = rows[:, 1] != 0
+        torn += int((present & ((rows[:, 0] != ids) | (rows[:, 1:] != rows[:, 1:2]).any(axis=1))).sum())
+    q.put(torn)
+
+
+def torn_reads(root: Path, seconds: float) -> int:
+    """Rows a reader process saw torn while a writer applied chunks in place (want 0)."""
+    import multiprocessing as mp
+
+    from ps import EmbeddingTable, SyncChunk, TableConfig
+    from serving.shared_tables import TablePublisher
+
+    table = EmbeddingTable(TableConfig(name="t", dim=8, initial_capacity=64).serving())
+    pub = TablePublisher(root, 16, 1 << 16)
+    pub.adopt({"t": table})
+    pub.control.write_state({"tables": pub.layout()})
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    reader = ctx.Process(target=_torn_reader, args=(str(root), seconds, q))
+    reader.start()
+    time.sleep(1.0)
+    rng, version, end = np.random.default_rng(1), 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        version += 1
+        keys = np.unique(rng.integers(0, min(40_000, 500 * version), 2_000)).astype(np.int64)
+        vals = np.full((keys.size, 8), version, np.float32)
+        vals[:, 0] = keys
+        with pub.writing("t"):
+            table.apply_sync(SyncChunk(keys, vals, np.ones(keys.size, np.int64), np.empty(0, np.int64)))
+    torn = int(q.get(timeout=60))
+    reader.join(30)
+    return torn
+
+
+def wait_ready(base: str, server: subprocess.Popen, log: Path, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or server.poll() is not None:
+            raise SystemExit(f"server not ready; see {log}")
+        time.sleep(0.2)
+
+
 def start(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True, cwd=ROOT)
@@ -175,19 +261,10 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "serving.feature_store", "load", "--dataset", "ml-1m",
                         "--data-dir", str(ROOT / "var" / "data")], env=env, check=True, cwd=ROOT)
         load_s = time.perf_counter() - t
-        server = start([sys.executable, "-m", "serving"], tmp / "serving.log", env)
+        server = start([sys.executable, "-m", "serving", "--workers", "1"], tmp / "serving.log", env)
         procs.append(server)
         base = f"http://{host}:{sport}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise SystemExit(f"server not ready; see {tmp / 'serving.log'}")
-            time.sleep(0.2)
+        wait_ready(base, server, tmp / "serving.log", 60)
 
         rng = np.random.default_rng(0)
         bodies = [{"user_id": int(rng.integers(1, 6041)),
@@ -227,6 +304,55 @@ def main() -> None:
             )
 
         result = asyncio.run(run())
+
+        # The same load on one serving PS with two workers, then the memory a worker adds.
+        wport = free_port()
+        wenv = dict(env, DRIFTLINE_SERVING__PORT=str(wport), DRIFTLINE_SERVING__PS_DIR=str(tmp / "ps"))
+        shared = start([sys.executable, "-m", "serving", "--workers", "2"], tmp / "serving-2w.log", wenv)
+        procs.append(shared)
+        wait_ready(f"http://{host}:{wport}", shared, tmp / "serving-2w.log")
+        rank_reqs_2 = rank_reqs
+
+        async def run_workers() -> dict:
+            await load(host, wport, rank_reqs_2, 1.0)  # warm-up: both workers
+            workers = children(shared.pid)
+            cpu0 = [cpu_s(p) for p in [shared.pid, *workers]]
+            # 1 and 2 workers alternate (the cores are shared with whatever else runs): medians
+            rps1, rps2, fail = [], [], 0
+            served = {sport: 0, wport: 0}
+            single0 = cpu_s(server.pid)
+            for _ in range(3):
+                for port, out in ((sport, rps1), (wport, rps2)):
+                    _lat, ok, failed = await load(host, port, rank_reqs_2, DURATION / 2)
+                    out.append(ok / (DURATION / 2))
+                    served[port] += ok
+                    fail += failed
+            cpu = [round(cpu_s(p) - c, 2) for p, c in zip([shared.pid, *workers], cpu0)]
+            # server CPU per /rank: whether the shared path costs more work, whatever the contention
+            cpu_1 = (cpu_s(server.pid) - single0) / max(1, served[sport]) * 1000
+            cpu_2 = sum(cpu) / max(1, served[wport]) * 1000
+            before = [uss_mb(w) for w in workers]
+            rows = 1_000_000
+            await delta_burst(settings, rows, 9_000, 16)
+            async with httpx.AsyncClient(base_url=f"http://{host}:{wport}", timeout=10) as client:
+                deadline = time.monotonic() + 120
+                while (await client.get("/readyz")).json()["model_version"]["sparse_version"] < 1:
+                    if time.monotonic() > deadline:
+                        raise SystemExit("the burst did not complete on the serving PS")
+                    await asyncio.sleep(0.5)
+            await load(host, wport, rank_reqs_2, 1.0)  # the workers read the grown tables
+            after = [uss_mb(w) for w in workers]
+            table_mb = sum(f.stat().st_size for f in (tmp / "ps").glob("*.rows")) / 1e6 * (1e6 / 2**20)
+            return dict(workers=len(workers), rank_rps_1worker=float(np.median(rps1)),
+                        rank_rps_2workers=float(np.median(rps2)), workers_failed_requests=fail,
+                        table_rows=rows, table_mb=table_mb,
+                        extra_worker_rss_mb=max(a - b for a, b in zip(after, before)),
+                        worker_uss_mb=max(after), ps_and_worker_cpu_s=cpu,
+                        cpu_ms_per_rank_1worker=cpu_1, cpu_ms_per_rank_2workers=cpu_2)
+
+        result.update(asyncio.run(run_workers()))
+        result["worker_scaling"] = result["rank_rps_2workers"] / result["rank_rps_1worker"]
+        result["torn_reads"] = torn_reads(tmp / "torn", 3.0 if QUICK else 10.0)
     finally:
         for p in reversed(procs):
             p.terminate()

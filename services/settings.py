@@ -17,6 +17,7 @@ users already have them set: ``KAFKA_BOOTSTRAP_SERVERS`` and ``REDIS_URL``. When
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -243,6 +244,19 @@ class ServingSettings(BaseModel):
     click_actions: tuple[str, ...] = ("click", "like")
     # The consumer group of the real-time reader (one for all replicas: Redis is shared).
     realtime_group_id: str = "serving-realtime"
+    # uvicorn worker processes of `driftline serve`. Above 1, one serving PS process consumes
+    # param-deltas and keeps the tables in shared memory (serving/shared_tables.py) and the workers
+    # read rows from it; 1 is the single-process path (its own tables and delta feed). The built-in
+    # "fm" model always runs single-process.
+    workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
+    # Where the serving PS maps its tables: None means /dev/shm/driftline-serving-<port> (tmpfs, no
+    # disk write-back) where /dev/shm exists, else <var_dir>/serving/ps-<port>.
+    ps_dir: Path | None = None
+    # Room in the PS's control file: (table, shard) entries, and bytes of its JSON state.
+    ps_max_shards: int = 256
+    ps_state_bytes: int = 1 << 20
+    # Seconds between the PS's state publications when no delta arrives (readiness, staleness).
+    ps_state_interval_s: float = 0.5
 
 
 class StatusSettings(BaseModel):
@@ -375,6 +389,15 @@ class Settings(BaseSettings):
     @property
     def log_dir(self) -> Path:
         return self.var_dir / "log"
+
+    @property
+    def serving_ps_dir(self) -> Path:
+        """Where the serving PS of this port maps its tables (see ServingSettings.ps_dir)."""
+        if self.serving.ps_dir is not None:
+            return self.serving.ps_dir
+        shm = Path("/dev/shm")
+        name = f"driftline-serving-{self.serving.port}"
+        return shm / name if shm.is_dir() else self.var_dir / "serving" / f"ps-{self.serving.port}"
 
     @property
     def snapshot_root(self) -> Path:

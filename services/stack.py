@@ -70,7 +70,7 @@ APP_SERVICES: list[AppService] = [
     # r > 0 exports metrics on the trainer's port + r * trainer.rank_metrics_port_stride
     AppService("trainer", ("trainer", "online"), metrics_port=_metrics(2),
                settings_env=lambda s: {"DRIFTLINE_TRAINER__NPROC": str(s.trainer.nproc)}),
-    AppService("serving", ("serve",),
+    AppService("serving", ("serve", "--workers", "2"),  # one serving PS, two workers
                ready=lambda s: port_is_open(s.serving.host, s.serving.port),
                urls=lambda s: {"ranking API docs": f"{_serving_url(s)}/docs"},
                metrics_url=lambda s: f"{_serving_url(s)}/metrics"),

@@ -9,6 +9,7 @@ an unclean exit. Here a signal means "stop", and once the stop is done it is for
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,8 +24,11 @@ class Server(uvicorn.Server):
             self._captured_signals.clear()
 
 
-def serve(app: Any, host: str, port: int, log_level: str) -> bool:
-    """Run ``app`` until SIGTERM/SIGINT; False when it never started (the log says why)."""
+def serve(app: Any, host: str, port: int, log_level: str, sock: socket.socket | None = None) -> bool:
+    """Run ``app`` until SIGTERM/SIGINT; False when it never started (the log says why).
+    ``sock``: a listening socket to accept on (a worker of a shared serving PS binds its own with
+    SO_REUSEPORT). Passed as a socket, not ``fd=``: uvicorn takes an fd for a unix socket and would
+    leave TCP_NODELAY off (Nagle + delayed ACKs: 40 ms stalls)."""
     server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False))
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
     return bool(server.started)

@@ -49,6 +49,7 @@ from serving.feature_store import FeatureStore, FeatureStoreError, RankFeatures
 from serving.model import FMModel, ServingModel, TrainerModel, warm_up
 from serving.realtime import RecentClicks
 from serving.responses import FastJSONResponse
+from serving.shared_model import SharedFeed, SharedModel
 from serving.schemas import (ActionsRequest, ActionsResponse, Health, ModelVersionOut,
                              RankRequest, RankResponse, Readiness, SampleRateOut)
 from serving.spool import SpoolError, SpoolFull
@@ -87,8 +88,12 @@ class Serving:
         self.epochs = SharedEpoch(settings)
         self.feature_log = FeatureLogger(settings, self.epochs)
         self.log_encoder = FeatureLogEncoder()
-        self.deltas = DeltaFeed(settings, self.model, settings.snapshot_root, options.kafka_retry_s,
-                                epochs=self.epochs)
+        self.deltas: DeltaFeed | SharedFeed
+        if isinstance(self.model, SharedModel):  # a worker of a shared serving PS: the PS feeds it
+            self.deltas = SharedFeed(self.model)
+        else:
+            self.deltas = DeltaFeed(settings, self.model, settings.snapshot_root, options.kafka_retry_s,
+                                    epochs=self.epochs)
         self.realtime = RecentClicks(settings, self.store, options.click_actions, options.realtime_group_id,
                                      retry_s=options.kafka_retry_s, epochs=self.epochs)
 

@@ -121,26 +121,7 @@ class DeltaFeed(BackgroundLoop):
         self.past_snapshot = False
 
     def publish_metrics(self) -> None:
-        mid = self.model.model_id
-        rate, source = self.model.sample_rates.rate_for(mid)
-        for other in ("slice", "global", "unrecorded"):  # one series: the source in use
-            if other != source:
-                with contextlib.suppress(KeyError):
-                    metrics.SAMPLE_RATE.remove(mid, other)
-        metrics.SAMPLE_RATE.labels(mid, source).set(rate)
-        for kind, state in (("sparse", self.model.sparse), ("dense", self.model.dense)):
-            metrics.MODEL_VERSION.labels(mid, kind).set(state.version)
-            stale = state.staleness_s()
-            if stale is not None:
-                metrics.DELTA_STALENESS.labels(mid, kind).set(stale)
-        versions = self.model.sparse.versions()
-        for shard in self._shard_series - versions.keys():  # a previous layout's shards
-            with contextlib.suppress(KeyError):
-                metrics.SPARSE_VERSION.remove(mid, shard)
-        for shard, version in versions.items():
-            metrics.SPARSE_VERSION.labels(mid, shard).set(version)
-        self._shard_series = set(versions)
-        metrics.SHARD_COUNT.labels(mid).set(self.model.sparse.shard_count)
+        self._shard_series = publish_model_metrics(self.model, self._shard_series)
 
     async def stop(self) -> None:
         await super().stop()
@@ -314,3 +295,29 @@ class DeltaFeed(BackgroundLoop):
         metrics.DELTA_APPLY_SECONDS.labels(kind).observe(time.perf_counter() - started)
         if msg.created_at_ms:
             metrics.DELTA_LAG.labels(kind).observe(max(0.0, time.time() - msg.created_at_ms / 1000))
+
+
+def publish_model_metrics(model: ServingModel, shard_series: set[str]) -> set[str]:
+    """Set the served-model gauges (versions, staleness, sample rate) from ``model``; returns the
+    shard series now set (pass it back next time: a previous layout's shards are removed). Shared
+    by the feed and by a shared serving PS's workers, which report the PS's model."""
+    mid = model.model_id
+    rate, source = model.sample_rates.rate_for(mid)
+    for other in ("slice", "global", "unrecorded"):  # one series: the source in use
+        if other != source:
+            with contextlib.suppress(KeyError):
+                metrics.SAMPLE_RATE.remove(mid, other)
+    metrics.SAMPLE_RATE.labels(mid, source).set(rate)
+    for kind, state in (("sparse", model.sparse), ("dense", model.dense)):
+        metrics.MODEL_VERSION.labels(mid, kind).set(state.version)
+        stale = state.staleness_s()
+        if stale is not None:
+            metrics.DELTA_STALENESS.labels(mid, kind).set(stale)
+    versions = model.sparse.versions()
+    for shard in shard_series - versions.keys():  # a previous layout's shards
+        with contextlib.suppress(KeyError):
+            metrics.SPARSE_VERSION.remove(mid, shard)
+    for shard, version in versions.items():
+        metrics.SPARSE_VERSION.labels(mid, shard).set(version)
+    metrics.SHARD_COUNT.labels(mid).set(model.sparse.shard_count)
+    return set(versions)

@@ -121,17 +121,33 @@ def _run_service(target: str) -> Callable[[argparse.Namespace, Settings], int]:
     return run
 
 
+def service_call(argv: Sequence[str]) -> tuple[str, list[str]] | None:
+    """``("module:function", its argv)`` when ``argv`` names a service: everything after the name
+    goes to the service verbatim (argparse's REMAINDER would move a leading ``--flag`` behind the
+    values that follow it: ``serve --workers 2`` reached serving as ``2 --workers``).
+
+    >>> service_call(["serve", "--workers", "2"])
+    ('serving.__main__:main', ['--workers', '2'])
+    >>> service_call(["up", "--no-replay"]) is None
+    True
+    """
+    if argv and argv[0] in SERVICE_COMMANDS:
+        return SERVICE_COMMANDS[argv[0]][0], list(argv[1:])
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from producers.movielens import DataError
     from services.embedded import StackError
     from services.kafka import BrokerUnavailable
 
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        if not hasattr(args, "args"):
-            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-        args.args = [*args.args, *unknown]  # a service's own flags, e.g. `driftline serve --help`
+    argv = list(sys.argv[1:] if argv is None else argv)
+    service = service_call(argv)
+    if service is not None:
+        target, rest = service
+        args = argparse.Namespace(command=argv[0], args=rest, func=_run_service(target))
+    else:
+        args = build_parser().parse_args(argv)
     settings = get_settings()
     setup_logging(f"driftline-{args.command}", settings.log_level)
     try:

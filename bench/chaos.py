@@ -302,6 +302,7 @@ def run_chaos(work: Path, quick: bool) -> dict:
         "parquet_rows_deleted": deleted,
         "crash_loops": sum(v.get("crash_loops", 0) for v in state.values()),
         "missing_vs_reference": len(missing),
+        "missing_sample": sorted(missing)[:20],  # example ids to look up in a kept work dir
         # by the broker epoch they reached the topic in (0: the first broker); those of epoch 0 that
         # the dumper never read lived only in the killed broker (docs/broker-reset.md)
         "missing_by_epoch": {str(ep): sum(1 for eid in missing if capture.example_epoch.get(eid) == ep)
@@ -337,8 +338,13 @@ def main() -> int:
 
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # the capture outlives the broker twice
     quick = os.environ.get("QUICK") == "1"
-    with tempfile.TemporaryDirectory(prefix="driftline-chaos-") as tmp:
-        result = run_chaos(Path(tmp), quick)
+    keep = os.environ.get("CHAOS_KEEP")  # a folder to run in and keep (logs, state) for a post-mortem
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        result = run_chaos(Path(keep), quick)
+    else:
+        with tempfile.TemporaryDirectory(prefix="driftline-chaos-") as tmp:
+            result = run_chaos(Path(tmp), quick)
     print(json.dumps(result), flush=True)
     return 0
 

@@ -55,6 +55,7 @@ from serving.correction import correct  # noqa: E402
 from serving.feature_log import features_message  # noqa: E402
 from serving.feature_store import load_dataset  # noqa: E402
 from serving.model import warm_up  # noqa: E402
+from serving.request_features import slots_for  # noqa: E402
 from serving.schemas import RankRequest  # noqa: E402
 from services.embedded import free_port, redis_command, wait_for_port  # noqa: E402
 from services.settings import Settings  # noqa: E402
@@ -81,15 +82,11 @@ async def profile(settings: Settings, bodies: list[bytes], requests: int, warm: 
             t3 = time.perf_counter()
             feats = await s.store.fetch(body.user_id, item_ids)
             t4 = time.perf_counter()
-            user_slots = dict(feats.user or {"user_id": [body.user_id]})
-            if feats.recent_items:
-                user_slots["recent_items"] = feats.recent_items
-            item_slots = []
-            for c, stored in zip(body.candidates, feats.items):
-                slots = dict(stored or {"item_id": [c.item_id]})
+            user_slots, item_slots = slots_for(s.model.declared, body.user_id, feats.user, feats.recent_items,
+                                               feats.items, item_ids)
+            for c, slots in zip(body.candidates, item_slots):
                 if c.features is not None:
                     slots.update(c.features.sparse)
-                item_slots.append(slots)
             version = s.version()
             t5 = time.perf_counter()
             raw = s.model.score(user_slots, item_slots)

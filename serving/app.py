@@ -3,7 +3,8 @@
 Unknown users are **scored with default features** (cold start is normal traffic, not an error):
 the response says ``user_known: false`` and ``driftline_serving_unknown_users_total`` counts them.
 Unknown items likewise get only their ``item_id`` slot, and ids the PS has not admitted read as
-the table default. If Redis fails, ranking still answers with default features and the
+the table default. Serving adds and logs only the features the served model declares
+(:mod:`serving.request_features`): a request naming another is a 422 that names it. If Redis fails, ranking still answers with default features and the
 ``X-Driftline-Degraded: feature-store`` header. Bad input is a 422 with the offending field;
 an event time outside ``[now - event_time.max_past_s, now + event_time.max_future_s]`` is bad input.
 
@@ -48,6 +49,7 @@ from serving.feature_log import FeatureLogEncoder, FeatureLogger, FeatureLogTooL
 from serving.feature_store import FeatureStore, FeatureStoreError, RankFeatures
 from serving.model import FMModel, ServingModel, TrainerModel, warm_up
 from serving.realtime import RecentClicks
+from serving.request_features import BadFeatures, Declared, check_names, item_cache_key, slots_for
 from serving.responses import FastJSONResponse
 from serving.shared_model import SharedFeed, SharedModel
 from serving.schemas import (ActionsRequest, ActionsResponse, Health, ModelVersionOut,
@@ -134,6 +136,20 @@ class Serving:
         return event_time_ms
 
 
+def check_request(declared: Declared, body: RankRequest) -> None:
+    """A 422 naming the first feature of the request the served model does not declare."""
+    try:
+        if body.context is not None:
+            check_names(declared, "context.sparse", body.context.sparse)
+            check_names(declared, "context.dense", body.context.dense, dense=True)
+        for i, c in enumerate(body.candidates):
+            if c.features is not None:
+                check_names(declared, f"candidates[{i}].features.sparse", c.features.sparse)
+                check_names(declared, f"candidates[{i}].features.dense", c.features.dense, dense=True)
+    except BadFeatures as err:
+        raise HTTPException(422, str(err)) from None
+
+
 class _Metrics:
     """Pure-ASGI middleware: request count and latency per route template."""
 
@@ -211,6 +227,8 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         if n > s.options.max_candidates:
             raise HTTPException(422, f"candidates: {n} given, at most {s.options.max_candidates} allowed")
         event_time_ms = s.event_time("event_time_ms", body.event_time_ms, int(time.time() * 1000))
+        declared = s.model.declared  # one declaration for the whole request
+        check_request(declared, body)  # bad input is a 4xx whether or not a model is loaded
         if not s.deltas.loaded:
             raise HTTPException(503, "no model loaded yet: waiting for a snapshot or the delta topic")
         request_id = body.request_id or uuid.uuid4().hex
@@ -225,18 +243,13 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         user_known = feats.user is not None
         if not user_known:
             metrics.UNKNOWN_USERS.inc()
-        user_slots: dict[str, list[int]] = dict(feats.user or {"user_id": [body.user_id]})
-        if feats.recent_items:
-            user_slots["recent_items"] = feats.recent_items
+        user_slots, item_slots = slots_for(declared, body.user_id, feats.user, feats.recent_items,
+                                           feats.items, item_ids)
         if body.context is not None:
-            for name, ids in body.context.sparse.items():
-                user_slots[name] = ids
-        item_slots: list[dict[str, list[int]]] = []
-        for c, stored in zip(body.candidates, feats.items):
-            slots = dict(stored or {"item_id": [c.item_id]})
+            user_slots.update(body.context.sparse)
+        for c, slots in zip(body.candidates, item_slots):
             if c.features is not None:
                 slots.update(c.features.sparse)
-            item_slots.append(slots)
         version = s.version()  # read before scoring: the served version is at least this one
         raw = s.model.score(user_slots, item_slots)
         # the rate the served parameters were trained under, for the slice this replica serves
@@ -248,7 +261,8 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         context = features_message(user_slots, body.context.dense if body.context is not None else None)
         mv = ModelVersion(model_id=version.model_id, sparse_version=version.sparse_version,
                           dense_version=version.dense_version)
-        raws = feats.items_raw or [None] * n
+        raws = [item_cache_key(declared, raw, stored)
+                for raw, stored in zip(feats.items_raw or [None] * n, feats.items)]
         encoded = s.log_encoder.encode(
             request_id, event_time_ms, body.user_id, context, mv,
             [(c.item_id, None if c.features is not None else key, slots,

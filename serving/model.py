@@ -42,6 +42,7 @@ from producers.movielens_features import ITEM_SLOTS, USER_SLOTS
 from proto import ParameterDelta
 from ps import EmbeddingTable, SyncChunk, TableConfig
 from serving.correction import BadSampleRates, SampleRates
+from serving.request_features import Declared
 
 if TYPE_CHECKING:
     from trainer.batch import SparseBatch
@@ -196,6 +197,11 @@ class ServingModel(Protocol):
     #: dense delta that carries them): what ``/rank``'s log-odds correction uses
     sample_rates: SampleRates
 
+    @property
+    def declared(self) -> Declared:
+        """The features the model reads now (a snapshot may bring another config)."""
+        ...
+
     def score(self, user_slots: Slots, item_slots_list: Sequence[Slots]) -> np.ndarray:
         """Uncorrected probabilities, one per item, float64."""
         ...
@@ -287,6 +293,7 @@ class FMModel:
         self.sparse = SparseVersions()
         self.dense = VersionState()
         self.sample_rates = SampleRates()
+        self.declared = Declared.of(slots)
 
     # ------------------------------------------------------------------ scoring
     def _pooled(self, slot: str, ids_per_row: Sequence[Sequence[int]]) -> np.ndarray:
@@ -518,10 +525,19 @@ class TrainerModel:
         self.dense = VersionState()
         self.sample_rates = SampleRates()
         self._pooler: SparseModel | None = None
+        self._declared: tuple[object, Declared] | None = None
 
     @property
     def tables(self) -> dict[str, EmbeddingTable]:
         return self.scorer.tables
+
+    @property
+    def declared(self) -> Declared:
+        config = self.config
+        cached = self._declared
+        if cached is None or cached[0] is not config:
+            cached = self._declared = (config, Declared.of(config.all_slots, config.dense_features))  # type: ignore[attr-defined]
+        return cached[1]
 
     def score(self, user_slots: Slots, item_slots_list: Sequence[Slots]) -> np.ndarray:
         """The user's fields are looked up and pooled once per request, not once per candidate.

@@ -45,10 +45,14 @@ class CandidateIn(_Strict):
 
 
 class RankRequest(_Strict):
-    """Rank ``candidates`` for ``user_id``. Unknown users are scored with default features."""
+    """Rank ``candidates`` for ``user_id``. Unknown users are scored with default features.
+
+    Features are those the served model declares: a context or candidate feature it does not
+    know is a 422 naming it."""
 
     request_id: RequestId | None = Field(None, description="Echoed back; generated when absent.")
-    user_id: Id
+    user_id: Id = Field(0, description="0 = no user (traffic without users). Serving adds a user_id "
+                                       "slot for a user the store does not know only if the model reads one.")
     event_time_ms: Annotated[int, Field(gt=0, le=INT64_MAX)] | None = Field(
         None, description="Unix milliseconds the request happened at (a replay's data time); now when "
                           "absent. Outside [now - event_time.max_past_s, now + event_time.max_future_s]: 422.")
@@ -62,9 +66,7 @@ class RankRequest(_Strict):
         extra="forbid", allow_inf_nan=False,
         json_schema_extra={"examples": [{
             "request_id": "r-0001", "user_id": 42,
-            "context": {"sparse": {"device": [3]}},
-            "candidates": [{"item_id": 1193}, {"item_id": 661}, {"item_id": 914,
-                                                                    "features": {"sparse": {"slot_pos": [2]}}}],
+            "candidates": [{"item_id": 1193}, {"item_id": 661}, {"item_id": 914}],
         }]},
     )
 

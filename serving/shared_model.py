@@ -31,6 +31,7 @@ from proto import ParameterDelta
 from serving.correction import SampleRates
 from serving.deltas import publish_model_metrics
 from serving.model import Bootstrap, DeltaRejected, TrainerModel, VersionState
+from serving.request_features import Declared
 from serving.shared_tables import Control, NotPublished, TablePublisher, attach_tables
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,11 @@ class SharedModel(TrainerModel):
         self.scorer = Scorer(config, tables)
         self._layout_gen = state["layout_gen"]
         self._dense_gen = -1
+
+    @property
+    def declared(self) -> Declared:
+        self.refresh()  # the PS's config, not the one this worker was started with
+        return super().declared
 
     def score(self, user_slots, item_slots_list):  # type: ignore[no-untyped-def]
         self.refresh()

@@ -133,7 +133,11 @@ async def _clicks(url: str, key: str) -> list[int]:
         ({"user_id": "abc", "candidates": [{"item_id": 1}]}, "user_id"),
         ({"user_id": 1, "candidates": [{"item_id": "x"}]}, "item_id"),
         ({"user_id": -5, "candidates": [{"item_id": 1}]}, "user_id"),
-        ({"candidates": [{"item_id": 1}]}, "user_id"),
+        # features the model does not declare (the built-in FM reads the demo's slots, no dense)
+        ({"user_id": 1, "context": {"sparse": {"device": [3]}}, "candidates": [{"item_id": 1}]},
+         "context.sparse: the model has no sparse feature 'device'"),
+        ({"user_id": 1, "candidates": [{"item_id": 1}, {"item_id": 2, "features": {"dense": {"hour": 1.0}}}]},
+         "candidates[1].features.dense: the model has no dense feature 'hour'"),
         ({"user_id": 1, "candidates": [{"item_id": 1, "features": {"dense": {"x": "NaN"}}}]}, "dense"),
         ({"user_id": 1, "candidates": [{"item_id": 1}], "surprise": 1}, "surprise"),
         ({"user_id": 2**64, "candidates": [{"item_id": 1}]}, "user_id"),

@@ -1,0 +1,101 @@
+"""What ``/rank`` scores and logs for one request: the features the served model declares, and no other.
+
+The served model declares its features (:class:`Declared`: its sparse slots and its dense
+features in input order, from its :class:`trainer.config.ModelConfig`). Serving adds a slot of its
+own only when the model reads it: ``user_id`` for a user the store does not know, ``item_id`` for
+an item it does not know, ``recent_items`` (the user's last clicks). Stored user and item slots the
+model does not read are left out: the store is shared, and a feature logged that the model does not
+know makes the trainer dead-letter the example (``unknown_slot``).
+
+A request that names a feature the model does not know, or leaves out one of its dense features,
+is a client error (:class:`BadFeatures`, a 422 naming the feature): a 200 would log an impression
+the trainer refuses. A candidate's dense value replaces the context's of the same name (the joiner
+merges them the same way).
+
+>>> d = Declared.of(["item_id", "user_id"], ["hour"])
+>>> user, items = slots_for(d, 7, None, [], [None, {"item_id": [2], "genres": [1]}], [1, 2])
+>>> user, items
+({'user_id': [7]}, [{'item_id': [1]}, {'item_id': [2]}])
+>>> check_names(d, "context.sparse", ["device"])
+Traceback (most recent call last):
+...
+serving.request_features.BadFeatures: context.sparse: the model has no sparse feature 'device' (its sparse features: item_id, user_id)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+Slots = dict[str, list[int]]
+
+USER_ID = "user_id"
+ITEM_ID = "item_id"
+#: the real-time slot: the user's last clicked item ids (:mod:`serving.realtime`)
+RECENT_ITEMS = "recent_items"
+
+
+class BadFeatures(ValueError):
+    """A request's features do not fit the served model (a 422 with this message)."""
+
+
+@dataclass(frozen=True)
+class Declared:
+    """The features a model reads: sparse slot names and dense feature names (in input order).
+
+    ``token`` names the declaration in cache keys: an item's stored value with slots left out
+    encodes differently under another declaration."""
+
+    slots: frozenset[str]
+    dense: tuple[str, ...]
+    token: bytes
+
+    @classmethod
+    def of(cls, slots: Iterable[str], dense: Sequence[str] = ()) -> Declared:
+        slots, dense = frozenset(slots), tuple(dense)
+        token = hashlib.blake2b(repr((sorted(slots), dense)).encode(), digest_size=8).digest()
+        return cls(slots, dense, token)
+
+
+def check_names(declared: Declared, where: str, names: Iterable[str], dense: bool = False) -> None:
+    """Raise :class:`BadFeatures` for the first name in ``names`` the model does not declare."""
+    known = set(declared.dense) if dense else declared.slots
+    for name in names:
+        if name not in known:
+            kind = "dense" if dense else "sparse"
+            listed = ", ".join(sorted(known)) or "none"
+            raise BadFeatures(f"{where}: the model has no {kind} feature {name!r} (its {kind} features: {listed})")
+
+
+def slots_for(declared: Declared, user_id: int, user: Slots | None, recent: list[int],
+              items: Sequence[Slots | None], item_ids: Sequence[int]) -> tuple[Slots, list[Slots]]:
+    """The user's and each candidate's sparse slots from the store, reduced to what the model reads
+    (the request's own features are added by the caller)."""
+    slots = declared.slots
+    if user is None:
+        user_slots: Slots = {USER_ID: [user_id]} if USER_ID in slots else {}
+    else:
+        user_slots = {k: v for k, v in user.items() if k in slots}
+    if recent and RECENT_ITEMS in slots:
+        user_slots[RECENT_ITEMS] = recent
+    default_item = ITEM_ID in slots
+    out: list[Slots] = []
+    for item_id, stored in zip(item_ids, items):
+        if stored is None:
+            out.append({ITEM_ID: [item_id]} if default_item else {})
+        elif stored.keys() <= slots:
+            out.append(dict(stored))
+        else:
+            out.append({k: v for k, v in stored.items() if k in slots})
+    return user_slots, out
+
+
+def item_cache_key(declared: Declared, raw: bytes | None, stored: Slots | None) -> bytes | None:
+    """The feature-log cache key of a stored item's slots as served: its raw value, qualified by
+    the declaration when slots of it were left out."""
+    if raw is None or stored is None or stored.keys() <= declared.slots:
+        return raw
+    return raw + b"\x00" + declared.token

@@ -49,7 +49,7 @@ from serving.feature_log import FeatureLogEncoder, FeatureLogger, FeatureLogTooL
 from serving.feature_store import FeatureStore, FeatureStoreError, RankFeatures
 from serving.model import FMModel, ServingModel, TrainerModel, warm_up
 from serving.realtime import RecentClicks
-from serving.request_features import BadFeatures, Declared, check_names, item_cache_key, slots_for
+from serving.request_features import BadFeatures, Declared, check_names, dense_for, item_cache_key, slots_for
 from serving.responses import FastJSONResponse
 from serving.shared_model import SharedFeed, SharedModel
 from serving.schemas import (ActionsRequest, ActionsResponse, Health, ModelVersionOut,
@@ -136,8 +136,9 @@ class Serving:
         return event_time_ms
 
 
-def check_request(declared: Declared, body: RankRequest) -> None:
-    """A 422 naming the first feature of the request the served model does not declare."""
+def request_dense(declared: Declared, body: RankRequest) -> np.ndarray | None:
+    """The request's dense input (:func:`serving.request_features.dense_for`); a 422 naming the
+    first feature of the request the served model does not declare, or the first it misses."""
     try:
         if body.context is not None:
             check_names(declared, "context.sparse", body.context.sparse)
@@ -146,6 +147,8 @@ def check_request(declared: Declared, body: RankRequest) -> None:
             if c.features is not None:
                 check_names(declared, f"candidates[{i}].features.sparse", c.features.sparse)
                 check_names(declared, f"candidates[{i}].features.dense", c.features.dense, dense=True)
+        return dense_for(declared, body.context.dense if body.context is not None else None,
+                         [c.features.dense if c.features is not None else None for c in body.candidates])
     except BadFeatures as err:
         raise HTTPException(422, str(err)) from None
 
@@ -228,7 +231,7 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
             raise HTTPException(422, f"candidates: {n} given, at most {s.options.max_candidates} allowed")
         event_time_ms = s.event_time("event_time_ms", body.event_time_ms, int(time.time() * 1000))
         declared = s.model.declared  # one declaration for the whole request
-        check_request(declared, body)  # bad input is a 4xx whether or not a model is loaded
+        dense = request_dense(declared, body)  # bad input is a 4xx whether or not a model is loaded
         if not s.deltas.loaded:
             raise HTTPException(503, "no model loaded yet: waiting for a snapshot or the delta topic")
         request_id = body.request_id or uuid.uuid4().hex
@@ -251,7 +254,7 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
             if c.features is not None:
                 slots.update(c.features.sparse)
         version = s.version()  # read before scoring: the served version is at least this one
-        raw = s.model.score(user_slots, item_slots)
+        raw = s.model.score(user_slots, item_slots, dense)
         # the rate the served parameters were trained under, for the slice this replica serves
         rate, _source = s.model.sample_rates.rate_for(s.model.model_id)
         scores = correct(raw, rate)

@@ -202,8 +202,9 @@ class ServingModel(Protocol):
         """The features the model reads now (a snapshot may bring another config)."""
         ...
 
-    def score(self, user_slots: Slots, item_slots_list: Sequence[Slots]) -> np.ndarray:
-        """Uncorrected probabilities, one per item, float64."""
+    def score(self, user_slots: Slots, item_slots_list: Sequence[Slots], dense: np.ndarray | None = None) -> np.ndarray:
+        """Uncorrected probabilities, one per item, float64. ``dense``: float32 ``[items, K]``, the
+        model's ``declared.dense`` features in order (None when it declares none)."""
         ...
 
     def apply_delta(self, msg: ParameterDelta) -> str:
@@ -311,8 +312,8 @@ class FMModel:
         np.add.at(out, np.repeat(np.arange(n), lengths), emb)
         return out
 
-    def score(self, user_slots: Slots, item_slots_list: Sequence[Slots]) -> np.ndarray:
-        n = len(item_slots_list)
+    def score(self, user_slots: Slots, item_slots_list: Sequence[Slots], dense: np.ndarray | None = None) -> np.ndarray:
+        n = len(item_slots_list)  # declares no dense features: ``dense`` is always None
         linear = np.zeros(n, np.float64)
         v_sum = np.zeros((n, self.dim), np.float64)
         v_sq = np.zeros(n, np.float64)
@@ -457,7 +458,9 @@ def warm_up(model: ServingModel) -> None:
     scratch.apply_sync(SyncChunk(np.empty(0, np.int64), np.empty((0, 2), np.float32),
                                  np.empty(0, np.int64), np.array([1], np.int64)))
     scratch.gather(np.array([1, 2, 5], np.int64))
-    model.score({"user_id": [1]}, [{"item_id": [1]}, {"item_id": [2, 3]}])
+    declared = model.declared
+    dense = np.zeros((2, len(declared.dense)), np.float32) if declared.dense else None
+    model.score({}, [{s: [1] for s in declared.slots}, {s: [2, 3] for s in declared.slots}], dense)
 
 
 def latest_snapshot(root: Path | None) -> Path | None:
@@ -539,7 +542,7 @@ class TrainerModel:
             cached = self._declared = (config, Declared.of(config.all_slots, config.dense_features))  # type: ignore[attr-defined]
         return cached[1]
 
-    def score(self, user_slots: Slots, item_slots_list: Sequence[Slots]) -> np.ndarray:
+    def score(self, user_slots: Slots, item_slots_list: Sequence[Slots], dense: np.ndarray | None = None) -> np.ndarray:
         """The user's fields are looked up and pooled once per request, not once per candidate.
 
         A field's pooled embedding depends only on its own slot's ids, so one batch whose row 0
@@ -555,10 +558,15 @@ class TrainerModel:
         scorer = self.scorer  # one reference: a concurrent bootstrap swaps in a new scorer
         if not item_slots_list:
             return np.zeros(0, np.float64)
+        n_dense = len(scorer.config.dense_features)
+        if n_dense and (dense is None or dense.shape != (len(item_slots_list), n_dense)):
+            raise ValueError(f"the model reads {n_dense} dense features per item, got "
+                             f"{None if dense is None else dense.shape}")
+        dense = dense if n_dense else None
         if any(not item.keys().isdisjoint(user_slots) for item in item_slots_list):
             user = dict(user_slots)
             rows = [{**user, **item} for item in item_slots_list]
-            return np.asarray(scorer.predict_slot_dicts(rows), dtype=np.float64)
+            return np.asarray(scorer.predict_slot_dicts(rows, dense), dtype=np.float64)
         pooler = self._pooler_for(scorer)
         batch = _request_batch(user_slots, item_slots_list, pooler.cfg.all_slots)
         head = scorer.head  # the head of one dense version for the whole request
@@ -566,7 +574,8 @@ class TrainerModel:
             (emb, lin, _), _ = pooler.forward(batch)
             emb = None if emb is None else emb[1:] + emb[:1]
             lin = None if lin is None else lin[1:] + lin[:1]
-            return torch.sigmoid(head(emb, lin, None)).numpy().astype(np.float64)
+            x = None if dense is None else torch.from_numpy(np.ascontiguousarray(dense, np.float32))
+            return torch.sigmoid(head(emb, lin, x)).numpy().astype(np.float64)
 
     def _pooler_for(self, scorer: Scorer) -> SparseModel:
         """A :class:`trainer.model.SparseModel` over ``scorer``'s tables whose head returns its

@@ -16,6 +16,8 @@ merges them the same way).
 >>> user, items = slots_for(d, 7, None, [], [None, {"item_id": [2], "genres": [1]}], [1, 2])
 >>> user, items
 ({'user_id': [7]}, [{'item_id': [1]}, {'item_id': [2]}])
+>>> dense_for(d, {"hour": 3.0}, [None, {"hour": 5.0}]).tolist()
+[[3.0], [5.0]]
 >>> check_names(d, "context.sparse", ["device"])
 Traceback (most recent call last):
 ...
@@ -99,3 +101,21 @@ def item_cache_key(declared: Declared, raw: bytes | None, stored: Slots | None) 
     if raw is None or stored is None or stored.keys() <= declared.slots:
         return raw
     return raw + b"\x00" + declared.token
+def dense_for(declared: Declared, context: Mapping[str, float] | None,
+              candidates: Sequence[Mapping[str, float] | None]) -> np.ndarray | None:
+    """float32 ``[n, len(declared.dense)]`` in the model's input order (None: the model has no
+    dense features); :class:`BadFeatures` naming the first candidate missing one."""
+    names = declared.dense
+    if not names:
+        return None
+    context = context or {}
+    out = np.empty((len(candidates), len(names)), np.float32)
+    for i, own in enumerate(candidates):
+        merged = {**context, **own} if own else context
+        try:
+            out[i] = [merged[name] for name in names]
+        except KeyError as err:
+            raise BadFeatures(
+                f"candidates[{i}]: dense feature {err.args[0]!r} missing (the model reads {list(names)}: "
+                "give each in context.dense or in every candidate's features.dense)") from None
+    return out

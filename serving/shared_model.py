@@ -165,9 +165,9 @@ class SharedModel(TrainerModel):
         self.refresh()  # the PS's config, not the one this worker was started with
         return super().declared
 
-    def score(self, user_slots, item_slots_list):  # type: ignore[no-untyped-def]
+    def score(self, user_slots, item_slots_list, dense=None):  # type: ignore[no-untyped-def]
         self.refresh()
-        return super().score(user_slots, item_slots_list)
+        return super().score(user_slots, item_slots_list, dense)
 
     def apply_delta(self, msg: ParameterDelta) -> str:
         raise DeltaRejected("read_only", "a shared serving worker takes no deltas: the serving PS does")

@@ -1,4 +1,5 @@
-"""Serving adds and logs only the features the served model declares; a model without users works."""
+"""Serving adds and logs only the features the served model declares (a model without users works),
+and the dense ones reach the scorer."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import asyncio
 import time
 
 import httpx
+import numpy as np
+import torch
 
 from proto import FeatureLog
 from ps import AdagradConfig, InitializerConfig, TableConfig
@@ -14,9 +17,11 @@ from serving.feature_store import FeatureStore
 from serving.model import TrainerModel
 from services.kafka import TypedConsumer
 from services.settings import Settings
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, deepfm_config
+from trainer.model import DenseHead
+from trainer.sync import encode_dense
 
-from serving_helpers import running, wait_ready
+from serving_helpers import publish, running, wait_ready
 
 
 def lr_model(model_id: str, slots: list[str], dense: list[str] | None = None) -> ModelConfig:
@@ -85,3 +90,51 @@ def test_a_model_with_users_gets_user_id_and_recent_clicks(filled_store: Setting
     log = asyncio.run(read_logs(filled_store, {"u77"}))["u77"]
     assert {s: list(v.ids) for s, v in log.context.sparse.items()} == {"user_id": [77], "recent_items": [5]}
     assert {s: list(v.ids) for s, v in log.candidates[0].features.sparse.items()} == {"item_id": [4]}
+
+
+def _scores(r: httpx.Response) -> dict[int, float]:
+    assert r.status_code == 200, r.text
+    return {i["item_id"]: i["raw_score"] for i in r.json()["items"]}
+
+
+def test_dense_features_reach_the_scorer(filled_store: Settings) -> None:
+    """An LR with dense weights published: a candidate's dense value (over the context's) moves its
+    score by exactly its weight; a dense feature missing is a 422 naming it."""
+    cfg = lr_model("dense", ["item_id"], dense=["hour", "price"])
+    head = DenseHead(cfg)
+    with torch.no_grad():
+        head.dense_linear.weight.copy_(torch.tensor([[1.0, -0.5]]))
+    with running(create_app(filled_store, TrainerModel(config=cfg))) as base:
+        wait_ready(base)
+        asyncio.run(publish(filled_store, [encode_dense(cfg.model_id, 1, head)]))
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{base}/readyz").json()["model_version"]["dense_version"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        post = lambda body: httpx.post(f"{base}/rank", json=body, timeout=30)  # noqa: E731
+        scores = _scores(post({"request_id": "dense", "context": {"dense": {"hour": 0.0, "price": 2.0}},
+                               "candidates": [{"item_id": 1}, {"item_id": 2, "features": {"dense": {"hour": 3.0}}},
+                                              {"item_id": 3, "features": {"dense": {"hour": 3.0, "price": 0.0}}}]}))
+        sigmoid = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+        np.testing.assert_allclose([scores[1], scores[2], scores[3]], sigmoid(np.array([-1.0, 2.0, 3.0])), rtol=1e-6)
+
+        r = post({"context": {"dense": {"hour": 1.0}}, "candidates": [{"item_id": 1, "features": {"dense": {"price": 1.0}}},
+                                                                      {"item_id": 2}]})
+        assert r.status_code == 422 and "candidates[1]: dense feature 'price' missing" in r.json()["message"], r.text
+        # extreme float32 values are scored, not a 5xx
+        assert post({"context": {"dense": {"hour": 3.4e38, "price": -3.4e38}}, "candidates": [{"item_id": 1}]}).status_code == 200
+
+    log = asyncio.run(read_logs(filled_store, {"dense"}))["dense"]
+    assert dict(log.context.dense) == {"hour": 0.0, "price": 2.0}
+    assert [dict(c.features.dense) for c in log.candidates] == [{}, {"hour": 3.0}, {"hour": 3.0, "price": 0.0}]
+
+
+def test_a_deepfm_with_a_dense_feature_starts_and_scores_with_it(filled_store: Settings) -> None:
+    """Its MLP reads the dense feature beside the fields (start-up once failed on the shapes)."""
+    base_cfg = deepfm_config("deepfm-dense", dim=4, mlp=[8], slots=("item_id",), recent_items=False)
+    cfg = ModelConfig.model_validate({**base_cfg.model_dump(), "dense_features": ["age_days"]})
+    with running(create_app(filled_store, TrainerModel(config=cfg))) as base:
+        wait_ready(base)
+        scores = [_scores(httpx.post(f"{base}/rank", json={"context": {"dense": {"age_days": v}},
+                                                          "candidates": [{"item_id": 1}]}))[1] for v in (0.0, 5.0)]
+    assert scores[0] != scores[1]

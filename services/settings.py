@@ -357,7 +357,8 @@ class Settings(BaseSettings):
         description="External Redis; unset means the embedded redis-server.",
     )
     var_dir: Path = Path("var")
-    data_dir: Path = Path("var/data")
+    # The dataset cache (MovieLens for the demo): under var_dir unless set, so moving var_dir moves it.
+    data_dir: Path = Field(default_factory=lambda fields: fields["var_dir"] / "data")
     log_level: str = "INFO"
     metrics_port: int = 0
     # 0.0.0.0 in containers, so Prometheus can scrape from another host.

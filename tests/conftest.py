@@ -116,3 +116,6 @@ def repo_root() -> Path:
 def pytest_configure(config: pytest.Config) -> None:
     # Numba caches compiled kernels next to the sources; keep test runs from fighting over it.
     os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(__file__).resolve().parent.parent / "var" / "numba-cache"))
+    # Tests move var_dir into their tmp_path, which would move the dataset cache with it (and
+    # download MovieLens per test): every test and every service it starts shares the repo's.
+    os.environ.setdefault("DRIFTLINE_DATA_DIR", str(Path(__file__).resolve().parent.parent / "var" / "data"))

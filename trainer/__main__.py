@@ -145,16 +145,17 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    settings = get_settings()
     ap = argparse.ArgumentParser(prog="python -m trainer")
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("batch", help="train from Parquet example dumps (or MovieLens directly)")
     b.add_argument("--passes", type=int, default=1)
     b.add_argument("--model", default="deepfm", help="deepfm | lr | path to a ModelConfig JSON")
     b.add_argument("--batch-size", type=int, default=1024)
-    b.add_argument("--examples-dir", default="var/examples")
+    b.add_argument("--examples-dir", default=str(settings.var_dir / "examples"))
     b.add_argument("--movielens", action="store_true", help="use MovieLens even if Parquet dumps exist")
     b.add_argument("--dataset", default="ml-1m")
-    b.add_argument("--data-dir", default="var/data")
+    b.add_argument("--data-dir", default=str(settings.data_dir))
     b.add_argument("--limit", type=int, default=None)
     b.add_argument("--test-fraction", type=float, default=0.1)
     b.add_argument("--snapshot", action="store_true", help="write a snapshot at the end")
@@ -171,7 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
-    settings = get_settings()
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rank = world = None
     if args.cmd == "online":

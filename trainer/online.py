@@ -17,7 +17,8 @@ intra-op thread; torch ops and the PS kernels release the GIL) while the event l
 decodes and assembles the next batch. At most two batches are in flight (one training, the next
 queued on the training thread), and a batch's offsets are committed after it is applied, in order.
 Every ``sync_interval_s`` the touched sparse rows are published to ``param-deltas`` as one version,
-every ``dense_sync_interval_s`` the dense params (:mod:`trainer.publisher`). Every
+the dense params at first as often, then less and less up to every ``dense_sync_interval_s``
+(:class:`trainer.publisher.DenseSchedule` says why). Every
 ``snapshot_interval_event_s`` of event time (and on a clean stop) a snapshot is written; a restart
 resumes from the newest (:mod:`trainer.resume`: what it records, and the crash semantics).
 
@@ -79,7 +80,7 @@ from .config import ModelConfig
 from .ingest import NO_HASHES, Decoded, Ingest, Prepared
 from .isolate import train_isolating
 from .model import SparseModel
-from .publisher import Publisher
+from .publisher import DenseSchedule, Publisher
 from .resets import ResetWatch
 from .resume import Snapshots
 from .sample_rates import SampleRateTracker
@@ -176,7 +177,8 @@ class OnlineTrainer:
         self.loss_ema = float("nan")
         self.first_batch_at: float | None = None
         self.last_batch_at: float | None = None
-        self._last_sync = self._last_dense = 0.0  # monotonic times of the last sparse / dense sync
+        self._last_sync = 0.0  # monotonic time of the last sparse sync
+        self.dense_schedule = DenseSchedule(self.sync_interval_s, self.dense_sync_interval_s)
         # batches handed to the training thread, oldest first: (task following it, its id hashes)
         self._pending: deque[tuple[asyncio.Task, np.ndarray]] = deque()
         #: 2: the next batch waits on the training thread's queue while the current one trains, so
@@ -382,11 +384,11 @@ class OnlineTrainer:
             self.unknown_start.discard(part)
 
     async def _sync_when_due(self, now: float) -> None:
-        """Publish sparse rows every ``sync_interval_s`` and dense weights every ``dense_sync_interval_s``,
+        """Publish sparse rows every ``sync_interval_s`` and dense weights when :attr:`dense_schedule` says,
         each after the batches in flight are applied (a sync holds only applied updates); not while
         a broker reset waits to be handled (it publishes onto the new topics itself)."""
         sparse = now - self._last_sync >= self.sync_interval_s
-        dense = now - self._last_dense >= self.dense_sync_interval_s
+        dense = self.dense_schedule.due(now)
         if not (sparse or dense) or await self.resets.noticed():
             return
         if sparse:
@@ -394,8 +396,8 @@ class OnlineTrainer:
             await self._drain()
             await self.sync_sparse()
         if dense:
-            self._last_dense = now
             await self._drain()
+            self.dense_schedule.published(now, self.examples_applied)
             await self.sync_dense()
 
     def _update_rate(self, now: float) -> None:
@@ -516,7 +518,8 @@ class OnlineTrainer:
         """The main loop: poll records until they hold ``batch_size`` examples (or
         ``batch_timeout_s`` passed), decoding each as it arrives, then hand the batch over."""
         started = time.time()
-        self._last_sync = self._last_dense = time.monotonic()
+        self._last_sync = time.monotonic()
+        self.dense_schedule = DenseSchedule(self.sync_interval_s, self.dense_sync_interval_s, self._last_sync)
         last_data = time.monotonic()
         await self._begin(restored)
         nxt = _NextBatch()

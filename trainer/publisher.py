@@ -1,7 +1,8 @@
 """The online trainer's publishing to ``param-deltas``: sparse rows and dense weights, as versions.
 
 Every ``sync_interval_s`` the rows touched since the last sync are published as one sparse version
-(several chunks, :func:`trainer.sync.encode_sparse_tables`); every ``dense_sync_interval_s`` the dense
+(several chunks, :func:`trainer.sync.encode_sparse_tables`); when :class:`DenseSchedule` says (every
+``sync_interval_s`` at first, then less often, up to every ``dense_sync_interval_s``) the dense
 params as one dense version, with the negative sample rates the model learned under
 (:mod:`trainer.sample_rates`, per slice and global: serving's log-odds correction uses them, not the
 joiner's setting). The trainer calls both with no batch in flight, so a version holds
@@ -144,3 +145,51 @@ class Publisher:
                     raise
                 log.warning("publishing %d parameter deltas failed (%r); retrying", len(records), err)
                 await asyncio.sleep(0.2)
+
+
+class DenseSchedule:
+    """When the dense weights are due: every ``sync_interval_s`` at first, the interval doubling with
+    each dense sync that carries learning, up to ``dense_sync_interval_s``.
+
+    Why not ``dense_sync_interval_s`` from the start: serving scores the sparse rows it receives
+    every ``sync_interval_s`` with the dense head it last received, and a model's head moves most
+    while the model is young. With only the hourly default a new model would serve its random
+    initial head beside trained embeddings for an hour. With the ramp (10 s, 20 s, 40 s, ...: about
+    ten dense versions in the first hour, then one an hour) the head serving holds follows the one
+    training quickly early, and rarely once it has settled. A dense version is small next to the
+    sparse rows (the DeepFM head: ~0.3 MB), so the early ones cost little. A restarted trainer ramps
+    again; syncs with nothing learned since the last one (a trainer waiting for traffic) do not
+    advance the ramp.
+
+    >>> s = DenseSchedule(10.0, 3600.0, now=0.0)
+    >>> s.due(9.0), s.due(10.0)
+    (False, True)
+    >>> s.published(10.0, examples=5); s.interval, s.due(29.0), s.due(30.0)
+    (20.0, False, True)
+    >>> s.published(30.0, examples=5); s.interval  # nothing learned since the last one
+    20.0
+    >>> [s.interval_after(k) for k in (0, 1, 8, 9, 5000)]
+    [10.0, 20.0, 2560.0, 3600.0, 3600.0]
+    """
+
+    def __init__(self, sync_interval_s: float, dense_sync_interval_s: float, now: float | None = None) -> None:
+        self.sync_interval_s, self.dense_sync_interval_s = sync_interval_s, dense_sync_interval_s
+        self.last = time.monotonic() if now is None else now
+        self.learned_syncs = 0
+        self._examples = 0
+
+    def interval_after(self, syncs: int) -> float:
+        return min(self.dense_sync_interval_s, self.sync_interval_s * 2.0 ** min(syncs, 64))
+
+    @property
+    def interval(self) -> float:
+        return self.interval_after(self.learned_syncs)
+
+    def due(self, now: float) -> bool:
+        return now - self.last >= self.interval
+
+    def published(self, now: float, examples: int) -> None:
+        """A dense sync at ``now``, ``examples`` learned in this run so far."""
+        if examples > self._examples:
+            self.learned_syncs += 1
+        self.last, self._examples = now, examples

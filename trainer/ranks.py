@@ -78,7 +78,7 @@ from .config import ModelConfig
 from .distributed import DistributedModel
 from .ingest import Decoded, Ingest
 from .model import NonFiniteStepError
-from .publisher import Publisher
+from .publisher import DenseSchedule, Publisher
 from .sample_rates import SampleRateTracker
 
 log = logging.getLogger(__name__)
@@ -284,7 +284,7 @@ class RankTrainer:
         mine[_STOP], mine[_IDLE], mine[_EXAMPLES], mine[_EVENT] = int(stop), int(idle), examples, event
         if self.rank == 0:  # rank 0's clock decides the time-based syncs for everyone
             mine[_SYNC] = int(now - self._last_sync >= self.ts.sync_interval_s)
-            mine[_DENSE] = int(now - self._last_dense >= self.ts.dense_sync_interval_s)
+            mine[_DENSE] = int(self.dense_schedule.due(now))
         out = [torch.zeros(6, dtype=torch.int64) for _ in range(self.world)]
         await self._coll(dist.all_gather, out, mine)
         self._stage("agree", time.perf_counter() - t0)
@@ -316,7 +316,8 @@ class RankTrainer:
 
     async def _loop(self, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
         started = time.time()
-        self._last_sync = self._last_dense = time.monotonic()
+        self._last_sync = time.monotonic()
+        self.dense_schedule = DenseSchedule(self.ts.sync_interval_s, self.ts.dense_sync_interval_s, self._last_sync)
         if not self.restored or self.publisher.dense_version == 0:
             await self.sync_dense()
         last_data, queued = time.monotonic(), 0
@@ -347,7 +348,7 @@ class RankTrainer:
                 self._last_sync = now
                 await self.sync_sparse()
             if ctl[0, _DENSE]:
-                self._last_dense = now
+                self.dense_schedule.published(now, queued)
                 await self.sync_dense()
             await self._snapshot_when_due()
             if ctl[:, _STOP].any() or ctl[:, _IDLE].all() or (max_examples is not None and queued >= max_examples):

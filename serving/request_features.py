@@ -2,8 +2,8 @@
 
 The served model declares its features (:class:`Declared`: its sparse slots and its dense
 features in input order, from its :class:`trainer.config.ModelConfig`). Serving adds a slot of its
-own only when the model reads it: ``user_id`` for a user the store does not know, ``item_id`` for
-an item it does not know, ``recent_items`` (the user's last clicks). Stored user and item slots the
+own only when the model reads it: ``user_id`` (the request's) and ``item_id`` (the candidate's)
+when the store holds none for them, ``recent_items`` (the user's last clicks). Stored user and item slots the
 model does not read are left out: the store is shared, and a feature logged that the model does not
 know makes the trainer dead-letter the example (``unknown_slot``).
 
@@ -13,9 +13,9 @@ the trainer refuses. A candidate's dense value replaces the context's of the sam
 merges them the same way).
 
 >>> d = Declared.of(["item_id", "user_id"], ["hour"])
->>> user, items = slots_for(d, 7, None, [], [None, {"item_id": [2], "genres": [1]}], [1, 2])
+>>> user, items = slots_for(d, 7, {"age": [3]}, [], [None, {"item_id": [2], "genres": [1]}, {}], [1, 2, 3])
 >>> user, items
-({'user_id': [7]}, [{'item_id': [1]}, {'item_id': [2]}])
+({'user_id': [7]}, [{'item_id': [1]}, {'item_id': [2]}, {'item_id': [3]}])
 >>> dense_for(d, {"hour": 3.0}, [None, {"hour": 5.0}]).tolist()
 [[3.0], [5.0]]
 >>> check_names(d, "context.sparse", ["device"])
@@ -77,28 +77,32 @@ def slots_for(declared: Declared, user_id: int, user: Slots | None, recent: list
     """The user's and each candidate's sparse slots from the store, reduced to what the model reads
     (the request's own features are added by the caller)."""
     slots = declared.slots
-    if user is None:
-        user_slots: Slots = {USER_ID: [user_id]} if USER_ID in slots else {}
-    else:
-        user_slots = {k: v for k, v in user.items() if k in slots}
+    user_slots: Slots = {k: v for k, v in user.items() if k in slots} if user is not None else {}
+    if USER_ID in slots and USER_ID not in user_slots:
+        user_slots[USER_ID] = [user_id]
     if recent and RECENT_ITEMS in slots:
         user_slots[RECENT_ITEMS] = recent
-    default_item = ITEM_ID in slots
+    add_item = ITEM_ID in slots
     out: list[Slots] = []
     for item_id, stored in zip(item_ids, items):
         if stored is None:
-            out.append({ITEM_ID: [item_id]} if default_item else {})
+            row: Slots = {}
         elif stored.keys() <= slots:
-            out.append(dict(stored))
+            row = dict(stored)
         else:
-            out.append({k: v for k, v in stored.items() if k in slots})
+            row = {k: v for k, v in stored.items() if k in slots}
+        if add_item and ITEM_ID not in row:
+            row[ITEM_ID] = [item_id]
+        out.append(row)
     return user_slots, out
 
 
 def item_cache_key(declared: Declared, raw: bytes | None, stored: Slots | None) -> bytes | None:
     """The feature-log cache key of a stored item's slots as served: its raw value, qualified by
-    the declaration when slots of it were left out."""
-    if raw is None or stored is None or stored.keys() <= declared.slots:
+    the declaration when the served slots differ from the stored ones (some left out, or
+    ``item_id`` added)."""
+    if raw is None or stored is None or (stored.keys() <= declared.slots
+                                         and (ITEM_ID in stored or ITEM_ID not in declared.slots)):
         return raw
     return raw + b"\x00" + declared.token
 def dense_for(declared: Declared, context: Mapping[str, float] | None,

@@ -62,7 +62,7 @@ def _metrics(offset: int) -> Callable[[Settings], int]:
 
 # In start order. Each long-running service exports /metrics on its own port.
 APP_SERVICES: list[AppService] = [
-    AppService("features-load", ("features", "load"), blocking=True),
+    AppService("features-load", ("features", "load", "--movielens"), blocking=True),
     AppService("joiner", ("joiner",), metrics_port=_metrics(0),
                env={"DRIFTLINE_JOINER__IDLE_ADVANCE_SECONDS": "30"}),
     AppService("dumper", ("dumper",), metrics_port=_metrics(1)),

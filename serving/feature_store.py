@@ -1,15 +1,19 @@
 """The online feature store in Redis: user and item side features and real-time user features.
 
-Layout (``P`` = the key prefix, ``driftline`` by default):
+Layout (``P`` = the key prefix, ``serving.redis_prefix``: ``driftline`` by default):
 
 * ``P:u:<user_id>`` / ``P:i:<item_id>``: the sparse slots as one string, ``slot=id,id;slot=id``
-  (one ``MGET`` fetches a request's user and all its candidates in one round trip);
+  (ids in decimal; one ``MGET`` fetches a request's user and all its candidates in one round
+  trip). ``/rank`` reads only the slots the served model declares (:mod:`serving.request_features`);
 * ``P:clicks:<user_id>``: a list of the user's last K clicked item ids, newest first, updated
   from the ``actions`` topic (:func:`record_clicks`), served as the ``recent_items`` slot;
 * ``P:meta:<name>``: small values of the readers that fill it (the broker epoch whose actions the
   clicks were last read from).
 
-Fill it from a dataset with ``python -m serving.feature_store load --dataset ml-1m``.
+Keys and values are plain strings, so any writer can fill it: ids are int64 in decimal, string
+values hashed to ids with :func:`services.hashing.string_id`. Fill it from your own Parquet or CSV
+files with ``driftline features load --users FILE --items FILE`` (:mod:`serving.feature_files`),
+or with the MovieLens demo's features with ``driftline features load --movielens``.
 
 >>> encode_slots({"user_id": [7], "genres": [1, 2]})
 b'user_id=7;genres=1,2'
@@ -196,22 +200,47 @@ async def load_dataset(url: str, dataset: str, data_dir: Path, prefix: str = "dr
 def main(argv: list[str] | None = None) -> int:
     from services.settings import get_settings
 
+    from serving.feature_files import FeatureFileError, load_files
+
     settings = get_settings()
-    parser = argparse.ArgumentParser(prog="python -m serving.feature_store", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="driftline features", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p_load = sub.add_parser("load", help="fill the store from a MovieLens dataset")
+    p_load = sub.add_parser("load", help="fill the store from your users/items files, or from MovieLens (the demo)",
+                            description="Fill the store from --users/--items files (Parquet or CSV: see "
+                                        "serving/feature_files.py) or, with --movielens, from a MovieLens dataset.")
+    p_load.add_argument("--users", type=Path, help="users file (.parquet, .pq or .csv): one row per user")
+    p_load.add_argument("--items", type=Path, help="items file (.parquet, .pq or .csv): one row per item")
+    p_load.add_argument("--user-key", default="user_id", help="the users file's id column (default user_id)")
+    p_load.add_argument("--item-key", default="item_id", help="the items file's id column (default item_id)")
+    p_load.add_argument("--separator", help="split string cells on this into bags of ids (e.g. '|')")
+    p_load.add_argument("--movielens", action="store_true", help="load the MovieLens demo's features instead")
     p_load.add_argument("--dataset", default=settings.replay.dataset, choices=["ml-1m", "ml-100k"])
     p_load.add_argument("--data-dir", type=Path, default=settings.data_dir)
     p_load.add_argument("--redis-url", default=settings.redis)
-    p_load.add_argument("--prefix", default="driftline")
+    p_load.add_argument("--prefix", default=settings.serving.redis_prefix)
     args = parser.parse_args(argv)
+    files = args.users is not None or args.items is not None
+    if files == args.movielens:
+        print("driftline features load: give --users FILE and/or --items FILE, or --movielens (the demo), "
+              "not both", file=sys.stderr)
+        return 2
     try:
-        n, seconds = asyncio.run(load_dataset(args.redis_url, args.dataset, args.data_dir, args.prefix))
+        if args.movielens:
+            source = args.dataset
+            n, seconds = asyncio.run(load_dataset(args.redis_url, args.dataset, args.data_dir, args.prefix))
+        else:
+            source = " and ".join(str(p) for p in (args.users, args.items) if p is not None)
+            n, seconds = asyncio.run(load_files(args.redis_url, args.prefix, args.users, args.items,
+                                                user_key=args.user_key, item_key=args.item_key,
+                                                separator=args.separator))
+    except FeatureFileError as err:
+        print(f"driftline features load: {err}", file=sys.stderr)
+        return 2
     except (ConnectionError, OSError, aioredis.ConnectionError) as err:
         print(f"cannot reach Redis at {args.redis_url}: {err}; run `make up` or set REDIS_URL",
               file=sys.stderr)
         return 1
-    print(f"loaded {n} feature keys from {args.dataset} into {args.redis_url} in {seconds:.2f}s")
+    print(f"loaded {n} feature keys from {source} into {args.redis_url} in {seconds:.2f}s")
     return 0
 
 

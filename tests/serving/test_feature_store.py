@@ -12,7 +12,7 @@ from serving.feature_store import FeatureStore, main
 
 def test_loader_fills_store(redis_url: str, repo_root: Path, capsys) -> None:
     data = repo_root / "var" / "data"
-    assert main(["load", "--dataset", "ml-100k", "--data-dir", str(data), "--redis-url", redis_url,
+    assert main(["load", "--movielens", "--dataset", "ml-100k", "--data-dir", str(data), "--redis-url", redis_url,
                  "--prefix", "loadtest"]) == 0
     assert "loaded 2625 feature keys" in capsys.readouterr().out  # 943 users + 1682 items
     ml = load("ml-100k", data)
@@ -28,7 +28,7 @@ def test_loader_fills_store(redis_url: str, repo_root: Path, capsys) -> None:
     got = asyncio.run(fetch())
     assert got.user == feats.user_slots(1)
     assert got.items[:2] == [feats.item_slots(1), feats.item_slots(50)] and got.items[2] is None
-    assert main(["load", "--redis-url", "redis://127.0.0.1:1/0", "--dataset", "ml-100k",
+    assert main(["load", "--movielens", "--redis-url", "redis://127.0.0.1:1/0", "--dataset", "ml-100k",
                  "--data-dir", str(data)]) == 1
 
 

@@ -1,0 +1,125 @@
+"""User and item features from your own Parquet or CSV files, for the feature store.
+
+``driftline features load --users users.parquet --items items.csv`` (``--user-key`` and
+``--item-key`` name the key columns, ``user_id`` and ``item_id`` by default). Each file has one row
+per user (item): the key column holds the non-negative integer id ``/rank`` names it by, and every
+other column is one sparse slot of that name:
+
+* an integer column gives one id per row;
+* a string column one id per row, hashed with :func:`services.hashing.string_id`;
+* a list column (Parquet ``list<int>`` or ``list<string>``) a bag of ids; with ``--separator``,
+  strings are split into bags first (a CSV cell ``a|b|c``);
+* a null (an empty CSV cell) leaves the slot out for that row.
+
+Float and boolean columns are refused: the store holds sparse ids, dense values come with each
+``/rank`` request. Column names must be slot names (letters, digits, ``_.-``). The rows are
+written as :mod:`serving.feature_store` lays them out (``<prefix>:u:<user_id>`` and
+``<prefix>:i:<item_id>``, each ``slot=id,id;slot=id``), replacing what a key held.
+
+>>> import pyarrow as pa
+>>> t = pa.table({"id": [1, 2], "genre": ["a|b", None], "year": [1990, 2001]})
+>>> rows = table_slots(t, "id", separator="|")
+>>> rows[2]
+{'year': [2001]}
+>>> rows[1]["genre"] == string_ids(["a", "b"]), rows[1]["year"]
+(True, [1990])
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.types as pat
+
+from services.hashing import string_id, string_ids
+
+Slots = dict[str, list[int]]
+_SLOT = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+class FeatureFileError(ValueError):
+    """A features file that cannot be loaded; the message names the file and the column."""
+
+
+def read_table(path: Path) -> pa.Table:
+    """A Parquet (``.parquet``, ``.pq``) or CSV (``.csv``) file as an Arrow table."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".parquet", ".pq"):
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path)
+        if suffix == ".csv":
+            import pyarrow.csv as pcsv
+
+            # an empty cell is a missing value (as in a numeric column), not the string ""
+            return pcsv.read_csv(path, convert_options=pcsv.ConvertOptions(strings_can_be_null=True))
+    except (OSError, pa.ArrowException) as err:
+        raise FeatureFileError(str(err)) from None
+    raise FeatureFileError("not a .parquet, .pq or .csv file")
+
+
+def _column_ids(name: str, column: pa.ChunkedArray, separator: str | None) -> list[list[int] | None]:
+    kind = column.type
+    values = column.to_pylist()
+    if pat.is_integer(kind):
+        return [None if v is None else [v] for v in values]
+    if pat.is_string(kind) or pat.is_large_string(kind):
+        if separator is None:
+            return [None if v is None else [string_id(v)] for v in values]
+        return [None if v is None else string_ids(p for p in v.split(separator) if p) for v in values]
+    if pat.is_list(kind) or pat.is_large_list(kind):
+        inner = kind.value_type
+        if pat.is_integer(inner):
+            return [None if v is None else [i for i in v if i is not None] for v in values]
+        if pat.is_string(inner) or pat.is_large_string(inner):
+            return [None if v is None else string_ids(s for s in v if s is not None) for v in values]
+    raise FeatureFileError(f"column {name!r} is {kind}: a sparse slot takes integers, strings or lists of "
+                           "them (dense values come with each /rank request)")
+
+
+def table_slots(table: pa.Table, key: str, separator: str | None = None) -> dict[int, Slots]:
+    """``{key: {slot: ids}}`` of a table: one slot per column but the key."""
+    if key not in table.column_names:
+        raise FeatureFileError(f"no key column {key!r} (columns: {', '.join(table.column_names)})")
+    names = [c for c in table.column_names if c != key]
+    for name in names:
+        if not _SLOT.match(name):
+            raise FeatureFileError(f"column {name!r} is not a slot name (letters, digits, '_', '.', '-')")
+    keys = table.column(key)
+    if not pat.is_integer(keys.type) or keys.null_count or (len(keys) and pc.min(keys).as_py() < 0):
+        raise FeatureFileError(f"key column {key!r} must hold non-negative integer ids without nulls "
+                               f"(it is {keys.type}): the ids /rank names users and items by")
+    ids = {name: _column_ids(name, table.column(name), separator) for name in names}
+    out: dict[int, Slots] = {}
+    for row, k in enumerate(keys.to_pylist()):
+        out[k] = {name: col[row] for name, col in ids.items() if col[row] is not None}  # type: ignore[misc]
+    return out
+
+
+def file_slots(path: Path, key: str, separator: str | None = None) -> dict[int, Slots]:
+    try:
+        return table_slots(read_table(path), key, separator)
+    except FeatureFileError as err:
+        raise FeatureFileError(f"{path}: {err}") from None
+
+
+async def load_files(url: str, prefix: str, users: Path | None, items: Path | None, *, user_key: str = "user_id",
+                     item_key: str = "item_id", separator: str | None = None) -> tuple[int, float]:
+    """Fill the store from a users file and/or an items file; return (keys written, seconds).
+    Both files are read and checked before anything is written."""
+    from serving.feature_store import FeatureStore
+
+    started = time.perf_counter()
+    user_rows = file_slots(users, user_key, separator) if users is not None else {}
+    item_rows = file_slots(items, item_key, separator) if items is not None else {}
+    store = FeatureStore(url, prefix, timeout_s=30.0)
+    try:
+        n = await store.put(user_rows, item_rows)
+    finally:
+        await store.close()
+    return n, time.perf_counter() - started

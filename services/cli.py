@@ -104,7 +104,7 @@ SERVICE_COMMANDS: dict[str, tuple[str, str]] = {
     "dumper": ("joiner.dumper:main", "dump topic examples to hourly Parquet files"),
     "trainer": ("trainer.__main__:main", "train: `trainer online` from Kafka or `trainer batch` from Parquet"),
     "serve": ("serving.__main__:main", "run the ranking API (uvicorn)"),
-    "features": ("serving.feature_store:main", "online feature store: `features load`"),
+    "features": ("serving.feature_store:main", "online feature store: `features load --users FILE --items FILE` (or `--movielens`)"),
     "traffic": ("producers.traffic:main", "replay MovieLens through serving (/rank, then /actions)"),
     "status": ("status.app:main", "the live status page"),
     "eval": ("evaluation.cli:main", "reproduce the Monolith paper's experiments on ml-1m"),

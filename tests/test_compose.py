@@ -55,7 +55,7 @@ def test_each_service_command_is_a_real_entry_point(repo_root: Path) -> None:
         # A service parses its own flags: each one the compose file passes must be in its --help.
         helptext = subprocess.run(
             [sys.executable, "-m", "services.cli", command[0], *[c for c in command[1:] if not c.startswith("-")][:1], "--help"]
-            if command[0] == "trainer" else [sys.executable, "-m", "services.cli", command[0], "--help"],
+            if command[0] in ("trainer", "features") else [sys.executable, "-m", "services.cli", command[0], "--help"],
             capture_output=True, text=True, cwd=repo_root, timeout=120,
         )
         assert helptext.returncode == 0, helptext.stderr

@@ -26,7 +26,28 @@ from services.settings import Settings, get_settings  # noqa: E402
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     from services.stack import up
 
-    return up(settings, replay_limit=args.replay_limit, speed=args.speed, replay=not args.no_replay)
+    if args.model is not None:
+        settings = settings.updated(trainer={"model": _model_arg(args.model)})
+    demo = args.model is None and not args.no_replay
+    return up(settings, replay_limit=args.replay_limit, speed=args.speed, demo=demo)
+
+
+def _model_arg(model: str) -> str:
+    """A built-in model name, or a ModelConfig JSON path made absolute (the services run it), checked
+    now: a bad file is one line here, not a crash loop of the trainer and serving."""
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    from services.embedded import StackError
+    from trainer.config import named_config
+
+    try:
+        named_config(model)
+    except (OSError, ValueError, ValidationError) as err:
+        raise StackError(f"--model {model}: not a model name (deepfm, lr) nor a ModelConfig JSON: "
+                         f"{str(err).splitlines()[0]}") from None
+    return model if model in ("deepfm", "lr") else str(Path(model).resolve())
 
 
 def _cmd_data_fetch(args: argparse.Namespace, settings: Settings) -> int:
@@ -67,10 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="driftline", description="driftline: real-time recommendation that learns online.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    up = sub.add_parser("up", help="run the whole stack locally (broker, Redis, services, replay)")
+    up = sub.add_parser("up", help="run the whole stack locally (broker, Redis, services; the MovieLens demo "
+                                   "unless --model or --no-replay)")
     up.add_argument("--replay-limit", type=int, default=None, help="replay only the first N ratings")
     up.add_argument("--speed", type=float, default=None, help="replay speed-up over event time (0: max)")
-    up.add_argument("--no-replay", action="store_true", help="start the stack without traffic")
+    up.add_argument("--no-replay", action="store_true",
+                    help="start the stack without the MovieLens demo: no download, warm start, demo features or traffic")
+    up.add_argument("--model", default=None,
+                    help="your model (a ModelConfig JSON path, see trainer/config.py, or deepfm/lr): the "
+                         "stack trains and serves it, without the MovieLens demo (as --no-replay)")
     up.set_defaults(func=_cmd_up)
 
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)

@@ -1,5 +1,10 @@
 """``driftline up``: the whole loop as supervised local processes.
 
+Two modes. **The MovieLens demo** (no ``--model``, no ``--no-replay``): everything below. **Your
+own model** (``up --model FILE``, or ``--no-replay``): broker, Redis, topics and the services only;
+no MovieLens download, no warm start on it, no MovieLens features in Redis, no replay: the model
+starts from its own snapshot (or its initial weights) and learns from the traffic you send.
+
 Order: broker and Redis (unless ``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL`` point elsewhere),
 topics and the broker epoch, the data, the warm start (``trainer batch`` on the first
 :data:`WARM_START_FRACTION` of ml-1m, written as the snapshot that the online trainer and serving
@@ -50,6 +55,8 @@ class AppService:
     metrics_url: Callable[[Settings], str] | None = None  # /metrics served on the service's own port
     #: settings the service must see as this process resolved them (its environment, by name)
     settings_env: Callable[[Settings], dict[str, str]] = lambda s: {}
+    #: part of the MovieLens demo only (not run for your own model)
+    demo: bool = False
 
 
 def _serving_url(s: Settings) -> str:
@@ -62,7 +69,9 @@ def _metrics(offset: int) -> Callable[[Settings], int]:
 
 # In start order. Each long-running service exports /metrics on its own port.
 APP_SERVICES: list[AppService] = [
-    AppService("features-load", ("features", "load", "--movielens"), blocking=True),
+    AppService("features-load", ("features", "load", "--movielens"), blocking=True, demo=True),
+    # live traffic, demo or not: sparse clicks leave an actions partition idle, and its watermark
+    # must still advance for windows to close
     AppService("joiner", ("joiner",), metrics_port=_metrics(0),
                env={"DRIFTLINE_JOINER__IDLE_ADVANCE_SECONDS": "30"}),
     AppService("dumper", ("dumper",), metrics_port=_metrics(1)),
@@ -70,6 +79,7 @@ APP_SERVICES: list[AppService] = [
     # r > 0 exports metrics on the trainer's port + r * trainer.rank_metrics_port_stride
     AppService("trainer", ("trainer", "online"), metrics_port=_metrics(2),
                settings_env=lambda s: {"DRIFTLINE_TRAINER__NPROC": str(s.trainer.nproc)}),
+    # serving serves the trainer's model (DRIFTLINE_SERVING__MODEL unset) and bootstraps from its snapshots
     AppService("serving", ("serve", "--workers", "2"),  # one serving PS, two workers
                ready=lambda s: port_is_open(s.serving.host, s.serving.port),
                urls=lambda s: {"ranking API docs": f"{_serving_url(s)}/docs"},
@@ -157,15 +167,15 @@ def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external
     ))
 
 
-def up(settings: Settings, replay_limit: int | None, speed: float | None, replay: bool = True,
+def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: bool = True,
        warm_start_fraction: float = WARM_START_FRACTION) -> int:
     """Run the stack until Ctrl-C. Returns the exit code.
 
-    ``replay_limit`` bounds the ratings the traffic replays (after the warm start's);
-    ``warm_start_fraction`` 0 skips the warm start (serving then waits for the first deltas).
+    ``demo``: the MovieLens demo (download, warm start, its features, the replay); False runs the
+    services of ``settings.trainer.model`` alone (every service sees that model: it is passed in
+    their environment). ``replay_limit`` bounds the ratings the traffic replays (after the warm
+    start's); ``warm_start_fraction`` 0 skips the warm start (serving then waits for the first deltas).
     """
-    from producers.movielens import fetch
-
     supervisor = Supervisor(settings.log_dir)
     e = settings.embedded
 
@@ -202,16 +212,23 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, replay
 
         created, epoch = asyncio.run(_prepare_broker_epoch(settings))
         log.info("topics ready (created: %s)", ", ".join(created) or "none")
-        fetch(settings.replay.dataset, settings.data_dir, progress=True)
-        demo_env = demo_event_time_env(settings)
-        if warm_start_fraction > 0:
-            _warm_start(settings, supervisor, epoch, settings.kafka_bootstrap_servers is not None,
-                        warm_start_fraction)
+        common_env = {"DRIFTLINE_TRAINER__MODEL": settings.trainer.model}
+        if demo:
+            from producers.movielens import fetch
+
+            fetch(settings.replay.dataset, settings.data_dir, progress=True)
+            common_env.update(demo_event_time_env(settings))
+            if warm_start_fraction > 0:
+                _warm_start(settings, supervisor, epoch, settings.kafka_bootstrap_servers is not None,
+                            warm_start_fraction)
+        rows.append(("model", settings.trainer.model + ("" if demo else " (no MovieLens demo: send your own traffic)")))
 
         metrics: list[str] = []
         for service in APP_SERVICES:
+            if service.demo and not demo:
+                continue
             ready = service.ready
-            env = {**demo_env, **service.env, **service.settings_env(settings)}
+            env = {**common_env, **service.env, **service.settings_env(settings)}
             if service.metrics_port is not None:
                 port = service.metrics_port(settings)
                 env["DRIFTLINE_METRICS_PORT"] = str(port)
@@ -227,13 +244,13 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, replay
                 oneshot=service.blocking, blocking=service.blocking, ready_timeout_s=service.timeout_s,
             ))
             rows += list(service.urls(settings).items())
-        if replay:
+        if demo:
             port = traffic_metrics_port(settings)
             metrics.append(f":{port} traffic")
             supervisor.start(ServiceSpec(
                 # The replay of ml-1m, now through serving (producers.traffic); its log stays replay.log.
                 "replay", traffic_command(settings, replay_limit, speed, warm_start_fraction),
-                env={**demo_env, "DRIFTLINE_METRICS_PORT": str(port)}, oneshot=True,
+                env={**common_env, "DRIFTLINE_METRICS_PORT": str(port)}, oneshot=True,
             ))
         if metrics:  # one line: serving's URL first, then the other services' ports (same path)
             first, rest = (metrics[0], metrics[1:]) if metrics[0].startswith("http") else ("", metrics)

@@ -82,8 +82,8 @@ class LoopStack:
             DRIFTLINE_STATUS__PORT=str(status_port),
             DRIFTLINE_EMBEDDED__METRICS_PORT_BASE=str(metrics_base),
             NUMBA_CACHE_DIR=str(repo_root / "var" / "numba-cache"),
-            **(env or {}),
         )
+        full_env.update(env or {})  # a test's own values win over these
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "up", *args],
             env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repo_root,

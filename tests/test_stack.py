@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -11,13 +12,14 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from proto import Action, FeatureLog
 from services.embedded import free_port, port_is_open
 from services.kafka import TypedConsumer
 from services.settings import Settings
-from tests.loopstack import free_port_block
+from tests.loopstack import LoopStack, free_port_block
 
 
 def _descendants(pid: int) -> set[int]:
@@ -149,3 +151,42 @@ def test_broker_down_is_one_actionable_line(tmp_path: Path, repo_root: Path) -> 
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "cannot reach Kafka at" in done.stderr and "KAFKA_BOOTSTRAP_SERVERS" in done.stderr
+
+
+def _own_model(path: Path) -> Path:
+    """A model with no users and no MovieLens slot: items, a position and a dense feature."""
+    path.write_text(json.dumps({
+        "model_id": "own", "kind": "lr", "linear": {"item_id": "w", "pos": "w"}, "mlp": [],
+        "dense_features": ["hour"],
+        "tables": [{"name": "w", "dim": 1, "optimizer": {"kind": "adagrad", "lr": 0.05},
+                    "initializer": {"kind": "zeros"}}]}))
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_up_with_your_own_model_leaves_movielens_out(tmp_path: Path, repo_root: Path) -> None:
+    """`up --model FILE`: no MovieLens download, warm start, demo features or replay; the stack
+    trains and serves that model, and /rank takes its features."""
+    data = tmp_path / "data"
+    model = _own_model(tmp_path / "own.json")
+    stack = LoopStack.start(tmp_path, repo_root, "--model", str(model), env={"DRIFTLINE_DATA_DIR": str(data)})
+    try:
+        assert f"model  {model}" in stack.text() or str(model) in stack.text()
+        stack.wait_for("serving ready", lambda: stack.get(stack.serving_url + "/readyz")[0] == 200, 120)
+        body = {"candidates": [{"item_id": 1, "features": {"sparse": {"pos": [0]}, "dense": {"hour": 9.0}}},
+                               {"item_id": 2, "features": {"sparse": {"pos": [1]}, "dense": {"hour": 9.0}}}]}
+        r = httpx.post(stack.serving_url + "/rank", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["model_version"]["model_id"] == "own"
+        r = httpx.post(stack.serving_url + "/rank", json={"candidates": [{"item_id": 1}]}, timeout=30)
+        assert r.status_code == 422 and "'hour' missing" in r.json()["message"]
+        with socket.create_connection(("127.0.0.1", stack.redis_port)) as s:
+            s.sendall(b"DBSIZE\r\n")
+            assert s.recv(64).startswith(b":0\r\n")  # no MovieLens features (nor anything else)
+    finally:
+        code = stack.stop()
+    assert code == 0, stack.text()
+    assert not data.exists()  # nothing downloaded
+    logs = {p.name for p in stack.log_dir.glob("*.log")}
+    assert {"trainer.log", "serving.log", "joiner.log"} <= logs
+    assert not logs & {"warm-start.log", "features-load.log", "replay.log"}, logs

@@ -104,6 +104,9 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
         assert np.array_equal(k, rk), name
         assert np.array_equal(v, rv), name
     assert any(m.WhichOneof("payload") == "dense" for m in msgs)
+    # the dense weights went out while it learned (the ramp from sync_interval_s), not only at the
+    # start and the stop: under the hourly dense_sync_interval_s alone none would have
+    assert tr.dense_schedule.learned_syncs >= 1
 
     letters = [DeadLetter.FromString(v) for v in await read_topic(settings, settings.topics.dead_letters)]
     reasons = sorted(l.reason for l in letters)

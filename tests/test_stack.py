@@ -190,3 +190,14 @@ def test_up_with_your_own_model_leaves_movielens_out(tmp_path: Path, repo_root: 
     logs = {p.name for p in stack.log_dir.glob("*.log")}
     assert {"trainer.log", "serving.log", "joiner.log"} <= logs
     assert not logs & {"warm-start.log", "features-load.log", "replay.log"}, logs
+
+
+def test_up_with_a_bad_model_file_is_one_actionable_line(tmp_path: Path, repo_root: Path) -> None:
+    env = _env(tmp_path, repo_root, free_port(), free_port())
+    bad = tmp_path / "model.json"
+    bad.write_text('{"model_id": "x", "tables": []}')
+    for model in (str(bad), str(tmp_path / "missing.json")):
+        done = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", model],
+                              env=env, capture_output=True, text=True, timeout=60, cwd=repo_root)
+        assert done.returncode == 2 and "Traceback" not in done.stderr
+        assert done.stderr.strip().splitlines()[-1].startswith(f"driftline: --model {model}: not a model name")

@@ -221,7 +221,8 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
               summary="Rank candidate items for a user",
               responses={413: {"description": "The request's feature log would exceed the topic's message size"},
                          422: {"description": "Invalid request (empty/oversize candidates, wrong types, "
-                                              "event time out of range)"},
+                                              "event time out of range, a feature the model does not "
+                                              "declare, a dense feature it reads missing)"},
                          503: {"description": "No model loaded yet, or the feature-log spool is full "
                                               "(with Retry-After)"}})
     async def rank(body: RankRequest, request: Request, response: Response) -> Response:
@@ -264,8 +265,8 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         context = features_message(user_slots, body.context.dense if body.context is not None else None)
         mv = ModelVersion(model_id=version.model_id, sparse_version=version.sparse_version,
                           dense_version=version.dense_version)
-        raws = [item_cache_key(declared, raw, stored)
-                for raw, stored in zip(feats.items_raw or [None] * n, feats.items)]
+        raws = [item_cache_key(declared, value, stored)
+                for value, stored in zip(feats.items_raw or [None] * n, feats.items)]
         encoded = s.log_encoder.encode(
             request_id, event_time_ms, body.user_id, context, mv,
             [(c.item_id, None if c.features is not None else key, slots,

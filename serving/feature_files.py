@@ -11,6 +11,10 @@ other column is one sparse slot of that name:
   strings are split into bags first (a CSV cell ``a|b|c``);
 * a null (an empty CSV cell) leaves the slot out for that row.
 
+A CSV column of digits reads as integers (ids as they are): name it in ``--strings`` to have its
+values hashed as the strings they are (a zip code ``02134`` stays ``"02134"``), as a client that
+hashes them must.
+
 Float and boolean columns are refused: the store holds sparse ids, dense values come with each
 ``/rank`` request. Column names must be slot names (letters, digits, ``_.-``). The rows are
 written as :mod:`serving.feature_store` lays them out (``<prefix>:u:<user_id>`` and
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -45,19 +50,27 @@ class FeatureFileError(ValueError):
     """A features file that cannot be loaded; the message names the file and the column."""
 
 
-def read_table(path: Path) -> pa.Table:
-    """A Parquet (``.parquet``, ``.pq``) or CSV (``.csv``) file as an Arrow table."""
+def read_table(path: Path, strings: Sequence[str] = ()) -> pa.Table:
+    """A Parquet (``.parquet``, ``.pq``) or CSV (``.csv``) file as an Arrow table; the columns in
+    ``strings`` (those the file has) as strings."""
     suffix = path.suffix.lower()
     try:
         if suffix in (".parquet", ".pq"):
             import pyarrow.parquet as pq
 
-            return pq.read_table(path)
+            table = pq.read_table(path)
+            for name in strings:
+                if name in table.column_names:
+                    i = table.column_names.index(name)
+                    table = table.set_column(i, name, table.column(i).cast(pa.string()))
+            return table
         if suffix == ".csv":
             import pyarrow.csv as pcsv
 
             # an empty cell is a missing value (as in a numeric column), not the string ""
-            return pcsv.read_csv(path, convert_options=pcsv.ConvertOptions(strings_can_be_null=True))
+            types = {name: pa.string() for name in strings}  # (names the file lacks are ignored)
+            return pcsv.read_csv(path, convert_options=pcsv.ConvertOptions(strings_can_be_null=True,
+                                                                           column_types=types))
     except (OSError, pa.ArrowException) as err:
         raise FeatureFileError(str(err)) from None
     raise FeatureFileError("not a .parquet, .pq or .csv file")
@@ -101,22 +114,23 @@ def table_slots(table: pa.Table, key: str, separator: str | None = None) -> dict
     return out
 
 
-def file_slots(path: Path, key: str, separator: str | None = None) -> dict[int, Slots]:
+def file_slots(path: Path, key: str, separator: str | None = None, strings: Sequence[str] = ()) -> dict[int, Slots]:
     try:
-        return table_slots(read_table(path), key, separator)
+        return table_slots(read_table(path, [s for s in strings if s != key]), key, separator)
     except FeatureFileError as err:
         raise FeatureFileError(f"{path}: {err}") from None
 
 
 async def load_files(url: str, prefix: str, users: Path | None, items: Path | None, *, user_key: str = "user_id",
-                     item_key: str = "item_id", separator: str | None = None) -> tuple[int, float]:
+                     item_key: str = "item_id", separator: str | None = None,
+                     strings: Sequence[str] = ()) -> tuple[int, float]:
     """Fill the store from a users file and/or an items file; return (keys written, seconds).
     Both files are read and checked before anything is written."""
     from serving.feature_store import FeatureStore
 
     started = time.perf_counter()
-    user_rows = file_slots(users, user_key, separator) if users is not None else {}
-    item_rows = file_slots(items, item_key, separator) if items is not None else {}
+    user_rows = file_slots(users, user_key, separator, strings) if users is not None else {}
+    item_rows = file_slots(items, item_key, separator, strings) if items is not None else {}
     store = FeatureStore(url, prefix, timeout_s=30.0)
     try:
         n = await store.put(user_rows, item_rows)

@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     p_load.add_argument("--user-key", default="user_id", help="the users file's id column (default user_id)")
     p_load.add_argument("--item-key", default="item_id", help="the items file's id column (default item_id)")
     p_load.add_argument("--separator", help="split string cells on this into bags of ids (e.g. '|')")
+    p_load.add_argument("--strings", default="", help="comma-separated columns hashed as strings even where "
+                                                     "they look like numbers (zip codes)")
     p_load.add_argument("--movielens", action="store_true", help="load the MovieLens demo's features instead")
     p_load.add_argument("--dataset", default=settings.replay.dataset, choices=["ml-1m", "ml-100k"])
     p_load.add_argument("--data-dir", type=Path, default=settings.data_dir)
@@ -232,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             source = " and ".join(str(p) for p in (args.users, args.items) if p is not None)
             n, seconds = asyncio.run(load_files(args.redis_url, args.prefix, args.users, args.items,
                                                 user_key=args.user_key, item_key=args.item_key,
-                                                separator=args.separator))
+                                                separator=args.separator,
+                                                strings=[c for c in args.strings.split(",") if c]))
     except FeatureFileError as err:
         print(f"driftline features load: {err}", file=sys.stderr)
         return 2

@@ -21,16 +21,16 @@ def test_users_parquet_and_items_csv_load(redis_url: str, tmp_path: Path, capsys
     pq.write_table(pa.table({"uid": [1, 2], "country": ["fr", None], "tags": [["a", "b"], []],
                              "cohort": [3, 4]}), users)
     items = tmp_path / "items.csv"
-    items.write_text("item_id,brand,cats,price_band\n10,acme,x|y,2\n11,,z,\n")
+    items.write_text("item_id,brand,cats,price_band,zip\n10,acme,x|y,2,02134\n11,,z,,\n")
     prefix = f"own{time.time_ns()}"
     assert main(["load", "--users", str(users), "--items", str(items), "--user-key", "uid", "--separator", "|",
-                 "--redis-url", redis_url, "--prefix", prefix]) == 0
+                 "--strings", "zip,cohort", "--redis-url", redis_url, "--prefix", prefix]) == 0
     assert "loaded 4 feature keys" in capsys.readouterr().out
 
     raw = redis.Redis.from_url(redis_url)
     try:  # the documented format: <prefix>:u:<id> -> slot=id,id;slot=id (ids in decimal)
         assert raw.get(f"{prefix}:u:1").decode() == (f"country={string_id('fr')};tags={string_id('a')},"
-                                                     f"{string_id('b')};cohort=3")
+                                                     f"{string_id('b')};cohort={string_id('3')}")
     finally:
         raw.close()
 
@@ -42,8 +42,9 @@ def test_users_parquet_and_items_csv_load(redis_url: str, tmp_path: Path, capsys
             await store.close()
 
     got = asyncio.run(fetch())
-    assert got.user == {"tags": [], "cohort": [4]}  # a null leaves the slot out
-    assert got.items == [{"brand": [string_id("acme")], "cats": [string_id("x"), string_id("y")], "price_band": [2]},
+    assert got.user == {"tags": [], "cohort": [string_id("4")]}  # a null leaves the slot out
+    assert got.items == [{"brand": [string_id("acme")], "cats": [string_id("x"), string_id("y")], "price_band": [2],
+                          "zip": [string_id("02134")]},
                          {"cats": [string_id("z")]}, None]
 
 

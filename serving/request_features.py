@@ -32,12 +32,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trainer.config import RECENT_ITEMS  # the real-time slot (:mod:`serving.realtime`)
+
 Slots = dict[str, list[int]]
 
+#: the slots /rank's own fields fill: the request's user_id, each candidate's item_id
 USER_ID = "user_id"
 ITEM_ID = "item_id"
-#: the real-time slot: the user's last clicked item ids (:mod:`serving.realtime`)
-RECENT_ITEMS = "recent_items"
 
 
 class BadFeatures(ValueError):

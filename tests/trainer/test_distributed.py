@@ -12,7 +12,8 @@ import torch
 
 from trainer.batch import SparseBatch
 from trainer.config import ModelConfig, deepfm_config
-from trainer.distributed import DistributedError, DistributedModel, run_local
+from trainer.distributed import DistributedError, DistributedModel
+from trainer.rank_local import run_local
 from trainer.model import SparseModel
 
 #: examples per rank per step: an idle rank (step 1) and an all-idle step (step 2) included
@@ -137,10 +138,6 @@ HUGE = 3e38  # a finite float32: with a dense weight of 2 the logit overflows
 
 def _poisoned(rank: int, world: int, bad_rows: list[list[int]]) -> dict:
     """Rank ``rank`` steps a batch of 12 whose rows ``bad_rows[rank]`` overflow, isolating in lockstep."""
-    from trainer.isolate import train_isolating_lockstep
-    from trainer.distributed import RankStepError
-    import torch.distributed as dist
-
     cfg = ModelConfig.model_validate({**_cfg().model_dump(), "dense_features": ["x"]})
     dm = DistributedModel(cfg)
     with torch.no_grad():
@@ -149,18 +146,7 @@ def _poisoned(rank: int, world: int, bad_rows: list[list[int]]) -> dict:
     dense = np.zeros((12, 1), np.float32)
     dense[bad_rows[rank], 0] = HUGE
     b = SparseBatch.from_slot_dicts(rows, dense, slots=cfg.all_slots, labels=[0.0] * 12, event_time_ms=[1] * 12)
-
-    def own(err):
-        if not isinstance(err, RankStepError):
-            raise err
-        return err.local if rank in err.failed else None
-
-    def more(left):
-        t = torch.tensor([left])
-        dist.all_reduce(t)
-        return int(t) > 0
-
-    res = train_isolating_lockstep(dm.train_step, b, own, more)
+    res = dm.train_isolating(b)
     after = dm.train_step(b.select(np.array([1, 2])))  # the group still steps together afterwards
     return {"failed": [(r, type(e).__name__) for r, e in res.failed], "applied": res.applied.tolist(),
             "probs": len(res.probs), "steps": dm.steps, "loss": after[0],

@@ -48,11 +48,12 @@ def ml_examples() -> list[Example]:
     return MovieLensData(limit=N).examples()
 
 
-def _spawn(settings, tmp: Path, log: Path, cfg: ModelConfig) -> subprocess.Popen:
-    """The trainer with 2 ranks, idle for good (stopped by SIGTERM), no periodic snapshots."""
+def _spawn(settings, tmp: Path, log: Path, cfg: ModelConfig, idle_s: str = "600") -> subprocess.Popen:
+    """The trainer with 2 ranks, stopping when idle ``idle_s`` (by default stopped by SIGTERM), no
+    periodic snapshots."""
     (tmp / "model.json").write_text(cfg.model_dump_json())
     return subprocess.Popen([sys.executable, "-m", "trainer", "online", "--sync-interval-s", "1",
-                             "--snapshot-interval-event-s", "0", "--stop-when-idle-s", "600", "--batch-size", "512"],
+                             "--snapshot-interval-event-s", "0", "--stop-when-idle-s", idle_s, "--batch-size", "512"],
                             env=_env(settings, tmp), stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO,
                             start_new_session=True)
 
@@ -118,6 +119,36 @@ async def test_two_ranks_follow_a_broker_reset(settings, broker, ml_examples, tm
     assert final["broker_epoch"] == new_epoch and final["examples_applied"] == OLD + NEW
     assert sum(final["offsets"].values()) == records  # every record of the new topic consumed
     assert (root / "broker-epoch").read_text() == new_epoch
+
+
+async def test_two_ranks_started_after_a_broker_reset_keep_their_snapshot(settings, broker, ml_examples, tmp_path):
+    """The group stopped, the broker's data reset, the group started again (or restarted by the
+    launcher mid-reset): the snapshot of the old epoch is restored whole, its offsets are not used."""
+    old, new = ml_examples[:OLD], ml_examples[OLD:OLD + NEW]
+    root = settings.var_dir / "snapshots" / "deepfm"
+    log = tmp_path / "trainer.log"
+    cfg = deepfm_config(dim=8, mlp=[32])
+    await produce_examples(settings, old, chunk=250)
+    p = _spawn(settings, tmp_path, log, cfg, idle_s="3")
+    assert p.wait(timeout=240) == 0, log.read_text()[-4000:]
+    stopped = snapshots.read_manifest(root)
+    assert stopped["examples_applied"] == OLD and stopped["broker_epoch"]
+    await asyncio.to_thread(broker.restart)
+    records = await produce_examples(settings, old[:REPEATED] + new, chunk=250)
+    p = _spawn(settings, tmp_path, log, cfg, idle_s="3")
+    assert p.wait(timeout=240) == 0, log.read_text()[-4000:]
+    text = log.read_text()
+    assert "failed (exitcode" not in text and "in another broker epoch" in text, text[-4000:]
+    new_epoch = await tansu_quirks.read_broker_epoch(settings)
+    res = _results(log)
+    assert sum(r["examples_applied"] for r in res.values()) == OLD + NEW, res
+    assert sum(r["duplicates"] for r in res.values()) >= REPEATED, res
+    mans = sorted((json.loads((d / "manifest.json").read_text()) for d in root.glob("snap-*")), key=lambda m: m["seq"])
+    at_start = next(m for m in mans if m["seq"] == stopped["seq"] + 1)  # written before any batch
+    assert at_start["broker_epoch"] == new_epoch and at_start["examples_applied"] == OLD
+    assert at_start["dense_version"] == stopped["dense_version"] + 1
+    final = snapshots.read_manifest(root)
+    assert final["broker_epoch"] == new_epoch and sum(final["offsets"].values()) == records
 
 
 def _overflowing_warm_start(root: Path, cfg: ModelConfig, topic: str) -> None:

@@ -27,7 +27,7 @@ the dense head. Every rank reads its own batches. Only ``torch.distributed`` col
    failure flag per rank, so every rank takes the same decision: when a rank's part of the step
    failed (its loss or a gradient not finite, or its planning, forward or backward raised), every
    rank raises :class:`RankStepError` naming the failed ranks, before anything is applied
-   anywhere (no rank is left waiting in a collective; :func:`trainer.isolate.train_isolating_lockstep`
+   anywhere (no rank is left waiting in a collective; :func:`trainer.isolate.train_isolating_ranks`
    then finds the examples). Summing ``d(sum/B_global)`` over ranks is the gradient of the
    1-process mean loss on the concatenated batch.
 8. *gradients* (``all_to_all_single``, the embeddings' splits reversed): per unique id the sum of
@@ -49,19 +49,21 @@ the row width (DeepFM here: 16 for a field, 1 for its first-order weight, so ``8
 :attr:`DistributedModel.alltoall_bytes` counts what left this rank (``allreduce_bytes``: the dense part).
 
 **Mode** ``hybrid`` (PERSIA): steps 2-5 of batch ``t+1`` (the lookup) run in a background thread,
-on a second process group, while batch ``t`` does its forward, backward and updates; a looked-up
-row may therefore miss the updates of at most ``staleness`` earlier steps (``staleness`` lookups
-in flight). The dense part stays synchronous. Use :meth:`DistributedModel.train` (an iterator over
-batches) to get the overlap; every rank must give it the same number of batches (empty ones for an
-idle rank).
+on a second process group, while batch ``t`` does its forward, backward and updates, and step 8
+of batch ``t`` (the gradients to their owners and the owners' updates) is queued on the same
+thread right behind the lookups already in flight: it overlaps the forward and backward of
+``t+1``. A looked-up row therefore misses the updates of at most ``staleness`` earlier steps
+(``staleness`` lookups in flight), and the tables are only touched by that one thread, in the
+same order on every rank. The dense part stays synchronous. Use :meth:`DistributedModel.train`
+(an iterator over batches) to get the overlap; every rank must give it the same number of
+batches (empty ones for an idle rank).
 
 The online trainer's ranks (:mod:`trainer.ranks`, launched by :mod:`trainer.launch`) step it one
 batch per round; their snapshots and deltas name shards by :func:`trainer.sharding.shard_of`.
 
-**Not here yet** (issue #14): ``hybrid`` overlaps only the
-lookup: the gradient exchange and the owners' updates of step ``t`` still block step ``t+1``'s
-learning (PERSIA also makes those asynchronous); TTL watermarks move only on owners that got ids
-of a table in a step (the 1-process PS moves a single-shard table's watermark every step).
+**Not here yet** (issue #14): the dense all-reduce is not overlapped in ``hybrid``; TTL
+watermarks move only on owners that got ids of a table in a step (the 1-process PS moves a
+single-shard table's watermark every step).
 """
 
 from __future__ import annotations
@@ -164,6 +166,8 @@ class DistributedModel:
         self.alltoall_bytes = 0   # bytes this rank sent to other ranks through all_to_all
         self.allreduce_bytes = 0  # the dense all-reduce's share (ring estimate)
         self.comm_s: list[float] = []   # per step: seconds in collectives (lookup + gradients)
+        self.sparse_comm_s = 0.0        # of which in the gradients' all_to_all (in the background: hybrid)
+        self._sparse_steps: deque = deque()  # hybrid: gradient exchanges queued behind the lookups
         self.steps = 0
 
     @property
@@ -295,7 +299,7 @@ class DistributedModel:
     def _head_grads(self) -> torch.Tensor:
         return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in self._params])
 
-    def _learn(self, lk: _Lookup):
+    def _learn(self, lk: _Lookup, overlap: bool = False):
         m, g = self.model, self.group
         if lk.global_size == 0 and not lk.any_failed:  # every rank knows: nothing to learn, no more collectives
             return 0.0, np.zeros(0, np.float32)
@@ -333,47 +337,41 @@ class DistributedModel:
                 f"the step's summed loss ({value}) or gradients are not finite; nothing applied"))
         if g_rows is None:
             g_rows = np.zeros(lk.n_rows, np.float32)
-        t2 = time.perf_counter()
-        tc = time.perf_counter()
-        r_grads = self._a2a(g_rows, lk.row_splits, lk.back_splits, g)
-        comm += time.perf_counter() - tc
+        t2, sparse_comm = time.perf_counter(), 0.0
+        if overlap:  # after the lookups already queued, before the next ones: staleness holds
+            self._sparse_steps.append(self._pool.submit(self._sparse_update, lk, g_rows, self._lookup_group))
+        else:
+            sparse_comm = self._sparse_update(lk, g_rows, g)
         t3 = time.perf_counter()
-        for ti, tid, elem in lk.owned:
-            self._tables[ti].apply_gradients(tid, r_grads[elem].reshape(tid.size, -1), lk.event_time)
         off = 0
         for p in self._params:
             p.grad = flat[off:off + p.numel()].view_as(p).clone()
             off += p.numel()
         m.optimizer.step()
-        m.timings["backward"] += t2 - t1 - comm - (m.timings["forward"] - f0)
-        m.timings["update"] += time.perf_counter() - t3
-        self.comm_s.append(lk.comm_s + comm)
+        with self._lock:
+            m.timings["backward"] += t2 - t1 - comm - (m.timings["forward"] - f0)
+            m.timings["update"] += time.perf_counter() - t3
+        self.comm_s.append(lk.comm_s + comm + sparse_comm)
         self.steps += 1
         return value, probs
+
+    def _sparse_update(self, lk: _Lookup, g_rows: np.ndarray, group) -> float:
+        """Step 8: the gradients to their owners, which apply them; returns the seconds in the collective."""
+        tc = time.perf_counter()
+        r_grads = self._a2a(g_rows, lk.row_splits, lk.back_splits, group)
+        comm = time.perf_counter() - tc
+        for ti, tid, elem in lk.owned:
+            self._tables[ti].apply_gradients(tid, r_grads[elem].reshape(tid.size, -1), lk.event_time)
+        with self._lock:
+            self.model.timings["update"] += time.perf_counter() - tc - comm
+            self.sparse_comm_s += comm
+        return comm
 
     # ------------------------------------------------------------------ public
     def train_step(self, batch: SparseBatch):
         """One synchronous step (both modes): ``(global mean loss, this rank's probabilities
         before the update)``. Collective: every rank calls it, with an empty batch when idle."""
         return self._learn(self._lookup(batch))
-
-    def train_isolating(self, batch: SparseBatch):
-        """:meth:`train_step`, finding the examples a failed step fails on by retrying in lockstep
-        (:func:`trainer.isolate.train_isolating_lockstep`): a :class:`~trainer.isolate.StepResult`.
-        Collective, as :meth:`train_step`; a failure that no example causes is raised."""
-        from .isolate import train_isolating_lockstep
-
-        def own(err: Exception) -> Exception | None:
-            if not isinstance(err, RankStepError):
-                raise err
-            return err.local if self.rank in err.failed else None
-
-        def any_left(left: int) -> bool:
-            t = torch.tensor([left], dtype=torch.int64)
-            dist.all_reduce(t, group=self.group)
-            return int(t) > 0
-
-        return train_isolating_lockstep(self.train_step, batch, own, any_left)
 
     def train(self, batches: Iterable[SparseBatch]) -> Iterator[tuple[float, np.ndarray]]:
         """:meth:`train_step` over ``batches``; in ``hybrid`` mode up to ``staleness`` lookups of
@@ -385,9 +383,15 @@ class DistributedModel:
             return
         pending: deque = deque()
         it = iter(batches)
-        for b in it:
-            pending.append(self._pool.submit(self._lookup, b))
-            if len(pending) > self.staleness:
-                yield self._learn(pending.popleft().result())
-        while pending:
-            yield self._learn(pending.popleft().result())
+        try:
+            for b in it:
+                pending.append(self._pool.submit(self._lookup, b))
+                if len(pending) > self.staleness:
+                    yield self._learn(pending.popleft().result(), overlap=True)
+                while self._sparse_steps and self._sparse_steps[0].done():
+                    self._sparse_steps.popleft().result()  # raises a failed update here
+            while pending:
+                yield self._learn(pending.popleft().result(), overlap=True)
+        finally:
+            while self._sparse_steps:  # the tables hold every update once train() is done
+                self._sparse_steps.popleft().result()

@@ -158,3 +158,25 @@ def train_isolating_lockstep(step: Step, batch: SparseBatch, own_error: Callable
     n = int(applied.size)
     loss = sum(l * r.size for r, l, _ in done) / n
     return StepResult(float(loss), np.concatenate([p for _, _, p in done])[order], applied, failed)
+
+
+def train_isolating_ranks(dm, batch: SparseBatch) -> StepResult:
+    """``dm.train_step(batch)`` of a :class:`trainer.distributed.DistributedModel`, finding the
+    examples a failed step fails on with :func:`train_isolating_lockstep` (collective, as the step;
+    a failure no example of any rank caused is raised)."""
+    import torch
+    import torch.distributed as dist
+
+    from .distributed import RankStepError
+
+    def own(err: Exception) -> Exception | None:
+        if not isinstance(err, RankStepError):
+            raise err
+        return err.local if dm.rank in err.failed else None
+
+    def any_left(left: int) -> bool:
+        t = torch.tensor([left], dtype=torch.int64)
+        dist.all_reduce(t, group=dm.group)
+        return int(t) > 0
+
+    return train_isolating_lockstep(dm.train_step, batch, own, any_left)

@@ -31,7 +31,7 @@ rows, named ``shard=r, shard_count=N``; dense by rank 0 only), :class:`trainer.c
 **A failing example** (its loss or gradients not finite, or the step raising on it) fails the
 step on every rank together: the engine's per-rank failure flags (:class:`trainer.distributed.RankStepError`)
 tell each rank whether its own batch failed, and nothing is applied anywhere. The ranks then
-retry in lockstep (:func:`trainer.isolate.train_isolating_lockstep`): a rank whose batch failed
+retry in lockstep (:func:`trainer.isolate.train_isolating_ranks`): a rank whose batch failed
 halves it down to the failing examples, the others retry theirs whole (or step empty), until
 every piece is learned or failed alone. Those are dead-lettered with the error (reason
 ``failed: ...``) and the offsets move on, as in the 1-process trainer: no rank hangs in a
@@ -91,7 +91,7 @@ from .commits import Committer
 from .config import ModelConfig
 from .distributed import DistributedModel
 from .ingest import Ingest
-from .isolate import StepResult
+from .isolate import StepResult, train_isolating_ranks
 from .publisher import Publisher
 from .rank_input import RankInput, empty_batch, my_partitions  # noqa: F401 - the rule, named here too
 from .resets import ResetWatch
@@ -238,7 +238,7 @@ class RankTrainer(M.LearnedFields):
     # ------------------------------------------------------------------ a round
     def _step(self, batch: SparseBatch) -> tuple[StepResult, float]:
         t0 = time.perf_counter()
-        res = self.dm.train_isolating(batch)
+        res = train_isolating_ranks(self.dm, batch)
         return res, time.perf_counter() - t0
 
     async def _agree(self, stop: bool, idle: bool, reset: bool, examples: int, event: int, now: float) -> np.ndarray:

@@ -13,6 +13,7 @@ import torch
 from trainer.batch import SparseBatch
 from trainer.config import ModelConfig, deepfm_config
 from trainer.distributed import DistributedError, DistributedModel
+from trainer.isolate import train_isolating_ranks
 from trainer.rank_local import run_local
 from trainer.model import SparseModel
 
@@ -146,7 +147,7 @@ def _poisoned(rank: int, world: int, bad_rows: list[list[int]]) -> dict:
     dense = np.zeros((12, 1), np.float32)
     dense[bad_rows[rank], 0] = HUGE
     b = SparseBatch.from_slot_dicts(rows, dense, slots=cfg.all_slots, labels=[0.0] * 12, event_time_ms=[1] * 12)
-    res = dm.train_isolating(b)
+    res = train_isolating_ranks(dm, b)
     after = dm.train_step(b.select(np.array([1, 2])))  # the group still steps together afterwards
     return {"failed": [(r, type(e).__name__) for r, e in res.failed], "applied": res.applied.tolist(),
             "probs": len(res.probs), "steps": dm.steps, "loss": after[0],

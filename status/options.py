@@ -50,7 +50,12 @@ def default_targets(settings: Settings) -> list[Target]:
             continue
         metrics_url = getattr(service, "metrics_url", None)  # /metrics on the service's own port
         if service.metrics_port is not None:
-            targets.append(Target(service.name, f"http://127.0.0.1:{service.metrics_port(settings)}/metrics"))
+            port = service.metrics_port(settings)
+            targets.append(Target(service.name, f"http://127.0.0.1:{port}/metrics"))
+            if service.name == "trainer":  # rank r > 0 of a distributed trainer: its own port
+                stride = settings.trainer.rank_metrics_port_stride
+                targets += [Target(f"trainer-rank-{r}", f"http://127.0.0.1:{port + r * stride}/metrics")
+                            for r in range(1, settings.trainer.nproc)]
         elif metrics_url is not None:
             targets.append(Target(service.name, metrics_url(settings)))
         else:

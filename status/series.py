@@ -15,6 +15,9 @@ loss:<model>           driftline_trainer_loss{mode="online"}
 event_time_s           driftline_trainer_event_time_ms (max), else the joiner's
                        driftline_joiner_watermark_ms{stream="actions"} (max over partitions)
 train_rate:<model>     rate(driftline_trainer_examples_total{mode="online"})
+rank_train_rate:<r>    rate(driftline_trainer_rank_examples_total), per rank of a distributed trainer
+rank_comm_ms:<r>       rate(driftline_trainer_rank_comm_seconds_total) / rate(..._rank_steps_total):
+                       ms per step in collectives, per rank
 join_rate              rate(driftline_joiner_examples_produced_total)
 rank_rps               rate(driftline_serving_requests_total{endpoint="/rank"}), all replicas
 rank_error_rps         the same, status >= 500
@@ -184,6 +187,11 @@ def derive(states: Sequence[TargetState], now: float, window_s: float) -> tuple[
 
     put("train_rate", _rate(states, now, window_s, "driftline_trainer_examples_total", _online, model))
     put("join_rate", _rate(states, now, window_s, "driftline_joiner_examples_produced_total"))
+    rank = lambda lab: lab.get("rank", "")  # noqa: E731
+    put("rank_train_rate", _rate(states, now, window_s, "driftline_trainer_rank_examples_total", _all, rank))
+    comm = _rate(states, now, window_s, "driftline_trainer_rank_comm_seconds_total", _all, rank) or {}
+    steps = _rate(states, now, window_s, "driftline_trainer_rank_steps_total", _all, rank) or {}
+    put("rank_comm_ms", {r: 1000 * c / steps[r] for r, c in comm.items() if steps.get(r)})
 
     reqs = _rate(states, now, window_s, "driftline_serving_requests_total", _rank,
                  lambda lab: "error" if lab.get("status", "").startswith("5") else "ok")

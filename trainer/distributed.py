@@ -10,9 +10,9 @@ the dense head. Every rank reads its own batches. Only ``torch.distributed`` col
 1. *plan*: the batch's ids (salted and packed as :class:`trainer.model.SparseModel` packs them) are
    deduplicated per ``(table, id)`` and sorted by ``(owner, table, id)``: that order is the wire
    order, so no per-id table tag is sent.
-2. *header* (``all_to_all_single``, equal splits): to each owner, ``int64 [T + 2]``: how many
-   unique ids of each of the T tables it will get, the local batch size and the local max event
-   time. Everyone then knows its uneven split sizes, the global batch size (the loss is a mean
+2. *header* (``all_to_all_single``, equal splits): to each owner, ``int64 [T + 3]``: how many
+   unique ids of each of the T tables it will get, the local batch size, the local max event
+   time and whether planning failed here (the rank then takes part with no ids). Everyone then knows its uneven split sizes, the global batch size (the loss is a mean
    over the *global* batch) and the global event time (the 1-process step's ``max_event_time``).
 3. *ids* (``all_to_all_single``, uneven): the unique ids to their owners (plus, when a table has
    count admission or probabilistic admission, each id's occurrence count in the batch: the
@@ -23,10 +23,12 @@ the dense head. Every rank reads its own batches. Only ``torch.distributed`` col
    lookup-or-insert): exactly the 1-process PS's insert path.
 5. *embeddings* (``all_to_all_single``, uneven): float32 rows back, in the order they came.
 6. *forward/backward* locally (:meth:`SparseModel.forward_packed`), loss = sum / global batch.
-7. *dense* (``all_reduce`` SUM, one flat buffer): the head's gradients plus the loss sum and a
-   non-finite flag of the sparse gradients, so every rank takes the same decision: a step with a
-   non-finite loss or gradient raises :class:`~trainer.model.NonFiniteStepError` on **every**
-   rank before anything is applied. Summing ``d(sum/B_global)`` over ranks is the gradient of the
+7. *dense* (``all_reduce`` SUM, one flat buffer): the head's gradients plus the loss sum and one
+   failure flag per rank, so every rank takes the same decision: when a rank's part of the step
+   failed (its loss or a gradient not finite, or its planning, forward or backward raised), every
+   rank raises :class:`RankStepError` naming the failed ranks, before anything is applied
+   anywhere (no rank is left waiting in a collective; :func:`trainer.isolate.train_isolating_ranks`
+   then finds the examples). Summing ``d(sum/B_global)`` over ranks is the gradient of the
    1-process mean loss on the concatenated batch.
 8. *gradients* (``all_to_all_single``, the embeddings' splits reversed): per unique id the sum of
    its rows' gradients, to the owner; the owner concatenates every rank's part per table and
@@ -42,24 +44,26 @@ empty is skipped by all ranks together.
 **Wire**, per example with U unique ids per example sent off-rank (about (N-1)/N of them):
 ``8 U`` (ids) + ``4 U d`` (rows) + ``4 U d`` (gradients) bytes through ``all_to_all``, ``d`` being
 the row width (DeepFM here: 16 for a field, 1 for its first-order weight, so ``8 + 4*17*2`` per
-(field, id) pair), plus ``8 (T + 2) N`` header bytes per step and the dense head's gradients
+(field, id) pair), plus ``8 (T + 3) N`` header bytes per step and the dense head's gradients
 (``4 P`` bytes per step, all-reduced, P parameters) independent of the batch size.
 :attr:`DistributedModel.alltoall_bytes` counts what left this rank (``allreduce_bytes``: the dense part).
 
 **Mode** ``hybrid`` (PERSIA): steps 2-5 of batch ``t+1`` (the lookup) run in a background thread,
-on a second process group, while batch ``t`` does its forward, backward and updates; a looked-up
-row may therefore miss the updates of at most ``staleness`` earlier steps (``staleness`` lookups
-in flight). The dense part stays synchronous. Use :meth:`DistributedModel.train` (an iterator over
-batches) to get the overlap; every rank must give it the same number of batches (empty ones for an
-idle rank).
+on a second process group, while batch ``t`` does its forward, backward and updates, and step 8
+of batch ``t`` (the gradients to their owners and the owners' updates) is queued on the same
+thread right behind the lookups already in flight: it overlaps the forward and backward of
+``t+1``. A looked-up row therefore misses the updates of at most ``staleness`` earlier steps
+(``staleness`` lookups in flight), and the tables are only touched by that one thread, in the
+same order on every rank. The dense part stays synchronous. Use :meth:`DistributedModel.train`
+(an iterator over batches) to get the overlap; every rank must give it the same number of
+batches (empty ones for an idle rank).
 
 The online trainer's ranks (:mod:`trainer.ranks`, launched by :mod:`trainer.launch`) step it one
 batch per round; their snapshots and deltas name shards by :func:`trainer.sharding.shard_of`.
 
-**Not here yet** (issue #14): ``hybrid`` overlaps only the
-lookup: the gradient exchange and the owners' updates of step ``t`` still block step ``t+1``'s
-learning (PERSIA also makes those asynchronous); TTL watermarks move only on owners that got ids
-of a table in a step (the 1-process PS moves a single-shard table's watermark every step).
+**Not here yet** (issue #14): the dense all-reduce is not overlapped in ``hybrid``; TTL
+watermarks move only on owners that got ids of a table in a step (the 1-process PS moves a
+single-shard table's watermark every step).
 """
 
 from __future__ import annotations
@@ -89,6 +93,16 @@ class DistributedError(RuntimeError):
     """Distributed training misuse: no process group, unknown mode, bad staleness."""
 
 
+class RankStepError(RuntimeError):
+    """A step failed on the ranks ``failed`` (raised on *every* rank together, nothing applied
+    anywhere); ``local``: this rank's own error (what its batch did), None when its batch was fine.
+    Which examples fail is then found by :func:`trainer.isolate.train_isolating_lockstep`."""
+
+    def __init__(self, failed: list[int], local: Exception | None):
+        super().__init__(f"the step failed on rank(s) {failed}" + (f": {local!r}" if local is not None else ""))
+        self.failed, self.local = failed, local
+
+
 def _starts(lengths: np.ndarray) -> np.ndarray:
     """Exclusive prefix sums: where each of ``lengths``' pieces starts (empty in, empty out)."""
     return (np.cumsum(lengths) - lengths).astype(np.int64)
@@ -109,6 +123,8 @@ class _Lookup:
     global_size: int
     event_time: int
     comm_s: float
+    error: Exception | None = None   # this rank's batch failed before its ids were sent
+    any_failed: bool = False         # some rank's did (from the header)
 
 
 class DistributedModel:
@@ -150,6 +166,8 @@ class DistributedModel:
         self.alltoall_bytes = 0   # bytes this rank sent to other ranks through all_to_all
         self.allreduce_bytes = 0  # the dense all-reduce's share (ring estimate)
         self.comm_s: list[float] = []   # per step: seconds in collectives (lookup + gradients)
+        self.sparse_comm_s = 0.0        # of which in the gradients' all_to_all (in the background: hybrid)
+        self._sparse_steps: deque = deque()  # hybrid: gradient exchanges queued behind the lookups
         self.steps = 0
 
     @property
@@ -183,8 +201,14 @@ class DistributedModel:
     def _lookup(self, batch: SparseBatch) -> _Lookup:
         t0 = time.perf_counter()
         m, n, T, g = self.model, self.world, len(self._names), self._lookup_group
-        batch = m.complete(batch)
-        pb = m.pack(batch)
+        error = None
+        try:
+            batch = m.complete(batch)
+            pb = m.pack(batch)
+        except Exception as err:  # noqa: BLE001 - one rank's bad batch: every rank learns of it (header)
+            error = err
+            batch = m.complete(batch.select(np.zeros(0, np.int64)))
+            pb = m.pack(batch)
         ids = pb.ids
         tab = np.repeat(pb.slot_table, np.diff(pb.offsets))
         own = shard_of(ids, n)
@@ -196,12 +220,13 @@ class DistributedModel:
         inv[order] = np.cumsum(first) - 1
         u_ids, u_tab, u_own = s_ids[first], s_tab[first], own[order][first]
         counts = np.bincount(u_own * T + u_tab, minlength=n * T).reshape(n, T)
-        header = np.empty((n, T + 2), np.int64)
+        header = np.empty((n, T + 3), np.int64)
         header[:, :T] = counts
         header[:, T] = batch.size
         header[:, T + 1] = batch.max_event_time
+        header[:, T + 2] = error is not None
         tc = time.perf_counter()
-        got = self._a2a(header.reshape(-1), [T + 2] * n, [T + 2] * n, g).reshape(n, T + 2)
+        got = self._a2a(header.reshape(-1), [T + 3] * n, [T + 3] * n, g).reshape(n, T + 3)
         rcounts = got[:, :T]                        # [source, table]: ids this rank owns
         global_size, t_event = int(got[:, T].sum()), int(got[:, T + 1].max())
         r_ids = self._a2a(u_ids, counts.sum(1), rcounts.sum(1), g)
@@ -246,56 +271,101 @@ class DistributedModel:
         buf = rows[src_elem]
         m.timings["lookup"] += time.perf_counter() - t0 - comm
         return _Lookup(batch, pb, buf, src_elem, rows.size, list(row_splits), list(back_splits), owned,
-                       global_size, t_event, comm)
+                       global_size, t_event, comm, error, bool(got[:, T + 2].any()))
 
     # ------------------------------------------------------------------ steps 6-9
-    def _learn(self, lk: _Lookup):
-        m, g = self.model, self.group
-        if lk.global_size == 0:  # every rank knows: nothing to learn, no more collectives
-            return 0.0, np.zeros(0, np.float32)
+    def _local(self, lk: _Lookup):
+        """Forward and backward of this rank's examples: ``(loss sum / global size, probs, per
+        unique row the sum of its gradients)``; raises when any of it is not finite here."""
+        m = self.model
         logits, leaves = m.forward_packed(lk.batch, lk.pb, lk.buf, requires_grad=True)
-        t1 = time.perf_counter()
         labels = lk.batch.labels if lk.batch.labels is not None else np.zeros(lk.batch.size, np.float32)
         # a sum over the local examples / the global size: summed over ranks it is the 1-process
         # mean loss of the concatenated batch (and an idle rank's empty sum is 0, not NaN)
-        loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(labels), reduction="sum") / lk.global_size
-        m.optimizer.zero_grad(set_to_none=True)
+        loss = (F.binary_cross_entropy_with_logits(logits, torch.from_numpy(labels), reduction="sum")
+                / max(lk.global_size, 1))
         loss.backward()
         gs = [w.grad.numpy().reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32)
               for _, w in leaves]
         gpacked = np.concatenate(gs) if len(gs) > 1 else gs[0]
         # per unique row, the sum of its positions' gradients (float64 accumulation)
         g_rows = np.bincount(lk.src_elem, weights=gpacked, minlength=lk.n_rows).astype(np.float32)
-        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
-                          for p in self._params]
-                         + [loss.detach().reshape(1), torch.tensor([0.0 if np.isfinite(g_rows).all() else 1.0])])
+        value = float(loss.detach())
+        if not (math.isfinite(value) and np.isfinite(g_rows).all()):
+            raise NonFiniteStepError(f"the step's loss ({value}) or sparse gradients are not finite on rank "
+                                     f"{self.rank}; nothing applied")
+        return value, torch.sigmoid(logits.detach()).numpy(), g_rows
+
+    def _head_grads(self) -> torch.Tensor:
+        return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in self._params])
+
+    def _learn(self, lk: _Lookup, overlap: bool = False):
+        m, g = self.model, self.group
+        if lk.global_size == 0 and not lk.any_failed:  # every rank knows: nothing to learn, no more collectives
+            return 0.0, np.zeros(0, np.float32)
+        t1, f0 = time.perf_counter(), m.timings["forward"]
+        m.optimizer.zero_grad(set_to_none=True)
+        error, value, probs, g_rows = lk.error, 0.0, np.zeros(0, np.float32), None
+        if error is None:
+            try:
+                value, probs, g_rows = self._local(lk)
+            except Exception as err:  # noqa: BLE001 - one rank's failure fails the step on every rank
+                error = err
+        head = self._head_grads()
+        if error is None and not bool(torch.isfinite(head).all()):
+            error = NonFiniteStepError(f"the step's dense gradients are not finite on rank {self.rank}; nothing applied")
+        if error is not None:  # this rank's part is left out of the sums (nothing is applied anyway)
+            head, value = torch.zeros_like(head), 0.0
+        # the head's gradients, the loss and one failure flag per rank: every rank learns which
+        # ranks' batches failed and all take the same decision
+        flags = torch.zeros(self.world)
+        flags[self.rank] = float(error is not None)
+        flat = torch.cat([head, torch.tensor([value], dtype=torch.float32), flags])
         tc = time.perf_counter()
         dist.all_reduce(flat, group=g)
         with self._lock:
             # what a ring all-reduce sends per rank (gloo's algorithm may differ: an estimate)
             self.allreduce_bytes += flat.numel() * 4 * 2 * (self.world - 1) // self.world
         comm = time.perf_counter() - tc
-        value = float(flat[-2])
-        if not math.isfinite(value) or not bool(torch.isfinite(flat[:-2]).all()) or float(flat[-1]) != 0.0:
-            raise NonFiniteStepError(f"the step's loss ({value}) or gradients are not finite on some rank; "
-                                     "nothing applied")
-        t2 = time.perf_counter()
-        tc = time.perf_counter()
-        r_grads = self._a2a(g_rows, lk.row_splits, lk.back_splits, g)
-        comm += time.perf_counter() - tc
+        failed = torch.nonzero(flat[-self.world:]).reshape(-1).tolist()
+        if failed:
+            raise RankStepError(failed, error)
+        value = float(flat[-self.world - 1])
+        if not math.isfinite(value) or not bool(torch.isfinite(flat[:-self.world - 1]).all()):
+            # finite on every rank, not summed: none to blame, each rank's batch is suspect
+            raise RankStepError(list(range(self.world)), NonFiniteStepError(
+                f"the step's summed loss ({value}) or gradients are not finite; nothing applied"))
+        if g_rows is None:
+            g_rows = np.zeros(lk.n_rows, np.float32)
+        t2, sparse_comm = time.perf_counter(), 0.0
+        if overlap:  # after the lookups already queued, before the next ones: staleness holds
+            self._sparse_steps.append(self._pool.submit(self._sparse_update, lk, g_rows, self._lookup_group))
+        else:
+            sparse_comm = self._sparse_update(lk, g_rows, g)
         t3 = time.perf_counter()
-        for ti, tid, elem in lk.owned:
-            self._tables[ti].apply_gradients(tid, r_grads[elem].reshape(tid.size, -1), lk.event_time)
         off = 0
         for p in self._params:
             p.grad = flat[off:off + p.numel()].view_as(p).clone()
             off += p.numel()
         m.optimizer.step()
-        m.timings["backward"] += t2 - t1 - comm
-        m.timings["update"] += time.perf_counter() - t3
-        self.comm_s.append(lk.comm_s + comm)
+        with self._lock:
+            m.timings["backward"] += t2 - t1 - comm - (m.timings["forward"] - f0)
+            m.timings["update"] += time.perf_counter() - t3
+        self.comm_s.append(lk.comm_s + comm + sparse_comm)
         self.steps += 1
-        return value, torch.sigmoid(logits.detach()).numpy()
+        return value, probs
+
+    def _sparse_update(self, lk: _Lookup, g_rows: np.ndarray, group) -> float:
+        """Step 8: the gradients to their owners, which apply them; returns the seconds in the collective."""
+        tc = time.perf_counter()
+        r_grads = self._a2a(g_rows, lk.row_splits, lk.back_splits, group)
+        comm = time.perf_counter() - tc
+        for ti, tid, elem in lk.owned:
+            self._tables[ti].apply_gradients(tid, r_grads[elem].reshape(tid.size, -1), lk.event_time)
+        with self._lock:
+            self.model.timings["update"] += time.perf_counter() - tc - comm
+            self.sparse_comm_s += comm
+        return comm
 
     # ------------------------------------------------------------------ public
     def train_step(self, batch: SparseBatch):
@@ -313,73 +383,15 @@ class DistributedModel:
             return
         pending: deque = deque()
         it = iter(batches)
-        for b in it:
-            pending.append(self._pool.submit(self._lookup, b))
-            if len(pending) > self.staleness:
-                yield self._learn(pending.popleft().result())
-        while pending:
-            yield self._learn(pending.popleft().result())
-
-
-# ---------------------------------------------------------------------- local launcher
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the rendezvous of :func:`run_local`)."""
-    import socket
-    with socket.socket() as sk:
-        sk.bind((host, 0))
-        return int(sk.getsockname()[1])
-
-
-def _rank_main(fn, rank: int, world: int, port: int, args: tuple, timeout_s: float, threads: int, q) -> None:
-    import traceback
-    from datetime import timedelta
-    torch.set_num_threads(threads)  # ranks share the cores: one intra-op thread each by default
-    try:
-        # the timeout bounds every collective: a rank that never arrives fails the others
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
         try:
-            q.put((rank, True, fn(rank, world, *args)))
+            for b in it:
+                pending.append(self._pool.submit(self._lookup, b))
+                if len(pending) > self.staleness:
+                    yield self._learn(pending.popleft().result(), overlap=True)
+                while self._sparse_steps and self._sparse_steps[0].done():
+                    self._sparse_steps.popleft().result()  # raises a failed update here
+            while pending:
+                yield self._learn(pending.popleft().result(), overlap=True)
         finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        q.put((rank, False, traceback.format_exc()))
-
-
-def run_local(fn, world: int, *args, timeout_s: float = 60.0, threads: int = 1) -> list:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by a gloo process
-    group on 127.0.0.1; returns their results by rank. ``fn`` must be importable (module level).
-    Raises :class:`DistributedError` with the failing rank's traceback, or when ranks do not all
-    finish within ``2 * timeout_s`` (the processes are then killed)."""
-    import multiprocessing as mp
-    import queue
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, args, timeout_s, threads, q), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, object] = {}
-    errors = []
-    deadline = time.monotonic() + 2 * timeout_s
-    try:
-        while len(results) + len(errors) < world:
-            try:
-                rank, ok, val = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise DistributedError(f"ranks {sorted(set(range(world)) - set(results))} did not finish "
-                                       f"in {2 * timeout_s:.0f} s") from None
-            if ok:
-                results[rank] = val
-            else:
-                errors.append(f"rank {rank}:\n{val}")
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        raise DistributedError("\n".join(errors))
-    return [results[r] for r in range(world)]
+            while self._sparse_steps:  # the tables hold every update once train() is done
+                self._sparse_steps.popleft().result()

@@ -27,6 +27,7 @@ their admission counts (an id seen in a failed step counts once more towards ``m
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -91,3 +92,91 @@ def _bisect(step: Step, batch: SparseBatch, rows: np.ndarray, err: Exception,
             _bisect(step, batch, half, e, done, failed)
         else:
             done.append((half, loss, probs))
+
+
+def train_isolating_lockstep(step: Step, batch: SparseBatch, own_error: Callable[[Exception], Exception | None],
+                             more: Callable[[int], bool]) -> StepResult:
+    """:func:`train_isolating` for ranks that step together (:mod:`trainer.ranks`): every rank
+    calls it with its batch (empty when idle) and every call of ``step`` is collective. A failed
+    step raises on every rank at once and applies nothing anywhere; ``own_error(err)`` is this
+    rank's own error in it (None: another rank's batch failed, re-raised when not a step failure).
+    Then every rank works through a queue of its rows, one piece per collective step (an empty
+    piece when it has none left): a piece that failed here is halved (a single row is failed), a
+    piece that was fine but stepped with a failing one is retried. ``more(pieces left here)``:
+    whether any rank has pieces left (collective, once per retry round). Rows are applied in order.
+
+    >>> b = SparseBatch.from_slot_dicts([{"a": [i]} for i in range(4)], slots=["a"], labels=[0.0] * 4)
+    >>> def step(batch):  # one rank: its own failure
+    ...     if (batch.ids["a"] == 2).any():
+    ...         raise ValueError("id 2")
+    ...     return 0.5, np.full(batch.size, 0.25, np.float32)
+    >>> r = train_isolating_lockstep(step, b, lambda err: err, lambda left: left > 0)
+    >>> r.applied.tolist(), [(row, str(err)) for row, err in r.failed]
+    ([0, 1, 3], [(2, 'id 2')])
+    """
+    try:
+        loss, probs = step(batch)
+        return StepResult(loss, probs)
+    except Exception as err:  # noqa: BLE001 - own_error re-raises what is not a step failure
+        mine = own_error(err)
+    rows = np.arange(batch.size, dtype=np.int64)
+    pieces: deque[np.ndarray] = deque()
+    done: list[tuple[np.ndarray, float, np.ndarray]] = []
+    failed: list[tuple[int, Exception]] = []
+
+    def settle(piece: np.ndarray, err: Exception | None) -> None:
+        if err is None:
+            pieces.appendleft(piece)  # fine here: another rank's piece failed the step
+        elif piece.size == 1:
+            failed.append((int(piece[0]), err))
+        else:
+            mid = piece.size // 2
+            pieces.extendleft([piece[mid:], piece[:mid]])
+
+    if rows.size:
+        settle(rows, mine)
+    while more(len(pieces)):
+        piece = pieces.popleft() if pieces else rows[:0]
+        try:
+            loss, probs = step(batch.select(piece))
+        except Exception as err:  # noqa: BLE001 - as above
+            mine = own_error(err)
+            if piece.size == 0 and mine is not None:
+                raise  # an empty piece failed here: the trainer, not an example
+            if piece.size:
+                settle(piece, mine)
+        else:
+            if piece.size:
+                done.append((piece, loss, probs))
+    if failed:
+        log.warning("%d example(s) failed their training step on their own: %s", len(failed),
+                    "; ".join(f"row {r}: {e!r}" for r, e in failed[:3]))
+    if not done:
+        return StepResult(float("nan"), np.zeros(0, np.float32), np.zeros(0, np.int64), failed)
+    order = np.argsort(np.concatenate([r for r, _, _ in done]), kind="stable")
+    applied = np.concatenate([r for r, _, _ in done])[order]
+    n = int(applied.size)
+    loss = sum(l * r.size for r, l, _ in done) / n
+    return StepResult(float(loss), np.concatenate([p for _, _, p in done])[order], applied, failed)
+
+
+def train_isolating_ranks(dm, batch: SparseBatch) -> StepResult:
+    """``dm.train_step(batch)`` of a :class:`trainer.distributed.DistributedModel`, finding the
+    examples a failed step fails on with :func:`train_isolating_lockstep` (collective, as the step;
+    a failure no example of any rank caused is raised)."""
+    import torch
+    import torch.distributed as dist
+
+    from .distributed import RankStepError
+
+    def own(err: Exception) -> Exception | None:
+        if not isinstance(err, RankStepError):
+            raise err
+        return err.local if dm.rank in err.failed else None
+
+    def any_left(left: int) -> bool:
+        t = torch.tensor([left], dtype=torch.int64)
+        dist.all_reduce(t, group=dm.group)
+        return int(t) > 0
+
+    return train_isolating_lockstep(dm.train_step, batch, own, any_left)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
+
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -36,6 +40,26 @@ STAGE_SECONDS = Counter("driftline_trainer_stage_seconds_total",
                         "Time per training stage: online poll/prepare (validate, dedup, assemble)/train/"
                         "wait_train/commit/sync/snapshot; batch lookup/forward/backward/update.",
                         ["model", "stage"])
+
+# One rank of a distributed trainer (trainer.ranks) each: every rank exports on its own port
+RANK_EXAMPLES = Counter("driftline_trainer_rank_examples_total", "Examples trained on by one rank.", ["model", "rank"])
+RANK_STEPS = Counter("driftline_trainer_rank_steps_total",
+                     "Distributed training steps of one rank (steps where every rank was idle excluded).",
+                     ["model", "rank"])
+RANK_COMM_SECONDS = Counter("driftline_trainer_rank_comm_seconds_total",
+                            "Seconds one rank's steps spent in collectives: the all_to_all of ids, rows and "
+                            "gradients and the dense all_reduce (waiting for slower ranks included).", ["model", "rank"])
+RANK_ALLTOALL_BYTES = Counter("driftline_trainer_rank_alltoall_bytes_total",
+                              "Bytes one rank sent to other ranks through all_to_all (ids, rows, gradients).",
+                              ["model", "rank"])
+
+
+def rank_steps(model_id: str, rank: int, steps: int, comm_s: float, alltoall_bytes: int) -> None:
+    """Count a rank's steps since the last call: how many, their seconds in collectives, bytes sent."""
+    r = str(rank)
+    RANK_STEPS.labels(model_id, r).inc(steps)
+    RANK_COMM_SECONDS.labels(model_id, r).inc(comm_s)
+    RANK_ALLTOALL_BYTES.labels(model_id, r).inc(alltoall_bytes)
 
 
 class PSCounts:
@@ -94,6 +118,99 @@ class StreamingAUC:
 
     def load(self, pos, neg) -> None:
         self.pos, self.neg = np.asarray(pos, np.float64).copy(), np.asarray(neg, np.float64).copy()
+
+
+class Learned:
+    """The bookkeeping of learned batches, one per trainer process (the 1-process trainer's and each
+    rank's alike): the streaming AUC (progressive validation: ``probs`` scored before the update),
+    the sample rates, the examples counted and their gauges, the loss EMA, and per batch done its
+    ids into the dedup window, its partitions' next offsets and a commit request. ``auc``,
+    ``sample_rates``, ``dedup``, ``published`` (the publisher's ``applied``) belong to the trainer;
+    ``commit`` is set once its committer exists; ``rank``: a rank's examples are also counted by rank.
+
+    >>> from trainer.sample_rates import SampleRateTracker
+    >>> from trainer.batch import SparseBatch
+    >>> b = SparseBatch.from_slot_dicts([{"a": [1]}, {"a": [2]}], slots=["a"], labels=[1.0, 0.0], event_time_ms=[5, 6],
+    ...                                 sample_rate=[1.0, 0.5])
+    >>> book = Learned("doc", StreamingAUC(), SampleRateTracker(1e6))
+    >>> book.batch(b, 0.5, np.array([0.9, 0.1]), np.array([0, 0]))
+    >>> book.done(None, {0: 7}); book.done(None, {0: 3})  # offsets only move forward
+    >>> book.examples, book.loss_ema, book.auc.value(), book.offsets
+    (2, 0.5, 1.0, {0: 7})
+    """
+
+    def __init__(self, model_id: str, auc: StreamingAUC, sample_rates, dedup=None,
+                 published: Callable[[np.ndarray, np.ndarray], None] | None = None, ps_counts: PSCounts | None = None,
+                 rank: int | None = None):
+        self.model_id, self.auc, self.sample_rates, self.dedup = model_id, auc, sample_rates, dedup
+        self.published, self.ps_counts = published, ps_counts
+        self.by_rank = None if rank is None else RANK_EXAMPLES.labels(model_id, str(rank))
+        self.commit: Callable[[], None] = lambda: None
+        self.examples = 0
+        self.loss_ema = float("nan")
+        self.offsets: dict[int, int] = {}  # partition -> next offset of everything done
+        self._rate_mark = (time.monotonic(), 0)
+
+    def batch(self, batch, loss: float, probs: np.ndarray, arrival_ms: np.ndarray | None) -> None:
+        """``batch`` was learned (``probs``: its scores before the update; ``loss``: the step's)."""
+        self.auc.update(probs, batch.labels)
+        self.sample_rates.update(batch.slice_ids, batch.slice_names, batch.sample_rate, batch.labels)
+        self.examples += batch.size
+        if self.published is not None:
+            self.published(batch.event_time_ms, arrival_ms)
+        if self.ps_counts is not None:
+            self.ps_counts.update()
+        self.loss_ema = loss if math.isnan(self.loss_ema) else 0.98 * self.loss_ema + 0.02 * loss
+        EXAMPLES.labels(self.model_id, "online").inc(batch.size)
+        if self.by_rank is not None:
+            self.by_rank.inc(batch.size)
+        LOSS.labels(self.model_id, "online").set(self.loss_ema)
+        AUC.labels(self.model_id, "online").set(self.auc.value())
+
+    def done(self, hashes: np.ndarray | None, offsets: dict[int, int]) -> None:
+        """A polled batch is done (learned, dead-lettered or dropped as duplicates): its ids enter
+        the dedup window (only now: a snapshot never marks as seen an example not learned), its
+        offsets move on, and a commit of them is asked for."""
+        if self.dedup is not None and hashes is not None:
+            self.dedup.add_many(hashes)
+        for part, off in offsets.items():
+            if off > self.offsets.get(part, -1):
+                self.offsets[part] = off
+        self.commit()
+
+    def rate(self, now: float) -> None:
+        """Export the examples/s since the last export, at most once a second (monotonic ``now``)."""
+        t, n = self._rate_mark
+        if now - t >= 1.0:
+            EXAMPLES_PER_S.labels(self.model_id, "online").set((self.examples - n) / (now - t))
+            self._rate_mark = (now, self.examples)
+
+
+class LearnedFields:
+    """A trainer's counts, kept by its :class:`Learned` (``self.learned``), under the names its
+    snapshots, results and tests use."""
+
+    learned: Learned
+
+    @property
+    def examples_applied(self) -> int:
+        return self.learned.examples
+
+    @examples_applied.setter
+    def examples_applied(self, n: int) -> None:
+        self.learned.examples = n
+
+    @property
+    def applied_offsets(self) -> dict[int, int]:
+        return self.learned.offsets
+
+    @applied_offsets.setter
+    def applied_offsets(self, offsets: dict[int, int]) -> None:
+        self.learned.offsets = offsets
+
+    @property
+    def loss_ema(self) -> float:
+        return self.learned.loss_ema
 
 
 def auc(scores: np.ndarray, labels: np.ndarray) -> float:

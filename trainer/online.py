@@ -52,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -83,6 +82,7 @@ from .model import SparseModel
 from .publisher import DenseSchedule, Publisher
 from .resets import ResetWatch
 from .resume import Snapshots
+from .snapshots import EventClock
 from .sample_rates import SampleRateTracker
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class _NextBatch:
     polled_at_ms: int = 0  # wall time of the same
 
 
-class OnlineTrainer:
+class OnlineTrainer(M.LearnedFields):
     """Every knob is a field of ``settings.trainer`` (:class:`services.settings.TrainerSettings`):
     run one with other values through ``settings.updated(trainer={...})``. Its parts:
     :attr:`ingest` (records -> batches), :attr:`publisher` (``param-deltas``), :attr:`snapshots`
@@ -156,10 +156,11 @@ class OnlineTrainer:
         self.ingest = Ingest(cfg, self.topic, self.dedup, max_future_ms=int(1000 * settings.event_time.max_future_s),
                              stage=self._stage)
         self.publisher = Publisher(settings, cfg.model_id, self._stage)
+        self.learned = M.Learned(cfg.model_id, self.auc, self.sample_rates, self.dedup, self.publisher.applied,
+                                 self.ps_counts)
         self.snapshots = Snapshots(self.snapshot_root, cfg, self.topic)
         self.commits: Committer | None = None
         self.resume_offsets: dict[int, int] = {}
-        self.applied_offsets: dict[int, int] = {}
         #: the broker epoch the offsets belong to (None: an external Kafka without one)
         self.epoch: str | None = None
         self.resets = ResetWatch(ts.epoch_check_interval_s, lambda: (self.ingest.highwater, self.applied_offsets))
@@ -169,12 +170,10 @@ class OnlineTrainer:
         self._from_start = False
         # assigned partitions whose start position is not known yet (see _note_starts)
         self.unknown_start: set[int] = set()
-        self.examples_applied = 0
         self.max_event_time = 0
-        self.next_snapshot_at: int | None = None
+        self.clock = EventClock(self.snapshot_interval_ms)
         self.stop_event = asyncio.Event()
         self.ready = asyncio.Event()  # set once the group join assigned partitions
-        self.loss_ema = float("nan")
         self.first_batch_at: float | None = None
         self.last_batch_at: float | None = None
         self._last_sync = 0.0  # monotonic time of the last sparse sync
@@ -187,7 +186,6 @@ class OnlineTrainer:
         # examples per record lately (how many records to poll for a batch): from one record at a time
         self._per_record = float(self.batch_size)
         self._executor: ThreadPoolExecutor | None = None
-        self._rate_mark = (time.monotonic(), 0)
 
     def _stage(self, name: str, seconds: float) -> None:
         self.stage[name] += seconds
@@ -205,7 +203,7 @@ class OnlineTrainer:
         dense, man = got.dense, got.manifest
         self._reset_at_start = got.reset
         self.model = SparseModel(self.cfg, got.tables)
-        self.ps_counts = M.PSCounts(self.cfg.model_id, self.model.tables)
+        self.ps_counts = self.learned.ps_counts = M.PSCounts(self.cfg.model_id, self.model.tables)
         self.model.head.load_state_dict(dense["head"])
         if "optimizer" in dense:
             self.model.optimizer.load_state_dict(dense["optimizer"])
@@ -215,7 +213,7 @@ class OnlineTrainer:
         self.publisher.restore(man)
         self.examples_applied = int(man.get("examples_applied", 0))
         self.max_event_time = int(man.get("max_event_time_ms", 0))
-        self.next_snapshot_at = man.get("next_snapshot_at")
+        self.clock.next_at = man.get("next_snapshot_at")
         if self.max_event_time:
             M.EVENT_TIME.labels(self.cfg.model_id).set(self.max_event_time)
         if "auc_pos" in dense and "auc_neg" in dense:
@@ -233,7 +231,7 @@ class OnlineTrainer:
         man = {"offsets": {str(k): v for k, v in self.applied_offsets.items()}, "topic": self.topic,
                "broker_epoch": self.epoch, "from_start": self._from_start, **self.publisher.versions(),
                "examples_applied": self.examples_applied, "max_event_time_ms": self.max_event_time,
-               "next_snapshot_at": self.next_snapshot_at, "auc": self.auc.value(),
+               "next_snapshot_at": self.clock.next_at, "auc": self.auc.value(),
                "sample_rates": self.sample_rates.state()}
         path = self.snapshots.save(self.model, dense, man)
         self._stage("snapshot", time.perf_counter() - t0)
@@ -306,23 +304,11 @@ class OnlineTrainer:
             batch = p.batch
             self._stage("train", dt)
             self._stage("step_gap", gap)
-            self.auc.update(probs, batch.labels)
-            self.sample_rates.update(batch.slice_ids, batch.slice_names, batch.sample_rate, batch.labels)
-            self.examples_applied += batch.size
+            self.learned.batch(batch, loss, probs, p.arrival_ms)
             self.last_batch_at = time.perf_counter()
             self.max_event_time = max(self.max_event_time, batch.max_event_time)
             M.EVENT_TIME.labels(self.cfg.model_id).set(self.max_event_time)
-            self.publisher.applied(batch.event_time_ms, p.arrival_ms)
-            self.ps_counts.update()
-            self.loss_ema = loss if math.isnan(self.loss_ema) else 0.98 * self.loss_ema + 0.02 * loss
-            M.EXAMPLES.labels(self.cfg.model_id, "online").inc(batch.size)
-            M.LOSS.labels(self.cfg.model_id, "online").set(self.loss_ema)
-            M.AUC.labels(self.cfg.model_id, "online").set(self.auc.value())
-        self.dedup.add_many(hashes)
-        for part, off in p.offsets.items():
-            if off > self.applied_offsets.get(part, -1):
-                self.applied_offsets[part] = off
-        self.commits.request()
+        self.learned.done(hashes, p.offsets)
 
     def _start(self, p: Prepared) -> None:
         """Hand the batch to the training thread *now* (a task would only submit it when the event
@@ -350,16 +336,13 @@ class OnlineTrainer:
             self._pending.popleft()
         self._stage("wait_train", time.perf_counter() - t0)
         self.commits.raise_failed()  # a failed commit (a rebalance) stops the run, as it did
-        if self.snapshot_interval_ms > 0:
-            if self.next_snapshot_at is None:
-                self.next_snapshot_at = (self.max_event_time // self.snapshot_interval_ms + 1) * self.snapshot_interval_ms
-            elif self.max_event_time >= self.next_snapshot_at:
-                while self._pending:
-                    await self._pending[0][0]
-                    self._pending.popleft()
-                await self.sync_sparse()
-                self.snapshot()
-                self.next_snapshot_at = (self.max_event_time // self.snapshot_interval_ms + 1) * self.snapshot_interval_ms
+        if self.clock.due(self.max_event_time):
+            while self._pending:
+                await self._pending[0][0]
+                self._pending.popleft()
+            await self.sync_sparse()
+            self.snapshot()
+            self.clock.taken(self.max_event_time)
 
     async def _note_starts(self, recs) -> None:
         """Record where each newly assigned partition starts (its committed offset, or the earliest)
@@ -399,12 +382,6 @@ class OnlineTrainer:
             await self._drain()
             self.dense_schedule.published(now, self.examples_applied)
             await self.sync_dense()
-
-    def _update_rate(self, now: float) -> None:
-        t, n = self._rate_mark
-        if now - t >= 1.0:
-            M.EXAMPLES_PER_S.labels(self.cfg.model_id, "online").set((self.examples_applied - n) / (now - t))
-            self._rate_mark = (now, self.examples_applied)
 
     # ------------------------------------------------------------------ broker resets
     async def _handle_reset(self) -> None:
@@ -484,6 +461,7 @@ class OnlineTrainer:
             cs, "trainer", Example, [self.topic], self.group_id, dead_letter_producer=self._producer)
         self.commits = Committer(self.consumer, self.topic, lambda: self.applied_offsets, self.resets.noticed,
                                  s.kafka.connect_timeout_s, self._stage)
+        self.learned.commit = self.commits.request
         self.consumer.consumer.subscribe([self.topic], listener=_Seek(self))
         try:
             warm = asyncio.get_running_loop().run_in_executor(self._executor, self._warm_up)
@@ -544,7 +522,7 @@ class OnlineTrainer:
                     if max_examples is not None and queued >= max_examples:
                         break
                 now = time.monotonic()
-                self._update_rate(now)
+                self.learned.rate(now)
                 await self._sync_when_due(now)
                 if stop_when_idle_s is not None and not nxt.records and now - last_data >= stop_when_idle_s:
                     break

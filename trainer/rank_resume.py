@@ -15,7 +15,9 @@ Restoring (:func:`load`) from a snapshot of as many ranks gives each rank its ow
 (bit-identical rows); from one of another number of ranks (or of the 1-process trainer), rows are
 resharded by :func:`trainer.snapshots.load_rank`, every rank takes the offsets of its partitions
 from the manifest's union and every window of ids seen, and rank 0 takes the global counts (the
-examples applied, the AUC, the sample rates), so sums over ranks continue.
+examples applied, the AUC, the sample rates), so sums over ranks continue. A snapshot written in
+another broker epoch (the broker's data was reset since, see :mod:`trainer.online`) is restored
+whole but its offsets are not used: every partition is read from its start (``reset``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class RankRestored:
     auc: tuple | None         # (pos, neg) histograms, or None: start empty
     sample_rates: dict        # a SampleRateTracker state ({}: empty)
     examples_applied: int
+    reset: bool = False       # written in another broker epoch: its offsets were dropped
 
 
 def merged_rates(states: list[dict], half_life: float) -> SampleRateTracker:
@@ -77,11 +80,20 @@ def _rank_states(root: Path, man: dict) -> list[dict]:
             for r in range(int(man.get("shard_count", 0) or 0))]
 
 
-def load(root: Path, cfg: ModelConfig, topic: str, rank: int, world: int) -> RankRestored | None:
-    """Rank ``rank`` of ``world``'s state from the latest complete snapshot, or None if none."""
+def load(root: Path, cfg: ModelConfig, topic: str, rank: int, world: int, epoch: str | None = None) -> RankRestored | None:
+    """Rank ``rank`` of ``world``'s state from the latest complete snapshot, or None if none
+    (``epoch``: the broker's now, None: unknown)."""
     got = snapshots.load_rank(root, cfg, rank, world)
     if got is None:
         return None
+    out = _load(root, topic, rank, got)
+    snap_epoch = out.manifest.get("broker_epoch")
+    if epoch is not None and snap_epoch is not None and snap_epoch != epoch:
+        out.offsets, out.reset = {}, True
+    return out
+
+
+def _load(root: Path, topic: str, rank: int, got: tuple) -> RankRestored:
     tables, dense, man, state = got
     versions = {int(k): int(v) for k, v in (man.get("sparse_versions") or {}).items()}
     same_topic = man.get("topic", topic) == topic
@@ -122,14 +134,14 @@ def summary(part: dict, sparse_version: int, param_deltas_offset: int, tables: d
             "sample_rates": part["sample_rates"], "auc_pos": part["auc_pos"], "auc_neg": part["auc_neg"]}
 
 
-def manifest_of(parts: list[dict], *, topic: str, dense_version: int, max_event_time_ms: int,
-                next_snapshot_at: int | None, half_life: float) -> tuple[dict, dict]:
+def manifest_of(parts: list[dict], *, topic: str, broker_epoch: str | None, dense_version: int,
+                max_event_time_ms: int, next_snapshot_at: int | None, half_life: float) -> tuple[dict, dict]:
     """Rank 0's manifest fields and rows per table from every rank's :func:`summary`."""
     auc = M.StreamingAUC()
     auc.load(sum(p["auc_pos"] for p in parts), sum(p["auc_neg"] for p in parts))
     versions = {str(r): int(p["sparse_version"]) for r, p in enumerate(parts)}
     man = {"offsets": {str(k): v for p in parts for k, v in p["offsets"].items()}, "topic": topic,
-           "broker_epoch": None, "from_start": False,
+           "broker_epoch": broker_epoch, "from_start": False,
            "sparse_version": max(versions.values()), "sparse_versions": versions, "dense_version": dense_version,
            "param_deltas_offset": min(int(p["param_deltas_offset"]) for p in parts),
            "examples_applied": sum(int(p["examples_applied"]) for p in parts),

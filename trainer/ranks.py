@@ -8,30 +8,44 @@ replicated. The parts of the 1-process trainer are reused: :class:`trainer.inges
 rows, named ``shard=r, shard_count=N``; dense by rank 0 only), :class:`trainer.commits.Committer`
 (the group's offsets) and the snapshot file format (:mod:`trainer.snapshots`, N-rank layout).
 
-**Input.** Rank ``r`` of ``N`` reads the partitions ``p`` of ``examples`` with ``p % N == r`` by
-manual assignment (no group rebalance: the assignment is a function of the rank). A partition
-starts at the offset in the rank's snapshot, else at the group's committed offset, else at its
-earliest record; offsets are committed per partition as the 1-process trainer does. With more
-ranks than partitions some ranks read nothing and only serve their shard.
+**Input** (:mod:`trainer.rank_input`). Rank ``r`` of ``N`` reads the partitions ``p`` of
+``examples`` with ``p % N == r`` by manual assignment; offsets are committed per partition as the
+1-process trainer does.
 
 **One round**, on every rank, in lockstep:
 
 1. poll until ``batch_size`` examples or ``batch_timeout_s`` passed (an idle rank gives up after
    the timeout: it delays the others by at most that);
 2. *agree* (one ``all_gather`` of a few int64 per rank): whether any rank was asked to stop
-   (SIGTERM reaches one rank or all), whether every rank has been idle ``stop_when_idle_s``, the
-   global max event time (snapshots are due by it: every rank decides the same), the examples
-   queued, and rank 0's clock decisions (sparse / dense sync due). Every rank then takes the same
-   decisions without another message;
+   (SIGTERM reaches one rank or all), whether any rank noticed a broker reset, whether every rank
+   has been idle ``stop_when_idle_s``, the global max event time (snapshots are due by it), the
+   examples queued, and rank 0's clock decisions (sparse / dense sync due). Every rank then takes
+   the same decisions without another message;
 3. step (:meth:`DistributedModel.train_step`, collective; an empty batch on an idle rank), then
-   bookkeeping and the offsets' commit as in the 1-process trainer;
+   the bookkeeping of the 1-process trainer (:class:`trainer.metrics.Learned`) and per-rank
+   metrics (label ``rank``: examples, steps, seconds and bytes in collectives);
 4. when due: each rank publishes its shard's touched rows; rank 0 the dense weights with the
    sample rates of *all* ranks (their trackers' sums, gathered); every rank snapshots its shard
    (:meth:`RankTrainer.snapshot`).
 
-A step that is not finite is refused by every rank together (the engine's flag) and skipped: the
-1-process trainer's isolation of the failing example (:mod:`trainer.isolate`) needs a collective
-retry protocol not built yet; its offsets still move on (at-most-once for that batch, logged).
+**A failing example** (its loss or gradients not finite, or the step raising on it) fails the
+step on every rank together: the engine's per-rank failure flags (:class:`trainer.distributed.RankStepError`)
+tell each rank whether its own batch failed, and nothing is applied anywhere. The ranks then
+retry in lockstep (:func:`trainer.isolate.train_isolating_ranks`): a rank whose batch failed
+halves it down to the failing examples, the others retry theirs whole (or step empty), until
+every piece is learned or failed alone. Those are dead-lettered with the error (reason
+``failed: ...``) and the offsets move on, as in the 1-process trainer: no rank hangs in a
+collective and no failure reaches the launcher (no restart, no crash loop).
+
+**Broker resets** (tansu's memory storage lost with a broker restart, :mod:`trainer.resets`):
+every rank watches the broker epoch (before each commit, and every ``epoch_check_interval_s``)
+and puts what it saw into the round's agreement; when any rank saw a reset, all ranks handle it
+in the same round (:meth:`RankTrainer._handle_reset`), as the 1-process trainer does: the round's
+batch is dropped (fetched from the old topic, or from the new one at old positions: read again),
+the model, versions and dedup windows are kept, rank 0 creates the topics again, every rank reads
+its partitions from their start, rank 0 publishes the dense weights on the new ``param-deltas``,
+the group writes a snapshot of the new epoch. A group started on a snapshot of another epoch does
+the same (:mod:`trainer.rank_resume`).
 
 **Snapshots** (all ranks at the same round): each rank writes its shard (rows + PS optimizer
 state) and its own stream state (its partitions' next offsets, dedup window, AUC histograms,
@@ -43,10 +57,8 @@ and restart the whole group (``trainer.max_restarts``), and every rank resumes f
 complete manifest; a snapshot of N ranks restores into M ranks (rows resharded on load, offsets
 split by the partition rule, the global stream state given to rank 0).
 
-**Not here yet** (issue #14): broker resets (the 1-process trainer's :mod:`trainer.resets`) are
-not watched: after a tansu reset the group must be restarted; ``hybrid`` mode runs the engine's
-``train_step``, so the online loop does not overlap lookups yet; polling and training alternate
-within a round instead of overlapping. (The dedup window is per rank: enough, examples are keyed
+**Not here yet** (issue #14): ``hybrid`` mode runs the engine's ``train_step``, so the online loop
+does not overlap lookups yet; polling and training alternate within a round. (The dedup window is per rank: enough, examples are keyed
 by user, so a joiner duplicate lands on the same partition, i.e. the same rank.)
 """
 
@@ -54,7 +66,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -63,9 +74,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
 
 from proto import Example
+from services import metrics as service_metrics
+from services import tansu_quirks
+from services.codecs import processing_failed
 from services.kafka import TypedConsumer, create_topics, producer, start_client
 from services.settings import Settings
 
@@ -76,31 +90,25 @@ from .batch import SparseBatch
 from .commits import Committer
 from .config import ModelConfig
 from .distributed import DistributedModel
-from .ingest import Decoded, Ingest
-from .model import NonFiniteStepError
+from .ingest import Ingest
+from .isolate import StepResult, train_isolating_ranks
 from .publisher import DenseSchedule, Publisher
+from .rank_input import RankInput, empty_batch, my_partitions  # noqa: F401 - the rule, named here too
+from .resets import ResetWatch
+from .resume import Snapshots
 from .sample_rates import SampleRateTracker
 
 log = logging.getLogger(__name__)
 
 # the agreed-upon control vector of one round (int64 per rank)
-_STOP, _IDLE, _EXAMPLES, _EVENT, _SYNC, _DENSE = range(6)
+_STOP, _IDLE, _EXAMPLES, _EVENT, _SYNC, _DENSE, _RESET = range(7)
 
 
 class RankError(RuntimeError):
     """A rank cannot run: no process group, or a snapshot that does not fit."""
 
 
-def my_partitions(partitions: int, rank: int, world: int) -> list[int]:
-    """The partitions of ``examples`` rank ``rank`` of ``world`` reads: ``p % world == rank``.
-
-    >>> my_partitions(4, 1, 2), my_partitions(4, 0, 3), my_partitions(2, 2, 3)
-    ([1, 3], [0, 3], [])
-    """
-    return [p for p in range(partitions) if p % world == rank]
-
-
-class RankTrainer:
+class RankTrainer(M.LearnedFields):
     """Rank ``dist.get_rank()`` of the online trainer; every knob is a field of ``settings.trainer``."""
 
     def __init__(self, settings: Settings, cfg: ModelConfig):
@@ -111,7 +119,7 @@ class RankTrainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.topic = settings.topics.examples
         self.root = settings.snapshot_root / cfg.model_id
-        self.snapshot_interval_ms = int(1000 * ts.snapshot_interval_event_s)
+        self.clock = snapshots.EventClock(int(1000 * ts.snapshot_interval_event_s))
         self.stage = {k: 0.0 for k in ("poll", "prepare", "train", "commit", "sync", "snapshot", "agree",
                                          "comm")}
         self.dedup = dedup.DedupWindow(ts.dedup_window)
@@ -119,23 +127,27 @@ class RankTrainer:
         self.sample_rates = SampleRateTracker(ts.sample_rate_half_life)
         self.ingest = Ingest(cfg, self.topic, self.dedup, max_future_ms=int(1000 * settings.event_time.max_future_s),
                              stage=self._stage)
+        self.input = RankInput(self.ingest, self.topic, self.rank, self.world, ts.batch_size, ts.batch_timeout_s,
+                               self._stage)
         self.publisher = Publisher(settings, cfg.model_id, self._stage)
         self.publisher.shard, self.publisher.shard_count = self.rank, self.world
-        self.applied_offsets: dict[int, int] = {}
-        self.partitions: list[int] = []
-        self.examples_applied = 0
+        self.learned = M.Learned(cfg.model_id, self.auc, self.sample_rates, self.dedup, self.publisher.applied,
+                                 rank=self.rank)
+        self.epoch: str | None = None  # the broker epoch the offsets belong to (None: no epochs)
+        self.resets = ResetWatch(ts.epoch_check_interval_s, lambda: (self.ingest.highwater, self.applied_offsets))
+        self._from_start = False  # partitions start at their earliest record (the snapshot's epoch is gone)
         self.max_event_time = 0
-        self.next_snapshot_at: int | None = None
-        self.loss_ema = float("nan")
-        self.skipped_steps = 0
+        self.failed_steps = 0  # rounds whose step failed on some rank (examples isolated)
         self.stop_event = asyncio.Event()
         # every collective runs on this one thread, in the same order on every rank
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"rank{self.rank}-step")
         self.dm: DistributedModel | None = None
-        self._rate_mark = (time.monotonic(), 0)
         self._parent = os.getppid()
-        self._per_record = float(ts.batch_size)  # examples per record lately
         self.restored = False
+
+    @property
+    def partitions(self) -> list[int]:
+        return self.input.partitions
 
     def _stage(self, name: str, seconds: float) -> None:
         self.stage[name] = self.stage.get(name, 0.0) + seconds
@@ -147,11 +159,17 @@ class RankTrainer:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     # ------------------------------------------------------------------ state
-    def _restore(self) -> None:
+    def _restore(self, epoch: str | None) -> None:
         """Build the model from the latest complete snapshot (any number of ranks wrote it,
-        :mod:`trainer.rank_resume`) or fresh. Collective (the engine broadcasts rank 0's head)."""
+        :mod:`trainer.rank_resume`) or fresh. Collective (the engine broadcasts rank 0's head, and
+        rank 0's broker epoch: every rank follows the same)."""
         torch.set_num_threads(1)
-        got = rank_resume.load(self.root, self.cfg, self.topic, self.rank, self.world)
+        agreed = [epoch]
+        dist.broadcast_object_list(agreed, 0)
+        self.epoch = agreed[0]
+        if self.resets.watch is not None:
+            self.resets.watch.epoch = self.epoch
+        got = rank_resume.load(self.root, self.cfg, self.topic, self.rank, self.world, self.epoch)
         ts = self.ts
         self.dm = DistributedModel(self.cfg, mode=ts.dist_mode, staleness=ts.staleness,
                                    tables=got.tables if got is not None else None)
@@ -161,20 +179,21 @@ class RankTrainer:
         self.dm.head.load_state_dict(got.dense["head"])
         if "optimizer" in got.dense:
             self.dm.optimizer.load_state_dict(got.dense["optimizer"])
-        self.restored = True
+        self.restored, self._from_start = True, got.reset
         self.publisher.dense_version = int(man.get("dense_version", 0))
-        self.publisher.param_deltas_offset = int(man.get("param_deltas_offset", 0) or 0)
+        self.publisher.param_deltas_offset = 0 if got.reset else int(man.get("param_deltas_offset", 0) or 0)
         self.publisher.sparse_version = got.sparse_version
         self.max_event_time = int(man.get("max_event_time_ms", 0))
-        self.next_snapshot_at = man.get("next_snapshot_at")
+        self.clock.next_at = man.get("next_snapshot_at")
         self.dedup.load(got.dedup)
         if got.auc is not None:
             self.auc.load(*got.auc)
         self.sample_rates.load(got.sample_rates)
         self.examples_applied = got.examples_applied
         self.applied_offsets = {int(k): int(v) for k, v in got.offsets.items()}
-        log.info("rank %d/%d restored snapshot %s (%d ranks wrote it): %d examples applied here",
-                 self.rank, self.world, man["name"], int(man.get("shard_count", 0) or 1), self.examples_applied)
+        log.info("rank %d/%d restored snapshot %s (%d ranks wrote it%s): %d examples applied here",
+                 self.rank, self.world, man["name"], int(man.get("shard_count", 0) or 1),
+                 ", in another broker epoch: reading from the start" if got.reset else "", self.examples_applied)
 
     async def snapshot(self) -> Path | None:
         """Collective: every rank writes its part, rank 0 commits the set (the manifest last)."""
@@ -193,12 +212,13 @@ class RankTrainer:
         path = None
         if self.rank == 0:
             man, rows = rank_resume.manifest_of(
-                parts, topic=self.topic, dense_version=self.publisher.dense_version,
-                max_event_time_ms=self.max_event_time, next_snapshot_at=self.next_snapshot_at,
+                parts, topic=self.topic, broker_epoch=self.epoch, dense_version=self.publisher.dense_version,
+                max_event_time_ms=self.max_event_time, next_snapshot_at=self.clock.next_at,
                 half_life=self.ts.sample_rate_half_life)
             dense = {"head": self.dm.head.state_dict(), "optimizer": self.dm.optimizer.state_dict()}
             path = await loop.run_in_executor(
                 None, lambda: snapshots.commit_ranks(self.root, self.cfg, seq, self.world, dense, man, rows))
+            Snapshots(self.root, self.cfg, self.topic).record_epoch(self.epoch)
             M.SNAPSHOTS.labels(self.cfg.model_id).inc()
         self._stage("snapshot", time.perf_counter() - t0)
         return path
@@ -215,77 +235,21 @@ class RankTrainer:
             rates = rank_resume.merged_rates(states, self.ts.sample_rate_half_life).rates()
             await self.publisher.sync_dense(self.dm.head, self.max_event_time, rates)
 
-    # ------------------------------------------------------------------ input
-    async def _assign(self) -> None:
-        """Assign this rank's partitions and put each at its start (see the module docstring)."""
-        c = self.consumer.consumer
-        await c.topics()  # metadata
-        n = len(c.partitions_for_topic(self.topic) or ())
-        if n == 0:
-            raise RankError(f"topic {self.topic} has no partitions")
-        self.partitions = my_partitions(n, self.rank, self.world)
-        tps = [TopicPartition(self.topic, p) for p in self.partitions]
-        c.assign(tps)
-        for tp in tps:
-            off = self.applied_offsets.get(tp.partition)
-            if off is None:
-                off = await c.committed(tp)
-                if off is None:
-                    off = (await c.beginning_offsets([tp]))[tp]
-            c.seek(tp, off)
-            self.applied_offsets[tp.partition] = off
-        # a snapshot of another assignment may name partitions this rank does not read
-        self.applied_offsets = {p: o for p, o in self.applied_offsets.items() if p in self.partitions}
-        log.info("rank %d/%d reads %s[%s] from %s", self.rank, self.world, self.topic, self.partitions,
-                 self.applied_offsets)
-
-    async def _poll_round(self):
-        """Records until ``batch_size`` examples or ``batch_timeout_s``: ``(records, decoded, polled_at_ms)``."""
+    # ------------------------------------------------------------------ a round
+    def _step(self, batch: SparseBatch) -> tuple[StepResult, float]:
         t0 = time.perf_counter()
-        end = time.monotonic() + self.ts.batch_timeout_s
-        recs, decoded, polled_at = [], Decoded(), int(time.time() * 1000)
-        while decoded.examples < self.ts.batch_size and not self.stop_event.is_set():
-            left = end - time.monotonic()
-            if left <= 0 or not self.partitions:
-                if not self.partitions:
-                    await asyncio.sleep(max(0.0, left))
-                break
-            # about as many records as complete the batch (by the examples per record lately), as
-            # the 1-process trainer polls: a batch does not swallow everything fetched
-            want = max(1, int((self.ts.batch_size - decoded.examples) / self._per_record))
-            got = await self.consumer.poll(timeout_ms=max(1, int(min(0.1, left) * 1000)), max_records=want)
-            if got:
-                recs.extend(got)
-                before = decoded.examples
-                await self.ingest.decode_records(got, decoded)
-                self._per_record = max(1.0, 0.8 * self._per_record + 0.2 * (decoded.examples - before) / len(got))
-        self._stage("poll", time.perf_counter() - t0)
-        return recs, decoded, polled_at
+        res = train_isolating_ranks(self.dm, batch)
+        return res, time.perf_counter() - t0
 
-    def _empty(self) -> SparseBatch:
-        cfg = self.cfg
-        dense = np.zeros((0, len(cfg.dense_features)), np.float32) if cfg.dense_features else None
-        return SparseBatch.from_slot_dicts([], dense, slots=cfg.all_slots, labels=np.zeros(0, np.float32),
-                                           event_time_ms=np.zeros(0, np.int64))
-
-    def _step(self, batch: SparseBatch):
+    async def _agree(self, stop: bool, idle: bool, reset: bool, examples: int, event: int, now: float) -> np.ndarray:
+        """The round's control vectors of every rank ``[world, 7]`` (one all_gather)."""
         t0 = time.perf_counter()
-        try:
-            loss, probs = self.dm.train_step(batch)
-        except NonFiniteStepError as err:  # raised on every rank together: nothing applied anywhere
-            log.error("rank %d: step skipped: %s", self.rank, err)
-            return None, time.perf_counter() - t0
-        return (loss, probs), time.perf_counter() - t0
-
-    async def _agree(self, stop: bool, idle: bool, examples: int, event: int, now: float) -> np.ndarray:
-        """The round's control vectors of every rank ``[world, 6]`` (one all_gather)."""
-        t0 = time.perf_counter()
-        mine = torch.zeros(6, dtype=torch.int64)
-        mine[_STOP], mine[_IDLE], mine[_EXAMPLES], mine[_EVENT] = int(stop), int(idle), examples, event
+        mine = torch.zeros(7, dtype=torch.int64)
+        mine[_STOP], mine[_IDLE], mine[_RESET], mine[_EXAMPLES], mine[_EVENT] = int(stop), int(idle), int(reset), examples, event
         if self.rank == 0:  # rank 0's clock decides the time-based syncs for everyone
             mine[_SYNC] = int(now - self._last_sync >= self.ts.sync_interval_s)
             mine[_DENSE] = int(self.dense_schedule.due(now))
-        out = [torch.zeros(6, dtype=torch.int64) for _ in range(self.world)]
+        out = [torch.zeros(7, dtype=torch.int64) for _ in range(self.world)]
         await self._coll(dist.all_gather, out, mine)
         self._stage("agree", time.perf_counter() - t0)
         return torch.stack(out).numpy()
@@ -296,21 +260,30 @@ class RankTrainer:
         if self.rank == 0:
             await create_topics(s, {self.topic: s.topics.partitions, s.topics.param_deltas: 1,
                                     s.topics.dead_letters: 1})
-        await self._coll(self._restore)  # collective; after it rank 0's topics exist too
+        watch = tansu_quirks.EpochWatch(s, "trainer")
+        try:
+            epoch = await watch.start()
+            self.resets.watch = watch
+        except Exception:  # noqa: BLE001 - an external Kafka without the marker topic
+            await watch.stop()
+            epoch = None
+        await self._coll(self._restore, epoch)  # collective; after it rank 0's topics exist too
         self._producer = self.publisher.producer = producer(s)
         await start_client(self._producer, s)
         self.consumer = self.ingest.consumer = TypedConsumer(
             s, "trainer", Example, [], self.ts.group_id, dead_letter_producer=self._producer)
         await self.consumer.start()
-        self.commits = Committer(self.consumer, self.topic, lambda: self.applied_offsets, _never,
+        self.commits = Committer(self.consumer, self.topic, lambda: self.applied_offsets, self.resets.noticed,
                                  s.kafka.connect_timeout_s, self._stage)
+        self.learned.commit = self.commits.request
         try:
-            await self._assign()
+            self.applied_offsets = await self.input.assign(self.applied_offsets, self._from_start)
             return await self._loop(stop_when_idle_s, max_examples)
         finally:
             self.commits.cancel()
             await self.consumer.stop()
             await self._producer.stop()
+            await watch.stop()
             self.dm.close()
             self._executor.shutdown(wait=True)
 
@@ -318,12 +291,15 @@ class RankTrainer:
         started = time.time()
         self._last_sync = time.monotonic()
         self.dense_schedule = DenseSchedule(self.ts.sync_interval_s, self.ts.dense_sync_interval_s, self._last_sync)
-        if not self.restored or self.publisher.dense_version == 0:
+        if not self.restored or self.publisher.dense_version == 0 or self._from_start:
             await self.sync_dense()
+        if self._from_start:  # serving bootstraps from a snapshot of this broker epoch
+            await self.snapshot()
         last_data, queued = time.monotonic(), 0
         while True:
-            recs, decoded, polled_at = await self._poll_round()
+            recs, decoded, polled_at = await self.input.poll_round(self.stop_event)
             now = time.monotonic()
+            reset = await self.resets.check_when_due(now)
             p = await self.ingest.prepare(recs, polled_at, decoded) if recs else None
             if recs:
                 last_data = now
@@ -332,16 +308,22 @@ class RankTrainer:
             if os.getppid() != self._parent:  # the launcher is gone (kill -9): nobody would restart us
                 log.warning("rank %d: the launcher (pid %d) is gone: stopping", self.rank, self._parent)
                 self.stop_event.set()
-            ctl = await self._agree(self.stop_event.is_set(), idle, batch.size if batch is not None else 0,
+            ctl = await self._agree(self.stop_event.is_set(), idle, reset, batch.size if batch is not None else 0,
                                     batch.max_event_time if batch is not None else 0, now)
-            steps = self.dm.steps
-            res, dt = await self._coll(self._step, batch if batch is not None else self._empty())
+            if ctl[:, _RESET].any():  # every rank: this round's records belong to no epoch we read on
+                await self._handle_reset()
+                last_data = time.monotonic()
+                continue
+            steps, sent = self.dm.steps, self.dm.alltoall_bytes
+            res, dt = await self._coll(self._step, batch if batch is not None else empty_batch(self.cfg))
             self._stage("train", dt)
-            if self.dm.steps > steps:  # the step's seconds in collectives (an empty global step has none)
-                self._stage("comm", self.dm.comm_s[-1])
-            self._update_rate(time.monotonic())
+            if self.dm.steps > steps:  # seconds in collectives (an all-idle step has none; a retry several)
+                comm = float(sum(self.dm.comm_s[steps:]))
+                self._stage("comm", comm)
+                M.rank_steps(self.cfg.model_id, self.rank, self.dm.steps - steps, comm, self.dm.alltoall_bytes - sent)
+            self.learned.rate(time.monotonic())
             if p is not None:
-                self._applied(p, batch, res)
+                await self._learned(p, res)
             queued += int(ctl[:, _EXAMPLES].sum())
             self.max_event_time = max(self.max_event_time, int(ctl[:, _EVENT].max()))
             if ctl[0, _SYNC]:
@@ -350,7 +332,10 @@ class RankTrainer:
             if ctl[0, _DENSE]:
                 self.dense_schedule.published(now, queued)
                 await self.sync_dense()
-            await self._snapshot_when_due()
+            if self.clock.due(self.max_event_time):  # the same global event time on every rank
+                await self.sync_sparse()
+                self.clock.taken(self.max_event_time)
+                await self.snapshot()
             if ctl[:, _STOP].any() or ctl[:, _IDLE].all() or (max_examples is not None and queued >= max_examples):
                 break
         await self.sync_sparse()
@@ -359,52 +344,54 @@ class RankTrainer:
         await self.commits.flush()
         return {"rank": self.rank, "world": self.world, "examples_applied": self.examples_applied,
                 "auc": self.auc.value(), "loss": self.loss_ema, "bad": self.consumer.dead_lettered,
-                "duplicates": self.ingest.duplicates, "skipped_steps": self.skipped_steps,
+                "duplicates": self.ingest.duplicates, "failed_steps": self.failed_steps,
                 "sparse_version": self.publisher.sparse_version, "elapsed_s": time.time() - started,
                 "alltoall_bytes": self.dm.alltoall_bytes, "comm_s": float(sum(self.dm.comm_s)),
-                "stages": dict(self.stage)}
+                "broker_epoch": self.epoch, "stages": dict(self.stage)}
 
-    def _update_rate(self, now: float) -> None:
-        """This rank's examples/s (its own /metrics port: see trainer.__main__)."""
-        t, n = self._rate_mark
-        if now - t >= 1.0:
-            M.EXAMPLES_PER_S.labels(self.cfg.model_id, "online").set((self.examples_applied - n) / (now - t))
-            self._rate_mark = (now, self.examples_applied)
+    async def _learned(self, p, res: StepResult) -> None:
+        """Bookkeeping of a round's batch (:class:`trainer.metrics.Learned`, as the 1-process
+        trainer's); the examples the step failed on alone are dead-lettered first (durable before
+        the commit of their offsets)."""
+        hashes, batch, arrival = p.hashes, p.batch, p.arrival_ms
+        if batch is not None and res.failed:
+            self.failed_steps += 1
+            letters = []
+            for row, err in res.failed:
+                rec, raw = p.letter_of(row)
+                letters.append(await self.ingest.dead_letter(rec, raw, processing_failed(err)))
+            await asyncio.gather(*letters)
+            hashes, arrival = hashes[res.applied], arrival[res.applied]
+            batch = batch.select(res.applied) if res.applied.size else None
+        if batch is not None:
+            self.learned.batch(batch, res.loss, res.probs, arrival)
+        self.learned.done(hashes, p.offsets)
 
-    def _applied(self, p, batch: SparseBatch | None, res) -> None:
-        """Bookkeeping of a round's batch (as :meth:`trainer.online.OnlineTrainer._apply`)."""
-        if batch is not None and res is None:
-            self.skipped_steps += 1
-            M.BAD_EXAMPLES.labels(self.cfg.model_id, "failed").inc(batch.size)
-        elif batch is not None:
-            loss, probs = res
-            self.auc.update(probs, batch.labels)
-            self.sample_rates.update(batch.slice_ids, batch.slice_names, batch.sample_rate, batch.labels)
-            self.examples_applied += batch.size
-            self.publisher.applied(batch.event_time_ms, p.arrival_ms)
-            self.loss_ema = loss if math.isnan(self.loss_ema) else 0.98 * self.loss_ema + 0.02 * loss
-            M.EXAMPLES.labels(self.cfg.model_id, "online").inc(batch.size)
-            M.LOSS.labels(self.cfg.model_id, "online").set(self.loss_ema)
-            M.AUC.labels(self.cfg.model_id, "online").set(self.auc.value())
-        self.dedup.add_many(p.hashes)
-        for part, off in p.offsets.items():
-            if off > self.applied_offsets.get(part, -1):
-                self.applied_offsets[part] = off
-        self.commits.request()
-
-    async def _snapshot_when_due(self) -> None:
-        """Every rank sees the same global max event time: all decide alike."""
-        if self.snapshot_interval_ms <= 0:
-            return
-        k = self.snapshot_interval_ms
-        if self.next_snapshot_at is None:
-            self.next_snapshot_at = (self.max_event_time // k + 1) * k
-        elif self.max_event_time >= self.next_snapshot_at:
-            await self.sync_sparse()
-            self.next_snapshot_at = (self.max_event_time // k + 1) * k
-            await self.snapshot()
-
-
-async def _never() -> bool:
-    """Broker resets are not watched by ranks yet (see the module docstring)."""
-    return False
+    async def _handle_reset(self) -> None:
+        """Collective, every rank in the same round: follow a broker reset (the module docstring;
+        what is lost and why as in :meth:`trainer.online.OnlineTrainer._handle_reset`)."""
+        epochs: list = [None] * self.world
+        await self._coll(dist.all_gather_object, epochs, self.resets.new_epoch)
+        epoch = next(e for e in epochs if e is not None)  # ranks racing to write it read the first
+        if self.resets.watch is not None:
+            self.resets.watch.epoch = epoch
+        await self.commits.drop()  # a commit of the old offsets, waiting for the lost group
+        lost = self.resets.lost()
+        service_metrics.BROKER_RESET_LOST.labels("trainer", self.topic).inc(lost)
+        log.warning("rank %d: broker reset (epoch %s -> %s): %d examples of the old %s[%s] were not applied "
+                    "yet and are lost; model kept at %d examples applied here, re-reading from the start",
+                    self.rank, self.epoch, epoch, lost, self.topic, self.partitions, self.examples_applied)
+        try:  # sends still retrying since the reset land before ours, not among them
+            await asyncio.wait_for(self._producer.flush(), self.settings.kafka.connect_timeout_s)
+        except (asyncio.TimeoutError, KafkaError) as err:
+            log.warning("sends of the old epoch still pending after the reset (%r)", err)
+        if self.rank == 0:  # with their configured partitions (tansu auto-creates with its default)
+            await create_topics(self.settings)
+        await self._coll(dist.barrier)
+        self.epoch, self.ingest.highwater = epoch, {}
+        self.resets.handled()
+        self.applied_offsets = await self.input.assign({}, from_start=True)
+        # nothing of this rank's is on the new param-deltas: serving resumes at most from its start
+        self.publisher.param_deltas_offset = 0
+        await self.sync_dense()  # the new topic's first delta
+        await self.snapshot()

@@ -42,6 +42,36 @@ from .config import ModelConfig
 FORMAT = "driftline-trainer-snapshot/2"
 
 
+class EventClock:
+    """When a snapshot falls due by event time: at every multiple of ``interval_ms`` (0: never) the
+    newest event time applied crosses, the same rule for the 1-process trainer and the ranks (who
+    all see the same global event time, so all decide alike). ``next_at`` is recorded in manifests.
+
+    >>> c = EventClock(1000)
+    >>> c.due(1500), c.next_at  # the first look only sets the boundary
+    (False, 2000)
+    >>> c.due(1999), c.due(2000)
+    (False, True)
+    >>> c.taken(2500); c.next_at
+    3000
+    """
+
+    def __init__(self, interval_ms: int, next_at: int | None = None):
+        self.interval_ms, self.next_at = interval_ms, next_at
+
+    def due(self, event_ms: int) -> bool:
+        if self.interval_ms <= 0:
+            return False
+        if self.next_at is None:
+            self.taken(event_ms)
+            return False
+        return event_ms >= self.next_at
+
+    def taken(self, event_ms: int) -> None:
+        """A snapshot was written at event time ``event_ms``: the next is due at the boundary after it."""
+        self.next_at = (event_ms // self.interval_ms + 1) * self.interval_ms
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

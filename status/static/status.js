@@ -60,6 +60,8 @@ const CHARTS = [
   { id: "tables", prefix: "table_rows", fmt: fmtNumber, log: true },
   { id: "version", prefix: "model_version", fmt: fmtNumber, stepped: true, integer: true },
   { id: "examples", keys: [["join_rate", "joined"]], prefix: "train_rate", prefixLabel: (m) => `trained (${m})`, fmt: fmtNumber },
+  { id: "rank-rate", prefix: "rank_train_rate", prefixLabel: (r) => `rank ${r}`, fmt: fmtNumber },
+  { id: "rank-comm", prefix: "rank_comm_ms", prefixLabel: (r) => `rank ${r}`, fmt: fmtNumber },
   { id: "lag", prefix: "consumer_lag", fmt: fmtNumber },
   { id: "wm-lag", prefix: "watermark_lag_s", prefixLabel: (s) => `${s} watermark`, fmt: fmtDuration },
 ];

@@ -101,6 +101,10 @@ class FakeStack:
                                  buckets=(1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9), registry=r)
         self.t_rows = Gauge("driftline_trainer_table_rows", "Rows.", ["model", "table"], registry=r)
         self.t_lag = Gauge("driftline_consumer_lag_messages", "Lag.", ["service", "topic", "partition"], registry=r)
+        # a trainer of 2 ranks, both exported here (each rank has its own /metrics in a real stack)
+        self.t_rank_examples = Counter("driftline_trainer_rank_examples_total", "Examples.", ["model", "rank"], registry=r)
+        self.t_rank_steps = Counter("driftline_trainer_rank_steps_total", "Steps.", ["model", "rank"], registry=r)
+        self.t_rank_comm = Counter("driftline_trainer_rank_comm_seconds_total", "Comm.", ["model", "rank"], registry=r)
 
     def _build_serving(self) -> None:
         r = self.serving = CollectorRegistry()
@@ -126,6 +130,10 @@ class FakeStack:
         n = rng.randint(150, 250)
         self.j_examples.inc(n)
         self.t_examples.labels("deepfm", "online").inc(n)
+        for rank, part in enumerate((n // 2, n - n // 2)):
+            self.t_rank_examples.labels("deepfm", str(rank)).inc(part)
+            self.t_rank_steps.labels("deepfm", str(rank)).inc(2)
+            self.t_rank_comm.labels("deepfm", str(rank)).inc(2 * rng.uniform(0.004, 0.008))
         auc = 0.5 + 0.26 * (1 - math.exp(-elapsed / 8)) + rng.gauss(0, 0.004)
         self.t_auc.labels("deepfm", "online").set(auc)
         self.t_loss.labels("deepfm", "online").set(0.69 - 0.15 * (1 - math.exp(-elapsed / 8)))

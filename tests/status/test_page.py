@@ -13,7 +13,8 @@ from services.embedded import free_port
 from tests.status.conftest import BrowserPage
 from tests.status.fakestack import FakeStack
 
-CHART_IDS = ["auc", "rps", "latency", "sync", "tables", "version", "examples", "lag", "wm-lag"]
+CHART_IDS = ["auc", "rps", "latency", "sync", "tables", "version", "examples", "rank-rate", "rank-comm", "lag",
+             "wm-lag"]
 
 
 @pytest.fixture

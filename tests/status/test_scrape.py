@@ -126,6 +126,26 @@ async def test_rates_quantiles_and_gauges_from_two_scrapes(servers) -> None:
     assert scraper.snapshot(since=1000.0)["t"] == [1002.0]
 
 
+def rank_text(rank: int, examples: int, steps: int, comm_s: float) -> str:
+    """One rank of a distributed trainer's own /metrics."""
+    lab = f'model="deepfm",rank="{rank}"'
+    return "\n".join([f"driftline_trainer_rank_examples_total{{{lab}}} {examples}",
+                      f"driftline_trainer_rank_steps_total{{{lab}}} {steps}",
+                      f"driftline_trainer_rank_comm_seconds_total{{{lab}}} {comm_s}"]) + "\n"
+
+
+async def test_per_rank_rates_and_communication_per_step(servers) -> None:
+    """Two ranks, each on its own /metrics: examples/s and ms in collectives per step, by rank."""
+    r0, r1 = servers(rank_text(0, 1000, 10, 0.05)), servers(rank_text(1, 900, 10, 0.04))
+    async with Scraper([Target("trainer", r0.url), Target("trainer-rank-1", r1.url)], OPTS) as scraper:
+        first = await scraper.scrape_once(now=1000.0)
+        assert first.get("rank_train_rate:0") is None  # a rate needs two scrapes
+        r0.text, r1.text = rank_text(0, 3000, 30, 0.25), rank_text(1, 2000, 30, 0.14)
+        second = await scraper.scrape_once(now=1002.0)
+    assert second["rank_train_rate:0"] == pytest.approx(1000) and second["rank_train_rate:1"] == pytest.approx(550)
+    assert second["rank_comm_ms:0"] == pytest.approx(10.0) and second["rank_comm_ms:1"] == pytest.approx(5.0)
+
+
 async def test_a_service_down_leaves_a_gap_and_a_red_badge_never_an_exception(servers) -> None:
     serving = servers(serving_text(0, 0, LE0, 1))
     trainer = servers(trainer_text(0.6, 0, 10))
@@ -196,6 +216,10 @@ def test_targets_default_to_every_service_of_the_stack() -> None:
     assert targets["trainer"] == "http://127.0.0.1:9302/metrics"
     assert targets["serving"] == "http://127.0.0.1:8123/metrics"
     assert "features-load" not in targets
+    assert not any(name.startswith("trainer-rank") for name in targets)
+    ranks = {t.name: t.url for t in default_targets(settings.updated(trainer={"nproc": 3}))}
+    assert ranks["trainer-rank-1"] == "http://127.0.0.1:9402/metrics"  # the trainer's port + r * 100
+    assert ranks["trainer-rank-2"] == "http://127.0.0.1:9502/metrics"
     configured = resolve_targets(settings, StatusSettings(targets=["a=http://h:1/metrics", "http://h:2/metrics"]))
     assert configured == [Target("a", "http://h:1/metrics"), Target("h:2", "http://h:2/metrics")]
     assert parse_target(" x = http://h:3/metrics ") == Target("x", "http://h:3/metrics")

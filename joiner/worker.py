@@ -102,6 +102,7 @@ class Worker:
             state.commit(changelog_offset=await self._send_changelog(p, repair))
         part.next = part.book.positions(state.peek)
         part.core.load(p)
+        log.info("partition %d opened: inputs resume at %s", p, {tp.topic: n for tp, n in part.next.items()})
         self.parts[p] = part
         return part
 

@@ -97,6 +97,8 @@ class JoinerApp:
         return JoinConfig.from_settings(self.settings.joiner).labels
 
     async def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.drop(list(self.worker.parts))  # (their counts stay in the totals)
         await self.app.stop()
         await self.prod.stop()
 

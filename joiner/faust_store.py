@@ -26,13 +26,14 @@ recovery, even from a compacted changelog, then ends with the committed values.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from faust.stores import STORES
 from faust.stores import rocksdb as faust_rocksdb
 from faust.types import TP, EventT
-from rocksdict import ReadOptions, Rdict, WriteBatch
+from rocksdict import DbClosedError, ReadOptions, Rdict, WriteBatch
 
 MARKER = b"\x00commit"  # (sorts before every state key: joiner.core's keys start with a letter)
 OFFSET_KEY = faust_rocksdb.Store.offset_key
@@ -117,6 +118,14 @@ class JoinStore(faust_rocksdb.Store):
             return {}
         get = self._db_for_partition(partition).get
         return {k: get(k) for k in tail}
+
+    async def stop(self) -> None:
+        """Close the databases (Faust's store leaves that to the garbage collector, which a
+        reference held elsewhere defeats: the next worker in this process could not open them)."""
+        for db in self._dbs.values():
+            with contextlib.suppress(DbClosedError):
+                db.close()
+        await super().stop()
 
     def revoke_partitions(self, table: Any, tps: set[TP]) -> None:
         for tp in tps:

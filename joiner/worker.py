@@ -61,6 +61,18 @@ class Part:
     book: OffsetBook
     next: dict[TopicPartition, int] = field(default_factory=dict)
     last_action: float = field(default_factory=time.monotonic)
+    published: Counter[str] = field(default_factory=Counter)  # counts already in the metrics
+
+    def publish(self) -> None:
+        """Move this partition's new counts into the process-wide metrics."""
+        counts = self.core.counts
+        jm.publish({k: n - self.published[k] for k, n in counts.items() if n > self.published[k]})
+        self.published = Counter(counts)
+        p = str(self.p)
+        for stream, wm in (("features", self.core.wf[self.p]), ("actions", self.core.wa[self.p])):
+            if wm > 0:
+                jm.WATERMARK.labels(stream, p).set(wm)
+                jm.WATERMARK_LAG.labels(stream, p).set(time.time() - wm / 1000)
 
 
 class Worker:
@@ -112,7 +124,7 @@ class Worker:
             part = self.parts.pop(p, None)
             if part is not None:
                 self.counts.update(part.core.counts)
-                log.info("partition %d revoked", p)
+                log.info("partition %d closed", p)
 
     # -- batches -------------------------------------------------------------------------------
     async def process(self, events: Sequence[object], owned: set[int]) -> None:
@@ -206,8 +218,10 @@ class Worker:
                 if e[6]:
                     jm.JOIN_LATENCY.observe(max(0.0, (now_ms - e[6]) / 1000))
             if bad:
-                self.counts.update({f"bad_examples_{reason}": n for reason, n in bad.items()})
+                bad_counts = {f"bad_examples_{reason}": n for reason, n in bad.items()}
+                self.counts.update(bad_counts)
                 self.counts["bad_examples"] += sum(bad.values())
+                jm.publish(bad_counts)
             jm.EXAMPLES.inc(len(out) - sum(bad.values()))
             metrics.MESSAGES_PRODUCED.labels("joiner", self.settings.topics.examples).inc(n_records)
         for part in parts:
@@ -217,6 +231,11 @@ class Worker:
         for part, off in zip(parts, offsets):
             part.state.commit(changelog_offset=off)
             jm.SPILLED.inc(part.state.evict(part.core.wf[part.p] - self.spill_after_ms))
+            part.publish()
+        parts_now = self.parts.values()
+        jm.WAITING.labels("memory").set(sum(len(part.state.cache) for part in parts_now))
+        jm.WAITING.labels("disk").set(max(0, sum(part.core.waiting[part.p] - len(part.state.cache) for part in parts_now)))
+        jm.PENDING.set(sum(part.core.pending[part.p] for part in parts_now))
         jm.BATCH_SECONDS.observe(time.perf_counter() - started)
 
     async def _send_changelog(self, p: int, changes: dict[bytes, bytes | None]) -> int:

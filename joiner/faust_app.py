@@ -131,7 +131,9 @@ class JoinerApp:
             parts = [await w.part(p) for p in owned]
             if not owned or not self._caught_up(parts):
                 return
+            started = time.perf_counter()
             await w.advance(parts, drain=True)
+            w.timings["drain_s"] = time.perf_counter() - started
             log.info("input idle for %.1f s and fully consumed: drained partitions %s", self.until_idle_s, owned)
             self.done.set()
 
@@ -145,10 +147,11 @@ class JoinerApp:
         return True
 
 
-async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_idle_s: float | None = None
-              ) -> dict[str, int]:
+async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_idle_s: float | None = None,
+              timings: dict[str, float] | None = None) -> dict[str, int]:
     """Run one worker until ``stop`` is set or (``until_idle_s``) its partitions are drained; the
-    totals of its counters."""
+    totals of its counters. ``timings`` (benchmarks) receives ``perf_counter`` marks as
+    :func:`joiner.app.run`'s: ``loop_start``, ``last_batch_end``, ``drain_s``."""
     stop = stop or asyncio.Event()
     japp = JoinerApp(settings, until_idle_s)
     await japp.start()
@@ -162,7 +165,11 @@ async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_id
         metrics.SERVICE_UP.labels(SERVICE).set(0)
         async with japp.lock:
             await japp.stop()
-    return japp.worker.totals() if japp.worker is not None else {}
+    if japp.worker is None:
+        return {}
+    if timings is not None:
+        timings.update(japp.worker.timings)
+    return japp.worker.totals()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,6 +89,8 @@ class Worker:
         self.counts: Counter[str] = Counter()
         self.last_event = time.monotonic()
         self.spill_after_ms = int(settings.joiner.spill_after_seconds * 1000)
+        # perf_counter marks for benchmarks: loop_start (first batch), last_batch_end
+        self.timings: dict[str, float] = {}
 
     # -- partitions ----------------------------------------------------------------------------
     async def part(self, p: int) -> Part:
@@ -155,10 +157,12 @@ class Worker:
             await asyncio.gather(*rejects)  # dead letters durable before their offsets are
         if not records:
             return
+        self.timings.setdefault("loop_start", started)
         self.last_event = time.monotonic()
         for p, batch in records.items():
             await self.join(self.parts[p], batch)
         await self.commit([self.parts[p] for p in records], started)
+        self.timings["last_batch_end"] = time.perf_counter()
 
     def _join_once(self, part: Part, batch: Sequence[tuple]) -> tuple[int, Exception] | None:
         core, features, i = part.core, self.features, 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -83,6 +84,7 @@ class JoinerApp:
     async def start(self) -> None:
         s = self.settings
         await create_topics(s)
+        await self._check_broker_epoch()
         self.prod = producer(s)
         await start_client(self.prod, s)
         t = s.topics
@@ -90,6 +92,18 @@ class JoinerApp:
                                self.worker_labels())
         self.worker = Worker(s, self.table.data, self.table.changelog_topic.get_topic_name(), self.prod, sender)
         await self.app.start()
+
+    async def _check_broker_epoch(self) -> None:
+        """Discard the local stores if the broker's data was reset since they were written
+        (quirk 5): their changelogs are gone with it, and Faust refuses a store ahead of its
+        changelog (``ConsistencyError``) on every start. The join state is lost with them: it
+        lived in the broker (the changelog); the inputs are re-read from the new topics' start."""
+        directory = state_dir(self.settings)
+        epoch = await tansu_quirks.ensure_broker_epoch(self.settings)
+        if not tansu_quirks.state_matches_broker(directory, epoch):
+            shutil.rmtree(self.app.conf.appdir, ignore_errors=True)
+            (directory / "broker-epoch").write_text(epoch)
+            metrics.BROKER_RESETS.labels(SERVICE).inc()
 
     def worker_labels(self) -> list[str]:
         from joiner.types import JoinConfig
@@ -158,9 +172,15 @@ async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_id
     metrics.SERVICE_UP.labels(SERVICE).set(1)
     try:
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(japp.done.wait())]
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for w in waits:
-            w.cancel()
+        try:
+            while not (stop.is_set() or japp.done.is_set()):
+                if japp.app.crashed or japp.app.should_stop:
+                    # (a crashed Faust service stops itself: exit non-zero, to be restarted)
+                    raise RuntimeError(f"the Faust app stopped: {japp.app.crash_reason!r}")
+                await asyncio.wait(waits, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
     finally:
         metrics.SERVICE_UP.labels(SERVICE).set(0)
         async with japp.lock:

@@ -178,3 +178,36 @@ async def test_idle_action_partitions_close_windows_with_idle_advance(settings: 
 
 async def test_without_idle_advance_idle_action_partitions_keep_windows_open(settings: Settings) -> None:
     assert await _features_only(settings, idle_advance_s=None) == []
+
+
+async def test_a_worker_added_while_traffic_flows_takes_partitions_without_loss(settings: Settings) -> None:
+    events = ml_events(20_000, start=200_000, seed=32)
+    await create_topics(settings)
+    env = _env(settings)
+    settings.var_dir.mkdir(parents=True, exist_ok=True)
+    a_log, b_log, log = (settings.var_dir.parent / f"joiner-{w}.log" for w in "abc")
+    a = _worker(env, a_log, settings.var_dir / "joiner-a")
+    b = None
+    step = len(events) // 10
+    try:
+        await produce(settings, events[:3 * step])
+        await _until_output(settings, a, timeout=90)  # a alone has all partitions, mid-stream
+        b = _worker(env, b_log, settings.var_dir / "joiner-b")
+        for i in range(3, 10):
+            await produce(settings, events[i * step:(i + 1) * step if i < 9 else None])
+            await asyncio.sleep(1.0)
+        await _consumed_all(settings, [a, b], timeout=120)
+        assert _partitions_opened(b_log), "b got partitions"
+    finally:
+        for p in (a, b):  # one after the other
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=60)
+    assert a.returncode == 0 and b is not None and b.returncode == 0
+    c = _worker(env, log, settings.var_dir / "joiner-c", "--until-idle", "1")
+    assert c.wait(timeout=120) == 0, log.read_text()[-3000:]
+    examples = await read_examples(settings)
+    cfg = join_config({"window_seconds": 120, "negative_sample_rate": 0.3})  # as crash_env sets
+    assert as_map(examples) == ref_as_map(offline_join(events, cfg, settings.topics.partitions))
+    print(f"a had {sorted(_partitions_opened(a_log))}, b took {sorted(_partitions_opened(b_log))}; "
+          f"{len(examples) - len(set(e.example_id for e in examples))} duplicates")

@@ -108,10 +108,11 @@ class Worker:
         tps = [TopicPartition(self.features, p), TopicPartition(self.actions, p)]
         part = Part(p, kv, state, JoinCore(state, self.cfg), OffsetBook("joiner", tps, _offset_key, prefix=b"M"))
         repair = self.store.repair(p)
+        if repair:
+            log.info("partition %d: undoing %d changelog records of a batch that was never committed", p, len(repair))
         if fmt is None:
             repair[b"Mformat"] = STATE_FORMAT
         if repair:
-            log.info("partition %d: undoing %d changelog records of a batch that was never committed", p, len(repair))
             state.dirty.update(repair)
             state.commit(changelog_offset=await self._send_changelog(p, repair))
         part.next = part.book.positions(state.peek)

@@ -77,6 +77,16 @@ def _partitions_opened(log: Path) -> set[int]:
     return {int(m) for m in re.findall(r"partition (\d+) opened", log.read_text())}
 
 
+def _drain_with_a_fresh_worker(env: dict[str, str], log: Path, store: Path) -> None:
+    """A worker on an empty disk rebuilds every partition from the changelog and drains."""
+    c = _worker(env, log, store, "--until-idle", "1")
+    try:
+        assert c.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if c.poll() is None:
+            c.kill()
+
+
 async def test_kill_9_of_one_of_two_workers_the_other_takes_over(settings: Settings) -> None:
     events = ml_events(20_000, start=100_000, seed=31)
     await create_topics(settings)
@@ -100,9 +110,7 @@ async def test_kill_9_of_one_of_two_workers_the_other_takes_over(settings: Setti
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
     assert b.wait(timeout=60) == 0, b_log.read_text()[-3000:]
-    # A third worker, on a fresh disk, rebuilds every partition from the changelog and drains.
-    c = _worker(env, log, c_dir, "--until-idle", "1")
-    assert c.wait(timeout=120) == 0, log.read_text()[-3000:]
+    _drain_with_a_fresh_worker(env, log, c_dir)
     examples = await read_examples(settings)
     cfg = join_config({"window_seconds": 120, "negative_sample_rate": 0.3})  # as crash_env sets
     expected = ref_as_map(offline_join(events, cfg, settings.topics.partitions))
@@ -204,8 +212,7 @@ async def test_a_worker_added_while_traffic_flows_takes_partitions_without_loss(
                 p.send_signal(signal.SIGTERM)
                 p.wait(timeout=60)
     assert a.returncode == 0 and b is not None and b.returncode == 0
-    c = _worker(env, log, settings.var_dir / "joiner-c", "--until-idle", "1")
-    assert c.wait(timeout=120) == 0, log.read_text()[-3000:]
+    _drain_with_a_fresh_worker(env, log, settings.var_dir / "joiner-c")
     examples = await read_examples(settings)
     cfg = join_config({"window_seconds": 120, "negative_sample_rate": 0.3})  # as crash_env sets
     assert as_map(examples) == ref_as_map(offline_join(events, cfg, settings.topics.partitions))

@@ -3,6 +3,8 @@ passthrough of the same messages, spill-store lookups/s, and memory as waiting i
 
     .venv/bin/python bench/bench_joiner.py          # full
     QUICK=1 .venv/bin/python bench/bench_joiner.py  # < 1 min
+    ENGINE=faust ...                                # the Faust joiner (joiner.faust_app), plus
+                                                    # changelog_bytes_per_impression and takeover_s
 
 The last line of output is one JSON object. Rates are medians over alternating rounds (joiner
 with a fresh state store, passthrough to a fresh topic); ``ratio_vs_passthrough`` is the median
@@ -29,19 +31,22 @@ sys.path.insert(0, str(ROOT))
 
 from aiokafka import AIOKafkaConsumer, TopicPartition  # noqa: E402
 
+from joiner import faust_app  # noqa: E402
 from joiner.app import run  # noqa: E402
 from joiner.core import JoinCore  # noqa: E402
 from joiner.stores.rocksdb import RocksDBStore  # noqa: E402
 from joiner.synth import ml_events  # noqa: E402
 from joiner.tiered import TieredState  # noqa: E402
 from joiner.types import JoinConfig  # noqa: E402
-from proto import Candidate, FeatureLog, Features, SparseSlot  # noqa: E402
+from proto import Action, Candidate, FeatureLog, Features, SparseSlot  # noqa: E402
 from services.embedded import free_port, tansu_command, wait_for_port  # noqa: E402
+from services import tansu_quirks  # noqa: E402
 from services.kafka import create_topics, producer, start_client  # noqa: E402
 from services.settings import Settings  # noqa: E402
 from tests.joiner.helpers import produce  # noqa: E402
 
 QUICK = os.environ.get("QUICK") == "1"
+FAUST = os.environ.get("ENGINE") == "faust"
 
 
 def rss_mb() -> float:
@@ -88,6 +93,28 @@ async def passthrough(settings: Settings, n_messages: int, round_no: int) -> dic
         await p.stop()
 
 
+async def topic_bytes(settings: Settings, topic: str) -> int:
+    """Key + value bytes of every record on a topic (uncompressed)."""
+    c = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers, enable_auto_commit=False, group_id=None)
+    await c.start()
+    try:
+        await c.topics()
+        tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or [])]
+        ends = await tansu_quirks.log_end_offsets(settings, tps)
+        c.assign(tps)
+        for tp in tps:
+            await c.seek_to_beginning(tp)
+        total, pos = 0, {tp: 0 for tp in tps}
+        while any(pos[tp] < ends[tp] for tp in tps):
+            for tp, records in (await c.getmany(timeout_ms=1000)).items():
+                for r in records:
+                    total += len(r.key or b"") + len(r.value or b"")
+                    pos[tp] = r.offset + 1
+        return total
+    finally:
+        await c.stop()
+
+
 async def joiner_round(settings: Settings, var: Path, round_no: int) -> tuple[dict[str, float], dict[str, int]]:
     """One joiner run from offset 0 with a fresh state store. ``steady_s`` is from the first poll
     (after start-up) to the last input batch committed, plus the drain's own work (closing the
@@ -95,8 +122,12 @@ async def joiner_round(settings: Settings, var: Path, round_no: int) -> tuple[di
     idle = 0.5
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
-    settings = settings.updated(joiner={"store_url": f"rocksdb://{var / f'joiner-state-{round_no}'}"})
-    counts = await run(settings, until_idle_s=idle, timings=timings)
+    settings = settings.updated(joiner={"store_url": f"rocksdb://{var / f'joiner-state-{round_no}'}",
+                                        "group_id": f"bench-joiner-{round_no}"})
+    counts = await (faust_app.run if FAUST else run)(settings, until_idle_s=idle, timings=timings)
+    if FAUST:
+        changelog = f"bench-joiner-{round_no}-{faust_app.TABLE}-changelog"
+        counts["changelog_bytes"] = await topic_bytes(settings, changelog)
     steady = timings["last_batch_end"] - timings["loop_start"] + timings.get("drain_s", 0.0)
     total = steady + (timings["loop_start"] - t_start)
     return {"steady_s": steady, "total_s": total}, counts
@@ -134,7 +165,62 @@ async def broker_bench(bootstrap: str, var: Path, n_requests: int, rounds: int) 
             "ratio_vs_passthrough": round(statistics.median(ratios), 3),
             "ratio_per_round": [round(r, 3) for r in ratios],
             "ratio_incl_startup": round(statistics.median(pt["total_s"] / j["total_s"] for pt, j in zip(pts, joins)), 3),
-            "impressions": n_imp, "messages": n_msg, "examples": examples, "rounds": rounds}
+            "impressions": n_imp, "messages": n_msg, "examples": examples, "rounds": rounds,
+            **({"changelog_bytes_per_impression": round(counts["changelog_bytes"] / n_imp, 1)} if FAUST else {})}
+
+
+async def takeover_bench(bootstrap: str, var: Path, n_waiting: int) -> dict:
+    """``takeover_s``: a worker holding one partition with ``n_waiting`` waiting impressions is
+    killed (-9); a fresh worker (empty disk) is started and one action for a waiting impression
+    produced: the seconds from that start to the first example on ``examples``. That includes
+    the process start, the group join (which waits out the dead member's session timeout), the
+    rebuild from the changelog and the join."""
+    names = {f"DRIFTLINE_TOPICS__{k.upper()}": f"tk-{k}" for k in ("features", "actions", "examples", "dead_letters")}
+    env = {**os.environ, **names, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "DRIFTLINE_VAR_DIR": str(var),
+           "DRIFTLINE_TOPICS__PARTITIONS": "1", "DRIFTLINE_JOINER__GROUP_ID": "bench-takeover",
+           "DRIFTLINE_JOINER__WINDOW_SECONDS": "3600", "DRIFTLINE_LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
+    settings = Settings(var_dir=var, kafka_bootstrap_servers=bootstrap)
+    settings = settings.updated(topics={"partitions": 1, **{k.split("__")[1].lower(): v for k, v in names.items()}})
+    await create_topics(settings)
+    t0_ms, per_log = 1_700_000_000_000, 10
+    events = []
+    for i in range(n_waiting // per_log):
+        fl = FeatureLog(request_id=f"tk{i}", event_time_ms=t0_ms + i, user_id=i % 5000)
+        for j in range(per_log):
+            fl.candidates.add(item_id=j + 1, features=Features(dense={"x": float(j)}))
+        events.append(("features", fl.request_id.encode(), fl.SerializeToString()))
+    await produce(settings, events)
+    var.mkdir(parents=True, exist_ok=True)
+    log = open(var / "takeover.log", "ab")
+
+    def worker(name: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "joiner.faust_app", "--store", f"rocksdb://{var / name}"],
+                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    tps = [TopicPartition(settings.topics.features, 0)]
+    end = (await tansu_quirks.log_end_offsets(settings, tps))[tps[0]]
+    a = worker("takeover-a")
+    while (await tansu_quirks.committed_offsets(settings, "bench-takeover", tps))[tps[0]] < end:
+        assert a.poll() is None, "worker a exited"
+        await asyncio.sleep(0.5)
+    a.kill()
+    a.wait()
+    started = time.perf_counter()
+    b = worker("takeover-b")
+    action = Action(request_id="tk0", item_id=1, action_type="click", event_time_ms=t0_ms + 1000)
+    await produce(settings, [("actions", b"tk0", action.SerializeToString())])
+    out = [TopicPartition(settings.topics.examples, p) for p in range(settings.topics.partitions)]
+    try:
+        while sum((await tansu_quirks.log_end_offsets(settings, out)).values()) == 0:
+            assert b.poll() is None and time.perf_counter() - started < 300, "worker b exited or never emitted"
+            await asyncio.sleep(0.1)
+        took = time.perf_counter() - started
+    finally:
+        b.terminate()
+        b.wait(timeout=30)
+    print(f"takeover: a fresh worker took over a partition with {n_waiting:,} waiting impressions "
+          f"and emitted its first example in {took:.1f} s")
+    return {"takeover_s": round(took, 1), "takeover_waiting": n_waiting}
 
 
 def memory_and_spill_bench(var: Path, target: int, cache_size: int) -> dict:
@@ -198,6 +284,8 @@ def main() -> None:
         wait_for_port("127.0.0.1", port, 20, "broker", proc)
         result = asyncio.run(broker_bench(f"127.0.0.1:{port}", var / "var", 20_000 if QUICK else 100_000,
                                            rounds=3 if QUICK else 5))
+        if FAUST:
+            result.update(asyncio.run(takeover_bench(f"127.0.0.1:{port}", var / "takeover", 100_000)))
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -111,10 +111,11 @@ class TieredState:
             d = self._dirty_index[key[:3]] = {}
         d[key] = None
 
-    def commit(self) -> int:
-        """Write the batch's changes atomically; return how many keys were written."""
+    def commit(self, **write_args: object) -> int:
+        """Write the batch's changes atomically (``write_args`` go to the store's ``write``);
+        return how many keys were written."""
         n = len(self.dirty)
-        self.store.write(self.dirty)
+        self.store.write(self.dirty, **write_args)  # type: ignore[call-arg]
         self.dirty = {}
         self._dirty_index.clear()
         return n

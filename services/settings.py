@@ -129,6 +129,10 @@ class JoinerSettings(BaseModel):
     batch_timeout_s: float = 0.2
     # State store URL: memory:// or rocksdb://<path>; None means rocksdb://<var_dir>/joiner/state.
     store_url: str | None = None
+    # The Faust joiner's app id: its consumer group and the prefix of its changelog topic.
+    group_id: str = "driftline-joiner"
+    # Workers that follow each partition's changelog to take it over quickly.
+    standby_replicas: int = 1
     # Live traffic only: when an actions partition has been idle this many wall seconds, advance
     # its watermark to the features watermark minus the margin so windows close. None: off (a
     # replay's result then depends only on the data).

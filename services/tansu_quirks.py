@@ -5,6 +5,11 @@ Each workaround is also correct on Apache Kafka, so the same code runs against b
 1. ListOffsets(LATEST) answers the base offset of the last record batch + 1, not the log-end
    offset, so ``end_offsets()`` is too low whenever the last batch held several records. The high
    watermark in a Fetch response is right: :func:`log_end_offsets` reads that instead.
+   Faust's table recovery asks for its changelog highwaters this way too: with the low answer a
+   worker whose local store is up to date refuses to start (``ConsistencyError: The persisted
+   offset for changelog topic partition ... is higher than the last offset in that topic``), and
+   one rebuilding a store may stop reading the changelog before its last records.
+   :func:`install_faust` makes Faust's consumer read the true end offsets.
 2. The first group generation is 0, and aiokafka sends LeaveGroup only above 0, so a cleanly
    stopped first-generation member lingers until its session times out and the next member's
    join waits for it. :func:`install` makes aiokafka leave at any valid generation (>= 0; -1 is
@@ -43,6 +48,7 @@ log = logging.getLogger(__name__)
 
 EPOCH_TOPIC = "_driftline-epoch"
 _installed = False
+_faust_installed = False
 
 
 def install() -> None:
@@ -68,10 +74,15 @@ async def log_end_offsets(
     settings: Settings, partitions: Iterable[TopicPartition]
 ) -> dict[TopicPartition, int]:
     """The true log-end offset (high watermark) of each partition, read from a Fetch (quirk 1)."""
+    return await true_end_offsets(settings.bootstrap_servers, partitions, settings.kafka.connect_timeout_s)
+
+
+async def true_end_offsets(
+    bootstrap_servers: str | list[str], partitions: Iterable[TopicPartition], timeout_s: float
+) -> dict[TopicPartition, int]:
+    """:func:`log_end_offsets` for a client that has only the broker addresses (Faust's)."""
     tps = list(partitions)
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=settings.bootstrap_servers, enable_auto_commit=False, group_id=None
-    )
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, enable_auto_commit=False, group_id=None)
     await consumer.start()
     try:
         consumer.assign(tps)
@@ -81,7 +92,7 @@ async def log_end_offsets(
         for tp in tps:
             consumer.seek(tp, approx[tp])
         result: dict[TopicPartition, int] = {}
-        deadline = asyncio.get_running_loop().time() + settings.kafka.connect_timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout_s
         while len(result) < len(tps):
             await consumer.getmany(*tps, timeout_ms=200, max_records=1)
             for tp in tps:
@@ -94,6 +105,31 @@ async def log_end_offsets(
         return result
     finally:
         await consumer.stop()
+
+
+def install_faust() -> None:
+    """Make Faust's consumer answer its changelog highwaters with the true end offsets (quirk 1),
+    and aiokafka leave at generation 0 (quirk 2: :func:`install`)."""
+    global _faust_installed
+    install()
+    if _faust_installed:
+        return
+    from faust.transport.drivers import aiokafka as faust_aiokafka
+
+    thread = faust_aiokafka.AIOKafkaConsumerThread
+    original = thread._highwaters
+
+    async def _highwaters(self: faust_aiokafka.AIOKafkaConsumerThread,
+                          partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
+        if self.consumer.in_transaction:  # (last stable offsets: read from Fetch responses already)
+            return await original(self, partitions)
+        servers = faust_aiokafka.server_list(self.transport.url, self.transport.default_port)
+        # (Faust's TP is a namedtuple equal to aiokafka's, which aiokafka's asserts insist on)
+        tps = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
+        return await true_end_offsets(servers, tps, self.app.conf.broker_request_timeout)
+
+    thread._highwaters = _highwaters  # type: ignore[method-assign]
+    _faust_installed = True
 
 
 async def committed_offsets(

@@ -105,6 +105,7 @@ def settings(broker: Broker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     s.topics.examples = f"examples-{suffix}"
     s.topics.param_deltas = f"param-deltas-{suffix}"
     s.topics.dead_letters = f"dead-letters-{suffix}"
+    s.joiner.group_id = f"driftline-joiner-{suffix}"
     return s
 
 

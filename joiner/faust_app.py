@@ -1,0 +1,226 @@
+"""The joiner as a Faust app (faust-streaming): ``python -m joiner.faust_app``; N workers with the
+same ``joiner.group_id`` share the partitions.
+
+* **Agent**: one agent on both input topics (``features`` and ``actions``, both keyed by
+  request id with the default partitioner and with the same partition count, so one request's
+  records share a partition number and Faust assigns a partition of both to one worker). It
+  takes batches of events (``stream.take_events``: acked after the batch is committed) and hands
+  them to :class:`joiner.worker.Worker`, which keeps the pure join (:mod:`joiner.core`).
+* **Table**: ``state``, raw bytes, one partition per input partition, store ``driftline://``
+  (:mod:`joiner.faust_store`: Faust's RocksDB store on rocksdict, recovered batch by batch) with
+  the memory cache of :mod:`joiner.tiered` in front. Its changelog topic (``<group>-state-changelog``)
+  is how another worker rebuilds a partition (takeover) and how standby replicas follow it.
+* **Timer**: idle advance and, with ``until_idle_s``, the drain at the end of input.
+
+The delivery guarantee and the crash cases are in :mod:`joiner.worker`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import faust
+from faust.types import TP
+
+from joiner import faust_store
+from joiner.kafka_io import SERVICE, BatchedSender
+from joiner.worker import Worker
+from services import metrics, tansu_quirks
+from services.kafka import BrokerUnavailable, create_topics, producer, start_client
+from services.log import setup_logging
+from services.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+TABLE = "state"
+# Faust's RocksDB defaults (64 MB write buffers x 3, a 2 GB block cache) per partition would
+# break the joiner's memory bound; the bloom filter keeps "is it waiting?" misses off the disk.
+ROCKSDB_OPTIONS = {"write_buffer_size": 8 << 20, "max_write_buffer_number": 2, "block_cache_size": 32 << 20,
+                   "bloom_filter_size": 10}
+
+
+def state_dir(settings: Settings) -> Path:
+    """Where this worker keeps its RocksDB files (Faust's datadir): one per worker process."""
+    url = settings.joiner.store_url
+    return Path(url.split("://", 1)[1]) if url else settings.var_dir / "joiner" / "faust"
+
+
+class JoinerApp:
+    """The Faust app, its agent and timer, and the :class:`Worker` they drive."""
+
+    def __init__(self, settings: Settings, until_idle_s: float | None = None) -> None:
+        tansu_quirks.install_faust()
+        faust_store.register()
+        self.settings, self.until_idle_s = settings, until_idle_s
+        js, t, k = settings.joiner, settings.topics, settings.kafka
+        self.app = app = faust.App(
+            js.group_id, broker=[f"kafka://{s}" for s in settings.bootstrap_servers.split(",")],
+            datadir=str(state_dir(settings)), store="driftline://", topic_partitions=t.partitions,
+            table_standby_replicas=js.standby_replicas, broker_session_timeout=k.session_timeout_ms / 1000,
+            broker_heartbeat_interval=k.heartbeat_interval_ms / 1000, broker_max_poll_records=k.max_poll_records,
+            consumer_auto_offset_reset="earliest", topic_allow_declare=True, topic_disable_leader=True,
+            web_enabled=False, autodiscover=False, stream_buffer_maxsize=max(js.batch_size * 2, 4096),
+        )
+        raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
+        self.source = app.topic(t.features, t.actions, **raw)
+        self.table = app.Table(TABLE, partitions=t.partitions, options=dict(ROCKSDB_OPTIONS),
+                               key_type=bytes, value_type=bytes)
+        self.worker: Worker | None = None
+        self.lock = asyncio.Lock()
+        self.done = asyncio.Event()
+        app.agent(self.source, name=f"{js.group_id}.join", concurrency=1)(self._agent)
+        app.timer(min(1.0, js.batch_timeout_s * 5), name=f"{js.group_id}.tick")(self._tick)
+        app.on_partitions_revoked.connect(self._on_revoked)
+
+    def owned(self) -> set[int]:
+        """The input partitions assigned to this worker as active (not standby)."""
+        return {tp.partition for tp in self.app.assignor.assigned_actives() if tp.topic == self.settings.topics.features}
+
+    async def start(self) -> None:
+        s = self.settings
+        await create_topics(s)
+        await self._check_broker_epoch()
+        self.prod = producer(s)
+        await start_client(self.prod, s)
+        t = s.topics
+        sender = BatchedSender(self.prod, t.examples, sorted(await self.prod.partitions_for(t.examples)),
+                               self.worker_labels())
+        self.worker = Worker(s, self.table.data, self.table.changelog_topic.get_topic_name(), self.prod, sender)
+        await self.app.start()
+
+    async def _check_broker_epoch(self) -> None:
+        """Discard the local stores if the broker's data was reset since they were written
+        (quirk 5): their changelogs are gone with it, and Faust refuses a store ahead of its
+        changelog (``ConsistencyError``) on every start. The join state is lost with them: it
+        lived in the broker (the changelog); the inputs are re-read from the new topics' start."""
+        directory = state_dir(self.settings)
+        epoch = await tansu_quirks.ensure_broker_epoch(self.settings)
+        if not tansu_quirks.state_matches_broker(directory, epoch):
+            shutil.rmtree(self.app.conf.appdir, ignore_errors=True)
+            (directory / "broker-epoch").write_text(epoch)
+            metrics.BROKER_RESETS.labels(SERVICE).inc()
+
+    def worker_labels(self) -> list[str]:
+        from joiner.types import JoinConfig
+
+        return JoinConfig.from_settings(self.settings.joiner).labels
+
+    async def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.drop(list(self.worker.parts))  # (their counts stay in the totals)
+        await self.app.stop()
+        await self.prod.stop()
+
+    async def _agent(self, stream: faust.StreamT) -> None:
+        js = self.settings.joiner
+        async for events in stream.take_events(js.batch_size, within=js.batch_timeout_s):
+            async with self.lock:
+                assert self.worker is not None
+                await self.worker.process(events, self.owned())
+
+    async def _on_revoked(self, app: faust.App, revoked: set[TP], **_: object) -> None:
+        async with self.lock:  # (after the batch in flight has committed)
+            if self.worker is not None:
+                self.worker.drop([tp.partition for tp in revoked if tp.topic == self.settings.topics.features])
+
+    def _ready(self) -> bool:
+        app = self.app
+        return not app.rebalancing and app.tables.recovery.completed.is_set() and not app.tables.recovery.in_recovery
+
+    async def _tick(self) -> None:
+        js, w = self.settings.joiner, self.worker
+        if w is None or not self._ready():
+            return
+        async with self.lock:
+            if js.idle_advance_seconds is not None:
+                await w.idle_advance(js.idle_advance_seconds, int(js.idle_advance_margin_seconds * 1000))
+            if self.until_idle_s is None or time.monotonic() - w.last_event < self.until_idle_s:
+                return
+            owned = sorted(self.owned())
+            parts = [await w.part(p) for p in owned]
+            if not owned or not self._caught_up(parts):
+                return
+            started = time.perf_counter()
+            await w.advance(parts, drain=True)
+            w.timings["drain_s"] = time.perf_counter() - started
+            log.info("input idle for %.1f s and fully consumed: drained partitions %s", self.until_idle_s, owned)
+            self.done.set()
+
+    def _caught_up(self, parts: list) -> bool:
+        consumer = self.app.consumer
+        for part in parts:
+            for tp in part.book.tps:
+                hw = consumer.highwater(TP(tp.topic, tp.partition))
+                if hw is None or part.next.get(tp, 0) < hw:
+                    return False
+        return True
+
+
+async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_idle_s: float | None = None,
+              timings: dict[str, float] | None = None) -> dict[str, int]:
+    """Run one worker until ``stop`` is set or (``until_idle_s``) its partitions are drained; the
+    totals of its counters. ``timings`` (benchmarks) receives ``perf_counter`` marks as
+    :func:`joiner.app.run`'s: ``loop_start``, ``last_batch_end``, ``drain_s``."""
+    stop = stop or asyncio.Event()
+    japp = JoinerApp(settings, until_idle_s)
+    await japp.start()
+    metrics.SERVICE_UP.labels(SERVICE).set(1)
+    try:
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(japp.done.wait())]
+        try:
+            while not (stop.is_set() or japp.done.is_set()):
+                if japp.app.crashed or japp.app.should_stop:
+                    # (a crashed Faust service stops itself: exit non-zero, to be restarted)
+                    raise RuntimeError(f"the Faust app stopped: {japp.app.crash_reason!r}")
+                await asyncio.wait(waits, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+    finally:
+        metrics.SERVICE_UP.labels(SERVICE).set(0)
+        async with japp.lock:
+            await japp.stop()
+    if japp.worker is None:
+        return {}
+    if timings is not None:
+        timings.update(japp.worker.timings)
+    return japp.worker.totals()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m joiner", description=__doc__.split("\n")[0])
+    parser.add_argument("--until-idle", type=float, default=None, metavar="S",
+                        help="drain and exit once this worker's input has been idle S seconds (replays, tests)")
+    parser.add_argument("--store", default=None, help="state directory URL (default rocksdb://<var>/joiner/faust)")
+    parser.add_argument("--metrics-port", type=int, default=None)
+    args = parser.parse_args(argv)
+    settings = get_settings()
+    setup_logging(SERVICE, settings.log_level)
+    port = metrics.serve_metrics(settings.metrics_port if args.metrics_port is None else args.metrics_port)
+    log.info("metrics on http://127.0.0.1:%d/metrics", port)
+    if args.store:
+        settings = settings.updated(joiner={"store_url": args.store})
+
+    async def _main() -> dict[str, int]:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await run(settings, stop=stop, until_idle_s=args.until_idle)
+
+    try:
+        totals = asyncio.run(_main())
+    except BrokerUnavailable as err:
+        log.error("%s", err)
+        return 2
+    log.info("joiner stopped: %s", dict(sorted(totals.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,270 @@
+"""The joiner's work inside a Faust worker: one :class:`joiner.core.JoinCore` per owned partition,
+its state in that partition of the Faust table's store (:mod:`joiner.faust_store`).
+
+Each batch of input events (both topics, any owned partitions):
+
+1. skip the events the partition's committed state already covers (offset below the input
+   offset stored in the state: they were applied before a crash, only Faust's commit of them
+   was lost); decode the rest, dead-letter the malformed ones (awaited);
+2. join per partition (:meth:`Worker.join`: a record that makes the join raise is dead-lettered
+   and the partition's batch is joined again without it), then close what the watermarks passed;
+3. produce the examples (:class:`joiner.kafka_io.BatchedSender`) and wait for every ack;
+4. per partition, write the state changes and the next input offsets to the changelog followed
+   by a commit marker, and wait for the acks;
+5. write the same changes and the marker's changelog offset to the local RocksDB (one batch).
+
+Faust acks the events after that and commits their offsets when it likes: the state, not Faust,
+says where the input of a partition resumes. A crash before 4 completes leaves the state of the
+last committed batch (a half-written changelog batch is held back by the store's recovery and
+undone by :meth:`joiner.faust_store.JoinStore.repair`), so the batch is replayed against the same
+state and re-emits the same examples: at-least-once on ``examples``, exactly once after dedup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from aiokafka import TopicPartition
+
+from joiner import metrics as jm
+from joiner.core import JoinCore
+from joiner.faust_store import MARKER, JoinStore, PartitionKV
+from joiner.kafka_io import BatchedSender, InputConsumer
+from joiner.offsets import OffsetBook
+from joiner.tiered import TieredState
+from joiner.types import JoinConfig
+from services import metrics
+from services.codecs import MalformedMessage, processing_failed
+from services.settings import Settings
+
+log = logging.getLogger(__name__)
+STATE_FORMAT = b"faust-1"
+
+
+def _offset_key(tp: TopicPartition) -> bytes:
+    return b"Moff:" + tp.topic.encode()
+
+
+@dataclass
+class Part:
+    """One owned partition: its join state machine and where its inputs resume."""
+
+    p: int
+    kv: PartitionKV
+    state: TieredState
+    core: JoinCore
+    book: OffsetBook
+    next: dict[TopicPartition, int] = field(default_factory=dict)
+    last_action: float = field(default_factory=time.monotonic)
+    published: Counter[str] = field(default_factory=Counter)  # counts already in the metrics
+
+    def publish(self) -> None:
+        """Move this partition's new counts into the process-wide metrics."""
+        counts = self.core.counts
+        jm.publish({k: n - self.published[k] for k, n in counts.items() if n > self.published[k]})
+        self.published = Counter(counts)
+        p = str(self.p)
+        for stream, wm in (("features", self.core.wf[self.p]), ("actions", self.core.wa[self.p])):
+            if wm > 0:
+                jm.WATERMARK.labels(stream, p).set(wm)
+                jm.WATERMARK_LAG.labels(stream, p).set(time.time() - wm / 1000)
+
+
+class Worker:
+    """The join over Faust's events; the caller serialises calls (one batch at a time)."""
+
+    def __init__(self, settings: Settings, store: JoinStore, changelog: str, prod: object,
+                 sender: BatchedSender) -> None:
+        self.settings, self.store, self.changelog, self.prod, self.sender = settings, store, changelog, prod, sender
+        self.cfg = JoinConfig.from_settings(settings.joiner)
+        t = settings.topics
+        self.features, self.actions = t.features, t.actions
+        self.inputs = InputConsumer(settings, prod)  # (its decoders and dead-lettering; never started)
+        self.parts: dict[int, Part] = {}
+        self.counts: Counter[str] = Counter()
+        self.last_event = time.monotonic()
+        self.spill_after_ms = int(settings.joiner.spill_after_seconds * 1000)
+        # perf_counter marks for benchmarks: loop_start (first batch), last_batch_end
+        self.timings: dict[str, float] = {}
+
+    # -- partitions ----------------------------------------------------------------------------
+    async def part(self, p: int) -> Part:
+        """The state of partition ``p``, opened (and its uncommitted changelog tail undone) on
+        first use after Faust assigned and recovered it."""
+        part = self.parts.get(p)
+        if part is not None:
+            return part
+        kv = self.store.kv(p)
+        fmt = kv.get(b"Mformat")
+        if fmt not in (None, STATE_FORMAT):
+            raise RuntimeError(f"joiner state of partition {p} has format {fmt!r}, this joiner writes "
+                               f"{STATE_FORMAT!r}: delete the changelog and local state to rebuild it")
+        state = TieredState(kv, max(1, self.settings.joiner.cache_size // self.settings.topics.partitions))
+        tps = [TopicPartition(self.features, p), TopicPartition(self.actions, p)]
+        part = Part(p, kv, state, JoinCore(state, self.cfg), OffsetBook("joiner", tps, _offset_key, prefix=b"M"))
+        repair = self.store.repair(p)
+        if repair:
+            log.info("partition %d: undoing %d changelog records of a batch that was never committed", p, len(repair))
+        if fmt is None:
+            repair[b"Mformat"] = STATE_FORMAT
+        if repair:
+            state.dirty.update(repair)
+            state.commit(changelog_offset=await self._send_changelog(p, repair))
+        part.next = part.book.positions(state.peek)
+        part.core.load(p)
+        log.info("partition %d opened: inputs resume at %s", p, {tp.topic: n for tp, n in part.next.items()})
+        self.parts[p] = part
+        return part
+
+    def drop(self, partitions: Sequence[int]) -> None:
+        """Forget partitions Faust revoked (their committed state stays in the store/changelog)."""
+        for p in partitions:
+            part = self.parts.pop(p, None)
+            if part is not None:
+                self.counts.update(part.core.counts)
+                log.info("partition %d closed", p)
+
+    # -- batches -------------------------------------------------------------------------------
+    async def process(self, events: Sequence[object], owned: set[int]) -> None:
+        """Join one batch of Faust events of partitions in ``owned`` and commit it."""
+        started = time.perf_counter()
+        records: dict[int, list[tuple]] = {}
+        rejects = []
+        decoders = self.inputs.decoders
+        for ev in events:
+            m = ev.message  # type: ignore[attr-defined]
+            if m.partition not in owned:
+                continue  # revoked while buffered: its new owner reads it
+            part = await self.part(m.partition)
+            tp = TopicPartition(m.topic, m.partition)
+            if m.offset < part.next.get(tp, 0):
+                continue  # already in the committed state
+            part.next[tp] = m.offset + 1
+            batch = records.setdefault(m.partition, [])
+            try:
+                value = decoders[m.topic](m.value)
+            except MalformedMessage as err:
+                rejects.append(await self.inputs.dead_letter(m, err))
+                continue
+            if m.topic == self.actions:
+                part.last_action = time.monotonic()
+            batch.append((m.topic, m.partition, value, int(m.timestamp * 1000), m))
+        if rejects:
+            await asyncio.gather(*rejects)  # dead letters durable before their offsets are
+        if not records:
+            return
+        self.timings.setdefault("loop_start", started)
+        self.last_event = time.monotonic()
+        for p, batch in records.items():
+            await self.join(self.parts[p], batch)
+        await self.commit([self.parts[p] for p in records], started)
+        self.timings["last_batch_end"] = time.perf_counter()
+
+    def _join_once(self, part: Part, batch: Sequence[tuple]) -> tuple[int, Exception] | None:
+        core, features, i = part.core, self.features, 0
+        try:
+            for i, (topic, p, value, ts, _) in enumerate(batch):
+                if topic == features:
+                    core.on_features(p, value, ts)
+                else:
+                    core.on_action(p, value, ts)
+        except (MemoryError, OSError):
+            raise  # the machine's fault, not the record's
+        except Exception as err:  # noqa: BLE001 - whatever a record triggers, it must not loop
+            return i, err
+        core.advance(part.p)
+        return None
+
+    async def join(self, part: Part, batch: list[tuple]) -> None:
+        """Join a partition's records; one the join raises on is dead-lettered (kind ``failed``)
+        and the others are joined as if it were not there, so a replay skips it the same way."""
+        while True:
+            counts = Counter(part.core.counts)
+            failed = self._join_once(part, batch)
+            if failed is None:
+                return
+            i, err = failed
+            part.state.rollback()
+            part.core.rollback([part.p], counts)
+            await (await self.inputs.dead_letter(batch[i][-1], processing_failed(err)))
+            part.core.counts["failed_records"] += 1
+            batch = batch[:i] + batch[i + 1:]
+
+    async def advance(self, parts: Sequence[Part], *, drain: bool = False) -> None:
+        """Close what the watermarks passed (or everything: ``drain``) as a batch of its own."""
+        started = time.perf_counter()
+        for part in parts:
+            part.core.advance(part.p, drain=drain)
+        await self.commit(parts, started)
+
+    async def idle_advance(self, idle_s: float, margin_ms: int) -> None:
+        """Raise the action watermark of partitions whose actions were idle ``idle_s`` wall
+        seconds; the raised watermark is committed before the windows it closes."""
+        now = time.monotonic()
+        bumped = [part for part in self.parts.values()
+                  if now - part.last_action >= idle_s and part.core.idle_advance(part.p, margin_ms)]
+        if bumped:
+            jm.IDLE_ADVANCES.inc(len(bumped))
+            await self.commit(bumped, time.perf_counter())
+            await self.advance(bumped)
+
+    # -- commit --------------------------------------------------------------------------------
+    async def commit(self, parts: Sequence[Part], started: float) -> None:
+        out = [e for part in parts for e in part.core.take()]
+        if out:
+            n_records, bad = await self.sender.send_all(out)
+            now_ms = time.time() * 1000
+            for e in out:
+                if e[6]:
+                    jm.JOIN_LATENCY.observe(max(0.0, (now_ms - e[6]) / 1000))
+            if bad:
+                bad_counts = {f"bad_examples_{reason}": n for reason, n in bad.items()}
+                self.counts.update(bad_counts)
+                self.counts["bad_examples"] += sum(bad.values())
+                jm.publish(bad_counts)
+            jm.EXAMPLES.inc(len(out) - sum(bad.values()))
+            metrics.MESSAGES_PRODUCED.labels("joiner", self.settings.topics.examples).inc(n_records)
+        for part in parts:
+            for key, value in part.book.commit(part.next, {}).items():
+                part.state.put(key, value)  # type: ignore[arg-type]
+        offsets = await asyncio.gather(*(self._send_changelog(part.p, part.state.dirty) for part in parts))
+        for part, off in zip(parts, offsets):
+            part.state.commit(changelog_offset=off)
+            jm.SPILLED.inc(part.state.evict(part.core.wf[part.p] - self.spill_after_ms))
+            part.publish()
+        parts_now = self.parts.values()
+        jm.WAITING.labels("memory").set(sum(len(part.state.cache) for part in parts_now))
+        jm.WAITING.labels("disk").set(max(0, sum(part.core.waiting[part.p] - len(part.state.cache) for part in parts_now)))
+        jm.PENDING.set(sum(part.core.pending[part.p] for part in parts_now))
+        jm.BATCH_SECONDS.observe(time.perf_counter() - started)
+
+    async def _send_changelog(self, p: int, changes: dict[bytes, bytes | None]) -> int:
+        """Write ``changes`` and a commit marker to changelog partition ``p``; the marker's offset."""
+        prod, topic = self.prod, self.changelog
+        futures = []
+        b = prod.create_batch()  # type: ignore[attr-defined]
+        n = 0
+        for key, value in [*changes.items(), (MARKER, b"")]:
+            while b.append(key=key, value=value, timestamp=None) is None:
+                if n == 0:
+                    raise ValueError(f"a changelog record of {len(value or b'')} bytes exceeds max_batch_size")
+                b.close()
+                futures.append(await prod.send_batch(b, topic, partition=p))  # type: ignore[attr-defined]
+                b, n = prod.create_batch(), 0  # type: ignore[attr-defined]
+            n += 1
+        b.close()
+        futures.append(await prod.send_batch(b, topic, partition=p))  # type: ignore[attr-defined]
+        metas = await asyncio.gather(*futures)
+        return metas[-1].offset + n - 1
+
+    def totals(self) -> dict[str, int]:
+        """The counters of every partition this worker joined (and of its own steps)."""
+        total = Counter(self.counts)
+        for part in self.parts.values():
+            total.update(part.core.counts)
+        return dict(total)

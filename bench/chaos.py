@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +63,9 @@ class Capture:
     features: dict[str, tuple[bytes, bytes, int]] = field(default_factory=dict)
     feature_order: list[str] = field(default_factory=list)
     actions: dict[tuple, tuple[bytes, bytes]] = field(default_factory=dict)
+    # the broker epoch each first copy was read in (0: the first broker), for the post-mortem
+    feature_epoch: dict[str, int] = field(default_factory=dict)
+    action_epoch: dict[tuple, int] = field(default_factory=dict)
     examples: dict[str, bytes] = field(default_factory=dict)
     example_epoch: dict[str, int] = field(default_factory=dict)
     example_conflicts: set[str] = field(default_factory=set)
@@ -117,9 +120,13 @@ class Capture:
                     stripped.candidates.add(item_id=cand.item_id)
                 self.features[fl.request_id] = (key, stripped.SerializeToString(), fl.event_time_ms)
                 self.feature_order.append(fl.request_id)
+                self.feature_epoch[fl.request_id] = self.epochs
         elif topic == t.actions:
             a = Action.FromString(value)
-            self.actions.setdefault((a.request_id, a.item_id, a.action_type, a.event_time_ms), (key, value))
+            k = (a.request_id, a.item_id, a.action_type, a.event_time_ms)
+            if k not in self.actions:
+                self.actions[k] = (key, value)
+                self.action_epoch[k] = self.epochs
         else:  # one record = a batch of examples; compared example by example
             for e in example_batch.to_examples(example_batch.decode(value)):
                 raw = e.SerializeToString(deterministic=True)
@@ -194,11 +201,33 @@ def _metric_sum(stack: LoopStack, service: str, name: str) -> float:
                if s.name == name or s.name == name + "_total")
 
 
+def _missing_detail(capture: Capture, ref: dict, missing: set[str], t_of: dict) -> dict[str, dict]:
+    """Per missing example id: the reference's labels, where its feature log and actions came
+    from (broker epochs) and their event times; the run's work dir keeps it (chaos-missing.json)."""
+    acts: dict[str, list] = defaultdict(list)
+    for k in capture.actions:
+        acts[f"{k[0]}/{k[1]}"].append(k)
+    out = {}
+    for eid in sorted(missing):
+        rid = eid.rsplit("/", 1)[0]
+        labels = ref[eid][0]
+        a = acts.get(eid, [])
+        label = "positive" if any(labels.values()) else "negative"
+        out[eid] = {
+            "labels": labels, "sample_rate": ref[eid][1], "feature_epoch": capture.feature_epoch.get(rid),
+            "event_time_ms": t_of[rid][0], "partition": t_of[rid][1],
+            "actions": [{"type": k[2], "event_time_ms": k[3], "epoch": capture.action_epoch[k]} for k in a],
+            "origin": f"{label} f{capture.feature_epoch.get(rid)} a{sorted({capture.action_epoch[k] for k in a})}",
+        }
+    return out
+
+
 def run_chaos(work: Path, quick: bool) -> dict:
-    limit = 60_000 if quick else 150_000
+    limit = int(os.environ.get("CHAOS_LIMIT", 60_000 if quick else 150_000))
+    speed = os.environ.get("CHAOS_SPEED", "0")  # event-time speed-up of the traffic; 0: as fast as it goes
     pause = 4.0 if quick else 8.0
     answered = work / "answered.txt"
-    stack = LoopStack.start(work, REPO, "--replay-limit", str(limit), "--speed", "0",
+    stack = LoopStack.start(work, REPO, "--replay-limit", str(limit), "--speed", speed,
                             env={"DRIFTLINE_REPLAY__ANSWERED_LOG": str(answered)})
     settings = stack.settings()
     capture = Capture(settings)
@@ -296,6 +325,8 @@ def run_chaos(work: Path, quick: bool) -> dict:
     missing = expected - set(after)
     wrong_label = sum(1 for eid in expected & set(after)
                       if tuple(ref[eid][0][k] for k in sorted(ref[eid][0])) != after[eid][0][1:])
+    why = _missing_detail(capture, ref, missing, t_of)
+    (work / "chaos-missing.json").write_text(json.dumps(why, indent=1))
     result = {
         "answered_feature_logs_lost": len(lost),
         "conflicting_duplicates": parquet_conflicts + len(capture.example_conflicts),
@@ -305,6 +336,8 @@ def run_chaos(work: Path, quick: bool) -> dict:
         "missing_sample": sorted(missing)[:20],  # example ids to look up in a kept work dir
         # by the broker epoch they reached the topic in (0: the first broker); those of epoch 0 that
         # the dumper never read lived only in the killed broker (docs/broker-reset.md)
+        # (reference label, epoch of its feature log, epochs of its actions): where they came from
+        "missing_by_origin": dict(Counter(d["origin"] for d in why.values())),
         "missing_by_epoch": {str(ep): sum(1 for eid in missing if capture.example_epoch.get(eid) == ep)
                              for ep in sorted({capture.example_epoch.get(eid) for eid in missing}, key=str)},
         "broker_reset_recovered": all(recovered.values()),

@@ -39,7 +39,8 @@ from joiner.synth import ml_events  # noqa: E402
 from joiner.tiered import TieredState  # noqa: E402
 from joiner.types import JoinConfig  # noqa: E402
 from proto import Action, Candidate, FeatureLog, Features, SparseSlot  # noqa: E402
-from services.embedded import free_port, tansu_command, wait_for_port  # noqa: E402
+from driftline.embedded import tansu_command, wait_for_port  # noqa: E402
+from services.ports import free_port
 from services import tansu_quirks  # noqa: E402
 from services.kafka import create_topics, producer, start_client  # noqa: E402
 from services.settings import Settings  # noqa: E402

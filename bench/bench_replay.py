@@ -17,7 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from producers.replay import replay, replay_events  # noqa: E402
-from services.embedded import free_port, tansu_command, wait_for_port  # noqa: E402
+from driftline.embedded import tansu_command, wait_for_port  # noqa: E402
+from services.ports import free_port
 from services.kafka import create_topics, producer, start_client  # noqa: E402
 from services.settings import Settings  # noqa: E402
 

@@ -42,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 from proto import ParameterDelta  # noqa: E402
 from proto.parameter_delta_pb2 import SparseRows  # noqa: E402
-from services.embedded import free_port, redis_command, tansu_command, wait_for_port  # noqa: E402
+from driftline.embedded import redis_command, tansu_command, wait_for_port  # noqa: E402
+from services.ports import free_port
 from services.kafka import create_topics, producer, start_client  # noqa: E402
 from services.settings import Settings  # noqa: E402
 

@@ -235,7 +235,8 @@ async def bench_online(data, cfg, bootstrap):
 def main():
     import subprocess
 
-    from services.embedded import free_port, tansu_command, wait_for_port
+    from driftline.embedded import tansu_command, wait_for_port
+    from services.ports import free_port
 
     t_start = time.time()
     cfg = deepfm_config(dim=16, mlp=[256, 128], recent_items=False)  # the 8 slots

@@ -57,7 +57,8 @@ from serving.feature_store import load_dataset  # noqa: E402
 from serving.model import warm_up  # noqa: E402
 from serving.request_features import slots_for  # noqa: E402
 from serving.schemas import RankRequest  # noqa: E402
-from services.embedded import free_port, redis_command, wait_for_port  # noqa: E402
+from driftline.embedded import redis_command, wait_for_port  # noqa: E402
+from services.ports import free_port
 from services.settings import Settings  # noqa: E402
 
 STAGES = ("json parse", "validate", "checks", "redis fetch", "assemble slots", "score", "correct+sort",

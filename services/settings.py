@@ -275,7 +275,7 @@ class StatusSettings(BaseModel):
     history_points: int = 900
     # Rates and latency quantiles are computed over this much wall time of counter history.
     rate_window_s: float = 10.0
-    # "name=url" or "url" entries; empty means every service `make up` runs (services.stack).
+    # "name=url" or "url" entries; empty means every service `make up` runs (driftline.stack).
     targets: list[str] = Field(default_factory=list)
 
 

@@ -42,7 +42,7 @@ def parse_target(spec: str) -> Target:
 
 def default_targets(settings: Settings) -> list[Target]:
     """Every service ``make up`` starts that exports /metrics, at the URL the stack prints."""
-    from services.stack import APP_SERVICES
+    from driftline.stack import APP_SERVICES
 
     targets = []
     for service in APP_SERVICES:

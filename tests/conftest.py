@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from services.embedded import free_port, redis_command, tansu_command, wait_for_port
+from driftline.embedded import redis_command, tansu_command, wait_for_port
+from services.ports import free_port
 from services.settings import Settings
 
 

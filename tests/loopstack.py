@@ -2,7 +2,7 @@
 the dashboards test, the status screenshot and ``make chaos`` (bench/chaos.py).
 
 ``LoopStack.start(tmp_path, repo_root, "--replay-limit", "30000", "--speed", "0")`` runs
-``python -m services.cli up ...`` on free ports (broker, Redis, serving, the services' metrics
+``python -m driftline.cli up ...`` on free ports (broker, Redis, serving, the services' metrics
 ports), waits for its "driftline is up" banner and returns; ``stop()`` sends Ctrl-C (SIGINT) and
 waits for "driftline stopped.".
 """
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.embedded import free_port
+from services.ports import free_port
 from services.settings import Settings
 
-# The metrics ports `driftline up` gives its services: base + offset (services.stack).
+# The metrics ports `driftline up` gives its services: base + offset (driftline.stack).
 METRICS_OFFSETS = {"joiner": 0, "dumper": 1, "trainer": 2, "traffic": 3}
 
 
@@ -85,7 +85,7 @@ class LoopStack:
         )
         full_env.update(env or {})  # a test's own values win over these
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", *args],
+            [sys.executable, "-m", "driftline.cli", "up", *args],
             env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repo_root,
         )
         stack = cls(proc, tmp_path / "var", broker_port, redis_port, serving_port, metrics_base, status_port)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.cli import build_parser
+from driftline.cli import build_parser
 from services.settings import Settings
 
 
@@ -54,8 +54,8 @@ def test_each_service_command_is_a_real_entry_point(repo_root: Path) -> None:
             continue
         # A service parses its own flags: each one the compose file passes must be in its --help.
         helptext = subprocess.run(
-            [sys.executable, "-m", "services.cli", command[0], *[c for c in command[1:] if not c.startswith("-")][:1], "--help"]
-            if command[0] in ("trainer", "features") else [sys.executable, "-m", "services.cli", command[0], "--help"],
+            [sys.executable, "-m", "driftline.cli", command[0], *[c for c in command[1:] if not c.startswith("-")][:1], "--help"]
+            if command[0] in ("trainer", "features") else [sys.executable, "-m", "driftline.cli", command[0], "--help"],
             capture_output=True, text=True, cwd=repo_root, timeout=120,
         )
         assert helptext.returncode == 0, helptext.stderr

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from proto import Action, FeatureLog
-from services.embedded import free_port, port_is_open
+from services.ports import free_port, port_is_open
 from services.kafka import TypedConsumer
 from services.settings import Settings
 from tests.loopstack import LoopStack, free_port_block
@@ -68,7 +68,7 @@ def test_up_runs_broker_redis_and_replay_then_stops_cleanly(tmp_path: Path, repo
     broker_port, redis_port = free_port(), free_port()
     env = _env(tmp_path, repo_root, broker_port, redis_port)
     up = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--replay-limit", "20000", "--speed", "0"],
+        [sys.executable, "-m", "driftline.cli", "up", "--replay-limit", "20000", "--speed", "0"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repo_root,
     )
     try:
@@ -131,7 +131,7 @@ def test_port_in_use_is_one_actionable_line(tmp_path: Path, repo_root: Path) -> 
         port = busy.getsockname()[1]
         env = _env(tmp_path, repo_root, port, free_port())
         done = subprocess.run(
-            [sys.executable, "-m", "services.cli", "up", "--no-replay"],
+            [sys.executable, "-m", "driftline.cli", "up", "--no-replay"],
             env=env, capture_output=True, text=True, timeout=60, cwd=repo_root,
         )
     assert done.returncode == 2
@@ -145,7 +145,7 @@ def test_broker_down_is_one_actionable_line(tmp_path: Path, repo_root: Path) -> 
     env["KAFKA_BOOTSTRAP_SERVERS"] = f"127.0.0.1:{free_port()}"
     env["DRIFTLINE_KAFKA__CONNECT_TIMEOUT_S"] = "3"
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "replay", "--limit", "10", "--no-progress"],
+        [sys.executable, "-m", "driftline.cli", "replay", "--limit", "10", "--no-progress"],
         env=env, capture_output=True, text=True, timeout=60, cwd=repo_root,
     )
     assert done.returncode == 2
@@ -197,7 +197,7 @@ def test_up_with_a_bad_model_file_is_one_actionable_line(tmp_path: Path, repo_ro
     bad = tmp_path / "model.json"
     bad.write_text('{"model_id": "x", "tables": []}')
     for model in (str(bad), str(tmp_path / "missing.json")):
-        done = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", model],
+        done = subprocess.run([sys.executable, "-m", "driftline.cli", "up", "--model", model],
                               env=env, capture_output=True, text=True, timeout=60, cwd=repo_root)
         assert done.returncode == 2 and "Traceback" not in done.stderr
         assert done.stderr.strip().splitlines()[-1].startswith(f"driftline: --model {model}: not a model name")

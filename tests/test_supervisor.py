@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.supervisor import ServiceSpec, Supervisor
+from driftline.supervisor import ServiceSpec, Supervisor
 
 
 def _alive(pid: int) -> bool:

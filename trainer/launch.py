@@ -41,7 +41,7 @@ def launch(nproc: int, argv: list[str], ts: TrainerSettings) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from services.embedded import free_port
+    from services.ports import free_port
 
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"driftline-{uuid.uuid4().hex[:8]}",
                        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from services.embedded import free_port
+from services.ports import free_port
 
 from .distributed import DistributedError
 

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from proto import ParameterDelta
 from proto.parameter_delta_pb2 import DenseParameters, SampleRates, SparseRows, Tensor
 from serving.feature_store import FeatureStore
-from services.embedded import free_port
+from services.ports import free_port
 from services.kafka import create_topics, producer, start_client
 from services.settings import Settings
 

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from serving.model import FMModel
-from services.embedded import free_port
+from services.ports import free_port
 from services.settings import Settings
 
 from tests.conftest import Broker

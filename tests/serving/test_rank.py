@@ -161,7 +161,7 @@ def test_kafka_down_rank_answers_from_the_spool(redis_url: str, tmp_path, filled
                                                 serving_settings: Settings) -> None:
     """Kafka unreachable: /rank still answers (each feature log spooled, never blocking on Kafka)
     until the spool is full, then 503 with Retry-After; /actions is a 503 naming Kafka."""
-    from services.embedded import free_port
+    from services.ports import free_port
 
     down = filled_store.model_copy(update={"kafka_bootstrap_servers": f"127.0.0.1:{free_port()}"})
     down.redis_url = redis_url
@@ -191,7 +191,7 @@ def test_kafka_down_rank_answers_from_the_spool(redis_url: str, tmp_path, filled
 
 def test_not_ready_without_model(serving_settings: Settings, filled_store: Settings) -> None:
     """No snapshot and no reachable delta topic: /healthz is fine, /readyz and /rank say 503."""
-    from services.embedded import free_port
+    from services.ports import free_port
 
     down = filled_store.model_copy(update={"kafka_bootstrap_servers": f"127.0.0.1:{free_port()}"})
     app = create_app(down)

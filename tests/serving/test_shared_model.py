@@ -17,7 +17,7 @@ import pytest
 
 from serving.model import parameters
 from serving.shared_model import PSModel, SharedModel
-from services.embedded import free_port
+from services.ports import free_port
 from trainer import snapshots
 from trainer.batch import SparseBatch
 from trainer.config import deepfm_config

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import uvicorn
 
-from services.embedded import free_port
+from services.ports import free_port
 from services.settings import Settings
 from status.app import create_app
 from status.options import StatusSettings, parse_target

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.embedded import free_port
+from services.ports import free_port
 from tests.status.conftest import BrowserPage
 from tests.status.fakestack import FakeStack
 

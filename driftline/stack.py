@@ -25,16 +25,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from services.embedded import (
-    check_port_free,
-    port_is_open,
-    redis_command,
-    tansu_command,
-    wait_for_port,
-)
+from driftline.embedded import check_port_free, redis_command, tansu_command, wait_for_port
+from driftline.supervisor import ServiceSpec, Supervisor
 from services.kafka import create_topics
+from services.ports import port_is_open
 from services.settings import Settings
-from services.supervisor import ServiceSpec, Supervisor
 from services.tansu_quirks import ensure_broker_epoch
 
 log = logging.getLogger(__name__)
@@ -133,7 +128,7 @@ def demo_event_time_env(settings: Settings) -> dict[str, str]:
 
 
 def _driftline(*args: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", *args]
+    return [sys.executable, "-m", "driftline.cli", *args]
 
 
 def _table(rows: list[tuple[str, str]]) -> str:

@@ -24,7 +24,7 @@ from services.settings import Settings, get_settings  # noqa: E402
 
 
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
-    from services.stack import up
+    from driftline.stack import up
 
     if args.model is not None:
         settings = settings.updated(trainer={"model": _model_arg(args.model)})
@@ -39,7 +39,7 @@ def _model_arg(model: str) -> str:
 
     from pydantic import ValidationError
 
-    from services.embedded import StackError
+    from driftline.embedded import StackError
     from trainer.config import named_config
 
     try:
@@ -77,7 +77,7 @@ def _cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_topics_create(args: argparse.Namespace, settings: Settings) -> int:
-    from services.stack import _prepare_broker
+    from driftline.stack import _prepare_broker
 
     created = asyncio.run(_prepare_broker(settings))
     print(f"created: {', '.join(created) or 'none (all existed)'}")
@@ -164,7 +164,7 @@ def service_call(argv: Sequence[str]) -> tuple[str, list[str]] | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from producers.movielens import DataError
-    from services.embedded import StackError
+    from driftline.embedded import StackError
     from services.kafka import BrokerUnavailable
 
     argv = list(sys.argv[1:] if argv is None else argv)

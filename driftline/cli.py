@@ -162,11 +162,18 @@ def service_call(argv: Sequence[str]) -> tuple[str, list[str]] | None:
     return None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from producers.movielens import DataError
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors a user can fix, printed as one line. Imported once one is raised, not before the
+    command runs: ``serve`` must set up its replica's metrics before anything imports
+    prometheus_client (services.kafka does; see serving.replica_metrics)."""
     from driftline.embedded import StackError
+    from producers.movielens import DataError
     from services.kafka import BrokerUnavailable
 
+    return StackError, BrokerUnavailable, DataError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     service = service_call(argv)
     if service is not None:
@@ -178,11 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(f"driftline-{args.command}", settings.log_level)
     try:
         return int(args.func(args, settings) or 0)
-    except (StackError, BrokerUnavailable, DataError) as err:
-        print(f"driftline: {err}", file=sys.stderr)
-        return 2
-    except RuntimeError as err:
-        if type(err) is RuntimeError:  # the supervisor's start-up failures are one-liners too
+    except Exception as err:
+        # the supervisor's start-up failures (plain RuntimeErrors) are one-liners too
+        if isinstance(err, _user_errors()) or type(err) is RuntimeError:
             print(f"driftline: {err}", file=sys.stderr)
             return 2
         raise

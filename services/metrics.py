@@ -27,6 +27,7 @@ CONSUMER_LAG = Gauge(
     "driftline_consumer_lag_messages",
     "High watermark minus position, per consumed partition.",
     ["service", "topic", "partition"],
+    multiprocess_mode="mostrecent",  # a serving replica's one delta consumer (serving.replica_metrics)
 )
 COMMIT_SECONDS = Histogram(
     "driftline_offset_commit_seconds",
@@ -44,7 +45,7 @@ BROKER_RESET_LOST = Counter(
     "service, by the consumer's last known high watermark), by service and topic.",
     ["service", "topic"],
 )
-SERVICE_UP = Gauge("driftline_service_up", "1 while the service runs.", ["service"])
+SERVICE_UP = Gauge("driftline_service_up", "1 while the service runs.", ["service"], multiprocess_mode="livemax")
 
 
 def serve_metrics(port: int, host: str | None = None) -> int:

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 
-from serving.app import create_app
 from services.log import setup_logging
 from services.settings import get_settings
-from services.uvicorn_server import serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,10 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     settings = settings.updated(serving={"host": args.host, "port": args.port, "workers": max(1, args.workers)})
     shared = settings.serving.workers > 1 and settings.serving_model != "fm"
     if args.worker_index is None and shared:
+        from serving import replica_metrics
+
+        replica_metrics.prepare(replica_metrics.directory_for(settings.serving_ps_dir))  # before the imports below
         from serving.serving_ps import main as serving_ps
 
         setup_logging("serving-ps", settings.log_level)
         return serving_ps(settings)
+    # imported here, not above: the serving PS must set up its metrics before prometheus_client loads
+    from serving.app import create_app
+    from services.uvicorn_server import serve
+
     model, sock = None, None
     if args.worker_index is not None:  # a worker of this machine's serving PS
         from serving.serving_ps import listen, worker_spool

@@ -38,10 +38,10 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from proto import Action, ModelVersion
-from serving import metrics
+from serving import metrics, replica_metrics
 from serving.correction import correct
 from serving.broker_epoch import SharedEpoch
 from serving.deltas import DeltaFeed
@@ -345,6 +345,6 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
     async def metrics_endpoint(request: Request) -> Response:
         with contextlib.suppress(AttributeError):
             serving_of(request).deltas.publish_metrics()
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        return Response(replica_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app

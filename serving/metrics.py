@@ -1,4 +1,10 @@
-"""Prometheus metrics of the serving tier (default registry, names prefixed ``driftline_serving_``)."""
+"""Prometheus metrics of the serving tier (default registry, names prefixed ``driftline_serving_``).
+
+A gauge's ``multiprocess_mode`` says how a replica of several processes reports it
+(:mod:`serving.replica_metrics`): the model's versions, staleness and rate are whatever a process
+set last (the PS applies; a worker refreshes them from the shared tables on a scrape); a spool's
+backlog is per worker, so the live workers' values add up. A single process ignores it.
+"""
 
 from __future__ import annotations
 
@@ -20,26 +26,31 @@ CANDIDATES = Histogram(
 MODEL_VERSION = Gauge(
     "driftline_serving_model_version", "Version of the model being served, by kind (sparse/dense).",
     ["model_id", "kind"],
+    multiprocess_mode="mostrecent",
 )
 SPARSE_VERSION = Gauge(
     "driftline_serving_sparse_version",
     "Sparse version served of each shard of the trainer's current layout (shard 0 alone for a "
     "one-process trainer); driftline_serving_model_version{kind=\"sparse\"} is their minimum.",
     ["model_id", "shard"],
+    multiprocess_mode="mostrecent",
 )
 SHARD_COUNT = Gauge(
     "driftline_serving_sparse_shard_count",
     "Shard count of the sparse deltas served (0: a one-process trainer).", ["model_id"],
+    multiprocess_mode="mostrecent",
 )
 DELTA_STALENESS = Gauge(
     "driftline_serving_model_staleness_seconds",
     "Now minus the publish time of the newest applied version, by kind.", ["model_id", "kind"],
+    multiprocess_mode="mostrecent",
 )
 SAMPLE_RATE = Gauge(
     "driftline_serving_sample_rate",
     "Negative sample rate of the log-odds correction: the served model's rate for its slice (source "
     "slice), else over all slices (global), else 1.0 (unrecorded: its trainer recorded none).",
     ["model_id", "source"],
+    multiprocess_mode="mostrecent",
 )
 DELTA_LAG = Histogram(
     "driftline_serving_delta_apply_lag_seconds",
@@ -80,11 +91,12 @@ FEATURE_LOG_RESHIPPED = Counter(
     "Already shipped FeatureLogs sent again after a broker reset (they may have lived only in it).",
 )
 FEATURE_LOG_PENDING = Gauge(
-    "driftline_serving_feature_log_pending", "FeatureLogs spooled and not yet acknowledged by Kafka."
+    "driftline_serving_feature_log_pending", "FeatureLogs spooled and not yet acknowledged by Kafka.", multiprocess_mode="livesum"
 )
 FEATURE_LOG_SPOOL_BYTES = Gauge(
     "driftline_serving_feature_log_spool_bytes",
     "Bytes (keys + values) in the feature-log spool: unshipped and retained entries.",
+    multiprocess_mode="livesum",
 )
 FEATURE_LOG_REFUSED = Counter(
     "driftline_serving_feature_log_refused_total",

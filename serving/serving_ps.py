@@ -13,6 +13,9 @@ Each worker has its own feature-log spool (``<spool_dir>-w<i>``: RocksDB takes o
 database) so a 200 stays durable per worker exactly as in the single-process path, and each
 worker's spool survives its restart.
 
+The PS and the workers write their Prometheus samples to one directory, so the worker that
+answers a scrape reports the whole replica (:mod:`serving.replica_metrics`).
+
 SIGTERM/SIGINT: the workers get SIGTERM (each ships its spool and exits 0), then the feed stops
 and the shared files are removed. A worker that dies takes the PS down with a non-zero exit
 (the supervisor restarts the whole replica): a half-served port is worse than a restart.
@@ -30,6 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from serving import replica_metrics
 from serving.broker_epoch import SharedEpoch
 from serving.deltas import DeltaFeed
 from serving.model import warm_up
@@ -105,6 +109,7 @@ async def _run_ps(settings: Settings, workers: list[subprocess.Popen[bytes]]) ->
         await feed.stop()
         await epochs.stop()
         shutil.rmtree(root, ignore_errors=True)
+        replica_metrics.remove()
     return rc
 
 

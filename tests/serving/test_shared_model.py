@@ -110,13 +110,24 @@ def test_serve_with_two_workers(tmp_path: Path) -> None:
             assert r.json()["model_version"]["dense_version"] == 4
         assert (var / "serving" / f"spool-{port}-w0").exists() and (var / "serving" / f"spool-{port}-w1").exists()
         assert (tmp_path / "ps" / "control").exists()
-        assert 'driftline_serving_model_version{kind="sparse",model_id="deepfm"} 4.0' in httpx.get(
-            f"{url}/metrics", timeout=10).text
+        # a worker counts a request after its response is sent: let the last one land first
+        until = time.monotonic() + 10
+        while '{endpoint="/rank",status="200"} 20.0' not in httpx.get(f"{url}/metrics", timeout=10).text:
+            assert time.monotonic() < until
+            time.sleep(0.1)
+        for _ in range(6):  # whichever worker answers the scrape reports the whole replica
+            with httpx.Client(timeout=10) as c:
+                text = c.get(f"{url}/metrics").text
+            assert 'driftline_serving_model_version{kind="sparse",model_id="deepfm"} 4.0' in text
+            assert 'driftline_serving_requests_total{endpoint="/rank",status="200"} 20.0' in text
+            assert "driftline_serving_feature_log_spooled_total 20.0" in text
+        writers = {f.stem.rsplit("_", 1)[-1] for f in (tmp_path / "ps-metrics").glob("*.db")}
+        assert str(proc.pid) in writers and len(writers) >= 3  # the PS (its delta feed) and both workers
     finally:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(60)
     assert rc == 0, (tmp_path / "log").read_text()[-3000:]
-    assert not (tmp_path / "ps").exists()
+    assert not (tmp_path / "ps").exists() and not (tmp_path / "ps-metrics").exists()
 
     # A PS killed -9 leaves no worker serving frozen parameters: they stop themselves.
     proc = subprocess.Popen([sys.executable, "-m", "serving", "--port", str(port), "--workers", "2"],

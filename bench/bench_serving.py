@@ -259,7 +259,7 @@ def main() -> None:
         settings = Settings(kafka_bootstrap_servers=f"{host}:{bport}")
         asyncio.run(create_topics(settings))
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "serving.feature_store", "load", "--dataset", "ml-1m",
+        subprocess.run([sys.executable, "-m", "serving.feature_store", "load", "--movielens", "--dataset", "ml-1m",
                         "--data-dir", str(ROOT / "var" / "data")], env=env, check=True, cwd=ROOT)
         load_s = time.perf_counter() - t
         server = start([sys.executable, "-m", "serving", "--workers", "1"], tmp / "serving.log", env)

@@ -47,7 +47,8 @@ from serving.broker_epoch import SharedEpoch
 from serving.deltas import DeltaFeed
 from serving.feature_log import FeatureLogEncoder, FeatureLogger, FeatureLogTooLarge, features_message
 from serving.feature_store import FeatureStore, FeatureStoreError, RankFeatures
-from serving.model import FMModel, ServingModel, TrainerModel, warm_up
+from serving.fm_model import FMModel
+from serving.model import ServingModel, TrainerModel, warm_up
 from serving.realtime import RecentClicks
 from serving.request_features import BadFeatures, Declared, check_names, dense_for, item_cache_key, slots_for
 from serving.responses import FastJSONResponse
@@ -65,7 +66,7 @@ def model_version(model: ServingModel) -> ModelVersionOut:
     """The served version as ``/readyz`` and ``/rank`` report it (and the FeatureLog logs it).
 
     ``sparse_version`` is the minimum of the per-shard ``sparse_versions`` (see
-    :class:`serving.model.SparseVersions`: the version every shard has reached), read in one go
+    :class:`serving.versions.SparseVersions`: the version every shard has reached), read in one go
     with them, so it is the minimum of exactly the versions reported."""
     shard_count, versions = model.sparse.report()
     return ModelVersionOut(model_id=model.model_id, sparse_version=min(versions.values()),

@@ -15,7 +15,7 @@ one ``sparse_version``, layout 0). A delta of another layout is either from befo
 is applied; read from the topic's beginning, it is taken as before the snapshot until a delta of
 the snapshot's own layout has been read. The first delta of a later layout applied supersedes the
 snapshot's versions: from then on they gate nothing (the new ranks number afresh), and the model
-resets its per-shard versions to the new layout (:class:`serving.model.SparseVersions`).
+resets its per-shard versions to the new layout (:class:`serving.versions.SparseVersions`).
 
 Every replica reads every partition by manual assignment (no consumer group), so replicas never
 split the stream between them, and since the topic has one partition per model the order is the
@@ -50,7 +50,8 @@ from proto import ParameterDelta
 from serving import metrics
 from serving.background import BackgroundLoop
 from serving.broker_epoch import SharedEpoch
-from serving.model import Bootstrap, DeltaRejected, ServingModel
+from serving.model import ServingModel
+from serving.versions import Bootstrap, DeltaRejected
 from services import metrics as shared_metrics
 from services.codecs import processing_failed
 from services.kafka import Record, TypedConsumer, create_topics

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from serving.deltas import DeltaFeed
-from serving.model import FMModel, parameters
+from serving.fm_model import FMModel
+from serving.model import parameters
 from services.settings import Settings
 
 from serving_helpers import dense_delta, publish, sparse_delta

@@ -12,7 +12,7 @@ from proto import Action, DeadLetter, ParameterDelta
 from proto.parameter_delta_pb2 import DenseParameters, Tensor
 from serving.deltas import DeltaFeed
 from serving.feature_store import FeatureStore
-from serving.model import FMModel
+from serving.fm_model import FMModel
 from serving.realtime import RecentClicks
 from services.kafka import TypedConsumer, create_topics, producer, start_client
 from services.settings import Settings

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serving.model import FMModel
+from serving.fm_model import FMModel
 from services.ports import free_port
 from services.settings import Settings
 

@@ -12,7 +12,7 @@ import pytest
 from proto import FeatureLog
 from serving.app import create_app
 from serving.correction import correct
-from serving.model import FMModel
+from serving.fm_model import FMModel
 from services.kafka import TypedConsumer
 from services.settings import Settings
 

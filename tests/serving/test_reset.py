@@ -201,7 +201,7 @@ async def test_a_snapshot_from_before_a_reset_is_replaced_at_start(settings: Set
     """Serving starts after a reset it did not see: the newest snapshot's offset points into a topic
     that is gone, so the feed reads the new topic from its start and reloads the first snapshot
     of the broker's current epoch."""
-    from serving.model import FMModel
+    from serving.fm_model import FMModel
 
     root = tmp_path / "snapshots"
     old = FMModel(dim=4)

@@ -19,7 +19,8 @@ from proto import ParameterDelta
 from ps import EmbeddingTable, SyncChunk
 from serving.app import model_version
 from serving.deltas import DeltaFeed
-from serving.model import DeltaRejected, TrainerModel, parameters
+from serving.model import TrainerModel, parameters
+from serving.versions import DeltaRejected
 from services.settings import Settings
 from trainer import snapshots
 from trainer.config import ModelConfig, deepfm_config
@@ -250,7 +251,7 @@ def test_snapshot_gate_per_shard_and_layout(settings: Settings) -> None:
     """Which deltas a snapshot of a 2-rank trainer (shard 0 at version 2, shard 1 at 1) holds:
     read from the topic's beginning, another layout before any delta of the snapshot's own is
     older than the snapshot (skipped); a later layout supersedes the snapshot's versions."""
-    from serving.model import Bootstrap
+    from serving.versions import Bootstrap
 
     feed = DeltaFeed(settings, TrainerModel(config=deepfm_config(dim=4, mlp=[8])))
     boot = Bootstrap(Path("snap"), 1, 0, shard_count=2, sparse_versions={0: 2, 1: 1})

@@ -8,23 +8,19 @@ import asyncio
 import time
 
 import pytest
-from aiokafka import AIOKafkaConsumer
 
 import driftline.project
 from driftline.client import (ActionProducer, AsyncRankClient, FeatureLogProducer, RankClient, Rejected,
                               UnknownAction, UnknownFeature, WrongValue, item_id_of)
 from driftline.project import FeatureSpec
 from proto import Action, FeatureLog
-from ps import AdagradConfig, InitializerConfig, TableConfig
 from serving.app import create_app
-from serving.model import TrainerModel
-from services.codecs import codec_for
 from services.hashing import string_id
-from services.kafka import create_topics, start_client
+from services.kafka import create_topics
 from services.ports import free_port
 from services.settings import Settings
-from trainer.config import ModelConfig
 
+from client_helpers import read_topic, served_model
 from serving_helpers import running, wait_ready
 
 FEATURES = [FeatureSpec(name="item_id", source="item"),
@@ -32,29 +28,6 @@ FEATURES = [FeatureSpec(name="item_id", source="item"),
             FeatureSpec(name="tags", source="candidate", ids="string"),
             FeatureSpec(name="pos", source="candidate"),
             FeatureSpec(name="price", source="candidate", kind="dense")]
-
-
-def served_model(slots: list[str], dense: list[str]) -> TrainerModel:
-    table = TableConfig(name="w", dim=1, optimizer=AdagradConfig(lr=0.05), initializer=InitializerConfig(kind="zeros"))
-    return TrainerModel(config=ModelConfig(model_id="client", kind="lr", linear={s: "w" for s in slots},
-                                           tables=[table], mlp=[], dense_features=dense))
-
-
-async def read_topic(settings: Settings, topic: str, message_type: type, count: int,
-                     timeout: float = 20.0) -> list[tuple[bytes, int, object]]:
-    """(key, partition, decoded message) of the first ``count`` records of ``topic``."""
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=settings.bootstrap_servers, group_id=None,
-                                auto_offset_reset="earliest", enable_auto_commit=False)
-    await start_client(consumer, settings)
-    out: list[tuple[bytes, int, object]] = []
-    try:
-        deadline = time.monotonic() + timeout
-        while len(out) < count and time.monotonic() < deadline:
-            for records in (await consumer.getmany(timeout_ms=300)).values():
-                out += [(r.key, r.partition, codec_for(message_type).decode(r.value)) for r in records]
-    finally:
-        await consumer.stop()
-    return out
 
 
 def test_the_client_ranks_string_features_and_serving_logs_their_hashes(options: Settings) -> None:

@@ -1,0 +1,402 @@
+"""``driftline traffic --csv FILE --map FILE``: *your* impression log replayed through serving.
+
+The log is a CSV with one row per impression (an item shown in a request). Rows sharing a request
+id form one ``POST /rank`` whose candidates are their items; after its answer, the rows whose
+action columns are set become one ``POST /actions`` with the request id serving returned (serving
+names the requests: replaying a log twice never collides with the first run in the joiner). It
+goes through :class:`driftline.client.AsyncRankClient`, so values are checked and strings hashed
+as any client's are, and paced by event time like the MovieLens driver (:mod:`producers.traffic`):
+``--speed`` times the log's own pace, 0 as fast as serving answers.
+
+The map file (TOML) says which column is what::
+
+    [columns]
+    request = "impression_id"  # rows sharing it are one /rank (absent: each row is one request)
+    item = "item"              # required
+    item_ids = "string"        # "int" (the default, as a feature's ids) or "string" (hashed)
+    user = "user"              # optional; user_ids as item_ids
+    event_time = "ts"          # optional (absent: serving stamps now); its unit:
+    event_time_unit = "s"      # "ms" (the default) or "s"
+    action_time = "click_ts"   # optional: when the actions happened (absent: the request's time)
+
+    [actions]                  # action type = column: 1, true, yes or a positive number means it happened
+    click = "clicked"
+
+    [features]                 # feature = column, its spec from the project file (--config) ...
+    device = "device"
+    # ... or given here, for a log replayed without a project file
+    pos = { column = "position", source = "candidate", kind = "sparse", ids = "int" }
+
+    [csv]
+    list_separator = "|"       # optional: split a sparse feature's cell into several ids
+
+A request's context features (``context`` and ``user`` sources) are read from its first row.
+``--rebase`` shifts every event time so the log's last event is now: serving refuses event times
+older than ``event_time.max_past_s`` (a week), which an old log has.
+
+>>> from driftline.project import FeatureSpec
+>>> spec = MapFile.model_validate({"columns": {"request": "rid", "item": "item", "item_ids": "string"},
+...                                "actions": {"click": "clicked"},
+...                                "features": {"pos": {"column": "pos", "source": "candidate"}}})
+>>> rows = [{"rid": "a", "item": "x", "pos": "0", "clicked": "1"}, {"rid": "a", "item": "y", "pos": "1", "clicked": ""},
+...         {"rid": "b", "item": "x", "pos": "0", "clicked": "0"}]
+>>> reqs = requests_of(rows, spec, spec.feature_specs(None))
+>>> [(r.key, [c["item_id"] for c in r.candidates], r.actions) for r in reqs]
+[('a', ['x', 'y'], [('x', 'click', None)]), ('b', ['x'], [])]
+>>> reqs[0].candidates[1]["features"]
+{'pos': 1}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from tqdm import tqdm
+
+from driftline.client import AsyncRankClient, InvalidInput, ServingError
+from driftline.project import FeatureSpec
+from services.settings import Settings
+
+log = logging.getLogger(__name__)
+
+SERVICE = "traffic"
+_TRUE = frozenset({"true", "yes", "y", "t"})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Columns(_Strict):
+    item: str
+    item_ids: Literal["int", "string"] = "int"
+    request: str | None = None
+    user: str | None = None
+    user_ids: Literal["int", "string"] = "int"
+    event_time: str | None = None
+    event_time_unit: Literal["ms", "s"] = "ms"
+    action_time: str | None = None
+
+
+class InlineFeature(_Strict):
+    """A feature declared in the map file itself: a :class:`FeatureSpec` plus its column."""
+
+    column: str
+    source: Literal["context", "candidate", "user", "item"]
+    kind: Literal["sparse", "dense"] = "sparse"
+    ids: Literal["int", "string"] = "int"
+
+
+class CsvOptions(_Strict):
+    list_separator: str | None = None
+
+
+class MapFile(_Strict):
+    """The map file's content (see the module docstring)."""
+
+    columns: Columns
+    actions: dict[str, str] = {}
+    features: dict[str, str | InlineFeature] = {}
+    csv: CsvOptions = CsvOptions()
+
+    def feature_specs(self, project: Sequence[FeatureSpec] | None) -> list[tuple[FeatureSpec, str]]:
+        """(spec, column) of each mapped feature; a bare column name takes its spec from ``project``."""
+        known = {f.name: f for f in project or ()}
+        out = []
+        for name, entry in self.features.items():
+            if isinstance(entry, InlineFeature):
+                out.append((FeatureSpec(name=name, **entry.model_dump(exclude={"column"})), entry.column))
+            elif name in known:
+                out.append((known[name], entry))
+            else:
+                raise InvalidInput(f"map file: feature {name!r} is not in the project's features "
+                                   + ("(pass --config FILE, or give it inline: {column = ..., source = ..., kind = ..., ids = ...})"
+                                      if project is None else f"({', '.join(sorted(known)) or 'none'})"))
+        return out
+
+
+def load_map(path: Path) -> MapFile:
+    import tomllib
+
+    try:
+        return MapFile.model_validate(tomllib.loads(Path(path).read_text()))
+    except (tomllib.TOMLDecodeError, ValidationError) as err:
+        raise InvalidInput(f"map file {path}: {err}") from None
+
+
+@dataclass
+class Request:
+    """One ``/rank`` of the log and the actions that followed it."""
+
+    key: str
+    event_time_ms: int | None
+    user: str | int | None
+    context: dict[str, Any]
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    actions: list[tuple[str | int, str, int | None]] = field(default_factory=list)  # (item, type, time)
+
+
+def _cell(row: Mapping[str, str], column: str, line: int) -> str:
+    try:
+        return (row[column] or "").strip()
+    except KeyError:
+        raise InvalidInput(f"row {line}: no column {column!r} (columns: {', '.join(row)})") from None
+
+
+def _id(text: str, ids: str, what: str, line: int) -> str | int:
+    if ids == "string":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidInput(f"row {line}: {what} {text!r} is not an int (say {what}_ids = \"string\" to hash it)") from None
+
+
+def _value(spec: FeatureSpec, text: str, separator: str | None, line: int) -> Any:
+    """A cell as the client takes it: None (empty), a float (dense), ids (sparse; a list when split)."""
+    if not text:
+        return None
+    try:
+        if spec.kind == "dense":
+            return float(text)
+        parts = [p.strip() for p in text.split(separator)] if separator else [text]
+        ids = [p if spec.hashed else int(p) for p in parts if p]
+        return ids if separator else ids[0]
+    except ValueError:
+        raise InvalidInput(f"row {line}: feature {spec.name!r}: {text!r} is not "
+                           + ("a number" if spec.kind == "dense" else "an int (declare ids = \"string\" to hash it)")) from None
+
+
+def _happened(text: str) -> bool:
+    if text.lower() in _TRUE:
+        return True
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
+def _time(text: str, unit: str, line: int) -> int | None:
+    if not text:
+        return None
+    try:
+        t = float(text)
+    except ValueError:
+        raise InvalidInput(f"row {line}: event time {text!r} is not a number ({unit})") from None
+    return int(t * 1000) if unit == "s" else int(t)
+
+
+def requests_of(rows: Iterable[Mapping[str, str]], spec: MapFile,
+                features: Sequence[tuple[FeatureSpec, str]]) -> list[Request]:
+    """The log's requests, in event-time order (the file's order for equal times or no time column)."""
+    cols = spec.columns
+    by_key: dict[str, Request] = {}
+    context_specs = [(f, c) for f, c in features if f.source in ("context", "user")]
+    candidate_specs = [(f, c) for f, c in features if f.source in ("candidate", "item")]
+    sep = spec.csv.list_separator
+    for line, row in enumerate(rows, start=2):  # line 1 is the header
+        key = _cell(row, cols.request, line) if cols.request else str(line)
+        when = _time(_cell(row, cols.event_time, line), cols.event_time_unit, line) if cols.event_time else None
+        request = by_key.get(key)
+        if request is None:
+            user = _cell(row, cols.user, line) if cols.user else ""
+            request = by_key[key] = Request(
+                key, when, _id(user, cols.user_ids, "user", line) if user else None,
+                {f.name: _value(f, _cell(row, c, line), sep, line) for f, c in context_specs})
+        item = _id(_cell(row, cols.item, line), cols.item_ids, "item", line)
+        request.candidates.append({"item_id": item, "features": {
+            f.name: _value(f, _cell(row, c, line), sep, line) for f, c in candidate_specs}})
+        acted = cols.action_time and _time(_cell(row, cols.action_time, line), cols.event_time_unit, line)
+        request.actions += [(item, kind, acted or None) for kind, column in spec.actions.items()
+                            if _happened(_cell(row, column, line))]
+    requests = list(by_key.values())
+    if cols.event_time:
+        requests.sort(key=lambda r: r.event_time_ms or 0)
+    return requests
+
+
+def rebase(requests: Sequence[Request], now_ms: int) -> None:
+    """Shift every event time (requests and actions alike) so the log's last event is ``now_ms``."""
+    times = [t for r in requests for t in (r.event_time_ms, *(a[2] for a in r.actions)) if t is not None]
+    if not times:
+        return
+    shift = now_ms - max(times)
+    for r in requests:
+        if r.event_time_ms is not None:
+            r.event_time_ms += shift
+        r.actions = [(item, kind, t + shift if t is not None else None) for item, kind, t in r.actions]
+
+
+@dataclass
+class _Stats:
+    requests: int = 0
+    impressions: int = 0
+    actions: int = 0
+    rank_errors: int = 0
+    action_errors: int = 0
+    actions_skipped: int = 0  # their /rank failed: no request id to send them with
+    errors: list[str] = field(default_factory=list)  # the first few, for the summary
+
+    def error(self, message: str) -> None:
+        if len(self.errors) < 5:
+            self.errors.append(message)
+            log.warning("%s", message)
+
+
+async def _replay_one(client: AsyncRankClient, r: Request, stats: _Stats) -> None:
+    try:
+        ranking = await client.rank(user_id=r.user, candidates=r.candidates, context=r.context,
+                                    event_time_ms=r.event_time_ms)
+    except (ServingError, InvalidInput) as err:
+        stats.rank_errors += 1
+        stats.actions_skipped += len(r.actions)
+        stats.error(f"request {r.key}: {err}")
+        return
+    stats.requests += 1
+    stats.impressions += len(r.candidates)
+    if not r.actions:
+        return
+    actions = [{"request_id": ranking.request_id, "item_id": item, "action_type": kind, "user_id": r.user,
+                "event_time_ms": when if when is not None else r.event_time_ms} for item, kind, when in r.actions]
+    try:
+        accepted = await client.actions(actions)  # not `+= await`: that reads the total before awaiting
+    except (ServingError, InvalidInput) as err:
+        stats.action_errors += len(actions)
+        stats.error(f"actions of request {r.key}: {err}")
+        return
+    stats.actions += accepted
+
+
+async def drive(settings: Settings, requests: Sequence[Request], client: AsyncRankClient, *,
+                speed: float | None = None, concurrency: int = 16, progress: bool = False,
+                ready_timeout_s: float = 180.0) -> dict:
+    """Replay ``requests`` through serving (at most ``concurrency`` in flight); returns the stats."""
+    from producers.traffic import wait_ready
+
+    speed = settings.replay.speed if speed is None else speed
+    await wait_ready(client.http, ready_timeout_s)
+    stats = _Stats()
+    sem = asyncio.Semaphore(concurrency)
+    tasks: set[asyncio.Task] = set()
+    first = next((r.event_time_ms for r in requests if r.event_time_ms is not None), None)
+    started = time.perf_counter()
+
+    async def one(r: Request) -> None:
+        try:
+            await _replay_one(client, r, stats)
+        finally:
+            sem.release()
+            bar.update(1)
+
+    bar = tqdm(total=len(requests), unit="req", disable=not progress, smoothing=0.05, mininterval=0.5)
+    try:
+        for r in requests:
+            if speed > 0 and first is not None and r.event_time_ms is not None:
+                # the log's own pace, sped up: request i goes out (t_i - t_0) / speed after the start
+                ahead = (r.event_time_ms - first) / 1000.0 / speed - (time.perf_counter() - started)
+                if ahead > 0.002:
+                    await asyncio.sleep(ahead)
+            await sem.acquire()
+            task = asyncio.create_task(one(r))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        while tasks:
+            await asyncio.gather(*list(tasks))
+    finally:
+        bar.close()
+        for t in list(tasks):
+            t.cancel()
+    seconds = time.perf_counter() - started
+    return {"requests": stats.requests, "impressions": stats.impressions, "actions": stats.actions,
+            "rank_errors": stats.rank_errors, "action_errors": stats.action_errors,
+            "actions_skipped": stats.actions_skipped, "seconds": round(seconds, 3),
+            "requests_per_s": round(stats.requests / seconds, 1) if seconds else 0.0, "first_errors": stats.errors}
+
+
+def project_of(config: Path | None) -> tuple[list[FeatureSpec] | None, list[str] | None]:
+    """The project file's features and labelled action types (None, None without one)."""
+    if config is None:
+        return None, None
+    import driftline.project
+
+    load_project = getattr(driftline.project, "load_project", None)
+    if load_project is None:  # the project file's loader lands with issue 16's project file
+        raise InvalidInput("--config: this build has no project file loader (driftline.project.load_project)")
+    project = load_project(config)
+    return list(project.features), list(project.labels)
+
+
+async def replay_csv(settings: Settings, csv_path: Path, map_path: Path, config: Path | None = None, *,
+                     url: str | None = None, speed: float | None = None, limit: int | None = None,
+                     rebase_time: bool = False, concurrency: int = 16, progress: bool = False,
+                     ready_timeout_s: float = 180.0) -> dict:
+    """Read the log and its map, then :func:`drive` it; ``limit``: the first N requests (in time order)."""
+    spec = load_map(map_path)
+    project, action_types = project_of(config)
+    features = spec.feature_specs(project)
+    with open(csv_path, newline="") as f:
+        requests = requests_of(csv.DictReader(f), spec, features)[:limit]
+    if rebase_time:
+        rebase(requests, int(time.time() * 1000))
+    # The client checks against the project's features when there is one (a mapped subset is fine),
+    # else against the features the map declares.
+    specs = project if project is not None else [f for f, _ in features]
+    async with AsyncRankClient(specs, url, action_types=action_types, retries=40,
+                               max_connections=concurrency) as client:
+        stats = await drive(settings, requests, client, speed=speed, concurrency=concurrency,
+                            progress=progress, ready_timeout_s=ready_timeout_s)
+    return {"csv": str(csv_path), **stats}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="driftline traffic --csv", description="Replay your impression log (CSV) "
+                                "through serving: POST /rank per request, then POST /actions for its actions.")
+    p.add_argument("--csv", type=Path, required=True, help="the impression log: one row per impression")
+    p.add_argument("--map", type=Path, required=True, help="TOML naming the log's columns (see producers/csv_traffic.py)")
+    p.add_argument("--config", type=Path, default=None, help="the project file (driftline.toml): the features' specs")
+    p.add_argument("--url", default=None, help="serving base URL (default: settings.serving host and port)")
+    p.add_argument("--speed", type=float, default=None,
+                   help="event-time speed-up; 0 = as fast as serving answers (default: settings.replay.speed)")
+    p.add_argument("--limit", type=int, default=None, help="replay at most the first N requests")
+    p.add_argument("--rebase", action="store_true", help="shift event times so the log's last event is now")
+    p.add_argument("--concurrency", type=int, default=16, help="HTTP calls in flight at most")
+    p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for serving's /readyz")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from producers.traffic import ServingUnavailable
+    from services.log import setup_logging
+    from services.settings import get_settings
+
+    args = build_parser().parse_args(argv)
+    settings = get_settings()
+    setup_logging(SERVICE, settings.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call otherwise
+    try:
+        stats = asyncio.run(replay_csv(settings, args.csv, args.map, args.config, url=args.url, speed=args.speed,
+                                       limit=args.limit, rebase_time=args.rebase, concurrency=args.concurrency,
+                                       progress=not args.no_progress, ready_timeout_s=args.ready_timeout))
+    except (InvalidInput, ServingUnavailable, OSError) as err:
+        print(f"driftline traffic: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    print(json.dumps(stats), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,7 +13,7 @@ import pytest
 
 from driftline.cli import main as cli_main
 from driftline.client import InvalidInput, item_id_of
-from producers.csv_traffic import MapFile, load_map, requests_of
+from producers.csv_log import MapFile, load_map, requests_of
 from proto import Action, FeatureLog
 from serving.app import create_app
 from services.hashing import string_id

@@ -4,7 +4,8 @@ project's features, the serving API or the Kafka contracts out.
 * :class:`RankClient` / :class:`AsyncRankClient`: ``rank(...)`` (``POST /rank``) and
   ``actions(...)`` (``POST /actions``), sync or asyncio;
 * :class:`FeatureLogProducer` / :class:`ActionProducer`: for a system that ranks on its own and
-  logs to Kafka instead (topics ``features`` and ``actions``, keyed by request id).
+  logs to Kafka instead (topics ``features`` and ``actions``, keyed by request id); asyncio, or
+  blocking in :class:`Blocking`.
 
 Feature values are plain: a string or an int (or a list of them) for a sparse feature, a number for
 a dense one; string values are hashed with :func:`services.hashing.string_id`, string items and
@@ -33,10 +34,10 @@ the actions with it) and ``items`` best first, each with the caller's ``item`` a
 from driftline.client.features import (FeatureEncoder, InvalidInput, MissingFeature, UnknownAction, UnknownFeature,
                                        WrongValue, item_id_of)
 from driftline.client.http import AsyncRankClient, RankClient, Ranking, Rejected, ScoredItem, ServingError
-from driftline.client.kafka import ActionProducer, FeatureLogProducer
+from driftline.client.kafka import ActionProducer, Blocking, FeatureLogProducer
 
 __all__ = [
-    "ActionProducer", "AsyncRankClient", "FeatureEncoder", "FeatureLogProducer", "InvalidInput", "MissingFeature",
-    "RankClient", "Ranking", "Rejected", "ScoredItem", "ServingError", "UnknownAction", "UnknownFeature",
-    "WrongValue", "item_id_of",
+    "ActionProducer", "AsyncRankClient", "Blocking", "FeatureEncoder", "FeatureLogProducer", "InvalidInput",
+    "MissingFeature", "RankClient", "Ranking", "Rejected", "ScoredItem", "ServingError", "UnknownAction",
+    "UnknownFeature", "WrongValue", "item_id_of",
 ]

@@ -152,7 +152,8 @@ class FeatureEncoder:
         for name, value in (values or {}).items():
             spec = self.specs.get(name)
             if spec is None:
-                raise UnknownFeature(f"{where}: unknown feature {name!r} (known: {', '.join(sorted(self.specs)) or 'none'})")
+                known = ", ".join(sorted(self.specs)) or "none"
+                raise UnknownFeature(f"{where}: unknown feature {name!r} (known: {known})")
             if spec.source not in sources:
                 place = "the context" if spec.source in _CONTEXT_SOURCES else "each candidate's features"
                 raise UnknownFeature(f"{where}: {name!r} is a {spec.source} feature: give it in {place}")

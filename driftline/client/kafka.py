@@ -33,10 +33,12 @@ driftline.client.features.WrongValue: action: event_time_ms 1 is ... behind the 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from aiokafka import AIOKafkaProducer
 
@@ -47,9 +49,10 @@ from services.codecs import MalformedMessage, codec_for, event_time_error
 from services.kafka import producer, start_client
 from services.settings import Settings, get_settings
 
-__all__ = ["ActionProducer", "FeatureLogProducer"]
+__all__ = ["ActionProducer", "Blocking", "FeatureLogProducer"]
 
 _USER_ID, _ITEM_ID = "user_id", "item_id"  # the slots serving fills from /rank's own ids
+_RECORD_OVERHEAD = 1024  # a record's and its batch's headers on top of key + value (as serving.feature_log)
 
 
 def _features(sparse: Mapping[str, list[int]], dense: Mapping[str, float]) -> Features:
@@ -82,7 +85,9 @@ class _Producer:
         return int(event_time_ms)
 
     async def start(self) -> None:
-        self.producer = producer(self.settings)
+        # serving's feature-log limit, and the producer sized for it (as serving.feature_log does)
+        self.producer = producer(self.settings, max_request_size=self.settings.serving.feature_log_max_bytes
+                                 + _RECORD_OVERHEAD)
         await start_client(self.producer, self.settings)
 
     async def stop(self) -> None:
@@ -101,14 +106,20 @@ class _Producer:
         """Send keyed by request id and wait for Kafka's acknowledgement of all of them."""
         if self.producer is None:
             raise RuntimeError("the producer is not started: use `async with` or await start()")
-        codec = codec_for(type(messages[0])) if messages else None
-        futures = []
-        for m in messages:
+        limit = self.settings.serving.feature_log_max_bytes
+        records = []
+        for m in messages:  # all checked before any is sent
             try:
-                codec.validate(m)  # type: ignore[union-attr]
+                codec_for(type(m)).validate(m)
             except MalformedMessage as err:
                 raise InvalidInput(str(err)) from None
-            futures.append(await self.producer.send(self.topic, m.SerializeToString(), key=m.request_id.encode()))
+            key, value = m.request_id.encode(), m.SerializeToString()
+            if len(key) + len(value) > limit:
+                # the topic could never take it (serving answers such a request 413)
+                raise InvalidInput(f"{type(m).__name__} {m.request_id!r} is {len(key) + len(value)} bytes, over "
+                                   f"serving.feature_log_max_bytes ({limit}): fewer candidates or features")
+            records.append((key, value))
+        futures = [await self.producer.send(self.topic, value, key=key) for key, value in records]
         await asyncio.gather(*futures)
 
 
@@ -186,3 +197,56 @@ class ActionProducer(_Producer):
 
 def _settings() -> Settings:
     return get_settings()  # read when needed: a caller passing its own settings never reads the environment
+
+
+P = TypeVar("P", bound=_Producer)
+
+
+class Blocking(Generic[P]):
+    """A producer for code without asyncio: ``Blocking(FeatureLogProducer(...))`` runs it on an
+    event loop of its own, in a background thread; its coroutine methods (``send``,
+    ``send_many``) block until Kafka acknowledged, its plain ones (``build``) are called as they
+    are: ``with Blocking(ActionProducer(...)) as actions: actions.send("r1", "sku-1", "click")``.
+    """
+
+    def __init__(self, producer: P) -> None:
+        """Starts ``producer`` (raises :class:`services.kafka.BrokerUnavailable` without a broker)."""
+        self.producer = producer
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="driftline-producer", daemon=True)
+        self._thread.start()
+        try:
+            self._run(producer.start())
+        except BaseException:
+            self._halt()
+            raise
+
+    def _run(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def __getattr__(self, name: str) -> Any:
+        """The producer's attribute: a coroutine method wrapped to block, anything else as it is."""
+        attr = getattr(self.producer, name)
+        if not inspect.iscoroutinefunction(attr):
+            return attr
+        return lambda *args, **kwargs: self._run(attr(*args, **kwargs))
+
+    def _halt(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def close(self) -> None:
+        """Flush and stop the producer, then its loop."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self.producer.stop())
+        finally:
+            self._halt()
+
+    def __enter__(self) -> Blocking[P]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

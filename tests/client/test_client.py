@@ -10,8 +10,8 @@ import time
 import pytest
 
 import driftline.project
-from driftline.client import (ActionProducer, AsyncRankClient, FeatureLogProducer, RankClient, Rejected,
-                              UnknownAction, UnknownFeature, WrongValue, item_id_of)
+from driftline.client import (ActionProducer, AsyncRankClient, Blocking, FeatureLogProducer, InvalidInput,
+                              RankClient, Rejected, UnknownAction, UnknownFeature, WrongValue, item_id_of)
 from driftline.project import FeatureSpec
 from proto import Action, FeatureLog
 from serving.app import create_app
@@ -128,3 +128,14 @@ def test_from_project_reads_the_project_file(repo_root) -> None:
     assert set(client.requests.encoder.specs) == {f.name for f in project.features}
     assert client.requests.encoder.action_types == frozenset(project.labels)
     client.close()
+
+
+def test_a_blocking_producer_sends_from_code_without_asyncio(settings: Settings) -> None:
+    with Blocking(FeatureLogProducer(FEATURES, settings)) as logs:
+        rid = logs.send(None, [{"item_id": "sku-1", "features": {"price": 1.0}}], user_id=7)
+        assert logs.build("x", [{"item_id": 1, "features": {"price": 2.0}}]).request_id == "x"  # plain: as it is
+        huge = [{"item_id": n, "features": {"price": 1.0, "tags": [f"t{k}" for k in range(200)]}} for n in range(800)]
+        with pytest.raises(InvalidInput, match="over serving.feature_log_max_bytes"):
+            logs.send("huge", huge)
+    [(key, _, m)] = asyncio.run(read_topic(settings, settings.topics.features, FeatureLog, 1))
+    assert key == rid.encode() and m.user_id == 7 and m.candidates[0].item_id == item_id_of("sku-1")

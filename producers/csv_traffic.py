@@ -80,10 +80,8 @@ async def drive(settings: Settings, requests: Sequence[Request], client: AsyncRa
                 speed: float | None = None, concurrency: int = 16, progress: bool = False,
                 ready_timeout_s: float = 180.0) -> dict:
     """Replay ``requests`` through serving (at most ``concurrency`` in flight); returns the stats."""
-    from producers.traffic import wait_ready
-
     speed = settings.replay.speed if speed is None else speed
-    await wait_ready(client.http, ready_timeout_s)
+    await client.wait_ready(ready_timeout_s)
     stats = _Stats()
     sem = asyncio.Semaphore(concurrency)
     tasks: set[asyncio.Task] = set()
@@ -161,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="driftline traffic --csv", description="Replay your impression log (CSV) "
                                 "through serving: POST /rank per request, then POST /actions for its actions.")
     p.add_argument("--csv", type=Path, required=True, help="the impression log: one row per impression")
-    p.add_argument("--map", type=Path, required=True, help="TOML naming the log's columns (see producers/csv_traffic.py)")
+    p.add_argument("--map", type=Path, required=True, help="TOML naming the log's columns (see producers/csv_log.py)")
     p.add_argument("--config", type=Path, default=None, help="the project file (driftline.toml): the features' specs")
     p.add_argument("--url", default=None, help="serving base URL (default: settings.serving host and port)")
     p.add_argument("--speed", type=float, default=None,
@@ -175,7 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from producers.traffic import ServingUnavailable
     from services.log import setup_logging
     from services.settings import get_settings
 
@@ -187,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stats = asyncio.run(replay_csv(settings, args.csv, args.map, args.config, url=args.url, speed=args.speed,
                                        limit=args.limit, rebase_time=args.rebase, concurrency=args.concurrency,
                                        progress=not args.no_progress, ready_timeout_s=args.ready_timeout))
-    except (InvalidInput, ServingUnavailable, OSError) as err:
+    except (InvalidInput, ServingError, OSError) as err:  # a bad map or log, serving not ready: one line
         print(f"driftline traffic: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

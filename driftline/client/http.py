@@ -44,6 +44,7 @@ __all__ = ["AsyncRankClient", "RankClient", "Ranking", "Rejected", "Requests", "
 #: the schema's cap on actions per /actions call (``serving.schemas.ActionsRequest``)
 ACTIONS_PER_CALL = 1000
 _BACKOFF_CAP_S = 4.0
+_READY_POLL_S = 0.25
 
 Item = str | int
 
@@ -186,6 +187,10 @@ class _Base:
         return ServingError(0, f"{type(outcome).__name__}: {outcome}", endpoint) if attempt >= self.retries else None
 
     @staticmethod
+    def _not_ready(url: str, timeout_s: float, last: str) -> ServingError:
+        return ServingError(503, f"serving at {url} not ready after {timeout_s:.0f} s ({last})", "/readyz")
+
+    @staticmethod
     def _pause(attempt: int) -> float:
         return min(0.25 * 2**attempt, _BACKOFF_CAP_S)
 
@@ -227,6 +232,22 @@ class RankClient(_Base):
                 raise err
             time.sleep(self._pause(attempt))
         raise AssertionError("unreachable")
+
+    def wait_ready(self, timeout_s: float = 60.0) -> dict:
+        """Poll ``/readyz`` until serving has a model (its body), or :class:`ServingError` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while True:
+            try:
+                r = self.http.get("/readyz")
+                if r.status_code == 200:
+                    return r.json()  # type: ignore[no-any-return]
+                last = f"HTTP {r.status_code}"
+            except httpx.TransportError as err:
+                last = type(err).__name__
+            if time.monotonic() > deadline:
+                raise self._not_ready(self.url, timeout_s, last)
+            time.sleep(_READY_POLL_S)
 
     def rank(self, user_id: Item | None = None, candidates: Sequence[Any] = (), context: Mapping[str, Any] | None = None,
              request_id: str | None = None, event_time_ms: int | None = None) -> Ranking:
@@ -275,6 +296,22 @@ class AsyncRankClient(_Base):
                 raise err
             await asyncio.sleep(self._pause(attempt))
         raise AssertionError("unreachable")
+
+    async def wait_ready(self, timeout_s: float = 60.0) -> dict:
+        """Poll ``/readyz`` until serving has a model (its body), or :class:`ServingError` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while True:
+            try:
+                r = await self.http.get("/readyz")
+                if r.status_code == 200:
+                    return r.json()  # type: ignore[no-any-return]
+                last = f"HTTP {r.status_code}"
+            except httpx.TransportError as err:
+                last = type(err).__name__
+            if time.monotonic() > deadline:
+                raise self._not_ready(self.url, timeout_s, last)
+            await asyncio.sleep(_READY_POLL_S)
 
     async def rank(self, user_id: Item | None = None, candidates: Sequence[Any] = (),
                    context: Mapping[str, Any] | None = None, request_id: str | None = None,

@@ -11,7 +11,7 @@ import pytest
 
 import driftline.project
 from driftline.client import (ActionProducer, AsyncRankClient, Blocking, FeatureLogProducer, InvalidInput,
-                              RankClient, Rejected, UnknownAction, UnknownFeature, WrongValue, item_id_of)
+                              RankClient, Rejected, ServingError, UnknownAction, UnknownFeature, WrongValue, item_id_of)
 from driftline.project import FeatureSpec
 from proto import Action, FeatureLog
 from serving.app import create_app
@@ -21,7 +21,7 @@ from services.ports import free_port
 from services.settings import Settings
 
 from client_helpers import read_topic, served_model
-from serving_helpers import running, wait_ready
+from serving_helpers import running
 
 FEATURES = [FeatureSpec(name="item_id", source="item"),
             FeatureSpec(name="device", source="context", ids="string"),
@@ -33,8 +33,8 @@ FEATURES = [FeatureSpec(name="item_id", source="item"),
 def test_the_client_ranks_string_features_and_serving_logs_their_hashes(options: Settings) -> None:
     model = served_model(["item_id", "device", "tags", "pos"], ["price"])
     with running(create_app(options, model)) as base:
-        wait_ready(base)
         with RankClient(FEATURES, base, action_types=["click"]) as client:
+            assert client.wait_ready()["model_version"]["model_id"] == "client"
             ranking = client.rank(user_id="alice", context={"device": "ios"}, request_id="client-1",
                                   candidates=[{"item_id": "sku-1", "features": {"tags": ["red", "xl"], "pos": 0, "price": 9.5}},
                                               {"item_id": 42, "features": {"pos": 1, "price": 3.0}}])
@@ -83,6 +83,9 @@ def test_bad_input_is_refused_before_any_network_call() -> None:
         client.rank(candidates=[item, {"item_id": "b"}])
     with pytest.raises(UnknownAction, match="'like' has no label"):
         client.actions([{"request_id": "r", "item_id": "a", "action_type": "like"}])
+    with pytest.raises(ServingError, match="not ready after 0 s .ConnectError.") as err:  # the network, at last
+        client.wait_ready(0.2)
+    assert not isinstance(err.value, Rejected)
     client.close()
 
 

@@ -136,7 +136,7 @@ def _cell(row: Mapping[str, str], column: str, line: int) -> str:
     try:
         return (row[column] or "").strip()
     except KeyError:
-        raise InvalidInput(f"row {line}: no column {column!r} (columns: {', '.join(row)})") from None
+        raise InvalidInput(f"line {line}: no column {column!r} (columns: {', '.join(row)})") from None
 
 
 def _id(text: str, ids: str, what: str, line: int) -> str | int:
@@ -145,7 +145,7 @@ def _id(text: str, ids: str, what: str, line: int) -> str | int:
     try:
         return int(text)
     except ValueError:
-        raise InvalidInput(f"row {line}: {what} {text!r} is not an int (say {what}_ids = \"string\" to hash it)") from None
+        raise InvalidInput(f"line {line}: {what} {text!r} is not an int (say {what}_ids = \"string\" to hash it)") from None
 
 
 def _value(spec: FeatureSpec, text: str, separator: str | None, line: int) -> Any:
@@ -159,7 +159,7 @@ def _value(spec: FeatureSpec, text: str, separator: str | None, line: int) -> An
         ids = [p if spec.hashed else int(p) for p in parts if p]
         return ids if separator else ids[0]
     except ValueError:
-        raise InvalidInput(f"row {line}: feature {spec.name!r}: {text!r} is not "
+        raise InvalidInput(f"line {line}: feature {spec.name!r}: {text!r} is not "
                            + ("a number" if spec.kind == "dense" else "an int (declare ids = \"string\" to hash it)")) from None
 
 
@@ -178,7 +178,7 @@ def _time(text: str, unit: str, line: int) -> int | None:
     try:
         t = float(text)
     except ValueError:
-        raise InvalidInput(f"row {line}: event time {text!r} is not a number ({unit})") from None
+        raise InvalidInput(f"line {line}: event time {text!r} is not a number ({unit})") from None
     return int(t * 1000) if unit == "s" else int(t)
 
 

@@ -156,7 +156,7 @@ async def replay_csv(settings: Settings, csv_path: Path, map_path: Path, config:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="driftline traffic --csv", description="Replay your impression log (CSV) "
+    p = argparse.ArgumentParser(prog="driftline traffic", description="Replay your impression log (CSV) "
                                 "through serving: POST /rank per request, then POST /actions for its actions.")
     p.add_argument("--csv", type=Path, required=True, help="the impression log: one row per impression")
     p.add_argument("--map", type=Path, required=True, help="TOML naming the log's columns (see producers/csv_log.py)")

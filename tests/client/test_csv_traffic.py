@@ -92,9 +92,9 @@ def test_a_csv_log_replays_through_serving(options: Settings, tmp_path: Path, ca
 
 def test_a_map_that_does_not_fit_the_log_names_the_culprit(tmp_path: Path) -> None:
     spec = MapFile.model_validate({"columns": {"item": "item"}, "features": {"pos": {"column": "position", "source": "candidate"}}})
-    with pytest.raises(InvalidInput, match=r"row 2: no column 'position'"):
+    with pytest.raises(InvalidInput, match=r"line 2: no column 'position'"):
         requests_of([{"item": "1"}], spec, spec.feature_specs(None))
-    with pytest.raises(InvalidInput, match=r"row 3: item 'x' is not an int \(say item_ids = \"string\""):
+    with pytest.raises(InvalidInput, match=r"line 3: item 'x' is not an int \(say item_ids = \"string\""):
         requests_of([{"item": "1", "position": "0"}, {"item": "x", "position": "0"}], spec, spec.feature_specs(None))
     bare = MapFile.model_validate({"columns": {"item": "item"}, "features": {"device": "device"}})
     with pytest.raises(InvalidInput, match="feature 'device' is not in the project's features .pass --config"):

@@ -142,3 +142,27 @@ def test_a_blocking_producer_sends_from_code_without_asyncio(settings: Settings)
             logs.send("huge", huge)
     [(key, _, m)] = asyncio.run(read_topic(settings, settings.topics.features, FeatureLog, 1))
     assert key == rid.encode() and m.user_id == 7 and m.candidates[0].item_id == item_id_of("sku-1")
+
+
+async def test_the_producers_messages_join_into_examples(settings: Settings) -> None:
+    """What the producers write is what the joiner joins: a click becomes a positive example with
+    the hashed features of its impression."""
+    from joiner.app import run
+    from tests.joiner.helpers import JOINER, read_examples
+
+    await create_topics(settings)
+    now = int(time.time() * 1000)
+    async with FeatureLogProducer(FEATURES, settings) as logs, ActionProducer(settings=settings) as actions:
+        for n in range(5):
+            await logs.send(f"join-{n}", [{"item_id": f"sku-{n}", "features": {"price": 1.0, "pos": 0}},
+                                          {"item_id": "other", "features": {"price": 2.0, "pos": 1}}],
+                            context={"device": "tv"}, event_time_ms=now + n)
+        await actions.send_many([{"request_id": f"join-{n}", "item_id": f"sku-{n}", "action_type": "click",
+                                  "event_time_ms": now + 1_000} for n in range(5)])
+    counts = await run(settings.updated(joiner=JOINER), until_idle_s=0.5)
+    assert counts["impressions"] == 10 and counts["positives"] == 5
+    positives = [e for e in await read_examples(settings) if e.labels.get("click") == 1.0]
+    assert sorted(e.request_id for e in positives) == [f"join-{n}" for n in range(5)]
+    e = positives[0]
+    assert e.item_id == item_id_of(f"sku-{e.request_id[5:]}") and e.model_id == settings.serving.model_id
+    assert list(e.features.sparse["device"].ids) == [string_id("tv")] and dict(e.features.dense) == {"price": 1.0}

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import threading
 import time
 import uuid
@@ -153,6 +154,8 @@ class FeatureLogProducer(_Producer):
                 if isinstance(value, Mapping) else (value, None, 0.0)
             if item is None:
                 raise InvalidInput(f"candidates[{i}]: no item_id")
+            if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+                raise WrongValue(f"candidates[{i}].score: {score!r} is not a finite number")
             item_id = item_id_of(item)
             c_sparse, c_dense = self.encoder.candidate(features, i)
             if self._item_slot and _ITEM_ID not in c_sparse:
@@ -165,6 +168,15 @@ class FeatureLogProducer(_Producer):
         m = self.build(request_id, candidates, **fields)
         await self._send([m])
         return m.request_id
+
+    async def send_many(self, logs: Iterable[Mapping[str, Any]]) -> list[str]:
+        """Produce dicts with the arguments of :meth:`build` (``request_id``, ``candidates``, ...);
+        every one is checked before any is sent. Returns their request ids."""
+        messages = [self.build(log.get("request_id"), log.get("candidates", ()),
+                               **{k: v for k, v in log.items() if k not in ("request_id", "candidates")})
+                    for log in logs]
+        await self._send(messages)
+        return [m.request_id for m in messages]
 
 
 class ActionProducer(_Producer):

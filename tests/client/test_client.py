@@ -96,10 +96,16 @@ def test_the_producers_write_the_contracts_keyed_by_request_id(settings: Setting
         now = int(time.time() * 1000)
         async with FeatureLogProducer(FEATURES, settings, model_id="external") as logs, \
                 ActionProducer(FEATURES, settings, action_types=["click"]) as actions:
-            for n in range(6):
+            for n in range(4):
                 await logs.send(f"req-{n}", [{"item_id": f"sku-{n}", "features": {"price": 2.0, "tags": "new"},
                                               "score": 0.25}, {"item_id": n, "features": {"price": 1.0}}],
                                 user_id=f"user-{n}", context={"device": "web"}, event_time_ms=now)
+            assert await logs.send_many([{"request_id": f"req-{n}", "candidates": [
+                {"item_id": f"sku-{n}", "features": {"price": 2.0, "tags": "new"}, "score": 0.25},
+                {"item_id": n, "features": {"price": 1.0}}], "user_id": f"user-{n}", "context": {"device": "web"},
+                "event_time_ms": now} for n in (4, 5)]) == ["req-4", "req-5"]
+            with pytest.raises(WrongValue, match=r"candidates\[0\].score: nan"):
+                logs.build("r", [{"item_id": 1, "features": {"price": 1.0}, "score": float("nan")}])
             assert await actions.send_many([{"request_id": f"req-{n}", "item_id": f"sku-{n}", "action_type": "click",
                                              "event_time_ms": now + 1} for n in range(6)]) == 6
             with pytest.raises(UnknownAction):

@@ -184,7 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stats = asyncio.run(replay_csv(settings, args.csv, args.map, args.config, url=args.url, speed=args.speed,
                                        limit=args.limit, rebase_time=args.rebase, concurrency=args.concurrency,
                                        progress=not args.no_progress, ready_timeout_s=args.ready_timeout))
-    except (InvalidInput, ServingError, OSError) as err:  # a bad map or log, serving not ready: one line
+    # a bad map, log or project file (InvalidInput and pydantic's errors are ValueErrors), serving not ready
+    except (ValueError, ServingError, OSError) as err:
         print(f"driftline traffic: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 
 from driftline.client.features import FeatureEncoder, InvalidInput, item_id_of
+from driftline.project import FeatureSpec
 
 __all__ = ["AsyncRankClient", "RankClient", "Ranking", "Rejected", "Requests", "ScoredItem", "ServingError"]
 
@@ -173,7 +174,7 @@ def _base_url(url: str | None) -> str:
 
 
 class _Base:
-    def __init__(self, features: Sequence[Any], action_types: Iterable[str] | None, url: str | None,
+    def __init__(self, features: Sequence[FeatureSpec], action_types: Iterable[str] | None, url: str | None,
                  retries: int) -> None:
         self.requests = Requests(FeatureEncoder(features, action_types))
         self.url = _base_url(url)
@@ -195,7 +196,7 @@ class _Base:
         return min(0.25 * 2**attempt, _BACKOFF_CAP_S)
 
     @classmethod
-    def _project(cls, path: str) -> tuple[Sequence[Any], Iterable[str]]:
+    def _project(cls, path: str) -> tuple[Sequence[FeatureSpec], Iterable[str]]:
         # load_project lives beside FeatureSpec once the project file lands (issue 16): imported
         # late, so the client works without it.
         from driftline.project import load_project  # type: ignore[attr-defined]
@@ -207,7 +208,7 @@ class _Base:
 class RankClient(_Base):
     """Blocking client: ``rank(...)`` and ``actions(...)``; use as a context manager or ``close()``."""
 
-    def __init__(self, features: Sequence[Any], url: str | None = None, *, action_types: Iterable[str] | None = None,
+    def __init__(self, features: Sequence[FeatureSpec], url: str | None = None, *, action_types: Iterable[str] | None = None,
                  timeout_s: float = 30.0, retries: int = 0) -> None:
         """``features``: the project's FeatureSpecs; ``url``: serving (None: settings' host and port)."""
         super().__init__(features, action_types, url, retries)
@@ -271,7 +272,7 @@ class RankClient(_Base):
 class AsyncRankClient(_Base):
     """The asyncio twin of :class:`RankClient` (``await client.rank(...)``, ``async with``)."""
 
-    def __init__(self, features: Sequence[Any], url: str | None = None, *, action_types: Iterable[str] | None = None,
+    def __init__(self, features: Sequence[FeatureSpec], url: str | None = None, *, action_types: Iterable[str] | None = None,
                  timeout_s: float = 30.0, retries: int = 0, max_connections: int = 16) -> None:
         super().__init__(features, action_types, url, retries)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)

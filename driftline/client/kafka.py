@@ -44,6 +44,7 @@ from typing import Any, Generic, TypeVar
 from aiokafka import AIOKafkaProducer
 
 from driftline.client.features import FeatureEncoder, InvalidInput, WrongValue, item_id_of
+from driftline.project import FeatureSpec
 from proto import Action, FeatureLog, Features, ModelVersion
 from proto.feature_log_pb2 import Candidate
 from services.codecs import MalformedMessage, codec_for, event_time_error
@@ -68,7 +69,7 @@ def _features(sparse: Mapping[str, list[int]], dense: Mapping[str, float]) -> Fe
 class _Producer:
     """One aiokafka producer on serving's settings; ``async with`` or ``start()`` / ``stop()``."""
 
-    def __init__(self, features: Sequence[Any], settings: Settings, action_types: Iterable[str] | None,
+    def __init__(self, features: Sequence[FeatureSpec], settings: Settings, action_types: Iterable[str] | None,
                  topic: str) -> None:
         self.settings = settings
         self.encoder = FeatureEncoder(features, action_types)
@@ -103,7 +104,7 @@ class _Producer:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    async def _send(self, messages: Sequence[Any]) -> None:
+    async def _send(self, messages: Sequence[Action | FeatureLog]) -> None:
         """Send keyed by request id and wait for Kafka's acknowledgement of all of them."""
         if self.producer is None:
             raise RuntimeError("the producer is not started: use `async with` or await start()")
@@ -127,7 +128,7 @@ class _Producer:
 class FeatureLogProducer(_Producer):
     """Writes what *your* ranker scored as FeatureLogs (see the module docstring)."""
 
-    def __init__(self, features: Sequence[Any], settings: Settings | None = None, *, model_id: str | None = None,
+    def __init__(self, features: Sequence[FeatureSpec], settings: Settings | None = None, *, model_id: str | None = None,
                  topic: str | None = None) -> None:
         """``model_id``: the slice the impressions belong to (None: ``settings.serving.model_id``)."""
         settings = settings or _settings()
@@ -182,7 +183,7 @@ class FeatureLogProducer(_Producer):
 class ActionProducer(_Producer):
     """Writes what users did with the served items as Actions (see the module docstring)."""
 
-    def __init__(self, features: Sequence[Any] = (), settings: Settings | None = None, *,
+    def __init__(self, features: Sequence[FeatureSpec] = (), settings: Settings | None = None, *,
                  action_types: Iterable[str] | None = None, topic: str | None = None) -> None:
         """``action_types``: the project's labelled types (None: any type is sent)."""
         settings = settings or _settings()

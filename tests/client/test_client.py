@@ -87,6 +87,8 @@ def test_bad_input_is_refused_before_any_network_call() -> None:
         client.wait_ready(0.2)
     assert not isinstance(err.value, Rejected)
     client.close()
+    with RankClient(FEATURES, client.url, retries=1) as retrying, pytest.raises(ServingError, match="/rank: ConnectError"):
+        retrying.rank(candidates=[item])  # valid input: tried twice, then the transport error, typed
 
 
 def test_the_producers_write_the_contracts_keyed_by_request_id(settings: Settings) -> None:

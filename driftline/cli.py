@@ -131,10 +131,23 @@ SERVICE_COMMANDS: dict[str, tuple[str, str]] = {
     "trainer": ("trainer.__main__:main", "train: `trainer online` from Kafka or `trainer batch` from Parquet"),
     "serve": ("serving.__main__:main", "run the ranking API (uvicorn)"),
     "features": ("serving.feature_store:main", "online feature store: `features load --users FILE --items FILE` (or `--movielens`)"),
-    "traffic": ("producers.traffic:main", "replay MovieLens through serving (/rank, then /actions)"),
+    "traffic": ("driftline.cli:traffic", "replay MovieLens through serving (/rank, then /actions), or your "
+                                         "own impression log: `traffic --csv FILE --map FILE`"),
     "status": ("status.app:main", "the live status page"),
     "eval": ("evaluation.cli:main", "reproduce the Monolith paper's experiments on ml-1m"),
 }
+
+
+def traffic(argv: Sequence[str]) -> int:
+    """``driftline traffic``: the MovieLens driver (:mod:`producers.traffic`), or with ``--csv`` the
+    replay of the user's own impression log (:mod:`producers.csv_traffic`); each parses its flags."""
+    if any(a == "--csv" or a.startswith("--csv=") for a in argv):
+        from producers.csv_traffic import main as csv_main
+
+        return csv_main(list(argv))
+    from producers.traffic import main as movielens_main
+
+    return movielens_main(list(argv))
 
 
 def _run_service(target: str) -> Callable[[argparse.Namespace, Settings], int]:

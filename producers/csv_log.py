@@ -1,0 +1,228 @@
+"""The impression log of ``driftline traffic --csv`` and its map file: CSV rows -> requests.
+
+The log is a CSV with one row per impression (an item shown in a request). Rows sharing a request
+id form one request whose candidates are their items; the rows whose action columns are set are
+its actions (:mod:`producers.csv_traffic` sends them: ``/rank``, then ``/actions``).
+
+The map file (TOML) says which column is what::
+
+    [columns]
+    request = "impression_id"  # rows sharing it are one /rank (absent: each row is one request)
+    item = "item"              # required
+    item_ids = "string"        # "int" (the default, as a feature's ids) or "string" (hashed)
+    user = "user"              # optional; user_ids as item_ids
+    event_time = "ts"          # optional (absent: serving stamps now); its unit:
+    event_time_unit = "s"      # "ms" (the default) or "s"
+    action_time = "click_ts"   # optional: when the actions happened (absent: the request's time)
+
+    [actions]                  # action type = column: 1, true, yes or a positive number means it happened
+    click = "clicked"
+
+    [features]                 # feature = column, its spec from the project file (--config) ...
+    device = "device"
+    # ... or given here, for a log replayed without a project file
+    pos = { column = "position", source = "candidate", kind = "sparse", ids = "int" }
+
+    [csv]
+    list_separator = "|"       # optional: split a sparse feature's cell into several ids
+
+A request's context features (``context`` and ``user`` sources) are read from its first row.
+``--rebase`` shifts every event time so the log's last event is now: serving refuses event times
+older than ``event_time.max_past_s`` (a week), which an old log has.
+
+>>> spec = MapFile.model_validate({"columns": {"request": "rid", "item": "item", "item_ids": "string"},
+...                                "actions": {"click": "clicked"},
+...                                "features": {"pos": {"column": "pos", "source": "candidate"}}})
+>>> rows = [{"rid": "a", "item": "x", "pos": "0", "clicked": "1"}, {"rid": "a", "item": "y", "pos": "1", "clicked": ""},
+...         {"rid": "b", "item": "x", "pos": "0", "clicked": "0"}]
+>>> reqs = requests_of(rows, spec, spec.feature_specs(None))
+>>> [(r.key, [c["item_id"] for c in r.candidates], r.actions) for r in reqs]
+[('a', ['x', 'y'], [('x', 'click', None)]), ('b', ['x'], [])]
+>>> reqs[0].candidates[1]["features"]
+{'pos': 1}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from driftline.client import InvalidInput
+from driftline.project import FeatureSpec
+
+__all__ = ["MapFile", "Request", "load_map", "rebase", "requests_of"]
+
+_TRUE = frozenset({"true", "yes", "y", "t"})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Columns(_Strict):
+    item: str
+    item_ids: Literal["int", "string"] = "int"
+    request: str | None = None
+    user: str | None = None
+    user_ids: Literal["int", "string"] = "int"
+    event_time: str | None = None
+    event_time_unit: Literal["ms", "s"] = "ms"
+    action_time: str | None = None
+
+
+class InlineFeature(_Strict):
+    """A feature declared in the map file itself: a :class:`FeatureSpec` plus its column."""
+
+    column: str
+    source: Literal["context", "candidate", "user", "item"]
+    kind: Literal["sparse", "dense"] = "sparse"
+    ids: Literal["int", "string"] = "int"
+
+
+class CsvOptions(_Strict):
+    list_separator: str | None = None
+
+
+class MapFile(_Strict):
+    """The map file's content (see the module docstring)."""
+
+    columns: Columns
+    actions: dict[str, str] = {}
+    features: dict[str, str | InlineFeature] = {}
+    csv: CsvOptions = CsvOptions()
+
+    def feature_specs(self, project: Sequence[FeatureSpec] | None) -> list[tuple[FeatureSpec, str]]:
+        """(spec, column) of each mapped feature; a bare column name takes its spec from ``project``."""
+        known = {f.name: f for f in project or ()}
+        out = []
+        for name, entry in self.features.items():
+            if isinstance(entry, InlineFeature):
+                out.append((FeatureSpec(name=name, **entry.model_dump(exclude={"column"})), entry.column))
+            elif name in known:
+                out.append((known[name], entry))
+            else:
+                raise InvalidInput(f"map file: feature {name!r} is not in the project's features "
+                                   + ("(pass --config FILE, or give it inline: {column = ..., source = ..., kind = ..., ids = ...})"
+                                      if project is None else f"({', '.join(sorted(known)) or 'none'})"))
+        return out
+
+
+def load_map(path: Path) -> MapFile:
+    import tomllib
+
+    try:
+        return MapFile.model_validate(tomllib.loads(Path(path).read_text()))
+    except (tomllib.TOMLDecodeError, ValidationError) as err:
+        raise InvalidInput(f"map file {path}: {err}") from None
+
+
+@dataclass
+class Request:
+    """One ``/rank`` of the log and the actions that followed it."""
+
+    key: str
+    event_time_ms: int | None
+    user: str | int | None
+    context: dict[str, Any]
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    actions: list[tuple[str | int, str, int | None]] = field(default_factory=list)  # (item, type, time)
+
+
+def _cell(row: Mapping[str, str], column: str, line: int) -> str:
+    try:
+        return (row[column] or "").strip()
+    except KeyError:
+        raise InvalidInput(f"line {line}: no column {column!r} (columns: {', '.join(row)})") from None
+
+
+def _id(text: str, ids: str, what: str, line: int) -> str | int:
+    if ids == "string":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidInput(f"line {line}: {what} {text!r} is not an int (say {what}_ids = \"string\" to hash it)") from None
+
+
+def _value(spec: FeatureSpec, text: str, separator: str | None, line: int) -> Any:
+    """A cell as the client takes it: None (empty), a float (dense), ids (sparse; a list when split)."""
+    if not text:
+        return None
+    try:
+        if spec.kind == "dense":
+            return float(text)
+        parts = [p.strip() for p in text.split(separator)] if separator else [text]
+        ids = [p if spec.hashed else int(p) for p in parts if p]
+        return ids if separator else ids[0]
+    except ValueError:
+        raise InvalidInput(f"line {line}: feature {spec.name!r}: {text!r} is not "
+                           + ("a number" if spec.kind == "dense" else "an int (declare ids = \"string\" to hash it)")) from None
+
+
+def _happened(text: str) -> bool:
+    if text.lower() in _TRUE:
+        return True
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
+def _time(text: str, unit: str, line: int) -> int | None:
+    if not text:
+        return None
+    try:
+        t = float(text)
+    except ValueError:
+        raise InvalidInput(f"line {line}: event time {text!r} is not a number ({unit})") from None
+    return int(t * 1000) if unit == "s" else int(t)
+
+
+def requests_of(rows: Iterable[Mapping[str, str]], spec: MapFile,
+                features: Sequence[tuple[FeatureSpec, str]]) -> list[Request]:
+    """The log's requests, in event-time order (the file's order for equal times or no time column)."""
+    cols = spec.columns
+    by_key: dict[str, Request] = {}
+    context_specs = [(f, c) for f, c in features if f.source in ("context", "user")]
+    candidate_specs = [(f, c) for f, c in features if f.source in ("candidate", "item")]
+    sep = spec.csv.list_separator
+    for line, row in enumerate(rows, start=2):  # line 1 is the header
+        key = _cell(row, cols.request, line) if cols.request else str(line)
+        when = _time(_cell(row, cols.event_time, line), cols.event_time_unit, line) if cols.event_time else None
+        request = by_key.get(key)
+        if request is None:
+            user = _cell(row, cols.user, line) if cols.user else ""
+            request = by_key[key] = Request(
+                key, when, _id(user, cols.user_ids, "user", line) if user else None,
+                {f.name: _value(f, _cell(row, c, line), sep, line) for f, c in context_specs})
+        item = _id(_cell(row, cols.item, line), cols.item_ids, "item", line)
+        request.candidates.append({"item_id": item, "features": {
+            f.name: _value(f, _cell(row, c, line), sep, line) for f, c in candidate_specs}})
+        acted = cols.action_time and _time(_cell(row, cols.action_time, line), cols.event_time_unit, line)
+        request.actions += [(item, kind, acted or None) for kind, column in spec.actions.items()
+                            if _happened(_cell(row, column, line))]
+    requests = list(by_key.values())
+    if cols.event_time:
+        requests.sort(key=lambda r: r.event_time_ms or 0)
+    return requests
+
+
+def rebase(requests: Sequence[Request], now_ms: int) -> None:
+    """Shift every event time (requests and actions alike) so the log's last event is ``now_ms``.
+
+    >>> log = [Request("a", 1_000, None, {}, actions=[("x", "click", 5_000)]), Request("b", 3_000, None, {})]
+    >>> rebase(log, 100_000); [(r.event_time_ms, r.actions) for r in log]
+    [(96000, [('x', 'click', 100000)]), (98000, [])]
+    """
+    times = [t for r in requests for t in (r.event_time_ms, *(a[2] for a in r.actions)) if t is not None]
+    if not times:
+        return
+    shift = now_ms - max(times)
+    for r in requests:
+        if r.event_time_ms is not None:
+            r.event_time_ms += shift
+        r.actions = [(item, kind, t + shift if t is not None else None) for item, kind, t in r.actions]

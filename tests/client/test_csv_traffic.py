@@ -1,0 +1,104 @@
+"""``driftline traffic --csv --map``: a 50-row impression log of string users and items, replayed
+through a real serving on the session's broker: one /rank per request id, one action per clicked
+row, on the topics keyed by the request ids serving returned."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from driftline.cli import main as cli_main
+from driftline.client import InvalidInput, item_id_of
+from producers.csv_log import MapFile, load_map, requests_of
+from proto import Action, FeatureLog
+from serving.app import create_app
+from services.hashing import string_id
+from services.settings import Settings
+
+from client_helpers import read_topic, served_model
+from serving_helpers import running, wait_ready
+
+MAP = """
+[columns]
+request = "impression"
+item = "item"
+item_ids = "string"
+user = "user"
+user_ids = "string"
+event_time = "ts"
+event_time_unit = "s"
+
+[actions]
+click = "clicked"
+
+[features]
+device = { column = "device", source = "context", ids = "string" }
+pos = { column = "position", source = "candidate" }
+price = { column = "price", source = "candidate", kind = "dense" }
+"""
+
+
+def write_log(path: Path, rows: int = 50) -> tuple[int, int]:
+    """The log: requests of 1 to 6 candidates, years old, every 7th row clicked; (requests, clicks)."""
+    sizes = [1 + n % 6 for n in range(rows)]
+    out, n, request = [], 0, 0
+    while n < rows:
+        for pos in range(min(sizes[request], rows - n)):
+            out.append({"impression": f"imp-{request}", "user": f"user-{request % 4}", "item": f"sku-{n % 9}",
+                        "ts": 1_600_000_000 + 30 * request, "device": ["ios", "web"][request % 2],
+                        "position": pos, "price": round(1.5 * pos, 2), "clicked": int(n % 7 == 0)})
+            n += 1
+        request += 1
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(out[0]))
+        writer.writeheader()
+        writer.writerows(out)
+    return request, sum(r["clicked"] for r in out)
+
+
+def test_a_csv_log_replays_through_serving(options: Settings, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    log, map_file = tmp_path / "log.csv", tmp_path / "map.toml"
+    n_requests, n_clicks = write_log(log)
+    map_file.write_text(MAP)
+    with running(create_app(options, served_model(["item_id", "device", "pos"], ["price"]))) as base:
+        wait_ready(base)
+        code = cli_main(["traffic", "--csv", str(log), "--map", str(map_file), "--url", base, "--speed", "0",
+                         "--rebase", "--no-progress"])
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and stats["rank_errors"] == stats["action_errors"] == 0, stats
+    assert (stats["requests"], stats["impressions"], stats["actions"]) == (n_requests, 50, n_clicks)
+
+    logs = asyncio.run(read_topic(options, options.topics.features, FeatureLog, n_requests))
+    actions = asyncio.run(read_topic(options, options.topics.actions, Action, n_clicks))
+    assert len(logs) == n_requests and len(actions) == n_clicks
+    by_id = {m.request_id: m for _, _, m in logs}
+    assert all(k == m.request_id.encode() for k, _, m in logs + actions)
+    for _, _, a in actions:  # each action names an impression serving logged, with its time and user
+        impression = by_id[a.request_id]
+        assert a.item_id in {c.item_id for c in impression.candidates} and a.user_id == impression.user_id
+        assert a.event_time_ms == impression.event_time_ms and a.action_type == "click"
+    first = min(by_id.values(), key=lambda m: m.event_time_ms)
+    assert first.user_id == item_id_of("user-0") and list(first.context.sparse["device"].ids) == [string_id("ios")]
+    assert [c.item_id for c in first.candidates] == [item_id_of("sku-0")]
+    assert dict(first.candidates[0].features.dense) == {"price": 0.0}
+    # rebased: the spacing of the log kept, its last request now
+    times = sorted(m.event_time_ms for m in by_id.values())
+    assert times[-1] - times[0] == 30_000 * (n_requests - 1)
+
+
+def test_a_map_that_does_not_fit_the_log_names_the_culprit(tmp_path: Path) -> None:
+    spec = MapFile.model_validate({"columns": {"item": "item"}, "features": {"pos": {"column": "position", "source": "candidate"}}})
+    with pytest.raises(InvalidInput, match=r"line 2: no column 'position'"):
+        requests_of([{"item": "1"}], spec, spec.feature_specs(None))
+    with pytest.raises(InvalidInput, match=r"line 3: item 'x' is not an int \(say item_ids = \"string\""):
+        requests_of([{"item": "1", "position": "0"}, {"item": "x", "position": "0"}], spec, spec.feature_specs(None))
+    bare = MapFile.model_validate({"columns": {"item": "item"}, "features": {"device": "device"}})
+    with pytest.raises(InvalidInput, match="feature 'device' is not in the project's features .pass --config"):
+        bare.feature_specs(None)
+    (tmp_path / "bad.toml").write_text("[columns]\nitem = 'item'\nitme_ids = 'string'\n")
+    with pytest.raises(InvalidInput, match="itme_ids"):
+        load_map(tmp_path / "bad.toml")

@@ -29,9 +29,9 @@ install-dev: $(DEV_STAMP)
 up: $(STAMP)
 	$(BIN)/driftline up
 
-## Install what the tests need (idempotent) and run them.
+## Install what the tests need (idempotent) and run them; the 15 slowest are listed at the end (CI keeps under 20 min).
 test: $(DEV_STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 ## Benchmarks: `make bench` runs all; `make bench-ps` one; QUICK=1 makes any finish in under a minute.
 bench: $(BENCHES)

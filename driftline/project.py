@@ -271,7 +271,7 @@ class Project:
 
         put("trainer", model=str(self.path) if self.path is not None else None,
             sync_interval_s=self.sync.sparse_interval_s, dense_sync_interval_s=self.sync.dense_interval_s)
-        put("serving", model_id=self.name, unknown_features=self.unknown_features)
+        put("serving", unknown_features=self.unknown_features)
         put("joiner", label_map=self.labels, negative_sample_rate=self.sampling.negative_rate,
             slice_sample_rates=self.sampling.per_model, **self.windows.model_dump(exclude_none=True))
         return {k: v for k, v in out.items() if v}

@@ -102,3 +102,15 @@ def test_tables_sharing_admission_and_ttl() -> None:
     with pytest.raises(ValueError, match="model.dense: \\['item_id'\\] are not declared dense"):
         Project.model_validate({"name": "x", "features": [{"name": "item_id", "source": "candidate"}],
                                 "model": {"dense": ["item_id"]}})
+
+
+def test_the_movielens_demo_is_a_project_file_with_admission_and_ttl() -> None:
+    """examples/movielens/driftline.toml: the demo's DeepFM layout, admission and TTL on."""
+    from trainer.config import deepfm_config
+
+    project = load_project(Path(__file__).parents[1] / "examples" / "movielens" / "driftline.toml")
+    cfg, demo = project.model_config(), deepfm_config()
+    assert (cfg.slots, cfg.linear, cfg.pooling, cfg.salt) == (demo.slots, demo.linear, demo.pooling, demo.salt)
+    assert [t.name for t in cfg.tables] == [t.name for t in demo.tables]
+    assert all(t.admission.min_count == 2 and t.ttl_seconds for t in cfg.tables)
+    assert project.store.movielens and project.windows.idle_advance_seconds

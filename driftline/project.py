@@ -12,6 +12,7 @@ A project maps onto two things the rest of driftline already reads:
   ``services/settings.py``. Environment variables win over the file (:meth:`Project.resolved_settings`,
   :func:`apply_to_environ`), so every setting stays overridable as before.
 
+>>> from services.settings import Settings
 >>> p = Project.model_validate({"name": "shop", "features": [
 ...     {"name": "item_category", "source": "item", "ids": "string"},
 ...     {"name": "position", "source": "candidate"},
@@ -24,6 +25,8 @@ A project maps onto two things the rest of driftline already reads:
 ('position_w', 1)
 >>> p.model_copy(update={"windows": WindowSpec(idle_advance_seconds=30)}).settings_overrides()["joiner"]
 {'idle_advance_seconds': 30.0}
+>>> p.labels == Settings().joiner.label_map  # no [labels]: the setting's
+True
 >>> FeatureSpec(name="device", source="context", kind="sparse", ids="string").hashed
 True
 """
@@ -215,6 +218,15 @@ class Project:
     def __repr__(self) -> str:
         return f"Project({self.file.name!r}, path={str(self.path) if self.path else None!r})"
 
+    @property
+    def labels(self) -> dict[str, str]:
+        """Action type -> label: the file's ``[labels]``, else the joiner's ``label_map`` setting."""
+        if self.file.labels is not None:
+            return dict(self.file.labels)
+        from services.settings import get_settings
+
+        return dict(get_settings().joiner.label_map)
+
     def model_copy(self, update: dict[str, Any]) -> "Project":
         return Project(self.file.model_copy(update=update), self.path)
 
@@ -272,7 +284,7 @@ class Project:
         put("trainer", model=str(self.path) if self.path is not None else None,
             sync_interval_s=self.sync.sparse_interval_s, dense_sync_interval_s=self.sync.dense_interval_s)
         put("serving", unknown_features=self.unknown_features)
-        put("joiner", label_map=self.labels, negative_sample_rate=self.sampling.negative_rate,
+        put("joiner", label_map=self.file.labels, negative_sample_rate=self.sampling.negative_rate,
             slice_sample_rates=self.sampling.per_model, **self.windows.model_dump(exclude_none=True))
         return {k: v for k, v in out.items() if v}
 

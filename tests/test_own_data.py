@@ -7,6 +7,7 @@ changes the score, and nothing was downloaded."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -144,3 +145,30 @@ def test_own_data_end_to_end(tmp_path: Path, repo_root: Path) -> None:
     assert not data.exists()  # no MovieLens download
     logs = {p.name for p in stack.log_dir.glob("*.log")}
     assert not logs & {"warm-start.log", "features-load.log", "replay.log"}, logs
+    _warm_start_from_the_dumped_examples(tmp_path, repo_root, config, stack.var_dir / "examples")
+
+
+def _warm_start_from_the_dumped_examples(tmp_path: Path, repo_root: Path, config: Path, examples: Path) -> None:
+    """``[warm_start] kind = "examples"``: a new stack trains on the first one's Parquet examples
+    (``trainer batch``, its snapshot the one the online trainer and serving start from)."""
+    assert list(examples.rglob("*.parquet")), "the dumper wrote no Parquet"
+    text = config.read_text().replace('kind = "none"', f'kind = "examples"\nexamples_dir = "{examples}"')
+    warm = tmp_path / "warm.toml"
+    warm.write_text(text)
+    second = tmp_path / "second"
+    second.mkdir()
+    stack = LoopStack.start(second, repo_root, "--config", str(warm), env={"DRIFTLINE_DATA_DIR": str(second / "data")})
+    try:
+        assert "warm start" in stack.text()
+        stack.wait_for("serving ready", lambda: stack.get(stack.serving_url + "/readyz")[0] == 200, 180)
+        body, _ = _request(random.Random(1), "students", price=0.5)
+        r = httpx.post(stack.serving_url + "/rank", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["model_version"]["model_id"] == "shop", r.text
+        snaps = list((second / "var" / "snapshots" / "shop").glob("snap-*"))
+        assert snaps, stack.logs_tail()
+        passes = [json.loads(line) for line in (stack.log_dir / "warm-start.log").read_text().splitlines()
+                  if line.startswith('{"pass"')]
+        assert passes and passes[-1]["examples"] > 1000, stack.logs_tail()
+    finally:
+        code = stack.stop()
+    assert code == 0, stack.text()

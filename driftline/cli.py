@@ -27,6 +27,8 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     from driftline.embedded import StackError
     from driftline.stack import up
 
+    if args.config is None and settings.project is not None and args.model is None:
+        args.config = str(settings.project)  # $DRIFTLINE_PROJECT: as --config
     if args.config is not None:
         if args.model is not None:
             raise StackError("up: --config FILE declares the model; leave out --model")
@@ -109,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = sub.add_parser("up", help="run the whole stack locally (broker, Redis, services; the MovieLens demo "
-                                   "unless --model or --no-replay)")
+                                   "unless --config, --model or --no-replay)")
     up.add_argument("--replay-limit", type=int, default=None, help="replay only the first N ratings")
     up.add_argument("--speed", type=float, default=None, help="replay speed-up over event time (0: max)")
     up.add_argument("--no-replay", action="store_true",
@@ -160,7 +162,7 @@ SERVICE_COMMANDS: dict[str, tuple[str, str]] = {
     "dumper": ("joiner.dumper:main", "dump topic examples to hourly Parquet files"),
     "trainer": ("trainer.__main__:main", "train: `trainer online` from Kafka or `trainer batch` from Parquet"),
     "serve": ("serving.__main__:main", "run the ranking API (uvicorn)"),
-    "features": ("serving.feature_store:main", "online feature store: `features load --users FILE --items FILE` (or `--movielens`)"),
+    "features": ("serving.feature_store:main", "online feature store: `features load [--config driftline.toml] --users FILE --items FILE` (or `--movielens`)"),
     "traffic": ("producers.traffic:main", "replay MovieLens through serving (/rank, then /actions)"),
     "status": ("status.app:main", "the live status page"),
     "eval": ("evaluation.cli:main", "reproduce the Monolith paper's experiments on ml-1m"),

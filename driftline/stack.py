@@ -3,7 +3,10 @@
 Two modes. **The MovieLens demo** (no ``--model``, no ``--no-replay``): everything below. **Your
 own model** (``up --model FILE``, or ``--no-replay``): broker, Redis, topics and the services only;
 no MovieLens download, no warm start on it, no MovieLens features in Redis, no replay: the model
-starts from its own snapshot (or its initial weights) and learns from the traffic you send.
+starts from its own snapshot (or its initial weights) and learns from the traffic you send. **A
+project file** (``up --config driftline.toml``, :mod:`driftline.project`): the same, with the
+file's settings in every service's environment (under any variable already set), the MovieLens
+features only if its ``[store]`` asks, and its own warm start (``[warm_start]``).
 
 Order: broker and Redis (unless ``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL`` point elsewhere),
 topics and the broker epoch, the data, the warm start (``trainer batch`` on the first

@@ -99,6 +99,9 @@ def test_tables_sharing_admission_and_ttl() -> None:
     assert cfg.table("item_id").admission.min_count == 3 and cfg.table("item_id").admission.probability == 0.5
     assert cfg.table("seen").admission.min_count == 2 and cfg.table("seen_w").ttl_seconds == 60
     assert cfg.pooling == {"recent": "mean"} and cfg.salt == {"recent": False}
+    ignoring = project.model_copy(update={"unknown_features": "ignore"})
+    assert ignoring.resolved_settings().serving.unknown_features == "ignore"
+    assert project.resolved_settings().serving.unknown_features == Settings().serving.unknown_features
     with pytest.raises(ValueError, match="model.dense: \\['item_id'\\] are not declared dense"):
         Project.model_validate({"name": "x", "features": [{"name": "item_id", "source": "candidate"}],
                                 "model": {"dense": ["item_id"]}})

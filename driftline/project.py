@@ -37,7 +37,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ps import AdmissionConfig, InitializerConfig, TableConfig
 from ps.config import OptimizerConfig
@@ -178,6 +178,23 @@ class ProjectFile(_Spec):
     unknown_features: Literal["reject", "ignore"] | None = None
     #: any other setting, by section: ``[settings.event_time] max_past_s = 2592000``
     settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    @field_validator("settings")
+    @classmethod
+    def _known_settings(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """A misspelt section or key would be ignored silently (the environment ignores unknown
+        variables): refuse it, and check the values' types now rather than in every service."""
+        from services.settings import Settings
+
+        for section, fields in value.items():
+            kind = getattr(Settings.model_fields.get(section), "annotation", None)
+            if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
+                raise ValueError(f"[settings.{section}]: no such settings section")
+            unknown = sorted(set(fields) - set(kind.model_fields))
+            if unknown:
+                raise ValueError(f"[settings.{section}]: no such settings {unknown}")
+            kind.model_validate(fields)
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> "ProjectFile":
@@ -351,7 +368,8 @@ def load_project(path: str | Path) -> Project:
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(x) for x in first["loc"]) or "(top)"
-        raise ProjectError(f"{path}: {where}: {first['msg']} ({err.error_count()} error(s))") from None
+        msg = first["msg"].removeprefix("Value error, ")
+        raise ProjectError(f"{path}: {where}: {msg} ({err.error_count()} error(s))") from None
     except Exception as err:  # a TOML/YAML syntax error: its own message says where
         raise ProjectError(f"{path}: {err}") from None
     return Project(project, path)

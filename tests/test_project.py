@@ -54,13 +54,19 @@ def test_bad_files_are_one_line_errors(tmp_path: Path) -> None:
     bad.write_text(TEMPLATE + '\n[[features]]\nname = "price"\nsource = "item"\n')
     with pytest.raises(ProjectError, match="features declared twice: \\['price'\\]"):
         load_project(bad)
+    bad.write_text(TEMPLATE + '\n[settings.joinr]\nwindow_seconds = 5\n')
+    with pytest.raises(ProjectError, match=r"\[settings.joinr\]: no such settings section"):
+        load_project(bad)
+    bad.write_text(TEMPLATE + '\n[settings.joiner]\nwindow_secs = 5\n')
+    with pytest.raises(ProjectError, match=r"no such settings \['window_secs'\]"):
+        load_project(bad)
     with pytest.raises(ProjectError, match="No such file"):
         load_project(tmp_path / "missing.toml")
     env = {k: v for k, v in os.environ.items() if not k.startswith("DRIFTLINE_")}
     done = subprocess.run([sys.executable, "-m", "driftline.cli", "up", "--config", str(bad)], env=env,
                           capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[1])
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.strip().startswith("driftline: ") and "features declared twice" in done.stderr
+    assert done.stderr.strip().startswith("driftline: ") and "no such settings ['window_secs']" in done.stderr
 
 
 def test_the_environment_wins_over_the_file(tmp_path: Path, monkeypatch) -> None:

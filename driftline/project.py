@@ -35,12 +35,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ps import AdmissionConfig, InitializerConfig, TableConfig
 from ps.config import OptimizerConfig
+
+if TYPE_CHECKING:
+    from trainer.config import ModelConfig
 
 __all__ = ["FeatureSpec", "Project", "ProjectFile", "ProjectError", "load_project", "apply_to_environ", "PROJECT_VAR"]
 
@@ -74,6 +77,13 @@ class FeatureSpec(_Spec):
     pooling: Literal["sum", "mean"] | None = None
     #: sparse only, shared tables: false reads the shared table with raw ids (absent: salted)
     salt: bool | None = None
+
+    @model_validator(mode="after")
+    def _dense_comes_with_requests(self) -> "FeatureSpec":
+        if self.kind == "dense" and self.source in ("user", "item"):
+            raise ValueError(f"feature {self.name!r}: dense values come with each /rank request (source "
+                             f"context or candidate); the feature store holds sparse ids only")
+        return self
 
     @property
     def hashed(self) -> bool:
@@ -208,6 +218,14 @@ class ProjectFile(_Spec):
             bad = [n for n in listed or () if kinds.get(n) != kind]
             if bad:
                 raise ValueError(f"model.{role}: {bad} are not declared {kind} features")
+        m, sparse = self.model, [n for n, k in kinds.items() if k == "sparse"]
+        read = set(m.fields if m.fields is not None else (sparse if m.kind == "deepfm" else ())) | \
+            set(m.linear if m.linear is not None else sparse) | \
+            set(m.dense if m.dense is not None else [n for n, k in kinds.items() if k == "dense"])
+        unread = [n for n in kinds if n not in read]
+        if unread:  # serving would refuse them in /rank: the model does not read them
+            raise ValueError(f"features {unread} are declared but the model reads them in no role "
+                             f"(model.fields / linear / dense)")
         if self.labels is not None and self.model.label not in self.labels.values():
             raise ValueError(f"model.label {self.model.label!r} is no [labels] value ({sorted(set(self.labels.values()))})")
         return self
@@ -267,7 +285,7 @@ class Project:
         merged["dim"] = dim if dim == 1 else merged.get("dim", dim)
         return TableConfig(name=name, **merged)
 
-    def model_config(self):  # -> trainer.config.ModelConfig (imported here: it pulls in torch-free ps only)
+    def model_config(self) -> ModelConfig:
         """The trainer's model for this project: each sparse feature's embedding table (its own
         unless ``table`` names a shared one) and first-order table ``<table>_w`` (dim 1)."""
         from trainer.config import ModelConfig

@@ -108,6 +108,12 @@ def test_tables_sharing_admission_and_ttl() -> None:
     ignoring = project.model_copy(update={"unknown_features": "ignore"})
     assert ignoring.resolved_settings().serving.unknown_features == "ignore"
     assert project.resolved_settings().serving.unknown_features == Settings().serving.unknown_features
+    with pytest.raises(ValueError, match="features \\['pos'\\] are declared but the model reads them in no role"):
+        Project.model_validate({"name": "x", "features": [{"name": "item_id", "source": "candidate"},
+                                                          {"name": "pos", "source": "candidate"}],
+                                "model": {"kind": "lr", "linear": ["item_id"]}})
+    with pytest.raises(ValueError, match="dense values come with each /rank request"):
+        Project.model_validate({"name": "x", "features": [{"name": "age", "source": "user", "kind": "dense"}]})
     with pytest.raises(ValueError, match="model.dense: \\['item_id'\\] are not declared dense"):
         Project.model_validate({"name": "x", "features": [{"name": "item_id", "source": "candidate"}],
                                 "model": {"dense": ["item_id"]}})

@@ -41,7 +41,7 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         except ValueError as err:
             raise StackError(f"--config {args.config}: {str(err).splitlines()[0]}: "
                              f"{str(err).splitlines()[-1].strip()}") from None
-        return up(settings, replay_limit=None, speed=None, demo=False, project=project)
+        return up(settings, replay_limit=args.replay_limit, speed=args.speed, demo=False, project=project)
     if args.model is not None:
         settings = settings.updated(trainer={"model": _model_arg(args.model)})
     demo = args.model is None and not args.no_replay

@@ -183,6 +183,9 @@ class ProjectFile(_Spec):
     sync: SyncSpec = SyncSpec()
     store: StoreSpec = StoreSpec()
     warm_start: WarmStartSpec = WarmStartSpec()
+    #: "movielens": ``up`` runs the MovieLens demo around this model (download, warm start on the
+    #: first 10% of ml-1m, its features in Redis, the replay through serving); absent: your own data
+    demo: Literal["movielens"] | None = None
     #: a ``/rank`` naming a feature the model does not read: "reject" (422 naming it) or "ignore"
     #: (dropped and counted in ``driftline_serving_unknown_features_total``)
     unknown_features: Literal["reject", "ignore"] | None = None
@@ -226,6 +229,8 @@ class ProjectFile(_Spec):
         if unread:  # serving would refuse them in /rank: the model does not read them
             raise ValueError(f"features {unread} are declared but the model reads them in no role "
                              f"(model.fields / linear / dense)")
+        if self.demo is not None and self.warm_start.kind != "none":
+            raise ValueError("demo = 'movielens' warm-starts on MovieLens itself: leave [warm_start] kind = 'none'")
         if self.labels is not None and self.model.label not in self.labels.values():
             raise ValueError(f"model.label {self.model.label!r} is no [labels] value ({sorted(set(self.labels.values()))})")
         return self

@@ -156,8 +156,10 @@ def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external
     it is replaced. With an external Kafka the online trainer's snapshot is kept (it holds the
     topic offsets it trained to) and the warm start only runs when there is none.
     """
+    from trainer.config import named_config
+
     root = settings.snapshot_root
-    snap = root / settings.trainer.model
+    snap = root / named_config(settings.trainer.model).model_id  # (the trainer's snapshot folder)
     marker = snap / "broker-epoch"
     if external_broker and (snap / "LATEST").exists() and marker.exists() and marker.read_text().strip() == epoch:
         log.info("warm start skipped: %s holds a snapshot of this broker's data", snap)
@@ -180,7 +182,7 @@ def _project_start(settings: Settings, supervisor: Supervisor, project: Project,
     (``[store] movielens``) and its warm start (``[warm_start]``: ``trainer batch`` on the user's
     Parquet examples, written as the snapshot the online trainer and serving start from)."""
     rows = [("project", str(project.path))]
-    if project.store.movielens:
+    if project.store.movielens and project.demo is None:  # (the demo loads them itself)
         from producers.movielens import fetch
 
         fetch(settings.replay.dataset, settings.data_dir, progress=True)
@@ -211,7 +213,11 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
     services of ``settings.trainer.model`` alone (every service sees that model: it is passed in
     their environment). ``replay_limit`` bounds the ratings the traffic replays (after the warm
     start's); ``warm_start_fraction`` 0 skips the warm start (serving then waits for the first deltas).
+    ``project`` (``up --config FILE``, already applied to the environment and ``settings``): its own
+    features and warm start (:func:`_project_start`), the services see only its settings; the demo
+    only if the file says ``demo = "movielens"`` (``examples/movielens/driftline.toml``, ``make up``).
     """
+    demo = demo or (project is not None and project.demo == "movielens")
     supervisor = Supervisor(settings.log_dir)
     e = settings.embedded
 

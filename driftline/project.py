@@ -1,36 +1,403 @@
-"""The project file: one place where a user declares their features, tables, model, labels and
-sync intervals (``driftline.toml``), validated by pydantic.
+"""The project file: one place where a user declares their features, tables, model, labels,
+sampling, windows and sync intervals (``driftline.toml``, or the same keys in YAML), validated by
+pydantic. ``driftline init`` writes a commented one (:mod:`driftline.project_init`).
 
-This module is being built (issue 16); :class:`FeatureSpec` is the shared contract the loaders, the
-client and serving read: a feature's name, where its value comes from, sparse or dense, and whether
-its ids are strings (hashed by :func:`services.hashing.string_id`) or int64.
+A project maps onto two things the rest of driftline already reads:
 
+* :meth:`Project.model_config`: the trainer's :class:`trainer.config.ModelConfig` (slots, tables,
+  dense features). ``trainer.model`` may name the project file itself: every service that loads
+  the model (trainer, serving) then reads it from the file (:func:`trainer.config.named_config`).
+* :meth:`Project.settings_overrides`: the :class:`services.settings.Settings` fields the file sets,
+  as nested sections. Absent keys mean "keep the setting": defaults live only in
+  ``services/settings.py``. Environment variables win over the file (:meth:`Project.resolved_settings`,
+  :func:`apply_to_environ`), so every setting stays overridable as before.
+
+>>> from services.settings import Settings
+>>> p = Project.model_validate({"name": "shop", "features": [
+...     {"name": "item_category", "source": "item", "ids": "string"},
+...     {"name": "position", "source": "candidate"},
+...     {"name": "price", "source": "candidate", "kind": "dense"}],
+...     "model": {"dim": 4, "mlp": [8]}, "tables": {"default": {"ttl_seconds": 3600}}})
+>>> cfg = p.model_config()
+>>> cfg.model_id, sorted(cfg.slots), cfg.dense_features, cfg.table("position").ttl_seconds
+('shop', ['item_category', 'position'], ['price'], 3600.0)
+>>> cfg.linear["position"], cfg.table("position_w").dim
+('position_w', 1)
+>>> p.model_copy(update={"windows": WindowSpec(idle_advance_seconds=30)}).settings_overrides()["joiner"]
+{'idle_advance_seconds': 30.0}
+>>> p.labels == Settings().joiner.label_map  # no [labels]: the setting's
+True
 >>> FeatureSpec(name="device", source="context", kind="sparse", ids="string").hashed
 True
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["FeatureSpec"]
+from ps import AdmissionConfig, InitializerConfig, TableConfig
+from ps.config import OptimizerConfig
+
+if TYPE_CHECKING:
+    from trainer.config import ModelConfig
+
+__all__ = ["FeatureSpec", "Project", "ProjectFile", "ProjectError", "load_project", "apply_to_environ", "PROJECT_VAR"]
+
+#: the environment variable naming the project file every ``driftline`` command applies
+PROJECT_VAR = "DRIFTLINE_PROJECT"
+_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 
 
-class FeatureSpec(BaseModel):
-    """One feature the model reads."""
+class ProjectError(ValueError):
+    """A project file that cannot be read or is invalid (one line for the CLI)."""
 
+
+class _Spec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+
+class FeatureSpec(_Spec):
+    """One feature the model reads."""
+
+    name: str = Field(pattern=_NAME)
     #: context: the request (``/rank`` ``context``); candidate: per candidate in the request;
     #: user / item: the online feature store (Redis), filled by ``driftline features load``
     source: Literal["context", "candidate", "user", "item"]
     kind: Literal["sparse", "dense"] = "sparse"
     #: sparse only: "string" values are hashed to int64 ids with services.hashing.string_id
     ids: Literal["int", "string"] = "int"
+    #: sparse only: the embedding table (default: one of its own, named like the feature); features
+    #: naming the same table share it (their ids are salted apart unless ``salt`` is false)
+    table: str | None = Field(None, pattern=_NAME)
+    #: sparse only: how a bag of several ids pools (absent: the model's default, sum)
+    pooling: Literal["sum", "mean"] | None = None
+    #: sparse only, shared tables: false reads the shared table with raw ids (absent: salted)
+    salt: bool | None = None
+
+    @model_validator(mode="after")
+    def _dense_comes_with_requests(self) -> "FeatureSpec":
+        if self.kind == "dense" and self.source in ("user", "item"):
+            raise ValueError(f"feature {self.name!r}: dense values come with each /rank request (source "
+                             f"context or candidate); the feature store holds sparse ids only")
+        return self
 
     @property
     def hashed(self) -> bool:
         return self.kind == "sparse" and self.ids == "string"
+
+
+class TableSpec(_Spec):
+    """The tables behind the features; an absent key keeps ``[tables.default]``'s, then ps's own
+    default (:class:`ps.TableConfig`)."""
+
+    dim: int | None = Field(None, ge=1)
+    optimizer: OptimizerConfig | None = None
+    initializer: InitializerConfig | None = None
+    #: ``{min_count = 3, probability = 0.5}``: an unseen id gets a row on its 3rd occurrence, if a
+    #: coin says so; rare ids never take memory
+    admission: AdmissionConfig | None = None
+    #: rows untouched this long (event time) are dropped
+    ttl_seconds: float | None = Field(None, gt=0)
+    shards: int | None = Field(None, ge=1)
+
+
+class ModelSpec(_Spec):
+    kind: Literal["deepfm", "lr"] = "deepfm"
+    #: the embedding dim of every field table (deepfm needs one dim); a table's own dim wins for lr
+    dim: int = Field(8, ge=1)
+    mlp: list[int] | None = None
+    #: embedding fields (deepfm); absent: every sparse feature
+    fields: list[str] | None = None
+    #: first-order terms; absent: every sparse feature
+    linear: list[str] | None = None
+    #: dense inputs in order; absent: every dense feature
+    dense: list[str] | None = None
+    dense_optimizer: Literal["adam", "adagrad", "sgd"] | None = None
+    dense_lr: float | None = Field(None, gt=0)
+    #: the label the model learns (one of the ``[labels]`` values)
+    label: str = "click"
+    seed: int = 0
+
+
+class SamplingSpec(_Spec):
+    #: share of negative examples the joiner keeps (the trainer corrects for it)
+    negative_rate: float | None = Field(None, gt=0, le=1)
+    #: per served model id (slice)
+    per_model: dict[str, float] | None = None
+
+
+class WindowSpec(_Spec):
+    window_seconds: float | None = Field(None, gt=0)
+    allowed_lateness_seconds: float | None = Field(None, ge=0)
+    orphan_grace_seconds: float | None = Field(None, ge=0)
+    #: live traffic with sparse actions: advance an idle actions partition's watermark after this
+    #: many wall seconds so windows close (absent: off, a replay's result depends only on the data)
+    idle_advance_seconds: float | None = Field(None, gt=0)
+    idle_advance_margin_seconds: float | None = Field(None, ge=0)
+
+
+class SyncSpec(_Spec):
+    sparse_interval_s: float | None = Field(None, gt=0)
+    dense_interval_s: float | None = Field(None, gt=0)
+
+
+class StoreSpec(_Spec):
+    """``driftline features load --config``: the key columns of the users/items files."""
+
+    user_key: str | None = None
+    item_key: str | None = None
+    separator: str | None = None
+    #: ``up`` loads the MovieLens demo's features into Redis (the demo's file only)
+    movielens: bool = False
+
+
+class WarmStartSpec(_Spec):
+    #: none: the model starts from its initial weights; examples: ``trainer batch`` on Parquet
+    #: examples (the dumper's layout, ``<var_dir>/examples``) before the online trainer starts
+    kind: Literal["none", "examples"] = "none"
+    examples_dir: Path | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "WarmStartSpec":
+        if (self.kind == "examples") != (self.examples_dir is not None):
+            raise ValueError("warm_start: kind = 'examples' needs examples_dir (and only it does)")
+        return self
+
+
+class ProjectFile(_Spec):
+    """The file's contents, validated (:class:`Project` adds what is derived from them)."""
+
+    #: the model id: snapshots, metrics and serving's slice are named after it
+    name: str = Field(pattern=_NAME)
+    features: list[FeatureSpec]
+    tables: dict[str, TableSpec] = Field(default_factory=dict)
+    model: ModelSpec = ModelSpec()
+    #: action type -> the label it sets (the joiner's ``label_map``)
+    labels: dict[str, str] | None = None
+    sampling: SamplingSpec = SamplingSpec()
+    windows: WindowSpec = WindowSpec()
+    sync: SyncSpec = SyncSpec()
+    store: StoreSpec = StoreSpec()
+    warm_start: WarmStartSpec = WarmStartSpec()
+    #: "movielens": ``up`` runs the MovieLens demo around this model (download, warm start on the
+    #: first 10% of ml-1m, its features in Redis, the replay through serving); absent: your own data
+    demo: Literal["movielens"] | None = None
+    #: a ``/rank`` naming a feature the model does not read: "reject" (422 naming it) or "ignore"
+    #: (dropped and counted in ``driftline_serving_unknown_features_total``)
+    unknown_features: Literal["reject", "ignore"] | None = None
+    #: any other setting, by section: ``[settings.event_time] max_past_s = 2592000``
+    settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    @field_validator("settings")
+    @classmethod
+    def _known_settings(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """A misspelt section or key would be ignored silently (the environment ignores unknown
+        variables): refuse it, and check the values' types now rather than in every service."""
+        from services.settings import Settings
+
+        for section, fields in value.items():
+            kind = getattr(Settings.model_fields.get(section), "annotation", None)
+            if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
+                raise ValueError(f"[settings.{section}]: no such settings section")
+            unknown = sorted(set(fields) - set(kind.model_fields))
+            if unknown:
+                raise ValueError(f"[settings.{section}]: no such settings {unknown}")
+            kind.model_validate(fields)
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> "ProjectFile":
+        names = [f.name for f in self.features]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"features declared twice: {dupes}")
+        kinds = {f.name: f.kind for f in self.features}
+        for role, listed, kind in (("fields", self.model.fields, "sparse"), ("linear", self.model.linear, "sparse"),
+                                   ("dense", self.model.dense, "dense")):
+            bad = [n for n in listed or () if kinds.get(n) != kind]
+            if bad:
+                raise ValueError(f"model.{role}: {bad} are not declared {kind} features")
+        m, sparse = self.model, [n for n, k in kinds.items() if k == "sparse"]
+        read = set(m.fields if m.fields is not None else (sparse if m.kind == "deepfm" else ())) | \
+            set(m.linear if m.linear is not None else sparse) | \
+            set(m.dense if m.dense is not None else [n for n, k in kinds.items() if k == "dense"])
+        unread = [n for n in kinds if n not in read]
+        if unread:  # serving would refuse them in /rank: the model does not read them
+            raise ValueError(f"features {unread} are declared but the model reads them in no role "
+                             f"(model.fields / linear / dense)")
+        if self.demo is not None and self.warm_start.kind != "none":
+            raise ValueError("demo = 'movielens' warm-starts on MovieLens itself: leave [warm_start] kind = 'none'")
+        if self.labels is not None and self.model.label not in self.labels.values():
+            raise ValueError(f"model.label {self.model.label!r} is no [labels] value ({sorted(set(self.labels.values()))})")
+        return self
+
+
+class Project:
+    """A validated project file (its sections are attributes: ``project.features``, ``.labels``...)
+    and what follows from it: the model, the settings. (Not a pydantic model itself: pydantic
+    reserves the name ``model_config``, which this class's callers use for the trainer's model.)"""
+
+    def __init__(self, file: ProjectFile, path: Path | None = None) -> None:
+        self.file = file
+        #: the file this project was read from (absolute), if any
+        self.path = path
+
+    @classmethod
+    def model_validate(cls, data: Any, path: Path | None = None) -> "Project":
+        return cls(ProjectFile.model_validate(data), path)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "file":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.file, name)
+
+    def __repr__(self) -> str:
+        return f"Project({self.file.name!r}, path={str(self.path) if self.path else None!r})"
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """Action type -> label: the file's ``[labels]``, else the joiner's ``label_map`` setting."""
+        if self.file.labels is not None:
+            return dict(self.file.labels)
+        from services.settings import get_settings
+
+        return dict(get_settings().joiner.label_map)
+
+    def model_copy(self, update: dict[str, Any]) -> "Project":
+        return Project(self.file.model_copy(update=update), self.path)
+
+    def feature(self, name: str) -> FeatureSpec:
+        return next(f for f in self.features if f.name == name)
+
+    def _roles(self) -> tuple[list[str], list[str], list[str]]:
+        sparse = [f.name for f in self.features if f.kind == "sparse"]
+        m = self.model
+        fields = m.fields if m.fields is not None else (sparse if m.kind == "deepfm" else [])
+        linear = m.linear if m.linear is not None else sparse
+        dense = m.dense if m.dense is not None else [f.name for f in self.features if f.kind == "dense"]
+        return list(fields), list(linear), list(dense)
+
+    def _table(self, name: str, dim: int, index: int) -> TableConfig:
+        default, own = self.tables.get("default", TableSpec()), self.tables.get(name, TableSpec())
+        merged = {**default.model_dump(exclude_unset=True), **own.model_dump(exclude_unset=True)}
+        merged = {k: v for k, v in merged.items() if v is not None}
+        merged.setdefault("initializer", {"kind": "normal", "scale": 0.01, "seed": 1 + 1000 * self.model.seed + index}
+                          if dim > 1 else {"kind": "zeros"})
+        merged["dim"] = dim if dim == 1 else merged.get("dim", dim)
+        return TableConfig(name=name, **merged)
+
+    def model_config(self) -> ModelConfig:
+        """The trainer's model for this project: each sparse feature's embedding table (its own
+        unless ``table`` names a shared one) and first-order table ``<table>_w`` (dim 1)."""
+        from trainer.config import ModelConfig
+
+        fields, linear, dense = self._roles()
+        emb = {n: self.feature(n).table or n for n in fields}
+        lin = {n: f"{self.feature(n).table or n}_w" for n in linear}
+        names = list(dict.fromkeys([*emb.values(), *lin.values()]))
+        tables = [self._table(t, 1 if t in lin.values() and t not in emb.values() else self.model.dim, i)
+                  for i, t in enumerate(names)]
+        used = {*fields, *linear}
+        m = self.model
+        extra = {k: v for k, v in (("mlp", m.mlp), ("dense_optimizer", m.dense_optimizer), ("dense_lr", m.dense_lr))
+                 if v is not None}
+        if m.kind == "lr" and m.mlp is None:
+            extra["mlp"] = []
+        return ModelConfig(
+            model_id=self.name, kind=m.kind, slots=emb, linear=lin, tables=tables, dense_features=dense,
+            pooling={f.name: f.pooling for f in self.features if f.pooling and f.name in used},
+            salt={f.name: f.salt for f in self.features if f.salt is not None and f.name in used},
+            label=m.label, seed=m.seed, **extra)
+
+    def settings_overrides(self) -> dict[str, dict[str, Any]]:
+        """The settings this file sets, as ``{section: {field: value}}`` (for
+        :meth:`services.settings.Settings.updated`); keys the file leaves out are absent."""
+        out: dict[str, dict[str, Any]] = {s: dict(v) for s, v in self.file.settings.items()}
+
+        def put(section: str, **fields: Any) -> None:
+            out.setdefault(section, {}).update({k: v for k, v in fields.items() if v is not None})
+
+        put("trainer", model=str(self.path) if self.path is not None else None,
+            sync_interval_s=self.sync.sparse_interval_s, dense_sync_interval_s=self.sync.dense_interval_s)
+        put("serving", unknown_features=self.unknown_features)
+        put("joiner", label_map=self.file.labels, negative_sample_rate=self.sampling.negative_rate,
+            slice_sample_rates=self.sampling.per_model, **self.windows.model_dump(exclude_none=True))
+        return {k: v for k, v in out.items() if v}
+
+    def settings_env(self) -> dict[str, str]:
+        """:meth:`settings_overrides` as ``DRIFTLINE_<SECTION>__<FIELD>`` variables (JSON for
+        lists and maps, as pydantic-settings parses them), for the services ``up`` starts."""
+        import json
+
+        return {f"DRIFTLINE_{section.upper()}__{key.upper()}":
+                (json.dumps(v) if isinstance(v, (dict, list, tuple, bool)) else str(v))
+                for section, fields in self.settings_overrides().items() for key, v in fields.items()}
+
+    def resolved_settings(self) -> Any:
+        """``Settings`` with this file applied under the environment: a variable set in
+        ``os.environ`` keeps its value, every other key the file sets replaces the default."""
+        return _file_under_env()(**self.settings_overrides())
+
+
+def _file_under_env() -> type:
+    from services.settings import Settings
+
+    class FileUnderEnv(Settings):
+        """Settings whose constructor arguments (the file) rank below the environment."""
+
+        @classmethod
+        def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                       file_secret_settings):  # type: ignore[override]
+            return env_settings, init_settings, dotenv_settings, file_secret_settings
+
+    return FileUnderEnv
+
+
+def apply_to_environ(project: Project, environ: Any = None) -> dict[str, str]:
+    """Set the file's settings as environment variables where none is set (the environment wins),
+    so this process and every service it starts read them. Returns what it set."""
+    environ = os.environ if environ is None else environ
+    added = {k: v for k, v in project.settings_env().items() if k not in environ}
+    environ.update(added)
+    if project.path is not None:
+        environ.setdefault(PROJECT_VAR, str(project.path))
+    return added
+
+
+def load_project(path: str | Path) -> Project:
+    """Read and validate a project file (``.toml``, or ``.yaml``/``.yml``); :class:`ProjectError`
+    with one readable line when it is missing or invalid."""
+    from pydantic import ValidationError
+
+    path = Path(path).resolve()
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ProjectError(f"{path}: {err.strerror or err}") from None
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            import tomllib
+
+            data = tomllib.loads(text)
+        project = ProjectFile.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "(top)"
+        msg = first["msg"].removeprefix("Value error, ")
+        raise ProjectError(f"{path}: {where}: {msg} ({err.error_count()} error(s))") from None
+    except Exception as err:  # a TOML/YAML syntax error: its own message says where
+        raise ProjectError(f"{path}: {err}") from None
+    return Project(project, path)
+
+
+def json_schema() -> dict:
+    """The project file's JSON schema (editors: ``driftline init --schema``)."""
+    return ProjectFile.model_json_schema()

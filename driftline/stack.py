@@ -3,7 +3,10 @@
 Two modes. **The MovieLens demo** (no ``--model``, no ``--no-replay``): everything below. **Your
 own model** (``up --model FILE``, or ``--no-replay``): broker, Redis, topics and the services only;
 no MovieLens download, no warm start on it, no MovieLens features in Redis, no replay: the model
-starts from its own snapshot (or its initial weights) and learns from the traffic you send.
+starts from its own snapshot (or its initial weights) and learns from the traffic you send. **A
+project file** (``up --config driftline.toml``, :mod:`driftline.project`): the same, with the
+file's settings in every service's environment (under any variable already set), the MovieLens
+features only if its ``[store]`` asks, and its own warm start (``[warm_start]``).
 
 Order: broker and Redis (unless ``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL`` point elsewhere),
 topics and the broker epoch, the data, the warm start (``trainer batch`` on the first
@@ -25,12 +28,17 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from driftline.embedded import check_port_free, redis_command, tansu_command, wait_for_port
 from driftline.supervisor import ServiceSpec, Supervisor
 from services.kafka import create_topics
 from services.ports import port_is_open
 from services.settings import Settings
 from services.tansu_quirks import ensure_broker_epoch
+
+if TYPE_CHECKING:
+    from driftline.project import Project
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,9 @@ class AppService:
     settings_env: Callable[[Settings], dict[str, str]] = lambda s: {}
     #: part of the MovieLens demo only (not run for your own model)
     demo: bool = False
+    #: environment for the demo and ``--model`` runs only: with a project file (``up --config``)
+    #: the file decides these settings (the environment it was applied to carries them)
+    legacy_env: Mapping[str, str] = field(default_factory=dict)
 
 
 def _serving_url(s: Settings) -> str:
@@ -67,8 +78,9 @@ APP_SERVICES: list[AppService] = [
     AppService("features-load", ("features", "load", "--movielens"), blocking=True, demo=True),
     # live traffic, demo or not: sparse clicks leave an actions partition idle, and its watermark
     # must still advance for windows to close
+    # (a project file says so itself: [windows] idle_advance_seconds)
     AppService("joiner", ("joiner",), metrics_port=_metrics(0),
-               env={"DRIFTLINE_JOINER__IDLE_ADVANCE_SECONDS": "30"}),
+               legacy_env={"DRIFTLINE_JOINER__IDLE_ADVANCE_SECONDS": "30"}),
     AppService("dumper", ("dumper",), metrics_port=_metrics(1)),
     # trainer.nproc > 1: that many ranks under torch's elastic launcher (trainer/launch.py); rank
     # r > 0 exports metrics on the trainer's port + r * trainer.rank_metrics_port_stride
@@ -144,8 +156,10 @@ def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external
     it is replaced. With an external Kafka the online trainer's snapshot is kept (it holds the
     topic offsets it trained to) and the warm start only runs when there is none.
     """
+    from trainer.config import named_config
+
     root = settings.snapshot_root
-    snap = root / settings.trainer.model
+    snap = root / named_config(settings.trainer.model).model_id  # (the trainer's snapshot folder)
     marker = snap / "broker-epoch"
     if external_broker and (snap / "LATEST").exists() and marker.exists() and marker.read_text().strip() == epoch:
         log.info("warm start skipped: %s holds a snapshot of this broker's data", snap)
@@ -162,15 +176,48 @@ def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external
     ))
 
 
+def _project_start(settings: Settings, supervisor: Supervisor, project: Project, epoch: str,
+                   external_broker: bool) -> list[tuple[str, str]]:
+    """What a project file asks of ``up`` before the services: the MovieLens demo's features
+    (``[store] movielens``) and its warm start (``[warm_start]``: ``trainer batch`` on the user's
+    Parquet examples, written as the snapshot the online trainer and serving start from)."""
+    rows = [("project", str(project.path))]
+    if project.store.movielens and project.demo is None:  # (the demo loads them itself)
+        from producers.movielens import fetch
+
+        fetch(settings.replay.dataset, settings.data_dir, progress=True)
+        supervisor.start(ServiceSpec("features-load", _driftline("features", "load", "--movielens"),
+                                     oneshot=True, blocking=True, ready_timeout_s=60.0))
+    ws = project.warm_start
+    if ws.kind == "examples":
+        path = ws.examples_dir if ws.examples_dir.is_absolute() else project.path.parent / ws.examples_dir
+        snap = settings.snapshot_root / project.name
+        marker = snap / "broker-epoch"
+        if external_broker and (snap / "LATEST").exists() and marker.exists() and marker.read_text().strip() == epoch:
+            log.info("warm start skipped: %s holds a snapshot of this broker's data", snap)
+        else:
+            shutil.rmtree(snap, ignore_errors=True)  # a snapshot of another broker's offsets
+            supervisor.start(ServiceSpec(
+                "warm-start", _driftline("trainer", "batch", "--model", settings.trainer.model,
+                                         "--examples-dir", str(path), "--snapshot", "--quiet"),
+                oneshot=True, blocking=True, ready_timeout_s=600.0))
+            rows.append(("warm start", str(path)))
+    return rows
+
+
 def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: bool = True,
-       warm_start_fraction: float = WARM_START_FRACTION) -> int:
+       warm_start_fraction: float = WARM_START_FRACTION, project: Project | None = None) -> int:
     """Run the stack until Ctrl-C. Returns the exit code.
 
     ``demo``: the MovieLens demo (download, warm start, its features, the replay); False runs the
     services of ``settings.trainer.model`` alone (every service sees that model: it is passed in
     their environment). ``replay_limit`` bounds the ratings the traffic replays (after the warm
     start's); ``warm_start_fraction`` 0 skips the warm start (serving then waits for the first deltas).
+    ``project`` (``up --config FILE``, already applied to the environment and ``settings``): its own
+    features and warm start (:func:`_project_start`), the services see only its settings; the demo
+    only if the file says ``demo = "movielens"`` (``examples/movielens/driftline.toml``, ``make up``).
     """
+    demo = demo or (project is not None and project.demo == "movielens")
     supervisor = Supervisor(settings.log_dir)
     e = settings.embedded
 
@@ -216,6 +263,8 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
             if warm_start_fraction > 0:
                 _warm_start(settings, supervisor, epoch, settings.kafka_bootstrap_servers is not None,
                             warm_start_fraction)
+        if project is not None:
+            rows += _project_start(settings, supervisor, project, epoch, settings.kafka_bootstrap_servers is not None)
         rows.append(("model", settings.trainer.model + ("" if demo else " (no MovieLens demo: send your own traffic)")))
 
         metrics: list[str] = []
@@ -223,7 +272,8 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
             if service.demo and not demo:
                 continue
             ready = service.ready
-            env = {**common_env, **service.env, **service.settings_env(settings)}
+            legacy = service.legacy_env if project is None else {}
+            env = {**common_env, **service.env, **legacy, **service.settings_env(settings)}
             if service.metrics_port is not None:
                 port = service.metrics_port(settings)
                 env["DRIFTLINE_METRICS_PORT"] = str(port)

@@ -243,6 +243,9 @@ class ServingSettings(BaseModel):
     # Embedding dimension of the built-in FM model.
     embedding_dim: int = 8
     redis_prefix: str = "driftline"
+    # A /rank naming a feature the model does not read: "reject" (a 422 naming it) or "ignore"
+    # (dropped before scoring and logging, counted in driftline_serving_unknown_features_total).
+    unknown_features: str = "reject"
     # How many recent clicks per user the real-time feature keeps, and which actions count.
     recent_clicks: int = 20
     click_actions: tuple[str, ...] = ("click", "like")
@@ -361,6 +364,9 @@ class Settings(BaseSettings):
         description="External Redis; unset means the embedded redis-server.",
     )
     var_dir: Path = Path("var")
+    # The project file (driftline.toml) every `driftline` command applies under the environment
+    # (driftline/project.py); `up --config FILE` sets it for the services it starts.
+    project: Path | None = None
     # The dataset cache (MovieLens for the demo): under var_dir unless set, so moving var_dir moves it.
     data_dir: Path = Field(default_factory=lambda fields: fields["var_dir"] / "data")
     log_level: str = "INFO"

@@ -50,7 +50,8 @@ from serving.feature_store import FeatureStore, FeatureStoreError, RankFeatures
 from serving.fm_model import FMModel
 from serving.model import ServingModel, TrainerModel, warm_up
 from serving.realtime import RecentClicks
-from serving.request_features import BadFeatures, Declared, check_names, dense_for, item_cache_key, slots_for
+from serving.request_features import (BadFeatures, Declared, check_names, dense_for, drop_unknown, item_cache_key,
+                                      slots_for)
 from serving.responses import FastJSONResponse
 from serving.shared_model import SharedFeed, SharedModel
 from serving.schemas import (ActionsRequest, ActionsResponse, Health, ModelVersionOut,
@@ -137,9 +138,17 @@ class Serving:
         return event_time_ms
 
 
-def request_dense(declared: Declared, body: RankRequest) -> np.ndarray | None:
+def request_dense(declared: Declared, body: RankRequest, unknown: str = "reject") -> np.ndarray | None:
     """The request's dense input (:func:`serving.request_features.dense_for`); a 422 naming the
-    first feature of the request the served model does not declare, or the first it misses."""
+    first feature of the request the served model does not declare (unless ``unknown`` is
+    "ignore": they are dropped from ``body`` and counted), or the first it misses."""
+    if unknown == "ignore":
+        groups = ([body.context] if body.context is not None else []) + \
+            [c.features for c in body.candidates if c.features is not None]
+        for g in groups:
+            for kind, names in (("sparse", g.sparse), ("dense", g.dense)):
+                if n := drop_unknown(declared, names, dense=kind == "dense"):
+                    metrics.UNKNOWN_FEATURES.labels(kind).inc(n)
     try:
         if body.context is not None:
             check_names(declared, "context.sparse", body.context.sparse)
@@ -233,7 +242,7 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
             raise HTTPException(422, f"candidates: {n} given, at most {s.options.max_candidates} allowed")
         event_time_ms = s.event_time("event_time_ms", body.event_time_ms, int(time.time() * 1000))
         declared = s.model.declared  # one declaration for the whole request
-        dense = request_dense(declared, body)  # bad input is a 4xx whether or not a model is loaded
+        dense = request_dense(declared, body, s.options.unknown_features)  # bad input is a 4xx whether or not a model is loaded
         if not s.deltas.loaded:
             raise HTTPException(503, "no model loaded yet: waiting for a snapshot or the delta topic")
         request_id = body.request_id or uuid.uuid4().hex

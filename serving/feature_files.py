@@ -2,8 +2,9 @@
 
 ``driftline features load --users users.parquet --items items.csv`` (``--user-key`` and
 ``--item-key`` name the key columns, ``user_id`` and ``item_id`` by default). Each file has one row
-per user (item): the key column holds the non-negative integer id ``/rank`` names it by, and every
-other column is one sparse slot of that name:
+per user (item): the key column holds the non-negative integer id ``/rank`` names it by (or strings,
+turned into those ids by :func:`services.hashing.string_key`: list the column in ``--strings``
+for a CSV of digits), and every other column is one sparse slot of that name:
 
 * an integer column gives one id per row;
 * a string column one id per row, hashed with :func:`services.hashing.string_id`;
@@ -27,6 +28,8 @@ written as :mod:`serving.feature_store` lays them out (``<prefix>:u:<user_id>`` 
 {'year': [2001]}
 >>> rows[1]["genre"] == string_ids(["a", "b"]), rows[1]["year"]
 (True, [1990])
+>>> list(table_slots(pa.table({"sku": ["A-1"], "year": [1]}), "sku")) == [string_key("A-1")]
+True
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.types as pat
 
-from services.hashing import string_id, string_ids
+from services.hashing import string_id, string_ids, string_key
 
 Slots = dict[str, list[int]]
 _SLOT = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -104,6 +107,10 @@ def table_slots(table: pa.Table, key: str, separator: str | None = None) -> dict
         if not _SLOT.match(name):
             raise FeatureFileError(f"column {name!r} is not a slot name (letters, digits, '_', '.', '-')")
     keys = table.column(key)
+    if pat.is_string(keys.type) or pat.is_large_string(keys.type):  # string ids: /rank names them by string_key
+        if keys.null_count:
+            raise FeatureFileError(f"key column {key!r} has nulls")
+        keys = pa.array([string_key(k) for k in keys.to_pylist()], pa.int64())
     if not pat.is_integer(keys.type) or keys.null_count or (len(keys) and pc.min(keys).as_py() < 0):
         raise FeatureFileError(f"key column {key!r} must hold non-negative integer ids without nulls "
                                f"(it is {keys.type}): the ids /rank names users and items by")
@@ -116,7 +123,7 @@ def table_slots(table: pa.Table, key: str, separator: str | None = None) -> dict
 
 def file_slots(path: Path, key: str, separator: str | None = None, strings: Sequence[str] = ()) -> dict[int, Slots]:
     try:
-        return table_slots(read_table(path, [s for s in strings if s != key]), key, separator)
+        return table_slots(read_table(path, list(strings)), key, separator)
     except FeatureFileError as err:
         raise FeatureFileError(f"{path}: {err}") from None
 

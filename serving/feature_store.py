@@ -197,6 +197,21 @@ async def load_dataset(url: str, dataset: str, data_dir: Path, prefix: str = "dr
     return n, time.perf_counter() - started
 
 
+def _apply_project(args: argparse.Namespace) -> None:
+    """Fill the flags the command line left out from the project file's ``[store]`` and features."""
+    if args.config is not None:
+        from driftline.project import load_project  # the project layer, lazily
+
+        project = load_project(args.config)
+        store = project.store
+        args.user_key = args.user_key or store.user_key
+        args.item_key = args.item_key or store.item_key
+        args.separator = args.separator or store.separator
+        hashed = [f.name for f in project.features if f.hashed and f.source in ("user", "item")]
+        args.strings = ",".join([c for c in args.strings.split(",") if c] + hashed)
+    args.user_key, args.item_key = args.user_key or "user_id", args.item_key or "item_id"
+
+
 def main(argv: list[str] | None = None) -> int:
     from services.settings import get_settings
 
@@ -210,8 +225,11 @@ def main(argv: list[str] | None = None) -> int:
                                         "serving/feature_files.py) or, with --movielens, from a MovieLens dataset.")
     p_load.add_argument("--users", type=Path, help="users file (.parquet, .pq or .csv): one row per user")
     p_load.add_argument("--items", type=Path, help="items file (.parquet, .pq or .csv): one row per item")
-    p_load.add_argument("--user-key", default="user_id", help="the users file's id column (default user_id)")
-    p_load.add_argument("--item-key", default="item_id", help="the items file's id column (default item_id)")
+    p_load.add_argument("--config", type=Path, default=settings.project,
+                        help="a project file (driftline.toml): its [store] key columns and separator, and its "
+                             "string features hashed as strings (default: $DRIFTLINE_PROJECT)")
+    p_load.add_argument("--user-key", default=None, help="the users file's id column (default user_id)")
+    p_load.add_argument("--item-key", default=None, help="the items file's id column (default item_id)")
     p_load.add_argument("--separator", help="split string cells on this into bags of ids (e.g. '|')")
     p_load.add_argument("--strings", default="", help="comma-separated columns hashed as strings even where "
                                                      "they look like numbers (zip codes)")
@@ -221,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     p_load.add_argument("--redis-url", default=settings.redis)
     p_load.add_argument("--prefix", default=settings.serving.redis_prefix)
     args = parser.parse_args(argv)
+    try:
+        _apply_project(args)
+    except ValueError as err:
+        print(f"driftline features load: {err}", file=sys.stderr)
+        return 2
     files = args.users is not None or args.items is not None
     if files == args.movielens:
         print("driftline features load: give --users FILE and/or --items FILE, or --movielens (the demo), "

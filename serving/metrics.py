@@ -123,6 +123,11 @@ ACTIONS_PRODUCED = Counter(
 REALTIME_UPDATES = Counter(
     "driftline_serving_realtime_updates_total", "Actions folded into real-time user features."
 )
+UNKNOWN_FEATURES = Counter(
+    "driftline_serving_unknown_features_total",
+    "Features a /rank named that the model does not read, dropped (serving.unknown_features = "
+    "ignore), by kind (sparse/dense).", ["kind"],
+)
 UNKNOWN_USERS = Counter(
     "driftline_serving_unknown_users_total", "/rank requests for users absent from the feature store."
 )

@@ -9,7 +9,8 @@ know makes the trainer dead-letter the example (``unknown_slot``).
 
 A request that names a feature the model does not know, or leaves out one of its dense features,
 is a client error (:class:`BadFeatures`, a 422 naming the feature): a 200 would log an impression
-the trainer refuses. A candidate's dense value replaces the context's of the same name (the joiner
+the trainer refuses; with ``serving.unknown_features = "ignore"`` such features are dropped
+(:func:`drop_unknown`) and counted instead. A candidate's dense value replaces the context's of the same name (the joiner
 merges them the same way).
 
 >>> d = Declared.of(["item_id", "user_id"], ["hour"])
@@ -61,6 +62,20 @@ class Declared:
         slots, dense = frozenset(slots), tuple(dense)
         token = hashlib.blake2b(repr((sorted(slots), dense)).encode(), digest_size=8).digest()
         return cls(slots, dense, token)
+
+
+def drop_unknown(declared: Declared, names: dict, dense: bool = False) -> int:
+    """Remove from ``names`` (in place) the features the model does not declare; how many.
+
+    >>> feats = {"item_id": [1], "device": [2]}
+    >>> drop_unknown(Declared.of(["item_id"]), feats), feats
+    (1, {'item_id': [1]})
+    """
+    known = set(declared.dense) if dense else declared.slots
+    unknown = [n for n in names if n not in known]
+    for name in unknown:
+        del names[name]
+    return len(unknown)
 
 
 def check_names(declared: Declared, where: str, names: Iterable[str], dense: bool = False) -> None:

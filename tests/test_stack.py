@@ -64,11 +64,14 @@ def _env(tmp_path: Path, repo_root: Path, broker_port: int, redis_port: int) -> 
 
 
 @pytest.mark.timeout(240)
-def test_up_runs_broker_redis_and_replay_then_stops_cleanly(tmp_path: Path, repo_root: Path) -> None:
+@pytest.mark.parametrize("config", [[], ["--config", "examples/movielens/driftline.toml"]], ids=["builtin", "make-up"])
+def test_up_runs_broker_redis_and_replay_then_stops_cleanly(tmp_path: Path, repo_root: Path, config: list[str]) -> None:
+    """Plain ``up`` and ``make up``'s ``up --config examples/movielens/driftline.toml`` (the demo as
+    a project file) both run the whole demo."""
     broker_port, redis_port = free_port(), free_port()
     env = _env(tmp_path, repo_root, broker_port, redis_port)
     up = subprocess.Popen(
-        [sys.executable, "-m", "driftline.cli", "up", "--replay-limit", "20000", "--speed", "0"],
+        [sys.executable, "-m", "driftline.cli", "up", *config, "--replay-limit", "20000", "--speed", "0"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repo_root,
     )
     try:
@@ -119,6 +122,8 @@ def test_up_runs_broker_redis_and_replay_then_stops_cleanly(tmp_path: Path, repo
         assert not port_is_open("127.0.0.1", broker_port)
         assert (tmp_path / "var" / "log" / "broker.log").exists()
         assert (tmp_path / "var" / "log" / "replay.log").exists()
+        model = "movielens" if config else "deepfm"  # the warm start wrote the snapshot of the file's model
+        assert (tmp_path / "var" / "snapshots" / model / "LATEST").exists()
     finally:
         if up.poll() is None:
             up.kill()

@@ -43,7 +43,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from driftline.project import FeatureSpec
-from services.hashing import string_id
+from services.hashing import string_id, string_key
 
 __all__ = ["FeatureEncoder", "InvalidInput", "MissingFeature", "UnknownAction", "UnknownFeature", "WrongValue",
            "item_id_of"]
@@ -85,18 +85,18 @@ class UnknownAction(InvalidInput):
 def item_id_of(value: str | int) -> int:
     """The non-negative int64 id serving takes for an item or a user (``/rank`` ids are >= 0).
 
-    Strings: :func:`services.hashing.string_id` with the sign bit cleared; ints pass through.
+    Strings: :func:`services.hashing.string_key` (``string_id`` with the sign bit cleared, as
+    ``features load`` keys the store); ints pass through.
 
-    >>> item_id_of(42), item_id_of("movie-42") == string_id("movie-42") & (2**63 - 1)
+    >>> item_id_of(42), item_id_of("movie-42") == string_key("movie-42") == string_id("movie-42") & (2**63 - 1)
     (42, True)
     >>> item_id_of(-1)
     Traceback (most recent call last):
     ...
     driftline.client.features.WrongValue: id -1 is negative (ids are 0 .. 2**63-1; strings are hashed)
     """
-    # Isolated so the shared non-negative hash of services.hashing can replace it in one place.
     if isinstance(value, str):
-        return string_id(value) & INT64_MAX
+        return string_key(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise WrongValue(f"id {value!r} is neither a string nor an int")
     if not 0 <= value <= INT64_MAX:

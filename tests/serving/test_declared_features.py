@@ -138,3 +138,26 @@ def test_a_deepfm_with_a_dense_feature_starts_and_scores_with_it(filled_store: S
         scores = [_scores(httpx.post(f"{base}/rank", json={"context": {"dense": {"age_days": v}},
                                                           "candidates": [{"item_id": 1}]}))[1] for v in (0.0, 5.0)]
     assert scores[0] != scores[1]
+
+
+def test_unknown_features_ignored_and_counted_when_the_settings_say_so(filled_store: Settings) -> None:
+    """``serving.unknown_features = "ignore"`` (a project file's ``unknown_features``): a feature the
+    model does not read is dropped, not logged, counted; the request answers 200."""
+    from serving import metrics
+
+    def counted(kind: str) -> float:
+        return metrics.UNKNOWN_FEATURES.labels(kind)._value.get()
+
+    settings = filled_store.updated(serving={"unknown_features": "ignore"})
+    model = TrainerModel(config=lr_model("ignoring", ["item_id", "pos"]))
+    before = counted("sparse"), counted("dense")
+    with running(create_app(settings, model)) as base:
+        wait_ready(base)
+        r = httpx.post(f"{base}/rank", timeout=30, json={
+            "request_id": "ignored", "context": {"sparse": {"device": [1]}, "dense": {"hour": 3.0}},
+            "candidates": [{"item_id": 1, "features": {"sparse": {"pos": [0], "colour": [2]}}}]})
+        assert r.status_code == 200, r.text
+    assert (counted("sparse") - before[0], counted("dense") - before[1]) == (2, 1)
+    log = asyncio.run(read_logs(settings, {"ignored"}))["ignored"]
+    assert dict(log.context.sparse) == {} and dict(log.context.dense) == {}
+    assert set(log.candidates[0].features.sparse) == {"item_id", "pos"}

@@ -51,7 +51,7 @@ def test_users_parquet_and_items_csv_load(redis_url: str, tmp_path: Path, capsys
 @pytest.mark.parametrize(("table", "args", "needle"), [
     ({"user_id": [1], "price": [1.5]}, [], "column 'price' is double"),
     ({"uid": [1], "a": [1]}, [], "no key column 'user_id'"),
-    ({"user_id": ["x"], "a": [1]}, [], "key column 'user_id' must hold non-negative integer ids"),
+    ({"user_id": [1.5], "a": [1]}, [], "key column 'user_id' must hold non-negative integer ids"),
     ({"user_id": [1], "a b": [1]}, [], "column 'a b' is not a slot name"),
 ])
 def test_bad_files_are_one_line_errors(redis_url: str, tmp_path: Path, capsys, table: dict, args: list,
@@ -68,3 +68,27 @@ def test_a_source_is_required(redis_url: str, tmp_path: Path, capsys) -> None:
     assert main(["load", "--movielens", "--users", str(tmp_path / "u.csv"), "--redis-url", redis_url]) == 2
     assert main(["load", "--users", str(tmp_path / "u.txt"), "--redis-url", redis_url]) == 2
     assert "not a .parquet, .pq or .csv file" in capsys.readouterr().err
+
+
+def test_the_project_file_names_the_keys_and_the_string_features(redis_url: str, tmp_path: Path, capsys) -> None:
+    """``--config driftline.toml``: the key column from ``[store]``, the columns of its
+    ``ids = "string"`` features hashed as strings (digits too), string keys through string_key."""
+    from services.hashing import string_key
+
+    config = tmp_path / "driftline.toml"
+    config.write_text('name = "shop"\n[store]\nitem_key = "sku"\n'
+                      '[[features]]\nname = "brand"\nsource = "item"\nids = "string"\n'
+                      '[[features]]\nname = "band"\nsource = "item"\n')
+    items = tmp_path / "items.csv"
+    items.write_text("sku,brand,band\nSKU-1,007,2\n")
+    prefix = f"proj{time.time_ns()}"
+    assert main(["load", "--config", str(config), "--items", str(items), "--redis-url", redis_url,
+                 "--prefix", prefix]) == 0
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        assert raw.get(f"{prefix}:i:{string_key('SKU-1')}").decode() == f"brand={string_id('007')};band=2"
+    finally:
+        raw.close()
+    config.write_text('name = "shop"\n[[features]]\nname = "brand"\nsource = "item"\nkind = "dense"\n')
+    assert main(["load", "--config", str(config), "--items", str(items), "--redis-url", redis_url]) == 2
+    assert "dense values come with each /rank request" in capsys.readouterr().err

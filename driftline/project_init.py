@@ -1,0 +1,172 @@
+"""``driftline init [PATH]``: write a commented project file to start from (``driftline.toml``).
+
+The file is valid as written (a small click model over a few example features); every section
+says what it does and which setting it replaces. ``driftline init --schema`` prints the JSON
+schema of the format instead (:func:`driftline.project.json_schema`), for editors.
+
+>>> import tempfile, pathlib
+>>> path = pathlib.Path(tempfile.mkdtemp()) / "driftline.toml"
+>>> write_template(path) == path, load_project(path).name
+(True, 'my-model')
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from driftline.project import ProjectError, json_schema, load_project
+
+TEMPLATE = '''\
+# driftline project file: your features, model, labels and stream settings in one place.
+# Start the stack with it:   driftline up --config driftline.toml
+# Check it:                  driftline init --check driftline.toml
+# Schema for editors:        driftline init --schema > driftline.schema.json
+# Every key here maps onto a setting (README, "Configuration"); an environment variable
+# (DRIFTLINE_<SECTION>__<KEY>) still wins over this file. A key left out keeps the setting's default.
+
+# The model id: snapshots (<var>/snapshots/<name>), metrics and serving's slice are named after it.
+name = "my-model"
+
+# A /rank naming a feature the model does not read: "reject" (422 naming it) or "ignore"
+# (dropped and counted in driftline_serving_unknown_features_total).
+unknown_features = "reject"
+
+# ---------------------------------------------------------------------------------------------
+# Features: one [[features]] block per feature the model reads.
+#   source = "context"    sent once per /rank request:   {"context": {"sparse": {"device": ["ios"]}}}
+#            "candidate"  sent per candidate:            {"candidates": [{"item_id": 7, "features": ...}]}
+#            "user"/"item" looked up in the feature store (Redis) by the request's user_id / item_id,
+#                         filled by `driftline features load --config driftline.toml --users/--items FILE`
+#   kind   = "sparse" (ids, embedded) or "dense" (a float, fed to the MLP / linear head)
+#   ids    = "int" (int64 ids as they are) or "string" (hashed: services/hashing.py string_id)
+#   table  = share an embedding table with other features (default: a table of its own)
+#   pooling = "sum" or "mean" over a bag of several ids
+# Serving adds user_id / item_id / recent_items only when declared here (source "context"/"candidate").
+# ---------------------------------------------------------------------------------------------
+[[features]]
+name = "device"
+source = "context"
+ids = "string"
+
+[[features]]
+name = "item_id"
+source = "candidate"
+
+[[features]]
+name = "position"
+source = "candidate"
+
+[[features]]
+name = "category"
+source = "item"
+ids = "string"
+
+[[features]]
+name = "price"
+source = "candidate"
+kind = "dense"
+
+# ---------------------------------------------------------------------------------------------
+# Tables: [tables.default] applies to every table; [tables.<name>] overrides one (a feature's
+# embedding table is named like the feature, its first-order table "<name>_w").
+#   dim          embedding size (deepfm: one dim for all fields, from [model] dim)
+#   optimizer    {kind = "adagrad"|"adam"|"sgd"|"ftrl", lr = ...}
+#   admission    an unseen id gets a row on its min_count-th occurrence, with this probability
+#   ttl_seconds  rows not seen for this long (event time) are dropped
+# ---------------------------------------------------------------------------------------------
+[tables.default]
+optimizer = { kind = "adagrad", lr = 0.05 }
+admission = { min_count = 1, probability = 1.0 }
+# ttl_seconds = 604800
+
+# [tables.item_id]
+# admission = { min_count = 3 }
+
+# ---------------------------------------------------------------------------------------------
+# The model: "deepfm" (linear + FM + MLP) or "lr" (logistic regression).
+#   fields / linear / dense: which features feed the embedding fields, the first-order terms and
+#   the dense inputs; left out: every sparse feature (fields, linear), every dense one (dense).
+# ---------------------------------------------------------------------------------------------
+[model]
+kind = "deepfm"
+dim = 8
+mlp = [64, 32]
+label = "click"
+# fields = ["device", "item_id", "position", "category"]
+# dense = ["price"]
+
+# Action types (POST /actions "action_type") -> the label they set. Default: click->click, like->like.
+[labels]
+click = "click"
+
+# The joiner keeps this share of negatives (impressions without a click); the trainer corrects.
+[sampling]
+negative_rate = 0.25
+# per_model = { "my-model" = 0.5 }
+
+# Join windows (seconds). Live traffic with sparse clicks leaves partitions idle: idle_advance_seconds
+# moves their watermark on after that many wall seconds so windows close and examples flow.
+[windows]
+window_seconds = 900
+allowed_lateness_seconds = 5
+idle_advance_seconds = 30
+
+# How often the trainer publishes deltas to serving (sparse rows; dense weights after 10, 20, 40 s...).
+[sync]
+sparse_interval_s = 10
+dense_interval_s = 60
+
+# `driftline features load --config driftline.toml`: the key columns of your users/items files.
+[store]
+user_key = "user_id"
+item_key = "item_id"
+# separator = "|"      # split string cells into bags of ids
+movielens = false      # true loads the MovieLens demo's features (the demo's file only)
+
+# Start from a model trained on your history: Parquet examples in the dumper's layout.
+[warm_start]
+kind = "none"
+# kind = "examples"
+# examples_dir = "history/"
+
+# Any other setting, by section (README, "Configuration"):
+# [settings.event_time]
+# max_past_s = 2592000     # accept events up to 30 days old (replaying an old log)
+'''
+
+
+def write_template(path: Path, force: bool = False) -> Path:
+    """Write :data:`TEMPLATE` to ``path`` (refusing to overwrite unless ``force``)."""
+    path = Path(path)
+    if path.exists() and not force:
+        raise ProjectError(f"{path} exists (--force overwrites it)")
+    path.write_text(TEMPLATE)
+    return path
+
+
+def main(path: str | None, schema: bool = False, check: bool = False, force: bool = False) -> int:
+    """The ``init`` subcommand: write the template, print the schema, or check a file; a file it
+    cannot write or that is invalid is one line on stderr and exit code 2."""
+    import sys
+
+    try:
+        return _init(path, schema, check, force)
+    except (ProjectError, ValueError, OSError) as err:
+        print(f"driftline init: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+def _init(path: str | None, schema: bool, check: bool, force: bool) -> int:
+    if schema:
+        print(json.dumps(json_schema(), indent=2))
+        return 0
+    target = Path(path or "driftline.toml")
+    if check:
+        project = load_project(target)
+        print(f"{target}: ok ({project.name}: {len(project.features)} features, "
+              f"{len(project.model_config().tables)} tables)")
+        return 0
+    write_template(target, force=force)
+    print(f"wrote {target}: edit its features, then `driftline up --config {target}`")
+    return 0

@@ -1,0 +1,131 @@
+"""The project file (driftline/project.py): `driftline init` writes a valid one, it builds the
+trainer's model and the settings, and the environment still wins over it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from driftline.cli import main
+from driftline.project import PROJECT_VAR, Project, ProjectError, apply_to_environ, load_project
+from driftline.project_init import TEMPLATE
+from services.settings import Settings
+from trainer.config import named_config
+
+
+def test_init_writes_a_file_that_loads(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "driftline.toml"
+    assert main(["init", str(path)]) == 0
+    project = load_project(path)
+    cfg = project.model_config()
+    assert cfg.model_id == project.name and cfg.dense_features == ["price"]
+    assert {f.name for f in project.features} == set(cfg.all_slots) | {"price"}
+    assert main(["init", str(path)]) == 2  # exists: no silent overwrite
+    assert "exists" in capsys.readouterr().err
+    assert main(["init", "--check", str(path)]) == 0
+    assert named_config(str(path)) == cfg  # trainer.model may name the project file
+
+
+def test_schema_is_printed_for_editors(capsys) -> None:
+    assert main(["init", "--schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert {"features", "model", "tables", "windows", "warm_start"} <= set(schema["properties"])
+
+
+def test_yaml_reads_like_toml(tmp_path: Path) -> None:
+    yaml = pytest.importorskip("yaml")
+    import tomllib
+
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(tomllib.loads(TEMPLATE)))
+    (tmp_path / "p.toml").write_text(TEMPLATE)
+    assert load_project(tmp_path / "p.yaml").model_config() == load_project(tmp_path / "p.toml").model_config()
+
+
+def test_bad_files_are_one_line_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(TEMPLATE.replace('kind = "deepfm"', 'kind = "xgboost"'))
+    with pytest.raises(ProjectError, match=r"bad.toml: model.kind: Input should be"):
+        load_project(bad)
+    bad.write_text(TEMPLATE + '\n[[features]]\nname = "price"\nsource = "item"\n')
+    with pytest.raises(ProjectError, match="features declared twice: \\['price'\\]"):
+        load_project(bad)
+    bad.write_text(TEMPLATE + '\n[settings.joinr]\nwindow_seconds = 5\n')
+    with pytest.raises(ProjectError, match=r"\[settings.joinr\]: no such settings section"):
+        load_project(bad)
+    bad.write_text(TEMPLATE + '\n[settings.joiner]\nwindow_secs = 5\n')
+    with pytest.raises(ProjectError, match=r"no such settings \['window_secs'\]"):
+        load_project(bad)
+    with pytest.raises(ProjectError, match="No such file"):
+        load_project(tmp_path / "missing.toml")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DRIFTLINE_")}
+    done = subprocess.run([sys.executable, "-m", "driftline.cli", "up", "--config", str(bad)], env=env,
+                          capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[1])
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().startswith("driftline: ") and "no such settings ['window_secs']" in done.stderr
+
+
+def test_the_environment_wins_over_the_file(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "driftline.toml"
+    path.write_text(TEMPLATE)
+    project = load_project(path)
+    monkeypatch.setenv("DRIFTLINE_JOINER__WINDOW_SECONDS", "42")
+    s = project.resolved_settings()
+    assert s.joiner.window_seconds == 42  # the environment
+    assert s.joiner.idle_advance_seconds == 30 and s.trainer.dense_sync_interval_s == 60  # the file
+    assert s.trainer.model == str(path.resolve()) and s.joiner.label_map == {"click": "click"}
+    assert s.joiner.orphan_grace_seconds == Settings().joiner.orphan_grace_seconds  # left out: the default
+
+    environ = {"DRIFTLINE_JOINER__WINDOW_SECONDS": "42"}
+    added = apply_to_environ(project, environ)
+    assert "DRIFTLINE_JOINER__WINDOW_SECONDS" not in added and environ[PROJECT_VAR] == str(path.resolve())
+    for k, v in environ.items():
+        monkeypatch.setenv(k, v)
+    s = Settings()  # what a service started with that environment reads
+    assert (s.joiner.window_seconds, s.joiner.idle_advance_seconds, s.trainer.sync_interval_s) == (42, 30, 10)
+    assert s.project == path.resolve()
+
+
+def test_tables_sharing_admission_and_ttl() -> None:
+    project = Project.model_validate({
+        "name": "shared", "features": [
+            {"name": "item_id", "source": "candidate"},
+            {"name": "recent", "source": "context", "table": "item_id", "pooling": "mean", "salt": False},
+            {"name": "seen", "source": "context", "ids": "string"}],
+        "model": {"dim": 4, "linear": ["item_id", "seen"]},
+        "tables": {"default": {"admission": {"min_count": 2}, "ttl_seconds": 60},
+                   "item_id": {"admission": {"min_count": 3, "probability": 0.5}}}})
+    cfg = project.model_config()
+    assert cfg.slots == {"item_id": "item_id", "recent": "item_id", "seen": "seen"}
+    assert cfg.linear == {"item_id": "item_id_w", "seen": "seen_w"}
+    assert cfg.table("item_id").admission.min_count == 3 and cfg.table("item_id").admission.probability == 0.5
+    assert cfg.table("seen").admission.min_count == 2 and cfg.table("seen_w").ttl_seconds == 60
+    assert cfg.pooling == {"recent": "mean"} and cfg.salt == {"recent": False}
+    ignoring = project.model_copy(update={"unknown_features": "ignore"})
+    assert ignoring.resolved_settings().serving.unknown_features == "ignore"
+    assert project.resolved_settings().serving.unknown_features == Settings().serving.unknown_features
+    with pytest.raises(ValueError, match="features \\['pos'\\] are declared but the model reads them in no role"):
+        Project.model_validate({"name": "x", "features": [{"name": "item_id", "source": "candidate"},
+                                                          {"name": "pos", "source": "candidate"}],
+                                "model": {"kind": "lr", "linear": ["item_id"]}})
+    with pytest.raises(ValueError, match="dense values come with each /rank request"):
+        Project.model_validate({"name": "x", "features": [{"name": "age", "source": "user", "kind": "dense"}]})
+    with pytest.raises(ValueError, match="model.dense: \\['item_id'\\] are not declared dense"):
+        Project.model_validate({"name": "x", "features": [{"name": "item_id", "source": "candidate"}],
+                                "model": {"dense": ["item_id"]}})
+
+
+def test_the_movielens_demo_is_a_project_file_with_admission_and_ttl() -> None:
+    """examples/movielens/driftline.toml: the demo's DeepFM layout, admission and TTL on."""
+    from trainer.config import deepfm_config
+
+    project = load_project(Path(__file__).parents[1] / "examples" / "movielens" / "driftline.toml")
+    cfg, demo = project.model_config(), deepfm_config()
+    assert (cfg.slots, cfg.linear, cfg.pooling, cfg.salt) == (demo.slots, demo.linear, demo.pooling, demo.salt)
+    assert [t.name for t in cfg.tables] == [t.name for t in demo.tables]
+    assert all(t.admission.min_count == 2 and t.ttl_seconds for t in cfg.tables)
+    assert project.store.movielens and project.windows.idle_advance_seconds

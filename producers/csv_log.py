@@ -12,7 +12,7 @@ The map file (TOML) says which column is what::
     item_ids = "string"        # "int" (the default, as a feature's ids) or "string" (hashed)
     user = "user"              # optional; user_ids as item_ids
     event_time = "ts"          # optional (absent: serving stamps now); its unit:
-    event_time_unit = "s"      # "ms" (the default) or "s"
+    event_time_unit = "s"      # "ms" (the default), "s", or "iso" (ISO 8601, e.g. 2026-11-20T10:00:00Z)
     action_time = "click_ts"   # optional: when the actions happened (absent: the request's time)
 
     [actions]                  # action type = column: 1, true, yes or a positive number means it happened
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,7 +71,7 @@ class Columns(_Strict):
     user: str | None = None
     user_ids: Literal["int", "string"] = "int"
     event_time: str | None = None
-    event_time_unit: Literal["ms", "s"] = "ms"
+    event_time_unit: Literal["ms", "s", "iso"] = "ms"
     action_time: str | None = None
 
 
@@ -173,8 +174,20 @@ def _happened(text: str) -> bool:
 
 
 def _time(text: str, unit: str, line: int) -> int | None:
+    """A cell's event time in Unix milliseconds (None: empty).
+
+    >>> _time("2026-11-20T10:00:00Z", "iso", 2), _time("2026-11-20T10:00:00", "iso", 2), _time("1795168800", "s", 2)
+    (1795168800000, 1795168800000, 1795168800000)
+    """
     if not text:
         return None
+    if unit == "iso":
+        try:
+            when = datetime.fromisoformat(text)
+        except ValueError:
+            raise InvalidInput(f"line {line}: event time {text!r} is not ISO 8601") from None
+        # a time without a zone is UTC (a log's local time would move with the machine replaying it)
+        return int((when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp() * 1000)
     try:
         t = float(text)
     except ValueError:

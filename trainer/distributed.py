@@ -168,6 +168,7 @@ class DistributedModel:
         self.comm_s: list[float] = []   # per step: seconds in collectives (lookup + gradients)
         self.sparse_comm_s = 0.0        # of which in the gradients' all_to_all (in the background: hybrid)
         self._sparse_steps: deque = deque()  # hybrid: gradient exchanges queued behind the lookups
+        self._deferred: deque = deque()      # hybrid step(): (lookup, gradients) not queued yet
         self.steps = 0
 
     @property
@@ -198,7 +199,7 @@ class DistributedModel:
         return out.numpy()
 
     # ------------------------------------------------------------------ steps 1-5
-    def _lookup(self, batch: SparseBatch) -> _Lookup:
+    def _lookup(self, batch: SparseBatch, insert: bool = True) -> _Lookup:
         t0 = time.perf_counter()
         m, n, T, g = self.model, self.world, len(self._names), self._lookup_group
         error = None
@@ -245,7 +246,9 @@ class DistributedModel:
             d = int(self._dims[ti])
             elem = (r_start[sel][:, None] + np.arange(d)).reshape(-1)
             tid = r_ids[sel]
-            if self._counts:  # the sketch counts every occurrence, as in the 1-process batch
+            if not insert:  # scoring: absent ids read zeros, nothing is admitted
+                vals = self._tables[ti].gather(tid)
+            elif self._counts:  # the sketch counts every occurrence, as in the 1-process batch
                 occ = r_occ[sel]
                 rep = np.repeat(tid, occ)
                 # the row as it is after the batch's occurrences (an id admitted by its 2nd
@@ -299,7 +302,10 @@ class DistributedModel:
     def _head_grads(self) -> torch.Tensor:
         return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in self._params])
 
-    def _learn(self, lk: _Lookup, overlap: bool = False):
+    def _learn(self, lk: _Lookup, sparse: str = "now"):
+        """Steps 6-9 of ``lk``'s batch. ``sparse``: step 8 runs ``"now"`` (sync), is ``"queued"``
+        on the lookup thread (:meth:`train`), or ``"deferred"`` until the next :meth:`step`
+        queues it behind that step's lookup."""
         m, g = self.model, self.group
         if lk.global_size == 0 and not lk.any_failed:  # every rank knows: nothing to learn, no more collectives
             return 0.0, np.zeros(0, np.float32)
@@ -338,8 +344,10 @@ class DistributedModel:
         if g_rows is None:
             g_rows = np.zeros(lk.n_rows, np.float32)
         t2, sparse_comm = time.perf_counter(), 0.0
-        if overlap:  # after the lookups already queued, before the next ones: staleness holds
-            self._sparse_steps.append(self._pool.submit(self._sparse_update, lk, g_rows, self._lookup_group))
+        if sparse == "queued":  # after the lookups already queued, before the next ones: staleness holds
+            self._queue_update(lk, g_rows)
+        elif sparse == "deferred":
+            self._deferred.append((lk, g_rows))
         else:
             sparse_comm = self._sparse_update(lk, g_rows, g)
         t3 = time.perf_counter()
@@ -354,6 +362,9 @@ class DistributedModel:
         self.comm_s.append(lk.comm_s + comm + sparse_comm)
         self.steps += 1
         return value, probs
+
+    def _queue_update(self, lk: _Lookup, g_rows: np.ndarray) -> None:
+        self._sparse_steps.append(self._pool.submit(self._sparse_update, lk, g_rows, self._lookup_group))
 
     def _sparse_update(self, lk: _Lookup, g_rows: np.ndarray, group) -> float:
         """Step 8: the gradients to their owners, which apply them; returns the seconds in the collective."""
@@ -370,8 +381,47 @@ class DistributedModel:
     # ------------------------------------------------------------------ public
     def train_step(self, batch: SparseBatch):
         """One synchronous step (both modes): ``(global mean loss, this rank's probabilities
-        before the update)``. Collective: every rank calls it, with an empty batch when idle."""
+        before the update)``. Collective: every rank calls it, with an empty batch when idle.
+        In ``hybrid`` the updates still in flight are applied first."""
+        self.flush()
         return self._learn(self._lookup(batch))
+
+    def step(self, batch: SparseBatch):
+        """One step for a caller that has one batch at a time (the online ranks): in ``sync``
+        :meth:`train_step`; in ``hybrid`` the batch's lookup is queued first, then the sparse
+        updates of the steps older than ``staleness`` (so the lookup misses at most the
+        ``staleness`` latest steps' updates, as in :meth:`train`), and those run on the lookup
+        thread while this batch does its forward and backward; this batch's own sparse update
+        waits for the next call (or :meth:`flush`). Collective, like :meth:`train_step`."""
+        if self.mode == "sync":
+            return self.train_step(batch)
+        lookup = self._pool.submit(self._lookup, batch)
+        while len(self._deferred) >= self.staleness:
+            self._queue_update(*self._deferred.popleft())
+        while self._sparse_steps and self._sparse_steps[0].done():
+            self._sparse_steps.popleft().result()  # raises a failed update here
+        return self._learn(lookup.result(), "deferred")
+
+    def flush(self) -> None:
+        """``hybrid``: apply every sparse update still deferred or queued, and wait for them: the
+        tables then hold every step learned (before a snapshot, a publication of the rows, a
+        synchronous step). Collective when anything was deferred (every rank has the same)."""
+        while self._deferred:
+            self._queue_update(*self._deferred.popleft())
+        while self._sparse_steps:
+            self._sparse_steps.popleft().result()
+
+    @torch.no_grad()
+    def predict(self, batch: SparseBatch) -> np.ndarray:
+        """This rank's probabilities for ``batch`` from the current tables and head, nothing
+        inserted or learned (evaluation). Collective: every rank calls it (an empty batch when
+        it has nothing to score)."""
+        self.flush()
+        lk = self._lookup(batch, insert=False)
+        if lk.error is not None:
+            raise lk.error
+        logits, _ = self.model.forward_packed(lk.batch, lk.pb, lk.buf, requires_grad=False)
+        return torch.sigmoid(logits).numpy()
 
     def train(self, batches: Iterable[SparseBatch]) -> Iterator[tuple[float, np.ndarray]]:
         """:meth:`train_step` over ``batches``; in ``hybrid`` mode up to ``staleness`` lookups of
@@ -387,11 +437,10 @@ class DistributedModel:
             for b in it:
                 pending.append(self._pool.submit(self._lookup, b))
                 if len(pending) > self.staleness:
-                    yield self._learn(pending.popleft().result(), overlap=True)
+                    yield self._learn(pending.popleft().result(), "queued")
                 while self._sparse_steps and self._sparse_steps[0].done():
                     self._sparse_steps.popleft().result()  # raises a failed update here
             while pending:
-                yield self._learn(pending.popleft().result(), overlap=True)
+                yield self._learn(pending.popleft().result(), "queued")
         finally:
-            while self._sparse_steps:  # the tables hold every update once train() is done
-                self._sparse_steps.popleft().result()
+            self.flush()  # the tables hold every update once train() is done

@@ -2,7 +2,9 @@
 
 ``sync``: 2 ranks == 1 process on the concatenated global batch (rows, PS optimizer state, row
 times, dense head, Adam state, losses), with an idle rank and an all-idle step on the way.
-``hybrid``: finishes, replicas stay equal, same rows as ``sync``."""
+``hybrid``: finishes, replicas stay equal, same rows as ``sync``; with staleness 1 it equals a
+1-process run that applies each step's sparse update one step late (after the next step's
+lookup), through :meth:`DistributedModel.train` and through :meth:`DistributedModel.step`."""
 
 from __future__ import annotations
 
@@ -48,10 +50,14 @@ def _state(tables, head, opt) -> dict:
             "adam": {i: {k: v.numpy().copy() for k, v in s.items()} for i, s in st.items()}}
 
 
-def _run(rank: int, mode: str, min_count: int) -> dict:
+def _run(rank: int, mode: str, min_count: int, one_at_a_time: bool = False) -> dict:
     dm = DistributedModel(_cfg(min_count), mode=mode)
     batches = [_batch(_rows(s, rank, SIZES[s][rank]), s, rank) for s in range(len(SIZES))]
-    out = list(dm.train(batches))
+    if one_at_a_time:  # as the online ranks step: one batch per call, then a flush
+        out = [dm.step(b) for b in batches]
+        dm.flush()
+    else:
+        out = list(dm.train(batches))
     dm.close()
     return {"losses": [v for v, _ in out], "probs": [p for _, p in out],
             **_state(dm.tables, dm.head, dm.optimizer), "wire_bytes": dm.alltoall_bytes}
@@ -62,20 +68,49 @@ def _worker(rank: int, world: int, mode: str) -> list[dict]:
     return [_run(rank, mode, 1), _run(rank, mode, 2)]
 
 
+def _global_batch(s: int) -> SparseBatch | None:
+    rows = [r for rank in range(2) for r in _rows(s, rank, SIZES[s][rank])]
+    if not rows:
+        return None
+    b = [_batch(_rows(s, rank, SIZES[s][rank]), s, rank) for rank in range(2)]
+    return SparseBatch.from_slot_dicts(rows, slots=_cfg().all_slots, labels=np.concatenate([x.labels for x in b]),
+                                       event_time_ms=np.concatenate([x.event_time_ms for x in b]))
+
+
 def _reference(min_count: int = 1) -> tuple[list, dict]:
     torch.set_num_threads(1)
     m = SparseModel(_cfg(min_count))
-    losses = []
-    for s, sizes in enumerate(SIZES):
-        rows = [r for rank in range(2) for r in _rows(s, rank, sizes[rank])]
-        if not rows:
-            continue
-        b = [_batch(_rows(s, rank, sizes[rank]), s, rank) for rank in range(2)]
-        batch = SparseBatch.from_slot_dicts(rows, slots=_cfg().all_slots,
-                                            labels=np.concatenate([x.labels for x in b]),
-                                            event_time_ms=np.concatenate([x.event_time_ms for x in b]))
-        losses.append(m.train_step(batch)[0])
+    losses = [m.train_step(b)[0] for b in map(_global_batch, range(len(SIZES))) if b is not None]
     return losses, _state(m.tables, m.head, m.optimizer)
+
+
+def _reference_one_step_late() -> tuple[list, dict]:
+    """1 process, global batches; step s's sparse update lands after step s + 1's lookup (an
+    all-idle step s + 1 included): what hybrid with staleness 1 promises."""
+    torch.set_num_threads(1)
+    m = SparseModel(_cfg())
+    losses, late = [], None
+    for s in range(len(SIZES)):
+        b = _global_batch(s)
+        if b is not None:
+            logits, (pb, leaves) = m.forward(b, insert=True, event_time=b.max_event_time)
+        if late is not None:
+            m.ps.apply_packed_gradients(*late)
+            late = None
+        if b is None:
+            continue
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.from_numpy(b.labels))
+        m.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        late = (pb, np.concatenate([w.grad.numpy().reshape(-1) for _, w in leaves]), b.max_event_time)
+        m.optimizer.step()
+        losses.append(float(loss.detach()))
+    m.ps.apply_packed_gradients(*late)
+    return losses, _state(m.tables, m.head, m.optimizer)
+
+
+def _hybrid_worker(rank: int, world: int) -> list[dict]:
+    return [_run(rank, "hybrid", 1), _run(rank, "hybrid", 1, one_at_a_time=True)]
 
 
 def _merged(parts: list[dict], name: str):
@@ -127,6 +162,25 @@ def test_hybrid_finishes_and_keeps_replicas_equal():
     assert a["losses"][0] == pytest.approx(ref_losses[0], rel=1e-5)  # nothing stale at step 0
     for name, items in ref["tables"].items():              # admission does not depend on timing
         assert _merged(res, name)[0].tolist() == items[0].tolist(), name
+
+
+def test_hybrid_staleness_1_equals_updates_applied_one_step_late():
+    ref_losses, ref = _reference_one_step_late()
+    sync_losses, sync = _reference()
+    for res in zip(*run_local(_hybrid_worker, 2, timeout_s=60)):  # train(), then step()
+        for r in res:
+            got = [v for v, (a, b) in zip(r["losses"], SIZES) if a + b]
+            np.testing.assert_allclose(got, ref_losses, rtol=1e-5)
+        # not sync's: the last step really looked up rows that missed the step before's update
+        assert abs(got[-1] - sync_losses[-1]) > 1e-4
+        for name, items in ref["tables"].items():
+            keys, vals, state, times = _merged(res, name)
+            assert keys.tolist() == items[0].tolist(), name
+            np.testing.assert_allclose(vals, items[1], rtol=1e-5, atol=1e-6, err_msg=name)
+            np.testing.assert_allclose(state, items[2], rtol=1e-5, atol=1e-7, err_msg=name)
+            assert times.tolist() == items[3].tolist(), name
+        for k, v in ref["head"].items():
+            np.testing.assert_allclose(res[0]["head"][k], v, rtol=1e-5, atol=1e-7, err_msg=k)
 
 
 def test_needs_a_process_group():

@@ -169,6 +169,7 @@ class DistributedModel:
         self.sparse_comm_s = 0.0        # of which in the gradients' all_to_all (in the background: hybrid)
         self._sparse_steps: deque = deque()  # hybrid: gradient exchanges queued behind the lookups
         self._deferred: deque = deque()      # hybrid step(): (lookup, gradients) not queued yet
+        self.overlapped_updates = 0          # sparse updates run on the lookup thread (hybrid)
         self.steps = 0
 
     @property
@@ -364,6 +365,7 @@ class DistributedModel:
         return value, probs
 
     def _queue_update(self, lk: _Lookup, g_rows: np.ndarray) -> None:
+        self.overlapped_updates += 1
         self._sparse_steps.append(self._pool.submit(self._sparse_update, lk, g_rows, self._lookup_group))
 
     def _sparse_update(self, lk: _Lookup, g_rows: np.ndarray, group) -> float:

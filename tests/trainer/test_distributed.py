@@ -191,10 +191,10 @@ def test_needs_a_process_group():
 HUGE = 3e38  # a finite float32: with a dense weight of 2 the logit overflows
 
 
-def _poisoned(rank: int, world: int, bad_rows: list[list[int]]) -> dict:
+def _poisoned(rank: int, world: int, bad_rows: list[list[int]], mode: str) -> dict:
     """Rank ``rank`` steps a batch of 12 whose rows ``bad_rows[rank]`` overflow, isolating in lockstep."""
     cfg = ModelConfig.model_validate({**_cfg().model_dump(), "dense_features": ["x"]})
-    dm = DistributedModel(cfg)
+    dm = DistributedModel(cfg, mode=mode)
     with torch.no_grad():
         dm.head.dense_linear.weight.fill_(2.0)
     rows = _rows(0, rank, 12)
@@ -202,17 +202,22 @@ def _poisoned(rank: int, world: int, bad_rows: list[list[int]]) -> dict:
     dense[bad_rows[rank], 0] = HUGE
     b = SparseBatch.from_slot_dicts(rows, dense, slots=cfg.all_slots, labels=[0.0] * 12, event_time_ms=[1] * 12)
     res = train_isolating_ranks(dm, b)
-    after = dm.train_step(b.select(np.array([1, 2])))  # the group still steps together afterwards
-    return {"failed": [(r, type(e).__name__) for r, e in res.failed], "applied": res.applied.tolist(),
+    after = dm.step(b.select(np.array([1, 2])))  # the group still steps together afterwards
+    dm.flush()
+    dm.close()
+    return {"overlapped": dm.overlapped_updates, "failed": [(r, type(e).__name__) for r, e in res.failed], "applied": res.applied.tolist(),
             "probs": len(res.probs), "steps": dm.steps, "loss": after[0],
             "head": {k: v.detach().numpy().copy() for k, v in dm.head.state_dict().items()}}
 
 
-def test_a_failing_example_on_one_rank_is_isolated_in_lockstep():
+@pytest.mark.parametrize("mode", ["sync", "hybrid"])
+def test_a_failing_example_on_one_rank_is_isolated_in_lockstep(mode):
     """Rank 1's row 5 and rank 0's rows 0 and 11 make the step non-finite: every rank raises
     together, each halves its own batch to the failing rows while the other retries, and every
-    other row is learned once; the replicas stay equal and the group goes on stepping."""
-    a, b = run_local(_poisoned, 2, [[0, 11], [5]], timeout_s=60)
+    other row is learned once; the replicas stay equal and the group goes on stepping (hybrid:
+    the retries' sparse updates deferred and overlapped like any step's)."""
+    a, b = run_local(_poisoned, 2, [[0, 11], [5]], mode, timeout_s=60)
+    assert (a["overlapped"] > 0) == (mode == "hybrid")
     assert b["failed"] == [(5, "NonFiniteStepError")] and b["applied"] == [r for r in range(12) if r != 5]
     assert a["failed"] == [(0, "NonFiniteStepError"), (11, "NonFiniteStepError")]
     assert a["applied"] == list(range(1, 11)) and a["probs"] == 10 and b["probs"] == 11

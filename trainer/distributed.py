@@ -83,6 +83,7 @@ import torch.nn.functional as F
 
 from .batch import SparseBatch
 from .config import ModelConfig
+from .dist_wire import packed_index, plan, starts
 from .model import NonFiniteStepError, SparseModel
 from .sharding import shard_of
 
@@ -101,11 +102,6 @@ class RankStepError(RuntimeError):
     def __init__(self, failed: list[int], local: Exception | None):
         super().__init__(f"the step failed on rank(s) {failed}" + (f": {local!r}" if local is not None else ""))
         self.failed, self.local = failed, local
-
-
-def _starts(lengths: np.ndarray) -> np.ndarray:
-    """Exclusive prefix sums: where each of ``lengths``' pieces starts (empty in, empty out)."""
-    return (np.cumsum(lengths) - lengths).astype(np.int64)
 
 
 @dataclass
@@ -211,17 +207,9 @@ class DistributedModel:
             error = err
             batch = m.complete(batch.select(np.zeros(0, np.int64)))
             pb = m.pack(batch)
-        ids = pb.ids
         tab = np.repeat(pb.slot_table, np.diff(pb.offsets))
-        own = shard_of(ids, n)
-        order = np.lexsort((ids, tab, own))        # the wire order: owner, table, id
-        s_ids, s_tab = ids[order], tab[order]
-        first = np.ones(ids.size, bool)
-        first[1:] = (s_ids[1:] != s_ids[:-1]) | (s_tab[1:] != s_tab[:-1])
-        inv = np.empty(ids.size, np.int64)
-        inv[order] = np.cumsum(first) - 1
-        u_ids, u_tab, u_own = s_ids[first], s_tab[first], own[order][first]
-        counts = np.bincount(u_own * T + u_tab, minlength=n * T).reshape(n, T)
+        p = plan(pb.ids, tab, shard_of(pb.ids, n), n, T)
+        counts = p.counts
         header = np.empty((n, T + 3), np.int64)
         header[:, :T] = counts
         header[:, T] = batch.size
@@ -231,15 +219,14 @@ class DistributedModel:
         got = self._a2a(header.reshape(-1), [T + 3] * n, [T + 3] * n, g).reshape(n, T + 3)
         rcounts = got[:, :T]                        # [source, table]: ids this rank owns
         global_size, t_event = int(got[:, T].sum()), int(got[:, T + 1].max())
-        r_ids = self._a2a(u_ids, counts.sum(1), rcounts.sum(1), g)
+        r_ids = self._a2a(p.u_ids, counts.sum(1), rcounts.sum(1), g)
         if self._counts:
-            occ = np.diff(np.flatnonzero(np.append(first, True)))
-            r_occ = self._a2a(occ.astype(np.int64), counts.sum(1), rcounts.sum(1), g)
+            r_occ = self._a2a(p.occurrences().astype(np.int64), counts.sum(1), rcounts.sum(1), g)
         comm = time.perf_counter() - tc
         # owner side: per table, every requester's ids (in arrival order) -> one gather
         r_tab = np.repeat(np.tile(np.arange(T), n), rcounts.reshape(-1))
         r_dim = self._dims[r_tab]
-        r_start = _starts(r_dim)
+        r_start = starts(r_dim)
         reply = np.empty(int(r_dim.sum()), np.float32)
         owned = []
         for ti in np.unique(r_tab).tolist():
@@ -255,7 +242,7 @@ class DistributedModel:
                 # the row as it is after the batch's occurrences (an id admitted by its 2nd
                 # occurrence reads its row everywhere; the 1-process PS gives its 1st occurrence
                 # zeros: a difference only in the batch that admits an id)
-                vals = self._tables[ti].gather(rep, insert=True, event_time=t_event)[_starts(occ) + occ - 1]
+                vals = self._tables[ti].gather(rep, insert=True, event_time=t_event)[starts(occ) + occ - 1]
             else:
                 vals = self._tables[ti].gather(tid, insert=True, event_time=t_event)
             reply[elem] = vals.reshape(-1)
@@ -265,13 +252,7 @@ class DistributedModel:
         tc = time.perf_counter()
         rows = self._a2a(reply, back_splits, row_splits, g)
         comm += time.perf_counter() - tc
-        # unique rows -> packed positions (element-wise index, built once, reused by the backward)
-        u_dim = self._dims[u_tab]
-        u_start = _starts(u_dim)
-        p_dim = self._dims[tab]
-        p_start = _starts(p_dim)
-        within = np.arange(int(p_dim.sum()), dtype=np.int64) - np.repeat(p_start, p_dim)
-        src_elem = np.repeat(u_start[inv], p_dim) + within
+        src_elem = packed_index(self._dims, p.u_tab, p.inv, tab)  # reused by the backward
         buf = rows[src_elem]
         m.timings["lookup"] += time.perf_counter() - t0 - comm
         return _Lookup(batch, pb, buf, src_elem, rows.size, list(row_splits), list(back_splits), owned,

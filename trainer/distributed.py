@@ -7,9 +7,9 @@ the dense head. Every rank reads its own batches. Only ``torch.distributed`` col
 
 **One step** (mode ``sync``), on every rank, in this order:
 
-1. *plan*: the batch's ids (salted and packed as :class:`trainer.model.SparseModel` packs them) are
-   deduplicated per ``(table, id)`` and sorted by ``(owner, table, id)``: that order is the wire
-   order, so no per-id table tag is sent.
+1. *plan* (:mod:`trainer.dist_wire`): the batch's ids (salted and packed as
+   :class:`trainer.model.SparseModel` packs them) are deduplicated per ``(table, id)`` and sorted
+   by ``(owner, table, id)``: that order is the wire order, so no per-id table tag is sent.
 2. *header* (``all_to_all_single``, equal splits): to each owner, ``int64 [T + 3]``: how many
    unique ids of each of the T tables it will get, the local batch size, the local max event
    time and whether planning failed here (the rank then takes part with no ids). Everyone then knows its uneven split sizes, the global batch size (the loss is a mean
@@ -19,20 +19,23 @@ the dense head. Every rank reads its own batches. Only ``torch.distributed`` col
    owner repeats the id so its sketch counts what the 1-process PS counts; an id admitted by this
    very batch then reads its new row at every position, where the 1-process PS reads zeros at the
    occurrences before the admitting one: deduplication cannot tell positions apart).
-4. *lookup*: each owner runs, per table, ``EmbeddingTable.gather(insert=True)`` (admission,
-   lookup-or-insert): exactly the 1-process PS's insert path.
+4. *lookup* (:mod:`trainer.dist_owner`): each owner runs, per table,
+   ``EmbeddingTable.gather(insert=True)`` (admission, lookup-or-insert): exactly the 1-process
+   PS's insert path. A gather that raises names the requesters whose ids fail (step 7).
 5. *embeddings* (``all_to_all_single``, uneven): float32 rows back, in the order they came.
 6. *forward/backward* locally (:meth:`SparseModel.forward_packed`), loss = sum / global batch.
 7. *dense* (``all_reduce`` SUM, one flat buffer): the head's gradients plus the loss sum and one
    failure flag per rank, so every rank takes the same decision: when a rank's part of the step
-   failed (its loss or a gradient not finite, or its planning, forward or backward raised), every
+   failed (its loss or a gradient not finite, its planning, forward or backward raised, or an
+   owner's lookup raised on its ids: :class:`OwnerLookupError`), every
    rank raises :class:`RankStepError` naming the failed ranks, before anything is applied
    anywhere (no rank is left waiting in a collective; :func:`trainer.isolate.train_isolating_ranks`
    then finds the examples). Summing ``d(sum/B_global)`` over ranks is the gradient of the
    1-process mean loss on the concatenated batch.
 8. *gradients* (``all_to_all_single``, the embeddings' splits reversed): per unique id the sum of
    its rows' gradients, to the owner; the owner concatenates every rank's part per table and
-   steps it with the table's optimizer (``apply_gradients`` sums an id's parts first).
+   steps it with the table's optimizer (``apply_gradients`` sums an id's parts first; one that
+   raises is skipped and counted, :attr:`DistributedModel.failed_updates`: the step is agreed).
 9. the dense optimizer steps on every replica (same gradients: replicas stay equal; rank 0's
    initial head is broadcast once).
 
@@ -56,10 +59,15 @@ thread right behind the lookups already in flight: it overlaps the forward and b
 (``staleness`` lookups in flight), and the tables are only touched by that one thread, in the
 same order on every rank. The dense part stays synchronous. Use :meth:`DistributedModel.train`
 (an iterator over batches) to get the overlap; every rank must give it the same number of
-batches (empty ones for an idle rank).
+batches (empty ones for an idle rank). A caller with one batch at a time uses
+:meth:`DistributedModel.step` (the same order of lookups and updates; the step's own update
+waits for the next call) and :meth:`DistributedModel.flush` before it reads the tables. With
+``staleness`` 1 this equals a 1-process run applying each step's sparse update one step late
+(tests/trainer/test_distributed.py); what that costs in AUC: ``docs/scale-out.md``.
 
 The online trainer's ranks (:mod:`trainer.ranks`, launched by :mod:`trainer.launch`) step it one
-batch per round; their snapshots and deltas name shards by :func:`trainer.sharding.shard_of`.
+batch per round (:meth:`DistributedModel.step`); their snapshots and deltas name shards by
+:func:`trainer.sharding.shard_of`.
 
 **Not here yet** (issue #14): the dense all-reduce is not overlapped in ``hybrid``; TTL
 watermarks move only on owners that got ids of a table in a step (the 1-process PS moves a
@@ -83,7 +91,8 @@ import torch.nn.functional as F
 
 from .batch import SparseBatch
 from .config import ModelConfig
-from .dist_wire import packed_index, plan, starts
+from .dist_owner import Owner
+from .dist_wire import packed_index, plan
 from .model import NonFiniteStepError, SparseModel
 from .sharding import shard_of
 
@@ -92,6 +101,11 @@ MODES = ("sync", "hybrid")
 
 class DistributedError(RuntimeError):
     """Distributed training misuse: no process group, unknown mode, bad staleness."""
+
+
+class OwnerLookupError(RuntimeError):
+    """An owner's lookup (admission, lookup-or-insert) raised on this rank's ids: this rank's
+    part of the step failed (the owner logs the underlying error)."""
 
 
 class RankStepError(RuntimeError):
@@ -121,6 +135,7 @@ class _Lookup:
     comm_s: float
     error: Exception | None = None   # this rank's batch failed before its ids were sent
     any_failed: bool = False         # some rank's did (from the header)
+    served_failed: np.ndarray | None = None  # per requester: its ids made this owner's gather raise
 
 
 class DistributedModel:
@@ -146,6 +161,7 @@ class DistributedModel:
         self._names = self.model.ps.table_names
         self._tables = [self.model.tables[n] for n in self._names]
         self._dims = np.array([t.dim for t in self._tables], np.int64)
+        self._owner = Owner(self._tables, self._names, self.rank, self.world)
         # an admission that depends on occurrences needs each id's count in the batch
         self._counts = any(t.config.admission.min_count > 1 or t.config.admission.probability < 1.0
                            for t in self._tables)
@@ -167,6 +183,11 @@ class DistributedModel:
         self._deferred: deque = deque()      # hybrid step(): (lookup, gradients) not queued yet
         self.overlapped_updates = 0          # sparse updates run on the lookup thread (hybrid)
         self.steps = 0
+
+    @property
+    def failed_updates(self) -> int:
+        """Owner updates that raised and were skipped (:mod:`trainer.dist_owner`)."""
+        return self._owner.failed_updates
 
     @property
     def head(self):
@@ -223,30 +244,8 @@ class DistributedModel:
         if self._counts:
             r_occ = self._a2a(p.occurrences().astype(np.int64), counts.sum(1), rcounts.sum(1), g)
         comm = time.perf_counter() - tc
-        # owner side: per table, every requester's ids (in arrival order) -> one gather
-        r_tab = np.repeat(np.tile(np.arange(T), n), rcounts.reshape(-1))
-        r_dim = self._dims[r_tab]
-        r_start = starts(r_dim)
-        reply = np.empty(int(r_dim.sum()), np.float32)
-        owned = []
-        for ti in np.unique(r_tab).tolist():
-            sel = np.flatnonzero(r_tab == ti)
-            d = int(self._dims[ti])
-            elem = (r_start[sel][:, None] + np.arange(d)).reshape(-1)
-            tid = r_ids[sel]
-            if not insert:  # scoring: absent ids read zeros, nothing is admitted
-                vals = self._tables[ti].gather(tid)
-            elif self._counts:  # the sketch counts every occurrence, as in the 1-process batch
-                occ = r_occ[sel]
-                rep = np.repeat(tid, occ)
-                # the row as it is after the batch's occurrences (an id admitted by its 2nd
-                # occurrence reads its row everywhere; the 1-process PS gives its 1st occurrence
-                # zeros: a difference only in the batch that admits an id)
-                vals = self._tables[ti].gather(rep, insert=True, event_time=t_event)[starts(occ) + occ - 1]
-            else:
-                vals = self._tables[ti].gather(tid, insert=True, event_time=t_event)
-            reply[elem] = vals.reshape(-1)
-            owned.append((ti, tid, elem))
+        reply, owned, served_failed = self._owner.serve(r_ids, r_occ if self._counts else None, rcounts, t_event,
+                                                        insert)
         back_splits = (rcounts * self._dims).sum(1)
         row_splits = (counts * self._dims).sum(1)
         tc = time.perf_counter()
@@ -256,7 +255,7 @@ class DistributedModel:
         buf = rows[src_elem]
         m.timings["lookup"] += time.perf_counter() - t0 - comm
         return _Lookup(batch, pb, buf, src_elem, rows.size, list(row_splits), list(back_splits), owned,
-                       global_size, t_event, comm, error, bool(got[:, T + 2].any()))
+                       global_size, t_event, comm, error, bool(got[:, T + 2].any()), served_failed)
 
     # ------------------------------------------------------------------ steps 6-9
     def _local(self, lk: _Lookup):
@@ -308,6 +307,8 @@ class DistributedModel:
         # ranks' batches failed and all take the same decision
         flags = torch.zeros(self.world)
         flags[self.rank] = float(error is not None)
+        if lk.served_failed is not None and lk.served_failed.any():  # requesters this owner failed
+            flags[torch.from_numpy(np.flatnonzero(lk.served_failed))] = 1.0
         flat = torch.cat([head, torch.tensor([value], dtype=torch.float32), flags])
         tc = time.perf_counter()
         dist.all_reduce(flat, group=g)
@@ -317,6 +318,8 @@ class DistributedModel:
         comm = time.perf_counter() - tc
         failed = torch.nonzero(flat[-self.world:]).reshape(-1).tolist()
         if failed:
+            if error is None and self.rank in failed:  # named by an owner (which logged why)
+                error = OwnerLookupError(f"an owner's lookup failed on rank {self.rank}'s ids; nothing applied")
             raise RankStepError(failed, error)
         value = float(flat[-self.world - 1])
         if not math.isfinite(value) or not bool(torch.isfinite(flat[:-self.world - 1]).all()):
@@ -354,8 +357,7 @@ class DistributedModel:
         tc = time.perf_counter()
         r_grads = self._a2a(g_rows, lk.row_splits, lk.back_splits, group)
         comm = time.perf_counter() - tc
-        for ti, tid, elem in lk.owned:
-            self._tables[ti].apply_gradients(tid, r_grads[elem].reshape(tid.size, -1), lk.event_time)
+        self._owner.apply(lk.owned, r_grads, lk.event_time)
         with self._lock:
             self.model.timings["update"] += time.perf_counter() - tc - comm
             self.sparse_comm_s += comm
@@ -403,6 +405,8 @@ class DistributedModel:
         lk = self._lookup(batch, insert=False)
         if lk.error is not None:
             raise lk.error
+        if lk.served_failed.any():  # every collective is done: raising here leaves nobody waiting
+            raise OwnerLookupError(f"rank {self.rank} failed to look up rows of ranks {np.flatnonzero(lk.served_failed)}")
         logits, _ = self.model.forward_packed(lk.batch, lk.pb, lk.buf, requires_grad=False)
         return torch.sigmoid(logits).numpy()
 

@@ -358,6 +358,7 @@ class RankTrainer(M.LearnedFields):
                 "duplicates": self.ingest.duplicates, "failed_steps": self.failed_steps,
                 "sparse_version": self.publisher.sparse_version, "elapsed_s": time.time() - started,
                 "mode": self.dm.mode, "overlapped_updates": self.dm.overlapped_updates,
+                "failed_updates": self.dm.failed_updates,
                 "alltoall_bytes": self.dm.alltoall_bytes, "comm_s": float(sum(self.dm.comm_s)),
                 "broker_epoch": self.epoch, "stages": dict(self.stage)}
 

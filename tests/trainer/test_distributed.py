@@ -224,3 +224,52 @@ def test_a_failing_example_on_one_rank_is_isolated_in_lockstep(mode):
     assert a["steps"] == b["steps"] > 1 and np.isfinite(a["loss"])
     for k in a["head"]:
         assert (a["head"][k] == b["head"][k]).all(), k
+
+
+POISON_ID, POISON_UPDATE = 777, 778  # user ids no other row has
+
+
+def _failing(method, poison: int):
+    def call(ids, *args, **kw):
+        if (np.asarray(ids) == poison).any():
+            raise MemoryError(f"injected owner failure on {poison}")
+        return method(ids, *args, **kw)
+    return call
+
+
+def _owner_fails(rank: int, world: int, mode: str) -> dict:
+    """Every owner's gather raises on ``POISON_ID``, its update on ``POISON_UPDATE`` (fault
+    injection: no input makes a real PS call raise today; a bug or a MemoryError there would).
+    Rank 0's row 3 holds the first; rank 1's row 0 of the next step the second."""
+    dm = DistributedModel(_cfg(), mode=mode)
+    for t in dm.tables.values():
+        t.gather, t.apply_gradients = _failing(t.gather, POISON_ID), _failing(t.apply_gradients, POISON_UPDATE)
+    rows = _rows(0, rank, 8)
+    if rank == 0:
+        rows[3]["user_id"] = [POISON_ID]
+    res = train_isolating_ranks(dm, _batch(rows, 0, rank))
+    rows = _rows(1, rank, 4)
+    if rank == 1:
+        rows[0]["user_id"] = [POISON_UPDATE]
+    after = dm.step(_batch(rows, 1, rank))  # the group still steps together afterwards
+    dm.flush()
+    dm.close()
+    return {"failed": [(r, type(e).__name__) for r, e in res.failed], "applied": res.applied.tolist(),
+            "loss": after[0], "head": {k: v.detach().numpy().copy() for k, v in dm.head.state_dict().items()},
+            "failed_updates": dm.failed_updates, "steps": dm.steps}
+
+
+@pytest.mark.parametrize("mode", ["sync", "hybrid"])
+def test_an_owner_lookup_failing_on_one_ranks_ids_is_isolated_in_lockstep(mode):
+    """The owner of the poisoned id raises inside its lookup: it names the requester whose ids
+    failed (retrying requester by requester), every rank fails the step together, only rank 0
+    bisects, its row 3 alone is failed, and nobody waits in a collective. An owner's update that
+    raises (after the step is agreed) is skipped and counted: its two tables (user_id and its
+    first-order weight), once."""
+    a, b = run_local(_owner_fails, 2, mode, timeout_s=60)
+    assert a["failed_updates"] + b["failed_updates"] == 2 and a["steps"] == b["steps"]
+    assert a["failed"] == [(3, "OwnerLookupError")] and a["applied"] == [0, 1, 2, 4, 5, 6, 7]
+    assert b["failed"] == [] and b["applied"] == list(range(8))
+    assert np.isfinite(a["loss"]) and a["loss"] == b["loss"]
+    for k in a["head"]:
+        assert (a["head"][k] == b["head"][k]).all(), k

@@ -78,17 +78,18 @@ def _rank(rank: int, world: int, mode: str) -> dict:
     for _, p in it:
         probs.append(p)
     wall = time.perf_counter() - t0
-    share = HOLDOUT // world  # this rank's slice of the holdout
+    out = {"wall": wall, "examples": STEPS * BATCH, "a2a": dm.alltoall_bytes - a2a0,
+           "allreduce_per_step": dm.allreduce_bytes / max(1, dm.steps), "comm_s": dm.comm_s[comm0:],
+           "probs": np.concatenate(probs), "labels": np.concatenate([b.labels for b in batches]),
+           "timings": {k: round(v / (dm.steps - steps0) * 1000, 2) for k, v in dm.model.timings.items()}}
+    share = HOLDOUT // world  # this rank's slice of the holdout, scored after the measurements
     hold = data.batch(np.arange(LIMIT + rank * share, LIMIT + (rank + 1) * share))
-    hold_probs = dm.predict(hold)
+    out.update(hold_probs=dm.predict(hold), hold_labels=hold.labels)
     dm.close()
-    return {"hold_probs": hold_probs, "hold_labels": hold.labels,"wall": wall, "examples": STEPS * BATCH, "a2a": dm.alltoall_bytes - a2a0,
-            "allreduce_per_step": dm.allreduce_bytes / max(1, dm.steps), "comm_s": dm.comm_s[comm0:],
-            "probs": np.concatenate(probs), "labels": np.concatenate([b.labels for b in batches]),
-            "timings": {k: round(v / (dm.steps - steps0) * 1000, 2) for k, v in dm.model.timings.items()}}
+    return out
 
 
-def one_rank(data) -> tuple[float, float]:
+def one_rank(data) -> tuple[float, float, float]:
     torch.set_num_threads(1)
     m = SparseModel(_cfg())
     batches = list(data.batches(BATCH, np.arange(LIMIT)))

@@ -21,6 +21,7 @@ from trainer.model import SparseModel
 
 #: examples per rank per step: an idle rank (step 1) and an all-idle step (step 2) included
 SIZES = [(12, 12), (12, 0), (0, 0), (6, 12)]
+PRED = 9  # the rows of "step 9" are scored after training (DistributedModel.predict): new ids read zeros
 
 
 def _cfg(min_count: int = 1) -> ModelConfig:
@@ -58,9 +59,11 @@ def _run(rank: int, mode: str, min_count: int, one_at_a_time: bool = False) -> d
         dm.flush()
     else:
         out = list(dm.train(batches))
+    wire = dm.alltoall_bytes
+    pred = dm.predict(_batch(_rows(PRED, rank, SIZES[1][0]), PRED, rank))  # after training, nothing learned
     dm.close()
-    return {"losses": [v for v, _ in out], "probs": [p for _, p in out],
-            **_state(dm.tables, dm.head, dm.optimizer), "wire_bytes": dm.alltoall_bytes}
+    return {"losses": [v for v, _ in out], "probs": [p for _, p in out], "pred": pred,
+            **_state(dm.tables, dm.head, dm.optimizer), "wire_bytes": wire}
 
 
 def _worker(rank: int, world: int, mode: str) -> list[dict]:
@@ -68,11 +71,12 @@ def _worker(rank: int, world: int, mode: str) -> list[dict]:
     return [_run(rank, mode, 1), _run(rank, mode, 2)]
 
 
-def _global_batch(s: int) -> SparseBatch | None:
-    rows = [r for rank in range(2) for r in _rows(s, rank, SIZES[s][rank])]
+def _global_batch(s: int, sizes: tuple[int, int] | None = None) -> SparseBatch | None:
+    sizes = SIZES[s] if sizes is None else sizes
+    rows = [r for rank in range(2) for r in _rows(s, rank, sizes[rank])]
     if not rows:
         return None
-    b = [_batch(_rows(s, rank, SIZES[s][rank]), s, rank) for rank in range(2)]
+    b = [_batch(_rows(s, rank, sizes[rank]), s, rank) for rank in range(2)]
     return SparseBatch.from_slot_dicts(rows, slots=_cfg().all_slots, labels=np.concatenate([x.labels for x in b]),
                                        event_time_ms=np.concatenate([x.event_time_ms for x in b]))
 
@@ -81,7 +85,8 @@ def _reference(min_count: int = 1) -> tuple[list, dict]:
     torch.set_num_threads(1)
     m = SparseModel(_cfg(min_count))
     losses = [m.train_step(b)[0] for b in map(_global_batch, range(len(SIZES))) if b is not None]
-    return losses, _state(m.tables, m.head, m.optimizer)
+    pred = m.predict(_global_batch(PRED, (SIZES[1][0],) * 2))
+    return losses, {**_state(m.tables, m.head, m.optimizer), "pred": pred}
 
 
 def _reference_one_step_late() -> tuple[list, dict]:
@@ -144,6 +149,7 @@ def test_sync_two_ranks_equal_one_process_on_the_global_batch():
             for k, v in s.items():
                 np.testing.assert_allclose(r["adam"][i][k], v, rtol=1e-4, atol=1e-9, err_msg=f"{i}.{k}")
     assert all(r["wire_bytes"] > 0 for r in res)
+    np.testing.assert_allclose(np.concatenate([r["pred"] for r in res]), ref["pred"], rtol=1e-5, atol=1e-7)
     # count admission: the owners admit exactly the ids the 1-process PS admits
     _, ref2 = _reference(2)
     for name, items in ref2["tables"].items():

@@ -195,7 +195,9 @@ class TrainerSettings(BaseModel):
     # one trainer process owning every shard; N > 1 starts N ranks through torch's elastic
     # launcher, rank r owning shard r of every table and the partitions p with p % N == r.
     nproc: int = 1
-    # "sync" or "hybrid" (trainer/distributed.py); staleness: hybrid's lookups in flight.
+    # "sync" or "hybrid" (trainer/distributed.py). staleness (hybrid): steps of sparse updates a
+    # looked-up row may miss, the updates overlapping the next steps; 0: none missed (sync's
+    # results), a round's update overlapping the next round's poll and decode (docs/scale-out.md).
     dist_mode: str = "sync"
     staleness: int = 1
     # Times the elastic launcher restarts the whole group after a rank failed (kill -9 included)

@@ -63,7 +63,9 @@ batches (empty ones for an idle rank). A caller with one batch at a time uses
 :meth:`DistributedModel.step` (the same order of lookups and updates; the step's own update
 waits for the next call) and :meth:`DistributedModel.flush` before it reads the tables. With
 ``staleness`` 1 this equals a 1-process run applying each step's sparse update one step late
-(tests/trainer/test_distributed.py); what that costs in AUC: ``docs/scale-out.md``.
+(tests/trainer/test_distributed.py); what that costs in AUC: ``docs/scale-out.md``. With
+``staleness`` 0, :meth:`DistributedModel.step` queues a step's update ahead of the next lookup:
+``sync``'s results, the update overlapping what the caller does between steps.
 
 The online trainer's ranks (:mod:`trainer.ranks`, launched by :mod:`trainer.launch`) step it one
 batch per round (:meth:`DistributedModel.step`); their snapshots and deltas name shards by
@@ -149,8 +151,8 @@ class DistributedModel:
             raise DistributedError("torch.distributed is not initialized: call init_process_group first")
         if mode not in MODES:
             raise DistributedError(f"mode must be one of {MODES}, got {mode!r}")
-        if staleness < 1:
-            raise DistributedError(f"staleness must be >= 1, got {staleness}")
+        if staleness < 0:
+            raise DistributedError(f"staleness must be >= 0, got {staleness}")
         self.mode, self.staleness, self.group = mode, staleness, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         # one local shard per table: this rank's rows are shard `rank` of an N-shard table
@@ -377,15 +379,19 @@ class DistributedModel:
         updates of the steps older than ``staleness`` (so the lookup misses at most the
         ``staleness`` latest steps' updates, as in :meth:`train`), and those run on the lookup
         thread while this batch does its forward and backward; this batch's own sparse update
-        waits for the next call (or :meth:`flush`). Collective, like :meth:`train_step`."""
+        waits for the next call (or :meth:`flush`). Collective, like :meth:`train_step`.
+
+        ``staleness`` 0: the batch's own update is queued at once instead, ahead of the next
+        lookup: ``sync``'s results exactly, the update overlapping whatever the caller does until
+        its next step (the online ranks: the round's bookkeeping, the next poll and decode)."""
         if self.mode == "sync":
             return self.train_step(batch)
         lookup = self._pool.submit(self._lookup, batch)
-        while len(self._deferred) >= self.staleness:
+        while self._deferred and len(self._deferred) >= self.staleness:
             self._queue_update(*self._deferred.popleft())
         while self._sparse_steps and self._sparse_steps[0].done():
             self._sparse_steps.popleft().result()  # raises a failed update here
-        return self._learn(lookup.result(), "deferred")
+        return self._learn(lookup.result(), "deferred" if self.staleness else "queued")
 
     def flush(self) -> None:
         """``hybrid``: apply every sparse update still deferred or queued, and wait for them: the

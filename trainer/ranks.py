@@ -60,7 +60,9 @@ split by the partition rule, the global stream state given to rank 0).
 **Hybrid** (``trainer.dist_mode = "hybrid"``): each round's step queues its lookup, then the sparse
 updates of the rounds older than ``trainer.staleness``; those run on the engine's lookup thread
 during this round's forward and backward, and this round's update waits for the next round
-(:meth:`DistributedModel.step`: a looked-up row misses at most ``staleness`` rounds of updates).
+(:meth:`DistributedModel.step`: a looked-up row misses at most ``staleness`` rounds of updates;
+with ``staleness`` 0 a round's update is queued at once and overlaps the round's bookkeeping and
+the next poll instead: ``sync``'s results).
 Before the rows are published and before a snapshot every rank applies what is deferred
 (:meth:`DistributedModel.flush`), so deltas and snapshots hold every example counted as applied.
 Polling and training still alternate within a round.

@@ -4,7 +4,8 @@
 times, dense head, Adam state, losses), with an idle rank and an all-idle step on the way.
 ``hybrid``: finishes, replicas stay equal, same rows as ``sync``; with staleness 1 it equals a
 1-process run that applies each step's sparse update one step late (after the next step's
-lookup), through :meth:`DistributedModel.train` and through :meth:`DistributedModel.step`."""
+lookup), through :meth:`DistributedModel.train` and through :meth:`DistributedModel.step`; with
+staleness 0 (:meth:`DistributedModel.step`) it equals ``sync``."""
 
 from __future__ import annotations
 
@@ -51,8 +52,8 @@ def _state(tables, head, opt) -> dict:
             "adam": {i: {k: v.numpy().copy() for k, v in s.items()} for i, s in st.items()}}
 
 
-def _run(rank: int, mode: str, min_count: int, one_at_a_time: bool = False) -> dict:
-    dm = DistributedModel(_cfg(min_count), mode=mode)
+def _run(rank: int, mode: str, min_count: int, one_at_a_time: bool = False, staleness: int = 1) -> dict:
+    dm = DistributedModel(_cfg(min_count), mode=mode, staleness=staleness)
     batches = [_batch(_rows(s, rank, SIZES[s][rank]), s, rank) for s in range(len(SIZES))]
     if one_at_a_time:  # as the online ranks step: one batch per call, then a flush
         out = [dm.step(b) for b in batches]
@@ -115,7 +116,8 @@ def _reference_one_step_late() -> tuple[list, dict]:
 
 
 def _hybrid_worker(rank: int, world: int) -> list[dict]:
-    return [_run(rank, "hybrid", 1), _run(rank, "hybrid", 1, one_at_a_time=True)]
+    return [_run(rank, "hybrid", 1), _run(rank, "hybrid", 1, one_at_a_time=True),
+            _run(rank, "hybrid", 1, one_at_a_time=True, staleness=0)]
 
 
 def _merged(parts: list[dict], name: str):
@@ -170,10 +172,20 @@ def test_hybrid_finishes_and_keeps_replicas_equal():
         assert _merged(res, name)[0].tolist() == items[0].tolist(), name
 
 
-def test_hybrid_staleness_1_equals_updates_applied_one_step_late():
+def test_hybrid_staleness_1_equals_updates_applied_one_step_late_and_0_equals_sync():
     ref_losses, ref = _reference_one_step_late()
     sync_losses, sync = _reference()
-    for res in zip(*run_local(_hybrid_worker, 2, timeout_s=60)):  # train(), then step()
+    *late, fresh = zip(*run_local(_hybrid_worker, 2, timeout_s=60))
+    # staleness 0 (step(): each update queued ahead of the next lookup) is sync, rows and all
+    for r in fresh:
+        got = [v for v, (a, b) in zip(r["losses"], SIZES) if a + b]
+        np.testing.assert_allclose(got, sync_losses, rtol=1e-5)
+    for name, items in sync["tables"].items():
+        keys, vals, state, times = _merged(fresh, name)
+        assert keys.tolist() == items[0].tolist(), name
+        np.testing.assert_allclose(vals, items[1], rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(state, items[2], rtol=1e-5, atol=1e-7, err_msg=name)
+    for res in late:  # staleness 1: train(), then step()
         for r in res:
             got = [v for v, (a, b) in zip(r["losses"], SIZES) if a + b]
             np.testing.assert_allclose(got, ref_losses, rtol=1e-5)

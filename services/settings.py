@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -198,8 +199,8 @@ class TrainerSettings(BaseModel):
     # "sync" or "hybrid" (trainer/distributed.py). staleness (hybrid): steps of sparse updates a
     # looked-up row may miss, the updates overlapping the next steps; 0: none missed (sync's
     # results), a round's update overlapping the next round's poll and decode (docs/scale-out.md).
-    dist_mode: str = "sync"
-    staleness: int = 1
+    dist_mode: Literal["sync", "hybrid"] = "sync"
+    staleness: int = Field(1, ge=0)
     # Times the elastic launcher restarts the whole group after a rank failed (kill -9 included)
     # before it gives up (then `driftline up`'s supervisor restarts the launcher).
     max_restarts: int = 3

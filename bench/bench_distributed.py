@@ -19,6 +19,9 @@
   tests/trainer/test_distributed.py, docs/scale-out.md).
 * ``auc_holdout_*``: the trained model (every update applied) scoring the ``HOLDOUT`` examples
   that follow the stream, learning none: what staleness costs the model itself.
+* ``auc_hybrid_1proc_late``: one process on the same global batches applying each sparse update
+  one step late (``bench/hybrid_reference.py``): equal to ``auc_hybrid`` when the engine keeps
+  its staleness promise, whatever the gap to ``auc_sync``.
 
 The machine's 2 cores are shared with whatever else runs: rates are noisy, read them as such.
 """
@@ -123,6 +126,8 @@ def main():
         if mode == "sync":
             out.update({"alltoall_bytes_per_example": round(a2a, 1), "comm_ms_per_step_p50": round(comm, 3),
                         "allreduce_bytes_per_step": round(res[0]["allreduce_per_step"])})
+    from hybrid_reference import run as reference  # imports this module's constants
+    out["auc_hybrid_1proc_late"] = reference(WARMUP + STEPS, late=True, seed=None)["auc"]
     out["auc_gap"] = round(out["auc_sync"] - out["auc_hybrid"], 4)
     out["auc_holdout_gap"] = round(out["auc_holdout_sync"] - out["auc_holdout_hybrid"], 4)
     out.update({"batch_per_rank": BATCH, "holdout": HOLDOUT, "steps": STEPS, "quick": QUICK, "wall_s": round(time.time() - t_start, 1)})

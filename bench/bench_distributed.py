@@ -130,7 +130,8 @@ def main():
     out["auc_hybrid_1proc_late"] = reference(WARMUP + STEPS, late=True, seed=None)["auc"]
     out["auc_gap"] = round(out["auc_sync"] - out["auc_hybrid"], 4)
     out["auc_holdout_gap"] = round(out["auc_holdout_sync"] - out["auc_holdout_hybrid"], 4)
-    out.update({"batch_per_rank": BATCH, "holdout": HOLDOUT, "steps": STEPS, "quick": QUICK, "wall_s": round(time.time() - t_start, 1)})
+    out.update({"batch_per_rank": BATCH, "holdout": HOLDOUT, "steps": STEPS, "quick": QUICK,
+                "wall_s": round(time.time() - t_start, 1)})
     print(json.dumps(out))
 
 

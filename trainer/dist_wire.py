@@ -2,6 +2,14 @@
 which unique ``(table, id)`` pairs go to which owner, in what order, and where each returned
 row lands in the packed buffer. Pure numpy, no collectives.
 
+**Wire**, per example with U unique ids per example sent off-rank (about (N-1)/N of them):
+``8 U`` (ids) + ``4 U d`` (rows) + ``4 U d`` (gradients) bytes through ``all_to_all``, ``d`` being
+the row width (DeepFM here: 16 for a field, 1 for its first-order weight, so ``8 + 4*17*2`` per
+(field, id) pair), plus ``8 (T + 3) N`` header bytes per step and the dense head's gradients
+(``4 P`` bytes per step, all-reduced, P parameters) independent of the batch size.
+:attr:`trainer.distributed.DistributedModel.alltoall_bytes` counts what left this rank
+(``allreduce_bytes``: the dense part).
+
 >>> import numpy as np
 >>> ids, tab = np.array([7, 3, 7, 3]), np.array([0, 0, 0, 1])   # id 7 twice in table 0
 >>> p = plan(ids, tab, np.array([1, 0, 1, 0]), n_owners=2, n_tables=2)
@@ -62,3 +70,23 @@ def packed_index(dims: np.ndarray, u_tab: np.ndarray, inv: np.ndarray, tab: np.n
     p_dim = dims[tab]
     within = np.arange(int(p_dim.sum()), dtype=np.int64) - np.repeat(starts(p_dim), p_dim)
     return np.repeat(starts(u_dim)[inv], p_dim) + within
+
+
+@dataclass
+class Lookup:
+    """One batch's looked-up rows and what its gradient step needs (:mod:`trainer.distributed`'s steps)."""
+
+    batch: object                 # trainer.batch.SparseBatch (completed)
+    pb: object                    # ps.PackedBatch (salted ids, packed)
+    buf: np.ndarray               # float32, the packed layout: the forward's input
+    src_elem: np.ndarray          # buf[i] = rows[src_elem[i]]: unique rows -> packed positions
+    n_rows: int                   # float32 values of the unique rows (what we received)
+    row_splits: list[int]         # values per owner (received rows; sent gradients)
+    back_splits: list[int]        # values per requester (sent rows; received gradients)
+    owned: list                   # [(table index, ids, element index into the sent rows)]
+    global_size: int
+    event_time: int
+    comm_s: float
+    error: Exception | None = None   # this rank's batch failed before its ids were sent
+    any_failed: bool = False         # some rank's did (from the header)
+    served_failed: np.ndarray | None = None  # per requester: its ids made this owner's gather raise

@@ -44,12 +44,7 @@ summation order (and the admitting batch of an id, step 3) (tests/trainer/test_d
 state). An idle rank (empty batch) takes part in every collective; a step whose global batch is
 empty is skipped by all ranks together.
 
-**Wire**, per example with U unique ids per example sent off-rank (about (N-1)/N of them):
-``8 U`` (ids) + ``4 U d`` (rows) + ``4 U d`` (gradients) bytes through ``all_to_all``, ``d`` being
-the row width (DeepFM here: 16 for a field, 1 for its first-order weight, so ``8 + 4*17*2`` per
-(field, id) pair), plus ``8 (T + 3) N`` header bytes per step and the dense head's gradients
-(``4 P`` bytes per step, all-reduced, P parameters) independent of the batch size.
-:attr:`DistributedModel.alltoall_bytes` counts what left this rank (``allreduce_bytes``: the dense part).
+**Wire**: bytes per example and per step in :mod:`trainer.dist_wire`.
 
 **Mode** ``hybrid`` (PERSIA): steps 2-5 of batch ``t+1`` (the lookup) run in a background thread,
 on a second process group, while batch ``t`` does its forward, backward and updates, and step 8
@@ -83,7 +78,6 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -94,7 +88,7 @@ import torch.nn.functional as F
 from .batch import SparseBatch
 from .config import ModelConfig
 from .dist_owner import Owner
-from .dist_wire import packed_index, plan
+from .dist_wire import Lookup, packed_index, plan
 from .model import NonFiniteStepError, SparseModel
 from .sharding import shard_of
 
@@ -118,26 +112,6 @@ class RankStepError(RuntimeError):
     def __init__(self, failed: list[int], local: Exception | None):
         super().__init__(f"the step failed on rank(s) {failed}" + (f": {local!r}" if local is not None else ""))
         self.failed, self.local = failed, local
-
-
-@dataclass
-class _Lookup:
-    """One batch's looked-up rows and what its gradient step needs (see the module docstring)."""
-
-    batch: SparseBatch
-    pb: object                    # ps.PackedBatch (salted ids, packed)
-    buf: np.ndarray               # float32, the packed layout: the forward's input
-    src_elem: np.ndarray          # buf[i] = rows[src_elem[i]]: unique rows -> packed positions
-    n_rows: int                   # float32 values of the unique rows (what we received)
-    row_splits: list[int]         # values per owner (received rows; sent gradients)
-    back_splits: list[int]        # values per requester (sent rows; received gradients)
-    owned: list                   # [(table index, ids, element index into the sent rows)]
-    global_size: int
-    event_time: int
-    comm_s: float
-    error: Exception | None = None   # this rank's batch failed before its ids were sent
-    any_failed: bool = False         # some rank's did (from the header)
-    served_failed: np.ndarray | None = None  # per requester: its ids made this owner's gather raise
 
 
 class DistributedModel:
@@ -219,7 +193,7 @@ class DistributedModel:
         return out.numpy()
 
     # ------------------------------------------------------------------ steps 1-5
-    def _lookup(self, batch: SparseBatch, insert: bool = True) -> _Lookup:
+    def _lookup(self, batch: SparseBatch, insert: bool = True) -> Lookup:
         t0 = time.perf_counter()
         m, n, T, g = self.model, self.world, len(self._names), self._lookup_group
         error = None
@@ -256,11 +230,11 @@ class DistributedModel:
         src_elem = packed_index(self._dims, p.u_tab, p.inv, tab)  # reused by the backward
         buf = rows[src_elem]
         m.timings["lookup"] += time.perf_counter() - t0 - comm
-        return _Lookup(batch, pb, buf, src_elem, rows.size, list(row_splits), list(back_splits), owned,
+        return Lookup(batch, pb, buf, src_elem, rows.size, list(row_splits), list(back_splits), owned,
                        global_size, t_event, comm, error, bool(got[:, T + 2].any()), served_failed)
 
     # ------------------------------------------------------------------ steps 6-9
-    def _local(self, lk: _Lookup):
+    def _local(self, lk: Lookup):
         """Forward and backward of this rank's examples: ``(loss sum / global size, probs, per
         unique row the sum of its gradients)``; raises when any of it is not finite here."""
         m = self.model
@@ -285,7 +259,7 @@ class DistributedModel:
     def _head_grads(self) -> torch.Tensor:
         return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in self._params])
 
-    def _learn(self, lk: _Lookup, sparse: str = "now"):
+    def _learn(self, lk: Lookup, sparse: str = "now"):
         """Steps 6-9 of ``lk``'s batch. ``sparse``: step 8 runs ``"now"`` (sync), is ``"queued"``
         on the lookup thread (:meth:`train`), or ``"deferred"`` until the next :meth:`step`
         queues it behind that step's lookup."""
@@ -350,11 +324,11 @@ class DistributedModel:
         self.steps += 1
         return value, probs
 
-    def _queue_update(self, lk: _Lookup, g_rows: np.ndarray) -> None:
+    def _queue_update(self, lk: Lookup, g_rows: np.ndarray) -> None:
         self.overlapped_updates += 1
         self._sparse_steps.append(self._pool.submit(self._sparse_update, lk, g_rows, self._lookup_group))
 
-    def _sparse_update(self, lk: _Lookup, g_rows: np.ndarray, group) -> float:
+    def _sparse_update(self, lk: Lookup, g_rows: np.ndarray, group) -> float:
         """Step 8: the gradients to their owners, which apply them; returns the seconds in the collective."""
         tc = time.perf_counter()
         r_grads = self._a2a(g_rows, lk.row_splits, lk.back_splits, group)
@@ -412,7 +386,8 @@ class DistributedModel:
         if lk.error is not None:
             raise lk.error
         if lk.served_failed.any():  # every collective is done: raising here leaves nobody waiting
-            raise OwnerLookupError(f"rank {self.rank} failed to look up rows of ranks {np.flatnonzero(lk.served_failed)}")
+            failed = np.flatnonzero(lk.served_failed).tolist()
+            raise OwnerLookupError(f"rank {self.rank} failed to look up rows of ranks {failed}")
         logits, _ = self.model.forward_packed(lk.batch, lk.pb, lk.buf, requires_grad=False)
         return torch.sigmoid(logits).numpy()
 

@@ -223,7 +223,8 @@ def _poisoned(rank: int, world: int, bad_rows: list[list[int]], mode: str) -> di
     after = dm.step(b.select(np.array([1, 2])))  # the group still steps together afterwards
     dm.flush()
     dm.close()
-    return {"overlapped": dm.overlapped_updates, "failed": [(r, type(e).__name__) for r, e in res.failed], "applied": res.applied.tolist(),
+    return {"overlapped": dm.overlapped_updates, "failed": [(r, type(e).__name__) for r, e in res.failed],
+            "applied": res.applied.tolist(),
             "probs": len(res.probs), "steps": dm.steps, "loss": after[0],
             "head": {k: v.detach().numpy().copy() for k, v in dm.head.state_dict().items()}}
 

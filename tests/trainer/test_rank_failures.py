@@ -48,7 +48,8 @@ def ml_examples() -> list[Example]:
     return MovieLensData(limit=N).examples()
 
 
-def _spawn(settings, tmp: Path, log: Path, cfg: ModelConfig, idle_s: str = "600", mode: str = "sync") -> subprocess.Popen:
+def _spawn(settings, tmp: Path, log: Path, cfg: ModelConfig, idle_s: str = "600",
+           mode: str = "sync") -> subprocess.Popen:
     """The trainer with 2 ranks in ``mode``, stopping when idle ``idle_s`` (by default stopped by
     SIGTERM), no periodic snapshots."""
     (tmp / "model.json").write_text(cfg.model_dump_json())

@@ -12,7 +12,16 @@
   gradients, headers), all ranks, per example; ``allreduce_bytes_per_step``: the dense gradients.
 * ``comm_ms_per_step_p50``: rank 0's median time inside collectives per step (sync run).
 * ``auc_*``: progressive validation AUC (each example scored before it is learned) over every
-  step; ``auc_1rank`` on the 1-rank stream (batches of ``BATCH``) for reference.
+  step; ``auc_1rank`` on the 1-rank stream (batches of ``BATCH``) for reference. ``hybrid`` scores
+  with rows that miss the previous step's update (staleness 1): on this stream every item row
+  and user-attribute row is in every step, so that costs progressive AUC (about 0.018 in QUICK,
+  0.009 over 200 steps; the same as a 1-process run applying each update one step late:
+  tests/trainer/test_distributed.py, docs/scale-out.md).
+* ``auc_holdout_*``: the trained model (every update applied) scoring the ``HOLDOUT`` examples
+  that follow the stream, learning none: what staleness costs the model itself.
+* ``auc_hybrid_1proc_late``: one process on the same global batches applying each sparse update
+  one step late (``bench/hybrid_reference.py``): equal to ``auc_hybrid`` when the engine keeps
+  its staleness promise, whatever the gap to ``auc_sync``.
 
 The machine's 2 cores are shared with whatever else runs: rates are noisy, read them as such.
 """
@@ -43,6 +52,7 @@ QUICK = os.environ.get("QUICK") == "1"
 BATCH = 1024
 WARMUP = 3
 STEPS = 24 if QUICK else 200      # measured global steps (each 2 * BATCH examples)
+HOLDOUT = 20 * BATCH               # examples after the stream, scored by the trained model
 LIMIT = (WARMUP + STEPS) * 2 * BATCH
 
 
@@ -51,7 +61,7 @@ def _cfg():
 
 
 def _data():
-    return MovieLensData(limit=LIMIT)
+    return MovieLensData(limit=LIMIT + HOLDOUT)
 
 
 def _rank(rank: int, world: int, mode: str) -> dict:
@@ -71,14 +81,18 @@ def _rank(rank: int, world: int, mode: str) -> dict:
     for _, p in it:
         probs.append(p)
     wall = time.perf_counter() - t0
+    out = {"wall": wall, "examples": STEPS * BATCH, "a2a": dm.alltoall_bytes - a2a0,
+           "allreduce_per_step": dm.allreduce_bytes / max(1, dm.steps), "comm_s": dm.comm_s[comm0:],
+           "probs": np.concatenate(probs), "labels": np.concatenate([b.labels for b in batches]),
+           "timings": {k: round(v / (dm.steps - steps0) * 1000, 2) for k, v in dm.model.timings.items()}}
+    share = HOLDOUT // world  # this rank's slice of the holdout, scored after the measurements
+    hold = data.batch(np.arange(LIMIT + rank * share, LIMIT + (rank + 1) * share))
+    out.update(hold_probs=dm.predict(hold), hold_labels=hold.labels)
     dm.close()
-    return {"wall": wall, "examples": STEPS * BATCH, "a2a": dm.alltoall_bytes - a2a0,
-            "allreduce_per_step": dm.allreduce_bytes / max(1, dm.steps), "comm_s": dm.comm_s[comm0:],
-            "probs": np.concatenate(probs), "labels": np.concatenate([b.labels for b in batches]),
-            "timings": {k: round(v / (dm.steps - steps0) * 1000, 2) for k, v in dm.model.timings.items()}}
+    return out
 
 
-def one_rank(data) -> tuple[float, float]:
+def one_rank(data) -> tuple[float, float, float]:
     torch.set_num_threads(1)
     m = SparseModel(_cfg())
     batches = list(data.batches(BATCH, np.arange(LIMIT)))
@@ -86,30 +100,38 @@ def one_rank(data) -> tuple[float, float]:
     t0 = time.perf_counter()
     probs += [m.train_step(b)[1] for b in batches[WARMUP:]]
     rate = sum(b.size for b in batches[WARMUP:]) / (time.perf_counter() - t0)
-    return rate, auc(np.concatenate(probs), np.concatenate([b.labels for b in batches]))
+    hold = data.batch(np.arange(LIMIT, LIMIT + HOLDOUT))
+    return (rate, auc(np.concatenate(probs), np.concatenate([b.labels for b in batches])),
+            auc(m.predict(hold), hold.labels))
 
 
 def main():
     t_start = time.time()
     data = _data()
-    rate1, auc1 = one_rank(data)
-    print(f"1 rank, 1 thread: {rate1:,.0f} ex/s  auc {auc1:.4f}", flush=True)
-    out = {"ex_per_s_1rank_1thread": round(rate1), "auc_1rank": round(auc1, 4)}
+    rate1, auc1, hold1 = one_rank(data)
+    print(f"1 rank, 1 thread: {rate1:,.0f} ex/s  auc {auc1:.4f}  holdout {hold1:.4f}", flush=True)
+    out = {"ex_per_s_1rank_1thread": round(rate1), "auc_1rank": round(auc1, 4), "auc_holdout_1rank": round(hold1, 4)}
     for mode in ("sync", "hybrid"):
         res = run_local(_rank, 2, mode, timeout_s=120)
         rate = sum(r["examples"] for r in res) / max(r["wall"] for r in res)
         a = auc(np.concatenate([r["probs"] for r in res]), np.concatenate([r["labels"] for r in res]))
+        hold = auc(np.concatenate([r["hold_probs"] for r in res]), np.concatenate([r["hold_labels"] for r in res]))
         comm = float(np.median(res[0]["comm_s"])) * 1000
         a2a = sum(r["a2a"] for r in res) / sum(r["examples"] for r in res)
-        print(f"2 ranks {mode}: {rate:,.0f} ex/s (scaling {rate / rate1:.2f})  auc {a:.4f}  "
+        print(f"2 ranks {mode}: {rate:,.0f} ex/s (scaling {rate / rate1:.2f})  auc {a:.4f}  holdout {hold:.4f}  "
               f"all_to_all {a2a:.0f} B/example  comm p50 {comm:.2f} ms/step  "
               f"rank 0 ms/step {json.dumps(res[0]['timings'])}", flush=True)
         out.update({f"ex_per_s_2rank_{mode}": round(rate), f"scaling_{mode}": round(rate / rate1, 3),
-                    f"auc_{mode}": round(a, 4)})
+                    f"auc_{mode}": round(a, 4), f"auc_holdout_{mode}": round(hold, 4)})
         if mode == "sync":
             out.update({"alltoall_bytes_per_example": round(a2a, 1), "comm_ms_per_step_p50": round(comm, 3),
                         "allreduce_bytes_per_step": round(res[0]["allreduce_per_step"])})
-    out.update({"batch_per_rank": BATCH, "steps": STEPS, "quick": QUICK, "wall_s": round(time.time() - t_start, 1)})
+    from hybrid_reference import run as reference  # imports this module's constants
+    out["auc_hybrid_1proc_late"] = reference(WARMUP + STEPS, late=True, seed=None)["auc"]
+    out["auc_gap"] = round(out["auc_sync"] - out["auc_hybrid"], 4)
+    out["auc_holdout_gap"] = round(out["auc_holdout_sync"] - out["auc_holdout_hybrid"], 4)
+    out.update({"batch_per_rank": BATCH, "holdout": HOLDOUT, "steps": STEPS, "quick": QUICK,
+                "wall_s": round(time.time() - t_start, 1)})
     print(json.dumps(out))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -195,9 +196,11 @@ class TrainerSettings(BaseModel):
     # one trainer process owning every shard; N > 1 starts N ranks through torch's elastic
     # launcher, rank r owning shard r of every table and the partitions p with p % N == r.
     nproc: int = 1
-    # "sync" or "hybrid" (trainer/distributed.py); staleness: hybrid's lookups in flight.
-    dist_mode: str = "sync"
-    staleness: int = 1
+    # "sync" or "hybrid" (trainer/distributed.py). staleness (hybrid): steps of sparse updates a
+    # looked-up row may miss, the updates overlapping the next steps; 0: none missed (sync's
+    # results), a round's update overlapping the next round's poll and decode (docs/scale-out.md).
+    dist_mode: Literal["sync", "hybrid"] = "sync"
+    staleness: int = Field(1, ge=0)
     # Times the elastic launcher restarts the whole group after a rank failed (kill -9 included)
     # before it gives up (then `driftline up`'s supervisor restarts the launcher).
     max_restarts: int = 3

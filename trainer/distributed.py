@@ -7,9 +7,9 @@ the dense head. Every rank reads its own batches. Only ``torch.distributed`` col
 
 **One step** (mode ``sync``), on every rank, in this order:
 
-1. *plan*: the batch's ids (salted and packed as :class:`trainer.model.SparseModel` packs them) are
-   deduplicated per ``(table, id)`` and sorted by ``(owner, table, id)``: that order is the wire
-   order, so no per-id table tag is sent.
+1. *plan* (:mod:`trainer.dist_wire`): the batch's ids (salted and packed as
+   :class:`trainer.model.SparseModel` packs them) are deduplicated per ``(table, id)`` and sorted
+   by ``(owner, table, id)``: that order is the wire order, so no per-id table tag is sent.
 2. *header* (``all_to_all_single``, equal splits): to each owner, ``int64 [T + 3]``: how many
    unique ids of each of the T tables it will get, the local batch size, the local max event
    time and whether planning failed here (the rank then takes part with no ids). Everyone then knows its uneven split sizes, the global batch size (the loss is a mean
@@ -19,20 +19,23 @@ the dense head. Every rank reads its own batches. Only ``torch.distributed`` col
    owner repeats the id so its sketch counts what the 1-process PS counts; an id admitted by this
    very batch then reads its new row at every position, where the 1-process PS reads zeros at the
    occurrences before the admitting one: deduplication cannot tell positions apart).
-4. *lookup*: each owner runs, per table, ``EmbeddingTable.gather(insert=True)`` (admission,
-   lookup-or-insert): exactly the 1-process PS's insert path.
+4. *lookup* (:mod:`trainer.dist_owner`): each owner runs, per table,
+   ``EmbeddingTable.gather(insert=True)`` (admission, lookup-or-insert): exactly the 1-process
+   PS's insert path. A gather that raises names the requesters whose ids fail (step 7).
 5. *embeddings* (``all_to_all_single``, uneven): float32 rows back, in the order they came.
 6. *forward/backward* locally (:meth:`SparseModel.forward_packed`), loss = sum / global batch.
 7. *dense* (``all_reduce`` SUM, one flat buffer): the head's gradients plus the loss sum and one
    failure flag per rank, so every rank takes the same decision: when a rank's part of the step
-   failed (its loss or a gradient not finite, or its planning, forward or backward raised), every
+   failed (its loss or a gradient not finite, its planning, forward or backward raised, or an
+   owner's lookup raised on its ids: :class:`OwnerLookupError`), every
    rank raises :class:`RankStepError` naming the failed ranks, before anything is applied
    anywhere (no rank is left waiting in a collective; :func:`trainer.isolate.train_isolating_ranks`
    then finds the examples). Summing ``d(sum/B_global)`` over ranks is the gradient of the
    1-process mean loss on the concatenated batch.
 8. *gradients* (``all_to_all_single``, the embeddings' splits reversed): per unique id the sum of
    its rows' gradients, to the owner; the owner concatenates every rank's part per table and
-   steps it with the table's optimizer (``apply_gradients`` sums an id's parts first).
+   steps it with the table's optimizer (``apply_gradients`` sums an id's parts first; one that
+   raises is skipped and counted, :attr:`DistributedModel.failed_updates`: the step is agreed).
 9. the dense optimizer steps on every replica (same gradients: replicas stay equal; rank 0's
    initial head is broadcast once).
 
@@ -41,12 +44,7 @@ summation order (and the admitting batch of an id, step 3) (tests/trainer/test_d
 state). An idle rank (empty batch) takes part in every collective; a step whose global batch is
 empty is skipped by all ranks together.
 
-**Wire**, per example with U unique ids per example sent off-rank (about (N-1)/N of them):
-``8 U`` (ids) + ``4 U d`` (rows) + ``4 U d`` (gradients) bytes through ``all_to_all``, ``d`` being
-the row width (DeepFM here: 16 for a field, 1 for its first-order weight, so ``8 + 4*17*2`` per
-(field, id) pair), plus ``8 (T + 3) N`` header bytes per step and the dense head's gradients
-(``4 P`` bytes per step, all-reduced, P parameters) independent of the batch size.
-:attr:`DistributedModel.alltoall_bytes` counts what left this rank (``allreduce_bytes``: the dense part).
+**Wire**: bytes per example and per step in :mod:`trainer.dist_wire`.
 
 **Mode** ``hybrid`` (PERSIA): steps 2-5 of batch ``t+1`` (the lookup) run in a background thread,
 on a second process group, while batch ``t`` does its forward, backward and updates, and step 8
@@ -56,10 +54,17 @@ thread right behind the lookups already in flight: it overlaps the forward and b
 (``staleness`` lookups in flight), and the tables are only touched by that one thread, in the
 same order on every rank. The dense part stays synchronous. Use :meth:`DistributedModel.train`
 (an iterator over batches) to get the overlap; every rank must give it the same number of
-batches (empty ones for an idle rank).
+batches (empty ones for an idle rank). A caller with one batch at a time uses
+:meth:`DistributedModel.step` (the same order of lookups and updates; the step's own update
+waits for the next call) and :meth:`DistributedModel.flush` before it reads the tables. With
+``staleness`` 1 this equals a 1-process run applying each step's sparse update one step late
+(tests/trainer/test_distributed.py); what that costs in AUC: ``docs/scale-out.md``. With
+``staleness`` 0, :meth:`DistributedModel.step` queues a step's update ahead of the next lookup:
+``sync``'s results, the update overlapping what the caller does between steps.
 
 The online trainer's ranks (:mod:`trainer.ranks`, launched by :mod:`trainer.launch`) step it one
-batch per round; their snapshots and deltas name shards by :func:`trainer.sharding.shard_of`.
+batch per round (:meth:`DistributedModel.step`); their snapshots and deltas name shards by
+:func:`trainer.sharding.shard_of`.
 
 **Not here yet** (issue #14): the dense all-reduce is not overlapped in ``hybrid``; TTL
 watermarks move only on owners that got ids of a table in a step (the 1-process PS moves a
@@ -73,7 +78,6 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -83,6 +87,8 @@ import torch.nn.functional as F
 
 from .batch import SparseBatch
 from .config import ModelConfig
+from .dist_owner import Owner
+from .dist_wire import Lookup, packed_index, plan
 from .model import NonFiniteStepError, SparseModel
 from .sharding import shard_of
 
@@ -93,6 +99,11 @@ class DistributedError(RuntimeError):
     """Distributed training misuse: no process group, unknown mode, bad staleness."""
 
 
+class OwnerLookupError(RuntimeError):
+    """An owner's lookup (admission, lookup-or-insert) raised on this rank's ids: this rank's
+    part of the step failed (the owner logs the underlying error)."""
+
+
 class RankStepError(RuntimeError):
     """A step failed on the ranks ``failed`` (raised on *every* rank together, nothing applied
     anywhere); ``local``: this rank's own error (what its batch did), None when its batch was fine.
@@ -101,30 +112,6 @@ class RankStepError(RuntimeError):
     def __init__(self, failed: list[int], local: Exception | None):
         super().__init__(f"the step failed on rank(s) {failed}" + (f": {local!r}" if local is not None else ""))
         self.failed, self.local = failed, local
-
-
-def _starts(lengths: np.ndarray) -> np.ndarray:
-    """Exclusive prefix sums: where each of ``lengths``' pieces starts (empty in, empty out)."""
-    return (np.cumsum(lengths) - lengths).astype(np.int64)
-
-
-@dataclass
-class _Lookup:
-    """One batch's looked-up rows and what its gradient step needs (see the module docstring)."""
-
-    batch: SparseBatch
-    pb: object                    # ps.PackedBatch (salted ids, packed)
-    buf: np.ndarray               # float32, the packed layout: the forward's input
-    src_elem: np.ndarray          # buf[i] = rows[src_elem[i]]: unique rows -> packed positions
-    n_rows: int                   # float32 values of the unique rows (what we received)
-    row_splits: list[int]         # values per owner (received rows; sent gradients)
-    back_splits: list[int]        # values per requester (sent rows; received gradients)
-    owned: list                   # [(table index, ids, element index into the sent rows)]
-    global_size: int
-    event_time: int
-    comm_s: float
-    error: Exception | None = None   # this rank's batch failed before its ids were sent
-    any_failed: bool = False         # some rank's did (from the header)
 
 
 class DistributedModel:
@@ -138,8 +125,8 @@ class DistributedModel:
             raise DistributedError("torch.distributed is not initialized: call init_process_group first")
         if mode not in MODES:
             raise DistributedError(f"mode must be one of {MODES}, got {mode!r}")
-        if staleness < 1:
-            raise DistributedError(f"staleness must be >= 1, got {staleness}")
+        if staleness < 0:
+            raise DistributedError(f"staleness must be >= 0, got {staleness}")
         self.mode, self.staleness, self.group = mode, staleness, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         # one local shard per table: this rank's rows are shard `rank` of an N-shard table
@@ -150,6 +137,7 @@ class DistributedModel:
         self._names = self.model.ps.table_names
         self._tables = [self.model.tables[n] for n in self._names]
         self._dims = np.array([t.dim for t in self._tables], np.int64)
+        self._owner = Owner(self._tables, self._names, self.rank, self.world)
         # an admission that depends on occurrences needs each id's count in the batch
         self._counts = any(t.config.admission.min_count > 1 or t.config.admission.probability < 1.0
                            for t in self._tables)
@@ -168,7 +156,14 @@ class DistributedModel:
         self.comm_s: list[float] = []   # per step: seconds in collectives (lookup + gradients)
         self.sparse_comm_s = 0.0        # of which in the gradients' all_to_all (in the background: hybrid)
         self._sparse_steps: deque = deque()  # hybrid: gradient exchanges queued behind the lookups
+        self._deferred: deque = deque()      # hybrid step(): (lookup, gradients) not queued yet
+        self.overlapped_updates = 0          # sparse updates run on the lookup thread (hybrid)
         self.steps = 0
+
+    @property
+    def failed_updates(self) -> int:
+        """Owner updates that raised and were skipped (:mod:`trainer.dist_owner`)."""
+        return self._owner.failed_updates
 
     @property
     def head(self):
@@ -198,7 +193,7 @@ class DistributedModel:
         return out.numpy()
 
     # ------------------------------------------------------------------ steps 1-5
-    def _lookup(self, batch: SparseBatch) -> _Lookup:
+    def _lookup(self, batch: SparseBatch, insert: bool = True) -> Lookup:
         t0 = time.perf_counter()
         m, n, T, g = self.model, self.world, len(self._names), self._lookup_group
         error = None
@@ -209,17 +204,9 @@ class DistributedModel:
             error = err
             batch = m.complete(batch.select(np.zeros(0, np.int64)))
             pb = m.pack(batch)
-        ids = pb.ids
         tab = np.repeat(pb.slot_table, np.diff(pb.offsets))
-        own = shard_of(ids, n)
-        order = np.lexsort((ids, tab, own))        # the wire order: owner, table, id
-        s_ids, s_tab = ids[order], tab[order]
-        first = np.ones(ids.size, bool)
-        first[1:] = (s_ids[1:] != s_ids[:-1]) | (s_tab[1:] != s_tab[:-1])
-        inv = np.empty(ids.size, np.int64)
-        inv[order] = np.cumsum(first) - 1
-        u_ids, u_tab, u_own = s_ids[first], s_tab[first], own[order][first]
-        counts = np.bincount(u_own * T + u_tab, minlength=n * T).reshape(n, T)
+        p = plan(pb.ids, tab, shard_of(pb.ids, n), n, T)
+        counts = p.counts
         header = np.empty((n, T + 3), np.int64)
         header[:, :T] = counts
         header[:, T] = batch.size
@@ -229,52 +216,25 @@ class DistributedModel:
         got = self._a2a(header.reshape(-1), [T + 3] * n, [T + 3] * n, g).reshape(n, T + 3)
         rcounts = got[:, :T]                        # [source, table]: ids this rank owns
         global_size, t_event = int(got[:, T].sum()), int(got[:, T + 1].max())
-        r_ids = self._a2a(u_ids, counts.sum(1), rcounts.sum(1), g)
+        r_ids = self._a2a(p.u_ids, counts.sum(1), rcounts.sum(1), g)
         if self._counts:
-            occ = np.diff(np.flatnonzero(np.append(first, True)))
-            r_occ = self._a2a(occ.astype(np.int64), counts.sum(1), rcounts.sum(1), g)
+            r_occ = self._a2a(p.occurrences().astype(np.int64), counts.sum(1), rcounts.sum(1), g)
         comm = time.perf_counter() - tc
-        # owner side: per table, every requester's ids (in arrival order) -> one gather
-        r_tab = np.repeat(np.tile(np.arange(T), n), rcounts.reshape(-1))
-        r_dim = self._dims[r_tab]
-        r_start = _starts(r_dim)
-        reply = np.empty(int(r_dim.sum()), np.float32)
-        owned = []
-        for ti in np.unique(r_tab).tolist():
-            sel = np.flatnonzero(r_tab == ti)
-            d = int(self._dims[ti])
-            elem = (r_start[sel][:, None] + np.arange(d)).reshape(-1)
-            tid = r_ids[sel]
-            if self._counts:  # the sketch counts every occurrence, as in the 1-process batch
-                occ = r_occ[sel]
-                rep = np.repeat(tid, occ)
-                # the row as it is after the batch's occurrences (an id admitted by its 2nd
-                # occurrence reads its row everywhere; the 1-process PS gives its 1st occurrence
-                # zeros: a difference only in the batch that admits an id)
-                vals = self._tables[ti].gather(rep, insert=True, event_time=t_event)[_starts(occ) + occ - 1]
-            else:
-                vals = self._tables[ti].gather(tid, insert=True, event_time=t_event)
-            reply[elem] = vals.reshape(-1)
-            owned.append((ti, tid, elem))
+        reply, owned, served_failed = self._owner.serve(r_ids, r_occ if self._counts else None, rcounts, t_event,
+                                                        insert)
         back_splits = (rcounts * self._dims).sum(1)
         row_splits = (counts * self._dims).sum(1)
         tc = time.perf_counter()
         rows = self._a2a(reply, back_splits, row_splits, g)
         comm += time.perf_counter() - tc
-        # unique rows -> packed positions (element-wise index, built once, reused by the backward)
-        u_dim = self._dims[u_tab]
-        u_start = _starts(u_dim)
-        p_dim = self._dims[tab]
-        p_start = _starts(p_dim)
-        within = np.arange(int(p_dim.sum()), dtype=np.int64) - np.repeat(p_start, p_dim)
-        src_elem = np.repeat(u_start[inv], p_dim) + within
+        src_elem = packed_index(self._dims, p.u_tab, p.inv, tab)  # reused by the backward
         buf = rows[src_elem]
         m.timings["lookup"] += time.perf_counter() - t0 - comm
-        return _Lookup(batch, pb, buf, src_elem, rows.size, list(row_splits), list(back_splits), owned,
-                       global_size, t_event, comm, error, bool(got[:, T + 2].any()))
+        return Lookup(batch, pb, buf, src_elem, rows.size, list(row_splits), list(back_splits), owned,
+                       global_size, t_event, comm, error, bool(got[:, T + 2].any()), served_failed)
 
     # ------------------------------------------------------------------ steps 6-9
-    def _local(self, lk: _Lookup):
+    def _local(self, lk: Lookup):
         """Forward and backward of this rank's examples: ``(loss sum / global size, probs, per
         unique row the sum of its gradients)``; raises when any of it is not finite here."""
         m = self.model
@@ -299,7 +259,10 @@ class DistributedModel:
     def _head_grads(self) -> torch.Tensor:
         return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in self._params])
 
-    def _learn(self, lk: _Lookup, overlap: bool = False):
+    def _learn(self, lk: Lookup, sparse: str = "now"):
+        """Steps 6-9 of ``lk``'s batch. ``sparse``: step 8 runs ``"now"`` (sync), is ``"queued"``
+        on the lookup thread (:meth:`train`), or ``"deferred"`` until the next :meth:`step`
+        queues it behind that step's lookup."""
         m, g = self.model, self.group
         if lk.global_size == 0 and not lk.any_failed:  # every rank knows: nothing to learn, no more collectives
             return 0.0, np.zeros(0, np.float32)
@@ -320,6 +283,8 @@ class DistributedModel:
         # ranks' batches failed and all take the same decision
         flags = torch.zeros(self.world)
         flags[self.rank] = float(error is not None)
+        if lk.served_failed is not None and lk.served_failed.any():  # requesters this owner failed
+            flags[torch.from_numpy(np.flatnonzero(lk.served_failed))] = 1.0
         flat = torch.cat([head, torch.tensor([value], dtype=torch.float32), flags])
         tc = time.perf_counter()
         dist.all_reduce(flat, group=g)
@@ -329,6 +294,8 @@ class DistributedModel:
         comm = time.perf_counter() - tc
         failed = torch.nonzero(flat[-self.world:]).reshape(-1).tolist()
         if failed:
+            if error is None and self.rank in failed:  # named by an owner (which logged why)
+                error = OwnerLookupError(f"an owner's lookup failed on rank {self.rank}'s ids; nothing applied")
             raise RankStepError(failed, error)
         value = float(flat[-self.world - 1])
         if not math.isfinite(value) or not bool(torch.isfinite(flat[:-self.world - 1]).all()):
@@ -338,8 +305,10 @@ class DistributedModel:
         if g_rows is None:
             g_rows = np.zeros(lk.n_rows, np.float32)
         t2, sparse_comm = time.perf_counter(), 0.0
-        if overlap:  # after the lookups already queued, before the next ones: staleness holds
-            self._sparse_steps.append(self._pool.submit(self._sparse_update, lk, g_rows, self._lookup_group))
+        if sparse == "queued":  # after the lookups already queued, before the next ones: staleness holds
+            self._queue_update(lk, g_rows)
+        elif sparse == "deferred":
+            self._deferred.append((lk, g_rows))
         else:
             sparse_comm = self._sparse_update(lk, g_rows, g)
         t3 = time.perf_counter()
@@ -355,13 +324,16 @@ class DistributedModel:
         self.steps += 1
         return value, probs
 
-    def _sparse_update(self, lk: _Lookup, g_rows: np.ndarray, group) -> float:
+    def _queue_update(self, lk: Lookup, g_rows: np.ndarray) -> None:
+        self.overlapped_updates += 1
+        self._sparse_steps.append(self._pool.submit(self._sparse_update, lk, g_rows, self._lookup_group))
+
+    def _sparse_update(self, lk: Lookup, g_rows: np.ndarray, group) -> float:
         """Step 8: the gradients to their owners, which apply them; returns the seconds in the collective."""
         tc = time.perf_counter()
         r_grads = self._a2a(g_rows, lk.row_splits, lk.back_splits, group)
         comm = time.perf_counter() - tc
-        for ti, tid, elem in lk.owned:
-            self._tables[ti].apply_gradients(tid, r_grads[elem].reshape(tid.size, -1), lk.event_time)
+        self._owner.apply(lk.owned, r_grads, lk.event_time)
         with self._lock:
             self.model.timings["update"] += time.perf_counter() - tc - comm
             self.sparse_comm_s += comm
@@ -370,8 +342,54 @@ class DistributedModel:
     # ------------------------------------------------------------------ public
     def train_step(self, batch: SparseBatch):
         """One synchronous step (both modes): ``(global mean loss, this rank's probabilities
-        before the update)``. Collective: every rank calls it, with an empty batch when idle."""
+        before the update)``. Collective: every rank calls it, with an empty batch when idle.
+        In ``hybrid`` the updates still in flight are applied first."""
+        self.flush()
         return self._learn(self._lookup(batch))
+
+    def step(self, batch: SparseBatch):
+        """One step for a caller that has one batch at a time (the online ranks): in ``sync``
+        :meth:`train_step`; in ``hybrid`` the batch's lookup is queued first, then the sparse
+        updates of the steps older than ``staleness`` (so the lookup misses at most the
+        ``staleness`` latest steps' updates, as in :meth:`train`), and those run on the lookup
+        thread while this batch does its forward and backward; this batch's own sparse update
+        waits for the next call (or :meth:`flush`). Collective, like :meth:`train_step`.
+
+        ``staleness`` 0: the batch's own update is queued at once instead, ahead of the next
+        lookup: ``sync``'s results exactly, the update overlapping whatever the caller does until
+        its next step (the online ranks: the round's bookkeeping, the next poll and decode)."""
+        if self.mode == "sync":
+            return self.train_step(batch)
+        lookup = self._pool.submit(self._lookup, batch)
+        while self._deferred and len(self._deferred) >= self.staleness:
+            self._queue_update(*self._deferred.popleft())
+        while self._sparse_steps and self._sparse_steps[0].done():
+            self._sparse_steps.popleft().result()  # raises a failed update here
+        return self._learn(lookup.result(), "deferred" if self.staleness else "queued")
+
+    def flush(self) -> None:
+        """``hybrid``: apply every sparse update still deferred or queued, and wait for them: the
+        tables then hold every step learned (before a snapshot, a publication of the rows, a
+        synchronous step). Collective when anything was deferred (every rank has the same)."""
+        while self._deferred:
+            self._queue_update(*self._deferred.popleft())
+        while self._sparse_steps:
+            self._sparse_steps.popleft().result()
+
+    @torch.no_grad()
+    def predict(self, batch: SparseBatch) -> np.ndarray:
+        """This rank's probabilities for ``batch`` from the current tables and head, nothing
+        inserted or learned (evaluation). Collective: every rank calls it (an empty batch when
+        it has nothing to score)."""
+        self.flush()
+        lk = self._lookup(batch, insert=False)
+        if lk.error is not None:
+            raise lk.error
+        if lk.served_failed.any():  # every collective is done: raising here leaves nobody waiting
+            failed = np.flatnonzero(lk.served_failed).tolist()
+            raise OwnerLookupError(f"rank {self.rank} failed to look up rows of ranks {failed}")
+        logits, _ = self.model.forward_packed(lk.batch, lk.pb, lk.buf, requires_grad=False)
+        return torch.sigmoid(logits).numpy()
 
     def train(self, batches: Iterable[SparseBatch]) -> Iterator[tuple[float, np.ndarray]]:
         """:meth:`train_step` over ``batches``; in ``hybrid`` mode up to ``staleness`` lookups of
@@ -387,11 +405,10 @@ class DistributedModel:
             for b in it:
                 pending.append(self._pool.submit(self._lookup, b))
                 if len(pending) > self.staleness:
-                    yield self._learn(pending.popleft().result(), overlap=True)
+                    yield self._learn(pending.popleft().result(), "queued")
                 while self._sparse_steps and self._sparse_steps[0].done():
                     self._sparse_steps.popleft().result()  # raises a failed update here
             while pending:
-                yield self._learn(pending.popleft().result(), overlap=True)
+                yield self._learn(pending.popleft().result(), "queued")
         finally:
-            while self._sparse_steps:  # the tables hold every update once train() is done
-                self._sparse_steps.popleft().result()
+            self.flush()  # the tables hold every update once train() is done

@@ -161,7 +161,8 @@ def train_isolating_lockstep(step: Step, batch: SparseBatch, own_error: Callable
 
 
 def train_isolating_ranks(dm, batch: SparseBatch) -> StepResult:
-    """``dm.train_step(batch)`` of a :class:`trainer.distributed.DistributedModel`, finding the
+    """``dm.step(batch)`` of a :class:`trainer.distributed.DistributedModel` (its ``hybrid``
+    overlap included: a failed step raises before its sparse update is deferred), finding the
     examples a failed step fails on with :func:`train_isolating_lockstep` (collective, as the step;
     a failure no example of any rank caused is raised)."""
     import torch
@@ -179,4 +180,4 @@ def train_isolating_ranks(dm, batch: SparseBatch) -> StepResult:
         dist.all_reduce(t, group=dm.group)
         return int(t) > 0
 
-    return train_isolating_lockstep(dm.train_step, batch, own, any_left)
+    return train_isolating_lockstep(dm.step, batch, own, any_left)

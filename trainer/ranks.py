@@ -21,7 +21,7 @@ rows, named ``shard=r, shard_count=N``; dense by rank 0 only), :class:`trainer.c
    has been idle ``stop_when_idle_s``, the global max event time (snapshots are due by it), the
    examples queued, and rank 0's clock decisions (sparse / dense sync due). Every rank then takes
    the same decisions without another message;
-3. step (:meth:`DistributedModel.train_step`, collective; an empty batch on an idle rank), then
+3. step (:meth:`DistributedModel.step`, collective; an empty batch on an idle rank), then
    the bookkeeping of the 1-process trainer (:class:`trainer.metrics.Learned`) and per-rank
    metrics (label ``rank``: examples, steps, seconds and bytes in collectives);
 4. when due: each rank publishes its shard's touched rows; rank 0 the dense weights with the
@@ -57,9 +57,18 @@ and restart the whole group (``trainer.max_restarts``), and every rank resumes f
 complete manifest; a snapshot of N ranks restores into M ranks (rows resharded on load, offsets
 split by the partition rule, the global stream state given to rank 0).
 
-**Not here yet** (issue #14): ``hybrid`` mode runs the engine's ``train_step``, so the online loop
-does not overlap lookups yet; polling and training alternate within a round. (The dedup window is per rank: enough, examples are keyed
-by user, so a joiner duplicate lands on the same partition, i.e. the same rank.)
+**Hybrid** (``trainer.dist_mode = "hybrid"``): each round's step queues its lookup, then the sparse
+updates of the rounds older than ``trainer.staleness``; those run on the engine's lookup thread
+during this round's forward and backward, and this round's update waits for the next round
+(:meth:`DistributedModel.step`: a looked-up row misses at most ``staleness`` rounds of updates;
+with ``staleness`` 0 a round's update is queued at once and overlaps the round's bookkeeping and
+the next poll instead: ``sync``'s results).
+Before the rows are published and before a snapshot every rank applies what is deferred
+(:meth:`DistributedModel.flush`), so deltas and snapshots hold every example counted as applied.
+Polling and training still alternate within a round.
+
+The dedup window is per rank: enough, examples are keyed by user, so a joiner duplicate lands on
+the same partition, i.e. the same rank.
 """
 
 from __future__ import annotations
@@ -199,6 +208,7 @@ class RankTrainer(M.LearnedFields):
         """Collective: every rank writes its part, rank 0 commits the set (the manifest last)."""
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
+        await self._coll(self.dm.flush)  # hybrid: the shards then hold every round applied
         seq = [snapshots.next_seq(self.root) if self.rank == 0 else 0]
         await self._coll(dist.broadcast_object_list, seq, 0)
         seq = int(seq[0])
@@ -225,6 +235,9 @@ class RankTrainer(M.LearnedFields):
 
     # ------------------------------------------------------------------ sync
     async def sync_sparse(self) -> None:
+        """Collective in ``hybrid`` (the deferred sparse updates are applied first: every rank
+        publishes rows that hold every round it counts as applied)."""
+        await self._coll(self.dm.flush)
         await self.publisher.sync_sparse(self.dm.tables, self.max_event_time)
 
     async def sync_dense(self) -> None:
@@ -346,6 +359,8 @@ class RankTrainer(M.LearnedFields):
                 "auc": self.auc.value(), "loss": self.loss_ema, "bad": self.consumer.dead_lettered,
                 "duplicates": self.ingest.duplicates, "failed_steps": self.failed_steps,
                 "sparse_version": self.publisher.sparse_version, "elapsed_s": time.time() - started,
+                "mode": self.dm.mode, "overlapped_updates": self.dm.overlapped_updates,
+                "failed_updates": self.dm.failed_updates,
                 "alltoall_bytes": self.dm.alltoall_bytes, "comm_s": float(sum(self.dm.comm_s)),
                 "broker_epoch": self.epoch, "stages": dict(self.stage)}
 

@@ -48,14 +48,15 @@ def ml_examples() -> list[Example]:
     return MovieLensData(limit=N).examples()
 
 
-def _spawn(settings, tmp: Path, log: Path, cfg: ModelConfig, idle_s: str = "600") -> subprocess.Popen:
-    """The trainer with 2 ranks, stopping when idle ``idle_s`` (by default stopped by SIGTERM), no
-    periodic snapshots."""
+def _spawn(settings, tmp: Path, log: Path, cfg: ModelConfig, idle_s: str = "600",
+           mode: str = "sync") -> subprocess.Popen:
+    """The trainer with 2 ranks in ``mode``, stopping when idle ``idle_s`` (by default stopped by
+    SIGTERM), no periodic snapshots."""
     (tmp / "model.json").write_text(cfg.model_dump_json())
     return subprocess.Popen([sys.executable, "-m", "trainer", "online", "--sync-interval-s", "1",
                              "--snapshot-interval-event-s", "0", "--stop-when-idle-s", idle_s, "--batch-size", "512"],
-                            env=_env(settings, tmp), stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO,
-                            start_new_session=True)
+                            env=dict(_env(settings, tmp), DRIFTLINE_TRAINER__DIST_MODE=mode), stdout=open(log, "ab"),
+                            stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
 
 
 async def _committed(settings) -> int:
@@ -160,7 +161,8 @@ def _overflowing_warm_start(root: Path, cfg: ModelConfig, topic: str) -> None:
     Snapshots(root, cfg, topic).save(model, {}, {"topic": topic, "offsets": {}, "examples_applied": 0})
 
 
-async def test_a_failing_example_on_one_rank_is_dead_lettered_and_the_group_goes_on(settings, ml_examples, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "hybrid"])
+async def test_a_failing_example_on_one_rank_is_dead_lettered_and_the_group_goes_on(settings, ml_examples, tmp_path, mode):
     cfg = ModelConfig.model_validate({**deepfm_config(dim=8, mlp=[32]).model_dump(), "dense_features": ["x"]})
     examples = [Example.FromString(e.SerializeToString()) for e in ml_examples[:N // 2]]
     for e in examples:
@@ -172,7 +174,7 @@ async def test_a_failing_example_on_one_rank_is_dead_lettered_and_the_group_goes
     _overflowing_warm_start(root, cfg, settings.topics.examples)
     records = await produce_examples(settings, examples[:1000] + [poison] + examples[1000:], chunk=250)
     log = tmp_path / "trainer.log"
-    p = _spawn(settings, tmp_path, log, cfg)
+    p = _spawn(settings, tmp_path, log, cfg, mode=mode)
     try:
         await _until_committed(settings, records, p, log)
     finally:
@@ -180,6 +182,7 @@ async def test_a_failing_example_on_one_rank_is_dead_lettered_and_the_group_goes
     res = _results(log)
     assert sorted(res) == [0, 1], log.read_text()[-3000:]
     assert sum(r["examples_applied"] for r in res.values()) == len(examples), res
+    assert {r["mode"] for r in res.values()} == {mode} and not any(r["failed_updates"] for r in res.values())
     assert sum(r["failed_steps"] for r in res.values()) == 1 and sum(r["bad"] for r in res.values()) == 1, res
     [letter] = [DeadLetter.FromString(v) for v in await read_topic(settings, settings.topics.dead_letters, timeout_s=1.0)]
     ids = [e.example_id for e in example_batch.to_examples(example_batch.decode(letter.value))]

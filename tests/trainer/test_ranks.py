@@ -54,12 +54,15 @@ def _env(settings, tmp: Path) -> dict:
                 DRIFTLINE_TRAINER__NPROC="2")
 
 
-def _spawn(settings, tmp: Path, log: Path, snapshot_s: str = "0", idle_s: str = "4") -> subprocess.Popen:
+def _spawn(settings, tmp: Path, log: Path, snapshot_s: str = "0", idle_s: str = "4",
+           mode: str = "sync", staleness: int = 1) -> subprocess.Popen:
     (tmp / "model.json").write_text(small_cfg().model_dump_json())
     return subprocess.Popen([sys.executable, "-m", "trainer", "online", "--sync-interval-s", "1",
                              "--snapshot-interval-event-s", snapshot_s, "--stop-when-idle-s", idle_s,
                              "--batch-size", "512"],
-                            env=_env(settings, tmp), stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO,
+                            env=dict(_env(settings, tmp), DRIFTLINE_TRAINER__DIST_MODE=mode,
+                                     DRIFTLINE_TRAINER__STALENESS=str(staleness)),
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO,
                             start_new_session=True)
 
 
@@ -83,13 +86,20 @@ async def _deltas(settings) -> list[ParameterDelta]:
     return out
 
 
-async def test_two_ranks_train_the_stream_and_deltas_reproduce_the_union(settings, ml_examples, tmp_path):
+@pytest.mark.parametrize("mode,staleness", [("sync", 1), ("hybrid", 1), ("hybrid", 0)])
+async def test_two_ranks_train_the_stream_and_deltas_reproduce_the_union(settings, ml_examples, tmp_path, mode,
+                                                                        staleness):
+    """Both modes; ``hybrid``'s deferred or queued sparse updates are applied before each
+    publication and snapshot, so its deltas too reproduce the snapshot's rows exactly."""
     await produce_examples(settings, ml_examples)
     log = tmp_path / "trainer.log"
-    p = _spawn(settings, tmp_path, log)
+    p = _spawn(settings, tmp_path, log, mode=mode, staleness=staleness)
     assert p.wait(timeout=240) == 0, log.read_text()[-4000:]
     res = _results(log)
     assert sorted(res) == [0, 1], log.read_text()[-3000:]
+    assert {r["mode"] for r in res.values()} == {mode}
+    # hybrid: the rounds' sparse updates really ran on the lookup thread, behind the next lookup
+    assert all((r["overlapped_updates"] > 0) == (mode == "hybrid") for r in res.values())
     assert sum(r["examples_applied"] for r in res.values()) == N
     assert all(r["examples_applied"] > 0 for r in res.values())  # both ranks read partitions
     root = settings.var_dir / "snapshots" / "deepfm"

@@ -1,0 +1,73 @@
+"""What ``hybrid``'s staleness costs, without torch.distributed: one process on the bench's global
+batches (``bench_distributed``'s model and stream), sparse updates applied at once (``sync``) or
+one step late, after the next step's lookup (``hybrid`` with staleness 1:
+tests/trainer/test_distributed.py checks the engine equals this). Deterministic.
+
+    python bench/hybrid_reference.py [STEPS [SEED ...]]    # defaults: 27 (bench QUICK), seed None
+
+One JSON line per (seed, delay): progressive AUC (each example scored before it is learned), of
+the second half of the stream, and ``holdout`` (the trained model, every update applied, on the
+``bench_distributed.HOLDOUT`` examples after the stream). Used for docs/scale-out.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import deque
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_distributed as B  # noqa: E402 - imports trainer before torch
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from trainer.config import deepfm_config  # noqa: E402
+from trainer.data import MovieLensData  # noqa: E402
+from trainer.metrics import auc  # noqa: E402
+from trainer.model import SparseModel  # noqa: E402
+
+GLOBAL = 2 * B.BATCH  # the 2-rank bench's global batch
+
+
+def run(steps: int, late: bool, seed: int | None) -> dict:
+    torch.set_num_threads(1)
+    m = SparseModel(deepfm_config(dim=16, mlp=[256, 128], recent_items=False, seed=seed))
+    data = MovieLensData(limit=steps * GLOBAL + B.HOLDOUT)
+    pending: deque = deque()
+    probs, labels = [], []
+    for s in range(steps):
+        b = data.batch(np.arange(s * GLOBAL, (s + 1) * GLOBAL))
+        logits, (pb, leaves) = m.forward(b, insert=True, event_time=b.max_event_time)
+        while pending:  # the previous step's update lands after this step's lookup
+            m.ps.apply_packed_gradients(*pending.popleft())
+        loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(b.labels))
+        m.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        pending.append((pb, np.concatenate([w.grad.numpy().reshape(-1) for _, w in leaves]), b.max_event_time))
+        if not late:
+            m.ps.apply_packed_gradients(*pending.popleft())
+        m.optimizer.step()
+        probs.append(torch.sigmoid(logits.detach()).numpy())
+        labels.append(b.labels)
+    while pending:
+        m.ps.apply_packed_gradients(*pending.popleft())
+    p, y = np.concatenate(probs), np.concatenate(labels)
+    hold = data.batch(np.arange(steps * GLOBAL, steps * GLOBAL + B.HOLDOUT))
+    return {"steps": steps, "seed": seed, "late": late, "auc": round(auc(p, y), 4),
+            "auc_2nd_half": round(auc(p[p.size // 2:], y[y.size // 2:]), 4),
+            "holdout": round(auc(m.predict(hold), hold.labels), 4)}
+
+
+def main():
+    steps = int(sys.argv[1]) if len(sys.argv) > 1 else B.WARMUP + 24
+    for seed in [int(x) for x in sys.argv[2:]] or [None]:
+        for late in (False, True):
+            print(json.dumps(run(steps, late, seed)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

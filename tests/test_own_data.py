@@ -1,9 +1,10 @@
 """Issue 16's acceptance, for a schema that is not MovieLens: ``driftline init``, an edited project
 file (string user and item features, a position, a dense feature, no user ids), ``up --config``,
 the user's item features through ``features load --config``, traffic with a planted signal through
-serving (plain HTTP here; the client package and the Kafka producers come next), then: examples
-join, the trainer's AUC beats 0.5, serving's scores move with the deltas, the dense feature
-changes the score, and nothing was downloaded."""
+the client package (``driftline.client.RankClient.from_project``: ``/rank`` and ``/actions``) and,
+for a quarter of the requests, through its Kafka producers (a system that ranks on its own and logs
+``FeatureLog``/``Action`` itself), then: examples join, the trainer's AUC beats 0.5, serving's
+scores move with the deltas, the dense feature changes the score, and nothing was downloaded."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.hashing import string_id, string_key
+from driftline.client import ActionProducer, Blocking, FeatureLogProducer, RankClient, Ranking, UnknownFeature
+from driftline.project import load_project
 from tests.loopstack import LoopStack
 
 SEGMENTS = ["students", "parents", "pros"]
@@ -77,12 +79,53 @@ def _brand(sku: str) -> str:
     return BRANDS[int(sku[-3:]) % len(BRANDS)]
 
 
-def _request(rng: random.Random, segment: str, price: float | None = None) -> tuple[dict, list[str]]:
+def _request(rng: random.Random, price: float | None = None) -> tuple[list[dict], list[str]]:
+    """Four candidates: the user's own string SKUs, their positions and prices (plain values)."""
     skus = rng.sample(SKUS, 4)
-    return {"context": {"sparse": {"segment": [string_id(segment)]}},
-            "candidates": [{"item_id": string_key(sku), "features": {
-                "sparse": {"position": [pos]}, "dense": {"price": rng.random() if price is None else price}}}
-                for pos, sku in enumerate(skus)]}, skus
+    return [{"item_id": sku, "features": {"position": pos, "price": rng.random() if price is None else price}}
+            for pos, sku in enumerate(skus)], skus
+
+
+def _clicked(rng: random.Random, segment: str, skus: list[str]) -> list[str]:
+    return [sku for pos, sku in enumerate(skus) if rng.random() < _click_probability(segment, _brand(sku), pos)]
+
+
+def _traffic(stack: LoopStack, client: RankClient, config: Path) -> tuple[float | None, float]:
+    """Requests until the trainer learned the signal (or 150 s): three in four through ``/rank``
+    and ``/actions``, one in four logged to Kafka by the producers (with the item's brand: no
+    serving adds it there). Returns the trainer's AUC and examples learned."""
+    rng = random.Random(0)
+    settings = stack.settings()
+    logs = Blocking(FeatureLogProducer(load_project(config).features, settings, model_id="shop"))
+    actions = Blocking(ActionProducer(settings=settings, action_types=["click"]))
+    auc, trained, sent = None, 0.0, 0
+    with logs, actions:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            segment = rng.choice(SEGMENTS)
+            candidates, skus = _request(rng)
+            if sent % 4 == 3:
+                for c, sku in zip(candidates, skus):
+                    c["features"]["brand"] = _brand(sku)
+                rid = logs.send(None, candidates, context={"segment": segment})
+                for sku in _clicked(rng, segment, skus):
+                    actions.send(rid, sku, "click")
+            else:
+                ranking = client.rank(candidates=candidates, context={"segment": segment})
+                clicks = _clicked(rng, segment, skus)
+                if clicks:
+                    client.actions([{"request_id": ranking.request_id, "item_id": sku, "action_type": "click"}
+                                    for sku in clicks])
+            sent += 1
+            auc = stack.metric("trainer", "driftline_trainer_auc", {"model": "shop"})
+            trained = stack.metric("trainer", "driftline_trainer_examples_total", {"model": "shop"}) or 0
+            if sent % 50 == 0 and trained > 2000 and auc is not None and auc > 0.6:
+                break
+    return auc, trained
+
+
+def _scores(r: Ranking) -> dict[str, float]:
+    return {str(i.item): i.raw_score for i in r.items}
 
 
 @pytest.mark.timeout(420)
@@ -104,40 +147,25 @@ def test_own_data_end_to_end(tmp_path: Path, repo_root: Path) -> None:
         assert load.returncode == 0, load.stderr
         stack.wait_for("serving ready", lambda: stack.get(stack.serving_url + "/readyz")[0] == 200, 180)
 
-        rng = random.Random(0)
-        probe, _ = _request(random.Random(1), "students", price=0.5)
-        with httpx.Client(base_url=stack.serving_url, timeout=30) as http:
-            first = http.post("/rank", json=probe).json()
-            deadline, sent = time.monotonic() + 150, 0
-            while time.monotonic() < deadline:
-                segment = rng.choice(SEGMENTS)
-                body, skus = _request(rng, segment)
-                r = http.post("/rank", json=body)
-                assert r.status_code == 200, r.text
-                rid = r.json()["request_id"]
-                clicks = [{"request_id": rid, "item_id": string_key(sku), "action_type": "click"}
-                          for pos, sku in enumerate(skus) if rng.random() < _click_probability(segment, _brand(sku), pos)]
-                if clicks:
-                    assert http.post("/actions", json={"actions": clicks}).status_code < 300
-                sent += 1
-                auc = stack.metric("trainer", "driftline_trainer_auc", {"model": "shop"})
-                trained = stack.metric("trainer", "driftline_trainer_examples_total", {"model": "shop"}) or 0
-                if sent % 50 == 0 and trained > 2000 and auc is not None and auc > 0.6:
-                    break
+        probe, _ = _request(random.Random(1), price=0.5)
+        with RankClient.from_project(str(config), stack.serving_url, timeout_s=30) as client:
+            first = client.rank(candidates=probe, context={"segment": "students"})
+            auc, trained = _traffic(stack, client, config)
             assert trained > 0, f"no example joined and trained\n{stack.logs_tail()}"
             assert auc is not None and auc > 0.5, (auc, trained)
-            moved = http.post("/rank", json=probe).json()
-            assert moved["model_version"]["sparse_version"] > first["model_version"]["sparse_version"]
-            assert [i["raw_score"] for i in moved["items"]] != [i["raw_score"] for i in first["items"]]
-            stack.wait_for("dense weights", lambda: http.post("/rank", json=probe).json()
-                           ["model_version"]["dense_version"] > 0, 60)
-            cheap = http.post("/rank", json=probe).json()["items"]
-            probe_dear, _ = _request(random.Random(1), "students", price=50.0)
-            dear = http.post("/rank", json=probe_dear).json()["items"]
-            assert {i["item_id"]: i["raw_score"] for i in cheap} != {i["item_id"]: i["raw_score"] for i in dear}
-            r = http.post("/rank", json={"candidates": [{"item_id": 1, "features": {
-                "sparse": {"colour": [1]}, "dense": {"price": 1.0}}}]})
-            assert r.status_code == 422 and "colour" in r.json()["message"]
+            moved = client.rank(candidates=probe, context={"segment": "students"})
+            assert moved.model_version["sparse_version"] > first.model_version["sparse_version"]
+            assert _scores(moved) != _scores(first)
+            stack.wait_for("dense weights", lambda: client.rank(candidates=probe, context={"segment": "students"})
+                           .model_version["dense_version"] > 0, 60)
+            cheap = client.rank(candidates=probe, context={"segment": "students"})
+            dear = client.rank(candidates=_request(random.Random(1), price=50.0)[0], context={"segment": "students"})
+            assert _scores(cheap) != _scores(dear)
+            with pytest.raises(UnknownFeature, match="colour"):  # the client refuses it before sending
+                client.rank(candidates=[{"item_id": "SKU-001", "features": {"colour": "red", "price": 1.0}}])
+        r = httpx.post(stack.serving_url + "/rank", json={"candidates": [{"item_id": 1, "features": {
+            "sparse": {"colour": [1]}, "dense": {"price": 1.0}}}]}, timeout=30)
+        assert r.status_code == 422 and "colour" in r.json()["message"]  # and so does serving
         assert not (stack.metric("trainer", "driftline_trainer_bad_examples_total", {"model": "shop"}) or 0)
     finally:
         code = stack.stop()
@@ -161,9 +189,9 @@ def _warm_start_from_the_dumped_examples(tmp_path: Path, repo_root: Path, config
     try:
         assert "warm start" in stack.text()
         stack.wait_for("serving ready", lambda: stack.get(stack.serving_url + "/readyz")[0] == 200, 180)
-        body, _ = _request(random.Random(1), "students", price=0.5)
-        r = httpx.post(stack.serving_url + "/rank", json=body, timeout=30)
-        assert r.status_code == 200 and r.json()["model_version"]["model_id"] == "shop", r.text
+        with RankClient.from_project(str(warm), stack.serving_url, timeout_s=30) as client:
+            ranking = client.rank(candidates=_request(random.Random(1), price=0.5)[0], context={"segment": "students"})
+        assert ranking.model_version["model_id"] == "shop"
         snaps = list((second / "var" / "snapshots" / "shop").glob("snap-*"))
         assert snaps, stack.logs_tail()
         passes = [json.loads(line) for line in (stack.log_dir / "warm-start.log").read_text().splitlines()

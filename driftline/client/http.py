@@ -197,9 +197,7 @@ class _Base:
 
     @classmethod
     def _project(cls, path: str) -> tuple[Sequence[FeatureSpec], Iterable[str]]:
-        # load_project lives beside FeatureSpec once the project file lands (issue 16): imported
-        # late, so the client works without it.
-        from driftline.project import load_project  # type: ignore[attr-defined]
+        from driftline.project import load_project
 
         project = load_project(path)
         return project.features, project.labels.keys()

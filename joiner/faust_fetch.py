@@ -8,7 +8,7 @@ per-record delivery took about two thirds of the worker's time, more than the jo
 :func:`install` replaces the fetch loop of one app's consumer by one that hands each fetch's
 records of the ``inputs`` topics, as aiokafka ``ConsumerRecord`` lists, to one coroutine call
 per fetch. Every other record (the table's changelog: recovery and standby replicas) still goes
-record by record through Faust's callback, as before. The records of an input partition keep
+record by record through Faust's callback, run inline unless it has to wait (:func:`_deliver`). The records of an input partition keep
 their order; the interleaving of partitions does not matter to the join (see
 :mod:`joiner.core`).
 
@@ -20,6 +20,7 @@ input resumes (:mod:`joiner.worker`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from types import MethodType
@@ -70,7 +71,7 @@ def _fetch_loop_for(inputs: frozenset[str], handler: Handler) -> Callable[..., A
                         batch.extend(recs)
                     else:
                         for r in recs:
-                            await self.wait_first(callback(to_message(tp, r)), self.suspend_flow.wait())
+                            await _deliver(self, callback(to_message(tp, r)))
                     read_offset[tp] = recs[-1].offset
                 if batch:
                     # Not cancelled by a rebalance (unlike Faust's per-record callback): the
@@ -87,6 +88,41 @@ def _fetch_loop_for(inputs: frozenset[str], handler: Handler) -> Callable[..., A
             raise
 
     return _drain_messages
+
+
+async def _deliver(consumer: Any, coro: Any) -> None:
+    """Run Faust's per-record callback (a changelog record: recovery, standbys). It nearly
+    always finishes without waiting (a put on a queue with room), so it is first run inline:
+    Faust's way, ``wait_first(callback, suspend_flow.wait())``, costs two tasks per record, and
+    the rebuild of a partition on takeover is a stream of such records. Only a callback that
+    has to wait (a full queue) is finished Faust's way, so a rebalance can still cut it short."""
+    try:
+        yielded = coro.send(None)
+    except StopIteration:
+        return
+    except BaseException:
+        coro.close()
+        raise
+    await consumer.wait_first(_finish(coro, yielded), consumer.suspend_flow.wait())
+
+
+async def _finish(coro: Any, yielded: Any) -> None:
+    """Go on with a coroutine that was started by hand and is waiting on ``yielded`` (what it
+    yielded to the event loop: a future, or None for a bare yield), as a task would."""
+    try:
+        while True:
+            if yielded is None:
+                await asyncio.sleep(0)
+            else:
+                # (the coroutine's own await marked it; a second await of it requires the mark off)
+                yielded._asyncio_future_blocking = False
+                with contextlib.suppress(Exception):  # (its outcome is read by the coroutine)
+                    await yielded
+            yielded = coro.send(None)
+    except StopIteration:
+        return
+    finally:
+        coro.close()  # (cancelled by a rebalance: unwinds it as a task's cancellation would)
 
 
 async def commit(app: Any, offsets: Mapping[TP, int]) -> None:

@@ -12,7 +12,12 @@ same ``joiner.group_id`` share the partitions.
   (:mod:`joiner.faust_store`: Faust's RocksDB store on rocksdict, recovered batch by batch) with
   the memory cache of :mod:`joiner.tiered` in front. Its changelog topic (``<group>-state-changelog``)
   is how another worker rebuilds a partition (takeover) and how standby replicas follow it.
-* **Timer**: idle advance and, with ``until_idle_s``, the drain at the end of input.
+* **Timer**: the broker-epoch check, the offset commits, idle advance and, with
+  ``until_idle_s``, the drain at the end of input.
+* **Broker reset**: seen while running (before every batch and tick), the worker writes nothing
+  more and :func:`run` raises :class:`BrokerReset` (``main``: exit 3, to be restarted); at
+  start-up a new epoch makes the worker re-seed the changelog from its local stores
+  (:mod:`joiner.faust_reset`).
 
 The delivery guarantee and the crash cases are in :mod:`joiner.worker`.
 """
@@ -212,6 +217,19 @@ class JoinerApp:
         return True
 
 
+async def _new_epoch(japp: JoinerApp, tries: int = 10) -> str | None:
+    """The broker's new epoch if its data was reset, asking a few times (None also while the
+    broker does not answer, as just after a restart)."""
+    for _ in range(tries):
+        epoch = await japp.watch.check()
+        if epoch is not None:
+            return epoch
+        if await tansu_quirks.read_broker_epoch(japp.settings, timeout_s=1.0) == japp.epoch:
+            return None  # (the broker answers with the epoch this worker started on)
+        await asyncio.sleep(0.5)
+    return None
+
+
 async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_idle_s: float | None = None,
               timings: dict[str, float] | None = None) -> dict[str, int]:
     """Run one worker until ``stop`` is set or (``until_idle_s``) its partitions are drained; the
@@ -225,10 +243,14 @@ async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_id
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(japp.done.wait())]
         try:
             while not (stop.is_set() or japp.done.is_set()):
+                crashed = japp.app.crashed or japp.app.should_stop
+                if crashed and japp.reset_to is None:
+                    # (a reset often crashes Faust first: its recovery finds the changelog gone)
+                    japp.reset_to = await _new_epoch(japp)
                 if japp.reset_to is not None:
                     # (the local stores are kept; the next start re-seeds the new changelog)
                     raise BrokerReset(f"the broker's data was reset (new epoch {japp.reset_to}): restart the worker")
-                if japp.app.crashed or japp.app.should_stop:
+                if crashed:
                     # (a crashed Faust service stops itself: exit non-zero, to be restarted)
                     raise RuntimeError(f"the Faust app stopped: {japp.app.crash_reason!r}")
                 await asyncio.wait(waits, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)

@@ -1,16 +1,23 @@
 """The joiner as a Faust app (faust-streaming): ``python -m joiner.faust_app``; N workers with the
 same ``joiner.group_id`` share the partitions.
 
-* **Agent**: one agent on both input topics (``features`` and ``actions``, both keyed by
-  request id with the default partitioner and with the same partition count, so one request's
-  records share a partition number and Faust assigns a partition of both to one worker). It
-  takes batches of events (``stream.take_events``: acked after the batch is committed) and hands
-  them to :class:`joiner.worker.Worker`, which keeps the pure join (:mod:`joiner.core`).
+* **Inputs**: both input topics (``features`` and ``actions``, both keyed by request id with
+  the default partitioner and with the same partition count, so one request's records share a
+  partition number and Faust assigns a partition of both to one worker) are subscribed without
+  an agent: :mod:`joiner.faust_fetch` hands each fetch's records to :meth:`JoinerApp.on_records`
+  in one call (Faust's per-record streams cost more than the join), which gives them to
+  :class:`joiner.worker.Worker` (the pure join stays in :mod:`joiner.core`). Their offsets are
+  committed from the worker's state (the timer, a revocation, the stop), not by Faust's acks.
 * **Table**: ``state``, raw bytes, one partition per input partition, store ``driftline://``
   (:mod:`joiner.faust_store`: Faust's RocksDB store on rocksdict, recovered batch by batch) with
   the memory cache of :mod:`joiner.tiered` in front. Its changelog topic (``<group>-state-changelog``)
   is how another worker rebuilds a partition (takeover) and how standby replicas follow it.
-* **Timer**: idle advance and, with ``until_idle_s``, the drain at the end of input.
+* **Timer**: the broker-epoch check, the offset commits, idle advance and, with
+  ``until_idle_s``, the drain at the end of input.
+* **Broker reset**: seen while running (before every batch and tick), the worker writes nothing
+  more and :func:`run` raises :class:`BrokerReset` (``main``: exit 3, to be restarted); at
+  start-up a new epoch makes the worker re-seed the changelog from its local stores
+  (:mod:`joiner.faust_reset`).
 
 The delivery guarantee and the crash cases are in :mod:`joiner.worker`.
 """
@@ -19,16 +26,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
-import shutil
 import signal
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import faust
 from faust.types import TP
 
-from joiner import faust_store
+from joiner import faust_fetch, faust_reset, faust_store
 from joiner.kafka_io import SERVICE, BatchedSender
 from joiner.worker import Worker
 from services import metrics, tansu_quirks
@@ -42,6 +50,10 @@ TABLE = "state"
 # break the joiner's memory bound; the bloom filter keeps "is it waiting?" misses off the disk.
 ROCKSDB_OPTIONS = {"write_buffer_size": 8 << 20, "max_write_buffer_number": 2, "block_cache_size": 32 << 20,
                    "bloom_filter_size": 10}
+
+
+class BrokerReset(RuntimeError):
+    """The broker's data was reset under a running worker: it stops, to re-seed on restart."""
 
 
 def state_dir(settings: Settings) -> Path:
@@ -61,19 +73,24 @@ class JoinerApp:
         self.app = app = faust.App(
             js.group_id, broker=[f"kafka://{s}" for s in settings.bootstrap_servers.split(",")],
             datadir=str(state_dir(settings)), store="driftline://", topic_partitions=t.partitions,
-            table_standby_replicas=js.standby_replicas, broker_session_timeout=k.session_timeout_ms / 1000,
-            broker_heartbeat_interval=k.heartbeat_interval_ms / 1000, broker_max_poll_records=k.max_poll_records,
+            table_standby_replicas=js.standby_replicas, broker_session_timeout=js.session_timeout_ms / 1000,
+            broker_heartbeat_interval=js.heartbeat_interval_ms / 1000, broker_max_poll_records=k.max_poll_records,
             consumer_auto_offset_reset="earliest", topic_allow_declare=True, topic_disable_leader=True,
             web_enabled=False, autodiscover=False, stream_buffer_maxsize=max(js.batch_size * 2, 4096),
         )
         raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
-        self.source = app.topic(t.features, t.actions, **raw)
+        # (acks=False: Faust does not commit these offsets; commit_offsets() does, from the state)
+        self.source = app.topic(t.features, t.actions, acks=False, **raw)
+        app.topics.add(self.source)
+        faust_fetch.install(app, (t.features, t.actions), self.on_records)
         self.table = app.Table(TABLE, partitions=t.partitions, options=dict(ROCKSDB_OPTIONS),
                                key_type=bytes, value_type=bytes)
+        self.changelog = self.table.changelog_topic.get_topic_name()
         self.worker: Worker | None = None
+        self.reset_to: str | None = None  # the new broker epoch, once a reset was seen while running
+        self.committed: dict[TP, int] = {}  # input offsets this worker committed last
         self.lock = asyncio.Lock()
         self.done = asyncio.Event()
-        app.agent(self.source, name=f"{js.group_id}.join", concurrency=1)(self._agent)
         app.timer(min(1.0, js.batch_timeout_s * 5), name=f"{js.group_id}.tick")(self._tick)
         app.on_partitions_revoked.connect(self._on_revoked)
 
@@ -84,26 +101,35 @@ class JoinerApp:
     async def start(self) -> None:
         s = self.settings
         await create_topics(s)
-        await self._check_broker_epoch()
         self.prod = producer(s)
         await start_client(self.prod, s)
+        self.epoch = await self._check_broker_epoch()
         t = s.topics
         sender = BatchedSender(self.prod, t.examples, sorted(await self.prod.partitions_for(t.examples)),
                                self.worker_labels())
-        self.worker = Worker(s, self.table.data, self.table.changelog_topic.get_topic_name(), self.prod, sender)
+        self.worker = Worker(s, self.table.data, self.changelog, self.prod, sender)
+        self.watch = tansu_quirks.EpochWatch(s, SERVICE, self.epoch)
+        await self.watch.start()
         await self.app.start()
 
-    async def _check_broker_epoch(self) -> None:
-        """Discard the local stores if the broker's data was reset since they were written
-        (quirk 5): their changelogs are gone with it, and Faust refuses a store ahead of its
-        changelog (``ConsistencyError``) on every start. The join state is lost with them: it
-        lived in the broker (the changelog); the inputs are re-read from the new topics' start."""
-        directory = state_dir(self.settings)
+    async def _check_broker_epoch(self) -> str:
+        """The broker's epoch; if its data was reset since the local stores were written
+        (quirk 5), re-seed the new changelog from them first (:mod:`joiner.faust_reset`): the
+        reset emptied it, and Faust refuses a store ahead of its changelog (``ConsistencyError``)."""
+        marker = state_dir(self.settings) / "broker-epoch"
         epoch = await tansu_quirks.ensure_broker_epoch(self.settings)
-        if not tansu_quirks.state_matches_broker(directory, epoch):
-            shutil.rmtree(self.app.conf.appdir, ignore_errors=True)
-            (directory / "broker-epoch").write_text(epoch)
+        recorded = marker.read_text().strip() if marker.exists() else None
+        if recorded is not None and recorded != epoch:
+            log.warning("the broker's data was reset (epoch %s, local state written on %s): "
+                        "re-seeding the changelog from the local state", epoch, recorded)
+            await create_topics(self.settings, {self.changelog: self.settings.topics.partitions},
+                                configs={self.changelog: {"cleanup.policy": "compact"}})
+            await faust_reset.reseed(self.settings, self.prod, Path(self.app.conf.tabledir), TABLE,
+                                     self.changelog, epoch)
             metrics.BROKER_RESETS.labels(SERVICE).inc()
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(epoch)
+        return epoch
 
     def worker_labels(self) -> list[str]:
         from joiner.types import JoinConfig
@@ -112,21 +138,46 @@ class JoinerApp:
 
     async def stop(self) -> None:
         if self.worker is not None:
+            with contextlib.suppress(Exception):  # (only a re-read for the next owner)
+                await self.commit_offsets()
             self.worker.drop(list(self.worker.parts))  # (their counts stay in the totals)
         await self.app.stop()
+        await self.watch.stop()
         await self.prod.stop()
 
-    async def _agent(self, stream: faust.StreamT) -> None:
-        js = self.settings.joiner
-        async for events in stream.take_events(js.batch_size, within=js.batch_timeout_s):
-            async with self.lock:
-                assert self.worker is not None
-                await self.worker.process(events, self.owned())
+    async def on_records(self, records: list) -> None:
+        """Join one fetch's input records (aiokafka ``ConsumerRecord``s) and commit them, unless
+        the broker's data was reset: records read at stale offsets must not count as done."""
+        async with self.lock:
+            assert self.worker is not None
+            if self.reset_to is None:
+                self.reset_to = await self.watch.check()
+            if self.reset_to is None:
+                await self.worker.process(records, self.owned())
+
+    async def commit_offsets(self, partitions: Iterable[int] | None = None) -> None:
+        """Commit the group's input offsets of open partitions (all, or ``partitions``) where
+        their committed state resumes: a new owner then starts reading there."""
+        w = self.worker
+        if w is None or self.reset_to is not None:
+            return  # (after a reset these offsets would skip the new topics' first records)
+        offsets = {TP(tp.topic, tp.partition): n for p, part in w.parts.items()
+                   if partitions is None or p in partitions for tp, n in part.next.items()
+                   if n > self.committed.get(tp, -1)}
+        await faust_fetch.commit(self.app, offsets)
+        self.committed.update(offsets)
 
     async def _on_revoked(self, app: faust.App, revoked: set[TP], **_: object) -> None:
         async with self.lock:  # (after the batch in flight has committed)
             if self.worker is not None:
-                self.worker.drop([tp.partition for tp in revoked if tp.topic == self.settings.topics.features])
+                gone = [tp.partition for tp in revoked if tp.topic == self.settings.topics.features]
+                try:
+                    await self.commit_offsets(gone)
+                except Exception as err:  # noqa: BLE001 - only a re-read for the new owner
+                    log.warning("committing the offsets of revoked partitions %s failed: %r", gone, err)
+                self.worker.drop(gone)
+                for tp in [tp for tp in self.committed if tp.partition in gone]:
+                    del self.committed[tp]
 
     def _ready(self) -> bool:
         app = self.app
@@ -134,9 +185,14 @@ class JoinerApp:
 
     async def _tick(self) -> None:
         js, w = self.settings.joiner, self.worker
-        if w is None or not self._ready():
+        if w is None or not self._ready() or self.reset_to is not None:
             return
         async with self.lock:
+            # (a reset: nothing may be written to the new changelog before the restart re-seeds it)
+            self.reset_to = await self.watch.check()
+            if self.reset_to is not None:
+                return
+            await self.commit_offsets()
             if js.idle_advance_seconds is not None:
                 await w.idle_advance(js.idle_advance_seconds, int(js.idle_advance_margin_seconds * 1000))
             if self.until_idle_s is None or time.monotonic() - w.last_event < self.until_idle_s:
@@ -161,6 +217,19 @@ class JoinerApp:
         return True
 
 
+async def _new_epoch(japp: JoinerApp, tries: int = 10) -> str | None:
+    """The broker's new epoch if its data was reset, asking a few times (None also while the
+    broker does not answer, as just after a restart)."""
+    for _ in range(tries):
+        epoch = await japp.watch.check()
+        if epoch is not None:
+            return epoch
+        if await tansu_quirks.read_broker_epoch(japp.settings, timeout_s=1.0) == japp.epoch:
+            return None  # (the broker answers with the epoch this worker started on)
+        await asyncio.sleep(0.5)
+    return None
+
+
 async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_idle_s: float | None = None,
               timings: dict[str, float] | None = None) -> dict[str, int]:
     """Run one worker until ``stop`` is set or (``until_idle_s``) its partitions are drained; the
@@ -174,7 +243,14 @@ async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_id
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(japp.done.wait())]
         try:
             while not (stop.is_set() or japp.done.is_set()):
-                if japp.app.crashed or japp.app.should_stop:
+                crashed = japp.app.crashed or japp.app.should_stop
+                if crashed and japp.reset_to is None:
+                    # (a reset often crashes Faust first: its recovery finds the changelog gone)
+                    japp.reset_to = await _new_epoch(japp)
+                if japp.reset_to is not None:
+                    # (the local stores are kept; the next start re-seeds the new changelog)
+                    raise BrokerReset(f"the broker's data was reset (new epoch {japp.reset_to}): restart the worker")
+                if crashed:
                     # (a crashed Faust service stops itself: exit non-zero, to be restarted)
                     raise RuntimeError(f"the Faust app stopped: {japp.app.crash_reason!r}")
                 await asyncio.wait(waits, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
@@ -218,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokerUnavailable as err:
         log.error("%s", err)
         return 2
+    except BrokerReset as err:
+        log.warning("%s", err)
+        return 3
     log.info("joiner stopped: %s", dict(sorted(totals.items())))
     return 0
 

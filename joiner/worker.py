@@ -23,10 +23,11 @@ state and re-emits the same examples: at-least-once on ``examples``, exactly onc
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from aiokafka import TopicPartition
@@ -48,6 +49,12 @@ STATE_FORMAT = b"faust-1"
 
 def _offset_key(tp: TopicPartition) -> bytes:
     return b"Moff:" + tp.topic.encode()
+
+
+def offset_book(settings: Settings, p: int) -> OffsetBook:
+    """Where partition ``p``'s state keeps its input offsets (and broker epoch)."""
+    tps = [TopicPartition(settings.topics.features, p), TopicPartition(settings.topics.actions, p)]
+    return OffsetBook("joiner", tps, _offset_key, prefix=b"M")
 
 
 @dataclass
@@ -105,8 +112,7 @@ class Worker:
             raise RuntimeError(f"joiner state of partition {p} has format {fmt!r}, this joiner writes "
                                f"{STATE_FORMAT!r}: delete the changelog and local state to rebuild it")
         state = TieredState(kv, max(1, self.settings.joiner.cache_size // self.settings.topics.partitions))
-        tps = [TopicPartition(self.features, p), TopicPartition(self.actions, p)]
-        part = Part(p, kv, state, JoinCore(state, self.cfg), OffsetBook("joiner", tps, _offset_key, prefix=b"M"))
+        part = Part(p, kv, state, JoinCore(state, self.cfg), offset_book(self.settings, p))
         repair = self.store.repair(p)
         if repair:
             log.info("partition %d: undoing %d changelog records of a batch that was never committed", p, len(repair))
@@ -130,30 +136,32 @@ class Worker:
                 log.info("partition %d closed", p)
 
     # -- batches -------------------------------------------------------------------------------
-    async def process(self, events: Sequence[object], owned: set[int]) -> None:
-        """Join one batch of Faust events of partitions in ``owned`` and commit it."""
+    async def process(self, fetched: Sequence[object], owned: set[int]) -> None:
+        """Join one batch of input records (aiokafka ``ConsumerRecord``s: timestamps in ms) of
+        partitions in ``owned`` and commit it."""
         started = time.perf_counter()
         records: dict[int, list[tuple]] = {}
         rejects = []
         decoders = self.inputs.decoders
-        for ev in events:
-            m = ev.message  # type: ignore[attr-defined]
-            if m.partition not in owned:
+        actions, now = self.actions, time.monotonic()
+        for m in fetched:
+            p = m.partition  # type: ignore[attr-defined]
+            if p not in owned:
                 continue  # revoked while buffered: its new owner reads it
-            part = await self.part(m.partition)
-            tp = TopicPartition(m.topic, m.partition)
-            if m.offset < part.next.get(tp, 0):
+            part = self.parts.get(p) or await self.part(p)
+            tp = TopicPartition(m.topic, p)  # type: ignore[attr-defined]
+            if m.offset < part.next.get(tp, 0):  # type: ignore[attr-defined]
                 continue  # already in the committed state
-            part.next[tp] = m.offset + 1
-            batch = records.setdefault(m.partition, [])
+            part.next[tp] = m.offset + 1  # type: ignore[attr-defined]
+            batch = records.setdefault(p, [])
             try:
-                value = decoders[m.topic](m.value)
+                value = decoders[m.topic](m.value)  # type: ignore[attr-defined]
             except MalformedMessage as err:
                 rejects.append(await self.inputs.dead_letter(m, err))
                 continue
-            if m.topic == self.actions:
-                part.last_action = time.monotonic()
-            batch.append((m.topic, m.partition, value, int(m.timestamp * 1000), m))
+            if m.topic == actions:  # type: ignore[attr-defined]
+                part.last_action = now
+            batch.append((m.topic, p, value, m.timestamp, m))  # type: ignore[attr-defined]
         if rejects:
             await asyncio.gather(*rejects)  # dead letters durable before their offsets are
         if not records:
@@ -245,22 +253,7 @@ class Worker:
 
     async def _send_changelog(self, p: int, changes: dict[bytes, bytes | None]) -> int:
         """Write ``changes`` and a commit marker to changelog partition ``p``; the marker's offset."""
-        prod, topic = self.prod, self.changelog
-        futures = []
-        b = prod.create_batch()  # type: ignore[attr-defined]
-        n = 0
-        for key, value in [*changes.items(), (MARKER, b"")]:
-            while b.append(key=key, value=value, timestamp=None) is None:
-                if n == 0:
-                    raise ValueError(f"a changelog record of {len(value or b'')} bytes exceeds max_batch_size")
-                b.close()
-                futures.append(await prod.send_batch(b, topic, partition=p))  # type: ignore[attr-defined]
-                b, n = prod.create_batch(), 0  # type: ignore[attr-defined]
-            n += 1
-        b.close()
-        futures.append(await prod.send_batch(b, topic, partition=p))  # type: ignore[attr-defined]
-        metas = await asyncio.gather(*futures)
-        return metas[-1].offset + n - 1
+        return await send_changelog(self.prod, self.changelog, p, changes.items())
 
     def totals(self) -> dict[str, int]:
         """The counters of every partition this worker joined (and of its own steps)."""
@@ -268,3 +261,23 @@ class Worker:
         for part in self.parts.values():
             total.update(part.core.counts)
         return dict(total)
+
+
+async def send_changelog(prod: object, topic: str, p: int, changes: Iterable[tuple[bytes, bytes | None]]) -> int:
+    """Write ``changes`` (a None value: a delete) and a commit marker to partition ``p`` of the
+    changelog ``topic`` in as few record batches as fit; the marker's offset once all are acked."""
+    futures = []
+    b = prod.create_batch()  # type: ignore[attr-defined]
+    n = 0
+    for key, value in itertools.chain(changes, [(MARKER, b"")]):
+        while b.append(key=key, value=value, timestamp=None) is None:
+            if n == 0:
+                raise ValueError(f"a changelog record of {len(value or b'')} bytes exceeds max_batch_size")
+            b.close()
+            futures.append(await prod.send_batch(b, topic, partition=p))  # type: ignore[attr-defined]
+            b, n = prod.create_batch(), 0  # type: ignore[attr-defined]
+        n += 1
+    b.close()
+    futures.append(await prod.send_batch(b, topic, partition=p))  # type: ignore[attr-defined]
+    metas = await asyncio.gather(*futures)
+    return metas[-1].offset + n - 1

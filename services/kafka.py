@@ -69,8 +69,10 @@ async def start_client(client: AIOKafkaProducer | AIOKafkaConsumer, settings: Se
         raise _unreachable(settings.bootstrap_servers) from None
 
 
-async def create_topics(settings: Settings, topics: Mapping[str, int] | None = None) -> list[str]:
-    """Create the topics (name -> partitions) that do not exist yet; return the ones created."""
+async def create_topics(settings: Settings, topics: Mapping[str, int] | None = None,
+                        configs: Mapping[str, Mapping[str, str]] | None = None) -> list[str]:
+    """Create the topics (name -> partitions) that do not exist yet, with their ``configs``
+    (name -> topic configuration) if any; return the ones created."""
     wanted = dict(topics if topics is not None else settings.topics.all())
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
     try:
@@ -83,7 +85,8 @@ async def create_topics(settings: Settings, topics: Mapping[str, int] | None = N
         if missing:
             try:
                 await admin.create_topics(
-                    [NewTopic(name, num_partitions=wanted[name], replication_factor=1) for name in missing]
+                    [NewTopic(name, num_partitions=wanted[name], replication_factor=1,
+                              topic_configs=dict((configs or {}).get(name, {}))) for name in missing]
                 )
             except TopicAlreadyExistsError:
                 pass  # another process raced us: the topic is there, which is all we want

@@ -134,6 +134,11 @@ class JoinerSettings(BaseModel):
     group_id: str = "driftline-joiner"
     # Workers that follow each partition's changelog to take it over quickly.
     standby_replicas: int = 1
+    # The Faust joiner's group liveness: a killed worker's partitions move after its session
+    # times out (the takeover waits that out). Shorter than kafka.session_timeout_ms: Faust
+    # heartbeats from its consumer thread, so a long batch does not miss heartbeats.
+    session_timeout_ms: int = 6_000
+    heartbeat_interval_ms: int = 1_000
     # Live traffic only: when an actions partition has been idle this many wall seconds, advance
     # its watermark to the features watermark minus the margin so windows close. None: off (a
     # replay's result then depends only on the data).

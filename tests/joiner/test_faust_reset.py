@@ -1,19 +1,22 @@
-"""The Faust joiner after a broker reset (tansu memory storage restarted): no crash loop."""
+"""The Faust joiner across a broker reset (tansu memory storage restarted): the join state
+survives in the workers' local stores and is written back into the new changelog."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import pytest
 
-from joiner.faust_app import run
+from joiner.faust_app import BrokerReset, run
 from joiner.reference import offline_join
 from joiner.synth import ml_events
 from services.kafka import create_topics
 from services.settings import Settings
 from tests.conftest import KilledBroker, killed_broker
 from tests.joiner.helpers import JOINER, as_map, join_config, produce, read_examples, ref_as_map
-from tests.joiner.test_faust_joiner import _run_until_consumed
+from tests.joiner.test_broker_reset import _busiest_cut
+from tests.joiner.test_faust_joiner import _consumed_all
 
 
 @pytest.fixture(scope="module")
@@ -21,20 +24,33 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilledBroker]:
     yield from killed_broker(tmp_path_factory, "faust-reset-broker")
 
 
-async def test_a_broker_reset_discards_the_local_state_instead_of_crash_looping(
-        settings: Settings, broker: KilledBroker) -> None:
-    """The state lived in the broker (its changelog): after a reset the worker starts from the
-    new topics with an empty state, where Faust alone would refuse the stale local store forever
-    (ConsistencyError: the persisted offset is ahead of the empty changelog)."""
+async def test_a_broker_reset_keeps_the_waiting_impressions(settings: Settings, broker: KilledBroker) -> None:
+    """Part 1 is consumed (windows still open), the broker is reset under the running worker,
+    which stops (BrokerReset) without writing to the new topics; part 2 goes to the new topics
+    and a restarted worker re-seeds the changelog from its local store and drains. Part 2's
+    actions join part 1's impressions: the output is the reference join of part 1 + part 2."""
     s = settings.updated(joiner=JOINER)
+    events = ml_events(1200, start=10_000, seed=3)
+    cut = _busiest_cut(events)
+    part1, part2 = events[:cut], events[cut:]
     await create_topics(settings)
-    await produce(settings, ml_events(500, start=10_000, seed=3))
-    await _run_until_consumed(s)
-    broker.restart()
-    events = ml_events(500, start=50_000, seed=4)
+    await produce(settings, part1)
+    stop = asyncio.Event()
+    task = asyncio.create_task(run(s, stop=stop))
+    try:
+        await _consumed_all(s, [], timeout=120)
+        await asyncio.sleep(1.0)  # (its last batch committed)
+        before = await read_examples(settings)
+        await asyncio.to_thread(broker.restart)
+        with pytest.raises(BrokerReset):
+            await asyncio.wait_for(task, timeout=60)
+    finally:
+        stop.set()
     await create_topics(settings)
-    await produce(settings, events)
+    await produce(settings, part2)
     counts = await run(s, until_idle_s=1.0)
+    after = await read_examples(settings)
     assert counts["impressions"] > 0
-    assert as_map(await read_examples(settings)) == ref_as_map(offline_join(events, join_config(),
-                                                                            settings.topics.partitions))
+    assert as_map(before + after) == ref_as_map(offline_join(events, join_config(), settings.topics.partitions))
+    part1_requests = {k.decode() for kind, k, _ in part1 if kind == "features"}
+    assert sum(1 for e in after if e.request_id in part1_requests and e.labels["click"] == 1.0) >= 5

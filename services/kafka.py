@@ -23,6 +23,7 @@ from google.protobuf.message import Message
 
 from proto import DeadLetter
 from services import metrics, tansu_quirks
+from services.aiokafka_quirks import stop_consumer
 from services.codecs import Codec, MalformedMessage, codec_for
 from services.settings import Settings
 
@@ -160,7 +161,7 @@ class TypedConsumer(Generic[M]):
 
     async def stop(self) -> None:
         try:
-            await self.consumer.stop()
+            await stop_consumer(self.consumer)
         finally:
             if self._own_dlq and self._dlq is not None:
                 await self._dlq.stop()

@@ -42,6 +42,7 @@ from aiokafka.consumer import group_coordinator
 from aiokafka.errors import KafkaError
 
 from services import metrics
+from services.aiokafka_quirks import stop_consumer
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ async def true_end_offsets(
                     result.setdefault(tp, approx[tp])
         return result
     finally:
-        await consumer.stop()
+        await stop_consumer(consumer)
 
 
 def install_faust() -> None:
@@ -166,7 +167,7 @@ async def read_broker_epoch(settings: Settings, timeout_s: float = 5.0) -> str |
         records = batch.get(tp, [])
         return records[0].value.decode() if records else None
     finally:
-        await consumer.stop()
+        await stop_consumer(consumer)
 
 
 async def ensure_broker_epoch(settings: Settings) -> str:
@@ -244,7 +245,7 @@ class EpochWatch:
     async def stop(self) -> None:
         if self._consumer is not None:
             consumer, self._consumer = self._consumer, None
-            await consumer.stop()
+            await stop_consumer(consumer)
 
     async def _read_fast(self) -> str | None:
         c = self._consumer

@@ -177,3 +177,26 @@ def test_worker_app_serves_the_ps_versions(filled_store, tmp_path: Path) -> None
         # the log-odds correction uses the PS's rates: corrected != raw once a rate is known
         assert all(i["score"] < i["raw_score"] for i in r["items"])
         assert httpx.get(f"{base}/readyz", timeout=10).json()["sample_rate"]["rate"] == 0.25
+
+
+async def test_a_workers_connections_send_without_nagle() -> None:
+    """A worker's listening socket (``serving_ps.listen``) gives connections TCP_NODELAY: without
+    it every response waited on the client's delayed ACK (48 ms per /rank, 2 workers slower than 1)."""
+    import asyncio
+    import socket
+
+    from serving.serving_ps import listen
+
+    sock = listen("127.0.0.1", 0)
+    nodelay: list[int] = []
+
+    async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nodelay.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    server = await asyncio.start_server(accepted, sock=sock)
+    async with server:
+        _r, w = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        await asyncio.sleep(0.2)
+        w.close()
+    assert nodelay and nodelay[0] != 0

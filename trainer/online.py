@@ -65,7 +65,6 @@ from aiokafka.errors import KafkaError
 
 from proto import Example
 from services import metrics as service_metrics
-from services import tansu_quirks
 from services import example_batch
 from services.codecs import processing_failed
 from services.kafka import TypedConsumer, create_topics, producer, start_client
@@ -442,13 +441,7 @@ class OnlineTrainer(M.LearnedFields):
     async def run(self, stop_when_idle_s: float | None = None, max_examples: int | None = None) -> dict:
         s = self.settings
         await create_topics(s, {self.topic: s.topics.partitions, s.topics.param_deltas: 1, s.topics.dead_letters: 1})
-        watch = tansu_quirks.EpochWatch(s, "trainer")
-        try:
-            epoch = await watch.start()
-            self.resets.watch = watch
-        except Exception:  # noqa: BLE001 - an external Kafka without the marker topic
-            await watch.stop()
-            epoch = None
+        epoch = await self.resets.start(s)
         restored = self.restore(epoch)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="trainer-step")
         self._producer = self.publisher.producer = producer(s)
@@ -469,8 +462,7 @@ class OnlineTrainer(M.LearnedFields):
             await warm
             return await self._loop(restored, stop_when_idle_s, max_examples)
         finally:
-            if self.resets.watch is not None:
-                await self.resets.watch.stop()
+            await self.resets.stop()
 
     async def _finish(self, started: float) -> dict:
         await self._drain()

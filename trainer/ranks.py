@@ -87,7 +87,6 @@ from aiokafka.errors import KafkaError
 
 from proto import Example
 from services import metrics as service_metrics
-from services import tansu_quirks
 from services.codecs import processing_failed
 from services.kafka import TypedConsumer, create_topics, producer, start_client
 from services.settings import Settings
@@ -273,13 +272,7 @@ class RankTrainer(M.LearnedFields):
         if self.rank == 0:
             await create_topics(s, {self.topic: s.topics.partitions, s.topics.param_deltas: 1,
                                     s.topics.dead_letters: 1})
-        watch = tansu_quirks.EpochWatch(s, "trainer")
-        try:
-            epoch = await watch.start()
-            self.resets.watch = watch
-        except Exception:  # noqa: BLE001 - an external Kafka without the marker topic
-            await watch.stop()
-            epoch = None
+        epoch = await self.resets.start(s)
         await self._coll(self._restore, epoch)  # collective; after it rank 0's topics exist too
         self._producer = self.publisher.producer = producer(s)
         await start_client(self._producer, s)
@@ -296,7 +289,7 @@ class RankTrainer(M.LearnedFields):
             self.commits.cancel()
             await self.consumer.stop()
             await self._producer.stop()
-            await watch.stop()
+            await self.resets.stop()
             self.dm.close()
             self._executor.shutdown(wait=True)
 

@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from services.settings import Settings
 from services.tansu_quirks import EpochWatch
 
 
@@ -31,6 +32,22 @@ class ResetWatch:
         self.new_epoch: str | None = None  # a reset noticed and not handled yet: its new epoch
         # (high watermarks, applied offsets) when a check last saw the current epoch
         self._confirmed: tuple[dict[int, int], dict[int, int]] = ({}, {})
+
+    async def start(self, settings: Settings) -> str | None:
+        """Open :attr:`watch` and return the broker's epoch; None (no watch) for an external Kafka
+        without the marker topic."""
+        watch = EpochWatch(settings, "trainer")
+        try:
+            epoch = await watch.start()
+        except Exception:  # noqa: BLE001 - an external Kafka without the marker topic
+            await watch.stop()
+            return None
+        self.watch = watch
+        return epoch
+
+    async def stop(self) -> None:
+        if self.watch is not None:
+            await self.watch.stop()
 
     async def noticed(self) -> bool:
         """Whether the broker's data was reset (a new epoch) and the reset is not handled yet; asks

@@ -42,6 +42,7 @@ from joiner.reference import offline_join  # noqa: E402
 from joiner.types import JoinConfig  # noqa: E402
 from proto import Action, FeatureLog, ModelVersion  # noqa: E402
 from services import example_batch, tansu_quirks  # noqa: E402
+from services.aiokafka_quirks import stop_consumer  # noqa: E402
 from services.settings import Settings  # noqa: E402
 from tests.loopstack import LoopStack  # noqa: E402
 
@@ -106,7 +107,7 @@ class Capture:
                         for r in records:
                             self._add(tp.topic, r.key, r.value)
         finally:
-            await c.stop()
+            await stop_consumer(c)  # the broker may be gone: aiokafka quirk 1
             await watch.stop()
 
     def _add(self, topic: str, key: bytes, value: bytes) -> None:

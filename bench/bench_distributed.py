@@ -10,6 +10,10 @@
   cores: sync >= 1.6, hybrid >= 1.8).
 * ``alltoall_bytes_per_example``: bytes sent rank-to-rank through ``all_to_all`` (ids, rows,
   gradients, headers), all ranks, per example; ``allreduce_bytes_per_step``: the dense gradients.
+* ``cpu_ms_per_step_1rank``, ``cpu_ms_per_step_2rank_{sync,hybrid}``: CPU time (user + system,
+  every thread: gloo's too) per step of one process / of one rank. What 2 ranks can reach on 2
+  cores is bounded by ``2 * cpu_1rank / cpu_2rank``, whatever the overlap; the wall time above
+  that bound is waiting (collectives, the other rank, the scheduler). Less noisy than the rates.
 * ``comm_ms_per_step_p50``: rank 0's median time inside collectives per step (sync run).
 * ``auc_*``: progressive validation AUC (each example scored before it is learned) over every
   step; ``auc_1rank`` on the 1-rank stream (batches of ``BATCH``) for reference. ``hybrid`` scores
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -64,6 +69,12 @@ def _data():
     return MovieLensData(limit=LIMIT + HOLDOUT)
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process, every thread (gloo's included), user + system."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _rank(rank: int, world: int, mode: str) -> dict:
     data = _data()
     # global step s is rows [s * world * BATCH, (s + 1) * world * BATCH): rank r takes its r-th slice
@@ -77,11 +88,11 @@ def _rank(rank: int, world: int, mode: str) -> dict:
     dist.barrier()
     a2a0, comm0, steps0 = dm.alltoall_bytes, len(dm.comm_s), dm.steps
     dm.model.timings.clear()  # per-step stage times of the measured steps only
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu_s()
     for _, p in it:
         probs.append(p)
-    wall = time.perf_counter() - t0
-    out = {"wall": wall, "examples": STEPS * BATCH, "a2a": dm.alltoall_bytes - a2a0,
+    wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
+    out = {"wall": wall, "cpu": cpu, "examples": STEPS * BATCH, "a2a": dm.alltoall_bytes - a2a0,
            "allreduce_per_step": dm.allreduce_bytes / max(1, dm.steps), "comm_s": dm.comm_s[comm0:],
            "probs": np.concatenate(probs), "labels": np.concatenate([b.labels for b in batches]),
            "timings": {k: round(v / (dm.steps - steps0) * 1000, 2) for k, v in dm.model.timings.items()}}
@@ -92,37 +103,41 @@ def _rank(rank: int, world: int, mode: str) -> dict:
     return out
 
 
-def one_rank(data) -> tuple[float, float, float]:
+def one_rank(data) -> tuple[float, float, float, float]:
     torch.set_num_threads(1)
     m = SparseModel(_cfg())
     batches = list(data.batches(BATCH, np.arange(LIMIT)))
     probs = [m.train_step(b)[1] for b in batches[:WARMUP]]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu_s()
     probs += [m.train_step(b)[1] for b in batches[WARMUP:]]
     rate = sum(b.size for b in batches[WARMUP:]) / (time.perf_counter() - t0)
+    cpu_ms = (_cpu_s() - cpu0) / len(batches[WARMUP:]) * 1000
     hold = data.batch(np.arange(LIMIT, LIMIT + HOLDOUT))
-    return (rate, auc(np.concatenate(probs), np.concatenate([b.labels for b in batches])),
+    return (rate, cpu_ms, auc(np.concatenate(probs), np.concatenate([b.labels for b in batches])),
             auc(m.predict(hold), hold.labels))
 
 
 def main():
     t_start = time.time()
     data = _data()
-    rate1, auc1, hold1 = one_rank(data)
-    print(f"1 rank, 1 thread: {rate1:,.0f} ex/s  auc {auc1:.4f}  holdout {hold1:.4f}", flush=True)
-    out = {"ex_per_s_1rank_1thread": round(rate1), "auc_1rank": round(auc1, 4), "auc_holdout_1rank": round(hold1, 4)}
+    rate1, cpu1, auc1, hold1 = one_rank(data)
+    print(f"1 rank, 1 thread: {rate1:,.0f} ex/s  cpu {cpu1:.2f} ms/step  auc {auc1:.4f}  holdout {hold1:.4f}", flush=True)
+    out = {"ex_per_s_1rank_1thread": round(rate1), "auc_1rank": round(auc1, 4), "auc_holdout_1rank": round(hold1, 4),
+           "cpu_ms_per_step_1rank": round(cpu1, 2)}
     for mode in ("sync", "hybrid"):
         res = run_local(_rank, 2, mode, timeout_s=120)
         rate = sum(r["examples"] for r in res) / max(r["wall"] for r in res)
         a = auc(np.concatenate([r["probs"] for r in res]), np.concatenate([r["labels"] for r in res]))
         hold = auc(np.concatenate([r["hold_probs"] for r in res]), np.concatenate([r["hold_labels"] for r in res]))
         comm = float(np.median(res[0]["comm_s"])) * 1000
+        cpu = float(np.mean([r["cpu"] for r in res])) / STEPS * 1000  # per rank and step
         a2a = sum(r["a2a"] for r in res) / sum(r["examples"] for r in res)
-        print(f"2 ranks {mode}: {rate:,.0f} ex/s (scaling {rate / rate1:.2f})  auc {a:.4f}  holdout {hold:.4f}  "
+        print(f"2 ranks {mode}: {rate:,.0f} ex/s (scaling {rate / rate1:.2f})  cpu {cpu:.2f} ms/step/rank  auc {a:.4f}  holdout {hold:.4f}  "
               f"all_to_all {a2a:.0f} B/example  comm p50 {comm:.2f} ms/step  "
               f"rank 0 ms/step {json.dumps(res[0]['timings'])}", flush=True)
         out.update({f"ex_per_s_2rank_{mode}": round(rate), f"scaling_{mode}": round(rate / rate1, 3),
-                    f"auc_{mode}": round(a, 4), f"auc_holdout_{mode}": round(hold, 4)})
+                    f"auc_{mode}": round(a, 4), f"auc_holdout_{mode}": round(hold, 4),
+                    f"cpu_ms_per_step_2rank_{mode}": round(cpu, 2)})
         if mode == "sync":
             out.update({"alltoall_bytes_per_example": round(a2a, 1), "comm_ms_per_step_p50": round(comm, 3),
                         "allreduce_bytes_per_step": round(res[0]["allreduce_per_step"])})

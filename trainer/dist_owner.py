@@ -21,30 +21,72 @@ again: a crash loop.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
+from ps import PackedBatch, ParameterServer
 
 from .dist_wire import starts
 
 log = logging.getLogger(__name__)
 
 
-class Owner:
-    """This rank's shards (``tables``: one :class:`ps.EmbeddingTable` per table, in wire order)."""
+@dataclass
+class Owned:
+    """Which rows one step's lookup served, for that step's update (:meth:`Owner.apply`): the
+    packed batch of every table (one PS call) and where each wire element sits in it, or, after
+    the per-table path, ``per_table``: ``[(table index, ids, elements in the reply)]``."""
 
-    def __init__(self, tables: list, names: tuple, rank: int, world: int):
-        self.tables, self.names, self.rank, self.world = tables, names, rank, world
+    packed: PackedBatch | None = None
+    elem: np.ndarray | None = None      # wire element -> packed element
+    per_table: list | None = None
+
+
+class Owner:
+    """This rank's shards (``tables``: one :class:`ps.EmbeddingTable` per table, in wire order;
+    ``ps``: a :class:`ps.ParameterServer` over them whose ``table_names`` are ``names``)."""
+
+    def __init__(self, tables: list, names: tuple, rank: int, world: int, ps: ParameterServer | None = None):
+        self.tables, self.names, self.rank, self.world, self.ps = tables, names, rank, world, ps
         self.dims = np.array([t.dim for t in tables], np.int64)
         self.failed_updates = 0  # (table, step) updates that raised and were skipped
 
     def serve(self, r_ids, r_occ, rcounts, t_event: int, insert: bool):
-        """Step 4, the owner's side: per table one gather of every requester's ids (in arrival
-        order). Returns ``(reply, owned, served_failed)``: the rows (wire layout), per table the
-        ids and their elements in the reply, and per requester whether its ids made a gather
-        raise. A gather that raises is retried requester by requester, so only the ranks whose
-        own ids fail are named (their rows read zeros; the step then fails on every rank, in
+        """Step 4, the owner's side: every requester's ids (in arrival order) looked up, in one
+        packed PS call for all tables (:meth:`ps.ParameterServer.gather_packed`: what the
+        1-process model calls) when no admission counts occurrences. Returns ``(reply, owned,
+        served_failed)``: the rows (wire layout), an :class:`Owned`, and per requester whether
+        its ids made a gather raise. A packed gather that raises is done again table by table
+        and a table's gather that raises requester by requester, so only the ranks whose own
+        ids fail are named (their rows read zeros; the step then fails on every rank, in
         :meth:`DistributedModel._learn`, and only those ranks bisect their batches); when no
         requester fails alone, all of that table's requesters are named."""
+        if r_occ is None and self.ps is not None:
+            try:
+                return self._serve_packed(r_ids, rcounts, t_event, insert)
+            except Exception as err:  # noqa: BLE001 - found table by table below
+                log.error("rank %d: owner's packed lookup failed: %r; retrying table by table", self.rank, err)
+        return self._serve_tables(r_ids, r_occ, rcounts, t_event, insert)
+
+    def _serve_packed(self, r_ids, rcounts, t_event: int, insert: bool):
+        n, T = self.world, len(self.names)
+        r_tab = np.repeat(np.tile(np.arange(T), n), rcounts.reshape(-1))
+        perm = np.argsort(r_tab, kind="stable")       # wire order (requester, table) -> table-major
+        per_table = rcounts.sum(0)
+        present = np.flatnonzero(per_table)
+        offsets = np.zeros(present.size + 1, np.int64)
+        np.cumsum(per_table[present], out=offsets[1:])
+        pb = PackedBatch(tuple(self.names[t] for t in present.tolist()), r_ids[perm], offsets, present)
+        buf = self.ps.gather_packed(pb, insert=insert, event_time=t_event)
+        pos = np.empty(perm.size, np.int64)            # wire position -> its table-major position
+        pos[perm] = np.arange(perm.size)
+        w_dim = self.dims[r_tab]
+        p_start = starts(self.dims[r_tab[perm]])
+        within = np.arange(int(w_dim.sum()), dtype=np.int64) - np.repeat(starts(w_dim), w_dim)
+        elem = np.repeat(p_start[pos], w_dim) + within
+        return buf[elem], Owned(packed=pb, elem=elem), np.zeros(n, bool)
+
+    def _serve_tables(self, r_ids, r_occ, rcounts, t_event: int, insert: bool):
         n, T = self.world, len(self.names)
         r_tab = np.repeat(np.tile(np.arange(T), n), rcounts.reshape(-1))
         r_src = np.repeat(np.repeat(np.arange(n), T), rcounts.reshape(-1))
@@ -66,7 +108,7 @@ class Owner:
                 alone = self._serve_each(ti, sel, r_src[sel], tid, occ, t_event, insert, reply, r_start)
                 served_failed |= alone if alone.any() else np.isin(np.arange(n), r_src[sel])
             owned.append((ti, tid, elem))
-        return reply, owned, served_failed
+        return reply, Owned(per_table=owned), served_failed
 
     def _serve_each(self, ti, sel, src, tid, occ, t_event, insert, reply, r_start) -> np.ndarray:
         """A failed gather of table ``ti`` again, one requester at a time: which fail alone."""
@@ -92,9 +134,26 @@ class Owner:
         return self.tables[ti].gather(tid, insert=True, event_time=t_event)
 
 
-    def apply(self, owned: list, r_grads: np.ndarray, event_time: int) -> None:
-        """Step 8 on this shard: every requester's gradients of a table in one optimizer step."""
-        for ti, tid, elem in owned:
+    def apply(self, owned: Owned, r_grads: np.ndarray, event_time: int) -> None:
+        """Step 8 on this shard: every requester's gradients of a table in one optimizer step
+        (of every table in one packed PS call, after a packed lookup)."""
+        if owned.packed is not None:
+            g = np.empty(owned.elem.size, np.float32)
+            g[owned.elem] = r_grads
+            try:
+                self.ps.apply_packed_gradients(owned.packed, g, event_time)
+                return
+            except Exception as err:  # noqa: BLE001 - validation raises before any row changes
+                log.error("rank %d: owner's packed update failed: %r; applying table by table", self.rank, err)
+            pb, off = owned.packed, 0
+            per_table, r_grads = [], g
+            for k in range(len(pb.slots)):
+                tid, d = pb.slot_ids(k), int(self.dims[pb.slot_table[k]])
+                per_table.append((int(pb.slot_table[k]), tid, np.arange(off, off + tid.size * d)))
+                off += tid.size * d
+        else:
+            per_table = owned.per_table
+        for ti, tid, elem in per_table:
             try:
                 self.tables[ti].apply_gradients(tid, r_grads[elem].reshape(tid.size, -1), event_time)
             except Exception as err:  # noqa: BLE001 - the step is agreed everywhere: skip, never hang

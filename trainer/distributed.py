@@ -137,7 +137,7 @@ class DistributedModel:
         self._names = self.model.ps.table_names
         self._tables = [self.model.tables[n] for n in self._names]
         self._dims = np.array([t.dim for t in self._tables], np.int64)
-        self._owner = Owner(self._tables, self._names, self.rank, self.world)
+        self._owner = Owner(self._tables, self._names, self.rank, self.world, self.model.ps)
         # an admission that depends on occurrences needs each id's count in the batch
         self._counts = any(t.config.admission.min_count > 1 or t.config.admission.probability < 1.0
                            for t in self._tables)

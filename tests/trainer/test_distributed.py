@@ -256,6 +256,14 @@ def _failing(method, poison: int):
     return call
 
 
+def _failing_packed(method, poison: int):
+    def call(pb, *args, **kw):
+        if (pb.ids == poison).any():
+            raise MemoryError(f"injected owner failure on {poison}")
+        return method(pb, *args, **kw)
+    return call
+
+
 def _owner_fails(rank: int, world: int, mode: str) -> dict:
     """Every owner's gather raises on ``POISON_ID``, its update on ``POISON_UPDATE`` (fault
     injection: no input makes a real PS call raise today; a bug or a MemoryError there would).
@@ -263,6 +271,9 @@ def _owner_fails(rank: int, world: int, mode: str) -> dict:
     dm = DistributedModel(_cfg(), mode=mode)
     for t in dm.tables.values():
         t.gather, t.apply_gradients = _failing(t.gather, POISON_ID), _failing(t.apply_gradients, POISON_UPDATE)
+    ps = dm.model.ps  # the owners' packed calls (all tables at once) fail on the same ids
+    ps.gather_packed = _failing_packed(ps.gather_packed, POISON_ID)
+    ps.apply_packed_gradients = _failing_packed(ps.apply_packed_gradients, POISON_UPDATE)
     rows = _rows(0, rank, 8)
     if rank == 0:
         rows[3]["user_id"] = [POISON_ID]

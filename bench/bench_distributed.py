@@ -54,6 +54,7 @@ from trainer.metrics import auc  # noqa: E402
 from trainer.model import SparseModel  # noqa: E402
 
 QUICK = os.environ.get("QUICK") == "1"
+PIN = os.environ.get("PIN", "0") == "1"   # trainer.pin_cores: each rank on its own core
 BATCH = 1024
 WARMUP = 3
 STEPS = 24 if QUICK else 200      # measured global steps (each 2 * BATCH examples)
@@ -125,7 +126,7 @@ def main():
     out = {"ex_per_s_1rank_1thread": round(rate1), "auc_1rank": round(auc1, 4), "auc_holdout_1rank": round(hold1, 4),
            "cpu_ms_per_step_1rank": round(cpu1, 2)}
     for mode in ("sync", "hybrid"):
-        res = run_local(_rank, 2, mode, timeout_s=120)
+        res = run_local(_rank, 2, mode, timeout_s=120, pin=PIN)
         rate = sum(r["examples"] for r in res) / max(r["wall"] for r in res)
         a = auc(np.concatenate([r["probs"] for r in res]), np.concatenate([r["labels"] for r in res]))
         hold = auc(np.concatenate([r["hold_probs"] for r in res]), np.concatenate([r["hold_labels"] for r in res]))
@@ -145,7 +146,7 @@ def main():
     out["auc_hybrid_1proc_late"] = reference(WARMUP + STEPS, late=True, seed=None)["auc"]
     out["auc_gap"] = round(out["auc_sync"] - out["auc_hybrid"], 4)
     out["auc_holdout_gap"] = round(out["auc_holdout_sync"] - out["auc_holdout_hybrid"], 4)
-    out.update({"batch_per_rank": BATCH, "holdout": HOLDOUT, "steps": STEPS, "quick": QUICK,
+    out.update({"pin_cores": PIN, "batch_per_rank": BATCH, "holdout": HOLDOUT, "steps": STEPS, "quick": QUICK,
                 "wall_s": round(time.time() - t_start, 1)})
     print(json.dumps(out))
 

@@ -206,6 +206,11 @@ class TrainerSettings(BaseModel):
     # results), a round's update overlapping the next round's poll and decode (docs/scale-out.md).
     dist_mode: Literal["sync", "hybrid"] = "sync"
     staleness: int = Field(1, ge=0)
+    # Pin each rank (and its threads: gloo's, the lookup thread) to its own share of this
+    # machine's cores (local rank r of N: the r-th of N equal slices): for a machine given over
+    # to the ranks, where the scheduler otherwise moves ranks onto one core now and then and the
+    # others wait for them in every collective (trainer/launch.py, docs/scale-out.md).
+    pin_cores: bool = False
     # Times the elastic launcher restarts the whole group after a rank failed (kill -9 included)
     # before it gives up (then `driftline up`'s supervisor restarts the launcher).
     max_restarts: int = 3

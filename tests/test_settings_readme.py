@@ -32,9 +32,10 @@ def env_names() -> set[str]:
 def table_names(readme: str) -> tuple[set[str], set[str]]:
     """``(names, wildcard section prefixes)`` of the first column of the Configuration table.
 
-    >>> table_names("## Configuration\\n| `DRIFTLINE_A__B` / `__C` | 1 | x |\\n| `REDIS_URL` | | |\\n"
-    ...             "| `DRIFTLINE_E__*` | | |\\n## Next\\n| `DRIFTLINE_Z` | | |")
-    ({'DRIFTLINE_A__B', 'DRIFTLINE_A__C', 'REDIS_URL'}, {'DRIFTLINE_E__'})
+    >>> names, wild = table_names("## Configuration\\n| `DRIFTLINE_A__B` / `__C` | 1 | x |\\n| `REDIS_URL` | | |\\n"
+    ...                           "| `DRIFTLINE_E__*` | | |\\n## Next\\n| `DRIFTLINE_Z` | | |")
+    >>> sorted(names), sorted(wild)   # sets print in hash order: sorted to compare
+    (['DRIFTLINE_A__B', 'DRIFTLINE_A__C', 'REDIS_URL'], ['DRIFTLINE_E__'])
     """
     section = readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
     names, wildcards = set(), set()

@@ -57,14 +57,40 @@ def launch(nproc: int, argv: list[str], ts: TrainerSettings) -> None:
             raise
 
 
+def pin_to_cores(local_rank: int, local_world: int) -> set[int]:
+    """Pin this process, every thread it has and (by inheritance) every thread it starts, to
+    the ``local_rank``-th of ``local_world`` equal slices of the cores it may run on (at least
+    one core each; ranks share cores when there are more ranks than cores). Returns the cores;
+    an empty set where the platform cannot pin (nothing changed).
+
+    >>> cores = pin_to_cores(0, 1)   # one rank: every core it had, nothing taken away
+    >>> cores == (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set())
+    True
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return set()
+    cpus = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cpus) // local_world)
+    start = (local_rank * per) % len(cpus)
+    mine = set(cpus[start:start + per])
+    for tid in os.listdir("/proc/self/task"):  # sched_setaffinity(0) moves the calling thread only
+        try:
+            os.sched_setaffinity(int(tid), mine)
+        except OSError:  # a thread that just ended
+            pass
+    return mine
+
+
 def init_rank(ts: TrainerSettings) -> tuple[int, int]:
     """Join the gloo process group of the launcher's workers (one torch intra-op thread: the ranks
-    share the cores); ``(rank, world)``."""
+    share the cores; pinned to their share with ``trainer.pin_cores``); ``(rank, world)``."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     env = os.environ
+    if ts.pin_cores:  # before torch and gloo start threads: they inherit the cores
+        pin_to_cores(int(env.get("LOCAL_RANK", "0")), int(env.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(1)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     timeout = timedelta(seconds=ts.collective_timeout_s)
     # The launcher's store outlives a restart of the group, and torch's env:// init does not

@@ -12,11 +12,15 @@ import torch.distributed as dist
 from services.ports import free_port
 
 from .distributed import DistributedError
+from .launch import pin_to_cores
 
 
-def _rank_main(fn, rank: int, world: int, port: int, args: tuple, timeout_s: float, threads: int, q) -> None:
+def _rank_main(fn, rank: int, world: int, port: int, args: tuple, timeout_s: float, threads: int, pin: bool,
+               q) -> None:
     import traceback
     from datetime import timedelta
+    if pin:
+        pin_to_cores(rank, world)
     torch.set_num_threads(threads)  # ranks share the cores: one intra-op thread each by default
     try:
         # the timeout bounds every collective: a rank that never arrives fails the others
@@ -30,9 +34,10 @@ def _rank_main(fn, rank: int, world: int, port: int, args: tuple, timeout_s: flo
         q.put((rank, False, traceback.format_exc()))
 
 
-def run_local(fn, world: int, *args, timeout_s: float = 60.0, threads: int = 1) -> list:
+def run_local(fn, world: int, *args, timeout_s: float = 60.0, threads: int = 1, pin: bool = False) -> list:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by a gloo process
-    group on 127.0.0.1; returns their results by rank. ``fn`` must be importable (module level).
+    group on 127.0.0.1 (each pinned to its share of the cores with ``pin``: :func:`trainer.launch.pin_to_cores`);
+    returns their results by rank. ``fn`` must be importable (module level).
     Raises :class:`DistributedError` with the failing rank's traceback, or when ranks do not all
     finish within ``2 * timeout_s`` (the processes are then killed)."""
     import multiprocessing as mp
@@ -40,7 +45,7 @@ def run_local(fn, world: int, *args, timeout_s: float = 60.0, threads: int = 1) 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, args, timeout_s, threads, q), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, args, timeout_s, threads, pin, q), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

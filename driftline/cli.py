@@ -20,7 +20,7 @@ import sys  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 
 from services.log import setup_logging  # noqa: E402
-from services.settings import Settings, get_settings  # noqa: E402
+from services.settings import PROJECT_VAR, Settings, get_settings  # noqa: E402
 
 
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
@@ -205,9 +205,6 @@ def service_call(argv: Sequence[str]) -> tuple[str, list[str]] | None:
     if argv and argv[0] in SERVICE_COMMANDS:
         return SERVICE_COMMANDS[argv[0]][0], list(argv[1:])
     return None
-
-
-PROJECT_VAR = "DRIFTLINE_PROJECT"  # (driftline.project.PROJECT_VAR, without importing it for every command)
 
 
 def _apply_project(config: str | None) -> str | None:

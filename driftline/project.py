@@ -41,14 +41,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ps import AdmissionConfig, InitializerConfig, TableConfig
 from ps.config import OptimizerConfig
+from services.settings import PROJECT_VAR
 
 if TYPE_CHECKING:
     from trainer.config import ModelConfig
 
 __all__ = ["FeatureSpec", "Project", "ProjectFile", "ProjectError", "load_project", "apply_to_environ", "PROJECT_VAR"]
 
-#: the environment variable naming the project file every ``driftline`` command applies
-PROJECT_VAR = "DRIFTLINE_PROJECT"
 _NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 
 

@@ -22,11 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.settings import get_settings
+
 from .common import EvalSettings, full, set_threads, smoke
 
 EXPERIMENTS = ("tune", "collisions", "online", "staleness", "baselines")
 SECTION = {"tune": "tuning"}
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="docs", help="where results.json, results.md and the plots go (default docs)")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="override the seeds")
     ap.add_argument("--workers", type=int, default=None, help="processes (default 2, 1 with --smoke)")
-    ap.add_argument("--data-dir", default=None, help="MovieLens cache (default var/data)")
+    ap.add_argument("--data-dir", default=None, help="MovieLens cache (as DRIFTLINE_DATA_DIR; default <var>/data)")
     ap.add_argument("--work-dir", default="var/eval", help="scratch space for snapshots (removed after)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -46,13 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from(args) -> EvalSettings:
+    if args.data_dir:  # the one setting of the cache (settings.data_dir), for this process
+        os.environ["DRIFTLINE_DATA_DIR"] = str(args.data_dir)
+        get_settings.cache_clear()
     s = smoke() if args.smoke else full()
     if args.seeds:
         s = s.model_copy(update=dict(seeds=tuple(args.seeds), coll_seeds=None))
     if args.workers is not None:
         s = s.model_copy(update=dict(workers=args.workers))
-    if args.data_dir:
-        s = s.model_copy(update=dict(data_dir=args.data_dir))
     return s
 
 

@@ -45,10 +45,11 @@ _DATA: dict[tuple, MovieLensData] = {}
 
 
 def data(s: EvalSettings, limit: int | None = None, offset: int = 0) -> MovieLensData:
-    """ml-1m ratings (time order) with their features; cached per process."""
-    key = (s.dataset, s.data_dir, limit, offset)
+    """ml-1m ratings (time order) with their features, from the dataset cache
+    (``settings.data_dir``); cached per process."""
+    key = (s.dataset, get_settings().data_dir, limit, offset)
     if key not in _DATA:
-        _DATA[key] = MovieLensData(s.dataset, Path(s.data_dir), limit=limit, offset=offset)
+        _DATA[key] = MovieLensData(s.dataset, Path(key[1]), limit=limit, offset=offset)
     return _DATA[key]
 
 

@@ -305,7 +305,6 @@ class EvalSettings(BaseModel):
 
     name: str = "full"
     dataset: str = "ml-1m"
-    data_dir: str = "var/data"
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
     workers: int = 2
     # model (one DeepFM for every experiment)
@@ -354,6 +353,11 @@ class EvalSettings(BaseModel):
     base_lr_seq_lr: float = 0.3            # its Adagrad lr (tuned)
     tune_base_limit: int = 100_000         # the tuning stream: this many ratings right after the reported one
     hashed_buckets: int = 1 << 13
+
+
+#: the environment variable naming the project file (Settings.project) every ``driftline``
+#: command applies (driftline/project.py)
+PROJECT_VAR = "DRIFTLINE_PROJECT"
 
 
 class Settings(BaseSettings):

@@ -32,9 +32,10 @@ the dense head. Every rank reads its own batches. Only ``torch.distributed`` col
    anywhere (no rank is left waiting in a collective; :func:`trainer.isolate.train_isolating_ranks`
    then finds the examples). Summing ``d(sum/B_global)`` over ranks is the gradient of the
    1-process mean loss on the concatenated batch.
-8. *gradients* (``all_to_all_single``, the embeddings' splits reversed): per unique id the sum of
-   its rows' gradients, to the owner; the owner concatenates every rank's part per table and
-   steps it with the table's optimizer (``apply_gradients`` sums an id's parts first; one that
+8. *gradients* (``all_to_all_single``, the embeddings' splits reversed, on the lookups' group
+   while step 7's all-reduce is in flight on the other: the two overlap): per unique id the sum
+   of its rows' gradients, to the owner; once step 7 has agreed, the owner steps every
+   table's part with the table's optimizer (``apply_gradients`` sums an id's parts first; one that
    raises is skipped and counted, :attr:`DistributedModel.failed_updates`: the step is agreed).
 9. the dense optimizer steps on every replica (same gradients: replicas stay equal; rank 0's
    initial head is broadcast once).
@@ -145,16 +146,17 @@ class DistributedModel:
         with torch.no_grad():  # equal replicas even if a head was built from another seed
             for p in self._params:
                 dist.broadcast(p.data, 0, group=group)
-        # hybrid: lookups run in their own thread on their own group, so their collectives never
-        # interleave with the gradient collectives of the step in flight (gloo matches
-        # collectives by issue order per group)
-        self._lookup_group = dist.new_group(backend="gloo") if mode == "hybrid" else group
+        # lookups and sparse gradients on a group of their own, the dense all-reduce on `group`:
+        # sync sends a step's sparse gradients while its all-reduce is in flight, and hybrid runs
+        # lookups in their own thread; either way the two never interleave on one group (gloo
+        # matches collectives by issue order per group)
+        self._lookup_group = dist.new_group(backend="gloo")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dist-lookup") if mode == "hybrid" else None
         self._lock = threading.Lock()
         self.alltoall_bytes = 0   # bytes this rank sent to other ranks through all_to_all
         self.allreduce_bytes = 0  # the dense all-reduce's share (ring estimate)
         self.comm_s: list[float] = []   # per step: seconds in collectives (lookup + gradients)
-        self.sparse_comm_s = 0.0        # of which in the gradients' all_to_all (in the background: hybrid)
+        self.sparse_comm_s = 0.0        # hybrid: in the gradients' all_to_all, on the lookup thread
         self._sparse_steps: deque = deque()  # hybrid: gradient exchanges queued behind the lookups
         self._deferred: deque = deque()      # hybrid step(): (lookup, gradients) not queued yet
         self.overlapped_updates = 0          # sparse updates run on the lookup thread (hybrid)
@@ -287,7 +289,12 @@ class DistributedModel:
             flags[torch.from_numpy(np.flatnonzero(lk.served_failed))] = 1.0
         flat = torch.cat([head, torch.tensor([value], dtype=torch.float32), flags])
         tc = time.perf_counter()
-        dist.all_reduce(flat, group=g)
+        reduced = dist.all_reduce(flat, group=g, async_op=True)
+        r_grads = None
+        if sparse == "now":  # the gradients travel while the all-reduce does; applied once agreed
+            r_grads = self._a2a(g_rows if g_rows is not None else np.zeros(lk.n_rows, np.float32),
+                                lk.row_splits, lk.back_splits, self._lookup_group)
+        reduced.wait()
         with self._lock:
             # what a ring all-reduce sends per rank (gloo's algorithm may differ: an estimate)
             self.allreduce_bytes += flat.numel() * 4 * 2 * (self.world - 1) // self.world
@@ -304,13 +311,15 @@ class DistributedModel:
                 f"the step's summed loss ({value}) or gradients are not finite; nothing applied"))
         if g_rows is None:
             g_rows = np.zeros(lk.n_rows, np.float32)
-        t2, sparse_comm = time.perf_counter(), 0.0
+        t2 = time.perf_counter()
         if sparse == "queued":  # after the lookups already queued, before the next ones: staleness holds
             self._queue_update(lk, g_rows)
         elif sparse == "deferred":
             self._deferred.append((lk, g_rows))
         else:
-            sparse_comm = self._sparse_update(lk, g_rows, g)
+            self._owner.apply(lk.owned, r_grads, lk.event_time)
+            with self._lock:
+                m.timings["update"] += time.perf_counter() - t2
         t3 = time.perf_counter()
         off = 0
         for p in self._params:
@@ -320,7 +329,7 @@ class DistributedModel:
         with self._lock:
             m.timings["backward"] += t2 - t1 - comm - (m.timings["forward"] - f0)
             m.timings["update"] += time.perf_counter() - t3
-        self.comm_s.append(lk.comm_s + comm + sparse_comm)
+        self.comm_s.append(lk.comm_s + comm)
         self.steps += 1
         return value, probs
 

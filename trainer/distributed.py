@@ -24,7 +24,8 @@ the dense head. Every rank reads its own batches. Only ``torch.distributed`` col
    PS's insert path. A gather that raises names the requesters whose ids fail (step 7).
 5. *embeddings* (``all_to_all_single``, uneven): float32 rows back, in the order they came.
 6. *forward/backward* locally (:meth:`SparseModel.forward_packed`), loss = sum / global batch.
-7. *dense* (``all_reduce`` SUM, one flat buffer): the head's gradients plus the loss sum and one
+7. *dense* (a sum over the ranks of one flat buffer: ``all_reduce``, with 2 ranks one
+   ``all_to_all`` swap, :meth:`DistributedModel._start_sum`): the head's gradients plus the loss sum and one
    failure flag per rank, so every rank takes the same decision: when a rank's part of the step
    failed (its loss or a gradient not finite, its planning, forward or backward raised, or an
    owner's lookup raised on its ids: :class:`OwnerLookupError`), every
@@ -289,12 +290,12 @@ class DistributedModel:
             flags[torch.from_numpy(np.flatnonzero(lk.served_failed))] = 1.0
         flat = torch.cat([head, torch.tensor([value], dtype=torch.float32), flags])
         tc = time.perf_counter()
-        reduced = dist.all_reduce(flat, group=g, async_op=True)
+        summed = self._start_sum(flat, g)
         r_grads = None
         if sparse == "now":  # the gradients travel while the all-reduce does; applied once agreed
             r_grads = self._a2a(g_rows if g_rows is not None else np.zeros(lk.n_rows, np.float32),
                                 lk.row_splits, lk.back_splits, self._lookup_group)
-        reduced.wait()
+        flat = summed()
         with self._lock:
             # what a ring all-reduce sends per rank (gloo's algorithm may differ: an estimate)
             self.allreduce_bytes += flat.numel() * 4 * 2 * (self.world - 1) // self.world
@@ -332,6 +333,20 @@ class DistributedModel:
         self.comm_s.append(lk.comm_s + comm)
         self.steps += 1
         return value, probs
+
+    def _start_sum(self, flat: torch.Tensor, group):
+        """Start step 7's sum of ``flat`` over the ranks; returns a function that waits for it and
+        returns the sum. Two ranks swap their buffers in one ``all_to_all`` and each adds the two
+        in rank order (the same float sum on both: replicas stay equal): one round trip where
+        gloo's all-reduce takes several, about 2x cheaper for the DeepFM head's 264 kB here
+        (median 0.4-0.7 ms against 0.6-2.3 ms, under load). More ranks use the all-reduce: a swap
+        would send N-1 copies."""
+        if self.world != 2:
+            work = dist.all_reduce(flat, group=group, async_op=True)
+            return lambda: (work.wait(), flat)[1]
+        n, out = flat.numel(), torch.empty(2 * flat.numel())
+        work = dist.all_to_all_single(out, flat.repeat(2), group=group, async_op=True)
+        return lambda: (work.wait(), out[:n] + out[n:])[1]
 
     def _queue_update(self, lk: Lookup, g_rows: np.ndarray) -> None:
         self.overlapped_updates += 1

@@ -1,5 +1,5 @@
-"""The joiner as a Faust app (faust-streaming): ``python -m joiner.faust_app``; N workers with the
-same ``joiner.group_id`` share the partitions.
+"""The joiner worker, a Faust app (faust-streaming): ``python -m joiner``; N workers with the same
+``joiner.group_id`` share the partitions.
 
 * **Inputs**: both input topics (``features`` and ``actions``, both keyed by request id with
   the default partitioner and with the same partition count, so one request's records share a

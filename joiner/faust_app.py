@@ -116,7 +116,8 @@ class JoinerApp:
         t = s.topics
         sender = BatchedSender(self.prod, t.examples, sorted(await self.prod.partitions_for(t.examples)),
                                self.worker_labels())
-        self.worker = Worker(s, self.table.data, self.changelog, self.prod, sender)
+        self.worker = Worker(s, self.table.data, self.changelog, self.prod, sender,
+                             highwater=lambda tp: self.app.consumer.highwater(TP(tp.topic, tp.partition)))
         self.watch = tansu_quirks.EpochWatch(s, SERVICE, self.epoch)
         await self.watch.start()
 

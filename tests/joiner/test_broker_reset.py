@@ -77,6 +77,8 @@ async def test_joiner_keeps_its_state_across_a_broker_reset(settings: Settings, 
     await create_topics(settings)
     await produce(settings, part1)
     resets = _value("driftline_broker_resets_total", service="joiner")
+    t = settings.topics
+    lost = [_value("driftline_broker_reset_lost_total", service="joiner", topic=x) for x in (t.features, t.actions)]
     if joiner_running:
         stop = asyncio.Event()
         task = asyncio.create_task(run_joiner(s, stop=stop))
@@ -104,6 +106,31 @@ async def test_joiner_keeps_its_state_across_a_broker_reset(settings: Settings, 
     # The state was kept: part 2's actions joined impressions of part 1.
     part1_requests = {k.decode() for kind, k, _ in part1 if kind == "features"}
     assert sum(1 for e in after if e.request_id in part1_requests and e.labels["click"] == 1.0) >= 5
+    # Part 1 was consumed in full before the reset: nothing lost.
+    assert [_value("driftline_broker_reset_lost_total", service="joiner", topic=x)
+            for x in (t.features, t.actions)] == lost
+
+
+async def test_joiner_counts_the_records_a_reset_took_before_it_read_them(settings: Settings, broker: Broker) -> None:
+    """A worker stopped mid-stream (its last commit saw high watermarks above its offsets), then a
+    reset: the restarted worker counts those unread records as lost (by the high watermarks its
+    commits stored), per input topic."""
+    s = settings.updated(joiner={**JOINER, "batch_size": 50})
+    t = settings.topics
+    await create_topics(settings)
+    await produce(settings, ml_events(3000, start=12_000, seed=4))
+    lost = sum(_value("driftline_broker_reset_lost_total", service="joiner", topic=x) for x in (t.features, t.actions))
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_joiner(s, stop=stop))
+    await _until(lambda: _value("driftline_messages_consumed_total", service="joiner", topic=t.features) > 0
+                 or task.done(), timeout_s=90, what="the first batch")
+    stop.set()
+    await task
+    await asyncio.to_thread(broker.restart)
+    await create_topics(settings)
+    await run_joiner(s, until_idle_s=0.5)  # notices the reset at start-up, counts, drains
+    now = sum(_value("driftline_broker_reset_lost_total", service="joiner", topic=x) for x in (t.features, t.actions))
+    assert now > lost
 
 
 async def test_joiner_after_a_reset_refuses_expired_impressions_and_remembers_the_rest(

@@ -324,7 +324,7 @@ class DistributedModel:
         t3 = time.perf_counter()
         off = 0
         for p in self._params:
-            p.grad = flat[off:off + p.numel()].view_as(p).clone()
+            p.grad = flat[off:off + p.numel()].view_as(p)  # flat is this step's own sum: views suffice
             off += p.numel()
         m.optimizer.step()
         with self._lock:

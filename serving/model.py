@@ -19,10 +19,13 @@ from proto import ParameterDelta
 from ps import EmbeddingTable, SyncChunk, TableConfig
 from serving.correction import SampleRates
 from serving.request_features import Declared
+from serving.split_head import SplitHead
 from serving.versions import (Bootstrap, DeltaRejected, SparseVersions, VersionState, check_shard, chunk_done,
                               delta_sample_rates, manifest_sample_rates, manifest_sparse_versions)
 
 if TYPE_CHECKING:
+    from trainer.config import ModelConfig
+    from trainer.model import DenseHead
     from serving.fm_model import FMModel
     from trainer.batch import SparseBatch
     from trainer.inference import Scorer
@@ -143,6 +146,7 @@ class TrainerModel:
         self.sample_rates = SampleRates()
         self._pooler: SparseModel | None = None
         self._declared: tuple[object, Declared] | None = None
+        self._splits: tuple[object, dict[frozenset[str], SplitHead]] = (None, {})
 
     @property
     def tables(self) -> dict[str, EmbeddingTable]:
@@ -162,10 +166,10 @@ class TrainerModel:
         A field's pooled embedding depends only on its own slot's ids, so one batch whose row 0
         holds the user's slots and whose rows 1..n hold the candidates' (each lacking the other's
         slots: empty bags, which pool to exactly zero) gives, added ``row 0 + row i``, the same
-        head input as the merged rows: ``x + 0.0 == x`` (bit-identical scores). That skips
-        gathering and pooling the user's ids (20 recent clicks and more) once per candidate and
-        building the merged rows. A slot that a candidate and the user both carry (the
-        candidate's replaces the user's) falls back to the merged rows.
+        head input as the merged rows. That skips gathering and pooling the user's ids (20
+        recent clicks and more) once per candidate and building the merged rows; the head then
+        takes the user's part once too (:mod:`serving.split_head`). A slot that a candidate and
+        the user both carry (the candidate's replaces the user's) falls back to the merged rows.
         """
         import torch
 
@@ -186,10 +190,22 @@ class TrainerModel:
         head = scorer.head  # the head of one dense version for the whole request
         with torch.inference_mode():
             (emb, lin, _), _ = pooler.forward(batch)
-            emb = None if emb is None else emb[1:] + emb[:1]
-            lin = None if lin is None else lin[1:] + lin[:1]
-            x = None if dense is None else torch.from_numpy(np.ascontiguousarray(dense, np.float32))
-            return torch.sigmoid(head(emb, lin, x)).numpy().astype(np.float64)
+            split = self._split_head(head, pooler.cfg, user_slots)
+            logits = split.logits(None if emb is None else emb.numpy(), None if lin is None else lin.numpy(),
+                                  None if dense is None else np.ascontiguousarray(dense, np.float32))
+            return torch.sigmoid(torch.from_numpy(logits)).numpy().astype(np.float64)
+
+    def _split_head(self, head: DenseHead, config: ModelConfig, user_slots: Slots) -> SplitHead:
+        """``head`` split for the user's fields (:mod:`serving.split_head`), cached per dense
+        version: a handful of field splits (known user or not, clicks or not)."""
+        if self._splits[0] is not head:
+            self._splits = (head, {})
+        cache = self._splits[1]
+        user = frozenset(user_slots.keys() & config.slots.keys())
+        split = cache.get(user)
+        if split is None:
+            split = cache[user] = SplitHead(head, list(config.slots), user, config.embed_dim)
+        return split
 
     def _pooler_for(self, scorer: Scorer) -> SparseModel:
         """A :class:`trainer.model.SparseModel` over ``scorer``'s tables whose head returns its

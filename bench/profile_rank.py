@@ -85,9 +85,9 @@ async def profile(settings: Settings, bodies: list[bytes], requests: int, warm: 
             t4 = time.perf_counter()
             user_slots, item_slots = slots_for(s.model.declared, body.user_id, feats.user, feats.recent_items,
                                                feats.items, item_ids)
-            for c, slots in zip(body.candidates, item_slots):
+            for i, c in enumerate(body.candidates):
                 if c.features is not None:
-                    slots.update(c.features.sparse)
+                    item_slots[i] = {**item_slots[i], **c.features.sparse}
             version = s.version()
             t5 = time.perf_counter()
             raw = s.model.score(user_slots, item_slots)

@@ -261,9 +261,9 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
                                            feats.items, item_ids)
         if body.context is not None:
             user_slots.update(body.context.sparse)
-        for c, slots in zip(body.candidates, item_slots):
-            if c.features is not None:
-                slots.update(c.features.sparse)
+        for i, c in enumerate(body.candidates):
+            if c.features is not None:  # a new row: the stored one is shared (slots_for)
+                item_slots[i] = {**item_slots[i], **c.features.sparse}
         version = s.version()  # read before scoring: the served version is at least this one
         raw = s.model.score(user_slots, item_slots, dense)
         # the rate the served parameters were trained under, for the slice this replica serves

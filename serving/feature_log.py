@@ -97,9 +97,11 @@ class FeatureLogEncoder:
         """``candidates``: (item_id, cache key or None, sparse slots, dense or None, score)."""
         parts = [FeatureLog(request_id=request_id, event_time_ms=event_time_ms, user_id=user_id,
                             context=context, model_version=version).SerializeToString()]
+        cached, pack = self._candidates.get, _FLOAT.pack
         for item_id, key, slots, dense, score in candidates:
-            parts.append(self._candidate_head(item_id, key, slots, dense))
-            parts.append(_FLOAT.pack(score))
+            head = cached((item_id, key)) if key is not None and not dense else None  # the common case, inline
+            parts.append(head if head is not None else self._candidate_head(item_id, key, slots, dense))
+            parts.append(pack(score))
         return b"".join(parts)
 
 

@@ -91,7 +91,8 @@ def check_names(declared: Declared, where: str, names: Iterable[str], dense: boo
 def slots_for(declared: Declared, user_id: int, user: Slots | None, recent: list[int],
               items: Sequence[Slots | None], item_ids: Sequence[int]) -> tuple[Slots, list[Slots]]:
     """The user's and each candidate's sparse slots from the store, reduced to what the model reads
-    (the request's own features are added by the caller)."""
+    (the request's own features are added by the caller). A candidate's row may be the store's
+    cached value itself (no copy per candidate): replace it, never change it in place."""
     slots = declared.slots
     user_slots: Slots = {k: v for k, v in user.items() if k in slots} if user is not None else {}
     if USER_ID in slots and USER_ID not in user_slots:
@@ -104,6 +105,9 @@ def slots_for(declared: Declared, user_id: int, user: Slots | None, recent: list
         if stored is None:
             row: Slots = {}
         elif stored.keys() <= slots:
+            if not add_item or ITEM_ID in stored:
+                out.append(stored)  # the store's decoded value itself: shared, never changed
+                continue
             row = dict(stored)
         else:
             row = {k: v for k, v in stored.items() if k in slots}

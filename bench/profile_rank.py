@@ -83,8 +83,8 @@ async def profile(settings: Settings, bodies: list[bytes], requests: int, warm: 
             t3 = time.perf_counter()
             feats = await s.store.fetch(body.user_id, item_ids)
             t4 = time.perf_counter()
-            user_slots, item_slots = slots_for(s.model.declared, body.user_id, feats.user, feats.recent_items,
-                                               feats.items, item_ids)
+            user_slots, item_slots, raws = slots_for(s.model.declared, body.user_id, feats.user,
+                                                     feats.recent_items, feats.items, item_ids, feats.items_raw)
             for i, c in enumerate(body.candidates):
                 if c.features is not None:
                     item_slots[i] = {**item_slots[i], **c.features.sparse}
@@ -99,7 +99,6 @@ async def profile(settings: Settings, bodies: list[bytes], requests: int, warm: 
             context = features_message(user_slots, None)
             mv = ModelVersion(model_id=version.model_id, sparse_version=version.sparse_version,
                               dense_version=version.dense_version)
-            raws = feats.items_raw or [None] * n
             encoded = s.log_encoder.encode(
                 request_id, event_time_ms, body.user_id, context, mv,
                 [(c.item_id, key, slots, None, score)

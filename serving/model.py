@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from trainer.model import SparseModel
 
 Slots = Mapping[str, Sequence[int]]
+_NO_IDS = np.zeros(0, np.int64)
 
 
 class ServingModel(Protocol):
@@ -89,9 +90,11 @@ def latest_snapshot(root: Path | None) -> Path | None:
     return done[-1] if done else None
 
 
-def _request_batch(user_slots: Slots, item_slots_list: Sequence[Slots], slots: Sequence[str]) -> SparseBatch:
+def _request_batch(user_slots: Slots, item_slots_list: Sequence[Slots], slots: Sequence[str],
+                   item_keys: set[str] | None = None) -> SparseBatch:
     """The :class:`trainer.batch.SparseBatch` of one request: row 0 the user's slots, rows 1..n
     the candidates' (a slot in neither is empty). The user's slots cost O(1) rows, not n.
+    ``item_keys``: the slots any candidate carries, when known (the others need no pass over them).
 
     >>> b = _request_batch({"u": [7, 8]}, [{"i": [1]}, {"i": [2, 3]}], ["i", "u", "x"])
     >>> b.size, b.ids["u"].tolist(), b.offsets["u"].tolist(), b.offsets["i"].tolist(), b.offsets["x"].tolist()
@@ -108,6 +111,9 @@ def _request_batch(user_slots: Slots, item_slots_list: Sequence[Slots], slots: S
             ids[slot] = np.asarray(user, np.int64).reshape(-1)
             offs = np.full(n + 1, len(user), np.int64)
             offs[0] = 0
+        elif item_keys is not None and slot not in item_keys:
+            ids[slot] = _NO_IDS
+            offs = np.zeros(n + 1, np.int64)
         else:
             bags = [item.get(slot, ()) for item in item_slots_list]
             offs = np.zeros(n + 1, np.int64)
@@ -181,12 +187,13 @@ class TrainerModel:
             raise ValueError(f"the model reads {n_dense} dense features per item, got "
                              f"{None if dense is None else dense.shape}")
         dense = dense if n_dense else None
-        if any(not item.keys().isdisjoint(user_slots) for item in item_slots_list):
+        item_keys: set[str] = set().union(*item_slots_list)
+        if not item_keys.isdisjoint(user_slots):
             user = dict(user_slots)
             rows = [{**user, **item} for item in item_slots_list]
             return np.asarray(scorer.predict_slot_dicts(rows, dense), dtype=np.float64)
         pooler = self._pooler_for(scorer)
-        batch = _request_batch(user_slots, item_slots_list, pooler.cfg.all_slots)
+        batch = _request_batch(user_slots, item_slots_list, pooler.cfg.all_slots, item_keys)
         head = scorer.head  # the head of one dense version for the whole request
         with torch.inference_mode():
             (emb, lin, _), _ = pooler.forward(batch)

@@ -289,8 +289,8 @@ class FeatureLogger:
         sends: list[asyncio.Future | BaseException] = []
         for e in entries:
             try:
-                sends.append(await asyncio.wait_for(
-                    self.producer.send(self.topic, e.value, key=e.key), self.send_timeout_s))
+                async with asyncio.timeout(self.send_timeout_s):  # no task per message, unlike wait_for
+                    sends.append(await self.producer.send(self.topic, e.value, key=e.key))
             except _PERMANENT as err:
                 sends.append(err)
             await asyncio.sleep(0)  # one message at a time: requests go first

@@ -32,11 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_serving import CANDIDATES, cpu_s, encode_request, load, start, wait_ready  # noqa: E402
-from driftline.embedded import redis_command, tansu_command, wait_for_port  # noqa: E402
-from services.kafka import create_topics  # noqa: E402
-from services.ports import free_port  # noqa: E402
-from services.settings import Settings  # noqa: E402
+from bench_serving import CANDIDATES, cpu_s, encode_request, load, start, start_stack, wait_ready  # noqa: E402
 
 REQUESTS = int(os.environ.get("REQUESTS", "3000"))
 CONCURRENCY = int(os.environ.get("BENCH_CONCURRENCY", "8"))
@@ -58,19 +54,10 @@ async def drive(host: str, port: int, reqs: list[bytes], n: int) -> tuple[int, i
 def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="profile-serving-"))
     host = "127.0.0.1"
-    bport, rport, sport = free_port(), free_port(), free_port()
-    procs = [start(tansu_command(host, bport), tmp / "tansu.log"),
-             start(redis_command(host, rport, tmp), tmp / "redis.log")]
+    procs: list[subprocess.Popen] = []
     prof = tmp / "serving.prof"
     try:
-        wait_for_port(host, bport, 20, "broker", procs[0])
-        wait_for_port(host, rport, 20, "redis", procs[1])
-        env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=f"{host}:{bport}", REDIS_URL=f"redis://{host}:{rport}/0",
-                   DRIFTLINE_SERVING__PORT=str(sport), DRIFTLINE_VAR_DIR=str(tmp / "var"),
-                   DRIFTLINE_LOG_LEVEL="WARNING")
-        asyncio.run(create_topics(Settings(kafka_bootstrap_servers=f"{host}:{bport}")))
-        subprocess.run([sys.executable, "-m", "serving.feature_store", "load", "--movielens", "--dataset", "ml-1m",
-                        "--data-dir", str(ROOT / "var" / "data")], env=env, check=True, cwd=ROOT)
+        env, _settings, sport, _load_s = start_stack(tmp, host, procs)
         profiler = [sys.executable, "-m", "cProfile", "-o", str(prof)] if PROFILE else [sys.executable]
         server = start([*profiler, "-m", "serving", "--workers", "1"], tmp / "serving.log", env)
         procs.append(server)

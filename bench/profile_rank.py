@@ -29,6 +29,12 @@ total             3.606   2.737
 Then ``hiredis`` (redis-py's reply parser in C, pinned): redis fetch 0.943 -> 0.576 ms, total
 2.545 -> 2.151 ms (one run each, same session). What is left: the DeepFM head (~0.3 ms; its first layer could take the
 user's part once per request).
+
+Second pass (issue #17): the head takes the user's part once (``serving/split_head.py``), pooling's
+bag lengths are one array, the fetch is packed by hiredis on one pooled connection, no row copy per
+candidate. In process these medians moved little under the load of the day (load average 3-5:
+total 2.38/2.27 -> 2.06/2.24 ms, two alternating runs); CPU time per request, which moves less,
+is in ``bench/profile_serving.py`` and docs/scale-out.md ("The cost of one /rank").
 """
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import pstats
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,6 +83,7 @@ def main() -> None:
                 p.wait(10)
     if PROFILE:
         pstats.Stats(str(prof)).sort_stats("cumulative").print_stats(45)
+    shutil.rmtree(tmp, ignore_errors=True)
     result = dict(endpoint=ENDPOINT, cpu_ms_per_request=cpu / max(ok, 1) * 1000, requests=ok, failed=failed, rps=ok / seconds,
                   concurrency=CONCURRENCY, profiled=PROFILE)
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))

@@ -30,6 +30,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -54,6 +55,10 @@ ROCKSDB_OPTIONS = {"write_buffer_size": 8 << 20, "max_write_buffer_number": 2, "
 
 class BrokerReset(RuntimeError):
     """The broker's data was reset under a running worker: it stops, to re-seed on restart."""
+
+
+class JoinTimeout(RuntimeError):
+    """No group assignment for ``joiner.join_timeout_s``: the worker exits to be restarted."""
 
 
 def state_dir(settings: Settings) -> Path:
@@ -91,6 +96,9 @@ class JoinerApp:
         self.committed: dict[TP, int] = {}  # input offsets this worker committed last
         self.lock = asyncio.Lock()
         self.done = asyncio.Event()
+        # (the join watchdog, run(): since when this worker has waited for an assignment)
+        self.unassigned_since: float | None = time.monotonic()
+        app.on_partitions_assigned.connect(self._on_assigned)
         app.timer(min(1.0, js.batch_timeout_s * 5), name=f"{js.group_id}.tick")(self._tick)
         app.on_partitions_revoked.connect(self._on_revoked)
 
@@ -99,6 +107,7 @@ class JoinerApp:
         return {tp.partition for tp in self.app.assignor.assigned_actives() if tp.topic == self.settings.topics.features}
 
     async def start(self) -> None:
+        """Everything but Faust's own start (:meth:`start_faust`): topics, producer, broker epoch."""
         s = self.settings
         await create_topics(s)
         self.prod = producer(s)
@@ -110,7 +119,11 @@ class JoinerApp:
         self.worker = Worker(s, self.table.data, self.changelog, self.prod, sender)
         self.watch = tansu_quirks.EpochWatch(s, SERVICE, self.epoch)
         await self.watch.start()
-        await self.app.start()
+
+    def start_faust(self) -> asyncio.Future:
+        """Faust's start, as a task: it returns only once the first assignment is recovered, so
+        :func:`run` watches it beside the stop signal and the join watchdog."""
+        return asyncio.ensure_future(self.app.start())
 
     async def _check_broker_epoch(self) -> str:
         """The broker's epoch; if its data was reset since the local stores were written
@@ -145,6 +158,13 @@ class JoinerApp:
         await self.watch.stop()
         await self.prod.stop()
 
+    def unassigned_for(self) -> float:
+        """Seconds this worker has been waiting for a group assignment (0 while it has one)."""
+        return 0.0 if self.unassigned_since is None else time.monotonic() - self.unassigned_since
+
+    async def _on_assigned(self, app: faust.App, assigned: set[TP], **_: object) -> None:
+        self.unassigned_since = None
+
     async def on_records(self, records: list) -> None:
         """Join one fetch's input records (aiokafka ``ConsumerRecord``s) and commit them, unless
         the broker's data was reset: records read at stale offsets must not count as done."""
@@ -154,6 +174,20 @@ class JoinerApp:
                 self.reset_to = await self.watch.check()
             if self.reset_to is None:
                 await self.worker.process(records, self.owned())
+                self._count_consumed(records)
+
+    def _count_consumed(self, records: list) -> None:
+        """The shared consumer metrics (records consumed, lag per partition), as every consumer
+        of the stack exports them (the dashboards' joiner lag)."""
+        last: dict[tuple[str, int], int] = {}
+        for r in records:
+            last[(r.topic, r.partition)] = r.offset
+        for topic, n in Counter(r.topic for r in records).items():
+            metrics.MESSAGES_CONSUMED.labels(SERVICE, topic).inc(n)
+        for (topic, p), offset in last.items():
+            hw = self.app.consumer.highwater(TP(topic, p))
+            if hw is not None:
+                metrics.CONSUMER_LAG.labels(SERVICE, topic, str(p)).set(max(0, hw - offset - 1))
 
     async def commit_offsets(self, partitions: Iterable[int] | None = None) -> None:
         """Commit the group's input offsets of open partitions (all, or ``partitions``) where
@@ -168,6 +202,7 @@ class JoinerApp:
         self.committed.update(offsets)
 
     async def _on_revoked(self, app: faust.App, revoked: set[TP], **_: object) -> None:
+        self.unassigned_since = time.monotonic()  # (a rebalance begins: the next join is watched)
         async with self.lock:  # (after the batch in flight has committed)
             if self.worker is not None:
                 gone = [tp.partition for tp in revoked if tp.topic == self.settings.topics.features]
@@ -234,12 +269,16 @@ async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_id
               timings: dict[str, float] | None = None) -> dict[str, int]:
     """Run one worker until ``stop`` is set or (``until_idle_s``) its partitions are drained; the
     totals of its counters. ``timings`` (benchmarks) receives ``perf_counter`` marks as
-    :func:`joiner.app.run`'s: ``loop_start``, ``last_batch_end``, ``drain_s``."""
+    ``loop_start`` (first batch), ``last_batch_end``, ``drain_s``. Raises :class:`BrokerReset`
+    (the broker's data was reset) and :class:`JoinTimeout` (no group assignment for
+    ``joiner.join_timeout_s``, also at start: Faust's start waits for the first one)."""
     stop = stop or asyncio.Event()
     japp = JoinerApp(settings, until_idle_s)
     await japp.start()
     metrics.SERVICE_UP.labels(SERVICE).set(1)
+    join_timeout_s = settings.joiner.join_timeout_s
     try:
+        starting = japp.start_faust()
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(japp.done.wait())]
         try:
             while not (stop.is_set() or japp.done.is_set()):
@@ -253,9 +292,16 @@ async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_id
                 if crashed:
                     # (a crashed Faust service stops itself: exit non-zero, to be restarted)
                     raise RuntimeError(f"the Faust app stopped: {japp.app.crash_reason!r}")
-                await asyncio.wait(waits, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                if starting.done() and not starting.cancelled() and starting.exception() is not None:
+                    raise starting.exception()  # type: ignore[misc]
+                if japp.unassigned_for() > join_timeout_s:
+                    # (a group join that never completed: seen on tansu after two workers left
+                    # at once; a new process joins as a new member. joiner/README.md)
+                    raise JoinTimeout(f"no group assignment for {join_timeout_s:.0f} s: exiting, to be restarted")
+                await asyncio.wait(waits + ([] if starting.done() else [starting]), timeout=0.5,
+                                   return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for w in waits:
+            for w in [*waits, starting]:
                 w.cancel()
     finally:
         metrics.SERVICE_UP.labels(SERVICE).set(0)
@@ -272,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m joiner", description=__doc__.split("\n")[0])
     parser.add_argument("--until-idle", type=float, default=None, metavar="S",
                         help="drain and exit once this worker's input has been idle S seconds (replays, tests)")
-    parser.add_argument("--store", default=None, help="state directory URL (default rocksdb://<var>/joiner/faust)")
+    parser.add_argument("--store", default=None, help="this worker's state directory URL (default rocksdb://<var>/joiner/faust)")
     parser.add_argument("--metrics-port", type=int, default=None)
     args = parser.parse_args(argv)
     settings = get_settings()
@@ -297,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokerReset as err:
         log.warning("%s", err)
         return 3
+    except JoinTimeout as err:
+        log.error("%s", err)
+        return 4
     log.info("joiner stopped: %s", dict(sorted(totals.items())))
     return 0
 

@@ -128,7 +128,8 @@ class JoinerSettings(BaseModel):
     label_map: dict[str, str] = Field(default_factory=lambda: {"click": "click", "like": "like"})
     batch_size: int = 2_000
     batch_timeout_s: float = 0.2
-    # State store URL: memory:// or rocksdb://<path>; None means rocksdb://<var_dir>/joiner/state.
+    # A joiner worker's local state directory, rocksdb://<path> (its Faust tables' RocksDB; one per
+    # worker); None means rocksdb://<var_dir>/joiner/faust.
     store_url: str | None = None
     # The Faust joiner's app id: its consumer group and the prefix of its changelog topic.
     group_id: str = "driftline-joiner"
@@ -139,6 +140,10 @@ class JoinerSettings(BaseModel):
     # heartbeats from its consumer thread, so a long batch does not miss heartbeats.
     session_timeout_ms: int = 6_000
     heartbeat_interval_ms: int = 1_000
+    # A worker that has waited this long for a group assignment (at start or after a rebalance
+    # began) exits with code 4 to be restarted: a join that never completes was seen on tansu
+    # (joiner/README.md). Well above a normal join (session timeout + tansu's slow first join).
+    join_timeout_s: float = 60.0
     # Live traffic only: when an actions partition has been idle this many wall seconds, advance
     # its watermark to the features watermark minus the margin so windows close. None: off (a
     # replay's result then depends only on the data).

@@ -26,6 +26,17 @@ Each workaround is also correct on Apache Kafka, so the same code runs against b
    it, and offsets it held may be valid again on the new, shorter logs: nothing else tells).
    What a reset means for each service's state (kept: it lives outside the broker) and what it
    still loses (records that lived only in the broker) is in ``docs/broker-reset.md``.
+6. After two members of a group leave at the same instant (two joiner workers stopped by one
+   SIGTERM each), the coordinator can keep one of them as the group's leader for good: every
+   JoinGroup of a new member answers with that departed leader (and no member list), the new
+   member's follower SyncGroup waits for an assignment nobody sends and fails with
+   REBALANCE_IN_PROGRESS after ~5 s, and so on forever (reproduced in 4 of 7 tries with two
+   Faust workers; a LeaveGroup sent on the stale leader's behalf does not clear it, new processes
+   do not either; DeleteGroups does: the next join starts the group afresh, as its leader).
+   :func:`install_faust` makes a member whose follower SyncGroup failed
+   :data:`STALE_LEADER_SYNCS` times in a row delete the group and rejoin as a new member. (On
+   Apache Kafka a live group cannot be deleted, NON_EMPTY_GROUP, so the attempt is harmless; it
+   costs the group's committed offsets, which the joiner keeps in its state anyway.)
 """
 
 from __future__ import annotations
@@ -48,6 +59,9 @@ from services.settings import Settings
 log = logging.getLogger(__name__)
 
 EPOCH_TOPIC = "_driftline-epoch"
+# Quirk 6: follower SyncGroups failed in a row (each ~8 s: a join round and the sync's own wait)
+# before the group is taken for stuck with a departed leader. A live leader syncs within one.
+STALE_LEADER_SYNCS = 3
 _installed = False
 _faust_installed = False
 
@@ -110,7 +124,8 @@ async def true_end_offsets(
 
 def install_faust() -> None:
     """Make Faust's consumer answer its changelog highwaters with the true end offsets (quirk 1),
-    and aiokafka leave at generation 0 (quirk 2: :func:`install`)."""
+    aiokafka leave at generation 0 (quirk 2: :func:`install`), and a member stuck behind a
+    departed group leader delete the group and rejoin (quirk 6)."""
     global _faust_installed
     install()
     if _faust_installed:
@@ -130,7 +145,36 @@ def install_faust() -> None:
         return await true_end_offsets(servers, tps, self.app.conf.broker_request_timeout)
 
     thread._highwaters = _highwaters  # type: ignore[method-assign]
+    _install_stale_leader_rejoin()
     _faust_installed = True
+
+
+def _install_stale_leader_rejoin() -> None:
+    """Quirk 6: after :data:`STALE_LEADER_SYNCS` failed follower SyncGroups in a row, delete the
+    group (DeleteGroups) and rejoin as a new member."""
+    from aiokafka.protocol.admin import DeleteGroupsRequest
+
+    rebalance = group_coordinator.CoordinatorGroupRebalance
+    original = rebalance._on_join_follower
+
+    async def _on_join_follower(self: group_coordinator.CoordinatorGroupRebalance) -> bytes | None:
+        assignment = await original(self)
+        coordinator = self._coordinator
+        failed = 0 if assignment is not None else getattr(coordinator, "_driftline_failed_syncs", 0) + 1
+        coordinator._driftline_failed_syncs = failed
+        if failed >= STALE_LEADER_SYNCS:
+            coordinator._driftline_failed_syncs = 0
+            log.warning("group %s: %d follower SyncGroups in a row failed, the leader never assigns "
+                        "(tansu quirk 6): deleting the group to rejoin it afresh", self.group_id, failed)
+            try:
+                response = await coordinator._client.send(self.coordinator_id, DeleteGroupsRequest([self.group_id]))
+                log.warning("group %s: DeleteGroups answered %s", self.group_id, response.results)
+            except KafkaError as err:
+                log.warning("group %s: DeleteGroups failed: %r", self.group_id, err)
+            coordinator.reset_generation()  # (a new member id on the next JoinGroup)
+        return assignment
+
+    rebalance._on_join_follower = _on_join_follower  # type: ignore[method-assign]
 
 
 async def committed_offsets(

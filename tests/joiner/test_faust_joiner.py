@@ -218,3 +218,71 @@ async def test_a_worker_added_while_traffic_flows_takes_partitions_without_loss(
     assert as_map(examples) == ref_as_map(offline_join(events, cfg, settings.topics.partitions))
     print(f"a had {sorted(_partitions_opened(a_log))}, b took {sorted(_partitions_opened(b_log))}; "
           f"{len(examples) - len(set(e.example_id for e in examples))} duplicates")
+
+
+async def test_a_worker_without_an_assignment_exits_to_be_restarted_and_stops_on_sigterm(settings: Settings) -> None:
+    """The join watchdog: a worker waiting longer than ``joiner.join_timeout_s`` for its group
+    assignment exits with code 4 (tansu's first join takes ~3 s, quirk 3: longer than the 0.5 s
+    given here). And SIGTERM stops a worker that is still waiting (Faust's start does not
+    return before the first assignment is recovered)."""
+    await create_topics(settings)
+    settings.var_dir.mkdir(parents=True, exist_ok=True)
+    env = _env(settings)
+    logs = [settings.var_dir.parent / f"joiner-{w}.log" for w in ("watchdog", "term")]
+    impatient = _worker(env | {"DRIFTLINE_JOINER__JOIN_TIMEOUT_S": "0.5"}, logs[0], settings.var_dir / "joiner-a")
+    termed = _worker(env | {"DRIFTLINE_JOINER__GROUP_ID": settings.joiner.group_id + "-term"}, logs[1],
+                     settings.var_dir / "joiner-b")
+    try:
+        deadline = time.monotonic() + 60
+        while "Recovery]: Starting" not in logs[1].read_text():  # (Faust started; it joins next)
+            assert time.monotonic() < deadline and termed.poll() is None, logs[1].read_text()[-3000:]
+            time.sleep(0.05)
+        termed.send_signal(signal.SIGTERM)
+        assert "Executing _on_partitions_assigned" not in logs[1].read_text()
+        assert impatient.wait(timeout=60) == 4, logs[0].read_text()[-3000:]
+        assert "no group assignment for 0 s" in logs[0].read_text()
+        assert termed.wait(timeout=60) == 0, logs[1].read_text()[-3000:]
+    finally:
+        for p in (impatient, termed):
+            if p.poll() is None:
+                p.kill()
+
+
+def _wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float) -> float:
+    """Seconds until ``text`` is in the worker's log."""
+    started = time.monotonic()
+    while text not in log.read_text():
+        assert time.monotonic() - started < timeout, f"no {text!r} within {timeout} s: {log.read_text()[-3000:]}"
+        assert proc.poll() is None, f"exited {proc.returncode}: {log.read_text()[-3000:]}"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+async def test_after_two_workers_stop_at_once_a_new_worker_gets_an_assignment(settings: Settings) -> None:
+    """tansu quirk 6: after two members left at the same instant the coordinator kept one of them
+    as the leader, and a new worker's joins never completed (4 of 7 tries). The workaround (the
+    group deleted after 3 failed follower SyncGroups) lets it in after ~25 s; without the bug it
+    is in after one join. Either way it gets an assignment long before the join watchdog."""
+    await create_topics(settings)
+    await produce(settings, ml_events(500, start=300_000, seed=33))
+    settings.var_dir.mkdir(parents=True, exist_ok=True)
+    env = _env(settings)
+    logs = [settings.var_dir.parent / f"joiner-{w}.log" for w in "abc"]
+    a, b = (_worker(env, logs[i], settings.var_dir / f"joiner-{w}") for i, w in enumerate("ab"))
+    c = None
+    try:
+        for proc, log in ((a, logs[0]), (b, logs[1])):
+            _wait_for(log, "Worker ready", proc, timeout=90)
+        await _consumed_all(settings, [a, b], timeout=60)  # (both in the group's last generation)
+        a.send_signal(signal.SIGTERM)
+        b.send_signal(signal.SIGTERM)
+        assert a.wait(timeout=60) == 0 and b.wait(timeout=60) == 0
+        c = _worker(env, logs[2], settings.var_dir / "joiner-c")
+        took = _wait_for(logs[2], "Executing _on_partitions_assigned", c, timeout=55)
+        print(f"the new worker got its assignment after {took:.1f} s; the workaround "
+              f"{'ran' if 'tansu quirk 6' in logs[2].read_text() else 'was not needed'}")
+    finally:
+        for p in (a, b, c):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=60)

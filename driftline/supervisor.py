@@ -12,7 +12,8 @@ infrastructure they drain into (``ServiceSpec.infra``: the broker, Redis). :meth
 returns the children that did not exit 0, so ``driftline up`` can exit 0 only on a clean stop.
 
 A service that exits within a minute of its start :data:`CRASH_LOOP_EXITS` times in a row is
-*crash-looping*: logged as such, counted, and written with every restart count to
+*crash-looping* (an exit with ``tansu_quirks.RESET_EXIT_CODE``, a restart the service asks for to
+follow a broker reset, does not count): logged as such, counted, and written with every restart count to
 ``<log_dir>/../run/supervisor.json`` (what ``make chaos`` and the status of a run read).
 """
 
@@ -29,6 +30,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from services.tansu_quirks import RESET_EXIT_CODE
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +157,10 @@ class Supervisor:
                 continue
             # Back off exponentially, but forget old crashes after a quiet minute.
             uptime = time.monotonic() - r.started_at
-            restarts = 0 if uptime > 60 else r.restarts + 1
+            if code == RESET_EXIT_CODE:
+                restarts = r.restarts  # (asked for: following a broker reset, not a crash)
+            else:
+                restarts = 0 if uptime > 60 else r.restarts + 1
             backoff = min(self.max_backoff_s, 0.5 * 2 ** min(restarts, 10))
             log.warning("%s exited with code %d; restarting in %.1f s (see %s)", name, code, backoff, r.log_path)
             self.restarts[name] = self.restarts.get(name, 0) + 1

@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokerReset as err:
         log.warning("%s", err)
-        return 3
+        return tansu_quirks.RESET_EXIT_CODE
     except JoinTimeout as err:
         log.error("%s", err)
         return 4

@@ -25,7 +25,10 @@ Each workaround is also correct on Apache Kafka, so the same code runs against b
    A *running* consumer notices a reset with :class:`EpochWatch` (the topics are recreated under
    it, and offsets it held may be valid again on the new, shorter logs: nothing else tells).
    What a reset means for each service's state (kept: it lives outside the broker) and what it
-   still loses (records that lived only in the broker) is in ``docs/broker-reset.md``.
+   still loses (records that lived only in the broker) is in ``docs/broker-reset.md``. A service
+   that must restart to follow a reset (the joiner worker: Faust cannot swap its changelog under a
+   running app) exits with :data:`RESET_EXIT_CODE`; the supervisor restarts it without counting
+   the exit toward a crash loop.
 6. After two members of a group leave at the same instant (two joiner workers stopped by one
    SIGTERM each), the coordinator can keep one of them as the group's leader for good: every
    JoinGroup of a new member answers with that departed leader (and no member list), the new
@@ -59,6 +62,8 @@ from services.settings import Settings
 log = logging.getLogger(__name__)
 
 EPOCH_TOPIC = "_driftline-epoch"
+# Quirk 5: "the broker's data was reset: restart me" (a designed restart, not a crash).
+RESET_EXIT_CODE = 3
 # Quirk 6: follower SyncGroups failed in a row (each ~8 s: a join round and the sync's own wait)
 # before the group is taken for stuck with a departed leader. A live leader syncs within one.
 STALE_LEADER_SYNCS = 3

@@ -67,7 +67,7 @@ def test_crash_loop_is_counted_and_written(tmp_path: Path) -> None:
     import json
 
     sup = Supervisor(tmp_path / "log", max_backoff_s=0.05)
-    sup.start(ServiceSpec("crasher", [sys.executable, "-c", "raise SystemExit(3)"]))
+    sup.start(ServiceSpec("crasher", [sys.executable, "-c", "raise SystemExit(1)"]))
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and not sup.crash_loops:
         sup.poll_once()
@@ -75,6 +75,21 @@ def test_crash_loop_is_counted_and_written(tmp_path: Path) -> None:
     sup.stop_all(grace_s=5)
     state = json.loads((tmp_path / "run" / "supervisor.json").read_text())
     assert state["crasher"]["crash_loops"] == 1 and state["crasher"]["restarts"] >= 3
+
+
+def test_a_restart_asked_for_after_a_broker_reset_is_no_crash(tmp_path: Path) -> None:
+    """Exits with RESET_EXIT_CODE (the joiner following a broker reset) are restarted and
+    counted as restarts, never as a crash loop."""
+    from services.tansu_quirks import RESET_EXIT_CODE
+
+    sup = Supervisor(tmp_path / "log", max_backoff_s=0.05)
+    sup.start(ServiceSpec("resetter", [sys.executable, "-c", f"raise SystemExit({RESET_EXIT_CODE})"]))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and sup.restarts.get("resetter", 0) < 4:
+        sup.poll_once()
+        time.sleep(0.05)
+    sup.stop_all(grace_s=5)
+    assert sup.restarts["resetter"] >= 4 and not sup.crash_loops
 
 
 def test_stop_drains_services_before_infra_and_reports_unclean_exits(tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ The online trainer's ranks (:mod:`trainer.ranks`, launched by :mod:`trainer.laun
 batch per round (:meth:`DistributedModel.step`); their snapshots and deltas name shards by
 :func:`trainer.sharding.shard_of`.
 
-**Not here yet** (issue #14): the dense all-reduce is not overlapped in ``hybrid``; TTL
+**Not here yet** (issue #14): the dense sum waits for the whole backward (no per-layer overlap); TTL
 watermarks move only on owners that got ids of a table in a step (the 1-process PS moves a
 single-shard table's watermark every step).
 """

@@ -4,8 +4,8 @@
 * model: DeepFM (8 slots, dim 16, MLP 256-128) on ml-1m in time order, as bench_trainer.
 * ``ex_per_s_1rank_1thread``: one process, one torch thread, plain ``SparseModel.train_step`` on
   batches of ``BATCH`` (no collectives at all: the honest baseline).
-* ``ex_per_s_2rank_{sync,hybrid}``: 2 spawned ranks, 1 torch thread each, each on its own
-  ``BATCH`` examples per step (global batch ``2 * BATCH``); examples of all ranks over the slowest
+* ``ex_per_s_2rank_{sync,hybrid}``: 2 spawned ranks, 1 torch thread each, each pinned to its own
+  core (``trainer.pin_cores``; ``PIN=0``: not pinned), each on its own ``BATCH`` examples per step (global batch ``2 * BATCH``); examples of all ranks over the slowest
   rank's wall time, after ``WARMUP`` steps. ``scaling_*``: that over the 1-rank rate (targets on 2
   cores: sync >= 1.6, hybrid >= 1.8).
 * ``alltoall_bytes_per_example``: bytes sent rank-to-rank through ``all_to_all`` (ids, rows,
@@ -54,7 +54,7 @@ from trainer.metrics import auc  # noqa: E402
 from trainer.model import SparseModel  # noqa: E402
 
 QUICK = os.environ.get("QUICK") == "1"
-PIN = os.environ.get("PIN", "0") == "1"   # trainer.pin_cores: each rank on its own core
+PIN = os.environ.get("PIN", "1") == "1"   # trainer.pin_cores: each rank on its own core (PIN=0: not)
 BATCH = 1024
 WARMUP = 3
 STEPS = 24 if QUICK else 200      # measured global steps (each 2 * BATCH examples)

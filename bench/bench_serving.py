@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -244,24 +245,32 @@ def start(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subp
                             start_new_session=True, cwd=ROOT)
 
 
+def start_stack(tmp: Path, host: str, procs: list[subprocess.Popen]) -> tuple[dict[str, str], Settings, int, float]:
+    """A tansu broker and a redis-server (added to ``procs``: the caller stops them), the topics,
+    and ml-1m's features in Redis: (the serving process's environment, settings, the port it is
+    to serve on, seconds the features took to load)."""
+    bport, rport, sport = free_port(), free_port(), free_port()
+    procs.append(start(tansu_command(host, bport), tmp / "tansu.log"))
+    procs.append(start(redis_command(host, rport, tmp), tmp / "redis.log"))
+    wait_for_port(host, bport, 20, "broker", procs[-2])
+    wait_for_port(host, rport, 20, "redis", procs[-1])
+    env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=f"{host}:{bport}", REDIS_URL=f"redis://{host}:{rport}/0",
+               DRIFTLINE_SERVING__PORT=str(sport), DRIFTLINE_VAR_DIR=str(tmp / "var"),
+               DRIFTLINE_LOG_LEVEL="WARNING")
+    settings = Settings(kafka_bootstrap_servers=f"{host}:{bport}")
+    asyncio.run(create_topics(settings))
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "serving.feature_store", "load", "--movielens", "--dataset", "ml-1m",
+                    "--data-dir", str(ROOT / "var" / "data")], env=env, check=True, cwd=ROOT)
+    return env, settings, sport, time.perf_counter() - t
+
+
 def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     host = "127.0.0.1"
-    bport, rport, sport = free_port(), free_port(), free_port()
-    procs = [start(tansu_command(host, bport), tmp / "tansu.log"),
-             start(redis_command(host, rport, tmp), tmp / "redis.log")]
+    procs: list[subprocess.Popen] = []
     try:
-        wait_for_port(host, bport, 20, "broker", procs[0])
-        wait_for_port(host, rport, 20, "redis", procs[1])
-        env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=f"{host}:{bport}", REDIS_URL=f"redis://{host}:{rport}/0",
-                   DRIFTLINE_SERVING__PORT=str(sport), DRIFTLINE_VAR_DIR=str(tmp / "var"),
-                   DRIFTLINE_LOG_LEVEL="WARNING")
-        settings = Settings(kafka_bootstrap_servers=f"{host}:{bport}")
-        asyncio.run(create_topics(settings))
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "serving.feature_store", "load", "--movielens", "--dataset", "ml-1m",
-                        "--data-dir", str(ROOT / "var" / "data")], env=env, check=True, cwd=ROOT)
-        load_s = time.perf_counter() - t
+        env, settings, sport, load_s = start_stack(tmp, host, procs)
         server = start([sys.executable, "-m", "serving", "--workers", "1"], tmp / "serving.log", env)
         procs.append(server)
         base = f"http://{host}:{sport}"
@@ -361,6 +370,7 @@ def main() -> None:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)  # logs, spools and tables: ~25 MB a run
     result["p99_ratio"] = result["rank_p99_ms"] / result["trivial_p99_ms"]
     result["loaded_p99_ratio"] = result["rank_loaded_p99_ms"] / result["trivial_loaded_p99_ms"]
     for k, v in result.items():

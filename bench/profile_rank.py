@@ -29,6 +29,12 @@ total             3.606   2.737
 Then ``hiredis`` (redis-py's reply parser in C, pinned): redis fetch 0.943 -> 0.576 ms, total
 2.545 -> 2.151 ms (one run each, same session). What is left: the DeepFM head (~0.3 ms; its first layer could take the
 user's part once per request).
+
+Second pass (issue #17): the head takes the user's part once (``serving/split_head.py``), pooling's
+bag lengths are one array, the fetch is packed by hiredis on one pooled connection, no row copy per
+candidate. In process these medians moved little under the load of the day (load average 3-5:
+total 2.38/2.27 -> 2.06/2.24 ms, two alternating runs); CPU time per request, which moves less,
+is in ``bench/profile_serving.py`` and docs/scale-out.md ("The cost of one /rank").
 """
 from __future__ import annotations
 
@@ -83,11 +89,11 @@ async def profile(settings: Settings, bodies: list[bytes], requests: int, warm: 
             t3 = time.perf_counter()
             feats = await s.store.fetch(body.user_id, item_ids)
             t4 = time.perf_counter()
-            user_slots, item_slots = slots_for(s.model.declared, body.user_id, feats.user, feats.recent_items,
-                                               feats.items, item_ids)
-            for c, slots in zip(body.candidates, item_slots):
+            user_slots, item_slots, raws = slots_for(s.model.declared, body.user_id, feats.user,
+                                                     feats.recent_items, feats.items, item_ids, feats.items_raw)
+            for i, c in enumerate(body.candidates):
                 if c.features is not None:
-                    slots.update(c.features.sparse)
+                    item_slots[i] = {**item_slots[i], **c.features.sparse}
             version = s.version()
             t5 = time.perf_counter()
             raw = s.model.score(user_slots, item_slots)
@@ -99,7 +105,6 @@ async def profile(settings: Settings, bodies: list[bytes], requests: int, warm: 
             context = features_message(user_slots, None)
             mv = ModelVersion(model_id=version.model_id, sparse_version=version.sparse_version,
                               dense_version=version.dense_version)
-            raws = feats.items_raw or [None] * n
             encoded = s.log_encoder.encode(
                 request_id, event_time_ms, body.user_id, context, mv,
                 [(c.item_id, key, slots, None, score)

@@ -50,7 +50,7 @@ from serving.feature_store import FeatureStore, FeatureStoreError, RankFeatures
 from serving.fm_model import FMModel
 from serving.model import ServingModel, TrainerModel, warm_up
 from serving.realtime import RecentClicks
-from serving.request_features import (BadFeatures, Declared, check_names, dense_for, drop_unknown, item_cache_key,
+from serving.request_features import (BadFeatures, Declared, check_names, dense_for, drop_unknown,
                                       slots_for)
 from serving.responses import FastJSONResponse
 from serving.shared_model import SharedFeed, SharedModel
@@ -257,13 +257,13 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         user_known = feats.user is not None
         if not user_known:
             metrics.UNKNOWN_USERS.inc()
-        user_slots, item_slots = slots_for(declared, body.user_id, feats.user, feats.recent_items,
-                                           feats.items, item_ids)
+        user_slots, item_slots, raws = slots_for(declared, body.user_id, feats.user, feats.recent_items,
+                                                 feats.items, item_ids, feats.items_raw)
         if body.context is not None:
             user_slots.update(body.context.sparse)
-        for c, slots in zip(body.candidates, item_slots):
-            if c.features is not None:
-                slots.update(c.features.sparse)
+        for i, c in enumerate(body.candidates):
+            if c.features is not None:  # a new row: the stored one is shared (slots_for)
+                item_slots[i] = {**item_slots[i], **c.features.sparse}
         version = s.version()  # read before scoring: the served version is at least this one
         raw = s.model.score(user_slots, item_slots, dense)
         # the rate the served parameters were trained under, for the slice this replica serves
@@ -275,8 +275,6 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         context = features_message(user_slots, body.context.dense if body.context is not None else None)
         mv = ModelVersion(model_id=version.model_id, sparse_version=version.sparse_version,
                           dense_version=version.dense_version)
-        raws = [item_cache_key(declared, value, stored)
-                for value, stored in zip(feats.items_raw or [None] * n, feats.items)]
         encoded = s.log_encoder.encode(
             request_id, event_time_ms, body.user_id, context, mv,
             [(c.item_id, None if c.features is not None else key, slots,

@@ -97,9 +97,11 @@ class FeatureLogEncoder:
         """``candidates``: (item_id, cache key or None, sparse slots, dense or None, score)."""
         parts = [FeatureLog(request_id=request_id, event_time_ms=event_time_ms, user_id=user_id,
                             context=context, model_version=version).SerializeToString()]
+        cached, pack = self._candidates.get, _FLOAT.pack
         for item_id, key, slots, dense, score in candidates:
-            parts.append(self._candidate_head(item_id, key, slots, dense))
-            parts.append(_FLOAT.pack(score))
+            head = cached((item_id, key)) if key is not None and not dense else None  # the common case, inline
+            parts.append(head if head is not None else self._candidate_head(item_id, key, slots, dense))
+            parts.append(pack(score))
         return b"".join(parts)
 
 
@@ -287,8 +289,8 @@ class FeatureLogger:
         sends: list[asyncio.Future | BaseException] = []
         for e in entries:
             try:
-                sends.append(await asyncio.wait_for(
-                    self.producer.send(self.topic, e.value, key=e.key), self.send_timeout_s))
+                async with asyncio.timeout(self.send_timeout_s):  # no task per message, unlike wait_for
+                    sends.append(await self.producer.send(self.topic, e.value, key=e.key))
             except _PERMANENT as err:
                 sends.append(err)
             await asyncio.sleep(0)  # one message at a time: requests go first

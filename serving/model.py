@@ -19,16 +19,20 @@ from proto import ParameterDelta
 from ps import EmbeddingTable, SyncChunk, TableConfig
 from serving.correction import SampleRates
 from serving.request_features import Declared
+from serving.split_head import SplitHead
 from serving.versions import (Bootstrap, DeltaRejected, SparseVersions, VersionState, check_shard, chunk_done,
                               delta_sample_rates, manifest_sample_rates, manifest_sparse_versions)
 
 if TYPE_CHECKING:
+    from trainer.config import ModelConfig
+    from trainer.model import DenseHead
     from serving.fm_model import FMModel
     from trainer.batch import SparseBatch
     from trainer.inference import Scorer
     from trainer.model import SparseModel
 
 Slots = Mapping[str, Sequence[int]]
+_NO_IDS = np.zeros(0, np.int64)
 
 
 class ServingModel(Protocol):
@@ -86,9 +90,11 @@ def latest_snapshot(root: Path | None) -> Path | None:
     return done[-1] if done else None
 
 
-def _request_batch(user_slots: Slots, item_slots_list: Sequence[Slots], slots: Sequence[str]) -> SparseBatch:
+def _request_batch(user_slots: Slots, item_slots_list: Sequence[Slots], slots: Sequence[str],
+                   item_keys: set[str] | None = None) -> SparseBatch:
     """The :class:`trainer.batch.SparseBatch` of one request: row 0 the user's slots, rows 1..n
     the candidates' (a slot in neither is empty). The user's slots cost O(1) rows, not n.
+    ``item_keys``: the slots any candidate carries, when known (the others need no pass over them).
 
     >>> b = _request_batch({"u": [7, 8]}, [{"i": [1]}, {"i": [2, 3]}], ["i", "u", "x"])
     >>> b.size, b.ids["u"].tolist(), b.offsets["u"].tolist(), b.offsets["i"].tolist(), b.offsets["x"].tolist()
@@ -105,6 +111,9 @@ def _request_batch(user_slots: Slots, item_slots_list: Sequence[Slots], slots: S
             ids[slot] = np.asarray(user, np.int64).reshape(-1)
             offs = np.full(n + 1, len(user), np.int64)
             offs[0] = 0
+        elif item_keys is not None and slot not in item_keys:
+            ids[slot] = _NO_IDS
+            offs = np.zeros(n + 1, np.int64)
         else:
             bags = [item.get(slot, ()) for item in item_slots_list]
             offs = np.zeros(n + 1, np.int64)
@@ -143,6 +152,7 @@ class TrainerModel:
         self.sample_rates = SampleRates()
         self._pooler: SparseModel | None = None
         self._declared: tuple[object, Declared] | None = None
+        self._splits: tuple[object, dict[frozenset[str], SplitHead]] = (None, {})
 
     @property
     def tables(self) -> dict[str, EmbeddingTable]:
@@ -162,10 +172,10 @@ class TrainerModel:
         A field's pooled embedding depends only on its own slot's ids, so one batch whose row 0
         holds the user's slots and whose rows 1..n hold the candidates' (each lacking the other's
         slots: empty bags, which pool to exactly zero) gives, added ``row 0 + row i``, the same
-        head input as the merged rows: ``x + 0.0 == x`` (bit-identical scores). That skips
-        gathering and pooling the user's ids (20 recent clicks and more) once per candidate and
-        building the merged rows. A slot that a candidate and the user both carry (the
-        candidate's replaces the user's) falls back to the merged rows.
+        head input as the merged rows. That skips gathering and pooling the user's ids (20
+        recent clicks and more) once per candidate and building the merged rows; the head then
+        takes the user's part once too (:mod:`serving.split_head`). A slot that a candidate and
+        the user both carry (the candidate's replaces the user's) falls back to the merged rows.
         """
         import torch
 
@@ -177,19 +187,32 @@ class TrainerModel:
             raise ValueError(f"the model reads {n_dense} dense features per item, got "
                              f"{None if dense is None else dense.shape}")
         dense = dense if n_dense else None
-        if any(not item.keys().isdisjoint(user_slots) for item in item_slots_list):
+        item_keys: set[str] = set().union(*item_slots_list)
+        if not item_keys.isdisjoint(user_slots):
             user = dict(user_slots)
             rows = [{**user, **item} for item in item_slots_list]
             return np.asarray(scorer.predict_slot_dicts(rows, dense), dtype=np.float64)
         pooler = self._pooler_for(scorer)
-        batch = _request_batch(user_slots, item_slots_list, pooler.cfg.all_slots)
+        batch = _request_batch(user_slots, item_slots_list, pooler.cfg.all_slots, item_keys)
         head = scorer.head  # the head of one dense version for the whole request
         with torch.inference_mode():
             (emb, lin, _), _ = pooler.forward(batch)
-            emb = None if emb is None else emb[1:] + emb[:1]
-            lin = None if lin is None else lin[1:] + lin[:1]
-            x = None if dense is None else torch.from_numpy(np.ascontiguousarray(dense, np.float32))
-            return torch.sigmoid(head(emb, lin, x)).numpy().astype(np.float64)
+            split = self._split_head(head, pooler.cfg, user_slots)
+            logits = split.logits(None if emb is None else emb.numpy(), None if lin is None else lin.numpy(),
+                                  None if dense is None else np.ascontiguousarray(dense, np.float32))
+            return torch.sigmoid(torch.from_numpy(logits)).numpy().astype(np.float64)
+
+    def _split_head(self, head: DenseHead, config: ModelConfig, user_slots: Slots) -> SplitHead:
+        """``head`` split for the user's fields (:mod:`serving.split_head`), cached per dense
+        version: a handful of field splits (known user or not, clicks or not)."""
+        if self._splits[0] is not head:
+            self._splits = (head, {})
+        cache = self._splits[1]
+        user = frozenset(user_slots.keys() & config.slots.keys())
+        split = cache.get(user)
+        if split is None:
+            split = cache[user] = SplitHead(head, list(config.slots), user, config.embed_dim)
+        return split
 
     def _pooler_for(self, scorer: Scorer) -> SparseModel:
         """A :class:`trainer.model.SparseModel` over ``scorer``'s tables whose head returns its

@@ -14,9 +14,12 @@ the trainer refuses; with ``serving.unknown_features = "ignore"`` such features 
 merges them the same way).
 
 >>> d = Declared.of(["item_id", "user_id"], ["hour"])
->>> user, items = slots_for(d, 7, {"age": [3]}, [], [None, {"item_id": [2], "genres": [1]}, {}], [1, 2, 3])
+>>> user, items, keys = slots_for(d, 7, {"age": [3]}, [], [None, {"item_id": [2], "genres": [1]}, {}],
+...                               [1, 2, 3], [None, b"item_id=2;genres=1", b""])
 >>> user, items
 ({'user_id': [7]}, [{'item_id': [1]}, {'item_id': [2]}, {'item_id': [3]}])
+>>> keys[0], keys[1] == b"item_id=2;genres=1" + bytes(1) + d.token, keys[2] == bytes(1) + d.token
+(None, True, True)
 >>> dense_for(d, {"hour": 3.0}, [None, {"hour": 5.0}]).tolist()
 [[3.0], [5.0]]
 >>> check_names(d, "context.sparse", ["device"])
@@ -89,9 +92,14 @@ def check_names(declared: Declared, where: str, names: Iterable[str], dense: boo
 
 
 def slots_for(declared: Declared, user_id: int, user: Slots | None, recent: list[int],
-              items: Sequence[Slots | None], item_ids: Sequence[int]) -> tuple[Slots, list[Slots]]:
+              items: Sequence[Slots | None], item_ids: Sequence[int],
+              raws: Sequence[bytes | None] | None = None) -> tuple[Slots, list[Slots], list[bytes | None]]:
     """The user's and each candidate's sparse slots from the store, reduced to what the model reads
-    (the request's own features are added by the caller)."""
+    (the request's own features are added by the caller), and each candidate's feature-log cache
+    key (:class:`serving.feature_log.FeatureLogEncoder`): its raw stored value (``raws``), qualified
+    by the declaration when the served slots differ from the stored ones (some left out, or
+    ``item_id`` added); None for an item the store does not hold. A candidate's row may be the
+    store's cached value itself (no copy per candidate): replace it, never change it in place."""
     slots = declared.slots
     user_slots: Slots = {k: v for k, v in user.items() if k in slots} if user is not None else {}
     if USER_ID in slots and USER_ID not in user_slots:
@@ -99,28 +107,27 @@ def slots_for(declared: Declared, user_id: int, user: Slots | None, recent: list
     if recent and RECENT_ITEMS in slots:
         user_slots[RECENT_ITEMS] = recent
     add_item = ITEM_ID in slots
+    qualified = b"\x00" + declared.token
     out: list[Slots] = []
-    for item_id, stored in zip(item_ids, items):
+    keys: list[bytes | None] = []
+    for item_id, stored, raw in zip(item_ids, items, raws if raws is not None else [None] * len(items)):
         if stored is None:
             row: Slots = {}
         elif stored.keys() <= slots:
+            if not add_item or ITEM_ID in stored:
+                out.append(stored)  # the store's decoded value itself: shared, never changed
+                keys.append(raw)
+                continue
             row = dict(stored)
         else:
             row = {k: v for k, v in stored.items() if k in slots}
         if add_item and ITEM_ID not in row:
             row[ITEM_ID] = [item_id]
         out.append(row)
-    return user_slots, out
+        keys.append(None if raw is None or stored is None else raw + qualified)
+    return user_slots, out, keys
 
 
-def item_cache_key(declared: Declared, raw: bytes | None, stored: Slots | None) -> bytes | None:
-    """The feature-log cache key of a stored item's slots as served: its raw value, qualified by
-    the declaration when the served slots differ from the stored ones (some left out, or
-    ``item_id`` added)."""
-    if raw is None or stored is None or (stored.keys() <= declared.slots
-                                         and (ITEM_ID in stored or ITEM_ID not in declared.slots)):
-        return raw
-    return raw + b"\x00" + declared.token
 def dense_for(declared: Declared, context: Mapping[str, float] | None,
               candidates: Sequence[Mapping[str, float] | None]) -> np.ndarray | None:
     """float32 ``[n, len(declared.dense)]`` in the model's input order (None: the model has no

@@ -71,7 +71,8 @@ class Owner:
     def _serve_packed(self, r_ids, rcounts, t_event: int, insert: bool):
         n, T = self.world, len(self.names)
         r_tab = np.repeat(np.tile(np.arange(T), n), rcounts.reshape(-1))
-        perm = np.argsort(r_tab, kind="stable")       # wire order (requester, table) -> table-major
+        # wire order (requester, table) -> table-major; small ints sort stably by radix
+        perm = np.argsort(r_tab.astype(np.int16) if T < 2 ** 15 else r_tab, kind="stable")
         per_table = rcounts.sum(0)
         present = np.flatnonzero(per_table)
         offsets = np.zeros(present.size + 1, np.int64)

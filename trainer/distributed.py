@@ -68,7 +68,7 @@ The online trainer's ranks (:mod:`trainer.ranks`, launched by :mod:`trainer.laun
 batch per round (:meth:`DistributedModel.step`); their snapshots and deltas name shards by
 :func:`trainer.sharding.shard_of`.
 
-**Not here yet** (issue #14): the dense all-reduce is not overlapped in ``hybrid``; TTL
+**Not here yet** (issue #14): the dense sum waits for the whole backward (no per-layer overlap); TTL
 watermarks move only on owners that got ids of a table in a step (the 1-process PS moves a
 single-shard table's watermark every step).
 """
@@ -324,7 +324,7 @@ class DistributedModel:
         t3 = time.perf_counter()
         off = 0
         for p in self._params:
-            p.grad = flat[off:off + p.numel()].view_as(p).clone()
+            p.grad = flat[off:off + p.numel()].view_as(p)  # flat is this step's own sum: views suffice
             off += p.numel()
         m.optimizer.step()
         with self._lock:

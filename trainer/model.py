@@ -120,18 +120,17 @@ def bag_inputs(batch: SparseBatch, slots: list[str], modes: list[str]):
     (slot 0's B bags, then slot 1's, ...). ``bag[i]`` is the bag of row ``i`` (None when every bag
     holds exactly one id: pooling is then the identity); ``weights`` scale rows of ``mean`` slots.
     """
-    lens = [np.diff(batch.offsets[s]) for s in slots]
-    n_rows = sum(int(batch.offsets[s][-1]) for s in slots)
-    means = [m == "mean" for m in modes]
-    if n_rows == batch.size * len(slots) and all(int(ln.min(initial=1)) == 1 for ln in lens):
+    # one [slots, B] array of bag lengths: a few whole-array operations, not a few per slot
+    lens = np.diff(np.stack([batch.offsets[s] for s in slots]), axis=1)
+    if lens.size == 0 or (lens.min() == 1 and lens.max() == 1):
         return None, None  # one id per bag: sum and mean are both the identity
-    ln = np.concatenate(lens) if len(lens) > 1 else lens[0]
-    bag = np.repeat(np.arange(ln.size, dtype=np.int64), ln)
+    flat = lens.reshape(-1)
+    bag = np.repeat(np.arange(flat.size, dtype=np.int64), flat)
     weights = None
-    if any(means):
-        w = [np.repeat((1.0 / np.maximum(x, 1)).astype(np.float32), x) if m else np.ones(int(x.sum()), np.float32)
-             for x, m in zip(lens, means)]
-        weights = np.concatenate(w)
+    means = np.array([m == "mean" for m in modes])
+    if means.any():
+        per_bag = np.where(means[:, None], (1.0 / np.maximum(lens, 1)).astype(np.float32), np.float32(1.0))
+        weights = np.repeat(per_bag.reshape(-1), flat)
     return bag, weights
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 from producers.movielens import load
@@ -38,3 +39,40 @@ def test_the_redis_client_parses_replies_in_c() -> None:
     import redis.utils
 
     assert redis.utils.HIREDIS_AVAILABLE
+
+
+def test_fetch_recovers_a_dropped_connection_and_fails_as_one_error(redis_url: str) -> None:
+    """/rank's one round trip (:meth:`FeatureStore._round_trip`): a pooled connection the server
+    dropped fails that one fetch at most (as redis-py's pipeline did: ``from_url`` clients do not
+    retry) and is never reused; an unreachable store is one :class:`FeatureStoreError` (``/rank``
+    then scores with default features)."""
+    import pytest
+    import redis.asyncio as aioredis
+
+    from serving.feature_store import FeatureStoreError, encode_slots
+
+    async def run() -> None:
+        store = FeatureStore(redis_url, "droptest")
+        admin = aioredis.Redis.from_url(redis_url)
+        try:
+            await admin.set("droptest:i:7", encode_slots({"item_id": [7]}))
+            await admin.rpush("droptest:clicks:1", 5, 6)
+            first = await store.fetch(1, [7, 8])
+            assert first.user is None and first.items == [{"item_id": [7]}, None] and first.recent_items == [5, 6]
+            await admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+            with contextlib.suppress(FeatureStoreError):
+                await store.fetch(1, [7])
+            again = await store.fetch(1, [7])
+            assert again.items == [{"item_id": [7]}] and again.recent_items == [5, 6]
+        finally:
+            await admin.delete("droptest:i:7", "droptest:clicks:1")
+            await admin.aclose()
+            await store.close()
+        down = FeatureStore("redis://127.0.0.1:1/0", timeout_s=0.5)
+        try:
+            with pytest.raises(FeatureStoreError, match="fetch failed"):
+                await down.fetch(1, [7])
+        finally:
+            await down.close()
+
+    asyncio.run(run())

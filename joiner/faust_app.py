@@ -71,7 +71,7 @@ class JoinerApp:
     """The Faust app, its agent and timer, and the :class:`Worker` they drive."""
 
     def __init__(self, settings: Settings, until_idle_s: float | None = None) -> None:
-        tansu_quirks.install_faust()
+        tansu_quirks.install_faust(settings.kafka.fetch_max_wait_ms)
         faust_store.register()
         self.settings, self.until_idle_s = settings, until_idle_s
         js, t, k = settings.joiner, settings.topics, settings.kafka

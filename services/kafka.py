@@ -145,6 +145,7 @@ class TypedConsumer(Generic[M]):
             heartbeat_interval_ms=k.heartbeat_interval_ms,
             request_timeout_ms=k.request_timeout_ms,
             max_poll_records=k.max_poll_records,
+            fetch_max_wait_ms=k.fetch_max_wait_ms,
         )
         options.update(consumer_options)
         self.consumer = AIOKafkaConsumer(*topics, **options)

@@ -60,6 +60,9 @@ class KafkaClientSettings(BaseModel):
     max_batch_size: int = 1_048_576
     compression_type: str | None = "lz4"
     max_poll_records: int = 2_000
+    # tansu answers a fetch only when this wait is over, even with records waiting (quirk 7): it
+    # is every consumer's latency. Apache Kafka answers as soon as a record is there.
+    fetch_max_wait_ms: int = 100
     connect_timeout_s: float = 10.0
 
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pyarrow.compute as pc
 import pytest
 from prometheus_client import REGISTRY
+from rocksdict import Options, Rdict
 
 from joiner import dumper
 from joiner.faust_app import BrokerReset, run as run_joiner
@@ -62,14 +63,42 @@ def _busiest_cut(events: list) -> int:
     return best
 
 
-@pytest.mark.parametrize("joiner_running", [True, False], ids=["running", "stopped"])
+async def _write_strays(settings: Settings) -> bytes:
+    """What a dying worker's producer can leave on the new broker: a changelog batch of the old
+    epoch (its retries reach the new broker), in every partition; the stray key."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    from joiner.worker import send_changelog
+    from services.kafka import producer, start_client
+
+    topic = f"{settings.joiner.group_id}-state-changelog"
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, settings.topics.partitions, 1)])
+    finally:
+        await admin.close()
+    prod = producer(settings)
+    await start_client(prod, settings)
+    try:
+        for p in range(settings.topics.partitions):
+            await send_changelog(prod, topic, p, [(b"Mepoch", b"the-old-epoch"), (b"Istray/1", b"x")])
+    finally:
+        await prod.stop()
+    return b"Istray/1"
+
+
+@pytest.mark.parametrize("joiner_running,strays", [(True, False), (False, False), (False, True)],
+                         ids=["running", "stopped", "stray changelog records"])
 async def test_joiner_keeps_its_state_across_a_broker_reset(settings: Settings, broker: Broker,
-                                                           joiner_running: bool) -> None:
+                                                           joiner_running: bool, strays: bool) -> None:
     """Part 1 is consumed (windows still open), the broker is reset, part 2 goes to the new
     topics. A running worker notices the reset and stops (``BrokerReset``) without writing to
     the new topics; a stopped one notices it at its next start. The restarted worker re-seeds
     the new changelog from its local store and drains: part 2's actions still join part 1's
-    impressions, the result is exactly the reference join of part 1 + part 2."""
+    impressions, the result is exactly the reference join of part 1 + part 2. Records a dying
+    worker's producer left in the new changelog (``strays``) are not taken for another worker's
+    re-seed, and their keys are deleted."""
     s = settings.updated(joiner=JOINER)
     events = ml_events(1200, start=10_000, seed=3)
     cut = _busiest_cut(events)
@@ -97,8 +126,21 @@ async def test_joiner_keeps_its_state_across_a_broker_reset(settings: Settings, 
         await asyncio.to_thread(broker.restart)
     assert before, "part 1 gave examples"
     await create_topics(settings)
+    stray = await _write_strays(s) if strays else None
     await produce(settings, part2)
     counts = await run_joiner(s, until_idle_s=1.0)  # re-seeds the changelog, then drains
+    if stray is not None:
+        from joiner.faust_app import state_dir
+        from joiner.faust_reset import partition_stores
+
+        stores = partition_stores(state_dir(s) / "v1" / "tables", "state")
+        assert stores, "the local state was kept, not dropped for a re-seed nobody made"
+        for path in stores.values():
+            db = Rdict(str(path), Options(raw_mode=True))
+            try:
+                assert db.get(stray) is None
+            finally:
+                db.close()
     assert _value("driftline_broker_resets_total", service="joiner") > resets
     after = await read_examples(settings)
     assert counts["impressions"] > 0

@@ -11,14 +11,13 @@ recorded broker epoch outdated re-seeds (:func:`reseed`), for each partition sto
    what the reset lost), the new epoch recorded;
 2. unless another worker has re-seeded the partition already, every key of the store goes to
    the new changelog partition as one committed batch (records + commit marker,
-   :func:`joiner.worker.send_changelog`), with a delete for every key some *stray* record there
-   has that the store has not, and the marker's offset becomes the store's persisted offset:
-   Faust then finds the store and the changelog in agreement and the partition's waiting
-   impressions, tombstones and watermarks are those before the reset, for whichever worker
-   takes the partition. Stray records are a dying worker's: a changelog batch its producer was
-   still retrying when the broker came back lands on the new broker (seen in ``make chaos``:
-   each partition then answered ListOffsets with 1 and a Fetch with nothing, so "not empty"
-   cannot tell a re-seed from debris);
+   :func:`joiner.worker.send_changelog`), with a delete for every key that records already there
+   have and the store has not (a re-seed cut short by a crash: records without their marker),
+   and the marker's offset becomes the store's persisted offset: Faust then finds the store and
+   the changelog in agreement and the partition's waiting impressions, tombstones and watermarks
+   are those before the reset, for whichever worker takes the partition. (The changelog topic is
+   the new epoch's own, :func:`joiner.faust_app.changelog_topic`: a worker that died in the
+   reset cannot have written to it);
 3. if another worker has already re-seeded that partition (its changelog holds this epoch's
    id followed by a commit marker), the local copy is deleted (Faust rebuilds it from the
    changelog): one snapshot per partition, never two mixed.
@@ -84,8 +83,8 @@ async def reseed(settings: Settings, prod: object, tabledir: Path, table: str, c
             kv.write(changes)  # (before reading it back: the snapshot holds the new epoch, no offsets)
             strays = {k for k, _ in found if k != MARKER and db.get(k) is None}
             if found:
-                log.warning("broker reset: changelog partition %d holds %d records no re-seed wrote "
-                            "(a dying writer's retries): their %d keys the local state lacks are deleted",
+                log.warning("broker reset: changelog partition %d holds %d records of no committed re-seed "
+                            "(one cut short): their %d keys the local state lacks are deleted",
                             p, len(found), len(strays))
             items = itertools.chain(((k, v) for k, v in db.items() if k != OFFSET_KEY),
                                     ((k, None) for k in sorted(strays)))
@@ -114,7 +113,7 @@ def reseeded_for(records: list[tuple[bytes, bytes | None]], epoch_key: bytes, ep
 
     >>> reseeded_for([(b"Mepoch", b"e2"), (b"k", b"v"), (MARKER, b"")], b"Mepoch", "e2")
     True
-    >>> reseeded_for([(b"Mepoch", b"e1"), (MARKER, b"")], b"Mepoch", "e2")  # a dying writer's
+    >>> reseeded_for([(b"Mepoch", b"e1"), (MARKER, b"")], b"Mepoch", "e2")  # another epoch's
     False
     >>> reseeded_for([(b"Mepoch", b"e2"), (b"k", b"v")], b"Mepoch", "e2")  # not committed
     False

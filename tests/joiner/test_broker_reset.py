@@ -64,25 +64,19 @@ def _busiest_cut(events: list) -> int:
 
 
 async def _write_strays(settings: Settings) -> bytes:
-    """What a dying worker's producer can leave on the new broker: a changelog batch of the old
-    epoch (its retries reach the new broker), in every partition; the stray key."""
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-
-    from joiner.worker import send_changelog
+    """What a re-seed cut short leaves in the new epoch's changelog: records without their
+    commit marker, in every partition; the stray key."""
+    from joiner.faust_app import changelog_topic
+    from services import tansu_quirks
     from services.kafka import producer, start_client
 
-    topic = f"{settings.joiner.group_id}-state-changelog"
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(topic, settings.topics.partitions, 1)])
-    finally:
-        await admin.close()
+    topic = changelog_topic(settings, await tansu_quirks.ensure_broker_epoch(settings))
+    await create_topics(settings, {topic: settings.topics.partitions})
     prod = producer(settings)
     await start_client(prod, settings)
     try:
         for p in range(settings.topics.partitions):
-            await send_changelog(prod, topic, p, [(b"Mepoch", b"the-old-epoch"), (b"Istray/1", b"x")])
+            await prod.send_and_wait(topic, b"x", key=b"Istray/1", partition=p)
     finally:
         await prod.stop()
     return b"Istray/1"
@@ -96,9 +90,9 @@ async def test_joiner_keeps_its_state_across_a_broker_reset(settings: Settings, 
     topics. A running worker notices the reset and stops (``BrokerReset``) without writing to
     the new topics; a stopped one notices it at its next start. The restarted worker re-seeds
     the new changelog from its local store and drains: part 2's actions still join part 1's
-    impressions, the result is exactly the reference join of part 1 + part 2. Records a dying
-    worker's producer left in the new changelog (``strays``) are not taken for another worker's
-    re-seed, and their keys are deleted."""
+    impressions, the result is exactly the reference join of part 1 + part 2. Records a re-seed
+    cut short left in the new changelog (``strays``: no commit marker) are not taken for another
+    worker's re-seed, and their keys are deleted."""
     s = settings.updated(joiner=JOINER)
     events = ml_events(1200, start=10_000, seed=3)
     cut = _busiest_cut(events)

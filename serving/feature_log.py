@@ -32,7 +32,7 @@ from google.protobuf.internal.encoder import _VarintBytes
 from proto import FeatureLog, Features, ModelVersion
 
 from services import metrics as shared_metrics
-from services.kafka import BrokerUnavailable, producer, start_client
+from services.kafka import BrokerUnavailable, producer, set_lz4_level, start_client
 from services.settings import Settings
 from serving import metrics
 from serving.background import cancel_and_wait, raise_if_cancelled
@@ -144,6 +144,7 @@ class FeatureLogger:
         self.topic = settings.topics.features
         self.max_bytes = options.feature_log_max_bytes
         self.send_timeout_s = options.feature_log_send_timeout_s
+        self.lz4_level = options.feature_log_lz4_level
         self.retry_s = options.kafka_retry_s
         self.drain_timeout_s = options.spool_drain_timeout_s
         self.service = service
@@ -216,6 +217,8 @@ class FeatureLogger:
         self.spool.close()
 
     async def _connect(self) -> AIOKafkaProducer:
+        if self.lz4_level is not None:  # batches are compressed on the requests' event loop
+            set_lz4_level(self.lz4_level)
         while True:
             p = producer(self.settings, request_timeout_ms=int(self.send_timeout_s * 1000) + 1000,
                          max_request_size=self.max_bytes + _RECORD_OVERHEAD)

@@ -18,8 +18,8 @@ merges them the same way).
 ...                               [1, 2, 3], [None, b"item_id=2;genres=1", b""])
 >>> user, items
 ({'user_id': [7]}, [{'item_id': [1]}, {'item_id': [2]}, {'item_id': [3]}])
->>> keys[0], keys[1] == b"item_id=2;genres=1" + bytes(1) + d.token, keys[2] == bytes(1) + d.token
-(None, True, True)
+>>> keys[0] == b"\x01" + d.token, keys[1] == b"item_id=2;genres=1" + bytes(1) + d.token, keys[2] == bytes(1) + d.token
+(True, True, True)
 >>> dense_for(d, {"hour": 3.0}, [None, {"hour": 5.0}]).tolist()
 [[3.0], [5.0]]
 >>> check_names(d, "context.sparse", ["device"])
@@ -98,7 +98,8 @@ def slots_for(declared: Declared, user_id: int, user: Slots | None, recent: list
     (the request's own features are added by the caller), and each candidate's feature-log cache
     key (:class:`serving.feature_log.FeatureLogEncoder`): its raw stored value (``raws``), qualified
     by the declaration when the served slots differ from the stored ones (some left out, or
-    ``item_id`` added); None for an item the store does not hold. A candidate's row may be the
+    ``item_id`` added); for an item the store does not hold, the declaration's token (its row is
+    the same for every such item but its ``item_id``). A candidate's row may be the
     store's cached value itself or one shared between requests (no copy per candidate): replace
     it, never change it in place."""
     slots = declared.slots
@@ -146,7 +147,9 @@ def _item_row(declared: Declared, item_id: int, stored: Slots | None, raw: bytes
         row = {k: v for k, v in stored.items() if k in slots}
     if add_item and ITEM_ID not in row:
         row[ITEM_ID] = [item_id]
-    return row, None if raw is None or stored is None else raw + b"\x00" + declared.token
+    if stored is None:  # its row depends on the declaration alone (no raw value starts with \x01)
+        return row, None if raw is not None else b"\x01" + declared.token
+    return row, None if raw is None else raw + b"\x00" + declared.token
 
 
 def dense_for(declared: Declared, context: Mapping[str, float] | None,

@@ -65,9 +65,9 @@ def set_lz4_level(level: int) -> None:
     """Compress this process's lz4 producer batches at ``level`` (aiokafka's default: 9).
 
     aiokafka compresses every lz4 batch with ``aiokafka.codec.lz4_encode`` at its default level 9
-    (LZ4 HC) and offers no option for it. For serving that is ~50-300 us of CPU per 3-6 KB
-    feature log on the request's event loop, against ~7 us at level 1 for a 3.1x instead of 3.7x
-    smaller batch (``bench/profile_serving.py``). The frame is the same KIP-57 lz4 frame at every
+    (LZ4 HC) and offers no option for it. For serving that is ~0.07 ms of CPU per ``/rank``'s
+    feature log on the requests' event loop (0.2-0.3 ms for a 6 KB log alone), against ~0.01 ms
+    at level 1, for a 3.1x instead of 3.7x smaller batch (``bench/profile_serving.py``). The frame is the same KIP-57 lz4 frame at every
     level, so every consumer decodes it as before; only the batch builders' reference to the
     encoder is replaced (the C one, and the pure-Python one aiokafka falls back to).
 

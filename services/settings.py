@@ -240,6 +240,10 @@ class ServingSettings(BaseModel):
     # under Kafka's default message.max.bytes (1,048,588), so a logged request always fits the
     # topic; the feature-log producer's max_request_size follows it.
     feature_log_max_bytes: int = 1_000_000
+    # The lz4 level of the serving process's producer batches (services.kafka.set_lz4_level; aiokafka
+    # uses 9): 1 costs ~0.01 ms per /rank's feature log on the event loop instead of ~0.07 ms
+    # (0.2-0.3 ms for a 6 KB log alone), for batches ~15% larger. None: aiokafka's.
+    feature_log_lz4_level: int | None = 1
     # Seconds a feature-log send may wait for the broker before it is retried.
     feature_log_send_timeout_s: float = 2.0
     # The feature-log spool (serving/spool.py): None means <var_dir>/serving/spool-<port>, stable

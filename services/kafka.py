@@ -10,8 +10,6 @@ them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -20,7 +18,6 @@ from typing import Generic, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.codec import lz4_encode
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 from google.protobuf.message import Message
 
@@ -59,33 +56,6 @@ def producer(settings: Settings, **overrides: object) -> AIOKafkaProducer:
     )
     options.update(overrides)
     return AIOKafkaProducer(**options)
-
-
-def set_lz4_level(level: int) -> None:
-    """Compress this process's lz4 producer batches at ``level`` (aiokafka's default: 9).
-
-    aiokafka compresses every lz4 batch with ``aiokafka.codec.lz4_encode`` at its default level 9
-    (LZ4 HC) and offers no option for it. For serving that is ~0.07 ms of CPU per ``/rank``'s
-    feature log on the requests' event loop (0.2-0.3 ms for a 6 KB log alone), against ~0.01 ms
-    at level 1, for a 3.1x instead of 3.7x smaller batch (``bench/profile_serving.py``). The frame is the same KIP-57 lz4 frame at every
-    level, so every consumer decodes it as before; only the batch builders' reference to the
-    encoder is replaced (the C one, and the pure-Python one aiokafka falls back to).
-
-    >>> set_lz4_level(1)
-    >>> from aiokafka.record._crecords import default_records
-    >>> default_records.lz4_encode(bytes(1000)) == lz4_encode(bytes(1000), 1)
-    True
-    """
-    import aiokafka.record.default_records as python_records
-
-    encode = functools.partial(lz4_encode, level=level)
-    modules = [python_records]
-    with contextlib.suppress(ImportError):  # aiokafka without its C extension
-        from aiokafka.record._crecords import default_records as c_records
-        modules.append(c_records)
-    for module in modules:
-        if hasattr(module, "lz4_encode"):
-            module.lz4_encode = encode
 
 
 async def start_client(client: AIOKafkaProducer | AIOKafkaConsumer, settings: Settings) -> None:

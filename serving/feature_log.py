@@ -32,7 +32,8 @@ from google.protobuf.internal.encoder import _VarintBytes
 from proto import FeatureLog, Features, ModelVersion
 
 from services import metrics as shared_metrics
-from services.kafka import BrokerUnavailable, producer, set_lz4_level, start_client
+from services.aiokafka_quirks import set_lz4_level
+from services.kafka import BrokerUnavailable, producer, start_client
 from services.settings import Settings
 from serving import metrics
 from serving.background import cancel_and_wait, raise_if_cancelled

@@ -127,7 +127,7 @@ async def joiner_round(settings: Settings, var: Path, round_no: int) -> tuple[di
                                         "group_id": f"bench-joiner-{round_no}"})
     counts = await (faust_app.run if FAUST else run)(settings, until_idle_s=idle, timings=timings)
     if FAUST:
-        changelog = f"bench-joiner-{round_no}-{faust_app.TABLE}-changelog"
+        changelog = faust_app.changelog_topic(settings, await tansu_quirks.read_broker_epoch(settings) or "")
         counts["changelog_bytes"] = await topic_bytes(settings, changelog)
     steady = timings["last_batch_end"] - timings["loop_start"] + timings.get("drain_s", 0.0)
     total = steady + (timings["loop_start"] - t_start)

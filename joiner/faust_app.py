@@ -10,13 +10,13 @@ same ``joiner.group_id`` share the partitions.
   committed from the worker's state (the timer, a revocation, the stop), not by Faust's acks.
 * **Table**: ``state``, raw bytes, one partition per input partition, store ``driftline://``
   (:mod:`joiner.faust_store`: Faust's RocksDB store on rocksdict, recovered batch by batch) with
-  the memory cache of :mod:`joiner.tiered` in front. Its changelog topic (``<group>-state-changelog``)
-  is how another worker rebuilds a partition (takeover) and how standby replicas follow it.
+  the memory cache of :mod:`joiner.tiered` in front. Its changelog topic (:func:`changelog_topic`:
+  ``<group>-state-changelog-<broker epoch>``) is how another worker rebuilds a partition (takeover) and how standby replicas follow it.
 * **Timer**: the broker-epoch check, the offset commits, idle advance and, with
   ``until_idle_s``, the drain at the end of input.
 * **Broker reset**: seen while running (before every batch and tick), the worker writes nothing
   more and :func:`run` raises :class:`BrokerReset` (``main``: exit 3, to be restarted); at
-  start-up a new epoch makes the worker re-seed the changelog from its local stores
+  start-up a new epoch makes the worker re-seed the new epoch's changelog from its local stores
   (:mod:`joiner.faust_reset`).
 
 The delivery guarantee and the crash cases are in :mod:`joiner.worker`.
@@ -67,10 +67,37 @@ def state_dir(settings: Settings) -> Path:
     return Path(url.split("://", 1)[1]) if url else settings.var_dir / "joiner" / "faust"
 
 
+def changelog_topic(settings: Settings, epoch: str) -> str:
+    """The join table's changelog topic on the broker whose data began with ``epoch``.
+
+    One per broker epoch (tansu quirk 5; on Apache Kafka the epoch never changes): a worker
+    writes only the changelog of the epoch it started on, and one dying in a broker reset can
+    still write to its topic on the new broker (its producer's retries, its stop's flush). On
+    one name that debris met the re-seed: tansu answered ListOffsets with 1 and a Fetch with
+    nothing, or a Fetch stopped half-way, and a worker dropped its state or could not start.
+
+    >>> changelog_topic(Settings(), "5e1f")
+    'driftline-joiner-state-changelog-5e1f'
+    """
+    return f"{settings.joiner.group_id}-{TABLE}-changelog-{epoch}"
+
+
+class EpochTable(faust.Table):
+    """A Faust table whose changelog topic is ``changelog_name`` (:func:`changelog_topic`), not
+    Faust's fixed ``<app id>-<table>-changelog``."""
+
+    def __init__(self, *args: object, changelog_name: str, **kwargs: object) -> None:
+        self.changelog_name = changelog_name
+        super().__init__(*args, **kwargs)
+
+    def _changelog_topic_name(self) -> str:
+        return self.changelog_name
+
+
 class JoinerApp:
     """The Faust app, its agent and timer, and the :class:`Worker` they drive."""
 
-    def __init__(self, settings: Settings, until_idle_s: float | None = None) -> None:
+    def __init__(self, settings: Settings, epoch: str, until_idle_s: float | None = None) -> None:
         tansu_quirks.install_faust(settings.kafka.fetch_max_wait_ms)
         faust_store.register()
         self.settings, self.until_idle_s = settings, until_idle_s
@@ -88,9 +115,12 @@ class JoinerApp:
         self.source = app.topic(t.features, t.actions, acks=False, **raw)
         app.topics.add(self.source)
         faust_fetch.install(app, (t.features, t.actions), self.on_records)
-        self.table = app.Table(TABLE, partitions=t.partitions, options=dict(ROCKSDB_OPTIONS),
-                               key_type=bytes, value_type=bytes)
-        self.changelog = self.table.changelog_topic.get_topic_name()
+        self.epoch = epoch
+        self.changelog = changelog_topic(settings, epoch)
+        # (app.Table's own steps, with the table class that names its changelog by epoch)
+        self.table = app.tables.add(EpochTable(app, name=TABLE, beacon=app.tables.beacon, changelog_name=self.changelog,
+                                               partitions=t.partitions, options=dict(ROCKSDB_OPTIONS),
+                                               key_type=bytes, value_type=bytes))
         self.worker: Worker | None = None
         self.reset_to: str | None = None  # the new broker epoch, once a reset was seen while running
         self.committed: dict[TP, int] = {}  # input offsets this worker committed last
@@ -112,7 +142,7 @@ class JoinerApp:
         await create_topics(s)
         self.prod = producer(s)
         await start_client(self.prod, s)
-        self.epoch = await self._check_broker_epoch()
+        await self._check_broker_epoch()
         t = s.topics
         sender = BatchedSender(self.prod, t.examples, sorted(await self.prod.partitions_for(t.examples)),
                                self.worker_labels())
@@ -125,12 +155,12 @@ class JoinerApp:
         :func:`run` watches it beside the stop signal and the join watchdog."""
         return asyncio.ensure_future(self.app.start())
 
-    async def _check_broker_epoch(self) -> str:
-        """The broker's epoch; if its data was reset since the local stores were written
-        (quirk 5), re-seed the new changelog from them first (:mod:`joiner.faust_reset`): the
-        reset emptied it, and Faust refuses a store ahead of its changelog (``ConsistencyError``)."""
+    async def _check_broker_epoch(self) -> None:
+        """If the broker's data was reset since the local stores were written (quirk 5), re-seed
+        this epoch's changelog from them first (:mod:`joiner.faust_reset`): it starts empty, and
+        Faust refuses a store ahead of its changelog (``ConsistencyError``)."""
         marker = state_dir(self.settings) / "broker-epoch"
-        epoch = await tansu_quirks.ensure_broker_epoch(self.settings)
+        epoch = self.epoch
         recorded = marker.read_text().strip() if marker.exists() else None
         if recorded is not None and recorded != epoch:
             log.warning("the broker's data was reset (epoch %s, local state written on %s): "
@@ -142,7 +172,6 @@ class JoinerApp:
             metrics.BROKER_RESETS.labels(SERVICE).inc()
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(epoch)
-        return epoch
 
     def worker_labels(self) -> list[str]:
         from joiner.types import JoinConfig
@@ -273,7 +302,7 @@ async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_id
     (the broker's data was reset) and :class:`JoinTimeout` (no group assignment for
     ``joiner.join_timeout_s``, also at start: Faust's start waits for the first one)."""
     stop = stop or asyncio.Event()
-    japp = JoinerApp(settings, until_idle_s)
+    japp = JoinerApp(settings, await tansu_quirks.ensure_broker_epoch(settings), until_idle_s)
     await japp.start()
     metrics.SERVICE_UP.labels(SERVICE).set(1)
     join_timeout_s = settings.joiner.join_timeout_s

@@ -9,13 +9,18 @@ recorded broker epoch outdated re-seeds (:func:`reseed`), for each partition sto
 1. the input offsets in the state are dropped (they pointed into the old topics: the inputs are
    re-read from the start of the new ones, as the loop does; :meth:`OffsetBook.reset` counts
    what the reset lost), the new epoch recorded;
-2. if the new changelog partition is still empty, every key of the store goes to it as one
-   committed batch (records + commit marker, :func:`joiner.worker.send_changelog`), and the
-   marker's offset becomes the store's persisted offset: Faust then finds the store and the
-   changelog in agreement and the partition's waiting impressions, tombstones and watermarks
-   are those before the reset, for whichever worker takes the partition;
-3. if another worker has already re-seeded that partition, the local copy is deleted (Faust
-   rebuilds it from the changelog): one snapshot per partition, never two mixed.
+2. unless another worker has re-seeded the partition already, every key of the store goes to
+   the new changelog partition as one committed batch (records + commit marker,
+   :func:`joiner.worker.send_changelog`), with a delete for every key that records already there
+   have and the store has not (a re-seed cut short by a crash: records without their marker),
+   and the marker's offset becomes the store's persisted offset: Faust then finds the store and
+   the changelog in agreement and the partition's waiting impressions, tombstones and watermarks
+   are those before the reset, for whichever worker takes the partition. (The changelog topic is
+   the new epoch's own, :func:`joiner.faust_app.changelog_topic`: a worker that died in the
+   reset cannot have written to it);
+3. if another worker has already re-seeded that partition (its changelog holds this epoch's
+   id followed by a commit marker), the local copy is deleted (Faust rebuilds it from the
+   changelog): one snapshot per partition, never two mixed.
 
 A partition held on two disks (an active and a standby) is re-seeded by the first worker to
 start; the standby's copy may be older than the active's. Workers re-seed on start-up only: a
@@ -24,17 +29,19 @@ running worker that sees a new epoch exits (:mod:`joiner.faust_app`) to be resta
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 import shutil
 from pathlib import Path
 
-from aiokafka import TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from rocksdict import Options, Rdict
 
-from joiner.faust_store import OFFSET_KEY, PartitionKV
+from joiner.faust_store import MARKER, OFFSET_KEY, PartitionKV
 from joiner.offsets import OffsetBook
 from joiner.worker import offset_book, send_changelog
-from services import tansu_quirks
+from services.aiokafka_quirks import stop_consumer
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -58,13 +65,12 @@ def partition_stores(tabledir: Path, table: str) -> dict[int, Path]:
 
 async def reseed(settings: Settings, prod: object, tabledir: Path, table: str, changelog: str,
                  epoch: str) -> dict[int, int]:
-    """Write each local partition store back into the empty ``changelog`` (see the module doc);
+    """Write each local partition store back into the new ``changelog`` (see the module doc);
     the number of keys re-seeded per partition (partitions left to another worker: absent)."""
     done: dict[int, int] = {}
     for p, path in partition_stores(tabledir, table).items():
-        tp = TopicPartition(changelog, p)
-        end = (await tansu_quirks.log_end_offsets(settings, [tp]))[tp]
-        if end > 0:
+        found = await changelog_records(settings, TopicPartition(changelog, p))
+        if reseeded_for(found, offset_book(settings, p).epoch_key, epoch):
             log.warning("broker reset: changelog partition %d was re-seeded by another worker; "
                         "dropping the local copy %s (rebuilt from the changelog)", p, path)
             shutil.rmtree(path, ignore_errors=True)
@@ -75,7 +81,13 @@ async def reseed(settings: Settings, prod: object, tabledir: Path, table: str, c
             book: OffsetBook = offset_book(settings, p)
             changes, lost = book.reset(kv.get, epoch)
             kv.write(changes)  # (before reading it back: the snapshot holds the new epoch, no offsets)
-            items = ((k, v) for k, v in db.items() if k != OFFSET_KEY)
+            strays = {k for k, _ in found if k != MARKER and db.get(k) is None}
+            if found:
+                log.warning("broker reset: changelog partition %d holds %d records of no committed re-seed "
+                            "(one cut short): their %d keys the local state lacks are deleted",
+                            p, len(found), len(strays))
+            items = itertools.chain(((k, v) for k, v in db.items() if k != OFFSET_KEY),
+                                    ((k, None) for k in sorted(strays)))
             n = 0
 
             def counted(it=items):  # type: ignore[no-untyped-def]
@@ -93,3 +105,48 @@ async def reseed(settings: Settings, prod: object, tabledir: Path, table: str, c
                     "its inputs are re-read from the start of the new topics; records not consumed "
                     "before the reset are lost: %s", p, n, lost)
     return done
+
+
+def reseeded_for(records: list[tuple[bytes, bytes | None]], epoch_key: bytes, epoch: str) -> bool:
+    """Whether ``records`` (a changelog partition, in order) hold a committed re-seed for
+    ``epoch``: its epoch id, then a commit marker.
+
+    >>> reseeded_for([(b"Mepoch", b"e2"), (b"k", b"v"), (MARKER, b"")], b"Mepoch", "e2")
+    True
+    >>> reseeded_for([(b"Mepoch", b"e1"), (MARKER, b"")], b"Mepoch", "e2")  # another epoch's
+    False
+    >>> reseeded_for([(b"Mepoch", b"e2"), (b"k", b"v")], b"Mepoch", "e2")  # not committed
+    False
+    """
+    claimed = False
+    for key, value in records:
+        if key == epoch_key:
+            claimed = value == epoch.encode()
+        elif key == MARKER and claimed:
+            return True
+    return False
+
+
+async def changelog_records(settings: Settings, tp: TopicPartition) -> list[tuple[bytes, bytes | None]]:
+    """Every record of changelog partition ``tp`` on the new broker, read up to the high
+    watermark its Fetch responses give (ListOffsets can count records a Fetch never returns)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers, enable_auto_commit=False,
+                                group_id=None, fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms)
+    out: list[tuple[bytes, bytes | None]] = []
+    await consumer.start()
+    try:
+        await consumer._client.force_metadata_update()  # noqa: SLF001 - the topic may be new
+        if tp.partition not in (consumer.partitions_for_topic(tp.topic) or set()):
+            return out
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        deadline = asyncio.get_running_loop().time() + settings.kafka.connect_timeout_s
+        while asyncio.get_running_loop().time() < deadline:
+            fetched = await consumer.getmany(tp, timeout_ms=500)
+            out += [(r.key, r.value) for r in fetched.get(tp, [])]
+            hw = consumer.highwater(tp)
+            if hw is not None and await consumer.position(tp) >= hw:
+                return out
+        raise TimeoutError(f"broker reset: could not read changelog partition {tp} to its end")
+    finally:
+        await stop_consumer(consumer)

@@ -104,7 +104,7 @@ async def test_every_consumer_waits_the_configured_fetch_time(settings: Settings
     assert wait < 500  # (aiokafka's default: ~130 ms median latency on tansu)
     typed = TypedConsumer(settings, "test", Action, [settings.topics.actions], None)
     assert typed.consumer._fetch_max_wait_ms == wait
-    japp = JoinerApp(settings)
+    japp = JoinerApp(settings, "an-epoch")
     faust_consumer = japp.app.consumer._thread._create_worker_consumer(japp.app.transport)
     assert faust_consumer._fetch_max_wait_ms == wait
     watch = tansu_quirks.EpochWatch(settings, "test")

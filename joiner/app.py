@@ -22,9 +22,10 @@ A record that decodes but makes the join raise is dead-lettered (kind ``failed``
 the batch is rolled back to the last commit, the records before it are applied and committed,
 and the loop goes on after it; the failure depends only on the record and the state, so a replay
 skips it the same way. A broker reset (step 3, or a recorded epoch that differs at start-up)
-keeps the committed join state, drops the batch in flight and the input offsets, and re-reads
-both topics from the start of the new topics (:mod:`joiner.offsets`); what the state remembers
-makes re-read records duplicates.
+keeps the committed join state, drops the batch in flight and the input offsets, produces the
+examples of the last ``joiner.output_retention_s`` again (:mod:`joiner.output_spool`: the
+dumper and the trainer may not have read them) and re-reads both topics from the start of the
+new topics (:mod:`joiner.offsets`); what the state remembers makes re-read records duplicates.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from joiner import metrics as jm
 from joiner.core import JoinCore
 from joiner.kafka_io import SERVICE, BatchedSender, InputConsumer
 from joiner.offsets import LEGACY_MARKER, OffsetBook
+from joiner.output_spool import OutputSpool
 from joiner.stores import open_store, store_path
 from joiner.tiered import TieredState
 from joiner.types import JoinConfig
@@ -155,6 +157,8 @@ class _Batches:
         _apply(changes, self.state)
         self.state.commit()
         await create_topics(self.settings)  # (the reset removed them; a producer may not have yet)
+        if self.sender.spool is not None:  # what the dumper and the trainer may not have read
+            await self.sender.spool.resend(self.sender, epoch)
         for tp in self.book.tps:
             await self.consumer.consumer.seek_to_beginning(tp)
         log.warning("broker reset: the join state is kept, both inputs are re-read from the start of the new "
@@ -274,9 +278,12 @@ async def run(
         for p in parts:
             core.load(p)
         t = settings.topics
-        batches = _Batches(settings, core, state, consumer,
-                           BatchedSender(prod, t.examples, sorted(await prod.partitions_for(t.examples)), cfg.labels),
-                           watch, book, parts)
+        output = OutputSpool(settings, state_dir)
+        resources.callback(output.close)
+        sender = BatchedSender(prod, t.examples, sorted(await prod.partitions_for(t.examples)), cfg.labels,
+                               spool=output)
+        await output.resend(sender, epoch)  # (the broker's data was reset while this worker was down)
+        batches = _Batches(settings, core, state, consumer, sender, watch, book, parts)
         log.info("joiner started: partitions %s, store %s, window %.0f s, broker epoch %s",
                  parts, url, cfg.window_ms / 1000, epoch)
         metrics.SERVICE_UP.labels(SERVICE).set(1)

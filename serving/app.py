@@ -56,7 +56,7 @@ from serving.responses import FastJSONResponse
 from serving.shared_model import SharedFeed, SharedModel
 from serving.schemas import (ActionsRequest, ActionsResponse, Health, ModelVersionOut,
                              RankRequest, RankResponse, Readiness, SampleRateOut)
-from serving.spool import SpoolError, SpoolFull
+from services.spool import SpoolError, SpoolFull
 from services.codecs import event_time_error
 from services.settings import Settings
 

@@ -2,7 +2,7 @@
 
 :meth:`FeatureLogger.submit` runs on the request's path, before the 200: it refuses a FeatureLog
 larger than ``serving.feature_log_max_bytes`` (:class:`FeatureLogTooLarge`: the topic could never
-take it) and appends the rest to the local spool (:mod:`serving.spool`, one RocksDB put), which
+take it) and appends the rest to the local spool (:mod:`services.spool`, one RocksDB put), which
 survives a ``kill -9``. It never waits for Kafka. One background task ships the spool to Kafka in
 order (keyed by request id), retrying every failure with back-off and never dropping an entry;
 it marks entries shipped once Kafka acknowledged them, ships the unshipped tail first after a
@@ -38,7 +38,7 @@ from services.settings import Settings
 from serving import metrics
 from serving.background import cancel_and_wait, raise_if_cancelled
 from serving.broker_epoch import SharedEpoch
-from serving.spool import Entry, Spool
+from services.spool import Entry, Spool
 
 log = logging.getLogger(__name__)
 _FLOAT = struct.Struct("<f")
@@ -188,10 +188,10 @@ class FeatureLogger:
         return self.spool.pending
 
     def submit(self, key: str, value: bytes) -> None:
-        """Spool one encoded FeatureLog (durable when this returns; see :mod:`serving.spool`).
+        """Spool one encoded FeatureLog (durable when this returns; see :mod:`services.spool`).
 
-        Raises :class:`FeatureLogTooLarge`, :class:`serving.spool.SpoolFull` or
-        :class:`serving.spool.SpoolError`; the caller must then not answer 200.
+        Raises :class:`FeatureLogTooLarge`, :class:`services.spool.SpoolFull` or
+        :class:`services.spool.SpoolError`; the caller must then not answer 200.
         """
         raw_key = key.encode()
         size = len(raw_key) + len(value)

@@ -105,10 +105,8 @@ async def profile(settings: Settings, bodies: list[bytes], requests: int, warm: 
             context = features_message(user_slots, None)
             mv = ModelVersion(model_id=version.model_id, sparse_version=version.sparse_version,
                               dense_version=version.dense_version)
-            encoded = s.log_encoder.encode(
-                request_id, event_time_ms, body.user_id, context, mv,
-                [(c.item_id, key, slots, None, score)
-                 for c, key, slots, score in zip(body.candidates, raws, item_slots, scores.tolist())])
+            encoded = s.log_encoder.encode(request_id, event_time_ms, body.user_id, context, mv, item_ids, raws,
+                                           item_slots, scores.tolist())
             t8 = time.perf_counter()
             s.feature_log.submit(request_id, encoded)
             t9 = time.perf_counter()

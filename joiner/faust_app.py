@@ -39,6 +39,7 @@ from faust.types import TP
 
 from joiner import faust_fetch, faust_reset, faust_store
 from joiner.kafka_io import SERVICE, BatchedSender
+from joiner.output_spool import OutputSpool
 from joiner.worker import Worker
 from services import metrics, tansu_quirks
 from services.kafka import BrokerUnavailable, create_topics, producer, start_client
@@ -122,6 +123,7 @@ class JoinerApp:
                                                partitions=t.partitions, options=dict(ROCKSDB_OPTIONS),
                                                key_type=bytes, value_type=bytes))
         self.worker: Worker | None = None
+        self.output: OutputSpool | None = None  # the examples produced, kept for a broker reset
         self.reset_to: str | None = None  # the new broker epoch, once a reset was seen while running
         self.committed: dict[TP, int] = {}  # input offsets this worker committed last
         self.lock = asyncio.Lock()
@@ -144,8 +146,10 @@ class JoinerApp:
         await start_client(self.prod, s)
         await self._check_broker_epoch()
         t = s.topics
+        self.output = OutputSpool(s, state_dir(s))
         sender = BatchedSender(self.prod, t.examples, sorted(await self.prod.partitions_for(t.examples)),
-                               self.worker_labels())
+                               self.worker_labels(), spool=self.output)
+        await self.output.resend(sender, self.epoch)  # (a reset since the last run: the dumper may lack them)
         self.worker = Worker(s, self.table.data, self.changelog, self.prod, sender,
                              highwater=lambda tp: self.app.consumer.highwater(TP(tp.topic, tp.partition)))
         self.watch = tansu_quirks.EpochWatch(s, SERVICE, self.epoch)
@@ -187,6 +191,8 @@ class JoinerApp:
         await self.app.stop()
         await self.watch.stop()
         await self.prod.stop()
+        if self.output is not None:
+            self.output.close()
 
     def unassigned_for(self) -> float:
         """Seconds this worker has been waiting for a group assignment (0 while it has one)."""

@@ -68,8 +68,10 @@ async def reseed(settings: Settings, prod: object, tabledir: Path, table: str, c
     """Write each local partition store back into the new ``changelog`` (see the module doc);
     the number of keys re-seeded per partition (partitions left to another worker: absent)."""
     done: dict[int, int] = {}
-    for p, path in partition_stores(tabledir, table).items():
-        found = await changelog_records(settings, TopicPartition(changelog, p))
+    stores = partition_stores(tabledir, table)
+    in_changelog = await changelog_records(settings, [TopicPartition(changelog, p) for p in stores])
+    for p, path in stores.items():
+        found = in_changelog[TopicPartition(changelog, p)]
         if reseeded_for(found, offset_book(settings, p).epoch_key, epoch):
             log.warning("broker reset: changelog partition %d was re-seeded by another worker; "
                         "dropping the local copy %s (rebuilt from the changelog)", p, path)
@@ -127,26 +129,34 @@ def reseeded_for(records: list[tuple[bytes, bytes | None]], epoch_key: bytes, ep
     return False
 
 
-async def changelog_records(settings: Settings, tp: TopicPartition) -> list[tuple[bytes, bytes | None]]:
-    """Every record of changelog partition ``tp`` on the new broker, read up to the high
-    watermark its Fetch responses give (ListOffsets can count records a Fetch never returns)."""
+async def changelog_records(settings: Settings, tps: list[TopicPartition]
+                            ) -> dict[TopicPartition, list[tuple[bytes, bytes | None]]]:
+    """Every record of the changelog partitions ``tps`` on the new broker, each read up to the
+    high watermark its Fetch responses give (ListOffsets can count records a Fetch never returns)."""
+    out: dict[TopicPartition, list[tuple[bytes, bytes | None]]] = {tp: [] for tp in tps}
+    if not tps:
+        return out
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers, enable_auto_commit=False,
                                 group_id=None, fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms)
-    out: list[tuple[bytes, bytes | None]] = []
     await consumer.start()
     try:
         await consumer._client.force_metadata_update()  # noqa: SLF001 - the topic may be new
-        if tp.partition not in (consumer.partitions_for_topic(tp.topic) or set()):
+        left = [tp for tp in tps if tp.partition in (consumer.partitions_for_topic(tp.topic) or set())]
+        if not left:
             return out
-        consumer.assign([tp])
-        await consumer.seek_to_beginning(tp)
+        consumer.assign(left)
+        await consumer.seek_to_beginning(*left)
         deadline = asyncio.get_running_loop().time() + settings.kafka.connect_timeout_s
         while asyncio.get_running_loop().time() < deadline:
-            fetched = await consumer.getmany(tp, timeout_ms=500)
-            out += [(r.key, r.value) for r in fetched.get(tp, [])]
-            hw = consumer.highwater(tp)
-            if hw is not None and await consumer.position(tp) >= hw:
+            fetched = await consumer.getmany(*left, timeout_ms=500)
+            for tp, records in fetched.items():
+                out[tp] += [(r.key, r.value) for r in records]
+            for tp in list(left):
+                hw = consumer.highwater(tp)
+                if hw is not None and await consumer.position(tp) >= hw:
+                    left.remove(tp)
+            if not left:
                 return out
-        raise TimeoutError(f"broker reset: could not read changelog partition {tp} to its end")
+        raise TimeoutError(f"broker reset: could not read changelog partitions {left} to their end")
     finally:
         await stop_consumer(consumer)

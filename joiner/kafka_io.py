@@ -7,13 +7,14 @@ import asyncio
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from aiokafka.partitioner import murmur2
 from google.protobuf.message import DecodeError
 
 from joiner import batches
 from joiner.batches import Emitted
+from joiner.output_spool import OutputSpool
 from proto import Action, FeatureLog
 from services import example_batch
 from services.codecs import MalformedMessage, codec_for, validate_feature_log
@@ -78,8 +79,9 @@ class BatchedSender:
     """
 
     def __init__(self, prod: object, topic: str, partitions: list[int], labels: Sequence[str] = (),
-                 max_record_bytes: int = MAX_RECORD_BYTES) -> None:
+                 max_record_bytes: int = MAX_RECORD_BYTES, spool: OutputSpool | None = None) -> None:
         self.prod, self.topic, self.partitions = prod, topic, sorted(partitions)
+        self.spool = spool  # keeps what was acknowledged, for a broker reset
         self.labels, self.max_record_bytes = list(labels), max_record_bytes
         self._part: dict[int, int] = {}
         self.parsed = batches.ParsedFeatures()
@@ -134,16 +136,29 @@ class BatchedSender:
         return self._encode(group[:h], None) + self._encode(group[h:], None)
 
     async def send_all(self, emitted: Sequence[Emitted]) -> tuple[int, Counter[str]]:
-        """Encode and send ``emitted``, wait until every record is acknowledged; return the
-        number of records and the bad examples left out (by reason)."""
+        """Encode and send ``emitted``, wait until every record is acknowledged (then the output
+        spool keeps them); return the number of records and the bad examples left out (by reason)."""
         bad: Counter[str] = Counter()
+        sent: list[tuple[int, bytes]] = []
+
+        def each() -> Iterator[tuple[int, bytes]]:  # (encoded while the ones before are sent)
+            for p, raw, _ in self.records(emitted, bad):
+                sent.append((p, raw))
+                yield p, raw
+
+        await self.send_raw(each())
+        if self.spool is not None:
+            self.spool.keep(sent)
+        return len(sent), bad
+
+    async def send_raw(self, records: Iterable[tuple[int, bytes]]) -> None:
+        """Send encoded records (``(partition, value)``) and wait until each is acknowledged."""
         prod = self.prod
         futures = []
-        for p, raw, _ in self.records(emitted, bad):  # each in an aiokafka batch of its own: no linger
+        for p, raw in records:  # each in an aiokafka batch of its own: no linger
             b = prod.create_batch()  # type: ignore[attr-defined]
             if b.append(key=None, value=raw, timestamp=None) is None:
                 raise ValueError(f"a batch record of {len(raw)} bytes exceeds the producer's max_batch_size")
             b.close()
             futures.append(await prod.send_batch(b, self.topic, partition=p))  # type: ignore[attr-defined]
         await asyncio.gather(*futures)
-        return len(futures), bad

@@ -47,6 +47,10 @@ BAD_EXAMPLES = Counter("driftline_joiner_bad_examples_total",
                        "Examples left out of their batch record as invalid (services.example_batch rules), by reason.",
                        ["reason"])
 
+OUTPUT_SPOOL_BYTES = Gauge("driftline_joiner_output_spool_bytes",
+                           "Bytes of produced example records kept to produce again after a broker reset.")
+OUTPUT_RESENT = Counter("driftline_joiner_output_resent_total",
+                        "Example records produced again into a broker whose data was reset.")
 _COUNTERS = {
     "impressions": IMPRESSIONS,
     "duplicate_impressions": DUPLICATE_IMPRESSIONS,

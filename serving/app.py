@@ -56,7 +56,7 @@ from serving.responses import FastJSONResponse
 from serving.shared_model import SharedFeed, SharedModel
 from serving.schemas import (ActionsRequest, ActionsResponse, Health, ModelVersionOut,
                              RankRequest, RankResponse, Readiness, SampleRateOut)
-from serving.spool import SpoolError, SpoolFull
+from services.spool import SpoolError, SpoolFull
 from services.codecs import event_time_error
 from services.settings import Settings
 
@@ -138,13 +138,17 @@ class Serving:
         return event_time_ms
 
 
-def request_dense(declared: Declared, body: RankRequest, unknown: str = "reject") -> np.ndarray | None:
+def request_dense(declared: Declared, body: RankRequest, unknown: str = "reject",
+                  featured: list[int] | None = None) -> np.ndarray | None:
     """The request's dense input (:func:`serving.request_features.dense_for`); a 422 naming the
     first feature of the request the served model does not declare (unless ``unknown`` is
-    "ignore": they are dropped from ``body`` and counted), or the first it misses."""
+    "ignore": they are dropped from ``body`` and counted), or the first it misses. ``featured``:
+    the indexes of the candidates with features of their own (found here when not given)."""
+    cands = body.candidates
+    if featured is None:
+        featured = [i for i, c in enumerate(cands) if c.features is not None]
     if unknown == "ignore":
-        groups = ([body.context] if body.context is not None else []) + \
-            [c.features for c in body.candidates if c.features is not None]
+        groups = ([body.context] if body.context is not None else []) + [cands[i].features for i in featured]
         for g in groups:
             for kind, names in (("sparse", g.sparse), ("dense", g.dense)):
                 if n := drop_unknown(declared, names, dense=kind == "dense"):
@@ -153,14 +157,24 @@ def request_dense(declared: Declared, body: RankRequest, unknown: str = "reject"
         if body.context is not None:
             check_names(declared, "context.sparse", body.context.sparse)
             check_names(declared, "context.dense", body.context.dense, dense=True)
-        for i, c in enumerate(body.candidates):
-            if c.features is not None:
-                check_names(declared, f"candidates[{i}].features.sparse", c.features.sparse)
-                check_names(declared, f"candidates[{i}].features.dense", c.features.dense, dense=True)
+        for i in featured:
+            f = cands[i].features
+            check_names(declared, f"candidates[{i}].features.sparse", f.sparse)
+            check_names(declared, f"candidates[{i}].features.dense", f.dense, dense=True)
+        if not declared.dense:
+            return None
         return dense_for(declared, body.context.dense if body.context is not None else None,
-                         [c.features.dense if c.features is not None else None for c in body.candidates])
+                         _own(cands, featured, "dense"))
     except BadFeatures as err:
         raise HTTPException(422, str(err)) from None
+
+
+def _own(cands: list, featured: list[int], kind: str) -> list[dict | None]:
+    """Each candidate's own ``features.<kind>`` (None for a candidate without features)."""
+    out: list[dict | None] = [None] * len(cands)
+    for i in featured:
+        out[i] = getattr(cands[i].features, kind)
+    return out
 
 
 class _Metrics:
@@ -242,12 +256,14 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
             raise HTTPException(422, f"candidates: {n} given, at most {s.options.max_candidates} allowed")
         event_time_ms = s.event_time("event_time_ms", body.event_time_ms, int(time.time() * 1000))
         declared = s.model.declared  # one declaration for the whole request
-        dense = request_dense(declared, body, s.options.unknown_features)  # bad input is a 4xx whether or not a model is loaded
+        cands = body.candidates
+        featured = [i for i, c in enumerate(cands) if c.features is not None]  # usually none
+        dense = request_dense(declared, body, s.options.unknown_features, featured)  # bad input is a 4xx whether or not a model is loaded
         if not s.deltas.loaded:
             raise HTTPException(503, "no model loaded yet: waiting for a snapshot or the delta topic")
         request_id = body.request_id or uuid.uuid4().hex
         degraded = False
-        item_ids = [c.item_id for c in body.candidates]
+        item_ids = [c.item_id for c in cands]
         try:
             feats = await s.store.fetch(body.user_id, item_ids)
         except FeatureStoreError as err:
@@ -257,13 +273,13 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         user_known = feats.user is not None
         if not user_known:
             metrics.UNKNOWN_USERS.inc()
-        user_slots, item_slots, raws = slots_for(declared, body.user_id, feats.user, feats.recent_items,
+        user_slots, item_slots, keys = slots_for(declared, body.user_id, feats.user, feats.recent_items,
                                                  feats.items, item_ids, feats.items_raw)
         if body.context is not None:
             user_slots.update(body.context.sparse)
-        for i, c in enumerate(body.candidates):
-            if c.features is not None:  # a new row: the stored one is shared (slots_for)
-                item_slots[i] = {**item_slots[i], **c.features.sparse}
+        for i in featured:  # a new row: the stored one is shared (slots_for)
+            item_slots[i] = {**item_slots[i], **cands[i].features.sparse}
+            keys[i] = None  # its feature log is its own, not the stored item's
         version = s.version()  # read before scoring: the served version is at least this one
         raw = s.model.score(user_slots, item_slots, dense)
         # the rate the served parameters were trained under, for the slice this replica serves
@@ -275,11 +291,8 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         context = features_message(user_slots, body.context.dense if body.context is not None else None)
         mv = ModelVersion(model_id=version.model_id, sparse_version=version.sparse_version,
                           dense_version=version.dense_version)
-        encoded = s.log_encoder.encode(
-            request_id, event_time_ms, body.user_id, context, mv,
-            [(c.item_id, None if c.features is not None else key, slots,
-              c.features.dense if c.features is not None else None, score)
-             for c, key, slots, score in zip(body.candidates, raws, item_slots, scores.tolist())])
+        encoded = s.log_encoder.encode(request_id, event_time_ms, body.user_id, context, mv, item_ids, keys,
+                                       item_slots, scores.tolist(), _own(cands, featured, "dense") if featured else None)
         try:
             s.feature_log.submit(request_id, encoded)
         except FeatureLogTooLarge as err:

@@ -2,7 +2,7 @@
 
 :meth:`FeatureLogger.submit` runs on the request's path, before the 200: it refuses a FeatureLog
 larger than ``serving.feature_log_max_bytes`` (:class:`FeatureLogTooLarge`: the topic could never
-take it) and appends the rest to the local spool (:mod:`serving.spool`, one RocksDB put), which
+take it) and appends the rest to the local spool (:mod:`services.spool`, one RocksDB put), which
 survives a ``kill -9``. It never waits for Kafka. One background task ships the spool to Kafka in
 order (keyed by request id), retrying every failure with back-off and never dropping an entry;
 it marks entries shipped once Kafka acknowledged them, ships the unshipped tail first after a
@@ -32,12 +32,13 @@ from google.protobuf.internal.encoder import _VarintBytes
 from proto import FeatureLog, Features, ModelVersion
 
 from services import metrics as shared_metrics
+from services.aiokafka_quirks import set_lz4_level
 from services.kafka import BrokerUnavailable, producer, start_client
 from services.settings import Settings
 from serving import metrics
 from serving.background import cancel_and_wait, raise_if_cancelled
 from serving.broker_epoch import SharedEpoch
-from serving.spool import Entry, Spool
+from services.spool import Entry, Spool
 
 log = logging.getLogger(__name__)
 _FLOAT = struct.Struct("<f")
@@ -66,7 +67,7 @@ class FeatureLogEncoder:
 
     >>> enc = FeatureLogEncoder()
     >>> raw = enc.encode("r", 5, 7, Features(), ModelVersion(model_id="m", sparse_version=2),
-    ...                  [(3, b"k", {"item_id": [3]}, None, 0.5)])
+    ...                  [3], [b"k"], [{"item_id": [3]}], [0.5])
     >>> m = FeatureLog.FromString(raw)
     >>> m.request_id, m.candidates[0].item_id, list(m.candidates[0].features.sparse["item_id"].ids)
     ('r', 3, [3])
@@ -91,18 +92,31 @@ class FeatureLogEncoder:
         return cached
 
     def encode(self, request_id: str, event_time_ms: int, user_id: int, context: Features,
-               version: ModelVersion,
-               candidates: Sequence[tuple[int, bytes | None, Mapping[str, Sequence[int]], Mapping[str, float] | None, float]],
-               ) -> bytes:
-        """``candidates``: (item_id, cache key or None, sparse slots, dense or None, score)."""
-        parts = [FeatureLog(request_id=request_id, event_time_ms=event_time_ms, user_id=user_id,
-                            context=context, model_version=version).SerializeToString()]
-        cached, pack = self._candidates.get, _FLOAT.pack
-        for item_id, key, slots, dense, score in candidates:
-            head = cached((item_id, key)) if key is not None and not dense else None  # the common case, inline
-            parts.append(head if head is not None else self._candidate_head(item_id, key, slots, dense))
-            parts.append(pack(score))
-        return b"".join(parts)
+               version: ModelVersion, item_ids: Sequence[int], keys: Sequence[bytes | None],
+               slots: Sequence[Mapping[str, Sequence[int]]], scores: Sequence[float],
+               dense: Sequence[Mapping[str, float] | None] | None = None) -> bytes:
+        """One candidate per index of ``item_ids``: its cache key (None: not cacheable, e.g. a
+        candidate with features of its own), sparse slots, score, and dense values (``dense``,
+        None when no candidate has any).
+
+        The cached heads are looked up and interleaved with the packed scores by C-level passes
+        (map, slice assignment): a Python loop runs only over the candidates not cached yet."""
+        heads: list[bytes | None] = list(map(self._candidates.get, zip(item_ids, keys)))
+        if dense is not None:
+            for i, own in enumerate(dense):
+                if own:
+                    heads[i] = None
+        if None in heads:
+            for i, head in enumerate(heads):
+                if head is None:
+                    heads[i] = self._candidate_head(item_ids[i], keys[i], slots[i],
+                                                    dense[i] if dense is not None else None)
+        parts: list[bytes | None] = [None] * (2 * len(heads) + 1)
+        parts[0] = FeatureLog(request_id=request_id, event_time_ms=event_time_ms, user_id=user_id,
+                              context=context, model_version=version).SerializeToString()
+        parts[1::2] = heads
+        parts[2::2] = list(map(_FLOAT.pack, scores))
+        return b"".join(parts)  # type: ignore[arg-type]
 
 
 def _candidate_head(item_id: int, features: bytes) -> bytes:
@@ -144,6 +158,7 @@ class FeatureLogger:
         self.topic = settings.topics.features
         self.max_bytes = options.feature_log_max_bytes
         self.send_timeout_s = options.feature_log_send_timeout_s
+        self.lz4_level = options.feature_log_lz4_level
         self.retry_s = options.kafka_retry_s
         self.drain_timeout_s = options.spool_drain_timeout_s
         self.service = service
@@ -173,10 +188,10 @@ class FeatureLogger:
         return self.spool.pending
 
     def submit(self, key: str, value: bytes) -> None:
-        """Spool one encoded FeatureLog (durable when this returns; see :mod:`serving.spool`).
+        """Spool one encoded FeatureLog (durable when this returns; see :mod:`services.spool`).
 
-        Raises :class:`FeatureLogTooLarge`, :class:`serving.spool.SpoolFull` or
-        :class:`serving.spool.SpoolError`; the caller must then not answer 200.
+        Raises :class:`FeatureLogTooLarge`, :class:`services.spool.SpoolFull` or
+        :class:`services.spool.SpoolError`; the caller must then not answer 200.
         """
         raw_key = key.encode()
         size = len(raw_key) + len(value)
@@ -216,6 +231,8 @@ class FeatureLogger:
         self.spool.close()
 
     async def _connect(self) -> AIOKafkaProducer:
+        if self.lz4_level is not None:  # batches are compressed on the requests' event loop
+            set_lz4_level(self.lz4_level)
         while True:
             p = producer(self.settings, request_timeout_ms=int(self.send_timeout_s * 1000) + 1000,
                          max_request_size=self.max_bytes + _RECORD_OVERHEAD)

@@ -103,7 +103,7 @@ class FeatureStore:
         """User, recent clicks and candidate features in one pipelined round trip."""
         started = time.perf_counter()
         item = f"{self.prefix}:i:"
-        packed = hiredis.pack_command(("MGET", self.user_key(user_id), *[f"{item}{i}" for i in item_ids])) + \
+        packed = hiredis.pack_command(("MGET", self.user_key(user_id), *map(item.__add__, map(str, item_ids)))) + \
             hiredis.pack_command(("LRANGE", self.clicks_key(user_id), 0, self.recent_clicks - 1))
         try:
             values, clicks = await self._round_trip(packed, 2)
@@ -116,16 +116,13 @@ class FeatureStore:
         cache = self._decoded
         if len(cache) > 200_000:
             cache.clear()
-        items: list[Slots | None] = []
-        for v in values[1:]:
-            if v is None:
-                items.append(None)
-                continue
-            slots = cache.get(v)
-            if slots is None:
-                slots = cache[v] = decode_slots(v)
-            items.append(slots)
-        return RankFeatures(user, [int(c) for c in clicks], items, values[1:])
+        raws = values[1:]
+        items: list[Slots | None] = list(map(cache.get, raws))  # one C-level pass; misses below
+        if None in items:
+            for i, v in enumerate(raws):
+                if items[i] is None and v is not None:
+                    items[i] = cache[v] = decode_slots(v)
+        return RankFeatures(user, [int(c) for c in clicks], items, raws)
 
     async def _round_trip(self, packed: bytes, replies: int) -> list[Any]:
         """Send ``packed`` (``replies`` commands) on one pooled connection and read the replies.

@@ -18,8 +18,8 @@ merges them the same way).
 ...                               [1, 2, 3], [None, b"item_id=2;genres=1", b""])
 >>> user, items
 ({'user_id': [7]}, [{'item_id': [1]}, {'item_id': [2]}, {'item_id': [3]}])
->>> keys[0], keys[1] == b"item_id=2;genres=1" + bytes(1) + d.token, keys[2] == bytes(1) + d.token
-(None, True, True)
+>>> keys[0] == b"\x01" + d.token, keys[1] == b"item_id=2;genres=1" + bytes(1) + d.token, keys[2] == bytes(1) + d.token
+(True, True, True)
 >>> dense_for(d, {"hour": 3.0}, [None, {"hour": 5.0}]).tolist()
 [[3.0], [5.0]]
 >>> check_names(d, "context.sparse", ["device"])
@@ -98,34 +98,58 @@ def slots_for(declared: Declared, user_id: int, user: Slots | None, recent: list
     (the request's own features are added by the caller), and each candidate's feature-log cache
     key (:class:`serving.feature_log.FeatureLogEncoder`): its raw stored value (``raws``), qualified
     by the declaration when the served slots differ from the stored ones (some left out, or
-    ``item_id`` added); None for an item the store does not hold. A candidate's row may be the
-    store's cached value itself (no copy per candidate): replace it, never change it in place."""
+    ``item_id`` added); for an item the store does not hold, the declaration's token (its row is
+    the same for every such item but its ``item_id``). A candidate's row may be the
+    store's cached value itself or one shared between requests (no copy per candidate): replace
+    it, never change it in place."""
     slots = declared.slots
     user_slots: Slots = {k: v for k, v in user.items() if k in slots} if user is not None else {}
     if USER_ID in slots and USER_ID not in user_slots:
         user_slots[USER_ID] = [user_id]
     if recent and RECENT_ITEMS in slots:
         user_slots[RECENT_ITEMS] = recent
+    if raws is None:
+        pairs = [_item_row(declared, item_id, stored, None) for item_id, stored in zip(item_ids, items)]
+        return user_slots, [row for row, _ in pairs], [key for _, key in pairs]
+    # A row and its key depend only on (item_id, raw stored value) under one declaration: looked
+    # up in one C-level pass (map over zip), computed in Python only for the ones not seen yet.
+    memo = _ROWS.get(declared.token)
+    if memo is None or len(memo) > _ROWS_MAX:
+        memo = _ROWS[declared.token] = {}
+    wanted = list(zip(item_ids, raws))
+    found = list(map(memo.get, wanted))
+    if None in found:
+        for i, hit in enumerate(found):
+            if hit is None:
+                item_id, raw = wanted[i]
+                hit = found[i] = _item_row(declared, item_id, items[i], raw)
+                if raw is not None or items[i] is None:  # (id, None): only an item the store lacks
+                    memo[wanted[i]] = hit
+    return user_slots, [row for row, _ in found], [key for _, key in found]
+
+
+#: declaration token -> {(item_id, raw stored value or None): (row, feature-log key)}
+_ROWS: dict[bytes, dict[tuple[int, bytes | None], tuple[Slots, bytes | None]]] = {}
+_ROWS_MAX = 200_000
+
+
+def _item_row(declared: Declared, item_id: int, stored: Slots | None, raw: bytes | None) -> tuple[Slots, bytes | None]:
+    """One candidate's served row and feature-log key (:func:`slots_for`)."""
+    slots = declared.slots
     add_item = ITEM_ID in slots
-    qualified = b"\x00" + declared.token
-    out: list[Slots] = []
-    keys: list[bytes | None] = []
-    for item_id, stored, raw in zip(item_ids, items, raws if raws is not None else [None] * len(items)):
-        if stored is None:
-            row: Slots = {}
-        elif stored.keys() <= slots:
-            if not add_item or ITEM_ID in stored:
-                out.append(stored)  # the store's decoded value itself: shared, never changed
-                keys.append(raw)
-                continue
-            row = dict(stored)
-        else:
-            row = {k: v for k, v in stored.items() if k in slots}
-        if add_item and ITEM_ID not in row:
-            row[ITEM_ID] = [item_id]
-        out.append(row)
-        keys.append(None if raw is None or stored is None else raw + qualified)
-    return user_slots, out, keys
+    if stored is None:
+        row: Slots = {}
+    elif stored.keys() <= slots:
+        if not add_item or ITEM_ID in stored:
+            return stored, raw  # the store's decoded value itself: shared, never changed
+        row = dict(stored)
+    else:
+        row = {k: v for k, v in stored.items() if k in slots}
+    if add_item and ITEM_ID not in row:
+        row[ITEM_ID] = [item_id]
+    if stored is None:  # its row depends on the declaration alone (no raw value starts with \x01)
+        return row, None if raw is not None else b"\x01" + declared.token
+    return row, None if raw is None else raw + b"\x00" + declared.token
 
 
 def dense_for(declared: Declared, context: Mapping[str, float] | None,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from ps import PackedBatch, ParameterServer
 
-from .dist_wire import starts
+from .dist_wire import RowMap, starts
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +34,11 @@ log = logging.getLogger(__name__)
 @dataclass
 class Owned:
     """Which rows one step's lookup served, for that step's update (:meth:`Owner.apply`): the
-    packed batch of every table (one PS call) and where each wire element sits in it, or, after
+    packed batch of every table (one PS call) and how its rows map to the wire's, or, after
     the per-table path, ``per_table``: ``[(table index, ids, elements in the reply)]``."""
 
     packed: PackedBatch | None = None
-    elem: np.ndarray | None = None      # wire element -> packed element
+    rows: RowMap | None = None          # the packed rows -> the wire's
     per_table: list | None = None
 
 
@@ -82,10 +82,8 @@ class Owner:
         pos = np.empty(perm.size, np.int64)            # wire position -> its table-major position
         pos[perm] = np.arange(perm.size)
         w_dim = self.dims[r_tab]
-        p_start = starts(self.dims[r_tab[perm]])
-        within = np.arange(int(w_dim.sum()), dtype=np.int64) - np.repeat(starts(w_dim), w_dim)
-        elem = np.repeat(p_start[pos], w_dim) + within
-        return buf[elem], Owned(packed=pb, elem=elem), np.zeros(n, bool)
+        rows = RowMap(starts(self.dims[r_tab[perm]])[pos], starts(w_dim), w_dim, int(w_dim.sum()))
+        return rows.take(buf, rows.size), Owned(packed=pb, rows=rows), np.zeros(n, bool)
 
     def _serve_tables(self, r_ids, r_occ, rcounts, t_event: int, insert: bool):
         n, T = self.world, len(self.names)
@@ -139,8 +137,7 @@ class Owner:
         """Step 8 on this shard: every requester's gradients of a table in one optimizer step
         (of every table in one packed PS call, after a packed lookup)."""
         if owned.packed is not None:
-            g = np.empty(owned.elem.size, np.float32)
-            g[owned.elem] = r_grads
+            g = owned.rows.put(r_grads, owned.rows.size)  # the same float count on both sides
             try:
                 self.ps.apply_packed_gradients(owned.packed, g, event_time)
                 return

@@ -90,7 +90,7 @@ import torch.nn.functional as F
 from .batch import SparseBatch
 from .config import ModelConfig
 from .dist_owner import Owner
-from .dist_wire import Lookup, packed_index, plan
+from .dist_wire import Lookup, packed_rows, plan
 from .model import NonFiniteStepError, SparseModel
 from .sharding import shard_of
 
@@ -230,10 +230,10 @@ class DistributedModel:
         tc = time.perf_counter()
         rows = self._a2a(reply, back_splits, row_splits, g)
         comm += time.perf_counter() - tc
-        src_elem = packed_index(self._dims, p.u_tab, p.inv, tab)  # reused by the backward
-        buf = rows[src_elem]
+        rows_map = packed_rows(self._dims, p.u_tab, p.inv, tab)  # reused by the backward
+        buf = rows_map.take(rows, rows_map.size)
         m.timings["lookup"] += time.perf_counter() - t0 - comm
-        return Lookup(batch, pb, buf, src_elem, rows.size, list(row_splits), list(back_splits), owned,
+        return Lookup(batch, pb, buf, rows_map, rows.size, list(row_splits), list(back_splits), owned,
                        global_size, t_event, comm, error, bool(got[:, T + 2].any()), served_failed)
 
     # ------------------------------------------------------------------ steps 6-9
@@ -252,7 +252,7 @@ class DistributedModel:
               for _, w in leaves]
         gpacked = np.concatenate(gs) if len(gs) > 1 else gs[0]
         # per unique row, the sum of its positions' gradients (float64 accumulation)
-        g_rows = np.bincount(lk.src_elem, weights=gpacked, minlength=lk.n_rows).astype(np.float32)
+        g_rows = lk.rows_map.sum_back(gpacked, lk.n_rows)
         value = float(loss.detach())
         if not (math.isfinite(value) and np.isfinite(g_rows).all()):
             raise NonFiniteStepError(f"the step's loss ({value}) or sparse gradients are not finite on rank "

@@ -143,6 +143,25 @@ def pool(w: torch.Tensor, bag: np.ndarray | None, weights: np.ndarray | None, n_
     return torch.zeros(n_bags, w.shape[1], dtype=w.dtype).index_add_(0, torch.from_numpy(bag), src)
 
 
+def _bags_for(bags: dict[tuple, tuple], batch: SparseBatch, blk: PooledBlock, rows: int) -> tuple:
+    """:func:`bag_inputs` of ``blk`` (``rows`` ids), cached in ``bags`` for the batch's other
+    blocks. A block whose slots (and poolings) begin another's takes the first ``rows`` of that
+    one's bags: they are slot-major, so its own come first (DeepFM's first-order block is its
+    embedding block less ``recent_items``: one pass over the bag lengths, not two)."""
+    key = (tuple(blk.slots), tuple(blk.modes))
+    got = bags.get(key)
+    if got is None:
+        k = len(blk.slots)
+        for (slots, modes), (bag, weights) in bags.items():
+            if slots[:k] == key[0] and modes[:k] == key[1]:
+                got = (None if bag is None else bag[:rows], None if weights is None else weights[:rows])
+                break
+        else:
+            got = bag_inputs(batch, blk.slots, blk.modes)
+        bags[key] = got
+    return got
+
+
 class SparseModel:
     """A model = config + PS tables + torch head. ``forward`` for scoring, ``train_step`` to learn."""
 
@@ -228,10 +247,7 @@ class SparseModel:
             if requires_grad:
                 w.requires_grad_(True)
             leaves.append((blk, w))
-            key = (tuple(blk.slots), tuple(blk.modes))
-            if key not in bags:
-                bags[key] = bag_inputs(batch, blk.slots, blk.modes)
-            x = pool(w, *bags[key], nf * batch.size)
+            x = pool(w, *_bags_for(bags, batch, blk, n), nf * batch.size)
             pooled.append(x.view(nf, batch.size, blk.dim).transpose(0, 1))  # [B, F, dim]
         emb, lin = pooled
         if lin is not None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.spool import Spool, SpoolFull, SpoolLocked
+from services.spool import Spool, SpoolFull, SpoolLocked
 from services.settings import ServingSettings
 
 
@@ -71,7 +71,7 @@ def test_full_spool_drops_the_oldest_retained_entries_first_then_refuses(tmp_pat
 
 def test_a_second_process_cannot_open_the_same_spool(tmp_path: Path) -> None:
     spool = spool_at(tmp_path / "s")
-    code = ("import sys; from pathlib import Path; from serving.spool import Spool, SpoolLocked\n"
+    code = ("import sys; from pathlib import Path; from services.spool import Spool, SpoolLocked\n"
             "from tests.serving.test_spool import spool_at\ntry: spool_at(Path(sys.argv[1]))\n"
             "except SpoolLocked as e: print(e); sys.exit(7)\n")
     root = Path(__file__).resolve().parents[2]

@@ -1,5 +1,6 @@
-"""The feature-log spool: a FeatureLog is on local disk before /rank answers 200.
+"""A local, durable log of records on their way to Kafka, kept a while after Kafka took them.
 
+Serving's feature-log spool: a FeatureLog is on local disk before /rank answers 200.
 /rank appends the encoded FeatureLog to this spool (one RocksDB put, ~10-30 µs) and only then
 answers; a background shipper (:class:`serving.feature_log.FeatureLogger`) sends the entries to
 topic ``features`` in order and marks them shipped once Kafka acknowledged them. So a 200 means
@@ -27,6 +28,9 @@ values, as appended; on disk RocksDB adds its own overhead until compaction): re
 are dropped early when it fills, and when *unshipped* entries fill it :meth:`append` raises
 :class:`SpoolFull`, so /rank answers 503 instead of a 200 it could not keep.
 
+The joiner keeps the ``examples`` records it produced in one the same way
+(:mod:`joiner.output_spool`), to produce them again into a broker whose data was reset.
+
 >>> import tempfile
 >>> spool = Spool(Path(tempfile.mkdtemp()) / "spool", max_bytes=100, sync=False, retention_s=0)
 >>> spool.append(b"r1", b"x" * 40), spool.append(b"r2", b"y" * 40)
@@ -34,7 +38,7 @@ are dropped early when it fills, and when *unshipped* entries fill it :meth:`app
 >>> spool.append(b"r3", b"z" * 40)
 Traceback (most recent call last):
 ...
-serving.spool.SpoolFull: feature-log spool full: 100 of 100 bytes unshipped (Kafka slow or down)
+services.spool.SpoolFull: feature-log spool full: 100 of 100 bytes unshipped (Kafka slow or down)
 >>> [(e.position, e.key) for e in spool.read(0, 10, 1 << 20)]
 [(0, b'r1'), (50, b'r2')]
 >>> spool.mark_shipped(spool.read(0, 1, 1 << 20)); spool.pending, spool.shipped
@@ -99,9 +103,11 @@ def _options() -> Options:
 class Spool:
     """Append-only log of (key, value) entries with a shipped cursor, in one RocksDB."""
 
-    def __init__(self, path: Path, max_bytes: int, *, sync: bool, retention_s: float) -> None:
-        """``max_bytes``, ``sync``, ``retention_s``: ``settings.serving``'s ``spool_*`` fields."""
-        self.path = Path(path)
+    def __init__(self, path: Path, max_bytes: int, *, sync: bool, retention_s: float,
+                 name: str = "feature-log spool", knobs: str = "serving.spool") -> None:
+        """``max_bytes``, ``sync``, ``retention_s``: ``settings.serving``'s ``spool_*`` fields
+        (``name`` and ``knobs``, the settings' prefix, are for the messages)."""
+        self.path, self.name, self.knobs = Path(path), name, knobs
         self.max_bytes = max_bytes
         self.retention_s = retention_s
         self.path.mkdir(parents=True, exist_ok=True)
@@ -110,9 +116,9 @@ class Spool:
         except Exception as err:  # rocksdict raises a bare Exception carrying RocksDB's message
             if "lock" in str(err).lower():
                 raise SpoolLocked(
-                    f"feature-log spool {self.path} is in use by another process (two serving "
-                    f"replicas on one port or one serving.spool_dir?): {err}") from None
-            raise SpoolError(f"cannot open the feature-log spool {self.path}: {err}") from None
+                    f"{name} {self.path} is in use by another process (two processes with one "
+                    f"{knobs}_dir?): {err}") from None
+            raise SpoolError(f"cannot open the {name} {self.path}: {err}") from None
         self._meta = self._db.get_column_family(_META)
         self._write = WriteOptions()
         self._write.sync = sync
@@ -158,18 +164,18 @@ class Spool:
     def append(self, key: bytes, value: bytes) -> int:
         """Store one entry durably (see the module docstring); return its position."""
         if self._closed:
-            raise SpoolError("the feature-log spool is closed (serving is stopping)")
+            raise SpoolError(f"the {self.name} is closed (its service is stopping)")
         size = _POS + len(key) + len(value)
         if self.end + size - self.low > self.max_bytes and self.low < self.shipped:
             self._make_room(self.end + size - self.max_bytes)
         if self.end + size - self.shipped > self.max_bytes:
-            raise SpoolFull(f"feature-log spool full: {self.end - self.shipped} of {self.max_bytes} "
+            raise SpoolFull(f"{self.name} full: {self.end - self.shipped} of {self.max_bytes} "
                             "bytes unshipped (Kafka slow or down)")
         position = self.end
         try:
             self._db.put(_pos(position) + key, value, self._write)
         except Exception as err:  # disk full, I/O error: never answer 200 without the log
-            raise SpoolError(f"feature-log spool {self.path}: write failed: {err}") from None
+            raise SpoolError(f"{self.name} {self.path}: write failed: {err}") from None
         self.end = position + size
         self.pending += 1
         return position
@@ -181,9 +187,9 @@ class Spool:
         now = time.monotonic()
         if now - self._warned >= 60.0:
             self._warned = now
-            log.warning("feature-log spool %s is full (%d bytes): dropping shipped entries before "
-                        "their retention ends (a broker reset now could lose them); raise "
-                        "serving.spool_max_bytes or lower serving.spool_retention_s", self.path, self.max_bytes)
+            log.warning("%s %s is full (%d bytes): dropping shipped entries before their retention "
+                        "ends (a broker reset now could lose them); raise %s_max_bytes or lower "
+                        "%s_retention_s", self.name, self.path, self.max_bytes, self.knobs, self.knobs)
         self.trim(upto)
 
     def mark_shipped(self, entries: Sequence[Entry]) -> None:

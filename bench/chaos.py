@@ -324,10 +324,17 @@ def run_chaos(work: Path, quick: bool) -> dict:
 
     expected = {eid for eid, (labels, _, _) in ref.items() if closed(eid, labels)}
     missing = expected - set(after)
-    wrong_label = sum(1 for eid in expected & set(after)
-                      if tuple(ref[eid][0][k] for k in sorted(ref[eid][0])) != after[eid][0][1:])
+    mismatched = {eid for eid in expected & set(after)
+                  if tuple(ref[eid][0][k] for k in sorted(ref[eid][0])) != after[eid][0][1:]}
+    wrong_label = len(mismatched)
     why = _missing_detail(capture, ref, missing, t_of)
     (work / "chaos-missing.json").write_text(json.dumps(why, indent=1))
+    # the same detail for a label that differs, with ours and the epoch our example reached the topic in
+    differ = _missing_detail(capture, ref, mismatched, t_of)
+    for eid, d in differ.items():
+        d.update(ours=after[eid][0][1:], example_epoch=capture.example_epoch.get(eid))
+        d["origin"] += f" e{capture.example_epoch.get(eid)}"
+    (work / "chaos-mismatch.json").write_text(json.dumps(differ, indent=1))
     result = {
         "answered_feature_logs_lost": len(lost),
         "conflicting_duplicates": parquet_conflicts + len(capture.example_conflicts),
@@ -341,6 +348,8 @@ def run_chaos(work: Path, quick: bool) -> dict:
         "missing_by_origin": dict(Counter(d["origin"] for d in why.values())),
         "missing_by_epoch": {str(ep): sum(1 for eid in missing if capture.example_epoch.get(eid) == ep)
                              for ep in sorted({capture.example_epoch.get(eid) for eid in missing}, key=str)},
+        # (reference label, epochs of its feature log and actions, epoch our example reached)
+        "label_mismatch_by_origin": dict(Counter(d["origin"] for d in differ.values())),
         "broker_reset_recovered": all(recovered.values()),
         "recovery": recovered,
         "answered_requests": len(answered_ids),

@@ -1,10 +1,9 @@
-"""Joiner benchmark: joined impressions/s through a real tansu broker vs a plain aiokafka
-passthrough of the same messages, spill-store lookups/s, and memory as waiting impressions grow.
+"""Joiner benchmark: joined impressions/s of one joiner worker (Faust) through a real tansu
+broker vs a plain aiokafka passthrough of the same messages, changelog bytes per impression, the
+takeover time of a second worker, spill-store lookups/s, and memory as waiting impressions grow.
 
     .venv/bin/python bench/bench_joiner.py          # full
     QUICK=1 .venv/bin/python bench/bench_joiner.py  # < 1 min
-    ENGINE=faust ...                                # the Faust joiner (joiner.faust_app), plus
-                                                    # changelog_bytes_per_impression and takeover_s
 
 The last line of output is one JSON object. Rates are medians over alternating rounds (joiner
 with a fresh state store, passthrough to a fresh topic); ``ratio_vs_passthrough`` is the median
@@ -32,7 +31,6 @@ sys.path.insert(0, str(ROOT))
 from aiokafka import AIOKafkaConsumer, TopicPartition  # noqa: E402
 
 from joiner import faust_app  # noqa: E402
-from joiner.app import run  # noqa: E402
 from joiner.core import JoinCore  # noqa: E402
 from joiner.stores.rocksdb import RocksDBStore  # noqa: E402
 from joiner.synth import ml_events  # noqa: E402
@@ -47,7 +45,6 @@ from services.settings import Settings  # noqa: E402
 from tests.joiner.helpers import produce  # noqa: E402
 
 QUICK = os.environ.get("QUICK") == "1"
-FAUST = os.environ.get("ENGINE") == "faust"
 
 
 def rss_mb() -> float:
@@ -125,10 +122,9 @@ async def joiner_round(settings: Settings, var: Path, round_no: int) -> tuple[di
     t_start = time.perf_counter()
     settings = settings.updated(joiner={"store_url": f"rocksdb://{var / f'joiner-state-{round_no}'}",
                                         "group_id": f"bench-joiner-{round_no}"})
-    counts = await (faust_app.run if FAUST else run)(settings, until_idle_s=idle, timings=timings)
-    if FAUST:
-        changelog = faust_app.changelog_topic(settings, await tansu_quirks.read_broker_epoch(settings) or "")
-        counts["changelog_bytes"] = await topic_bytes(settings, changelog)
+    counts = await faust_app.run(settings, until_idle_s=idle, timings=timings)
+    changelog = faust_app.changelog_topic(settings, await tansu_quirks.read_broker_epoch(settings) or "")
+    counts["changelog_bytes"] = await topic_bytes(settings, changelog)
     steady = timings["last_batch_end"] - timings["loop_start"] + timings.get("drain_s", 0.0)
     total = steady + (timings["loop_start"] - t_start)
     return {"steady_s": steady, "total_s": total}, counts
@@ -167,7 +163,7 @@ async def broker_bench(bootstrap: str, var: Path, n_requests: int, rounds: int) 
             "ratio_per_round": [round(r, 3) for r in ratios],
             "ratio_incl_startup": round(statistics.median(pt["total_s"] / j["total_s"] for pt, j in zip(pts, joins)), 3),
             "impressions": n_imp, "messages": n_msg, "examples": examples, "rounds": rounds,
-            **({"changelog_bytes_per_impression": round(counts["changelog_bytes"] / n_imp, 1)} if FAUST else {})}
+            "changelog_bytes_per_impression": round(counts["changelog_bytes"] / n_imp, 1)}
 
 
 async def takeover_bench(bootstrap: str, var: Path, n_waiting: int) -> dict:
@@ -195,7 +191,7 @@ async def takeover_bench(bootstrap: str, var: Path, n_waiting: int) -> dict:
     log = open(var / "takeover.log", "ab")
 
     def worker(name: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "joiner.faust_app", "--store", f"rocksdb://{var / name}"],
+        return subprocess.Popen([sys.executable, "-m", "joiner", "--store", f"rocksdb://{var / name}"],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     tps = [TopicPartition(settings.topics.features, 0)]
@@ -285,8 +281,7 @@ def main() -> None:
         wait_for_port("127.0.0.1", port, 20, "broker", proc)
         result = asyncio.run(broker_bench(f"127.0.0.1:{port}", var / "var", 20_000 if QUICK else 100_000,
                                            rounds=3 if QUICK else 5))
-        if FAUST:
-            result.update(asyncio.run(takeover_bench(f"127.0.0.1:{port}", var / "takeover", 100_000)))
+        result.update(asyncio.run(takeover_bench(f"127.0.0.1:{port}", var / "takeover", 100_000)))
     finally:
         proc.terminate()
         proc.wait(timeout=10)

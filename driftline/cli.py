@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subcommands that hand over to a service's own ``main(argv)``: name -> ("module:function", help).
 SERVICE_COMMANDS: dict[str, tuple[str, str]] = {
-    "joiner": ("joiner.app:main", "run the online joiner (features ⋈ actions -> examples)"),
+    "joiner": ("joiner.faust_app:main", "run a joiner worker (features ⋈ actions -> examples; N workers share the partitions)"),
     "dumper": ("joiner.dumper:main", "dump topic examples to hourly Parquet files"),
     "trainer": ("trainer.__main__:main", "train: `trainer online` from Kafka or `trainer batch` from Parquet"),
     "serve": ("serving.__main__:main", "run the ranking API (uvicorn)"),

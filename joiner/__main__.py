@@ -1,5 +1,5 @@
 import sys
 
-from joiner.app import main
+from joiner.faust_app import main
 
 sys.exit(main())

@@ -1,5 +1,5 @@
-"""The joiner as a Faust app (faust-streaming): ``python -m joiner.faust_app``; N workers with the
-same ``joiner.group_id`` share the partitions.
+"""The joiner worker, a Faust app (faust-streaming): ``python -m joiner``; N workers with the same
+``joiner.group_id`` share the partitions.
 
 * **Inputs**: both input topics (``features`` and ``actions``, both keyed by request id with
   the default partitioner and with the same partition count, so one request's records share a
@@ -150,7 +150,8 @@ class JoinerApp:
         sender = BatchedSender(self.prod, t.examples, sorted(await self.prod.partitions_for(t.examples)),
                                self.worker_labels(), spool=self.output)
         await self.output.resend(sender, self.epoch)  # (a reset since the last run: the dumper may lack them)
-        self.worker = Worker(s, self.table.data, self.changelog, self.prod, sender)
+        self.worker = Worker(s, self.table.data, self.changelog, self.prod, sender,
+                             highwater=lambda tp: self.app.consumer.highwater(TP(tp.topic, tp.partition)))
         self.watch = tansu_quirks.EpochWatch(s, SERVICE, self.epoch)
         await self.watch.start()
 

@@ -1,5 +1,5 @@
-"""The joiner's two ends on Kafka: one consumer for both input topics (decoded, malformed
-records dead-lettered) and the producer of columnar example batches (:class:`BatchedSender`)."""
+"""The joiner's two ends on Kafka: the input records' decoding (malformed records
+dead-lettered) and the producer of columnar example batches (:class:`BatchedSender`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
-from aiokafka import TopicPartition
 from aiokafka.partitioner import murmur2
 from google.protobuf.message import DecodeError
 
@@ -17,7 +16,7 @@ from joiner import batches
 from joiner.batches import Emitted
 from joiner.output_spool import OutputSpool
 from proto import Action, FeatureLog
-from services import example_batch, metrics
+from services import example_batch
 from services.codecs import MalformedMessage, codec_for, validate_feature_log
 from services.kafka import TypedConsumer
 from services.settings import Settings
@@ -54,43 +53,14 @@ def decode_feature_log(raw: bytes | None) -> FeatureLog:
 
 
 class InputConsumer(TypedConsumer):
-    """Both input topics in one consumer (one fetch loop), each decoded with its own codec.
-
-    Manual partition assignment, no consumer group: the offsets live in the joiner's state
-    store, written in the same atomic batch as the state they produced.
-    """
+    """The input topics' decoders (one codec per topic) and the dead-lettering of the records
+    they refuse. Never started: the Faust app consumes (:mod:`joiner.faust_fetch`), the worker
+    (:mod:`joiner.worker`) only decodes and dead-letters with it."""
 
     def __init__(self, settings: Settings, dlq: object) -> None:
         super().__init__(settings, SERVICE, FeatureLog, [], None, dead_letter_producer=dlq)  # type: ignore[arg-type]
         t = settings.topics
         self.decoders = {t.features: decode_feature_log, t.actions: codec_for(Action).decode}
-
-    async def poll_raw(self, timeout_ms: int, max_records: int) -> tuple[list, dict[TopicPartition, int]]:
-        """``(topic, partition, message, broker timestamp, raw record)`` of the decoded records,
-        and the next offset of each partition that had records."""
-        fetched = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
-        out: list[tuple[str, int, object, int, object]] = []
-        positions: dict[TopicPartition, int] = {}
-        rejects = []
-        for tp, records in fetched.items():
-            if not records:
-                continue
-            decode = self.decoders[tp.topic]
-            for r in records:
-                try:
-                    value = decode(r.value)
-                except MalformedMessage as err:
-                    rejects.append(await self.dead_letter(r, err))
-                    continue
-                out.append((tp.topic, tp.partition, value, r.timestamp, r))
-            positions[tp] = records[-1].offset + 1
-            metrics.MESSAGES_CONSUMED.labels(SERVICE, tp.topic).inc(len(records))
-            hw = self.consumer.highwater(tp)
-            if hw is not None:
-                metrics.CONSUMER_LAG.labels(SERVICE, tp.topic, str(tp.partition)).set(max(0, hw - positions[tp]))
-        if rejects:
-            await asyncio.gather(*rejects)  # dead letters durable before their offsets are
-        return out, positions
 
 
 class BatchedSender:

@@ -27,7 +27,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from aiokafka import TopicPartition
@@ -86,8 +86,11 @@ class Worker:
     """The join over Faust's events; the caller serialises calls (one batch at a time)."""
 
     def __init__(self, settings: Settings, store: JoinStore, changelog: str, prod: object,
-                 sender: BatchedSender) -> None:
+                 sender: BatchedSender, highwater: Callable[[TopicPartition], int | None] = lambda tp: None) -> None:
         self.settings, self.store, self.changelog, self.prod, self.sender = settings, store, changelog, prod, sender
+        # the consumer's last high watermark of an input partition: stored at each commit, so a
+        # broker reset can count what it took before this worker read it (faust_reset.py)
+        self.highwater = highwater
         self.cfg = JoinConfig.from_settings(settings.joiner)
         t = settings.topics
         self.features, self.actions = t.features, t.actions
@@ -238,7 +241,8 @@ class Worker:
             jm.EXAMPLES.inc(len(out) - sum(bad.values()))
             metrics.MESSAGES_PRODUCED.labels("joiner", self.settings.topics.examples).inc(n_records)
         for part in parts:
-            for key, value in part.book.commit(part.next, {}).items():
+            hws = {tp: hw for tp in part.next if (hw := self.highwater(tp)) is not None}
+            for key, value in part.book.commit(part.next, hws).items():
                 part.state.put(key, value)  # type: ignore[arg-type]
         offsets = await asyncio.gather(*(self._send_changelog(part.p, part.state.dirty) for part in parts))
         for part, off in zip(parts, offsets):

@@ -34,6 +34,8 @@ def test_official_images_for_the_infrastructure(repo_root: Path) -> None:
 def test_each_service_command_is_a_real_entry_point(repo_root: Path) -> None:
     ours = _driftline_services(_compose(repo_root))
     assert {"topics", "warm-start", "traffic", "joiner-0", "joiner-1", "dumper", "trainer", "serving-0"} <= set(ours)
+    # The joiner workers form one group: Faust assigns the partitions, none is pinned.
+    assert all("--partitions" not in ours[w]["command"] for w in ("joiner-0", "joiner-1"))
     parser = build_parser()
     for name, service in ours.items():
         command = service["command"]

@@ -155,7 +155,7 @@ def test_a_blocking_producer_sends_from_code_without_asyncio(settings: Settings)
 async def test_the_producers_messages_join_into_examples(settings: Settings) -> None:
     """What the producers write is what the joiner joins: a click becomes a positive example with
     the hashed features of its impression."""
-    from joiner.app import run
+    from joiner.faust_app import run
     from tests.joiner.helpers import JOINER, read_examples
 
     await create_topics(settings)

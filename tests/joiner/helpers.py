@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
@@ -93,3 +94,34 @@ def as_map(examples: list[Example]) -> dict[str, tuple[dict[str, float], float, 
 
 def ref_as_map(ref: dict) -> dict:
     return {k: (lbl, round(r, 6), u) for k, (lbl, r, u) in ref.items()}
+
+
+async def consumed_all(settings: Settings, procs: list, timeout: float) -> float:
+    """Wait until the joiner's group has committed every input record (``procs``: worker
+    processes that must stay alive meanwhile); the seconds it took."""
+    t = settings.topics
+    tps = [TopicPartition(topic, p) for topic in (t.features, t.actions) for p in range(t.partitions)]
+    ends = await tansu_quirks.log_end_offsets(settings, tps)
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        committed = await tansu_quirks.committed_offsets(settings, settings.joiner.group_id, tps)
+        if all(max(committed[tp], 0) >= ends[tp] for tp in tps):  # (-1: none committed)
+            return time.monotonic() - started
+        assert all(p.poll() is None for p in procs), "a worker exited"
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"the group did not consume its input within {timeout} s: {committed} of {ends}")
+
+
+async def run_until_consumed(settings: Settings, *, extra_s: float = 0.0) -> dict[str, int]:
+    """Run a joiner worker (no drain) until its group has committed all input, ``extra_s``
+    more, then stop it as SIGTERM does; its counts."""
+    from joiner.faust_app import run
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(run(settings, stop=stop))
+    try:
+        await consumed_all(settings, [], timeout=120)
+        await asyncio.sleep(extra_s)
+    finally:
+        stop.set()
+    return await task

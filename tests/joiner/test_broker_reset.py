@@ -12,9 +12,10 @@ from collections.abc import Iterator
 import pyarrow.compute as pc
 import pytest
 from prometheus_client import REGISTRY
+from rocksdict import Options, Rdict
 
 from joiner import dumper
-from joiner.app import run as run_joiner
+from joiner.faust_app import BrokerReset, run as run_joiner
 from joiner.reference import offline_join
 from joiner.synth import ml_events
 from proto import Example
@@ -22,7 +23,8 @@ from services import example_batch
 from services.kafka import create_topics
 from services.settings import Settings
 from tests.conftest import Broker, KilledBroker, killed_broker
-from tests.joiner.helpers import JOINER, as_map, join_config, produce, read_examples, ref_as_map
+from tests.joiner.helpers import (JOINER, as_map, consumed_all, join_config, produce, read_examples, ref_as_map,
+                                  run_until_consumed)
 
 CFG = join_config()
 
@@ -43,23 +45,6 @@ async def _until(predicate, timeout_s: float = 30.0, what: str = "") -> None:
         await asyncio.sleep(0.1)
 
 
-def _consumed(service: str, topic: str) -> float:
-    return _value("driftline_messages_consumed_total", service=service, topic=topic)
-
-
-def _caught_up(settings: Settings, service: str, topics: list[str], counts: dict[str, int]) -> bool:
-    """The service consumed at least ``counts[topic]`` records of each topic and its last poll
-    of every partition left no lag."""
-    if any(_consumed(service, t) < counts[t] for t in topics):
-        return False
-    return all(_value("driftline_consumer_lag_messages", service=service, topic=t, partition=str(p)) == 0
-               for t in topics for p in range(settings.topics.partitions))
-
-
-def _count(events: list, kind: str) -> int:
-    return sum(1 for k, _, _ in events if k == kind)
-
-
 def _busiest_cut(events: list) -> int:
     """The split (in the middle third) with the most actions after it for feature logs before it."""
     feature_at = {}
@@ -78,48 +63,82 @@ def _busiest_cut(events: list) -> int:
     return best
 
 
-@pytest.mark.parametrize("joiner_running", [True, False], ids=["running", "stopped"])
+async def _write_strays(settings: Settings) -> bytes:
+    """What a re-seed cut short leaves in the new epoch's changelog: records without their
+    commit marker, in every partition; the stray key."""
+    from joiner.faust_app import changelog_topic
+    from services import tansu_quirks
+    from services.kafka import producer, start_client
+
+    topic = changelog_topic(settings, await tansu_quirks.ensure_broker_epoch(settings))
+    await create_topics(settings, {topic: settings.topics.partitions})
+    prod = producer(settings)
+    await start_client(prod, settings)
+    try:
+        for p in range(settings.topics.partitions):
+            await prod.send_and_wait(topic, b"x", key=b"Istray/1", partition=p)
+    finally:
+        await prod.stop()
+    return b"Istray/1"
+
+
+@pytest.mark.parametrize("joiner_running,strays", [(True, False), (False, False), (False, True)],
+                         ids=["running", "stopped", "stray changelog records"])
 async def test_joiner_keeps_its_state_across_a_broker_reset(settings: Settings, broker: Broker,
-                                                           joiner_running: bool) -> None:
-    """Part 1 is joined, the broker is reset, part 2 goes to the new topics. The joiner (running
-    through the reset, or stopped and restarted after it) keeps the waiting impressions, so part
-    2's actions still join part 1's impressions: the result is exactly the reference join of
-    part 1 + part 2, as if nothing had happened, with no conflicting re-emission."""
-    events = ml_events(2400, start=200_000, seed=31)
+                                                           joiner_running: bool, strays: bool) -> None:
+    """Part 1 is consumed (windows still open), the broker is reset, part 2 goes to the new
+    topics. A running worker notices the reset and stops (``BrokerReset``) without writing to
+    the new topics; a stopped one notices it at its next start. The restarted worker re-seeds
+    the new changelog from its local store and drains: part 2's actions still join part 1's
+    impressions, the result is exactly the reference join of part 1 + part 2. Records a re-seed
+    cut short left in the new changelog (``strays``: no commit marker) are not taken for another
+    worker's re-seed, and their keys are deleted."""
+    s = settings.updated(joiner=JOINER)
+    events = ml_events(1200, start=10_000, seed=3)
     cut = _busiest_cut(events)
     part1, part2 = events[:cut], events[cut:]
-    t = settings.topics
     await create_topics(settings)
     await produce(settings, part1)
     resets = _value("driftline_broker_resets_total", service="joiner")
+    t = settings.topics
     resent = _value("driftline_joiner_output_resent_total")
     lost = [_value("driftline_broker_reset_lost_total", service="joiner", topic=x) for x in (t.features, t.actions)]
-    stop = asyncio.Event()
-    task = asyncio.create_task(run_joiner(settings.updated(joiner=JOINER), stop=stop))
-    consumed = {t.features: _consumed("joiner", t.features), t.actions: _consumed("joiner", t.actions)}
-    want = {t.features: consumed[t.features] + _count(part1, "features"),
-            t.actions: consumed[t.actions] + _count(part1, "actions")}
-    await _until(lambda: _caught_up(settings, "joiner", [t.features, t.actions], want) or task.done(),
-                 what="part 1 consumed")
-    await asyncio.sleep(0.5)  # (its last batch committed)
-    if not joiner_running:
-        stop.set()
-        await task
-    before = await read_examples(settings)
-    assert before, "part 1 gave examples"
-    await asyncio.to_thread(broker.restart)
-    await create_topics(settings)
-    await produce(settings, part2)
     if joiner_running:
-        await _until(lambda: _value("driftline_broker_resets_total", service="joiner") > resets or task.done(),
-                     what="the running joiner to notice the reset")
-        assert not task.done(), task.result()
-        stop.set()
-        await task
-    # Drain (closes every window) on the new epoch; the stopped joiner notices the reset here.
-    counts = await run_joiner(settings.updated(joiner=JOINER), until_idle_s=1.0)
-    assert _value("driftline_broker_resets_total", service="joiner") == resets + 1
+        stop = asyncio.Event()
+        task = asyncio.create_task(run_joiner(s, stop=stop))
+        try:
+            await consumed_all(s, [], timeout=120)
+            await asyncio.sleep(1.0)  # (its last batch committed)
+            before = await read_examples(settings)
+            await asyncio.to_thread(broker.restart)
+            with pytest.raises(BrokerReset):
+                await asyncio.wait_for(task, timeout=60)
+        finally:
+            stop.set()
+    else:
+        await run_until_consumed(s)
+        before = await read_examples(settings)
+        await asyncio.to_thread(broker.restart)
+    assert before, "part 1 gave examples"
+    await create_topics(settings)
+    stray = await _write_strays(s) if strays else None
+    await produce(settings, part2)
+    counts = await run_joiner(s, until_idle_s=1.0)  # re-seeds the changelog, then drains
+    if stray is not None:
+        from joiner.faust_app import state_dir
+        from joiner.faust_reset import partition_stores
+
+        stores = partition_stores(state_dir(s) / "v1" / "tables", "state")
+        assert stores, "the local state was kept, not dropped for a re-seed nobody made"
+        for path in stores.values():
+            db = Rdict(str(path), Options(raw_mode=True))
+            try:
+                assert db.get(stray) is None
+            finally:
+                db.close()
+    assert _value("driftline_broker_resets_total", service="joiner") > resets
     after = await read_examples(settings)
+    assert counts["impressions"] > 0
     assert as_map(before + after) == ref_as_map(offline_join(events, CFG, t.partitions))
     # Part 1's examples were produced again into the new topics, first and byte for byte (the
     # dumper and the trainer may not have read them before the reset): its own spool.
@@ -134,7 +153,28 @@ async def test_joiner_keeps_its_state_across_a_broker_reset(settings: Settings, 
     # Part 1 was consumed in full before the reset: nothing lost.
     assert [_value("driftline_broker_reset_lost_total", service="joiner", topic=x)
             for x in (t.features, t.actions)] == lost
-    assert counts["impressions"] > 0
+
+
+async def test_joiner_counts_the_records_a_reset_took_before_it_read_them(settings: Settings, broker: Broker) -> None:
+    """A worker stopped mid-stream (its last commit saw high watermarks above its offsets), then a
+    reset: the restarted worker counts those unread records as lost (by the high watermarks its
+    commits stored), per input topic."""
+    s = settings.updated(joiner={**JOINER, "batch_size": 50})
+    t = settings.topics
+    await create_topics(settings)
+    await produce(settings, ml_events(3000, start=12_000, seed=4))
+    lost = sum(_value("driftline_broker_reset_lost_total", service="joiner", topic=x) for x in (t.features, t.actions))
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_joiner(s, stop=stop))
+    await _until(lambda: _value("driftline_messages_consumed_total", service="joiner", topic=t.features) > 0
+                 or task.done(), timeout_s=90, what="the first batch")
+    stop.set()
+    await task
+    await asyncio.to_thread(broker.restart)
+    await create_topics(settings)
+    await run_joiner(s, until_idle_s=0.5)  # notices the reset at start-up, counts, drains
+    now = sum(_value("driftline_broker_reset_lost_total", service="joiner", topic=x) for x in (t.features, t.actions))
+    assert now > lost
 
 
 async def test_joiner_after_a_reset_refuses_expired_impressions_and_remembers_the_rest(

@@ -1,4 +1,4 @@
-"""kill -9 the joiner process at random moments, restart it, repeat: after dedup by example_id the
+"""kill -9 the joiner process (one worker) at random moments, restart it, repeat: after dedup by example_id the
 examples equal the uninterrupted result (the offline reference, itself checked against an
 uninterrupted run in test_joiner_broker), and every re-emitted example is an exact copy. The
 same for the dumper (every example in Parquet once), and SIGTERM/SIGINT stop both cleanly."""
@@ -40,6 +40,7 @@ def _env(settings: Settings) -> dict[str, str]:
         "DRIFTLINE_TOPICS__EXAMPLES": t.examples,
         "DRIFTLINE_TOPICS__DEAD_LETTERS": t.dead_letters,
         "DRIFTLINE_TOPICS__PARAM_DELTAS": t.param_deltas,
+        "DRIFTLINE_JOINER__GROUP_ID": settings.joiner.group_id,  # (and the changelog topic's name)
         "DRIFTLINE_JOINER__WINDOW_SECONDS": "120",
         "DRIFTLINE_JOINER__NEGATIVE_SAMPLE_RATE": "0.3",
         "DRIFTLINE_JOINER__CACHE_SIZE": "2000",  # most of the waiting state is on disk
@@ -59,13 +60,13 @@ def _dumper(env: dict[str, str], log: Path, *args: str) -> subprocess.Popen:
     return _joiner(env, log, *args, module="joiner.dumper")
 
 
-async def _until_output(settings: Settings, proc: subprocess.Popen, timeout: float) -> None:
-    """Wait until the examples topic has a record (the joiner is then mid-stream)."""
+async def _until_output(settings: Settings, proc: subprocess.Popen, timeout: float, above: int = 0) -> None:
+    """Wait until the examples topic has more than ``above`` records (the joiner is then mid-stream)."""
     t = settings.topics
     tps = [TopicPartition(t.examples, p) for p in range(t.partitions)]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if sum((await tansu_quirks.log_end_offsets(settings, tps)).values()) > 0:
+        if sum((await tansu_quirks.log_end_offsets(settings, tps)).values()) > above:
             return
         assert proc.poll() is None, f"the joiner exited with {proc.returncode} before producing"
         await asyncio.sleep(0.02)
@@ -81,16 +82,18 @@ async def _crash_run(settings: Settings, n_requests: int, kills: int, seed: int)
     settings.var_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     produced_before_kill = []
-    for k in range(kills):
+    records = 0  # batch records on the examples topic
+    for _ in range(kills):
         proc = _joiner(env, log)
-        if k == 0:  # on progress: start-up time varies with the machine's load
-            await _until_output(settings, proc, timeout=60)
-            time.sleep(rng.uniform(0.0, 0.5))
-        else:
-            time.sleep(rng.uniform(0.9, 2.0))  # start-up takes ~1 s; then it is mid-stream
+        # On progress (start-up and the group join take seconds, varying with the machine's
+        # load): once the restarted worker has produced, mid-stream.
+        await _until_output(settings, proc, timeout=90, above=records)
+        time.sleep(rng.uniform(0.0, 0.5))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         produced_before_kill.append(len(await read_examples(settings)))
+        records = sum((await tansu_quirks.log_end_offsets(
+            settings, [TopicPartition(settings.topics.examples, p) for p in range(settings.topics.partitions)])).values())
     proc = _joiner(env, log, "--until-idle", "1")
     assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     examples = await read_examples(settings)
@@ -106,12 +109,12 @@ async def _crash_run(settings: Settings, n_requests: int, kills: int, seed: int)
 
 
 async def test_kill_9_and_restart_gives_the_same_examples(settings: Settings) -> None:
-    await _crash_run(settings, n_requests=20_000, kills=4, seed=21)
+    await _crash_run(settings, n_requests=20_000, kills=3, seed=21)
 
 
 @pytest.mark.slow
 async def test_many_kills_larger_stream(settings: Settings) -> None:
-    await _crash_run(settings, n_requests=30_000, kills=8, seed=22)
+    await _crash_run(settings, n_requests=30_000, kills=5, seed=22)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -122,7 +125,7 @@ async def test_a_signal_stops_cleanly_and_commits(settings: Settings, sig: signa
     settings.var_dir.mkdir(parents=True, exist_ok=True)
     log = settings.var_dir.parent / "joiner-term.log"
     proc = _joiner(env, log)
-    time.sleep(3.0)
+    await _until_output(settings, proc, timeout=90)
     proc.send_signal(sig)
     assert proc.wait(timeout=30) == 0, log.read_text()[-2000:]
     first = await read_examples(settings)

@@ -11,7 +11,7 @@ import pytest
 
 from joiner import dumper
 from joiner.stores.rocksdb import RocksDBStore
-from joiner.app import run as run_joiner
+from joiner.faust_app import run as run_joiner
 from joiner.synth import ml_events
 from services import example_batch
 from services.kafka import create_topics

@@ -1,20 +1,22 @@
-"""The joiner against the real (tansu) broker: ml-1m traffic with delayed, out-of-order,
-duplicated actions must give exactly the offline reference; malformed input is dead-lettered."""
+"""The joiner (one Faust worker) against the real (tansu) broker: ml-1m traffic with delayed,
+out-of-order, duplicated actions must give exactly the offline reference; malformed input is
+dead-lettered; a restart resumes from the state; idle advance. Several workers in one group:
+``test_faust_joiner.py``."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from prometheus_client import REGISTRY
 
-from joiner.app import run
+from joiner.faust_app import run
 from joiner.reference import offline_join
 from joiner.synth import ml_events
 from proto import Action, DeadLetter, FeatureLog
 from services.kafka import create_topics
 from services.settings import Settings
-from tests.joiner.helpers import JOINER, as_map, join_config, produce, read_examples, read_topic, ref_as_map
+from tests.joiner.helpers import (JOINER, as_map, join_config, produce, read_examples, read_topic, ref_as_map,
+                                  run_until_consumed)
 
 CFG = join_config()
 
@@ -53,15 +55,11 @@ async def test_restart_resumes_from_state_without_reemitting(settings: Settings)
     half = len(events) // 2
     await create_topics(settings)
     await produce(settings, events[:half])
-    # The first run is stopped (as by SIGTERM) mid-stream, without draining.
-    stop = asyncio.Event()
-    task = asyncio.create_task(run(settings.updated(joiner={**JOINER, "cache_size": 50}), stop=stop))
-    await asyncio.sleep(3.0)
-    stop.set()
-    await task
+    s = settings.updated(joiner={**JOINER, "cache_size": 50})
+    await run_until_consumed(s)  # stopped as by SIGTERM, without draining: windows stay open
     first = await read_examples(settings)
     await produce(settings, events[half:])
-    await run(settings.updated(joiner={**JOINER, "cache_size": 50}), until_idle_s=1.0)
+    await run(s, until_idle_s=1.0)
     examples = await read_examples(settings)
     assert len(examples) == len({e.example_id for e in examples}), "a clean stop re-emits nothing"
     assert len(first) > 0
@@ -95,13 +93,9 @@ async def _features_only_run(settings: Settings, idle_advance_s: float | None) -
         fl.candidates.add(item_id=1)
         fls.append(("features", fl.request_id.encode(), fl.SerializeToString()))
     await produce(settings, fls)
-    stop = asyncio.Event()
     settings = settings.updated(joiner={"window_seconds": 60, "negative_sample_rate": 1.0,
                                         "idle_advance_seconds": idle_advance_s, "idle_advance_margin_seconds": 100.0})
-    task = asyncio.create_task(run(settings, stop=stop))
-    await asyncio.sleep(4.0)
-    stop.set()
-    counts = await task
+    counts = await run_until_consumed(settings, extra_s=3.0)
     assert counts["impressions"] == 60
     return await read_examples(settings)
 

@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from joiner import dumper
-from joiner.app import run as run_joiner
+from joiner.faust_app import run as run_joiner
 from joiner.core import JoinCore
 from joiner.reference import offline_join
 from joiner.synth import ml_events

@@ -3,7 +3,7 @@ equals the offline reference join of the same messages."""
 
 from __future__ import annotations
 
-from joiner.app import run
+from joiner.faust_app import run
 from joiner.reference import offline_join
 from producers.replay import replay, replay_events
 from services.settings import Settings

@@ -159,7 +159,9 @@ async def test_joiner_counts_the_records_a_reset_took_before_it_read_them(settin
     """A worker stopped mid-stream (its last commit saw high watermarks above its offsets), then a
     reset: the restarted worker counts those unread records as lost (by the high watermarks its
     commits stored), per input topic."""
-    s = settings.updated(joiner={**JOINER, "batch_size": 50})
+    # 50 records a batch: the worker is stopped while most are unread (with whole fetches it
+    # could read all of them before the stop takes effect)
+    s = settings.updated(joiner={**JOINER, "batch_size": 50}, kafka={"max_poll_records": 50})
     t = settings.topics
     await create_topics(settings)
     await produce(settings, ml_events(3000, start=12_000, seed=4))

@@ -129,7 +129,9 @@ def plan(ids: np.ndarray, tab: np.ndarray, owner: np.ndarray, n_owners: int, n_t
 def _take(a, src, dst, dim, out):
     for i in range(src.size):
         s, d, n = src[i], dst[i], dim[i]
-        if n == 16:  # the usual embedding width: a constant trip count the compiler vectorizes
+        # the default embedding width (trainer.config): a constant trip count the compiler
+        # vectorizes; other widths take the plain loop
+        if n == 16:
             for k in range(16):
                 out[d + k] = a[s + k]
         else:

@@ -32,7 +32,8 @@ The joiner keeps the ``examples`` records it produced in one the same way
 (:mod:`joiner.output_spool`), to produce them again into a broker whose data was reset.
 
 >>> import tempfile
->>> spool = Spool(Path(tempfile.mkdtemp()) / "spool", max_bytes=100, sync=False, retention_s=0)
+>>> spool = Spool(Path(tempfile.mkdtemp()) / "spool", max_bytes=100, sync=False, retention_s=0,
+...               name="feature-log spool", knobs="serving.spool")
 >>> spool.append(b"r1", b"x" * 40), spool.append(b"r2", b"y" * 40)
 (0, 50)
 >>> spool.append(b"r3", b"z" * 40)
@@ -104,9 +105,9 @@ class Spool:
     """Append-only log of (key, value) entries with a shipped cursor, in one RocksDB."""
 
     def __init__(self, path: Path, max_bytes: int, *, sync: bool, retention_s: float,
-                 name: str = "feature-log spool", knobs: str = "serving.spool") -> None:
-        """``max_bytes``, ``sync``, ``retention_s``: ``settings.serving``'s ``spool_*`` fields
-        (``name`` and ``knobs``, the settings' prefix, are for the messages)."""
+                 name: str, knobs: str) -> None:
+        """``max_bytes``, ``sync``, ``retention_s``: the user's settings (``<knobs>_*``);
+        ``name`` and ``knobs``, the settings' prefix, are for the messages."""
         self.path, self.name, self.knobs = Path(path), name, knobs
         self.max_bytes = max_bytes
         self.retention_s = retention_s

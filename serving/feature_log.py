@@ -164,7 +164,7 @@ class FeatureLogger:
         self.service = service
         self.epochs = epochs
         self.spool = Spool(settings.serving_spool_dir, options.spool_max_bytes, sync=options.spool_sync,
-                           retention_s=options.spool_retention_s)
+                           retention_s=options.spool_retention_s, name="feature-log spool", knobs="serving.spool")
         self.producer: AIOKafkaProducer | None = None
         self.shipped = 0
         self.reshipped = 0

@@ -15,7 +15,7 @@ the row width (DeepFM here: 16 for a field, 1 for its first-order weight, so ``8
 >>> p = plan(ids, tab, np.array([1, 0, 1, 0]), n_owners=2, n_tables=2)
 >>> p.u_ids.tolist(), p.u_tab.tolist(), p.counts.tolist()          # owner 0 first, then owner 1
 ([3, 3, 7], [0, 1, 0], [[1, 1], [1, 0]])
->>> p.inv.tolist(), p.occurrences().tolist()                        # packed position -> unique pair
+>>> p.inv.tolist(), p.occ.tolist()                                  # packed position -> unique pair
 ([2, 0, 2, 1], [1, 1, 2])
 >>> dims = np.array([2, 1])                                         # table 0: 2 floats, table 1: 1
 >>> m = packed_rows(dims, p.u_tab, p.inv, tab)   # unique rows (3, 3, 7: at 0-1, 2, 3-4) -> packed
@@ -48,13 +48,9 @@ class Plan:
 
     u_ids: np.ndarray    # int64, the unique ids in wire order
     u_tab: np.ndarray    # their tables
-    occ: np.ndarray      # int64 per unique pair: how many packed positions hold it
+    occ: np.ndarray      # int64 per unique pair: packed positions holding it (what count admission counts)
     inv: np.ndarray      # packed position -> index of its unique pair
     counts: np.ndarray   # int64 [owners, tables]: unique ids to each owner, per table
-
-    def occurrences(self) -> np.ndarray:
-        """How many packed positions hold each unique pair (what count admission counts)."""
-        return self.occ
 
 
 _TABLE_SALT = np.int64(-4417276706812531889)  # 0xC2B2AE3D27D4EB4F: spreads a table's ids apart

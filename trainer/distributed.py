@@ -221,7 +221,7 @@ class DistributedModel:
         global_size, t_event = int(got[:, T].sum()), int(got[:, T + 1].max())
         r_ids = self._a2a(p.u_ids, counts.sum(1), rcounts.sum(1), g)
         if self._counts:
-            r_occ = self._a2a(p.occurrences().astype(np.int64), counts.sum(1), rcounts.sum(1), g)
+            r_occ = self._a2a(p.occ, counts.sum(1), rcounts.sum(1), g)
         comm = time.perf_counter() - tc
         reply, owned, served_failed = self._owner.serve(r_ids, r_occ if self._counts else None, rcounts, t_event,
                                                         insert)

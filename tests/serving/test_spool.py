@@ -16,7 +16,8 @@ from services.settings import ServingSettings
 def spool_at(path: Path, max_bytes: int = 1 << 20, **overrides: object) -> Spool:
     """A spool with serving's spool settings (services/settings.py), some replaced."""
     s = ServingSettings()
-    return Spool(path, max_bytes, **{"sync": s.spool_sync, "retention_s": s.spool_retention_s, **overrides})
+    return Spool(path, max_bytes, **{"sync": s.spool_sync, "retention_s": s.spool_retention_s,
+                                     "name": "feature-log spool", "knobs": "serving.spool", **overrides})
 
 
 def _fill(spool: Spool, n: int, start: int = 0, size: int = 100) -> None:

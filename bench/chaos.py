@@ -70,6 +70,8 @@ class Capture:
     examples: dict[str, bytes] = field(default_factory=dict)
     example_epoch: dict[str, int] = field(default_factory=dict)
     example_conflicts: set[str] = field(default_factory=set)
+    # every input record read, copies too: (topic, epoch, partition, offset, request id, event time)
+    topic_log: list[tuple] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
@@ -105,15 +107,16 @@ class Capture:
                         break  # this fetch may hold new-epoch records at stale offsets: re-read all
                     for tp, records in fetched.items():
                         for r in records:
-                            self._add(tp.topic, r.key, r.value)
+                            self._add(tp.topic, r.key, r.value, tp.partition, r.offset)
         finally:
             await stop_consumer(c)  # the broker may be gone: aiokafka quirk 1
             await watch.stop()
 
-    def _add(self, topic: str, key: bytes, value: bytes) -> None:
+    def _add(self, topic: str, key: bytes, value: bytes, partition: int, offset: int) -> None:
         t = self.settings.topics
         if topic == t.features:
             fl = FeatureLog.FromString(value)
+            self.topic_log.append(("f", self.epochs, partition, offset, fl.request_id, fl.event_time_ms))
             if fl.request_id not in self.features:
                 stripped = FeatureLog(request_id=fl.request_id, event_time_ms=fl.event_time_ms, user_id=fl.user_id,
                                       model_version=ModelVersion(model_id=fl.model_version.model_id))
@@ -124,6 +127,7 @@ class Capture:
                 self.feature_epoch[fl.request_id] = self.epochs
         elif topic == t.actions:
             a = Action.FromString(value)
+            self.topic_log.append(("a", self.epochs, partition, offset, f"{a.request_id}/{a.item_id}", a.event_time_ms))
             k = (a.request_id, a.item_id, a.action_type, a.event_time_ms)
             if k not in self.actions:
                 self.actions[k] = (key, value)
@@ -284,6 +288,10 @@ def run_chaos(work: Path, quick: bool) -> dict:
             for s in fam.samples:
                 if s.name == "driftline_joiner_watermark_ms" and s.labels.get("stream") == "actions":
                     wa[int(s.labels["partition"])] = int(s.value)
+        # the last joiner process's verdicts (it started after the reset): why impressions were dropped
+        verdicts = {name: _metric_sum(stack, "joiner", f"driftline_joiner_{name}_total") for name in (
+            "impressions", "duplicate_impressions", "expired_impressions", "actions", "joined_actions",
+            "late_actions", "orphan_actions", "idle_advances", "positives", "examples_produced")}
         lost_reported = {svc: _metric_sum(stack, svc, "driftline_broker_reset_lost_total")
                          for svc in ("joiner", "dumper", "trainer", "serving")}
     finally:
@@ -329,6 +337,9 @@ def run_chaos(work: Path, quick: bool) -> dict:
     wrong_label = len(mismatched)
     why = _missing_detail(capture, ref, missing, t_of)
     (work / "chaos-missing.json").write_text(json.dumps(why, indent=1))
+    with (work / "chaos-topics.csv").open("w") as f:  # every input record's place, for a post-mortem
+        f.write("topic,epoch,partition,offset,id,event_time_ms\n")
+        f.writelines(",".join(map(str, row)) + "\n" for row in capture.topic_log)
     # the same detail for a label that differs, with ours and the epoch our example reached the topic in
     differ = _missing_detail(capture, ref, mismatched, t_of)
     for eid, d in differ.items():
@@ -366,6 +377,7 @@ def run_chaos(work: Path, quick: bool) -> dict:
         "label_mismatch_vs_reference": wrong_label,
         "broker_epochs": capture.epochs + 1,
         "reset_lost_reported": lost_reported,
+        "joiner_counts_since_last_start": verdicts,
         "restarts": {k: v.get("restarts", 0) for k, v in state.items()},
         "dumper_last_run": stops[-1].split("dumper stopped:", 1)[1].strip() if stops else None,
         "stop_exit_code": code,

@@ -70,6 +70,29 @@ class Part:
     last_action: float = field(default_factory=time.monotonic)
     published: Counter[str] = field(default_factory=Counter)  # counts already in the metrics
 
+    def actions_idle(self, now: float, idle_s: float, unread: int | None) -> bool:
+        """Whether the actions input has been idle ``idle_s`` seconds at ``now``: nothing read
+        for that long, and nothing waiting on the broker (``unread``: the records past the read
+        position, by the consumer's high watermark; None while not known). An input that lags
+        (a backlog after a restart or a broker reset, a fetch that served the features first)
+        is not idle and its clock starts again: raising its watermark would close the windows
+        whose actions are already on the broker, and turn their clicks into late actions.
+
+        >>> part = Part(0, None, None, None, None, last_action=100.0)
+        >>> part.actions_idle(200.0, 30, unread=5)    # a backlog: not idle, the clock restarts
+        False
+        >>> part.actions_idle(220.0, 30, unread=0)    # caught up, 20 s since the clock restarted
+        False
+        >>> part.actions_idle(231.0, 30, unread=0)
+        True
+        >>> part.actions_idle(232.0, 30, unread=None)  # no high watermark yet: not known idle
+        False
+        """
+        if unread is None or unread > 0:
+            self.last_action = now
+            return False
+        return now - self.last_action >= idle_s
+
     def publish(self) -> None:
         """Move this partition's new counts into the process-wide metrics."""
         counts = self.core.counts
@@ -215,10 +238,16 @@ class Worker:
 
     async def idle_advance(self, idle_s: float, margin_ms: int) -> None:
         """Raise the action watermark of partitions whose actions were idle ``idle_s`` wall
-        seconds; the raised watermark is committed before the windows it closes."""
+        seconds (:meth:`Part.actions_idle`); the raised watermark is committed before the
+        windows it closes."""
         now = time.monotonic()
-        bumped = [part for part in self.parts.values()
-                  if now - part.last_action >= idle_s and part.core.idle_advance(part.p, margin_ms)]
+        bumped = []
+        for part in self.parts.values():
+            tp = TopicPartition(self.actions, part.p)
+            hw = self.highwater(tp)
+            unread = None if hw is None else hw - part.next.get(tp, 0)
+            if part.actions_idle(now, idle_s, unread) and part.core.idle_advance(part.p, margin_ms):
+                bumped.append(part)
         if bumped:
             jm.IDLE_ADVANCES.inc(len(bumped))
             await self.commit(bumped, time.perf_counter())

@@ -31,15 +31,27 @@ copy, dropped downstream like any replay's).
 (2, [(0, b'batch-a'), (1, b'batch-b')])
 >>> asyncio.run(out.resend(Sender(), "epoch-2"))
 0
+>>> class Refused(Sender):  # a broker that refuses the first try (a topic it has just created)
+...     tries = 0
+...     async def send_raw(self, records):
+...         Refused.tries += 1
+...         if Refused.tries == 1:
+...             raise KafkaError("UnknownError")
+>>> asyncio.run(out.resend(Refused(), "epoch-3")), Refused.tries
+(2, 2)
 >>> out.close()
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
+
+from aiokafka.errors import KafkaError
 
 from joiner import metrics as jm
 from services.settings import Settings
@@ -68,6 +80,7 @@ class OutputSpool:
 
     def __init__(self, settings: Settings, store_dir: Path | None) -> None:
         js = settings.joiner
+        self.retry_s = settings.kafka.connect_timeout_s
         self.spool = Spool(spool_dir(settings, store_dir), js.output_spool_max_bytes, sync=False,
                            retention_s=js.output_retention_s, name="examples spool", knobs="joiner.output_spool")
         # kept before a crash that came before they were marked: they were acknowledged (keep()
@@ -96,7 +109,7 @@ class OutputSpool:
             return 0
         n, position, was = 0, s.low, s.epoch
         while was is not None and (entries := s.read(position, _READ_ENTRIES, _READ_BYTES)):
-            await sender.send_raw([(int.from_bytes(e.key, "big"), e.value) for e in entries])
+            await self._send(sender, [(int.from_bytes(e.key, "big"), e.value) for e in entries])
             n, position = n + len(entries), entries[-1].end
         s.set_epoch(epoch)
         if n:
@@ -104,6 +117,20 @@ class OutputSpool:
             log.warning("broker reset (epoch %s, was %s): produced the %d example records of the last %.0f s "
                         "again (the dumper and the trainer drop the ones they had)", epoch, was, n, s.retention_s)
         return n
+
+    async def _send(self, sender: RawSender, records: list[tuple[int, bytes]]) -> None:
+        """Send one round, again while the broker refuses it for up to ``kafka.connect_timeout_s``:
+        just after a reset tansu can answer a produce to a topic it has just created with an
+        error (``UnknownError`` seen in ``make chaos``); a copy sent twice is dropped downstream."""
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            try:
+                return await sender.send_raw(records)
+            except KafkaError as err:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("re-sending kept examples after a broker reset failed (%r); trying again", err)
+                await asyncio.sleep(0.5)
 
     def _gauge(self) -> None:
         jm.OUTPUT_SPOOL_BYTES.set(self.spool.bytes)

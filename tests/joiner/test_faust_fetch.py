@@ -4,6 +4,7 @@ must (a full queue), and still cut short when the flow is suspended (a rebalance
 from __future__ import annotations
 
 import asyncio
+from collections import defaultdict
 
 import mode
 
@@ -38,3 +39,62 @@ async def test_a_waiting_callback_is_cut_short_by_a_suspended_flow() -> None:
     assert q.qsize() == 1 and await q.get() == 1
     await asyncio.sleep(0.05)
     assert q.empty(), "the cut-short put never lands"
+
+
+class _Fetching:
+    """What the fetch loop reads of Faust's Consumer, around scripted fetches; records the seeks."""
+
+    consumer_stopped_errors = ()
+
+    def __init__(self, fetches: list, assigned: set) -> None:
+        self.fetches, self.assigned, self.seeks = fetches, assigned, []
+        self._read_offset: dict = defaultdict(lambda: None)  # (as Faust's)
+        self._buffered_partitions: set = set()
+        self._stopped, self.flow_active, self.should_stop = asyncio.Event(), True, False
+        self.callback = self._to_message = None
+
+    async def _wait_next_records(self, timeout: float):
+        if not self.fetches:
+            self._stopped.set()
+            return {}, None
+        records, active, self.flow_active = self.fetches.pop(0)
+        return records, active
+
+    async def perform_seek(self) -> None:  # (a group with no committed offsets: nothing moves)
+        pass
+
+    def assignment(self) -> set:
+        return self.assigned
+
+    async def seek(self, tp, offset: int) -> None:
+        self.seeks.append((tp, offset))
+        self._read_offset[tp] = offset
+
+
+def _records(topic: str, p: int, offsets: range) -> list:
+    from aiokafka.structs import ConsumerRecord
+    return [ConsumerRecord(topic, p, o, 0, 0, None, b"v", None, 1, 1, ()) for o in offsets]
+
+
+async def test_input_records_the_loop_drops_are_fetched_again() -> None:
+    """Records of a partition paused while the table recovers, or of a fetch that a rebalance
+    suspended, are dropped as Faust drops them: the loop seeks their partitions back to the
+    first of them, since a group with no committed offsets (after a broker reset) would
+    otherwise go on past them."""
+    from faust.types import TP
+
+    from joiner.faust_fetch import _fetch_loop_for
+
+    f0, a0, a1, other = TP("features", 0), TP("actions", 0), TP("actions", 1), TP("changelog", 0)
+    paused = {f0: _records("features", 0, range(5, 8)), a0: _records("actions", 0, range(0, 4))}
+    suspended = {a1: _records("actions", 1, range(10, 12)), other: _records("changelog", 0, range(3, 4))}
+    got: list = []
+
+    async def handler(batch: list) -> None:
+        got.extend((r.topic, r.partition, r.offset) for r in batch)
+
+    consumer = _Fetching([(paused, {f0}, True), (suspended, None, False)], {f0, a0, a1, other})
+    stopped = mode.Service()  # (the fetcher: never stopped here)
+    await _fetch_loop_for(frozenset({"features", "actions"}), handler)(consumer, stopped)
+    assert got == [("features", 0, 5), ("features", 0, 6), ("features", 0, 7)]
+    assert consumer.seeks == [(a0, 0), (a1, 10)], "the dropped inputs are read again; the changelog is Faust's"

@@ -209,8 +209,12 @@ class JoinerApp:
             if self.reset_to is None:
                 self.reset_to = await self.watch.check()
             if self.reset_to is None:
-                await self.worker.process(records, self.owned())
+                seek = await self.worker.process(records, self.owned())
                 self._count_consumed(records)
+                assigned = self.app.consumer.assignment()
+                for tp, offset in seek.items():
+                    if TP(tp.topic, tp.partition) in assigned:  # (revoked meanwhile: its next owner reads it)
+                        await self.app.consumer.seek(TP(tp.topic, tp.partition), offset)
 
     def _count_consumed(self, records: list) -> None:
         """The shared consumer metrics (records consumed, lag per partition), as every consumer

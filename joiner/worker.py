@@ -120,6 +120,8 @@ class Worker:
         self.inputs = InputConsumer(settings, prod)  # (its decoders and dead-lettering; never started)
         self.parts: dict[int, Part] = {}
         self.counts: Counter[str] = Counter()
+        # input partition -> the offset it was sought back to after a gap (see process())
+        self.gaps: dict[TopicPartition, int] = {}
         self.last_event = time.monotonic()
         self.spill_after_ms = int(settings.joiner.spill_after_seconds * 1000)
         # perf_counter marks for benchmarks: loop_start (first batch), last_batch_end
@@ -162,12 +164,17 @@ class Worker:
                 log.info("partition %d closed", p)
 
     # -- batches -------------------------------------------------------------------------------
-    async def process(self, fetched: Sequence[object], owned: set[int]) -> None:
+    async def process(self, fetched: Sequence[object], owned: set[int]) -> dict[TopicPartition, int]:
         """Join one batch of input records (aiokafka ``ConsumerRecord``s: timestamps in ms) of
-        partitions in ``owned`` and commit it."""
+        partitions in ``owned`` and commit it. Returns the input partitions the consumer must
+        seek back, to the offset to read next: it went past records of theirs unread (a gap
+        after the offset the state resumes at), and their records after the gap are left for
+        the re-read, in order. A gap found again at the same offset just after such a seek is
+        taken as records gone from the broker (retention) and counted as lost."""
         started = time.perf_counter()
         records: dict[int, list[tuple]] = {}
         rejects = []
+        seek: dict[TopicPartition, int] = {}
         decoders = self.inputs.decoders
         actions, now = self.actions, time.monotonic()
         for m in fetched:
@@ -176,8 +183,13 @@ class Worker:
                 continue  # revoked while buffered: its new owner reads it
             part = self.parts.get(p) or await self.part(p)
             tp = TopicPartition(m.topic, p)  # type: ignore[attr-defined]
-            if m.offset < part.next.get(tp, 0):  # type: ignore[attr-defined]
-                continue  # already in the committed state
+            expected = part.next.get(tp, 0)
+            if m.offset < expected or tp in seek:  # type: ignore[attr-defined]
+                continue  # already in the committed state, or after a gap: read again
+            if m.offset > expected and not self._gap(tp, expected, m.offset):  # type: ignore[attr-defined]
+                seek[tp] = expected
+                continue
+            self.gaps.pop(tp, None)
             part.next[tp] = m.offset + 1  # type: ignore[attr-defined]
             batch = records.setdefault(p, [])
             try:
@@ -191,13 +203,28 @@ class Worker:
         if rejects:
             await asyncio.gather(*rejects)  # dead letters durable before their offsets are
         if not records:
-            return
+            return seek
         self.timings.setdefault("loop_start", started)
         self.last_event = time.monotonic()
         for p, batch in records.items():
             await self.join(self.parts[p], batch)
         await self.commit([self.parts[p] for p in records], started)
         self.timings["last_batch_end"] = time.perf_counter()
+        return seek
+
+    def _gap(self, tp: TopicPartition, expected: int, offset: int) -> bool:
+        """A record at ``offset`` where ``expected`` is next: True to read on (the records in
+        between are gone from the broker: counted lost), False to seek back to ``expected``."""
+        if self.gaps.get(tp) != expected:
+            self.gaps[tp] = expected
+            jm.INPUT_GAPS.labels(tp.topic).inc()
+            log.warning("%s: the consumer went past offsets %d-%d unread; reading them again", tp, expected, offset - 1)
+            return False
+        del self.gaps[tp]
+        jm.INPUT_LOST.labels(tp.topic).inc(offset - expected)
+        self.counts["input_records_lost"] += offset - expected
+        log.warning("%s: offsets %d-%d are not on the broker any more (retention?): lost", tp, expected, offset - 1)
+        return True
 
     def _join_once(self, part: Part, batch: Sequence[tuple]) -> tuple[int, Exception] | None:
         core, features, i = part.core, self.features, 0

@@ -49,8 +49,9 @@ BAD_EXAMPLES = Counter("driftline_joiner_bad_examples_total",
 
 INPUT_GAPS = Counter("driftline_joiner_input_gaps_total",
                      "Input records the consumer went past unread: sought back and read (by input topic).", ["topic"])
-INPUT_LOST = Counter("driftline_joiner_input_records_lost_total",
-                     "Input records gone from the broker before this worker read them (retention), by topic.", ["topic"])
+INPUT_UNREAD = Counter("driftline_joiner_input_offsets_unread_total",
+                       "Input offsets the broker returns no record at (retention, a hole: tansu quirk 8), by topic.",
+                       ["topic"])
 OUTPUT_SPOOL_BYTES = Gauge("driftline_joiner_output_spool_bytes",
                            "Bytes of produced example records kept to produce again after a broker reset.")
 OUTPUT_RESENT = Counter("driftline_joiner_output_resent_total",

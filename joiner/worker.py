@@ -170,7 +170,8 @@ class Worker:
         seek back, to the offset to read next: it went past records of theirs unread (a gap
         after the offset the state resumes at), and their records after the gap are left for
         the re-read, in order. A gap found again at the same offset just after such a seek is
-        taken as records gone from the broker (retention) and counted as lost."""
+        taken as offsets the broker has no records at (retention; a hole, tansu quirk 8) and
+        counted."""
         started = time.perf_counter()
         records: dict[int, list[tuple]] = {}
         rejects = []
@@ -213,17 +214,19 @@ class Worker:
         return seek
 
     def _gap(self, tp: TopicPartition, expected: int, offset: int) -> bool:
-        """A record at ``offset`` where ``expected`` is next: True to read on (the records in
-        between are gone from the broker: counted lost), False to seek back to ``expected``."""
+        """A record at ``offset`` where ``expected`` is next: False to seek back to ``expected``
+        (the first time), True to read on (the same gap again: the broker has no records there;
+        counted)."""
         if self.gaps.get(tp) != expected:
             self.gaps[tp] = expected
             jm.INPUT_GAPS.labels(tp.topic).inc()
             log.warning("%s: the consumer went past offsets %d-%d unread; reading them again", tp, expected, offset - 1)
             return False
         del self.gaps[tp]
-        jm.INPUT_LOST.labels(tp.topic).inc(offset - expected)
-        self.counts["input_records_lost"] += offset - expected
-        log.warning("%s: offsets %d-%d are not on the broker any more (retention?): lost", tp, expected, offset - 1)
+        jm.INPUT_UNREAD.labels(tp.topic).inc(offset - expected)
+        self.counts["input_offsets_unread"] += offset - expected
+        log.warning("%s: the broker has no records at offsets %d-%d (deleted by retention, or a hole: tansu "
+                    "quirk 8); reading on", tp, expected, offset - 1)
         return True
 
     def _join_once(self, part: Part, batch: Sequence[tuple]) -> tuple[int, Exception] | None:

@@ -277,6 +277,9 @@ class Worker:
             hw = self.highwater(tp)
             unread = None if hw is None else hw - part.next.get(tp, 0)
             if part.actions_idle(now, idle_s, unread) and part.core.idle_advance(part.p, margin_ms):
+                log.info("partition %d: no actions for %.0f s with all read (offset %d): action watermark raised "
+                         "to %d (features watermark - %d ms)", part.p, now - part.last_action, part.next.get(tp, 0),
+                         part.core.wa[part.p], margin_ms)
                 bumped.append(part)
         if bumped:
             jm.IDLE_ADVANCES.inc(len(bumped))

@@ -15,8 +15,17 @@ contents, on the topic or in Parquet), ``parquet_rows_deleted`` (example ids in 
 broker reset and not after), ``crash_loops`` (services the supervisor saw crash-looping),
 ``missing_vs_reference`` (examples the offline reference join of the captured topics has, windows
 still open excluded, that Parquet lacks) and ``broker_reset_recovered`` (every service made
-progress on the new broker on its own), plus the numbers behind them. ``QUICK=1`` runs a smaller
-replay with shorter pauses (under 5 minutes); the full run stays under 15.
+progress on the new broker on its own), plus the numbers behind them: among them
+``offsets_with_two_records`` (offsets of the new broker's topics the capture read two different
+records at: tansu quirk 8; a run with none has had no miss since the joiner fixes of issue 15) and
+``joiner_counts_since_last_start`` (the joiner's verdict counters after the reset). ``QUICK=1``
+runs a smaller replay with shorter pauses (under 5 minutes); the full run stays under 15.
+
+``CHAOS_KEEP=<dir>`` keeps the run's directory with, for a post-mortem, ``chaos-missing.json``
+(per missing example: its labels, and the broker epochs its feature log and actions came in),
+``chaos-mismatch.json`` (the same for a label that differs), ``chaos-topics.csv`` (every input
+record the capture read: topic, epoch, partition, offset, id, event time) and
+``chaos-topics.pickle`` (the same with each feature log's first copy: enough to replay the join).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import signal
 import sys
 import tempfile
@@ -127,7 +137,8 @@ class Capture:
                 self.feature_epoch[fl.request_id] = self.epochs
         elif topic == t.actions:
             a = Action.FromString(value)
-            self.topic_log.append(("a", self.epochs, partition, offset, f"{a.request_id}/{a.item_id}", a.event_time_ms))
+            self.topic_log.append(("a", self.epochs, partition, offset, f"{a.request_id}/{a.item_id}", a.event_time_ms,
+                                   a.action_type))
             k = (a.request_id, a.item_id, a.action_type, a.event_time_ms)
             if k not in self.actions:
                 self.actions[k] = (key, value)
@@ -204,6 +215,13 @@ def _metric_sum(stack: LoopStack, service: str, name: str) -> float:
         return 0.0
     return sum(s.value for fam in text_string_to_metric_families(body) for s in fam.samples
                if s.name == name or s.name == name + "_total")
+
+
+def _offsets_with_two_records(topic_log: list[tuple]) -> int:
+    ids: dict[tuple, set] = defaultdict(set)
+    for row in topic_log:
+        ids[row[:4]].add(row[4:6])
+    return sum(1 for v in ids.values() if len(v) > 1)
 
 
 def _missing_detail(capture: Capture, ref: dict, missing: set[str], t_of: dict) -> dict[str, dict]:
@@ -339,7 +357,9 @@ def run_chaos(work: Path, quick: bool) -> dict:
     (work / "chaos-missing.json").write_text(json.dumps(why, indent=1))
     with (work / "chaos-topics.csv").open("w") as f:  # every input record's place, for a post-mortem
         f.write("topic,epoch,partition,offset,id,event_time_ms\n")
-        f.writelines(",".join(map(str, row)) + "\n" for row in capture.topic_log)
+        f.writelines(",".join(map(str, row[:6])) + "\n" for row in capture.topic_log)
+    with (work / "chaos-topics.pickle").open("wb") as f:  # the same, replayable: each feature log's first copy
+        pickle.dump({"log": capture.topic_log, "features": {rid: v[1] for rid, v in capture.features.items()}}, f)
     # the same detail for a label that differs, with ours and the epoch our example reached the topic in
     differ = _missing_detail(capture, ref, mismatched, t_of)
     for eid, d in differ.items():
@@ -374,6 +394,9 @@ def run_chaos(work: Path, quick: bool) -> dict:
         "parquet_examples_before_reset": len(before),
         "parquet_examples_after": len(after),
         "reference_examples_closed": len(expected),
+        # offsets the capture read twice with different records: the broker served two records under
+        # one offset after its restart (tansu quirk 8); an offset-tracking reader gets one of them
+        "offsets_with_two_records": _offsets_with_two_records(capture.topic_log),
         "label_mismatch_vs_reference": wrong_label,
         "broker_epochs": capture.epochs + 1,
         "reset_lost_reported": lost_reported,

@@ -151,7 +151,8 @@ class Worker:
             state.commit(changelog_offset=await self._send_changelog(p, repair))
         part.next = part.book.positions(state.peek)
         part.core.load(p)
-        log.info("partition %d opened: inputs resume at %s", p, {tp.topic: n for tp, n in part.next.items()})
+        log.info("partition %d opened: inputs resume at %s; event-time watermarks: features %d, actions %d", p,
+                 {tp.topic: n for tp, n in part.next.items()}, part.core.wf[p], part.core.wa[p])
         self.parts[p] = part
         return part
 

@@ -100,9 +100,9 @@ async def _unread(consumer: Any, dropped: Mapping[TP, list[Any]]) -> None:
     are fetched again. Faust drops them the same way and counts on its seek to the committed
     offsets; but the inputs' offsets are committed from the join state, and a group with none
     (a new broker's data after a reset, a first start) leaves the position past the dropped
-    records: they would be skipped (``make chaos`` lost a few hundred actions so, read while the
-    table recovered). Only a partition still assigned is sought; another owner starts at the
-    committed offset or the beginning, and skips what its state has."""
+    records: they would be skipped (:meth:`joiner.worker.Worker.process` would then find the gap
+    and seek back itself, one fetch later). Only a partition still assigned is sought; another
+    owner starts at the committed offset or the beginning, and skips what its state has."""
     assigned = consumer.assignment()
     for tp, recs in dropped.items():
         if recs and tp in assigned:

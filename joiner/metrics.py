@@ -47,6 +47,8 @@ BAD_EXAMPLES = Counter("driftline_joiner_bad_examples_total",
                        "Examples left out of their batch record as invalid (services.example_batch rules), by reason.",
                        ["reason"])
 
+CHANGELOG_BYTES = Counter("driftline_joiner_changelog_bytes_total",
+                          "Key + value bytes written to the state changelog (uncompressed, acknowledged).")
 INPUT_GAPS = Counter("driftline_joiner_input_gaps_total",
                      "Input records the consumer went past unread: sought back and read (by input topic).", ["topic"])
 INPUT_UNREAD = Counter("driftline_joiner_input_offsets_unread_total",

@@ -335,8 +335,9 @@ async def send_changelog(prod: object, topic: str, p: int, changes: Iterable[tup
     changelog ``topic`` in as few record batches as fit; the marker's offset once all are acked."""
     futures = []
     b = prod.create_batch()  # type: ignore[attr-defined]
-    n = 0
+    n = size = 0
     for key, value in itertools.chain(changes, [(MARKER, b"")]):
+        size += len(key) + len(value or b"")
         while b.append(key=key, value=value, timestamp=None) is None:
             if n == 0:
                 raise ValueError(f"a changelog record of {len(value or b'')} bytes exceeds max_batch_size")
@@ -347,4 +348,5 @@ async def send_changelog(prod: object, topic: str, p: int, changes: Iterable[tup
     b.close()
     futures.append(await prod.send_batch(b, topic, partition=p))  # type: ignore[attr-defined]
     metas = await asyncio.gather(*futures)
+    jm.CHANGELOG_BYTES.inc(size)
     return metas[-1].offset + n - 1

@@ -54,7 +54,7 @@ Each workaround is also correct on Apache Kafka, so the same code runs against b
    topics in order saw every partition's log get shorter under it two or three times (its
    position reset, offsets read going back: 31 -> 18, 43 -> 35), then other records at the
    offsets it had read: 422 offsets held two different records, and 327 of the first ones were
-   never seen again; other runs had 125-693 such offsets (`offsets_with_two_records`), or none.
+   never seen again; other runs had 57-693 such offsets (`offsets_with_two_records`), or none.
    Three of four `features` partitions also read ``0, 4, 5, ...``, ``0, 6, 7, ...``,
    ``0, 3, 4, ...`` for two independent consumers (Kafka has holes only where compaction,
    retention or transaction markers put them, and never reuses an offset). A reader that was not

@@ -14,7 +14,9 @@ The last line printed is one JSON object: ``answered_feature_logs_lost`` (reques
 contents, on the topic or in Parquet), ``parquet_rows_deleted`` (example ids in Parquet before the
 broker reset and not after), ``crash_loops`` (services the supervisor saw crash-looping),
 ``missing_vs_reference`` (examples the offline reference join of the captured topics has, windows
-still open excluded, that Parquet lacks) and ``broker_reset_recovered`` (every service made
+still open excluded, that Parquet lacks), ``missing_vs_join_rules`` (the same for the examples
+:class:`joiner.core.JoinCore` gives when the captured topics are replayed through it: what the
+worker lost of what the broker served) and ``broker_reset_recovered`` (every service made
 progress on the new broker on its own), plus the numbers behind them: among them
 ``offsets_with_two_records`` (offsets of the new broker's topics the capture read two different
 records at: tansu quirk 8; a run with none has had no miss since the joiner fixes of issue 15) and
@@ -217,6 +219,49 @@ def _metric_sum(stack: LoopStack, service: str, name: str) -> float:
                if s.name == name or s.name == name + "_total")
 
 
+def _replay_join(capture: Capture, cfg: JoinConfig) -> dict[str, bool]:
+    """``example id -> positive`` for every example :class:`joiner.core.JoinCore` emits when the
+    captured input topics are replayed through it: per partition, the first broker's records then
+    the new one's, each topic in offset order (the first record read at an offset), the two
+    topics in alternating chunks (the join's decisions do not depend on that interleaving), every
+    window drained at the end. Unlike the reference (``offline_join``: each record's first copy
+    only), it sees every copy, as the worker does, so it tells the worker's losses apart from the
+    broker's (tansu quirk 8)."""
+    from joiner.core import JoinCore
+    from joiner.stores.memory import MemoryStore
+    from joiner.tiered import TieredState
+
+    streams: dict[tuple, dict[int, object]] = defaultdict(dict)
+    for row in capture.topic_log:
+        topic, epoch, p, offset, rid_item = row[:5]
+        if offset in streams[(epoch, p, topic)]:
+            continue
+        if topic == "f":
+            value = FeatureLog.FromString(capture.features[rid_item][1])
+        else:
+            rid, item = rid_item.rsplit("/", 1)
+            value = Action(request_id=rid, item_id=int(item), action_type=row[6], event_time_ms=row[5])
+        streams[(epoch, p, topic)][offset] = value
+    out: dict[str, bool] = {}
+    for p in sorted({key[1] for key in streams}):
+        core = JoinCore(TieredState(MemoryStore(), 1 << 30), cfg)
+        core.load(p)
+        for epoch in range(capture.epochs + 1):
+            fls = [v for _, v in sorted(streams.get((epoch, p, "f"), {}).items())]
+            acts = [v for _, v in sorted(streams.get((epoch, p, "a"), {}).items())]
+            for i in range(0, max(len(fls), len(acts)), 50):
+                for fl in fls[i:i + 50]:
+                    core.on_features(p, fl)
+                for a in acts[i:i + 50]:
+                    core.on_action(p, a)
+                core.advance(p)
+        core.advance(p, drain=True)
+        for e in core.take():
+            if not e[7]:  # (not a late-action correction)
+                out.setdefault(e[2].decode(), bool(e[4]))
+    return out
+
+
 def _offsets_with_two_records(topic_log: list[tuple]) -> int:
     ids: dict[tuple, set] = defaultdict(set)
     for row in topic_log:
@@ -350,6 +395,10 @@ def run_chaos(work: Path, quick: bool) -> dict:
 
     expected = {eid for eid, (labels, _, _) in ref.items() if closed(eid, labels)}
     missing = expected - set(after)
+    # what the join's own rules give on what the broker served (JoinCore over the captured topics)
+    replayed = _replay_join(capture, cfg)
+    missing_vs_rules = {eid for eid, positive in replayed.items()
+                        if closed(eid, {"any": positive}) and eid not in after}
     mismatched = {eid for eid in expected & set(after)
                   if tuple(ref[eid][0][k] for k in sorted(ref[eid][0])) != after[eid][0][1:]}
     wrong_label = len(mismatched)
@@ -372,6 +421,7 @@ def run_chaos(work: Path, quick: bool) -> dict:
         "parquet_rows_deleted": deleted,
         "crash_loops": sum(v.get("crash_loops", 0) for v in state.values()),
         "missing_vs_reference": len(missing),
+        "missing_vs_join_rules": len(missing_vs_rules),
         "missing_sample": sorted(missing)[:20],  # example ids to look up in a kept work dir
         # by the broker epoch they reached the topic in (0: the first broker); those of epoch 0 that
         # the dumper never read lived only in the killed broker (docs/broker-reset.md)

@@ -82,7 +82,8 @@ class Capture:
     examples: dict[str, bytes] = field(default_factory=dict)
     example_epoch: dict[str, int] = field(default_factory=dict)
     example_conflicts: set[str] = field(default_factory=set)
-    # every input record read, copies too: (topic, epoch, partition, offset, request id, event time)
+    # every input record read, copies too: (topic "f"/"a", epoch, partition, offset, request id
+    # (an action: request/item), event time, and an action's type)
     topic_log: list[tuple] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 

@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aiokafka import AIOKafkaConsumer, TopicPartition  # noqa: E402
 
+from chaos_postmortem import missing_detail, offsets_with_two_records, replay_join  # noqa: E402
 from joiner.dumper import read_examples  # noqa: E402
 from joiner.reference import offline_join  # noqa: E402
 from joiner.types import JoinConfig  # noqa: E402
@@ -220,77 +221,6 @@ def _metric_sum(stack: LoopStack, service: str, name: str) -> float:
                if s.name == name or s.name == name + "_total")
 
 
-def _replay_join(capture: Capture, cfg: JoinConfig) -> dict[str, bool]:
-    """``example id -> positive`` for every example :class:`joiner.core.JoinCore` emits when the
-    captured input topics are replayed through it: per partition, the first broker's records then
-    the new one's, each topic in offset order (the first record read at an offset), the two
-    topics in alternating chunks (the join's decisions do not depend on that interleaving), every
-    window drained at the end. Unlike the reference (``offline_join``: each record's first copy
-    only), it sees every copy, as the worker does, so it tells the worker's losses apart from the
-    broker's (tansu quirk 8)."""
-    from joiner.core import JoinCore
-    from joiner.stores.memory import MemoryStore
-    from joiner.tiered import TieredState
-
-    streams: dict[tuple, dict[int, object]] = defaultdict(dict)
-    for row in capture.topic_log:
-        topic, epoch, p, offset, rid_item = row[:5]
-        if offset in streams[(epoch, p, topic)]:
-            continue
-        if topic == "f":
-            value = FeatureLog.FromString(capture.features[rid_item][1])
-        else:
-            rid, item = rid_item.rsplit("/", 1)
-            value = Action(request_id=rid, item_id=int(item), action_type=row[6], event_time_ms=row[5])
-        streams[(epoch, p, topic)][offset] = value
-    out: dict[str, bool] = {}
-    for p in sorted({key[1] for key in streams}):
-        core = JoinCore(TieredState(MemoryStore(), 1 << 30), cfg)
-        core.load(p)
-        for epoch in range(capture.epochs + 1):
-            fls = [v for _, v in sorted(streams.get((epoch, p, "f"), {}).items())]
-            acts = [v for _, v in sorted(streams.get((epoch, p, "a"), {}).items())]
-            for i in range(0, max(len(fls), len(acts)), 50):
-                for fl in fls[i:i + 50]:
-                    core.on_features(p, fl)
-                for a in acts[i:i + 50]:
-                    core.on_action(p, a)
-                core.advance(p)
-        core.advance(p, drain=True)
-        for e in core.take():
-            if not e[7]:  # (not a late-action correction)
-                out.setdefault(e[2].decode(), bool(e[4]))
-    return out
-
-
-def _offsets_with_two_records(topic_log: list[tuple]) -> int:
-    ids: dict[tuple, set] = defaultdict(set)
-    for row in topic_log:
-        ids[row[:4]].add(row[4:6])
-    return sum(1 for v in ids.values() if len(v) > 1)
-
-
-def _missing_detail(capture: Capture, ref: dict, missing: set[str], t_of: dict) -> dict[str, dict]:
-    """Per missing example id: the reference's labels, where its feature log and actions came
-    from (broker epochs) and their event times; the run's work dir keeps it (chaos-missing.json)."""
-    acts: dict[str, list] = defaultdict(list)
-    for k in capture.actions:
-        acts[f"{k[0]}/{k[1]}"].append(k)
-    out = {}
-    for eid in sorted(missing):
-        rid = eid.rsplit("/", 1)[0]
-        labels = ref[eid][0]
-        a = acts.get(eid, [])
-        label = "positive" if any(labels.values()) else "negative"
-        out[eid] = {
-            "labels": labels, "sample_rate": ref[eid][1], "feature_epoch": capture.feature_epoch.get(rid),
-            "event_time_ms": t_of[rid][0], "partition": t_of[rid][1],
-            "actions": [{"type": k[2], "event_time_ms": k[3], "epoch": capture.action_epoch[k]} for k in a],
-            "origin": f"{label} f{capture.feature_epoch.get(rid)} a{sorted({capture.action_epoch[k] for k in a})}",
-        }
-    return out
-
-
 def run_chaos(work: Path, quick: bool) -> dict:
     limit = int(os.environ.get("CHAOS_LIMIT", 60_000 if quick else 150_000))
     speed = os.environ.get("CHAOS_SPEED", "0")  # event-time speed-up of the traffic; 0: as fast as it goes
@@ -397,13 +327,13 @@ def run_chaos(work: Path, quick: bool) -> dict:
     expected = {eid for eid, (labels, _, _) in ref.items() if closed(eid, labels)}
     missing = expected - set(after)
     # what the join's own rules give on what the broker served (JoinCore over the captured topics)
-    replayed = _replay_join(capture, cfg)
+    replayed = replay_join(capture, cfg)
     missing_vs_rules = {eid for eid, positive in replayed.items()
                         if closed(eid, {"any": positive}) and eid not in after}
     mismatched = {eid for eid in expected & set(after)
                   if tuple(ref[eid][0][k] for k in sorted(ref[eid][0])) != after[eid][0][1:]}
     wrong_label = len(mismatched)
-    why = _missing_detail(capture, ref, missing, t_of)
+    why = missing_detail(capture, ref, missing, t_of)
     (work / "chaos-missing.json").write_text(json.dumps(why, indent=1))
     with (work / "chaos-topics.csv").open("w") as f:  # every input record's place, for a post-mortem
         f.write("topic,epoch,partition,offset,id,event_time_ms\n")
@@ -411,7 +341,7 @@ def run_chaos(work: Path, quick: bool) -> dict:
     with (work / "chaos-topics.pickle").open("wb") as f:  # the same, replayable: each feature log's first copy
         pickle.dump({"log": capture.topic_log, "features": {rid: v[1] for rid, v in capture.features.items()}}, f)
     # the same detail for a label that differs, with ours and the epoch our example reached the topic in
-    differ = _missing_detail(capture, ref, mismatched, t_of)
+    differ = missing_detail(capture, ref, mismatched, t_of)
     for eid, d in differ.items():
         d.update(ours=after[eid][0][1:], example_epoch=capture.example_epoch.get(eid))
         d["origin"] += f" e{capture.example_epoch.get(eid)}"
@@ -447,7 +377,7 @@ def run_chaos(work: Path, quick: bool) -> dict:
         "reference_examples_closed": len(expected),
         # offsets the capture read twice with different records: the broker served two records under
         # one offset after its restart (tansu quirk 8); an offset-tracking reader gets one of them
-        "offsets_with_two_records": _offsets_with_two_records(capture.topic_log),
+        "offsets_with_two_records": offsets_with_two_records(capture.topic_log),
         "label_mismatch_vs_reference": wrong_label,
         "broker_epochs": capture.epochs + 1,
         "reset_lost_reported": lost_reported,

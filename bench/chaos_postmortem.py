@@ -1,0 +1,92 @@
+"""What `make chaos` (``bench/chaos.py``) works out from its capture after a run: why an example
+is missing, what the join's own rules give on what the broker served, and where the broker served
+two records under one offset (tansu quirk 8).
+
+``capture`` is chaos's ``Capture``: ``topic_log`` (every input record read: topic ``"f"``/``"a"``,
+broker epoch, partition, offset, request id (an action: ``request/item``), event time, an
+action's type), ``features`` (request id -> (key, first copy stripped to the join's fields, event
+time)), ``actions``, ``feature_epoch``, ``action_epoch`` and ``epochs``.
+
+>>> offsets_with_two_records([("a", 1, 0, 5, "r/1", 10, "click"), ("a", 1, 0, 5, "r/2", 11, "click"),
+...                           ("a", 1, 0, 6, "r/3", 12, "click"), ("a", 1, 0, 6, "r/3", 12, "click")])
+1
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from joiner.core import JoinCore
+from joiner.stores.memory import MemoryStore
+from joiner.tiered import TieredState
+from joiner.types import JoinConfig
+from proto import Action, FeatureLog
+
+
+def replay_join(capture: Any, cfg: JoinConfig) -> dict[str, bool]:
+    """``example id -> positive`` for every example :class:`joiner.core.JoinCore` emits when the
+    captured input topics are replayed through it: per partition, the first broker's records then
+    the new one's, each topic in offset order (the first record read at an offset), the two
+    topics in alternating chunks (the join's decisions do not depend on that interleaving), every
+    window drained at the end. Unlike the reference (``offline_join``: each record's first copy
+    only), it sees every copy, as the worker does, so it tells the worker's losses apart from the
+    broker's (tansu quirk 8)."""
+    streams: dict[tuple, dict[int, object]] = defaultdict(dict)
+    for row in capture.topic_log:
+        topic, epoch, p, offset, rid_item = row[:5]
+        if offset in streams[(epoch, p, topic)]:
+            continue
+        if topic == "f":
+            value = FeatureLog.FromString(capture.features[rid_item][1])
+        else:
+            rid, item = rid_item.rsplit("/", 1)
+            value = Action(request_id=rid, item_id=int(item), action_type=row[6], event_time_ms=row[5])
+        streams[(epoch, p, topic)][offset] = value
+    out: dict[str, bool] = {}
+    for p in sorted({key[1] for key in streams}):
+        core = JoinCore(TieredState(MemoryStore(), 1 << 30), cfg)
+        core.load(p)
+        for epoch in range(capture.epochs + 1):
+            fls = [v for _, v in sorted(streams.get((epoch, p, "f"), {}).items())]
+            acts = [v for _, v in sorted(streams.get((epoch, p, "a"), {}).items())]
+            for i in range(0, max(len(fls), len(acts)), 50):
+                for fl in fls[i:i + 50]:
+                    core.on_features(p, fl)
+                for a in acts[i:i + 50]:
+                    core.on_action(p, a)
+                core.advance(p)
+        core.advance(p, drain=True)
+        for e in core.take():
+            if not e[7]:  # (not a late-action correction)
+                out.setdefault(e[2].decode(), bool(e[4]))
+    return out
+
+
+def offsets_with_two_records(topic_log: list[tuple]) -> int:
+    """How many (topic, epoch, partition, offset) the capture read two different records at."""
+    ids: dict[tuple, set] = defaultdict(set)
+    for row in topic_log:
+        ids[row[:4]].add(row[4:6])
+    return sum(1 for v in ids.values() if len(v) > 1)
+
+
+def missing_detail(capture: Any, ref: dict, missing: set[str], t_of: dict) -> dict[str, dict]:
+    """Per missing example id: the reference's labels, where its feature log and actions came
+    from (broker epochs) and their event times; the run's work dir keeps it (chaos-missing.json)."""
+    acts: dict[str, list] = defaultdict(list)
+    for k in capture.actions:
+        acts[f"{k[0]}/{k[1]}"].append(k)
+    out = {}
+    for eid in sorted(missing):
+        rid = eid.rsplit("/", 1)[0]
+        labels = ref[eid][0]
+        a = acts.get(eid, [])
+        label = "positive" if any(labels.values()) else "negative"
+        out[eid] = {
+            "labels": labels, "sample_rate": ref[eid][1], "feature_epoch": capture.feature_epoch.get(rid),
+            "event_time_ms": t_of[rid][0], "partition": t_of[rid][1],
+            "actions": [{"type": k[2], "event_time_ms": k[3], "epoch": capture.action_epoch[k]} for k in a],
+            "origin": f"{label} f{capture.feature_epoch.get(rid)} a{sorted({capture.action_epoch[k] for k in a})}",
+        }
+    return out

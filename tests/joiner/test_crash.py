@@ -45,6 +45,9 @@ def _env(settings: Settings) -> dict[str, str]:
         "DRIFTLINE_JOINER__NEGATIVE_SAMPLE_RATE": "0.3",
         "DRIFTLINE_JOINER__CACHE_SIZE": "2000",  # most of the waiting state is on disk
         "DRIFTLINE_JOINER__BATCH_SIZE": "100",   # many small batches: more moments to die in
+        # A restarted worker waits for the killed one's session to time out: half the default
+        # halves that wait for each of the kills (nothing here blocks the consumer thread).
+        "DRIFTLINE_JOINER__SESSION_TIMEOUT_MS": "3000",
         "DRIFTLINE_LOG_LEVEL": "WARNING",
         "PYTHONPATH": str(ROOT),
     })
@@ -109,12 +112,7 @@ async def _crash_run(settings: Settings, n_requests: int, kills: int, seed: int)
 
 
 async def test_kill_9_and_restart_gives_the_same_examples(settings: Settings) -> None:
-    await _crash_run(settings, n_requests=20_000, kills=3, seed=21)
-
-
-@pytest.mark.slow
-async def test_many_kills_larger_stream(settings: Settings) -> None:
-    await _crash_run(settings, n_requests=30_000, kills=5, seed=22)
+    await _crash_run(settings, n_requests=20_000, kills=5, seed=22)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

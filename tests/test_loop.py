@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.loopstack import LoopStack
+from tests.loopstack import LoopStack, alive, descendants
 
 _SHARED: dict[str, LoopStack] = {}
 # Enough traffic for the loop to close (examples of both labels, a few syncs) and every
@@ -27,8 +27,12 @@ def loop_stack(tmp_path_factory: pytest.TempPathFactory, repo_root: Path) -> Ite
         _SHARED["stack"] = LoopStack.start(tmp_path_factory.mktemp("loop"), repo_root, *LOOP_ARGS)
     yield _SHARED["stack"]
     stack = _SHARED.pop("stack", None)
-    if stack is not None:
-        stack.stop()
+    if stack is not None:  # plain ``up`` stops cleanly, as tests/test_stack.py checks for ``make up``
+        family = descendants(stack.proc.pid)
+        code = stack.stop()
+        assert code == 0 and "driftline stopped." in stack.text(), stack.text()[-3000:]
+        time.sleep(0.3)
+        assert not [pid for pid in family if alive(pid)], "processes left behind"
 
 
 def _trainer_auc(stack: LoopStack) -> float | None:

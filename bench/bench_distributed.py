@@ -4,6 +4,9 @@
 * model: DeepFM (8 slots, dim 16, MLP 256-128) on ml-1m in time order, as bench_trainer.
 * ``ex_per_s_1rank_1thread``: one process, one torch thread, plain ``SparseModel.train_step`` on
   batches of ``BATCH`` (no collectives at all: the honest baseline).
+* ``BATCH`` (environment, default 1024, the trainer's ``batch_size``): examples per rank and step.
+  A step's collectives cost about the same at any batch, so larger batches scale better
+  (docs/scale-out.md: 2048 and 4096). ml-1m holds enough for 2300 without ``QUICK=1``.
 * ``ex_per_s_2rank_{sync,hybrid}``: 2 spawned ranks, 1 torch thread each, each pinned to its own
   core (``trainer.pin_cores``; ``PIN=0``: not pinned), each on its own ``BATCH`` examples per step (global batch ``2 * BATCH``); examples of all ranks over the slowest
   rank's wall time, after ``WARMUP`` steps. ``scaling_*``: that over the 1-rank rate (targets on 2
@@ -55,7 +58,7 @@ from trainer.model import SparseModel  # noqa: E402
 
 QUICK = os.environ.get("QUICK") == "1"
 PIN = os.environ.get("PIN", "1") == "1"   # trainer.pin_cores: each rank on its own core (PIN=0: not)
-BATCH = 1024
+BATCH = int(os.environ.get("BATCH", "1024"))  # examples per rank per step (and per step of the 1-rank run)
 WARMUP = 3
 STEPS = 24 if QUICK else 200      # measured global steps (each 2 * BATCH examples)
 HOLDOUT = 20 * BATCH               # examples after the stream, scored by the trained model
@@ -121,6 +124,9 @@ def one_rank(data) -> tuple[float, float, float, float]:
 def main():
     t_start = time.time()
     data = _data()
+    if len(data) < LIMIT + HOLDOUT:  # (a large BATCH without QUICK=1)
+        raise SystemExit(f"BATCH={BATCH} needs {LIMIT + HOLDOUT:,} examples, ml-1m has {len(data):,}: "
+                         "use QUICK=1 or a smaller BATCH")
     rate1, cpu1, auc1, hold1 = one_rank(data)
     print(f"1 rank, 1 thread: {rate1:,.0f} ex/s  cpu {cpu1:.2f} ms/step  auc {auc1:.4f}  holdout {hold1:.4f}", flush=True)
     out = {"ex_per_s_1rank_1thread": round(rate1), "auc_1rank": round(auc1, 4), "auc_holdout_1rank": round(hold1, 4),

@@ -8,11 +8,17 @@ tests/trainer/test_distributed.py checks the engine equals this). Deterministic.
 One JSON line per (seed, delay): progressive AUC (each example scored before it is learned), of
 the second half of the stream, and ``holdout`` (the trained model, every update applied, on the
 ``bench_distributed.HOLDOUT`` examples after the stream). Used for docs/scale-out.md.
+
+``LATE_TABLES=user_id,user_id_w,item_id,item_id_w`` (environment): only these tables' updates come
+one step late, the others' at once: what hybrid would cost if the small tables (a handful of
+rows that every batch touches) were replicated on every rank and updated synchronously, as the
+dense head is (not built: docs/scale-out.md).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections import deque
 from pathlib import Path
@@ -31,6 +37,21 @@ from trainer.metrics import auc  # noqa: E402
 from trainer.model import SparseModel  # noqa: E402
 
 GLOBAL = 2 * B.BATCH  # the 2-rank bench's global batch
+LATE_TABLES = set(os.environ["LATE_TABLES"].split(",")) if os.environ.get("LATE_TABLES") else None
+
+
+def _split(m: SparseModel, pb, grads: np.ndarray, late: set[str]):
+    """A packed update split by table: ``(({slot: ids}, grads) of the other tables, the same of
+    the ``late`` tables)``, each in packed order."""
+    ps = m.ps
+    out = np.zeros(len(pb.slots) + 1, np.int64)
+    np.cumsum(np.diff(pb.offsets) * ps._dims[pb.slot_table], out=out[1:])
+    parts: tuple = (({}, []), ({}, []))
+    for k, slot in enumerate(pb.slots):
+        ids, gs = parts[ps.table_names[pb.slot_table[k]] in late]
+        ids[slot] = pb.slot_ids(k)
+        gs.append(grads[out[k]:out[k + 1]])
+    return tuple((ids, np.concatenate(gs) if gs else np.zeros(0, np.float32)) for ids, gs in parts)
 
 
 def run(steps: int, late: bool, seed: int | None) -> dict:
@@ -47,7 +68,15 @@ def run(steps: int, late: bool, seed: int | None) -> dict:
         loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(b.labels))
         m.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        pending.append((pb, np.concatenate([w.grad.numpy().reshape(-1) for _, w in leaves]), b.max_event_time))
+        grads = np.concatenate([w.grad.numpy().reshape(-1) for _, w in leaves])
+        if late and LATE_TABLES is not None:
+            now, later = _split(m, pb, grads, LATE_TABLES)
+            if now[0]:
+                m.ps.apply_packed_gradients(*now, b.max_event_time)
+            if later[0]:
+                pending.append((*later, b.max_event_time))
+        else:
+            pending.append((pb, grads, b.max_event_time))
         if not late:
             m.ps.apply_packed_gradients(*pending.popleft())
         m.optimizer.step()
@@ -57,7 +86,8 @@ def run(steps: int, late: bool, seed: int | None) -> dict:
         m.ps.apply_packed_gradients(*pending.popleft())
     p, y = np.concatenate(probs), np.concatenate(labels)
     hold = data.batch(np.arange(steps * GLOBAL, steps * GLOBAL + B.HOLDOUT))
-    return {"steps": steps, "seed": seed, "late": late, "auc": round(auc(p, y), 4),
+    return {"steps": steps, "seed": seed, "late": late, "late_tables": sorted(LATE_TABLES) if late and LATE_TABLES else None,
+            "auc": round(auc(p, y), 4),
             "auc_2nd_half": round(auc(p[p.size // 2:], y[y.size // 2:]), 4),
             "holdout": round(auc(m.predict(hold), hold.labels), 4)}
 

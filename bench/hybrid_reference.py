@@ -44,8 +44,7 @@ def _split(m: SparseModel, pb, grads: np.ndarray, late: set[str]):
     """A packed update split by table: ``(({slot: ids}, grads) of the other tables, the same of
     the ``late`` tables)``, each in packed order."""
     ps = m.ps
-    out = np.zeros(len(pb.slots) + 1, np.int64)
-    np.cumsum(np.diff(pb.offsets) * ps._dims[pb.slot_table], out=out[1:])
+    out = ps._out_offsets(pb)  # slot k's gradients: grads[out[k]:out[k + 1]]
     parts: tuple = (({}, []), ({}, []))
     for k, slot in enumerate(pb.slots):
         ids, gs = parts[ps.table_names[pb.slot_table[k]] in late]

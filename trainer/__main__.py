@@ -201,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                 import torch.distributed as dist
                 dist.destroy_process_group()
         print(json.dumps(result), flush=True)
+        if result.get("regroup"):
+            from .ranks import EXIT_REGROUP
+            return EXIT_REGROUP
     return 0
 
 

@@ -8,8 +8,10 @@ each sees torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` environment and run
 and restarts the whole group, up to ``trainer.max_restarts`` times; every rank then resumes from
 the last complete snapshot (:mod:`trainer.ranks`). Past that it fails, and ``driftline up``'s
 supervisor restarts the launcher. A SIGTERM of the launcher is passed on to the workers (each
-stops cleanly: the last snapshot, the offsets) and the launcher exits 0; a rank whose launcher is
-gone (kill -9: nobody would restart it) stops cleanly too. Several machines: run ``torchrun`` itself on each
+stops cleanly: the last snapshot, the offsets) and the launcher exits 0; ranks whose launcher is
+gone (kill -9: nobody would restart them) stop the group after a last snapshot, and where other
+machines' launchers live their ranks exit with ``trainer.ranks.EXIT_REGROUP`` to be restarted.
+Several machines: run ``torchrun`` itself on each, with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
 (docs/scale-out.md); the workers are the same.
 """
 
@@ -96,11 +98,13 @@ def init_rank(ts: TrainerSettings) -> tuple[int, int]:
     # The launcher's store outlives a restart of the group, and torch's env:// init does not
     # separate attempts in it (it counts on a fresh store per attempt): a restarted rank then read
     # its dead peer's gloo address and hung or was refused (seen here after a kill -9). So the
-    # group's keys live under the attempt's own prefix.
+    # group's keys live under the attempt's own prefix. Without the agent's store (several
+    # machines: docs/scale-out.md) rank 0 serves a new store on a new port every round, and the
+    # machines' restart counts differ (one that rejoins starts at 0): no attempt in the prefix.
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=not agent and rank == 0,
                          timeout=timeout, multi_tenant=not agent)
-    store = dist.PrefixStore(f"driftline/{env.get('TORCHELASTIC_RUN_ID', '')}/attempt-"
-                             f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0") if agent else "own-store"
+    store = dist.PrefixStore(f"driftline/{env.get('TORCHELASTIC_RUN_ID', '')}/attempt-{attempt}", base)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     return rank, world

@@ -55,7 +55,8 @@ barrier), writes the dense weights and optimizer and the manifest last
 :mod:`trainer.rank_resume`). A kill -9 of any rank makes the elastic launcher stop
 and restart the whole group (``trainer.max_restarts``), and every rank resumes from the last
 complete manifest; a snapshot of N ranks restores into M ranks (rows resharded on load, offsets
-split by the partition rule, the global stream state given to rank 0).
+split by the partition rule, the global stream state given to rank 0). Ranks whose launcher is
+gone stop the group after a last snapshot (:meth:`RankTrainer._launchers_lost`).
 
 **Hybrid** (``trainer.dist_mode = "hybrid"``): each round's step queues its lookup, then the sparse
 updates of the rounds older than ``trainer.staleness``; those run on the engine's lookup thread
@@ -109,7 +110,13 @@ from .sample_rates import SampleRateTracker
 log = logging.getLogger(__name__)
 
 # the agreed-upon control vector of one round (int64 per rank)
-_STOP, _IDLE, _EXAMPLES, _EVENT, _SYNC, _DENSE, _RESET = range(7)
+_STOP, _IDLE, _EXAMPLES, _EVENT, _SYNC, _DENSE, _RESET, _ORPHAN = range(8)
+_COLUMNS = 8
+
+
+EXIT_REGROUP = 75
+"""A rank's exit status when another machine's launcher is gone: a failure to its own launcher,
+which restarts the group (``trainer.max_restarts``) and waits in the rendezvous for the rest."""
 
 
 class RankError(RuntimeError):
@@ -150,7 +157,8 @@ class RankTrainer(M.LearnedFields):
         # every collective runs on this one thread, in the same order on every rank
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"rank{self.rank}-step")
         self.dm: DistributedModel | None = None
-        self._parent = os.getppid()
+        self._parent = os.getppid()  # the launcher: gone when this changes
+        self.regroup = False  # exit with EXIT_REGROUP: another machine's launcher is gone
         self.restored = False
 
     @property
@@ -254,14 +262,15 @@ class RankTrainer(M.LearnedFields):
         return res, time.perf_counter() - t0
 
     async def _agree(self, stop: bool, idle: bool, reset: bool, examples: int, event: int, now: float) -> np.ndarray:
-        """The round's control vectors of every rank ``[world, 7]`` (one all_gather)."""
+        """The round's control vectors of every rank ``[world, _COLUMNS]`` (one all_gather)."""
         t0 = time.perf_counter()
-        mine = torch.zeros(7, dtype=torch.int64)
+        mine = torch.zeros(_COLUMNS, dtype=torch.int64)
         mine[_STOP], mine[_IDLE], mine[_RESET], mine[_EXAMPLES], mine[_EVENT] = int(stop), int(idle), int(reset), examples, event
+        mine[_ORPHAN] = int(os.getppid() != self._parent)
         if self.rank == 0:  # rank 0's clock decides the time-based syncs for everyone
             mine[_SYNC] = int(now - self._last_sync >= self.ts.sync_interval_s)
             mine[_DENSE] = int(self.dense_schedule.due(now))
-        out = [torch.zeros(7, dtype=torch.int64) for _ in range(self.world)]
+        out = [torch.zeros(_COLUMNS, dtype=torch.int64) for _ in range(self.world)]
         await self._coll(dist.all_gather, out, mine)
         self._stage("agree", time.perf_counter() - t0)
         return torch.stack(out).numpy()
@@ -311,9 +320,6 @@ class RankTrainer(M.LearnedFields):
                 last_data = now
             batch = p.batch if p is not None and p.batch is not None else None
             idle = stop_when_idle_s is not None and not recs and now - last_data >= stop_when_idle_s
-            if os.getppid() != self._parent:  # the launcher is gone (kill -9): nobody would restart us
-                log.warning("rank %d: the launcher (pid %d) is gone: stopping", self.rank, self._parent)
-                self.stop_event.set()
             ctl = await self._agree(self.stop_event.is_set(), idle, reset, batch.size if batch is not None else 0,
                                     batch.max_event_time if batch is not None else 0, now)
             if ctl[:, _RESET].any():  # every rank: this round's records belong to no epoch we read on
@@ -342,6 +348,9 @@ class RankTrainer(M.LearnedFields):
                 await self.sync_sparse()
                 self.clock.taken(self.max_event_time)
                 await self.snapshot()
+            if ctl[:, _ORPHAN].any():
+                self._launchers_lost(ctl[:, _ORPHAN])
+                break
             if ctl[:, _STOP].any() or ctl[:, _IDLE].all() or (max_examples is not None and queued >= max_examples):
                 break
         await self.sync_sparse()
@@ -355,7 +364,19 @@ class RankTrainer(M.LearnedFields):
                 "mode": self.dm.mode, "overlapped_updates": self.dm.overlapped_updates,
                 "failed_updates": self.dm.failed_updates,
                 "alltoall_bytes": self.dm.alltoall_bytes, "comm_s": float(sum(self.dm.comm_s)),
-                "broker_epoch": self.epoch, "stages": dict(self.stage)}
+                "broker_epoch": self.epoch, "stages": dict(self.stage), "regroup": self.regroup}
+
+    def _launchers_lost(self, orphans: np.ndarray) -> None:
+        """Some ranks' launcher is gone (kill -9 of it, or of the machine's agent): nobody would
+        restart them, so the group stops after a last snapshot, together. When every launcher is
+        gone (one machine; ``driftline up``'s supervisor starts a new one) that is a clean stop.
+        When only some are, the ranks whose launcher lives exit with :data:`EXIT_REGROUP` so their
+        launchers restart them and wait in the rendezvous for the lost ones; a clean exit would
+        end the job on every machine."""
+        lost = np.flatnonzero(orphans).tolist()
+        self.regroup = not orphans.all() and not orphans[self.rank]
+        log.warning("rank %d: the launcher of rank(s) %s is gone: stopping the group after a last snapshot%s",
+                    self.rank, lost, " (exit %d: this launcher restarts us)" % EXIT_REGROUP if self.regroup else "")
 
     async def _learned(self, p, res: StepResult) -> None:
         """Bookkeeping of a round's batch (:class:`trainer.metrics.Learned`, as the 1-process

@@ -1,0 +1,113 @@
+"""The multi-machine form of docs/scale-out.md ("Several machines"), run as two torchrun agents on
+this machine: each agent is one "machine" (``--nnodes 2 --nproc-per-node 1``, a c10d rendezvous
+on the first one's endpoint), both see the same snapshot root, as the docs ask. The ranks are the
+same ``python -m trainer online`` as under ``--nproc``; what differs is that no launcher of ours
+is involved, and that a machine can die alone: its agent and its rank with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from services.ports import free_port
+from trainer import snapshots
+from trainer.data import produce_examples
+
+from .test_ranks import N, REPO, _env, _results, ml_examples, small_cfg  # noqa: F401 - the fixture
+
+RDZV_ID = "driftline-trainer"
+
+
+def _machine(settings, tmp: Path, name: str, endpoint: str, host: bool) -> subprocess.Popen:
+    """One machine's ``torchrun`` as docs/scale-out.md writes it (1 rank per machine here).
+    ``host``: this machine serves the rendezvous store. On real machines torchrun tells by the
+    endpoint's hostname; here every agent's address matches 127.0.0.1, so it is said
+    (``is_host``), or the first agent to bind would host it, which may be the one killed."""
+    (tmp / "model.json").write_text(small_cfg().model_dump_json())
+    env = _env(settings, tmp)
+    del env["DRIFTLINE_TRAINER__NPROC"]  # torchrun's RANK / WORLD_SIZE make the worker a rank
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # docs/scale-out.md: a machine that rejoins
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", RDZV_ID,
+           "--rdzv-conf", f"is_host={int(host)}",
+           "--max-restarts", "3", "--monitor-interval", "0.5",
+           "-m", "trainer", "online", "--sync-interval-s", "1", "--snapshot-interval-event-s", "1800",
+           "--stop-when-idle-s", "10", "--batch-size", "512"]
+    return subprocess.Popen(cmd, env=env, stdout=open(tmp / f"{name}.log", "ab"), stderr=subprocess.STDOUT,
+                            cwd=REPO, start_new_session=True)
+
+
+def _processes(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    out = [pid]
+    for child in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split():
+        out += _processes(int(child))
+    return out
+
+
+async def _manifest(root: Path, examples: int, seq: int, logs) -> dict:
+    """The first manifest of the 2-rank group past ``seq`` with at least ``examples`` applied."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        m = snapshots.read_manifest(root)
+        if m and m.get("shard_count") == 2 and m["seq"] > seq and m["examples_applied"] >= examples:
+            return m
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no manifest past seq {seq} with {examples} examples\n{logs()}")
+
+
+async def test_a_machine_lost_and_started_again_resumes_the_group_from_the_last_manifest(
+        settings, ml_examples, tmp_path):
+    """Two machines train the stream, and machine b is lost twice, started again each time with
+    the same command:
+
+    1. its agent alone is killed (kill -9): its rank finds its launcher gone; the group writes a
+       last snapshot and machine a's rank exits with ``EXIT_REGROUP``, so a's agent restarts it
+       and waits in the rendezvous (a clean exit would have ended the job on machine a);
+    2. the whole machine dies (its agent and its rank at once): a's rank fails in a collective,
+       its agent restarts it and waits.
+
+    Each time the group restores the last manifest, and every example is learned once:
+    ``examples_applied`` equals the stream, the committed offsets its records."""
+    third = N // 3
+    records = await produce_examples(settings, ml_examples[:third], chunk=250)
+    endpoint = f"127.0.0.1:{free_port()}"
+    root = settings.var_dir / "snapshots" / "deepfm"
+    a = _machine(settings, tmp_path, "a", endpoint, host=True)  # the endpoint's machine
+    b = _machine(settings, tmp_path, "b", endpoint, host=False)
+    logs = lambda: "\n".join(f"--- {n}\n" + (tmp_path / f"{n}.log").read_text()[-3000:] for n in "ab")  # noqa: E731
+    try:
+        first = await _manifest(root, 500, -1, logs)
+        assert _processes(b.pid)[1:], "machine b's rank runs under its agent"
+        os.kill(b.pid, signal.SIGKILL)  # the agent alone: its rank lives on, orphaned
+        b.wait(timeout=10)
+        regrouped = await _manifest(root, 0, first["seq"], logs)  # the group's last snapshot
+        b = _machine(settings, tmp_path, "b", endpoint, host=False)
+        records += await produce_examples(settings, ml_examples[third:2 * third], chunk=250)
+        second = await _manifest(root, regrouped["examples_applied"] + 500, regrouped["seq"], logs)
+        for pid in _processes(b.pid):  # the whole machine
+            os.kill(pid, signal.SIGKILL)
+        b.wait(timeout=10)
+        records += await produce_examples(settings, ml_examples[2 * third:], chunk=250)
+        b = _machine(settings, tmp_path, "b", endpoint, host=False)
+        assert a.wait(timeout=300) == 0, logs()
+        assert b.wait(timeout=60) == 0, logs()
+    finally:
+        for p in (a, b):
+            for pid in _processes(p.pid) if p.poll() is None else []:
+                os.kill(pid, signal.SIGKILL)
+    text = (tmp_path / "a.log").read_text()
+    assert text.count("restored snapshot") >= 2, logs()
+    assert "exit 75: this launcher restarts us" in text, logs()
+    final = snapshots.read_manifest(root)
+    assert final["shard_count"] == 2 and final["seq"] > second["seq"]
+    assert final["examples_applied"] == N, (first, second, final)
+    assert sum(final["offsets"].values()) == records
+    res = {**_results(tmp_path / "a.log"), **_results(tmp_path / "b.log")}
+    assert sorted(res) == [0, 1] and sum(r["examples_applied"] for r in res.values()) == N, res

@@ -35,10 +35,11 @@ def _machine(settings, tmp: Path, name: str, endpoint: str, host: bool) -> subpr
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # docs/scale-out.md: a machine that rejoins
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", RDZV_ID,
-           "--rdzv-conf", f"is_host={int(host)}",
+           # a lost machine's rendezvous entry goes after 3 missed heartbeats: 1 s apart (5 s by default)
+           "--rdzv-conf", f"is_host={int(host)},keep_alive_interval=1",
            "--max-restarts", "3", "--monitor-interval", "0.5",
            "-m", "trainer", "online", "--sync-interval-s", "1", "--snapshot-interval-event-s", "1800",
-           "--stop-when-idle-s", "10", "--batch-size", "512"]
+           "--stop-when-idle-s", "5", "--batch-size", "512"]
     return subprocess.Popen(cmd, env=env, stdout=open(tmp / f"{name}.log", "ab"), stderr=subprocess.STDOUT,
                             cwd=REPO, start_new_session=True)
 

@@ -2,7 +2,8 @@
 this machine: each agent is one "machine" (``--nnodes 2 --nproc-per-node 1``, a c10d rendezvous
 on the first one's endpoint), both see the same snapshot root, as the docs ask. The ranks are the
 same ``python -m trainer online`` as under ``--nproc``; what differs is that no launcher of ours
-is involved, and that a machine can die alone: its agent and its rank with it.
+is involved, and that a machine can die alone: its agent and its rank with it. ``--nnodes 2``
+waits for a lost machine; ``--nnodes 1:2`` goes on without it and grows again when it is back.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from .test_ranks import N, REPO, _env, _results, ml_examples, small_cfg  # noqa:
 RDZV_ID = "driftline-trainer"
 
 
-def _machine(settings, tmp: Path, name: str, endpoint: str, host: bool) -> subprocess.Popen:
+def _machine(settings, tmp: Path, name: str, endpoint: str, host: bool, nnodes: str = "2",
+             idle_s: int = 5) -> subprocess.Popen:
     """One machine's ``torchrun`` as docs/scale-out.md writes it (1 rank per machine here).
     ``host``: this machine serves the rendezvous store. On real machines torchrun tells by the
     endpoint's hostname; here every agent's address matches 127.0.0.1, so it is said
@@ -33,13 +35,14 @@ def _machine(settings, tmp: Path, name: str, endpoint: str, host: bool) -> subpr
     env = _env(settings, tmp)
     del env["DRIFTLINE_TRAINER__NPROC"]  # torchrun's RANK / WORLD_SIZE make the worker a rank
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # docs/scale-out.md: a machine that rejoins
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", RDZV_ID,
            # a lost machine's rendezvous entry goes after 3 missed heartbeats: 1 s apart (5 s by default)
-           "--rdzv-conf", f"is_host={int(host)},keep_alive_interval=1",
+           # an elastic range waits 3 s for more machines (last_call: 30 s by default)
+           "--rdzv-conf", f"is_host={int(host)},keep_alive_interval=1,last_call_timeout=3",
            "--max-restarts", "3", "--monitor-interval", "0.5",
            "-m", "trainer", "online", "--sync-interval-s", "1", "--snapshot-interval-event-s", "1800",
-           "--stop-when-idle-s", "5", "--batch-size", "512"]
+           "--stop-when-idle-s", str(idle_s), "--batch-size", "512"]
     return subprocess.Popen(cmd, env=env, stdout=open(tmp / f"{name}.log", "ab"), stderr=subprocess.STDOUT,
                             cwd=REPO, start_new_session=True)
 
@@ -52,15 +55,25 @@ def _processes(pid: int) -> list[int]:
     return out
 
 
-async def _manifest(root: Path, examples: int, seq: int, logs) -> dict:
-    """The first manifest of the 2-rank group past ``seq`` with at least ``examples`` applied."""
+async def _manifest(root: Path, examples: int, seq: int, logs, shards: int = 2) -> dict:
+    """The first manifest of ``shards`` ranks (0: the 1-process trainer) past ``seq`` with at
+    least ``examples`` applied."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         m = snapshots.read_manifest(root)
-        if m and m.get("shard_count") == 2 and m["seq"] > seq and m["examples_applied"] >= examples:
+        if m and int(m.get("shard_count", 0) or 0) == shards and m["seq"] > seq and m["examples_applied"] >= examples:
             return m
         await asyncio.sleep(0.2)
     raise AssertionError(f"no manifest past seq {seq} with {examples} examples\n{logs()}")
+
+
+async def _logged(log: Path, text: str, logs) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if log.exists() and text in log.read_text():
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {log.name}\n{logs()}")
 
 
 async def test_a_machine_lost_and_started_again_resumes_the_group_from_the_last_manifest(
@@ -112,3 +125,43 @@ async def test_a_machine_lost_and_started_again_resumes_the_group_from_the_last_
     assert sum(final["offsets"].values()) == records
     res = {**_results(tmp_path / "a.log"), **_results(tmp_path / "b.log")}
     assert sorted(res) == [0, 1] and sum(r["examples_applied"] for r in res.values()) == N, res
+
+
+async def test_with_an_elastic_range_the_survivor_goes_on_alone_and_the_machine_rejoins(
+        settings, ml_examples, tmp_path):
+    """``--nnodes 1:2``: when machine b dies, machine a does not wait for it. Its agent restarts
+    its rank alone, as a group of one: the 1-process trainer, which restores the 2-rank snapshot
+    (rows resharded on load). When b is started again, a's agent sees it waiting, stops its
+    trainer (SIGTERM: a last snapshot) and the two form a group of 2 ranks again, which restores
+    the 1-process snapshot. Every example is learned once."""
+    third = N // 3
+    records = await produce_examples(settings, ml_examples[:third], chunk=250)
+    endpoint = f"127.0.0.1:{free_port()}"
+    root = settings.var_dir / "snapshots" / "deepfm"
+    # idle 15 s: machine a alone must not finish the job before b is back
+    a = _machine(settings, tmp_path, "a", endpoint, host=True, nnodes="1:2", idle_s=15)
+    b = _machine(settings, tmp_path, "b", endpoint, host=False, nnodes="1:2", idle_s=15)
+    logs = lambda: "\n".join(f"--- {n}\n" + (tmp_path / f"{n}.log").read_text()[-3000:]  # noqa: E731
+                             for n in ("a", "b", "b2") if (tmp_path / f"{n}.log").exists())
+    try:
+        first = await _manifest(root, 500, -1, logs)
+        for pid in _processes(b.pid):  # the whole machine
+            os.kill(pid, signal.SIGKILL)
+        b.wait(timeout=10)
+        records += await produce_examples(settings, ml_examples[third:2 * third], chunk=250)
+        alone = await _manifest(root, first["examples_applied"] + 1, first["seq"], logs, shards=0)
+        b = _machine(settings, tmp_path, "b2", endpoint, host=False, nnodes="1:2", idle_s=15)
+        await _logged(tmp_path / "b2.log", "rank 1/2 reads", logs)  # the group of 2 again
+        records += await produce_examples(settings, ml_examples[2 * third:], chunk=250)
+        assert a.wait(timeout=300) == 0, logs()
+        assert b.wait(timeout=60) == 0, logs()
+    finally:
+        for p in (a, b):
+            for pid in _processes(p.pid) if p.poll() is None else []:
+                os.kill(pid, signal.SIGKILL)
+    final = snapshots.read_manifest(root)
+    # the group of 2 started from the snapshot machine a wrote alone when it was stopped for b
+    assert "(1 ranks wrote it)" in (tmp_path / "b2.log").read_text(), logs()
+    assert final["shard_count"] == 2 and final["seq"] > alone["seq"]
+    assert final["examples_applied"] == N, (first, alone, final)
+    assert sum(final["offsets"].values()) == records

@@ -163,35 +163,6 @@ async def test_kill_9_of_one_rank_restarts_the_group_from_the_last_manifest(sett
     assert final["seq"] > first["seq"]
 
 
-def _one_process(settings):
-    from trainer.online import OnlineTrainer
-    return OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=1.0, snapshot_interval_event_s=0, batch_size=512)),
-                         small_cfg())
-
-
-async def test_two_ranks_then_one_process_then_two_ranks(settings, ml_examples, tmp_path):
-    """2 -> 1 -> 2 on one stream: each run resumes from the other's snapshot, every example is
-    applied once, every record consumed."""
-    third = N // 3
-    root = settings.var_dir / "snapshots" / "deepfm"
-    log = tmp_path / "trainer.log"
-    records = await produce_examples(settings, ml_examples[:third])
-    p = _spawn(settings, tmp_path, log)
-    assert p.wait(timeout=240) == 0, log.read_text()[-4000:]
-    assert snapshots.read_manifest(root)["examples_applied"] == third
-    records += await produce_examples(settings, ml_examples[third:2 * third])
-    out = await _one_process(settings).run(stop_when_idle_s=3.0)
-    assert out["examples_applied"] == 2 * third
-    man = snapshots.read_manifest(root)
-    assert not man.get("shard_count") and man["examples_applied"] == 2 * third
-    records += await produce_examples(settings, ml_examples[2 * third:])
-    p = _spawn(settings, tmp_path, log)
-    assert p.wait(timeout=240) == 0, log.read_text()[-4000:]
-    man = snapshots.read_manifest(root)
-    assert man["shard_count"] == 2 and man["examples_applied"] == N
-    assert sum(man["offsets"].values()) == records
-
-
 async def test_sigterm_of_the_launcher_stops_every_rank_cleanly(settings, ml_examples, tmp_path):
     """``driftline up``'s supervisor stops the trainer with SIGTERM: every rank applies what it
     has, publishes, writes the last snapshot and commits; the launcher exits 0, within the

@@ -55,6 +55,18 @@ def _processes(pid: int) -> list[int]:
     return out
 
 
+def _kill(p: subprocess.Popen) -> None:
+    """kill -9 of a whole machine: its agent and every process below it, at once."""
+    for pid in _processes(p.pid) if p.poll() is None else []:
+        os.kill(pid, signal.SIGKILL)
+    p.wait(timeout=10)
+
+
+def _logs(tmp: Path):
+    """What the failure message shows: the tail of every machine's log."""
+    return lambda: "\n".join(f"--- {log.name}\n" + log.read_text()[-3000:] for log in sorted(tmp.glob("*.log")))
+
+
 async def _manifest(root: Path, examples: int, seq: int, logs, shards: int = 2) -> dict:
     """The first manifest of ``shards`` ranks (0: the 1-process trainer) past ``seq`` with at
     least ``examples`` applied."""
@@ -95,7 +107,7 @@ async def test_a_machine_lost_and_started_again_resumes_the_group_from_the_last_
     root = settings.var_dir / "snapshots" / "deepfm"
     a = _machine(settings, tmp_path, "a", endpoint, host=True)  # the endpoint's machine
     b = _machine(settings, tmp_path, "b", endpoint, host=False)
-    logs = lambda: "\n".join(f"--- {n}\n" + (tmp_path / f"{n}.log").read_text()[-3000:] for n in "ab")  # noqa: E731
+    logs = _logs(tmp_path)
     try:
         first = await _manifest(root, 500, -1, logs)
         assert _processes(b.pid)[1:], "machine b's rank runs under its agent"
@@ -105,17 +117,14 @@ async def test_a_machine_lost_and_started_again_resumes_the_group_from_the_last_
         b = _machine(settings, tmp_path, "b", endpoint, host=False)
         records += await produce_examples(settings, ml_examples[third:2 * third], chunk=250)
         second = await _manifest(root, regrouped["examples_applied"] + 500, regrouped["seq"], logs)
-        for pid in _processes(b.pid):  # the whole machine
-            os.kill(pid, signal.SIGKILL)
-        b.wait(timeout=10)
+        _kill(b)
         records += await produce_examples(settings, ml_examples[2 * third:], chunk=250)
         b = _machine(settings, tmp_path, "b", endpoint, host=False)
         assert a.wait(timeout=300) == 0, logs()
         assert b.wait(timeout=60) == 0, logs()
     finally:
-        for p in (a, b):
-            for pid in _processes(p.pid) if p.poll() is None else []:
-                os.kill(pid, signal.SIGKILL)
+        _kill(a)
+        _kill(b)
     text = (tmp_path / "a.log").read_text()
     assert text.count("restored snapshot") >= 2, logs()
     assert "exit 75: this launcher restarts us" in text, logs()
@@ -141,13 +150,10 @@ async def test_with_an_elastic_range_the_survivor_goes_on_alone_and_the_machine_
     # idle 15 s: machine a alone must not finish the job before b is back
     a = _machine(settings, tmp_path, "a", endpoint, host=True, nnodes="1:2", idle_s=15)
     b = _machine(settings, tmp_path, "b", endpoint, host=False, nnodes="1:2", idle_s=15)
-    logs = lambda: "\n".join(f"--- {n}\n" + (tmp_path / f"{n}.log").read_text()[-3000:]  # noqa: E731
-                             for n in ("a", "b", "b2") if (tmp_path / f"{n}.log").exists())
+    logs = _logs(tmp_path)
     try:
         first = await _manifest(root, 500, -1, logs)
-        for pid in _processes(b.pid):  # the whole machine
-            os.kill(pid, signal.SIGKILL)
-        b.wait(timeout=10)
+        _kill(b)
         records += await produce_examples(settings, ml_examples[third:2 * third], chunk=250)
         alone = await _manifest(root, first["examples_applied"] + 1, first["seq"], logs, shards=0)
         b = _machine(settings, tmp_path, "b2", endpoint, host=False, nnodes="1:2", idle_s=15)
@@ -156,9 +162,8 @@ async def test_with_an_elastic_range_the_survivor_goes_on_alone_and_the_machine_
         assert a.wait(timeout=300) == 0, logs()
         assert b.wait(timeout=60) == 0, logs()
     finally:
-        for p in (a, b):
-            for pid in _processes(p.pid) if p.poll() is None else []:
-                os.kill(pid, signal.SIGKILL)
+        _kill(a)
+        _kill(b)
     final = snapshots.read_manifest(root)
     # the group of 2 started from the snapshot machine a wrote alone when it was stopped for b
     assert "(1 ranks wrote it)" in (tmp_path / "b2.log").read_text(), logs()

@@ -183,3 +183,33 @@ async def test_sigterm_of_the_launcher_stops_every_rank_cleanly(settings, ml_exa
     assert man["shard_count"] == 2 and man["examples_applied"] == N // 2
     assert sum(man["offsets"].values()) == records
     assert sorted(_results(log)) == [0, 1]
+
+
+async def test_kill_9_of_the_launcher_stops_the_ranks_after_a_last_snapshot(settings, ml_examples, tmp_path):
+    """The launcher killed with -9 (``driftline up``'s supervisor then starts a new one): its ranks,
+    which nobody would restart, find it gone, write a last snapshot together and exit; the new
+    launcher's group resumes from it, and every example is learned once."""
+    records = await produce_examples(settings, ml_examples[:N // 2], chunk=250)
+    root = settings.var_dir / "snapshots" / "deepfm"
+    log = tmp_path / "trainer.log"
+    p = _spawn(settings, tmp_path, log, snapshot_s="1800", idle_s="600")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not ((m := snapshots.read_manifest(root)) and m.get("shard_count") == 2):
+        await asyncio.sleep(0.2)
+    ranks = [int(r) for r in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()]
+    assert len(ranks) >= 2, ranks
+    p.kill()
+    p.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(Path(f"/proc/{r}").exists() for r in ranks):
+        await asyncio.sleep(0.2)
+    assert not any(Path(f"/proc/{r}").exists() for r in ranks), log.read_text()[-4000:]
+    assert "is gone: stopping the group after a last snapshot" in log.read_text()
+    last = snapshots.read_manifest(root)
+    assert last["examples_applied"] == sum(r["examples_applied"] for r in _results(log).values())
+    records += await produce_examples(settings, ml_examples[N // 2:], chunk=250)
+    p = _spawn(settings, tmp_path, log)
+    assert p.wait(timeout=240) == 0, log.read_text()[-4000:]
+    final = snapshots.read_manifest(root)
+    assert final["shard_count"] == 2 and final["examples_applied"] == N
+    assert sum(final["offsets"].values()) == records

@@ -111,7 +111,7 @@ log = logging.getLogger(__name__)
 
 # the agreed-upon control vector of one round (int64 per rank)
 _STOP, _IDLE, _EXAMPLES, _EVENT, _SYNC, _DENSE, _RESET, _ORPHAN = range(8)
-_COLUMNS = 8
+_COLUMNS = _ORPHAN + 1
 
 
 EXIT_REGROUP = 75

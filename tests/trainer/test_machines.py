@@ -20,7 +20,7 @@ from services.ports import free_port
 from trainer import snapshots
 from trainer.data import produce_examples
 
-from .test_ranks import N, REPO, _env, _results, ml_examples, small_cfg  # noqa: F401 - the fixture
+from .test_ranks import N, REPO, _env, _manifest, _results, ml_examples, small_cfg  # noqa: F401 - the fixture
 
 RDZV_ID = "driftline-trainer"
 
@@ -65,18 +65,6 @@ def _kill(p: subprocess.Popen) -> None:
 def _logs(tmp: Path):
     """What the failure message shows: the tail of every machine's log."""
     return lambda: "\n".join(f"--- {log.name}\n" + log.read_text()[-3000:] for log in sorted(tmp.glob("*.log")))
-
-
-async def _manifest(root: Path, examples: int, seq: int, logs, shards: int = 2) -> dict:
-    """The first manifest of ``shards`` ranks (0: the 1-process trainer) past ``seq`` with at
-    least ``examples`` applied."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        m = snapshots.read_manifest(root)
-        if m and int(m.get("shard_count", 0) or 0) == shards and m["seq"] > seq and m["examples_applied"] >= examples:
-            return m
-        await asyncio.sleep(0.2)
-    raise AssertionError(f"no manifest past seq {seq} with {examples} examples\n{logs()}")
 
 
 async def _logged(log: Path, text: str, logs) -> None:

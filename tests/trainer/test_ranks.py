@@ -86,6 +86,18 @@ async def _deltas(settings) -> list[ParameterDelta]:
     return out
 
 
+async def _manifest(root: Path, examples: int, seq: int, logs, shards: int = 2) -> dict:
+    """The first manifest of ``shards`` ranks (0: the 1-process trainer) past ``seq`` with at
+    least ``examples`` applied."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        m = snapshots.read_manifest(root)
+        if m and int(m.get("shard_count", 0) or 0) == shards and m["seq"] > seq and m["examples_applied"] >= examples:
+            return m
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no manifest past seq {seq} with {examples} examples\n{logs()}")
+
+
 @pytest.mark.parametrize("mode,staleness", [("sync", 1), ("hybrid", 1), ("hybrid", 0)])
 async def test_two_ranks_train_the_stream_and_deltas_reproduce_the_union(settings, ml_examples, tmp_path, mode,
                                                                         staleness):
@@ -193,9 +205,7 @@ async def test_kill_9_of_the_launcher_stops_the_ranks_after_a_last_snapshot(sett
     root = settings.var_dir / "snapshots" / "deepfm"
     log = tmp_path / "trainer.log"
     p = _spawn(settings, tmp_path, log, snapshot_s="1800", idle_s="600")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not ((m := snapshots.read_manifest(root)) and m.get("shard_count") == 2):
-        await asyncio.sleep(0.2)
+    await _manifest(root, 0, -1, lambda: log.read_text()[-4000:])
     ranks = [int(r) for r in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()]
     assert len(ranks) >= 2, ranks
     p.kill()

@@ -17,6 +17,8 @@
   every thread: gloo's too) per step of one process / of one rank. What 2 ranks can reach on 2
   cores is bounded by ``2 * cpu_1rank / cpu_2rank``, whatever the overlap; the wall time above
   that bound is waiting (collectives, the other rank, the scheduler). Less noisy than the rates.
+  ``scaling_bound_{sync,hybrid}`` is that bound, ``2 * cpu_1rank / cpu_2rank``: the scaling the
+  run could have reached on 2 cores had no rank ever waited.
 * ``comm_ms_per_step_p50``: rank 0's median time inside collectives per step (sync run).
 * ``auc_*``: progressive validation AUC (each example scored before it is learned) over every
   step; ``auc_1rank`` on the 1-rank stream (batches of ``BATCH``) for reference. ``hybrid`` scores
@@ -144,7 +146,7 @@ def main():
               f"rank 0 ms/step {json.dumps(res[0]['timings'])}", flush=True)
         out.update({f"ex_per_s_2rank_{mode}": round(rate), f"scaling_{mode}": round(rate / rate1, 3),
                     f"auc_{mode}": round(a, 4), f"auc_holdout_{mode}": round(hold, 4),
-                    f"cpu_ms_per_step_2rank_{mode}": round(cpu, 2)})
+                    f"cpu_ms_per_step_2rank_{mode}": round(cpu, 2), f"scaling_bound_{mode}": round(2 * cpu1 / cpu, 3)})
         if mode == "sync":
             out.update({"alltoall_bytes_per_example": round(a2a, 1), "comm_ms_per_step_p50": round(comm, 3),
                         "allreduce_bytes_per_step": round(res[0]["allreduce_per_step"])})

@@ -50,7 +50,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_serving import CANDIDATES, children, cpu_s, encode_request, load, pct, start, start_stack, wait_ready  # noqa: E402
+from bench_serving import (CANDIDATES, children, cpu_s, encode_request, load, pct, start,  # noqa: E402
+                           start_stack, wait_ready)
 from driftline.embedded import wait_for_port  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
 from serving.app import _Metrics  # noqa: E402

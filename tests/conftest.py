@@ -5,6 +5,7 @@ Tests that need Kafka or Redis take ``broker`` / ``redis_url`` / ``settings``; n
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import uuid
@@ -76,6 +77,19 @@ def killed_broker(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterat
     b = KilledBroker(tmp_path_factory.mktemp(name))
     yield b
     b.stop()
+
+
+@pytest.fixture(autouse=True)
+def _service_logging_undone() -> Iterator[None]:
+    """Undo ``services.log.setup_logging`` when a test ran a service in process (the CLI, the
+    status app): its handler writes to the stream that was ``sys.stderr`` then, the test's capture,
+    which pytest closes; a later test's thread logging through it prints "Logging error"."""
+    root = logging.getLogger()
+    level = root.level
+    yield
+    for handler in [h for h in root.handlers if getattr(h, "_driftline", False)]:
+        root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

@@ -245,6 +245,16 @@ def start(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subp
                             start_new_session=True, cwd=ROOT)
 
 
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """Stop ``procs``, the last started first (SIGTERM, then SIGKILL after 10 s)."""
+    for p in reversed(procs):
+        p.terminate()
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def start_stack(tmp: Path, host: str, procs: list[subprocess.Popen]) -> tuple[dict[str, str], Settings, int, float]:
     """A tansu broker and a redis-server (added to ``procs``: the caller stops them), the topics,
     and ml-1m's features in Redis: (the serving process's environment, settings, the port it is
@@ -364,12 +374,7 @@ def main() -> None:
         result["worker_scaling"] = result["rank_rps_2workers"] / result["rank_rps_1worker"]
         result["torn_reads"] = torn_reads(tmp / "torn", 3.0 if QUICK else 10.0)
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
         shutil.rmtree(tmp, ignore_errors=True)  # logs, spools and tables: ~25 MB a run
     result["p99_ratio"] = result["rank_p99_ms"] / result["trivial_p99_ms"]
     result["loaded_p99_ratio"] = result["rank_loaded_p99_ms"] / result["trivial_loaded_p99_ms"]

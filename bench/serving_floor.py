@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_serving import (CANDIDATES, children, cpu_s, encode_request, load, pct, start,  # noqa: E402
-                           start_stack, wait_ready)
+                           start_stack, stop_all, wait_ready)
 from driftline.embedded import wait_for_port  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
 from serving.app import _Metrics  # noqa: E402
@@ -161,12 +161,7 @@ def main() -> None:
 
         rounds = asyncio.run(run())
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
         shutil.rmtree(tmp, ignore_errors=True)
 
     def med(server: str, key: str) -> float:

@@ -120,6 +120,13 @@ class ModelSpec(_Spec):
     #: the label the model learns (one of the ``[labels]`` values)
     label: str = "click"
     seed: int = 0
+    #: the first-order weights learn example by example inside each mini-batch (trainer/sequential.py:
+    #: the later examples of a burst are scored with what the earlier ones taught); false: once per
+    #: batch, like the embeddings. Ignored by a model without first-order terms.
+    sequential: bool = True
+    #: the first-order ("<table>_w") tables' optimizer; absent: [tables.default]'s. A table's own
+    #: [tables.<name>_w] optimizer wins.
+    linear_optimizer: OptimizerConfig | None = None
 
 
 class SamplingSpec(_Spec):
@@ -280,9 +287,11 @@ class Project:
         dense = m.dense if m.dense is not None else [f.name for f in self.features if f.kind == "dense"]
         return list(fields), list(linear), list(dense)
 
-    def _table(self, name: str, dim: int, index: int) -> TableConfig:
+    def _table(self, name: str, dim: int, index: int, first_order: bool = False) -> TableConfig:
         default, own = self.tables.get("default", TableSpec()), self.tables.get(name, TableSpec())
-        merged = {**default.model_dump(exclude_unset=True), **own.model_dump(exclude_unset=True)}
+        linear = ({"optimizer": self.model.linear_optimizer.model_dump()}
+                  if first_order and self.model.linear_optimizer is not None else {})
+        merged = {**default.model_dump(exclude_unset=True), **linear, **own.model_dump(exclude_unset=True)}
         merged = {k: v for k, v in merged.items() if v is not None}
         merged.setdefault("initializer", {"kind": "normal", "scale": 0.01, "seed": 1 + 1000 * self.model.seed + index}
                           if dim > 1 else {"kind": "zeros"})
@@ -298,7 +307,8 @@ class Project:
         emb = {n: self.feature(n).table or n for n in fields}
         lin = {n: f"{self.feature(n).table or n}_w" for n in linear}
         names = list(dict.fromkeys([*emb.values(), *lin.values()]))
-        tables = [self._table(t, 1 if t in lin.values() and t not in emb.values() else self.model.dim, i)
+        first_order = {t for t in lin.values() if t not in emb.values()}
+        tables = [self._table(t, 1 if t in first_order else self.model.dim, i, t in first_order)
                   for i, t in enumerate(names)]
         used = {*fields, *linear}
         m = self.model
@@ -310,7 +320,7 @@ class Project:
             model_id=self.name, kind=m.kind, slots=emb, linear=lin, tables=tables, dense_features=dense,
             pooling={f.name: f.pooling for f in self.features if f.pooling and f.name in used},
             salt={f.name: f.salt for f in self.features if f.salt is not None and f.name in used},
-            label=m.label, seed=m.seed, **extra)
+            label=m.label, seed=m.seed, sequential=m.sequential and bool(lin), **extra)
 
     def settings_overrides(self) -> dict[str, dict[str, Any]]:
         """The settings this file sets, as ``{section: {field: value}}`` (for

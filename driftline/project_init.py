@@ -87,12 +87,17 @@ admission = { min_count = 1, probability = 1.0 }
 # The model: "deepfm" (linear + FM + MLP) or "lr" (logistic regression).
 #   fields / linear / dense: which features feed the embedding fields, the first-order terms and
 #   the dense inputs; left out: every sparse feature (fields, linear), every dense one (dense).
+#   sequential: the first-order weights learn example by example inside each mini-batch, so a
+#   user's or item's burst is scored with what its earlier examples taught (false: once per batch)
+#   linear_optimizer: the first-order tables' optimizer (they take a larger step than embeddings)
 # ---------------------------------------------------------------------------------------------
 [model]
 kind = "deepfm"
 dim = 8
 mlp = [64, 32]
 label = "click"
+sequential = true
+linear_optimizer = { kind = "adagrad", lr = 0.3 }
 # fields = ["device", "item_id", "position", "category"]
 # dense = ["price"]
 

@@ -5,6 +5,17 @@ from scratch with progressive validation (score each example before learning it)
   over collisionless PS tables, mini-batches of ``base_batch_size`` (scores come from
   ``train_step``'s forward pass, before the update);
 * ``driftline_online_throughput``: the same DeepFM at ``batch_size`` (throughput setting);
+* ``driftline_served``: the model ``make up`` serves (:func:`evaluation.common.served_model_config`:
+  the same DeepFM whose first-order weights learn example by example inside each mini-batch of
+  ``base_served_batch``, :mod:`trainer.sequential`); judged against the sequential LR's AUC and
+  ``driftline_online_throughput``'s examples/s;
+* ``driftline_init_defaults``: the model a new project gets from ``driftline init``
+  (:func:`evaluation.common.init_model_config`: the template's dim, MLP and optimizers, untuned)
+  at the live trainer's batch size (``Settings().trainer.batch_size``);
+* ``counts``: per-user and per-item click-rate counts in the same order (each example scored from
+  the counts of the examples before it, then counted): ``logit(user rate) + logit(item rate) -
+  logit(global rate)``, each rate smoothed toward the global rate so far by ``count_prior``
+  examples. The naive baseline every learned model must beat;
 * ``driftline_lr``: logistic regression (:func:`trainer.config.lr_config`) on the same PS path,
   on exactly River's features: the 8 MovieLens slots, one weight per ``slot=id``, genres mean-pooled
   (River's 1/len weights), no ``recent_items`` (ml-1m has none); ``lr_config`` would sum genres;
@@ -23,6 +34,16 @@ from scratch with progressive validation (score each example before learning it)
   River's feature dicts is *not* timed, and neither is building driftline's mini-batches.
 
 Examples/s count scoring + learning. Runs share the pool with each other (one torch thread each).
+
+``base_other_datasets`` (ml-100k) repeat the served model, the DeepFM at ``batch_size``, the
+sequential LR and the counts on each whole data set, with the settings tuned on ml-1m's tuning
+stream (nothing is tuned on them).
+
+>>> from evaluation.common import auc
+>>> y = np.array([1, 1, 0, 0, 1, 0], np.float32)
+>>> p = count_scores(np.array([0, 0, 1, 1, 0, 1]), np.array([5, 6, 5, 6, 7, 7]), y, prior=1.0)
+>>> round(float(p[0]), 3), bool(p[4] > p[5])  # first example: no counts yet; user 0 clicks, user 1 does not
+(0.5, True)
 """
 
 from __future__ import annotations
@@ -36,12 +57,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.batch import SparseBatch
 from ps import AdagradConfig
+from services.settings import get_settings
+from trainer.batch import SparseBatch
 from trainer.config import ModelConfig, lr_config
 from trainer.model import DenseHead, SparseModel
 
-from .common import EvalSettings, auc, data, mean_std, model_config, pmap
+from .common import EvalSettings, auc, data, init_model_config, mean_std, model_config, pmap, served_model_config
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
@@ -122,9 +144,52 @@ def deepfm_model_config(s: EvalSettings, seed: int, model_id: str = "base-deepfm
     return model_config(s.model_copy(update=dict(sparse_lr=s.base_sparse_lr)), seed, model_id)
 
 
+def _prior_counts(keys: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per example, the clicks and examples of its key strictly before it (stream order)."""
+    n = keys.size
+    o = np.argsort(keys, kind="stable")
+    k, yy = keys[o], y[o].astype(np.float64)
+    clicks = np.cumsum(yy) - yy
+    first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]]) if n else np.zeros(0, np.int64)
+    start = np.repeat(first, np.diff(np.r_[first, n]))  # each example's group's first position
+    before_c = np.empty(n)
+    before_n = np.empty(n)
+    before_c[o] = clicks - clicks[start]
+    before_n[o] = np.arange(n) - start
+    return before_c, before_n
+
+
+def count_scores(users: np.ndarray, items: np.ndarray, y: np.ndarray, prior: float) -> np.ndarray:
+    """The ``counts`` baseline's probability for each example (see the module docstring)."""
+    n = y.size
+    seen = np.arange(n, dtype=np.float64)
+    g = (np.cumsum(y, dtype=np.float64) - y + 1.0) / (seen + 2.0)  # global rate so far (Laplace)
+
+    def rate(keys):
+        c, m = _prior_counts(keys, y)
+        return (c + prior * g) / (m + prior)
+
+    def logit(p):
+        return np.log(p) - np.log1p(-p)
+
+    z = logit(rate(users)) + logit(rate(items)) - logit(g)
+    return (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
+
+
+def run_counts(s: EvalSettings, seed: int = 0) -> dict:
+    d, rows = _stream(s)
+    t0 = time.perf_counter()
+    p = count_scores(d.user_id[rows], d.item_id[rows], d.label[rows], s.count_prior)
+    dt = time.perf_counter() - t0
+    return {"seed": seed, "auc": auc(p, d.label), "ex_per_s": rows.size / dt, "seconds": dt, "batch_size": 1,
+            "count_prior": s.count_prior}
+
+
 def run_driftline(s: EvalSettings, seed: int, kind: str, batch_size: int | None = None, lr: float | None = None) -> dict:
     d, rows = _stream(s)
     cfg = (deepfm_model_config(s, seed) if kind == "deepfm"
+           else served_model_config(s, seed) if kind == "served"
+           else init_model_config(seed) if kind == "init"
            else lr_model_config(s, lr, sequential=kind == "lr_sequential"))
     model = SparseModel(cfg)
     bs = batch_size or s.base_batch_size
@@ -206,7 +271,7 @@ def _warm_up(s: EvalSettings) -> None:
         return
     d, rows = _stream(s)
     b = d.batch(rows[:256])
-    for cfg in (deepfm_model_config(s, 99, "warm"), lr_model_config(s, model_id="warm"),
+    for cfg in (deepfm_model_config(s, 99, "warm"), served_model_config(s, 99, "warm"), lr_model_config(s, model_id="warm"),
                 lr_model_config(s, model_id="warm", sequential=True)):
         m = SparseModel(cfg)
         for _ in range(3):
@@ -228,6 +293,12 @@ def _task(s: EvalSettings, what: str, seed: int, batch: int | None = None, lr: f
         r = run_hashed(s, seed)
     elif what == "driftline_online_throughput":
         r = run_driftline(s, seed, "deepfm", s.batch_size)
+    elif what == "driftline_served":
+        r = run_driftline(s, seed, "served", s.base_served_batch)
+    elif what == "driftline_init_defaults":
+        r = run_driftline(s, seed, "init", get_settings().trainer.batch_size)
+    elif what == "counts":
+        r = run_counts(s, seed)
     elif what == "driftline_lr":
         r = run_driftline(s, seed, "lr", s.base_lr_batch)
     elif what == "driftline_lr_sequential":
@@ -236,40 +307,47 @@ def _task(s: EvalSettings, what: str, seed: int, batch: int | None = None, lr: f
         r = dict(run_driftline(s, seed, "lr", batch, lr), lr=lr)
     else:
         r = run_driftline(s, seed, "deepfm")
-    return dict(r, model=what)
+    return dict(r, model=what, dataset=s.dataset)
 
 
 #: driftline_online: DeepFM, mini-batch base_batch_size (the headline); _throughput: the same at batch_size
-MODELS = ("driftline_online", "driftline_online_throughput", "driftline_lr", "driftline_lr_sequential",
-          "hashed_embedding", "river", "river_fm")
+MODELS = ("driftline_served", "driftline_init_defaults", "driftline_online", "driftline_online_throughput", "driftline_lr",
+          "driftline_lr_sequential", "hashed_embedding", "river", "river_fm", "counts")
+#: what runs on each of ``base_other_datasets``
+OTHER_MODELS = ("driftline_served", "driftline_init_defaults", "driftline_online_throughput", "driftline_lr_sequential", "counts")
 
 
 def run(s: EvalSettings) -> dict:
     d, rows = _stream(s)
     # River is deterministic for a fixed stream (LR) or slow (FM): one run each; torch models per seed.
-    tasks = [(s, "river_fm", s.seeds[0]), (s, "river", s.seeds[0])]
-    tasks += [(s, m, seed) for m in ("hashed_embedding", "driftline_online", "driftline_online_throughput", "driftline_lr",
-                                     "driftline_lr_sequential")
+    tasks = [(s, "river_fm", s.seeds[0]), (s, "river", s.seeds[0]), (s, "counts", s.seeds[0])]
+    tasks += [(s, m, seed) for m in ("hashed_embedding", "driftline_served", "driftline_init_defaults", "driftline_online",
+                                     "driftline_online_throughput", "driftline_lr", "driftline_lr_sequential")
               for seed in s.seeds]
+    others = [s.model_copy(update=dict(dataset=ds, base_limit=s.base_other_limit, base_offset=0)) for ds in s.base_other_datasets]
+    tasks += [(o, m, seed) for o in others for m in OTHER_MODELS for seed in (s.seeds[:1] if m == "counts" else s.seeds)]
     # LR starts from zeros and its stream order is fixed: the seed changes nothing, one run per point
     tasks += [(s, "driftline_lr_curve", s.seeds[0], b, lr) for b, lr in s.base_lr_curve]
     runs = pmap(_task, tasks, s.workers, "baselines")
-    out: dict = {"setup": {"ratings": int(rows.size), "offset": s.base_offset, "batch_size": s.batch_size,
+    out: dict = {"dataset": s.dataset, "setup": {"ratings": int(rows.size), "offset": s.base_offset, "batch_size": s.batch_size,
                            "protocol": "progressive validation from scratch, one pass, time order"}}
-    for m in MODELS:
-        rs = [r for r in runs if r["model"] == m]
-        am, asd = mean_std(r["auc"] for r in rs)
-        out[m] = {"auc_mean": am, "auc_std": asd, "ex_per_s": float(np.mean([r["ex_per_s"] for r in rs])),
-                  "runs": len(rs), "batch_size": rs[0]["batch_size"]}
-        for k in ("river_model", "buckets", "distinct_keys", "keys_sharing_a_row"):
-            if k in rs[0]:
-                out[m][k] = rs[0][k]
+    mine = [r for r in runs if r["dataset"] == s.dataset]
+    out.update(_summaries(mine, MODELS))
+    out["datasets"] = {}
+    for o in others:
+        theirs = _summaries([r for r in runs if r["dataset"] == o.dataset], OTHER_MODELS)
+        theirs["setup"] = {"ratings": len(data(o, o.base_limit, 0)), "offset": 0}
+        theirs["checks"] = _served_checks(theirs)
+        out["datasets"][o.dataset] = theirs
     out["driftline_lr_curve"] = [{"batch_size": r["batch_size"], "lr": r["lr"], "auc_mean": r["auc"],
                                   "ex_per_s": r["ex_per_s"]} for r in runs if r["model"] == "driftline_lr_curve"]
     out["setup"].update({"deepfm_sparse_lr": s.base_sparse_lr, "driftline_lr_adagrad_lr": s.base_lr_lr,
-                         "driftline_lr_sequential_adagrad_lr": s.base_lr_seq_lr, "river_lr": s.river_lr})
+                         "driftline_lr_sequential_adagrad_lr": s.base_lr_seq_lr, "river_lr": s.river_lr,
+                         "served_batch_size": s.base_served_batch, "served_linear_adagrad_lr": s.base_linear_lr,
+                         "count_prior": s.count_prior})
     dl = out["driftline_online"]
     out["checks"] = {
+        **_served_checks(out),
         "driftline_auc_ge_river": bool(dl["auc_mean"] >= out["river"]["auc_mean"]),
         "driftline_speedup_vs_river": dl["ex_per_s"] / out["river"]["ex_per_s"],
         "driftline_auc_ge_river_fm": bool(dl["auc_mean"] >= out["river_fm"]["auc_mean"]),
@@ -283,6 +361,33 @@ def run(s: EvalSettings) -> dict:
                             "lr_minibatch": _pair(out["driftline_lr"], out["river"], out["driftline_lr_curve"]),
                             "fm": _pair(dl, out["river_fm"], [])}
     return out
+
+
+def _summaries(runs: list[dict], models: tuple[str, ...]) -> dict:
+    out = {}
+    for m in models:
+        rs = [r for r in runs if r["model"] == m]
+        am, asd = mean_std(r["auc"] for r in rs)
+        out[m] = {"auc_mean": am, "auc_std": asd, "ex_per_s": float(np.mean([r["ex_per_s"] for r in rs])),
+                  "runs": len(rs), "batch_size": rs[0]["batch_size"]}
+        if len(rs) > 1:
+            out[m]["aucs"] = [r["auc"] for r in rs]
+        for k in ("river_model", "buckets", "distinct_keys", "keys_sharing_a_row"):
+            if k in rs[0]:
+                out[m][k] = rs[0][k]
+    return out
+
+
+def _served_checks(out: dict) -> dict:
+    """The served model against both of yesterday's ends (the sequential LR's AUC, the DeepFM's
+    examples/s at the live batch) and against counting."""
+    sv, seq, fast, cnt = (out[k] for k in ("driftline_served", "driftline_lr_sequential",
+                                           "driftline_online_throughput", "counts"))
+    return {"served_auc_ge_lr_sequential": bool(sv["auc_mean"] >= seq["auc_mean"]),
+            "served_speed_vs_deepfm_throughput": sv["ex_per_s"] / fast["ex_per_s"],
+            "served_auc_minus_counts": sv["auc_mean"] - cnt["auc_mean"],
+            "served_auc_gt_counts": bool(sv["auc_mean"] > cnt["auc_mean"]),
+            "init_defaults_auc_gt_counts": bool(out["driftline_init_defaults"]["auc_mean"] > cnt["auc_mean"])}
 
 
 def _pair(ours: dict, river: dict, curve: list[dict]) -> dict:

@@ -36,7 +36,7 @@ def smoke() -> EvalSettings:
                     coll_limit=20_000, coll_epochs=2, coll_seeds=None, coll_dim=4, coll_mlp=(16,), online_limit=20_000, stale_shards=10,
                     stale_k=(0, 2), base_limit=6_000, base_batch_size=256, hashed_buckets=1 << 10,
                     base_lr_batch=64, base_lr_curve=((64, 0.3), (256, 0.3)), base_lr_seq_batch=256,
-                    tune_base_limit=3_000)
+                    tune_base_limit=3_000, base_served_batch=256, base_other_limit=5_000)
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -56,9 +56,36 @@ def data(s: EvalSettings, limit: int | None = None, offset: int = 0) -> MovieLen
 def model_config(s: EvalSettings, seed: int, model_id: str = "eval") -> ModelConfig:
     """:func:`trainer.config.deepfm_config` with ``seed`` in the dense head's and every table's
     initializer (the trainer's default fixes the table seed to 1), on the 8 MovieLens slots: the
-    real-time ``recent_items`` slot is absent from ml-1m, so it stays out of the experiments."""
+    real-time ``recent_items`` slot is absent from ml-1m, so it stays out of the experiments. The
+    paper's experiments compare tables, not update orders: every table steps once per batch at
+    ``sparse_lr`` (the served model's sequential first-order part is :func:`served_model_config`)."""
     return deepfm_config(model_id=model_id, dim=s.dim, mlp=list(s.mlp), lr=s.sparse_lr, seed=seed,
-                         recent_items=False)
+                         recent_items=False, sequential=False, linear_lr=s.sparse_lr)
+
+
+def served_model_config(s: EvalSettings, seed: int, model_id: str = "served") -> ModelConfig:
+    """The model ``make up`` serves (:func:`trainer.config.deepfm_config`'s defaults: sequential
+    first-order weights) with ``seed``, on the 8 MovieLens slots and the stream's (tuned) learning
+    rates ``base_sparse_lr`` (embeddings) and ``base_linear_lr`` (first-order weights)."""
+    return deepfm_config(model_id=model_id, dim=s.dim, mlp=list(s.mlp), lr=s.base_sparse_lr, seed=seed,
+                         recent_items=False, linear_lr=s.base_linear_lr)
+
+
+def init_model_config(seed: int, model_id: str = "init") -> ModelConfig:
+    """The model a new project gets from ``driftline init`` (the template's ``[model]`` and
+    ``[tables.default]``, read from the template itself: dim, MLP, ``sequential``, the tables' and
+    the first-order tables' optimizers) over the 8 MovieLens slots, with ``seed``."""
+    import tomllib
+
+    from driftline.project_init import TEMPLATE
+
+    t = tomllib.loads(TEMPLATE)
+    m, default = t["model"], t["tables"]["default"]["optimizer"]
+    d = deepfm_config(model_id=model_id, dim=m["dim"], mlp=m["mlp"], seed=seed, recent_items=False,
+                      sequential=m.get("sequential", True)).model_dump()
+    for tab in d["tables"]:
+        tab["optimizer"] = dict(m.get("linear_optimizer", default) if tab["dim"] == 1 else default)
+    return ModelConfig.model_validate(d)
 
 
 def coll_model_config(s: EvalSettings, seed: int, model_id: str = "coll") -> ModelConfig:
@@ -66,7 +93,7 @@ def coll_model_config(s: EvalSettings, seed: int, model_id: str = "coll") -> Mod
     ``coll_*`` hyper-parameters (Adagrad ``initial_accumulator_value`` and the dense lr are not
     arguments of ``deepfm_config``, so they are set on its validated dump)."""
     cfg = deepfm_config(model_id=model_id, dim=s.coll_dim, mlp=list(s.coll_mlp), lr=s.coll_sparse_lr, seed=seed,
-                        slots=tuple(s.coll_slots), recent_items=False)
+                        slots=tuple(s.coll_slots), recent_items=False, sequential=False, linear_lr=s.coll_sparse_lr)
     d = cfg.model_dump()
     for t in d["tables"]:
         t["optimizer"]["initial_accumulator_value"] = s.coll_init_acc
@@ -235,6 +262,6 @@ def nan_to_none(x):
     return x
 
 
-__all__ = ["EvalSettings", "full", "smoke", "replace", "field", "data", "model_config", "coll_model_config", "md5_bucket",
+__all__ = ["EvalSettings", "full", "smoke", "replace", "field", "data", "model_config", "served_model_config", "init_model_config", "coll_model_config", "md5_bucket",
            "collision_rate", "buckets_for_rate", "HashedIds", "auc", "train_rows", "predict_rows",
            "mean_std", "pmap", "nan_to_none", "set_threads"]

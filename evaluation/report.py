@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .baselines import MODELS as BASELINE_MODELS, OTHER_MODELS as BASELINE_OTHER_MODELS
 from .common import nan_to_none
 
 PAPER = {
@@ -207,7 +208,8 @@ def _md_tuning(tn: dict, settings: dict) -> list[str]:
               "| model | batch | lrs tried | best lr | AUC | examples/s |", "|---|---|---|---|---|---|"]
         for key, best in b["chosen"].items():
             m, bs = key.split("@")
-            lrs = sorted({x["lr"] for x in b["candidates"] if x["model"] == m and x["batch_size"] == int(bs)})
+            lrs = sorted({tuple(x["lr"]) if isinstance(x["lr"], list) else x["lr"]
+                          for x in b["candidates"] if x["model"] == m and x["batch_size"] == int(bs)})
             L.append(f"| {m} | {bs} | {', '.join(str(x) for x in lrs)} | {best['lr']} | {_f(best['auc'])} | {_rate(best['ex_per_s'])} |")
         lb = b.get("lr_batch")
         if lb:
@@ -215,7 +217,9 @@ def _md_tuning(tn: dict, settings: dict) -> list[str]:
         L += ["", f"Used in section 4: River SGD lr {settings.get('river_lr')}, driftline LR Adagrad lr "
               f"{settings.get('base_lr_lr')} at batch {settings.get('base_lr_batch')}, sequential LR Adagrad lr "
               f"{settings.get('base_lr_seq_lr')} at batch {settings.get('base_lr_seq_batch')}, curve "
-              f"{[tuple(x) for x in settings.get('base_lr_curve', [])]}, DeepFM sparse lr {settings.get('base_sparse_lr')}: "
+              f"{[tuple(x) for x in settings.get('base_lr_curve', [])]}, DeepFM sparse lr {settings.get('base_sparse_lr')}, "
+              f"served model first-order lr {settings.get('base_linear_lr')} at batch {settings.get('base_served_batch')}, "
+              f"count prior {settings.get('count_prior')}: "
               + ("the lrs chosen above." if b.get("settings_match_choice") else "**not all the lrs chosen above**.")]
     L += [""]
     return L
@@ -289,14 +293,21 @@ def _md_baselines(b: dict, plots: bool) -> list[str]:
          "see exactly the same features: one weight per `slot=id` of the 8 MovieLens slots, genres weighted 1/len. "
          "driftline_lr_sequential is that LR with `ModelConfig.sequential`: inside each mini-batch every example is "
          "scored, then its weights take their Adagrad step before the next example is scored (River's order), in one "
-         "numba pass; only the bias (one global scalar) steps once per batch.", "",
+         "numba pass; only the bias (one global scalar) steps once per batch. driftline_served is the model `make up` "
+         "serves: the DeepFM whose first-order weights learn that way inside each mini-batch, while its embeddings and "
+         "dense head (FM, MLP, bias) step once per batch from the residuals of the fresh first-order part "
+         "(`trainer/sequential.py`). counts is the naive baseline: per-user and per-item click rates counted in the "
+         "same order, smoothed toward the global rate.", "",
          "| model | batch | AUC (mean ± std) | examples/s | notes |", "|---|---|---|---|---|"]
-    notes = {"driftline_online": "DeepFM, collisionless PS tables",
+    notes = {"driftline_served": "**the served model** (`make up`): DeepFM, first-order weights sequential",
+             "driftline_init_defaults": "the model a new `driftline init` project gets (template defaults, untuned)",
+             "driftline_online": "DeepFM, collisionless PS tables",
              "driftline_online_throughput": "same DeepFM, throughput mini-batch",
              "driftline_lr": "driftline LR on the PS, River's features",
              "driftline_lr_sequential": "same LR, sequential per-example updates",
              "hashed_embedding": "same DenseHead, fixed-size hashed table",
-             "river": "", "river_fm": ""}
+             "river": "", "river_fm": "",
+             "counts": f"per-user + per-item click-rate counts (prior {b['setup'].get('count_prior')})"}
     for m, note in notes.items():
         a = b.get(m)
         if not a:
@@ -330,6 +341,15 @@ def _md_baselines(b: dict, plots: bool) -> list[str]:
     L += [""]
     if plots:
         L += [f"![baselines]({PLOTS['baselines']})", ""]
+    for ds, o in (b.get("datasets") or {}).items():
+        L += [f"**{ds}**, the whole data set ({o['setup']['ratings']:,} ratings, rating >= 4 as a click, time order), "
+              "with the settings tuned on ml-1m's tuning stream (nothing tuned here):", "",
+              "| model | batch | AUC (mean ± std) | examples/s |", "|---|---|---|---|"]
+        for m in BASELINE_OTHER_MODELS:
+            a = o.get(m)
+            if a:
+                L.append(f"| {m} | {a.get('batch_size', '')} | {_pm(a)} | {_rate(a['ex_per_s'])} |")
+        L += [""]
     return L
 
 
@@ -407,6 +427,18 @@ def _md_targets(r: dict) -> list[str]:
                      "model): "
                      f"DeepFM vs River FMClassifier {_ok(fm['met'])} ({_f(fm['auc'])} vs {_f(fm['river_auc'])}, {fm['speedup']:.1f}x); "
                      + lr_txt)
+        if "driftline_served" in b:
+            for ds, o in [(b.get("dataset", "ml-1m"), b), *(b.get("datasets") or {}).items()]:
+                c, sv = o["checks"], o["driftline_served"]
+                L.append(f"- {ds}: the served model's AUC >= the sequential LR's {_ok(c['served_auc_ge_lr_sequential'])} "
+                         f"({_f(sv['auc_mean'])} vs {_f(o['driftline_lr_sequential']['auc_mean'])}), at "
+                         f"{c['served_speed_vs_deepfm_throughput']:.2f}x the examples/s of the DeepFM at batch "
+                         f"{o['driftline_online_throughput']['batch_size']} ({_rate(sv['ex_per_s'])} vs "
+                         f"{_rate(o['driftline_online_throughput']['ex_per_s'])}; its AUC "
+                         f"{_f(o['driftline_online_throughput']['auc_mean'])}); above counting "
+                         f"{_ok(c['served_auc_gt_counts'])} ({c['served_auc_minus_counts']:+.4f} AUC over "
+                         f"{_f(o['counts']['auc_mean'])}); the `driftline init` defaults above counting "
+                         f"{_ok(c['init_defaults_auc_gt_counts'])} ({_f(o['driftline_init_defaults']['auc_mean'])}).")
         L.append(f"- Cross-model, for reference: driftline DeepFM vs River LR: AUC {_ok(ch['driftline_auc_ge_river'])} "
                  f"({_f(b['driftline_online']['auc_mean'])} vs {_f(b['river']['auc_mean'])}), speed "
                  f"{_ok(ch['driftline_speedup_vs_river'] >= 5)} ({ch['driftline_speedup_vs_river']:.2f}x; at batch "
@@ -431,8 +463,7 @@ def summary_lines(r: dict, sections) -> list[str]:
         keys = {"collisions": ("collisionless", "hashed", "hashed_harsh"),
                 "online": ("batch_only", "N10", "N50", "N100"),
                 "staleness": tuple(f"k{k}" for k in d.get("setup", {}).get("k", [])),
-                "baselines": ("driftline_online", "driftline_online_throughput", "driftline_lr", "driftline_lr_sequential",
-                              "hashed_embedding", "river", "river_fm")}[sec]
+                "baselines": BASELINE_MODELS}[sec]
         for k in keys:
             a = d.get(k, {})
             if sec == "staleness":
@@ -529,8 +560,7 @@ def plot_staleness(s: dict, path: Path) -> None:
 def plot_baselines(b: dict, path: Path) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for m in ("driftline_online", "driftline_online_throughput", "driftline_lr", "driftline_lr_sequential",
-              "hashed_embedding", "river", "river_fm"):
+    for m in BASELINE_MODELS:
         a = b.get(m)
         if not a or a.get("auc_mean") is None:
             continue

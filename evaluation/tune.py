@@ -10,8 +10,9 @@
 * **baselines**: on a tuning stream disjoint from the reported one (``tune_base_limit`` ratings
   after the first ``base_limit``), progressive validation from scratch: River's SGD lr,
   driftline LR's Adagrad lr per mini-batch size (and the sequential LR's at its batch), and
-  driftline DeepFM's sparse lr per batch size;
-  per (model, batch) the lr with the best AUC is chosen.
+  driftline DeepFM's sparse lr per batch size, the served model's (embedding lr, first-order lr)
+  pair at its batch, and the counting baseline's smoothing prior;
+  per (model, batch) the lr (pair, prior) with the best AUC is chosen.
 
 ``driftline eval tune`` writes the ``tuning`` section; the ``full()`` settings hold the choices it
 made (the report says if they ever differ).
@@ -40,6 +41,10 @@ LR_LRS = (0.1, 0.2, 0.3, 0.5, 1.0)
 SEQ_LRS = (0.03, 0.1, 0.2, 0.3, 0.5, 1.0)
 DEEPFM_BATCHES = (64, 1024)
 DEEPFM_LRS = (0.02, 0.05, 0.1, 0.2)
+#: the served model's (embedding Adagrad lr, first-order Adagrad lr) at its batch
+SERVED_LRS = tuple((e, w) for e in (0.02, 0.05, 0.1) for w in (0.1, 0.2, 0.3, 0.5))
+#: the counting baseline's smoothing prior (in examples)
+COUNT_PRIORS = (1.0, 3.0, 10.0, 30.0, 100.0)
 
 
 def coll_grid(s: EvalSettings) -> list[dict]:
@@ -70,6 +75,11 @@ def _base_candidate(s: EvalSettings, what: str, batch: int, lr: float) -> dict:
         r = baselines.run_driftline(t.model_copy(update=dict(base_lr_lr=lr)), 0, "lr", batch)
     elif what == "driftline_lr_sequential":
         r = baselines.run_driftline(t.model_copy(update=dict(base_lr_seq_lr=lr)), 0, "lr_sequential", batch)
+    elif what == "driftline_served":
+        r = baselines.run_driftline(t.model_copy(update=dict(base_sparse_lr=lr[0], base_linear_lr=lr[1])), 0,
+                                    "served", batch)
+    elif what == "counts":
+        r = baselines.run_counts(t.model_copy(update=dict(count_prior=lr)))
     else:
         r = baselines.run_driftline(t.model_copy(update=dict(base_sparse_lr=lr)), 0, "deepfm", batch)
     return {"model": what, "batch_size": batch, "lr": lr, "auc": r["auc"], "ex_per_s": r["ex_per_s"]}
@@ -90,6 +100,9 @@ def run(s: EvalSettings) -> dict:
     btasks += [(s, "driftline_lr_sequential", s.base_lr_seq_batch, lr)
                for lr in (SEQ_LRS if s.name == "full" else (0.1,))]
     btasks += [(s, "driftline_online", b, lr) for b in df_b for lr in df_l]
+    btasks += [(s, "driftline_served", s.base_served_batch, lr)
+               for lr in (SERVED_LRS if s.name == "full" else ((0.05, 0.3),))]
+    btasks += [(s, "counts", 1, p) for p in (COUNT_PRIORS if s.name == "full" else (10.0,))]
     coll = pmap(_coll_candidate, tasks, s.workers, "tune collisions")
     base = pmap(_base_candidate, btasks, s.workers, "tune baselines")
     best = _best(coll, "criterion")
@@ -107,7 +120,7 @@ def run(s: EvalSettings) -> dict:
                       "criterion": "progressive-validation AUC on the tuning stream, per (model, batch size)",
                       "candidates": base, "chosen": {}},
     }
-    for m in ("river", "driftline_lr", "driftline_lr_sequential", "driftline_online"):
+    for m in ("river", "driftline_lr", "driftline_lr_sequential", "driftline_online", "driftline_served", "counts"):
         for b in sorted({r["batch_size"] for r in base if r["model"] == m}):
             out["baselines"]["chosen"][f"{m}@{b}"] = _best([r for r in base if r["model"] == m and r["batch_size"] == b], "auc")
     # driftline LR's batch for the model-matched comparison: the largest (fastest) whose tuned AUC reaches River's
@@ -117,10 +130,12 @@ def run(s: EvalSettings) -> dict:
     lr_batches = [r["batch_size"] for k, r in chosen.items() if k.startswith("driftline_lr@")]
     out["baselines"]["lr_batch"] = {"rule": "the largest mini-batch whose tuned AUC reaches River LR's (else the smallest)",
                                     "chosen": max(ok) if ok else min(lr_batches), "used": s.base_lr_batch}
-    ch = {k: v["lr"] for k, v in out["baselines"]["chosen"].items()}
+    ch = {k: list(v["lr"]) if isinstance(v["lr"], tuple) else v["lr"] for k, v in out["baselines"]["chosen"].items()}
     used = {"river@1": s.river_lr, f"driftline_lr@{s.base_lr_batch}": s.base_lr_lr,
             f"driftline_online@{s.base_batch_size}": s.base_sparse_lr,
             f"driftline_lr_sequential@{s.base_lr_seq_batch}": s.base_lr_seq_lr,
+            f"driftline_served@{s.base_served_batch}": [s.base_sparse_lr, s.base_linear_lr],
+            "counts@1": s.count_prior,
             **{f"driftline_lr@{b}": lr for b, lr in s.base_lr_curve}}
     out["baselines"]["settings_used"] = used
     out["baselines"]["settings_match_choice"] = (all(ch.get(k) == v for k, v in used.items() if k in ch)

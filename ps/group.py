@@ -238,6 +238,16 @@ class PackedBatch:
     def slot_ids(self, k: int) -> np.ndarray:
         return self.ids[self.offsets[k]:self.offsets[k + 1]]
 
+    def segments(self, a: int, b: int) -> "PackedBatch":
+        """Slots ``a:b`` alone, as a packed batch of their own (views, no copy).
+
+        >>> pb = PackedBatch(("x", "y", "z"), np.array([5, 6, 7, 8]), np.array([0, 1, 3, 4]), np.array([0, 1, 1]))
+        >>> yz = pb.segments(1, 3); yz.slots, yz.ids.tolist(), yz.offsets.tolist()
+        (('y', 'z'), [6, 7, 8], [0, 2, 3])
+        """
+        o = self.offsets
+        return PackedBatch(self.slots[a:b], self.ids[o[a]:o[b]], o[a:b + 1] - o[a], self.slot_table[a:b])
+
 
 class ParameterServer:
     """Holds named :class:`EmbeddingTable` s and serves packed multi-slot batches.

@@ -68,6 +68,36 @@ def _resolve_rows(ids, seg_off, seg_table, tab_base, tab_nshards, slots_list, sh
 
 
 @njit
+def _batch_rows(rows, shard_of, n_shards):
+    """Number the batch's distinct (shard, row) pairs: ``(u [n] (-1: absent), shard [U], row [U])``."""
+    n = rows.size
+    cap = 16
+    while cap < 2 * n:
+        cap *= 2
+    mask = cap - 1
+    tab = np.full(cap, -1, np.int64)
+    u_of = np.full(n, -1, np.int64)
+    ush = np.empty(n, np.int64)
+    urow = np.empty(n, np.int64)
+    k = 0
+    for i in range(n):
+        r = rows[i]
+        if r < 0:
+            continue
+        sh = shard_of[i]
+        h = ((r * n_shards + sh) * 0x9E3779B1) & mask
+        while tab[h] >= 0 and (urow[tab[h]] != r or ush[tab[h]] != sh):
+            h = (h + 1) & mask
+        if tab[h] < 0:
+            tab[h] = k
+            ush[k] = sh
+            urow[k] = r
+            k += 1
+        u_of[i] = tab[h]
+    return u_of, ush[:k], urow[:k]
+
+
+@njit
 def sequential_linear_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, offset, t,
                              tab_base, tab_nshards, tab_kind, tab_hyper, tab_track, slots_list, emb_list,
                              state_list, times_list, flags_list, dirty_list, meta_list, probs, resid, shard_n):
@@ -75,13 +105,20 @@ def sequential_linear_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, of
 
     ``bags[s]`` are segment ``s``'s per-example offsets (relative to ``seg_off[s]``); every table
     read has dim 1. ``probs`` and ``resid`` get each example's pre-update probability and ``p - y``.
+
+    The batch's distinct rows are copied out once into flat scratch arrays (weight and optimizer
+    state, float32 as the tables hold them), the examples learn on those, and each row is written
+    back, marked and queued for sync once, in the order the examples first stepped it: the
+    tables end bit for bit as if every step had been written through, and a model with many
+    tables pays no per-id switch between their arrays.
     """
     n = ids.size
     nseg = seg_table.size
+    n_shards = len(emb_list)
     shard_of = np.empty(n, np.int64)
     rows = np.empty(n, np.int64)
     _resolve_rows(ids, seg_off, seg_table, tab_base, tab_nshards, slots_list, shard_of, rows, shard_n)
-    tab_of_shard = np.empty(len(emb_list), np.int64)
+    tab_of_shard = np.empty(n_shards, np.int64)
     for ti in range(tab_base.size):
         for sh in range(tab_base[ti], tab_base[ti] + tab_nshards[ti]):
             tab_of_shard[sh] = ti
@@ -97,22 +134,29 @@ def sequential_linear_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, of
             if (shard_n[sh] > 0 or tab_nshards[ti] == 1) and t > meta[M_WATERMARK]:
                 meta[M_WATERMARK] = t
             reserve_dirty(dirty_list[sh], meta, shard_n[sh])
+    u_of, ush, urow = _batch_rows(rows, shard_of, n_shards)
+    nu = urow.size
+    w = np.empty(nu, np.float32)
+    st = np.zeros((nu, 3), np.float32)
+    width = np.empty(nu, np.int64)
+    ukind = np.empty(nu, np.int64)
+    utab = np.empty(nu, np.int64)
+    for u in range(nu):
+        sh = ush[u]
+        r = urow[u]
+        state = state_list[sh]
+        w[u] = emb_list[sh][r, 0]
+        width[u] = state.shape[1]
+        for j in range(width[u]):
+            st[u, j] = state[r, j]
+        utab[u] = tab_of_shard[sh]
+        ukind[u] = tab_kind[utab[u]]
+    stepped = np.zeros(nu, np.bool_)
+    order = np.empty(nu, np.int64)
+    n_order = 0
     # one example's rows, equal rows summed (first-seen order)
-    ush = np.empty(n, np.int64)
-    urow = np.empty(n, np.int64)
-    uwgt = np.empty(n, np.float64)
-    # typed-list reads cost more than the update itself: hold the current shard's arrays
-    cur = tab_base[seg_table[0]] if nseg else 0
-    emb = emb_list[cur]
-    state = state_list[cur]
-    times = times_list[cur]
-    flags = flags_list[cur]
-    dirty = dirty_list[cur]
-    meta = meta_list[cur]
-    ti = tab_of_shard[cur]
-    kind = tab_kind[ti]
-    hyper = tab_hyper[ti]
-    track = tab_track[ti]
+    eu = np.empty(n, np.int64)
+    ewgt = np.empty(n, np.float64)
     loss = 0.0
     for e in range(labels.size):
         logit = np.float64(offset[e])
@@ -124,21 +168,19 @@ def sequential_linear_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, of
                 continue
             wgt = 1.0 / (b - a) if seg_mean[s] else 1.0
             for i in range(a, b):
-                r = rows[i]
-                if r < 0:
+                u = u_of[i]
+                if u < 0:
                     continue
-                sh = shard_of[i]
-                logit += wgt * np.float64(emb_list[sh][r, 0] if sh != cur else emb[r, 0])
+                logit += wgt * np.float64(w[u])
                 q = 0
-                while q < k and (urow[q] != r or ush[q] != sh):
+                while q < k and eu[q] != u:
                     q += 1
                 if q == k:
-                    ush[k] = sh
-                    urow[k] = r
-                    uwgt[k] = wgt
+                    eu[k] = u
+                    ewgt[k] = wgt
                     k += 1
                 else:
-                    uwgt[q] += wgt
+                    ewgt[q] += wgt
         p = 1.0 / (1.0 + math.exp(-logit))
         y = np.float64(labels[e])
         probs[e] = p
@@ -146,52 +188,53 @@ def sequential_linear_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, of
         resid[e] = g
         loss += max(logit, 0.0) - logit * y + math.log1p(math.exp(-abs(logit)))
         for q in range(k):
-            sh = ush[q]
-            r = urow[q]
-            if sh != cur:
-                cur = sh
-                emb = emb_list[sh]
-                state = state_list[sh]
-                times = times_list[sh]
-                flags = flags_list[sh]
-                dirty = dirty_list[sh]
-                meta = meta_list[sh]
-                ti = tab_of_shard[sh]
-                kind = tab_kind[ti]
-                hyper = tab_hyper[ti]
-                track = tab_track[ti]
-            # apply_updates' bookkeeping and step_row for one dim-1 row, written out: a call
-            # taking arrays costs several times this whole update
-            if t > times[r]:
-                times[r] = t
-            f, queue = marked(flags[r], track)
-            if queue:
-                dirty[meta[M_NDIRTY]] = r
-                meta[M_NDIRTY] += 1
-            flags[r] = f
-            width = state.shape[1]
+            u = eu[q]
+            if not stepped[u]:
+                stepped[u] = True
+                order[n_order] = u
+                n_order += 1
+            kind = ukind[u]
+            hyper = tab_hyper[utab[u]]
             bc1 = bc2 = 1.0
             if kind == OPT_ADAM:
-                step = np.float64(state[r, 2]) + 1.0
-                state[r, 2] = step
+                step = np.float64(st[u, 2]) + 1.0
+                st[u, 2] = step
                 bc1, bc2 = adam_corrections(hyper, step)
-            sa = np.float64(state[r, 0]) if width > 0 else 0.0
-            sb = np.float64(state[r, 1]) if width > 1 else 0.0
-            w, sa, sb = step_elem(kind, hyper, np.float64(emb[r, 0]), sa, sb,
-                                  np.float64(np.float32(g * uwgt[q])), bc1, bc2)
-            emb[r, 0] = w
-            if width > 0:
-                state[r, 0] = sa
-            if width > 1:
-                state[r, 1] = sb
+            sa = np.float64(st[u, 0])
+            sb = np.float64(st[u, 1])
+            nw, sa, sb = step_elem(kind, hyper, np.float64(w[u]), sa, sb,
+                                   np.float64(np.float32(g * ewgt[q])), bc1, bc2)
+            w[u] = nw
+            st[u, 0] = sa
+            st[u, 1] = sb
+    # apply_updates' bookkeeping, once per row, in the order the rows were first stepped
+    for q in range(n_order):
+        u = order[q]
+        sh = ush[u]
+        r = urow[u]
+        emb_list[sh][r, 0] = w[u]
+        state = state_list[sh]
+        for j in range(width[u]):
+            state[r, j] = st[u, j]
+        times = times_list[sh]
+        if t > times[r]:
+            times[r] = t
+        flags = flags_list[sh]
+        f, queue = marked(flags[r], tab_track[utab[u]])
+        if queue:
+            meta = meta_list[sh]
+            dirty_list[sh][meta[M_NDIRTY]] = r
+            meta[M_NDIRTY] += 1
+        flags[r] = f
     return loss
 
 
 def train_linear_sequential(server: ParameterServer, pb: PackedBatch, bags: np.ndarray, mean: np.ndarray,
-                            labels: np.ndarray, offset: np.ndarray, event_time: int):
+                            labels: np.ndarray, offset: np.ndarray, event_time: int, insert: bool = True):
     """Learn a batch of a linear model example by example: ``(probs float32, mean loss, residuals)``.
 
-    Ids are looked up (and inserted through admission) once for the batch by the packed gather;
+    Ids are looked up (and inserted through admission) once for the batch by the packed gather
+    (``insert=False``: the caller's own gather of a batch holding these ids already did);
     ``bags`` int64 ``[n_segments, B + 1]`` are each packed segment's per-example offsets, ``mean``
     which segments mean-pool; ``offset`` float64 ``[B]`` is each example's fixed logit part.
     """
@@ -209,7 +252,8 @@ def train_linear_sequential(server: ParameterServer, pb: PackedBatch, bags: np.n
     for ti in np.flatnonzero(present & (server._tab_kind == OPT_NONE)).tolist():
         raise ReadOnlyTableError(f"table {server.table_names[ti]!r} is a serving replica; it has no optimizer")
     t = int(event_time)
-    server.gather_packed(pb, insert=True, event_time=t)
+    if insert:
+        server.gather_packed(pb, insert=True, event_time=t)
     probs = np.empty(n_ex, np.float32)
     resid = np.empty(n_ex, np.float64)
     shard_n = np.zeros(len(server._shards), np.int64)

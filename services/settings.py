@@ -370,6 +370,18 @@ class EvalSettings(BaseModel):
     #: driftline's sequential LR (ModelConfig.sequential: per-example updates inside each mini-batch)
     base_lr_seq_batch: int = 1024
     base_lr_seq_lr: float = 0.3            # its Adagrad lr (tuned)
+    #: the served model (trainer.config.deepfm_config's defaults: DeepFM with sequential
+    #: first-order weights) at this mini-batch, the first-order Adagrad lr (tuned; its embeddings
+    #: take base_sparse_lr)
+    base_served_batch: int = 2048
+    base_linear_lr: float = 0.3
+    #: the counting baseline's smoothing: a user's (item's) click rate is (clicks + m * global rate)
+    #: / (examples + m), m = count_prior (tuned)
+    count_prior: float = 10.0
+    #: data sets the baselines also run on, each whole, with the settings tuned on ml-1m: the served
+    #: model, the DeepFM at batch_size, the sequential LR and the counts
+    base_other_datasets: tuple[str, ...] = ("ml-100k",)
+    base_other_limit: int | None = None    # their first N ratings (None: all)
     tune_base_limit: int = 100_000         # the tuning stream: this many ratings right after the reported one
     hashed_buckets: int = 1 << 13
 

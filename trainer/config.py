@@ -11,13 +11,14 @@ fields read from ``dim == 1`` tables. ``kind`` picks the dense head:
 * ``deepfm``: bias + sum(linear) + FM(second order over the fields) + MLP(concat(fields)).
 * ``lr``: bias + sum(linear) (+ dense features): logistic regression / "wide".
 
-``sequential`` (``lr`` without embedding fields only) makes ``train_step`` learn a mini-batch
-example by example (:mod:`ps.sequential`): each example is scored, then its sparse weights are
-stepped before the next example is scored, as River's ``learn_one`` does; bias and dense weights
-still take one step per batch (from the mean residual). Same results as batch 1, at batch speed.
+``sequential`` makes ``train_step`` learn the first-order (linear) weights of a mini-batch example
+by example (:mod:`ps.sequential`): each example is scored, then its first-order weights are
+stepped before the next example is scored, as River's ``learn_one`` does; embeddings, bias and
+dense weights still take one step per batch (:mod:`trainer.sequential`). For an LR that is batch
+1's result at batch speed; for a DeepFM the first-order part is as fresh as batch 1's.
 
->>> cfg = deepfm_config(); cfg.kind, len(cfg.slots), cfg.mlp
-('deepfm', 9, [256, 128])
+>>> cfg = deepfm_config(); cfg.kind, len(cfg.slots), cfg.mlp, cfg.sequential
+('deepfm', 9, [128, 64], True)
 >>> cfg.slots["recent_items"], cfg.pooling["recent_items"], cfg.salts()[("item_id", "recent_items")]
 ('item_id', 'mean', 0)
 >>> ModelConfig.model_validate_json(cfg.model_dump_json()) == cfg
@@ -58,12 +59,13 @@ class ModelConfig(BaseModel):
     salt: dict[str, bool] = Field(default_factory=dict)
     #: names of dense (float) features, in input order; an example missing one is rejected
     dense_features: list[str] = Field(default_factory=list)
-    mlp: list[int] = Field(default_factory=lambda: [256, 128])
+    mlp: list[int] = Field(default_factory=lambda: [128, 64])
     dense_optimizer: Literal["adam", "adagrad", "sgd"] = "adam"
     dense_lr: float = Field(1e-3, gt=0)
     label: str = "click"
     seed: int = 0
-    #: kind "lr" only: per-example updates of the sparse weights inside each mini-batch
+    #: per-example updates of the first-order (linear) weights inside each mini-batch; embedding
+    #: fields and the dense head still take one step per batch (:mod:`trainer.sequential`)
     sequential: bool = False
 
     @model_validator(mode="after")
@@ -88,8 +90,8 @@ class ModelConfig(BaseModel):
             raise ValueError("deepfm needs at least one embedding slot")
         if not self.slots and not self.linear and not self.dense_features:
             raise ValueError("model reads no input")
-        if self.sequential and (self.kind != "lr" or self.slots):
-            raise ValueError("sequential needs kind 'lr' with first-order (linear) fields only")
+        if self.sequential and not self.linear:
+            raise ValueError("sequential needs first-order (linear) fields: they are what it learns example by example")
         return self
 
     def table(self, name: str) -> TableConfig:
@@ -134,8 +136,13 @@ def _salt(slot: str) -> int:
 def deepfm_config(model_id: str = "deepfm", dim: int = 16, mlp: list[int] | None = None, lr: float = 0.05,
                   slots: tuple[str, ...] = MOVIELENS_SLOTS, ttl_seconds: float | None = None,
                   min_count: int = 1, shards: int = 1, recent_items: bool = True,
-                  seed: int | None = None) -> ModelConfig:
+                  seed: int | None = None, sequential: bool = True, linear_lr: float = 0.3) -> ModelConfig:
     """DeepFM over the MovieLens slots: one embedding + one first-order table per slot.
+
+    The defaults are the served model (``driftline eval baselines``, ``docs/results.md`` section 4,
+    chose them): MLP 128-64, ``sequential`` first-order weights (per-example steps inside a batch)
+    at Adagrad ``linear_lr``, the embeddings at ``lr``. ``sequential=False`` steps everything once
+    per batch (``linear_lr`` then still applies to the first-order tables).
 
     ``recent_items`` (when ``item_id`` is a slot) adds the real-time :data:`RECENT_ITEMS` slot as
     one more embedding field: mean-pooled over the ``item_id`` table, unsalted on both sides, so a
@@ -152,7 +159,7 @@ def deepfm_config(model_id: str = "deepfm", dim: int = 16, mlp: list[int] | None
     adm = {"min_count": min_count}
     tables = [TableConfig(name=f"{s}", dim=dim, optimizer=AdagradConfig(lr=lr), initializer=init(i),
                           admission=adm, ttl_seconds=ttl_seconds, shards=shards) for i, s in enumerate(slots)]
-    tables += [TableConfig(name=f"{s}_w", dim=1, optimizer=AdagradConfig(lr=lr),
+    tables += [TableConfig(name=f"{s}_w", dim=1, optimizer=AdagradConfig(lr=linear_lr),
                            initializer=zeros(len(slots) + i), admission=adm,
                            ttl_seconds=ttl_seconds, shards=shards) for i, s in enumerate(slots)]
     fields = {s: s for s in slots}
@@ -164,7 +171,8 @@ def deepfm_config(model_id: str = "deepfm", dim: int = 16, mlp: list[int] | None
         salt = {"item_id": False, RECENT_ITEMS: False}
     return ModelConfig(model_id=model_id, kind="deepfm", slots=fields,
                        linear={s: f"{s}_w" for s in slots}, tables=tables, pooling=pooling, salt=salt,
-                       mlp=list(mlp) if mlp is not None else [256, 128], seed=0 if seed is None else seed)
+                       seed=0 if seed is None else seed, sequential=sequential,
+                       **({} if mlp is None else {"mlp": list(mlp)}))
 
 
 def lr_config(model_id: str = "lr", lr: float = 0.05, slots: tuple[str, ...] = MOVIELENS_SLOTS,

@@ -209,10 +209,14 @@ class SparseModel:
         return dataclasses.replace(batch, ids={**batch.ids, **{s: empty for s in missing}},
                                    offsets={**batch.offsets, **{s: zeros for s in missing}})
 
-    def pack(self, batch: SparseBatch) -> PackedBatch:
-        """The batch as one :class:`ps.PackedBatch` (ids salted where slots share a table)."""
+    def pack(self, batch: SparseBatch, block: PooledBlock | None = None) -> PackedBatch:
+        """The batch as one :class:`ps.PackedBatch` (ids salted where slots share a table): every
+        block's slots, or only ``block``'s."""
+        keys = None if block is None else set(block.keys)
         ids = {}
         for key, slot, salt in self._plan:
+            if keys is not None and key not in keys:
+                continue
             a = batch.ids.get(slot, _NO_IDS)
             ids[key] = a ^ salt if salt else a
         return self.ps.pack(ids)
@@ -227,15 +231,18 @@ class SparseModel:
         logits, leaves = self.forward_packed(batch, pb, buf, requires_grad=insert)
         return logits, (pb, leaves)
 
-    def forward_packed(self, batch: SparseBatch, pb: PackedBatch, buf: np.ndarray, *, requires_grad: bool):
+    def forward_packed(self, batch: SparseBatch, pb: PackedBatch, buf: np.ndarray, *, requires_grad: bool,
+                       linear: bool = True):
         """Logits ``[B]`` and ``[(block, leaf)]`` from an already looked-up packed buffer ``buf``
         (``pb``'s rows in :meth:`ps.ParameterServer.gather_packed`'s layout; ``batch`` completed).
         Split from :meth:`forward` so that a lookup elsewhere (the owners of
-        :mod:`trainer.distributed`) feeds the same pooling and head."""
+        :mod:`trainer.distributed`) feeds the same pooling and head. ``linear=False``: ``pb`` holds
+        the embedding block alone and the logits leave the first-order fields out (a sequential
+        model learns those in :mod:`trainer.sequential`)."""
         t1 = time.perf_counter()
         pooled, leaves, elem, seg = [], [], 0, 0
         bags: dict[tuple, tuple] = {}  # blocks over the same slots pool the same bags (DeepFM's two)
-        for blk in (self._emb_block, self._lin_block):
+        for blk in (self._emb_block, self._lin_block if linear else None):
             if blk is None:
                 pooled.append(None)
                 continue

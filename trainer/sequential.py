@@ -1,12 +1,23 @@
-"""``SparseModel.train_step`` of a ``sequential`` LR (see :mod:`ps.sequential`).
+"""``SparseModel.train_step`` of a ``sequential`` model (see :mod:`ps.sequential`).
 
-The sparse weights learn example by example inside the numba kernel; what torch holds (bias,
-dense weights) is global and takes one optimizer step per batch from the mean residual, its
-exact mean-log-loss gradient at the batch's start.
+The first-order (linear) weights learn example by example inside the numba kernel: each example
+is scored with the weights its predecessors in the batch left, then its own rows are stepped.
+Everything else takes one step per batch from the batch's start:
+
+* an LR's bias and dense weights, from the mean residual (their exact mean-log-loss gradient);
+* a DeepFM's embedding fields and dense head (FM + MLP + bias): their logits are computed once at
+  the batch's start and enter the kernel as each example's fixed ``offset``; the residuals the
+  kernel returns (``p - y`` with the fresh first-order part) are then back-propagated through them
+  as the gradient of the mean log loss, and the embeddings and head step once.
+
+Users and items act in bursts: in a batch of 1024 a user's later examples would otherwise be
+scored before the model has learned anything from the earlier ones (``docs/results.md``,
+section 4, measures what that costs and what this gains).
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -19,32 +30,57 @@ from .batch import SparseBatch
 
 def sequential_train_step(model, batch: SparseBatch) -> tuple[float, np.ndarray]:
     """``(mean loss, probabilities before each example's update)`` for ``model`` (a SparseModel)."""
+    from .model import NonFiniteStepError, _finite_grads
+
     t0 = time.perf_counter()
     batch = model.complete(batch)
-    pb = model.pack(batch)
+    n, t = batch.size, batch.max_event_time
     blk = model._lin_block
-    n = batch.size
-    bags = (np.stack([batch.offsets[s] for s in blk.slots]) if blk is not None
-            else np.zeros((0, n + 1), np.int64))
-    mean = np.array([m == "mean" for m in blk.modes] if blk is not None else [], np.bool_)
+    bags = np.stack([batch.offsets[s] for s in blk.slots])
+    mean = np.array([m == "mean" for m in blk.modes], np.bool_)
     head = model.head
+    deep = model._emb_block is not None
     dense = (torch.from_numpy(batch.dense) if batch.dense is not None and model.cfg.dense_features
              and head.dense_linear is not None else None)
-    with torch.no_grad():
-        fixed = head.bias.detach().double().expand(n)
-        if dense is not None:
-            fixed = fixed + head.dense_linear(dense).squeeze(1).double()
+    if deep:
+        # one gather inserts every table's ids, as the plain step's does; the kernel reads the
+        # first-order block's rows itself
+        full = model.pack(batch)
+        buf = model.ps.gather_packed(full, insert=True, event_time=t)
+        k = len(model._emb_block.keys)
+        pe, pb = full.segments(0, k), full.segments(k, len(full.slots))
+        logits, leaves = model.forward_packed(batch, pe, buf, requires_grad=True, linear=False)
+        fixed = logits.detach().double()
+    else:
+        pb = model.pack(batch, blk)
+        with torch.no_grad():
+            fixed = head.bias.detach().double().expand(n)
+            if dense is not None:
+                fixed = fixed + head.dense_linear(dense).squeeze(1).double()
+    # the kernel writes rows as it goes: nothing may enter it that is not finite
+    if not bool(torch.isfinite(fixed).all()):
+        raise NonFiniteStepError("the step's dense logits are not finite; nothing applied")
     hook = getattr(model, "before_backward", None)
     if hook is not None:
         hook()
     t1 = time.perf_counter()
     probs, loss, resid = train_linear_sequential(model.ps, pb, bags, mean, batch.labels,
-                                                 fixed.numpy(), batch.max_event_time)
+                                                 fixed.numpy(), t, insert=not deep)
     t2 = time.perf_counter()
     r = torch.from_numpy(resid.astype(np.float32))
-    head.bias.grad = r.mean().reshape(1)
-    if dense is not None:
-        head.dense_linear.weight.grad = (r.unsqueeze(1) * dense).mean(0, keepdim=True)
+    model.optimizer.zero_grad(set_to_none=True)
+    if deep:
+        logits.backward(r / max(n, 1))
+        if not _finite_grads(head) or not math.isfinite(loss):
+            raise NonFiniteStepError(f"the step's loss ({loss}) or dense gradients are not finite; "
+                                     "the first-order rows were stepped, nothing else applied")
+        w = leaves[0][1]
+        g = w.grad.numpy().reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32)
+        model.ps.apply_packed_gradients(pe, g, t)
+    else:
+        head.bias.grad = r.mean().reshape(1)
+        if dense is not None:
+            head.dense_linear.weight.grad = (r.unsqueeze(1) * dense).mean(0, keepdim=True)
     model.optimizer.step()
     model.timings["forward"] += t1 - t0
     model.timings["update"] += t2 - t1

@@ -1,14 +1,16 @@
-"""A ``sequential`` LR learns each example before scoring the next, through ``SparseModel.train_step``."""
+"""A ``sequential`` model learns each example's first-order weights before scoring the next, through
+``SparseModel.train_step``: an LR entirely, a DeepFM's first-order part (embeddings and head per batch)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pydantic
 import pytest
+import torch
 
 from trainer.config import ModelConfig, deepfm_config, lr_config
 from trainer.data import MovieLensData
-from trainer.model import SparseModel
+from trainer.model import NonFiniteStepError, SparseModel
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +48,62 @@ def test_loss_is_the_pre_update_log_loss(ml):
     assert loss == pytest.approx(want, rel=1e-4)
 
 
-def test_sequential_is_for_linear_models_only():
+def test_sequential_needs_first_order_fields():
     d = deepfm_config(dim=4, mlp=[8]).model_dump()
-    d["sequential"] = True
+    d["linear"] = {}
+    d["tables"] = [t for t in d["tables"] if not t["name"].endswith("_w")]
     with pytest.raises(pydantic.ValidationError, match="sequential"):
         ModelConfig.model_validate(d)
+    d["sequential"] = False
+    ModelConfig.model_validate(d)
     assert ModelConfig.model_validate_json(_cfg(True).model_dump_json()).sequential
+
+
+def _deepfm(sequential: bool, seed: int = 0) -> ModelConfig:
+    return deepfm_config(dim=4, mlp=[8], sequential=sequential, seed=seed)
+
+
+def test_deepfm_batch_size_one_equals_plain_deepfm(ml):
+    """At batch 1 there is nothing to be fresher than: the sequential DeepFM is the plain one
+    (same rows, same head), up to float summation order."""
+    rows = np.arange(200)
+    plain, seq = SparseModel(_deepfm(False)), SparseModel(_deepfm(True))
+    p_plain = np.concatenate([plain.train_step(b)[1] for b in ml.batches(1, rows)])
+    p_seq = np.concatenate([seq.train_step(b)[1] for b in ml.batches(1, rows)])
+    np.testing.assert_allclose(p_seq, p_plain, rtol=1e-4, atol=1e-5)
+    for name, table in plain.tables.items():
+        for a, b in zip(seq.tables[name].items(), table.items()):
+            np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5, err_msg=name)
+    for a, b in zip(seq.head.parameters(), plain.head.parameters()):
+        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-3, atol=1e-5)
+
+
+def test_deepfm_later_examples_see_earlier_first_order_steps(ml):
+    """Within one batch, a repeated example is scored with the first-order step its earlier copy
+    took (the deep part is the batch's start for both); the plain DeepFM scores both the same."""
+    b = ml.batch(np.array([0] * 8))
+    label = float(b.labels[0])
+    _, p_seq = SparseModel(_deepfm(True)).train_step(b)
+    _, p_plain = SparseModel(_deepfm(False)).train_step(b)
+    assert np.ptp(p_plain) == 0
+    steps = np.diff(p_seq)
+    assert ((steps > 0) if label == 1.0 else (steps < 0)).all()
+
+
+def test_deepfm_rows_reach_sync_and_a_non_finite_head_applies_nothing(ml):
+    m = SparseModel(_deepfm(True))
+    b = ml.batch(np.arange(64))
+    m.train_step(b)
+    for name, table in m.tables.items():  # every touched row of every table is queued for the deltas
+        assert table.pending_updates == len(table), name
+    before = {n: t.items() for n, t in m.tables.items()}
+    head = [p.detach().clone() for p in m.head.parameters()]
+    with torch.no_grad():
+        m.head.bias.fill_(float("nan"))
+    with pytest.raises(NonFiniteStepError):
+        m.train_step(b)  # the same rows: nothing new to insert either
+    for n, t in m.tables.items():
+        for a, c in zip(t.items(), before[n]):
+            np.testing.assert_array_equal(a, c, err_msg=n)
+    for p, q in zip(list(m.head.parameters())[1:], head[1:]):
+        assert torch.equal(p, q)

@@ -55,7 +55,8 @@ def _split(m: SparseModel, pb, grads: np.ndarray, late: set[str]):
 
 def run(steps: int, late: bool, seed: int | None) -> dict:
     torch.set_num_threads(1)
-    m = SparseModel(deepfm_config(dim=16, mlp=[256, 128], recent_items=False, seed=seed))
+    m = SparseModel(deepfm_config(dim=16, mlp=[256, 128], recent_items=False, seed=seed, sequential=False,
+                                  linear_lr=0.05))
     data = MovieLensData(limit=steps * GLOBAL + B.HOLDOUT)
     pending: deque = deque()
     probs, labels = [], []

@@ -203,3 +203,6 @@ class Lookup:
     error: Exception | None = None   # this rank's batch failed before its ids were sent
     any_failed: bool = False         # some rank's did (from the header)
     served_failed: np.ndarray | None = None  # per requester: its ids made this owner's gather raise
+    lin: object = None                       # sequential training: the first-order ids (ps.PackedBatch) for rank 0
+    sizes: list | None = None                # every rank's batch size (from the header)
+    lin_ids: list | None = None              # every rank's count of first-order ids

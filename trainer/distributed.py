@@ -46,6 +46,13 @@ summation order (and the admitting batch of an id, step 3) (tests/trainer/test_d
 state). An idle rank (empty batch) takes part in every collective; a step whose global batch is
 empty is skipped by all ranks together.
 
+**Sequential models** (``ModelConfig.sequential``): the first-order tables live whole on rank 0
+(:func:`trainer.sharding.whole_tables`) and are left out of steps 3-5 and 8; in step 6 each rank
+runs its deep part forward, rank 0 runs the first-order pass over the global batch and returns
+each rank its residuals, and each rank back-propagates them (:mod:`trainer.dist_sequential`).
+The result equals the 1-process sequential step on the concatenated batch (same test as above).
+In ``hybrid`` the first-order pass stays synchronous (fresh); only the embeddings are stale.
+
 **Wire**: bytes per example and per step in :mod:`trainer.dist_wire`.
 
 **Mode** ``hybrid`` (PERSIA): steps 2-5 of batch ``t+1`` (the lookup) run in a background thread,
@@ -75,6 +82,7 @@ single-shard table's watermark every step).
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -89,10 +97,13 @@ import torch.nn.functional as F
 
 from .batch import SparseBatch
 from .config import ModelConfig
+from . import dist_sequential as seq
 from .dist_owner import Owner
 from .dist_wire import Lookup, packed_rows, plan
 from .model import NonFiniteStepError, SparseModel
-from .sharding import shard_of
+from .sharding import owners, whole_tables
+
+log = logging.getLogger(__name__)
 
 MODES = ("sync", "hybrid")
 
@@ -140,6 +151,10 @@ class DistributedModel:
         self._tables = [self.model.tables[n] for n in self._names]
         self._dims = np.array([t.dim for t in self._tables], np.int64)
         self._owner = Owner(self._tables, self._names, self.rank, self.world, self.model.ps)
+        # a sequential model's first-order tables live whole on rank 0 (trainer.dist_sequential)
+        whole = whole_tables(cfg)
+        self._whole = np.array([n in whole for n in self._names], bool)
+        self._seq = cfg.sequential
         # an admission that depends on occurrences needs each id's count in the batch
         self._counts = any(t.config.admission.min_count > 1 or t.config.admission.probability < 1.0
                            for t in self._tables)
@@ -200,23 +215,26 @@ class DistributedModel:
         t0 = time.perf_counter()
         m, n, T, g = self.model, self.world, len(self._names), self._lookup_group
         error = None
+        # training a sequential model: the first-order ids go to rank 0's pass, not to owners
+        seq_train = self._seq and insert
         try:
             batch = m.complete(batch)
-            pb = m.pack(batch)
+            pb, lin = self._pack(batch, seq_train)
         except Exception as err:  # noqa: BLE001 - one rank's bad batch: every rank learns of it (header)
             error = err
             batch = m.complete(batch.select(np.zeros(0, np.int64)))
-            pb = m.pack(batch)
+            pb, lin = self._pack(batch, seq_train)
         tab = np.repeat(pb.slot_table, np.diff(pb.offsets))
-        p = plan(pb.ids, tab, shard_of(pb.ids, n), n, T)
+        p = plan(pb.ids, tab, owners(pb.ids, n, self._whole[tab]), n, T)
         counts = p.counts
-        header = np.empty((n, T + 3), np.int64)
+        header = np.empty((n, T + 4), np.int64)
         header[:, :T] = counts
         header[:, T] = batch.size
         header[:, T + 1] = batch.max_event_time
         header[:, T + 2] = error is not None
+        header[:, T + 3] = lin.ids.size if lin is not None else 0
         tc = time.perf_counter()
-        got = self._a2a(header.reshape(-1), [T + 3] * n, [T + 3] * n, g).reshape(n, T + 3)
+        got = self._a2a(header.reshape(-1), [T + 4] * n, [T + 4] * n, g).reshape(n, T + 4)
         rcounts = got[:, :T]                        # [source, table]: ids this rank owns
         global_size, t_event = int(got[:, T].sum()), int(got[:, T + 1].max())
         r_ids = self._a2a(p.u_ids, counts.sum(1), rcounts.sum(1), g)
@@ -234,7 +252,17 @@ class DistributedModel:
         buf = rows_map.take(rows, rows_map.size)
         m.timings["lookup"] += time.perf_counter() - t0 - comm
         return Lookup(batch, pb, buf, rows_map, rows.size, list(row_splits), list(back_splits), owned,
-                       global_size, t_event, comm, error, bool(got[:, T + 2].any()), served_failed)
+                       global_size, t_event, comm, error, bool(got[:, T + 2].any()), served_failed,
+                       lin, got[:, T].tolist(), got[:, T + 3].tolist())
+
+    def _pack(self, batch: SparseBatch, seq_train: bool):
+        """``(what the owners look up, the first-order ids for rank 0's pass or None)``."""
+        m = self.model
+        full = m.pack(batch)
+        if not seq_train:
+            return full, None
+        k = len(m._emb_block.keys) if m._emb_block is not None else 0
+        return full.segments(0, k), full.segments(k, len(full.slots))
 
     # ------------------------------------------------------------------ steps 6-9
     def _local(self, lk: Lookup):
@@ -259,6 +287,83 @@ class DistributedModel:
                                      f"{self.rank}; nothing applied")
         return value, torch.sigmoid(logits.detach()).numpy(), g_rows
 
+    def _local_sequential(self, lk: Lookup, error: Exception | None):
+        """:meth:`_local` of a ``sequential`` model, ``(loss, probs, g_rows or None, error)``: the
+        deep part's forward, rank 0's first-order pass over the global batch
+        (:mod:`trainer.dist_sequential`; collective, so every rank takes part whatever failed
+        before), then the deep part's backward from this rank's residuals. Never raises."""
+        m = self.model
+        blk, B = m._lin_block, lk.batch.size
+        n_slots = len(blk.slots)
+        fwd = None
+        if error is None:
+            try:
+                logits, leaves = self._deep_forward(lk)
+                deep = logits.detach().double().numpy()
+                if not np.isfinite(deep).all():  # rank 0 would write it into rows
+                    raise NonFiniteStepError(f"the step's dense logits are not finite on rank {self.rank}; "
+                                             "nothing applied")
+                lens = np.diff(np.stack([lk.batch.offsets[s] for s in blk.slots]), axis=1)
+                labels = lk.batch.labels if lk.batch.labels is not None else np.zeros(B, np.float32)
+                msg = seq.encode(False, lens, lk.lin.ids, deep, labels.astype(np.float64))
+                fwd = (logits, leaves)
+            except Exception as err:  # noqa: BLE001 - this rank's part fails; it still takes part
+                error = err
+        if fwd is None:
+            msg = np.zeros(seq.size(n_slots, B, lk.lin_ids[self.rank]), np.int64)
+            msg[0] = 1
+        sizes = [seq.size(n_slots, b, k) for b, k in zip(lk.sizes, lk.lin_ids)]
+        mean = np.array([x == "mean" for x in blk.modes], np.bool_)
+
+        def run(msgs):  # rank 0
+            parts = [seq.decode(x, n_slots, b, k) for x, b, k in zip(msgs, lk.sizes, lk.lin_ids)]
+            if any(p.failed for p in parts):
+                return seq.SKIPPED, None
+            try:
+                return seq.OK, seq.run_pass(m.ps, lk.lin.slots, lk.lin.slot_table, mean, parts, lk.event_time)
+            except Exception as err:  # noqa: BLE001 - every rank is told; none is left waiting
+                log.error("rank 0: the first-order pass failed: %r", err)
+                return seq.FAILED, None
+
+        tc = time.perf_counter()
+        status, resid, probs, loss_sum, sent = seq.exchange(self.group, self.rank, self.world, msg, sizes,
+                                                            lk.sizes, run)
+        with self._lock:
+            self.alltoall_bytes += sent
+            m.timings["update"] += time.perf_counter() - tc
+        if error is None and status == seq.FAILED:
+            error = RuntimeError("rank 0's first-order pass failed (see its log); nothing applied elsewhere")
+        if error is not None or status != seq.OK:
+            return 0.0, np.zeros(0, np.float32), None, error
+        logits, leaves = fwd
+        try:
+            logits.backward(torch.from_numpy((resid / max(lk.global_size, 1)).astype(np.float32)))
+            if leaves:
+                w = leaves[0][1]
+                g = w.grad.numpy().reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32)
+                g_rows = lk.rows_map.sum_back(g, lk.n_rows)
+            else:
+                g_rows = np.zeros(lk.n_rows, np.float32)
+            value = loss_sum / max(lk.global_size, 1)
+            if not (math.isfinite(value) and np.isfinite(g_rows).all()):
+                raise NonFiniteStepError(f"the step's loss ({value}) or sparse gradients are not finite on rank "
+                                         f"{self.rank}; the first-order rows were stepped, nothing else applied")
+        except Exception as err:  # noqa: BLE001 - failed in lockstep by the dense sum
+            return 0.0, np.zeros(0, np.float32), None, err
+        return value, probs, g_rows, None
+
+    def _deep_forward(self, lk: Lookup):
+        """Logits without the first-order fields (the embedding fields and the dense head; an LR's
+        bias and dense weights), and the embedding block's leaf."""
+        m = self.model
+        if m._emb_block is not None:
+            return m.forward_packed(lk.batch, lk.pb, lk.buf, requires_grad=True, linear=False)
+        head, b = m.head, lk.batch
+        out = head.bias.expand(b.size)
+        if b.dense is not None and m.cfg.dense_features and head.dense_linear is not None:
+            out = out + head.dense_linear(torch.from_numpy(b.dense)).squeeze(1)
+        return out, []
+
     def _head_grads(self) -> torch.Tensor:
         return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in self._params])
 
@@ -272,7 +377,9 @@ class DistributedModel:
         t1, f0 = time.perf_counter(), m.timings["forward"]
         m.optimizer.zero_grad(set_to_none=True)
         error, value, probs, g_rows = lk.error, 0.0, np.zeros(0, np.float32), None
-        if error is None:
+        if self._seq:
+            value, probs, g_rows, error = self._local_sequential(lk, error)
+        elif error is None:
             try:
                 value, probs, g_rows = self._local(lk)
             except Exception as err:  # noqa: BLE001 - one rank's failure fails the step on every rank

@@ -36,3 +36,29 @@ def shard_of(ids: np.ndarray, n: int) -> np.ndarray:
     if n == 1:
         return np.zeros(ids.size, np.int64)
     return ShardRouter(n).shard_of(ids)
+
+
+def whole_tables(cfg) -> frozenset[str]:
+    """Tables of ``cfg`` (a :class:`trainer.config.ModelConfig`) that live whole on rank 0 of an
+    N-rank run instead of split by :func:`shard_of`: a ``sequential`` model's first-order tables,
+    whose example-by-example pass reads every row of an example at once
+    (:mod:`trainer.dist_sequential`).
+
+    >>> from trainer.config import deepfm_config
+    >>> sorted(whole_tables(deepfm_config(slots=("user_id", "item_id"))))
+    ['item_id_w', 'user_id_w']
+    >>> whole_tables(deepfm_config(sequential=False))
+    frozenset()
+    """
+    if not cfg.sequential:
+        return frozenset()
+    return frozenset(cfg.linear.values()) - frozenset(cfg.slots.values())
+
+
+def owners(ids: np.ndarray, n: int, whole: np.ndarray | None = None) -> np.ndarray:
+    """:func:`shard_of`, except that ids at the positions ``whole`` selects (bool, per id: a
+    table of :func:`whole_tables`) belong to rank 0."""
+    own = shard_of(ids, n)
+    if whole is not None:
+        own[whole] = 0
+    return own

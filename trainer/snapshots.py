@@ -213,8 +213,9 @@ def load_rank(root: Path, config: ModelConfig, rank: int, world: int):
     own :func:`save_rank` state when the snapshot was written by ``world`` ranks (else None: the
     caller splits the manifest's global state), or None when there is no snapshot. Any snapshot
     restores into any number of ranks: rows move to the rank :func:`trainer.sharding.shard_of`
-    names (an admission sketch's counts of ids not admitted yet are not moved)."""
-    from .sharding import shard_of
+    names, a table of :func:`trainer.sharding.whole_tables` wholly to rank 0 (an admission
+    sketch's counts of ids not admitted yet are not moved)."""
+    from .sharding import shard_of, whole_tables
 
     root = Path(root)
     manifest = read_manifest(root)
@@ -225,10 +226,14 @@ def load_rank(root: Path, config: ModelConfig, rank: int, world: int):
         raise SnapshotError(f"{snap}: snapshot format {manifest.get('format')!r} is not {FORMAT!r}")
     n = int(manifest.get("shard_count", 0) or 0)
     tables, state = {}, None
+    whole = whole_tables(config)
     for t in config.tables:
         lt = local_config(t)
-        if manifest.get("rows", {}).get(t.name) is None:
+        if manifest.get("rows", {}).get(t.name) is None or (t.name in whole and rank != 0):
             tables[t.name] = EmbeddingTable(lt)
+        elif t.name in whole:  # all of it, however the writer's ranks held it
+            parts = _shard_parts(snap, t, n) if n else [restore_table(snap / "tables", t)]
+            tables[t.name] = _union(parts, lt, False)
         elif n == world:
             tables[t.name] = restore_table(snap / f"rank-{rank}" / "tables", lt)
         else:

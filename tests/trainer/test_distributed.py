@@ -25,10 +25,12 @@ SIZES = [(12, 12), (12, 0), (0, 0), (6, 12)]
 PRED = 9  # the rows of "step 9" are scored after training (DistributedModel.predict): new ids read zeros
 
 
-def _cfg(min_count: int = 1) -> ModelConfig:
+def _cfg(min_count: int = 1, sequential: bool = False) -> ModelConfig:
     # recent_items shares the item table unsalted: one row per (table, id) across slots.
-    # min_count 2: the owners must count occurrences as the 1-process PS does
-    return deepfm_config(dim=4, mlp=[8], min_count=min_count, slots=("user_id", "genres", "item_id"))
+    # min_count 2: the owners must count occurrences as the 1-process PS does.
+    # sequential: the first-order tables live whole on rank 0, which runs their per-example pass
+    return deepfm_config(dim=4, mlp=[8], min_count=min_count, slots=("user_id", "genres", "item_id"),
+                         sequential=sequential)
 
 
 def _rows(step: int, rank: int, n: int) -> list[dict]:
@@ -52,8 +54,9 @@ def _state(tables, head, opt) -> dict:
             "adam": {i: {k: v.numpy().copy() for k, v in s.items()} for i, s in st.items()}}
 
 
-def _run(rank: int, mode: str, min_count: int, one_at_a_time: bool = False, staleness: int = 1) -> dict:
-    dm = DistributedModel(_cfg(min_count), mode=mode, staleness=staleness)
+def _run(rank: int, mode: str, min_count: int, one_at_a_time: bool = False, staleness: int = 1,
+         sequential: bool = False) -> dict:
+    dm = DistributedModel(_cfg(min_count, sequential), mode=mode, staleness=staleness)
     batches = [_batch(_rows(s, rank, SIZES[s][rank]), s, rank) for s in range(len(SIZES))]
     if one_at_a_time:  # as the online ranks step: one batch per call, then a flush
         out = [dm.step(b) for b in batches]
@@ -67,9 +70,9 @@ def _run(rank: int, mode: str, min_count: int, one_at_a_time: bool = False, stal
             **_state(dm.tables, dm.head, dm.optimizer), "wire_bytes": wire}
 
 
-def _worker(rank: int, world: int, mode: str) -> list[dict]:
+def _worker(rank: int, world: int, mode: str, sequential: bool = False) -> list[dict]:
     # both admission settings in one process group: one spawn per test
-    return [_run(rank, mode, 1), _run(rank, mode, 2)]
+    return [_run(rank, mode, 1, sequential=sequential), _run(rank, mode, 2, sequential=sequential)]
 
 
 def _global_batch(s: int, sizes: tuple[int, int] | None = None) -> SparseBatch | None:
@@ -82,9 +85,9 @@ def _global_batch(s: int, sizes: tuple[int, int] | None = None) -> SparseBatch |
                                        event_time_ms=np.concatenate([x.event_time_ms for x in b]))
 
 
-def _reference(min_count: int = 1) -> tuple[list, dict]:
+def _reference(min_count: int = 1, sequential: bool = False) -> tuple[list, dict]:
     torch.set_num_threads(1)
-    m = SparseModel(_cfg(min_count))
+    m = SparseModel(_cfg(min_count, sequential))
     losses = [m.train_step(b)[0] for b in map(_global_batch, range(len(SIZES))) if b is not None]
     pred = m.predict(_global_batch(PRED, (SIZES[1][0],) * 2))
     return losses, {**_state(m.tables, m.head, m.optimizer), "pred": pred}
@@ -126,10 +129,11 @@ def _merged(parts: list[dict], name: str):
     return [c[o] for c in cat]
 
 
-def test_sync_two_ranks_equal_one_process_on_the_global_batch():
-    both = run_local(_worker, 2, "sync", timeout_s=60)
+@pytest.mark.parametrize("sequential", [False, True], ids=["plain", "sequential"])
+def test_sync_two_ranks_equal_one_process_on_the_global_batch(sequential):
+    both = run_local(_worker, 2, "sync", sequential, timeout_s=60)
     res = [r[0] for r in both]
-    ref_losses, ref = _reference()
+    ref_losses, ref = _reference(sequential=sequential)
     # an all-idle step is skipped by every rank together (loss 0.0, no probabilities)
     assert [len(p) for p in res[1]["probs"]] == [12, 0, 0, 12] and res[0]["losses"][2] == 0.0
     for r in res:
@@ -152,8 +156,10 @@ def test_sync_two_ranks_equal_one_process_on_the_global_batch():
                 np.testing.assert_allclose(r["adam"][i][k], v, rtol=1e-4, atol=1e-9, err_msg=f"{i}.{k}")
     assert all(r["wire_bytes"] > 0 for r in res)
     np.testing.assert_allclose(np.concatenate([r["pred"] for r in res]), ref["pred"], rtol=1e-5, atol=1e-7)
+    if sequential:  # the first-order tables are rank 0's alone
+        assert len(res[0]["tables"]["user_id_w"][0]) and not len(res[1]["tables"]["user_id_w"][0])
     # count admission: the owners admit exactly the ids the 1-process PS admits
-    _, ref2 = _reference(2)
+    _, ref2 = _reference(2, sequential)
     for name, items in ref2["tables"].items():
         assert _merged([r[1] for r in both], name)[0].tolist() == items[0].tolist(), name
     assert sum(len(items[0]) for items in ref2["tables"].values()) < sum(len(i[0]) for i in ref["tables"].values())

@@ -7,7 +7,7 @@ from scratch with progressive validation (score each example before learning it)
 * ``driftline_online_throughput``: the same DeepFM at ``batch_size`` (throughput setting);
 * ``driftline_served``: the model ``make up`` serves (:func:`evaluation.common.served_model_config`:
   the same DeepFM whose first-order weights learn example by example inside each mini-batch of
-  ``base_served_batch``, :mod:`trainer.sequential`); judged against the sequential LR's AUC and
+  the live trainer's ``batch_size``, :mod:`trainer.sequential`); judged against the sequential LR's AUC and
   ``driftline_online_throughput``'s examples/s;
 * ``driftline_init_defaults``: the model a new project gets from ``driftline init``
   (:func:`evaluation.common.init_model_config`: the template's dim, MLP and optimizers, untuned)
@@ -58,12 +58,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ps import AdagradConfig
-from services.settings import get_settings
 from trainer.batch import SparseBatch
 from trainer.config import ModelConfig, lr_config
 from trainer.model import DenseHead, SparseModel
 
-from .common import EvalSettings, auc, data, init_model_config, mean_std, model_config, pmap, served_model_config
+from .common import (EvalSettings, auc, data, init_model_config, mean_std, model_config, pmap, served_batch,
+                     served_model_config)
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
@@ -294,9 +294,9 @@ def _task(s: EvalSettings, what: str, seed: int, batch: int | None = None, lr: f
     elif what == "driftline_online_throughput":
         r = run_driftline(s, seed, "deepfm", s.batch_size)
     elif what == "driftline_served":
-        r = run_driftline(s, seed, "served", s.base_served_batch)
+        r = run_driftline(s, seed, "served", served_batch())
     elif what == "driftline_init_defaults":
-        r = run_driftline(s, seed, "init", get_settings().trainer.batch_size)
+        r = run_driftline(s, seed, "init", served_batch())
     elif what == "counts":
         r = run_counts(s, seed)
     elif what == "driftline_lr":
@@ -343,7 +343,7 @@ def run(s: EvalSettings) -> dict:
                                   "ex_per_s": r["ex_per_s"]} for r in runs if r["model"] == "driftline_lr_curve"]
     out["setup"].update({"deepfm_sparse_lr": s.base_sparse_lr, "driftline_lr_adagrad_lr": s.base_lr_lr,
                          "driftline_lr_sequential_adagrad_lr": s.base_lr_seq_lr, "river_lr": s.river_lr,
-                         "served_batch_size": s.base_served_batch, "served_linear_adagrad_lr": s.base_linear_lr,
+                         "served_batch_size": served_batch(), "served_linear_adagrad_lr": s.base_linear_lr,
                          "count_prior": s.count_prior})
     dl = out["driftline_online"]
     out["checks"] = {

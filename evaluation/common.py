@@ -36,7 +36,7 @@ def smoke() -> EvalSettings:
                     coll_limit=20_000, coll_epochs=2, coll_seeds=None, coll_dim=4, coll_mlp=(16,), online_limit=20_000, stale_shards=10,
                     stale_k=(0, 2), base_limit=6_000, base_batch_size=256, hashed_buckets=1 << 10,
                     base_lr_batch=64, base_lr_curve=((64, 0.3), (256, 0.3)), base_lr_seq_batch=256,
-                    tune_base_limit=3_000, base_served_batch=256, base_other_limit=5_000)
+                    tune_base_limit=3_000, base_other_limit=5_000)
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -69,6 +69,11 @@ def served_model_config(s: EvalSettings, seed: int, model_id: str = "served") ->
     rates ``base_sparse_lr`` (embeddings) and ``base_linear_lr`` (first-order weights)."""
     return deepfm_config(model_id=model_id, dim=s.dim, mlp=list(s.mlp), lr=s.base_sparse_lr, seed=seed,
                          recent_items=False, linear_lr=s.base_linear_lr)
+
+
+def served_batch() -> int:
+    """The served model's mini-batch in the experiments: the live trainer's (``trainer.batch_size``)."""
+    return get_settings().trainer.batch_size
 
 
 def init_model_config(seed: int, model_id: str = "init") -> ModelConfig:
@@ -262,6 +267,6 @@ def nan_to_none(x):
     return x
 
 
-__all__ = ["EvalSettings", "full", "smoke", "replace", "field", "data", "model_config", "served_model_config", "init_model_config", "coll_model_config", "md5_bucket",
+__all__ = ["EvalSettings", "full", "smoke", "replace", "field", "data", "model_config", "served_model_config", "served_batch", "init_model_config", "coll_model_config", "md5_bucket",
            "collision_rate", "buckets_for_rate", "HashedIds", "auc", "train_rows", "predict_rows",
            "mean_std", "pmap", "nan_to_none", "set_threads"]

@@ -214,11 +214,14 @@ def _md_tuning(tn: dict, settings: dict) -> list[str]:
         lb = b.get("lr_batch")
         if lb:
             L += ["", f"driftline LR's mini-batch for the model-matched comparison: {lb['rule']}: {lb['chosen']}."]
+        sb = b.get("served_batch")
+        if sb and sb.get("chosen"):
+            L += ["", f"The served model's batch: {sb['rule']}: {sb['chosen']} (the trainer's default: {sb['used']})."]
         L += ["", f"Used in section 4: River SGD lr {settings.get('river_lr')}, driftline LR Adagrad lr "
               f"{settings.get('base_lr_lr')} at batch {settings.get('base_lr_batch')}, sequential LR Adagrad lr "
               f"{settings.get('base_lr_seq_lr')} at batch {settings.get('base_lr_seq_batch')}, curve "
               f"{[tuple(x) for x in settings.get('base_lr_curve', [])]}, DeepFM sparse lr {settings.get('base_sparse_lr')}, "
-              f"served model first-order lr {settings.get('base_linear_lr')} at batch {settings.get('base_served_batch')}, "
+              f"served model first-order lr {settings.get('base_linear_lr')} at the trainer's batch, "
               f"count prior {settings.get('count_prior')}: "
               + ("the lrs chosen above." if b.get("settings_match_choice") else "**not all the lrs chosen above**.")]
     L += [""]

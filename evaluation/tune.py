@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import EvalSettings, pmap
+from .common import EvalSettings, pmap, served_batch
 
 #: candidate collisions settings (overrides of ``EvalSettings``), one seed each, on validation
 COLL_GRID: tuple[dict, ...] = (
@@ -43,6 +43,8 @@ DEEPFM_BATCHES = (64, 1024)
 DEEPFM_LRS = (0.02, 0.05, 0.1, 0.2)
 #: the served model's (embedding Adagrad lr, first-order Adagrad lr) at its batch
 SERVED_LRS = tuple((e, w) for e in (0.02, 0.05, 0.1) for w in (0.1, 0.2, 0.3, 0.5))
+#: the served model's batch sizes (the live trainer's default among them: it is chosen here)
+SERVED_BATCHES = (1024, 2048, 4096)
 #: the counting baseline's smoothing prior (in examples)
 COUNT_PRIORS = (1.0, 3.0, 10.0, 30.0, 100.0)
 
@@ -100,7 +102,7 @@ def run(s: EvalSettings) -> dict:
     btasks += [(s, "driftline_lr_sequential", s.base_lr_seq_batch, lr)
                for lr in (SEQ_LRS if s.name == "full" else (0.1,))]
     btasks += [(s, "driftline_online", b, lr) for b in df_b for lr in df_l]
-    btasks += [(s, "driftline_served", s.base_served_batch, lr)
+    btasks += [(s, "driftline_served", b, lr) for b in SERVED_BATCHES
                for lr in (SERVED_LRS if s.name == "full" else ((0.05, 0.3),))]
     btasks += [(s, "counts", 1, p) for p in (COUNT_PRIORS if s.name == "full" else (10.0,))]
     coll = pmap(_coll_candidate, tasks, s.workers, "tune collisions")
@@ -130,16 +132,21 @@ def run(s: EvalSettings) -> dict:
     lr_batches = [r["batch_size"] for k, r in chosen.items() if k.startswith("driftline_lr@")]
     out["baselines"]["lr_batch"] = {"rule": "the largest mini-batch whose tuned AUC reaches River LR's (else the smallest)",
                                     "chosen": max(ok) if ok else min(lr_batches), "used": s.base_lr_batch}
+    served = {r["batch_size"]: r["auc"] for k, r in chosen.items() if k.startswith("driftline_served@")}
+    out["baselines"]["served_batch"] = {"rule": "the served model's batch with the best tuned AUC: the live trainer's default",
+                                        "chosen": max(served, key=lambda b: (served[b], b)) if served else None,
+                                        "used": served_batch()}
     ch = {k: list(v["lr"]) if isinstance(v["lr"], tuple) else v["lr"] for k, v in out["baselines"]["chosen"].items()}
     used = {"river@1": s.river_lr, f"driftline_lr@{s.base_lr_batch}": s.base_lr_lr,
             f"driftline_online@{s.base_batch_size}": s.base_sparse_lr,
             f"driftline_lr_sequential@{s.base_lr_seq_batch}": s.base_lr_seq_lr,
-            f"driftline_served@{s.base_served_batch}": [s.base_sparse_lr, s.base_linear_lr],
+            f"driftline_served@{served_batch()}": [s.base_sparse_lr, s.base_linear_lr],
             "counts@1": s.count_prior,
             **{f"driftline_lr@{b}": lr for b, lr in s.base_lr_curve}}
     out["baselines"]["settings_used"] = used
     out["baselines"]["settings_match_choice"] = (all(ch.get(k) == v for k, v in used.items() if k in ch)
-                                                 and out["baselines"]["lr_batch"]["chosen"] == s.base_lr_batch)
+                                                 and out["baselines"]["lr_batch"]["chosen"] == s.base_lr_batch
+                                                 and out["baselines"]["served_batch"]["chosen"] in (None, served_batch()))
     return out
 
 

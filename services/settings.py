@@ -194,7 +194,9 @@ class TrainerSettings(BaseModel):
 
     model: str = "deepfm"
     group_id: str = "driftline-trainer"
-    batch_size: int = 1024
+    # the served (sequential) model's AUC is flat from 1024 to 4096 examples a step and its
+    # examples/s grow with the batch: docs/results.md section 4 and "How settings were chosen"
+    batch_size: int = 2048
     batch_timeout_s: float = 0.2
     sync_interval_s: float = 10.0
     dense_sync_interval_s: float = 3600.0
@@ -370,10 +372,9 @@ class EvalSettings(BaseModel):
     #: driftline's sequential LR (ModelConfig.sequential: per-example updates inside each mini-batch)
     base_lr_seq_batch: int = 1024
     base_lr_seq_lr: float = 0.3            # its Adagrad lr (tuned)
-    #: the served model (trainer.config.deepfm_config's defaults: DeepFM with sequential
-    #: first-order weights) at this mini-batch, the first-order Adagrad lr (tuned; its embeddings
+    #: the served model's first-order Adagrad lr (trainer.config.deepfm_config's defaults: DeepFM
+    #: with sequential first-order weights, at the live trainer.batch_size; tuned; its embeddings
     #: take base_sparse_lr)
-    base_served_batch: int = 2048
     base_linear_lr: float = 0.3
     #: the counting baseline's smoothing: a user's (item's) click rate is (clicks + m * global rate)
     #: / (examples + m), m = count_prior (tuned)
@@ -484,7 +485,7 @@ class Settings(BaseSettings):
 
         >>> s = Settings().updated(trainer={"batch_size": 64}, dumper={"flush_rows": 10})
         >>> s.trainer.batch_size, s.dumper.flush_rows, Settings().trainer.batch_size
-        (64, 10, 1024)
+        (64, 10, 2048)
         """
         return self.model_copy(update={
             name: getattr(self, name).model_copy(update=fields) for name, fields in sections.items()})

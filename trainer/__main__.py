@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("batch", help="train from Parquet example dumps (or MovieLens directly)")
     b.add_argument("--passes", type=int, default=1)
     b.add_argument("--model", default="deepfm", help="deepfm | lr | path to a ModelConfig JSON")
-    b.add_argument("--batch-size", type=int, default=1024)
+    b.add_argument("--batch-size", type=int, default=settings.trainer.batch_size)
     b.add_argument("--examples-dir", default=str(settings.var_dir / "examples"))
     b.add_argument("--movielens", action="store_true", help="use MovieLens even if Parquet dumps exist")
     b.add_argument("--dataset", default="ml-1m")

@@ -143,6 +143,8 @@ def _spawn(settings, tmp: Path, log: Path) -> subprocess.Popen:
 
 
 async def test_kill_9_resume(settings, ml_examples, tmp_path):
+    # the served update order: first-order rows stepped example by example inside each batch
+    assert small_cfg().sequential
     (tmp_path / "model.json").write_text(small_cfg().model_dump_json())
     half = N // 2  # the second half is produced after the kill: the trainer cannot finish first
     records = await produce_examples(settings, ml_examples[:half])

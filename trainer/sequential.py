@@ -13,6 +13,20 @@ Everything else takes one step per batch from the batch's start:
 Users and items act in bursts: in a batch of 1024 a user's later examples would otherwise be
 scored before the model has learned anything from the earlier ones (``docs/results.md``,
 section 4, measures what that costs and what this gains).
+
+What else was measured for the served DeepFM (progressive AUC, seed 0, batch 2048; ml-1m's tuning
+stream / the whole ml-100k; this order: 0.7854 / 0.7633) and why it is not here:
+
+* FTRL for the first-order tables (lr 0.2-0.5, l1 0-0.1, l2 0-1, beta 0.1-1): 0.7815-0.7857 /
+  0.7577-0.7636, nowhere better than Adagrad 0.3 beyond noise;
+* Adagrad's ``initial_accumulator_value`` 0.1 on the first-order tables: +0.0004 on both, and the
+  sequential LR gains as much (0.7846 / 0.7640): not a difference between the two;
+* a global bias learned per example (a first-order field every example holds): no change;
+* the dense head's lr from 1e-5 to 1e-2: no change in the 4th decimal (the first-order part
+  carries these streams);
+* the FM part learned example by example too (``bench/fm_sequential_reference.py``): +0.0025 /
+  +0.0038 (0.7879 / 0.7671), at ~24% fewer examples/s. The next step, once the N-rank engine has
+  a path for it (embedding rows are sharded over owners).
 """
 
 from __future__ import annotations

@@ -16,9 +16,14 @@ OPTIMIZERS = {"sgd": SGDConfig(lr=0.3), "adagrad": AdagradConfig(lr=0.2, initial
               "adam": AdamConfig(lr=0.05), "ftrl": FtrlConfig(lr=0.1, l1=0.01, l2=0.1)}
 
 
-def make_server():
+def make_server(one_table: bool = False):
     """One dim-1 table per optimizer (random init, so FTRL's state is non-trivial); ``adagrad`` has
-    2 shards and is read by two slots (``genre``, mean-pooled, and ``pair``, summed)."""
+    2 shards and is read by two slots (``genre``, mean-pooled, and ``pair``, summed). ``one_table``:
+    every slot reads one 1-shard Adagrad table (an LR's layout: the write-through kernel's case)."""
+    if one_table:
+        t = TableConfig(name="adagrad", dim=1, optimizer=OPTIMIZERS["adagrad"],
+                        initializer=InitializerConfig(kind="normal", scale=0.3, seed=1))
+        return ParameterServer([t], slots={s: "adagrad" for s in ("sgd", "genre", "pair", "adam", "ftrl")})
     tables = [TableConfig(name=n, dim=1, optimizer=o, shards=2 if n == "adagrad" else 1,
                           initializer=InitializerConfig(kind="normal", scale=0.3, seed=i))
               for i, (n, o) in enumerate(OPTIMIZERS.items())]
@@ -72,10 +77,11 @@ def reference(server, ids, offs, mean, labels, offset):
     return np.array(probs), np.array(resid), rows
 
 
+@pytest.mark.parametrize("one_table", [False, True], ids=["scratch", "write_through"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_equals_per_example_reference(seed):
+def test_equals_per_example_reference(seed, one_table):
     rng = np.random.default_rng(seed)
-    server = make_server()
+    server = make_server(one_table)
     n = 40
     ids, offs = make_batch(rng, n)
     mean = {s: s == "genre" for s in ids}

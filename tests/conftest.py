@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,3 +136,26 @@ def pytest_configure(config: pytest.Config) -> None:
     # Tests move var_dir into their tmp_path, which would move the dataset cache with it (and
     # download MovieLens per test): every test and every service it starts shares the repo's.
     os.environ.setdefault("DRIFTLINE_DATA_DIR", str(Path(__file__).resolve().parent.parent / "var" / "data"))
+    if not hasattr(config, "workerinput"):  # once, in the controller, before any worker starts
+        _warm_numba_cache()
+
+
+_WARM = """
+import numpy as np
+from trainer.batch import SparseBatch
+from trainer.config import deepfm_config, lr_config
+from trainer.model import SparseModel
+for cfg in (deepfm_config(dim=4, mlp=[8]), lr_config(sequential=True)):
+    rows = [{s: [i % 3] for s in cfg.all_slots} for i in range(8)]
+    b = SparseBatch.from_slot_dicts(rows, slots=cfg.all_slots, labels=np.arange(8) % 2,
+                                    event_time_ms=np.full(8, 1_000))
+    SparseModel(cfg).train_step(b)
+"""
+
+
+def _warm_numba_cache() -> None:
+    """Compile the served model's training kernels into the shared cache before the tests run:
+    the sequential pass takes ~20 s to compile on these cores, and every process that first steps
+    the default model while the cache is empty would compile it at once, inside timed waits."""
+    subprocess.run([sys.executable, "-c", _WARM], cwd=Path(__file__).resolve().parent.parent, check=False,
+                   timeout=300)

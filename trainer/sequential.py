@@ -44,7 +44,7 @@ from .batch import SparseBatch
 
 def sequential_train_step(model, batch: SparseBatch) -> tuple[float, np.ndarray]:
     """``(mean loss, probabilities before each example's update)`` for ``model`` (a SparseModel)."""
-    from .model import NonFiniteStepError, _finite_grads
+    from .model import NonFiniteStepError, _finite_grads  # here: trainer.model imports this module
 
     t0 = time.perf_counter()
     batch = model.complete(batch)
@@ -74,9 +74,6 @@ def sequential_train_step(model, batch: SparseBatch) -> tuple[float, np.ndarray]
     # the kernel writes rows as it goes: nothing may enter it that is not finite
     if not bool(torch.isfinite(fixed).all()):
         raise NonFiniteStepError("the step's dense logits are not finite; nothing applied")
-    hook = getattr(model, "before_backward", None)
-    if hook is not None:
-        hook()
     t1 = time.perf_counter()
     probs, loss, resid = train_linear_sequential(model.ps, pb, bags, mean, batch.labels,
                                                  fixed.numpy(), t, insert=not deep)

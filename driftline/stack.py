@@ -86,9 +86,11 @@ APP_SERVICES: list[AppService] = [
     # r > 0 exports metrics on the trainer's port + r * trainer.rank_metrics_port_stride
     AppService("trainer", ("trainer", "online"), metrics_port=_metrics(2),
                settings_env=lambda s: {"DRIFTLINE_TRAINER__NPROC": str(s.trainer.nproc)}),
-    # serving serves the trainer's model (DRIFTLINE_SERVING__MODEL unset) and bootstraps from its snapshots
+    # serving serves the trainer's model (DRIFTLINE_SERVING__MODEL unset) and bootstraps from its snapshots;
+    # it opens its port in ~15 s on 2 idle cores (its PS and two workers import torch while the
+    # joiner, dumper and trainer start too) and took 58-62 s on a loaded one: a busy laptop is no failure
     AppService("serving", ("serve", "--workers", "2"),  # one serving PS, two workers
-               ready=lambda s: port_is_open(s.serving.host, s.serving.port),
+               ready=lambda s: port_is_open(s.serving.host, s.serving.port), timeout_s=180.0,
                urls=lambda s: {"ranking API docs": f"{_serving_url(s)}/docs"},
                metrics_url=lambda s: f"{_serving_url(s)}/metrics"),
     AppService("status", ("status",),

@@ -130,6 +130,59 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
 
 
+# The test files that share tests/test_loop.py's ``loop_stack`` (one ``driftline up`` replaying
+# MovieLens): they run one after the other on one worker, and the stack stops after the last of
+# them. Left up until the session's end, it took most of a core from every later test on that
+# worker (a full suite here: 23 min, and timed waits in other files failed).
+LOOP_STACK_FILES = ("tests/test_loop.py", "tests/test_dashboards.py", "tests/status/test_live_loop.py")
+# The longest files (a full run's durations on a 2-core machine: each 2-7 min of many processes),
+# started first so the two workers finish together instead of one running them alone at the end.
+LONGEST_FILES = (
+    "tests/joiner/test_faust_joiner.py", "tests/trainer/test_machines.py", "tests/trainer/test_rank_failures.py",
+    *LOOP_STACK_FILES, "tests/trainer/test_ranks.py", "tests/test_own_data.py", "tests/trainer/test_online.py",
+    "tests/joiner/test_crash.py", "tests/test_stack.py", "tests/serving/test_process.py",
+)
+
+
+def _file(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest files first, the loop-stack files together (a stable sort: the rest keeps its order)."""
+    strays = sorted({_file(i) for i in items if "loop_stack" in i.fixturenames} - set(LOOP_STACK_FILES))
+    if strays:
+        raise pytest.UsageError(f"{strays} use loop_stack: add them to LOOP_STACK_FILES in tests/conftest.py")
+    rank = {path: n for n, path in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda i: rank.get(_file(i), len(rank)))
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: plain pytest runs without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadfile`` with the loop-stack files as one unit, so one worker runs them in a row."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoopStackTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return LOOP_STACK_FILES[0] if path in LOOP_STACK_FILES else path
+
+    return LoopStackTogether(config, log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Stop the shared loop stack once the next test does not use it (its users run in a row)."""
+    result = yield
+    if "loop_stack" in item.fixturenames and (nextitem is None or "loop_stack" not in nextitem.fixturenames):
+        from tests.test_loop import stop_shared_stack
+
+        stop_shared_stack()
+    return result
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Numba caches compiled kernels next to the sources; keep test runs from fighting over it.
     os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(__file__).resolve().parent.parent / "var" / "numba-cache"))

@@ -1,6 +1,7 @@
 """The whole loop under ``driftline up`` (:class:`tests.loopstack.LoopStack`); the ``loop_stack``
-fixture shares one running stack between the tests of a session (``tests/test_dashboards.py``
-imports it).
+fixture shares one running stack between the tests of a session (the files in
+``tests/conftest.py``'s ``LOOP_STACK_FILES`` import it; they run one after the other, and the
+stack stops after the last of them).
 """
 
 from __future__ import annotations
@@ -26,8 +27,14 @@ def loop_stack(tmp_path_factory: pytest.TempPathFactory, repo_root: Path) -> Ite
     if "stack" not in _SHARED:
         _SHARED["stack"] = LoopStack.start(tmp_path_factory.mktemp("loop"), repo_root, *LOOP_ARGS)
     yield _SHARED["stack"]
+    stop_shared_stack()
+
+
+def stop_shared_stack() -> None:
+    """Stop the shared stack (if it runs) and check it stopped cleanly, as tests/test_stack.py
+    checks for ``make up``. ``tests/conftest.py`` calls it after the last test that uses it."""
     stack = _SHARED.pop("stack", None)
-    if stack is not None:  # plain ``up`` stops cleanly, as tests/test_stack.py checks for ``make up``
+    if stack is not None:
         family = descendants(stack.proc.pid)
         code = stack.stop()
         assert code == 0 and "driftline stopped." in stack.text(), stack.text()[-3000:]

@@ -38,8 +38,8 @@ M = TypeVar("M", bound=Message)
 
 
 class MalformedMessage(ValueError):
-    """A message that cannot be used. ``kind`` is ``undecodable``, ``invalid`` or (decoded, but
-    processing it failed) ``failed``."""
+    """A message that cannot be used. ``kind`` is ``undecodable``, ``invalid``, (decoded, but
+    processing it failed) ``failed``, or (decoded, and its consumer would not use it) ``refused``."""
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")

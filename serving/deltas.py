@@ -23,7 +23,13 @@ trainer's order: replicas that have read the same offsets hold identical paramet
 
 A delta that decodes but fails to apply (a bug, a shape the model does not expect) is written to
 ``dead-letters`` with the reason and skipped, counted in
-``driftline_serving_deltas_skipped_total{reason="failed"}``: one record never stops the feed.
+``driftline_serving_deltas_skipped_total{reason="failed"}``: one record never stops the feed. A
+delta the model refuses before writing anything (:class:`serving.versions.DeltaRejected`: NaN or
+infinite values, a table or shape it does not have, ...) is skipped too, so the model keeps its
+last good parameters; it is logged as an error, counted under its reason, and dead-lettered
+(``refused: ...``). Each such record is dead-lettered once per replica, not again when a restart
+re-reads it (:class:`serving.refused_deltas.RefusedDeltas`). Another model's deltas on a shared
+topic are only counted (``other_model``).
 
 Broker resets (tansu memory storage; :class:`serving.broker_epoch.SharedEpoch` tells): the old
 topic and its offsets are gone, so the feed re-reads the new topic from its beginning, keeps
@@ -51,9 +57,10 @@ from serving import metrics
 from serving.background import BackgroundLoop
 from serving.broker_epoch import SharedEpoch
 from serving.model import ServingModel
+from serving.refused_deltas import RefusedDeltas
 from serving.versions import Bootstrap, DeltaRejected
 from services import metrics as shared_metrics
-from services.codecs import processing_failed
+from services.codecs import MalformedMessage, processing_failed
 from services.kafka import Record, TypedConsumer, create_topics
 from services.settings import Settings
 
@@ -96,6 +103,7 @@ class DeltaFeed(BackgroundLoop):
         self.skipped = 0
         self.failed = 0
         self.reloads = 0
+        self.refused = RefusedDeltas(settings.var_dir / "serving" / f"refused-deltas-{settings.serving.port}")
         self._lag: dict[int, int] = {}
         self._shard_series: set[str] = set()
         self._snapshot_looked = 0.0
@@ -281,21 +289,30 @@ class DeltaFeed(BackgroundLoop):
         except DeltaRejected as err:
             self.skipped += 1
             metrics.DELTAS_SKIPPED.labels(err.reason).inc()
-            log.warning("param delta v%d chunk %d skipped: %s", msg.version, msg.chunk_index, err)
+            if err.reason == "other_model":  # a shared topic: another model's delta, not a bad one
+                return
+            log.error("param delta v%d chunk %d refused, the model keeps its last good parameters: %s",
+                      msg.version, msg.chunk_index, err)
+            await self._dead_letter_once(consumer, record, MalformedMessage("refused", str(err)[:500]))
             return
         except Exception as err:  # noqa: BLE001 - decoded but failed: dead-letter it, move on
             self.skipped += 1
             self.failed += 1
             metrics.DELTAS_SKIPPED.labels("failed").inc()
-            # The record's original bytes go to the dead letter, not the decoded message.
-            await (await consumer.dead_letter(dataclasses.replace(record, value=record.raw),
-                                              processing_failed(err)))
+            await self._dead_letter_once(consumer, record, processing_failed(err))
             return
         self.applied += 1
         metrics.DELTAS_APPLIED.labels(kind).inc()
         metrics.DELTA_APPLY_SECONDS.labels(kind).observe(time.perf_counter() - started)
         if msg.created_at_ms:
             metrics.DELTA_LAG.labels(kind).observe(max(0.0, time.time() - msg.created_at_ms / 1000))
+
+
+    async def _dead_letter_once(self, consumer: TypedConsumer[ParameterDelta], record: Record[ParameterDelta],
+                                reason: MalformedMessage) -> None:
+        """Dead-letter the record's original bytes, unless this replica already did (before a restart)."""
+        if self.refused.first_time(self.epoch, record.partition, record.offset):
+            await (await consumer.dead_letter(dataclasses.replace(record, value=record.raw), reason))
 
 
 def publish_model_metrics(model: ServingModel, shard_series: set[str]) -> set[str]:

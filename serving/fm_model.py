@@ -123,6 +123,8 @@ class FMModel:
             raise DeltaRejected("bad_shape", f"table {rows.table} has dim {table.dim}, delta {rows.dim}")
         keys = np.frombuffer(rows.keys, dtype="<i8").astype(np.int64)
         values = np.frombuffer(rows.values, dtype="<f4").astype(np.float32).reshape(keys.size, rows.dim)
+        if not np.isfinite(values).all():
+            raise DeltaRejected("non_finite", f"{rows.table}: rows not finite (version {msg.version})")
         tomb = np.frombuffer(rows.tombstones, dtype="<i8").astype(np.int64)
         when = msg.max_event_time_ms or msg.created_at_ms or 1
         times = np.full(keys.size, when, np.int64)
@@ -134,6 +136,8 @@ class FMModel:
         for t in msg.dense.tensors:
             current = self.dense_params.get(t.name)
             value = np.frombuffer(t.values, dtype="<f4").reshape(tuple(t.shape))
+            if not np.isfinite(value).all():
+                raise DeltaRejected("non_finite", f"dense {t.name}: not finite (version {msg.version})")
             if current is None:
                 raise DeltaRejected("unknown_table", f"no dense tensor {t.name!r}")
             if current.shape != value.shape:

@@ -68,7 +68,8 @@ DELTAS_SKIPPED = Counter(
     "driftline_serving_deltas_skipped_total",
     "Parameter-delta chunks ignored, by reason (stale: older than the snapshot; other_model; "
     "unknown_table; bad_shape; bad_sample_rate; bad_shard: a shard outside its shard_count; "
-    "wrong_shard: rows another shard owns).", ["reason"],
+    "wrong_shard: rows another shard owns; non_finite: a NaN or infinite value; failed: an error "
+    "while applying). All but stale and other_model are dead-lettered.", ["reason"],
 )
 FEATURE_STORE_SECONDS = Histogram(
     "driftline_serving_feature_store_seconds", "Redis feature-store round trip, by operation.",

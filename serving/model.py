@@ -226,6 +226,14 @@ class TrainerModel:
         return pooler
 
     def apply_delta(self, msg: ParameterDelta) -> str:
+        from trainer.sync import NonFiniteDelta
+
+        try:
+            return self._apply_delta(msg)
+        except NonFiniteDelta as err:  # checked before anything is written: the last good model stays
+            raise DeltaRejected("non_finite", str(err)) from None
+
+    def _apply_delta(self, msg: ParameterDelta) -> str:
         from trainer.sync import apply_delta, decode_dense
 
         if msg.model_id != self.model_id:
@@ -242,8 +250,9 @@ class TrainerModel:
             self.sparse.done(msg)
         elif kind == "dense":
             rates = delta_sample_rates(msg, self.sample_rates)
+            state = decode_dense(msg)
             try:
-                self.scorer.load_dense(decode_dense(msg))
+                self.scorer.load_dense(state)
             except (RuntimeError, ValueError, KeyError) as err:
                 raise DeltaRejected("bad_shape", f"dense parameters do not fit the head: {err}") from None
             self.sample_rates = rates

@@ -31,7 +31,7 @@ from aiokafka.errors import KafkaError
 from services.settings import Settings
 
 from . import metrics as M
-from .sync import encode_dense, encode_sparse_tables
+from .sync import NonFiniteDelta, encode_dense, encode_sparse_tables
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +82,13 @@ class Publisher:
     async def sync_sparse(self, tables: dict, max_event_time_ms: int) -> int:
         """Publish the touched rows of ``tables`` as one version; the bytes published."""
         t0 = time.perf_counter()
-        msgs = encode_sparse_tables(self.model_id, self.sparse_version + 1, tables,
-                                    max_event_time_ms=max_event_time_ms, shard=self.shard,
-                                    shard_count=self.shard_count)
+        try:
+            msgs = encode_sparse_tables(self.model_id, self.sparse_version + 1, tables,
+                                        max_event_time_ms=max_event_time_ms, shard=self.shard,
+                                        shard_count=self.shard_count)
+        except NonFiniteDelta as err:  # the PS refuses non-finite gradients: a bug if it happens
+            self._refused("sparse", err)
+            return 0
         if self.keep_last_sync_copy:
             self.last_sync_tables = {n: t.items() for n, t in tables.items()}
         if not msgs:
@@ -120,13 +124,23 @@ class Publisher:
         """Publish the dense params (``head``) as one version, with the negative sample rates the model
         learned under (:mod:`trainer.sample_rates`: serving's log-odds correction uses them)."""
         t0 = time.perf_counter()
+        try:
+            m = encode_dense(self.model_id, self.dense_version + 1, head, max_event_time_ms=max_event_time_ms,
+                             sample_rates=sample_rates)
+        except NonFiniteDelta as err:  # the step refuses non-finite gradients: a bug if it happens
+            self._refused("dense", err)
+            return
         self.dense_version += 1
-        m = encode_dense(self.model_id, self.dense_version, head, max_event_time_ms=max_event_time_ms,
-                         sample_rates=sample_rates)
         data = m.SerializeToString()
         self.param_deltas_offset = await self._publish([(f"{self.model_id}/dense".encode(), data)])
         M.SYNC_BYTES.labels(self.model_id, "dense").observe(len(data))
         M.SYNC_SECONDS.labels(self.model_id, "dense").observe(time.perf_counter() - t0)
+
+    def _refused(self, kind: str, err: NonFiniteDelta) -> None:
+        """Serving keeps the last good parameters: the rows of a refused sparse version stay
+        unpublished until they are touched again, a refused dense version waits for the next."""
+        M.NON_FINITE_DELTAS.labels(self.model_id, kind).inc()
+        log.error("not publishing a %s version with non-finite values: %s", kind, err)
 
     async def _publish(self, records: list[tuple[bytes, bytes]]) -> int:
         """Send ``(key, value)`` records to ``param-deltas`` (partition 0, in order); the offset

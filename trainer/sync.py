@@ -10,6 +10,14 @@ Serving imports these; nothing here touches Kafka.
 >>> table, keys, values, tomb = decode_sparse(msg)
 >>> table, keys.tolist(), values.shape, tomb.tolist()
 ('item', [5, 9], (2, 3), [7])
+
+Non-finite values are neither sent nor taken (one NaN weight turns every score into NaN):
+
+>>> bad = SyncChunk(c.keys, np.array([[1, 2, 3], [np.nan, 0, 0]], np.float32), np.zeros(2, np.int64), c.tombstones)
+>>> encode_sparse("m", 4, "item", 3, bad)
+Traceback (most recent call last):
+...
+trainer.sync.NonFiniteDelta: item: 1 of 2 rows not finite (version 4)
 """
 
 from __future__ import annotations
@@ -28,6 +36,17 @@ from ps import EmbeddingTable, SyncChunk
 MAX_MESSAGE_BYTES = 768 * 1024
 
 
+class NonFiniteDelta(ValueError):
+    """A delta with a NaN or infinite value: the trainer does not publish it, serving does not apply it."""
+
+
+def _check_finite(what: str, values: np.ndarray, version: int) -> None:
+    if not np.isfinite(values).all():
+        rows = values.reshape(values.shape[0], -1) if values.ndim and values.shape[0] else values.reshape(1, -1)
+        bad = int((~np.isfinite(rows)).any(axis=1).sum())
+        raise NonFiniteDelta(f"{what}: {bad} of {rows.shape[0]} rows not finite (version {version})")
+
+
 def rows_per_chunk(dim: int, max_bytes: int = MAX_MESSAGE_BYTES) -> int:
     return max(1, max_bytes // (dim * 4 + 8))
 
@@ -38,6 +57,7 @@ def encode_sparse(model_id: str, version: int, table: str, dim: int, chunk: Sync
     keys = np.ascontiguousarray(chunk.keys, "<i8")
     values = np.ascontiguousarray(chunk.values, "<f4").reshape(keys.size, dim)
     tomb = np.ascontiguousarray(chunk.tombstones, "<i8")
+    _check_finite(table, values, version)
     return ParameterDelta(
         model_id=model_id, version=version, chunk_index=chunk_index, chunk_count=chunk_count,
         created_at_ms=int(time.time() * 1000) if created_at_ms is None else created_at_ms,
@@ -53,6 +73,7 @@ def decode_sparse(msg: ParameterDelta) -> tuple[str, np.ndarray, np.ndarray, np.
     values = np.frombuffer(s.values, "<f4").reshape(keys.size, s.dim) if s.dim else np.empty((0, 0), np.float32)
     if values.shape[0] != keys.size:
         raise ValueError(f"{s.table}: {keys.size} keys but {values.shape[0]} rows")
+    _check_finite(s.table, values, msg.version)
     return s.table, keys, values, np.frombuffer(s.tombstones, "<i8")
 
 
@@ -99,6 +120,7 @@ def encode_dense(model_id: str, version: int, state: dict[str, torch.Tensor] | t
     tensors = []
     for name, t in state.items():
         a = t.detach().to(torch.float32).contiguous().numpy()
+        _check_finite(f"dense {name}", a, version)
         tensors.append(Tensor(name=name, shape=list(a.shape), values=a.astype("<f4").tobytes()))
     return ParameterDelta(model_id=model_id, version=version, chunk_index=0, chunk_count=1,
                           created_at_ms=int(time.time() * 1000) if created_at_ms is None else created_at_ms,
@@ -109,9 +131,14 @@ def encode_dense(model_id: str, version: int, state: dict[str, torch.Tensor] | t
 
 
 def decode_dense(msg: ParameterDelta) -> dict[str, torch.Tensor]:
-    """A torch state_dict (float32, owned copies) for ``DenseHead.load_state_dict`` / ``Scorer.load_dense``."""
-    return {t.name: torch.from_numpy(np.frombuffer(t.values, "<f4").reshape(tuple(t.shape)).copy())
-            for t in msg.dense.tensors}
+    """A torch state_dict (float32, owned copies) for ``DenseHead.load_state_dict`` / ``Scorer.load_dense``;
+    raises :class:`NonFiniteDelta` when a value is NaN or infinite."""
+    state = {}
+    for t in msg.dense.tensors:
+        a = np.frombuffer(t.values, "<f4").reshape(tuple(t.shape))
+        _check_finite(f"dense {t.name}", a, msg.version)
+        state[t.name] = torch.from_numpy(a.copy())
+    return state
 
 
 def complete_versions(msgs: Iterable[ParameterDelta]) -> Iterator[list[ParameterDelta]]:

@@ -15,11 +15,11 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from proto import ParameterDelta
+from proto import DeadLetter, ParameterDelta
 from proto.parameter_delta_pb2 import DenseParameters, SampleRates, SparseRows, Tensor
 from serving.feature_store import FeatureStore
 from services.ports import free_port
-from services.kafka import create_topics, producer, start_client
+from services.kafka import TypedConsumer, create_topics, producer, start_client
 from services.settings import Settings
 
 USERS = {1: {"user_id": [1], "gender": [11], "age": [25]}, 2: {"user_id": [2], "gender": [12], "age": [35]}}
@@ -139,3 +139,15 @@ async def read_keys(settings: Settings, topic: str, want: set[str], timeout: flo
     finally:
         await consumer.stop()
     return seen
+
+
+async def dead_letters(settings: Settings, n: int, timeout: float = 20.0) -> list[DeadLetter]:
+    """The first ``n`` records on the dead-letter topic (fewer when ``timeout`` passes first)."""
+    consumer: TypedConsumer[DeadLetter] = TypedConsumer(settings, "test", DeadLetter,
+                                                        [settings.topics.dead_letters], None)
+    out: list[DeadLetter] = []
+    async with consumer:
+        deadline = time.monotonic() + timeout
+        while len(out) < n and time.monotonic() < deadline:
+            out += [r.value for r in await consumer.poll(timeout_ms=300)]
+    return out

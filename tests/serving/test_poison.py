@@ -8,27 +8,16 @@ import time
 
 import numpy as np
 
-from proto import Action, DeadLetter, ParameterDelta
+from proto import Action, ParameterDelta
 from proto.parameter_delta_pb2 import DenseParameters, Tensor
 from serving.deltas import DeltaFeed
 from serving.feature_store import FeatureStore
 from serving.fm_model import FMModel
 from serving.realtime import RecentClicks
-from services.kafka import TypedConsumer, create_topics, producer, start_client
+from services.kafka import create_topics, producer, start_client
 from services.settings import Settings
 
-from serving_helpers import dense_delta, publish, sparse_delta
-
-
-async def _dead_letters(settings: Settings, n: int, timeout: float = 20.0) -> list[DeadLetter]:
-    consumer: TypedConsumer[DeadLetter] = TypedConsumer(settings, "test", DeadLetter,
-                                                        [settings.topics.dead_letters], None)
-    out: list[DeadLetter] = []
-    async with consumer:
-        deadline = time.monotonic() + timeout
-        while len(out) < n and time.monotonic() < deadline:
-            out += [r.value for r in await consumer.poll(timeout_ms=300)]
-    return out
+from serving_helpers import dead_letters, dense_delta, publish, sparse_delta
 
 
 async def test_a_delta_that_fails_to_apply_is_dead_lettered(settings: Settings) -> None:
@@ -49,7 +38,7 @@ async def test_a_delta_that_fails_to_apply_is_dead_lettered(settings: Settings) 
         assert feed.failed == 1 and float(feed.model.dense_params["bias"][0]) == 0.5
     finally:
         await feed.stop()
-    [letter] = await _dead_letters(settings, 1)
+    [letter] = await dead_letters(settings, 1)
     assert letter.source_topic == settings.topics.param_deltas and letter.offset == 0
     assert letter.reason.startswith("failed: ValueError") and letter.value == poison.SerializeToString()
 
@@ -90,5 +79,5 @@ async def test_a_click_redis_refuses_is_dead_lettered(serving_settings: Settings
     finally:
         await reader.stop()
         await store.close()
-    [letter] = await _dead_letters(settings, 1)
+    [letter] = await dead_letters(settings, 1)
     assert letter.key == b"poison" and "WRONGTYPE" in letter.reason and letter.reason.startswith("failed:")

@@ -7,7 +7,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
+import torch
 
+from proto import ParameterDelta
 from serving.deltas import DeltaFeed
 from serving.model import TrainerModel, parameters
 from services.settings import Settings
@@ -15,9 +18,9 @@ from trainer import snapshots
 from trainer.batch import SparseBatch
 from trainer.config import deepfm_config
 from trainer.model import SparseModel
-from trainer.sync import encode_dense, encode_sparse_tables
+from trainer.sync import NonFiniteDelta, encode_dense, encode_sparse_tables
 
-from serving_helpers import publish
+from serving_helpers import dead_letters, publish
 
 
 def _rows(rng: np.random.Generator, n: int) -> list[dict[str, list[int]]]:
@@ -92,3 +95,53 @@ async def test_trainer_deltas_and_snapshot_bootstrap(settings: Settings, tmp_pat
     assert b.skipped == 0  # it started at the snapshot's offset: nothing re-read
     await a.stop()
     await b.stop()
+
+
+def _poisoned(msg: ParameterDelta) -> ParameterDelta:
+    """``msg`` with its first value NaN, as a foreign or broken producer would send it (the
+    trainer's own encoder refuses to)."""
+    poisoned = ParameterDelta()
+    poisoned.CopyFrom(msg)
+    payload = poisoned.dense.tensors[0] if msg.HasField("dense") else poisoned.sparse
+    values = np.frombuffer(payload.values, "<f4").copy()
+    values[0] = np.nan
+    payload.values = values.tobytes()
+    return poisoned
+
+
+async def test_a_nan_delta_is_refused_dead_lettered_once_and_the_last_good_model_serves(
+        settings: Settings) -> None:
+    cfg = deepfm_config(dim=4, mlp=[8])
+    rng = np.random.default_rng(6)
+    trainer = SparseModel(cfg, train=True)
+    _train(trainer, rng, 5, 1_700_000_000_000)
+    good = [m for _t, m in encode_sparse_tables(cfg.model_id, 1, trainer.tables)]
+    good.append(encode_dense(cfg.model_id, 1, trainer.head))
+    user, items = {"user_id": [3], "gender": [1]}, [{"item_id": [i], "genres": [1, 2]} for i in range(1, 40)]
+    want = trainer.predict(SparseBatch.from_slot_dicts([{**user, **i} for i in items], slots=cfg.all_slots))
+    with pytest.raises(NonFiniteDelta):  # the trainer never publishes one
+        encode_dense(cfg.model_id, 2, {"w": torch.tensor([1.0, float("nan")])})
+    bad_sparse = _poisoned(next(m for _t, m in encode_sparse_tables(cfg.model_id, 2, _trained(trainer, rng))))
+    bad_dense = _poisoned(encode_dense(cfg.model_id, 2, trainer.head))
+    await publish(settings, [*good, bad_sparse, bad_dense])
+    for restart in range(2):  # a restart re-reads the refused records: they are not dead-lettered again
+        feed = DeltaFeed(settings, TrainerModel(config=cfg), retry_s=0.2)
+        feed.start()
+        try:
+            await _until([feed], 1, 1)
+            deadline = time.monotonic() + 20
+            while feed.skipped < 2:
+                assert time.monotonic() < deadline, feed.skipped
+                await asyncio.sleep(0.05)
+            assert (feed.model.sparse.version, feed.model.dense.version) == (1, 1)
+            np.testing.assert_allclose(feed.model.score(user, items), want, rtol=1e-6)
+        finally:
+            await feed.stop()
+    letters = await dead_letters(settings, 3, timeout=5.0)
+    assert sorted(letter.offset for letter in letters) == [len(good), len(good) + 1], letters
+    assert all(letter.reason.startswith("refused: non_finite") for letter in letters), letters
+
+
+def _trained(model: SparseModel, rng: np.random.Generator) -> dict:
+    _train(model, rng, 2, 1_700_000_100_000)
+    return model.tables

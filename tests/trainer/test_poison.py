@@ -117,3 +117,22 @@ async def test_poison_records_are_dead_lettered_and_training_goes_on(settings):
     man = snapshots.read_manifest(tr.snapshot_root)
     assert man["examples_applied"] == N and sum(man["offsets"].values()) == records  # moved past them
     assert man["next_snapshot_at"] < now  # periodic snapshots still come due
+
+
+
+async def test_the_publisher_refuses_non_finite_parameters(tmp_path) -> None:
+    """A NaN in the head (a bug: the step refuses non-finite gradients) is never published: nothing
+    is sent, the version does not move, the refusal is counted; serving keeps its model. (The PS
+    refuses non-finite rows itself; ``encode_sparse`` refuses them too: its doctest.)"""
+    from services.settings import Settings
+    from trainer import metrics as M
+    from trainer.publisher import Publisher
+
+    publisher = Publisher(Settings(var_dir=tmp_path), "m", lambda _stage, _s: None)  # no producer: nothing can be sent
+    before = M.NON_FINITE_DELTAS.labels("m", "dense")._value.get()
+    head = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        head.bias.fill_(float("nan"))
+    await publisher.sync_dense(head, 0, {"global": 1.0, "slices": {}})
+    assert publisher.dense_version == 0
+    assert M.NON_FINITE_DELTAS.labels("m", "dense")._value.get() == before + 1

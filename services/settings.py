@@ -277,6 +277,13 @@ class ServingSettings(BaseModel):
     # Embedding dimension of the built-in FM model.
     embedding_dim: int = 8
     redis_prefix: str = "driftline"
+    # The feature store's connection pool, per process: at most feature_store_connections
+    # connections; a /rank that finds none free waits up to feature_store_wait_s for one. A /rank
+    # whose features cannot be read (Redis down, or this wait exhausted under overload) is a 503
+    # with Retry-After, never an answer scored on default features, unless the request says
+    # allow_default_features.
+    feature_store_connections: int = Field(default=100, ge=1)
+    feature_store_wait_s: float = Field(default=1.0, gt=0)
     # A /rank naming a feature the model does not read: "reject" (a 422 naming it) or "ignore"
     # (dropped before scoring and logging, counted in driftline_serving_unknown_features_total).
     unknown_features: str = "reject"

@@ -4,8 +4,12 @@ Unknown users are **scored with default features** (cold start is normal traffic
 the response says ``user_known: false`` and ``driftline_serving_unknown_users_total`` counts them.
 Unknown items likewise get only their ``item_id`` slot, and ids the PS has not admitted read as
 the table default. Serving adds and logs only the features the served model declares
-(:mod:`serving.request_features`): a request naming another is a 422 that names it. If Redis fails, ranking still answers with default features and the
-``X-Driftline-Degraded: feature-store`` header. Bad input is a 422 with the offending field;
+(:mod:`serving.request_features`): a request naming another is a 422 that names it. If the
+feature store cannot answer in time (Redis away, or every pooled connection busy past
+``serving.feature_store_wait_s`` under overload), ``/rank`` is a 503 with ``Retry-After``: an
+answer scored on default features would be a wrong one. A request with ``allow_default_features``
+gets that answer instead, with the ``X-Driftline-Degraded: feature-store`` header, and its feature
+log is not written (those features are not what the user saw: not training data). Bad input is a 422 with the offending field;
 an event time outside ``[now - event_time.max_past_s, now + event_time.max_future_s]`` is bad input.
 
 A 200 from ``/rank`` means its feature log is in the local spool and survives a ``kill -9``
@@ -58,6 +62,7 @@ from serving.schemas import (ActionsRequest, ActionsResponse, Health, ModelVersi
                              RankRequest, RankResponse, Readiness, SampleRateOut)
 from services.spool import SpoolError, SpoolFull
 from services.codecs import event_time_error
+from services.log import Throttled
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -88,7 +93,11 @@ class Serving:
             self.model = FMModel(dim=options.embedding_dim, model_id=options.model_id)
         else:
             self.model = TrainerModel(settings.serving_model)
-        self.store = FeatureStore(settings.redis, options.redis_prefix, options.recent_clicks)
+        self.store = FeatureStore(settings.redis, options.redis_prefix, options.recent_clicks,
+                                  max_connections=options.feature_store_connections,
+                                  wait_s=options.feature_store_wait_s)
+        #: warnings a request can trigger (an overload or an outage would log every request)
+        self.log_limited = Throttled(log)
         self.epochs = SharedEpoch(settings)
         self.feature_log = FeatureLogger(settings, self.epochs)
         self.log_encoder = FeatureLogEncoder()
@@ -247,7 +256,7 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
                          422: {"description": "Invalid request (empty/oversize candidates, wrong types, "
                                               "event time out of range, a feature the model does not "
                                               "declare, a dense feature it reads missing)"},
-                         503: {"description": "No model loaded yet, or the feature-log spool is full "
+                         503: {"description": "No model loaded yet, the feature store could not answer in time, or the feature-log spool is full "
                                               "(with Retry-After)"}})
     async def rank(body: RankRequest, request: Request, response: Response) -> Response:
         s = serving_of(request)
@@ -267,7 +276,11 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         try:
             feats = await s.store.fetch(body.user_id, item_ids)
         except FeatureStoreError as err:
-            log.warning("%s; scoring with default features", err)
+            if not body.allow_default_features:  # overload or Redis away: an error, not a wrong answer
+                metrics.FEATURE_STORE_REFUSED.inc()
+                s.log_limited.warning("%s: 503", err)
+                raise HTTPException(503, f"{err}: retry later", headers={"Retry-After": "1"}) from None
+            s.log_limited.warning("%s; scoring with default features (asked for), not logged", err)
             degraded = True
             feats = RankFeatures(None, [], [None] * n)
         user_known = feats.user is not None
@@ -294,12 +307,14 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         encoded = s.log_encoder.encode(request_id, event_time_ms, body.user_id, context, mv, item_ids, keys,
                                        item_slots, scores.tolist(), _own(cands, featured, "dense") if featured else None)
         try:
-            s.feature_log.submit(request_id, encoded)
+            if not degraded:  # default features are not what this user saw: never training data
+                s.feature_log.submit(request_id, encoded)
         except FeatureLogTooLarge as err:
             raise HTTPException(413, str(err)) from None
         except SpoolFull as err:
             # Kafka has been away long enough to fill the spool: a 200 now would be an impression
             # nobody can join. The client retries later (or another replica takes it).
+            s.log_limited.warning("%s: 503", err)
             raise HTTPException(503, f"{err}: retry later", headers={
                 "Retry-After": str(max(1, math.ceil(s.options.kafka_retry_s)))}) from None
         except SpoolError as err:

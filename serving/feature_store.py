@@ -74,8 +74,14 @@ class FeatureStore:
     """Async access to the feature store (one connection pool per process)."""
 
     def __init__(self, url: str, prefix: str = "driftline", recent_clicks: int = 20,
-                 timeout_s: float = 1.0) -> None:
-        self.redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+                 timeout_s: float = 1.0, max_connections: int = 100, wait_s: float | None = None) -> None:
+        # A blocking pool: past max_connections a call waits for a free connection (up to wait_s,
+        # default timeout_s) and then fails as one FeatureStoreError; redis-py's default pool
+        # raised "Too many connections" at once, and /rank scored those requests on defaults.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout_s if wait_s is None else wait_s,
+            socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.redis = aioredis.Redis.from_pool(pool)
         self.prefix = prefix
         self.recent_clicks = recent_clicks
         #: raw item value -> decoded slots (item features change rarely; the key is the value)

@@ -129,6 +129,10 @@ UNKNOWN_FEATURES = Counter(
     "Features a /rank named that the model does not read, dropped (serving.unknown_features = "
     "ignore), by kind (sparse/dense).", ["kind"],
 )
+FEATURE_STORE_REFUSED = Counter(
+    "driftline_serving_feature_store_unavailable_total",
+    "/rank requests answered 503 because the feature store could not answer in time (down or overloaded)."
+)
 UNKNOWN_USERS = Counter(
     "driftline_serving_unknown_users_total", "/rank requests for users absent from the feature store."
 )

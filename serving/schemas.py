@@ -57,6 +57,10 @@ class RankRequest(_Strict):
         None, description="Unix milliseconds the request happened at (a replay's data time); now when "
                           "absent. Outside [now - event_time.max_past_s, now + event_time.max_future_s]: 422.")
     context: FeaturesIn | None = Field(None, description="Request features shared by every candidate.")
+    allow_default_features: bool = Field(
+        False, description="When the feature store cannot answer in time: score with default features "
+                           "(a 200 with the X-Driftline-Degraded header, its feature log not written, so "
+                           "its actions join nothing) instead of a 503 with Retry-After.")
     candidates: list[CandidateIn] = Field(
         ..., min_length=1, max_length=SCHEMA_MAX_CANDIDATES,
         description="Items to rank (at most the configured max_candidates, 1000 by default).",

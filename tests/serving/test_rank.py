@@ -205,3 +205,42 @@ def test_not_ready_without_model(serving_settings: Settings, filled_store: Setti
     assert health.status_code == 200
     assert ready.status_code == 503 and ready.json()["model_loaded"] is False
     assert rank.status_code == 503 and "no model loaded" in rank.json()["message"]
+
+
+def test_feature_store_down_is_a_503_unless_defaults_are_asked_for(filled_store: Settings,
+                                                                    serving_settings: Settings) -> None:
+    """Redis unreachable: /rank is a 503 with Retry-After, not an answer on default features; with
+    allow_default_features it is a 200 marked degraded whose feature log is not written."""
+    from services.ports import free_port
+
+    down = filled_store.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"})
+    app = create_app(down.updated(serving=dict(feature_store_wait_s=0.2)))
+    with running(app) as base:
+        wait_ready(base)
+        r = httpx.post(f"{base}/rank", json=rank_body(request_id="refused"), timeout=10)
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1, r.text
+        assert "feature store" in r.json()["message"]
+        r = httpx.post(f"{base}/rank", json=rank_body(request_id="degraded", allow_default_features=True), timeout=10)
+        assert r.status_code == 200 and r.headers["X-Driftline-Degraded"] == "feature-store", r.text
+        assert httpx.get(f"{base}/readyz").json()["feature_log_buffered"] == 0
+        assert "driftline_serving_feature_store_unavailable_total 1.0" in httpx.get(f"{base}/metrics").text
+    assert not asyncio.run(read_feature_logs(serving_settings, 1, timeout=3))
+
+
+def test_overload_is_503s_never_answers_on_default_features(filled_store: Settings) -> None:
+    """500 concurrent /rank on a pool of 4 Redis connections: each answer is a 200 scored with the
+    user's stored features or a 503 with Retry-After; none on default features."""
+    app = create_app(filled_store.updated(serving=dict(feature_store_connections=4, feature_store_wait_s=0.05)))
+
+    async def burst(base: str) -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=base, timeout=60, limits=httpx.Limits(max_connections=500)) as c:
+            return await asyncio.gather(*(c.post("/rank", json=rank_body()) for _ in range(500)))
+
+    with running(app) as base:
+        wait_ready(base)
+        answers = asyncio.run(burst(base))
+    codes = {r.status_code for r in answers}
+    assert codes <= {200, 503}, codes
+    ok = [r for r in answers if r.status_code == 200]
+    assert ok and all(r.json()["user_known"] and "X-Driftline-Degraded" not in r.headers for r in ok)
+    assert all(int(r.headers["Retry-After"]) >= 1 for r in answers if r.status_code == 503)

@@ -284,6 +284,10 @@ class ServingSettings(BaseModel):
     # allow_default_features.
     feature_store_connections: int = Field(default=100, ge=1)
     feature_store_wait_s: float = Field(default=1.0, gt=0)
+    # A /rank or action without event_time_ms gets the newest event time a request of this
+    # process carried within the last event_clock_s of wall time (a replay's data time), else
+    # now: it cannot move the joiner's watermarks past the traffic's own (serving/event_clock.py).
+    event_clock_s: float = Field(default=300.0, ge=0)
     # A /rank naming a feature the model does not read: "reject" (a 422 naming it) or "ignore"
     # (dropped before scoring and logging, counted in driftline_serving_unknown_features_total).
     unknown_features: str = "reject"

@@ -49,6 +49,7 @@ from serving import metrics, replica_metrics
 from serving.correction import correct
 from serving.broker_epoch import SharedEpoch
 from serving.deltas import DeltaFeed
+from serving.event_clock import EventClock
 from serving.feature_log import FeatureLogEncoder, FeatureLogger, FeatureLogTooLarge, features_message
 from serving.feature_store import FeatureStore, FeatureStoreError, RankFeatures
 from serving.fm_model import FMModel
@@ -98,6 +99,7 @@ class Serving:
                                   wait_s=options.feature_store_wait_s)
         #: warnings a request can trigger (an overload or an outage would log every request)
         self.log_limited = Throttled(log)
+        self.event_clock = EventClock(options.event_clock_s)
         self.epochs = SharedEpoch(settings)
         self.feature_log = FeatureLogger(settings, self.epochs)
         self.log_encoder = FeatureLogEncoder()
@@ -137,13 +139,15 @@ class Serving:
         await self.store.close()
 
     def event_time(self, field: str, event_time_ms: int | None, now_ms: int) -> int:
-        """The request's event time (now when absent); a 422 naming ``field`` when out of range."""
+        """The request's event time (when absent: :class:`serving.event_clock.EventClock`'s, the
+        traffic's own or now); a 422 naming ``field`` when out of range."""
         if event_time_ms is None:
-            return now_ms
+            return self.event_clock.stamp(None, now_ms)
         bounds = self.settings.event_time
         error = event_time_error(event_time_ms, now_ms, bounds.max_past_s, bounds.max_future_s)
         if error is not None:
             raise HTTPException(422, f"{field}: {error}")
+        self.event_clock.observe(event_time_ms, now_ms)
         return event_time_ms
 
 

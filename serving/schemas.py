@@ -54,8 +54,9 @@ class RankRequest(_Strict):
     user_id: Id = Field(0, description="0 = no user (traffic without users). Serving adds a user_id "
                                        "slot for a user the store does not know only if the model reads one.")
     event_time_ms: Annotated[int, Field(gt=0, le=INT64_MAX)] | None = Field(
-        None, description="Unix milliseconds the request happened at (a replay's data time); now when "
-                          "absent. Outside [now - event_time.max_past_s, now + event_time.max_future_s]: 422.")
+        None, description="Unix milliseconds the request happened at (a replay's data time). When absent: "
+                          "the newest event time recent requests carried (serving.event_clock_s), else now. "
+                          "Outside [now - event_time.max_past_s, now + event_time.max_future_s]: 422.")
     context: FeaturesIn | None = Field(None, description="Request features shared by every candidate.")
     allow_default_features: bool = Field(
         False, description="When the feature store cannot answer in time: score with default features "
@@ -112,7 +113,8 @@ class ActionIn(_Strict):
     action_type: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
     user_id: Id = Field(0, description="0 = unknown.")
     event_time_ms: Annotated[int, Field(gt=0, le=INT64_MAX)] | None = Field(
-        None, description="Unix milliseconds; now when absent. Outside [now - event_time.max_past_s, "
+        None, description="Unix milliseconds. When absent: the newest event time recent requests carried "
+                          "(serving.event_clock_s), else now. Outside [now - event_time.max_past_s, "
                           "now + event_time.max_future_s]: 422."
     )
 

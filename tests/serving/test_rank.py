@@ -244,3 +244,19 @@ def test_overload_is_503s_never_answers_on_default_features(filled_store: Settin
     ok = [r for r in answers if r.status_code == 200]
     assert ok and all(r.json()["user_known"] and "X-Driftline-Degraded" not in r.headers for r in ok)
     assert all(int(r.headers["Retry-After"]) >= 1 for r in answers if r.status_code == 503)
+
+
+def test_a_request_without_event_time_takes_the_traffics_clock(filled_store: Settings,
+                                                               serving_settings: Settings) -> None:
+    """Beside a replay of the year 2000, a request and an action without event_time_ms are stamped
+    with the replay's time, not the wall clock: they cannot move a joiner watermark years ahead."""
+    year_2000 = 946_684_800_000
+    app = create_app(filled_store.updated(event_time=dict(max_past_s=40 * 365 * 86400)))
+    with running(app) as base:
+        wait_ready(base)
+        r = httpx.post(f"{base}/rank", json=rank_body(request_id="replayed", event_time_ms=year_2000), timeout=10)
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{base}/rank", json=rank_body(request_id="curl"), timeout=10)
+        assert r.status_code == 200, r.text
+    logs = {m.request_id: m for m in asyncio.run(read_feature_logs(serving_settings, 2))}
+    assert logs["replayed"].event_time_ms == logs["curl"].event_time_ms == year_2000

@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -95,17 +96,29 @@ class Supervisor:
         return self.log_dir / f"{name}.log"
 
     def _spawn(self, spec: ServiceSpec) -> subprocess.Popen:
+        """Start ``spec`` with its output appended to its log; where the log cannot be written
+        (a full disk), to this process's stderr instead: a failed log write never stops a service
+        from starting, nor the supervisor (issue: a full disk used to take the whole stack down)."""
         path = self.log_path(spec.name)
-        out = open(path, "ab", buffering=0)  # noqa: SIM115 - the child owns it from here
-        out.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {' '.join(spec.argv)}\n".encode())
+        header = f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {' '.join(spec.argv)}\n".encode()
+        out = None
+        try:
+            out = open(path, "ab", buffering=0)  # noqa: SIM115 - the child owns it from here
+            out.write(header)
+        except OSError as err:
+            if out is not None:
+                out.close()
+                out = None
+            log.warning("cannot write %s (%s): %s writes to this terminal until its next start", path, err, spec.name)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
         try:
             return subprocess.Popen(
-                list(spec.argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, preexec_fn=_die_with_parent, close_fds=True,
+                list(spec.argv), stdout=out if out is not None else sys.stderr, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent, close_fds=True,
             )
         finally:
-            out.close()
+            if out is not None:
+                out.close()
 
     def start(self, spec: ServiceSpec) -> None:
         """Start a service and wait until it is ready (or its ready check times out)."""
@@ -171,7 +184,13 @@ class Supervisor:
             self._write_state()
             if self._stopping.wait(backoff):
                 return
-            proc = self._spawn(r.spec)
+            try:
+                proc = self._spawn(r.spec)
+            except OSError as err:  # no memory or no process slot now: try again at the next poll
+                log.error("restarting %s failed (%s); trying again", name, err)
+                with self._lock:
+                    self.running[name] = _Running(r.spec, r.proc, r.log_path, time.monotonic(), restarts)
+                continue
             with self._lock:
                 self.running[name] = _Running(r.spec, proc, r.log_path, time.monotonic(), restarts)
             self._write_state()

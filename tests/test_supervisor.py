@@ -129,3 +129,22 @@ def test_restart_hook_runs_once_the_restarted_service_is_ready(tmp_path: Path) -
         time.sleep(0.05)
     sup.stop_all(grace_s=5)
     assert calls, "the restart hook never ran"
+
+
+def test_a_log_it_cannot_write_neither_stops_a_service_nor_the_supervisor(tmp_path: Path, capfd) -> None:
+    """A full disk (the log is /dev/full: every write fails with ENOSPC): the crashing service is
+    still started and restarted, its output going to the supervisor's stderr."""
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    (log_dir / "crasher.log").symlink_to("/dev/full")
+    sup = Supervisor(log_dir, max_backoff_s=0.2)
+    sup.start(ServiceSpec("crasher", [sys.executable, "-c",
+                                      "import time; print('crasher says hi'); time.sleep(0.2); raise SystemExit(3)"]))
+    first_pid = sup.running["crasher"].proc.pid
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and sup.running["crasher"].proc.pid == first_pid:
+        sup.poll_once()
+        time.sleep(0.05)
+    assert sup.running["crasher"].proc.pid != first_pid, "not restarted"
+    sup.stop_all(grace_s=5)
+    assert "crasher says hi" in capfd.readouterr().err

@@ -49,6 +49,10 @@ BAD_EXAMPLES = Counter("driftline_joiner_bad_examples_total",
 
 CHANGELOG_BYTES = Counter("driftline_joiner_changelog_bytes_total",
                           "Key + value bytes written to the state changelog (uncompressed, acknowledged).")
+REROUTED = Counter("driftline_joiner_rerouted_total",
+                   "Input records found on another partition than murmur2 of their key (a producer with "
+                   "another partitioner, e.g. librdkafka's default), forwarded to that partition, by topic.",
+                   ["topic"])
 INPUT_GAPS = Counter("driftline_joiner_input_gaps_total",
                      "Input records the consumer went past unread: sought back and read (by input topic).", ["topic"])
 INPUT_UNREAD = Counter("driftline_joiner_input_offsets_unread_total",

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from aiokafka import TopicPartition
+from aiokafka.partitioner import murmur2
 
 from joiner import metrics as jm
 from joiner.core import JoinCore
@@ -179,6 +180,7 @@ class Worker:
         seek: dict[TopicPartition, int] = {}
         decoders = self.inputs.decoders
         actions, now = self.actions, time.monotonic()
+        forwards = []
         for m in fetched:
             p = m.partition  # type: ignore[attr-defined]
             if p not in owned:
@@ -193,6 +195,12 @@ class Worker:
                 continue
             self.gaps.pop(tp, None)
             part.next[tp] = m.offset + 1  # type: ignore[attr-defined]
+            home = self.home(m.key)  # type: ignore[attr-defined]
+            if home is not None and home != p:  # its request's other records are on partition ``home``: join it there
+                forwards.append(await self.prod.send(m.topic, m.value, key=m.key, partition=home))  # type: ignore[attr-defined]
+                jm.REROUTED.labels(m.topic).inc()  # type: ignore[attr-defined]
+                self.counts["rerouted"] += 1
+                continue
             batch = records.setdefault(p, [])
             try:
                 value = decoders[m.topic](m.value)  # type: ignore[attr-defined]
@@ -202,8 +210,8 @@ class Worker:
             if m.topic == actions:  # type: ignore[attr-defined]
                 part.last_action = now
             batch.append((m.topic, p, value, m.timestamp, m))  # type: ignore[attr-defined]
-        if rejects:
-            await asyncio.gather(*rejects)  # dead letters durable before their offsets are
+        if rejects or forwards:
+            await asyncio.gather(*rejects, *forwards)  # dead letters and forwards durable before their offsets are
         if not records:
             return seek
         self.timings.setdefault("loop_start", started)
@@ -213,6 +221,17 @@ class Worker:
         await self.commit([self.parts[p] for p in records], started)
         self.timings["last_batch_end"] = time.perf_counter()
         return seek
+
+    def home(self, key: bytes | None) -> int | None:
+        """The partition of ``key`` under aiokafka's (and the Java client's) default partitioner,
+        murmur2, where serving puts a request's feature log and its actions (None: no key, no
+        home). A record a producer with another partitioner put elsewhere would never meet its
+        request's other records: :meth:`process` forwards it to this partition, once its send is
+        acknowledged it commits past it (a crash in between sends it twice: the join counts the
+        copy as a duplicate)."""
+        if key is None:
+            return None
+        return (murmur2(key) & 0x7FFFFFFF) % self.settings.topics.partitions
 
     def _gap(self, tp: TopicPartition, expected: int, offset: int) -> bool:
         """A record at ``offset`` where ``expected`` is next: False to seek back to ``expected``

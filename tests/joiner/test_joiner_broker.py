@@ -155,3 +155,36 @@ async def test_a_consumer_started_past_the_state_is_sought_back_and_loses_nothin
     gaps = sum(_sample("driftline_joiner_input_gaps_total", {"topic": tp.topic}) for tp in tps[::t.partitions])
     assert gaps - gaps_before == len(tps), "each input partition was sought back once"
     assert not counts.get("input_offsets_unread")
+
+
+async def test_actions_another_partitioner_put_elsewhere_are_forwarded_and_join(settings: Settings) -> None:
+    """A producer whose partitioner is not murmur2 (librdkafka's default: CRC32) puts a click on
+    another partition than its request's feature log: the joiner forwards it to the feature log's
+    partition, where it joins as if it had been produced there."""
+    from aiokafka.partitioner import murmur2
+
+    from services.kafka import producer, start_client
+
+    events = ml_events(1000, start=60_000, seed=7)
+    n = settings.topics.partitions
+    await create_topics(settings)
+    await produce(settings, [e for e in events if e[0] == "features"])
+    p = producer(settings)
+    await start_client(p, settings)
+    try:
+        for kind, key, value in events:
+            if kind == "actions":  # every action one partition off its home
+                await p.send_and_wait(settings.topics.actions, value, key=key,
+                                      partition=((murmur2(key) & 0x7FFFFFFF) + 1) % n)
+    finally:
+        await p.stop()
+    rerouted = _sample("driftline_joiner_rerouted_total", {"topic": settings.topics.actions})
+    counts = await run(settings.updated(joiner=JOINER), until_idle_s=1.0)
+    n_actions = sum(1 for e in events if e[0] == "actions")
+    assert counts["rerouted"] == n_actions
+    assert _sample("driftline_joiner_rerouted_total", {"topic": settings.topics.actions}) - rerouted == n_actions
+    expected = ref_as_map(offline_join(events, CFG, n))
+    got = as_map(await read_examples(settings))
+    positives = {k for k, v in expected.items() if v[1] == 1.0}
+    joined = {k for k, v in got.items() if v[1] == 1.0}
+    assert len(positives) > 100 and joined == positives, (len(joined), len(positives), counts)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from driftline.embedded import check_port_free, redis_command, tansu_command, wait_for_port
 from driftline.supervisor import ServiceSpec, Supervisor
 from services.kafka import create_topics
-from services.ports import port_is_open
+from services.ports import http_answers, port_is_open
 from services.settings import Settings
 from services.tansu_quirks import ensure_broker_epoch
 
@@ -60,9 +60,23 @@ class AppService:
     settings_env: Callable[[Settings], dict[str, str]] = lambda s: {}
     #: part of the MovieLens demo only (not run for your own model)
     demo: bool = False
+    #: what the supervisor's liveness check GETs (None: the service's /metrics where it has a port)
+    alive_url: Callable[[Settings], str] | None = None
     #: environment for the demo and ``--model`` runs only: with a project file (``up --config``)
     #: the file decides these settings (the environment it was applied to carries them)
     legacy_env: Mapping[str, str] = field(default_factory=dict)
+
+
+def _alive_url(service: AppService, settings: Settings) -> str | None:
+    """What the supervisor's liveness check of ``service`` GETs (None: no check)."""
+    if service.blocking:
+        return None
+    if service.alive_url is not None:
+        return service.alive_url(settings)
+    if service.metrics_port is None:
+        return None
+    host = settings.metrics_host if settings.metrics_host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+    return f"http://{host}:{service.metrics_port(settings)}/metrics"
 
 
 def _serving_url(s: Settings) -> str:
@@ -91,10 +105,12 @@ APP_SERVICES: list[AppService] = [
     # joiner, dumper and trainer start too) and took 58-62 s on a loaded one: a busy laptop is no failure
     AppService("serving", ("serve", "--workers", "2"),  # one serving PS, two workers
                ready=lambda s: port_is_open(s.serving.host, s.serving.port), timeout_s=180.0,
+               alive_url=lambda s: f"{_serving_url(s)}/healthz",
                urls=lambda s: {"ranking API docs": f"{_serving_url(s)}/docs"},
                metrics_url=lambda s: f"{_serving_url(s)}/metrics"),
     AppService("status", ("status",),
                ready=lambda s: port_is_open(s.status.host, s.status.port),
+               alive_url=lambda s: f"http://{s.status.host}:{s.status.port}/healthz",
                urls=lambda s: {"status page": f"http://{s.status.host}:{s.status.port}/"}),
 ]
 
@@ -285,10 +301,13 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
                     metrics += [f":{port + r * stride} trainer rank {r}" for r in range(1, settings.trainer.nproc)]
             if service.metrics_url is not None:
                 metrics.insert(0, f"{service.metrics_url(settings)} ({service.name})")
+            alive = _alive_url(service, settings)
             supervisor.start(ServiceSpec(
                 service.name, _driftline(*service.args), env=env,
                 ready=(lambda r=ready: r(settings)) if ready else None,
                 oneshot=service.blocking, blocking=service.blocking, ready_timeout_s=service.timeout_s,
+                alive=(lambda u=alive: http_answers(u)) if alive else None,
+                liveness_timeout_s=settings.embedded.liveness_timeout_s,
             ))
             rows += list(service.urls(settings).items())
         if demo:

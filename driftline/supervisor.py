@@ -67,6 +67,12 @@ class ServiceSpec:
     infra: bool = False
     # Runs (in a thread) once a *restarted* process is ready: e.g. recreate a fresh broker's topics.
     on_restart: Callable[[], None] | None = None
+    # Liveness: True while the process does its work (answers HTTP within a bound, say; an open
+    # port is no proof: a stopped process's kernel still accepts connections). A process whose
+    # check has not passed for liveness_timeout_s since its start or its last pass is killed (-9)
+    # and restarted like a crashed one: a hung service is never left in place.
+    alive: Callable[[], bool] | None = None
+    liveness_timeout_s: float = 120.0
 
 
 @dataclass
@@ -76,6 +82,8 @@ class _Running:
     log_path: Path
     started_at: float
     restarts: int = 0  # quick exits in a row
+    last_alive: float = 0.0  # when its liveness check last passed (its start until then)
+    last_checked: float = 0.0
 
 
 class Supervisor:
@@ -90,6 +98,7 @@ class Supervisor:
         self._lock = threading.Lock()
         self.restarts: dict[str, int] = {}  # every restart, by service
         self.crash_loops: dict[str, int] = {}  # times a service reached CRASH_LOOP_EXITS quick exits
+        self.hung: dict[str, int] = {}  # times a service was killed for failing its liveness check
         self.state_path = log_dir.parent / "run" / "supervisor.json"
 
     def log_path(self, name: str) -> Path:
@@ -161,6 +170,8 @@ class Supervisor:
             items = list(self.running.items())
         for name, r in items:
             code = r.proc.poll()
+            if code is None and not self._stopping.is_set():
+                self._check_liveness(name, r)
             if code is None or self._stopping.is_set():
                 continue
             if r.spec.oneshot or not r.spec.restart:
@@ -198,6 +209,26 @@ class Supervisor:
                 threading.Thread(target=self._after_restart, args=(r.spec,), daemon=True,
                                  name=f"{name}-restarted").start()
 
+    def _check_liveness(self, name: str, r: _Running, every_s: float = 5.0) -> None:
+        if r.spec.alive is None:
+            return
+        now = time.monotonic()
+        if now - r.last_checked < every_s:
+            return
+        r.last_checked = now
+        if r.spec.alive():
+            r.last_alive = now
+            return
+        silent = now - max(r.last_alive, r.started_at)
+        if silent > r.spec.liveness_timeout_s:
+            log.error("%s (pid %d) failed its liveness check for %.0f s: killing it to restart it", name,
+                      r.proc.pid, silent)
+            self.hung[name] = self.hung.get(name, 0) + 1
+            try:
+                os.killpg(r.proc.pid, signal.SIGKILL)  # (a stopped process dies of it too)
+            except ProcessLookupError:
+                pass
+
     def _after_restart(self, spec: ServiceSpec) -> None:
         deadline = time.monotonic() + spec.ready_timeout_s
         while spec.ready is not None and not spec.ready():
@@ -215,7 +246,7 @@ class Supervisor:
         with self._lock:
             pids = {name: r.proc.pid for name, r in self.running.items()}
         state = {name: {"pid": pids.get(name), "restarts": self.restarts.get(name, 0),
-                        "crash_loops": self.crash_loops.get(name, 0)}
+                        "crash_loops": self.crash_loops.get(name, 0), "hung": self.hung.get(name, 0)}
                  for name in sorted(set(pids) | set(self.restarts))}
         try:
             self.state_path.parent.mkdir(parents=True, exist_ok=True)

@@ -27,3 +27,18 @@ def port_is_open(host: str, port: int, timeout: float = 0.2) -> bool:
             return True
     except OSError:
         return False
+
+
+def http_answers(url: str, timeout: float = 2.0) -> bool:
+    """Whether ``url`` answers an HTTP GET (any status) within ``timeout`` seconds: a liveness
+    check (a stopped process's port still accepts connections; only a running one answers)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):  # noqa: S310 - our own local endpoints
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (OSError, ValueError):
+        return False

@@ -89,6 +89,9 @@ class EmbeddedSettings(BaseModel):
     # Services started by `make up` export /metrics on consecutive ports from here.
     metrics_port_base: int = 9101
     start_timeout_s: float = 20.0
+    # A service whose liveness check (its /metrics or /healthz answering a GET within 2 s, every
+    # 5 s) has not passed for this long is killed and restarted: a hung process is not left in place.
+    liveness_timeout_s: float = Field(default=120.0, gt=0)
 
 
 class ReplaySettings(BaseModel):

@@ -148,3 +148,31 @@ def test_a_log_it_cannot_write_neither_stops_a_service_nor_the_supervisor(tmp_pa
     assert sup.running["crasher"].proc.pid != first_pid, "not restarted"
     sup.stop_all(grace_s=5)
     assert "crasher says hi" in capfd.readouterr().err
+
+
+def test_a_hung_service_is_killed_and_restarted(tmp_path: Path) -> None:
+    """SIGSTOP of a service that answers HTTP: its liveness check fails (the port still accepts
+    connections, nothing answers) and past the bound it is killed and restarted."""
+    import signal
+
+    from services.ports import free_port, http_answers
+
+    port = free_port()
+    spec = ServiceSpec("web", [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                       alive=lambda: http_answers(f"http://127.0.0.1:{port}/", timeout=0.5), liveness_timeout_s=2.0)
+    sup = Supervisor(tmp_path / "log", max_backoff_s=0.2)
+    sup.start(spec)
+    first = sup.running["web"].proc.pid
+    deadline = time.monotonic() + 10
+    while not http_answers(f"http://127.0.0.1:{port}/", timeout=0.5):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    os.kill(first, signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while sup.running["web"].proc.pid == first:
+        assert time.monotonic() < deadline, "a hung service was left in place"
+        sup.poll_once()
+        sup.running["web"].last_checked = 0.0  # (check at every poll here, not every 5 s)
+        time.sleep(0.1)
+    assert sup.hung == {"web": 1}
+    sup.stop_all(grace_s=5)

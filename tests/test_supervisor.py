@@ -30,12 +30,7 @@ def test_restarts_a_crashed_service_and_stops_everything(tmp_path: Path) -> None
         "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"])
     sup.start(crasher)
     sup.start(sleeper)
-    first_pid = sup.running["crasher"].proc.pid
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and sup.running["crasher"].proc.pid == first_pid:
-        sup.poll_once()
-        time.sleep(0.05)
-    assert sup.running["crasher"].proc.pid != first_pid, "crashed service was not restarted"
+    _until_restarted(sup, "crasher")
     time.sleep(0.5)
     group = sup.running["sleeper"].proc.pid
     members = [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == group]
@@ -44,6 +39,15 @@ def test_restarts_a_crashed_service_and_stops_everything(tmp_path: Path) -> None
     time.sleep(0.2)
     assert not [pid for pid in members if _alive(pid)]
     assert (tmp_path / "log" / "crasher.log").read_text().count("starting") >= 2
+
+
+def _until_restarted(sup: Supervisor, name: str, timeout_s: float = 10.0) -> None:
+    first_pid = sup.running[name].proc.pid
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and sup.running[name].proc.pid == first_pid:
+        sup.poll_once()
+        time.sleep(0.05)
+    assert sup.running[name].proc.pid != first_pid, f"{name} was not restarted"
 
 
 def _pgid(pid: int) -> int:
@@ -140,12 +144,7 @@ def test_a_log_it_cannot_write_neither_stops_a_service_nor_the_supervisor(tmp_pa
     sup = Supervisor(log_dir, max_backoff_s=0.2)
     sup.start(ServiceSpec("crasher", [sys.executable, "-c",
                                       "import time; print('crasher says hi'); time.sleep(0.2); raise SystemExit(3)"]))
-    first_pid = sup.running["crasher"].proc.pid
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and sup.running["crasher"].proc.pid == first_pid:
-        sup.poll_once()
-        time.sleep(0.05)
-    assert sup.running["crasher"].proc.pid != first_pid, "not restarted"
+    _until_restarted(sup, "crasher")
     sup.stop_all(grace_s=5)
     assert "crasher says hi" in capfd.readouterr().err
 

@@ -141,13 +141,17 @@ async def read_keys(settings: Settings, topic: str, want: set[str], timeout: flo
     return seen
 
 
-async def dead_letters(settings: Settings, n: int, timeout: float = 20.0) -> list[DeadLetter]:
-    """The first ``n`` records on the dead-letter topic (fewer when ``timeout`` passes first)."""
-    consumer: TypedConsumer[DeadLetter] = TypedConsumer(settings, "test", DeadLetter,
-                                                        [settings.topics.dead_letters], None)
-    out: list[DeadLetter] = []
+async def read_records(settings: Settings, topic: str, message: type, n: int, timeout: float = 20.0) -> list:
+    """The first ``n`` ``message`` records on ``topic`` (fewer when ``timeout`` passes first)."""
+    consumer = TypedConsumer(settings, "test", message, [topic], None)
+    out: list = []
     async with consumer:
         deadline = time.monotonic() + timeout
         while len(out) < n and time.monotonic() < deadline:
             out += [r.value for r in await consumer.poll(timeout_ms=300)]
     return out
+
+
+async def dead_letters(settings: Settings, n: int, timeout: float = 20.0) -> list[DeadLetter]:
+    """The first ``n`` records on the dead-letter topic (fewer when ``timeout`` passes first)."""
+    return await read_records(settings, settings.topics.dead_letters, DeadLetter, n, timeout)

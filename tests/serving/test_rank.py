@@ -13,10 +13,9 @@ from proto import FeatureLog
 from serving.app import create_app
 from serving.correction import correct
 from serving.fm_model import FMModel
-from services.kafka import TypedConsumer
 from services.settings import Settings
 
-from serving_helpers import dense_delta, publish, running, sparse_delta, wait_ready
+from serving_helpers import dense_delta, publish, read_records, running, sparse_delta, wait_ready
 
 
 def rank_body(user_id: int = 1, items: list[int] | None = None, **extra: object) -> dict:
@@ -25,13 +24,7 @@ def rank_body(user_id: int = 1, items: list[int] | None = None, **extra: object)
 
 
 async def read_feature_logs(settings: Settings, n: int, timeout: float = 20.0) -> list[FeatureLog]:
-    consumer: TypedConsumer[FeatureLog] = TypedConsumer(settings, "test", FeatureLog, [settings.topics.features], None)
-    out: list[FeatureLog] = []
-    async with consumer:
-        deadline = time.monotonic() + timeout
-        while len(out) < n and time.monotonic() < deadline:
-            out += [r.value for r in await consumer.poll(timeout_ms=500)]
-    return out
+    return await read_records(settings, settings.topics.features, FeatureLog, n, timeout)
 
 
 def test_rank_sorted_logged_and_deltas_change_scores(serving_settings: Settings, filled_store: Settings) -> None:

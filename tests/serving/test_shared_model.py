@@ -75,7 +75,7 @@ def test_worker_scores_what_the_ps_holds(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_serve_with_two_workers(tmp_path: Path) -> None:
+def test_serve_with_two_workers(tmp_path: Path, redis_url: str) -> None:
     trainer = SparseModel(CFG, train=True)
     _train(trainer, np.random.default_rng(1), 10, 1_700_000_000_000)
     var = tmp_path / "var"
@@ -83,7 +83,7 @@ def test_serve_with_two_workers(tmp_path: Path) -> None:
                    {"sparse_version": 4, "dense_version": 4, "config": CFG.model_dump(mode="json")})
     port = free_port()
     env = dict(os.environ, DRIFTLINE_VAR_DIR=str(var), DRIFTLINE_SERVING__MODEL="deepfm",
-               KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:1", REDIS_URL="redis://127.0.0.1:1/0",
+               KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:1", REDIS_URL=redis_url,
                DRIFTLINE_SERVING__PS_DIR=str(tmp_path / "ps"), DRIFTLINE_SERVING__KAFKA_RETRY_S="0.3",
                DRIFTLINE_SERVING__SPOOL_DRAIN_TIMEOUT_S="0.5")
     proc = subprocess.Popen([sys.executable, "-m", "serving", "--port", str(port), "--workers", "2"],

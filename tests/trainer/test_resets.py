@@ -185,8 +185,10 @@ async def test_trainer_restarted_after_a_reset_keeps_its_snapshot(settings, own_
     tr2 = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=0.5, snapshot_interval_event_s=0, batch_size=256)), cfg)
     res = await asyncio.wait_for(tr2.run(stop_when_idle_s=3.0), 90)
     assert tr2.epoch != tr.epoch
-    # the restored model continued: the old examples counted, the repeated ones dropped, every new one applied
-    assert res["examples_applied"] == OLD + NEW and res["duplicates"] == REPEATED, res
+    # the restored model continued: the old examples counted, the repeated ones dropped, every new
+    # one applied (a send the restarted broker answered late is retried and may be written twice:
+    # the producer is not idempotent; those copies are dropped as duplicates too)
+    assert res["examples_applied"] == OLD + NEW and res["duplicates"] >= REPEATED, res
     mans = _manifests(tr2.snapshot_root)
     assert stopped["seq"] in [m["seq"] for m in mans], "the old epoch's snapshot was deleted"
     at_start = next(m for m in mans if m["seq"] == stopped["seq"] + 1)  # written before any batch

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_serving import encode_request, start, start_stack, stop_all, wait_ready  # noqa: E402
+from bench_serving import rank_requests, start, start_stack, stop_all, wait_ready  # noqa: E402
 
 QUICK = os.environ.get("QUICK") == "1"
 DURATION = 3.0 if QUICK else 10.0
@@ -88,10 +88,7 @@ def main() -> None:
         server = start([sys.executable, "-m", "driftline.cli", "serve", "--workers", "2"], tmp / "serving.log", env)
         procs.append(server)
         wait_ready(f"http://{host}:{sport}", server, tmp / "serving.log", 120)
-        rng = np.random.default_rng(0)
-        requests = [encode_request("POST", "/rank", {
-            "user_id": int(rng.integers(1, 6041)),
-            "candidates": [{"item_id": int(i)} for i in rng.integers(1, 3953, CANDIDATES)]}) for _ in range(256)]
+        requests = rank_requests(candidates=CANDIDATES)
         asyncio.run(level(host, sport, requests, 8))  # warm-up
         out: dict[str, float] = {}
         for c in LEVELS:

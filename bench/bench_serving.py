@@ -91,6 +91,14 @@ def encode_request(method: str, path: str, body: dict | None) -> bytes:
     return head.encode() + b"\r\n" + data
 
 
+def rank_requests(n: int = 256, candidates: int = CANDIDATES, seed: int = 0) -> list[bytes]:
+    """``n`` encoded /rank requests of ml-1m users, each with ``candidates`` random ml-1m items."""
+    rng = np.random.default_rng(seed)
+    return [encode_request("POST", "/rank", {
+        "user_id": int(rng.integers(1, 6041)),
+        "candidates": [{"item_id": int(i)} for i in rng.integers(1, 3953, candidates)]}) for _ in range(n)]
+
+
 async def load(
     host: str, port: int, requests: list[bytes], duration: float, concurrency: int = CONCURRENCY
 ) -> tuple[list[float], int, int]:

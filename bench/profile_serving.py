@@ -27,13 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_serving import CANDIDATES, cpu_s, encode_request, load, start, start_stack, wait_ready  # noqa: E402
+from bench_serving import CANDIDATES, cpu_s, encode_request, load, rank_requests, start, start_stack, wait_ready  # noqa: E402
 
 REQUESTS = int(os.environ.get("REQUESTS", "3000"))
 CONCURRENCY = int(os.environ.get("BENCH_CONCURRENCY", "8"))
@@ -63,10 +62,7 @@ def main() -> None:
         server = start([*profiler, "-m", "serving", "--workers", "1"], tmp / "serving.log", env)
         procs.append(server)
         wait_ready(f"http://{host}:{sport}", server, tmp / "serving.log", 90)
-        rng = np.random.default_rng(0)
-        reqs = [encode_request("POST", "/rank", {
-            "user_id": int(rng.integers(1, 6041)),
-            "candidates": [{"item_id": int(i)} for i in rng.integers(1, 3953, CANDIDATES)]}) for _ in range(256)]
+        reqs = rank_requests(candidates=CANDIDATES)
         if ENDPOINT == "ping":
             reqs = [encode_request("GET", "/ping", None)]
         asyncio.run(drive(host, sport, reqs, 300))  # warm-up

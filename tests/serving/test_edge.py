@@ -10,26 +10,15 @@ import httpx
 
 from proto import Action, FeatureLog
 from serving.app import create_app
-from services.kafka import TypedConsumer
 from services.settings import Settings
 
-from serving_helpers import read_keys, running, wait_ready
+from serving_helpers import read_keys, read_records, running, wait_ready
 
 I64 = 2**63 - 1
 
 
 def rank(items: list[int] | None = None, **extra: object) -> dict:
     return {"user_id": 1, "candidates": [{"item_id": i} for i in (items or [1, 2, 3])], **extra}
-
-
-async def _read(settings: Settings, topic: str, message_type: type, n: int, timeout: float = 15.0) -> list:
-    consumer = TypedConsumer(settings, "test", message_type, [topic], None)
-    out: list = []
-    async with consumer:
-        deadline = time.monotonic() + timeout
-        while len(out) < n and time.monotonic() < deadline:
-            out += [r.value for r in await consumer.poll(timeout_ms=300)]
-    return out
 
 
 def test_event_time_bounds_sizes_and_extreme_ids(serving_settings: Settings, filled_store: Settings) -> None:
@@ -87,9 +76,9 @@ def test_event_time_bounds_sizes_and_extreme_ids(serving_settings: Settings, fil
     logged = asyncio.run(read_keys(serving_settings, serving_settings.topics.features,
                                    {"a-minute-ago", "no-time", "extreme"}))
     assert {"a-minute-ago", "no-time", "extreme"} <= logged and not logged & {"too-big", "far-future", "far-past"}
-    logs = {m.request_id: m for m in asyncio.run(_read(serving_settings, serving_settings.topics.features,
+    logs = {m.request_id: m for m in asyncio.run(read_records(serving_settings, serving_settings.topics.features,
                                                        FeatureLog, 3))}
     # no time given: the traffic's own clock (serving/event_clock.py), here the request before it
     assert logs["no-time"].event_time_ms == logs["a-minute-ago"].event_time_ms == now - 60_000
-    actions = asyncio.run(_read(serving_settings, serving_settings.topics.actions, Action, 1, timeout=5))
+    actions = asyncio.run(read_records(serving_settings, serving_settings.topics.actions, Action, 1, timeout=5))
     assert [a.request_id for a in actions] == ["z" * 128]  # the refused batch wrote nothing

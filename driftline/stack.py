@@ -65,6 +65,8 @@ class AppService:
     #: environment for the demo and ``--model`` runs only: with a project file (``up --config``)
     #: the file decides these settings (the environment it was applied to carries them)
     legacy_env: Mapping[str, str] = field(default_factory=dict)
+    #: how long a stop waits for it after SIGTERM (``ServiceSpec.stop_timeout_s``)
+    stop_timeout_s: Callable[[Settings], float] = lambda s: 10.0
 
 
 def _alive_url(service: AppService, settings: Settings) -> str | None:
@@ -107,7 +109,9 @@ APP_SERVICES: list[AppService] = [
                ready=lambda s: port_is_open(s.serving.host, s.serving.port), timeout_s=180.0,
                alive_url=lambda s: f"{_serving_url(s)}/healthz",
                urls=lambda s: {"ranking API docs": f"{_serving_url(s)}/docs"},
-               metrics_url=lambda s: f"{_serving_url(s)}/metrics"),
+               metrics_url=lambda s: f"{_serving_url(s)}/metrics",
+               # its PS gives each worker the spool's drain + 10 s, then stops its own consumer
+               stop_timeout_s=lambda s: s.serving.spool_drain_timeout_s + 20.0),
     AppService("status", ("status",),
                ready=lambda s: port_is_open(s.status.host, s.status.port),
                alive_url=lambda s: f"http://{s.status.host}:{s.status.port}/healthz",
@@ -308,6 +312,7 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
                 oneshot=service.blocking, blocking=service.blocking, ready_timeout_s=service.timeout_s,
                 alive=(lambda u=alive: http_answers(u)) if alive else None,
                 liveness_timeout_s=settings.embedded.liveness_timeout_s,
+                stop_timeout_s=service.stop_timeout_s(settings),
             ))
             rows += list(service.urls(settings).items())
         if demo:

@@ -73,6 +73,9 @@ class ServiceSpec:
     # and restarted like a crashed one: a hung service is never left in place.
     alive: Callable[[], bool] | None = None
     liveness_timeout_s: float = 120.0
+    # How long a stop waits after SIGTERM before SIGKILL: at least as long as the service's own
+    # drain (serving ships its spool, then stops its workers), or a clean stop is counted unclean.
+    stop_timeout_s: float = 10.0
 
 
 @dataclass
@@ -263,10 +266,10 @@ class Supervisor:
     def request_stop(self) -> None:
         self._stopping.set()
 
-    def stop_all(self, grace_s: float = 10.0) -> dict[str, int]:
+    def stop_all(self, grace_s: float | None = None) -> dict[str, int]:
         """Stop every child: the services first, then the infrastructure (``ServiceSpec.infra``).
-        Each stage sends SIGTERM to every group at once and SIGKILLs what is left after the grace
-        period. Returns ``{name: exit code}`` of the children that did not exit 0 (a SIGKILL'd
+        Each stage sends SIGTERM to every group at once and SIGKILLs what is left after its
+        ``stop_timeout_s`` (or ``grace_s`` for all, when given). Returns ``{name: exit code}`` of the children that did not exit 0 (a SIGKILL'd
         one as -9); a child that had already exited is judged by its own code."""
         self._stopping.set()
         with self._lock:
@@ -279,20 +282,21 @@ class Supervisor:
         self._write_state()
         return failed
 
-    def _stop_stage(self, items: list[_Running], grace_s: float) -> dict[str, int]:
+    def _stop_stage(self, items: list[_Running], grace_s: float | None) -> dict[str, int]:
         for r in items:
             if r.proc.poll() is None:
                 try:
                     os.killpg(r.proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        deadline = time.monotonic() + grace_s
+        signalled = time.monotonic()
         failed: dict[str, int] = {}
         for r in items:
+            grace = r.spec.stop_timeout_s if grace_s is None else grace_s
             try:
-                code = r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                code = r.proc.wait(timeout=max(0.0, signalled + grace - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0f s; killing it", r.spec.name, grace_s)
+                log.warning("%s did not stop within %.0f s; killing it", r.spec.name, grace)
                 try:
                     os.killpg(r.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:

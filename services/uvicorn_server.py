@@ -21,6 +21,9 @@ from typing import Any
 import uvicorn
 
 
+GRACEFUL_SHUTDOWN_S = 5.0
+
+
 class Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -33,8 +36,11 @@ def serve(app: Any, host: str, port: int, log_level: str, sock: socket.socket | 
     """Run ``app`` until SIGTERM/SIGINT; False when it never started (the log says why).
     ``sock``: a listening socket to accept on (a worker of a shared serving PS binds its own with
     SO_REUSEPORT). Passed as a socket, not ``fd=``: uvicorn takes an fd for a unix socket and would
-    leave TCP_NODELAY off (Nagle + delayed ACKs: 40 ms stalls)."""
+    leave TCP_NODELAY off (Nagle + delayed ACKs: 40 ms stalls). A stop waits at most
+    ``GRACEFUL_SHUTDOWN_S`` for requests in flight (uvicorn's default waits for ever: one stuck
+    client would hold the stop until the supervisor's SIGKILL)."""
     server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
-                                   loop="uvloop", http="httptools"))
+                                   loop="uvloop", http="httptools",
+                                   timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     server.run(sockets=[sock] if sock is not None else None)
     return bool(server.started)

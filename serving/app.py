@@ -132,11 +132,13 @@ class Serving:
         self.realtime.start()
 
     async def stop(self) -> None:
-        await self.realtime.stop()
-        await self.deltas.stop()
-        await self.feature_log.stop()
+        """Stop the three consumers/producers at once (each waits on the broker: one after the
+        other, a loaded machine's stop outlasted the supervisor's wait), then what they share."""
+        started = time.monotonic()
+        await asyncio.gather(self.realtime.stop(), self.deltas.stop(), self.feature_log.stop())
         await self.epochs.stop()
         await self.store.close()
+        log.info("serving stopped its consumers and feature log in %.1f s", time.monotonic() - started)
 
     def event_time(self, field: str, event_time_ms: int | None, now_ms: int) -> int:
         """The request's event time (when absent: :class:`serving.event_clock.EventClock`'s, the

@@ -175,3 +175,18 @@ def test_a_hung_service_is_killed_and_restarted(tmp_path: Path) -> None:
         time.sleep(0.1)
     assert sup.hung == {"web": 1}
     sup.stop_all(grace_s=5)
+
+
+def test_each_service_gets_its_own_stop_timeout(tmp_path: Path) -> None:
+    """A service whose drain takes 3 s stops cleanly when its spec allows 8 s; one allowed 1 s is
+    killed and reported (-9). Both are signalled together: the waits overlap."""
+    drain = ("import signal, sys, time\n"
+             "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(3), sys.exit(0)))\n"
+             "time.sleep(60)\n")
+    sup = Supervisor(tmp_path / "log")
+    sup.start(ServiceSpec("patient", [sys.executable, "-c", drain], stop_timeout_s=8.0))
+    sup.start(ServiceSpec("hurried", [sys.executable, "-c", drain], stop_timeout_s=1.0))
+    time.sleep(0.5)
+    started = time.monotonic()
+    assert sup.stop_all() == {"hurried": -9}
+    assert time.monotonic() - started < 7.0

@@ -287,6 +287,9 @@ class ServingSettings(BaseModel):
     # allow_default_features.
     feature_store_connections: int = Field(default=100, ge=1)
     feature_store_wait_s: float = Field(default=1.0, gt=0)
+    # Seconds between reads of the feature store's load marker: a store emptied after a load (a
+    # Redis restart without persistence) marks /rank answers degraded (serving/store_watch.py).
+    feature_store_check_s: float = Field(default=1.0, gt=0)
     # A /rank or action without event_time_ms gets the newest event time a request of this
     # process carried within the last event_clock_s of wall time (a replay's data time), else
     # now: it cannot move the joiner's watermarks past the traffic's own (serving/event_clock.py).

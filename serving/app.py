@@ -9,7 +9,9 @@ feature store cannot answer in time (Redis away, or every pooled connection busy
 ``serving.feature_store_wait_s`` under overload), ``/rank`` is a 503 with ``Retry-After``: an
 answer scored on default features would be a wrong one. A request with ``allow_default_features``
 gets that answer instead, with the ``X-Driftline-Degraded: feature-store`` header, and its feature
-log is not written (those features are not what the user saw: not training data). Bad input is a 422 with the offending field;
+log is not written (those features are not what the user saw: not training data). A store that
+lost its loaded features (:mod:`serving.store_watch`) answers 200 marked
+``X-Driftline-Degraded: feature-store-emptied``, its feature logs withheld the same way. Bad input is a 422 with the offending field;
 an event time outside ``[now - event_time.max_past_s, now + event_time.max_future_s]`` is bad input.
 
 A 200 from ``/rank`` means its feature log is in the local spool and survives a ``kill -9``
@@ -55,6 +57,7 @@ from serving.feature_store import FeatureStore, FeatureStoreError, RankFeatures
 from serving.fm_model import FMModel
 from serving.model import ServingModel, TrainerModel, warm_up
 from serving.realtime import RecentClicks
+from serving.store_watch import StoreWatchLoop
 from serving.request_features import (BadFeatures, Declared, check_names, dense_for, drop_unknown,
                                       slots_for)
 from serving.responses import FastJSONResponse
@@ -111,6 +114,8 @@ class Serving:
                                     epochs=self.epochs)
         self.realtime = RecentClicks(settings, self.store, options.click_actions, options.realtime_group_id,
                                      retry_s=options.kafka_retry_s, epochs=self.epochs)
+        self.store_watch = StoreWatchLoop(self.store, settings.var_dir / "serving" / f"features-loaded-{options.redis_prefix}",
+                                          options.feature_store_check_s)
 
     def sample_rate(self) -> SampleRateOut:
         """The log-odds correction's rate now: the served model's rate for its slice."""
@@ -127,6 +132,8 @@ class Serving:
         # out of the collector's reach, or each full collection walks it and stalls every request.
         gc.collect()
         gc.freeze()
+        await self.store_watch.check()  # an emptied store is told from the first request on
+        self.store_watch.start()
         self.feature_log.start()
         self.deltas.start()
         self.realtime.start()
@@ -135,7 +142,8 @@ class Serving:
         """Stop the three consumers/producers at once (each waits on the broker: one after the
         other, a loaded machine's stop outlasted the supervisor's wait), then what they share."""
         started = time.monotonic()
-        await asyncio.gather(self.realtime.stop(), self.deltas.stop(), self.feature_log.stop())
+        await asyncio.gather(self.realtime.stop(), self.deltas.stop(), self.feature_log.stop(),
+                             self.store_watch.stop())
         await self.epochs.stop()
         await self.store.close()
         log.info("serving stopped its consumers and feature log in %.1f s", time.monotonic() - started)
@@ -277,7 +285,7 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         if not s.deltas.loaded:
             raise HTTPException(503, "no model loaded yet: waiting for a snapshot or the delta topic")
         request_id = body.request_id or uuid.uuid4().hex
-        degraded = False
+        degraded = "feature-store-emptied" if s.store_watch.emptied else None
         item_ids = [c.item_id for c in cands]
         try:
             feats = await s.store.fetch(body.user_id, item_ids)
@@ -287,7 +295,7 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
                 s.log_limited.warning("%s: 503", err)
                 raise HTTPException(503, f"{err}: retry later", headers={"Retry-After": "1"}) from None
             s.log_limited.warning("%s; scoring with default features (asked for), not logged", err)
-            degraded = True
+            degraded = "feature-store"
             feats = RankFeatures(None, [], [None] * n)
         user_known = feats.user is not None
         if not user_known:
@@ -313,8 +321,10 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         encoded = s.log_encoder.encode(request_id, event_time_ms, body.user_id, context, mv, item_ids, keys,
                                        item_slots, scores.tolist(), _own(cands, featured, "dense") if featured else None)
         try:
-            if not degraded:  # default features are not what this user saw: never training data
+            if degraded is None:
                 s.feature_log.submit(request_id, encoded)
+            else:  # default features are not what this user saw: never training data
+                metrics.FEATURE_LOGS_WITHHELD.labels(degraded).inc()
         except FeatureLogTooLarge as err:
             raise HTTPException(413, str(err)) from None
         except SpoolFull as err:
@@ -331,7 +341,7 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         return FastJSONResponse({
             "request_id": request_id, "user_known": user_known, "model_version": version.model_dump(),
             "items": [{"item_id": i, "score": p, "raw_score": r} for i, p, r in ranked],
-        }, headers={"X-Driftline-Degraded": "feature-store"} if degraded else None)
+        }, headers={"X-Driftline-Degraded": degraded} if degraded is not None else None)
 
     @app.post("/actions", response_model=ActionsResponse, status_code=202,
               summary="Record user actions (writes Action messages to the actions topic)",
@@ -369,7 +379,8 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         s = serving_of(request)
         store_ok = await s.store.ping()
         body = Readiness(
-            ready=s.deltas.loaded, model_loaded=s.deltas.loaded, feature_store=store_ok,
+            ready=s.deltas.loaded, model_loaded=s.deltas.loaded, feature_store=store_ok and not s.store_watch.emptied,
+            feature_store_emptied=s.store_watch.emptied,
             model_version=s.version(),
             sparse_staleness_s=s.model.sparse.staleness_s(), dense_staleness_s=s.model.dense.staleness_s(),
             feature_log_connected=s.feature_log.connected, feature_log_buffered=s.feature_log.buffered,

@@ -8,7 +8,8 @@ Layout (``P`` = the key prefix, ``serving.redis_prefix``: ``driftline`` by defau
 * ``P:clicks:<user_id>``: a list of the user's last K clicked item ids, newest first, updated
   from the ``actions`` topic (:func:`record_clicks`), served as the ``recent_items`` slot;
 * ``P:meta:<name>``: small values of the readers that fill it (the broker epoch whose actions the
-  clicks were last read from).
+  clicks were last read from; ``features-loaded``, written by every load: its absence after a load
+  tells serving the store was emptied, :mod:`serving.store_watch`).
 
 Keys and values are plain strings, so any writer can fill it: ids are int64 in decimal, string
 values hashed to ids with :func:`services.hashing.string_id`. Fill it from your own Parquet or CSV
@@ -38,6 +39,9 @@ import redis.asyncio as aioredis
 from serving import metrics
 
 Slots = dict[str, list[int]]
+
+#: the marker every load writes (``P:meta:features-loaded``; :mod:`serving.store_watch` reads it)
+LOADED_MARKER = "features-loaded"
 
 
 def encode_slots(slots: Mapping[str, Sequence[int]]) -> bytes:
@@ -201,12 +205,14 @@ class FeatureStore:
             raise FeatureStoreError(f"feature store update failed: {err}") from err
 
     async def put(self, users: Mapping[int, Slots], items: Mapping[int, Slots], batch: int = 10_000) -> int:
-        """Write user and item features (pipelined MSETs of ``batch`` keys); return keys written."""
+        """Write user and item features (pipelined MSETs of ``batch`` keys), then the load marker
+        (:data:`LOADED_MARKER`: the number of keys and the time); return keys written."""
         pairs = [(self.user_key(u), encode_slots(s)) for u, s in users.items()]
         pairs += [(self.item_key(i), encode_slots(s)) for i, s in items.items()]
         pipe = self.redis.pipeline(transaction=False)
         for start in range(0, len(pairs), batch):
             pipe.mset(dict(pairs[start:start + batch]))
+        pipe.set(self.marker_key(LOADED_MARKER), f"{len(pairs)} keys at {int(time.time() * 1000)}")
         await pipe.execute()
         return len(pairs)
 

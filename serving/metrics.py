@@ -133,6 +133,17 @@ FEATURE_STORE_REFUSED = Counter(
     "driftline_serving_feature_store_unavailable_total",
     "/rank requests answered 503 because the feature store could not answer in time (down or overloaded)."
 )
+FEATURE_STORE_EMPTIED = Gauge(
+    "driftline_serving_feature_store_emptied",
+    "1 while the feature store has lost the features loaded into it (Redis restarted empty or was "
+    "flushed: serving.store_watch); /rank answers are then marked degraded.",
+    multiprocess_mode="livemax",
+)
+FEATURE_LOGS_WITHHELD = Counter(
+    "driftline_serving_feature_logs_withheld_total",
+    "/rank answers whose feature log was not written because their features were defaults, by reason "
+    "(feature-store: unreachable and the request allowed defaults; feature-store-emptied).", ["reason"],
+)
 UNKNOWN_USERS = Counter(
     "driftline_serving_unknown_users_total", "/rank requests for users absent from the feature store."
 )

@@ -146,7 +146,9 @@ class SampleRateOut(BaseModel):
 class Readiness(BaseModel):
     ready: bool
     model_loaded: bool
-    feature_store: bool
+    feature_store: bool = Field(description="The feature store answers and holds its loaded features.")
+    feature_store_emptied: bool = Field(description="The store lost the features loaded into it (Redis "
+                                                    "restarted empty or was flushed): answers are marked degraded.")
     model_version: ModelVersionOut
     sparse_staleness_s: float | None
     dense_staleness_s: float | None

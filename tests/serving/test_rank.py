@@ -253,3 +253,59 @@ def test_a_request_without_event_time_takes_the_traffics_clock(filled_store: Set
         assert r.status_code == 200, r.text
     logs = {m.request_id: m for m in asyncio.run(read_feature_logs(serving_settings, 2))}
     assert logs["replayed"].event_time_ms == logs["curl"].event_time_ms == year_2000
+
+
+def test_an_emptied_feature_store_marks_answers_and_withholds_their_feature_logs(
+        serving_settings: Settings, filled_store: Settings) -> None:
+    """The store loses its loaded features (what a Redis restart without persistence does): answers
+    are marked degraded, /readyz says so, their feature logs are withheld; a reload ends it. A
+    replica started while the store is empty knows it from its first request."""
+    import redis
+
+    from serving.feature_store import FeatureStore
+    from serving_helpers import ITEMS, USERS
+
+    fast = filled_store.updated(serving=dict(feature_store_check_s=0.1))
+    prefix = fast.serving.redis_prefix
+    client = redis.Redis.from_url(fast.redis)
+
+    def ranked(request_id: str) -> httpx.Response:
+        r = httpx.post(f"{base}/rank", json=rank_body(request_id=request_id), timeout=10)
+        assert r.status_code == 200, r.text
+        return r
+
+    def until(check, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not check():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    with running(create_app(fast)) as base:
+        wait_ready(base)
+        r = ranked("whole")
+        assert r.json()["user_known"] and "X-Driftline-Degraded" not in r.headers
+        client.delete(*client.keys(f"{prefix}:*"))  # the restart without persistence
+        until(lambda: httpx.get(f"{base}/readyz").json()["feature_store_emptied"], "emptied not seen")
+        ready = httpx.get(f"{base}/readyz").json()
+        assert ready["feature_store"] is False and ready["ready"] is True
+        r = ranked("emptied")
+        assert r.headers["X-Driftline-Degraded"] == "feature-store-emptied" and not r.json()["user_known"]
+        metrics_text = httpx.get(f"{base}/metrics").text
+        assert "driftline_serving_feature_store_emptied 1.0" in metrics_text
+        assert 'driftline_serving_feature_logs_withheld_total{reason="feature-store-emptied"} 1.0' in metrics_text
+
+    with running(create_app(fast)) as base:  # a restart while the store is still empty
+        wait_ready(base)
+        assert ranked("emptied-after-restart").headers["X-Driftline-Degraded"] == "feature-store-emptied"
+
+        async def reload() -> None:
+            store = FeatureStore(fast.redis, prefix)
+            await store.put(USERS, ITEMS)
+            await store.close()
+
+        asyncio.run(reload())
+        until(lambda: not httpx.get(f"{base}/readyz").json()["feature_store_emptied"], "reload not seen")
+        r = ranked("reloaded")
+        assert r.json()["user_known"] and "X-Driftline-Degraded" not in r.headers
+    logs = asyncio.run(read_feature_logs(serving_settings, 3, timeout=10))
+    assert sorted(fl.request_id for fl in logs) == ["reloaded", "whole"]

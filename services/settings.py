@@ -315,6 +315,10 @@ class ServingSettings(BaseModel):
     ps_state_bytes: int = 1 << 20
     # Seconds between the PS's state publications when no delta arrives (readiness, staleness).
     ps_state_interval_s: float = 0.5
+    # /readyz turns unready (503) while deltas published on param-deltas have waited unapplied
+    # for longer than this (serving fell behind its trainer), or, in a worker of a serving PS,
+    # the PS has published no state for this long (it hangs: its rows no longer move).
+    ready_max_behind_s: float = Field(default=60.0, gt=0)
 
 
 class StatusSettings(BaseModel):

@@ -373,13 +373,15 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
     async def healthz() -> Health:
         return Health(status="ok")
 
-    @app.get("/readyz", response_model=Readiness, summary="Readiness: a model is loaded",
+    @app.get("/readyz", response_model=Readiness, summary="Readiness: a model is loaded and not behind its deltas",
               responses={503: {"description": "Not ready", "model": Readiness}})
     async def readyz(request: Request) -> JSONResponse:
         s = serving_of(request)
         store_ok = await s.store.ping()
+        behind_s = s.deltas.behind_s()
         body = Readiness(
-            ready=s.deltas.loaded, model_loaded=s.deltas.loaded, feature_store=store_ok and not s.store_watch.emptied,
+            ready=s.deltas.loaded and behind_s <= s.options.ready_max_behind_s, model_loaded=s.deltas.loaded,
+            deltas_behind_s=round(behind_s, 3), feature_store=store_ok and not s.store_watch.emptied,
             feature_store_emptied=s.store_watch.emptied,
             model_version=s.version(),
             sparse_staleness_s=s.model.sparse.staleness_s(), dense_staleness_s=s.model.dense.staleness_s(),

@@ -105,6 +105,7 @@ class DeltaFeed(BackgroundLoop):
         self.reloads = 0
         self.refused = RefusedDeltas(settings.var_dir / "serving" / f"refused-deltas-{settings.serving.port}")
         self._lag: dict[int, int] = {}
+        self._behind_since: float | None = None  # monotonic: when deltas first waited unapplied
         self._shard_series: set[str] = set()
         self._snapshot_looked = 0.0
         self._task: asyncio.Task[None] | None = None
@@ -208,6 +209,14 @@ class DeltaFeed(BackgroundLoop):
             hw = consumer.consumer.highwater(TopicPartition(self.settings.topics.param_deltas, partition))
             if hw is not None:
                 self._lag[partition] = max(0, hw - offset - 1)
+        if not any(self._lag.values()):
+            self._behind_since = None
+        elif self._behind_since is None:
+            self._behind_since = time.monotonic()
+
+    def behind_s(self) -> float:
+        """Seconds since deltas on the topic have waited unapplied (0: caught up with it)."""
+        return 0.0 if self._behind_since is None else time.monotonic() - self._behind_since
 
     async def _reset_seen(self) -> bool:
         current = await self.epochs.current(1.0)

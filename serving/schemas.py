@@ -150,6 +150,9 @@ class Readiness(BaseModel):
     feature_store_emptied: bool = Field(description="The store lost the features loaded into it (Redis "
                                                     "restarted empty or was flushed): answers are marked degraded.")
     model_version: ModelVersionOut
+    deltas_behind_s: float = Field(description="Seconds deltas published on param-deltas have waited unapplied "
+                                               "(a worker of a serving PS: or the PS's silence); past "
+                                               "serving.ready_max_behind_s the replica is not ready.")
     sparse_staleness_s: float | None
     dense_staleness_s: float | None
     feature_log_connected: bool

@@ -76,6 +76,7 @@ async def _run_ps(settings: Settings, workers: list[subprocess.Popen[bytes]]) ->
     epochs = SharedEpoch(settings)
     feed = DeltaFeed(settings, model, settings.snapshot_root, options.kafka_retry_s, epochs=epochs)
     model.loaded = lambda: feed.loaded
+    model.behind_s = feed.behind_s
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

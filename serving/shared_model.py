@@ -54,6 +54,8 @@ class PSModel(TrainerModel):
         self.dense_gen = 0
         #: whether the feed counts the model as loaded (set by the PS loop; workers' /readyz)
         self.loaded: Callable[[], bool] = lambda: False
+        #: seconds the feed has been behind the delta topic (set by the PS loop; workers' /readyz)
+        self.behind_s: Callable[[], float] = lambda: 0.0
         self._adopt()
 
     def _adopt(self) -> None:
@@ -96,7 +98,7 @@ class PSModel(TrainerModel):
             "shard_count": n, "sparse": [[s.version, s.published_ms] for s in states],
             "dense": [self.dense.version, self.dense.published_ms], "dense_gen": self.dense_gen,
             "sample_rates": self.sample_rates.as_dict(), "loaded": bool(self.loaded()),
-            "published_at_ms": int(time.time() * 1000),
+            "behind_s": self.behind_s(), "published_at_ms": int(time.time() * 1000),
         }
 
     def publish_state(self) -> None:
@@ -114,6 +116,9 @@ class SharedModel(TrainerModel):
         self.root, self.max_shards, self.state_bytes = root, max_shards, state_bytes
         self.control: Control | None = None
         self.loaded = False
+        #: the PS's last state: its feed's lag, and when it was published (its heartbeat)
+        self.ps_behind_s = 0.0
+        self.state_at_ms: int | None = None
         self._seq = -1
         self._layout_gen = -1
         self._dense_gen = -1
@@ -146,6 +151,8 @@ class SharedModel(TrainerModel):
         self.dense = VersionState(*state["dense"])
         self.sample_rates = SampleRates.from_mapping(state["sample_rates"]) if state["sample_rates"] else SampleRates()
         self.loaded = bool(state["loaded"])
+        self.ps_behind_s = float(state.get("behind_s", 0.0))
+        self.state_at_ms = int(state["published_at_ms"])
         self._seq = seq
 
     def _follow_layout(self, state: dict[str, Any]) -> None:
@@ -202,6 +209,15 @@ class SharedFeed:
 
     def load_snapshot(self) -> None:
         self.model.refresh()
+
+    def behind_s(self) -> float:
+        """The PS's lag behind the delta topic, or the silence since its last state (a hung PS
+        publishes none; it publishes every ``serving.ps_state_interval_s`` when idle)."""
+        self.model.refresh()
+        if self.model.state_at_ms is None:
+            return 0.0
+        silence = max(0.0, time.time() - self.model.state_at_ms / 1000)
+        return max(self.model.ps_behind_s, silence)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._watch_parent(), name="serving-ps-watch")

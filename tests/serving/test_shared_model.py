@@ -85,7 +85,7 @@ def test_serve_with_two_workers(tmp_path: Path, redis_url: str) -> None:
     env = dict(os.environ, DRIFTLINE_VAR_DIR=str(var), DRIFTLINE_SERVING__MODEL="deepfm",
                KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:1", REDIS_URL=redis_url,
                DRIFTLINE_SERVING__PS_DIR=str(tmp_path / "ps"), DRIFTLINE_SERVING__KAFKA_RETRY_S="0.3",
-               DRIFTLINE_SERVING__SPOOL_DRAIN_TIMEOUT_S="0.5")
+               DRIFTLINE_SERVING__SPOOL_DRAIN_TIMEOUT_S="0.5", DRIFTLINE_SERVING__READY_MAX_BEHIND_S="3")
     proc = subprocess.Popen([sys.executable, "-m", "serving", "--port", str(port), "--workers", "2"],
                             cwd=ROOT, env=env, stdout=open(tmp_path / "log", "ab"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -123,6 +123,20 @@ def test_serve_with_two_workers(tmp_path: Path, redis_url: str) -> None:
             assert "driftline_serving_feature_log_spooled_total 20.0" in text
         writers = {f.stem.rsplit("_", 1)[-1] for f in (tmp_path / "ps-metrics").glob("*.db")}
         assert str(proc.pid) in writers and len(writers) >= 3  # the PS (its delta feed) and both workers
+        # A hung PS (SIGSTOP) behind live workers: its rows no longer move, the workers say so.
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            until = time.monotonic() + 20
+            while (r := httpx.get(f"{url}/readyz", timeout=5)).status_code != 503:
+                assert time.monotonic() < until, r.text
+                time.sleep(0.3)
+            assert r.json()["deltas_behind_s"] > 3 and r.json()["model_loaded"], r.text
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        until = time.monotonic() + 20
+        while (r := httpx.get(f"{url}/readyz", timeout=5)).status_code != 200:
+            assert time.monotonic() < until, r.text
+            time.sleep(0.3)
     finally:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(60)

@@ -11,7 +11,8 @@ features only if its ``[store]`` asks, and its own warm start (``[warm_start]``)
 Order: broker and Redis (unless ``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL`` point elsewhere),
 topics and the broker epoch, the data, the warm start (``trainer batch`` on the first
 :data:`WARM_START_FRACTION` of ml-1m, written as the snapshot that the online trainer and serving
-start from), every service in :data:`APP_SERVICES`, then the traffic: ``producers.traffic``
+start from; skipped when a snapshot the online trainer learned into exists, which is never
+replaced: the replay then resumes after it), every service in :data:`APP_SERVICES`, then the traffic: ``producers.traffic``
 replays the rest of ml-1m *through serving* (``POST /rank``, then ``POST /actions`` for the
 clicks), so the loop closes on serving's own feature log. Each later service registers itself by
 adding a :class:`AppService` to :data:`APP_SERVICES`.
@@ -171,22 +172,35 @@ def _table(rows: list[tuple[str, str]]) -> str:
 
 
 def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external_broker: bool,
-                fraction: float) -> None:
-    """Train the batch model the loop starts from, unless a snapshot of this broker's data exists.
+                fraction: float) -> int | None:
+    """Train the batch model the loop starts from, unless a snapshot the loop can go on from exists;
+    return the rating the replay resumes at (None: the warm start's cut).
 
-    The embedded broker is new on every ``up`` (memory storage), so its snapshot is always stale:
-    it is replaced. With an external Kafka the online trainer's snapshot is kept (it holds the
-    topic offsets it trained to) and the warm start only runs when there is none.
+    * A snapshot the online trainer learned into (``examples_applied`` > 0) is never replaced: the
+      warm start is skipped and the replay resumes after the newest event time it learned (its
+      ``max_event_time_ms``), whatever the broker. On a new broker (the embedded one is new on every
+      ``up``: memory storage) the trainer restores its parameters, not its offsets, and writes this
+      epoch's snapshot before its first batch, which serving reloads from (trainer/online.py).
+    * With an external Kafka, a snapshot of this broker's data is kept as well (its offsets hold).
+    * Otherwise (none, or only a warm start's) the warm start trains a new one.
     """
+    from trainer import snapshots
     from trainer.config import named_config
 
     root = settings.snapshot_root
     snap = root / named_config(settings.trainer.model).model_id  # (the trainer's snapshot folder)
+    manifest = snapshots.read_manifest(snap) if (snap / "LATEST").exists() else None
+    if manifest is not None and int(manifest.get("examples_applied", 0)) > 0:
+        resume = resume_rating(settings, int(manifest["max_event_time_ms"]))
+        log.info("warm start skipped: %s holds the online trainer's model (%d examples learned, up to %s); "
+                 "the replay resumes at rating %d", snap, manifest["examples_applied"],
+                 time.strftime("%Y-%m-%d %H:%M", time.gmtime(manifest["max_event_time_ms"] / 1000)), resume)
+        return resume
     marker = snap / "broker-epoch"
-    if external_broker and (snap / "LATEST").exists() and marker.exists() and marker.read_text().strip() == epoch:
+    if external_broker and manifest is not None and marker.exists() and marker.read_text().strip() == epoch:
         log.info("warm start skipped: %s holds a snapshot of this broker's data", snap)
-        return
-    shutil.rmtree(snap, ignore_errors=True)
+        return None
+    shutil.rmtree(snap, ignore_errors=True)  # nothing learned online in it: the warm start's own
     _trained, start = warm_start_cut(settings, fraction)  # trainer batch holds out the same rows
     supervisor.start(ServiceSpec(
         "warm-start",
@@ -196,6 +210,19 @@ def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external
                    "--snapshot", "--quiet"),
         oneshot=True, blocking=True, ready_timeout_s=600.0,
     ))
+    return None
+
+
+def resume_rating(settings: Settings, max_event_time_ms: int) -> int:
+    """The index of the first rating (time order) after ``max_event_time_ms``."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from producers.movielens import DatasetPaths
+
+    ts = pq.read_table(DatasetPaths.under(settings.replay.dataset, settings.data_dir).ratings,
+                       columns=["timestamp"]).column("timestamp").to_numpy()
+    return int(np.searchsorted(ts * 1000, max_event_time_ms, side="right"))
 
 
 def _project_start(settings: Settings, supervisor: Supervisor, project: Project, epoch: str,
@@ -277,14 +304,15 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
         created, epoch = asyncio.run(_prepare_broker_epoch(settings))
         log.info("topics ready (created: %s)", ", ".join(created) or "none")
         common_env = {"DRIFTLINE_TRAINER__MODEL": settings.trainer.model}
+        replay_start: int | None = None  # the warm start's cut
         if demo:
             from producers.movielens import fetch
 
             fetch(settings.replay.dataset, settings.data_dir, progress=True)
             common_env.update(demo_event_time_env(settings))
             if warm_start_fraction > 0:
-                _warm_start(settings, supervisor, epoch, settings.kafka_bootstrap_servers is not None,
-                            warm_start_fraction)
+                replay_start = _warm_start(settings, supervisor, epoch, settings.kafka_bootstrap_servers is not None,
+                                           warm_start_fraction)
         if project is not None:
             rows += _project_start(settings, supervisor, project, epoch, settings.kafka_bootstrap_servers is not None)
         rows.append(("model", settings.trainer.model + ("" if demo else " (no MovieLens demo: send your own traffic)")))
@@ -320,7 +348,7 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
             metrics.append(f":{port} traffic")
             supervisor.start(ServiceSpec(
                 # The replay of ml-1m, now through serving (producers.traffic); its log stays replay.log.
-                "replay", traffic_command(settings, replay_limit, speed, warm_start_fraction),
+                "replay", traffic_command(settings, replay_limit, speed, warm_start_fraction, replay_start),
                 env={**common_env, "DRIFTLINE_METRICS_PORT": str(port)}, oneshot=True,
             ))
         if metrics:  # one line: serving's URL first, then the other services' ports (same path)
@@ -343,9 +371,11 @@ def traffic_metrics_port(settings: Settings) -> int:
 
 
 def traffic_command(settings: Settings, limit: int | None, speed: float | None,
-                    warm_start_fraction: float = WARM_START_FRACTION) -> list[str]:
-    """The traffic driver's command line: the ratings after the warm start's, through serving."""
-    start = warm_start_cut(settings, warm_start_fraction)[0] if warm_start_fraction > 0 else 0
+                    warm_start_fraction: float = WARM_START_FRACTION, start: int | None = None) -> list[str]:
+    """The traffic driver's command line: the ratings from ``start`` (by default the first after the
+    warm start's), through serving."""
+    if start is None:
+        start = warm_start_cut(settings, warm_start_fraction)[0] if warm_start_fraction > 0 else 0
     args = [sys.executable, "-m", "producers.traffic", "--dataset", settings.replay.dataset,
             "--start-rating", str(start), "--concurrency", str(TRAFFIC_CONCURRENCY), "--no-progress", "--stay",
             "--url", f"http://{settings.serving.host}:{settings.serving.port}"]

@@ -180,3 +180,34 @@ def test_up_with_a_bad_model_file_is_one_actionable_line(tmp_path: Path, repo_ro
                               env=env, capture_output=True, text=True, timeout=60, cwd=repo_root)
         assert done.returncode == 2 and "Traceback" not in done.stderr
         assert done.stderr.strip().splitlines()[-1].startswith(f"driftline: --model {model}: not a model name")
+
+
+def test_a_snapshot_learned_online_is_never_replaced_by_a_warm_start(tmp_path: Path, repo_root: Path) -> None:
+    """The next `up` keeps a snapshot the online trainer learned into and resumes the replay after
+    its newest event time; a warm start's own snapshot (nothing learned online) is replaced."""
+    from driftline.stack import _warm_start, resume_rating, warm_start_cut
+    from producers.movielens import fetch
+    from trainer import snapshots
+    from trainer.config import named_config
+
+    class Recorder:  # stands in for the supervisor: what would be started
+        def __init__(self) -> None:
+            self.started: list[str] = []
+
+        def start(self, spec) -> None:  # type: ignore[no-untyped-def]
+            self.started.append(spec.name)
+
+    settings = Settings(var_dir=tmp_path / "var", data_dir=repo_root / "var" / "data")
+    fetch(settings.replay.dataset, settings.data_dir)
+    config = named_config(settings.trainer.model)
+    snap = settings.snapshot_root / config.model_id
+    newest_ms = 975_000_000_000  # ml-1m's event times run from 2000-04-25 to 2003-02-28
+    for applied, expect_kept in ((0, False), (12_345, True)):
+        snapshots.save(snap, config, {}, {}, {"examples_applied": applied, "max_event_time_ms": newest_ms})
+        sup = Recorder()
+        start = _warm_start(settings, sup, "epoch-2", external_broker=False, fraction=0.1)  # type: ignore[arg-type]
+        if expect_kept:
+            assert sup.started == [] and (snap / "LATEST").exists()
+            assert start == resume_rating(settings, newest_ms) > warm_start_cut(settings, 0.1)[1]
+        else:
+            assert sup.started == ["warm-start"] and not snap.exists() and start is None

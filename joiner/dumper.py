@@ -82,6 +82,7 @@ from joiner.watermark import Watermark
 from proto import Example
 from services import example_batch
 from services.atomic import write_parquet_atomic
+from services.disk import DiskGuard
 from services.example_batch import BadExampleBatch, ExampleColumns
 from services.example_batch import take
 from services import metrics, tansu_quirks
@@ -431,7 +432,11 @@ async def run(
             else:
                 await c.seek_to_beginning(tp)
         idle_since = time.monotonic()
+        disk = DiskGuard.from_settings(SERVICE, root, settings)
         while not stop.is_set():
+            if await disk.wait_for_space(stop):
+                idle_since = time.monotonic()  # (a pause is not idleness)
+                continue
             got = await d.poll(500)
             now = time.monotonic()
             if got:

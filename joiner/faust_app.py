@@ -42,6 +42,7 @@ from joiner.kafka_io import SERVICE, BatchedSender
 from joiner.output_spool import OutputSpool
 from joiner.worker import Worker
 from services import metrics, tansu_quirks
+from services.disk import DiskGuard
 from services.kafka import BrokerUnavailable, create_topics, producer, start_client
 from services.log import setup_logging
 from services.settings import Settings, get_settings
@@ -124,6 +125,7 @@ class JoinerApp:
                                                key_type=bytes, value_type=bytes))
         self.worker: Worker | None = None
         self.output: OutputSpool | None = None  # the examples produced, kept for a broker reset
+        self.disk = DiskGuard.from_settings(SERVICE, state_dir(settings), settings)
         self.reset_to: str | None = None  # the new broker epoch, once a reset was seen while running
         self.committed: dict[TP, int] = {}  # input offsets this worker committed last
         self.lock = asyncio.Lock()
@@ -204,6 +206,7 @@ class JoinerApp:
     async def on_records(self, records: list) -> None:
         """Join one fetch's input records (aiokafka ``ConsumerRecord``s) and commit them, unless
         the broker's data was reset: records read at stale offsets must not count as done."""
+        await self.disk.wait_for_space()  # (Faust's fetcher waits meanwhile: back-pressure)
         async with self.lock:
             assert self.worker is not None
             if self.reset_to is None:

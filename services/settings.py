@@ -321,6 +321,18 @@ class ServingSettings(BaseModel):
     ready_max_behind_s: float = Field(default=60.0, gt=0)
 
 
+class DiskSettings(BaseModel):
+    """Free space under each service's data directory (services/disk.py)."""
+
+    # Below this many free bytes the joiner, dumper and trainer stop taking input (it waits in
+    # Kafka) until space is freed, instead of failing a write and crash-looping.
+    pause_below_bytes: int = Field(default=64 << 20, ge=0)
+    # Below this many, they warn (once a minute).
+    warn_below_bytes: int = Field(default=512 << 20, ge=0)
+    # How often a paused service looks again.
+    check_s: float = Field(default=1.0, gt=0)
+
+
 class StatusSettings(BaseModel):
     """The live status page (``driftline status``): what it scrapes, how often, how much it keeps."""
 
@@ -454,6 +466,7 @@ class Settings(BaseSettings):
     dumper: DumperSettings = DumperSettings()
     trainer: TrainerSettings = TrainerSettings()
     serving: ServingSettings = ServingSettings()
+    disk: DiskSettings = DiskSettings()
     status: StatusSettings = StatusSettings()
     eval: EvalSettings = EvalSettings()
 

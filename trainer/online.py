@@ -65,6 +65,7 @@ from aiokafka.errors import KafkaError
 
 from proto import Example
 from services import metrics as service_metrics
+from services.disk import DiskGuard
 from services import example_batch
 from services.codecs import processing_failed
 from services.kafka import TypedConsumer, create_topics, producer, start_client
@@ -138,6 +139,7 @@ class OnlineTrainer(M.LearnedFields):
         self.batch_size = ts.batch_size
         self.batch_timeout_s = ts.batch_timeout_s
         self.snapshot_root = settings.snapshot_root / cfg.model_id
+        self.disk = DiskGuard.from_settings("trainer", self.snapshot_root, settings)
         self.group_id = ts.group_id
         self.consumer_start_timeout_s = ts.consumer_start_timeout_s
         # torch intra-op threads of the training thread. 1 by default: the other core decodes and
@@ -500,6 +502,8 @@ class OnlineTrainer(M.LearnedFields):
                 if await self.resets.check_when_due(now):
                     nxt = _NextBatch()  # fetched from the old topic or at its positions: lost / read again
                     await self._handle_reset()
+                if await self.disk.wait_for_space(self.stop_event):
+                    continue  # (the stop may have come meanwhile)
                 recs = await self._poll(nxt, now)
                 now = time.monotonic()
                 if recs:

@@ -1,0 +1,342 @@
+"""`make chaos-faults`: the faults an operator meets that `make chaos` does not rehearse (issue 30).
+
+It runs ``driftline up --replay-limit N --speed 0`` (``tests.loopstack``) with its var dir on a
+tmpfs of its own (so the disk can be filled; without the right to mount one, that fault is
+skipped and its key is null), the liveness bound at 20 s, and then, one after the other while the
+replay runs:
+
+1. **wall-clock requests** into the replaying stack: the README's curl examples (``/rank`` and
+   ``/actions`` without ``event_time_ms``); ``watermark_moved_by_wall_clock`` counts the joiner's
+   features partitions whose watermark then lies within a year of now (the data is from 2000-2003);
+2. **another Kafka client's partitioner**: impressions through ``/rank``, their clicks produced
+   straight to ``actions`` on the partition librdkafka's default partitioner (``consistent_random``:
+   CRC32 of the key) picks, as confluent-kafka would; ``orphaned_by_partitioner`` counts the clicks
+   that never became a positive example in Parquet;
+3. **a NaN dense delta** (the served model's own head, one value NaN) on ``param-deltas``;
+   ``nan_scores_served`` counts non-finite scores of the ``/rank`` answers after it;
+4. **500 concurrent ``/rank``** for 3 s; ``unmarked_degraded_answers`` counts 200s scored on default
+   features (``user_known: false``: every ml-1m user is in the store) without the degraded header;
+5. **kill -9 of Redis**; ``features_restored_after_redis_restart``: the restarted one holds the
+   loaded features (its key count within 1% of before, a known user present) and ``/rank`` knows
+   the users again, without the degraded header;
+6. **SIGSTOP of the trainer** past the liveness bound; ``hung_service_restarted``: the supervisor
+   killed and restarted it (``hung`` in supervisor.json) and the new one trains;
+7. **disk full**: the var dir's tmpfs filled to below the pause threshold for 30 s, then freed;
+   ``stack_survived_disk_full``: ``up`` still runs, nothing crash-looped, and afterwards the joiner,
+   the dumper and the trainer make progress again by themselves.
+
+Then Ctrl-C; the last line printed is one JSON object with those keys and the numbers behind them.
+``QUICK=1``: a shorter replay (the whole run under 6 minutes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from chaos import _kill, _metric, _metric_sum, _parquet_ids, _supervisor_state, _wait, log  # noqa: E402
+from tests.loopstack import LoopStack  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+LIVENESS_S = 20
+YEAR_MS = 365 * 86_400_000
+PAUSE_BELOW = 64 << 20
+
+
+def _post(stack: LoopStack, path: str, body: dict, timeout: float = 10.0) -> tuple[int, dict, dict]:
+    import httpx
+
+    r = httpx.post(stack.serving_url + path, json=body, timeout=timeout)
+    try:
+        data = r.json()
+    except ValueError:
+        data = {}
+    return r.status_code, dict(r.headers), data
+
+
+def _watermarks(stack: LoopStack, stream: str) -> dict[int, int]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        _, body = stack.get(stack.metrics_urls()["joiner"])
+    except OSError:
+        return {}
+    return {int(s.labels["partition"]): int(s.value) for fam in text_string_to_metric_families(body)
+            for s in fam.samples if s.name == "driftline_joiner_watermark_ms" and s.labels.get("stream") == stream}
+
+
+def wall_clock_requests(stack: LoopStack) -> dict:
+    """The README's curl examples, as a user would paste them against the running demo."""
+    before = _watermarks(stack, "features")
+    for i in range(12):
+        _post(stack, "/rank", {"user_id": 1 + i, "candidates": [{"item_id": 10 + i}, {"item_id": 20 + i}],
+                               "request_id": f"curl-{i}"})
+        _post(stack, "/actions", {"actions": [{"request_id": f"curl-{i}", "item_id": 10 + i, "action_type": "click",
+                                               "user_id": 1 + i}]})
+    time.sleep(15)  # the joiner reads them
+    now_ms = time.time() * 1000
+    after = _watermarks(stack, "features")
+    moved = sum(1 for wm in after.values() if wm > now_ms - YEAR_MS)
+    log(f"wall-clock requests: feature watermarks {before} -> {after}; {moved} within a year of now")
+    return {"watermark_moved_by_wall_clock": moved, "feature_watermarks_after": after}
+
+
+def partitioner_clicks(stack: LoopStack, n: int = 10) -> list[str]:
+    """Impressions through /rank, their clicks produced the way confluent-kafka's default
+    partitioner places them (CRC32 of the key, librdkafka's consistent_random). Returns the
+    example ids the clicks should make positive."""
+    from aiokafka import AIOKafkaProducer
+
+    from proto import Action
+
+    settings = stack.settings()
+    t = max(_watermarks(stack, "features").values()) + 1_000
+    eids, actions = [], []
+    for i in range(n):
+        rid = f"confluent-{i}-{time.time_ns()}"
+        item = 100 + i
+        code, _, _ = _post(stack, "/rank", {"user_id": 10 + i, "candidates": [{"item_id": item}, {"item_id": item + 50}],
+                                            "request_id": rid, "event_time_ms": t})
+        if code != 200:
+            log(f"partitioner: /rank answered {code}")
+            continue
+        eids.append(f"{rid}/{item}")
+        actions.append((rid, Action(request_id=rid, item_id=item, action_type="click", event_time_ms=t + 2_000,
+                                    user_id=10 + i)))
+
+    async def produce() -> int:
+        p = AIOKafkaProducer(bootstrap_servers=settings.bootstrap_servers)
+        await p.start()
+        moved = 0
+        try:
+            for rid, a in actions:
+                key = rid.encode()
+                part = zlib.crc32(key) % settings.topics.partitions  # librdkafka: rd_crc32(key) % n
+                moved += part != _murmur2_partition(key, settings.topics.partitions)
+                await p.send_and_wait(settings.topics.actions, a.SerializeToString(), key=key, partition=part)
+        finally:
+            await p.stop()
+        return moved
+
+    moved = asyncio.run(produce())
+    log(f"partitioner: {len(actions)} clicks produced, {moved} on another partition than murmur2's")
+    return eids
+
+
+def _murmur2_partition(key: bytes, n: int) -> int:
+    from aiokafka.partitioner import DefaultPartitioner
+
+    parts = list(range(n))
+    return DefaultPartitioner()(key, parts, parts)
+
+
+def nan_dense_delta(stack: LoopStack) -> dict:
+    """The served head with one value NaN, as the next dense version."""
+    import numpy as np
+
+    from proto import ParameterDelta
+    from services.kafka import producer, start_client
+    from trainer.snapshots import load_latest
+    from trainer.sync import encode_dense
+
+    settings = stack.settings()
+    version = stack.json("/readyz")["model_version"]
+    _tables, head, manifest = load_latest(settings.snapshot_root / version["model_id"])
+    msg = encode_dense(version["model_id"], int(version["dense_version"]) + 1, head)
+    poisoned = ParameterDelta()
+    poisoned.CopyFrom(msg)
+    values = np.frombuffer(poisoned.dense.tensors[0].values, "<f4").copy()
+    values[0] = np.nan
+    poisoned.dense.tensors[0].values = values.tobytes()
+
+    async def publish() -> None:
+        p = producer(settings)
+        await start_client(p, settings)
+        try:
+            await p.send_and_wait(settings.topics.param_deltas, poisoned.SerializeToString(),
+                                  key=f"{version['model_id']}/dense".encode())
+        finally:
+            await p.stop()
+
+    asyncio.run(publish())
+    time.sleep(5)
+    bad = answered = 0
+    for i in range(20):
+        code, _, body = _post(stack, "/rank", {"user_id": 1 + i, "candidates": [{"item_id": j} for j in range(1, 30)]})
+        if code == 200:
+            answered += 1
+            bad += sum(1 for it in body["items"] if not math.isfinite(it["score"]))
+    after = stack.json("/readyz")["model_version"]
+    log(f"NaN dense delta v{version['dense_version'] + 1}: {bad} non-finite scores in {answered} answers; "
+        f"serving at dense v{after['dense_version']}")
+    return {"nan_scores_served": bad, "nan_answers_checked": answered,
+            "dense_version_kept": after["dense_version"] == version["dense_version"]}
+
+
+def overload(stack: LoopStack) -> dict:
+    from bench_overload import level
+    from bench_serving import rank_requests
+
+    got = asyncio.run(level("127.0.0.1", stack.serving_port, rank_requests(512, 100, seed=3), 500))
+    log(f"500 concurrent /rank: {got}")
+    return {"unmarked_degraded_answers": int(got["unmarked_degraded"]), "overload": got}
+
+
+def redis_restart(stack: LoopStack, killed: set[int]) -> dict:
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=stack.redis_port, socket_timeout=5)
+    before = client.dbsize()
+    time.sleep(1.5)  # (the append-only file is fsynced every second)
+    _kill(stack, "redis", killed)
+    started = time.monotonic()
+
+    def back() -> bool:
+        try:
+            return client.ping()
+        except redis.RedisError:
+            return False
+
+    _wait(stack, "redis restarted", back, 60)
+    after = client.dbsize()
+    known = client.exists("driftline:u:1") == 1
+    restored_s = time.monotonic() - started
+    answers = [_post(stack, "/rank", {"user_id": 1 + i, "candidates": [{"item_id": 1}, {"item_id": 2}]})
+               for i in range(20)]
+    ok = [a for a in answers if a[0] == 200]
+    unknown = sum(1 for _, h, b in ok if not b.get("user_known") or "x-driftline-degraded" in {k.lower() for k in h})
+    log(f"redis kill -9: {before} keys before, {after} after ({restored_s:.1f} s), user 1 present: {known}; "
+        f"{len(ok)}/20 answered, {unknown} without the user's features")
+    restored = bool(after >= 0.99 * before and known and ok and unknown == 0)
+    return {"features_restored_after_redis_restart": restored, "redis_keys_before": before,
+            "redis_keys_after": after, "redis_answers_without_features": unknown}
+
+
+def hung_trainer(stack: LoopStack) -> dict:
+    pid = _supervisor_state(stack).get("trainer", {}).get("pid")
+    trained = _metric_sum(stack, "trainer", "driftline_trainer_examples_total")
+    os.killpg(pid, signal.SIGSTOP)
+    log(f"SIGSTOP trainer (pid {pid}), liveness bound {LIVENESS_S} s")
+    restarted = _wait(stack, "the hung trainer restarted", lambda: (
+        _supervisor_state(stack).get("trainer", {}).get("hung", 0) >= 1
+        and _supervisor_state(stack).get("trainer", {}).get("pid") not in (None, pid)), LIVENESS_S + 60)
+    trains = _wait(stack, "the new trainer trains", lambda: _metric_sum(
+        stack, "trainer", "driftline_trainer_examples_total") > 0 and _supervisor_state(stack)["trainer"]["pid"] != pid, 120)
+    with_stopped_gone = not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    log(f"hung trainer: restarted {restarted}, new one trains {trains} (examples before {trained:.0f})")
+    return {"hung_service_restarted": bool(restarted and trains and with_stopped_gone)}
+
+
+def disk_full(stack: LoopStack, mount: Path | None, hold_s: float) -> dict:
+    if mount is None:
+        return {"stack_survived_disk_full": None, "disk_full": "skipped: no tmpfs (needs root to mount one)"}
+    st = os.statvfs(mount)
+    free = st.f_bavail * st.f_frsize
+    fill = mount / "fill"
+    before_state = _supervisor_state(stack)
+    progress = {"joiner": lambda: _metric(stack, "joiner", "driftline_joiner_examples_produced_total"),
+                "dumper": lambda: sum(len(v) for v in _parquet_ids(stack).values()),
+                "trainer": lambda: _metric_sum(stack, "trainer", "driftline_trainer_examples_total")}
+    with open(fill, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, max(0, free - (PAUSE_BELOW // 2)))
+    log(f"disk full: {free / 1e6:.0f} MB filled to {os.statvfs(mount).f_bavail * st.f_frsize / 1e6:.0f} MB free")
+    time.sleep(hold_s)
+    paused = {s: _metric(stack, s, "driftline_disk_paused", {"service": s}) for s in ("joiner", "dumper", "trainer")}
+    codes = [_post(stack, "/rank", {"user_id": 5, "candidates": [{"item_id": 1}]})[0] for _ in range(5)]
+    alive_while_full = stack.proc.poll() is None
+    at_freeing = {name: f() for name, f in progress.items()}
+    fill.unlink()
+    freed_at = time.monotonic()
+    log(f"disk freed; paused gauges while full {paused}, /rank codes {codes}, up alive {alive_while_full}")
+    resumed = {name: _wait(stack, f"{name} progresses after the disk was freed",
+                           lambda f=f, v=at_freeing[name]: f() > v, 150) for name, f in progress.items()}
+    after_state = _supervisor_state(stack)
+    crash_loops = sum(v.get("crash_loops", 0) for v in after_state.values()) - sum(
+        v.get("crash_loops", 0) for v in before_state.values())
+    restarts = {k: v.get("restarts", 0) - before_state.get(k, {}).get("restarts", 0) for k, v in after_state.items()}
+    survived = alive_while_full and stack.proc.poll() is None and all(resumed.values()) and crash_loops == 0
+    log(f"disk full: resumed {resumed} within {time.monotonic() - freed_at:.0f} s; restarts {restarts}")
+    return {"stack_survived_disk_full": survived, "disk_paused_while_full": paused, "rank_codes_while_full": codes,
+            "resumed_after_freeing": resumed, "restarts_during_disk_full": restarts,
+            "crash_loops_during_disk_full": crash_loops}
+
+
+def _mount_tmpfs(path: Path, size_mb: int) -> Path | None:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return None
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        log(f"no tmpfs ({r.stderr.strip()}): the disk-full fault is skipped")
+        return None
+    return path
+
+
+def run(work: Path, quick: bool) -> dict:
+    started = time.monotonic()
+    limit = int(os.environ.get("CHAOS_LIMIT", 80_000 if quick else 200_000))
+    mount = _mount_tmpfs(work / "var", 3072)
+    stack = LoopStack.start(work, REPO, "--replay-limit", str(limit), "--speed", "0", env={
+        "DRIFTLINE_EMBEDDED__LIVENESS_TIMEOUT_S": str(LIVENESS_S),
+        "DRIFTLINE_DUMPER__FLUSH_INTERVAL_S": "5",
+        "DRIFTLINE_SERVING__SPOOL_RETENTION_S": "120",
+        "DRIFTLINE_DISK__PAUSE_BELOW_BYTES": str(PAUSE_BELOW),
+    })
+    result: dict = {}
+    killed: set[int] = set()
+    try:
+        _wait(stack, "examples flowing", lambda: _metric(stack, "joiner", "driftline_joiner_examples_produced_total") > 500, 240)
+        result.update(wall_clock_requests(stack))
+        eids = partitioner_clicks(stack)
+        result.update(nan_dense_delta(stack))
+        result.update(overload(stack))
+        result.update(redis_restart(stack, killed))
+        result.update(hung_trainer(stack))
+        _wait(stack, "the clicks of the partitioner test in Parquet", lambda: all(
+            e in _parquet_ids(stack) for e in eids), 90)
+        ids = _parquet_ids(stack)
+        positives = sum(1 for e in eids if e in ids and any(any(lab[1:]) for lab in ids[e]))
+        result["orphaned_by_partitioner"] = len(eids) - positives
+        result["rerouted_by_joiner"] = _metric(stack, "joiner", "driftline_joiner_rerouted_total")
+        result.update(disk_full(stack, mount, 10.0 if quick else 30.0))
+    finally:
+        code = stack.stop()
+        if mount is not None:
+            subprocess.run(["umount", "-l", str(mount)], check=False)
+    result.update(stop_exit_code=code, seconds=round(time.monotonic() - started, 1), quick=quick)
+    keys = ("stack_survived_disk_full", "features_restored_after_redis_restart", "unmarked_degraded_answers",
+            "nan_scores_served", "orphaned_by_partitioner", "watermark_moved_by_wall_clock", "hung_service_restarted")
+    return {k: result.get(k) for k in keys} | {k: v for k, v in result.items() if k not in keys}
+
+
+def main() -> int:
+    import logging
+
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    quick = os.environ.get("QUICK") == "1"
+    keep = os.environ.get("CHAOS_KEEP")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        result = run(Path(keep), quick)
+    else:
+        with tempfile.TemporaryDirectory(prefix="driftline-chaos-faults-") as tmp:
+            result = run(Path(tmp), quick)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

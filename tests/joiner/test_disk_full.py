@@ -1,0 +1,77 @@
+"""A full disk pauses the dumper's input instead of failing its writes; freeing space resumes it.
+
+The dumper's Parquet directory lives on a 32 MB tmpfs of its own (mounting one needs root: the
+test is skipped without), filled to below ``disk.pause_below_bytes``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY
+
+from joiner import dumper
+from joiner.synth import ml_events
+from joiner.faust_app import run as run_joiner
+from services.kafka import create_topics
+from services.settings import Settings
+from tests.joiner.helpers import JOINER, produce, read_examples
+from tests.joiner.test_dumper import batches
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
+    path = tmp_path / "disk"
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _paused() -> float | None:
+    return REGISTRY.get_sample_value("driftline_disk_paused", {"service": dumper.SERVICE})
+
+
+async def test_a_full_disk_pauses_the_dumper_until_space_is_freed(settings: Settings, small_disk: Path) -> None:
+    await create_topics(settings)
+    await produce(settings, ml_events(300, start=60_000, seed=4))
+    await run_joiner(settings.updated(joiner=JOINER), until_idle_s=0.5)
+    joined = await read_examples(settings)
+    s = settings.model_copy(deep=True)
+    s.topics.examples = settings.topics.examples + "-disk"
+    await create_topics(s)
+    await produce(s, batches(s.topics.examples, joined, 50))
+    fill = small_disk / "fill"
+    with open(fill, "wb") as f:  # 16 MB pause threshold, 4 MB left
+        st = os.statvfs(small_disk)
+        os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize - (4 << 20))
+    out = small_disk / "examples"
+    stop = asyncio.Event()
+    run = asyncio.create_task(dumper.run(s.updated(dumper=dict(flush_rows=10, flush_interval_s=0.5),
+                                                   disk=dict(pause_below_bytes=16 << 20, check_s=0.2)),
+                                         out_dir=out, stop=stop))
+    try:
+        deadline = time.monotonic() + 30
+        while _paused() != 1.0:
+            assert time.monotonic() < deadline and not run.done(), "the dumper did not pause"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(2)
+        assert not list(out.glob("dt=*/hour=*/part-*.parquet")), "written while the disk was full"
+        fill.unlink()
+        deadline = time.monotonic() + 30
+        while (table := dumper.read_examples(out) if out.exists() else None) is None or table.num_rows < len(joined):
+            assert time.monotonic() < deadline and not run.done(), "the dumper did not resume"
+            await asyncio.sleep(0.2)
+        assert _paused() == 0.0 and table.num_rows == len(joined)
+        assert REGISTRY.get_sample_value("driftline_disk_free_bytes", {"service": dumper.SERVICE}) > 16 << 20
+    finally:
+        stop.set()
+        await asyncio.wait_for(run, 30)

@@ -8,22 +8,23 @@ replay runs:
 1. **wall-clock requests** into the replaying stack: the README's curl examples (``/rank`` and
    ``/actions`` without ``event_time_ms``); ``watermark_moved_by_wall_clock`` counts the joiner's
    features partitions whose watermark then lies within a year of now (the data is from 2000-2003);
-2. **another Kafka client's partitioner**: impressions through ``/rank``, their clicks produced
-   straight to ``actions`` on the partition librdkafka's default partitioner (``consistent_random``:
-   CRC32 of the key) picks, as confluent-kafka would; ``orphaned_by_partitioner`` counts the clicks
-   that never became a positive example in Parquet;
-3. **a NaN dense delta** (the served model's own head, one value NaN) on ``param-deltas``;
+2. **a NaN dense delta** (the served model's own head, one value NaN) on ``param-deltas``;
    ``nan_scores_served`` counts non-finite scores of the ``/rank`` answers after it;
-4. **500 concurrent ``/rank``** for 3 s; ``unmarked_degraded_answers`` counts 200s scored on default
+3. **500 concurrent ``/rank``** for 3 s; ``unmarked_degraded_answers`` counts 200s scored on default
    features (``user_known: false``: every ml-1m user is in the store) without the degraded header;
-5. **kill -9 of Redis**; ``features_restored_after_redis_restart``: the restarted one holds the
+4. **kill -9 of Redis**; ``features_restored_after_redis_restart``: the restarted one holds the
    loaded features (its key count within 1% of before, a known user present) and ``/rank`` knows
    the users again, without the degraded header;
-6. **SIGSTOP of the trainer** past the liveness bound; ``hung_service_restarted``: the supervisor
+5. **SIGSTOP of the trainer** past the liveness bound; ``hung_service_restarted``: the supervisor
    killed and restarted it (``hung`` in supervisor.json) and the new one trains;
-7. **disk full**: the var dir's tmpfs filled to below the pause threshold for 30 s, then freed;
+6. **disk full**: the var dir's tmpfs filled to below the pause threshold for 30 s, then freed;
    ``stack_survived_disk_full``: ``up`` still runs, nothing crash-looped, and afterwards the joiner,
-   the dumper and the trainer make progress again by themselves.
+   the dumper and the trainer make progress again by themselves;
+7. once the replay is done (its event time, hours per wall second, would close a click's window
+   before it arrives), **another Kafka client's partitioner**: impressions through ``/rank``, their
+   clicks produced straight to ``actions`` on the partition librdkafka's default partitioner
+   (``consistent_random``: CRC32 of the key) picks, as confluent-kafka would;
+   ``orphaned_by_partitioner`` counts the clicks that never became a positive example in Parquet.
 
 Then Ctrl-C; the last line printed is one JSON object with those keys and the numbers behind them.
 ``QUICK=1``: a shorter replay (the whole run under 6 minutes).
@@ -221,7 +222,8 @@ def redis_restart(stack: LoopStack, killed: set[int]) -> dict:
         f"{len(ok)}/20 answered, {unknown} without the user's features")
     restored = bool(after >= 0.99 * before and known and ok and unknown == 0)
     return {"features_restored_after_redis_restart": restored, "redis_keys_before": before,
-            "redis_keys_after": after, "redis_answers_without_features": unknown}
+            "redis_keys_after": after, "redis_answers_without_features": unknown,
+            "redis_503s_after_restart": sum(1 for a in answers if a[0] == 503)}
 
 
 def hung_trainer(stack: LoopStack) -> dict:
@@ -287,7 +289,7 @@ def _mount_tmpfs(path: Path, size_mb: int) -> Path | None:
 
 def run(work: Path, quick: bool) -> dict:
     started = time.monotonic()
-    limit = int(os.environ.get("CHAOS_LIMIT", 80_000 if quick else 200_000))
+    limit = int(os.environ.get("CHAOS_LIMIT", 60_000 if quick else 150_000))
     mount = _mount_tmpfs(work / "var", 3072)
     stack = LoopStack.start(work, REPO, "--replay-limit", str(limit), "--speed", "0", env={
         "DRIFTLINE_EMBEDDED__LIVENESS_TIMEOUT_S": str(LIVENESS_S),
@@ -300,18 +302,22 @@ def run(work: Path, quick: bool) -> dict:
     try:
         _wait(stack, "examples flowing", lambda: _metric(stack, "joiner", "driftline_joiner_examples_produced_total") > 500, 240)
         result.update(wall_clock_requests(stack))
-        eids = partitioner_clicks(stack)
         result.update(nan_dense_delta(stack))
         result.update(overload(stack))
         result.update(redis_restart(stack, killed))
         result.update(hung_trainer(stack))
+        result.update(disk_full(stack, mount, 10.0 if quick else 30.0))
+        # Last, once the replay is done: its event time runs hours per wall second (a click a second
+        # after its impression would find the window long closed); frozen, it leaves the join alone.
+        _wait(stack, "the replay done", lambda: '"requests"' in (stack.log_dir / "replay.log").read_text(), 600)
+        eids = partitioner_clicks(stack)
         _wait(stack, "the clicks of the partitioner test in Parquet", lambda: all(
             e in _parquet_ids(stack) for e in eids), 90)
         ids = _parquet_ids(stack)
         positives = sum(1 for e in eids if e in ids and any(any(lab[1:]) for lab in ids[e]))
         result["orphaned_by_partitioner"] = len(eids) - positives
+        result["partitioner_clicks"] = len(eids)
         result["rerouted_by_joiner"] = _metric(stack, "joiner", "driftline_joiner_rerouted_total")
-        result.update(disk_full(stack, mount, 10.0 if quick else 30.0))
     finally:
         code = stack.stop()
         if mount is not None:

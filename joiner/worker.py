@@ -31,10 +31,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from aiokafka import TopicPartition
-from aiokafka.partitioner import murmur2
 
 from joiner import metrics as jm
 from joiner.core import JoinCore
+from joiner.partitioning import murmur2_partitions
 from joiner.faust_store import MARKER, JoinStore, PartitionKV
 from joiner.kafka_io import BatchedSender, InputConsumer
 from joiner.offsets import OffsetBook
@@ -181,7 +181,8 @@ class Worker:
         decoders = self.inputs.decoders
         actions, now = self.actions, time.monotonic()
         forwards = []
-        for m in fetched:
+        homes = murmur2_partitions([m.key for m in fetched], self.settings.topics.partitions)  # type: ignore[attr-defined]
+        for m, home in zip(fetched, homes.tolist()):
             p = m.partition  # type: ignore[attr-defined]
             if p not in owned:
                 continue  # revoked while buffered: its new owner reads it
@@ -195,8 +196,11 @@ class Worker:
                 continue
             self.gaps.pop(tp, None)
             part.next[tp] = m.offset + 1  # type: ignore[attr-defined]
-            home = self.home(m.key)  # type: ignore[attr-defined]
-            if home is not None and home != p:  # its request's other records are on partition ``home``: join it there
+            # A producer with another partitioner than murmur2 (where serving puts a request's
+            # feature log and actions) left it away from its request's other records: forward it
+            # there; its offset is committed once the send is acknowledged (a crash in between
+            # sends it twice: the join counts the copy as a duplicate).
+            if home >= 0 and home != p:
                 forwards.append(await self.prod.send(m.topic, m.value, key=m.key, partition=home))  # type: ignore[attr-defined]
                 jm.REROUTED.labels(m.topic).inc()  # type: ignore[attr-defined]
                 self.counts["rerouted"] += 1
@@ -221,17 +225,6 @@ class Worker:
         await self.commit([self.parts[p] for p in records], started)
         self.timings["last_batch_end"] = time.perf_counter()
         return seek
-
-    def home(self, key: bytes | None) -> int | None:
-        """The partition of ``key`` under aiokafka's (and the Java client's) default partitioner,
-        murmur2, where serving puts a request's feature log and its actions (None: no key, no
-        home). A record a producer with another partitioner put elsewhere would never meet its
-        request's other records: :meth:`process` forwards it to this partition, once its send is
-        acknowledged it commits past it (a crash in between sends it twice: the join counts the
-        copy as a duplicate)."""
-        if key is None:
-            return None
-        return (murmur2(key) & 0x7FFFFFFF) % self.settings.topics.partitions
 
     def _gap(self, tp: TopicPartition, expected: int, offset: int) -> bool:
         """A record at ``offset`` where ``expected`` is next: False to seek back to ``expected``

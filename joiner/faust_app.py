@@ -96,6 +96,9 @@ class EpochTable(faust.Table):
         return self.changelog_name
 
 
+CONSUMER_THREAD_STOP_S = 5.0
+
+
 class JoinerApp:
     """The Faust app, its agent and timer, and the :class:`Worker` they drive."""
 
@@ -190,6 +193,13 @@ class JoinerApp:
             with contextlib.suppress(Exception):  # (only a re-read for the next owner)
                 await self.commit_offsets()
             self.worker.drop(list(self.worker.parts))  # (their counts stay in the totals)
+        # A consumer thread stopped in its first moments (SIGTERM while it still starts) waits out
+    X
+        # supervisor's wait, so the stop was a SIGKILL. Its offsets are committed above; nothing is
+        # left for it to do but close.
+        thread = getattr(self.app._consumer, "_thread", None)  # noqa: SLF001 - (None before Faust made one)
+        if thread is not None:
+            thread.shutdown_timeout = CONSUMER_THREAD_STOP_S
         await self.app.stop()
         await self.watch.stop()
         await self.prod.stop()

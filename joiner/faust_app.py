@@ -194,9 +194,9 @@ class JoinerApp:
                 await self.commit_offsets()
             self.worker.drop(list(self.worker.parts))  # (their counts stay in the totals)
         # A consumer thread stopped in its first moments (SIGTERM while it still starts) waits out
-    X
-        # supervisor's wait, so the stop was a SIGKILL. Its offsets are committed above; nothing is
-        # left for it to do but close.
+        # mode's whole shutdown_timeout, 60 s (the watchdog test's SIGTERM, in one CI run): past
+        # the supervisor's wait, so the stop was a SIGKILL. Its offsets are committed above;
+        # nothing is left for it to do but close.
         thread = getattr(self.app._consumer, "_thread", None)  # noqa: SLF001 - (None before Faust made one)
         if thread is not None:
             thread.shutdown_timeout = CONSUMER_THREAD_STOP_S

@@ -255,7 +255,10 @@ def disk_full(stack: LoopStack, mount: Path | None, hold_s: float) -> dict:
         os.posix_fallocate(f.fileno(), 0, max(0, free - (PAUSE_BELOW // 2)))
     log(f"disk full: {free / 1e6:.0f} MB filled to {os.statvfs(mount).f_bavail * st.f_frsize / 1e6:.0f} MB free")
     time.sleep(hold_s)
-    paused = {s: _metric(stack, s, "driftline_disk_paused", {"service": s}) for s in ("joiner", "dumper", "trainer")}
+    from joiner.dumper import SERVICE as DUMPER
+
+    label = {"joiner": "joiner", "dumper": DUMPER, "trainer": "trainer"}
+    paused = {s: _metric(stack, s, "driftline_disk_paused", {"service": label[s]}) for s in label}
     codes = [_post(stack, "/rank", {"user_id": 5, "candidates": [{"item_id": 1}]})[0] for _ in range(5)]
     alive_while_full = stack.proc.poll() is None
     at_freeing = {name: f() for name, f in progress.items()}
@@ -289,7 +292,7 @@ def _mount_tmpfs(path: Path, size_mb: int) -> Path | None:
 
 def run(work: Path, quick: bool) -> dict:
     started = time.monotonic()
-    limit = int(os.environ.get("CHAOS_LIMIT", 60_000 if quick else 150_000))
+    limit = int(os.environ.get("CHAOS_LIMIT", 45_000 if quick else 150_000))
     mount = _mount_tmpfs(work / "var", 3072)
     stack = LoopStack.start(work, REPO, "--replay-limit", str(limit), "--speed", "0", env={
         "DRIFTLINE_EMBEDDED__LIVENESS_TIMEOUT_S": str(LIVENESS_S),

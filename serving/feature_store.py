@@ -35,6 +35,9 @@ from typing import Any
 
 import hiredis
 import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.asyncio.retry import Retry
 
 from serving import metrics
 
@@ -82,9 +85,13 @@ class FeatureStore:
         # A blocking pool: past max_connections a call waits for a free connection (up to wait_s,
         # default timeout_s) and then fails as one FeatureStoreError; redis-py's default pool
         # raised "Too many connections" at once, and /rank scored those requests on defaults.
+        # A pooled connection that a Redis restart closed fails its next command: it is retried
+        # once on a new connection (not on a timeout: under overload that would double the wait),
+        # so the first requests after a restart are answered, not 503s.
         pool = aioredis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=timeout_s if wait_s is None else wait_s,
-            socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+            socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         self.redis = aioredis.Redis.from_pool(pool)
         self.prefix = prefix
         self.recent_clicks = recent_clicks

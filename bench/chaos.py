@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -392,20 +393,26 @@ def run_chaos(work: Path, quick: bool) -> dict:
     return result
 
 
-def main() -> int:
+def run_main(run: Callable[[Path, bool], dict], prefix: str) -> int:
+    """Run ``run(work_dir, quick)`` (``QUICK=1``) in a temporary folder, or in ``CHAOS_KEEP`` (kept:
+    logs and state for a post-mortem), and print its result as the last line, one JSON object."""
     import logging
 
-    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # the capture outlives the broker twice
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # captures outlive the broker
     quick = os.environ.get("QUICK") == "1"
-    keep = os.environ.get("CHAOS_KEEP")  # a folder to run in and keep (logs, state) for a post-mortem
+    keep = os.environ.get("CHAOS_KEEP")
     if keep:
         Path(keep).mkdir(parents=True, exist_ok=True)
-        result = run_chaos(Path(keep), quick)
+        result = run(Path(keep), quick)
     else:
-        with tempfile.TemporaryDirectory(prefix="driftline-chaos-") as tmp:
-            result = run_chaos(Path(tmp), quick)
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            result = run(Path(tmp), quick)
     print(json.dumps(result), flush=True)
     return 0
+
+
+def main() -> int:
+    return run_main(run_chaos, "driftline-chaos-")
 
 
 if __name__ == "__main__":

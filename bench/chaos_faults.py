@@ -33,13 +33,11 @@ Then Ctrl-C; the last line printed is one JSON object with those keys and the nu
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -47,7 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from chaos import _kill, _metric, _metric_sum, _parquet_ids, _supervisor_state, _wait, log  # noqa: E402
+from chaos import _kill, _metric, _metric_sum, _parquet_ids, _supervisor_state, _wait, log, run_main  # noqa: E402
 from tests.loopstack import LoopStack  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -332,19 +330,7 @@ def run(work: Path, quick: bool) -> dict:
 
 
 def main() -> int:
-    import logging
-
-    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-    quick = os.environ.get("QUICK") == "1"
-    keep = os.environ.get("CHAOS_KEEP")
-    if keep:
-        Path(keep).mkdir(parents=True, exist_ok=True)
-        result = run(Path(keep), quick)
-    else:
-        with tempfile.TemporaryDirectory(prefix="driftline-chaos-faults-") as tmp:
-            result = run(Path(tmp), quick)
-    print(json.dumps(result), flush=True)
-    return 0
+    return run_main(run, "driftline-chaos-faults-")
 
 
 if __name__ == "__main__":

@@ -15,11 +15,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 from joiner import dumper
-from joiner.synth import ml_events
-from joiner.faust_app import run as run_joiner
+from proto import Example
 from services.kafka import create_topics
 from services.settings import Settings
-from tests.joiner.helpers import JOINER, produce, read_examples
+from tests.joiner.helpers import produce
 from tests.joiner.test_dumper import batches
 
 
@@ -42,13 +41,10 @@ def _paused() -> float | None:
 
 async def test_a_full_disk_pauses_the_dumper_until_space_is_freed(settings: Settings, small_disk: Path) -> None:
     await create_topics(settings)
-    await produce(settings, ml_events(300, start=60_000, seed=4))
-    await run_joiner(settings.updated(joiner=JOINER), until_idle_s=0.5)
-    joined = await read_examples(settings)
-    s = settings.model_copy(deep=True)
-    s.topics.examples = settings.topics.examples + "-disk"
-    await create_topics(s)
-    await produce(s, batches(s.topics.examples, joined, 50))
+    joined = [Example(example_id=f"d/{i}", request_id="d", item_id=i, user_id=1, event_time_ms=1_700_000_000_000 + i,
+                      sample_rate=1.0) for i in range(300)]
+    await produce(settings, batches(settings.topics.examples, joined, 50))
+    s = settings
     fill = small_disk / "fill"
     with open(fill, "wb") as f:  # 16 MB pause threshold, 4 MB left
         st = os.statvfs(small_disk)

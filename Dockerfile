@@ -6,6 +6,7 @@ WORKDIR /app
 ARG TORCH_INDEX_URL=
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --no-cache-dir torch==2.13.0 --index-url "$TORCH_INDEX_URL"; fi
 COPY pyproject.toml README.md ./
+COPY driftline driftline
 COPY services services
 COPY joiner joiner
 COPY trainer trainer

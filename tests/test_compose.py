@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -139,3 +140,70 @@ def test_services_start_after_what_they_need(repo_root: Path) -> None:
     for name in ("serving-0", "serving-1"):
         assert services[name]["depends_on"]["features-load"]["condition"] == "service_completed_successfully", name
     assert "serving-0" in services["traffic"]["depends_on"]
+
+
+def test_the_image_installs_and_runs_every_service_command(repo_root: Path, tmp_path: Path) -> None:
+    """What `docker build` would make, without Docker: the context the Dockerfile's COPYs give
+    (parsed with dockerfile-parse), installed the way its `pip install .` does (built and installed,
+    not editable; the dependencies are this venv's), then `driftline --help` and every compose
+    service's command with `--help` run from that install alone, the repository off the path. A
+    package the Dockerfile forgets to copy fails here."""
+    import sysconfig
+
+    from dockerfile_parse import DockerfileParser
+
+    parsed = DockerfileParser(fileobj=(repo_root / "Dockerfile").open("rb"))
+    workdir = Path("/")
+    context = tmp_path / "image"
+    copied = 0
+    for step in parsed.structure:
+        if step["instruction"] == "WORKDIR":
+            workdir = workdir / step["value"]
+        if step["instruction"] != "COPY":
+            continue
+        *sources, dest = step["value"].split()
+        assert not any(s.startswith("--") for s in sources), f"COPY flags are not handled here: {step['value']}"
+        target = context / (workdir / dest).relative_to("/")
+        for source in sources:
+            src = repo_root / source
+            out = target / src.name if dest.endswith("/") or len(sources) > 1 else target
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_dir():
+                shutil.copytree(src, out, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+            else:
+                shutil.copy2(src, out)
+            copied += 1
+    import tomllib
+
+    app = context / workdir.relative_to("/")
+    packages = tomllib.loads((repo_root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    missing = [p.rstrip("*") for p in packages if not (app / p.rstrip("*")).is_dir()]
+    assert not missing, f"packages pyproject.toml installs that the Dockerfile does not COPY: {missing}"
+    installs = [s["value"] for s in parsed.structure if s["instruction"] == "RUN" and "pip install" in s["value"]]
+    assert any(v.rstrip().endswith(" .") for v in installs), installs  # the project itself, from the workdir
+    site = tmp_path / "site"
+    built = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                            "--target", str(site), str(app)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    # -S: no site-packages processing, so this venv's editable install of the repository is not on
+    # the path; its dependencies are (PYTHONPATH), after the image's own install.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DRIFTLINE_", "PYTHON"))}
+    env["PYTHONPATH"] = f"{site}:{sysconfig.get_paths()['purelib']}"
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-S", *args], capture_output=True, text=True, cwd=tmp_path,
+                              env=env, timeout=180)
+
+    where = run("-c", "import driftline; print(driftline.__file__)")
+    assert where.returncode == 0 and where.stdout.startswith(str(site)), (where.stdout, where.stderr[-2000:])
+    helps = {"driftline --help": run("-m", "driftline.cli", "--help")}
+    for name, service in _driftline_services(_compose(repo_root)).items():
+        command, entrypoint = service["command"], service.get("entrypoint")
+        if entrypoint is not None:
+            helps[name] = run("-m", entrypoint[2], "--help")
+        else:
+            words = [command[0], *[c for c in command[1:2] if not c.startswith("-")]]
+            helps[name] = run("-m", "driftline.cli", *words, "--help")
+    failed = {name: r.stderr.strip().splitlines()[-1:] for name, r in helps.items() if r.returncode != 0}
+    assert not failed, f"{copied} paths copied; commands that fail from the image's install: {failed}"

@@ -16,6 +16,8 @@ COPY ps ps
 COPY producers producers
 COPY status status
 COPY evaluation evaluation
+# the demo's project file (docker-compose.yml: DRIFTLINE_PROJECT), as `make up` runs it
+COPY examples examples
 RUN pip install --no-cache-dir .
 ENV DRIFTLINE_VAR_DIR=/var/lib/driftline DRIFTLINE_DATA_DIR=/var/lib/driftline/data OMP_WAIT_POLICY=PASSIVE
 VOLUME /var/lib/driftline

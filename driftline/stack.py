@@ -184,20 +184,21 @@ def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external
     * With an external Kafka, a snapshot of this broker's data is kept as well (its offsets hold).
     * Otherwise (none, or only a warm start's) the warm start trains a new one.
     """
+    from producers.movielens import first_rating_after
     from trainer import snapshots
     from trainer.config import named_config
 
     root = settings.snapshot_root
     snap = root / named_config(settings.trainer.model).model_id  # (the trainer's snapshot folder)
-    manifest = snapshots.read_manifest(snap) if (snap / "LATEST").exists() else None
-    if manifest is not None and int(manifest.get("examples_applied", 0)) > 0:
-        resume = resume_rating(settings, int(manifest["max_event_time_ms"]))
+    learned = snapshots.learned_online(snap)
+    if learned is not None:
+        resume = first_rating_after(settings.replay.dataset, settings.data_dir, int(learned["max_event_time_ms"]))
         log.info("warm start skipped: %s holds the online trainer's model (%d examples learned, up to %s); "
-                 "the replay resumes at rating %d", snap, manifest["examples_applied"],
-                 time.strftime("%Y-%m-%d %H:%M", time.gmtime(manifest["max_event_time_ms"] / 1000)), resume)
+                 "the replay resumes at rating %d", snap, learned["examples_applied"],
+                 time.strftime("%Y-%m-%d %H:%M", time.gmtime(learned["max_event_time_ms"] / 1000)), resume)
         return resume
     marker = snap / "broker-epoch"
-    if external_broker and manifest is not None and marker.exists() and marker.read_text().strip() == epoch:
+    if external_broker and (snap / "LATEST").exists() and marker.exists() and marker.read_text().strip() == epoch:
         log.info("warm start skipped: %s holds a snapshot of this broker's data", snap)
         return None
     shutil.rmtree(snap, ignore_errors=True)  # nothing learned online in it: the warm start's own
@@ -211,18 +212,6 @@ def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external
         oneshot=True, blocking=True, ready_timeout_s=600.0,
     ))
     return None
-
-
-def resume_rating(settings: Settings, max_event_time_ms: int) -> int:
-    """The index of the first rating (time order) after ``max_event_time_ms``."""
-    import numpy as np
-    import pyarrow.parquet as pq
-
-    from producers.movielens import DatasetPaths
-
-    ts = pq.read_table(DatasetPaths.under(settings.replay.dataset, settings.data_dir).ratings,
-                       columns=["timestamp"]).column("timestamp").to_numpy()
-    return int(np.searchsorted(ts * 1000, max_event_time_ms, side="right"))
 
 
 def _project_start(settings: Settings, supervisor: Supervisor, project: Project, epoch: str,

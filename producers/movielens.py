@@ -262,6 +262,16 @@ def load(dataset: str = "ml-1m", data_dir: Path = Path("var/data")) -> MovieLens
     )
 
 
+def first_rating_after(dataset: str, data_dir: Path, event_time_ms: int) -> int:
+    """The index of the first rating (the files are in time order) after ``event_time_ms``: where a
+    replay resumes after what a model learned."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    ts = pq.read_table(DatasetPaths.under(dataset, data_dir).ratings, columns=["timestamp"]).column("timestamp")
+    return int(np.searchsorted(ts.to_numpy() * 1000, event_time_ms, side="right"))
+
+
 def read_manifest(dataset: str = "ml-1m", data_dir: Path = Path("var/data")) -> dict[str, Any]:
     """The manifest of a completed fetch (counts, positive rate, checksums)."""
     _source(dataset)

@@ -305,6 +305,21 @@ async def drive(
     }
 
 
+def _after_learned(settings, dataset: str, start_rating: int | None) -> int | None:  # type: ignore[no-untyped-def]
+    """The rating after what the online trainer's newest snapshot learned (``start_rating`` without one)."""
+    from producers.movielens import first_rating_after
+    from trainer import snapshots
+    from trainer.config import named_config
+
+    learned = snapshots.learned_online(settings.snapshot_root / named_config(settings.trainer.model).model_id)
+    if learned is None:
+        return start_rating
+    start = first_rating_after(dataset, settings.data_dir, int(learned["max_event_time_ms"]))
+    log.info("the trainer's snapshot learned %d examples: resuming the replay at rating %d",
+             learned["examples_applied"], start)
+    return start
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="driftline traffic", description="Replay MovieLens through serving: "
                                 "POST /rank per request, then POST /actions for the clicks the data has.")
@@ -314,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-fraction", type=float, default=0.0,
                    help="skip the first fraction of ratings (the warm-start's training data)")
     p.add_argument("--start-rating", type=int, default=None, help="skip the first N ratings (overrides --start-fraction)")
+    p.add_argument("--after-learned", action="store_true",
+                   help="start after the newest event time the online trainer's snapshot learned, when there is "
+                        "one (a replay restarted with the stack: docker compose); else at --start-rating")
     p.add_argument("--concurrency", type=int, default=16, help="HTTP calls in flight at most")
     p.add_argument("--url", default=None, help="serving base URL (default: settings.serving host and port)")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for serving's /readyz")
@@ -340,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as err:  # the traffic still matters more than its own metrics
             log.warning("no /metrics on port %d: %s", port, err)
     SERVICE_UP.labels(SERVICE).set(1)
+    if args.after_learned:
+        args.start_rating = _after_learned(settings, args.dataset or settings.replay.dataset, args.start_rating)
     try:
         stats = asyncio.run(drive(settings, args.dataset, args.speed, args.limit, args.start_fraction,
                                   args.concurrency, base_url=args.url, start_rating=args.start_rating,

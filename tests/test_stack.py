@@ -185,8 +185,8 @@ def test_up_with_a_bad_model_file_is_one_actionable_line(tmp_path: Path, repo_ro
 def test_a_snapshot_learned_online_is_never_replaced_by_a_warm_start(tmp_path: Path, repo_root: Path) -> None:
     """The next `up` keeps a snapshot the online trainer learned into and resumes the replay after
     its newest event time; a warm start's own snapshot (nothing learned online) is replaced."""
-    from driftline.stack import _warm_start, resume_rating, warm_start_cut
-    from producers.movielens import fetch
+    from driftline.stack import _warm_start, warm_start_cut
+    from producers.movielens import fetch, first_rating_after
     from trainer import snapshots
     from trainer.config import named_config
 
@@ -208,6 +208,7 @@ def test_a_snapshot_learned_online_is_never_replaced_by_a_warm_start(tmp_path: P
         start = _warm_start(settings, sup, "epoch-2", external_broker=False, fraction=0.1)  # type: ignore[arg-type]
         if expect_kept:
             assert sup.started == [] and (snap / "LATEST").exists()
-            assert start == resume_rating(settings, newest_ms) > warm_start_cut(settings, 0.1)[1]
+            assert start == first_rating_after(settings.replay.dataset, settings.data_dir, newest_ms) \
+                > warm_start_cut(settings, 0.1)[1]
         else:
             assert sup.started == ["warm-start"] and not snap.exists() and start is None

@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("batch", help="train from Parquet example dumps (or MovieLens directly)")
     b.add_argument("--passes", type=int, default=1)
-    b.add_argument("--model", default="deepfm", help="deepfm | lr | path to a ModelConfig JSON")
+    b.add_argument("--model", default=settings.trainer.model,
+                   help="deepfm | lr | a ModelConfig JSON or project file (default: trainer.model)")
     b.add_argument("--batch-size", type=int, default=settings.trainer.batch_size)
     b.add_argument("--examples-dir", default=str(settings.var_dir / "examples"))
     b.add_argument("--movielens", action="store_true", help="use MovieLens even if Parquet dumps exist")
@@ -159,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--limit", type=int, default=None)
     b.add_argument("--test-fraction", type=float, default=0.1)
     b.add_argument("--snapshot", action="store_true", help="write a snapshot at the end")
+    b.add_argument("--unless-learned", action="store_true",
+                   help="do nothing when the snapshot folder holds a snapshot the online trainer learned into "
+                        "(a warm start that runs on every start: docker compose)")
     b.add_argument("--quiet", action="store_true")
     o = sub.add_parser("online", help="train from the examples topic")
     o.add_argument("--model", default=None)
@@ -191,6 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         service_metrics.serve_metrics(settings.metrics_port + (rank or 0) * settings.trainer.rank_metrics_port_stride)
     service_metrics.SERVICE_UP.labels("trainer").set(1)
     if args.cmd == "batch":
+        from . import snapshots
+
+        root = settings.snapshot_root / named_config(args.model).model_id
+        if args.unless_learned and (learned := snapshots.learned_online(root)) is not None:
+            print(json.dumps({"skipped": f"{root} holds the online trainer's model "
+                                         f"({learned['examples_applied']} examples learned): kept"}), flush=True)
+            return 0
         run_batch(args)
     else:
         args.model = args.model or settings.trainer.model

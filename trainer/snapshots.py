@@ -245,6 +245,14 @@ def load_rank(root: Path, config: ModelConfig, rank: int, world: int):
     return tables, dense, manifest, state
 
 
+def learned_online(root: Path) -> dict | None:
+    """The manifest of the newest snapshot under ``root`` when the online trainer learned into it
+    (``examples_applied`` > 0; a warm start's batch snapshot has 0), else None. Such a snapshot is
+    never replaced by a warm start (``driftline up``, ``trainer batch --unless-learned``)."""
+    manifest = read_manifest(root)
+    return manifest if manifest is not None and int(manifest.get("examples_applied", 0)) > 0 else None
+
+
 def read_manifest(root: Path) -> dict | None:
     latest = Path(root) / "LATEST"
     if not latest.exists():

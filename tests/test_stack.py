@@ -212,3 +212,30 @@ def test_a_snapshot_learned_online_is_never_replaced_by_a_warm_start(tmp_path: P
                 > warm_start_cut(settings, 0.1)[1]
         else:
             assert sup.started == ["warm-start"] and not snap.exists() and start is None
+
+
+def test_a_warm_start_on_every_start_keeps_what_the_online_trainer_learned(tmp_path: Path, repo_root: Path) -> None:
+    """docker compose runs its warm start and its traffic on every `up`: `trainer batch
+    --unless-learned` leaves a snapshot the online trainer learned into as it is, and `traffic
+    --after-learned` starts after the newest event time it learned."""
+    from producers.movielens import fetch, first_rating_after
+    from producers.traffic import _after_learned
+    from trainer import snapshots
+    from trainer.config import named_config
+
+    settings = Settings(var_dir=tmp_path / "var", data_dir=repo_root / "var" / "data")
+    fetch(settings.replay.dataset, settings.data_dir)
+    config = named_config(settings.trainer.model)
+    snap = settings.snapshot_root / config.model_id
+    assert _after_learned(settings, settings.replay.dataset, 95019) == 95019  # nothing learned yet
+    snapshots.save(snap, config, {}, {}, {"examples_applied": 777, "max_event_time_ms": 975_000_000_000})
+    before = sorted(p.name for p in snap.iterdir())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DRIFTLINE_")}
+    env.update(DRIFTLINE_VAR_DIR=str(settings.var_dir), DRIFTLINE_DATA_DIR=str(settings.data_dir))
+    done = subprocess.run([sys.executable, "-m", "driftline.cli", "trainer", "batch", "--movielens", "--limit", "2000",
+                           "--snapshot", "--unless-learned", "--quiet"], capture_output=True, text=True, env=env,
+                          cwd=repo_root, timeout=180)
+    assert done.returncode == 0 and '"skipped"' in done.stdout, done.stdout + done.stderr[-2000:]
+    assert sorted(p.name for p in snap.iterdir()) == before
+    assert _after_learned(settings, settings.replay.dataset, 95019) == first_rating_after(
+        settings.replay.dataset, settings.data_dir, 975_000_000_000)

@@ -66,8 +66,8 @@ class AppService:
     #: environment for the demo and ``--model`` runs only: with a project file (``up --config``)
     #: the file decides these settings (the environment it was applied to carries them)
     legacy_env: Mapping[str, str] = field(default_factory=dict)
-    #: how long a stop waits for it after SIGTERM (``ServiceSpec.stop_timeout_s``)
-    stop_timeout_s: Callable[[Settings], float] = lambda s: 10.0
+    #: how long a stop waits for it after SIGTERM (None: ``ServiceSpec``'s own)
+    stop_timeout_s: Callable[[Settings], float] | None = None
 
 
 def _alive_url(service: AppService, settings: Settings) -> str | None:
@@ -184,19 +184,14 @@ def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external
     * With an external Kafka, a snapshot of this broker's data is kept as well (its offsets hold).
     * Otherwise (none, or only a warm start's) the warm start trains a new one.
     """
-    from producers.movielens import first_rating_after
-    from trainer import snapshots
+    from producers.traffic import after_learned
     from trainer.config import named_config
 
-    root = settings.snapshot_root
-    snap = root / named_config(settings.trainer.model).model_id  # (the trainer's snapshot folder)
-    learned = snapshots.learned_online(snap)
-    if learned is not None:
-        resume = first_rating_after(settings.replay.dataset, settings.data_dir, int(learned["max_event_time_ms"]))
-        log.info("warm start skipped: %s holds the online trainer's model (%d examples learned, up to %s); "
-                 "the replay resumes at rating %d", snap, learned["examples_applied"],
-                 time.strftime("%Y-%m-%d %H:%M", time.gmtime(learned["max_event_time_ms"] / 1000)), resume)
+    resume = after_learned(settings, settings.replay.dataset)
+    if resume is not None:
+        log.info("warm start skipped: the online trainer's snapshot is kept")
         return resume
+    snap = settings.snapshot_root / named_config(settings.trainer.model).model_id  # (the trainer's snapshot folder)
     marker = snap / "broker-epoch"
     if external_broker and (snap / "LATEST").exists() and marker.exists() and marker.read_text().strip() == epoch:
         log.info("warm start skipped: %s holds a snapshot of this broker's data", snap)
@@ -329,7 +324,7 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
                 oneshot=service.blocking, blocking=service.blocking, ready_timeout_s=service.timeout_s,
                 alive=(lambda u=alive: http_answers(u)) if alive else None,
                 liveness_timeout_s=settings.embedded.liveness_timeout_s,
-                stop_timeout_s=service.stop_timeout_s(settings),
+                **({"stop_timeout_s": service.stop_timeout_s(settings)} if service.stop_timeout_s else {}),
             ))
             rows += list(service.urls(settings).items())
         if demo:

@@ -269,8 +269,9 @@ class Supervisor:
     def stop_all(self, grace_s: float | None = None) -> dict[str, int]:
         """Stop every child: the services first, then the infrastructure (``ServiceSpec.infra``).
         Each stage sends SIGTERM to every group at once and SIGKILLs what is left after its
-        ``stop_timeout_s`` (or ``grace_s`` for all, when given). Returns ``{name: exit code}`` of the children that did not exit 0 (a SIGKILL'd
-        one as -9); a child that had already exited is judged by its own code."""
+        ``stop_timeout_s`` (or ``grace_s`` for all, when given). Returns ``{name: exit code}`` of
+        the children that did not exit 0 (a SIGKILL'd one as -9); a child that had already exited
+        is judged by its own code."""
         self._stopping.set()
         with self._lock:
             items = list(self.running.values())[::-1]

@@ -305,18 +305,21 @@ async def drive(
     }
 
 
-def _after_learned(settings, dataset: str, start_rating: int | None) -> int | None:  # type: ignore[no-untyped-def]
-    """The rating after what the online trainer's newest snapshot learned (``start_rating`` without one)."""
+def after_learned(settings, dataset: str) -> int | None:  # type: ignore[no-untyped-def]
+    """The first rating after the newest event time the online trainer's snapshot learned (None:
+    no snapshot it learned into): where a restarted replay resumes (``up``, ``--after-learned``)."""
     from producers.movielens import first_rating_after
     from trainer import snapshots
     from trainer.config import named_config
 
-    learned = snapshots.learned_online(settings.snapshot_root / named_config(settings.trainer.model).model_id)
+    root = settings.snapshot_root / named_config(settings.trainer.model).model_id
+    learned = snapshots.learned_online(root)
     if learned is None:
-        return start_rating
+        return None
     start = first_rating_after(dataset, settings.data_dir, int(learned["max_event_time_ms"]))
-    log.info("the trainer's snapshot learned %d examples: resuming the replay at rating %d",
-             learned["examples_applied"], start)
+    log.info("%s holds the online trainer's model (%d examples learned, up to %s): the replay resumes at "
+             "rating %d", root, learned["examples_applied"],
+             time.strftime("%Y-%m-%d %H:%M", time.gmtime(learned["max_event_time_ms"] / 1000)), start)
     return start
 
 
@@ -359,7 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.warning("no /metrics on port %d: %s", port, err)
     SERVICE_UP.labels(SERVICE).set(1)
     if args.after_learned:
-        args.start_rating = _after_learned(settings, args.dataset or settings.replay.dataset, args.start_rating)
+        resume = after_learned(settings, args.dataset or settings.replay.dataset)
+        args.start_rating = args.start_rating if resume is None else resume
     try:
         stats = asyncio.run(drive(settings, args.dataset, args.speed, args.limit, args.start_fraction,
                                   args.concurrency, base_url=args.url, start_rating=args.start_rating,

@@ -151,7 +151,7 @@ class SharedModel(TrainerModel):
         self.dense = VersionState(*state["dense"])
         self.sample_rates = SampleRates.from_mapping(state["sample_rates"]) if state["sample_rates"] else SampleRates()
         self.loaded = bool(state["loaded"])
-        self.ps_behind_s = float(state.get("behind_s", 0.0))
+        self.ps_behind_s = float(state["behind_s"])
         self.state_at_ms = int(state["published_at_ms"])
         self._seq = seq
 

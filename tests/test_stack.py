@@ -219,7 +219,7 @@ def test_a_warm_start_on_every_start_keeps_what_the_online_trainer_learned(tmp_p
     --unless-learned` leaves a snapshot the online trainer learned into as it is, and `traffic
     --after-learned` starts after the newest event time it learned."""
     from producers.movielens import fetch, first_rating_after
-    from producers.traffic import _after_learned
+    from producers.traffic import after_learned
     from trainer import snapshots
     from trainer.config import named_config
 
@@ -227,7 +227,7 @@ def test_a_warm_start_on_every_start_keeps_what_the_online_trainer_learned(tmp_p
     fetch(settings.replay.dataset, settings.data_dir)
     config = named_config(settings.trainer.model)
     snap = settings.snapshot_root / config.model_id
-    assert _after_learned(settings, settings.replay.dataset, 95019) == 95019  # nothing learned yet
+    assert after_learned(settings, settings.replay.dataset) is None  # nothing learned yet: --start-rating
     snapshots.save(snap, config, {}, {}, {"examples_applied": 777, "max_event_time_ms": 975_000_000_000})
     before = sorted(p.name for p in snap.iterdir())
     env = {k: v for k, v in os.environ.items() if not k.startswith("DRIFTLINE_")}
@@ -237,5 +237,5 @@ def test_a_warm_start_on_every_start_keeps_what_the_online_trainer_learned(tmp_p
                           cwd=repo_root, timeout=180)
     assert done.returncode == 0 and '"skipped"' in done.stdout, done.stdout + done.stderr[-2000:]
     assert sorted(p.name for p in snap.iterdir()) == before
-    assert _after_learned(settings, settings.replay.dataset, 95019) == first_rating_after(
+    assert after_learned(settings, settings.replay.dataset) == first_rating_after(
         settings.replay.dataset, settings.data_dir, 975_000_000_000)

@@ -35,6 +35,7 @@ from driftline.embedded import check_port_free, redis_command, tansu_command, wa
 from driftline.supervisor import ServiceSpec, Supervisor
 from services.kafka import create_topics
 from services.ports import http_answers, port_is_open
+from services.redis_client import redacted
 from services.settings import Settings
 from services.tansu_quirks import ensure_broker_epoch
 
@@ -283,7 +284,7 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
                 ready=lambda: port_is_open(e.host, e.redis_port), ready_timeout_s=e.start_timeout_s,
                 infra=True,
             ))
-        infra.append(("redis", settings.redis))
+        infra.append(("redis", redacted(settings.redis)))
 
         created, epoch = asyncio.run(_prepare_broker_epoch(settings))
         log.info("topics ready (created: %s)", ", ".join(created) or "none")

@@ -94,6 +94,20 @@ class EmbeddedSettings(BaseModel):
     liveness_timeout_s: float = Field(default=120.0, gt=0)
 
 
+class RedisClientSettings(BaseModel):
+    """How every Redis client connects (services/redis_client.py builds them all); where Redis
+    is, with its user and password, is ``REDIS_URL`` (``redis://user:pass@host:6379/0``;
+    ``rediss://`` for TLS)."""
+
+    # A Redis Cluster: REDIS_URL names any one node, the client finds the others and their slots.
+    cluster: bool = False
+    # TLS (rediss:// only): the CA bundle that signed the server's certificate (unset: the
+    # system's), and a client certificate and key where the server asks for one.
+    ssl_ca_certs: Path | None = None
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+
+
 class ReplaySettings(BaseModel):
     """``driftline replay``: MovieLens as a live product would emit it."""
 
@@ -458,6 +472,7 @@ class Settings(BaseSettings):
     service_name: str = "driftline"
 
     kafka: KafkaClientSettings = KafkaClientSettings()
+    redis_client: RedisClientSettings = RedisClientSettings()
     topics: TopicSettings = TopicSettings()
     embedded: EmbeddedSettings = EmbeddedSettings()
     event_time: EventTimeSettings = EventTimeSettings()

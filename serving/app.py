@@ -99,7 +99,7 @@ class Serving:
             self.model = TrainerModel(settings.serving_model)
         self.store = FeatureStore(settings.redis, options.redis_prefix, options.recent_clicks,
                                   max_connections=options.feature_store_connections,
-                                  wait_s=options.feature_store_wait_s)
+                                  wait_s=options.feature_store_wait_s, client=settings.redis_client)
         #: warnings a request can trigger (an overload or an outage would log every request)
         self.log_limited = Throttled(log)
         self.event_clock = EventClock(options.event_clock_s)

@@ -34,12 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import hiredis
-import redis.asyncio as aioredis
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.asyncio.retry import Retry
+from redis.exceptions import AuthenticationError, RedisClusterException, RedisError
 
 from serving import metrics
+from services.redis_client import RedisCluster, connect, redacted, without_password
+from services.settings import RedisClientSettings
 
 Slots = dict[str, list[int]]
 
@@ -81,18 +80,18 @@ class FeatureStore:
     """Async access to the feature store (one connection pool per process)."""
 
     def __init__(self, url: str, prefix: str = "driftline", recent_clicks: int = 20,
-                 timeout_s: float = 1.0, max_connections: int = 100, wait_s: float | None = None) -> None:
-        # A blocking pool: past max_connections a call waits for a free connection (up to wait_s,
-        # default timeout_s) and then fails as one FeatureStoreError; redis-py's default pool
-        # raised "Too many connections" at once, and /rank scored those requests on defaults.
-        # A pooled connection that a Redis restart closed fails its next command: it is retried
-        # once on a new connection (not on a timeout: under overload that would double the wait),
-        # so the first requests after a restart are answered, not 503s.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout_s if wait_s is None else wait_s,
-            socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
-        self.redis = aioredis.Redis.from_pool(pool)
+                 timeout_s: float = 1.0, max_connections: int = 100, wait_s: float | None = None,
+                 client: RedisClientSettings | None = None) -> None:
+        # Past max_connections a call waits for a free connection (up to wait_s, default
+        # timeout_s) and then fails as one FeatureStoreError (services.redis_client.connect): a
+        # /rank is never scored on defaults because the pool was momentarily full.
+        try:
+            self.redis = connect(url, client, timeout_s=timeout_s, max_connections=max_connections, wait_s=wait_s)
+        except ValueError as err:  # a URL redis-py cannot read, or TLS files with a redis:// URL
+            raise FeatureStoreError(f"REDIS_URL {redacted(url)}: {without_password(str(err), url)}") from err
+        #: a Redis Cluster: a request's keys live on several nodes (see :meth:`_fetch_cluster`)
+        self.cluster = isinstance(self.redis, RedisCluster)
+        self.url = url
         self.prefix = prefix
         self.recent_clicks = recent_clicks
         #: raw item value -> decoded slots (item features change rarely; the key is the value)
@@ -110,8 +109,18 @@ class FeatureStore:
     async def close(self) -> None:
         await self.redis.aclose()
 
+    def error(self, what: str, err: BaseException) -> FeatureStoreError:
+        """One error for callers, naming the Redis without its password."""
+        login = "Redis refused the login (the user and password in REDIS_URL): " \
+            if isinstance(err, AuthenticationError) else ""
+        return FeatureStoreError(f"feature store {what} failed ({redacted(self.url)}): {login}"
+                                 f"{without_password(str(err) or type(err).__name__, self.url)}")
+
     async def ping(self) -> bool:
+        """Every master answers (a cluster's replicas are not asked: a dead one loses no key)."""
         try:
+            if self.cluster:
+                return bool(await self.redis.ping(target_nodes=RedisCluster.PRIMARIES))
             return bool(await self.redis.ping())
         except Exception:  # noqa: BLE001 - any failure means "not reachable"
             return False
@@ -120,13 +129,17 @@ class FeatureStore:
         """User, recent clicks and candidate features in one pipelined round trip."""
         started = time.perf_counter()
         item = f"{self.prefix}:i:"
-        packed = hiredis.pack_command(("MGET", self.user_key(user_id), *map(item.__add__, map(str, item_ids)))) + \
-            hiredis.pack_command(("LRANGE", self.clicks_key(user_id), 0, self.recent_clicks - 1))
+        keys = [self.user_key(user_id), *map(item.__add__, map(str, item_ids))]
         try:
-            values, clicks = await self._round_trip(packed, 2)
+            if self.cluster:
+                values, clicks = await self._fetch_cluster(keys, self.clicks_key(user_id))
+            else:
+                packed = hiredis.pack_command(("MGET", *keys)) + \
+                    hiredis.pack_command(("LRANGE", self.clicks_key(user_id), 0, self.recent_clicks - 1))
+                values, clicks = await self._round_trip(packed, 2)
         except Exception as err:  # noqa: BLE001 - redis raises many types; callers get one
             metrics.FEATURE_STORE_ERRORS.labels("fetch").inc()
-            raise FeatureStoreError(f"feature store fetch failed: {err}") from err
+            raise self.error("fetch", err) from err
         finally:
             metrics.FEATURE_STORE_SECONDS.labels("fetch").observe(time.perf_counter() - started)
         user = decode_slots(values[0]) if values[0] is not None else None
@@ -140,6 +153,17 @@ class FeatureStore:
                 if items[i] is None and v is not None:
                     items[i] = cache[v] = decode_slots(v)
         return RankFeatures(user, [int(c) for c in clicks], items, raws)
+
+    async def _fetch_cluster(self, keys: list[str], clicks_key: str) -> tuple[list[Any], list[Any]]:
+        """A cluster's :meth:`fetch`: the keys' slots differ (one MGET would be CROSSSLOT), so each
+        is a GET in one pipeline that redis-py splits by node and sends to all nodes at once: one
+        round trip's wait, as on a single node. A node that cannot answer fails the request."""
+        pipe = self.redis.pipeline()
+        for key in keys:
+            pipe.get(key)
+        pipe.lrange(clicks_key, 0, self.recent_clicks - 1)
+        replies = await pipe.execute()
+        return replies[:-1], replies[-1]
 
     async def _round_trip(self, packed: bytes, replies: int) -> list[Any]:
         """Send ``packed`` (``replies`` commands) on one pooled connection and read the replies.
@@ -186,7 +210,7 @@ class FeatureStore:
             results = await pipe.execute(raise_on_error=False)
         except Exception as err:  # noqa: BLE001
             metrics.FEATURE_STORE_ERRORS.labels("record_clicks").inc()
-            raise FeatureStoreError(f"feature store update failed: {err}") from err
+            raise self.error("update", err) from err
         finally:
             metrics.FEATURE_STORE_SECONDS.labels("record_clicks").observe(time.perf_counter() - started)
         refused = [(i, r) for i, r in enumerate(results[:len(clicks)]) if isinstance(r, Exception)]
@@ -202,25 +226,34 @@ class FeatureStore:
         try:
             raw = await self.redis.get(self.marker_key(name))
         except Exception as err:  # noqa: BLE001
-            raise FeatureStoreError(f"feature store read failed: {err}") from err
+            raise self.error("read", err) from err
         return raw.decode() if raw is not None else None
 
     async def set_marker(self, name: str, value: str) -> None:
         try:
             await self.redis.set(self.marker_key(name), value)
         except Exception as err:  # noqa: BLE001
-            raise FeatureStoreError(f"feature store update failed: {err}") from err
+            raise self.error("update", err) from err
 
     async def put(self, users: Mapping[int, Slots], items: Mapping[int, Slots], batch: int = 10_000) -> int:
         """Write user and item features (pipelined MSETs of ``batch`` keys), then the load marker
-        (:data:`LOADED_MARKER`: the number of keys and the time); return keys written."""
+        (:data:`LOADED_MARKER`: the number of keys and the time); return keys written. In a
+        cluster, one SET per key in one pipeline (redis-py's splits it by node). Raises
+        :class:`FeatureStoreError` when Redis cannot take them (unreachable, refused the login)."""
         pairs = [(self.user_key(u), encode_slots(s)) for u, s in users.items()]
         pairs += [(self.item_key(i), encode_slots(s)) for i, s in items.items()]
         pipe = self.redis.pipeline(transaction=False)
-        for start in range(0, len(pairs), batch):
-            pipe.mset(dict(pairs[start:start + batch]))
+        if self.cluster:  # keys of other slots: one MSET would be CROSSSLOT
+            for key, value in pairs:
+                pipe.set(key, value)
+        else:
+            for start in range(0, len(pairs), batch):
+                pipe.mset(dict(pairs[start:start + batch]))
         pipe.set(self.marker_key(LOADED_MARKER), f"{len(pairs)} keys at {int(time.time() * 1000)}")
-        await pipe.execute()
+        try:
+            await pipe.execute()
+        except (RedisError, RedisClusterException, OSError) as err:
+            raise self.error("load", err) from err
         return len(pairs)
 
 
@@ -306,11 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     except FeatureFileError as err:
         print(f"driftline features load: {err}", file=sys.stderr)
         return 2
-    except (ConnectionError, OSError, aioredis.ConnectionError) as err:
-        print(f"cannot reach Redis at {args.redis_url}: {err}; run `make up` or set REDIS_URL",
-              file=sys.stderr)
+    except FeatureStoreError as err:
+        print(f"driftline features load: {without_password(str(err), args.redis_url)}; run `make up`, or set "
+              "REDIS_URL (redis://user:password@host:port/0) and DRIFTLINE_REDIS_CLIENT__*", file=sys.stderr)
         return 1
-    print(f"loaded {n} feature keys from {source} into {args.redis_url} in {seconds:.2f}s")
+    print(f"loaded {n} feature keys from {source} into {redacted(args.redis_url)} in {seconds:.2f}s")
     return 0
 
 

@@ -16,6 +16,12 @@ values hashed to ids with :func:`services.hashing.string_id`. Fill it from your 
 files with ``driftline features load --users FILE --items FILE`` (:mod:`serving.feature_files`),
 or with the MovieLens demo's features with ``driftline features load --movielens``.
 
+On a Redis Cluster (``redis_client.cluster``) the keys are the same, without hash tags: a
+request's candidates are on every master whatever the layout, so tagging a user's two keys into
+one slot would save no round trip and would rename an existing store's keys. A request's reads
+are then GETs packed per node, sent to all masters at once (:meth:`FeatureStore._fetch_cluster`;
+docs/scale-out.md).
+
 >>> encode_slots({"user_id": [7], "genres": [1, 2]})
 b'user_id=7;genres=1,2'
 >>> decode_slots(b'user_id=7;genres=1,2;year=')

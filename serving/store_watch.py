@@ -13,7 +13,10 @@ the features, and this watch reads it every ``serving.feature_store_check_s``:
   data), ``/readyz`` says ``feature_store: false`` and ``feature_store_emptied: true``, the gauge
   ``driftline_serving_feature_store_emptied`` is 1 and a warning is logged, until features are
   loaded again (the next load writes the marker);
-* Redis unreachable: nothing changes here (``/rank`` is a 503 then, :mod:`serving.app`).
+* Redis unreachable: nothing changes here (``/rank`` is a 503 then, :mod:`serving.app`). In a
+  Redis Cluster the marker is on one master: while that master is down the marker cannot be read
+  and the store is not called emptied (``/readyz`` says ``feature_store: false``: a master does
+  not answer); its replica holds the marker after a failover.
 
 A stack that never loads features (every request brings its own) never sees the marker and is
 never called emptied. The embedded Redis of ``driftline up`` persists with an append-only file,

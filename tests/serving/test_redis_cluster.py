@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -67,10 +69,11 @@ def _on(cluster: LocalCluster, store: FeatureStore, node: Node, alive: bool) -> 
     return user, [i for i in ITEMS if off(store.item_key(i))][:10]
 
 
-def test_a_cluster_serves_and_a_dead_master_fails_only_its_keys(settings: Settings, tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    cluster = LocalCluster(tmp_path / "cluster", masters=3)
+@contextmanager
+def serving_on_cluster(settings: Settings, tmp_path: Path, replicas: int, monkeypatch: pytest.MonkeyPatch,
+                       capsys: pytest.CaptureFixture[str]) -> Iterator[tuple[LocalCluster, str, FeatureStore]]:
+    """A 3-master cluster with the features loaded, and serving on it: (cluster, base URL, store)."""
+    cluster = LocalCluster(tmp_path / "cluster", masters=3, replicas=replicas)
     prefix = f"c{time.time_ns()}"
     try:
         _load(tmp_path, cluster.url, prefix, monkeypatch, capsys)
@@ -79,39 +82,46 @@ def test_a_cluster_serves_and_a_dead_master_fails_only_its_keys(settings: Settin
             store = app.state.serving.store
             assert store.cluster and app.state.serving.realtime.store is store
             assert wait_ready(base)["feature_store"] is True
-            r = _rank(base, 1, list(ITEMS[:50]))  # 50 items: keys on every master
-            assert r.status_code == 200 and r.json()["user_known"] is True, r.text
-
-            # The real-time history: a click through /actions lands in the user's list.
-            deadline = time.monotonic() + 30
-            n = 0
-            while not asyncio.run(_clicks(cluster.url, prefix, 2)):
-                n += 1
-                assert httpx.post(f"{base}/actions", timeout=10, json={"actions": [
-                    {"request_id": f"a{n}", "item_id": 7, "action_type": "click", "user_id": 2}]}).status_code == 202
-                assert time.monotonic() < deadline, "recent clicks never recorded in the cluster"
-                time.sleep(0.3)
-
-            # The master holding the load marker dies (no replica): its keys fail, the rest are served.
-            dead = cluster.node_of(store.marker_key(LOADED_MARKER))
-            cluster.kill(dead)
-            refused_before = _metric(base, "driftline_serving_feature_store_unavailable_total")
-            user, items = _on(cluster, store, dead, alive=True)
-            lost_user, _ = _on(cluster, store, dead, alive=False)
-            for _ in range(5):
-                r = _rank(base, user, items)
-                assert r.status_code == 200 and r.json()["user_known"] is True, r.text
-                r = _rank(base, lost_user, items)
-                assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
-                assert f"Error 111 connecting to 127.0.0.1:{dead.port}" in r.json()["detail"]
-                r = _rank(base, user, [*items, *ITEMS])  # some candidates on the dead master
-                assert r.status_code == 503, r.text
-            assert _metric(base, "driftline_serving_feature_store_unavailable_total") == refused_before + 10
-            # The marker cannot be read: the store is down in part, not emptied.
-            ready = httpx.get(f"{base}/readyz", timeout=10).json()
-            assert ready["feature_store"] is False and ready["feature_store_emptied"] is False
+            yield cluster, base, store
     finally:
         cluster.stop()
+
+
+def test_a_cluster_serves_and_a_dead_master_fails_only_its_keys(settings: Settings, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with serving_on_cluster(settings, tmp_path, 0, monkeypatch, capsys) as (cluster, base, store):
+        r = _rank(base, 1, list(ITEMS[:50]))  # 50 items: keys on every master
+        assert r.status_code == 200 and r.json()["user_known"] is True, r.text
+
+        # The real-time history: a click through /actions lands in the user's list.
+        deadline = time.monotonic() + 30
+        n = 0
+        while not asyncio.run(_clicks(cluster.url, store.prefix, 2)):
+            n += 1
+            assert httpx.post(f"{base}/actions", timeout=10, json={"actions": [
+                {"request_id": f"a{n}", "item_id": 7, "action_type": "click", "user_id": 2}]}).status_code == 202
+            assert time.monotonic() < deadline, "recent clicks never recorded in the cluster"
+            time.sleep(0.3)
+
+        # The master holding the load marker dies (no replica): its keys fail, the rest are served.
+        dead = cluster.node_of(store.marker_key(LOADED_MARKER))
+        cluster.kill(dead)
+        refused_before = _metric(base, "driftline_serving_feature_store_unavailable_total")
+        user, items = _on(cluster, store, dead, alive=True)
+        lost_user, _ = _on(cluster, store, dead, alive=False)
+        for _ in range(5):
+            r = _rank(base, user, items)
+            assert r.status_code == 200 and r.json()["user_known"] is True, r.text
+            r = _rank(base, lost_user, items)
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+            assert f"Error 111 connecting to 127.0.0.1:{dead.port}" in r.json()["detail"]
+            r = _rank(base, user, [*items, *ITEMS])  # some candidates on the dead master
+            assert r.status_code == 503, r.text
+        assert _metric(base, "driftline_serving_feature_store_unavailable_total") == refused_before + 10
+        # The marker cannot be read: the store is down in part, not emptied.
+        ready = httpx.get(f"{base}/readyz", timeout=10).json()
+        assert ready["feature_store"] is False and ready["feature_store_emptied"] is False
 
 
 async def _clicks(url: str, prefix: str, user: int) -> list[int]:
@@ -125,31 +135,22 @@ async def _clicks(url: str, prefix: str, user: int) -> list[int]:
 def test_a_master_with_a_replica_fails_over_and_requests_are_served_again(settings: Settings, tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    cluster = LocalCluster(tmp_path / "cluster", masters=3, replicas=1)
-    prefix = f"f{time.time_ns()}"
-    try:
-        _load(tmp_path, cluster.url, prefix, monkeypatch, capsys)
-        app = create_app(_options(settings, tmp_path, cluster.url, prefix))
-        with running(app) as base:
-            store = app.state.serving.store
-            wait_ready(base)
-            assert _rank(base, 1, list(ITEMS[:50])).status_code == 200
-            killed = time.monotonic()
-            cluster.kill(cluster.node_of(store.user_key(1)))
-            codes = []
-            while True:  # cluster-node-timeout 1 s: the replica takes over within seconds
-                r = _rank(base, 1, list(ITEMS[:50]))
-                codes.append(r.status_code)
-                if r.status_code == 200:
-                    break
-                assert r.status_code == 503, r.text
-                assert time.monotonic() - killed < 20, f"not failed over in 20 s: {r.text}"
-                time.sleep(0.2)
-            recovered_s = time.monotonic() - killed
-            for _ in range(10):  # and stays served
-                r = _rank(base, 1, list(ITEMS[:50]))
-                assert r.status_code == 200 and r.json()["user_known"] is True, r.text
-            assert httpx.get(f"{base}/readyz", timeout=10).json()["feature_store"] is True
-        print(f"served again {recovered_s:.1f} s after the kill; answers until then: {codes}")
-    finally:
-        cluster.stop()
+    with serving_on_cluster(settings, tmp_path, 1, monkeypatch, capsys) as (cluster, base, store):
+        assert _rank(base, 1, list(ITEMS[:50])).status_code == 200
+        killed = time.monotonic()
+        cluster.kill(cluster.node_of(store.user_key(1)))
+        codes = []
+        while True:  # cluster-node-timeout 1 s: the replica takes over within seconds
+            r = _rank(base, 1, list(ITEMS[:50]))
+            codes.append(r.status_code)
+            if r.status_code == 200:
+                break
+            assert r.status_code == 503, r.text
+            assert time.monotonic() - killed < 20, f"not failed over in 20 s: {r.text}"
+            time.sleep(0.2)
+        recovered_s = time.monotonic() - killed
+        for _ in range(10):  # and stays served
+            r = _rank(base, 1, list(ITEMS[:50]))
+            assert r.status_code == 200 and r.json()["user_known"] is True, r.text
+        assert httpx.get(f"{base}/readyz", timeout=10).json()["feature_store"] is True
+    print(f"served again {recovered_s:.1f} s after the kill; answers until then: {codes}")

@@ -81,6 +81,11 @@ def connect(url: str, options: RedisClientSettings | None = None, *, timeout_s: 
     100
     >>> type(connect("redis://127.0.0.1:1/0", RedisClientSettings(cluster=True))).__name__
     'RedisCluster'
+    >>> from pathlib import Path
+    >>> tls = RedisClientSettings(cluster=True, ssl_ca_certs=Path("ca.pem"))
+    >>> node = connect("rediss://alice:pw@127.0.0.1:1/0", tls).nodes_manager.connection_kwargs
+    >>> node["connection_class"].__name__, node["ssl_ca_certs"], node["username"]
+    ('SSLConnection', 'ca.pem', 'alice')
     """
     options = options if options is not None else get_settings().redis_client
     retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))

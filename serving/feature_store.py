@@ -191,6 +191,7 @@ class FeatureStore:
         async def on(node: Any, indices: list[int]) -> None:
             conn = node.acquire_connection()
             try:
+                await node.disconnect_if_needed(conn)  # one a failover marked stale
                 await conn.send_packed_command(b"".join(hiredis.pack_command(commands[i]) for i in indices))
                 for i in indices:
                     replies[i] = await conn.read_response()

@@ -20,6 +20,7 @@ import sys  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 
 from services.log import setup_logging  # noqa: E402
+from services.ports import PORT_IN_USE_EXIT, PortInUse  # noqa: E402
 from services.settings import PROJECT_VAR, Settings, get_settings  # noqa: E402
 
 
@@ -256,6 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(f"driftline-{args.command}", settings.log_level)
     try:
         return int(args.func(args, settings) or 0)
+    except PortInUse as err:  # a restart cannot help: the supervisor does not restart this exit
+        print(f"driftline: {err}", file=sys.stderr)
+        return PORT_IN_USE_EXIT
     except Exception as err:
         # the supervisor's start-up failures (plain RuntimeErrors) are one-liners too
         if isinstance(err, _user_errors()) or type(err) is RuntimeError:

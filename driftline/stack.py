@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
 
-from driftline.embedded import check_port_free, redis_command, tansu_command, wait_for_port
+from driftline.embedded import redis_command, tansu_command, wait_for_port
 from driftline.supervisor import ServiceSpec, Supervisor
 from services.kafka import create_topics
-from services.ports import http_answers, port_is_open
+from services.ports import Listen, PortInUse, check_ports_free, http_answers, port_is_open
 from services.settings import Settings
 from services.tansu_quirks import ensure_broker_epoch
 
@@ -263,8 +263,8 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
     rows: list[tuple[str, str]] = []
     infra: list[tuple[str, str]] = []
     try:
+        check_ports_free(stack_ports(settings, demo))  # before anything starts
         if settings.kafka_bootstrap_servers is None:
-            check_port_free(e.host, e.broker_port, "broker", "DRIFTLINE_EMBEDDED__BROKER_PORT")
             supervisor.start(ServiceSpec(
                 "broker", tansu_command(e.host, e.broker_port),
                 ready=lambda: port_is_open(e.host, e.broker_port), ready_timeout_s=e.start_timeout_s,
@@ -277,7 +277,6 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
             wait_for_port(e.host, e.broker_port, e.start_timeout_s, "broker")
         infra.append(("kafka", settings.bootstrap_servers))
         if settings.redis_url is None:
-            check_port_free(e.host, e.redis_port, "redis", "DRIFTLINE_EMBEDDED__REDIS_PORT")
             supervisor.start(ServiceSpec(
                 "redis", redis_command(e.host, e.redis_port, settings.var_dir / "redis"),
                 ready=lambda: port_is_open(e.host, e.redis_port), ready_timeout_s=e.start_timeout_s,
@@ -347,7 +346,38 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
         print("driftline stopped." if not failed else
               "driftline stopped; not cleanly: " + ", ".join(f"{n} (exit {c})" for n, c in failed.items())
               + f"; see {settings.log_dir}/", flush=True)
+    if supervisor.cannot_listen:
+        raise PortInUse("; ".join(f"{name}: {why}" for name, why in supervisor.cannot_listen.items()))
     return 0 if not failed else 1
+
+
+def stack_ports(settings: Settings, demo: bool) -> list[Listen]:
+    """Every port ``up`` will listen on, each with the setting that moves it.
+
+    >>> [(p.port, p.what) for p in stack_ports(Settings(), demo=True)][:3]
+    [(9092, 'the embedded broker'), (6379, 'the embedded Redis'), (9101, "the joiner's /metrics")]
+    """
+    e, mhost = settings.embedded, settings.metrics_host
+    ports = []
+    if settings.kafka_bootstrap_servers is None:
+        ports.append(Listen(e.host, e.broker_port, "the embedded broker", "embedded.broker_port"))
+    if settings.redis_url is None:
+        ports.append(Listen(e.host, e.redis_port, "the embedded Redis", "embedded.redis_port"))
+    for service in APP_SERVICES:
+        if service.demo and not demo:
+            continue
+        if service.metrics_port is not None:
+            port = service.metrics_port(settings)
+            ports.append(Listen(mhost, port, f"the {service.name}'s /metrics", "embedded.metrics_port_base"))
+            if service.name == "trainer":
+                stride = settings.trainer.rank_metrics_port_stride
+                ports += [Listen(mhost, port + r * stride, f"the trainer rank {r}'s /metrics",
+                                 "trainer.rank_metrics_port_stride") for r in range(1, settings.trainer.nproc)]
+    ports.append(Listen(settings.serving.host, settings.serving.port, "serving's API", "serving.port"))
+    ports.append(Listen(settings.status.host, settings.status.port, "the status page", "status.port"))
+    if demo:
+        ports.append(Listen(mhost, traffic_metrics_port(settings), "the traffic's /metrics", "embedded.metrics_port_base"))
+    return ports
 
 
 def traffic_metrics_port(settings: Settings) -> int:

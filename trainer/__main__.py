@@ -187,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
             if int(os.environ["WORLD_SIZE"]) > 1:
                 rank, world = launch.init_rank(settings.trainer)
         elif nproc > 1:  # this process only launches the ranks (each serves its own metrics)
+            if settings.metrics_port:  # a rank on a taken port would be restarted by the launcher
+                from services.ports import Listen, check_ports_free
+
+                stride = settings.trainer.rank_metrics_port_stride
+                check_ports_free([Listen(settings.metrics_host, settings.metrics_port + r * stride,
+                                         f"trainer rank {r}'s /metrics", "metrics_port" if r == 0 else
+                                         "trainer.rank_metrics_port_stride") for r in range(nproc)])
             launch.launch(nproc, [a for a in _without_nproc(argv)], settings.trainer)
             return 0
     if settings.metrics_port:

@@ -37,7 +37,7 @@ from pathlib import Path
 import faust
 from faust.types import TP
 
-from joiner import faust_fetch, faust_reset, faust_store
+from joiner import faust_fetch, faust_quirks, faust_reset, faust_store
 from joiner.kafka_io import SERVICE, BatchedSender
 from joiner.output_spool import OutputSpool
 from joiner.worker import Worker
@@ -94,9 +94,6 @@ class EpochTable(faust.Table):
 
     def _changelog_topic_name(self) -> str:
         return self.changelog_name
-
-
-CONSUMER_THREAD_STOP_S = 5.0
 
 
 class JoinerApp:
@@ -193,13 +190,7 @@ class JoinerApp:
             with contextlib.suppress(Exception):  # (only a re-read for the next owner)
                 await self.commit_offsets()
             self.worker.drop(list(self.worker.parts))  # (their counts stay in the totals)
-        # A consumer thread stopped in its first moments (SIGTERM while it still starts) waits out
-        # mode's whole shutdown_timeout, 60 s (the watchdog test's SIGTERM, in one CI run): past
-        # the supervisor's wait, so the stop was a SIGKILL. Its offsets are committed above;
-        # nothing is left for it to do but close.
-        thread = getattr(self.app._consumer, "_thread", None)  # noqa: SLF001 - (None before Faust made one)
-        if thread is not None:
-            thread.shutdown_timeout = CONSUMER_THREAD_STOP_S
+        faust_quirks.bound_consumer_thread_stop(self.app)  # (its offsets are committed above)
         await self.app.stop()
         await self.watch.stop()
         await self.prod.stop()

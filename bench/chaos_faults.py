@@ -152,7 +152,7 @@ def nan_dense_delta(stack: LoopStack) -> dict:
 
     settings = stack.settings()
     version = stack.json("/readyz")["model_version"]
-    _tables, head, manifest = load_latest(settings.snapshot_root / version["model_id"])
+    _tables, head, manifest = load_latest(settings.model_snapshots(version["model_id"]))
     msg = encode_dense(version["model_id"], int(version["dense_version"]) + 1, head)
     poisoned = ParameterDelta()
     poisoned.CopyFrom(msg)

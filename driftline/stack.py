@@ -191,7 +191,7 @@ def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external
     if resume is not None:
         log.info("warm start skipped: the online trainer's snapshot is kept")
         return resume
-    snap = settings.snapshot_root / named_config(settings.trainer.model).model_id  # (the trainer's snapshot folder)
+    snap = settings.model_snapshots(named_config(settings.trainer.model).model_id)
     marker = snap / "broker-epoch"
     if external_broker and (snap / "LATEST").exists() and marker.exists() and marker.read_text().strip() == epoch:
         log.info("warm start skipped: %s holds a snapshot of this broker's data", snap)
@@ -224,7 +224,7 @@ def _project_start(settings: Settings, supervisor: Supervisor, project: Project,
     ws = project.warm_start
     if ws.kind == "examples":
         path = ws.examples_dir if ws.examples_dir.is_absolute() else project.path.parent / ws.examples_dir
-        snap = settings.snapshot_root / project.name
+        snap = settings.model_snapshots(project.name)
         marker = snap / "broker-epoch"
         if external_broker and (snap / "LATEST").exists() and marker.exists() and marker.read_text().strip() == epoch:
             log.info("warm start skipped: %s holds a snapshot of this broker's data", snap)

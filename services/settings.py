@@ -498,6 +498,14 @@ class Settings(BaseSettings):
         """Where the trainer writes snapshots (one folder per model id) and serving finds them."""
         return self.trainer.snapshot_dir or self.var_dir / "snapshots"
 
+    def model_snapshots(self, model_id: str) -> Path:
+        """One model's snapshot folder (``LATEST`` and its snapshots): the one place it is composed.
+
+        >>> Settings(var_dir=Path("v")).model_snapshots("deepfm")
+        PosixPath('v/snapshots/deepfm')
+        """
+        return self.snapshot_root / model_id
+
     @property
     def serving_model(self) -> str:
         """The model serving runs: its own setting, else the trainer's."""

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "batch":
         from . import snapshots
 
-        root = settings.snapshot_root / named_config(args.model).model_id
+        root = settings.model_snapshots(named_config(args.model).model_id)
         if args.unless_learned and (learned := snapshots.learned_online(root)) is not None:
             print(json.dumps({"skipped": f"{root} holds the online trainer's model "
                                          f"({learned['examples_applied']} examples learned): kept"}), flush=True)

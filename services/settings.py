@@ -120,7 +120,7 @@ class KafkaClientSettings(BaseModel):
                 out.append(f"kafka.security_protocol {proto} needs kafka.sasl_password or kafka.sasl_password_file "
                            "(DRIFTLINE_KAFKA__SASL_PASSWORD_FILE, e.g. a Docker secret)")
             if self.sasl_password is not None and self.sasl_password_file is not None:
-                out.append("set kafka.sasl_password or kafka.sasl_password_file, not both")
+                out.append("kafka.sasl_password and kafka.sasl_password_file are both set: set one")
         else:
             given = [n for n in ("sasl_username", "sasl_password", "sasl_password_file") if getattr(self, n) is not None]
             if given:

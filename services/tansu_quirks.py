@@ -67,6 +67,15 @@ Each workaround is also correct on Apache Kafka, so the same code runs against b
    back once to the offset its state expects and, when the records after the gap come again,
    reads on and counts the hole (:meth:`joiner.worker.Worker.process`,
    ``driftline_joiner_input_offsets_unread_total``).
+9. No SASL and no TLS. Without ``--authentication`` a SaslHandshake is answered
+   UNSUPPORTED_SASL_MECHANISM; with it only SCRAM-SHA-256 is offered (PLAIN: "NoSharedMechanism")
+   and, memory storage holding no credentials, no login passes. ``--cert`` and ``--key`` cannot
+   be given together ("the argument '--cert <CERT>' cannot be used with '--key <KEY>'"). Nothing
+   to work around in the clients: the embedded broker listens on 127.0.0.1 only (its listener and
+   advertised URL; ``EmbeddedSettings.host`` refuses any other address), and the security
+   settings are tested against it by the failure of each client's SASL handshake
+   (tests/test_kafka_security.py) and end to end over mutual TLS through a TLS front before it
+   (tests/kafka_tls.py).
 """
 
 from __future__ import annotations

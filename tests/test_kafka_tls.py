@@ -6,6 +6,7 @@ serve TLS itself)."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -120,3 +121,22 @@ def test_a_wrong_key_password_is_one_line_without_the_password(certs: Certificat
     assert KEY_PASSWORD not in message and "not-" + KEY_PASSWORD not in message
     with pytest.raises(KafkaSecurityError):  # no password: an error, never OpenSSL's prompt on the terminal
         security_options(s.updated(kafka={"ssl_key_password": None}))
+
+
+async def test_the_faust_joiner_works_over_mutual_tls(tls_broker: TLSFront, certs: Certificates, tmp_path: Path) -> None:
+    """One Faust worker (its consumer, producer, changelog and the quirks' true end offsets) joins
+    features and actions over TLS and writes its examples."""
+    from joiner.faust_app import run
+    from joiner.synth import ml_events
+    from tests.joiner.helpers import JOINER, produce
+
+    s = tls_settings(tls_broker, certs, tmp_path)
+    s = s.updated(topics={name: f"{name}-tls" for name in ("features", "actions", "examples", "dead_letters")},
+                  joiner={**JOINER, "group_id": "joiner-tls"})
+    events = ml_events(300, start=60_000, seed=9)
+    await create_topics(s)
+    await produce(s, events)
+    counts = await asyncio.wait_for(run(s, until_idle_s=1.0), 180)
+    assert counts["impressions"] > 0 and counts["positives"] > 0
+    tps = [TopicPartition(s.topics.examples, p) for p in range(s.topics.partitions)]
+    assert sum((await tansu_quirks.log_end_offsets(s, tps)).values()) > 0

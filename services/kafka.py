@@ -38,7 +38,8 @@ class BrokerUnavailable(RuntimeError):
 
 
 def _unreachable(settings: Settings) -> BrokerUnavailable:
-    """The one line a client that cannot connect says: where, how, and what to do (no secret).
+    """The one line a client that cannot connect says: where, how, and what to do (no secret);
+    counted in ``driftline_kafka_connect_failures_total``.
 
     >>> from services.settings import KafkaClientSettings
     >>> k = KafkaClientSettings(security_protocol="SASL_PLAINTEXT", sasl_username="u", sasl_password="pw")
@@ -46,6 +47,7 @@ def _unreachable(settings: Settings) -> BrokerUnavailable:
     'cannot reach Kafka at kafka:9093 over SASL_PLAINTEXT as u (PLAIN): check the broker address and kafka.security_protocol, kafka.sasl_* (the client log above says why)'
     """
     k = settings.kafka
+    metrics.KAFKA_CONNECT_FAILURES.labels(k.security_protocol).inc()
     if k.security_protocol == "PLAINTEXT":
         return BrokerUnavailable(
             f"cannot reach Kafka at {settings.bootstrap_servers}: run `make up` for the embedded broker, "

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from aiokafka import TopicPartition
+from prometheus_client import REGISTRY
 
 from driftline.project import load_project
 from driftline.project_init import TEMPLATE
@@ -168,6 +169,8 @@ async def test_sasl_against_a_broker_without_it_fails_in_one_line_without_the_pa
         "joiner re-seed (consumer)": faust_reset.changelog_records(s, [tp]),
     }
     caplog.set_level(logging.DEBUG)
+    failures = REGISTRY.get_sample_value("driftline_kafka_connect_failures_total",
+                                         {"security_protocol": "SASL_PLAINTEXT"}) or 0.0
     errors = []
     for what, attempt in attempts.items():
         caplog.clear()
@@ -178,6 +181,8 @@ async def test_sasl_against_a_broker_without_it_fails_in_one_line_without_the_pa
         errors.append(failed.value)
     unavailable = [e for e in errors if isinstance(e, BrokerUnavailable)]
     assert len(unavailable) == 4  # the services' start-ups: one line naming the broker, how, and who
+    assert REGISTRY.get_sample_value("driftline_kafka_connect_failures_total",
+                                     {"security_protocol": "SASL_PLAINTEXT"}) - failures == 4
     for e in unavailable:
         assert _only_line(str(e)).startswith(f"cannot reach Kafka at {settings.bootstrap_servers} over SASL_PLAINTEXT "
                                              "as driftline (SCRAM-SHA-256): check")

@@ -44,6 +44,7 @@ from joiner.worker import Worker
 from services import metrics, tansu_quirks
 from services.disk import DiskGuard
 from services.kafka import BrokerUnavailable, create_topics, producer, start_client
+from services.kafka_security import faust_credentials
 from services.log import setup_logging
 from services.settings import Settings, get_settings
 
@@ -100,7 +101,7 @@ class JoinerApp:
     """The Faust app, its agent and timer, and the :class:`Worker` they drive."""
 
     def __init__(self, settings: Settings, epoch: str, until_idle_s: float | None = None) -> None:
-        tansu_quirks.install_faust(settings.kafka.fetch_max_wait_ms)
+        tansu_quirks.install_faust(settings)
         faust_store.register()
         self.settings, self.until_idle_s = settings, until_idle_s
         js, t, k = settings.joiner, settings.topics, settings.kafka
@@ -111,6 +112,7 @@ class JoinerApp:
             broker_heartbeat_interval=js.heartbeat_interval_ms / 1000, broker_max_poll_records=k.max_poll_records,
             consumer_auto_offset_reset="earliest", topic_allow_declare=True, topic_disable_leader=True,
             web_enabled=False, autodiscover=False, stream_buffer_maxsize=max(js.batch_size * 2, 4096),
+            broker_credentials=faust_credentials(settings),
         )
         raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
         # (acks=False: Faust does not commit these offsets; commit_offsets() does, from the state)

@@ -49,6 +49,12 @@ BROKER_RESET_LOST = Counter(
     "service, by the consumer's last known high watermark), by service and topic.",
     ["service", "topic"],
 )
+KAFKA_CONNECT_FAILURES = Counter(
+    "driftline_kafka_connect_failures_total",
+    "Kafka clients that could not connect (unreachable, TLS refused, SASL login failed), by "
+    "kafka.security_protocol: each also logs why.",
+    ["security_protocol"],
+)
 SERVICE_UP = Gauge("driftline_service_up", "1 while the service runs.", ["service"], multiprocess_mode="livemax")
 
 

@@ -19,7 +19,8 @@ replay runs:
    killed and restarted it (``hung`` in supervisor.json) and the new one trains;
 6. **disk full**: the var dir's tmpfs filled to below the pause threshold for 30 s, then freed;
    ``stack_survived_disk_full``: ``up`` still runs, nothing crash-looped, and afterwards the joiner,
-   the dumper and the trainer make progress again by themselves;
+   the dumper and the trainer make progress again by themselves (serving answers ``/rank`` 503
+   while its spool's disk is full: ``rank_codes_while_full``, ``disk_paused_while_full``);
 7. once the replay is done (its event time, hours per wall second, would close a click's window
    before it arrives), **another Kafka client's partitioner**: impressions through ``/rank``, their
    clicks produced straight to ``actions`` on the partition librdkafka's default partitioner
@@ -152,7 +153,7 @@ def nan_dense_delta(stack: LoopStack) -> dict:
 
     settings = stack.settings()
     version = stack.json("/readyz")["model_version"]
-    _tables, head, manifest = load_latest(settings.snapshot_root / version["model_id"])
+    _tables, head, manifest = load_latest(settings.model_snapshots(version["model_id"]))
     msg = encode_dense(version["model_id"], int(version["dense_version"]) + 1, head)
     poisoned = ParameterDelta()
     poisoned.CopyFrom(msg)
@@ -255,7 +256,7 @@ def disk_full(stack: LoopStack, mount: Path | None, hold_s: float) -> dict:
     time.sleep(hold_s)
     from joiner.dumper import SERVICE as DUMPER
 
-    label = {"joiner": "joiner", "dumper": DUMPER, "trainer": "trainer"}
+    label = {"joiner": "joiner", "dumper": DUMPER, "trainer": "trainer", "serving": "serving"}
     paused = {s: _metric(stack, s, "driftline_disk_paused", {"service": label[s]}) for s in label}
     codes = [_post(stack, "/rank", {"user_id": 5, "candidates": [{"item_id": 1}]})[0] for _ in range(5)]
     alive_while_full = stack.proc.poll() is None

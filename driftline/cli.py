@@ -20,6 +20,7 @@ import sys  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 
 from services.log import setup_logging  # noqa: E402
+from services.ports import PORT_IN_USE_EXIT, PortInUse  # noqa: E402
 from services.settings import PROJECT_VAR, Settings, get_settings  # noqa: E402
 
 
@@ -229,6 +230,30 @@ def _apply_project(config: str | None) -> str | None:
     return None
 
 
+def settings_error(err: ValueError) -> str:
+    """A refused setting as one line: where, and why.
+
+    >>> try:
+    ...     Settings(kafka={"session_timeout_ms": "soon"})
+    ... except ValueError as err:
+    ...     print(settings_error(err))
+    settings: kafka.session_timeout_ms: Input should be a valid integer, unable to parse string as an integer
+    >>> try:
+    ...     Settings(embedded={"host": "0.0.0.0"})
+    ... except ValueError as err:
+    ...     print(settings_error(err)[:71])
+    settings: embedded.host 0.0.0.0 is not a loopback address: the embedded
+    """
+    errors = getattr(err, "errors", None)
+    if errors is None:
+        return f"settings: {err}"
+    first = errors()[0]
+    where = ".".join(str(x) for x in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    named = not where or msg.startswith(where.split(".")[0] + ".")  # (the message names the setting)
+    return f"settings: {msg if named else where + ': ' + msg}"
+
+
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors a user can fix, printed as one line. Imported once one is raised, not before the
     command runs: ``serve`` must set up its replica's metrics before anything imports
@@ -236,8 +261,9 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from driftline.embedded import StackError
     from producers.movielens import DataError
     from services.kafka import BrokerUnavailable
+    from services.kafka_security import KafkaSecurityError
 
-    return StackError, BrokerUnavailable, DataError
+    return StackError, BrokerUnavailable, DataError, KafkaSecurityError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -252,10 +278,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if error:
         print(f"driftline: {error}", file=sys.stderr)
         return 2
-    settings = get_settings()
+    try:
+        settings = get_settings()
+    except ValueError as err:  # pydantic's ValidationError: a setting refused (never with its input)
+        print(f"driftline: {settings_error(err)}", file=sys.stderr)
+        return 2
     setup_logging(f"driftline-{args.command}", settings.log_level)
     try:
         return int(args.func(args, settings) or 0)
+    except PortInUse as err:  # a restart cannot help: the supervisor does not restart this exit
+        print(f"driftline: {err}", file=sys.stderr)
+        return PORT_IN_USE_EXIT
     except Exception as err:
         # the supervisor's start-up failures (plain RuntimeErrors) are one-liners too
         if isinstance(err, _user_errors()) or type(err) is RuntimeError:

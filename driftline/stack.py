@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
 
-from driftline.embedded import check_port_free, redis_command, tansu_command, wait_for_port
+from driftline.embedded import redis_command, tansu_command, wait_for_port
 from driftline.supervisor import ServiceSpec, Supervisor
 from services.kafka import create_topics
-from services.ports import http_answers, port_is_open
+from services.ports import Listen, PortInUse, check_ports_free, http_answers, port_is_open
 from services.redis_client import redacted
 from services.settings import Settings
 from services.tansu_quirks import ensure_broker_epoch
@@ -192,7 +192,7 @@ def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external
     if resume is not None:
         log.info("warm start skipped: the online trainer's snapshot is kept")
         return resume
-    snap = settings.snapshot_root / named_config(settings.trainer.model).model_id  # (the trainer's snapshot folder)
+    snap = settings.model_snapshots(named_config(settings.trainer.model).model_id)
     marker = snap / "broker-epoch"
     if external_broker and (snap / "LATEST").exists() and marker.exists() and marker.read_text().strip() == epoch:
         log.info("warm start skipped: %s holds a snapshot of this broker's data", snap)
@@ -225,7 +225,7 @@ def _project_start(settings: Settings, supervisor: Supervisor, project: Project,
     ws = project.warm_start
     if ws.kind == "examples":
         path = ws.examples_dir if ws.examples_dir.is_absolute() else project.path.parent / ws.examples_dir
-        snap = settings.snapshot_root / project.name
+        snap = settings.model_snapshots(project.name)
         marker = snap / "broker-epoch"
         if external_broker and (snap / "LATEST").exists() and marker.exists() and marker.read_text().strip() == epoch:
             log.info("warm start skipped: %s holds a snapshot of this broker's data", snap)
@@ -264,8 +264,8 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
     rows: list[tuple[str, str]] = []
     infra: list[tuple[str, str]] = []
     try:
+        check_ports_free(stack_ports(settings, demo))  # before anything starts
         if settings.kafka_bootstrap_servers is None:
-            check_port_free(e.host, e.broker_port, "broker", "DRIFTLINE_EMBEDDED__BROKER_PORT")
             supervisor.start(ServiceSpec(
                 "broker", tansu_command(e.host, e.broker_port),
                 ready=lambda: port_is_open(e.host, e.broker_port), ready_timeout_s=e.start_timeout_s,
@@ -278,7 +278,6 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
             wait_for_port(e.host, e.broker_port, e.start_timeout_s, "broker")
         infra.append(("kafka", settings.bootstrap_servers))
         if settings.redis_url is None:
-            check_port_free(e.host, e.redis_port, "redis", "DRIFTLINE_EMBEDDED__REDIS_PORT")
             supervisor.start(ServiceSpec(
                 "redis", redis_command(e.host, e.redis_port, settings.var_dir / "redis"),
                 ready=lambda: port_is_open(e.host, e.redis_port), ready_timeout_s=e.start_timeout_s,
@@ -348,7 +347,38 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
         print("driftline stopped." if not failed else
               "driftline stopped; not cleanly: " + ", ".join(f"{n} (exit {c})" for n, c in failed.items())
               + f"; see {settings.log_dir}/", flush=True)
+    if supervisor.cannot_listen:
+        raise PortInUse("; ".join(f"{name}: {why}" for name, why in supervisor.cannot_listen.items()))
     return 0 if not failed else 1
+
+
+def stack_ports(settings: Settings, demo: bool) -> list[Listen]:
+    """Every port ``up`` will listen on, each with the setting that moves it.
+
+    >>> [(p.port, p.what) for p in stack_ports(Settings(), demo=True)][:3]
+    [(9092, 'the embedded broker'), (6379, 'the embedded Redis'), (9101, "the joiner's /metrics")]
+    """
+    e, mhost = settings.embedded, settings.metrics_host
+    ports = []
+    if settings.kafka_bootstrap_servers is None:
+        ports.append(Listen(e.host, e.broker_port, "the embedded broker", "embedded.broker_port"))
+    if settings.redis_url is None:
+        ports.append(Listen(e.host, e.redis_port, "the embedded Redis", "embedded.redis_port"))
+    for service in APP_SERVICES:
+        if service.demo and not demo:
+            continue
+        if service.metrics_port is not None:
+            port = service.metrics_port(settings)
+            ports.append(Listen(mhost, port, f"the {service.name}'s /metrics", "embedded.metrics_port_base"))
+            if service.name == "trainer":
+                stride = settings.trainer.rank_metrics_port_stride
+                ports += [Listen(mhost, port + r * stride, f"the trainer rank {r}'s /metrics",
+                                 "trainer.rank_metrics_port_stride") for r in range(1, settings.trainer.nproc)]
+    ports.append(Listen(settings.serving.host, settings.serving.port, "serving's API", "serving.port"))
+    ports.append(Listen(settings.status.host, settings.status.port, "the status page", "status.port"))
+    if demo:
+        ports.append(Listen(mhost, traffic_metrics_port(settings), "the traffic's /metrics", "embedded.metrics_port_base"))
+    return ports
 
 
 def traffic_metrics_port(settings: Settings) -> int:

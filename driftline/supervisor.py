@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.ports import PORT_IN_USE_EXIT, PortInUse
 from services.tansu_quirks import RESET_EXIT_CODE
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ class Supervisor:
         self.restarts: dict[str, int] = {}  # every restart, by service
         self.crash_loops: dict[str, int] = {}  # times a service reached CRASH_LOOP_EXITS quick exits
         self.hung: dict[str, int] = {}  # times a service was killed for failing its liveness check
+        #: services that exited with PORT_IN_USE_EXIT: their one-line reason; the stack stops
+        self.cannot_listen: dict[str, str] = {}
         self.state_path = log_dir.parent / "run" / "supervisor.json"
 
     def log_path(self, name: str) -> Path:
@@ -148,6 +151,8 @@ class Supervisor:
                 raise RuntimeError(
                     f"{spec.name} did not finish within {spec.ready_timeout_s:.0f} s; see {self.log_path(spec.name)}"
                 ) from None
+            if code == PORT_IN_USE_EXIT:
+                raise PortInUse(f"{spec.name}: {self._reason(spec.name)}")
             if code != 0:
                 raise RuntimeError(f"{spec.name} failed with code {code}; see {self.log_path(spec.name)}")
             return
@@ -156,6 +161,8 @@ class Supervisor:
         deadline = time.monotonic() + spec.ready_timeout_s
         while not spec.ready():
             if proc.poll() is not None and not spec.oneshot:
+                if proc.returncode == PORT_IN_USE_EXIT:
+                    raise PortInUse(f"{spec.name}: {self._reason(spec.name)}")
                 raise RuntimeError(
                     f"{spec.name} exited with code {proc.returncode} while starting; "
                     f"see {self.log_path(spec.name)}"
@@ -182,6 +189,11 @@ class Supervisor:
                 with self._lock:
                     self.running.pop(name, None)
                 continue
+            if code == PORT_IN_USE_EXIT:  # a restart cannot help (it used to crash-loop)
+                self.cannot_listen[name] = self._reason(name)
+                log.error("%s cannot listen: %s; stopping", name, self.cannot_listen[name])
+                self.request_stop()
+                return
             # Back off exponentially, but forget old crashes after a quiet minute.
             uptime = time.monotonic() - r.started_at
             if code == RESET_EXIT_CODE:
@@ -211,6 +223,16 @@ class Supervisor:
             if r.spec.on_restart is not None:
                 threading.Thread(target=self._after_restart, args=(r.spec,), daemon=True,
                                  name=f"{name}-restarted").start()
+
+    def _reason(self, name: str) -> str:
+        """The last line a service wrote (its one-line reason for exiting), without the prefix."""
+        try:
+            with open(self.log_path(name), "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                lines = f.read().decode(errors="replace").strip().splitlines()
+        except OSError:
+            return f"see {self.log_path(name)}"
+        return lines[-1].removeprefix("driftline: ") if lines else f"see {self.log_path(name)}"
 
     def _check_liveness(self, name: str, r: _Running, every_s: float = 5.0) -> None:
         if r.spec.alive is None:

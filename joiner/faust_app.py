@@ -37,13 +37,14 @@ from pathlib import Path
 import faust
 from faust.types import TP
 
-from joiner import faust_fetch, faust_reset, faust_store
+from joiner import faust_fetch, faust_quirks, faust_reset, faust_store
 from joiner.kafka_io import SERVICE, BatchedSender
 from joiner.output_spool import OutputSpool
 from joiner.worker import Worker
 from services import metrics, tansu_quirks
 from services.disk import DiskGuard
 from services.kafka import BrokerUnavailable, create_topics, producer, start_client
+from services.kafka_security import faust_credentials
 from services.log import setup_logging
 from services.settings import Settings, get_settings
 
@@ -96,14 +97,11 @@ class EpochTable(faust.Table):
         return self.changelog_name
 
 
-CONSUMER_THREAD_STOP_S = 5.0
-
-
 class JoinerApp:
     """The Faust app, its agent and timer, and the :class:`Worker` they drive."""
 
     def __init__(self, settings: Settings, epoch: str, until_idle_s: float | None = None) -> None:
-        tansu_quirks.install_faust(settings.kafka.fetch_max_wait_ms)
+        tansu_quirks.install_faust(settings)
         faust_store.register()
         self.settings, self.until_idle_s = settings, until_idle_s
         js, t, k = settings.joiner, settings.topics, settings.kafka
@@ -114,6 +112,7 @@ class JoinerApp:
             broker_heartbeat_interval=js.heartbeat_interval_ms / 1000, broker_max_poll_records=k.max_poll_records,
             consumer_auto_offset_reset="earliest", topic_allow_declare=True, topic_disable_leader=True,
             web_enabled=False, autodiscover=False, stream_buffer_maxsize=max(js.batch_size * 2, 4096),
+            broker_credentials=faust_credentials(settings),
         )
         raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
         # (acks=False: Faust does not commit these offsets; commit_offsets() does, from the state)
@@ -193,13 +192,7 @@ class JoinerApp:
             with contextlib.suppress(Exception):  # (only a re-read for the next owner)
                 await self.commit_offsets()
             self.worker.drop(list(self.worker.parts))  # (their counts stay in the totals)
-        # A consumer thread stopped in its first moments (SIGTERM while it still starts) waits out
-        # mode's whole shutdown_timeout, 60 s (the watchdog test's SIGTERM, in one CI run): past
-        # the supervisor's wait, so the stop was a SIGKILL. Its offsets are committed above;
-        # nothing is left for it to do but close.
-        thread = getattr(self.app._consumer, "_thread", None)  # noqa: SLF001 - (None before Faust made one)
-        if thread is not None:
-            thread.shutdown_timeout = CONSUMER_THREAD_STOP_S
+        faust_quirks.bound_consumer_thread_stop(self.app)  # (its offsets are committed above)
         await self.app.stop()
         await self.watch.stop()
         await self.prod.stop()

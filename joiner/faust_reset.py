@@ -42,6 +42,7 @@ from joiner.faust_store import MARKER, OFFSET_KEY, PartitionKV
 from joiner.offsets import OffsetBook
 from joiner.worker import offset_book, send_changelog
 from services.aiokafka_quirks import stop_consumer
+from services.kafka_security import security_options
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,8 @@ async def changelog_records(settings: Settings, tps: list[TopicPartition]
     if not tps:
         return out
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers, enable_auto_commit=False,
-                                group_id=None, fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms)
+                                group_id=None, fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
+                                **security_options(settings))
     await consumer.start()
     try:
         await consumer._client.force_metadata_update()  # noqa: SLF001 - the topic may be new

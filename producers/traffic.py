@@ -312,7 +312,7 @@ def after_learned(settings, dataset: str) -> int | None:  # type: ignore[no-unty
     from trainer import snapshots
     from trainer.config import named_config
 
-    root = settings.snapshot_root / named_config(settings.trainer.model).model_id
+    root = settings.model_snapshots(named_config(settings.trainer.model).model_id)
     learned = snapshots.learned_online(root)
     if learned is None:
         return None

@@ -54,6 +54,7 @@ class DiskGuard:
         self.pause_below_bytes, self.warn_below_bytes = pause_below_bytes, warn_below_bytes
         self.check_s = check_s
         self._warn = Throttled(log, 60.0)
+        self._low = False  # (full(): the state last seen)
         DISK_PAUSED.labels(service).set(0)
 
     @classmethod
@@ -70,6 +71,31 @@ class DiskGuard:
         free = st.f_bavail * st.f_frsize
         DISK_FREE.labels(self.service).set(free)
         return free
+
+    def full(self) -> bool:
+        """Whether the free space is below ``pause_below_bytes`` now, without waiting: for a
+        service that cannot stop its input (serving refuses what it would spool instead). Sets
+        the gauges and logs each change, like :meth:`wait_for_space`.
+
+        >>> DiskGuard("doctest", ".", pause_below_bytes=1 << 62, warn_below_bytes=0).full()
+        True
+        """
+        free = self.free_bytes()
+        if free < self.warn_below_bytes:
+            self._warn.warning("%s: %.0f MB free under %s (it refuses new work below %.0f MB)", self.service,
+                               free / 1e6, self.path, self.pause_below_bytes / 1e6)
+        low = free < self.pause_below_bytes
+        if low != self._low:
+            self._low = low
+            DISK_PAUSED.labels(self.service).set(int(low))
+            if low:
+                DISK_PAUSES.labels(self.service).inc()
+                log.error("%s: the disk under %s is nearly full (%.1f MB free, below %.0f MB): refusing new "
+                          "work until space is freed", self.service, self.path, free / 1e6,
+                          self.pause_below_bytes / 1e6)
+            else:
+                log.warning("%s: %.0f MB free under %s again: taking work again", self.service, free / 1e6, self.path)
+        return low
 
     async def wait_for_space(self, stop: asyncio.Event | None = None) -> float:
         """Return at once when there is room; else wait until there is (or ``stop`` is set: a

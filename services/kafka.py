@@ -25,6 +25,7 @@ from proto import DeadLetter
 from services import metrics, tansu_quirks
 from services.aiokafka_quirks import stop_consumer
 from services.codecs import Codec, MalformedMessage, codec_for
+from services.kafka_security import security_options
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -36,11 +37,27 @@ class BrokerUnavailable(RuntimeError):
     """Kafka cannot be reached. The message says where we looked and what to do."""
 
 
-def _unreachable(bootstrap: str) -> BrokerUnavailable:
-    return BrokerUnavailable(
-        f"cannot reach Kafka at {bootstrap}: run `make up` for the embedded broker, "
-        "or set KAFKA_BOOTSTRAP_SERVERS to a running one"
-    )
+def _unreachable(settings: Settings) -> BrokerUnavailable:
+    """The one line a client that cannot connect says: where, how, and what to do (no secret);
+    counted in ``driftline_kafka_connect_failures_total``.
+
+    >>> from services.settings import KafkaClientSettings
+    >>> k = KafkaClientSettings(security_protocol="SASL_PLAINTEXT", sasl_username="u", sasl_password="pw")
+    >>> str(_unreachable(Settings(kafka_bootstrap_servers="kafka:9093", kafka=k)))
+    'cannot reach Kafka at kafka:9093 over SASL_PLAINTEXT as u (PLAIN): check the broker address and kafka.security_protocol, kafka.sasl_* (the client log above says why)'
+    """
+    k = settings.kafka
+    metrics.KAFKA_CONNECT_FAILURES.labels(k.security_protocol).inc()
+    if k.security_protocol == "PLAINTEXT":
+        return BrokerUnavailable(
+            f"cannot reach Kafka at {settings.bootstrap_servers}: run `make up` for the embedded broker, "
+            "or set KAFKA_BOOTSTRAP_SERVERS to a running one"
+        )
+    sasl, tls = k.security_protocol.startswith("SASL_"), k.security_protocol.endswith("SSL")
+    who = f" as {k.sasl_username} ({k.sasl_mechanism})" if sasl else ""
+    knobs = ", ".join(["kafka.security_protocol"] + ["kafka.sasl_*"] * sasl + ["kafka.ssl_*"] * tls)
+    return BrokerUnavailable(f"cannot reach Kafka at {settings.bootstrap_servers} over {k.security_protocol}{who}: "
+                             f"check the broker address and {knobs} (the client log above says why)")
 
 
 def producer(settings: Settings, **overrides: object) -> AIOKafkaProducer:
@@ -55,7 +72,7 @@ def producer(settings: Settings, **overrides: object) -> AIOKafkaProducer:
         acks="all",
     )
     options.update(overrides)
-    return AIOKafkaProducer(**options)
+    return AIOKafkaProducer(**options, **security_options(settings))
 
 
 async def start_client(client: AIOKafkaProducer | AIOKafkaConsumer, settings: Settings) -> None:
@@ -67,7 +84,12 @@ async def start_client(client: AIOKafkaProducer | AIOKafkaConsumer, settings: Se
             await client.stop()
         except Exception:  # noqa: BLE001 - best effort: the client never started
             pass
-        raise _unreachable(settings.bootstrap_servers) from None
+        raise _unreachable(settings) from None
+
+
+def admin_client(settings: Settings) -> AIOKafkaAdminClient:
+    """An admin client (topics, groups) of the configured broker; ``await start()``, ``close()``."""
+    return AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers, **security_options(settings))
 
 
 async def create_topics(settings: Settings, topics: Mapping[str, int] | None = None,
@@ -75,11 +97,11 @@ async def create_topics(settings: Settings, topics: Mapping[str, int] | None = N
     """Create the topics (name -> partitions) that do not exist yet, with their ``configs``
     (name -> topic configuration) if any; return the ones created."""
     wanted = dict(topics if topics is not None else settings.topics.all())
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
+    admin = admin_client(settings)
     try:
         await asyncio.wait_for(admin.start(), timeout=settings.kafka.connect_timeout_s)
     except (KafkaConnectionError, asyncio.TimeoutError, OSError):
-        raise _unreachable(settings.bootstrap_servers) from None
+        raise _unreachable(settings) from None
     try:
         existing = set(await admin.list_topics())
         missing = [name for name in wanted if name not in existing]
@@ -148,7 +170,7 @@ class TypedConsumer(Generic[M]):
             fetch_max_wait_ms=k.fetch_max_wait_ms,
         )
         options.update(consumer_options)
-        self.consumer = AIOKafkaConsumer(*topics, **options)
+        self.consumer = AIOKafkaConsumer(*topics, **options, **security_options(settings))
         self._dlq = dead_letter_producer
         self._own_dlq = dead_letter_producer is None
         self.dead_lettered = 0

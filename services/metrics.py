@@ -6,7 +6,11 @@ plumbing that every service has: consuming, producing and rejecting messages.
 
 from __future__ import annotations
 
+import errno
+
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+
+from services.ports import Listen, PortInUse
 
 MESSAGES_CONSUMED = Counter(
     "driftline_messages_consumed_total",
@@ -45,17 +49,30 @@ BROKER_RESET_LOST = Counter(
     "service, by the consumer's last known high watermark), by service and topic.",
     ["service", "topic"],
 )
+KAFKA_CONNECT_FAILURES = Counter(
+    "driftline_kafka_connect_failures_total",
+    "Kafka clients that could not connect (unreachable, TLS refused, SASL login failed), by "
+    "kafka.security_protocol: each also logs why.",
+    ["security_protocol"],
+)
 SERVICE_UP = Gauge("driftline_service_up", "1 while the service runs.", ["service"], multiprocess_mode="livemax")
 
 
 def serve_metrics(port: int, host: str | None = None) -> int:
     """Expose the default registry on ``http://host:port/metrics``; port 0 picks a free one.
 
-    The host defaults to ``settings.metrics_host``. Returns the bound port.
+    The host defaults to ``settings.metrics_host``. Returns the bound port. A taken port is a
+    :class:`~services.ports.PortInUse` (one line; the ``driftline`` command exits with
+    ``PORT_IN_USE_EXIT``, which the supervisor does not restart).
     """
     if host is None:
         from services.settings import get_settings
 
         host = get_settings().metrics_host
-    server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
+    except OSError as err:
+        if err.errno != errno.EADDRINUSE:
+            raise
+        raise PortInUse(Listen(host, port, "this service's /metrics", "metrics_port").explained("is in use")) from None
     return int(server.server_address[1])

@@ -17,12 +17,14 @@ users already have them set: ``KAFKA_BOOTSTRAP_SERVERS`` and ``REDIS_URL``. When
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -65,6 +67,91 @@ class KafkaClientSettings(BaseModel):
     fetch_max_wait_ms: int = 100
     connect_timeout_s: float = 10.0
 
+    # Connection security, the same for every client (services/kafka_security.py turns it into
+    # their options). SASL_* authenticates with sasl_username and the password; *SSL encrypts,
+    # checking the broker's certificate against ssl_cafile (unset: the system's CAs).
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "PLAIN"
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    # The password's file instead (a Docker or Kubernetes secret): its first line is the password.
+    sasl_password_file: Path | None = None
+    ssl_cafile: Path | None = None
+    # A client certificate (mutual TLS); its key in ssl_keyfile, or in the certificate file.
+    ssl_certfile: Path | None = None
+    ssl_keyfile: Path | None = None
+    ssl_key_password: SecretStr | None = None
+
+    # (settings errors would otherwise print the section's input, the password with it)
+    model_config = ConfigDict(hide_input_in_errors=True)
+
+    @model_validator(mode="after")
+    def _check_security(self, info: ValidationInfo) -> KafkaClientSettings:
+        """Refuse security settings that contradict each other, or name files that are not there.
+
+        A project file's ``[settings.kafka]`` is checked alone first (``context={"section_only":
+        True}``): the environment may still add the rest, e.g. the password.
+
+        >>> KafkaClientSettings(security_protocol="SASL_SSL", sasl_password="pw")
+        Traceback (most recent call last):
+        ...
+        pydantic_core._pydantic_core.ValidationError: 1 validation error for KafkaClientSettings
+          Value error, kafka.security_protocol SASL_SSL needs kafka.sasl_username (DRIFTLINE_KAFKA__SASL_USERNAME) [type=value_error]
+        ...
+        """
+        if info.context and info.context.get("section_only"):
+            return self
+        problems = self.security_problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def security_problems(self) -> list[str]:
+        """What is wrong with the security settings, one line each (empty: nothing).
+
+        >>> KafkaClientSettings.model_construct(sasl_username="u").security_problems()
+        ['kafka.sasl_username is set but kafka.security_protocol is PLAINTEXT: it would never be sent; set DRIFTLINE_KAFKA__SECURITY_PROTOCOL=SASL_SSL (or SASL_PLAINTEXT)']
+        """
+        proto, out = self.security_protocol, []
+        sasl, tls = proto.startswith("SASL_"), proto.endswith("SSL")
+        if sasl:
+            if not self.sasl_username:
+                out.append(f"kafka.security_protocol {proto} needs kafka.sasl_username (DRIFTLINE_KAFKA__SASL_USERNAME)")
+            if self.sasl_password is None and self.sasl_password_file is None:
+                out.append(f"kafka.security_protocol {proto} needs kafka.sasl_password or kafka.sasl_password_file "
+                           "(DRIFTLINE_KAFKA__SASL_PASSWORD_FILE, e.g. a Docker secret)")
+            if self.sasl_password is not None and self.sasl_password_file is not None:
+                out.append("kafka.sasl_password and kafka.sasl_password_file are both set: set one")
+        else:
+            given = [n for n in ("sasl_username", "sasl_password", "sasl_password_file") if getattr(self, n) is not None]
+            if given:
+                out.append(f"kafka.{given[0]} is set but kafka.security_protocol is {proto}: it would never be "
+                           "sent; set DRIFTLINE_KAFKA__SECURITY_PROTOCOL=SASL_SSL (or SASL_PLAINTEXT)")
+        files = [n for n in ("ssl_cafile", "ssl_certfile", "ssl_keyfile") if getattr(self, n) is not None]
+        if not tls and (files or self.ssl_key_password is not None):
+            name = files[0] if files else "ssl_key_password"
+            out.append(f"kafka.{name} is set but kafka.security_protocol is {proto}: TLS is off; set "
+                       "DRIFTLINE_KAFKA__SECURITY_PROTOCOL=SSL (or SASL_SSL)")
+        if self.ssl_certfile is None and (self.ssl_keyfile is not None or self.ssl_key_password is not None):
+            out.append("kafka.ssl_keyfile and kafka.ssl_key_password need kafka.ssl_certfile (the client certificate)")
+        for name in [*files, *(["sasl_password_file"] if self.sasl_password_file is not None else [])]:
+            path = getattr(self, name)
+            if not path.is_file():
+                out.append(f"kafka.{name} {path}: no such file")
+        if self.sasl_password_file is not None and self.sasl_password_file.is_file() and not self.sasl_password_value():
+            out.append(f"kafka.sasl_password_file {self.sasl_password_file} is empty")
+        return out
+
+    def sasl_password_value(self) -> str | None:
+        """The SASL password: ``sasl_password``, else the first line of ``sasl_password_file``
+        (read on every call, so a rotated secret is picked up by the next client)."""
+        if self.sasl_password is not None:
+            return self.sasl_password.get_secret_value()
+        if self.sasl_password_file is None:
+            return None
+        lines = self.sasl_password_file.read_text().splitlines()
+        return lines[0] if lines else ""
+
 
 class EventTimeSettings(BaseModel):
     """Which event times the edges accept (``/rank``, ``/actions``, the producers, the replay).
@@ -83,6 +170,7 @@ class EventTimeSettings(BaseModel):
 class EmbeddedSettings(BaseModel):
     """The local stack that ``make up`` starts when no external Kafka or Redis is configured."""
 
+    # A loopback address only: neither server can authenticate clients or encrypt (README: Security).
     host: str = "127.0.0.1"
     broker_port: int = 9092
     redis_port: int = 6379
@@ -92,6 +180,32 @@ class EmbeddedSettings(BaseModel):
     # A service whose liveness check (its /metrics or /healthz answering a GET within 2 s, every
     # 5 s) has not passed for this long is killed and restarted: a hung process is not left in place.
     liveness_timeout_s: float = Field(default=120.0, gt=0)
+
+    @field_validator("host")
+    @classmethod
+    def _loopback_only(cls, host: str) -> str:
+        """The embedded broker and Redis take anyone who can connect: no other host may.
+
+        >>> EmbeddedSettings(host="0.0.0.0")
+        Traceback (most recent call last):
+        ...
+        pydantic_core._pydantic_core.ValidationError: 1 validation error for EmbeddedSettings
+        host
+          Value error, embedded.host 0.0.0.0 is not a loopback address: the embedded broker and Redis have no authentication nor TLS and listen on 127.0.0.1 only; for servers other hosts can reach, run your own and set KAFKA_BOOTSTRAP_SERVERS and REDIS_URL [type=value_error, input_value='0.0.0.0', input_type=str]
+        ...
+        >>> EmbeddedSettings(host="localhost").host, EmbeddedSettings(host="127.0.0.2").host
+        ('localhost', '127.0.0.2')
+        """
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ValueError(
+                f"embedded.host {host} is not a loopback address: the embedded broker and Redis have no "
+                "authentication nor TLS and listen on 127.0.0.1 only; for servers other hosts can reach, run "
+                "your own and set KAFKA_BOOTSTRAP_SERVERS and REDIS_URL")
+        return host
 
 
 class RedisClientSettings(BaseModel):
@@ -447,6 +561,8 @@ class Settings(BaseSettings):
         env_nested_delimiter="__",
         extra="ignore",
         populate_by_name=True,
+        # (an error would otherwise print the input of the section it is in: a password with it)
+        hide_input_in_errors=True,
     )
 
     kafka_bootstrap_servers: str | None = Field(
@@ -512,6 +628,14 @@ class Settings(BaseSettings):
     def snapshot_root(self) -> Path:
         """Where the trainer writes snapshots (one folder per model id) and serving finds them."""
         return self.trainer.snapshot_dir or self.var_dir / "snapshots"
+
+    def model_snapshots(self, model_id: str) -> Path:
+        """One model's snapshot folder (``LATEST`` and its snapshots): the one place it is composed.
+
+        >>> Settings(var_dir=Path("v")).model_snapshots("deepfm")
+        PosixPath('v/snapshots/deepfm')
+        """
+        return self.snapshot_root / model_id
 
     @property
     def serving_model(self) -> str:

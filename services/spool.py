@@ -78,6 +78,10 @@ class SpoolFull(SpoolError):
     """Unshipped entries fill ``max_bytes``: Kafka has been slow or down for a while."""
 
 
+class SpoolDiskFull(SpoolFull):
+    """The disk under the spool is nearly full (``disk.pause_below_bytes``): nothing is appended."""
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     position: int

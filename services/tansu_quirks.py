@@ -67,6 +67,15 @@ Each workaround is also correct on Apache Kafka, so the same code runs against b
    back once to the offset its state expects and, when the records after the gap come again,
    reads on and counts the hole (:meth:`joiner.worker.Worker.process`,
    ``driftline_joiner_input_offsets_unread_total``).
+9. No SASL and no TLS. Without ``--authentication`` a SaslHandshake is answered
+   UNSUPPORTED_SASL_MECHANISM; with it only SCRAM-SHA-256 is offered (PLAIN: "NoSharedMechanism")
+   and, memory storage holding no credentials, no login passes. ``--cert`` and ``--key`` cannot
+   be given together ("the argument '--cert <CERT>' cannot be used with '--key <KEY>'"). Nothing
+   to work around in the clients: the embedded broker listens on 127.0.0.1 only (its listener and
+   advertised URL; ``EmbeddedSettings.host`` refuses any other address), and the security
+   settings are tested against it by the failure of each client's SASL handshake
+   (tests/test_kafka_security.py) and end to end over mutual TLS through a TLS front before it
+   (tests/kafka_tls.py).
 """
 
 from __future__ import annotations
@@ -84,6 +93,7 @@ from aiokafka.errors import KafkaError
 
 from services import metrics
 from services.aiokafka_quirks import stop_consumer
+from services.kafka_security import security_options
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -96,6 +106,7 @@ RESET_EXIT_CODE = 3
 STALE_LEADER_SYNCS = 3
 _installed = False
 _faust_installed = False
+_faust_settings: Settings | None = None  # (install_faust's: the joiner app's)
 
 
 def install() -> None:
@@ -121,18 +132,16 @@ async def log_end_offsets(
     settings: Settings, partitions: Iterable[TopicPartition]
 ) -> dict[TopicPartition, int]:
     """The true log-end offset (high watermark) of each partition, read from a Fetch (quirk 1)."""
-    return await true_end_offsets(settings.bootstrap_servers, partitions, settings.kafka.connect_timeout_s,
-                                  settings.kafka.fetch_max_wait_ms)
+    return await true_end_offsets(settings, partitions, settings.bootstrap_servers, settings.kafka.connect_timeout_s)
 
 
 async def true_end_offsets(
-    bootstrap_servers: str | list[str], partitions: Iterable[TopicPartition], timeout_s: float,
-    fetch_max_wait_ms: int,
+    settings: Settings, partitions: Iterable[TopicPartition], bootstrap_servers: str | list[str], timeout_s: float,
 ) -> dict[TopicPartition, int]:
-    """:func:`log_end_offsets` for a client that has only the broker addresses (Faust's)."""
+    """:func:`log_end_offsets` for a client that has its own broker addresses and timeout (Faust's)."""
     tps = list(partitions)
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, enable_auto_commit=False, group_id=None,
-                                fetch_max_wait_ms=fetch_max_wait_ms)
+                                fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms, **security_options(settings))
     await consumer.start()
     try:
         consumer.assign(tps)
@@ -157,12 +166,14 @@ async def true_end_offsets(
         await stop_consumer(consumer)
 
 
-def install_faust(fetch_max_wait_ms: int) -> None:
+def install_faust(settings: Settings) -> None:
     """Make Faust's consumer answer its changelog highwaters with the true end offsets (quirk 1),
     aiokafka leave at generation 0 (quirk 2: :func:`install`), a member stuck behind a departed
     group leader delete the group and rejoin (quirk 6), and Faust's consumer wait
-    ``fetch_max_wait_ms`` per fetch (quirk 7)."""
-    global _faust_installed
+    ``kafka.fetch_max_wait_ms`` per fetch (quirk 7). The patches are installed once per process;
+    they read the ``settings`` of the app made last (a joiner process runs one)."""
+    global _faust_installed, _faust_settings
+    _faust_settings = settings
     install()
     if _faust_installed:
         return
@@ -174,7 +185,8 @@ def install_faust(fetch_max_wait_ms: int) -> None:
 
     def _create_worker_consumer(self: faust_aiokafka.AIOKafkaConsumerThread, transport: object) -> AIOKafkaConsumer:
         consumer = create_worker_consumer(self, transport)
-        consumer._fetch_max_wait_ms = fetch_max_wait_ms  # (read by its Fetcher, made at start)
+        assert _faust_settings is not None
+        consumer._fetch_max_wait_ms = _faust_settings.kafka.fetch_max_wait_ms  # (read by its Fetcher, made at start)
         return consumer
 
     async def _highwaters(self: faust_aiokafka.AIOKafkaConsumerThread,
@@ -184,7 +196,8 @@ def install_faust(fetch_max_wait_ms: int) -> None:
         servers = faust_aiokafka.server_list(self.transport.url, self.transport.default_port)
         # (Faust's TP is a namedtuple equal to aiokafka's, which aiokafka's asserts insist on)
         tps = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
-        return await true_end_offsets(servers, tps, self.app.conf.broker_request_timeout, fetch_max_wait_ms)
+        assert _faust_settings is not None
+        return await true_end_offsets(_faust_settings, tps, servers, self.app.conf.broker_request_timeout)
 
     thread._highwaters = _highwaters  # type: ignore[method-assign]
     thread._create_worker_consumer = _create_worker_consumer  # type: ignore[method-assign]
@@ -225,7 +238,7 @@ async def committed_offsets(
 ) -> dict[TopicPartition, int]:
     """A group's committed offsets, asking for the partitions by name (quirk 4). -1 = none."""
     tps = list(partitions)
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers)
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers, **security_options(settings))
     await admin.start()
     try:
         answer = await admin.list_consumer_group_offsets(group_id, partitions=tps)
@@ -238,7 +251,7 @@ async def read_broker_epoch(settings: Settings, timeout_s: float = 5.0) -> str |
     """The epoch id written when this broker's data began, or None if there is none."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=settings.bootstrap_servers, enable_auto_commit=False, group_id=None,
-        fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
+        fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms, **security_options(settings),
     )
     try:
         await consumer.start()
@@ -326,7 +339,7 @@ class EpochWatch:
             self.epoch = await ensure_broker_epoch(self.settings)
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=self.settings.bootstrap_servers, enable_auto_commit=False, group_id=None,
-            fetch_max_wait_ms=self.settings.kafka.fetch_max_wait_ms,
+            fetch_max_wait_ms=self.settings.kafka.fetch_max_wait_ms, **security_options(self.settings),
         )
         await self._consumer.start()
         return self.epoch

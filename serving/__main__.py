@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = settings.updated(serving={"host": args.host, "port": args.port, "workers": max(1, args.workers)})
     shared = settings.serving.workers > 1 and settings.serving_model != "fm"
+    if args.worker_index is None:  # (a worker shares the port its siblings hold)
+        from services.ports import Listen, check_ports_free
+
+        check_ports_free([Listen(args.host, args.port, "serving's API", "serving.port")])
     if args.worker_index is None and shared:
         from serving import replica_metrics
 

@@ -380,13 +380,14 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         store_ok = await s.store.ping()
         behind_s = s.deltas.behind_s()
         body = Readiness(
-            ready=s.deltas.loaded and behind_s <= s.options.ready_max_behind_s, model_loaded=s.deltas.loaded,
+            ready=s.deltas.loaded and behind_s <= s.options.ready_max_behind_s and not s.feature_log.disk_full(),
+            model_loaded=s.deltas.loaded,
             deltas_behind_s=round(behind_s, 3), feature_store=store_ok and not s.store_watch.emptied,
             feature_store_emptied=s.store_watch.emptied,
             model_version=s.version(),
             sparse_staleness_s=s.model.sparse.staleness_s(), dense_staleness_s=s.model.dense.staleness_s(),
             feature_log_connected=s.feature_log.connected, feature_log_buffered=s.feature_log.buffered,
-            feature_log_spool_bytes=s.feature_log.spool.bytes,
+            feature_log_spool_bytes=s.feature_log.spool.bytes, feature_log_disk_full=s.feature_log.disk_full(),
             sample_rate=s.sample_rate(),
         )
         return JSONResponse(body.model_dump(), status_code=200 if body.ready else 503)

@@ -38,7 +38,8 @@ from services.settings import Settings
 from serving import metrics
 from serving.background import cancel_and_wait, raise_if_cancelled
 from serving.broker_epoch import SharedEpoch
-from services.spool import Entry, Spool
+from services.disk import DiskGuard
+from services.spool import Entry, Spool, SpoolDiskFull
 
 log = logging.getLogger(__name__)
 _FLOAT = struct.Struct("<f")
@@ -165,6 +166,11 @@ class FeatureLogger:
         self.epochs = epochs
         self.spool = Spool(settings.serving_spool_dir, options.spool_max_bytes, sync=options.spool_sync,
                            retention_s=options.spool_retention_s, name="feature-log spool", knobs="serving.spool")
+        # A full disk fails RocksDB's writes; refused before the write instead, with a message that
+        # says why, a gauge, and /readyz false so a balancer moves the traffic to another replica.
+        self.disk = DiskGuard.from_settings(service, self.spool.path, settings)
+        self._disk_full = self.disk.full()
+        self._disk_checked = time.monotonic()
         self.producer: AIOKafkaProducer | None = None
         self.shipped = 0
         self.reshipped = 0
@@ -190,14 +196,19 @@ class FeatureLogger:
     def submit(self, key: str, value: bytes) -> None:
         """Spool one encoded FeatureLog (durable when this returns; see :mod:`services.spool`).
 
-        Raises :class:`FeatureLogTooLarge`, :class:`services.spool.SpoolFull` or
-        :class:`services.spool.SpoolError`; the caller must then not answer 200.
+        Raises :class:`FeatureLogTooLarge`, :class:`services.spool.SpoolFull` (its
+        :class:`services.spool.SpoolDiskFull` too) or :class:`services.spool.SpoolError`; the
+        caller must then not answer 200.
         """
         raw_key = key.encode()
         size = len(raw_key) + len(value)
         if size > self.max_bytes:
             metrics.FEATURE_LOG_REFUSED.labels("too_large").inc()
             raise FeatureLogTooLarge(size, self.max_bytes)
+        if self.disk_full():
+            metrics.FEATURE_LOG_REFUSED.labels("SpoolDiskFull").inc()
+            raise SpoolDiskFull(f"the disk under the feature-log spool {self.spool.path} is nearly full "
+                                f"(below disk.pause_below_bytes)")
         try:
             self.spool.append(raw_key, value)
         except Exception as err:
@@ -206,6 +217,13 @@ class FeatureLogger:
         metrics.FEATURE_LOG_SPOOLED.inc()
         self._gauges()
         self._wake.set()
+
+    def disk_full(self) -> bool:
+        """Whether the spool's disk is nearly full (looked at once per ``disk.check_s``, not per request)."""
+        now = time.monotonic()
+        if now - self._disk_checked >= self.disk.check_s:
+            self._disk_checked, self._disk_full = now, self.disk.full()
+        return self._disk_full
 
     def _gauges(self) -> None:
         metrics.FEATURE_LOG_PENDING.set(self.spool.pending)

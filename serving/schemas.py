@@ -158,4 +158,5 @@ class Readiness(BaseModel):
     feature_log_connected: bool
     feature_log_buffered: int = Field(description="Feature logs spooled, not yet acknowledged by Kafka.")
     feature_log_spool_bytes: int = Field(description="Bytes in the feature-log spool (unshipped + retained).")
+    feature_log_disk_full: bool = Field(description="The spool's disk is below disk.pause_below_bytes: /rank answers 503.")
     sample_rate: SampleRateOut

@@ -78,6 +78,7 @@ def create_app(settings: Settings, targets: Sequence[Target] | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     from services.log import setup_logging
+    from services.ports import Listen, check_ports_free
     from services.uvicorn_server import serve
 
     settings = get_settings()
@@ -92,5 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("status", settings.log_level)
     opts = opts.model_copy(update={"host": args.host, "port": args.port, "scrape_interval_s": args.interval})
     targets = [parse_target(t) for t in args.target] if args.target else None
+    check_ports_free([Listen(opts.host, opts.port, "the status page", "status.port")])
     app = create_app(settings, targets, opts)
     return 0 if serve(app, opts.host, opts.port, settings.log_level) else 3

@@ -125,6 +125,30 @@ def settings(broker: Broker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     return s
 
 
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 32 MB tmpfs of the test's own, to fill: a full disk without filling the machine's
+    (mounting one needs root: the test is skipped without)."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill_disk(path: Path, leave_bytes: int) -> Path:
+    """Fill the file system under ``path`` until ``leave_bytes`` are free; delete the file to free it."""
+    fill = path / "fill"
+    with open(fill, "wb") as f:
+        st = os.statvfs(path)
+        os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize - leave_bytes)
+    return fill
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from proto import Action, FeatureLog
-from services.ports import free_port, port_is_open
+from services.ports import PORT_IN_USE_EXIT, free_port, port_is_open
 from services.kafka import TypedConsumer
 from services.settings import Settings
 from tests.loopstack import LoopStack, alive, descendants, free_port_block
@@ -113,9 +113,42 @@ def test_port_in_use_is_one_actionable_line(tmp_path: Path, repo_root: Path) -> 
             [sys.executable, "-m", "driftline.cli", "up", "--no-replay"],
             env=env, capture_output=True, text=True, timeout=60, cwd=repo_root,
         )
-    assert done.returncode == 2
+    assert done.returncode == PORT_IN_USE_EXIT
     err = done.stderr.strip().splitlines()
     assert err[-1].startswith("driftline: port 127.0.0.1:") and "DRIFTLINE_EMBEDDED__BROKER_PORT" in err[-1]
+    assert "Traceback" not in done.stderr
+
+
+def test_a_taken_metrics_port_is_one_line_before_anything_starts(tmp_path: Path, repo_root: Path) -> None:
+    """Any port up listens on, the services' /metrics ports included: one line naming the port and
+    the setting that moves it, and nothing started (it used to be a joiner restarting every 30 s)."""
+    env = _env(tmp_path, repo_root, free_port(), free_port())
+    joiner_metrics = int(env["DRIFTLINE_EMBEDDED__METRICS_PORT_BASE"])
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", joiner_metrics))
+        busy.listen()
+        done = subprocess.run([sys.executable, "-m", "driftline.cli", "up", "--no-replay"],
+                              env=env, capture_output=True, text=True, timeout=60, cwd=repo_root)
+    assert done.returncode == PORT_IN_USE_EXIT, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"driftline: port 127.0.0.1:{joiner_metrics} (the joiner's /metrics) is in use: stop what listens "
+        "there, or move it with embedded.metrics_port_base (DRIFTLINE_EMBEDDED__METRICS_PORT_BASE)")
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "var" / "log" / "broker.log").exists()  # nothing was started
+
+
+def test_a_service_on_a_taken_port_exits_once_with_one_line(tmp_path: Path, repo_root: Path) -> None:
+    """Run alone (as compose runs it), a service whose /metrics port is taken says so in one line
+    and exits PORT_IN_USE_EXIT, which neither the supervisor nor a restart policy should loop on."""
+    env = _env(tmp_path, repo_root, free_port(), free_port())
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        env["DRIFTLINE_METRICS_PORT"] = str(busy.getsockname()[1])
+        done = subprocess.run([sys.executable, "-m", "driftline.cli", "dumper"],
+                              env=env, capture_output=True, text=True, timeout=60, cwd=repo_root)
+    assert done.returncode == PORT_IN_USE_EXIT, done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith("move it with metrics_port (DRIFTLINE_METRICS_PORT)")
     assert "Traceback" not in done.stderr
 
 

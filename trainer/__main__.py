@@ -187,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
             if int(os.environ["WORLD_SIZE"]) > 1:
                 rank, world = launch.init_rank(settings.trainer)
         elif nproc > 1:  # this process only launches the ranks (each serves its own metrics)
+            if settings.metrics_port:  # a rank on a taken port would be restarted by the launcher
+                from services.ports import Listen, check_ports_free
+
+                stride = settings.trainer.rank_metrics_port_stride
+                check_ports_free([Listen(settings.metrics_host, settings.metrics_port + r * stride,
+                                         f"trainer rank {r}'s /metrics", "metrics_port" if r == 0 else
+                                         "trainer.rank_metrics_port_stride") for r in range(nproc)])
             launch.launch(nproc, [a for a in _without_nproc(argv)], settings.trainer)
             return 0
     if settings.metrics_port:
@@ -197,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "batch":
         from . import snapshots
 
-        root = settings.snapshot_root / named_config(args.model).model_id
+        root = settings.model_snapshots(named_config(args.model).model_id)
         if args.unless_learned and (learned := snapshots.learned_online(root)) is not None:
             print(json.dumps({"skipped": f"{root} holds the online trainer's model "
                                          f"({learned['examples_applied']} examples learned): kept"}), flush=True)

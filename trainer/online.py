@@ -138,7 +138,7 @@ class OnlineTrainer(M.LearnedFields):
         self.snapshot_interval_ms = int(1000 * ts.snapshot_interval_event_s)
         self.batch_size = ts.batch_size
         self.batch_timeout_s = ts.batch_timeout_s
-        self.snapshot_root = settings.snapshot_root / cfg.model_id
+        self.snapshot_root = settings.model_snapshots(cfg.model_id)
         self.disk = DiskGuard.from_settings("trainer", self.snapshot_root, settings)
         self.group_id = ts.group_id
         self.consumer_start_timeout_s = ts.consumer_start_timeout_s

@@ -133,7 +133,7 @@ class RankTrainer(M.LearnedFields):
         self.settings, self.cfg, self.ts = settings, cfg, ts
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.topic = settings.topics.examples
-        self.root = settings.snapshot_root / cfg.model_id
+        self.root = settings.model_snapshots(cfg.model_id)
         self.clock = snapshots.EventClock(int(1000 * ts.snapshot_interval_event_s))
         self.stage = {k: 0.0 for k in ("poll", "prepare", "train", "commit", "sync", "snapshot", "agree",
                                          "comm")}

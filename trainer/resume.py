@@ -75,7 +75,7 @@ def _ranks_stream_state(snap: Path, n: int) -> dict:
 
 
 class Snapshots:
-    """The online trainer's snapshots of one model under ``root`` (``settings.snapshot_root / model_id``)."""
+    """The online trainer's snapshots of one model under ``root`` (``settings.model_snapshots(model_id)``)."""
 
     def __init__(self, root: Path, cfg: ModelConfig, topic: str):
         self.root, self.cfg, self.topic = root, cfg, topic

@@ -7,7 +7,8 @@ and strings hashed against the project's features (:mod:`driftline.client.featur
 checked against ``settings.event_time`` (the joiner's windows are event time: an event from the
 far past or future would be joined wrongly or never), every message validated by its codec
 (:mod:`services.codecs`, what the consumers will check), and records **keyed by request id** on
-the producer settings serving uses (:func:`services.kafka.producer`): with equal partition counts a
+the producer settings serving uses (:func:`services.kafka.producer`, which also connects with
+``settings.kafka``'s TLS and SASL settings, README: Security): with equal partition counts a
 request's feature log and actions land on the same partition number, which the joiner relies on.
 Like serving, a FeatureLog gets an ``item_id`` / ``user_id`` slot from the candidate's / the
 request's id when the project declares one and the caller did not give it.

@@ -1,13 +1,10 @@
 """A full disk pauses the dumper's input instead of failing its writes; freeing space resumes it.
 
-The dumper's Parquet directory lives on a 32 MB tmpfs of its own (mounting one needs root: the
-test is skipped without), filled to below ``disk.pause_below_bytes``."""
+The dumper's Parquet directory lives on a 32 MB tmpfs of its own (``small_disk``, tests/conftest.py), filled to below ``disk.pause_below_bytes``."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -18,21 +15,9 @@ from joiner import dumper
 from proto import Example
 from services.kafka import create_topics
 from services.settings import Settings
+from tests.conftest import fill_disk
 from tests.joiner.helpers import produce
 from tests.joiner.test_dumper import batches
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
-    path = tmp_path / "disk"
-    path.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(path)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
-    yield path
-    subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def _paused() -> float | None:
@@ -45,10 +30,7 @@ async def test_a_full_disk_pauses_the_dumper_until_space_is_freed(settings: Sett
                       sample_rate=1.0) for i in range(300)]
     await produce(settings, batches(settings.topics.examples, joined, 50))
     s = settings
-    fill = small_disk / "fill"
-    with open(fill, "wb") as f:  # 16 MB pause threshold, 4 MB left
-        st = os.statvfs(small_disk)
-        os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize - (4 << 20))
+    fill = fill_disk(small_disk, 4 << 20)  # 16 MB pause threshold, 4 MB left
     out = small_disk / "examples"
     stop = asyncio.Event()
     run = asyncio.create_task(dumper.run(s.updated(dumper=dict(flush_rows=10, flush_interval_s=0.5),

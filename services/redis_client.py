@@ -75,7 +75,9 @@ def connect(url: str, options: RedisClientSettings | None = None, *, timeout_s: 
     pool raised "Too many connections" at once. A pooled connection that a Redis restart closed
     fails its next command: it is retried once on a new connection (not on a timeout: under
     overload that would double the wait). A cluster client keeps ``max_connections`` per node and
-    retries a command once after a node failed (re-reading the slot map: a failover's new master).
+    does not retry: redis-py's retry after a node failed closes every node's connections, failing
+    the requests in flight on the live ones; the feature store re-reads the slot map instead
+    (:mod:`serving.cluster_io`).
 
     >>> connect("redis://127.0.0.1:1/0", RedisClientSettings()).connection_pool.max_connections
     100
@@ -88,7 +90,7 @@ def connect(url: str, options: RedisClientSettings | None = None, *, timeout_s: 
     ('SSLConnection', 'ca.pem', 'alice')
     """
     options = options if options is not None else get_settings().redis_client
-    retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+    retry = Retry(NoBackoff(), 0 if options.cluster else 1, supported_errors=(RedisConnectionError,))
     common: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                   retry=retry, **_tls(url, options))
     if options.cluster:

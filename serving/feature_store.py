@@ -19,7 +19,7 @@ or with the MovieLens demo's features with ``driftline features load --movielens
 On a Redis Cluster (``redis_client.cluster``) the keys are the same, without hash tags: a
 request's candidates are on every master whatever the layout, so tagging a user's two keys into
 one slot would save no round trip and would rename an existing store's keys. A request's reads
-are then GETs packed per node, sent to all masters at once (:meth:`FeatureStore._fetch_cluster`;
+are then GETs packed per node, sent to all masters at once (:mod:`serving.cluster_io`;
 docs/scale-out.md).
 
 >>> encode_slots({"user_id": [7], "genres": [1, 2]})
@@ -40,9 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import hiredis
-from redis.exceptions import AuthenticationError, RedisClusterException, RedisError
+from redis.exceptions import AuthenticationError, RedisClusterException, RedisError, ResponseError
 
 from serving import metrics
+from serving.cluster_io import SlotMapRefresh, send_by_node
 from services.redis_client import RedisCluster, connect, redacted, without_password
 from services.settings import RedisClientSettings
 
@@ -82,6 +83,11 @@ class FeatureStoreError(RuntimeError):
     """Redis failed or timed out."""
 
 
+async def _no_refresh() -> bool:
+    """A single node has no slot map to re-read."""
+    return False
+
+
 class FeatureStore:
     """Async access to the feature store (one connection pool per process)."""
 
@@ -97,6 +103,7 @@ class FeatureStore:
             raise FeatureStoreError(f"REDIS_URL {redacted(url)}: {without_password(str(err), url)}") from err
         #: a Redis Cluster: a request's keys live on several nodes (see :meth:`_fetch_cluster`)
         self.cluster = isinstance(self.redis, RedisCluster)
+        self._refresh = SlotMapRefresh(self.redis) if self.cluster else _no_refresh
         self.url = url
         self.prefix = prefix
         self.recent_clicks = recent_clicks
@@ -162,47 +169,22 @@ class FeatureStore:
 
     async def _fetch_cluster(self, keys: list[str], clicks_key: str) -> tuple[list[Any], list[Any]]:
         """A cluster's :meth:`fetch`: the keys' slots differ (one MGET would be CROSSSLOT), so each
-        is a GET, packed per node and sent to all nodes at once: one round trip's wait, as on a
-        single node. redis-py's cluster pipeline does the same at 10-17 ms for 100 keys (Python
-        per command) against 1-2 ms here. Any failure (a slot moved by a failover or a
-        resharding, a node down) is retried once through redis-py's pipeline, which follows the
-        redirects and re-reads the slot map; a node that still cannot answer fails the request."""
+        is a GET, packed per node and sent to all masters at once: one round trip's wait, as on a
+        single node (:mod:`serving.cluster_io`). After a failure (a node down, a slot moved by a
+        failover) the slot map is re-read and the request tried once more; a node that still
+        cannot answer fails the request, and only the requests that read its keys."""
         commands: list[tuple[Any, ...]] = [("GET", key) for key in keys]
         commands.append(("LRANGE", clicks_key, 0, self.recent_clicks - 1))
-        try:
-            replies = await self._by_node(commands)
-        except (RedisError, RedisClusterException, OSError):
-            pipe = self.redis.pipeline()
-            for command in commands:
-                pipe.execute_command(*command)
-            replies = await pipe.execute()
-        return replies[:-1], replies[-1]
-
-    async def _by_node(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Send each single-key command to its slot's master, one packed write per node, all nodes
-        at once; a connection that failed mid-way is disconnected, never reused with a reply
-        left unread."""
-        cluster = await self.redis.initialize()  # a no-op once the slot map is read
-        by_node: dict[Any, list[int]] = {}
-        for i, command in enumerate(commands):
-            by_node.setdefault(cluster.get_node_from_key(command[1]), []).append(i)
-        replies: list[Any] = [None] * len(commands)
-
-        async def on(node: Any, indices: list[int]) -> None:
-            conn = node.acquire_connection()
+        for last in (False, True):
             try:
-                await node.disconnect_if_needed(conn)  # one a failover marked stale
-                await conn.send_packed_command(b"".join(hiredis.pack_command(commands[i]) for i in indices))
-                for i in indices:
-                    replies[i] = await conn.read_response()
-            except BaseException:
-                await conn.disconnect()
-                raise
-            finally:
-                node.release(conn)
-
-        await asyncio.gather(*(on(node, indices) for node, indices in by_node.items()))
-        return replies
+                replies = await send_by_node(self.redis, commands)
+                if refused := next((r for r in replies if isinstance(r, ResponseError)), None):
+                    raise refused
+                return replies[:-1], replies[-1]
+            except (RedisError, RedisClusterException, OSError):
+                if last or not await self._refresh():
+                    raise
+        raise AssertionError("unreachable")
 
     async def _round_trip(self, packed: bytes, replies: int) -> list[Any]:
         """Send ``packed`` (``replies`` commands) on one pooled connection and read the replies.
@@ -249,6 +231,7 @@ class FeatureStore:
             results = await pipe.execute(raise_on_error=False)
         except Exception as err:  # noqa: BLE001
             metrics.FEATURE_STORE_ERRORS.labels("record_clicks").inc()
+            await self._refresh()  # a cluster's node down: the next try finds its replica
             raise self.error("update", err) from err
         finally:
             metrics.FEATURE_STORE_SECONDS.labels("record_clicks").observe(time.perf_counter() - started)
@@ -265,6 +248,7 @@ class FeatureStore:
         try:
             raw = await self.redis.get(self.marker_key(name))
         except Exception as err:  # noqa: BLE001
+            await self._refresh()
             raise self.error("read", err) from err
         return raw.decode() if raw is not None else None
 
@@ -272,6 +256,7 @@ class FeatureStore:
         try:
             await self.redis.set(self.marker_key(name), value)
         except Exception as err:  # noqa: BLE001
+            await self._refresh()
             raise self.error("update", err) from err
 
     async def put(self, users: Mapping[int, Slots], items: Mapping[int, Slots], batch: int = 10_000) -> int:

@@ -125,7 +125,7 @@ class FeatureStore:
     def error(self, what: str, err: BaseException) -> FeatureStoreError:
         """One error for callers, naming the Redis without its password."""
         login = "Redis refused the login (the user and password in REDIS_URL): " \
-            if isinstance(err, AuthenticationError) else ""
+            if isinstance(err, AuthenticationError) or isinstance(err.__cause__, AuthenticationError) else ""
         return FeatureStoreError(f"feature store {what} failed ({redacted(self.url)}): {login}"
                                  f"{without_password(str(err) or type(err).__name__, self.url)}")
 

@@ -34,15 +34,18 @@ class Node:
     id: str = ""
     master: Node | None = None  # None: a master
     slots: range = field(default_factory=lambda: range(0))
+    password: str | None = None
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5)
 
 
 class LocalCluster:
     def __init__(self, tmp: Path, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, password: str | None = None) -> None:
+        """``password``: every node's ``requirepass`` (and ``masterauth``, for its replicas)."""
         self.tmp = tmp
+        self.password = password
         self.nodes: list[Node] = []
         self._logs = []
         try:
@@ -89,8 +92,9 @@ class LocalCluster:
             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
             "--cluster-node-timeout", str(node_timeout_ms), "--cluster-require-full-coverage", "no",
             "--cluster-replica-validity-factor", "0",
+            *(["--requirepass", self.password, "--masterauth", self.password] if self.password else []),
         ], stdout=log, stderr=subprocess.STDOUT)
-        node = Node(port, proc)
+        node = Node(port, proc, password=self.password)
         self.nodes.append(node)
         return node
 

@@ -1,7 +1,8 @@
 """The feature store on a real Redis Cluster (the embedded redis-server, 3 masters): the loader,
 /rank (real HTTP) and the real-time clicks through it; a master killed without a replica fails
 only the requests that read its keys (a 503 with the reason, counted); a master with a replica
-is failed over and every request is served again within seconds."""
+is failed over and every request is served again within seconds (that cluster has a password:
+the URL's reaches every node, a wrong one is one line)."""
 
 from __future__ import annotations
 
@@ -27,18 +28,22 @@ ITEMS = range(1, 201)
 
 
 def _load(tmp_path: Path, url: str, prefix: str, monkeypatch: pytest.MonkeyPatch,
-          capsys: pytest.CaptureFixture[str]) -> None:
-    """``driftline features load`` with the cluster setting from the environment, as a user runs it."""
+          capsys: pytest.CaptureFixture[str], code: int = 0) -> str:
+    """``driftline features load`` with the cluster setting from the environment, as a user runs
+    it; its stderr."""
     users, items = tmp_path / "users.csv", tmp_path / "items.csv"
     users.write_text("user_id,gender\n" + "".join(f"{u},g{u % 2}\n" for u in USERS))
     items.write_text("item_id,genre\n" + "".join(f"{i},g{i % 7}\n" for i in ITEMS))
     monkeypatch.setenv("DRIFTLINE_REDIS_CLIENT__CLUSTER", "true")
     get_settings.cache_clear()
     try:
-        assert main(["load", "--users", str(users), "--items", str(items), "--redis-url", url, "--prefix", prefix]) == 0
+        assert main(["load", "--users", str(users), "--items", str(items), "--redis-url", url,
+                     "--prefix", prefix]) == code
     finally:
         get_settings.cache_clear()
-    assert f"loaded {len(USERS) + len(ITEMS)} feature keys" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert code or f"loaded {len(USERS) + len(ITEMS)} feature keys" in out.out
+    return out.err
 
 
 def _options(settings: Settings, tmp_path: Path, url: str, prefix: str) -> Settings:
@@ -72,13 +77,18 @@ def _on(cluster: LocalCluster, store: FeatureStore, node: Node, alive: bool) -> 
 
 @contextmanager
 def serving_on_cluster(settings: Settings, tmp_path: Path, replicas: int, monkeypatch: pytest.MonkeyPatch,
-                       capsys: pytest.CaptureFixture[str]) -> Iterator[tuple[LocalCluster, str, FeatureStore]]:
+                       capsys: pytest.CaptureFixture[str], password: str | None = None,
+                       ) -> Iterator[tuple[LocalCluster, str, FeatureStore]]:
     """A 3-master cluster with the features loaded, and serving on it: (cluster, base URL, store)."""
-    cluster = LocalCluster(tmp_path / "cluster", masters=3, replicas=replicas)
+    cluster = LocalCluster(tmp_path / "cluster", masters=3, replicas=replicas, password=password)
+    url = cluster.url.replace("redis://", f"redis://:{password}@") if password else cluster.url
     prefix = f"c{time.time_ns()}"
     try:
-        _load(tmp_path, cluster.url, prefix, monkeypatch, capsys)
-        app = create_app(_options(settings, tmp_path, cluster.url, prefix))
+        if password:  # a wrong one is one line, without it
+            err = _load(tmp_path, url.replace(password, "wrong-pw"), prefix, monkeypatch, capsys, code=1)
+            assert "Redis refused the login" in err and "wrong-pw" not in err, err
+        _load(tmp_path, url, prefix, monkeypatch, capsys)
+        app = create_app(_options(settings, tmp_path, url, prefix))
         with running(app) as base:
             store = app.state.serving.store
             assert store.cluster and app.state.serving.realtime.store is store
@@ -144,7 +154,7 @@ async def _clicks(url: str, prefix: str, user: int) -> list[int]:
 def test_a_master_with_a_replica_fails_over_and_requests_are_served_again(settings: Settings, tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    with serving_on_cluster(settings, tmp_path, 1, monkeypatch, capsys) as (cluster, base, store):
+    with serving_on_cluster(settings, tmp_path, 1, monkeypatch, capsys, password="cluster-pw") as (cluster, base, store):
         assert _rank(base, 1, list(ITEMS[:50])).status_code == 200
         killed = time.monotonic()
         cluster.kill(cluster.node_of(store.user_key(1)))

@@ -50,8 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from proto import Action, ModelVersion
-from serving import metrics, replica_metrics
-from serving.auth import ApiKeys, protected_docs
+from serving import auth, metrics, replica_metrics
 from serving.correction import correct
 from serving.broker_epoch import SharedEpoch
 from serving.deltas import DeltaFeed
@@ -244,7 +243,7 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
             await serving.stop()
 
     options = settings.serving
-    keys = ApiKeys(options)
+    keys = auth.ApiKeys(options)
     protected = [Depends(keys)]
     # the docs FastAPI adds itself cannot take a dependency: protected, they are added below instead
     docs_urls = dict(docs_url=None, redoc_url=None, openapi_url=None) if options.protect_docs else {}
@@ -258,7 +257,7 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
     app.state.api_keys = keys
     app.add_middleware(_Metrics)
     # every endpoint that changes state, or answers with the model's work, asks for a key
-    api = APIRouter(dependencies=protected)
+    api = APIRouter(dependencies=protected, responses=auth.RESPONSES)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -418,6 +417,6 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
 
     app.include_router(api)
     if options.protect_docs:
-        app.include_router(protected_docs(app, protected))
+        app.include_router(auth.protected_docs(app, protected))
     return app
 

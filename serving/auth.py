@@ -47,6 +47,9 @@ _HEADER = APIKeyHeader(name=API_KEY_HEADER, auto_error=False, description="the k
 
 MISSING = f"no API key: send `Authorization: Bearer <key>` or `{API_KEY_HEADER}: <key>`"
 WRONG = "wrong API key"
+#: what the OpenAPI schema says of the endpoints that ask for a key
+RESPONSES: dict[int | str, dict] = {401: {"description": "No API key sent (when serving.api_keys is set)"},
+                                    403: {"description": "Not one of serving's API keys"}}
 
 
 def _digest(key: str) -> bytes:

@@ -251,3 +251,35 @@ def test_allow_anonymous_starts_on_all_addresses(module_settings: Settings) -> N
     finally:
         proc.terminate()
         proc.communicate(timeout=60)
+
+
+def test_up_hands_a_projects_keys_to_its_services(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``up --config`` applies the project file to the environment every service inherits: a
+    ``[settings.serving] api_keys`` reaches serving, the traffic and the status page alike."""
+    from driftline.project import apply_to_environ, load_project
+    from services.api_keys import client_headers
+
+    (tmp_path / "driftline.toml").write_text('name = "keyed"\n[[features]]\nname = "user_id"\nsource = "context"\n'
+                                            '[settings.serving]\napi_keys = ["project-key-9"]\n')
+    environ: dict[str, str] = {}
+    apply_to_environ(load_project(tmp_path / "driftline.toml"), environ)
+    monkeypatch.setenv("DRIFTLINE_SERVING__API_KEYS", environ["DRIFTLINE_SERVING__API_KEYS"])
+    assert client_headers(Settings().serving) == {"Authorization": "Bearer project-key-9"}
+
+
+def test_compose_serving_has_a_key_and_the_traffic_sends_it(repo_root: Path) -> None:
+    """Serving binds 0.0.0.0 in docker-compose.yml: without a key it would refuse to start."""
+    import json
+    import re
+
+    import yaml
+
+    from services.api_keys import startup_refusal
+
+    services = yaml.safe_load((repo_root / "docker-compose.yml").read_text())["services"]
+    for name in ("serving-0", "serving-1", "traffic"):
+        value = services[name]["environment"]["DRIFTLINE_SERVING__API_KEYS"]
+        default = re.fullmatch(r"\$\{DRIFTLINE_SERVING__API_KEYS:-(.+)\}", value)  # the host's, else this
+        assert default is not None, (name, value)
+        options = Settings.model_validate({"serving": {"api_keys": json.loads(default.group(1)), "host": "0.0.0.0"}}).serving
+        assert startup_refusal(options) is None and configured_keys(options) == ("driftline-demo-key",)

@@ -7,7 +7,8 @@ it from this process over keep-alive HTTP/1.1. Latency (the ``rank_p*``/``trivia
 measured one request at a time, so it compares the work per request with the framework's floor
 instead of queueing behind other requests; throughput and the delta-burst run use a closed loop
 of ``BENCH_CONCURRENCY`` connections (default 8), whose latencies are reported as ``*_loaded_*``.
-``QUICK=1`` finishes in about a minute.
+``QUICK=1`` finishes in about a minute. With ``DRIFTLINE_SERVING__API_KEYS`` set (e.g.
+``'["bench-key"]'``) the servers ask for the key and every request sends it (``api_key: true``).
 
 Workers (issue #17): the run above is ``--workers 1`` (the single-process path, today's keys;
 ``rank_rps_1worker`` is its rps in the alternation below). A second server, ``--workers 2`` (one serving PS and two
@@ -46,12 +47,16 @@ from proto.parameter_delta_pb2 import SparseRows  # noqa: E402
 from driftline.embedded import redis_command, tansu_command, wait_for_port  # noqa: E402
 from services.ports import free_port
 from services.kafka import create_topics, producer, start_client  # noqa: E402
+from services.api_keys import client_headers  # noqa: E402
 from services.settings import Settings  # noqa: E402
 
 QUICK = os.environ.get("QUICK") == "1"
 DURATION = 4.0 if QUICK else 15.0
 CONCURRENCY = int(os.environ.get("BENCH_CONCURRENCY", "8"))
 CANDIDATES = 100
+#: serving's API key when the environment sets one (DRIFTLINE_SERVING__API_KEYS: the served
+#: processes inherit it): every request sends it, so the bench measures the key's check too
+AUTH_HEADERS = client_headers(Settings().serving)
 
 
 class Conn:
@@ -86,6 +91,7 @@ class Conn:
 def encode_request(method: str, path: str, body: dict | None) -> bytes:
     data = b"" if body is None else json.dumps(body).encode()
     head = f"{method} {path} HTTP/1.1\r\nHost: bench\r\nContent-Length: {len(data)}\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in AUTH_HEADERS.items())
     if body is not None:
         head += "Content-Type: application/json\r\n"
     return head.encode() + b"\r\n" + data
@@ -303,7 +309,7 @@ def main() -> None:
         ping_reqs = [encode_request("GET", "/ping", None)]
 
         async def run() -> dict:
-            async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+            async with httpx.AsyncClient(base_url=base, timeout=10, headers=AUTH_HEADERS) as client:
                 await load(host, sport, rank_reqs, 1.0)  # warm-up (numba, caches)
                 triv, _, triv_fail = await load(host, sport, ping_reqs, DURATION / 4, concurrency=1)
                 rank, _, rank_fail = await load(host, sport, rank_reqs, DURATION / 2, concurrency=1)
@@ -328,7 +334,7 @@ def main() -> None:
                 rank_server_p99_ms_le=server_p99,
                 failed_requests=triv_fail + rank_fail + triv_loaded_fail + rank_loaded_fail + during_fail,
                 feature_load_s=load_s,
-                concurrency=CONCURRENCY, candidates=CANDIDATES, duration_s=DURATION,
+                concurrency=CONCURRENCY, candidates=CANDIDATES, duration_s=DURATION, api_key=bool(AUTH_HEADERS),
             )
 
         result = asyncio.run(run())
@@ -362,7 +368,7 @@ def main() -> None:
             before = [uss_mb(w) for w in workers]
             rows = 1_000_000
             await delta_burst(settings, rows, 9_000, 16)
-            async with httpx.AsyncClient(base_url=f"http://{host}:{wport}", timeout=10) as client:
+            async with httpx.AsyncClient(base_url=f"http://{host}:{wport}", timeout=10, headers=AUTH_HEADERS) as client:
                 deadline = time.monotonic() + 120
                 while (await client.get("/readyz")).json()["model_version"]["sparse_version"] < 1:
                     if time.monotonic() > deadline:

@@ -58,7 +58,11 @@ PAUSE_BELOW = 64 << 20
 def _post(stack: LoopStack, path: str, body: dict, timeout: float = 10.0) -> tuple[int, dict, dict]:
     import httpx
 
-    r = httpx.post(stack.serving_url + path, json=body, timeout=timeout)
+    from services.api_keys import client_headers
+
+    # serving's API key when the environment sets one (the stack's services inherit it)
+    r = httpx.post(stack.serving_url + path, json=body, timeout=timeout,
+                   headers=client_headers(stack.settings().serving))
     try:
         data = r.json()
     except ValueError:

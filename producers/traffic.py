@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from producers.movielens import load
 from producers.replay import ReplayPlan, make_plan
+from services.api_keys import client_headers
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,8 @@ async def drive(
     tasks: set[asyncio.Task] = set()
     answered = open(settings.replay.answered_log, "a", buffering=1) if settings.replay.answered_log else None  # noqa: SIM115
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=httpx.Timeout(30.0)) as client:
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=httpx.Timeout(30.0),
+                                 headers=client_headers(settings.serving)) as client:  # serving's API key, if set
         ready = await wait_ready(client, ready_timeout_s)
         data_time = await rank_accepts_event_time(client)
         if data_time:

@@ -447,6 +447,23 @@ class ServingSettings(BaseModel):
     # for longer than this (serving fell behind its trainer), or, in a worker of a serving PS,
     # the PS has published no state for this long (it hangs: its rows no longer move).
     ready_max_behind_s: float = Field(default=60.0, gt=0)
+    # API keys (serving/auth.py): when any is set, /rank, /actions (every endpoint that changes
+    # state) and the protected ones below answer only a request that sends one, as
+    # `Authorization: Bearer <key>` or `X-API-Key: <key>`. Several at once, so a key can be rotated
+    # (add the new one, move the clients, remove the old); clients send the first. Secret: never
+    # printed with the settings.
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    # A file of keys, one per line (a Docker or Kubernetes secret), counted with api_keys; serving
+    # re-reads it when it changes, so a rotation needs no restart. Set: a key is always asked for.
+    api_keys_file: Path | None = None
+    # /metrics asks for a key too. Off: Prometheus scrapes it without one, and it holds counts and
+    # latencies, no user's data; on, its scrape config needs the key (`authorization:`).
+    protect_metrics: bool = False
+    # /docs, /redoc and /openapi.json ask for a key too. Off: the schema says what the README does
+    # and a browser cannot send the key to load the docs page.
+    protect_docs: bool = False
+    # Serve with no key on a host that is not loopback; otherwise serving refuses to start so.
+    allow_anonymous: bool = False
 
 
 class DiskSettings(BaseModel):

@@ -9,12 +9,17 @@ process exits 0.
 machine's serving PS and starts N uvicorn workers that read its shared tables
 (:mod:`serving.serving_ps`); 1, or the built-in "fm" model, runs today's single process (its own
 tables and delta feed), which is what the tests use unless they ask for workers.
+
+On a host that is not loopback with no API key set (:mod:`services.api_keys`), or with a key file
+that cannot be read, it starts nothing: one line on stderr says what to set, exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
+from services.api_keys import startup_refusal
 from services.log import setup_logging
 from services.settings import get_settings
 
@@ -29,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ps-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     settings = settings.updated(serving={"host": args.host, "port": args.port, "workers": max(1, args.workers)})
+    refusal = startup_refusal(settings.serving)
+    if refusal is not None:  # before anything starts: no PS, no worker, no port
+        print(f"driftline serve: {refusal}", file=sys.stderr)
+        return 2
     shared = settings.serving.workers > 1 and settings.serving_model != "fm"
     if args.worker_index is None:  # (a worker shares the port its siblings hold)
         from services.ports import Listen, check_ports_free

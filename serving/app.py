@@ -13,6 +13,9 @@ log is not written (those features are not what the user saw: not training data)
 lost its loaded features (:mod:`serving.store_watch`) answers 200 marked
 ``X-Driftline-Degraded: feature-store-emptied``, its feature logs withheld the same way. Bad input is a 422 with the offending field;
 an event time outside ``[now - event_time.max_past_s, now + event_time.max_future_s]`` is bad input.
+When ``serving.api_keys`` (or ``serving.api_keys_file``) is set, ``/rank`` and ``/actions`` ask
+for a key (:mod:`serving.auth`: 401 without one, 403 with a wrong one); ``/healthz`` and
+``/readyz`` never do.
 
 A 200 from ``/rank`` means its feature log is in the local spool and survives a ``kill -9``
 (:mod:`serving.feature_log`); a request whose feature log is larger than the topic takes is a
@@ -39,7 +42,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -47,7 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from proto import Action, ModelVersion
-from serving import metrics, replica_metrics
+from serving import auth, metrics, replica_metrics
 from serving.correction import correct
 from serving.broker_epoch import SharedEpoch
 from serving.deltas import DeltaFeed
@@ -239,13 +242,22 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         finally:
             await serving.stop()
 
+    options = settings.serving
+    keys = auth.ApiKeys(options)
+    protected = [Depends(keys)]
+    # the docs FastAPI adds itself cannot take a dependency: protected, they are added below instead
+    docs_urls = dict(docs_url=None, redoc_url=None, openapi_url=None) if options.protect_docs else {}
     app = FastAPI(
         title="driftline serving",
         version="1",
         description=__doc__,
         lifespan=lifespan,
+        **docs_urls,
     )
+    app.state.api_keys = keys
     app.add_middleware(_Metrics)
+    # every endpoint that changes state, or answers with the model's work, asks for a key
+    api = APIRouter(dependencies=protected, responses=auth.RESPONSES)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -264,7 +276,7 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
     def serving_of(request: Request) -> Serving:
         return request.app.state.serving  # type: ignore[no-any-return]
 
-    @app.post("/rank", response_model=RankResponse, response_class=FastJSONResponse,
+    @api.post("/rank", response_model=RankResponse, response_class=FastJSONResponse,
               summary="Rank candidate items for a user",
               responses={413: {"description": "The request's feature log would exceed the topic's message size"},
                          422: {"description": "Invalid request (empty/oversize candidates, wrong types, "
@@ -343,7 +355,7 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
             "items": [{"item_id": i, "score": p, "raw_score": r} for i, p, r in ranked],
         }, headers={"X-Driftline-Degraded": degraded} if degraded is not None else None)
 
-    @app.post("/actions", response_model=ActionsResponse, status_code=202,
+    @api.post("/actions", response_model=ActionsResponse, status_code=202,
               summary="Record user actions (writes Action messages to the actions topic)",
               responses={422: {"description": "Invalid request (wrong types, event time out of range)"},
                          503: {"description": "Kafka unavailable"}})
@@ -397,10 +409,15 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         """Trivial endpoint: the bench's baseline."""
         return {"status": "ok"}
 
-    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
+             dependencies=protected if options.protect_metrics else [])
     async def metrics_endpoint(request: Request) -> Response:
         with contextlib.suppress(AttributeError):
             serving_of(request).deltas.publish_metrics()
         return Response(replica_metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    app.include_router(api)
+    if options.protect_docs:
+        app.include_router(auth.protected_docs(app, protected))
     return app
+

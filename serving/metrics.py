@@ -147,3 +147,8 @@ FEATURE_LOGS_WITHHELD = Counter(
 UNKNOWN_USERS = Counter(
     "driftline_serving_unknown_users_total", "/rank requests for users absent from the feature store."
 )
+AUTH = Counter(
+    "driftline_serving_auth_total",
+    "API-key checks of the endpoints that ask for a key (serving/auth.py), by outcome: ok, missing "
+    "(401), wrong (403), anonymous (no key configured).", ["outcome"],
+)

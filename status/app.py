@@ -28,7 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.settings import Settings, get_settings
 from status.metrics import StatusMetrics
-from status.options import StatusSettings, Target, parse_target, resolve_targets, status_settings
+from status.options import (StatusSettings, Target, parse_target, resolve_targets, status_settings,
+                            with_serving_key)
 from status.scrape import Scraper
 
 STATIC = Path(__file__).parent / "static"
@@ -38,7 +39,7 @@ def create_app(settings: Settings, targets: Sequence[Target] | None = None,
                opts: StatusSettings | None = None) -> FastAPI:
     """The status app; ``targets`` default to the configured ones, else every service of the stack."""
     opts = opts if opts is not None else status_settings(settings)
-    targets = list(targets) if targets is not None else resolve_targets(settings, opts)
+    targets = with_serving_key(list(targets) if targets is not None else resolve_targets(settings, opts), settings)
     metrics = StatusMetrics()
     scraper = Scraper(targets, opts, metrics)
 

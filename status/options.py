@@ -12,9 +12,10 @@ Target(name='127.0.0.1:8000', url='http://127.0.0.1:8000/metrics')
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
+from services.api_keys import client_headers
 from services.settings import Settings, StatusSettings
 
 
@@ -29,6 +30,8 @@ class Target:
 
     name: str
     url: str
+    #: request headers of its scrape: serving's API key (see :func:`with_serving_key`)
+    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
 
 def parse_target(spec: str) -> Target:
@@ -67,3 +70,21 @@ def default_targets(settings: Settings) -> list[Target]:
 def resolve_targets(settings: Settings, opts: StatusSettings) -> list[Target]:
     """The configured targets, or the stack's when none are configured."""
     return [parse_target(t) for t in opts.targets] if opts.targets else default_targets(settings)
+
+
+def with_serving_key(targets: list[Target], settings: Settings) -> list[Target]:
+    """``targets`` with serving's API key (:mod:`services.api_keys`) on the scrape of serving:
+    the target named ``serving``, or at ``serving.host:serving.port``. Its ``/metrics`` asks for
+    the key when ``serving.protect_metrics`` is set; no other service sees it.
+
+    >>> s = Settings().updated(serving={"api_keys": ["k"]})
+    >>> [t.headers for t in with_serving_key([parse_target("http://127.0.0.1:8000/metrics"),
+    ...                                       parse_target("http://127.0.0.1:9101/metrics")], s)]
+    [(('Authorization', 'Bearer k'),), ()]
+    """
+    headers = tuple(client_headers(settings.serving).items())
+    if not headers:
+        return targets
+    serving = f"{settings.serving.host}:{settings.serving.port}"
+    return [replace(t, headers=headers) if t.name == "serving" or urlsplit(t.url).netloc == serving else t
+            for t in targets]

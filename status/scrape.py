@@ -111,7 +111,8 @@ class Scraper:
         started = time.perf_counter()
         kind = None
         try:
-            resp = await self._client.get(state.target.url, timeout=self.opts.scrape_timeout_s)
+            resp = await self._client.get(state.target.url, timeout=self.opts.scrape_timeout_s,
+                                          headers=dict(state.target.headers))
             resp.raise_for_status()
             samples = parse_metrics(resp.text)
         except httpx.TimeoutException as err:

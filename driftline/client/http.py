@@ -7,7 +7,8 @@ Input the project's features do not allow is refused locally (:class:`InvalidInp
 network call. A 4xx from serving (a feature the *served* model does not know, an event time out of
 range...) is a :class:`Rejected` carrying serving's message; 5xx and a broken connection are
 retried ``retries`` times with back-off (a serving restart, a full feature-log spool), then a
-:class:`ServingError`.
+:class:`ServingError`. Every request carries the API key serving asks for (``api_key``, else the
+settings' first key: :mod:`services.api_keys`); a missing or wrong one is a :class:`Rejected` (401, 403).
 
 The request bodies are built and the answers read by :class:`Requests`, without a network:
 
@@ -173,12 +174,24 @@ def _base_url(url: str | None) -> str:
     return f"http://{s.host}:{s.port}"
 
 
+def _auth_headers(api_key: str | None) -> dict[str, str]:
+    """``Authorization: Bearer <api_key>``; without one, the first key of the settings
+    (``serving.api_keys``, else ``serving.api_keys_file``), or none when no key is set."""
+    if api_key is not None:
+        return {"Authorization": f"Bearer {api_key}"}
+    from services.api_keys import client_headers
+    from services.settings import get_settings
+
+    return client_headers(get_settings().serving)
+
+
 class _Base:
     def __init__(self, features: Sequence[FeatureSpec], action_types: Iterable[str] | None, url: str | None,
-                 retries: int) -> None:
+                 retries: int, api_key: str | None) -> None:
         self.requests = Requests(FeatureEncoder(features, action_types))
         self.url = _base_url(url)
         self.retries = retries
+        self.headers = _auth_headers(api_key)
 
     def _give_up(self, endpoint: str, attempt: int, outcome: httpx.Response | Exception) -> ServingError | None:
         """The error to raise now, or None to retry after :meth:`_pause`."""
@@ -207,10 +220,11 @@ class RankClient(_Base):
     """Blocking client: ``rank(...)`` and ``actions(...)``; use as a context manager or ``close()``."""
 
     def __init__(self, features: Sequence[FeatureSpec], url: str | None = None, *, action_types: Iterable[str] | None = None,
-                 timeout_s: float = 30.0, retries: int = 0) -> None:
-        """``features``: the project's FeatureSpecs; ``url``: serving (None: settings' host and port)."""
-        super().__init__(features, action_types, url, retries)
-        self.http = httpx.Client(base_url=self.url, timeout=timeout_s)
+                 timeout_s: float = 30.0, retries: int = 0, api_key: str | None = None) -> None:
+        """``features``: the project's FeatureSpecs; ``url``: serving (None: settings' host and port);
+        ``api_key``: the key serving asks for (None: the settings' first, if any)."""
+        super().__init__(features, action_types, url, retries, api_key)
+        self.http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=self.headers)
 
     @classmethod
     def from_project(cls, path: str, url: str | None = None, **options: Any) -> RankClient:
@@ -271,10 +285,11 @@ class AsyncRankClient(_Base):
     """The asyncio twin of :class:`RankClient` (``await client.rank(...)``, ``async with``)."""
 
     def __init__(self, features: Sequence[FeatureSpec], url: str | None = None, *, action_types: Iterable[str] | None = None,
-                 timeout_s: float = 30.0, retries: int = 0, max_connections: int = 16) -> None:
-        super().__init__(features, action_types, url, retries)
+                 timeout_s: float = 30.0, retries: int = 0, max_connections: int = 16,
+                 api_key: str | None = None) -> None:
+        super().__init__(features, action_types, url, retries, api_key)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, limits=limits)
+        self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, limits=limits, headers=self.headers)
 
     @classmethod
     def from_project(cls, path: str, url: str | None = None, **options: Any) -> AsyncRankClient:

@@ -283,9 +283,11 @@ class TrainerModel:
         self.dense.version = int(manifest.get("dense_version", 0))
         self.dense.published_ms = created
         self.dense.pending.clear()
+        # 0 is an offset too: a warm start's snapshot predates every delta on the topic (read from
+        # its start, every delta is after it, whatever the layout of the trainer that publishes)
         offset = manifest.get("param_deltas_offset")
         return Bootstrap(path / manifest["name"], self.sparse.version, self.dense.version,
-                         int(offset) if offset else None, manifest.get("broker_epoch"),
+                         None if offset is None else int(offset), manifest.get("broker_epoch"),
                          shard_count, versions)
 
     def snapshot_epoch(self, root: Path | None) -> str | None:

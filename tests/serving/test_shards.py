@@ -268,3 +268,26 @@ def test_snapshot_gate_per_shard_and_layout(settings: Settings) -> None:
     # A one-process snapshot (only "sparse_version") gates today's stream exactly as before.
     feed._adopt(Bootstrap(Path("snap"), 5, 0, shard_count=0, sparse_versions={0: 5}))  # noqa: SLF001
     assert held(5, 0, 0) and not held(6, 0, 0)
+
+
+async def test_an_n_rank_trainer_after_a_warm_start(settings: Settings, tmp_path: Path, cfg: ModelConfig) -> None:
+    """docker compose's stack: serving boots from the warm start's snapshot (``trainer batch``: one
+    process, ``param_deltas_offset`` 0) and a 2-rank trainer publishes: every delta on the topic is
+    after that snapshot, so both shards' versions are served (read as "no offset", every 2-rank delta
+    was skipped as older than the snapshot and serving stayed at sparse version 0)."""
+    from trainer.__main__ import write_batch_snapshot
+    from trainer.model import SparseModel
+    from trainer.sample_rates import SampleRateTracker
+
+    root = tmp_path / "snapshots"
+    write_batch_snapshot(SparseModel(cfg), T0, 0, root, sample_rates=SampleRateTracker(settings.trainer.sample_rate_half_life))
+    ranks = [Rank(cfg, 0, 2, seed=21), Rank(cfg, 1, 2, seed=22)]
+    await publish(settings, interleave([ranks[0].step() + ranks[0].step(), ranks[1].step()], np.random.default_rng(3)))
+    feed = DeltaFeed(settings, TrainerModel(config=cfg), snapshot_dir=root, retry_s=0.2)
+    feed.load_snapshot()
+    assert feed.resume_offset == 0
+    feed.start()
+    await _until([feed], {"0": 2, "1": 1})
+    assert_holds(feed.model, union(ranks))
+    assert feed.skipped == 0
+    await feed.stop()

@@ -361,6 +361,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as err:  # the traffic still matters more than its own metrics
             log.warning("no /metrics on port %d: %s", port, err)
     SERVICE_UP.labels(SERVICE).set(1)
+    import signal
+
+    # A stop (docker compose stop, the supervisor's) ends the replay cleanly, at once: as a
+    # container's PID 1 a process without a SIGTERM handler ignores it and is killed after the
+    # grace period instead.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     if args.after_learned:
         resume = after_learned(settings, args.dataset or settings.replay.dataset)
         args.start_rating = args.start_rating if resume is None else resume
@@ -376,10 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     print(json.dumps(stats), flush=True)
     if args.stay:
-        import signal
-
         log.info("replay done; /metrics stays up until stopped")
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
             while True:
                 signal.pause()

@@ -280,27 +280,23 @@ class ComposeProcesses:
     # ------------------------------------------------------------------ Kafka and Redis stand-ins
     def start_infra(self) -> None:
         """The embedded broker for ``kafka`` and a redis-server with compose's own ``redis`` flags."""
+        from tests.conftest import _start
+
         logs = self.tmp / "logs"
-        self._infra.append(subprocess.Popen(
-            tansu_command("127.0.0.1", self.broker_port), stdout=(logs / "kafka.log").open("ab"),
-            stderr=subprocess.STDOUT, start_new_session=True))
+        self._infra.append(_start(tansu_command("127.0.0.1", self.broker_port), logs / "kafka.log"))
         redis_args = [str(a) for a in (self.compose["services"]["redis"].get("command") or ["redis-server"])[1:]]
         (self.tmp / "redis").mkdir(exist_ok=True)
-        self._infra.append(subprocess.Popen(
-            [str(redis_binary()), *redis_args, "--bind", "127.0.0.1", "--port", str(self.redis_port),
-             "--dir", str(self.tmp / "redis"), "--protected-mode", "no"],
-            stdout=(logs / "redis.log").open("ab"), stderr=subprocess.STDOUT, start_new_session=True))
+        self._infra.append(_start([str(redis_binary()), *redis_args, "--bind", "127.0.0.1", "--port",
+                                   str(self.redis_port), "--dir", str(self.tmp / "redis"), "--protected-mode", "no"],
+                                  logs / "redis.log"))
         wait_for_port("127.0.0.1", self.broker_port, 30, "broker", self._infra[0])
         wait_for_port("127.0.0.1", self.redis_port, 30, "redis", self._infra[1])
 
     def stop_infra(self) -> None:
+        from tests.conftest import _stop
+
         for proc in reversed(self._infra):
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop(proc)
         self._infra.clear()
 
     # ------------------------------------------------------------------ up and stop

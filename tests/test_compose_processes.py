@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from tests.composestack import ComposeProcesses, get, metric, samples
+from tests.loopstack import poll_until
 from tests.test_dashboards import dashboard_expressions, metric_names
 
 # Environment on top of compose's own, each a setting the services already read: every command is
@@ -58,18 +59,9 @@ def _mark(what: str) -> None:
 
 def wait_for(stack: ComposeProcesses, what: str, check: Callable[[], Any], timeout_s: float) -> Any:
     """Poll ``check`` until truthy; fail with the services' logs (and any that exited)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            got = check()
-        except OSError:
-            got = None
-        if got:
-            _mark(what)
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:.0f} s; exited: {stack.exited()}\n{stack.logs_tail()}")
-        time.sleep(1.0)
+    got = poll_until(what, check, timeout_s, lambda: f"exited: {stack.exited()}\n{stack.logs_tail()}")
+    _mark(what)
+    return got
 
 
 def long_running(stack: ComposeProcesses) -> list[str]:

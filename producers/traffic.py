@@ -323,6 +323,23 @@ def after_learned(settings, dataset: str) -> int | None:  # type: ignore[no-unty
     return start
 
 
+async def _until_sigterm(coro):  # type: ignore[no-untyped-def]
+    """``await coro``, or None once a SIGTERM cancels it (an exit raised from a plain signal handler
+    inside the event loop can be swallowed on its way out: the stop then waited for the SIGKILL)."""
+    import signal
+
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        return None
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="driftline traffic", description="Replay MovieLens through serving: "
                                 "POST /rank per request, then POST /actions for the clicks the data has.")
@@ -371,15 +388,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         resume = after_learned(settings, args.dataset or settings.replay.dataset)
         args.start_rating = args.start_rating if resume is None else resume
     try:
-        stats = asyncio.run(drive(settings, args.dataset, args.speed, args.limit, args.start_fraction,
-                                  args.concurrency, base_url=args.url, start_rating=args.start_rating,
-                                  progress=not args.no_progress,
-                                  ready_timeout_s=args.ready_timeout))
+        stats = asyncio.run(_until_sigterm(drive(settings, args.dataset, args.speed, args.limit, args.start_fraction,
+                                                 args.concurrency, base_url=args.url, start_rating=args.start_rating,
+                                                 progress=not args.no_progress,
+                                                 ready_timeout_s=args.ready_timeout)))
     except ServingUnavailable as err:
         print(f"driftline traffic: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    if stats is None:
+        log.info("stopped")
+        return 0
     print(json.dumps(stats), flush=True)
     if args.stay:
         log.info("replay done; /metrics stays up until stopped")

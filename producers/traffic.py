@@ -325,6 +325,23 @@ def after_learned(settings, dataset: str) -> int | None:  # type: ignore[no-unty
     return start
 
 
+async def _until_sigterm(coro):  # type: ignore[no-untyped-def]
+    """``await coro``, or None once a SIGTERM cancels it (an exit raised from a plain signal handler
+    inside the event loop can be swallowed on its way out: the stop then waited for the SIGKILL)."""
+    import signal
+
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        return None
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="driftline traffic", description="Replay MovieLens through serving: "
                                 "POST /rank per request, then POST /actions for the clicks the data has.")
@@ -363,25 +380,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as err:  # the traffic still matters more than its own metrics
             log.warning("no /metrics on port %d: %s", port, err)
     SERVICE_UP.labels(SERVICE).set(1)
+    import signal
+
+    # A stop (docker compose stop, the supervisor's) ends the replay cleanly, at once: as a
+    # container's PID 1 a process without a SIGTERM handler ignores it and is killed after the
+    # grace period instead.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     if args.after_learned:
         resume = after_learned(settings, args.dataset or settings.replay.dataset)
         args.start_rating = args.start_rating if resume is None else resume
     try:
-        stats = asyncio.run(drive(settings, args.dataset, args.speed, args.limit, args.start_fraction,
-                                  args.concurrency, base_url=args.url, start_rating=args.start_rating,
-                                  progress=not args.no_progress,
-                                  ready_timeout_s=args.ready_timeout))
+        stats = asyncio.run(_until_sigterm(drive(settings, args.dataset, args.speed, args.limit, args.start_fraction,
+                                                 args.concurrency, base_url=args.url, start_rating=args.start_rating,
+                                                 progress=not args.no_progress,
+                                                 ready_timeout_s=args.ready_timeout)))
     except ServingUnavailable as err:
         print(f"driftline traffic: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    if stats is None:
+        log.info("stopped")
+        return 0
     print(json.dumps(stats), flush=True)
     if args.stay:
-        import signal
-
         log.info("replay done; /metrics stays up until stopped")
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
             while True:
                 signal.pause()

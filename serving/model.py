@@ -22,6 +22,7 @@ from serving.request_features import Declared
 from serving.split_head import SplitHead
 from serving.versions import (Bootstrap, DeltaRejected, SparseVersions, VersionState, check_shard, chunk_done,
                               delta_sample_rates, manifest_sample_rates, manifest_sparse_versions)
+from trainer.sharding import whole_tables
 
 if TYPE_CHECKING:
     from trainer.config import ModelConfig
@@ -245,7 +246,7 @@ class TrainerModel:
                 raise DeltaRejected("unknown_table", f"no table {msg.sparse.table!r}")
             if msg.sparse.dim != table.dim:
                 raise DeltaRejected("bad_shape", f"table {table.name} has dim {table.dim}, delta {msg.sparse.dim}")
-            check_shard(msg)
+            check_shard(msg, whole_tables(self.config))
             apply_delta(self.scorer.tables, msg)
             self.sparse.done(msg)
         elif kind == "dense":
@@ -283,9 +284,11 @@ class TrainerModel:
         self.dense.version = int(manifest.get("dense_version", 0))
         self.dense.published_ms = created
         self.dense.pending.clear()
+        # 0 is an offset too: a warm start's snapshot predates every delta on the topic (read from
+        # its start, every delta is after it, whatever the layout of the trainer that publishes)
         offset = manifest.get("param_deltas_offset")
         return Bootstrap(path / manifest["name"], self.sparse.version, self.dense.version,
-                         int(offset) if offset else None, manifest.get("broker_epoch"),
+                         None if offset is None else int(offset), manifest.get("broker_epoch"),
                          shard_count, versions)
 
     def snapshot_epoch(self, root: Path | None) -> str | None:

@@ -3,7 +3,8 @@
 Sparse versions are per shard (:class:`SparseVersions`): a trainer running N ranks publishes each
 rank's shard with its own version sequence (``ParameterDelta.shard`` / ``shard_count``), and the
 shards interleave on the one delta partition in no fixed order. The shards own disjoint ids
-(``trainer.sharding.shard_of``; a delta with a row of another shard is rejected, ``wrong_shard``),
+(``trainer.sharding.shard_of``, except a sequential model's first-order tables: all shard 0's,
+``whole_tables``; a delta with a row of another shard is rejected, ``wrong_shard``),
 so applying each shard's deltas in its own order gives the union of the trainer's shards whatever
 the interleaving, and every shard's version is counted on its own. ``sparse.version`` is the
 *minimum* over the shards: the newest version every shard has reached (what the FeatureLog's
@@ -141,9 +142,11 @@ def manifest_sparse_versions(manifest: Mapping) -> tuple[int, dict[int, int]]:
     return shard_count, {0: int(manifest.get("sparse_version", 0))}
 
 
-def check_shard(msg: ParameterDelta) -> None:
+def check_shard(msg: ParameterDelta, whole: frozenset[str] = frozenset()) -> None:
     """Refuse a sparse delta whose shard is not in its layout or that carries rows another shard
-    owns: two shards writing one row would make replicas depend on how the shards interleave."""
+    owns: two shards writing one row would make replicas depend on how the shards interleave.
+    ``whole``: the tables that live whole on rank 0 (``trainer.sharding.whole_tables``: a
+    sequential model's first-order tables), whose rows shard 0 owns, every one."""
     n, shard = msg.shard_count, msg.shard
     if shard >= max(1, n):
         raise DeltaRejected("bad_shard", f"shard {shard} of shard_count {n}")
@@ -153,7 +156,8 @@ def check_shard(msg: ParameterDelta) -> None:
 
     for what, raw in (("keys", msg.sparse.keys), ("tombstones", msg.sparse.tombstones)):
         ids = np.frombuffer(raw, dtype="<i8").astype(np.int64)
-        if ids.size and not bool((shard_of(ids, n) == shard).all()):
+        owners = np.zeros(ids.size, np.int64) if msg.sparse.table in whole else shard_of(ids, n)
+        if ids.size and not bool((owners == shard).all()):
             raise DeltaRejected("wrong_shard", f"{msg.sparse.table}: {what} of another shard in "
                                                f"shard {shard} of {n} (version {msg.version})")
 

@@ -80,6 +80,25 @@ def alive(pid: int) -> bool:
         return False
 
 
+def poll_until(what: str, check: Callable[[], Any], timeout_s: float, context: Callable[[], str],
+               gone: Callable[[], str | None] = lambda: None, every_s: float = 1.0) -> Any:
+    """Poll ``check`` (an OSError counts as not yet) until it returns something truthy and return
+    it; fail with ``context()`` after ``timeout_s``, or with ``gone()``'s message once it has one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            got = check()
+        except OSError:
+            got = None
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n{context()}")
+        if (message := gone()) is not None:
+            raise AssertionError(message)
+        time.sleep(every_s)
+
+
 @dataclass
 class LoopStack:
     """A running ``driftline up`` (a subprocess), its ports and its output so far."""
@@ -190,19 +209,13 @@ class LoopStack:
 
     def wait_for(self, what: str, check: Callable[[], Any], timeout_s: float, every_s: float = 1.0) -> Any:
         """Poll ``check`` until it returns something truthy; fail with the logs after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                got = check()
-            except OSError:
-                got = None
-            if got:
-                return got
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n{self.logs_tail()}")
-            if self.proc.poll() is not None:
-                raise AssertionError(f"driftline up exited ({self.proc.returncode}) waiting for {what}\n{self.text()}")
-            time.sleep(every_s)
+
+        def gone() -> str | None:
+            if self.proc.poll() is None:
+                return None
+            return f"driftline up exited ({self.proc.returncode}) waiting for {what}\n{self.text()}"
+
+        return poll_until(what, check, timeout_s, self.logs_tail, gone, every_s)
 
     # -------------------------------------------------------------- stopping
     def stop(self, timeout_s: float = 60.0) -> int:

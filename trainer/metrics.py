@@ -64,6 +64,12 @@ def rank_steps(model_id: str, rank: int, steps: int, comm_s: float, alltoall_byt
     RANK_ALLTOALL_BYTES.labels(model_id, r).inc(alltoall_bytes)
 
 
+def ps_admitted(model_id: str) -> int:
+    """What :data:`PS_ADMITTED` counted for ``model_id`` in this process, over its tables."""
+    return int(sum(s.value for m in PS_ADMITTED.collect() for s in m.samples
+                   if s.name.endswith("_total") and s.labels.get("model") == model_id))
+
+
 class PSCounts:
     """Exports the PS tables' admission/eviction counts as :data:`PS_ADMITTED` / :data:`PS_EVICTED`:
     ``update()`` after a step or an expiry pass adds what each table counted since the last call.

@@ -189,6 +189,9 @@ class RankTrainer(M.LearnedFields):
         ts = self.ts
         self.dm = DistributedModel(self.cfg, mode=ts.dist_mode, staleness=ts.staleness,
                                    tables=got.tables if got is not None else None)
+        # this rank's shard of the tables: admissions and TTL evictions counted per rank (the shards
+        # are disjoint, so the dashboards' sums over instances are the model's)
+        self.learned.ps_counts = M.PSCounts(self.cfg.model_id, self.dm.tables)
         if got is None:
             return
         man = got.manifest
@@ -364,7 +367,8 @@ class RankTrainer(M.LearnedFields):
                 "mode": self.dm.mode, "overlapped_updates": self.dm.overlapped_updates,
                 "failed_updates": self.dm.failed_updates,
                 "alltoall_bytes": self.dm.alltoall_bytes, "comm_s": float(sum(self.dm.comm_s)),
-                "broker_epoch": self.epoch, "stages": dict(self.stage), "regroup": self.regroup}
+                "broker_epoch": self.epoch, "stages": dict(self.stage), "regroup": self.regroup,
+                "ps_admitted": M.ps_admitted(self.cfg.model_id)}
 
     def _launchers_lost(self, orphans: np.ndarray) -> None:
         """Some ranks' launcher is gone (kill -9 of it, or of the machine's agent): nobody would

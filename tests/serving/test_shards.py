@@ -2,7 +2,7 @@
 (``ParameterDelta.shard`` / ``shard_count``), interleaved on the one partition in any order.
 
 The shards are real PS tables of the trainer's config, each holding only the ids
-``trainer.sharding.shard_of`` gives its rank, and the deltas are ``trainer.sync.encode_sparse_tables``'s.
+``trainer.sharding.owners`` gives its rank, and the deltas are ``trainer.sync.encode_sparse_tables``'s.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from serving.versions import DeltaRejected
 from services.settings import Settings
 from trainer import snapshots
 from trainer.config import ModelConfig, deepfm_config
-from trainer.sharding import shard_of
+from trainer.sharding import owners, shard_of, whole_tables
 from trainer.sync import encode_sparse_tables
 
 from serving_helpers import publish
 
-#: the tables the fake ranks train (a version is one chunk per touched table: 3 chunks)
+#: the tables the fake ranks train (a version is one chunk per touched table a rank owns: 3 on rank 0,
+#: 2 on the others, since item_id_w, a first-order table of this sequential model, is rank 0's whole)
 TOUCHED = ("user_id", "item_id", "item_id_w")
 T0 = 1_700_000_000_000
 
@@ -56,7 +57,8 @@ class Rank:
         for name in TOUCHED:
             table = self.tables[name]
             ids = np.unique(self.rng.integers(-300, 300, 120)).astype(np.int64)
-            ids = ids[shard_of(ids, max(1, self.n)) == self.rank]
+            # as the trainer owns them: a sequential model's first-order tables whole on rank 0
+            ids = ids[owners(ids, max(1, self.n), np.full(ids.size, name in whole_tables(self.cfg))) == self.rank]
             table.gather(ids, insert=True, event_time=t)
             table.apply_gradients(ids, self.rng.normal(size=(ids.size, table.dim)).astype(np.float32), t)
             if self.version > 1:
@@ -117,7 +119,8 @@ def test_interleaved_shards_converge_to_the_union(cfg: ModelConfig) -> None:
     ranks = [Rank(cfg, 0, 2, seed=1), Rank(cfg, 1, 2, seed=2)]
     streams = [[m for _ in range(4) for m in ranks[0].step()],
                [m for _ in range(3) for m in ranks[1].step()]]
-    assert {m.chunk_count for s in streams for m in s} == {3}
+    # a chunk per touched table: rank 1 touches no first-order table (rank 0 owns them whole)
+    assert [{m.chunk_count for m in s} for s in streams] == [{3}, {2}]
     rng = np.random.default_rng(7)
     orders = [streams[1] + streams[0], streams[0] + streams[1], interleave(streams, rng), interleave(streams, rng)]
     want = union(ranks)
@@ -188,6 +191,28 @@ def test_rows_of_another_shard_are_rejected(cfg: ModelConfig) -> None:
     assert model.sparse.versions() == {"0": 0} and len(model.tables[wrong.sparse.table]) == 0
 
 
+def test_rank_0_owns_every_row_of_a_whole_table(cfg: ModelConfig) -> None:
+    """A sequential model's first-order tables live whole on rank 0 (``trainer.sharding.whole_tables``):
+    serving takes their rows of every shard from shard 0 and none from another shard (it refused
+    them all as ``wrong_shard``: compose's 2-rank trainer never moved the served first-order weights)."""
+    assert "item_id_w" in whole_tables(cfg)
+    table = EmbeddingTable(next(t for t in cfg.tables if t.name == "item_id_w"))
+    ids = np.arange(-50, 50, dtype=np.int64)  # ids of both shards
+    assert set(shard_of(ids, 2).tolist()) == {0, 1}
+    table.gather(ids, insert=True, event_time=T0)
+    table.apply_gradients(ids, np.ones((ids.size, table.dim), np.float32), T0)
+    msgs = [m for _t, m in encode_sparse_tables(cfg.model_id, 1, {"item_id_w": table}, max_event_time_ms=T0,
+                                                shard=0, shard_count=2)]
+    model = TrainerModel(config=cfg)
+    for m in msgs:
+        model.apply_delta(m)
+    assert len(model.tables["item_id_w"]) == ids.size
+    msgs[0].shard = 1
+    with pytest.raises(DeltaRejected) as err:
+        model.apply_delta(msgs[0])
+    assert err.value.reason == "wrong_shard"
+
+
 async def _until(feeds: list[DeltaFeed], versions: dict[str, int], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not all(f.model.sparse.versions() == versions for f in feeds):
@@ -230,7 +255,7 @@ async def test_replicas_and_snapshot_bootstrap_on_the_broker(settings: Settings,
     want = union(ranks)
     for f in (a, b, c):
         assert_holds(f.model, want)
-    assert c.skipped == 3 * 3  # 3 chunks each of shard 0's v1, v2 and shard 1's v1
+    assert c.skipped == 3 + 3 + 2  # the chunks of shard 0's v1, v2 and shard 1's v1
     assert a.skipped == b.skipped == 0
     c.publish_metrics()
     for shard, v in want_versions.items():
@@ -268,3 +293,26 @@ def test_snapshot_gate_per_shard_and_layout(settings: Settings) -> None:
     # A one-process snapshot (only "sparse_version") gates today's stream exactly as before.
     feed._adopt(Bootstrap(Path("snap"), 5, 0, shard_count=0, sparse_versions={0: 5}))  # noqa: SLF001
     assert held(5, 0, 0) and not held(6, 0, 0)
+
+
+async def test_an_n_rank_trainer_after_a_warm_start(settings: Settings, tmp_path: Path, cfg: ModelConfig) -> None:
+    """docker compose's stack: serving boots from the warm start's snapshot (``trainer batch``: one
+    process, ``param_deltas_offset`` 0) and a 2-rank trainer publishes: every delta on the topic is
+    after that snapshot, so both shards' versions are served (read as "no offset", every 2-rank delta
+    was skipped as older than the snapshot and serving stayed at sparse version 0)."""
+    from trainer.__main__ import write_batch_snapshot
+    from trainer.model import SparseModel
+    from trainer.sample_rates import SampleRateTracker
+
+    root = tmp_path / "snapshots"
+    write_batch_snapshot(SparseModel(cfg), T0, 0, root, sample_rates=SampleRateTracker(settings.trainer.sample_rate_half_life))
+    ranks = [Rank(cfg, 0, 2, seed=21), Rank(cfg, 1, 2, seed=22)]
+    await publish(settings, interleave([ranks[0].step() + ranks[0].step(), ranks[1].step()], np.random.default_rng(3)))
+    feed = DeltaFeed(settings, TrainerModel(config=cfg), snapshot_dir=root, retry_s=0.2)
+    feed.load_snapshot()
+    assert feed.resume_offset == 0
+    feed.start()
+    await _until([feed], {"0": 2, "1": 1})
+    assert_holds(feed.model, union(ranks))
+    assert feed.skipped == 0
+    await feed.stop()

@@ -114,6 +114,8 @@ async def test_two_ranks_train_the_stream_and_deltas_reproduce_the_union(setting
     assert all((r["overlapped_updates"] > 0) == (mode == "hybrid") for r in res.values())
     assert sum(r["examples_applied"] for r in res.values()) == N
     assert all(r["examples_applied"] > 0 for r in res.values())  # both ranks read partitions
+    # driftline_ps_admitted_total counts each rank's shard (compose's Grafana admission panel had no series)
+    assert all(r["ps_admitted"] > 0 for r in res.values()), res
     root = settings.var_dir / "snapshots" / "deepfm"
     man = snapshots.read_manifest(root)
     assert man["shard_count"] == 2 and man["examples_applied"] == N

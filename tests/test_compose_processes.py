@@ -1,0 +1,318 @@
+"""``docker compose up`` as real processes (no Docker engine here): every driftline service of
+``docker-compose.yml`` runs its own command with its own environment (:mod:`tests.composestack`:
+only addresses, ports and volume paths are this machine's) on an embedded broker and Redis. Then
+what a user would look at: examples on the ``examples`` topic, the trainer's online AUC, ``/rank``
+and its served version on both replicas, every Prometheus scrape target and every metric the
+Grafana dashboards query; host clients on the broker's and serving's published ports; and a
+``docker compose stop`` + ``up`` on the same volume: the trainer goes on from what it learned.
+
+Kafka and Redis keep running across the restart: ``docker compose up -d --build`` after an upgrade
+recreates exactly the driftline containers (their image changed) and leaves Kafka's and Redis's
+running, the restart users do most. A stopped and restarted Kafka container keeps its log in the
+container, which the embedded broker (memory storage) cannot keep; a broker that lost everything
+is tests/trainer's and tests/test_stack.py's case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.composestack import ComposeProcesses, get, metric, samples
+from tests.loopstack import poll_until
+from tests.test_dashboards import dashboard_expressions, metric_names
+
+# Environment on top of compose's own, each a setting the services already read: every command is
+# compose's, unchanged. (None needed so far: the demo's own pace fits the test.)
+OVERRIDES: dict[str, str] = {}
+
+# Dashboard metrics a healthy run has no sample of: each counts a failure only when it happens
+# (a labelled counter has no series before its first event). Each must still be declared.
+FAILURE_COUNTERS = {
+    "driftline_joiner_late_actions_total", "driftline_joiner_duplicate_actions_total",
+    "driftline_joiner_input_gaps_total", "driftline_joiner_input_offsets_unread_total",
+    "driftline_trainer_bad_examples_total", "driftline_trainer_duplicate_examples_total", "driftline_dead_letters_total",
+    "driftline_serving_feature_log_refused_total", "driftline_serving_feature_store_errors_total",
+    "driftline_serving_deltas_skipped_total",
+}
+
+ONE_SHOTS_TIMEOUT_S = 300.0
+_T0 = time.monotonic()
+TIMINGS: dict[str, float] = {}
+
+
+def _mark(what: str) -> None:
+    TIMINGS[what] = round(time.monotonic() - _T0, 1)
+    print(f"[compose {TIMINGS[what]:6.1f} s] {what}", flush=True)
+
+
+def wait_for(stack: ComposeProcesses, what: str, check: Callable[[], Any], timeout_s: float) -> Any:
+    """Poll ``check`` until truthy; fail with the services' logs (and any that exited)."""
+    got = poll_until(what, check, timeout_s, lambda: f"exited: {stack.exited()}\n{stack.logs_tail()}")
+    _mark(what)
+    return got
+
+
+def long_running(stack: ComposeProcesses) -> list[str]:
+    return [n for n, s in stack.services.items() if s.get("restart") != "no"]
+
+
+def up(stack: ComposeProcesses) -> None:
+    stack.up()
+    _mark(f"up #{stack.starts}: every service started")
+    for name, spec in stack.services.items():
+        if spec.get("restart") == "no" and name != "traffic":  # the traffic runs the whole replay
+            code = stack.wait_completed(name, ONE_SHOTS_TIMEOUT_S)
+            assert code == 0, stack.log_tail(name)
+    _mark(f"up #{stack.starts}: one-shot jobs done")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, repo_root: Path) -> Iterator[ComposeProcesses]:
+    s = ComposeProcesses.create(repo_root, tmp_path_factory.mktemp("compose"), OVERRIDES)
+    # The image's data dir is on the volume: there, the dataset cache the tests share (no download)
+    data = Path(s.localize("topics", s.image.env["DRIFTLINE_DATA_DIR"]))
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.symlink_to(Path(os.environ["DRIFTLINE_DATA_DIR"]).resolve())
+    _mark("start")
+    s.start_infra()
+    try:
+        up(s)
+        yield s
+    finally:
+        s.close()
+        _mark("closed")
+        print(json.dumps({"timings_s": TIMINGS, "ports": {f"{n}:{c}": h for (n, c), h in s.ports.items()}}))
+
+
+def _serving_ports(stack: ComposeProcesses) -> list[tuple[str, int]]:
+    return [(n, c) for (n, c) in stack.ports if stack.services[n]["command"][0] == "serve" and c != 9100]
+
+
+def _readyz(stack: ComposeProcesses, name: str, port: int) -> dict | None:
+    status, body = get(stack.url(name, port, "/readyz"))
+    return json.loads(body) if status == 200 else None
+
+
+def _examples_on_topic(stack: ComposeProcesses) -> int:
+    from aiokafka.structs import TopicPartition
+
+    from services import tansu_quirks
+    from services.settings import Settings
+
+    settings = Settings(kafka_bootstrap_servers=f"127.0.0.1:{stack.broker_port}")
+
+    async def count() -> int:
+        from aiokafka import AIOKafkaConsumer
+
+        c = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers)
+        await c.start()
+        try:
+            await c.topics()
+            tps = [TopicPartition(settings.topics.examples, p)
+                   for p in sorted(c.partitions_for_topic(settings.topics.examples) or [])]
+        finally:
+            await c.stop()
+        return sum((await tansu_quirks.log_end_offsets(settings, tps)).values())
+
+    return asyncio.run(count())
+
+
+def _rank(url: str) -> tuple[int, dict]:
+    body = json.dumps({"user_id": 42, "candidates": [{"item_id": 1193}, {"item_id": 661}, {"item_id": 914}]})
+    req = urllib.request.Request(url + "/rank", data=body.encode(), headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:  # noqa: S310 - local test endpoint
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, {"detail": err.read().decode()}
+
+
+def _trainer_auc(stack: ComposeProcesses) -> float | None:
+    return metric(stack.url("trainer", 9100, "/metrics"), "driftline_trainer_auc", {"mode": "online"})
+
+
+def _examples_trained(stack: ComposeProcesses) -> float:
+    """Examples the running trainer process trained on (its own counter: 0 after a restart)."""
+    return metric(stack.url("trainer", 9100, "/metrics"), "driftline_trainer_examples_total", {"mode": "online"}) or 0.0
+
+
+def _snapshot(stack: ComposeProcesses) -> dict:
+    """The manifest of the trainer's newest snapshot on the volume."""
+    from trainer.snapshots import read_manifest
+
+    (latest,) = (stack.tmp / "volumes").glob("*/snapshots/*/LATEST")
+    manifest = read_manifest(latest.parent)
+    assert manifest is not None
+    return manifest
+
+
+@pytest.mark.timeout(600)
+def test_what_a_user_looks_at(stack: ComposeProcesses, repo_root: Path) -> None:
+    assert not stack.exited().keys() & set(long_running(stack)), stack.logs_tail()
+    wait_for(stack, "examples on the examples topic", lambda: _examples_on_topic(stack) > 0, 240)
+    auc = wait_for(stack, "online AUC > 0.5", lambda: (a := _trainer_auc(stack)) is not None and a > 0.5 and a, 240)
+    assert 0.5 < auc <= 1.0
+    servings = _serving_ports(stack)
+    assert len(servings) == 2, servings  # serving-0 and serving-1
+    first = {}
+    for name, port in servings:
+        ready = wait_for(stack, f"{name} ready", lambda n=name, p=port: _readyz(stack, n, p), 120)
+        first[name] = ready["model_version"]["sparse_version"]
+        status, answer = _rank(stack.url(name, port))
+        assert status == 200, (name, status, answer)
+        assert [c["item_id"] for c in answer["items"]] and answer["model_version"]["model_id"], answer
+    for name, port in servings:
+        wait_for(stack, f"{name}'s served sparse version moves past {first[name]}",
+                 lambda n=name, p=port: (r := _readyz(stack, n, p)) and r["model_version"]["sparse_version"] > first[n], 120)
+
+    # Prometheus: every scrape target of deploy/prometheus/prometheus.yml answers /metrics
+    config = yaml.safe_load((repo_root / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    bodies = {}
+    for job in config["scrape_configs"]:
+        path = job.get("metrics_path", "/metrics")
+        for target in (t for sc in job["static_configs"] for t in sc["targets"]):
+            host, port = target.rsplit(":", 1)
+            assert (host, int(port)) in stack.ports, f"{job['job_name']}: {target} is no port a service binds"
+            status, body = get(stack.url(host, int(port), path))
+            assert status == 200, f"{job['job_name']}: {target} -> HTTP {status}"
+            bodies[target] = body
+    _mark("every Prometheus target answers")
+
+    # Grafana: every metric a dashboard queries has a series on some target (a panel shows data),
+    # admissions counted (the project file turns admission on)
+    def missing() -> dict[str, list[str]]:
+        for target in bodies:
+            host, port = target.rsplit(":", 1)
+            bodies[target] = get(stack.url(host, int(port), "/metrics"))[1]
+        have = {n for b in bodies.values() for n, _, _ in samples(b)}
+        declared = {line.split()[2] for b in bodies.values() for line in b.splitlines() if line.startswith("# TYPE ")}
+        out: dict[str, list[str]] = {}
+        for dashboard, exprs in dashboard_expressions(repo_root).items():
+            for expr in exprs:
+                for name in metric_names(expr):
+                    family = name.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
+                    ok = (family in declared or name in declared) if name in FAILURE_COUNTERS else name in have
+                    if not ok:
+                        out.setdefault(name, []).append(f"{dashboard}: {expr}")
+        return out
+
+    deadline = time.monotonic() + 120
+    while (gaps := missing()) and time.monotonic() < deadline:
+        time.sleep(2)
+    assert not gaps, "queried by a dashboard, no series on any target:\n" + json.dumps(gaps, indent=1)
+    _mark("every dashboard metric has data")
+    admitted = sum(v for b in bodies.values() for n, _, v in samples(b) if n == "driftline_ps_admitted_total")
+    assert admitted > 0, "no admissions: the admission panel is empty"
+    assert not stack.exited().keys() & set(long_running(stack)), stack.exited()
+
+
+@pytest.mark.timeout(300)
+def test_host_clients_on_the_published_ports(stack: ComposeProcesses, repo_root: Path) -> None:
+    """A client on the host, configured as the compose file tells it (Kafka's EXTERNAL listener,
+    localhost:<published port>; serving's published port): the documented Kafka producers' click
+    becomes an example the services join, and `driftline traffic` replays through serving."""
+    import subprocess
+    import sys
+
+    from driftline.client import ActionProducer, FeatureLogProducer
+    from driftline.project import load_project
+    from services.settings import Settings
+    from tests.joiner.helpers import read_examples
+
+    kafka = stack.compose["services"]["kafka"]
+    external = [a for a in kafka["environment"]["KAFKA_ADVERTISED_LISTENERS"].split(",") if a.startswith("EXTERNAL://")]
+    assert external == ["EXTERNAL://localhost:9092"], kafka["environment"]["KAFKA_ADVERTISED_LISTENERS"]
+    assert "9092:9092" in kafka["ports"]
+    # the published port is the broker's here: localhost:<port> as a host client would set it
+    project = load_project(repo_root / "examples" / "movielens" / "driftline.toml")
+    settings = Settings(**{**project.settings_overrides(), "kafka_bootstrap_servers": f"localhost:{stack.broker_port}"})
+    # The replay runs at 600x: a second of wall time is ten minutes of event time, past the
+    # joiner's window before a host click could join. `docker compose pause traffic` (SIGSTOP, as
+    # its freezer does) holds the stream still; the click is stamped at the joiners' frontier.
+    traffic = stack.containers["traffic"].proc
+    assert traffic is not None and traffic.poll() is None
+    traffic.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(3)  # the joiners read what the traffic sent before the pause
+        frontier = max(v for j in ("joiner-0", "joiner-1")
+                       for n, lab, v in samples(get(stack.url(j, 9100, "/metrics"))[1])
+                       if n == "driftline_joiner_watermark_ms" and lab["stream"] == "features")
+        rid = f"host-client-{time.time_ns()}"
+
+        async def produce() -> None:
+            async with FeatureLogProducer(project.features, settings) as logs, ActionProducer(settings=settings) as acts:
+                await logs.send(rid, [{"item_id": 1193}, {"item_id": 661}], user_id=42, event_time_ms=int(frontier) + 1000)
+                await acts.send(rid, 1193, "click", user_id=42, event_time_ms=int(frontier) + 2000)
+
+        asyncio.run(produce())
+        joined = wait_for(stack, "the host producer's click joined into an example", lambda: [
+            e for e in asyncio.run(read_examples(settings)) if e.request_id == rid and e.labels.get("click") == 1.0], 120)
+    finally:
+        traffic.send_signal(signal.SIGCONT)
+    assert [e.item_id for e in joined] == [1193], joined
+
+    # `driftline traffic` from the host, at serving-0's published port (the replay's first
+    # ratings again: data times behind the stream's, which move no watermark)
+    (port_spec,) = stack.services["serving-0"]["ports"]
+    container = int(str(port_spec).split(":")[-1])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DRIFTLINE_", "KAFKA_", "REDIS_"))}
+    env["DRIFTLINE_DATA_DIR"] = os.environ["DRIFTLINE_DATA_DIR"]
+    done = subprocess.run(
+        [sys.executable, "-m", "driftline.cli", "traffic", "--dataset", "ml-1m", "--start-rating", "95019",
+         "--limit", "30", "--speed", "0", "--url", f"http://localhost:{stack.host_port('serving-0', container)}",
+         "--no-progress", "--metrics-port", "0"],
+        env=env, cwd=repo_root, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stats = json.loads(done.stdout.strip().splitlines()[-1])
+    assert stats["requests"] > 0 and stats["rank_errors"] == 0, stats
+    _mark("host clients")
+
+
+@pytest.mark.timeout(600)
+def test_a_restart_goes_on_from_what_the_trainer_learned(stack: ComposeProcesses) -> None:
+    """``docker compose stop`` then ``up`` on the same volume: every service stops cleanly on
+    SIGTERM within its grace period; the warm start skips (--unless-learned), the trainer restores
+    its own snapshot and counts on, the traffic resumes after what it learned (--after-learned)."""
+    wait_for(stack, "examples trained on", lambda: _examples_trained(stack), 60)
+
+    def stop() -> dict:
+        stopped = stack.stop()
+        _mark(f"stopped #{stack.starts}")
+        unclean = {n: (c.exit_code, "killed" if c.killed else f"{c.stop_s:.1f} s") for n, c in stopped.items()
+                   if c.killed or c.exit_code != 0}
+        assert not unclean, f"not stopped cleanly by SIGTERM: {unclean}\n{stack.logs_tail()}"
+        return _snapshot(stack)
+
+    learned = stop()
+    assert learned["examples_applied"] > 0, learned  # the trainer's snapshot on its clean stop
+    up(stack)
+    this_start = f"=== start {stack.starts}:"
+    warm = stack.log_tail("warm-start", 400).split(this_start)[-1]
+    assert '"skipped"' in warm, warm
+
+    def restored() -> dict[int, int] | None:
+        """rank -> the examples it restored from the snapshot (once every rank has)."""
+        log = stack.log_tail("trainer", 2000).split(this_start)[-1]
+        got = {int(r): int(n) for r, w, n in re.findall(r"rank (\d+)/(\d+) restored snapshot \S+ .*?: (\d+) examples", log)}
+        return got if len(got) == int(stack.environment("trainer").get("DRIFTLINE_TRAINER__NPROC", "1")) else None
+
+    ranks = wait_for(stack, "the trainer restored its own snapshot", restored, 180)
+    assert sum(ranks.values()) == learned["examples_applied"], (ranks, learned)
+    wait_for(stack, "the traffic resumes after what the trainer learned", lambda: "the replay resumes at rating"
+             in stack.log_tail("traffic", 400).split(this_start)[-1], 120)
+    wait_for(stack, "the restarted trainer trains on", lambda: _examples_trained(stack) > 0, 180)
+    again = stop()
+    assert again["examples_applied"] > learned["examples_applied"], (learned, again)
+    assert again["max_event_time_ms"] >= learned["max_event_time_ms"]

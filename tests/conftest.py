@@ -159,11 +159,14 @@ def repo_root() -> Path:
 # them. Left up until the session's end, it took most of a core from every later test on that
 # worker (a full suite here: 23 min, and timed waits in other files failed).
 LOOP_STACK_FILES = ("tests/test_loop.py", "tests/test_dashboards.py", "tests/status/test_live_loop.py")
+# Run on the same worker right after them (one scheduling unit): two whole demo stacks at once on
+# 2 cores (~20 processes) pushed timed waits in both past their bounds.
+AFTER_LOOP_STACK = ("tests/test_compose_processes.py",)
 # The longest files (a full run's durations on a 2-core machine: each 2-7 min of many processes),
 # started first so the two workers finish together instead of one running them alone at the end.
 LONGEST_FILES = (
     "tests/joiner/test_faust_joiner.py", "tests/trainer/test_machines.py", "tests/trainer/test_rank_failures.py",
-    *LOOP_STACK_FILES, "tests/trainer/test_ranks.py", "tests/test_own_data.py", "tests/trainer/test_online.py",
+    *LOOP_STACK_FILES, *AFTER_LOOP_STACK, "tests/trainer/test_ranks.py", "tests/test_own_data.py", "tests/trainer/test_online.py",
     "tests/joiner/test_crash.py", "tests/test_stack.py", "tests/serving/test_process.py",
 )
 
@@ -183,7 +186,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: plain pytest runs without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
-    """``--dist loadfile`` with the loop-stack files as one unit, so one worker runs them in a row."""
+    """``--dist loadfile`` with the loop-stack files (and AFTER_LOOP_STACK) as one unit, so one
+    worker runs them in a row."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -191,7 +195,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     class LoopStackTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
-            return LOOP_STACK_FILES[0] if path in LOOP_STACK_FILES else path
+            return LOOP_STACK_FILES[0] if path in LOOP_STACK_FILES + AFTER_LOOP_STACK else path
 
     return LoopStackTogether(config, log)
 

@@ -81,10 +81,15 @@ def up(stack: ComposeProcesses) -> None:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, repo_root: Path) -> Iterator[ComposeProcesses]:
     s = ComposeProcesses.create(repo_root, tmp_path_factory.mktemp("compose"), OVERRIDES)
-    # The image's data dir is on the volume: there, the dataset cache the tests share (no download)
+    # The image's data dir is on the volume: there, the dataset cache the tests share (fetched
+    # once for all of them: a fresh clone has none yet if this file runs first)
+    from producers.movielens import fetch
+
+    shared = Path(os.environ["DRIFTLINE_DATA_DIR"]).resolve()
+    fetch("ml-1m", shared, progress=False)
     data = Path(s.localize("topics", s.image.env["DRIFTLINE_DATA_DIR"]))
     data.parent.mkdir(parents=True, exist_ok=True)
-    data.symlink_to(Path(os.environ["DRIFTLINE_DATA_DIR"]).resolve())
+    data.symlink_to(shared)
     _mark("start")
     s.start_infra()
     try:

@@ -22,6 +22,7 @@ embedded stand-ins above, Prometheus and Grafana are checked through their confi
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -100,6 +101,47 @@ def dockerfile(repo_root: Path) -> Path:
     return Path(os.environ.get(DOCKERFILE_VAR) or repo_root / "Dockerfile")
 
 
+_VARIABLE = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+
+def interpolate(value: Any, host_env: dict[str, str]) -> Any:
+    """Compose's variable interpolation over every string of the parsed file: ``$$``, ``$VAR``,
+    ``${VAR}``, ``${VAR:-default}`` / ``${VAR-default}``, ``${VAR:?error}`` / ``${VAR?error}`` and
+    ``${VAR:+alt}`` / ``${VAR+alt}``, with ``host_env`` the environment ``docker compose`` runs in.
+
+    >>> interpolate({"k": '${KEYS:-["demo"]}', "l": ["$$1", "${A}-$A"]}, {"A": "x"})
+    {'k': '["demo"]', 'l': ['$1', 'x-x']}
+    >>> interpolate("${KEYS:-d}|${KEYS-d}|${KEYS:+alt}", {"KEYS": ""})
+    'd||'
+    """
+    if isinstance(value, dict):
+        return {k: interpolate(v, host_env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, host_env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def one(m: re.Match) -> str:
+        escaped, name, op, arg, bare = m.groups()
+        if escaped:
+            return "$"
+        if bare:
+            return host_env.get(bare, "")
+        current = host_env.get(name)
+        set_ = current is not None and (current != "" or not (op or "").startswith(":"))
+        if op in (":-", "-"):
+            return current if set_ else arg
+        if op in (":?", "?"):
+            if not set_:
+                raise ValueError(f"compose: {name} is required: {arg}")
+            return current
+        if op in (":+", "+"):
+            return arg if set_ else ""
+        return current or ""
+
+    return _VARIABLE.sub(one, value)
+
+
 def driftline_services(compose: dict) -> dict[str, dict]:
     """The services built from the repository's image (the rest are Kafka, Redis, Prometheus...)."""
     return {n: s for n, s in compose["services"].items() if "build" in s or s.get("image") == "driftline:latest"}
@@ -167,7 +209,8 @@ class ComposeProcesses:
 
     @classmethod
     def create(cls, repo_root: Path, tmp: Path, overrides: dict[str, str] | None = None) -> ComposeProcesses:
-        compose = yaml.safe_load(compose_file(repo_root).read_text())
+        # as `docker compose up` on a host that sets none of the file's variables (their defaults)
+        compose = interpolate(yaml.safe_load(compose_file(repo_root).read_text()), {})
         stack = cls(repo_root, tmp, compose, Image.parse(dockerfile(repo_root)), dict(overrides or {}))
         stack._assign_ports()
         (tmp / "logs").mkdir(parents=True, exist_ok=True)
@@ -253,6 +296,11 @@ class ComposeProcesses:
         paths = sorted(volumes, key=len, reverse=True)
         return re.sub(rf"(?<![\w.-])({'|'.join(map(re.escape, paths))})(?=/|$|[^\w.-])",
                       lambda m: str(volumes[m.group(1)]), value)
+
+    def api_key(self, name: str) -> str | None:
+        """The first serving API key compose gives ``name`` (what its clients send), if any."""
+        keys = self.environment(name).get("DRIFTLINE_SERVING__API_KEYS")
+        return json.loads(keys)[0] if keys and json.loads(keys) else None
 
     def command(self, name: str) -> list[str]:
         spec = self.services[name]

@@ -134,9 +134,11 @@ def _examples_on_topic(stack: ComposeProcesses) -> int:
     return asyncio.run(count())
 
 
-def _rank(url: str) -> tuple[int, dict]:
+def _rank(url: str, key: str | None) -> tuple[int, dict]:
+    """POST /rank as the README's curl does: with compose's API key (serving binds 0.0.0.0)."""
     body = json.dumps({"user_id": 42, "candidates": [{"item_id": 1193}, {"item_id": 661}, {"item_id": 914}]})
-    req = urllib.request.Request(url + "/rank", data=body.encode(), headers={"content-type": "application/json"})
+    headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url + "/rank", data=body.encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=10) as r:  # noqa: S310 - local test endpoint
             return r.status, json.loads(r.read())
@@ -175,7 +177,7 @@ def test_what_a_user_looks_at(stack: ComposeProcesses, repo_root: Path) -> None:
     for name, port in servings:
         ready = wait_for(stack, f"{name} ready", lambda n=name, p=port: _readyz(stack, n, p), 120)
         first[name] = ready["model_version"]["sparse_version"]
-        status, answer = _rank(stack.url(name, port))
+        status, answer = _rank(stack.url(name, port), stack.api_key(name))
         assert status == 200, (name, status, answer)
         assert [c["item_id"] for c in answer["items"]] and answer["model_version"]["model_id"], answer
     for name, port in servings:
@@ -274,6 +276,7 @@ def test_host_clients_on_the_published_ports(stack: ComposeProcesses, repo_root:
     container = int(str(port_spec).split(":")[-1])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DRIFTLINE_", "KAFKA_", "REDIS_"))}
     env["DRIFTLINE_DATA_DIR"] = os.environ["DRIFTLINE_DATA_DIR"]
+    env["DRIFTLINE_SERVING__API_KEYS"] = stack.environment("serving-0")["DRIFTLINE_SERVING__API_KEYS"]  # (README)
     done = subprocess.run(
         [sys.executable, "-m", "driftline.cli", "traffic", "--dataset", "ml-1m", "--start-rating", "95019",
          "--limit", "30", "--speed", "0", "--url", f"http://localhost:{stack.host_port('serving-0', container)}",

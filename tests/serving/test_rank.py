@@ -92,9 +92,11 @@ def test_recent_clicks_from_actions(serving_settings: Settings, filled_store: Se
     with running(app) as base:
         wait_ready(base)
         store = app.state.serving.store
-        deadline = time.monotonic() + 30
+        # the realtime consumer joins its group a few seconds after start-up; on a loaded machine
+        # (3 test workers on 2 cores) its first connects timed out twice, 10 s each, and 30 s was short
+        deadline = time.monotonic() + 90
         n = 0
-        while True:  # the realtime consumer joins its group a few seconds after start-up
+        while True:
             n += 1
             r = httpx.post(f"{base}/actions", timeout=10, json={"actions": [
                 {"request_id": f"a{n}", "item_id": 40 + n % 5, "action_type": "click", "user_id": 2},

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 from google.protobuf.message import Message
@@ -131,11 +131,34 @@ class Record(Generic[M]):
     raw: bytes = b""  # the record's original bytes (no copy), for dead-lettering after validation
 
 
+class _Joined(ConsumerRebalanceListener):
+    """Sets ``joined`` at each assignment, after the caller's own listener (if any) has run."""
+
+    def __init__(self, joined: asyncio.Event, inner: ConsumerRebalanceListener | None) -> None:
+        self.joined = joined
+        self.inner = inner
+
+    async def on_partitions_revoked(self, revoked: object) -> None:
+        if self.inner is not None:
+            await self.inner.on_partitions_revoked(revoked)
+
+    async def on_partitions_assigned(self, assigned: object) -> None:
+        if self.inner is not None:
+            await self.inner.on_partitions_assigned(assigned)
+        self.joined.set()
+
+
 class TypedConsumer(Generic[M]):
     """Consume one message type from one or more topics in a consumer group, in batches.
 
     Malformed records never reach the caller: they go to the dead-letter topic with the reason.
     Nothing is committed automatically; call :meth:`commit` after the batch's work is durable.
+
+    With a ``group_id`` and ``topics``, :meth:`start` returns once the group has assigned this
+    member its partitions. Only reaching the broker is bounded by ``kafka.connect_timeout_s``, not
+    the join: a join cut off midway leaves a member the broker waits for until its session times
+    out, so on a loaded machine (where a join takes longer than the bound) every retry left the
+    next one a member to wait for, and the consumer never joined (``services.tansu_quirks`` 3).
     """
 
     def __init__(
@@ -149,14 +172,18 @@ class TypedConsumer(Generic[M]):
         auto_offset_reset: str = "earliest",
         dead_letter_producer: AIOKafkaProducer | None = None,
         codec: Codec[M] | None = None,
+        listener: ConsumerRebalanceListener | None = None,
         **consumer_options: object,
     ) -> None:
         """``codec`` replaces the message type's protobuf codec, e.g. one that keeps values as
-        bytes for a service that decodes whole batches itself."""
+        bytes for a service that decodes whole batches itself. ``listener`` hears the group's
+        assignments (with ``group_id`` and ``topics``)."""
         self.settings = settings
         self.service = service
         self.codec = codec if codec is not None else codec_for(message_type)
         self.topics = topics
+        self.group_id = group_id
+        self._listener = listener
         k = settings.kafka
         options: dict[str, object] = dict(
             bootstrap_servers=settings.bootstrap_servers,
@@ -170,7 +197,12 @@ class TypedConsumer(Generic[M]):
             fetch_max_wait_ms=k.fetch_max_wait_ms,
         )
         options.update(consumer_options)
-        self.consumer = AIOKafkaConsumer(*topics, **options, **security_options(settings))
+        # A group's topics are subscribed in start(), after the broker is reached:
+        # AIOKafkaConsumer.start() would join the group inside the bounded connect.
+        self._join_topics = topics if group_id is not None else []
+        self.consumer = AIOKafkaConsumer(*(topics if group_id is None else []), **options,
+                                         **security_options(settings))
+        self._session_timeout_ms = options["session_timeout_ms"]
         self._dlq = dead_letter_producer
         self._own_dlq = dead_letter_producer is None
         self.dead_lettered = 0
@@ -181,6 +213,22 @@ class TypedConsumer(Generic[M]):
             self._dlq = producer(self.settings)
             await start_client(self._dlq, self.settings)
         await start_client(self.consumer, self.settings)
+        if self._join_topics:
+            await self._join()
+
+    async def _join(self) -> None:
+        joined = asyncio.Event()
+        self.consumer.subscribe(self._join_topics, listener=_Joined(joined, self._listener))
+        started = time.monotonic()
+        wait_s = self.settings.kafka.connect_timeout_s
+        while not joined.is_set():
+            try:
+                await asyncio.wait_for(joined.wait(), timeout=wait_s)
+            except asyncio.TimeoutError:
+                log.warning("%s: still joining consumer group %s after %.0fs (a member that stopped "
+                            "without leaving holds the join until its session times out, %d ms)",
+                            self.service, self.group_id, time.monotonic() - started,
+                            self._session_timeout_ms)
 
     async def stop(self) -> None:
         try:

@@ -336,7 +336,6 @@ class TrainerSettings(BaseModel):
     snapshot_dir: Path | None = None
     # example_ids remembered for de-duplication (the joiner delivers at least once).
     dedup_window: int = 200_000
-    consumer_start_timeout_s: float = 30.0
     # Seconds between broker-epoch checks (a reset of the broker's data) while no offsets are
     # committed; a busy trainer also checks before every commit (~1 ms each).
     epoch_check_interval_s: float = 0.5

@@ -15,7 +15,9 @@ Each workaround is also correct on Apache Kafka, so the same code runs against b
    join waits for it. :func:`install` makes aiokafka leave at any valid generation (>= 0; -1 is
    aiokafka's "no generation").
 3. A first group join waits about half the session timeout: the default session timeout in
-   :mod:`services.settings` is 10 s for that reason.
+   :mod:`services.settings` is 10 s for that reason. A join that takes that long must not be cut
+   off by a connect timeout (the member it leaves behind holds the next join for a whole
+   session): :class:`services.kafka.TypedConsumer` bounds only reaching the broker.
 4. ``list_consumer_group_offsets(group)`` without explicit partitions breaks the connection:
    :func:`committed_offsets` always names the partitions.
 5. Memory storage is lost when the broker restarts. :func:`ensure_broker_epoch` writes a random

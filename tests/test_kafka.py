@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+
+import pytest
+from aiokafka import AIOKafkaConsumer
 from prometheus_client import REGISTRY
 
 from proto import Action, DeadLetter
@@ -85,6 +91,33 @@ async def test_consumer_restart_resumes_from_committed_offset(settings: Settings
         rest = await _drain(c, 6)
     assert [r.offset for r in rest] == list(range(4, 10))
     assert [r.value.item_id for r in rest] == list(range(4, 10))
+
+
+async def test_a_join_longer_than_the_connect_timeout_is_waited_for(
+        settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    """A group join takes ~5 s on tansu (quirk 3) and longer behind a member that never finished
+    joining. Only reaching the broker is bounded by the connect timeout: before, a consumer whose
+    join outlasted it gave up midway, left the next try such a member, and never joined."""
+    topic, group = "join-slow", "g-join-slow"
+    await create_topics(settings, {topic: 3})
+    await _produce(settings, topic, [_action(1)])
+    # a member cut off mid-join, as a timed-out start left one
+    half = AIOKafkaConsumer(topic, bootstrap_servers=settings.bootstrap_servers, group_id=group,
+                            enable_auto_commit=False, session_timeout_ms=10_000)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(half.start(), timeout=0.5)
+    await half.stop()
+    s = settings.model_copy(deep=True)
+    s.kafka.connect_timeout_s = 2.0
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, "services.kafka"):
+        async with TypedConsumer(s, "test-join", Action, [topic], group) as consumer:
+            took = time.monotonic() - started
+            assert {tp.partition for tp in consumer.consumer.assignment()} == {0, 1, 2}
+            got = await _drain(consumer, 1)
+    assert [r.value.request_id for r in got] == ["r1"]
+    assert took > 2.0, took  # the join outlasted the bound; the old start() raised BrokerUnavailable
+    assert "still joining consumer group g-join-slow" in caplog.text
 
 
 def test_every_codec_round_trips() -> None:

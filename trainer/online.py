@@ -141,7 +141,6 @@ class OnlineTrainer(M.LearnedFields):
         self.snapshot_root = settings.model_snapshots(cfg.model_id)
         self.disk = DiskGuard.from_settings("trainer", self.snapshot_root, settings)
         self.group_id = ts.group_id
-        self.consumer_start_timeout_s = ts.consumer_start_timeout_s
         # torch intra-op threads of the training thread. 1 by default: the other core decodes and
         # assembles the next batch; 2 torch threads plus the decoding thread oversubscribe two
         # cores, and OpenMP's barriers then wait on descheduled threads (10x slower steps measured).
@@ -448,16 +447,13 @@ class OnlineTrainer(M.LearnedFields):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="trainer-step")
         self._producer = self.publisher.producer = producer(s)
         await start_client(self._producer, s)
-        # a kill -9'd predecessor stays a group member until its session times out, and the join
-        # waits for it: allow the consumer start longer than the default connect timeout.
-        cs = s.model_copy(deep=True)
-        cs.kafka.connect_timeout_s = max(s.kafka.connect_timeout_s, self.consumer_start_timeout_s)
+        # (a kill -9'd predecessor stays a group member until its session times out: start() waits)
         self.consumer = self.ingest.consumer = TypedConsumer(
-            cs, "trainer", Example, [self.topic], self.group_id, dead_letter_producer=self._producer)
+            s, "trainer", Example, [self.topic], self.group_id, dead_letter_producer=self._producer,
+            listener=_Seek(self))
         self.commits = Committer(self.consumer, self.topic, lambda: self.applied_offsets, self.resets.noticed,
                                  s.kafka.connect_timeout_s, self._stage)
         self.learned.commit = self.commits.request
-        self.consumer.consumer.subscribe([self.topic], listener=_Seek(self))
         try:
             warm = asyncio.get_running_loop().run_in_executor(self._executor, self._warm_up)
             await self.consumer.start()

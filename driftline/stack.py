@@ -103,7 +103,11 @@ APP_SERVICES: list[AppService] = [
     # trainer.nproc > 1: that many ranks under torch's elastic launcher (trainer/launch.py); rank
     # r > 0 exports metrics on the trainer's port + r * trainer.rank_metrics_port_stride
     AppService("trainer", ("trainer", "online"), metrics_port=_metrics(2),
-               settings_env=lambda s: {"DRIFTLINE_TRAINER__NPROC": str(s.trainer.nproc)}),
+               settings_env=lambda s: {"DRIFTLINE_TRAINER__NPROC": str(s.trainer.nproc)},
+               # a stop applies what each rank holds and writes its last snapshot: that took 10.9 s
+               # on a loaded machine, past the 10 s default, and a SIGKILLed trainer restarts from
+               # the snapshot before (docker-compose.yml's stop_grace_period is the same)
+               stop_timeout_s=lambda s: 60.0),
     # serving serves the trainer's model (DRIFTLINE_SERVING__MODEL unset) and bootstraps from its snapshots;
     # it opens its port in ~15 s on 2 idle cores (its PS and two workers import torch while the
     # joiner, dumper and trainer start too) and took 58-62 s on a loaded one: a busy laptop is no failure

@@ -53,10 +53,10 @@ RANK_METRICS_STRIDE = 100
 _INHERITED = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "NUMBA_CACHE_DIR")
 
 
-def _duration_s(value: str | int | float | None, default: float) -> float:
+def duration_s(value: str | int | float | None, default: float) -> float:
     """A compose duration (``10s``, ``1m30s``, ``500ms``) in seconds.
 
-    >>> _duration_s("1m30s", 10), _duration_s(None, 10), _duration_s("500ms", 10)
+    >>> duration_s("1m30s", 10), duration_s(None, 10), duration_s("500ms", 10)
     (90.0, 10, 0.5)
     """
     if value is None:
@@ -420,7 +420,7 @@ class ComposeProcesses:
                 running[n].proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
             for n in level:
                 c = running.pop(n)
-                grace = _duration_s(self.services[n].get("stop_grace_period"), DEFAULT_STOP_GRACE_S)
+                grace = duration_s(self.services[n].get("stop_grace_period"), DEFAULT_STOP_GRACE_S)
                 try:
                     c.proc.wait(timeout=max(0.0, t0 + grace - time.monotonic()))  # type: ignore[union-attr]
                 except subprocess.TimeoutExpired:

@@ -207,3 +207,24 @@ def test_the_image_installs_and_runs_every_service_command(repo_root: Path, tmp_
             helps[name] = run("-m", "driftline.cli", *words, "--help")
     failed = {name: r.stderr.strip().splitlines()[-1:] for name, r in helps.items() if r.returncode != 0}
     assert not failed, f"{copied} paths copied; commands that fail from the image's install: {failed}"
+
+
+def test_compose_waits_as_long_as_up_for_each_service_to_stop(repo_root: Path) -> None:
+    """A stop writes the trainer's last snapshot and drains serving's spool: compose must not
+    SIGKILL a service sooner than ``driftline up`` would (compose's default is 10 s)."""
+    from driftline.stack import APP_SERVICES
+    from driftline.supervisor import ServiceSpec
+    from tests.composestack import DEFAULT_STOP_GRACE_S, duration_s
+
+    ours = _driftline_services(_compose(repo_root))
+    settings = Settings()
+    default = ServiceSpec("x", []).stop_timeout_s
+    checked = []
+    for app in APP_SERVICES:
+        up_wait = app.stop_timeout_s(settings) if app.stop_timeout_s else default
+        for name, service in ours.items():
+            if name == app.name or name.startswith(f"{app.name}-"):
+                compose_wait = duration_s(service.get("stop_grace_period"), DEFAULT_STOP_GRACE_S)
+                assert compose_wait >= up_wait, f"{name}: compose waits {compose_wait} s, up {up_wait} s"
+                checked.append(name)
+    assert {"trainer", "serving-0", "joiner-0"} <= set(checked)

@@ -76,13 +76,20 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
     tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=1.0, snapshot_interval_event_s=0, batch_size=512)),
                        small_cfg())
     tr.publisher.keep_last_sync_copy = True
-    run = asyncio.create_task(tr.run(stop_when_idle_s=3.0))
+    run = asyncio.create_task(tr.run())
     # the second half arrives after a first version was published: several versions to replay
     deadline = time.monotonic() + 60
     while tr.publisher.sparse_version < 1 and not run.done():
         assert time.monotonic() < deadline
         await asyncio.sleep(0.05)
     await produce_examples(settings, ml_examples[half:] + dup)
+    # stopped when all is in, not after an idle spell: producing the second half took longer than
+    # a 3 s one with the whole suite running, and the trainer stopped at the first half
+    deadline = time.monotonic() + 120
+    while (tr.examples_applied < N or tr.ingest.duplicates < 500) and not run.done():
+        assert time.monotonic() < deadline, (tr.examples_applied, tr.ingest.duplicates)
+        await asyncio.sleep(0.1)
+    tr.stop_event.set()
     res = await asyncio.wait_for(run, 120)
     assert res["examples_applied"] == N
     assert res["bad"] == 3 and res["duplicates"] == 500 and tr.ingest.bad == 3

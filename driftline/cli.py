@@ -173,11 +173,20 @@ SERVICE_COMMANDS: dict[str, tuple[str, str]] = {
 
 def traffic(argv: Sequence[str]) -> int:
     """``driftline traffic``: the MovieLens driver (:mod:`producers.traffic`), or with ``--csv`` the
-    replay of the user's own impression log (:mod:`producers.csv_traffic`); each parses its flags."""
+    replay of the user's own impression log (:mod:`producers.csv_traffic`); each parses its flags.
+    ``--help`` without ``--csv`` shows both modes' flags."""
     if any(a == "--csv" or a.startswith("--csv=") for a in argv):
         from producers.csv_traffic import main as csv_main
 
         return csv_main(list(argv))
+    if any(a in ("-h", "--help") for a in argv):
+        from producers.csv_traffic import build_parser as own_log_parser
+        from producers.traffic import build_parser as movielens_parser
+
+        print(movielens_parser().format_help())
+        print("Your own impression log instead of MovieLens (with --csv):\n")
+        print(own_log_parser().format_help(), end="")
+        return 0
     from producers.traffic import main as movielens_main
 
     return movielens_main(list(argv))

@@ -38,9 +38,8 @@ import time
 import uuid
 
 import numpy as np
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
 from fastapi.encoders import jsonable_encoder
@@ -151,17 +150,39 @@ class Serving:
         await self.store.close()
         log.info("serving stopped its consumers and feature log in %.1f s", time.monotonic() - started)
 
-    def event_time(self, field: str, event_time_ms: int | None, now_ms: int) -> int:
+    def event_time(self, field: str, event_time_ms: int | None, now_ms: int, observe: bool = True) -> int:
         """The request's event time (when absent: :class:`serving.event_clock.EventClock`'s, the
-        traffic's own or now); a 422 naming ``field`` when out of range."""
+        traffic's own or now); a 422 naming ``field`` when out of range. ``observe``: the time
+        goes into the clock (not a score-only request's: it logs nothing)."""
         if event_time_ms is None:
             return self.event_clock.stamp(None, now_ms)
         bounds = self.settings.event_time
         error = event_time_error(event_time_ms, now_ms, bounds.max_past_s, bounds.max_future_s)
         if error is not None:
             raise HTTPException(422, f"{field}: {error}")
-        self.event_clock.observe(event_time_ms, now_ms)
+        if observe:
+            self.event_clock.observe(event_time_ms, now_ms)
         return event_time_ms
+
+
+    def log_impression(self, request_id: str, encoded: bytes, degraded: str | None) -> None:
+        """Spool a /rank answer's feature log (a degraded answer's is withheld: default features
+        are not what the user saw); 413 when too large, 503 when the spool is full or fails."""
+        try:
+            if degraded is None:
+                self.feature_log.submit(request_id, encoded)
+            else:  # never training data
+                metrics.FEATURE_LOGS_WITHHELD.labels(degraded).inc()
+        except FeatureLogTooLarge as err:
+            raise HTTPException(413, str(err)) from None
+        except SpoolFull as err:
+            # Kafka has been away long enough to fill the spool: a 200 now would be an impression
+            # nobody can join. The client retries later (or another replica takes it).
+            self.log_limited.warning("%s: 503", err)
+            raise HTTPException(503, f"{err}: retry later", headers={
+                "Retry-After": str(max(1, math.ceil(self.options.kafka_retry_s)))}) from None
+        except SpoolError as err:
+            raise HTTPException(503, str(err)) from None
 
 
 def request_dense(declared: Declared, body: RankRequest, unknown: str = "reject",
@@ -203,33 +224,6 @@ def _own(cands: list, featured: list[int], kind: str) -> list[dict | None]:
     return out
 
 
-class _Metrics:
-    """Pure-ASGI middleware: request count and latency per route template."""
-
-    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        status = {"code": 500}
-
-        async def send_wrapper(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_wrapper)
-        finally:
-            route = scope.get("route")
-            endpoint = getattr(route, "path", None) or "other"
-            metrics.REQUESTS.labels(endpoint, str(status["code"])).inc()
-            metrics.LATENCY.labels(endpoint).observe(time.perf_counter() - started)
-
-
 def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI:
 
     @asynccontextmanager
@@ -255,7 +249,7 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         **docs_urls,
     )
     app.state.api_keys = keys
-    app.add_middleware(_Metrics)
+    app.add_middleware(metrics.RequestMetrics)
     # every endpoint that changes state, or answers with the model's work, asks for a key
     api = APIRouter(dependencies=protected, responses=auth.RESPONSES)
 
@@ -289,7 +283,7 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         n = len(body.candidates)
         if n > s.options.max_candidates:
             raise HTTPException(422, f"candidates: {n} given, at most {s.options.max_candidates} allowed")
-        event_time_ms = s.event_time("event_time_ms", body.event_time_ms, int(time.time() * 1000))
+        event_time_ms = s.event_time("event_time_ms", body.event_time_ms, int(time.time() * 1000), body.log)
         declared = s.model.declared  # one declaration for the whole request
         cands = body.candidates
         featured = [i for i, c in enumerate(cands) if c.features is not None]  # usually none
@@ -327,26 +321,16 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         order = np.argsort(-scores, kind="stable")
         metrics.CANDIDATES.observe(n)
 
-        context = features_message(user_slots, body.context.dense if body.context is not None else None)
-        mv = ModelVersion(model_id=version.model_id, sparse_version=version.sparse_version,
-                          dense_version=version.dense_version)
-        encoded = s.log_encoder.encode(request_id, event_time_ms, body.user_id, context, mv, item_ids, keys,
-                                       item_slots, scores.tolist(), _own(cands, featured, "dense") if featured else None)
-        try:
-            if degraded is None:
-                s.feature_log.submit(request_id, encoded)
-            else:  # default features are not what this user saw: never training data
-                metrics.FEATURE_LOGS_WITHHELD.labels(degraded).inc()
-        except FeatureLogTooLarge as err:
-            raise HTTPException(413, str(err)) from None
-        except SpoolFull as err:
-            # Kafka has been away long enough to fill the spool: a 200 now would be an impression
-            # nobody can join. The client retries later (or another replica takes it).
-            s.log_limited.warning("%s: 503", err)
-            raise HTTPException(503, f"{err}: retry later", headers={
-                "Retry-After": str(max(1, math.ceil(s.options.kafka_retry_s)))}) from None
-        except SpoolError as err:
-            raise HTTPException(503, str(err)) from None
+        if body.log:
+            context = features_message(user_slots, body.context.dense if body.context is not None else None)
+            mv = ModelVersion(model_id=version.model_id, sparse_version=version.sparse_version,
+                              dense_version=version.dense_version)
+            encoded = s.log_encoder.encode(request_id, event_time_ms, body.user_id, context, mv, item_ids, keys,
+                                           item_slots, scores.tolist(),
+                                           _own(cands, featured, "dense") if featured else None)
+            s.log_impression(request_id, encoded, degraded)
+        else:  # score only: no impression to learn from or join
+            metrics.SCORE_ONLY.inc()
 
         # The body is built directly (response_model documents it; re-validating 1000 items is waste).
         ranked = zip(np.asarray(item_ids, np.int64)[order].tolist(), scores[order].tolist(), raw[order].tolist())

@@ -8,6 +8,10 @@ backlog is per worker, so the live workers' values add up. A single process igno
 
 from __future__ import annotations
 
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -139,6 +143,10 @@ FEATURE_STORE_EMPTIED = Gauge(
     "flushed: serving.store_watch); /rank answers are then marked degraded.",
     multiprocess_mode="livemax",
 )
+SCORE_ONLY = Counter(
+    "driftline_serving_score_only_total",
+    "/rank answers asked for with \"log\": false: scored, no feature log written.",
+)
 FEATURE_LOGS_WITHHELD = Counter(
     "driftline_serving_feature_logs_withheld_total",
     "/rank answers whose feature log was not written because their features were defaults, by reason "
@@ -152,3 +160,30 @@ AUTH = Counter(
     "API-key checks of the endpoints that ask for a key (serving/auth.py), by outcome: ok, missing "
     "(401), wrong (403), anonymous (no key configured).", ["outcome"],
 )
+
+
+class RequestMetrics:
+    """Pure-ASGI middleware: request count and latency per route template."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_wrapper(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "other"
+            REQUESTS.labels(endpoint, str(status["code"])).inc()
+            LATENCY.labels(endpoint).observe(time.perf_counter() - started)

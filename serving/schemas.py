@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints
 
 INT64_MAX = 2**63 - 1
 #: hard cap in the schema; the configured ``max_candidates`` (smaller) is checked per request
@@ -62,6 +62,10 @@ class RankRequest(_Strict):
         False, description="When the feature store cannot answer in time: score with default features "
                            "(a 200 with the X-Driftline-Degraded header, its feature log not written, so "
                            "its actions join nothing) instead of a 503 with Retry-After.")
+    log: StrictBool = Field(
+        True, description="false: score only (a probe, a preview, an offline check). No feature log is "
+                          "written, so nothing is trained on it and no action can join it, and its event "
+                          "time moves no clock.")
     candidates: list[CandidateIn] = Field(
         ..., min_length=1, max_length=SCHEMA_MAX_CANDIDATES,
         description="Items to rank (at most the configured max_candidates, 1000 by default).",

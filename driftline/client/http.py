@@ -102,9 +102,9 @@ class Requests:
 
     def rank_body(self, candidates: Sequence[Any], user_id: Item | None = None,
                   context: Mapping[str, Any] | None = None, request_id: str | None = None,
-                  event_time_ms: int | None = None) -> tuple[dict, dict[int, Item]]:
+                  event_time_ms: int | None = None, log: bool = True) -> tuple[dict, dict[int, Item]]:
         """The JSON body and id -> the caller's item. ``candidates``: items (str or int) or dicts
-        ``{"item_id": ..., "features": {...}}``."""
+        ``{"item_id": ..., "features": {...}}``. ``log=False``: score only (no feature log)."""
         if not candidates:
             raise InvalidInput("candidates: at least one is needed")
         sparse, dense = self.encoder.context(context)
@@ -127,6 +127,8 @@ class Requests:
             body["request_id"] = request_id
         if event_time_ms is not None:
             body["event_time_ms"] = int(event_time_ms)
+        if not log:
+            body["log"] = False
         return body, items
 
     @staticmethod
@@ -263,8 +265,9 @@ class RankClient(_Base):
             time.sleep(_READY_POLL_S)
 
     def rank(self, user_id: Item | None = None, candidates: Sequence[Any] = (), context: Mapping[str, Any] | None = None,
-             request_id: str | None = None, event_time_ms: int | None = None) -> Ranking:
-        body, items = self.requests.rank_body(candidates, user_id, context, request_id, event_time_ms)
+             request_id: str | None = None, event_time_ms: int | None = None, log: bool = True) -> Ranking:
+        """``log=False``: score only; nothing is trained on it and no action can join it."""
+        body, items = self.requests.rank_body(candidates, user_id, context, request_id, event_time_ms, log)
         return self.requests.ranking(self._post("/rank", body), items)
 
     def actions(self, actions: Iterable[Mapping[str, Any]]) -> int:
@@ -329,8 +332,8 @@ class AsyncRankClient(_Base):
 
     async def rank(self, user_id: Item | None = None, candidates: Sequence[Any] = (),
                    context: Mapping[str, Any] | None = None, request_id: str | None = None,
-                   event_time_ms: int | None = None) -> Ranking:
-        body, items = self.requests.rank_body(candidates, user_id, context, request_id, event_time_ms)
+                   event_time_ms: int | None = None, log: bool = True) -> Ranking:
+        body, items = self.requests.rank_body(candidates, user_id, context, request_id, event_time_ms, log)
         return self.requests.ranking(await self._post("/rank", body), items)
 
     async def actions(self, actions: Iterable[Mapping[str, Any]]) -> int:

@@ -43,6 +43,13 @@ def test_the_client_ranks_string_features_and_serving_logs_their_hashes(options:
             assert {s.item: s.item_id for s in ranking.items} == {"sku-1": item_id_of("sku-1"), 42: 42}
             assert client.actions([{"request_id": "client-1", "item_id": "sku-1", "action_type": "click",
                                     "user_id": "alice"}]) == 1
+            # score only (serving's side: tests/serving/test_rank.py)
+            probe = client.rank(user_id="alice", context={"device": "ios"}, log=False,
+                                candidates=[{"item_id": "sku-1", "features": {"pos": 0, "price": 9.5}}])
+            assert [s.item for s in probe.items] == ["sku-1"]
+            one = [{"item_id": "sku-1", "features": {"price": 1.0}}]
+            assert client.requests.rank_body(one, log=False)[0]["log"] is False
+            assert "log" not in client.requests.rank_body(one)[0]
 
             # the project knows "browser", the served model does not: serving's 422, typed, with its message
             other = RankClient([*FEATURES, FeatureSpec(name="browser", source="context", ids="string")], base)

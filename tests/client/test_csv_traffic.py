@@ -102,3 +102,11 @@ def test_a_map_that_does_not_fit_the_log_names_the_culprit(tmp_path: Path) -> No
     (tmp_path / "bad.toml").write_text("[columns]\nitem = 'item'\nitme_ids = 'string'\n")
     with pytest.raises(InvalidInput, match="itme_ids"):
         load_map(tmp_path / "bad.toml")
+
+
+def test_traffic_help_lists_both_modes_flags(capsys: pytest.CaptureFixture) -> None:
+    """``driftline traffic --help`` shows the MovieLens replay's flags and those of a user's own log."""
+    assert cli_main(["traffic", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--dataset", "--start-fraction", "--csv", "--map", "--config", "--rebase", "--speed"):
+        assert flag in out, flag

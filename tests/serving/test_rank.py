@@ -257,6 +257,29 @@ def test_a_request_without_event_time_takes_the_traffics_clock(filled_store: Set
     assert logs["replayed"].event_time_ms == logs["curl"].event_time_ms == year_2000
 
 
+def test_a_score_only_request_writes_no_feature_log_and_moves_no_clock(filled_store: Settings,
+                                                                       serving_settings: Settings) -> None:
+    """``"log": false`` is scored like any request, but logs no impression (nothing is trained on
+    it, no action joins it), and its event time does not become the clock of later requests."""
+    year_2000 = 946_684_800_000
+    app = create_app(filled_store.updated(event_time=dict(max_past_s=40 * 365 * 86400)))
+    with running(app) as base:
+        wait_ready(base)
+        logged = httpx.post(f"{base}/rank", json=rank_body(request_id="replayed", event_time_ms=year_2000), timeout=10)
+        probe = httpx.post(f"{base}/rank", timeout=10, json=rank_body(
+            request_id="probe", event_time_ms=int(time.time() * 1000), log=False))
+        assert logged.status_code == probe.status_code == 200, probe.text
+        assert probe.json()["items"] == logged.json()["items"]
+        curl = httpx.post(f"{base}/rank", json=rank_body(request_id="curl"), timeout=10)
+        assert curl.status_code == 200, curl.text
+        assert "driftline_serving_score_only_total 1.0" in httpx.get(f"{base}/metrics").text
+        bad = httpx.post(f"{base}/rank", json=rank_body(log="no"), timeout=10)
+        assert bad.status_code == 422 and "log" in bad.text
+    logs = {m.request_id: m for m in asyncio.run(read_feature_logs(serving_settings, 3, timeout=5))}
+    assert set(logs) == {"replayed", "curl"}
+    assert logs["curl"].event_time_ms == year_2000  # the probe's wall-clock time moved nothing
+
+
 def test_an_emptied_feature_store_marks_answers_and_withholds_their_feature_logs(
         serving_settings: Settings, filled_store: Settings) -> None:
     """The store loses its loaded features (what a Redis restart without persistence does): answers

@@ -143,9 +143,11 @@ class _Joined(ConsumerRebalanceListener):
             await self.inner.on_partitions_revoked(revoked)
 
     async def on_partitions_assigned(self, assigned: object) -> None:
-        if self.inner is not None:
-            await self.inner.on_partitions_assigned(assigned)
-        self.joined.set()
+        try:
+            if self.inner is not None:
+                await self.inner.on_partitions_assigned(assigned)
+        finally:  # (aiokafka logs a listener's error; start() must not wait on for it)
+            self.joined.set()
 
 
 class TypedConsumer(Generic[M]):

@@ -19,9 +19,13 @@ The map file (TOML) says which column is what::
     click = "clicked"
 
     [features]                 # feature = column, its spec from the project file (--config) ...
-    device = "device"
-    # ... or given here, for a log replayed without a project file
+    device = "device_type"
+    # ... or given here, for a log replayed without a project file (column: the feature's name
+    # when left out)
     pos = { column = "position", source = "candidate", kind = "sparse", ids = "int" }
+
+Features whose columns carry their own names can be listed instead of mapped one by one (their
+specs from the project file): ``features = ["device", "pos"]`` at the top of the file.
 
     [csv]
     list_separator = "|"       # optional: split a sparse feature's cell into several ids
@@ -78,7 +82,7 @@ class Columns(_Strict):
 class InlineFeature(_Strict):
     """A feature declared in the map file itself: a :class:`FeatureSpec` plus its column."""
 
-    column: str
+    column: str | None = None  # None: the feature's own name
     source: Literal["context", "candidate", "user", "item"]
     kind: Literal["sparse", "dense"] = "sparse"
     ids: Literal["int", "string"] = "int"
@@ -93,16 +97,26 @@ class MapFile(_Strict):
 
     columns: Columns
     actions: dict[str, str] = {}
-    features: dict[str, str | InlineFeature] = {}
+    features: dict[str, str | InlineFeature] | list[str] = {}
     csv: CsvOptions = CsvOptions()
 
     def feature_specs(self, project: Sequence[FeatureSpec] | None) -> list[tuple[FeatureSpec, str]]:
-        """(spec, column) of each mapped feature; a bare column name takes its spec from ``project``."""
+        """(spec, column) of each mapped feature; a bare column name takes its spec from ``project``,
+        and so does a listed feature, read from the column of its own name.
+
+        >>> spec = MapFile.model_validate({"columns": {"item": "item"}, "features": ["device"]})
+        >>> spec.feature_specs([FeatureSpec(name="device", source="context")])[0][1]
+        'device'
+        >>> spec = MapFile.model_validate({"columns": {"item": "item"}, "features": {"pos": {"source": "candidate"}}})
+        >>> spec.feature_specs(None)[0][1]
+        'pos'
+        """
         known = {f.name: f for f in project or ()}
+        entries = {name: name for name in self.features} if isinstance(self.features, list) else self.features
         out = []
-        for name, entry in self.features.items():
+        for name, entry in entries.items():
             if isinstance(entry, InlineFeature):
-                out.append((FeatureSpec(name=name, **entry.model_dump(exclude={"column"})), entry.column))
+                out.append((FeatureSpec(name=name, **entry.model_dump(exclude={"column"})), entry.column or name))
             elif name in known:
                 out.append((known[name], entry))
             else:

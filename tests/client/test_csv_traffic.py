@@ -110,3 +110,18 @@ def test_traffic_help_lists_both_modes_flags(capsys: pytest.CaptureFixture) -> N
     out = capsys.readouterr().out
     for flag in ("--dataset", "--start-fraction", "--csv", "--map", "--config", "--rebase", "--speed"):
         assert flag in out, flag
+
+
+def test_a_map_file_lists_features_read_from_columns_of_their_names(tmp_path: Path) -> None:
+    """docs/own-data.md's map: ``features = [...]`` before the tables, specs from the project."""
+    from driftline.project import FeatureSpec
+
+    path = tmp_path / "map.toml"
+    path.write_text('features = ["segment", "price"]\n\n[columns]\nitem = "sku"\n\n[actions]\nclick = "clicked"\n')
+    project = [FeatureSpec(name="segment", source="context", ids="string"),
+               FeatureSpec(name="price", source="candidate", kind="dense")]
+    specs = load_map(path).feature_specs(project)
+    assert [(spec.name, column) for spec, column in specs] == [("segment", "segment"), ("price", "price")]
+    rows = [{"sku": "1", "segment": "pros", "price": "2.5", "clicked": "1"}]
+    [req] = requests_of(rows, load_map(path), specs)
+    assert req.context == {"segment": "pros"} and req.candidates[0]["features"] == {"price": 2.5}

@@ -176,12 +176,22 @@ def _file(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest files first, the loop-stack files together (a stable sort: the rest keeps its order)."""
+    """The longest files first, the loop-stack files together, and inside them the tests that do
+    not use the stack before those that do: one between two users stops the stack, and the next
+    user starts another (a stable sort: the rest keeps its order)."""
     strays = sorted({_file(i) for i in items if "loop_stack" in i.fixturenames} - set(LOOP_STACK_FILES))
     if strays:
         raise pytest.UsageError(f"{strays} use loop_stack: add them to LOOP_STACK_FILES in tests/conftest.py")
     rank = {path: n for n, path in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda i: rank.get(_file(i), len(rank)))
+    first = rank[LOOP_STACK_FILES[0]]
+
+    def key(item: pytest.Item) -> tuple[int, int, int]:
+        n = rank.get(_file(item), len(rank))
+        if _file(item) in LOOP_STACK_FILES:
+            return first, int("loop_stack" in item.fixturenames), n
+        return n, 0, 0
+
+    items.sort(key=key)
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: plain pytest runs without it

@@ -37,9 +37,12 @@ def _partitions_opened(log: Path) -> set[int]:
     return {int(m) for m in re.findall(r"partition (\d+) opened", log.read_text())}
 
 
-def _drain_with_a_fresh_worker(env: dict[str, str], log: Path, store: Path) -> None:
-    """A worker on an empty disk rebuilds every partition from the changelog and drains. (A
-    bound, not a speed: 60-90 s alone, past 120 s while the other test worker runs a stack.)"""
+def _drain(env: dict[str, str], log: Path, store: Path) -> None:
+    """A worker on ``store`` restores every partition and drains. On an empty disk it rebuilds them
+    from the whole changelog (~250k records for the 20k events here: 60-90 s alone, past 120 s
+    while the other test worker runs a stack: the bound is not a speed); on a stopped worker's
+    disk it reads only the changelog past what that worker stored (its active partitions and its
+    standby copies of the others)."""
     c = _worker(env, log, store, "--until-idle", "1")
     try:
         try:
@@ -75,7 +78,7 @@ async def test_kill_9_of_one_of_two_workers_the_other_takes_over(settings: Setti
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
     assert b.wait(timeout=60) == 0, b_log.read_text()[-3000:]
-    _drain_with_a_fresh_worker(env, log, c_dir)
+    _drain(env, log, c_dir)  # a machine lost with its disk: its replacement starts empty
     examples = await read_examples(settings)
     cfg = join_config({"window_seconds": 120, "negative_sample_rate": 0.3})  # as crash_env sets
     expected = ref_as_map(offline_join(events, cfg, settings.topics.partitions))
@@ -109,7 +112,7 @@ async def test_a_worker_added_while_traffic_flows_takes_partitions_without_loss(
                 p.send_signal(signal.SIGTERM)
                 p.wait(timeout=60)
     assert a.returncode == 0 and b is not None and b.returncode == 0
-    _drain_with_a_fresh_worker(env, log, settings.var_dir / "joiner-c")
+    _drain(env, log, settings.var_dir / "joiner-b")  # b started again
     examples = await read_examples(settings)
     cfg = join_config({"window_seconds": 120, "negative_sample_rate": 0.3})  # as crash_env sets
     assert as_map(examples) == ref_as_map(offline_join(events, cfg, settings.topics.partitions))

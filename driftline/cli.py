@@ -165,17 +165,17 @@ SERVICE_COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("serving.__main__:main", "run the ranking API (uvicorn)"),
     "features": ("serving.feature_store:main", "online feature store: `features load [--config driftline.toml] --users FILE --items FILE` (or `--movielens`)"),
     "traffic": ("driftline.cli:traffic", "replay MovieLens through serving (/rank, then /actions), or your "
-                                         "own impression log: `traffic --csv FILE --map FILE`"),
+                                         "own impression log: `traffic --csv FILE --map FILE` (or --parquet FILE)"),
     "status": ("status.app:main", "the live status page"),
     "eval": ("evaluation.cli:main", "reproduce the Monolith paper's experiments on ml-1m"),
 }
 
 
 def traffic(argv: Sequence[str]) -> int:
-    """``driftline traffic``: the MovieLens driver (:mod:`producers.traffic`), or with ``--csv`` the
-    replay of the user's own impression log (:mod:`producers.csv_traffic`); each parses its flags.
-    ``--help`` without ``--csv`` shows both modes' flags."""
-    if any(a == "--csv" or a.startswith("--csv=") for a in argv):
+    """``driftline traffic``: the MovieLens driver (:mod:`producers.traffic`), or with ``--csv`` (or
+    ``--parquet``) the replay of the user's own impression log (:mod:`producers.csv_traffic`); each
+    parses its flags. ``--help`` without either shows both modes' flags."""
+    if any(a in ("--csv", "--parquet") or a.startswith(("--csv=", "--parquet=")) for a in argv):
         from producers.csv_traffic import main as csv_main
 
         return csv_main(list(argv))
@@ -184,7 +184,7 @@ def traffic(argv: Sequence[str]) -> int:
         from producers.traffic import build_parser as movielens_parser
 
         print(movielens_parser().format_help())
-        print("Your own impression log instead of MovieLens (with --csv):\n")
+        print("Your own impression log instead of MovieLens (with --csv or --parquet):\n")
         print(own_log_parser().format_help(), end="")
         return 0
     from producers.traffic import main as movielens_main

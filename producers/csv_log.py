@@ -1,6 +1,6 @@
-"""The impression log of ``driftline traffic --csv`` and its map file: CSV rows -> requests.
+"""The impression log of ``driftline traffic --csv`` (or ``--parquet``) and its map file: rows -> requests.
 
-The log is a CSV with one row per impression (an item shown in a request). Rows sharing a request
+The log is a CSV or a Parquet file with one row per impression (an item shown in a request). Rows sharing a request
 id form one request whose candidates are their items; the rows whose action columns are set are
 its actions (:mod:`producers.csv_traffic` sends them: ``/rank``, then ``/actions``).
 
@@ -30,6 +30,11 @@ specs from the project file): ``features = ["device", "pos"]`` at the top of the
     [csv]
     list_separator = "|"       # optional: split a sparse feature's cell into several ids
 
+A Parquet log's cells are typed: :func:`parquet_rows` reads them as the CSV's text (a missing or
+NaN value is an empty cell; a list cell is a multi-id sparse feature, joined with
+``list_separator``, "|" when the map sets none; a timestamp column is written in the map's
+``event_time_unit``), so the same map reads both.
+
 A request's context features (``context`` and ``user`` sources) are read from its first row.
 ``--rebase`` shifts every event time so the log's last event is now: serving refuses event times
 older than ``event_time.max_past_s`` (a week), which an old log has.
@@ -48,9 +53,10 @@ older than ``event_time.max_past_s`` (a week), which an old log has.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,7 +65,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from driftline.client import InvalidInput
 from driftline.project import FeatureSpec
 
-__all__ = ["MapFile", "Request", "load_map", "rebase", "requests_of"]
+__all__ = ["MapFile", "Request", "load_map", "parquet_rows", "rebase", "requests_of"]
 
 _TRUE = frozenset({"true", "yes", "y", "t"})
 
@@ -236,6 +242,47 @@ def requests_of(rows: Iterable[Mapping[str, str]], spec: MapFile,
     if cols.event_time:
         requests.sort(key=lambda r: r.event_time_ms or 0)
     return requests
+
+
+def parquet_rows(path: Path, spec: MapFile, batch_rows: int = 65_536) -> Iterator[dict[str, str]]:
+    """A Parquet log's rows as :func:`requests_of` reads a CSV's: each cell as its text.
+
+    >>> import pyarrow as pa, pyarrow.parquet as pq, tempfile
+    >>> table = pa.table({"item": ["x", None], "ts": pa.array([datetime(2026, 11, 20, 10), None], pa.timestamp("ms")),
+    ...                   "tags": [[1, 2], []], "price": [0.5, float("nan")], "clicked": [True, False]})
+    >>> path = Path(tempfile.mkdtemp()) / "log.parquet"; pq.write_table(table, path)
+    >>> spec = MapFile.model_validate({"columns": {"item": "item", "event_time": "ts", "event_time_unit": "s"}})
+    >>> list(parquet_rows(path, spec))
+    [{'item': 'x', 'ts': '1795168800', 'tags': '1|2', 'price': '0.5', 'clicked': 'true'}, {'item': '', 'ts': '', 'tags': '', 'price': '', 'clicked': 'false'}]
+    """
+    import pyarrow.parquet as pq
+
+    cols = spec.columns
+    unit = {c: cols.event_time_unit for c in (cols.event_time, cols.action_time) if c}
+    separator = spec.csv.list_separator or "|"
+    try:
+        source = pq.ParquetFile(path)
+    except Exception as err:  # noqa: BLE001 - pyarrow's own errors: not Parquet, unreadable
+        raise InvalidInput(f"{path}: not a readable Parquet file ({err})") from None
+    for batch in source.iter_batches(batch_size=batch_rows):
+        for row in batch.to_pylist():
+            yield {column: _text(value, unit.get(column, "iso"), separator) for column, value in row.items()}
+
+
+def _text(value: Any, unit: str, separator: str) -> str:
+    """One typed Parquet cell as a CSV cell's text (a timestamp in ``unit``)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, datetime):  # a timestamp without a zone is UTC, as in _time
+        ms = int((value if value.tzinfo else value.replace(tzinfo=timezone.utc)).timestamp() * 1000)
+        return value.isoformat() if unit == "iso" else str(ms // 1000 if unit == "s" else ms)
+    if isinstance(value, date):
+        return _text(datetime(value.year, value.month, value.day), unit, separator)
+    if isinstance(value, (list, tuple)):
+        return separator.join(_text(v, unit, separator) for v in value if v is not None)
+    return str(value)
 
 
 def rebase(requests: Sequence[Request], now_ms: int) -> None:

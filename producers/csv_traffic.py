@@ -1,6 +1,6 @@
 """``driftline traffic --csv FILE --map FILE``: *your* impression log replayed through serving.
 
-The log is a CSV with one row per impression (an item shown in a request). Rows sharing a request
+The log is a CSV (``--csv``) or a Parquet file (``--parquet``) with one row per impression (an item shown in a request). Rows sharing a request
 id form one ``POST /rank`` whose candidates are their items; after its answer, the rows whose
 action columns are set become one ``POST /actions`` with the request id serving returned (serving
 names the requests: replaying a log twice never collides with the first run in the joiner). It
@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from driftline.client import AsyncRankClient, InvalidInput, ServingError
 from driftline.project import FeatureSpec
-from producers.csv_log import Request, load_map, rebase, requests_of
+from producers.csv_log import Request, load_map, parquet_rows, rebase, requests_of
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -124,25 +124,26 @@ def project_of(config: Path | None) -> tuple[list[FeatureSpec] | None, list[str]
     """The project file's features and labelled action types (None, None without one)."""
     if config is None:
         return None, None
-    import driftline.project
+    from driftline.project import load_project
 
-    load_project = getattr(driftline.project, "load_project", None)
-    if load_project is None:  # the project file's loader lands with issue 16's project file
-        raise InvalidInput("--config: this build has no project file loader (driftline.project.load_project)")
     project = load_project(config)
     return list(project.features), list(project.labels)
 
 
-async def replay_csv(settings: Settings, csv_path: Path, map_path: Path, config: Path | None = None, *,
+async def replay_csv(settings: Settings, log_path: Path, map_path: Path, config: Path | None = None, *,
                      url: str | None = None, speed: float | None = None, limit: int | None = None,
                      rebase_time: bool = False, concurrency: int = 16, progress: bool = False,
-                     ready_timeout_s: float = 180.0) -> dict:
-    """Read the log and its map, then :func:`drive` it; ``limit``: the first N requests (in time order)."""
+                     ready_timeout_s: float = 180.0, parquet: bool = False) -> dict:
+    """Read the log (a CSV, or Parquet with ``parquet``) and its map, then :func:`drive` it;
+    ``limit``: the first N requests (in time order)."""
     spec = load_map(map_path)
     project, action_types = project_of(config)
     features = spec.feature_specs(project)
-    with open(csv_path, newline="") as f:
-        requests = requests_of(csv.DictReader(f), spec, features)[:limit]
+    if parquet:
+        requests = requests_of(parquet_rows(log_path, spec), spec, features)[:limit]
+    else:
+        with open(log_path, newline="") as f:
+            requests = requests_of(csv.DictReader(f), spec, features)[:limit]
     if rebase_time:
         rebase(requests, int(time.time() * 1000))
     # The client checks against the project's features when there is one (a mapped subset is fine),
@@ -152,13 +153,15 @@ async def replay_csv(settings: Settings, csv_path: Path, map_path: Path, config:
                                max_connections=concurrency) as client:
         stats = await drive(settings, requests, client, speed=speed, concurrency=concurrency,
                             progress=progress, ready_timeout_s=ready_timeout_s)
-    return {"csv": str(csv_path), **stats}
+    return {"parquet" if parquet else "csv": str(log_path), **stats}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="driftline traffic", description="Replay your impression log (CSV) "
-                                "through serving: POST /rank per request, then POST /actions for its actions.")
-    p.add_argument("--csv", type=Path, required=True, help="the impression log: one row per impression")
+    p = argparse.ArgumentParser(prog="driftline traffic", description="Replay your impression log (CSV or "
+                                "Parquet) through serving: POST /rank per request, then POST /actions for its actions.")
+    log_file = p.add_mutually_exclusive_group(required=True)
+    log_file.add_argument("--csv", type=Path, help="the impression log: one row per impression")
+    log_file.add_argument("--parquet", type=Path, help="the same log as a Parquet file (typed cells)")
     p.add_argument("--map", type=Path, required=True, help="TOML naming the log's columns (see producers/csv_log.py)")
     p.add_argument("--config", type=Path, default=None, help="the project file (driftline.toml): the features' specs")
     p.add_argument("--url", default=None, help="serving base URL (default: settings.serving host and port)")
@@ -181,9 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(SERVICE, settings.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call otherwise
     try:
-        stats = asyncio.run(replay_csv(settings, args.csv, args.map, args.config, url=args.url, speed=args.speed,
-                                       limit=args.limit, rebase_time=args.rebase, concurrency=args.concurrency,
-                                       progress=not args.no_progress, ready_timeout_s=args.ready_timeout))
+        stats = asyncio.run(replay_csv(settings, args.csv or args.parquet, args.map, args.config, url=args.url,
+                                       speed=args.speed, limit=args.limit, rebase_time=args.rebase,
+                                       concurrency=args.concurrency, progress=not args.no_progress,
+                                       ready_timeout_s=args.ready_timeout, parquet=args.parquet is not None))
     # a bad map, log or project file (InvalidInput and pydantic's errors are ValueErrors), serving not ready
     except (ValueError, ServingError, OSError) as err:
         print(f"driftline traffic: {err}", file=sys.stderr)

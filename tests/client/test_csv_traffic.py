@@ -108,7 +108,7 @@ def test_traffic_help_lists_both_modes_flags(capsys: pytest.CaptureFixture) -> N
     """``driftline traffic --help`` shows the MovieLens replay's flags and those of a user's own log."""
     assert cli_main(["traffic", "--help"]) == 0
     out = capsys.readouterr().out
-    for flag in ("--dataset", "--start-fraction", "--csv", "--map", "--config", "--rebase", "--speed"):
+    for flag in ("--dataset", "--start-fraction", "--csv", "--parquet", "--map", "--config", "--rebase", "--speed"):
         assert flag in out, flag
 
 
@@ -125,3 +125,32 @@ def test_a_map_file_lists_features_read_from_columns_of_their_names(tmp_path: Pa
     rows = [{"sku": "1", "segment": "pros", "price": "2.5", "clicked": "1"}]
     [req] = requests_of(rows, load_map(path), specs)
     assert req.context == {"segment": "pros"} and req.candidates[0]["features"] == {"price": 2.5}
+
+
+def test_a_parquet_log_gives_the_requests_of_the_same_csv(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``traffic --parquet``: the log as a typed Parquet file (ints, floats, a timestamp column, a
+    list of tags) reads to the requests of the CSV holding the same rows, with the same map."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from producers.csv_log import parquet_rows
+
+    write_log(tmp_path / "log.csv")
+    (tmp_path / "map.toml").write_text(MAP + 'tags = { column = "tags", source = "candidate" }\n')
+    spec = load_map(tmp_path / "map.toml")
+    with open(tmp_path / "log.csv", newline="") as f:
+        rows = [dict(r, tags="3|4") for r in csv.DictReader(f)]
+    spec = spec.model_copy(update={"csv": spec.csv.model_copy(update={"list_separator": "|"})})
+    from_csv = requests_of(rows, spec, spec.feature_specs(None))
+    table = pa.table({
+        **{c: [r[c] for r in rows] for c in ("impression", "user", "item", "device")},
+        "ts": pa.array([int(r["ts"]) * 1000 for r in rows], pa.timestamp("ms")),
+        "position": [int(r["position"]) for r in rows], "price": [float(r["price"]) for r in rows],
+        "clicked": [r["clicked"] == "1" for r in rows], "tags": [[3, 4] for _ in rows]})
+    pq.write_table(table, tmp_path / "log.parquet")
+    from_parquet = requests_of(parquet_rows(tmp_path / "log.parquet", spec), spec, spec.feature_specs(None))
+    assert from_parquet == from_csv and len(from_csv) > 10
+    assert from_csv[0].candidates[0]["features"]["tags"] == [3, 4]
+    # the flag: not a Parquet file is one line and exit 2
+    assert cli_main(["traffic", "--parquet", str(tmp_path / "log.csv"), "--map", str(tmp_path / "map.toml")]) == 2
+    assert "not a readable Parquet file" in capsys.readouterr().err

@@ -237,7 +237,7 @@ def _project_start(settings: Settings, supervisor: Supervisor, project: Project,
             shutil.rmtree(snap, ignore_errors=True)  # a snapshot of another broker's offsets
             supervisor.start(ServiceSpec(
                 "warm-start", _driftline("trainer", "batch", "--model", settings.trainer.model,
-                                         "--examples-dir", str(path), "--snapshot", "--quiet"),
+                                         "--examples-dir", str(path), "--test-fraction", "0", "--snapshot", "--quiet"),
                 oneshot=True, blocking=True, ready_timeout_s=600.0))
             rows.append(("warm start", str(path)))
     return rows

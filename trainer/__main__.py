@@ -26,13 +26,25 @@ from .sample_rates import SampleRateTracker
 
 
 def run_batch(args) -> dict:
-    from .data import MovieLensData, parquet_batches, parquet_files
+    """Passes over the examples, less the last ``--test-fraction`` of them (the MovieLens ratings'
+    latest, or the dumper's Parquet files' last rows in their hourly order), scored after each
+    pass: ``test_auc``, ``test_log_loss`` and the mean score against the click rate."""
+    from .data import MovieLensData, parquet_batches, parquet_files, parquet_rows, rows_of
 
+    if not 0 <= args.test_fraction < 1:
+        raise SystemExit(f"trainer batch: --test-fraction {args.test_fraction} is not in [0, 1)")
     cfg = named_config(args.model)
     model = SparseModel(cfg)
     ps_counts = M.PSCounts(cfg.model_id, model.tables)
     files = parquet_files(Path(args.examples_dir))
     data = None if files and not args.movielens else MovieLensData(args.dataset, Path(args.data_dir), limit=args.limit)
+    if data is None:
+        rows = parquet_rows(files)
+        n_train = rows - int(rows * args.test_fraction)
+
+        def examples(start: int, stop: int | None = None, batch_size: int = args.batch_size):
+            return rows_of(parquet_batches(files, batch_size, cfg.all_slots, cfg.label, cfg.dense_features),
+                           start, stop)
     results = []
     max_event_time = 0
     # the rates of the last pass (every pass sees the same examples): recorded in the snapshot
@@ -43,7 +55,7 @@ def run_batch(args) -> dict:
             batches = data.batches(args.batch_size, train_rows)
             total = -(-train_rows.size // args.batch_size)
         else:
-            batches, total = parquet_batches(files, args.batch_size, cfg.all_slots, cfg.label, cfg.dense_features), None
+            batches, total = examples(0, n_train), None
         auc, losses, n, t0 = M.StreamingAUC(), [], 0, time.perf_counter()
         sample_rates = SampleRateTracker(sample_rates.half_life)
         mark, mark_n = t0, 0
@@ -65,11 +77,10 @@ def run_batch(args) -> dict:
         M.EXAMPLES_PER_S.labels(cfg.model_id, "batch").set(n / dt)
         r = {"pass": p + 1, "examples": n, "ex_per_s": n / dt, "train_loss": float(np.mean(losses)),
              "train_auc": auc.value()}
-        if data is not None and test_rows.size:
-            ta = M.StreamingAUC()
-            for b in data.batches(8192, test_rows):
-                ta.update(model.predict(b), b.labels)
-            r["test_auc"] = ta.value()
+        if data is not None:
+            r.update(_scored(model, data.batches(8192, test_rows) if test_rows.size else []))
+        else:
+            r.update(_scored(model, examples(n_train, batch_size=8192)))
         ps_counts.update()
         for name, t in model.tables.items():
             M.TABLE_SIZE.labels(cfg.model_id, name).set(len(t))
@@ -83,6 +94,22 @@ def run_batch(args) -> dict:
     if args.snapshot:
         write_batch_snapshot(model, max_event_time, sum(r["examples"] for r in results), sample_rates=sample_rates)
     return results[-1] if results else {}
+
+
+def _scored(model: SparseModel, batches) -> dict:
+    """The held-out examples' AUC, log loss, mean score and click rate (none: nothing held out)."""
+    auc, loss, n, p_sum, y_sum = M.StreamingAUC(), 0.0, 0, 0.0, 0.0
+    for b in batches:
+        known = ~np.isnan(b.labels)
+        p = np.clip(model.predict(b)[known].astype(np.float64), 1e-7, 1 - 1e-7)
+        y = b.labels[known].astype(np.float64)
+        auc.update(p, y)
+        loss -= float((y * np.log(p) + (1 - y) * np.log1p(-p)).sum())
+        n, p_sum, y_sum = n + y.size, p_sum + float(p.sum()), y_sum + float(y.sum())
+    if not n:
+        return {}
+    return {"test_examples": n, "test_auc": auc.value(), "test_log_loss": loss / n,
+            "test_mean_score": p_sum / n, "test_click_rate": y_sum / n}
 
 
 def write_batch_snapshot(model: SparseModel, max_event_time_ms: int, examples: int,
@@ -158,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--dataset", default="ml-1m")
     b.add_argument("--data-dir", default=str(settings.data_dir))
     b.add_argument("--limit", type=int, default=None)
-    b.add_argument("--test-fraction", type=float, default=0.1)
+    b.add_argument("--test-fraction", type=float, default=0.1,
+                   help="hold out the last fraction of the examples (in time order) and score the model on them")
     b.add_argument("--snapshot", action="store_true", help="write a snapshot at the end")
     b.add_argument("--unless-learned", action="store_true",
                    help="do nothing when the snapshot folder holds a snapshot the online trainer learned into "

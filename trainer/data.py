@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -152,6 +152,28 @@ def parquet_batches(files: list[Path], batch_size: int, slots: list[str], label:
             slice_names, slice_ids = slice_codes([t["model_id"]]) if "model_id" in names else ((), None)
             yield SparseBatch(n, ids, offs, floats(f"label_{label}", np.nan), et, floats("sample_rate", 1.0), dense,
                               slice_ids=slice_ids, slice_names=slice_names)
+
+
+def parquet_rows(files: list[Path]) -> int:
+    """The examples in ``files`` (from their footers: nothing is read)."""
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+
+
+def rows_of(batches: Iterable[SparseBatch], start: int, stop: int | None = None) -> Iterator[SparseBatch]:
+    """The examples ``[start, stop)`` of a stream of batches, cut where the range cuts a batch.
+
+    >>> b = SparseBatch.from_slot_dicts([{"a": [i]} for i in range(5)], slots=["a"])
+    >>> [x.ids["a"].tolist() for x in rows_of([b, b], 3, 7)]
+    [[3, 4], [0, 1]]
+    """
+    pos = 0
+    for b in batches:
+        lo, hi = max(start - pos, 0), b.size if stop is None else min(stop - pos, b.size)
+        pos += b.size
+        if lo < hi:
+            yield b if (lo, hi) == (0, b.size) else b.select(np.arange(lo, hi))
+        if stop is not None and pos >= stop:
+            return
 
 
 def example_records(examples: list[Example], partitions: list[int], chunk: int = 1000) -> list[tuple[int, bytes]]:

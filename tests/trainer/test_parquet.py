@@ -31,3 +31,35 @@ def test_parquet_batches_read_the_dumpers_files(tmp_path):
     assert np.array_equal(b.labels, want.labels) and np.array_equal(b.event_time_ms, want.event_time_ms)
     assert np.array_equal(b.sample_rate, want.sample_rate)
     assert np.array_equal(b.dense, want.dense, equal_nan=True) and np.isnan(b.dense[7, 0])
+
+
+def test_trainer_batch_holds_out_the_last_examples_of_the_parquet_dumps(tmp_path, capsys):
+    """``trainer batch --test-fraction`` on a project's Parquet examples (not only MovieLens): it
+    trains on the first rows in the dumps' hourly order and scores the rest (AUC, log loss, mean
+    score against the click rate); 0 trains on all; a fraction outside [0, 1) is one line."""
+    import json
+
+    import pytest
+
+    from trainer.__main__ import main
+
+    examples = MovieLensData(limit=2000).examples()
+    for hour, part in enumerate((examples[:1200], examples[1200:])):
+        c = example_batch.decode(example_batch.encode(example_batch.from_examples(part)))
+        folder = tmp_path / "examples" / "dt=2000-01-01" / f"hour={hour:02d}"
+        folder.mkdir(parents=True)
+        pq.write_table(dumper.flatten(c, ["click"]), folder / "part-0000000001-0000.parquet")
+
+    def passes(fraction: str) -> dict:
+        assert main(["batch", "--examples-dir", str(tmp_path / "examples"), "--model", "lr", "--batch-size", "256",
+                     "--test-fraction", fraction, "--quiet"]) == 0
+        return next(json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"pass"'))
+
+    held = passes("0.25")
+    assert held["examples"] == 1500 and held["test_examples"] == 500, held
+    assert 0.5 < held["test_auc"] < 1 and 0 < held["test_log_loss"] < 1, held
+    assert 0 < held["test_mean_score"] < 1 and 0 < held["test_click_rate"] < 1, held
+    everything = passes("0")
+    assert everything["examples"] == 2000 and "test_auc" not in everything, everything
+    with pytest.raises(SystemExit, match="--test-fraction 1.0 is not in"):
+        main(["batch", "--examples-dir", str(tmp_path / "examples"), "--test-fraction", "1"])

@@ -59,6 +59,7 @@ from torch import nn
 
 from ps import AdagradConfig
 from trainer.batch import SparseBatch
+from trainer.count_baseline import CountBaseline
 from trainer.config import ModelConfig, lr_config
 from trainer.model import DenseHead, SparseModel
 
@@ -144,36 +145,10 @@ def deepfm_model_config(s: EvalSettings, seed: int, model_id: str = "base-deepfm
     return model_config(s.model_copy(update=dict(sparse_lr=s.base_sparse_lr)), seed, model_id)
 
 
-def _prior_counts(keys: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per example, the clicks and examples of its key strictly before it (stream order)."""
-    n = keys.size
-    o = np.argsort(keys, kind="stable")
-    k, yy = keys[o], y[o].astype(np.float64)
-    clicks = np.cumsum(yy) - yy
-    first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]]) if n else np.zeros(0, np.int64)
-    start = np.repeat(first, np.diff(np.r_[first, n]))  # each example's group's first position
-    before_c = np.empty(n)
-    before_n = np.empty(n)
-    before_c[o] = clicks - clicks[start]
-    before_n[o] = np.arange(n) - start
-    return before_c, before_n
-
-
 def count_scores(users: np.ndarray, items: np.ndarray, y: np.ndarray, prior: float) -> np.ndarray:
-    """The ``counts`` baseline's probability for each example (see the module docstring)."""
-    n = y.size
-    seen = np.arange(n, dtype=np.float64)
-    g = (np.cumsum(y, dtype=np.float64) - y + 1.0) / (seen + 2.0)  # global rate so far (Laplace)
-
-    def rate(keys):
-        c, m = _prior_counts(keys, y)
-        return (c + prior * g) / (m + prior)
-
-    def logit(p):
-        return np.log(p) - np.log1p(-p)
-
-    z = logit(rate(users)) + logit(rate(items)) - logit(g)
-    return (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
+    """The ``counts`` baseline's probability for each example (see the module docstring): the
+    trainer's live baseline (:class:`trainer.count_baseline.CountBaseline`) over the whole stream."""
+    return CountBaseline(prior).score_and_count(users, items, np.asarray(y, np.float64))
 
 
 def run_counts(s: EvalSettings, seed: int = 0) -> dict:

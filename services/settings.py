@@ -554,7 +554,7 @@ class EvalSettings(BaseModel):
     #: take base_sparse_lr)
     base_linear_lr: float = 0.3
     #: the counting baseline's smoothing: a user's (item's) click rate is (clicks + m * global rate)
-    #: / (examples + m), m = count_prior (tuned)
+    #: / (examples + m), m = count_prior (tuned); the online trainer's live baseline takes it too
     count_prior: float = 10.0
     #: data sets the baselines also run on, each whole, with the settings tuned on ml-1m: the served
     #: model, the DeepFM at batch_size, the sequential LR and the counts

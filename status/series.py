@@ -11,6 +11,7 @@ Metrics used (all exported today):
 key                    source
 =====================  =====================================================================
 auc:<model>            driftline_trainer_auc{mode="online"}
+baseline_auc:<model>   driftline_trainer_baseline_auc{baseline="counts"}: counting clicks, same examples
 loss:<model>           driftline_trainer_loss{mode="online"}
 event_time_s           driftline_trainer_event_time_ms (max), else the joiner's
                        driftline_joiner_watermark_ms{stream="actions"} (max over partitions)
@@ -173,6 +174,7 @@ def derive(states: Sequence[TargetState], now: float, window_s: float) -> tuple[
 
     model = lambda lab: lab.get("model", "")  # noqa: E731
     put("auc", _by(cur, "driftline_trainer_auc", model, max, _online))
+    put("baseline_auc", _by(cur, "driftline_trainer_baseline_auc", model, max, lambda lab: lab.get("baseline") == "counts"))
     put("loss", _by(cur, "driftline_trainer_loss", model, max, _online))
 
     # Event time: the trainer's own progress when it exports it, else the joiner's action watermark.

@@ -13,6 +13,13 @@ EXAMPLES = Counter("driftline_trainer_examples_total", "Examples trained on.", [
 EXAMPLES_PER_S = Gauge("driftline_trainer_examples_per_second", "Recent training rate.", ["model", "mode"])
 AUC = Gauge("driftline_trainer_auc", "Progressive-validation (online) or per-pass AUC.", ["model", "mode"])
 LOSS = Gauge("driftline_trainer_loss", "Recent mean log loss.", ["model", "mode"])
+LOG_LOSS = Gauge("driftline_trainer_log_loss", "Progressive mean log loss since the stream began: the model's scores "
+                 "before it learned each example (scorer=model), and the counting baseline's on the same examples "
+                 "(scorer=counts).", ["model", "scorer"])
+BASELINE_AUC = Gauge("driftline_trainer_baseline_auc", "Progressive AUC of a naive baseline on the examples the model "
+                     "learns, in the same order: per-user + per-item click-rate counts (baseline=counts, "
+                     "trainer/count_baseline.py). A model below it has not learned its features yet.",
+                     ["model", "baseline"])
 BAD_EXAMPLES = Counter("driftline_trainer_bad_examples_total", "Examples rejected and dead-lettered.", ["model", "reason"])
 DUPLICATES = Counter("driftline_trainer_duplicate_examples_total", "Examples skipped as duplicates.", ["model"])
 SYNC_BYTES = Histogram("driftline_trainer_sync_bytes", "Bytes per parameter sync.", ["model", "kind"],
@@ -149,8 +156,11 @@ class Learned:
 
     def __init__(self, model_id: str, auc: StreamingAUC, sample_rates, dedup=None,
                  published: Callable[[np.ndarray, np.ndarray], None] | None = None, ps_counts: PSCounts | None = None,
-                 rank: int | None = None):
+                 rank: int | None = None, baseline=None):
         self.model_id, self.auc, self.sample_rates, self.dedup = model_id, auc, sample_rates, dedup
+        #: a :class:`trainer.count_baseline.CountBaseline` scored beside the model (None: none)
+        self.baseline = baseline
+        self.log_loss_sum, self.log_loss_n = 0.0, 0  # the model's progressive log loss
         self.published, self.ps_counts = published, ps_counts
         self.by_rank = None if rank is None else RANK_EXAMPLES.labels(model_id, str(rank))
         self.commit: Callable[[], None] = lambda: None
@@ -169,11 +179,45 @@ class Learned:
         if self.ps_counts is not None:
             self.ps_counts.update()
         self.loss_ema = loss if math.isnan(self.loss_ema) else 0.98 * self.loss_ema + 0.02 * loss
+        self._score(batch, probs)
         EXAMPLES.labels(self.model_id, "online").inc(batch.size)
         if self.by_rank is not None:
             self.by_rank.inc(batch.size)
         LOSS.labels(self.model_id, "online").set(self.loss_ema)
         AUC.labels(self.model_id, "online").set(self.auc.value())
+
+    def _score(self, batch, probs: np.ndarray) -> None:
+        """The model's progressive log loss, and the baseline scored and counted on the same batch."""
+        known = ~np.isnan(batch.labels)
+        y = batch.labels[known].astype(np.float64)
+        q = np.clip(np.asarray(probs, np.float64)[known], 1e-7, 1 - 1e-7)
+        self.log_loss_sum -= float((y * np.log(q) + (1 - y) * np.log1p(-q)).sum())
+        self.log_loss_n += int(y.size)
+        if self.log_loss_n:
+            LOG_LOSS.labels(self.model_id, "model").set(self.log_loss_sum / self.log_loss_n)
+        if self.baseline is not None and self.baseline.score_batch(batch) is not None and self.baseline.examples:
+            BASELINE_AUC.labels(self.model_id, "counts").set(self.baseline.auc.value())
+            LOG_LOSS.labels(self.model_id, "counts").set(self.baseline.log_loss)
+
+    def scores(self) -> dict:
+        """The model's progressive log loss beside the baseline's AUC and log loss (a result line's)."""
+        b = self.baseline
+        return {"log_loss": self.log_loss_sum / self.log_loss_n if self.log_loss_n else None,
+                "baseline_auc": b.auc.value() if b is not None and b.examples else None,
+                "baseline_log_loss": b.log_loss if b is not None and b.examples else None}
+
+    def scores_state(self) -> dict:
+        """The model's log loss sums and the baseline's state, for a snapshot."""
+        return {"log_loss": [self.log_loss_sum, self.log_loss_n],
+                "count_baseline": None if self.baseline is None else self.baseline.state()}
+
+    def load_scores(self, state: dict | None) -> None:
+        """Continue from :meth:`scores_state` (None, or a snapshot written before it existed: afresh)."""
+        if not state:
+            return
+        self.log_loss_sum, self.log_loss_n = float(state["log_loss"][0]), int(state["log_loss"][1])
+        if self.baseline is not None and state.get("count_baseline"):
+            self.baseline.load(state["count_baseline"])
 
     def done(self, hashes: np.ndarray | None, offsets: dict[int, int]) -> None:
         """A polled batch is done (learned, dead-lettered or dropped as duplicates): its ids enter

@@ -76,6 +76,7 @@ from . import dedup
 from .batch import SparseBatch
 from .commits import Committer
 from .config import ModelConfig
+from .count_baseline import CountBaseline
 from .ingest import NO_HASHES, Decoded, Ingest, Prepared
 from .isolate import train_isolating
 from .model import SparseModel
@@ -157,7 +158,7 @@ class OnlineTrainer(M.LearnedFields):
                              stage=self._stage)
         self.publisher = Publisher(settings, cfg.model_id, self._stage)
         self.learned = M.Learned(cfg.model_id, self.auc, self.sample_rates, self.dedup, self.publisher.applied,
-                                 self.ps_counts)
+                                 self.ps_counts, baseline=CountBaseline(settings.eval.count_prior))
         self.snapshots = Snapshots(self.snapshot_root, cfg, self.topic)
         self.commits: Committer | None = None
         self.resume_offsets: dict[int, int] = {}
@@ -219,6 +220,7 @@ class OnlineTrainer(M.LearnedFields):
         if "auc_pos" in dense and "auc_neg" in dense:
             self.auc.load(dense["auc_pos"], dense["auc_neg"])
         self.dedup.load(dense.get("dedup", []))
+        self.learned.load_scores(dense.get("scores"))
         self.sample_rates.load(man.get("sample_rates", {}))
         log.info("restored snapshot %s (%s): %d examples applied, offsets %s", man["name"],
                  man.get("source", "online"), self.examples_applied, self.resume_offsets)
@@ -227,7 +229,8 @@ class OnlineTrainer(M.LearnedFields):
     def snapshot(self) -> Path:
         """Write a snapshot (call with no batch in flight: see :meth:`_drain`)."""
         t0 = time.perf_counter()
-        dense = {"auc_pos": self.auc.pos, "auc_neg": self.auc.neg, "dedup": self.dedup.state()}
+        dense = {"auc_pos": self.auc.pos, "auc_neg": self.auc.neg, "dedup": self.dedup.state(),
+                 "scores": self.learned.scores_state()}
         man = {"offsets": {str(k): v for k, v in self.applied_offsets.items()}, "topic": self.topic,
                "broker_epoch": self.epoch, "from_start": self._from_start, **self.publisher.versions(),
                "examples_applied": self.examples_applied, "max_event_time_ms": self.max_event_time,
@@ -470,7 +473,7 @@ class OnlineTrainer(M.LearnedFields):
         await self.commits.flush()
         elapsed = time.time() - started
         return {"examples_applied": self.examples_applied, "auc": self.auc.value(), "loss": self.loss_ema,
-                "bad": self.consumer.dead_lettered, "duplicates": self.ingest.duplicates,
+                **self.learned.scores(), "bad": self.consumer.dead_lettered, "duplicates": self.ingest.duplicates,
                 "sparse_version": self.publisher.sparse_version, "elapsed_s": elapsed,
                 "stages": dict(self.stage, **{f"model_{k}": v for k, v in self.model.timings.items()})}
 

@@ -48,6 +48,9 @@ class RankRestored:
     sample_rates: dict        # a SampleRateTracker state ({}: empty)
     examples_applied: int
     reset: bool = False       # written in another broker epoch: its offsets were dropped
+    #: this rank's log loss sums and counting baseline (Learned.scores_state) when as many ranks
+    #: wrote the snapshot; None (another world size: each rank's counts were of other partitions) starts them afresh
+    scores: dict | None = None
 
 
 def merged_rates(states: list[dict], half_life: float) -> SampleRateTracker:
@@ -100,7 +103,7 @@ def _load(root: Path, topic: str, rank: int, got: tuple) -> RankRestored:
     if state is not None:  # written by as many ranks: this rank's own part
         return RankRestored(tables, dense, man, dict(state["offsets"]) if same_topic else {},
                             versions.get(rank, 0), state["dedup"], (state["auc_pos"], state["auc_neg"]),
-                            state["sample_rates"], int(state["examples_applied"]))
+                            state["sample_rates"], int(state["examples_applied"]), scores=state.get("scores"))
     offsets = {int(k): int(v) for k, v in man.get("offsets", {}).items()} if same_topic else {}
     parts = _rank_states(root, man)
     # every rank's window (bounded by the window's size when loaded): a partition may have moved here
@@ -121,10 +124,10 @@ def _load(root: Path, topic: str, rank: int, got: tuple) -> RankRestored:
 
 
 def rank_part(offsets: dict[int, int], dedup_state, auc: M.StreamingAUC, rates: SampleRateTracker,
-              examples_applied: int) -> dict:
+              examples_applied: int, scores: dict | None = None) -> dict:
     """What a rank writes of its own into a snapshot (``state.pt``)."""
     return {"offsets": dict(offsets), "dedup": dedup_state, "auc_pos": auc.pos, "auc_neg": auc.neg,
-            "sample_rates": rates.state(), "examples_applied": examples_applied}
+            "sample_rates": rates.state(), "examples_applied": examples_applied, "scores": scores}
 
 
 def summary(part: dict, sparse_version: int, param_deltas_offset: int, tables: dict) -> dict:

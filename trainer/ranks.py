@@ -98,6 +98,7 @@ from . import rank_resume, snapshots
 from .batch import SparseBatch
 from .commits import Committer
 from .config import ModelConfig
+from .count_baseline import CountBaseline
 from .distributed import DistributedModel
 from .ingest import Ingest
 from .isolate import StepResult, train_isolating_ranks
@@ -146,8 +147,9 @@ class RankTrainer(M.LearnedFields):
                                self._stage)
         self.publisher = Publisher(settings, cfg.model_id, self._stage)
         self.publisher.shard, self.publisher.shard_count = self.rank, self.world
+        # (each rank's baseline counts the users and items of its own partitions)
         self.learned = M.Learned(cfg.model_id, self.auc, self.sample_rates, self.dedup, self.publisher.applied,
-                                 rank=self.rank)
+                                 rank=self.rank, baseline=CountBaseline(settings.eval.count_prior))
         self.epoch: str | None = None  # the broker epoch the offsets belong to (None: no epochs)
         self.resets = ResetWatch(ts.epoch_check_interval_s, lambda: (self.ingest.highwater, self.applied_offsets))
         self._from_start = False  # partitions start at their earliest record (the snapshot's epoch is gone)
@@ -208,6 +210,7 @@ class RankTrainer(M.LearnedFields):
         if got.auc is not None:
             self.auc.load(*got.auc)
         self.sample_rates.load(got.sample_rates)
+        self.learned.load_scores(got.scores)
         self.examples_applied = got.examples_applied
         self.applied_offsets = {int(k): int(v) for k, v in got.offsets.items()}
         log.info("rank %d/%d restored snapshot %s (%d ranks wrote it%s): %d examples applied here",
@@ -224,7 +227,7 @@ class RankTrainer(M.LearnedFields):
         seq = int(seq[0])
         tables = self.dm.tables
         part = rank_resume.rank_part(self.applied_offsets, self.dedup.state(), self.auc, self.sample_rates,
-                                     self.examples_applied)
+                                     self.examples_applied, self.learned.scores_state())
         await loop.run_in_executor(None, snapshots.save_rank, self.root, seq, self.rank, tables, part)
         mine = rank_resume.summary(part, self.publisher.sparse_version, self.publisher.param_deltas_offset, tables)
         parts: list = [None] * self.world
@@ -361,7 +364,7 @@ class RankTrainer(M.LearnedFields):
         await self.snapshot()
         await self.commits.flush()
         return {"rank": self.rank, "world": self.world, "examples_applied": self.examples_applied,
-                "auc": self.auc.value(), "loss": self.loss_ema, "bad": self.consumer.dead_lettered,
+                "auc": self.auc.value(), "loss": self.loss_ema, **self.learned.scores(), "bad": self.consumer.dead_lettered,
                 "duplicates": self.ingest.duplicates, "failed_steps": self.failed_steps,
                 "sparse_version": self.publisher.sparse_version, "elapsed_s": time.time() - started,
                 "mode": self.dm.mode, "overlapped_updates": self.dm.overlapped_updates,

@@ -53,7 +53,9 @@ const fmtDate = (s) => (s == null ? "–" : new Date(s * 1000).toISOString().sli
 
 // ---------------------------------------------------------------- chart definitions
 const CHARTS = [
-  { id: "auc", x: "event_time_s", prefix: "auc", fmt: fmtAuc },
+  // the model's AUC per model, and beside it the counting baseline's on the same examples
+  { id: "auc", x: "event_time_s", prefix: "auc", fmt: fmtAuc,
+    also: [["baseline_auc", (m) => `${m}: counting clicks`]] },
   { id: "rps", keys: [["rank_rps", "requests/s"], ["rank_error_rps", "5xx/s"]], fmt: fmtNumber },
   { id: "latency", keys: [["rank_p50_ms", "p50"], ["rank_p99_ms", "p99"]], fmt: fmtNumber },
   { id: "sync", keys: [["sync_delay_p50_s", "median"], ["sync_delay_p99_s", "p99"]], fmt: fmtDuration },
@@ -69,12 +71,13 @@ const CHARTS = [
 // The lines of a chart present in this response: [{key, label}].
 function columnsOf(chart, api) {
   const cols = (chart.keys || []).filter(([k]) => k in api.series).map(([key, label]) => ({ key, label }));
-  if (chart.prefix) {
-    const p = chart.prefix + ":";
+  const prefixes = chart.prefix ? [[chart.prefix, chart.prefixLabel], ...(chart.also || [])] : [];
+  for (const [prefix, labelOf] of prefixes) {
+    const p = prefix + ":";
     for (const key of Object.keys(api.series).sort()) {
       if (key.startsWith(p)) {
         const name = key.slice(p.length);
-        cols.push({ key, label: chart.prefixLabel ? chart.prefixLabel(name) : name });
+        cols.push({ key, label: labelOf ? labelOf(name) : name });
       }
     }
   }

@@ -95,6 +95,7 @@ class FakeStack:
     def _build_trainer(self) -> None:
         r = self.trainer = CollectorRegistry()
         self.t_auc = Gauge("driftline_trainer_auc", "AUC.", ["model", "mode"], registry=r)
+        self.t_base_auc = Gauge("driftline_trainer_baseline_auc", "AUC.", ["model", "baseline"], registry=r)
         self.t_loss = Gauge("driftline_trainer_loss", "Loss.", ["model", "mode"], registry=r)
         self.t_examples = Counter("driftline_trainer_examples_total", "Examples.", ["model", "mode"], registry=r)
         self.t_delay = Histogram("driftline_trainer_sync_delay_seconds", "Delay.", ["model"],
@@ -138,6 +139,7 @@ class FakeStack:
             self.t_rank_comm.labels("deepfm", str(rank)).inc(2 * rng.uniform(0.004, 0.008))
         auc = 0.5 + 0.26 * (1 - math.exp(-elapsed / 8)) + rng.gauss(0, 0.004)
         self.t_auc.labels("deepfm", "online").set(auc)
+        self.t_base_auc.labels("deepfm", "counts").set(0.5 + 0.22 * (1 - math.exp(-elapsed / 5)) + rng.gauss(0, 0.004))
         self.t_loss.labels("deepfm", "online").set(0.69 - 0.15 * (1 - math.exp(-elapsed / 8)))
         version = int(elapsed / 2)
         if version != getattr(self, "_version", -1):  # one sync per fake version

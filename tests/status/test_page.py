@@ -81,6 +81,10 @@ def test_page_in_headless_chromium_has_live_charts_and_no_console_errors(fake_st
     assert set(counts) == set(CHART_IDS)
     for chart_id, c in counts.items():
         assert c["x"] >= 5 and max(c["y"]) >= 5, (chart_id, c)
+    # the AUC chart: the model's line and the counting baseline's, both with points
+    assert len(counts["auc"]["y"]) == 2 and min(counts["auc"]["y"]) >= 5, counts["auc"]
+    labels = page.evaluate("() => window.driftline.plots['auc'].series.slice(1).map(s => s.label)")
+    assert labels == ["deepfm", "deepfm: counting clicks"], labels
     assert page.locator("canvas").count() >= len(CHART_IDS)
     assert page.locator(".badge.up").count() == 3
     auc = float(page.text_content("#tile-auc"))

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from prometheus_client import REGISTRY
@@ -95,6 +96,13 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
     assert res["bad"] == 3 and res["duplicates"] == 500 and tr.ingest.bad == 3
     assert res["auc"] > 0.6, res
     assert res["sparse_version"] >= 2
+    # the counting baseline scored the same examples (the bad ones and the duplicates not), exported
+    base = tr.learned.baseline
+    assert base.examples == N and 0.5 < res["baseline_auc"] == base.auc.value() < 1, res
+    model = {"model": small_cfg().model_id}
+    assert REGISTRY.get_sample_value("driftline_trainer_baseline_auc", {**model, "baseline": "counts"}) == res["baseline_auc"]
+    assert REGISTRY.get_sample_value("driftline_trainer_log_loss", {**model, "scorer": "counts"}) == res["baseline_log_loss"]
+    assert REGISTRY.get_sample_value("driftline_trainer_log_loss", {**model, "scorer": "model"}) == res["log_loss"] > 0
 
     # deltas applied in order to empty tables reproduce the trainer's tables at the last sync
     msgs = [ParameterDelta.FromString(v) for v in await read_topic(settings, settings.topics.param_deltas)]
@@ -183,6 +191,9 @@ async def test_kill_9_resume(settings, ml_examples, tmp_path):
     assert final["seq"] > killed_at["seq"]
     assert final["sparse_version"] > killed_at["sparse_version"]
     assert final["auc"] > 0.6
+    # the counting baseline went on from the snapshot too: it counted each example once
+    scores = torch.load(root / final["name"] / "dense.pt", weights_only=False)["scores"]
+    assert scores["count_baseline"]["examples"] == N and scores["log_loss"][1] == N, scores["log_loss"]
     total = sum(final["offsets"].values())
     assert total == records  # next offsets of all partitions: every record consumed
     assert "resuming" in log.read_text() or "restored snapshot" in log.read_text()

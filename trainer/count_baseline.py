@@ -1,0 +1,162 @@
+"""The counting baseline the online trainer keeps beside its model: per-user and per-item click
+rates, scored and counted on the same examples in the same order (progressive validation: each
+example scored from the counts of the examples before it, then counted).
+
+A learned model that cannot beat counting clicks has not learned the features yet; the trainer
+exports both scores' AUC and log loss (``driftline_trainer_baseline_auc``,
+``driftline_trainer_log_loss{scorer=...}``), and the status page draws them side by side.
+
+The score is ``logit(user rate) + logit(item rate) - logit(global rate)``, each key's rate smoothed
+toward the global rate so far by ``prior`` examples (``(clicks + prior * global) / (seen +
+prior)``; the trainer's is ``eval.count_prior``, tuned by ``driftline eval tune``); a model without a ``user_id`` slot counts items alone. The keys are the first id of
+the ``item_id`` and ``user_id`` slots: the ids ``/rank`` carries for every project, not a data
+set's features. Counts are exact (:class:`ps.hashmap.HashIndex`, one row per key: about 40 bytes
+per user and item, next to the model's own rows for them) and saved in the trainer's snapshots.
+``evaluation.baselines`` scores its ``counts`` baseline with this class too.
+
+>>> import numpy as np
+>>> c = CountBaseline(prior=1.0)  # no users: item 7's rate, smoothed toward the global rate
+>>> p = c.score_and_count(None, np.array([7, 7, 7]), np.array([1.0, 1.0, 0.0]))
+>>> [round(float(x), 3) for x in p], c.examples, round(c.log_loss, 3)
+([0.5, 0.833, 0.917], 3, 1.12)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ps.hashmap import HashIndex
+
+from .metrics import StreamingAUC
+
+__all__ = ["ITEM_SLOT", "USER_SLOT", "CountBaseline", "first_ids"]
+
+ITEM_SLOT, USER_SLOT = "item_id", "user_id"
+
+
+def first_ids(ids: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Each bag's first id; -1 for an empty bag (-1 is then one more key, "no id").
+
+    >>> first_ids(np.array([5, 6, 9]), np.array([0, 2, 2, 3])).tolist()
+    [5, -1, 9]
+    """
+    starts = offsets[:-1]
+    out = np.full(starts.size, -1, np.int64)
+    has = offsets[1:] > starts
+    out[has] = ids[starts[has]]
+    return out
+
+
+class _KeyCounts:
+    """Clicks and examples per key (exact: one row per key)."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.index = HashIndex(capacity)
+        self.clicks = np.zeros(capacity, np.float64)
+        self.seen = np.zeros(capacity, np.float64)
+        self.keys = np.zeros(capacity, np.int64)
+        self.n = 0
+
+    def rows(self, uniq: np.ndarray) -> np.ndarray:
+        """The rows of distinct ``uniq`` keys, new keys given new rows."""
+        rows = self.index.lookup(uniq)
+        missing = rows < 0
+        if missing.any():
+            new = uniq[missing]
+            if self.n + new.size > self.clicks.size:
+                size = max(2 * self.clicks.size, self.n + new.size)
+                self.clicks, self.seen, self.keys = (np.resize(a, size) for a in (self.clicks, self.seen, self.keys))
+                self.clicks[self.n:] = self.seen[self.n:] = 0
+            fresh = np.arange(self.n, self.n + new.size, dtype=np.int64)
+            self.index.reserve(self.n + new.size)
+            self.index.insert(new, fresh)
+            self.keys[fresh] = new
+            self.n += new.size
+            rows[missing] = fresh
+        return rows
+
+    def rates(self, keys: np.ndarray, y: np.ndarray, known: np.ndarray, g: np.ndarray, prior: float) -> np.ndarray:
+        """Each example's smoothed rate from its key's counts before it (earlier batches and earlier
+        in this one), then the batch counted."""
+        uniq, inv = np.unique(keys, return_inverse=True)
+        rows = self.rows(uniq)
+        o = np.argsort(inv, kind="stable")
+        k = inv[o]
+        first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+        start = np.repeat(first, np.diff(np.r_[first, k.size]))
+        both = np.stack([y[o], known[o]], 1)
+        run = np.cumsum(both, 0) - both
+        before = np.empty_like(both)
+        before[o] = run - run[start]
+        clicks = self.clicks[rows][inv] + before[:, 0]
+        seen = self.seen[rows][inv] + before[:, 1]
+        self.clicks[rows] += np.bincount(inv, weights=y, minlength=uniq.size)
+        self.seen[rows] += np.bincount(inv, weights=known, minlength=uniq.size)
+        return (clicks + prior * g) / (seen + prior)
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {"keys": self.keys[:self.n].copy(), "clicks": self.clicks[:self.n].copy(), "seen": self.seen[:self.n].copy()}
+
+    @classmethod
+    def loaded(cls, state: dict[str, np.ndarray]) -> "_KeyCounts":
+        keys = np.asarray(state["keys"], np.int64)
+        counts = cls(max(1024, keys.size))
+        rows = counts.rows(keys)
+        counts.clicks[rows] = state["clicks"]
+        counts.seen[rows] = state["seen"]
+        return counts
+
+
+def _logit(p: np.ndarray) -> np.ndarray:
+    return np.log(p) - np.log1p(-p)
+
+
+class CountBaseline:
+    """Progressive per-user + per-item click-rate counts; ``auc`` and ``log_loss`` of their scores."""
+
+    def __init__(self, prior: float) -> None:
+        self.prior = prior
+        self.users, self.items = _KeyCounts(), _KeyCounts()
+        self.clicks = 0.0
+        self.examples = 0
+        self.auc = StreamingAUC()
+        self.loss_sum = 0.0
+
+    @property
+    def log_loss(self) -> float:
+        return self.loss_sum / self.examples if self.examples else float("nan")
+
+    def score_and_count(self, users: np.ndarray | None, items: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """Score each example from the counts before it, then count it; ``users`` None: items alone.
+        Labels that are NaN (unknown) are scored but neither counted nor judged."""
+        known = ~np.isnan(labels)
+        y = np.where(known, labels, 0.0).astype(np.float64)
+        k = known.astype(np.float64)
+        g = (self.clicks + np.cumsum(y) - y + 1.0) / (self.examples + np.cumsum(k) - k + 2.0)  # global rate so far
+        z = _logit(self.items.rates(items, y, k, g, self.prior))
+        if users is not None:
+            z += _logit(self.users.rates(users, y, k, g, self.prior)) - _logit(g)
+        p = 1.0 / (1.0 + np.exp(-z))
+        self.clicks += float(y.sum())
+        self.examples += int(known.sum())
+        self.auc.update(p[known], y[known])
+        q = np.clip(p[known], 1e-7, 1 - 1e-7)
+        self.loss_sum -= float((y[known] * np.log(q) + (1 - y[known]) * np.log1p(-q)).sum())
+        return p.astype(np.float32)
+
+    def score_batch(self, batch) -> np.ndarray | None:
+        """:meth:`score_and_count` on a :class:`trainer.batch.SparseBatch` (None: no ``item_id`` slot)."""
+        if ITEM_SLOT not in batch.ids or batch.labels is None:
+            return None
+        users = first_ids(*batch.bag(USER_SLOT)) if USER_SLOT in batch.ids else None
+        return self.score_and_count(users, first_ids(*batch.bag(ITEM_SLOT)), batch.labels.astype(np.float64))
+
+    def state(self) -> dict:
+        return {"prior": self.prior, "users": self.users.state(), "items": self.items.state(), "clicks": self.clicks,
+                "examples": self.examples, "auc_pos": self.auc.pos, "auc_neg": self.auc.neg, "loss_sum": self.loss_sum}
+
+    def load(self, state: dict) -> None:
+        self.users, self.items = _KeyCounts.loaded(state["users"]), _KeyCounts.loaded(state["items"])
+        self.clicks, self.examples = float(state["clicks"]), int(state["examples"])
+        self.auc.load(state["auc_pos"], state["auc_neg"])
+        self.loss_sum = float(state["loss_sum"])

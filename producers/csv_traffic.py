@@ -29,6 +29,7 @@ from tqdm import tqdm
 from driftline.client import AsyncRankClient, InvalidInput, ServingError
 from driftline.project import FeatureSpec
 from producers.csv_log import Request, load_map, parquet_rows, rebase, requests_of
+from producers.join_report import add_arguments, default_urls, with_join_report
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -172,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=16, help="HTTP calls in flight at most")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for serving's /readyz")
     p.add_argument("--no-progress", action="store_true")
+    add_arguments(p)
     return p
 
 
@@ -184,10 +186,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(SERVICE, settings.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call otherwise
     try:
-        stats = asyncio.run(replay_csv(settings, args.csv or args.parquet, args.map, args.config, url=args.url,
-                                       speed=args.speed, limit=args.limit, rebase_time=args.rebase,
-                                       concurrency=args.concurrency, progress=not args.no_progress,
-                                       ready_timeout_s=args.ready_timeout, parquet=args.parquet is not None))
+        replay = replay_csv(settings, args.csv or args.parquet, args.map, args.config, url=args.url,
+                            speed=args.speed, limit=args.limit, rebase_time=args.rebase, concurrency=args.concurrency,
+                            progress=not args.no_progress, ready_timeout_s=args.ready_timeout,
+                            parquet=args.parquet is not None)
+        if not args.no_join_report:
+            replay = with_join_report(replay, args.joiner_metrics or default_urls(settings), args.join_settle_s)
+        stats = asyncio.run(replay)
     # a bad map, log or project file (InvalidInput and pydantic's errors are ValueErrors), serving not ready
     except (ValueError, ServingError, OSError) as err:
         print(f"driftline traffic: {err}", file=sys.stderr)

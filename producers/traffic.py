@@ -37,6 +37,7 @@ import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 from tqdm import tqdm
 
+from producers.join_report import add_arguments, default_urls, with_join_report
 from producers.movielens import load
 from producers.replay import ReplayPlan, make_plan
 from services.api_keys import client_headers
@@ -361,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--stay", action="store_true",
                    help="after the replay, keep /metrics up until stopped (so its totals stay scrapeable)")
+    add_arguments(p)
     return p
 
 
@@ -389,11 +391,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.after_learned:
         resume = after_learned(settings, args.dataset or settings.replay.dataset)
         args.start_rating = args.start_rating if resume is None else resume
+    replay = drive(settings, args.dataset, args.speed, args.limit, args.start_fraction, args.concurrency,
+                   base_url=args.url, start_rating=args.start_rating, progress=not args.no_progress,
+                   ready_timeout_s=args.ready_timeout)
+    if not args.no_join_report:
+        replay = with_join_report(replay, args.joiner_metrics or default_urls(settings), args.join_settle_s)
     try:
-        stats = asyncio.run(_until_sigterm(drive(settings, args.dataset, args.speed, args.limit, args.start_fraction,
-                                                 args.concurrency, base_url=args.url, start_rating=args.start_rating,
-                                                 progress=not args.no_progress,
-                                                 ready_timeout_s=args.ready_timeout)))
+        stats = asyncio.run(_until_sigterm(replay))
     except ServingUnavailable as err:
         print(f"driftline traffic: {err}", file=sys.stderr)
         return 2

@@ -66,7 +66,7 @@ def test_a_csv_log_replays_through_serving(options: Settings, tmp_path: Path, ca
     map_file.write_text(MAP)
     with running(create_app(options, served_model(["item_id", "device", "pos"], ["price"]))) as base:
         wait_ready(base)
-        code = cli_main(["traffic", "--csv", str(log), "--map", str(map_file), "--url", base, "--speed", "0",
+        code = cli_main(["traffic", "--csv", str(log), "--map", str(map_file), "--url", base, "--speed", "0", "--no-join-report",
                          "--rebase", "--no-progress"])
     stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and stats["rank_errors"] == stats["action_errors"] == 0, stats

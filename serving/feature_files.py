@@ -16,8 +16,12 @@ A CSV column of digits reads as integers (ids as they are): name it in ``--strin
 values hashed as the strings they are (a zip code ``02134`` stays ``"02134"``), as a client that
 hashes them must.
 
-Float and boolean columns are refused: the store holds sparse ids, dense values come with each
-``/rank`` request. Column names must be slot names (letters, digits, ``_.-``). The rows are
+With a project file (``--config``) only the file's declared sparse features are loaded (a users
+file's ``source = "user"`` ones, an items file's ``source = "item"``); every other column is skipped
+and named, with the reason, in the command's output. Without one, every column is a slot, except
+float and boolean ones, which are skipped and named: the store holds sparse ids, dense values come
+with each ``/rank`` request. A declared sparse feature whose column holds floats is refused (the
+file and the declaration disagree). Column names must be slot names (letters, digits, ``_.-``). The rows are
 written as :mod:`serving.feature_store` lays them out (``<prefix>:u:<user_id>`` and
 ``<prefix>:i:<item_id>``, each ``slot=id,id;slot=id``), replacing what a key held.
 
@@ -30,6 +34,12 @@ written as :mod:`serving.feature_store` lays them out (``<prefix>:u:<user_id>`` 
 (True, [1990])
 >>> list(table_slots(pa.table({"sku": ["A-1"], "year": [1]}), "sku")) == [string_key("A-1")]
 True
+>>> skipped = {}
+>>> table_slots(pa.table({"id": [1], "price": [9.5], "year": [2001], "note": ["x"]}), "id", declared=["year"],
+...             skipped=skipped)
+{1: {'year': [2001]}}
+>>> skipped
+{'price': 'not a declared sparse feature', 'note': 'not a declared sparse feature'}
 """
 
 from __future__ import annotations
@@ -98,11 +108,29 @@ def _column_ids(name: str, column: pa.ChunkedArray, separator: str | None) -> li
                            "them (dense values come with each /rank request)")
 
 
-def table_slots(table: pa.Table, key: str, separator: str | None = None) -> dict[int, Slots]:
-    """``{key: {slot: ids}}`` of a table: one slot per column but the key."""
+def _loaded_columns(table: pa.Table, key: str, declared: Sequence[str] | None,
+                    skipped: dict[str, str]) -> list[str]:
+    """The columns to load as slots; the others go into ``skipped`` with the reason."""
+    names = []
+    for name in (c for c in table.column_names if c != key):
+        kind = table.column(name).type
+        if declared is not None and name not in declared:
+            skipped[name] = "not a declared sparse feature"
+        elif declared is None and (pat.is_floating(kind) or pat.is_boolean(kind)):
+            skipped[name] = f"{kind}: a sparse slot takes integers, strings or lists of them (dense values come with each /rank request)"
+        else:
+            names.append(name)
+    return names
+
+
+def table_slots(table: pa.Table, key: str, separator: str | None = None, declared: Sequence[str] | None = None,
+                skipped: dict[str, str] | None = None) -> dict[int, Slots]:
+    """``{key: {slot: ids}}`` of a table: one slot per column but the key, or per ``declared``
+    column (the others, and without ``declared`` the float and boolean ones, are left out and
+    named in ``skipped``)."""
     if key not in table.column_names:
         raise FeatureFileError(f"no key column {key!r} (columns: {', '.join(table.column_names)})")
-    names = [c for c in table.column_names if c != key]
+    names = _loaded_columns(table, key, declared, {} if skipped is None else skipped)
     for name in names:
         if not _SLOT.match(name):
             raise FeatureFileError(f"column {name!r} is not a slot name (letters, digits, '_', '.', '-')")
@@ -121,23 +149,31 @@ def table_slots(table: pa.Table, key: str, separator: str | None = None) -> dict
     return out
 
 
-def file_slots(path: Path, key: str, separator: str | None = None, strings: Sequence[str] = ()) -> dict[int, Slots]:
+def file_slots(path: Path, key: str, separator: str | None = None, strings: Sequence[str] = (),
+               declared: Sequence[str] | None = None, skipped: dict[str, str] | None = None) -> dict[int, Slots]:
     try:
-        return table_slots(read_table(path, list(strings)), key, separator)
+        return table_slots(read_table(path, list(strings)), key, separator, declared, skipped)
     except FeatureFileError as err:
         raise FeatureFileError(f"{path}: {err}") from None
 
 
 async def load_files(url: str, prefix: str, users: Path | None, items: Path | None, *, user_key: str = "user_id",
-                     item_key: str = "item_id", separator: str | None = None,
-                     strings: Sequence[str] = ()) -> tuple[int, float]:
+                     item_key: str = "item_id", separator: str | None = None, strings: Sequence[str] = (),
+                     user_features: Sequence[str] | None = None, item_features: Sequence[str] | None = None,
+                     skipped: dict[str, dict[str, str]] | None = None) -> tuple[int, float]:
     """Fill the store from a users file and/or an items file; return (keys written, seconds).
-    Both files are read and checked before anything is written."""
+    ``user_features`` / ``item_features``: the declared sparse features to load (None: every
+    id column); ``skipped`` gets ``{file: {column: reason}}``. Both files are read and checked
+    before anything is written."""
     from serving.feature_store import FeatureStore
 
     started = time.perf_counter()
-    user_rows = file_slots(users, user_key, separator, strings) if users is not None else {}
-    item_rows = file_slots(items, item_key, separator, strings) if items is not None else {}
+    skipped = {} if skipped is None else skipped
+    user_rows = item_rows = {}
+    if users is not None:
+        user_rows = file_slots(users, user_key, separator, strings, user_features, skipped.setdefault(str(users), {}))
+    if items is not None:
+        item_rows = file_slots(items, item_key, separator, strings, item_features, skipped.setdefault(str(items), {}))
     store = FeatureStore(url, prefix, timeout_s=30.0)
     try:
         n = await store.put(user_rows, item_rows)

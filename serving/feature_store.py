@@ -310,6 +310,8 @@ def _apply_project(args: argparse.Namespace) -> None:
         args.separator = args.separator or store.separator
         hashed = [f.name for f in project.features if f.hashed and f.source in ("user", "item")]
         args.strings = ",".join([c for c in args.strings.split(",") if c] + hashed)
+        args.declared = {source: [f.name for f in project.features if f.source == source and f.kind == "sparse"]
+                         for source in ("user", "item")}
     args.user_key, args.item_key = args.user_key or "user_id", args.item_key or "item_id"
 
 
@@ -339,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     p_load.add_argument("--data-dir", type=Path, default=settings.data_dir)
     p_load.add_argument("--redis-url", default=settings.redis)
     p_load.add_argument("--prefix", default=settings.serving.redis_prefix)
+    p_load.set_defaults(declared={})  # source -> its declared sparse features (a project file's)
     args = parser.parse_args(argv)
     try:
         _apply_project(args)
@@ -350,16 +353,20 @@ def main(argv: list[str] | None = None) -> int:
         print("driftline features load: give --users FILE and/or --items FILE, or --movielens (the demo), "
               "not both", file=sys.stderr)
         return 2
+    skipped: dict[str, dict[str, str]] = {}
     try:
         if args.movielens:
             source = args.dataset
             n, seconds = asyncio.run(load_dataset(args.redis_url, args.dataset, args.data_dir, args.prefix))
         else:
             source = " and ".join(str(p) for p in (args.users, args.items) if p is not None)
+            declared = args.declared
             n, seconds = asyncio.run(load_files(args.redis_url, args.prefix, args.users, args.items,
                                                 user_key=args.user_key, item_key=args.item_key,
                                                 separator=args.separator,
-                                                strings=[c for c in args.strings.split(",") if c]))
+                                                strings=[c for c in args.strings.split(",") if c],
+                                                user_features=declared.get("user"), item_features=declared.get("item"),
+                                                skipped=skipped))
     except FeatureFileError as err:
         print(f"driftline features load: {err}", file=sys.stderr)
         return 2
@@ -368,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
               "REDIS_URL (redis://user:password@host:port/0) and DRIFTLINE_REDIS_CLIENT__*", file=sys.stderr)
         return 1
     print(f"loaded {n} feature keys from {source} into {redacted(args.redis_url)} in {seconds:.2f}s")
+    for path, columns in skipped.items():
+        for column, reason in columns.items():
+            print(f"skipped {path} column {column!r}: {reason}")
     return 0
 
 

@@ -49,7 +49,6 @@ def test_users_parquet_and_items_csv_load(redis_url: str, tmp_path: Path, capsys
 
 
 @pytest.mark.parametrize(("table", "args", "needle"), [
-    ({"user_id": [1], "price": [1.5]}, [], "column 'price' is double"),
     ({"uid": [1], "a": [1]}, [], "no key column 'user_id'"),
     ({"user_id": [1.5], "a": [1]}, [], "key column 'user_id' must hold non-negative integer ids"),
     ({"user_id": [1], "a b": [1]}, [], "column 'a b' is not a slot name"),
@@ -92,3 +91,32 @@ def test_the_project_file_names_the_keys_and_the_string_features(redis_url: str,
     config.write_text('name = "shop"\n[[features]]\nname = "brand"\nsource = "item"\nkind = "dense"\n')
     assert main(["load", "--config", str(config), "--items", str(items), "--redis-url", redis_url]) == 2
     assert "dense values come with each /rank request" in capsys.readouterr().err
+
+
+def test_only_declared_sparse_features_load_and_the_rest_is_named(redis_url: str, tmp_path: Path, capsys) -> None:
+    """A users file with more columns than the project declares: the declared sparse features
+    load, every other column is skipped and named with the reason (a float column too); without a
+    project file, float columns are skipped and the rest loads. A declared sparse feature whose
+    column holds floats is refused: the file and the declaration disagree."""
+    users = tmp_path / "users.parquet"
+    pq.write_table(pa.table({"user_id": [1], "segment": ["pros"], "spend": [12.5], "visits": [7]}), users)
+    config = tmp_path / "driftline.toml"
+    config.write_text('name = "shop"\n[[features]]\nname = "segment"\nsource = "user"\nids = "string"\n')
+    prefix = f"decl{time.time_ns()}"
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        assert main(["load", "--config", str(config), "--users", str(users), "--redis-url", redis_url,
+                     "--prefix", prefix]) == 0
+        out = capsys.readouterr().out
+        assert f"skipped {users} column 'spend': not a declared sparse feature" in out, out
+        assert f"skipped {users} column 'visits': not a declared sparse feature" in out, out
+        assert raw.get(f"{prefix}:u:1").decode() == f"segment={string_id('pros')}"
+        assert main(["load", "--users", str(users), "--redis-url", redis_url, "--prefix", prefix]) == 0
+        out = capsys.readouterr().out
+        assert f"skipped {users} column 'spend': double" in out and "visits" not in out, out
+        assert raw.get(f"{prefix}:u:1").decode() == f"segment={string_id('pros')};visits=7"
+    finally:
+        raw.close()
+    config.write_text('name = "shop"\n[[features]]\nname = "spend"\nsource = "user"\n')
+    assert main(["load", "--config", str(config), "--users", str(users), "--redis-url", redis_url]) == 2
+    assert "column 'spend' is double" in capsys.readouterr().err

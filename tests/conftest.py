@@ -232,21 +232,76 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 _WARM = """
+import tempfile
+from pathlib import Path
+
 import numpy as np
 from trainer.batch import SparseBatch
 from trainer.config import deepfm_config, lr_config
-from trainer.model import SparseModel
+from trainer.model import SparseModel, make_tables
+
+models = []
 for cfg in (deepfm_config(dim=4, mlp=[8]), lr_config(sequential=True)):
     rows = [{s: [i % 3] for s in cfg.all_slots} for i in range(8)]
     b = SparseBatch.from_slot_dicts(rows, slots=cfg.all_slots, labels=np.arange(8) % 2,
                                     event_time_ms=np.full(8, 1_000))
-    SparseModel(cfg).train_step(b)
+    models.append(SparseModel(cfg))
+    models[-1].train_step(b)
+
+
+def part(f):  # each part alone: one failing leaves the rest warmed
+    try:
+        f()
+    except Exception as err:
+        print(f"numba warm-up: {f.__name__}: {err!r}")
+
+
+@part
+def deltas_and_snapshots():  # the trainer's syncs and snapshots, serving's delta replicas
+    from trainer import snapshots
+    m = models[0]
+    replicas = make_tables(m.cfg, serving=True)
+    for name, t in m.tables.items():
+        for chunk in t.pop_updates():
+            replicas[name].apply_sync(chunk)
+        t.delete(np.array([0], np.int64))
+        t.expire(now=10**15)
+    root = Path(tempfile.mkdtemp()) / m.cfg.model_id
+    snapshots.save(root, m.cfg, m.tables, {"head": m.head.state_dict()},
+                   {"offsets": {}, "sparse_version": 0, "dense_version": 0, "examples_applied": 0})
+    snapshots.load(root, m.cfg, serving=True)
+    snapshots.load(root, m.cfg, serving=False)
+
+
+@part
+def dedup_window():  # every online trainer's duplicate check
+    from trainer.dedup import DedupWindow, duplicates
+    w = DedupWindow(1000)
+    h = np.arange(20, dtype=np.uint64).reshape(-1, 2)
+    w.contains_many(h)
+    duplicates(w, np.zeros((0, 2), np.uint64), h)
+    w.add_many(h)
+
+
+@part
+def ranks():  # a distributed trainer's owners and wire
+    from trainer.dist_wire import packed_rows, plan
+    from trainer.sharding import shard_of
+    ids = np.arange(12, dtype=np.int64)
+    tab = ids % 3
+    owner = shard_of(ids, 2)
+    p = plan(ids, tab, owner, 2, 3)
+    dims = np.array([4, 4, 1], np.int64)
+    rows = packed_rows(dims, p.u_tab, p.inv, tab)
+    n = int(dims[p.u_tab].sum())
+    rows.sum_back(rows.take(np.ones(n, np.float32), rows.size), n)
 """
 
 
 def _warm_numba_cache() -> None:
-    """Compile the served model's training kernels into the shared cache before the tests run:
-    the sequential pass takes ~20 s to compile on these cores, and every process that first steps
-    the default model while the cache is empty would compile it at once, inside timed waits."""
+    """Compile the kernels of the served model's training, its syncs and snapshots, the dedup window
+    and the ranks' wire into the shared cache before the tests run: on a fresh clone the cache is
+    empty, and every process that first needs a kernel compiles it, several at once inside timed
+    waits (the sequential pass alone takes ~20 s; the rank tests ran 15-30 s longer there)."""
     subprocess.run([sys.executable, "-c", _WARM], cwd=Path(__file__).resolve().parent.parent, check=False,
                    timeout=300)

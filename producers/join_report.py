@@ -13,6 +13,7 @@ them and warns, naming the settings, when they pass ``WARN_FRACTION`` of the act
 The counters are the joiner workers' ``/metrics`` (summed over workers): by default the one the
 local stack runs (``driftline up``), else each ``--joiner-metrics URL``. After the replay the report
 waits (up to ``settle_s``) until the joiner has read every action sent and its counts stop moving.
+A joiner restarted during the replay (its counters begin again at 0) is reported as such, uncounted.
 
 >>> r = JoinReport(before={"actions": 10, "joined": 8}, after={"actions": 1010, "joined": 990,
 ...                "orphan_actions": 6, "late_actions": 4, "expired_impressions": 0, "pending_actions": 0})
@@ -123,6 +124,11 @@ async def report_after(client: httpx.AsyncClient, urls: Sequence[str], before: d
     after = before
     while time.monotonic() < deadline:
         got = await read_counts(client, urls)
+        if got is not None and any(got[k] < before[k] for k in COUNTERS):
+            # a worker restarted (its counters began again at 0): what it counted before is gone
+            log.warning("the joiner restarted during the replay (its counters began again): no count of what "
+                        "it joined")
+            return {"joiner_metrics": list(urls), "restarted": True, "actions_sent": actions_sent}
         if got is not None:
             after = got
             done = after["actions"] - before["actions"] >= actions_sent and not after["pending_actions"]

@@ -49,3 +49,26 @@ async def test_the_report_counts_what_the_joiner_lost_and_names_the_settings(set
     assert join["lost"] > 0.001 * sent, join
     for setting in ("joiner.orphan_grace_seconds", "joiner.allowed_lateness_seconds", "joiner.window_seconds", "--speed"):
         assert setting in join["warning"], (setting, join)
+
+
+async def test_a_joiner_restarted_during_the_replay_is_said_not_counted() -> None:
+    """Counters lower after the replay than before: the worker restarted (kill -9, a broker
+    reset), so the deltas mean nothing; the report says so at once instead of waiting to settle."""
+    from prometheus_client import CollectorRegistry, Counter, start_http_server
+
+    from producers.join_report import report_after
+
+    registry = CollectorRegistry()  # a restarted worker's exporter: 5 actions since its start
+    Counter("driftline_joiner_actions", "Actions consumed.", registry=registry).inc(5)
+    port = free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    try:
+        async with httpx.AsyncClient() as client:
+            started = time.monotonic()
+            before = {"actions": 900.0, "joined": 800.0, "orphan_actions": 0.0, "late_actions": 0.0,
+                      "expired_impressions": 0.0, "pending_actions": 0.0}
+            report = await report_after(client, [f"http://127.0.0.1:{port}/metrics"], before, 1000, settle_s=30)
+        assert report["restarted"] is True and "warning" not in report and time.monotonic() - started < 5, report
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)

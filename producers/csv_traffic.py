@@ -1,9 +1,10 @@
 """``driftline traffic --csv FILE --map FILE``: *your* impression log replayed through serving.
 
-The log is a CSV (``--csv``) or a Parquet file (``--parquet``) with one row per impression (an item shown in a request). Rows sharing a request
-id form one ``POST /rank`` whose candidates are their items; after its answer, the rows whose
-action columns are set become one ``POST /actions`` with the request id serving returned (serving
-names the requests: replaying a log twice never collides with the first run in the joiner). It
+The log is a CSV (``--csv``) or a Parquet file (``--parquet``) with one row per impression (an
+item shown in a request). Rows sharing a request id form one ``POST /rank`` whose candidates are
+their items; after its answer, the rows whose action columns are set become one ``POST /actions``
+with the request id serving returned (serving names the requests: replaying a log twice never
+collides with the first run in the joiner). It
 goes through :class:`driftline.client.AsyncRankClient`, so values are checked and strings hashed
 as any client's are, and paced by event time like the MovieLens driver (:mod:`producers.traffic`):
 ``--speed`` times the log's own pace, 0 as fast as serving answers.

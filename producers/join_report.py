@@ -35,7 +35,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.settings import Settings
 
-__all__ = ["WARN_FRACTION", "JoinReport", "add_arguments", "default_urls", "read_counts", "report_after", "with_join_report"]
+__all__ = ["WARN_FRACTION", "JoinReport", "add_arguments", "default_urls", "read_counts", "report_after",
+           "with_join_report"]
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +132,10 @@ async def report_after(client: httpx.AsyncClient, urls: Sequence[str], before: d
             return {"joiner_metrics": list(urls), "restarted": True, "actions_sent": actions_sent}
         if got is not None:
             after = got
-            done = after["actions"] - before["actions"] >= actions_sent and not after["pending_actions"]
+            read_all = after["actions"] - before["actions"] >= actions_sent
             if got != last:
                 last, still_since = got, time.monotonic()
-            elif done or (after["actions"] - before["actions"] >= actions_sent and time.monotonic() - still_since >= quiet_s):
+            elif read_all and (not after["pending_actions"] or time.monotonic() - still_since >= quiet_s):
                 break
         await asyncio.sleep(0.5)
     report = JoinReport(before, after)

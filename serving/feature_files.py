@@ -117,7 +117,8 @@ def _loaded_columns(table: pa.Table, key: str, declared: Sequence[str] | None,
         if declared is not None and name not in declared:
             skipped[name] = "not a declared sparse feature"
         elif declared is None and (pat.is_floating(kind) or pat.is_boolean(kind)):
-            skipped[name] = f"{kind}: a sparse slot takes integers, strings or lists of them (dense values come with each /rank request)"
+            skipped[name] = (f"{kind}: a sparse slot takes integers, strings or lists of them (dense values come "
+                             "with each /rank request)")
         else:
             names.append(name)
     return names

@@ -8,10 +8,11 @@ exports both scores' AUC and log loss (``driftline_trainer_baseline_auc``,
 
 The score is ``logit(user rate) + logit(item rate) - logit(global rate)``, each key's rate smoothed
 toward the global rate so far by ``prior`` examples (``(clicks + prior * global) / (seen +
-prior)``; the trainer's is ``eval.count_prior``, tuned by ``driftline eval tune``); a model without a ``user_id`` slot counts items alone. The keys are the first id of
-the ``item_id`` and ``user_id`` slots: the ids ``/rank`` carries for every project, not a data
-set's features. Counts are exact (:class:`ps.hashmap.HashIndex`, one row per key: about 40 bytes
-per user and item, next to the model's own rows for them) and saved in the trainer's snapshots.
+prior)``; the trainer's is ``eval.count_prior``, tuned by ``driftline eval tune``); a model without
+a ``user_id`` slot counts items alone. The keys are the first id of the ``item_id`` and ``user_id``
+slots: the ids ``/rank`` carries for every project, not a data set's features. Counts are exact
+(:class:`ps.hashmap.HashIndex`, one row per key: about 40 bytes per user and item, next to the
+model's own rows for them) and saved in the trainer's snapshots.
 ``evaluation.baselines`` scores its ``counts`` baseline with this class too.
 
 >>> import numpy as np
@@ -95,7 +96,8 @@ class _KeyCounts:
         return (clicks + prior * g) / (seen + prior)
 
     def state(self) -> dict[str, np.ndarray]:
-        return {"keys": self.keys[:self.n].copy(), "clicks": self.clicks[:self.n].copy(), "seen": self.seen[:self.n].copy()}
+        n = self.n
+        return {"keys": self.keys[:n].copy(), "clicks": self.clicks[:n].copy(), "seen": self.seen[:n].copy()}
 
     @classmethod
     def loaded(cls, state: dict[str, np.ndarray]) -> "_KeyCounts":

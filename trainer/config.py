@@ -36,6 +36,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ps import AdagradConfig, InitializerConfig, TableConfig
 
+#: the served model's sparse Adagrad rates (``driftline eval tune`` chose them on ml-1m's tuning
+#: stream; docs/results.md section 4): embeddings, and first-order weights (a larger step: each is
+#: one number, and ``sequential`` steps it example by example). A project's tables default to them.
+SPARSE_LR, LINEAR_LR = 0.05, 0.3
+
 MOVIELENS_SLOTS = ("user_id", "gender", "age", "occupation", "zip", "item_id", "genres", "year")
 #: the real-time slot serving adds to its FeatureLogs after a user's first click: the user's last
 #: clicked item ids (Redis), absent from historical data (an empty bag pools to a zero vector)
@@ -133,10 +138,10 @@ def _salt(slot: str) -> int:
     return int.from_bytes(hashlib.blake2b(slot.encode(), digest_size=8).digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def deepfm_config(model_id: str = "deepfm", dim: int = 16, mlp: list[int] | None = None, lr: float = 0.05,
+def deepfm_config(model_id: str = "deepfm", dim: int = 16, mlp: list[int] | None = None, lr: float = SPARSE_LR,
                   slots: tuple[str, ...] = MOVIELENS_SLOTS, ttl_seconds: float | None = None,
                   min_count: int = 1, shards: int = 1, recent_items: bool = True,
-                  seed: int | None = None, sequential: bool = True, linear_lr: float = 0.3) -> ModelConfig:
+                  seed: int | None = None, sequential: bool = True, linear_lr: float = LINEAR_LR) -> ModelConfig:
     """DeepFM over the MovieLens slots: one embedding + one first-order table per slot.
 
     The defaults are the served model (``driftline eval baselines``, ``docs/results.md`` section 4,

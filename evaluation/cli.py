@@ -1,4 +1,5 @@
-"""``driftline eval tune|collisions|online|staleness|baselines|all [--smoke] [--out docs]``.
+"""``driftline eval tune|collisions|online|staleness|baselines|all [--smoke] [--out docs]``, and
+``driftline eval data`` (your own project's examples against naive baselines: :mod:`evaluation.own_data`).
 
 ``tune`` picks the collisions model and the baselines' learning rates on validation data (never
 the test split; see :mod:`evaluation.tune`); its section is ``tuning``.
@@ -33,8 +34,9 @@ SECTION = {"tune": "tuning"}
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="driftline eval",
                                  description="Reproduce the Monolith paper's experiments on ml-1m (see docs/results.md).")
-    ap.add_argument("experiment", choices=[*EXPERIMENTS, "all", "report"],
-                    help="an experiment, all of them, or `report`: re-render results.md and plots from results.json")
+    ap.add_argument("experiment", choices=[*EXPERIMENTS, "all", "report", "data"],
+                    help="an experiment, all of them, `report`: re-render results.md and plots from results.json, "
+                         "or `data`: your project's dumped examples against naive baselines (`data --help`)")
     ap.add_argument("--smoke", action="store_true", help="tiny settings (seconds; what the tests run)")
     ap.add_argument("--out", default="docs", help="where results.json, results.md and the plots go (default docs)")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="override the seeds")
@@ -107,6 +109,11 @@ def run(experiments: list[str], s: EvalSettings, out: Path, work_root: Path, plo
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["data"]:
+        from . import own_data
+
+        return own_data.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.quiet:
         os.environ["DRIFTLINE_EVAL_NO_PROGRESS"] = "1"

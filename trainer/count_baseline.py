@@ -95,6 +95,13 @@ class _KeyCounts:
         self.seen[rows] += np.bincount(inv, weights=known, minlength=uniq.size)
         return (clicks + prior * g) / (seen + prior)
 
+    def frozen_rates(self, keys: np.ndarray, g: float, prior: float) -> np.ndarray:
+        """Each key's smoothed rate from the counts so far, counting nothing (an unseen key: ``g``)."""
+        rows = self.index.lookup(np.asarray(keys, np.int64))
+        seen = rows >= 0
+        r = np.where(seen, rows, 0)
+        return (np.where(seen, self.clicks[r], 0.0) + prior * g) / (np.where(seen, self.seen[r], 0.0) + prior)
+
     def state(self) -> dict[str, np.ndarray]:
         n = self.n
         return {"keys": self.keys[:n].copy(), "clicks": self.clicks[:n].copy(), "seen": self.seen[:n].copy()}
@@ -145,6 +152,20 @@ class CountBaseline:
         q = np.clip(p[known], 1e-7, 1 - 1e-7)
         self.loss_sum -= float((y[known] * np.log(q) + (1 - y[known]) * np.log1p(-q)).sum())
         return p.astype(np.float32)
+
+    def score(self, users: np.ndarray | None, items: np.ndarray) -> np.ndarray:
+        """Scores from the counts so far, counting nothing (a held-out set scored by frozen counts).
+
+        >>> c = CountBaseline(prior=1.0)
+        >>> _ = c.score_and_count(None, np.array([7, 7, 8]), np.array([1.0, 1.0, 0.0]))
+        >>> [round(float(x), 3) for x in c.score(None, np.array([7, 9]))]  # 9: unseen, the global rate
+        [0.867, 0.6]
+        """
+        g = (self.clicks + 1.0) / (self.examples + 2.0)
+        z = _logit(self.items.frozen_rates(items, g, self.prior))
+        if users is not None:
+            z += _logit(self.users.frozen_rates(users, g, self.prior)) - _logit(np.float64(g))
+        return (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
 
     def score_batch(self, batch) -> np.ndarray | None:
         """:meth:`score_and_count` on a :class:`trainer.batch.SparseBatch` (None: no ``item_id`` slot)."""

@@ -117,41 +117,52 @@ def parquet_files(root: Path = Path("var/examples")) -> list[Path]:
 
 def parquet_batches(files: list[Path], batch_size: int, slots: list[str], label: str = "click",
                     dense_features: list[str] | tuple = ()) -> Iterator[SparseBatch]:
-    """Batches from the dumper's Parquet files (schema in :mod:`joiner.dumper`'s docstring):
-    ``sparse_<slot>`` list<int64> per slot (missing column or null: empty bags), ``label_<label>``
-    (null: NaN), ``event_time_ms``, ``sample_rate`` (missing: 1.0), ``dense_<name>`` (missing or
-    null: NaN), ``example_id``, ``model_id`` (each example's slice; missing: slices unknown)."""
+    """Batches from the dumper's Parquet files (schema in :mod:`joiner.dumper`'s docstring), each
+    read as :func:`arrow_batch` reads a table."""
+    for f in files:
+        for rb in pq.ParquetFile(f).iter_batches(batch_size=batch_size):
+            yield arrow_batch(pa.Table.from_batches([rb]), slots, label, dense_features)
+
+
+def arrow_batch(t: pa.Table, slots: list[str], label: str = "click",
+                dense_features: list[str] | tuple = ()) -> SparseBatch:
+    """One batch from a table of dumped examples: ``sparse_<slot>`` list<int64> per slot (missing
+    column or null: empty bags), ``label_<label>`` (null: NaN), ``event_time_ms``, ``sample_rate``
+    (missing: 1.0), ``dense_<name>`` (missing or null: NaN), ``model_id`` (each example's slice;
+    missing: slices unknown).
+
+    >>> t = pa.table({"sparse_a": [[1, 2], None], "label_click": [1.0, None], "event_time_ms": [5, 6]})
+    >>> b = arrow_batch(t, ["a", "b"])
+    >>> b.ids["a"].tolist(), b.offsets["a"].tolist(), b.offsets["b"].tolist(), b.labels.tolist()
+    ([1, 2], [0, 2, 2], [0, 0, 0], [1.0, nan])
+    """
     import pyarrow.compute as pc
 
     from services.example_batch import slice_codes
 
-    for f in files:
-        pf = pq.ParquetFile(f)
-        for rb in pf.iter_batches(batch_size=batch_size):
-            t = pa.Table.from_batches([rb])
-            n = t.num_rows
-            names = set(t.column_names)
-            ids, offs = {}, {}
-            for s in slots:
-                o = np.zeros(n + 1, np.int64)
-                if f"sparse_{s}" in names:
-                    col = t[f"sparse_{s}"].combine_chunks()
-                    np.cumsum(pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False), out=o[1:])
-                    ids[s] = pc.list_flatten(col).to_numpy(zero_copy_only=False).astype(np.int64)
-                else:
-                    ids[s] = np.zeros(0, np.int64)
-                offs[s] = o
+    n = t.num_rows
+    names = set(t.column_names)
+    ids, offs = {}, {}
+    for s in slots:
+        o = np.zeros(n + 1, np.int64)
+        if f"sparse_{s}" in names:
+            col = t[f"sparse_{s}"].combine_chunks()
+            np.cumsum(pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False), out=o[1:])
+            ids[s] = pc.list_flatten(col).to_numpy(zero_copy_only=False).astype(np.int64)
+        else:
+            ids[s] = np.zeros(0, np.int64)
+        offs[s] = o
 
-            def floats(name: str, default: float) -> np.ndarray:
-                if name not in names:
-                    return np.full(n, default, np.float32)
-                return pc.fill_null(t[name], default).to_numpy().astype(np.float32)
+    def floats(name: str, default: float) -> np.ndarray:
+        if name not in names:
+            return np.full(n, default, np.float32)
+        return pc.fill_null(t[name], default).to_numpy().astype(np.float32)
 
-            et = t["event_time_ms"].to_numpy().astype(np.int64) if "event_time_ms" in names else np.zeros(n, np.int64)
-            dense = (np.stack([floats(f"dense_{d}", np.nan) for d in dense_features], 1) if dense_features else None)
-            slice_names, slice_ids = slice_codes([t["model_id"]]) if "model_id" in names else ((), None)
-            yield SparseBatch(n, ids, offs, floats(f"label_{label}", np.nan), et, floats("sample_rate", 1.0), dense,
-                              slice_ids=slice_ids, slice_names=slice_names)
+    et = t["event_time_ms"].to_numpy().astype(np.int64) if "event_time_ms" in names else np.zeros(n, np.int64)
+    dense = (np.stack([floats(f"dense_{d}", np.nan) for d in dense_features], 1) if dense_features else None)
+    slice_names, slice_ids = slice_codes([t["model_id"]]) if "model_id" in names else ((), None)
+    return SparseBatch(n, ids, offs, floats(f"label_{label}", np.nan), et, floats("sample_rate", 1.0), dense,
+                       slice_ids=slice_ids, slice_names=slice_names)
 
 
 def parquet_rows(files: list[Path]) -> int:

@@ -1,0 +1,110 @@
+"""``driftline eval data`` on a project that is not MovieLens: dumped examples (written as the
+dumper writes them) of users with tastes for item categories, negatives sampled at a recorded
+rate; the project's model and the LR must beat the base rate, the counts too, and the report
+must say so in its table, JSON and PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from evaluation import own_data
+from joiner import dumper
+from proto import Example
+from services import example_batch
+from services.settings import get_settings
+
+PROJECT = """name = "synth"
+
+[[features]]
+name = "user_id"
+source = "context"
+
+[[features]]
+name = "item_id"
+source = "candidate"
+
+[[features]]
+name = "cat"
+source = "item"
+"""
+
+KEEP = 0.5  # negatives' keep rate
+
+
+@pytest.fixture(autouse=True)
+def _own_environ():
+    """``main`` applies the project file to the process environment, as the CLI does: undone after."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    get_settings.cache_clear()
+
+
+def _dump(root, n=12_000, seed=0) -> float:
+    """Examples of 40 users x 80 items in 4 categories: an item's appeal, a user's appetite and
+    +2 in log-odds for the category the user likes; negatives kept at KEEP. Returns the population
+    click rate."""
+    rng = np.random.default_rng(seed)
+    likes, appetite = rng.integers(0, 4, 40), rng.normal(0, 0.5, 40)
+    cat, appeal = rng.integers(0, 4, 80), rng.normal(0, 1, 80)
+    out, clicks = [], 0
+    t0 = 1_700_000_000_000
+    for i in range(n):
+        u, it = int(rng.integers(40)), int(rng.integers(80))
+        z = appeal[it] + appetite[u] + 2.0 * (cat[it] == likes[u]) - 2.5
+        y = float(rng.random() < 1 / (1 + np.exp(-z)))
+        clicks += y
+        if not y and rng.random() >= KEEP:
+            continue
+        e = Example(example_id=f"r{i}/{it}", request_id=f"r{i}", item_id=it, user_id=u,
+                    event_time_ms=t0 + i * 1000, sample_rate=1.0 if y else KEEP, model_id="synth")
+        e.labels["click"] = y
+        e.features.sparse["user_id"].ids.append(u)
+        e.features.sparse["item_id"].ids.append(it)
+        e.features.sparse["cat"].ids.append(int(cat[it]))
+        out.append(e)
+    # two files in two hours, the later hour written first: the split follows event time, not disk order
+    half = len(out) // 2
+    for hour, part in ((1, out[half:]), (0, out[:half])):
+        d = root / "dt=2023-11-14" / f"hour={hour:02d}"
+        d.mkdir(parents=True)
+        c = example_batch.decode(example_batch.encode(example_batch.from_examples(part)))
+        pq.write_table(dumper.flatten(c, ["click"]), d / "part-0000000001-0000.parquet")
+    return clicks / n
+
+
+def test_eval_data_judges_the_project_model_against_naive_baselines(tmp_path, capsys):
+    (tmp_path / "driftline.toml").write_text(PROJECT)
+    rate = _dump(tmp_path / "examples")
+    out = tmp_path / "eval"
+    assert own_data.main(["--project", str(tmp_path / "driftline.toml"), "--examples-dir", str(tmp_path / "examples"),
+                          "--test-fraction", "0.25", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| model |" in table and "| counts_user_item |" in table and "| base_rate |" in table
+    r = json.loads((out / "eval-data.json").read_text())
+    assert (out / "eval-data.png").stat().st_size > 10_000
+    assert r["train_examples"] + r["test_examples"] == r["examples"] and r["sampled_negatives"]
+    s = {k: v["holdout"] for k, v in r["scorers"].items()}
+    for name in ("model", "lr", "counts_user_item"):
+        assert s[name]["auc"] > 0.7, (name, s[name])
+        assert s[name]["log_loss"] < s["base_rate"]["log_loss"], (name, s)
+    assert s["base_rate"]["auc"] == 0.5
+    # corrected for the sampled negatives: the base rate's score is the population's click rate
+    assert abs(s["base_rate"]["mean_score"] - rate) < 0.03 and abs(s["base_rate"]["click_rate"] - rate) < 0.03
+    assert s["model"]["calibration_error"] < 0.05, s["model"]
+
+
+def test_eval_data_refuses_what_it_cannot_judge(tmp_path, capsys):
+    (tmp_path / "driftline.toml").write_text(PROJECT)
+    assert own_data.main(["--project", str(tmp_path / "driftline.toml"), "--test-fraction", "1"]) == 2
+    assert "--test-fraction 1.0 is not in (0, 1)" in capsys.readouterr().err
+    assert own_data.main(["--project", str(tmp_path / "missing.toml")]) == 2
+    assert own_data.main(["--project", str(tmp_path / "driftline.toml"),
+                          "--examples-dir", str(tmp_path / "none")]) == 2
+    assert "no examples with a label_click column under" in capsys.readouterr().err

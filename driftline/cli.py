@@ -167,7 +167,7 @@ SERVICE_COMMANDS: dict[str, tuple[str, str]] = {
     "traffic": ("driftline.cli:traffic", "replay MovieLens through serving (/rank, then /actions), or your "
                                          "own impression log: `traffic --csv FILE --map FILE` (or --parquet FILE)"),
     "status": ("status.app:main", "the live status page"),
-    "eval": ("evaluation.cli:main", "reproduce the Monolith paper's experiments on ml-1m"),
+    "eval": ("evaluation.cli:main", "reproduce the Monolith paper's experiments on ml-1m; `eval data`: your examples against baselines"),
 }
 
 

@@ -65,7 +65,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from driftline.client import InvalidInput
 from driftline.project import FeatureSpec
 
-__all__ = ["MapFile", "Request", "load_map", "parquet_rows", "rebase", "requests_of"]
+__all__ = ["MapFile", "Request", "load_map", "parquet_rows", "rebase", "requests_of", "too_old"]
 
 _TRUE = frozenset({"true", "yes", "y", "t"})
 
@@ -300,3 +300,25 @@ def rebase(requests: Sequence[Request], now_ms: int) -> None:
         if r.event_time_ms is not None:
             r.event_time_ms += shift
         r.actions = [(item, kind, t + shift if t is not None else None) for item, kind, t in r.actions]
+
+
+def too_old(requests: Sequence[Request], now_ms: int, max_past_s: float) -> str | None:
+    """Why serving would refuse the log's oldest requests (``event_time.max_past_s``), or None:
+    said once, before a replay sends thousands of requests that all come back 422.
+
+    >>> log = [Request("a", 0, None, {}), Request("b", 10 * 86_400_000, None, {})]
+    >>> too_old(log, 10 * 86_400_000, 7 * 86_400) # doctest: +NORMALIZE_WHITESPACE
+    'the log spans 10.0 days up to 0.0 days ago: serving refuses events older than 7.0 days
+    (event_time.max_past_s = 604800); raise it above 864001 (a project file: [settings.event_time] max_past_s)'
+    >>> too_old(log, 10 * 86_400_000, 11 * 86_400) is None
+    True
+    """
+    times = [r.event_time_ms for r in requests if r.event_time_ms is not None]
+    if not times or now_ms - min(times) <= max_past_s * 1000:
+        return None
+    day = 86_400_000
+    need = int((now_ms - min(times)) / 1000) + 1
+    return (f"the log spans {(max(times) - min(times)) / day:.1f} days up to {(now_ms - max(times)) / day:.1f} days "
+            f"ago: serving refuses events older than {max_past_s * 1000 / day:.1f} days "
+            f"(event_time.max_past_s = {max_past_s:g}); raise it above {need} "
+            "(a project file: [settings.event_time] max_past_s)")

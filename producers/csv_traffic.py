@@ -28,8 +28,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from driftline.client import AsyncRankClient, InvalidInput, ServingError
-from driftline.project import FeatureSpec
-from producers.csv_log import Request, load_map, parquet_rows, rebase, requests_of
+from driftline.project import FeatureSpec, load_project
+from producers.csv_log import Request, load_map, parquet_rows, rebase, requests_of, too_old
 from producers.join_report import add_arguments, default_urls, with_join_report
 from services.settings import Settings
 
@@ -126,8 +126,6 @@ def project_of(config: Path | None) -> tuple[list[FeatureSpec] | None, list[str]
     """The project file's features and labelled action types (None, None without one)."""
     if config is None:
         return None, None
-    from driftline.project import load_project
-
     project = load_project(config)
     return list(project.features), list(project.labels)
 
@@ -148,6 +146,10 @@ async def replay_csv(settings: Settings, log_path: Path, map_path: Path, config:
             requests = requests_of(csv.DictReader(f), spec, features)[:limit]
     if rebase_time:
         rebase(requests, int(time.time() * 1000))
+    limits = (load_project(config).resolved_settings() if config is not None else settings).event_time
+    refused = too_old(requests, int(time.time() * 1000), limits.max_past_s)
+    if refused:
+        raise ValueError(refused)
     # The client checks against the project's features when there is one (a mapped subset is fine),
     # else against the features the map declares.
     specs = project if project is not None else [f for f, _ in features]

@@ -154,3 +154,23 @@ def test_a_parquet_log_gives_the_requests_of_the_same_csv(tmp_path: Path, capsys
     # the flag: not a Parquet file is one line and exit 2
     assert cli_main(["traffic", "--parquet", str(tmp_path / "log.csv"), "--map", str(tmp_path / "map.toml")]) == 2
     assert "not a readable Parquet file" in capsys.readouterr().err
+
+
+def test_a_log_older_than_serving_accepts_is_refused_before_a_request_goes_out(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A log spanning more than ``event_time.max_past_s`` would come back 422 request after request:
+    traffic says so once, naming the setting and the value that fits, and sends nothing (no
+    serving is listening at the URL)."""
+    write_log(tmp_path / "log.csv", rows=2000)  # 30 s apart, years ago: even rebased it spans hours
+    (tmp_path / "map.toml").write_text(MAP)
+    (tmp_path / "driftline.toml").write_text('name = "shop"\n\n[settings.event_time]\nmax_past_s = 3600\n\n'
+                                             '[[features]]\nname = "device"\nsource = "context"\nids = "string"\n\n'
+                                             '[[features]]\nname = "pos"\nsource = "candidate"\n\n'
+                                             '[[features]]\nname = "price"\nsource = "candidate"\nkind = "dense"\n')
+    args = ["traffic", "--csv", str(tmp_path / "log.csv"), "--map", str(tmp_path / "map.toml"),
+            "--url", "http://127.0.0.1:9", "--no-join-report", "--ready-timeout", "1"]
+    assert cli_main(args) == 2
+    assert "serving refuses events older than 7.0 days (event_time.max_past_s = 604800)" in capsys.readouterr().err
+    assert cli_main([*args, "--rebase", "--config", str(tmp_path / "driftline.toml")]) == 2
+    err = capsys.readouterr().err
+    assert "the log spans 0.2 days up to 0.0 days ago" in err and "(event_time.max_past_s = 3600); raise it above" in err

@@ -3,7 +3,9 @@
 The joiner's dumped examples (``<var>/examples``, any project) are put in event-time order and
 split: the first part is learned in one pass with progressive validation (each example scored
 before it is learned, as the online trainer does), the last ``--test-fraction`` is scored by what
-was learned, frozen. On the same split, in the same order:
+was learned, frozen. The examples of the joiner's last window (``joiner.window_seconds`` of event
+time) are left out: a negative is emitted when its window closes, so a stack stopped mid-stream
+leaves that window's positives without their negatives. On the same split, in the same order:
 
 * ``model``: the project's model (:meth:`driftline.project.Project.model_config`) at the live
   trainer's batch size;
@@ -166,8 +168,10 @@ def _windows(t_ms: np.ndarray, p: np.ndarray, y: np.ndarray, n: int) -> list[dic
     return out
 
 
-def run(project, root: Path, test_fraction: float, progress: Callable[[str], None] = lambda _: None) -> dict:
-    """Every scorer on the split of ``root``'s examples (see the module docstring)."""
+def run(project, root: Path, test_fraction: float, open_window_s: float,
+        progress: Callable[[str], None] = lambda _: None) -> dict:
+    """Every scorer on the split of ``root``'s examples (see the module docstring), less the
+    examples of the last ``open_window_s`` of event time."""
     from services.settings import get_settings
     from trainer.data import arrow_batch
 
@@ -180,7 +184,16 @@ def run(project, root: Path, test_fraction: float, progress: Callable[[str], Non
         raise ValueError(f"no examples with a {label} column under {root}")
     known = np.asarray(t[label].is_valid())
     t = t.filter(known)
+    # The joiner emits a negative when its window closes: the last window of event time may hold
+    # positives whose negatives are still waiting (a stack stopped mid-stream), so it is left out.
+    t_all = t["event_time_ms"].to_numpy(zero_copy_only=False)
+    closed = t_all <= t_all.max() - open_window_s * 1000 if t.num_rows else t_all
+    dropped = int(t.num_rows - closed.sum())
+    t = t.filter(closed)
     n = t.num_rows
+    if n < 2:
+        raise ValueError(f"{dropped} examples under {root}, all within the joiner's last window ({open_window_s:g} s "
+                         "of event time, --open-window-s): nothing to judge")
     cut = n - int(n * test_fraction)
     y = np.nan_to_num(t[label].to_numpy(zero_copy_only=False).astype(np.float64))
     rate = (t["sample_rate"].to_numpy(zero_copy_only=False).astype(np.float64)
@@ -192,7 +205,7 @@ def run(project, root: Path, test_fraction: float, progress: Callable[[str], Non
     slices = (np.unique(t["model_id"].to_numpy(zero_copy_only=False), return_inverse=True)[1]
               if "model_id" in t.column_names else np.zeros(n, np.int64))
     keep = negative_rates(rate, y, slices)
-    out: dict = {"examples": n, "train_examples": cut, "test_examples": n - cut, "test_fraction": test_fraction,
+    out: dict = {"examples": n, "open_window_dropped": dropped, "train_examples": cut, "test_examples": n - cut, "test_fraction": test_fraction,
                  "model_id": cfg.model_id, "first_event_ms": int(t_ms[0]), "last_event_ms": int(t_ms[-1]),
                  "sampled_negatives": bool((rate < 1).any()), "scorers": {}}
     for name, (scorer, bs) in _scorers(project, settings).items():
@@ -227,7 +240,8 @@ def table_lines(r: dict) -> list[str]:
     """The result as a Markdown table: each scorer's progressive and holdout AUC, log loss and
     calibration error."""
     lines = [f"{r['examples']} examples of model {r['model_id']}: the first {r['train_examples']} learned "
-             f"(progressive), the last {r['test_examples']} held out",
+             f"(progressive), the last {r['test_examples']} held out ({r['open_window_dropped']} of the joiner's "
+             "last window left out)",
              "",
              "| scorer | AUC | log loss | calibration error | holdout AUC | holdout log loss | holdout calibration error |",
              "|---|---|---|---|---|---|---|"]
@@ -275,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the project file (default $DRIFTLINE_PROJECT, else ./driftline.toml)")
     ap.add_argument("--examples-dir", default=None, help="the dumped examples (default <var>/examples)")
     ap.add_argument("--test-fraction", type=float, default=0.2, help="the last part held out (default 0.2)")
+    ap.add_argument("--open-window-s", type=float, default=None,
+                    help="leave out the examples of the last this many seconds of event time: their negatives may "
+                         "still wait in the joiner's windows (default joiner.window_seconds; 0 keeps all)")
     ap.add_argument("--out", default=None, help="where eval-data.json and eval-data.png go (default <var>/eval)")
     ap.add_argument("--no-plot", action="store_true")
     return ap
@@ -297,11 +314,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     apply_to_environ(project)
     get_settings.cache_clear()
-    var = get_settings().var_dir
+    settings = get_settings()
+    var = settings.var_dir
+    open_window_s = settings.joiner.window_seconds if args.open_window_s is None else args.open_window_s
     root = Path(args.examples_dir) if args.examples_dir else var / "examples"
     out = Path(args.out) if args.out else var / "eval"
     try:
-        r = run(project, root, args.test_fraction, lambda line: print(line, file=sys.stderr, flush=True))
+        r = run(project, root, args.test_fraction, open_window_s, lambda line: print(line, file=sys.stderr, flush=True))
     except ValueError as err:
         print(f"driftline eval data: {err}", file=sys.stderr)
         return 2

@@ -228,8 +228,9 @@ def run(project, root: Path, test_fraction: float, open_window_s: float,
 def _reliability(p: np.ndarray, y: np.ndarray, w: np.ndarray, bins: int = 10) -> list[list[float]]:
     """[mean score, click rate] per equal-count bin of the score."""
     order = np.argsort(p, kind="stable")
+    parts = np.array_split(order, min(bins if np.ptp(p) > 0 else 1, p.size))  # one score: one point
     return [[float((w[b] * p[b]).sum() / w[b].sum()), float((w[b] * y[b]).sum() / w[b].sum())]
-            for b in np.array_split(order, min(bins, p.size)) if b.size]
+            for b in parts if b.size]
 
 
 def _f(x: float | None) -> str:

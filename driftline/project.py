@@ -64,7 +64,8 @@ class FeatureSpec(_Spec):
 
     name: str = Field(pattern=_NAME)
     #: context: the request (``/rank`` ``context``); candidate: per candidate in the request;
-    #: user / item: the online feature store (Redis), filled by ``driftline features load``
+    #: user / item: the online feature store (Redis), filled by ``driftline features load`` (ids
+    #: and dense values alike; a request's own value of the feature overrides the store's)
     source: Literal["context", "candidate", "user", "item"]
     kind: Literal["sparse", "dense"] = "sparse"
     #: sparse only: "string" values are hashed to int64 ids with services.hashing.string_id
@@ -76,13 +77,6 @@ class FeatureSpec(_Spec):
     pooling: Literal["sum", "mean"] | None = None
     #: sparse only, shared tables: false reads the shared table with raw ids (absent: salted)
     salt: bool | None = None
-
-    @model_validator(mode="after")
-    def _dense_comes_with_requests(self) -> "FeatureSpec":
-        if self.kind == "dense" and self.source in ("user", "item"):
-            raise ValueError(f"feature {self.name!r}: dense values come with each /rank request (source "
-                             f"context or candidate); the feature store holds sparse ids only")
-        return self
 
     @property
     def hashed(self) -> bool:

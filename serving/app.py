@@ -61,7 +61,7 @@ from serving.model import ServingModel, TrainerModel, warm_up
 from serving.realtime import RecentClicks
 from serving.store_watch import StoreWatchLoop
 from serving.request_features import (BadFeatures, Declared, check_names, dense_for, drop_unknown,
-                                      slots_for)
+                                      logged_dense, slots_for)
 from serving.responses import FastJSONResponse
 from serving.shared_model import SharedFeed, SharedModel
 from serving.schemas import (ActionsRequest, ActionsResponse, Health, ModelVersionOut,
@@ -185,12 +185,11 @@ class Serving:
             raise HTTPException(503, str(err)) from None
 
 
-def request_dense(declared: Declared, body: RankRequest, unknown: str = "reject",
-                  featured: list[int] | None = None) -> np.ndarray | None:
-    """The request's dense input (:func:`serving.request_features.dense_for`); a 422 naming the
-    first feature of the request the served model does not declare (unless ``unknown`` is
-    "ignore": they are dropped from ``body`` and counted), or the first it misses. ``featured``:
-    the indexes of the candidates with features of their own (found here when not given)."""
+def check_features(declared: Declared, body: RankRequest, unknown: str = "reject",
+                   featured: list[int] | None = None) -> None:
+    """A 422 naming the first feature of the request the served model does not declare (unless
+    ``unknown`` is "ignore": they are dropped from ``body`` and counted). ``featured``: the
+    indexes of the candidates with features of their own (found here when not given)."""
     cands = body.candidates
     if featured is None:
         featured = [i for i, c in enumerate(cands) if c.features is not None]
@@ -208,10 +207,29 @@ def request_dense(declared: Declared, body: RankRequest, unknown: str = "reject"
             f = cands[i].features
             check_names(declared, f"candidates[{i}].features.sparse", f.sparse)
             check_names(declared, f"candidates[{i}].features.dense", f.dense, dense=True)
-        if not declared.dense:
-            return None
-        return dense_for(declared, body.context.dense if body.context is not None else None,
-                         _own(cands, featured, "dense"))
+    except BadFeatures as err:
+        raise HTTPException(422, str(err)) from None
+
+
+def request_dense(declared: Declared, body: RankRequest, feats: RankFeatures, featured: list[int],
+                  degraded: bool = False
+                  ) -> tuple[np.ndarray | None, dict[str, float] | None, list[dict[str, float] | None] | None]:
+    """The dense input (:func:`serving.request_features.dense_for`) from the request's values over
+    the store's, and what the feature log carries of them: the context's values and each
+    candidate's (None: none has any); a 422 naming the first dense feature missing, unless
+    ``degraded`` (the store did not answer: a missing value scores as 0, and nothing is logged)."""
+    ctx = logged_dense(declared, body.context.dense if body.context is not None else None, feats.user_dense)
+    own = _own(body.candidates, featured, "dense") if featured else None
+    stored = feats.items_dense
+    if stored is None or not declared.dense:
+        cands = own
+    else:
+        cands = [logged_dense(declared, own[i] if own else None, d) for i, d in enumerate(stored)]
+    if not declared.dense:
+        return None, ctx, cands
+    try:
+        return dense_for(declared, ctx, cands if cands is not None else [None] * len(body.candidates),
+                         0.0 if degraded else None), ctx, cands
     except BadFeatures as err:
         raise HTTPException(422, str(err)) from None
 
@@ -287,7 +305,7 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         declared = s.model.declared  # one declaration for the whole request
         cands = body.candidates
         featured = [i for i, c in enumerate(cands) if c.features is not None]  # usually none
-        dense = request_dense(declared, body, s.options.unknown_features, featured)  # bad input is a 4xx whether or not a model is loaded
+        check_features(declared, body, s.options.unknown_features, featured)  # a 4xx whether or not a model is loaded
         if not s.deltas.loaded:
             raise HTTPException(503, "no model loaded yet: waiting for a snapshot or the delta topic")
         request_id = body.request_id or uuid.uuid4().hex
@@ -306,6 +324,7 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         user_known = feats.user is not None
         if not user_known:
             metrics.UNKNOWN_USERS.inc()
+        dense, context_dense, logged = request_dense(declared, body, feats, featured, degraded == "feature-store")
         user_slots, item_slots, keys = slots_for(declared, body.user_id, feats.user, feats.recent_items,
                                                  feats.items, item_ids, feats.items_raw)
         if body.context is not None:
@@ -322,12 +341,11 @@ def create_app(settings: Settings, model: ServingModel | None = None) -> FastAPI
         metrics.CANDIDATES.observe(n)
 
         if body.log:
-            context = features_message(user_slots, body.context.dense if body.context is not None else None)
+            context = features_message(user_slots, context_dense)
             mv = ModelVersion(model_id=version.model_id, sparse_version=version.sparse_version,
                               dense_version=version.dense_version)
             encoded = s.log_encoder.encode(request_id, event_time_ms, body.user_id, context, mv, item_ids, keys,
-                                           item_slots, scores.tolist(),
-                                           _own(cands, featured, "dense") if featured else None)
+                                           item_slots, scores.tolist(), logged)
             s.log_impression(request_id, encoded, degraded)
         else:  # score only: no impression to learn from or join
             metrics.SCORE_ONLY.inc()

@@ -16,14 +16,15 @@ A CSV column of digits reads as integers (ids as they are): name it in ``--strin
 values hashed as the strings they are (a zip code ``02134`` stays ``"02134"``), as a client that
 hashes them must.
 
-With a project file (``--config``) only the file's declared sparse features are loaded (a users
-file's ``source = "user"`` ones, an items file's ``source = "item"``); every other column is skipped
+With a project file (``--config``) only the file's declared features are loaded (a users file's
+``source = "user"`` ones, an items file's ``source = "item"``): its sparse features as slots, its
+dense ones (``kind = "dense"``: a price, a click rate) as numbers; every other column is skipped
 and named, with the reason, in the command's output. Without one, every column is a slot, except
-float and boolean ones, which are skipped and named: the store holds sparse ids, dense values come
-with each ``/rank`` request. A declared sparse feature whose column holds floats is refused (the
-file and the declaration disagree). Column names must be slot names (letters, digits, ``_.-``). The rows are
+float and boolean ones, which are skipped and named (declare them dense in a project file to load
+them). A declared sparse feature whose column holds floats is refused (the file and the
+declaration disagree). Column names must be slot names (letters, digits, ``_.-``). The rows are
 written as :mod:`serving.feature_store` lays them out (``<prefix>:u:<user_id>`` and
-``<prefix>:i:<item_id>``, each ``slot=id,id;slot=id``), replacing what a key held.
+``<prefix>:i:<item_id>``, each ``slot=id,id;slot=id;name:value``), replacing what a key held.
 
 >>> import pyarrow as pa
 >>> t = pa.table({"id": [1, 2], "genre": ["a|b", None], "year": [1990, 2001]})
@@ -39,7 +40,7 @@ True
 ...             skipped=skipped)
 {1: {'year': [2001]}}
 >>> skipped
-{'price': 'not a declared sparse feature', 'note': 'not a declared sparse feature'}
+{'price': "not a declared feature of this file's source", 'note': "not a declared feature of this file's source"}
 """
 
 from __future__ import annotations
@@ -105,36 +106,81 @@ def _column_ids(name: str, column: pa.ChunkedArray, separator: str | None) -> li
         if pat.is_string(inner) or pat.is_large_string(inner):
             return [None if v is None else string_ids(s for s in v if s is not None) for v in values]
     raise FeatureFileError(f"column {name!r} is {kind}: a sparse slot takes integers, strings or lists of "
-                           "them (dense values come with each /rank request)")
+                           "them (declare the feature kind = \"dense\" to load numbers)")
 
 
 def _loaded_columns(table: pa.Table, key: str, declared: Sequence[str] | None,
-                    skipped: dict[str, str]) -> list[str]:
-    """The columns to load as slots; the others go into ``skipped`` with the reason."""
+                    skipped: dict[str, str], dense: Sequence[str] = ()) -> list[str]:
+    """The columns to load as slots; the others but the ``dense`` ones go into ``skipped`` with
+    the reason."""
     names = []
-    for name in (c for c in table.column_names if c != key):
+    for name in (c for c in table.column_names if c != key and c not in dense):
         kind = table.column(name).type
         if declared is not None and name not in declared:
-            skipped[name] = "not a declared sparse feature"
+            skipped[name] = "not a declared feature of this file's source"
         elif declared is None and (pat.is_floating(kind) or pat.is_boolean(kind)):
-            skipped[name] = (f"{kind}: a sparse slot takes integers, strings or lists of them (dense values come "
-                             "with each /rank request)")
+            skipped[name] = (f"{kind}: a sparse slot takes integers, strings or lists of them (a project file "
+                             "that declares it kind = \"dense\" loads it as a number)")
         else:
             names.append(name)
     return names
 
 
 def table_slots(table: pa.Table, key: str, separator: str | None = None, declared: Sequence[str] | None = None,
-                skipped: dict[str, str] | None = None) -> dict[int, Slots]:
+                skipped: dict[str, str] | None = None, dense: Sequence[str] = ()) -> dict[int, Slots]:
     """``{key: {slot: ids}}`` of a table: one slot per column but the key, or per ``declared``
     column (the others, and without ``declared`` the float and boolean ones, are left out and
-    named in ``skipped``)."""
-    if key not in table.column_names:
-        raise FeatureFileError(f"no key column {key!r} (columns: {', '.join(table.column_names)})")
-    names = _loaded_columns(table, key, declared, {} if skipped is None else skipped)
+    named in ``skipped``; the ``dense`` ones are left out: :func:`table_dense` reads them)."""
+    names = _loaded_columns(table, key, declared, {} if skipped is None else skipped, dense)
     for name in names:
         if not _SLOT.match(name):
             raise FeatureFileError(f"column {name!r} is not a slot name (letters, digits, '_', '.', '-')")
+    keys = _keys(table, key)
+    ids = {name: _column_ids(name, table.column(name), separator) for name in names}
+    out: dict[int, Slots] = {}
+    for row, k in enumerate(keys):
+        out[k] = {name: col[row] for name, col in ids.items() if col[row] is not None}  # type: ignore[misc]
+    return out
+
+
+def table_dense(table: pa.Table, key: str, dense: Sequence[str]) -> dict[int, dict[str, float]]:
+    """``{key: {name: value}}`` of the table's ``dense`` columns (those it has): numbers (a null
+    leaves the value out for that row); a column of anything else, or a value that is not a finite
+    float32, is refused.
+
+    >>> table_dense(pa.table({"id": [1, 2], "price": [9.5, None], "n": [3, 4]}), "id", ["price", "n", "ctr"])
+    {1: {'price': 9.5, 'n': 3.0}, 2: {'n': 4.0}}
+    """
+    names = [n for n in dense if n in table.column_names]
+    if not names:
+        return {}
+    keys = _keys(table, key)
+    values = {}
+    for name in names:
+        col = table.column(name)
+        if not (pat.is_integer(col.type) or pat.is_floating(col.type) or pat.is_boolean(col.type)
+                or pat.is_decimal(col.type)):
+            raise FeatureFileError(f"column {name!r} is {col.type}: a dense feature takes numbers")
+        floats = pc.cast(col, pa.float64()).to_pylist()
+        bad = next((v for v in floats if v is not None and not (abs(v) <= _FLOAT32_MAX)), None)
+        if bad is not None:
+            raise FeatureFileError(f"column {name!r} holds {bad!r}: a dense value is a finite float32")
+        values[name] = floats
+    out: dict[int, dict[str, float]] = {}
+    for row, k in enumerate(keys):
+        row_values = {name: col[row] for name, col in values.items() if col[row] is not None}
+        if row_values:
+            out[k] = row_values
+    return out
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _keys(table: pa.Table, key: str) -> list[int]:
+    """The key column's ids (strings through :func:`services.hashing.string_key`)."""
+    if key not in table.column_names:
+        raise FeatureFileError(f"no key column {key!r} (columns: {', '.join(table.column_names)})")
     keys = table.column(key)
     if pat.is_string(keys.type) or pat.is_large_string(keys.type):  # string ids: /rank names them by string_key
         if keys.null_count:
@@ -143,17 +189,16 @@ def table_slots(table: pa.Table, key: str, separator: str | None = None, declare
     if not pat.is_integer(keys.type) or keys.null_count or (len(keys) and pc.min(keys).as_py() < 0):
         raise FeatureFileError(f"key column {key!r} must hold non-negative integer ids without nulls "
                                f"(it is {keys.type}): the ids /rank names users and items by")
-    ids = {name: _column_ids(name, table.column(name), separator) for name in names}
-    out: dict[int, Slots] = {}
-    for row, k in enumerate(keys.to_pylist()):
-        out[k] = {name: col[row] for name, col in ids.items() if col[row] is not None}  # type: ignore[misc]
-    return out
+    return keys.to_pylist()
 
 
-def file_slots(path: Path, key: str, separator: str | None = None, strings: Sequence[str] = (),
-               declared: Sequence[str] | None = None, skipped: dict[str, str] | None = None) -> dict[int, Slots]:
+def file_rows(path: Path, key: str, separator: str | None = None, strings: Sequence[str] = (),
+              declared: Sequence[str] | None = None, skipped: dict[str, str] | None = None,
+              dense: Sequence[str] = ()) -> tuple[dict[int, Slots], dict[int, dict[str, float]]]:
+    """A file's slots (:func:`table_slots`) and dense values (:func:`table_dense`) per key."""
     try:
-        return table_slots(read_table(path, list(strings)), key, separator, declared, skipped)
+        table = read_table(path, list(strings))
+        return table_slots(table, key, separator, declared, skipped, dense), table_dense(table, key, dense)
     except FeatureFileError as err:
         raise FeatureFileError(f"{path}: {err}") from None
 
@@ -161,23 +206,27 @@ def file_slots(path: Path, key: str, separator: str | None = None, strings: Sequ
 async def load_files(url: str, prefix: str, users: Path | None, items: Path | None, *, user_key: str = "user_id",
                      item_key: str = "item_id", separator: str | None = None, strings: Sequence[str] = (),
                      user_features: Sequence[str] | None = None, item_features: Sequence[str] | None = None,
+                     user_dense: Sequence[str] = (), item_dense: Sequence[str] = (),
                      skipped: dict[str, dict[str, str]] | None = None) -> tuple[int, float]:
     """Fill the store from a users file and/or an items file; return (keys written, seconds).
     ``user_features`` / ``item_features``: the declared sparse features to load (None: every
-    id column); ``skipped`` gets ``{file: {column: reason}}``. Both files are read and checked
-    before anything is written."""
+    id column); ``user_dense`` / ``item_dense``: the declared dense ones; ``skipped`` gets
+    ``{file: {column: reason}}``. Both files are read and checked before anything is written."""
     from serving.feature_store import FeatureStore
 
     started = time.perf_counter()
     skipped = {} if skipped is None else skipped
     user_rows = item_rows = {}
+    users_dense = items_dense = {}
     if users is not None:
-        user_rows = file_slots(users, user_key, separator, strings, user_features, skipped.setdefault(str(users), {}))
+        user_rows, users_dense = file_rows(users, user_key, separator, strings, user_features,
+                                           skipped.setdefault(str(users), {}), user_dense)
     if items is not None:
-        item_rows = file_slots(items, item_key, separator, strings, item_features, skipped.setdefault(str(items), {}))
+        item_rows, items_dense = file_rows(items, item_key, separator, strings, item_features,
+                                           skipped.setdefault(str(items), {}), item_dense)
     store = FeatureStore(url, prefix, timeout_s=30.0)
     try:
-        n = await store.put(user_rows, item_rows)
+        n = await store.put(user_rows, item_rows, users_dense=users_dense, items_dense=items_dense)
     finally:
         await store.close()
     return n, time.perf_counter() - started

@@ -82,14 +82,14 @@ class FeatureLogEncoder:
 
     def _candidate_head(self, item_id: int, key: bytes | None, slots: Mapping[str, Sequence[int]],
                         dense: Mapping[str, float] | None) -> bytes:
-        if key is None or dense:
+        if key is None:
             return _candidate_head(item_id, features_message(slots, dense).SerializeToString())
         cached = self._candidates.get((item_id, key))
         if cached is None:
             if len(self._candidates) >= _CACHE_MAX:
                 self._candidates.clear()
             cached = self._candidates[(item_id, key)] = _candidate_head(
-                item_id, features_message(slots).SerializeToString())
+                item_id, features_message(slots, dense).SerializeToString())
         return cached
 
     def encode(self, request_id: str, event_time_ms: int, user_id: int, context: Features,
@@ -97,16 +97,13 @@ class FeatureLogEncoder:
                slots: Sequence[Mapping[str, Sequence[int]]], scores: Sequence[float],
                dense: Sequence[Mapping[str, float] | None] | None = None) -> bytes:
         """One candidate per index of ``item_ids``: its cache key (None: not cacheable, e.g. a
-        candidate with features of its own), sparse slots, score, and dense values (``dense``,
-        None when no candidate has any).
+        candidate with features of its own; a key names the candidate's whole features, its
+        slots and its dense values: the stored item's), sparse slots, score, and dense values
+        (``dense``, None when no candidate has any).
 
         The cached heads are looked up and interleaved with the packed scores by C-level passes
         (map, slice assignment): a Python loop runs only over the candidates not cached yet."""
         heads: list[bytes | None] = list(map(self._candidates.get, zip(item_ids, keys)))
-        if dense is not None:
-            for i, own in enumerate(dense):
-                if own:
-                    heads[i] = None
         if None in heads:
             for i, head in enumerate(heads):
                 if head is None:

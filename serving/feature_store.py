@@ -4,7 +4,9 @@ Layout (``P`` = the key prefix, ``serving.redis_prefix``: ``driftline`` by defau
 
 * ``P:u:<user_id>`` / ``P:i:<item_id>``: the sparse slots as one string, ``slot=id,id;slot=id``
   (ids in decimal; one ``MGET`` fetches a request's user and all its candidates in one round
-  trip). ``/rank`` reads only the slots the served model declares (:mod:`serving.request_features`);
+  trip), and dense values as ``name:value`` parts of the same string (a float in decimal: an
+  item's price, a user's click rate). ``/rank`` reads only the features the served model declares
+  (:mod:`serving.request_features`);
 * ``P:clicks:<user_id>``: a list of the user's last K clicked item ids, newest first, updated
   from the ``actions`` topic (:func:`record_clicks`), served as the ``recent_items`` slot;
 * ``P:meta:<name>``: small values of the readers that fill it (the broker epoch whose actions the
@@ -26,6 +28,9 @@ docs/scale-out.md).
 b'user_id=7;genres=1,2'
 >>> decode_slots(b'user_id=7;genres=1,2;year=')
 {'user_id': [7], 'genres': [1, 2], 'year': []}
+>>> raw = encode_slots({"genres": [1]}, {"price": 12.5})
+>>> raw, decode_slots(raw), decode_dense(raw), decode_dense(b"genres=1")
+(b'genres=1;price:12.5', {'genres': [1]}, {'price': 12.5}, None)
 """
 
 from __future__ import annotations
@@ -53,19 +58,31 @@ Slots = dict[str, list[int]]
 LOADED_MARKER = "features-loaded"
 
 
-def encode_slots(slots: Mapping[str, Sequence[int]]) -> bytes:
-    return ";".join(f"{k}={','.join(map(str, v))}" for k, v in slots.items()).encode()
+def encode_slots(slots: Mapping[str, Sequence[int]], dense: Mapping[str, float] | None = None) -> bytes:
+    parts = [f"{k}={','.join(map(str, v))}" for k, v in slots.items()]
+    parts += [f"{k}:{float(v)!r}" for k, v in (dense or {}).items()]
+    return ";".join(parts).encode()
 
 
 def decode_slots(raw: bytes | str) -> Slots:
+    """The sparse slots of a stored value (its dense ``name:value`` parts are left out)."""
     text = raw.decode() if isinstance(raw, bytes) else raw
     out: Slots = {}
     if not text:
         return out
     for part in text.split(";"):
-        name, _, ids = part.partition("=")
-        out[name] = [int(i) for i in ids.split(",")] if ids else []
+        name, eq, ids = part.partition("=")
+        if eq:
+            out[name] = [int(i) for i in ids.split(",")] if ids else []
     return out
+
+
+def decode_dense(raw: bytes | str) -> dict[str, float] | None:
+    """The dense values of a stored value (None: it has none)."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    if ":" not in text:
+        return None
+    return {name: float(value) for name, colon, value in (p.partition(":") for p in text.split(";")) if colon}
 
 
 @dataclass(frozen=True)
@@ -77,6 +94,10 @@ class RankFeatures:
     items: list[Slots | None]   # None: item not in the store (shared: copy before changing)
     #: the raw stored value of each item (a cache key for what is derived from it)
     items_raw: list[bytes | None] | None = None
+    #: the user's stored dense values (None: none)
+    user_dense: dict[str, float] | None = None
+    #: each item's stored dense values (None: no item of the request has any)
+    items_dense: list[dict[str, float] | None] | None = None
 
 
 class FeatureStoreError(RuntimeError):
@@ -109,6 +130,8 @@ class FeatureStore:
         self.recent_clicks = recent_clicks
         #: raw item value -> decoded slots (item features change rarely; the key is the value)
         self._decoded: dict[bytes, Slots] = {}
+        #: raw item value -> its dense values, for the values that have any
+        self._dense: dict[bytes, dict[str, float]] = {}
 
     def user_key(self, user_id: int) -> str:
         return f"{self.prefix}:u:{user_id}"
@@ -156,16 +179,21 @@ class FeatureStore:
         finally:
             metrics.FEATURE_STORE_SECONDS.labels("fetch").observe(time.perf_counter() - started)
         user = decode_slots(values[0]) if values[0] is not None else None
-        cache = self._decoded
+        user_dense = decode_dense(values[0]) if values[0] is not None else None
+        cache, dense = self._decoded, self._dense
         if len(cache) > 200_000:
             cache.clear()
+            dense.clear()
         raws = values[1:]
         items: list[Slots | None] = list(map(cache.get, raws))  # one C-level pass; misses below
         if None in items:
             for i, v in enumerate(raws):
                 if items[i] is None and v is not None:
                     items[i] = cache[v] = decode_slots(v)
-        return RankFeatures(user, [int(c) for c in clicks], items, raws)
+                    if (d := decode_dense(v)) is not None:
+                        dense[v] = d
+        items_dense = list(map(dense.get, raws)) if dense else None  # a store without dense values: no pass
+        return RankFeatures(user, [int(c) for c in clicks], items, raws, user_dense, items_dense)
 
     async def _fetch_cluster(self, keys: list[str], clicks_key: str) -> tuple[list[Any], list[Any]]:
         """A cluster's :meth:`fetch`: the keys' slots differ (one MGET would be CROSSSLOT), so each
@@ -259,13 +287,17 @@ class FeatureStore:
             await self._refresh()
             raise self.error("update", err) from err
 
-    async def put(self, users: Mapping[int, Slots], items: Mapping[int, Slots], batch: int = 10_000) -> int:
+    async def put(self, users: Mapping[int, Slots], items: Mapping[int, Slots], batch: int = 10_000, *,
+                  users_dense: Mapping[int, Mapping[str, float]] | None = None,
+                  items_dense: Mapping[int, Mapping[str, float]] | None = None) -> int:
         """Write user and item features (pipelined MSETs of ``batch`` keys), then the load marker
-        (:data:`LOADED_MARKER`: the number of keys and the time); return keys written. In a
-        cluster, one SET per key in one pipeline (redis-py's splits it by node). Raises
-        :class:`FeatureStoreError` when Redis cannot take them (unreachable, refused the login)."""
-        pairs = [(self.user_key(u), encode_slots(s)) for u, s in users.items()]
-        pairs += [(self.item_key(i), encode_slots(s)) for i, s in items.items()]
+        (:data:`LOADED_MARKER`: the number of keys and the time); return keys written. ``*_dense``:
+        the dense values of some of the same keys. In a cluster, one SET per key in one pipeline
+        (redis-py's splits it by node). Raises :class:`FeatureStoreError` when Redis cannot take
+        them (unreachable, refused the login)."""
+        ud, id_ = users_dense or {}, items_dense or {}
+        pairs = [(self.user_key(u), encode_slots(s, ud.get(u))) for u, s in users.items()]
+        pairs += [(self.item_key(i), encode_slots(s, id_.get(i))) for i, s in items.items()]
         pipe = self.redis.pipeline(transaction=False)
         if self.cluster:  # keys of other slots: one MSET would be CROSSSLOT
             for key, value in pairs:
@@ -312,6 +344,8 @@ def _apply_project(args: argparse.Namespace) -> None:
         args.strings = ",".join([c for c in args.strings.split(",") if c] + hashed)
         args.declared = {source: [f.name for f in project.features if f.source == source and f.kind == "sparse"]
                          for source in ("user", "item")}
+        args.dense = {source: [f.name for f in project.features if f.source == source and f.kind == "dense"]
+                      for source in ("user", "item")}
     args.user_key, args.item_key = args.user_key or "user_id", args.item_key or "item_id"
 
 
@@ -341,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     p_load.add_argument("--data-dir", type=Path, default=settings.data_dir)
     p_load.add_argument("--redis-url", default=settings.redis)
     p_load.add_argument("--prefix", default=settings.serving.redis_prefix)
-    p_load.set_defaults(declared={})  # source -> its declared sparse features (a project file's)
+    p_load.set_defaults(declared={}, dense={})  # source -> its declared sparse / dense features (a project file's)
     args = parser.parse_args(argv)
     try:
         _apply_project(args)
@@ -366,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 separator=args.separator,
                                                 strings=[c for c in args.strings.split(",") if c],
                                                 user_features=declared.get("user"), item_features=declared.get("item"),
-                                                skipped=skipped))
+                                                user_dense=args.dense.get("user", ()),
+                                                item_dense=args.dense.get("item", ()), skipped=skipped))
     except FeatureFileError as err:
         print(f"driftline features load: {err}", file=sys.stderr)
         return 2

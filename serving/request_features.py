@@ -10,8 +10,10 @@ know makes the trainer dead-letter the example (``unknown_slot``).
 A request that names a feature the model does not know, or leaves out one of its dense features,
 is a client error (:class:`BadFeatures`, a 422 naming the feature): a 200 would log an impression
 the trainer refuses; with ``serving.unknown_features = "ignore"`` such features are dropped
-(:func:`drop_unknown`) and counted instead. A candidate's dense value replaces the context's of the same name (the joiner
-merges them the same way).
+(:func:`drop_unknown`) and counted instead. Dense values come from the request, else from the
+store (a user's or an item's, :func:`logged_dense`); a candidate's value (its own, else its item's
+stored one) replaces the context's (the request's, else the user's stored one) of the same name:
+the joiner merges the logged values the same way, so training sees what was scored.
 
 >>> d = Declared.of(["item_id", "user_id"], ["hour"])
 >>> user, items, keys = slots_for(d, 7, {"age": [3]}, [], [None, {"item_id": [2], "genres": [1]}, {}],
@@ -140,8 +142,9 @@ def _item_row(declared: Declared, item_id: int, stored: Slots | None, raw: bytes
     if stored is None:
         row: Slots = {}
     elif stored.keys() <= slots:
-        if not add_item or ITEM_ID in stored:
-            return stored, raw  # the store's decoded value itself: shared, never changed
+        if not add_item or ITEM_ID in stored:  # the store's decoded value itself: shared, never changed
+            # (dense parts are logged as the declaration filters them: the key names it then)
+            return stored, raw if raw is None or b":" not in raw else raw + b"\x00" + declared.token
         row = dict(stored)
     else:
         row = {k: v for k, v in stored.items() if k in slots}
@@ -153,9 +156,10 @@ def _item_row(declared: Declared, item_id: int, stored: Slots | None, raw: bytes
 
 
 def dense_for(declared: Declared, context: Mapping[str, float] | None,
-              candidates: Sequence[Mapping[str, float] | None]) -> np.ndarray | None:
+              candidates: Sequence[Mapping[str, float] | None], default: float | None = None) -> np.ndarray | None:
     """float32 ``[n, len(declared.dense)]`` in the model's input order (None: the model has no
-    dense features); :class:`BadFeatures` naming the first candidate missing one."""
+    dense features); :class:`BadFeatures` naming the first candidate missing one, or ``default``
+    for it (scoring on default features when the store could not answer)."""
     names = declared.dense
     if not names:
         return None
@@ -163,10 +167,28 @@ def dense_for(declared: Declared, context: Mapping[str, float] | None,
     out = np.empty((len(candidates), len(names)), np.float32)
     for i, own in enumerate(candidates):
         merged = {**context, **own} if own else context
+        if default is not None:
+            out[i] = [merged.get(name, default) for name in names]
+            continue
         try:
             out[i] = [merged[name] for name in names]
         except KeyError as err:
             raise BadFeatures(
                 f"candidates[{i}]: dense feature {err.args[0]!r} missing (the model reads {list(names)}: "
-                "give each in context.dense or in every candidate's features.dense)") from None
+                "give each in context.dense or in every candidate's features.dense, or load it into the "
+                "feature store as a user or item feature)") from None
     return out
+
+
+def logged_dense(declared: Declared, request: Mapping[str, float] | None, stored: Mapping[str, float] | None
+                 ) -> dict[str, float] | None:
+    """The dense values one level of the feature log carries (the context, or a candidate): the
+    request's, over the store's (the user's, or the item's) of the features the model reads.
+
+    >>> logged_dense(Declared.of([], ["price", "ctr"]), {"price": 2.0}, {"price": 1.0, "ctr": 0.1, "old": 5.0})
+    {'price': 2.0, 'ctr': 0.1}
+    """
+    if not stored:
+        return dict(request) if request else None
+    kept = {k: v for k, v in stored.items() if k in declared.dense}
+    return {**kept, **request} if request else kept or None

@@ -112,8 +112,9 @@ def test_tables_sharing_admission_and_ttl() -> None:
         Project.model_validate({"name": "x", "features": [{"name": "item_id", "source": "candidate"},
                                                           {"name": "pos", "source": "candidate"}],
                                 "model": {"kind": "lr", "linear": ["item_id"]}})
-    with pytest.raises(ValueError, match="dense values come with each /rank request"):
-        Project.model_validate({"name": "x", "features": [{"name": "age", "source": "user", "kind": "dense"}]})
+    stored = Project.model_validate({"name": "x", "features": [{"name": "item_id", "source": "candidate"},
+                                                               {"name": "ctr", "source": "user", "kind": "dense"}]})
+    assert stored.model_config().dense_features == ["ctr"]  # from the store, served and trained like the others
     with pytest.raises(ValueError, match="model.dense: \\['item_id'\\] are not declared dense"):
         Project.model_validate({"name": "x", "features": [{"name": "item_id", "source": "candidate"}],
                                 "model": {"dense": ["item_id"]}})

@@ -11,7 +11,8 @@ no serving to check it).
 Where a feature may be given follows its ``source``: request-wide values (``context`` and
 ``user`` features: a ``user`` value overrides the store's, as serving does) in the context,
 per-candidate values (``candidate`` and ``item``) in a candidate's features. Every dense feature
-must be given (the scorer has no default for it), in the context or in every candidate.
+of a ``context`` or ``candidate`` source must be given (the scorer has no default for it); a dense
+``user`` or ``item`` feature comes from the store unless the request gives it.
 
 >>> from driftline.project import FeatureSpec
 >>> enc = FeatureEncoder([FeatureSpec(name="device", source="context", ids="string"),
@@ -34,6 +35,8 @@ driftline.client.features.WrongValue: candidates[2].pos: 'pos' has int ids, got 
 Traceback (most recent call last):
 ...
 driftline.client.features.MissingFeature: context: dense feature 'hour' missing (the model reads it on every request)
+>>> FeatureEncoder([FeatureSpec(name="ctr", source="user", kind="dense")]).context({})  # the store's, then
+({}, {})
 """
 
 from __future__ import annotations
@@ -143,8 +146,9 @@ class FeatureEncoder:
         if len(self.specs) != len(features):
             raise InvalidInput("features: a name is declared twice")
         self.action_types = None if action_types is None else frozenset(action_types)
-        self._dense_context = [f.name for f in features if f.kind == "dense" and f.source in _CONTEXT_SOURCES]
-        self._dense_candidate = [f.name for f in features if f.kind == "dense" and f.source in _CANDIDATE_SOURCES]
+        # dense values of user and item features come from the store when the request has none
+        self._dense_context = [f.name for f in features if f.kind == "dense" and f.source == "context"]
+        self._dense_candidate = [f.name for f in features if f.kind == "dense" and f.source == "candidate"]
 
     def _encode(self, values: Mapping[str, Any] | None, where: str, sources: frozenset[str]) -> tuple[Slots, Dense]:
         sparse: Slots = {}

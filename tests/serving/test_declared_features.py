@@ -129,6 +129,51 @@ def test_dense_features_reach_the_scorer(filled_store: Settings) -> None:
     assert [dict(c.features.dense) for c in log.candidates] == [{}, {"hour": 3.0}, {"hour": 3.0, "price": 0.0}]
 
 
+def test_dense_features_from_the_store_are_scored_and_logged(filled_store: Settings) -> None:
+    """A user's and the items' dense values loaded into the store (``features load`` of a dense
+    ``user`` / ``item`` feature) are scored and logged like the request's own; a request's value
+    overrides the store's; a value neither gives is a 422 naming it."""
+    user, items = 900_077, [900_001, 900_002, 900_003]
+
+    async def load() -> None:
+        store = FeatureStore(filled_store.redis, filled_store.serving.redis_prefix)
+        await store.put({user: {}}, {i: {} for i in items}, users_dense={user: {"ctr": 0.25}},
+                        items_dense={items[0]: {"price": 2.0}, items[1]: {"price": 4.0}})
+        await store.close()
+
+    asyncio.run(load())
+    cfg = lr_model("stored-dense", ["item_id"], dense=["ctr", "price"])
+    head = DenseHead(cfg)
+    with torch.no_grad():
+        head.dense_linear.weight.copy_(torch.tensor([[1.0, -0.5]]))
+    sigmoid = lambda z: 1 / (1 + np.exp(-np.asarray(z)))  # noqa: E731
+    with running(create_app(filled_store, TrainerModel(config=cfg))) as base:
+        wait_ready(base)
+        asyncio.run(publish(filled_store, [encode_dense(cfg.model_id, 1, head)]))
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{base}/readyz").json()["model_version"]["dense_version"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        post = lambda body: httpx.post(f"{base}/rank", json=body, timeout=30)  # noqa: E731
+        for _ in range(2):  # the second time from the decoded-value caches
+            scores = _scores(post({"request_id": "stored", "user_id": user,
+                                   "candidates": [{"item_id": items[0]}, {"item_id": items[1]}]}))
+            np.testing.assert_allclose([scores[items[0]], scores[items[1]]], sigmoid([-0.75, -1.75]), rtol=1e-6)
+        scores = _scores(post({"request_id": "over", "user_id": user, "context": {"dense": {"ctr": 1.0}},
+                               "candidates": [{"item_id": items[0]},
+                                              {"item_id": items[1], "features": {"dense": {"price": 0.0}}}]}))
+        np.testing.assert_allclose([scores[items[0]], scores[items[1]]], sigmoid([0.0, 1.0]), rtol=1e-6)
+        r = post({"user_id": user, "candidates": [{"item_id": items[2]}]})
+        assert r.status_code == 422 and "candidates[0]: dense feature 'price' missing" in r.json()["message"], r.text
+        assert "load it into the feature store" in r.json()["message"]
+
+    logs = asyncio.run(read_logs(filled_store, {"stored", "over"}))
+    assert dict(logs["stored"].context.dense) == {"ctr": 0.25}
+    assert [dict(c.features.dense) for c in logs["stored"].candidates] == [{"price": 2.0}, {"price": 4.0}]
+    assert dict(logs["over"].context.dense) == {"ctr": 1.0}
+    assert [dict(c.features.dense) for c in logs["over"].candidates] == [{"price": 2.0}, {"price": 0.0}]
+
+
 def test_a_deepfm_with_a_dense_feature_starts_and_scores_with_it(filled_store: Settings) -> None:
     """Its MLP reads the dense feature beside the fields (start-up once failed on the shapes)."""
     base_cfg = deepfm_config("deepfm-dense", dim=4, mlp=[8], slots=("item_id",), recent_items=False)

@@ -88,9 +88,11 @@ def test_the_project_file_names_the_keys_and_the_string_features(redis_url: str,
         assert raw.get(f"{prefix}:i:{string_key('SKU-1')}").decode() == f"brand={string_id('007')};band=2"
     finally:
         raw.close()
-    config.write_text('name = "shop"\n[[features]]\nname = "brand"\nsource = "item"\nkind = "dense"\n')
+    config.write_text('name = "shop"\n[store]\nitem_key = "sku"\n'
+                      '[[features]]\nname = "brand"\nsource = "item"\nkind = "dense"\n')
+    items.write_text("sku,brand\nSKU-1,acme\n")
     assert main(["load", "--config", str(config), "--items", str(items), "--redis-url", redis_url]) == 2
-    assert "dense values come with each /rank request" in capsys.readouterr().err
+    assert "column 'brand' is string: a dense feature takes numbers" in capsys.readouterr().err
 
 
 def test_only_declared_sparse_features_load_and_the_rest_is_named(redis_url: str, tmp_path: Path, capsys) -> None:
@@ -108,8 +110,8 @@ def test_only_declared_sparse_features_load_and_the_rest_is_named(redis_url: str
         assert main(["load", "--config", str(config), "--users", str(users), "--redis-url", redis_url,
                      "--prefix", prefix]) == 0
         out = capsys.readouterr().out
-        assert f"skipped {users} column 'spend': not a declared sparse feature" in out, out
-        assert f"skipped {users} column 'visits': not a declared sparse feature" in out, out
+        assert f"skipped {users} column 'spend': not a declared feature of this file's source" in out, out
+        assert f"skipped {users} column 'visits': not a declared feature of this file's source" in out, out
         assert raw.get(f"{prefix}:u:1").decode() == f"segment={string_id('pros')}"
         assert main(["load", "--users", str(users), "--redis-url", redis_url, "--prefix", prefix]) == 0
         out = capsys.readouterr().out
@@ -120,3 +122,15 @@ def test_only_declared_sparse_features_load_and_the_rest_is_named(redis_url: str
     config.write_text('name = "shop"\n[[features]]\nname = "spend"\nsource = "user"\n')
     assert main(["load", "--config", str(config), "--users", str(users), "--redis-url", redis_url]) == 2
     assert "column 'spend' is double" in capsys.readouterr().err
+    # declared dense: the store holds the number beside the ids (and visits, an int column, as a float)
+    config.write_text('name = "shop"\n[[features]]\nname = "segment"\nsource = "user"\nids = "string"\n'
+                      '[[features]]\nname = "spend"\nsource = "user"\nkind = "dense"\n'
+                      '[[features]]\nname = "visits"\nsource = "user"\nkind = "dense"\n')
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        assert main(["load", "--config", str(config), "--users", str(users), "--redis-url", redis_url,
+                     "--prefix", prefix]) == 0
+        assert "skipped" not in capsys.readouterr().out
+        assert raw.get(f"{prefix}:u:1").decode() == f"segment={string_id('pros')};spend:12.5;visits:7.0"
+    finally:
+        raw.close()

@@ -1,5 +1,6 @@
 """Issue 16's acceptance, for a schema that is not MovieLens: ``driftline init``, an edited project
-file (string user and item features, a position, a dense feature, no user ids), ``up --config``,
+file (string user and item features, a position, a dense feature, a dense item feature kept in
+the feature store, no user ids), ``up --config``,
 the user's item features through ``features load --config``, traffic with a planted signal through
 the client package (``driftline.client.RankClient.from_project``: ``/rank`` and ``/actions``) and,
 for a quarter of the requests, through its Kafka producers (a system that ranks on its own and logs
@@ -51,6 +52,11 @@ name = "price"
 source = "candidate"
 kind = "dense"
 
+[[features]]
+name = "rating"
+source = "item"
+kind = "dense"
+
 '''
 
 
@@ -77,6 +83,11 @@ def _click_probability(segment: str, brand: str, position: int) -> float:
 
 def _brand(sku: str) -> str:
     return BRANDS[int(sku[-3:]) % len(BRANDS)]
+
+
+def _rating(sku: str) -> float:
+    """The item's stored dense feature (``features load``: serving adds it to every candidate)."""
+    return int(sku[-3:]) / 8
 
 
 def _request(rng: random.Random, price: float | None = None) -> tuple[list[dict], list[str]]:
@@ -106,7 +117,7 @@ def _traffic(stack: LoopStack, client: RankClient, config: Path) -> tuple[float 
             candidates, skus = _request(rng)
             if sent % 4 == 3:
                 for c, sku in zip(candidates, skus):
-                    c["features"]["brand"] = _brand(sku)
+                    c["features"].update(brand=_brand(sku), rating=_rating(sku))
                 rid = logs.send(None, candidates, context={"segment": segment})
                 for sku in _clicked(rng, segment, skus):
                     actions.send(rid, sku, "click")
@@ -140,7 +151,7 @@ def test_own_data_end_to_end(tmp_path: Path, repo_root: Path) -> None:
     stack = LoopStack.start(tmp_path, repo_root, "--config", str(config), env={"DRIFTLINE_DATA_DIR": str(data)})
     try:
         items = tmp_path / "items.csv"
-        items.write_text("sku,brand\n" + "".join(f"{s},{_brand(s)}\n" for s in SKUS))
+        items.write_text("sku,brand,rating\n" + "".join(f"{s},{_brand(s)},{_rating(s)}\n" for s in SKUS))
         load = subprocess.run([*cli, "features", "load", "--config", str(config), "--items", str(items),
                                "--redis-url", f"redis://127.0.0.1:{stack.redis_port}/0"],
                               env=env, capture_output=True, text=True, cwd=repo_root, timeout=120)
@@ -173,7 +184,19 @@ def test_own_data_end_to_end(tmp_path: Path, repo_root: Path) -> None:
     assert not data.exists()  # no MovieLens download
     logs = {p.name for p in stack.log_dir.glob("*.log")}
     assert not logs & {"warm-start.log", "features-load.log", "replay.log"}, logs
+    _the_stored_dense_feature_was_trained_on(stack.var_dir / "examples")
     _warm_start_from_the_dumped_examples(tmp_path, repo_root, config, stack.var_dir / "examples")
+
+
+def _the_stored_dense_feature_was_trained_on(examples: Path) -> None:
+    """Every example carries its item's ``rating`` (serving's from the store, the producers' own)."""
+    from joiner.dumper import read_examples
+    from services.hashing import string_key
+
+    t = read_examples(examples)
+    want = {string_key(s): _rating(s) for s in SKUS}
+    wrong = [(i, v) for i, v in zip(t["item_id"].to_pylist(), t["dense_rating"].to_pylist()) if v != want[i]]
+    assert t.num_rows and not wrong, wrong[:5]
 
 
 def _warm_start_from_the_dumped_examples(tmp_path: Path, repo_root: Path, config: Path, examples: Path) -> None:

@@ -35,8 +35,13 @@ driftline.client.features.WrongValue: candidates[2].pos: 'pos' has int ids, got 
 Traceback (most recent call last):
 ...
 driftline.client.features.MissingFeature: context: dense feature 'hour' missing (the model reads it on every request)
->>> FeatureEncoder([FeatureSpec(name="ctr", source="user", kind="dense")]).context({})  # the store's, then
+>>> stored = [FeatureSpec(name="ctr", source="user", kind="dense")]
+>>> FeatureEncoder(stored).context({})  # serving takes the store's
 ({}, {})
+>>> FeatureEncoder(stored, store=False).context({})  # a feature log written to Kafka must carry it
+Traceback (most recent call last):
+...
+driftline.client.features.MissingFeature: context: dense feature 'ctr' missing (the model reads it on every request)
 """
 
 from __future__ import annotations
@@ -140,15 +145,19 @@ def _dense_value(spec: FeatureSpec, where: str, value: Any) -> float:
 class FeatureEncoder:
     """Checks and hashes plain feature dicts against the project's features (see the module)."""
 
-    def __init__(self, features: Sequence[FeatureSpec], action_types: Iterable[str] | None = None) -> None:
-        """``action_types``: the project's labelled action types (None: any type is sent)."""
+    def __init__(self, features: Sequence[FeatureSpec], action_types: Iterable[str] | None = None,
+                 store: bool = True) -> None:
+        """``action_types``: the project's labelled action types (None: any type is sent);
+        ``store``: serving fills the values of ``user`` and ``item`` features from the feature
+        store (False for a feature log written straight to Kafka: its dense values must be given)."""
         self.specs = {f.name: f for f in features}
         if len(self.specs) != len(features):
             raise InvalidInput("features: a name is declared twice")
         self.action_types = None if action_types is None else frozenset(action_types)
         # dense values of user and item features come from the store when the request has none
-        self._dense_context = [f.name for f in features if f.kind == "dense" and f.source == "context"]
-        self._dense_candidate = [f.name for f in features if f.kind == "dense" and f.source == "candidate"]
+        context, candidate = ({"context"}, {"candidate"}) if store else (_CONTEXT_SOURCES, _CANDIDATE_SOURCES)
+        self._dense_context = [f.name for f in features if f.kind == "dense" and f.source in context]
+        self._dense_candidate = [f.name for f in features if f.kind == "dense" and f.source in candidate]
 
     def _encode(self, values: Mapping[str, Any] | None, where: str, sources: frozenset[str]) -> tuple[Slots, Dense]:
         sparse: Slots = {}

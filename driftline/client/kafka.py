@@ -73,7 +73,7 @@ class _Producer:
     def __init__(self, features: Sequence[FeatureSpec], settings: Settings, action_types: Iterable[str] | None,
                  topic: str) -> None:
         self.settings = settings
-        self.encoder = FeatureEncoder(features, action_types)
+        self.encoder = FeatureEncoder(features, action_types, store=False)  # no serving fills the store's values
         self.topic = topic
         self.producer: AIOKafkaProducer | None = None
 

@@ -112,7 +112,7 @@ async def _crash_run(settings: Settings, n_requests: int, kills: int, seed: int)
 
 
 async def test_kill_9_and_restart_gives_the_same_examples(settings: Settings) -> None:
-    await _crash_run(settings, n_requests=20_000, kills=5, seed=22)
+    await _crash_run(settings, n_requests=12_000, kills=5, seed=22)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

@@ -56,7 +56,7 @@ def _drain(env: dict[str, str], log: Path, store: Path) -> None:
 
 
 async def test_kill_9_of_one_of_two_workers_the_other_takes_over(settings: Settings) -> None:
-    events = ml_events(20_000, start=100_000, seed=31)
+    events = ml_events(12_000, start=100_000, seed=31)
     await create_topics(settings)
     await produce(settings, events)
     env = _env(settings)
@@ -89,7 +89,7 @@ async def test_kill_9_of_one_of_two_workers_the_other_takes_over(settings: Setti
 
 
 async def test_a_worker_added_while_traffic_flows_takes_partitions_without_loss(settings: Settings) -> None:
-    events = ml_events(20_000, start=200_000, seed=32)
+    events = ml_events(12_000, start=200_000, seed=32)
     await create_topics(settings)
     env = _env(settings)
     settings.var_dir.mkdir(parents=True, exist_ok=True)

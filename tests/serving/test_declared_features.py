@@ -97,20 +97,25 @@ def _scores(r: httpx.Response) -> dict[int, float]:
     return {i["item_id"]: i["raw_score"] for i in r.json()["items"]}
 
 
+def _with_dense_weights(settings: Settings, base: str, cfg: ModelConfig, weights: list[float]) -> None:
+    """Publish an LR head whose dense weights are ``weights``; wait until serving applied them."""
+    head = DenseHead(cfg)
+    with torch.no_grad():
+        head.dense_linear.weight.copy_(torch.tensor([weights]))
+    asyncio.run(publish(settings, [encode_dense(cfg.model_id, 1, head)]))
+    deadline = time.monotonic() + 20
+    while httpx.get(f"{base}/readyz").json()["model_version"]["dense_version"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def test_dense_features_reach_the_scorer(filled_store: Settings) -> None:
     """An LR with dense weights published: a candidate's dense value (over the context's) moves its
     score by exactly its weight; a dense feature missing is a 422 naming it."""
     cfg = lr_model("dense", ["item_id"], dense=["hour", "price"])
-    head = DenseHead(cfg)
-    with torch.no_grad():
-        head.dense_linear.weight.copy_(torch.tensor([[1.0, -0.5]]))
     with running(create_app(filled_store, TrainerModel(config=cfg))) as base:
         wait_ready(base)
-        asyncio.run(publish(filled_store, [encode_dense(cfg.model_id, 1, head)]))
-        deadline = time.monotonic() + 20
-        while httpx.get(f"{base}/readyz").json()["model_version"]["dense_version"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        _with_dense_weights(filled_store, base, cfg, [1.0, -0.5])
         post = lambda body: httpx.post(f"{base}/rank", json=body, timeout=30)  # noqa: E731
         scores = _scores(post({"request_id": "dense", "context": {"dense": {"hour": 0.0, "price": 2.0}},
                                "candidates": [{"item_id": 1}, {"item_id": 2, "features": {"dense": {"hour": 3.0}}},
@@ -143,17 +148,10 @@ def test_dense_features_from_the_store_are_scored_and_logged(filled_store: Setti
 
     asyncio.run(load())
     cfg = lr_model("stored-dense", ["item_id"], dense=["ctr", "price"])
-    head = DenseHead(cfg)
-    with torch.no_grad():
-        head.dense_linear.weight.copy_(torch.tensor([[1.0, -0.5]]))
     sigmoid = lambda z: 1 / (1 + np.exp(-np.asarray(z)))  # noqa: E731
     with running(create_app(filled_store, TrainerModel(config=cfg))) as base:
         wait_ready(base)
-        asyncio.run(publish(filled_store, [encode_dense(cfg.model_id, 1, head)]))
-        deadline = time.monotonic() + 20
-        while httpx.get(f"{base}/readyz").json()["model_version"]["dense_version"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        _with_dense_weights(filled_store, base, cfg, [1.0, -0.5])
         post = lambda body: httpx.post(f"{base}/rank", json=body, timeout=30)  # noqa: E731
         for _ in range(2):  # the second time from the decoded-value caches
             scores = _scores(post({"request_id": "stored", "user_id": user,

@@ -24,14 +24,19 @@ def join_config(joiner: dict | None = None, **overrides: object) -> JoinConfig:
     return JoinConfig.from_settings(JoinerSettings(**(JOINER if joiner is None else joiner)), **overrides)
 
 
-async def produce(settings: Settings, events: list[tuple[str, bytes, bytes]]) -> None:
-    """Produce ``(kind, key, value)`` in order; kind is ``features``/``actions`` or a topic name."""
+async def produce(settings: Settings, events: list[tuple[str, bytes, bytes]], *, over_s: float = 0.0) -> None:
+    """Produce ``(kind, key, value)`` in order; kind is ``features``/``actions`` or a topic name.
+    ``over_s``: spread them over about that many seconds (slices of 100, each acknowledged)."""
     topics = {"features": settings.topics.features, "actions": settings.topics.actions}
     p = producer(settings)
     await start_client(p, settings)
+    step = 100 if over_s else max(len(events), 1)
+    pause = over_s * step / max(len(events), 1)
     try:
-        futures = [await p.send(topics.get(kind, kind), value, key=key) for kind, key, value in events]
-        await asyncio.gather(*futures)
+        for i in range(0, len(events), step):
+            futures = [await p.send(topics.get(kind, kind), value, key=key) for kind, key, value in events[i:i + step]]
+            await asyncio.gather(*futures)
+            await asyncio.sleep(pause)
     finally:
         await p.stop()
 

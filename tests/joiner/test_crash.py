@@ -79,24 +79,31 @@ async def _until_output(settings: Settings, proc: subprocess.Popen, timeout: flo
 async def _crash_run(settings: Settings, n_requests: int, kills: int, seed: int) -> None:
     events = ml_events(n_requests, start=100_000, seed=seed)
     await create_topics(settings)
-    await produce(settings, events)
+    # The stream arrives in kills + 1 parts, each while a worker runs (over 5 s: a fast machine
+    # joined a part produced at once before the kill came): every restarted worker has input left
+    # and dies mid-stream, however fast the machine (one that finished a stream produced at once
+    # before the second kill had no new window to close after its restart).
+    parts = [events[i * len(events) // (kills + 1):(i + 1) * len(events) // (kills + 1)] for i in range(kills + 1)]
     env = _env(settings)
     log = settings.var_dir.parent / "joiner.log"
     settings.var_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     produced_before_kill = []
     records = 0  # batch records on the examples topic
-    for _ in range(kills):
+    for part in parts[:-1]:
         proc = _joiner(env, log)
+        producing = asyncio.create_task(produce(settings, part, over_s=5.0))
         # On progress (start-up and the group join take seconds, varying with the machine's
         # load): once the restarted worker has produced, mid-stream.
         await _until_output(settings, proc, timeout=90, above=records)
-        time.sleep(rng.uniform(0.0, 0.5))
+        await asyncio.sleep(rng.uniform(0.0, 1.0))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        await producing
         produced_before_kill.append(len(await read_examples(settings)))
         records = sum((await tansu_quirks.log_end_offsets(
             settings, [TopicPartition(settings.topics.examples, p) for p in range(settings.topics.partitions)])).values())
+    await produce(settings, parts[-1])
     proc = _joiner(env, log, "--until-idle", "1")
     assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     examples = await read_examples(settings)

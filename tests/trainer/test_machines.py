@@ -153,7 +153,8 @@ async def test_with_an_elastic_range_the_survivor_goes_on_alone_and_the_machine_
         records += await produce_examples(settings, ml_examples[third:2 * third], chunk=250)
         alone = await _manifest(root, first["examples_applied"] + 1, first["seq"], logs, shards=0)
         b = _machine(settings, tmp_path, "b2", endpoint, host=False, nnodes="1:2", idle_s=15)
-        await _logged(tmp_path / "b2.log", "rank 1/2 reads", logs)  # the group of 2 again
+        # the group of 2 again (either rank: a re-rendezvous may give machine b rank 0)
+        await _logged(tmp_path / "b2.log", "/2 reads", logs)
         records += await produce_examples(settings, ml_examples[2 * third:], chunk=250)
         assert a.wait(timeout=300) == 0, logs()
         assert b.wait(timeout=60) == 0, logs()

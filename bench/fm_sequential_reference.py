@@ -50,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ps.optimizers import OPT_ADAGRAD, OPT_SGD, step_elem  # noqa: E402
 from ps.rowmarks import M_NDIRTY, M_WATERMARK, marked, reserve_dirty  # noqa: E402
 from ps.sequential import _batch_rows, _resolve_rows  # noqa: E402
-from trainer.model import SparseModel, bag_inputs, pool, NonFiniteStepError, _finite_grads  # noqa: E402
+from trainer.model import SparseModel, bag_inputs, pool  # noqa: E402
+from trainer.step_checks import NonFiniteStepError, finite_grads  # noqa: E402
 
 
 @numba.njit(cache=True, nogil=True)
@@ -332,7 +333,7 @@ class FMSeqModel(SparseModel):
         r = torch.from_numpy(resid.astype(np.float32))
         self.optimizer.zero_grad(set_to_none=True)
         logits.backward(r / max(n, 1))
-        if not _finite_grads(head) or not math.isfinite(loss):
+        if not finite_grads(head) or not math.isfinite(loss):
             raise NonFiniteStepError("non-finite")
         if self.mode == "fm":
             g = w.grad.numpy().reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32)

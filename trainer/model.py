@@ -32,18 +32,10 @@ from ps import EmbeddingTable, PackedBatch, ParameterServer
 from .batch import SparseBatch
 from .config import ModelConfig
 from .sequential import sequential_train_step
+from .step_checks import NonFiniteStepError, finite_grads
 
 
 _NO_IDS = np.zeros(0, np.int64)
-
-
-class NonFiniteStepError(ValueError):
-    """A training step's loss or dense gradients are NaN or infinite; nothing was applied."""
-
-
-def _finite_grads(module: nn.Module) -> bool:
-    """Whether every gradient of ``module``'s parameters is finite (one reduction per tensor)."""
-    return all(bool(torch.isfinite(p.grad).all()) for p in module.parameters() if p.grad is not None)
 
 
 class DenseHead(nn.Module):
@@ -292,7 +284,7 @@ class SparseModel:
         # changed no parameter and its batch can be retried without its poison record
         # (trainer.isolate): the loss and the head's gradients here, the sparse gradients in
         # the PS (NonFiniteGradientError, before it touches a row).
-        if not math.isfinite(value) or not _finite_grads(self.head):
+        if not math.isfinite(value) or not finite_grads(self.head):
             raise NonFiniteStepError(f"the step's loss ({value}) or dense gradients are not finite; "
                                      "nothing applied")
         t2 = time.perf_counter()

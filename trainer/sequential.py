@@ -40,12 +40,11 @@ import torch
 from ps.sequential import train_linear_sequential
 
 from .batch import SparseBatch
+from .step_checks import NonFiniteStepError, finite_grads
 
 
 def sequential_train_step(model, batch: SparseBatch) -> tuple[float, np.ndarray]:
     """``(mean loss, probabilities before each example's update)`` for ``model`` (a SparseModel)."""
-    from .model import NonFiniteStepError, _finite_grads  # here: trainer.model imports this module
-
     t0 = time.perf_counter()
     batch = model.complete(batch)
     n, t = batch.size, batch.max_event_time
@@ -82,7 +81,7 @@ def sequential_train_step(model, batch: SparseBatch) -> tuple[float, np.ndarray]
     model.optimizer.zero_grad(set_to_none=True)
     if deep:
         logits.backward(r / max(n, 1))
-        if not _finite_grads(head) or not math.isfinite(loss):
+        if not finite_grads(head) or not math.isfinite(loss):
             raise NonFiniteStepError(f"the step's loss ({loss}) or dense gradients are not finite; "
                                      "the first-order rows were stepped, nothing else applied")
         w = leaves[0][1]

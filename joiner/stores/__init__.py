@@ -20,9 +20,3 @@ def open_store(url: str) -> KVStore:
 
         return RocksDBStore(url)
     raise ValueError(f"unknown store URL {url!r}: use memory:// or rocksdb://<path>")
-
-
-def store_path(url: str) -> str:
-    """The filesystem path of a rocksdb:// URL."""
-    rest = url.split("://", 1)[1]
-    return rest

@@ -13,13 +13,11 @@ from pathlib import Path
 
 from rocksdict import BlockBasedOptions, Options, ReadOptions, Rdict, WriteBatch
 
-from joiner.stores import store_path
-
 
 class RocksDBStore:
     def __init__(self, url: str) -> None:
         self.url = url
-        self.path = Path(store_path(url))
+        self.path = Path(url.split("://", 1)[1])  # rocksdb://rel/path or rocksdb:///abs/path
         self.path.parent.mkdir(parents=True, exist_ok=True)
         opts = Options(raw_mode=True)
         opts.create_if_missing(True)

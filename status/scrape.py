@@ -15,7 +15,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,11 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from status.metrics import StatusMetrics
 from status.options import StatusSettings, Target
 from status.series import derive
+from status.targets import Samples, TargetState
 
 log = logging.getLogger(__name__)
-
-# sample name -> [(labels, value), ...]
-Samples = dict[str, list[tuple[dict[str, str], float]]]
 
 
 def parse_metrics(text: str, prefix: str = "driftline_") -> Samples:
@@ -43,33 +40,6 @@ def parse_metrics(text: str, prefix: str = "driftline_") -> Samples:
             if sample.name.startswith(prefix):
                 out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
     return out
-
-
-@dataclass
-class TargetState:
-    """What the status page knows about one target: its badge and its recent raw samples."""
-
-    target: Target
-    up: bool | None = None  # None until the first scrape finished
-    last_ok: float | None = None
-    last_error: str | None = None
-    last_duration_s: float | None = None
-    scrapes: int = 0
-    errors: int = 0
-    # (wall time, samples) of the recent successful scrapes, oldest first.
-    history: deque[tuple[float, Samples]] = field(default_factory=deque)
-
-    @property
-    def current(self) -> Samples | None:
-        """This round's samples, or None when the target is down."""
-        return self.history[-1][1] if self.up and self.history else None
-
-    def badge(self) -> dict:
-        return {
-            "name": self.target.name, "url": self.target.url, "up": self.up,
-            "last_ok": self.last_ok, "last_error": self.last_error,
-            "last_duration_s": self.last_duration_s, "scrapes": self.scrapes, "errors": self.errors,
-        }
 
 
 def _finite(v: float | None) -> float | None:

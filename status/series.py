@@ -37,10 +37,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from status.scrape import Samples, TargetState
+from status.targets import Samples, TargetState
 
 Labels = dict[str, str]
 Match = Callable[[Labels], bool]

@@ -284,7 +284,7 @@ def start_stack(tmp: Path, host: str, procs: list[subprocess.Popen]) -> tuple[di
     settings = Settings(kafka_bootstrap_servers=f"{host}:{bport}")
     asyncio.run(create_topics(settings))
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "serving.feature_store", "load", "--movielens", "--dataset", "ml-1m",
+    subprocess.run([sys.executable, "-m", "serving.feature_files", "load", "--movielens", "--dataset", "ml-1m",
                     "--data-dir", str(ROOT / "var" / "data")], env=env, check=True, cwd=ROOT)
     return env, settings, sport, time.perf_counter() - t
 

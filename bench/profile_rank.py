@@ -59,7 +59,7 @@ from proto import ModelVersion  # noqa: E402
 from serving.app import Serving  # noqa: E402
 from serving.correction import correct  # noqa: E402
 from serving.feature_log import features_message  # noqa: E402
-from serving.feature_store import load_dataset  # noqa: E402
+from serving.feature_files import load_dataset  # noqa: E402
 from serving.model import warm_up  # noqa: E402
 from serving.request_features import slots_for  # noqa: E402
 from serving.schemas import RankRequest  # noqa: E402

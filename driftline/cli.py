@@ -163,7 +163,7 @@ SERVICE_COMMANDS: dict[str, tuple[str, str]] = {
     "dumper": ("joiner.dumper:main", "dump topic examples to hourly Parquet files"),
     "trainer": ("trainer.__main__:main", "train: `trainer online` from Kafka or `trainer batch` from Parquet"),
     "serve": ("serving.__main__:main", "run the ranking API (uvicorn)"),
-    "features": ("serving.feature_store:main", "online feature store: `features load [--config driftline.toml] --users FILE --items FILE` (or `--movielens`)"),
+    "features": ("serving.feature_files:main", "online feature store: `features load [--config driftline.toml] --users FILE --items FILE` (or `--movielens`)"),
     "traffic": ("driftline.cli:traffic", "replay MovieLens through serving (/rank, then /actions), or your "
                                          "own impression log: `traffic --csv FILE --map FILE` (or --parquet FILE)"),
     "status": ("status.app:main", "the live status page"),

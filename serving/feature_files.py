@@ -45,7 +45,10 @@ True
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import re
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,7 +57,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.types as pat
 
+from serving.feature_store import FeatureStore, FeatureStoreError
 from services.hashing import string_id, string_ids, string_key
+from services.redis_client import redacted, without_password
 
 Slots = dict[str, list[int]]
 _SLOT = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -212,8 +217,6 @@ async def load_files(url: str, prefix: str, users: Path | None, items: Path | No
     ``user_features`` / ``item_features``: the declared sparse features to load (None: every
     id column); ``user_dense`` / ``item_dense``: the declared dense ones; ``skipped`` gets
     ``{file: {column: reason}}``. Both files are read and checked before anything is written."""
-    from serving.feature_store import FeatureStore
-
     started = time.perf_counter()
     skipped = {} if skipped is None else skipped
     user_rows = item_rows = {}
@@ -230,3 +233,109 @@ async def load_files(url: str, prefix: str, users: Path | None, items: Path | No
     finally:
         await store.close()
     return n, time.perf_counter() - started
+
+
+async def load_dataset(url: str, dataset: str, data_dir: Path, prefix: str = "driftline") -> tuple[int, float]:
+    """Fill the store with a MovieLens dataset's user and item features; return (keys, seconds)."""
+    from producers.movielens import load
+    from producers.movielens_features import MovieLensFeatures
+
+    started = time.perf_counter()
+    ml = load(dataset, data_dir)
+    feats = MovieLensFeatures(ml.users, ml.items)
+    store = FeatureStore(url, prefix, timeout_s=30.0)
+    try:
+        n = await store.put({u: feats.user_slots(u) for u in feats.user_ids},
+                            {i: feats.item_slots(i) for i in feats.item_ids})
+    finally:
+        await store.close()
+    return n, time.perf_counter() - started
+
+
+def _apply_project(args: argparse.Namespace) -> None:
+    """Fill the flags the command line left out from the project file's ``[store]`` and features."""
+    if args.config is not None:
+        from driftline.project import load_project  # the project layer, lazily
+
+        project = load_project(args.config)
+        store = project.store
+        args.user_key = args.user_key or store.user_key
+        args.item_key = args.item_key or store.item_key
+        args.separator = args.separator or store.separator
+        hashed = [f.name for f in project.features if f.hashed and f.source in ("user", "item")]
+        args.strings = ",".join([c for c in args.strings.split(",") if c] + hashed)
+        args.declared = {source: [f.name for f in project.features if f.source == source and f.kind == "sparse"]
+                         for source in ("user", "item")}
+        args.dense = {source: [f.name for f in project.features if f.source == source and f.kind == "dense"]
+                      for source in ("user", "item")}
+    args.user_key, args.item_key = args.user_key or "user_id", args.item_key or "item_id"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.settings import get_settings
+
+    settings = get_settings()
+    parser = argparse.ArgumentParser(prog="driftline features",
+                                     description="The online feature store in Redis: fill it with user and item features.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_load = sub.add_parser("load", help="fill the store from your users/items files, or from MovieLens (the demo)",
+                            description="Fill the store from --users/--items files (Parquet or CSV: see "
+                                        "serving/feature_files.py) or, with --movielens, from a MovieLens dataset.")
+    p_load.add_argument("--users", type=Path, help="users file (.parquet, .pq or .csv): one row per user")
+    p_load.add_argument("--items", type=Path, help="items file (.parquet, .pq or .csv): one row per item")
+    p_load.add_argument("--config", type=Path, default=settings.project,
+                        help="a project file (driftline.toml): its [store] key columns and separator, and its "
+                             "string features hashed as strings (default: $DRIFTLINE_PROJECT)")
+    p_load.add_argument("--user-key", default=None, help="the users file's id column (default user_id)")
+    p_load.add_argument("--item-key", default=None, help="the items file's id column (default item_id)")
+    p_load.add_argument("--separator", help="split string cells on this into bags of ids (e.g. '|')")
+    p_load.add_argument("--strings", default="", help="comma-separated columns hashed as strings even where "
+                                                     "they look like numbers (zip codes)")
+    p_load.add_argument("--movielens", action="store_true", help="load the MovieLens demo's features instead")
+    p_load.add_argument("--dataset", default=settings.replay.dataset, choices=["ml-1m", "ml-100k"])
+    p_load.add_argument("--data-dir", type=Path, default=settings.data_dir)
+    p_load.add_argument("--redis-url", default=settings.redis)
+    p_load.add_argument("--prefix", default=settings.serving.redis_prefix)
+    p_load.set_defaults(declared={}, dense={})  # source -> its declared sparse / dense features (a project file's)
+    args = parser.parse_args(argv)
+    try:
+        _apply_project(args)
+    except ValueError as err:
+        print(f"driftline features load: {err}", file=sys.stderr)
+        return 2
+    files = args.users is not None or args.items is not None
+    if files == args.movielens:
+        print("driftline features load: give --users FILE and/or --items FILE, or --movielens (the demo), "
+              "not both", file=sys.stderr)
+        return 2
+    skipped: dict[str, dict[str, str]] = {}
+    try:
+        if args.movielens:
+            source = args.dataset
+            n, seconds = asyncio.run(load_dataset(args.redis_url, args.dataset, args.data_dir, args.prefix))
+        else:
+            source = " and ".join(str(p) for p in (args.users, args.items) if p is not None)
+            declared = args.declared
+            n, seconds = asyncio.run(load_files(args.redis_url, args.prefix, args.users, args.items,
+                                                user_key=args.user_key, item_key=args.item_key,
+                                                separator=args.separator,
+                                                strings=[c for c in args.strings.split(",") if c],
+                                                user_features=declared.get("user"), item_features=declared.get("item"),
+                                                user_dense=args.dense.get("user", ()),
+                                                item_dense=args.dense.get("item", ()), skipped=skipped))
+    except FeatureFileError as err:
+        print(f"driftline features load: {err}", file=sys.stderr)
+        return 2
+    except FeatureStoreError as err:
+        print(f"driftline features load: {without_password(str(err), args.redis_url)}; run `make up`, or set "
+              "REDIS_URL (redis://user:password@host:port/0) and DRIFTLINE_REDIS_CLIENT__*", file=sys.stderr)
+        return 1
+    print(f"loaded {n} feature keys from {source} into {redacted(args.redis_url)} in {seconds:.2f}s")
+    for path, columns in skipped.items():
+        for column, reason in columns.items():
+            print(f"skipped {path} column {column!r}: {reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

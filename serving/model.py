@@ -27,7 +27,6 @@ from trainer.sharding import whole_tables
 if TYPE_CHECKING:
     from trainer.config import ModelConfig
     from trainer.model import DenseHead
-    from serving.fm_model import FMModel
     from trainer.batch import SparseBatch
     from trainer.inference import Scorer
     from trainer.model import SparseModel
@@ -301,18 +300,3 @@ class TrainerModel:
         except (OSError, ValueError):
             return None  # being replaced right now: the next look sees the new one
         return manifest.get("broker_epoch") if manifest else None
-
-
-def parameters(model: FMModel | TrainerModel) -> dict[str, np.ndarray]:
-    """Every parameter as arrays (for comparing replicas): per table sorted keys and values."""
-    out: dict[str, np.ndarray] = {}
-    for name, table in model.tables.items():
-        keys, values, _s, _t = table.items()
-        out[f"{name}.keys"], out[f"{name}.values"] = keys, values
-    from serving.fm_model import FMModel
-
-    if isinstance(model, FMModel):
-        out.update({f"dense.{k}": v.copy() for k, v in model.dense_params.items()})
-    else:
-        out.update({f"dense.{k}": v.detach().numpy().copy() for k, v in model.scorer.head.state_dict().items()})
-    return out

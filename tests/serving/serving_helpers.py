@@ -18,6 +18,8 @@ from fastapi import FastAPI
 from proto import DeadLetter, ParameterDelta
 from proto.parameter_delta_pb2 import DenseParameters, SampleRates, SparseRows, Tensor
 from serving.feature_store import FeatureStore
+from serving.fm_model import FMModel
+from serving.model import TrainerModel
 from services.ports import free_port
 from services.kafka import TypedConsumer, create_topics, producer, start_client
 from services.settings import Settings
@@ -155,3 +157,16 @@ async def read_records(settings: Settings, topic: str, message: type, n: int, ti
 async def dead_letters(settings: Settings, n: int, timeout: float = 20.0) -> list[DeadLetter]:
     """The first ``n`` records on the dead-letter topic (fewer when ``timeout`` passes first)."""
     return await read_records(settings, settings.topics.dead_letters, DeadLetter, n, timeout)
+
+
+def parameters(model: FMModel | TrainerModel) -> dict[str, np.ndarray]:
+    """Every parameter as arrays (for comparing replicas): per table sorted keys and values."""
+    out: dict[str, np.ndarray] = {}
+    for name, table in model.tables.items():
+        keys, values, _s, _t = table.items()
+        out[f"{name}.keys"], out[f"{name}.values"] = keys, values
+    if isinstance(model, FMModel):
+        out.update({f"dense.{k}": v.copy() for k, v in model.dense_params.items()})
+    else:
+        out.update({f"dense.{k}": v.detach().numpy().copy() for k, v in model.scorer.head.state_dict().items()})
+    return out

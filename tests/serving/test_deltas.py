@@ -11,10 +11,9 @@ import pytest
 
 from serving.deltas import DeltaFeed
 from serving.fm_model import FMModel
-from serving.model import parameters
 from services.settings import Settings
 
-from serving_helpers import dense_delta, publish, sparse_delta
+from serving_helpers import dense_delta, parameters, publish, sparse_delta
 
 DIM = 4
 

@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from serving.feature_store import FeatureStore, main
+from serving.feature_files import main
+from serving.feature_store import FeatureStore
 from services.hashing import string_id
 
 

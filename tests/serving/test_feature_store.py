@@ -7,7 +7,8 @@ from pathlib import Path
 
 from producers.movielens import load
 from producers.movielens_features import MovieLensFeatures
-from serving.feature_store import FeatureStore, main
+from serving.feature_files import main
+from serving.feature_store import FeatureStore
 
 
 def test_loader_fills_store(redis_url: str, repo_root: Path, capsys) -> None:

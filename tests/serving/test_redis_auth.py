@@ -22,7 +22,8 @@ import pytest
 
 from driftline.embedded import redis_binary, redis_command, wait_for_port
 from serving.app import create_app
-from serving.feature_store import FeatureStore, FeatureStoreError, main
+from serving.feature_files import main
+from serving.feature_store import FeatureStore, FeatureStoreError
 from services.ports import free_port
 from services.settings import RedisClientSettings, Settings
 

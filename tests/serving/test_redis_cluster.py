@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from serving.app import create_app
-from serving.feature_store import LOADED_MARKER, FeatureStore, main
+from serving.feature_files import main
+from serving.feature_store import LOADED_MARKER, FeatureStore
 from services.settings import RedisClientSettings, Settings, get_settings
 from tests.redis_cluster import LocalCluster, Node
 

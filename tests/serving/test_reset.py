@@ -18,7 +18,7 @@ from serving.broker_epoch import SharedEpoch
 from serving.deltas import DeltaFeed
 from serving.feature_log import FeatureLogger
 from serving.feature_store import FeatureStore
-from serving.model import TrainerModel, parameters
+from serving.model import TrainerModel
 from serving.realtime import RecentClicks
 from services.kafka import create_topics, producer, start_client
 from services.settings import Settings
@@ -30,7 +30,7 @@ from trainer.config import deepfm_config
 from trainer.model import SparseModel
 from trainer.sync import encode_dense, encode_sparse_tables
 
-from serving_helpers import publish, read_keys
+from serving_helpers import parameters, publish, read_keys
 
 
 @pytest.fixture(scope="module")

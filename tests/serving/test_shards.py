@@ -19,7 +19,7 @@ from proto import ParameterDelta
 from ps import EmbeddingTable, SyncChunk
 from serving.app import model_version
 from serving.deltas import DeltaFeed
-from serving.model import TrainerModel, parameters
+from serving.model import TrainerModel
 from serving.versions import DeltaRejected
 from services.settings import Settings
 from trainer import snapshots
@@ -27,7 +27,7 @@ from trainer.config import ModelConfig, deepfm_config
 from trainer.sharding import owners, shard_of, whole_tables
 from trainer.sync import encode_sparse_tables
 
-from serving_helpers import publish
+from serving_helpers import parameters, publish
 
 #: the tables the fake ranks train (a version is one chunk per touched table a rank owns: 3 on rank 0,
 #: 2 on the others, since item_id_w, a first-order table of this sequential model, is rank 0's whole)

@@ -15,7 +15,6 @@ import httpx
 import numpy as np
 import pytest
 
-from serving.model import parameters
 from serving.shared_model import PSModel, SharedModel
 from services.ports import free_port
 from trainer import snapshots
@@ -23,6 +22,7 @@ from trainer.batch import SparseBatch
 from trainer.config import deepfm_config
 from trainer.model import SparseModel
 from trainer.sync import encode_dense, encode_sparse_tables
+from serving_helpers import parameters
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = deepfm_config(dim=4, mlp=[8])

@@ -12,7 +12,7 @@ import torch
 
 from proto import ParameterDelta
 from serving.deltas import DeltaFeed
-from serving.model import TrainerModel, parameters
+from serving.model import TrainerModel
 from services.settings import Settings
 from trainer import snapshots
 from trainer.batch import SparseBatch
@@ -20,7 +20,7 @@ from trainer.config import deepfm_config
 from trainer.model import SparseModel
 from trainer.sync import NonFiniteDelta, encode_dense, encode_sparse_tables
 
-from serving_helpers import dead_letters, publish
+from serving_helpers import dead_letters, parameters, publish
 
 
 def _rows(rng: np.random.Generator, n: int) -> list[dict[str, list[int]]]:

@@ -87,8 +87,8 @@ def _serving_url(s: Settings) -> str:
     return f"http://{s.serving.host}:{s.serving.port}"
 
 
-def _metrics(offset: int) -> Callable[[Settings], int]:
-    return lambda s: s.embedded.metrics_port_base + offset
+def _metrics(service: str) -> Callable[[Settings], int]:
+    return lambda s: s.embedded.metrics_port(service)
 
 
 # In start order. Each long-running service exports /metrics on its own port.
@@ -97,12 +97,12 @@ APP_SERVICES: list[AppService] = [
     # live traffic, demo or not: sparse clicks leave an actions partition idle, and its watermark
     # must still advance for windows to close
     # (a project file says so itself: [windows] idle_advance_seconds)
-    AppService("joiner", ("joiner",), metrics_port=_metrics(0),
+    AppService("joiner", ("joiner",), metrics_port=_metrics("joiner"),
                legacy_env={"DRIFTLINE_JOINER__IDLE_ADVANCE_SECONDS": "30"}),
-    AppService("dumper", ("dumper",), metrics_port=_metrics(1)),
+    AppService("dumper", ("dumper",), metrics_port=_metrics("dumper")),
     # trainer.nproc > 1: that many ranks under torch's elastic launcher (trainer/launch.py); rank
     # r > 0 exports metrics on the trainer's port + r * trainer.rank_metrics_port_stride
-    AppService("trainer", ("trainer", "online"), metrics_port=_metrics(2),
+    AppService("trainer", ("trainer", "online"), metrics_port=_metrics("trainer"),
                settings_env=lambda s: {"DRIFTLINE_TRAINER__NPROC": str(s.trainer.nproc)},
                # a stop applies what each rank holds and writes its last snapshot: that took 10.9 s
                # on a loaded machine, past the 10 s default, and a SIGKILLed trainer restarts from
@@ -332,7 +332,7 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
             ))
             rows += list(service.urls(settings).items())
         if demo:
-            port = traffic_metrics_port(settings)
+            port = settings.embedded.metrics_port("traffic")
             metrics.append(f":{port} traffic")
             supervisor.start(ServiceSpec(
                 # The replay of ml-1m, now through serving (producers.traffic); its log stays replay.log.
@@ -381,12 +381,10 @@ def stack_ports(settings: Settings, demo: bool) -> list[Listen]:
     ports.append(Listen(settings.serving.host, settings.serving.port, "serving's API", "serving.port"))
     ports.append(Listen(settings.status.host, settings.status.port, "the status page", "status.port"))
     if demo:
-        ports.append(Listen(mhost, traffic_metrics_port(settings), "the traffic's /metrics", "embedded.metrics_port_base"))
+        ports.append(Listen(mhost, settings.embedded.metrics_port("traffic"), "the traffic's /metrics", "embedded.metrics_port_base"))
     return ports
 
 
-def traffic_metrics_port(settings: Settings) -> int:
-    return settings.embedded.metrics_port_base + 3
 
 
 def traffic_command(settings: Settings, limit: int | None, speed: float | None,

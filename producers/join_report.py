@@ -57,10 +57,7 @@ LOST = ("orphan_actions", "late_actions", "expired_impressions")
 
 def default_urls(settings: Settings) -> list[str]:
     """The joiner's ``/metrics`` in the stack ``driftline up`` runs."""
-    from driftline.stack import APP_SERVICES
-
-    joiner = next(s for s in APP_SERVICES if s.name == "joiner")
-    return [f"http://127.0.0.1:{joiner.metrics_port(settings)}/metrics"]
+    return [f"http://127.0.0.1:{settings.embedded.metrics_port('joiner')}/metrics"]
 
 
 async def read_counts(client: httpx.AsyncClient, urls: Sequence[str]) -> dict[str, float] | None:

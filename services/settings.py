@@ -167,6 +167,10 @@ class EventTimeSettings(BaseModel):
     max_future_s: float = 300.0
 
 
+#: the /metrics port of each service ``make up`` starts: ``embedded.metrics_port_base`` + this
+LOCAL_METRICS_OFFSETS = {"joiner": 0, "dumper": 1, "trainer": 2, "traffic": 3}
+
+
 class EmbeddedSettings(BaseModel):
     """The local stack that ``make up`` starts when no external Kafka or Redis is configured."""
 
@@ -180,6 +184,14 @@ class EmbeddedSettings(BaseModel):
     # A service whose liveness check (its /metrics or /healthz answering a GET within 2 s, every
     # 5 s) has not passed for this long is killed and restarted: a hung process is not left in place.
     liveness_timeout_s: float = Field(default=120.0, gt=0)
+
+    def metrics_port(self, service: str) -> int:
+        """The /metrics port ``make up`` gives ``service`` (a key of :data:`LOCAL_METRICS_OFFSETS`).
+
+        >>> EmbeddedSettings(metrics_port_base=9200).metrics_port("trainer")
+        9202
+        """
+        return self.metrics_port_base + LOCAL_METRICS_OFFSETS[service]
 
     @field_validator("host")
     @classmethod

@@ -24,10 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from services.ports import free_port
-from services.settings import Settings
-
-# The metrics ports `driftline up` gives its services: base + offset (driftline.stack).
-METRICS_OFFSETS = {"joiner": 0, "dumper": 1, "trainer": 2, "traffic": 3}
+from services.settings import LOCAL_METRICS_OFFSETS, Settings
 
 
 def free_port_block(n: int) -> int:
@@ -168,7 +165,7 @@ class LoopStack:
 
     def metrics_urls(self) -> dict[str, str]:
         """Every service's /metrics, by service name."""
-        urls = {name: f"http://127.0.0.1:{self.metrics_base + off}/metrics" for name, off in METRICS_OFFSETS.items()}
+        urls = {name: f"http://127.0.0.1:{self.metrics_base + off}/metrics" for name, off in LOCAL_METRICS_OFFSETS.items()}
         urls["serving"] = f"{self.serving_url}/metrics"
         return urls
 

@@ -41,7 +41,6 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 # Known breaks of the floors, to be removed (issue 33): (importer, imported).
 UPWARD_LEFT = {
     ("driftline.project", "trainer.config"),         # Project.model_config builds the trainer's config
-    ("producers.join_report", "driftline.stack"),    # the joiner's /metrics port in the local stack
     ("status.options", "driftline.stack"),           # the status page's default targets: up's services
     ("evaluation.common", "driftline.project_init"),  # the template's defaults, as `driftline init` writes them
 }
@@ -49,7 +48,6 @@ UPWARD_LEFT = {
 CIRCLES_LEFT = {
     ("driftline.project", "trainer.config"),
     ("services.kafka", "services.tansu_quirks"),       # the broker epoch (quirk 5) writes through a producer
-    ("driftline.stack", "producers.join_report", "producers.traffic"),
 }
 
 

@@ -18,6 +18,7 @@ import asyncio  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from services.log import setup_logging  # noqa: E402
 from services.ports import PORT_IN_USE_EXIT, PortInUse  # noqa: E402
@@ -50,16 +51,38 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_init(args: argparse.Namespace, settings: Settings) -> int:
-    from driftline.project_init import main as init
+    """Write the template, print the schema, or check a file; a file it cannot write or that is
+    invalid is one line on stderr and exit code 2."""
+    from driftline.project import ProjectError
 
-    return init(args.path, schema=args.schema, check=args.check, force=args.force)
+    try:
+        return _init(args.path, args.schema, args.check, args.force)
+    except (ProjectError, ValueError, OSError) as err:
+        print(f"driftline init: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
+def _init(path: str | None, schema: bool, check: bool, force: bool) -> int:
+    from driftline.project import json_schema, load_project
+    from driftline.project_template import write_template
+
+    if schema:
+        print(json.dumps(json_schema(), indent=2))
+        return 0
+    target = Path(path or "driftline.toml")
+    if check:
+        project = load_project(target)
+        print(f"{target}: ok ({project.name}: {len(project.features)} features, "
+              f"{len(project.model_config().tables)} tables)")
+        return 0
+    write_template(target, force=force)
+    print(f"wrote {target}: edit its features, then `driftline up --config {target}`")
+    return 0
 
 
 def _model_arg(model: str) -> str:
     """A built-in model name, or a ModelConfig JSON path made absolute (the services run it), checked
     now: a bad file is one line here, not a crash loop of the trainer and serving."""
-    from pathlib import Path
-
     from pydantic import ValidationError
 
     from driftline.embedded import StackError
@@ -222,8 +245,6 @@ def _apply_project(config: str | None) -> str | None:
     environment where no variable is set, before the settings are read: the command and every
     service it starts (they inherit the environment) see the file, and the environment still wins.
     Returns a one-line error for a file that cannot be read."""
-    from pathlib import Path
-
     if config is not None:
         os.environ[PROJECT_VAR] = str(Path(config).resolve())
     path = os.environ.get(PROJECT_VAR)

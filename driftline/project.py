@@ -1,6 +1,6 @@
 """The project file: one place where a user declares their features, tables, model, labels,
 sampling, windows and sync intervals (``driftline.toml``, or the same keys in YAML), validated by
-pydantic. ``driftline init`` writes a commented one (:mod:`driftline.project_init`).
+pydantic. ``driftline init`` writes a commented one (:mod:`driftline.project_template`).
 
 A project maps onto two things the rest of driftline already reads:
 

@@ -82,7 +82,7 @@ def init_model_config(seed: int, model_id: str = "init") -> ModelConfig:
     the first-order tables' optimizers) over the 8 MovieLens slots, with ``seed``."""
     import tomllib
 
-    from driftline.project_init import TEMPLATE
+    from driftline.project_template import TEMPLATE
 
     t = tomllib.loads(TEMPLATE)
     m, default = t["model"], t["tables"]["default"]["optimizer"]

@@ -24,7 +24,7 @@ from aiokafka import TopicPartition
 from prometheus_client import REGISTRY
 
 from driftline.project import load_project
-from driftline.project_init import TEMPLATE
+from driftline.project_template import TEMPLATE
 from services.settings import KafkaClientSettings, Settings
 
 ROOT = Path(__file__).parents[1]

@@ -13,7 +13,7 @@ import pytest
 
 from driftline.cli import main
 from driftline.project import PROJECT_VAR, Project, ProjectError, apply_to_environ, load_project
-from driftline.project_init import TEMPLATE
+from driftline.project_template import TEMPLATE
 from services.settings import Settings
 from trainer.config import named_config
 

@@ -1,4 +1,5 @@
-"""``driftline init [PATH]``: write a commented project file to start from (``driftline.toml``).
+"""The commented project file a new project starts from (``driftline.toml``), as ``driftline init
+[PATH]`` writes it (:func:`write_template`; the command is in :mod:`driftline.cli`).
 
 The file is valid as written (a small click model over a few example features); every section
 says what it does and which setting it replaces. ``driftline init --schema`` prints the JSON
@@ -12,10 +13,9 @@ schema of the format instead (:func:`driftline.project.json_schema`), for editor
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from driftline.project import ProjectError, json_schema, load_project
+from driftline.project import ProjectError, load_project  # noqa: F401 - load_project: the doctest
 
 TEMPLATE = '''\
 # driftline project file: your features, model, labels and stream settings in one place.
@@ -148,30 +148,3 @@ def write_template(path: Path, force: bool = False) -> Path:
         raise ProjectError(f"{path} exists (--force overwrites it)")
     path.write_text(TEMPLATE)
     return path
-
-
-def main(path: str | None, schema: bool = False, check: bool = False, force: bool = False) -> int:
-    """The ``init`` subcommand: write the template, print the schema, or check a file; a file it
-    cannot write or that is invalid is one line on stderr and exit code 2."""
-    import sys
-
-    try:
-        return _init(path, schema, check, force)
-    except (ProjectError, ValueError, OSError) as err:
-        print(f"driftline init: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
-
-
-def _init(path: str | None, schema: bool, check: bool, force: bool) -> int:
-    if schema:
-        print(json.dumps(json_schema(), indent=2))
-        return 0
-    target = Path(path or "driftline.toml")
-    if check:
-        project = load_project(target)
-        print(f"{target}: ok ({project.name}: {len(project.features)} features, "
-              f"{len(project.model_config().tables)} tables)")
-        return 0
-    write_template(target, force=force)
-    print(f"wrote {target}: edit its features, then `driftline up --config {target}`")
-    return 0

@@ -189,9 +189,18 @@ SERVICE_COMMANDS: dict[str, tuple[str, str]] = {
     "features": ("serving.feature_files:main", "online feature store: `features load [--config driftline.toml] --users FILE --items FILE` (or `--movielens`)"),
     "traffic": ("driftline.cli:traffic", "replay MovieLens through serving (/rank, then /actions), or your "
                                          "own impression log: `traffic --csv FILE --map FILE` (or --parquet FILE)"),
-    "status": ("status.app:main", "the live status page"),
+    "status": ("driftline.cli:status", "the live status page"),
     "eval": ("evaluation.cli:main", "reproduce the Monolith paper's experiments on ml-1m; `eval data`: your examples against baselines"),
 }
+
+
+def status(argv: Sequence[str]) -> int:
+    """``driftline status``: the status page (:mod:`status.app`), scraping every service of the
+    stack ``driftline up`` runs unless ``--target`` or ``status.targets`` name others."""
+    from driftline.stack import status_targets
+    from status.app import main as status_page
+
+    return status_page(argv, default_targets=status_targets(get_settings()))
 
 
 def traffic(argv: Sequence[str]) -> int:

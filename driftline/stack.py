@@ -38,6 +38,7 @@ from services.ports import Listen, PortInUse, check_ports_free, http_answers, po
 from services.redis_client import redacted
 from services.settings import Settings
 from services.tansu_quirks import ensure_broker_epoch
+from status.options import Target
 
 if TYPE_CHECKING:
     from driftline.project import Project
@@ -385,6 +386,29 @@ def stack_ports(settings: Settings, demo: bool) -> list[Listen]:
     return ports
 
 
+
+
+def status_targets(settings: Settings) -> list[Target]:
+    """Every service ``make up`` starts that exports /metrics, at the URL the stack prints: what
+    ``driftline status`` scrapes when no target is configured."""
+    targets = []
+    for service in APP_SERVICES:
+        if service.name == "status":
+            continue
+        metrics_url = getattr(service, "metrics_url", None)  # /metrics on the service's own port
+        if service.metrics_port is not None:
+            port = service.metrics_port(settings)
+            targets.append(Target(service.name, f"http://127.0.0.1:{port}/metrics"))
+            if service.name == "trainer":  # rank r > 0 of a distributed trainer: its own port
+                stride = settings.trainer.rank_metrics_port_stride
+                targets += [Target(f"trainer-rank-{r}", f"http://127.0.0.1:{port + r * stride}/metrics")
+                            for r in range(1, settings.trainer.nproc)]
+        elif metrics_url is not None:
+            targets.append(Target(service.name, metrics_url(settings)))
+        else:
+            targets += [Target(service.name, url) for label, url in service.urls(settings).items()
+                        if label.endswith("metrics") and url.endswith("/metrics")]
+    return targets
 
 
 def traffic_command(settings: Settings, limit: int | None, speed: float | None,

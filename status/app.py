@@ -37,9 +37,9 @@ STATIC = Path(__file__).parent / "static"
 
 def create_app(settings: Settings, targets: Sequence[Target] | None = None,
                opts: StatusSettings | None = None) -> FastAPI:
-    """The status app; ``targets`` default to the configured ones, else every service of the stack."""
+    """The status app; ``targets`` default to the configured ones (``status.targets``)."""
     opts = opts if opts is not None else status_settings(settings)
-    targets = with_serving_key(list(targets) if targets is not None else resolve_targets(settings, opts), settings)
+    targets = with_serving_key(list(targets) if targets is not None else resolve_targets(opts), settings)
     metrics = StatusMetrics()
     scraper = Scraper(targets, opts, metrics)
 
@@ -77,7 +77,9 @@ def create_app(settings: Settings, targets: Sequence[Target] | None = None,
     return app
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, default_targets: Sequence[Target] = ()) -> int:
+    """``python -m status``; ``default_targets``: scraped when neither ``--target`` nor
+    ``status.targets`` names any (``driftline status`` gives the stack's services)."""
     from services.log import setup_logging
     from services.ports import Listen, check_ports_free
     from services.uvicorn_server import serve
@@ -89,11 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=opts.port)
     parser.add_argument("--interval", type=float, default=opts.scrape_interval_s, help="seconds between scrapes")
     parser.add_argument("--target", action="append", default=None, metavar="[NAME=]URL",
-                        help="a /metrics URL to scrape (repeatable); default: every service of `make up`")
+                        help="a /metrics URL to scrape (repeatable); default: status.targets, else (driftline "
+                             "status) every service of `make up`")
     args = parser.parse_args(argv)
     setup_logging("status", settings.log_level)
     opts = opts.model_copy(update={"host": args.host, "port": args.port, "scrape_interval_s": args.interval})
-    targets = [parse_target(t) for t in args.target] if args.target else None
+    targets = [parse_target(t) for t in args.target] if args.target else resolve_targets(opts, default_targets)
+    if not targets:
+        parser.error("no /metrics to scrape: give --target [NAME=]URL or set status.targets")
     check_ports_free([Listen(opts.host, opts.port, "the status page", "status.port")])
     app = create_app(settings, targets, opts)
     return 0 if serve(app, opts.host, opts.port, settings.log_level) else 3

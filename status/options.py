@@ -12,6 +12,7 @@ Target(name='127.0.0.1:8000', url='http://127.0.0.1:8000/metrics')
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
@@ -43,33 +44,10 @@ def parse_target(spec: str) -> Target:
     return Target(name.strip(), url.strip())
 
 
-def default_targets(settings: Settings) -> list[Target]:
-    """Every service ``make up`` starts that exports /metrics, at the URL the stack prints."""
-    from driftline.stack import APP_SERVICES
-
-    targets = []
-    for service in APP_SERVICES:
-        if service.name == "status":
-            continue
-        metrics_url = getattr(service, "metrics_url", None)  # /metrics on the service's own port
-        if service.metrics_port is not None:
-            port = service.metrics_port(settings)
-            targets.append(Target(service.name, f"http://127.0.0.1:{port}/metrics"))
-            if service.name == "trainer":  # rank r > 0 of a distributed trainer: its own port
-                stride = settings.trainer.rank_metrics_port_stride
-                targets += [Target(f"trainer-rank-{r}", f"http://127.0.0.1:{port + r * stride}/metrics")
-                            for r in range(1, settings.trainer.nproc)]
-        elif metrics_url is not None:
-            targets.append(Target(service.name, metrics_url(settings)))
-        else:
-            targets += [Target(service.name, url) for label, url in service.urls(settings).items()
-                        if label.endswith("metrics") and url.endswith("/metrics")]
-    return targets
-
-
-def resolve_targets(settings: Settings, opts: StatusSettings) -> list[Target]:
-    """The configured targets, or the stack's when none are configured."""
-    return [parse_target(t) for t in opts.targets] if opts.targets else default_targets(settings)
+def resolve_targets(opts: StatusSettings, default: Sequence[Target] = ()) -> list[Target]:
+    """The configured targets (``status.targets``), else ``default``: ``driftline status`` gives
+    every service of the stack ``driftline up`` runs (:func:`driftline.stack.status_targets`)."""
+    return [parse_target(t) for t in opts.targets] if opts.targets else list(default)
 
 
 def with_serving_key(targets: list[Target], settings: Settings) -> list[Target]:

@@ -41,7 +41,6 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 # Known breaks of the floors, to be removed (issue 33): (importer, imported).
 UPWARD_LEFT = {
     ("driftline.project", "trainer.config"),         # Project.model_config builds the trainer's config
-    ("status.options", "driftline.stack"),           # the status page's default targets: up's services
 }
 # Known import circles (sorted module names), to be broken (issue 33).
 CIRCLES_LEFT = {

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from services.settings import Settings
-from status.options import StatusSettings, default_targets
+from driftline.stack import status_targets
+from status.options import StatusSettings
 from tests.status.conftest import CHROMIUM, CHROMIUM_ARGS, ENSURE_CHROMIUM, StatusServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 settings = Settings(embedded={"metrics_port_base": loop.metrics_base},
                                     serving={"port": loop.serving_port})
-                status = StatusServer([f"{t.name}={t.url}" for t in default_targets(settings)], opts)
+                status = StatusServer([f"{t.name}={t.url}" for t in status_targets(settings)], opts)
                 try:
                     shoot(status.url + "/", args.out, 150 if args.wait is None else args.wait)
                 finally:

@@ -7,7 +7,8 @@ import pytest
 
 from services.ports import free_port
 from services.settings import Settings
-from status.options import StatusSettings, Target, default_targets, parse_target, resolve_targets
+from driftline.stack import status_targets
+from status.options import StatusSettings, Target, parse_target, resolve_targets
 from status.scrape import Scraper
 from tests.status.fakestack import MetricsServer
 
@@ -210,16 +211,16 @@ async def test_nan_auc_is_a_gap_not_invalid_json(servers) -> None:
 
 def test_targets_default_to_every_service_of_the_stack() -> None:
     settings = Settings(embedded={"metrics_port_base": 9300}, serving={"port": 8123})
-    targets = {t.name: t.url for t in default_targets(settings)}
+    targets = {t.name: t.url for t in status_targets(settings)}
     assert targets["joiner"] == "http://127.0.0.1:9300/metrics"
     assert targets["dumper"] == "http://127.0.0.1:9301/metrics"
     assert targets["trainer"] == "http://127.0.0.1:9302/metrics"
     assert targets["serving"] == "http://127.0.0.1:8123/metrics"
     assert "features-load" not in targets
     assert not any(name.startswith("trainer-rank") for name in targets)
-    ranks = {t.name: t.url for t in default_targets(settings.updated(trainer={"nproc": 3}))}
+    ranks = {t.name: t.url for t in status_targets(settings.updated(trainer={"nproc": 3}))}
     assert ranks["trainer-rank-1"] == "http://127.0.0.1:9402/metrics"  # the trainer's port + r * 100
     assert ranks["trainer-rank-2"] == "http://127.0.0.1:9502/metrics"
-    configured = resolve_targets(settings, StatusSettings(targets=["a=http://h:1/metrics", "http://h:2/metrics"]))
+    configured = resolve_targets(StatusSettings(targets=["a=http://h:1/metrics", "http://h:2/metrics"]))
     assert configured == [Target("a", "http://h:1/metrics"), Target("h:2", "http://h:2/metrics")]
     assert parse_target(" x = http://h:3/metrics ") == Target("x", "http://h:3/metrics")

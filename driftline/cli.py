@@ -86,7 +86,7 @@ def _model_arg(model: str) -> str:
     from pydantic import ValidationError
 
     from driftline.embedded import StackError
-    from trainer.config import named_config
+    from driftline.project import named_config
 
     try:
         named_config(model)

@@ -6,7 +6,7 @@ A project maps onto two things the rest of driftline already reads:
 
 * :meth:`Project.model_config`: the trainer's :class:`trainer.config.ModelConfig` (slots, tables,
   dense features). ``trainer.model`` may name the project file itself: every service that loads
-  the model (trainer, serving) then reads it from the file (:func:`trainer.config.named_config`).
+  the model (trainer, serving) then reads it from the file (:func:`named_config`).
 * :meth:`Project.settings_overrides`: the :class:`services.settings.Settings` fields the file sets,
   as nested sections. Absent keys mean "keep the setting": defaults live only in
   ``services/settings.py``. Environment variables win over the file (:meth:`Project.resolved_settings`,
@@ -35,18 +35,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ps import AdmissionConfig, InitializerConfig, TableConfig
 from ps.config import OptimizerConfig
 from services.settings import PROJECT_VAR
+from trainer.config import LINEAR_LR, SPARSE_LR, ModelConfig, deepfm_config, lr_config
 
-if TYPE_CHECKING:
-    from trainer.config import ModelConfig
-
-__all__ = ["FeatureSpec", "Project", "ProjectFile", "ProjectError", "load_project", "apply_to_environ", "PROJECT_VAR"]
+__all__ = ["FeatureSpec", "Project", "ProjectFile", "ProjectError", "load_project", "apply_to_environ", "named_config",
+           "PROJECT_VAR"]
 
 _NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 
@@ -284,8 +283,6 @@ class Project:
         return list(fields), list(linear), list(dense)
 
     def _table(self, name: str, dim: int, index: int, first_order: bool = False) -> TableConfig:
-        from trainer.config import LINEAR_LR, SPARSE_LR
-
         default, own = self.tables.get("default", TableSpec()), self.tables.get(name, TableSpec())
         linear = ({"optimizer": self.model.linear_optimizer.model_dump()}
                   if first_order and self.model.linear_optimizer is not None else {})
@@ -300,8 +297,6 @@ class Project:
     def model_config(self) -> ModelConfig:
         """The trainer's model for this project: each sparse feature's embedding table (its own
         unless ``table`` names a shared one) and first-order table ``<table>_w`` (dim 1)."""
-        from trainer.config import ModelConfig
-
         fields, linear, dense = self._roles()
         emb = {n: self.feature(n).table or n for n in fields}
         lin = {n: f"{self.feature(n).table or n}_w" for n in linear}
@@ -409,3 +404,18 @@ def load_project(path: str | Path) -> Project:
 def json_schema() -> dict:
     """The project file's JSON schema (editors: ``driftline init --schema``)."""
     return ProjectFile.model_json_schema()
+
+
+PROJECT_SUFFIXES = (".toml", ".yaml", ".yml")
+
+
+def named_config(name: str) -> ModelConfig:
+    """A built-in model config by name ("deepfm", "lr"), a path to a JSON ModelConfig, or a path to
+    a project file (``driftline.toml``/``.yaml``: its model, :meth:`Project.model_config`)."""
+    if name == "deepfm":
+        return deepfm_config()
+    if name == "lr":
+        return lr_config()
+    if Path(name).suffix in PROJECT_SUFFIXES:
+        return load_project(name).model_config()
+    return ModelConfig.model_validate_json(Path(name).read_text())

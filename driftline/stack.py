@@ -191,7 +191,7 @@ def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external
     * Otherwise (none, or only a warm start's) the warm start trains a new one.
     """
     from producers.traffic import after_learned
-    from trainer.config import named_config
+    from driftline.project import named_config
 
     resume = after_learned(settings, settings.replay.dataset)
     if resume is not None:

@@ -313,7 +313,7 @@ def after_learned(settings, dataset: str) -> int | None:  # type: ignore[no-unty
     no snapshot it learned into): where a restarted replay resumes (``up``, ``--after-learned``)."""
     from producers.movielens import first_rating_after
     from trainer import snapshots
-    from trainer.config import named_config
+    from driftline.project import named_config
 
     root = settings.model_snapshots(named_config(settings.trainer.model).model_id)
     learned = snapshots.learned_online(root)

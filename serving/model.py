@@ -141,7 +141,7 @@ class TrainerModel:
     """
 
     def __init__(self, model_name: str = "deepfm", config: object | None = None) -> None:
-        from trainer.config import named_config
+        from driftline.project import named_config
         from trainer.inference import Scorer
 
         self.config = config if config is not None else named_config(model_name)

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 
 from driftline.cli import main
-from driftline.project import PROJECT_VAR, Project, ProjectError, apply_to_environ, load_project
+from driftline.project import PROJECT_VAR, Project, ProjectError, apply_to_environ, load_project, named_config
 from driftline.project_template import TEMPLATE
 from services.settings import Settings
-from trainer.config import named_config
 
 
 def test_init_writes_a_file_that_loads(tmp_path: Path, capsys) -> None:

@@ -221,7 +221,7 @@ def test_a_snapshot_learned_online_is_never_replaced_by_a_warm_start(tmp_path: P
     from driftline.stack import _warm_start, warm_start_cut
     from producers.movielens import fetch, first_rating_after
     from trainer import snapshots
-    from trainer.config import named_config
+    from driftline.project import named_config
 
     class Recorder:  # stands in for the supervisor: what would be started
         def __init__(self) -> None:
@@ -254,7 +254,7 @@ def test_a_warm_start_on_every_start_keeps_what_the_online_trainer_learned(tmp_p
     from producers.movielens import fetch, first_rating_after
     from producers.traffic import after_learned
     from trainer import snapshots
-    from trainer.config import named_config
+    from driftline.project import named_config
 
     settings = Settings(var_dir=tmp_path / "var", data_dir=repo_root / "var" / "data")
     fetch(settings.replay.dataset, settings.data_dir)

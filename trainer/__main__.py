@@ -16,11 +16,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from driftline.project import named_config
 from services import metrics as service_metrics
 from services.settings import get_settings
 
 from . import metrics as M
-from .config import named_config
 from .model import SparseModel
 from .sample_rates import SampleRateTracker
 

@@ -195,20 +195,3 @@ def lr_config(model_id: str = "lr", lr: float = 0.05, slots: tuple[str, ...] = M
         pooling[RECENT_ITEMS] = "mean"
     return ModelConfig(model_id=model_id, kind="lr", linear=linear, tables=[t], pooling=pooling, mlp=[],
                        sequential=sequential)
-
-
-PROJECT_SUFFIXES = (".toml", ".yaml", ".yml")
-
-
-def named_config(name: str) -> ModelConfig:
-    """A built-in model config by name ("deepfm", "lr"), a path to a JSON ModelConfig, or a path to
-    a project file (``driftline.toml``/``.yaml``: its model, :meth:`driftline.project.Project.model_config`)."""
-    if name == "deepfm":
-        return deepfm_config()
-    if name == "lr":
-        return lr_config()
-    from pathlib import Path
-    if Path(name).suffix in PROJECT_SUFFIXES:
-        from driftline.project import load_project  # lazily: the project file is the top layer
-        return load_project(name).model_config()
-    return ModelConfig.model_validate_json(Path(name).read_text())

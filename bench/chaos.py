@@ -3,7 +3,7 @@
 It runs ``driftline up --replay-limit N --speed 0`` on free ports (``tests.loopstack``), with
 the traffic driver writing every request id it got a 200 for (``replay.answered_log``), and a
 capture that tails ``features``, ``actions`` and ``examples`` from their start, across broker
-resets (:class:`services.tansu_quirks.EpochWatch`). Once the loop has closed it kill -9s the
+resets (:class:`services.broker_reset.EpochWatch`). Once the loop has closed it kill -9s the
 joiner twice, the dumper, the trainer and serving (the supervisor restarts each), then the
 broker (tansu, memory storage: every topic is gone). Nobody touches anything after that: the
 run waits for the traffic to end and the pipeline to drain, stops the stack with Ctrl-C and
@@ -55,7 +55,7 @@ from joiner.dumper import read_examples  # noqa: E402
 from joiner.reference import offline_join  # noqa: E402
 from joiner.types import JoinConfig  # noqa: E402
 from proto import Action, FeatureLog, ModelVersion  # noqa: E402
-from services import example_batch, tansu_quirks  # noqa: E402
+from services import broker_reset, example_batch  # noqa: E402
 from services.aiokafka_quirks import stop_consumer  # noqa: E402
 from services.settings import Settings  # noqa: E402
 from tests.loopstack import LoopStack  # noqa: E402
@@ -95,7 +95,7 @@ class Capture:
     async def _run(self) -> None:
         t = self.settings.topics
         topics = [t.features, t.actions, t.examples]
-        watch = tansu_quirks.EpochWatch(self.settings, "chaos-capture")
+        watch = broker_reset.EpochWatch(self.settings, "chaos-capture")
         await watch.start()
         c = AIOKafkaConsumer(bootstrap_servers=self.settings.bootstrap_servers, enable_auto_commit=False,
                              group_id=None, max_partition_fetch_bytes=8 << 20)

@@ -37,7 +37,7 @@ from services.kafka import create_topics
 from services.ports import Listen, PortInUse, check_ports_free, http_answers, port_is_open
 from services.redis_client import redacted
 from services.settings import Settings
-from services.tansu_quirks import ensure_broker_epoch
+from services.broker_reset import ensure_broker_epoch
 from status.options import Target
 
 if TYPE_CHECKING:
@@ -277,7 +277,7 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
                 infra=True,
                 # A restarted tansu has lost every topic (memory storage): recreate them with their
                 # partition counts before a producer's auto-creation picks its own, and write the
-                # new epoch the running services compare against (tansu_quirks.EpochWatch).
+                # new epoch the running services compare against (broker_reset.EpochWatch).
                 on_restart=lambda: asyncio.run(_prepare_broker_epoch(settings)),
             ))
             wait_for_port(e.host, e.broker_port, e.start_timeout_s, "broker")

@@ -12,7 +12,7 @@ infrastructure they drain into (``ServiceSpec.infra``: the broker, Redis). :meth
 returns the children that did not exit 0, so ``driftline up`` can exit 0 only on a clean stop.
 
 A service that exits within a minute of its start :data:`CRASH_LOOP_EXITS` times in a row is
-*crash-looping* (an exit with ``tansu_quirks.RESET_EXIT_CODE``, a restart the service asks for to
+*crash-looping* (an exit with ``broker_reset.RESET_EXIT_CODE``, a restart the service asks for to
 follow a broker reset, does not count): logged as such, counted, and written with every restart count to
 ``<log_dir>/../run/supervisor.json`` (what ``make chaos`` and the status of a run read).
 """
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.ports import PORT_IN_USE_EXIT, PortInUse
-from services.tansu_quirks import RESET_EXIT_CODE
+from services.broker_reset import RESET_EXIT_CODE
 
 log = logging.getLogger(__name__)
 

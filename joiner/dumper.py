@@ -85,7 +85,7 @@ from services.atomic import write_parquet_atomic
 from services.disk import DiskGuard
 from services.example_batch import BadExampleBatch, ExampleColumns
 from services.example_batch import take
-from services import metrics, tansu_quirks
+from services import broker_reset, metrics, tansu_quirks
 from services.codecs import MalformedMessage, processing_failed
 from services.kafka import BrokerUnavailable, TypedConsumer, create_topics
 from services.log import setup_logging
@@ -209,7 +209,7 @@ class _Dumper:
     """The dumper's state between flushes over its open resources (see :func:`run`)."""
 
     def __init__(self, settings: Settings, root: Path, store: RocksDBStore, consumer: TypedConsumer,
-                 watch: tansu_quirks.EpochWatch, book: OffsetBook, horizon_ms: int) -> None:
+                 watch: broker_reset.EpochWatch, book: OffsetBook, horizon_ms: int) -> None:
         self.root, self.store, self.consumer, self.watch, self.book = root, store, consumer, watch, book
         self.settings = settings
         self.horizon_ms = horizon_ms
@@ -407,7 +407,7 @@ async def run(
     await create_topics(settings)
     state_path = root / "_state"
     async with contextlib.AsyncExitStack() as resources:
-        watch = tansu_quirks.EpochWatch(settings, SERVICE)
+        watch = broker_reset.EpochWatch(settings, SERVICE)
         resources.push_async_callback(watch.stop)
         epoch = await watch.start()
         store = RocksDBStore(f"rocksdb://{state_path}")

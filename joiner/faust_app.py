@@ -41,7 +41,7 @@ from joiner import faust_fetch, faust_quirks, faust_reset, faust_store
 from joiner.kafka_io import SERVICE, BatchedSender
 from joiner.output_spool import OutputSpool
 from joiner.worker import Worker
-from services import metrics, tansu_quirks
+from services import broker_reset, metrics, tansu_quirks
 from services.disk import DiskGuard
 from services.kafka import BrokerUnavailable, create_topics, producer, start_client
 from services.kafka_security import faust_credentials
@@ -156,7 +156,7 @@ class JoinerApp:
         await self.output.resend(sender, self.epoch)  # (a reset since the last run: the dumper may lack them)
         self.worker = Worker(s, self.table.data, self.changelog, self.prod, sender,
                              highwater=lambda tp: self.app.consumer.highwater(TP(tp.topic, tp.partition)))
-        self.watch = tansu_quirks.EpochWatch(s, SERVICE, self.epoch)
+        self.watch = broker_reset.EpochWatch(s, SERVICE, self.epoch)
         await self.watch.start()
 
     def start_faust(self) -> asyncio.Future:
@@ -305,7 +305,7 @@ async def _new_epoch(japp: JoinerApp, tries: int = 10) -> str | None:
         epoch = await japp.watch.check()
         if epoch is not None:
             return epoch
-        if await tansu_quirks.read_broker_epoch(japp.settings, timeout_s=1.0) == japp.epoch:
+        if await broker_reset.read_broker_epoch(japp.settings, timeout_s=1.0) == japp.epoch:
             return None  # (the broker answers with the epoch this worker started on)
         await asyncio.sleep(0.5)
     return None
@@ -319,7 +319,7 @@ async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_id
     (the broker's data was reset) and :class:`JoinTimeout` (no group assignment for
     ``joiner.join_timeout_s``, also at start: Faust's start waits for the first one)."""
     stop = stop or asyncio.Event()
-    japp = JoinerApp(settings, await tansu_quirks.ensure_broker_epoch(settings), until_idle_s)
+    japp = JoinerApp(settings, await broker_reset.ensure_broker_epoch(settings), until_idle_s)
     await japp.start()
     metrics.SERVICE_UP.labels(SERVICE).set(1)
     join_timeout_s = settings.joiner.join_timeout_s
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokerReset as err:
         log.warning("%s", err)
-        return tansu_quirks.RESET_EXIT_CODE
+        return broker_reset.RESET_EXIT_CODE
     except JoinTimeout as err:
         log.error("%s", err)
         return 4

@@ -8,7 +8,7 @@ the offsets belong to (:mod:`services.tansu_quirks`, quirk 5).
 A broker reset (tansu with memory storage restarted: every topic recreated empty) makes the
 offsets meaningless, and worse, valid again once the new topics grow past them, so a consumer
 that kept them would silently skip the first records of the new topics. On a reset (noticed by
-:class:`services.tansu_quirks.EpochWatch` while running, or at start-up by an epoch that differs
+:class:`services.broker_reset.EpochWatch` while running, or at start-up by an epoch that differs
 from the recorded one) the consumer keeps its state, drops the offsets and re-reads the new
 topics from their start; :meth:`OffsetBook.reset` gives the store changes for that and counts
 what the reset lost: records the broker had that this consumer had not consumed, by the last
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 _I64 = struct.Struct("<q")
 Get = Callable[[bytes], "bytes | None"]
 Changes = dict[bytes, "bytes | None"]  # puts, and deletes (None), for one atomic write
-LEGACY_MARKER = "broker-epoch"  # services.tansu_quirks.state_matches_broker's file, before this module
+LEGACY_MARKER = "broker-epoch"  # services.broker_reset.state_matches_broker's file, before this module
 
 
 class OffsetBook:

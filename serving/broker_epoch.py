@@ -2,7 +2,7 @@
 
 The feature-log shipper, the delta reader and the real-time reader each need to know when the
 broker's data was reset (tansu memory storage; see ``services.tansu_quirks``), each acting on it
-in its own time. One :class:`~services.tansu_quirks.EpochWatch` serves them all, so a reset is
+in its own time. One :class:`~services.broker_reset.EpochWatch` serves them all, so a reset is
 counted once for the replica (``driftline_broker_resets_total{service="serving"}``): a reader
 asks :meth:`SharedEpoch.current` and compares the answer with the epoch it last acted on.
 """
@@ -19,7 +19,7 @@ from aiokafka.errors import KafkaError
 from serving.background import raise_if_cancelled
 from services.kafka import BrokerUnavailable
 from services.settings import Settings
-from services.tansu_quirks import EpochWatch
+from services.broker_reset import EpochWatch
 
 log = logging.getLogger(__name__)
 

@@ -94,9 +94,10 @@ def test_every_kafka_client_in_the_code_takes_the_security_options() -> None:
     found = [c for path in _project_modules() for c in kafka_clients(path.read_text(), str(path.relative_to(ROOT)))]
     assert [c for c in found if not c[2]] == [], "Kafka clients made without services.kafka_security's options"
     # the walk sees them all: services.kafka (producer, admin, typed consumer), the quirks' readers
-    # and admin, the joiner's re-seed reader and its Faust app
+    # and admin, the broker epoch's readers, the joiner's re-seed reader and its Faust app
     where = sorted({c[0].split(":")[0] for c in found})
-    assert where == ["joiner/faust_app.py", "joiner/faust_reset.py", "services/kafka.py", "services/tansu_quirks.py"]
+    assert where == ["joiner/faust_app.py", "joiner/faust_reset.py", "services/broker_reset.py", "services/kafka.py",
+                     "services/tansu_quirks.py"]
     assert len(found) >= 9
 
 
@@ -152,7 +153,7 @@ async def test_sasl_against_a_broker_without_it_fails_in_one_line_without_the_pa
     from driftline.client.kafka import ActionProducer
     from joiner import faust_reset
     from proto import Action
-    from services import tansu_quirks
+    from services import broker_reset, tansu_quirks
     from services.kafka import BrokerUnavailable, TypedConsumer, create_topics, producer, start_client
 
     s = sasl_settings(settings)
@@ -163,9 +164,9 @@ async def test_sasl_against_a_broker_without_it_fails_in_one_line_without_the_pa
         "typed consumer": start_client(TypedConsumer(s, "t", Action, [tp.topic], "g").consumer, s),
         "client library": ActionProducer([], s).start(),
         "quirks: committed offsets (admin)": tansu_quirks.committed_offsets(s, "g", [tp]),
-        "quirks: broker epoch (consumer)": tansu_quirks.read_broker_epoch(s),
+        "quirks: broker epoch (consumer)": broker_reset.read_broker_epoch(s),
         "quirks: log-end offsets (consumer)": tansu_quirks.log_end_offsets(s, [tp]),
-        "quirks: epoch watch (consumer)": tansu_quirks.EpochWatch(s, "t", "e").start(),
+        "quirks: epoch watch (consumer)": broker_reset.EpochWatch(s, "t", "e").start(),
         "joiner re-seed (consumer)": faust_reset.changelog_records(s, [tp]),
     }
     caplog.set_level(logging.DEBUG)

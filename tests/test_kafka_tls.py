@@ -19,7 +19,7 @@ from driftline.client.kafka import ActionProducer
 from driftline.embedded import tansu_command, wait_for_port
 from joiner import faust_reset
 from proto import Action
-from services import tansu_quirks
+from services import broker_reset, tansu_quirks
 from services.kafka import BrokerUnavailable, TypedConsumer, create_topics, producer, start_client
 from services.kafka_security import KafkaSecurityError
 from services.ports import free_port
@@ -61,8 +61,8 @@ async def test_every_client_works_over_mutual_tls(tls_broker: TLSFront, certs: C
     topic, group = f"tls-{uuid.uuid4().hex[:8]}", f"g-{uuid.uuid4().hex[:8]}"
     handshakes = tls_broker.handshakes
     assert await create_topics(s, {topic: 1, s.topics.dead_letters: 1}) == [topic, s.topics.dead_letters]  # admin
-    epoch = await tansu_quirks.ensure_broker_epoch(s)  # producer + consumer
-    assert await tansu_quirks.read_broker_epoch(s) == epoch
+    epoch = await broker_reset.ensure_broker_epoch(s)  # producer + consumer
+    assert await broker_reset.read_broker_epoch(s) == epoch
     async with ActionProducer([], s, topic=topic) as actions:  # the client library
         await actions.send_many([{"request_id": f"r{i}", "item_id": i, "action_type": "click"} for i in range(3)])
     p = producer(s)
@@ -84,7 +84,7 @@ async def test_every_client_works_over_mutual_tls(tls_broker: TLSFront, certs: C
     assert await tansu_quirks.committed_offsets(s, group, [tp]) == {tp: 4}  # admin (quirks)
     assert await tansu_quirks.log_end_offsets(s, [tp]) == {tp: 4}
     assert [k for k, _ in (await faust_reset.changelog_records(s, [tp]))[tp]] == [b"r0", b"r1", b"r2", b"r3"]
-    watch = tansu_quirks.EpochWatch(s, "tls-test", epoch)
+    watch = broker_reset.EpochWatch(s, "tls-test", epoch)
     assert await watch.start() == epoch
     try:
         assert await watch.check() is None

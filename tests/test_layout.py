@@ -3,9 +3,7 @@ only from its own floor or below; no two modules import each other, directly or 
 
 Found by walking the code (every ``import`` of every module, lazy ones inside functions included:
 a lazy import is still a dependency), not from a hand list. Imports under ``if TYPE_CHECKING:``
-are for type checkers only and are not counted. The one circle left is listed in
-:data:`CIRCLES_LEFT` (issue 33): it must still be there (once broken, the test fails until it is
-deleted), and any other fails."""
+are for type checkers only and are not counted."""
 
 from __future__ import annotations
 
@@ -40,10 +38,6 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("bench",),
 )
 
-# Known import circles (sorted module names), to be broken (issue 33).
-CIRCLES_LEFT = {
-    ("services.kafka", "services.tansu_quirks"),       # the broker epoch (quirk 5) writes through a producer
-}
 
 
 @cache
@@ -153,14 +147,13 @@ def test_every_module_imports_only_its_floor_and_below() -> None:
 
 
 def test_no_import_circles() -> None:
-    got = circles()
-    assert not got - CIRCLES_LEFT, f"import circles: {sorted(got - CIRCLES_LEFT)}"
-    assert not CIRCLES_LEFT - got, f"broken: delete from CIRCLES_LEFT {sorted(CIRCLES_LEFT - got)}"
+    assert not circles(), f"import circles: {sorted(circles())}"
 
 
 def test_the_walk_sees_lazy_imports_and_skips_type_only_ones() -> None:
     assert "services.tansu_quirks" in imports("services.kafka")
-    assert "services.kafka" in imports("services.tansu_quirks")  # inside a function
+    assert "trainer.config" in imports("driftline.project")
+    assert "driftline.project" in imports("serving.model")  # inside a method
     assert "status.targets" in imports("status.series")
     assert "joiner.stores.memory" in imports("joiner.stores")  # `from joiner.stores.memory import ...`
 

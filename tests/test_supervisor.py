@@ -84,7 +84,7 @@ def test_crash_loop_is_counted_and_written(tmp_path: Path) -> None:
 def test_a_restart_asked_for_after_a_broker_reset_is_no_crash(tmp_path: Path) -> None:
     """Exits with RESET_EXIT_CODE (the joiner following a broker reset) are restarted and
     counted as restarts, never as a crash loop."""
-    from services.tansu_quirks import RESET_EXIT_CODE
+    from services.broker_reset import RESET_EXIT_CODE
 
     sup = Supervisor(tmp_path / "log", max_backoff_s=0.05)
     sup.start(ServiceSpec("resetter", [sys.executable, "-c", f"raise SystemExit({RESET_EXIT_CODE})"]))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from services import tansu_quirks
+from services import broker_reset, tansu_quirks
 from services.kafka import create_topics, producer, start_client
 from services.settings import Settings
 
@@ -82,14 +82,14 @@ async def test_first_generation_member_leaves_so_the_next_joins_fast(settings: S
 
 
 async def test_broker_restart_is_detected_by_epoch(broker, settings: Settings, tmp_path: Path) -> None:
-    epoch = await tansu_quirks.ensure_broker_epoch(settings)
-    assert await tansu_quirks.ensure_broker_epoch(settings) == epoch  # stable while the broker lives
+    epoch = await broker_reset.ensure_broker_epoch(settings)
+    assert await broker_reset.ensure_broker_epoch(settings) == epoch  # stable while the broker lives
     state = tmp_path / "state"
-    assert tansu_quirks.state_matches_broker(state, epoch)
+    assert broker_reset.state_matches_broker(state, epoch)
     broker.restart()  # memory storage: everything is gone
-    fresh = await tansu_quirks.ensure_broker_epoch(settings)
+    fresh = await broker_reset.ensure_broker_epoch(settings)
     assert fresh != epoch
-    assert not tansu_quirks.state_matches_broker(state, fresh)
+    assert not broker_reset.state_matches_broker(state, fresh)
 
 
 async def test_every_consumer_waits_the_configured_fetch_time(settings: Settings) -> None:
@@ -107,7 +107,7 @@ async def test_every_consumer_waits_the_configured_fetch_time(settings: Settings
     japp = JoinerApp(settings, "an-epoch")
     faust_consumer = japp.app.consumer._thread._create_worker_consumer(japp.app.transport)
     assert faust_consumer._fetch_max_wait_ms == wait
-    watch = tansu_quirks.EpochWatch(settings, "test")
+    watch = broker_reset.EpochWatch(settings, "test")
     await watch.start()
     try:
         assert watch._consumer is not None and watch._consumer._fetch_max_wait_ms == wait

@@ -23,7 +23,7 @@ the dense params at first as often, then less and less up to every ``dense_sync_
 resumes from the newest (:mod:`trainer.resume`: what it records, and the crash semantics).
 
 Broker resets (tansu's memory storage lost with a broker restart; told by
-:class:`services.tansu_quirks.EpochWatch`, a check costing ~1 ms, made before every offset commit
+:class:`services.broker_reset.EpochWatch`, a check costing ~1 ms, made before every offset commit
 and every ``epoch_check_interval_s`` when idle): the snapshots are kept, they live outside the broker.
 * at start, the newest snapshot is restored even if written in another broker epoch, but its
   offsets are not used: every partition of the new ``examples`` is read from its start (the dedup

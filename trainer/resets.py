@@ -1,6 +1,6 @@
 """Noticing a broker reset under the running online trainer (what it then does: :mod:`trainer.online`).
 
-tansu's memory storage is lost with a broker restart; :class:`services.tansu_quirks.EpochWatch`
+tansu's memory storage is lost with a broker restart; :class:`services.broker_reset.EpochWatch`
 tells a new broker epoch with a check costing ~1 ms. The trainer checks before every offset commit
 (offsets of the old epoch must never land in the new broker's group) and every
 ``epoch_check_interval_s`` when idle. Each check that still sees the current epoch records the
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from services.settings import Settings
-from services.tansu_quirks import EpochWatch
+from services.broker_reset import EpochWatch
 
 
 class ResetWatch:

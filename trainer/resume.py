@@ -45,7 +45,7 @@ from .config import ModelConfig
 from .model import SparseModel
 
 log = logging.getLogger(__name__)
-EPOCH_MARKER = "broker-epoch"  # tansu_quirks.state_matches_broker's marker file
+EPOCH_MARKER = "broker-epoch"  # broker_reset.state_matches_broker's marker file
 
 
 @dataclass

@@ -67,10 +67,10 @@ async def _write_strays(settings: Settings) -> bytes:
     """What a re-seed cut short leaves in the new epoch's changelog: records without their
     commit marker, in every partition; the stray key."""
     from joiner.faust_app import changelog_topic
-    from services import tansu_quirks
+    from services import broker_reset
     from services.kafka import producer, start_client
 
-    topic = changelog_topic(settings, await tansu_quirks.ensure_broker_epoch(settings))
+    topic = changelog_topic(settings, await broker_reset.ensure_broker_epoch(settings))
     await create_topics(settings, {topic: settings.topics.partitions})
     prod = producer(settings)
     await start_client(prod, settings)

@@ -22,7 +22,7 @@ from serving.model import TrainerModel
 from serving.realtime import RecentClicks
 from services.kafka import create_topics, producer, start_client
 from services.settings import Settings
-from services.tansu_quirks import read_broker_epoch
+from services.broker_reset import read_broker_epoch
 from tests.conftest import Broker, KilledBroker, killed_broker
 from trainer import snapshots
 from trainer.batch import SparseBatch

@@ -21,7 +21,7 @@ import torch
 from aiokafka import TopicPartition
 
 from proto import DeadLetter, Example
-from services import example_batch, tansu_quirks
+from services import broker_reset, example_batch, tansu_quirks
 from tests.conftest import killed_broker
 from trainer import snapshots
 from trainer.config import ModelConfig, deepfm_config
@@ -98,14 +98,14 @@ async def test_two_ranks_follow_a_broker_reset(settings, broker, ml_examples, tm
         # the last touched rows published (sync every 1 s): a send in flight at the kill would be
         # retried into the new broker before its topic exists (tansu then numbers offsets twice)
         await asyncio.sleep(3)
-        old_epoch = await tansu_quirks.read_broker_epoch(settings)
+        old_epoch = await broker_reset.read_broker_epoch(settings)
         await asyncio.to_thread(broker.restart)  # kill -9: every topic, offset and group is gone
         records = await produce_examples(settings, old[:REPEATED] + new, chunk=250)
         await _until_committed(settings, records, p, log)
         await asyncio.sleep(1)
     finally:
         text = _stop(p, log) if p.poll() is None else log.read_text()
-    new_epoch = await tansu_quirks.read_broker_epoch(settings)
+    new_epoch = await broker_reset.read_broker_epoch(settings)
     assert new_epoch and new_epoch != old_epoch
     assert text.count("broker reset (epoch") == 2, text[-4000:]  # each rank followed it, once
     res = _results(log)
@@ -140,7 +140,7 @@ async def test_two_ranks_started_after_a_broker_reset_keep_their_snapshot(settin
     assert p.wait(timeout=240) == 0, log.read_text()[-4000:]
     text = log.read_text()
     assert "failed (exitcode" not in text and "in another broker epoch" in text, text[-4000:]
-    new_epoch = await tansu_quirks.read_broker_epoch(settings)
+    new_epoch = await broker_reset.read_broker_epoch(settings)
     res = _results(log)
     assert sum(r["examples_applied"] for r in res.values()) == OLD + NEW, res
     assert sum(r["duplicates"] for r in res.values()) >= REPEATED, res

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from aiokafka import TopicPartition
 
-from services import tansu_quirks
+from services import broker_reset, tansu_quirks
 from trainer import snapshots
 from trainer.config import deepfm_config
 from trainer.data import MovieLensData, produce_examples
@@ -60,4 +60,4 @@ async def test_sigterm_to_the_process_group_stops_cleanly(settings, tmp_path):
     assert "Traceback" not in out, out[-3000:]
     man = snapshots.read_manifest(settings.var_dir / "snapshots" / cfg.model_id)
     assert man is not None and man["examples_applied"] == N and sum(man["offsets"].values()) == records
-    assert man["broker_epoch"] == (await tansu_quirks.read_broker_epoch(settings))
+    assert man["broker_epoch"] == (await broker_reset.read_broker_epoch(settings))

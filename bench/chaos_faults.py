@@ -268,6 +268,13 @@ def disk_full(stack: LoopStack, mount: Path | None, hold_s: float) -> dict:
     fill.unlink()
     freed_at = time.monotonic()
     log(f"disk freed; paused gauges while full {paused}, /rank codes {codes}, up alive {alive_while_full}")
+    # New input for the services to show they resumed: on a fast machine the replay is over by
+    # now (45,000 impressions took 53 s), and a joiner with nothing left to join produces nothing.
+    # Without event_time_ms serving stamps the stream's own event time, so these join as usual.
+    for i in range(50):
+        _post(stack, "/rank", {"user_id": 1 + i, "candidates": [{"item_id": 30 + i}], "request_id": f"after-disk-{i}"})
+        _post(stack, "/actions", {"actions": [{"request_id": f"after-disk-{i}", "item_id": 30 + i,
+                                               "action_type": "click", "user_id": 1 + i}]})
     resumed = {name: _wait(stack, f"{name} progresses after the disk was freed",
                            lambda f=f, v=at_freeing[name]: f() > v, 150) for name, f in progress.items()}
     after_state = _supervisor_state(stack)

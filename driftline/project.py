@@ -35,14 +35,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ps import AdmissionConfig, InitializerConfig, TableConfig
 from ps.config import OptimizerConfig
 from services.settings import PROJECT_VAR
-from trainer.config import LINEAR_LR, SPARSE_LR, ModelConfig, deepfm_config, lr_config
+
+if TYPE_CHECKING:
+    # at run time inside the functions that need it: importing trainer sets OMP_WAIT_POLICY for
+    # a process that has no torch yet (trainer/__init__.py), and the client's users import this module
+    from trainer.config import ModelConfig
 
 __all__ = ["FeatureSpec", "Project", "ProjectFile", "ProjectError", "load_project", "apply_to_environ", "named_config",
            "PROJECT_VAR"]
@@ -283,6 +287,8 @@ class Project:
         return list(fields), list(linear), list(dense)
 
     def _table(self, name: str, dim: int, index: int, first_order: bool = False) -> TableConfig:
+        from trainer.config import LINEAR_LR, SPARSE_LR
+
         default, own = self.tables.get("default", TableSpec()), self.tables.get(name, TableSpec())
         linear = ({"optimizer": self.model.linear_optimizer.model_dump()}
                   if first_order and self.model.linear_optimizer is not None else {})
@@ -297,6 +303,8 @@ class Project:
     def model_config(self) -> ModelConfig:
         """The trainer's model for this project: each sparse feature's embedding table (its own
         unless ``table`` names a shared one) and first-order table ``<table>_w`` (dim 1)."""
+        from trainer.config import ModelConfig
+
         fields, linear, dense = self._roles()
         emb = {n: self.feature(n).table or n for n in fields}
         lin = {n: f"{self.feature(n).table or n}_w" for n in linear}
@@ -412,6 +420,8 @@ PROJECT_SUFFIXES = (".toml", ".yaml", ".yml")
 def named_config(name: str) -> ModelConfig:
     """A built-in model config by name ("deepfm", "lr"), a path to a JSON ModelConfig, or a path to
     a project file (``driftline.toml``/``.yaml``: its model, :meth:`Project.model_config`)."""
+    from trainer.config import ModelConfig, deepfm_config, lr_config
+
     if name == "deepfm":
         return deepfm_config()
     if name == "lr":

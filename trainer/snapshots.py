@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ps import EmbeddingTable, SnapshotError, SyncChunk, restore_table, save_table
+from services.atomic import fsync_path, write_bytes_atomic
 
 from .config import ModelConfig
 
@@ -72,19 +73,11 @@ class EventClock:
         self.next_at = (event_ms // self.interval_ms + 1) * self.interval_ms
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """A file inside a snapshot directory not yet renamed into place: the directory's rename is
+    the atomic step, so the file is only written and synced."""
+    path.write_bytes(data)
+    fsync_path(path)
 
 
 def save(root: Path, config: ModelConfig, tables: dict[str, EmbeddingTable], dense: dict,
@@ -108,12 +101,10 @@ def save(root: Path, config: ModelConfig, tables: dict[str, EmbeddingTable], den
     full = dict(manifest, format=FORMAT, seq=seq, name=name, model_id=config.model_id, created_at_ms=int(time.time() * 1000),
                 rows=rows, config=json.loads(config.model_dump_json()))
     _write(tmp / "manifest.json", json.dumps(full, indent=1).encode())
-    _fsync_dir(tmp)
+    fsync_path(tmp)
     os.replace(tmp, root / name)
-    _fsync_dir(root)
-    _write(root / "LATEST.tmp", name.encode())
-    os.replace(root / "LATEST.tmp", root / "LATEST")
-    _fsync_dir(root)
+    fsync_path(root)
+    write_bytes_atomic(root / "LATEST", name.encode())
     old = sorted(p for p in root.glob("snap-*") if p.is_dir())
     for p in old[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
@@ -148,7 +139,7 @@ def save_rank(root: Path, seq: int, rank: int, tables: dict[str, EmbeddingTable]
     buf = io.BytesIO()
     torch.save(state, buf)
     _write(d / "state.pt", buf.getvalue())
-    _fsync_dir(d)
+    fsync_path(d)
 
 
 def commit_ranks(root: Path, config: ModelConfig, seq: int, shard_count: int, dense: dict, manifest: dict,
@@ -167,13 +158,11 @@ def commit_ranks(root: Path, config: ModelConfig, seq: int, shard_count: int, de
                 created_at_ms=int(time.time() * 1000), rows=rows, shard_count=shard_count,
                 config=json.loads(config.model_dump_json()))
     _write(tmp / "manifest.json", json.dumps(full, indent=1).encode())
-    _fsync_dir(tmp)
+    fsync_path(tmp)
     shutil.rmtree(root / name, ignore_errors=True)  # never pointed at: LATEST names seq - 1
     os.replace(tmp, root / name)
-    _fsync_dir(root)
-    _write(root / "LATEST.tmp", name.encode())
-    os.replace(root / "LATEST.tmp", root / "LATEST")
-    _fsync_dir(root)
+    fsync_path(root)
+    write_bytes_atomic(root / "LATEST", name.encode())
     for p in sorted(p for p in root.glob("snap-*") if p.is_dir())[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
     for p in root.glob(".snap-*.tmp"):  # parts of attempts that never committed

@@ -122,6 +122,10 @@ class ModelSpec(_Spec):
     #: the later examples of a burst are scored with what the earlier ones taught); false: once per
     #: batch, like the embeddings. Ignored by a model without first-order terms.
     sequential: bool = True
+    #: with ``sequential``, a deepfm's embedding rows learn example by example too (FM from fresh
+    #: rows, the MLP's slope from the batch's start; ps/sequential_fm.py). Its tables then need
+    #: sgd or adagrad. Ignored by an lr and by a model without first-order terms.
+    sequential_embeddings: bool = True
     #: the first-order ("<table>_w") tables' optimizer; absent: [tables.default]'s, else Adagrad at
     #: trainer.config.LINEAR_LR. A table's own [tables.<name>_w] optimizer wins.
     linear_optimizer: OptimizerConfig | None = None
@@ -322,7 +326,9 @@ class Project:
             model_id=self.name, kind=m.kind, slots=emb, linear=lin, tables=tables, dense_features=dense,
             pooling={f.name: f.pooling for f in self.features if f.pooling and f.name in used},
             salt={f.name: f.salt for f in self.features if f.salt is not None and f.name in used},
-            label=m.label, seed=m.seed, sequential=m.sequential and bool(lin), **extra)
+            label=m.label, seed=m.seed, sequential=m.sequential and bool(lin),
+            sequential_embeddings=m.sequential_embeddings and m.sequential and bool(lin) and m.kind == "deepfm",
+            **extra)
 
     def settings_overrides(self) -> dict[str, dict[str, Any]]:
         """The settings this file sets, as ``{section: {field: value}}`` (for

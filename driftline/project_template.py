@@ -89,6 +89,8 @@ admission = { min_count = 1, probability = 1.0 }
 #   the dense inputs; left out: every sparse feature (fields, linear), every dense one (dense).
 #   sequential: the first-order weights learn example by example inside each mini-batch, so a
 #   user's or item's burst is scored with what its earlier examples taught (false: once per batch)
+#   sequential_embeddings: with sequential, a deepfm's embedding rows learn that way too (its
+#   tables then need "sgd" or "adagrad"; false: the embeddings step once per batch)
 #   linear_optimizer: the first-order tables' optimizer (they take a larger step than embeddings)
 # ---------------------------------------------------------------------------------------------
 [model]
@@ -97,6 +99,7 @@ dim = 8
 mlp = [64, 32]
 label = "click"
 sequential = true
+sequential_embeddings = true
 linear_optimizer = { kind = "adagrad", lr = 0.3 }
 # fields = ["device", "item_id", "position", "category"]
 # dense = ["price"]

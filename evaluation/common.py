@@ -65,7 +65,7 @@ def model_config(s: EvalSettings, seed: int, model_id: str = "eval") -> ModelCon
 
 def served_model_config(s: EvalSettings, seed: int, model_id: str = "served") -> ModelConfig:
     """The model ``make up`` serves (:func:`trainer.config.deepfm_config`'s defaults: sequential
-    first-order weights) with ``seed``, on the 8 MovieLens slots and the stream's (tuned) learning
+    first-order weights and embeddings) with ``seed``, on the 8 MovieLens slots and the stream's (tuned) learning
     rates ``base_sparse_lr`` (embeddings) and ``base_linear_lr`` (first-order weights)."""
     return deepfm_config(model_id=model_id, dim=s.dim, mlp=list(s.mlp), lr=s.base_sparse_lr, seed=seed,
                          recent_items=False, linear_lr=s.base_linear_lr)
@@ -82,14 +82,16 @@ def init_model_config(seed: int, model_id: str = "init") -> ModelConfig:
     the first-order tables' optimizers) over the 8 MovieLens slots, with ``seed``."""
     import tomllib
 
+    from driftline.project import ModelSpec
     from driftline.project_template import TEMPLATE
 
     t = tomllib.loads(TEMPLATE)
-    m, default = t["model"], t["tables"]["default"]["optimizer"]
-    d = deepfm_config(model_id=model_id, dim=m["dim"], mlp=m["mlp"], seed=seed, recent_items=False,
-                      sequential=m.get("sequential", True)).model_dump()
+    m, default = ModelSpec.model_validate(t["model"]), t["tables"]["default"]["optimizer"]
+    d = deepfm_config(model_id=model_id, dim=m.dim, mlp=m.mlp, seed=seed, recent_items=False,
+                      sequential=m.sequential, sequential_embeddings=m.sequential_embeddings).model_dump()
+    linear = m.linear_optimizer.model_dump() if m.linear_optimizer is not None else default
     for tab in d["tables"]:
-        tab["optimizer"] = dict(m.get("linear_optimizer", default) if tab["dim"] == 1 else default)
+        tab["optimizer"] = dict(linear if tab["dim"] == 1 else default)
     return ModelConfig.model_validate(d)
 
 

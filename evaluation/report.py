@@ -297,12 +297,13 @@ def _md_baselines(b: dict, plots: bool) -> list[str]:
          "driftline_lr_sequential is that LR with `ModelConfig.sequential`: inside each mini-batch every example is "
          "scored, then its weights take their Adagrad step before the next example is scored (River's order), in one "
          "numba pass; only the bias (one global scalar) steps once per batch. driftline_served is the model `make up` "
-         "serves: the DeepFM whose first-order weights learn that way inside each mini-batch, while its embeddings and "
-         "dense head (FM, MLP, bias) step once per batch from the residuals of the fresh first-order part "
+         "serves: the DeepFM whose first-order weights and embedding rows learn that way inside each mini-batch (the "
+         "FM term from fresh rows, each row's MLP gradient from the batch-start MLP's slope at its example: "
+         "`ps/sequential_fm.py`), while its dense head (MLP, bias) steps once per batch from the residuals "
          "(`trainer/sequential.py`). counts is the naive baseline: per-user and per-item click rates counted in the "
          "same order, smoothed toward the global rate.", "",
          "| model | batch | AUC (mean ± std) | examples/s | notes |", "|---|---|---|---|---|"]
-    notes = {"driftline_served": "**the served model** (`make up`): DeepFM, first-order weights sequential",
+    notes = {"driftline_served": "**the served model** (`make up`): DeepFM, first-order weights and embeddings sequential",
              "driftline_init_defaults": "the model a new `driftline init` project gets (template defaults, untuned)",
              "driftline_online": "DeepFM, collisionless PS tables",
              "driftline_online_throughput": "same DeepFM, throughput mini-batch",

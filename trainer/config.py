@@ -13,12 +13,14 @@ fields read from ``dim == 1`` tables. ``kind`` picks the dense head:
 
 ``sequential`` makes ``train_step`` learn the first-order (linear) weights of a mini-batch example
 by example (:mod:`ps.sequential`): each example is scored, then its first-order weights are
-stepped before the next example is scored, as River's ``learn_one`` does; embeddings, bias and
-dense weights still take one step per batch (:mod:`trainer.sequential`). For an LR that is batch
-1's result at batch speed; for a DeepFM the first-order part is as fresh as batch 1's.
+stepped before the next example is scored, as River's ``learn_one`` does; bias and dense weights
+still take one step per batch (:mod:`trainer.sequential`). For an LR that is batch 1's result at
+batch speed. ``sequential_embeddings`` does the same for a DeepFM's embedding rows
+(:mod:`ps.sequential_fm`): its sparse part is then as fresh as batch 1's, only the dense head
+steps once per batch.
 
->>> cfg = deepfm_config(); cfg.kind, len(cfg.slots), cfg.mlp, cfg.sequential
-('deepfm', 9, [128, 64], True)
+>>> cfg = deepfm_config(); cfg.kind, len(cfg.slots), cfg.mlp, cfg.sequential, cfg.sequential_embeddings
+('deepfm', 9, [128, 64], True, True)
 >>> cfg.slots["recent_items"], cfg.pooling["recent_items"], cfg.salts()[("item_id", "recent_items")]
 ('item_id', 'mean', 0)
 >>> ModelConfig.model_validate_json(cfg.model_dump_json()) == cfg
@@ -72,6 +74,10 @@ class ModelConfig(BaseModel):
     #: per-example updates of the first-order (linear) weights inside each mini-batch; embedding
     #: fields and the dense head still take one step per batch (:mod:`trainer.sequential`)
     sequential: bool = False
+    #: with ``sequential``, a DeepFM's embedding rows learn example by example too: the FM term
+    #: from fresh rows, the MLP's slope taken at the batch's start (:mod:`ps.sequential_fm`); only
+    #: the dense head steps once per batch. Every sparse table then needs SGD or Adagrad.
+    sequential_embeddings: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -97,6 +103,13 @@ class ModelConfig(BaseModel):
             raise ValueError("model reads no input")
         if self.sequential and not self.linear:
             raise ValueError("sequential needs first-order (linear) fields: they are what it learns example by example")
+        if self.sequential_embeddings:
+            if not self.sequential or self.kind != "deepfm":
+                raise ValueError("sequential_embeddings needs a sequential deepfm")
+            for t in {*self.slots.values(), *self.linear.values()}:
+                if self.table(t).optimizer.kind not in ("sgd", "adagrad"):
+                    raise ValueError(f"sequential_embeddings: table {t!r} must use sgd or adagrad, not "
+                                     f"{self.table(t).optimizer.kind} (or set sequential_embeddings = false)")
         return self
 
     def table(self, name: str) -> TableConfig:
@@ -141,13 +154,15 @@ def _salt(slot: str) -> int:
 def deepfm_config(model_id: str = "deepfm", dim: int = 16, mlp: list[int] | None = None, lr: float = SPARSE_LR,
                   slots: tuple[str, ...] = MOVIELENS_SLOTS, ttl_seconds: float | None = None,
                   min_count: int = 1, shards: int = 1, recent_items: bool = True,
-                  seed: int | None = None, sequential: bool = True, linear_lr: float = LINEAR_LR) -> ModelConfig:
+                  seed: int | None = None, sequential: bool = True, linear_lr: float = LINEAR_LR,
+                  sequential_embeddings: bool = True) -> ModelConfig:
     """DeepFM over the MovieLens slots: one embedding + one first-order table per slot.
 
     The defaults are the served model (``driftline eval baselines``, ``docs/results.md`` section 4,
-    chose them): MLP 128-64, ``sequential`` first-order weights (per-example steps inside a batch)
-    at Adagrad ``linear_lr``, the embeddings at ``lr``. ``sequential=False`` steps everything once
-    per batch (``linear_lr`` then still applies to the first-order tables).
+    chose them): MLP 128-64, ``sequential`` first-order weights and ``sequential_embeddings``
+    (per-example steps inside a batch) at Adagrad ``linear_lr``, the embeddings at ``lr``.
+    ``sequential=False`` steps everything once per batch (``linear_lr`` then still applies to the
+    first-order tables).
 
     ``recent_items`` (when ``item_id`` is a slot) adds the real-time :data:`RECENT_ITEMS` slot as
     one more embedding field: mean-pooled over the ``item_id`` table, unsalted on both sides, so a
@@ -177,6 +192,7 @@ def deepfm_config(model_id: str = "deepfm", dim: int = 16, mlp: list[int] | None
     return ModelConfig(model_id=model_id, kind="deepfm", slots=fields,
                        linear={s: f"{s}_w" for s in slots}, tables=tables, pooling=pooling, salt=salt,
                        seed=0 if seed is None else seed, sequential=sequential,
+                       sequential_embeddings=sequential and sequential_embeddings,
                        **({} if mlp is None else {"mlp": list(mlp)}))
 
 

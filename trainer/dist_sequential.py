@@ -1,4 +1,4 @@
-"""The example-by-example first-order pass of a ``sequential`` model on N ranks.
+"""The example-by-example pass of a ``sequential`` model on N ranks.
 
 A sequential model (:mod:`trainer.sequential`) steps its first-order weights example by example:
 each example is scored with the rows its predecessors in the batch left. One example's rows sit
@@ -16,6 +16,12 @@ each step, on :class:`trainer.distributed.DistributedModel`'s dense group:
    and row marks for the deltas included;
 3. rank 0 sends each rank its examples' residuals (``p - y``), pre-update probabilities and
    their summed log loss; each rank back-propagates the residuals through its deep part.
+
+With ``sequential_embeddings`` the embedding tables live whole on rank 0 as well (every table of
+the model then does: the N-rank engine splits the examples and the dense work, not the rows).
+The ranks still look their embedding rows up from rank 0 to run the MLP, and send in step 1 their
+embedding ids too, and the MLP's slopes per example; rank 0 runs
+:func:`ps.sequential_fm.train_fm_sequential`; the residuals step the dense head only.
 
 A rank whose part already failed sends its flag instead of data: rank 0 then runs nothing and
 answers every rank :data:`SKIPPED`, so no row is stepped and the step fails on every rank
@@ -42,23 +48,26 @@ import torch.distributed as dist
 
 from ps import PackedBatch
 from ps.sequential import train_linear_sequential
+from ps.sequential_fm import train_fm_sequential
 
 log = logging.getLogger(__name__)
 
 OK, SKIPPED, FAILED = 0.0, 1.0, 2.0
 
 
-def size(n_slots: int, n_examples: int, n_ids: int) -> int:
-    """int64 values of one rank's message to rank 0."""
-    return 1 + n_slots * n_examples + n_ids + 2 * n_examples
+def size(n_slots: int, n_examples: int, n_ids: int, slope_width: int = 0) -> int:
+    """int64 values of one rank's message to rank 0 (``slope_width``: MLP slopes per example)."""
+    return 1 + n_slots * n_examples + n_ids + (2 + slope_width) * n_examples
 
 
-def encode(failed: bool, lens: np.ndarray, ids: np.ndarray, offset: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    """One rank's message: flag, bag lengths ``[slots, B]``, ids (slot-major), deep logits and
-    labels (float64, carried bit for bit as int64)."""
+def encode(failed: bool, lens: np.ndarray, ids: np.ndarray, offset: np.ndarray, labels: np.ndarray,
+           jac: np.ndarray | None = None) -> np.ndarray:
+    """One rank's message: flag, bag lengths ``[slots, B]``, ids (slot-major), deep logits,
+    labels and (``sequential_embeddings``) the MLP's slopes ``[B, F, dim]`` (float64, carried bit
+    for bit as int64)."""
+    floats = [offset, labels] + ([] if jac is None else [jac.reshape(-1)])
     return np.concatenate([np.array([int(failed)], np.int64), lens.reshape(-1).astype(np.int64),
-                           ids.astype(np.int64), np.ascontiguousarray(offset, np.float64).view(np.int64),
-                           np.ascontiguousarray(labels, np.float64).view(np.int64)])
+                           ids.astype(np.int64)] + [np.ascontiguousarray(x, np.float64).view(np.int64) for x in floats])
 
 
 @dataclass
@@ -68,18 +77,22 @@ class Part:
     ids: np.ndarray      # int64, slot-major
     offset: np.ndarray   # float64 [B]
     labels: np.ndarray   # float64 [B]
+    jac: np.ndarray      # float64 [B * slope_width]
 
 
 def decode(msg: np.ndarray, n_slots: int, n_examples: int, n_ids: int) -> Part:
     a = 1 + n_slots * n_examples
     b = a + n_ids
+    c = b + 2 * n_examples
     return Part(bool(msg[0]), msg[1:a].reshape(n_slots, n_examples), msg[a:b],
-                msg[b:b + n_examples].view(np.float64), msg[b + n_examples:b + 2 * n_examples].view(np.float64))
+                msg[b:b + n_examples].view(np.float64), msg[b + n_examples:c].view(np.float64), msg[c:].view(np.float64))
 
 
-def run_pass(ps, slots: tuple, table_of_slot: np.ndarray, mean: np.ndarray, parts: list[Part], event_time: int):
-    """Rank 0: the kernel over the ranks' parts concatenated in rank order. Returns per rank
-    ``(residuals, probabilities, loss sum)``."""
+def run_pass(ps, slots: tuple, table_of_slot: np.ndarray, mean: np.ndarray, parts: list[Part], event_time: int,
+             n_emb: int = 0):
+    """Rank 0: the kernel over the ranks' parts concatenated in rank order (the first ``n_emb``
+    slots embedding fields: :func:`ps.sequential_fm.train_fm_sequential`; none: the first-order
+    pass). Returns per rank ``(residuals, probabilities, loss sum)``."""
     n_slots = len(slots)
     lens = np.concatenate([p.lens for p in parts], axis=1)
     per_rank = [np.split(p.ids, np.cumsum(p.lens.sum(1))[:-1]) for p in parts]
@@ -91,8 +104,15 @@ def run_pass(ps, slots: tuple, table_of_slot: np.ndarray, mean: np.ndarray, part
     bags = np.zeros((n_slots, lens.shape[1] + 1), np.int64)
     np.cumsum(lens, axis=1, out=bags[:, 1:])
     labels = np.concatenate([p.labels for p in parts])
-    probs, _, resid = train_linear_sequential(ps, pb, bags, mean, labels, np.concatenate([p.offset for p in parts]),
-                                                 event_time)
+    offset = np.concatenate([p.offset for p in parts])
+    if n_emb:
+        # the owners' lookups inserted the embedding ids already (rank 0 owns their tables)
+        ps.gather_packed(pb.segments(n_emb, n_slots), insert=True, event_time=event_time)
+        jac = np.concatenate([p.jac for p in parts]).reshape(labels.size, n_emb, -1)
+        probs, _, resid = train_fm_sequential(ps, pb, n_emb, bags, mean, labels, offset, jac, event_time,
+                                              insert=False)
+    else:
+        probs, _, resid = train_linear_sequential(ps, pb, bags, mean, labels, offset, event_time)
     p64 = resid + labels  # the kernel's float64 probabilities (``probs`` is their float32)
     with np.errstate(divide="ignore"):
         ll = -(labels * np.log(p64) + (1 - labels) * np.log1p(-p64))

@@ -50,6 +50,8 @@ empty is skipped by all ranks together.
 (:func:`trainer.sharding.whole_tables`) and are left out of steps 3-5 and 8; in step 6 each rank
 runs its deep part forward, rank 0 runs the first-order pass over the global batch and returns
 each rank its residuals, and each rank back-propagates them (:mod:`trainer.dist_sequential`).
+With ``sequential_embeddings`` the embedding tables live whole on rank 0 too, rank 0's pass
+learns their rows as well and step 8 does not run (nothing is left for it).
 The result equals the 1-process sequential step on the concatenated batch (same test as above).
 In ``hybrid`` the first-order pass stays synchronous (fresh); only the embeddings are stale.
 
@@ -155,6 +157,8 @@ class DistributedModel:
         whole = whole_tables(cfg)
         self._whole = np.array([n in whole for n in self._names], bool)
         self._seq = cfg.sequential
+        # sequential embeddings learn inside rank 0's pass: no per-batch sparse gradients (step 8)
+        self._seq_emb = cfg.sequential_embeddings
         # an admission that depends on occurrences needs each id's count in the batch
         self._counts = any(t.config.admission.min_count > 1 or t.config.admission.probability < 1.0
                            for t in self._tables)
@@ -232,7 +236,7 @@ class DistributedModel:
         header[:, T] = batch.size
         header[:, T + 1] = batch.max_event_time
         header[:, T + 2] = error is not None
-        header[:, T + 3] = lin.ids.size if lin is not None else 0
+        header[:, T + 3] = 0 if lin is None else lin.ids.size + (pb.ids.size if self._seq_emb else 0)
         tc = time.perf_counter()
         got = self._a2a(header.reshape(-1), [T + 4] * n, [T + 4] * n, g).reshape(n, T + 4)
         rcounts = got[:, :T]                        # [source, table]: ids this rank owns
@@ -293,34 +297,46 @@ class DistributedModel:
         (:mod:`trainer.dist_sequential`; collective, so every rank takes part whatever failed
         before), then the deep part's backward from this rank's residuals. Never raises."""
         m = self.model
-        blk, B = m._lin_block, lk.batch.size
-        n_slots = len(blk.slots)
+        blocks = [m._emb_block, m._lin_block] if self._seq_emb else [m._lin_block]
+        pbs = [lk.pb, lk.lin] if self._seq_emb else [lk.lin]
+        slots = [s for b in blocks for s in b.slots]
+        n_slots, B = len(slots), lk.batch.size
+        n_emb = len(m._emb_block.slots) if self._seq_emb else 0
+        width = n_emb * m._emb_block.dim if self._seq_emb else 0
         fwd = None
         if error is None:
             try:
-                logits, leaves = self._deep_forward(lk)
+                jac = None
+                if self._seq_emb:
+                    logits, jac = m.mlp_part(lk.batch, lk.pb, lk.buf)
+                    leaves: list = []
+                else:
+                    logits, leaves = self._deep_forward(lk)
                 deep = logits.detach().double().numpy()
-                if not np.isfinite(deep).all():  # rank 0 would write it into rows
+                if not (np.isfinite(deep).all() and (jac is None or np.isfinite(jac).all())):
                     raise NonFiniteStepError(f"the step's dense logits are not finite on rank {self.rank}; "
-                                             "nothing applied")
-                lens = np.diff(np.stack([lk.batch.offsets[s] for s in blk.slots]), axis=1)
+                                             "nothing applied")  # rank 0 would write them into rows
+                lens = np.diff(np.stack([lk.batch.offsets[s] for s in slots]), axis=1)
                 labels = lk.batch.labels if lk.batch.labels is not None else np.zeros(B, np.float32)
-                msg = seq.encode(False, lens, lk.lin.ids, deep, labels.astype(np.float64))
+                msg = seq.encode(False, lens, np.concatenate([p.ids for p in pbs]), deep,
+                                 labels.astype(np.float64), jac)
                 fwd = (logits, leaves)
             except Exception as err:  # noqa: BLE001 - this rank's part fails; it still takes part
                 error = err
         if fwd is None:
-            msg = np.zeros(seq.size(n_slots, B, lk.lin_ids[self.rank]), np.int64)
+            msg = np.zeros(seq.size(n_slots, B, lk.lin_ids[self.rank], width), np.int64)
             msg[0] = 1
-        sizes = [seq.size(n_slots, b, k) for b, k in zip(lk.sizes, lk.lin_ids)]
-        mean = np.array([x == "mean" for x in blk.modes], np.bool_)
+        sizes = [seq.size(n_slots, b, k, width) for b, k in zip(lk.sizes, lk.lin_ids)]
+        mean = np.array([x == "mean" for b in blocks for x in b.modes], np.bool_)
+        pass_slots = tuple(s for p in pbs for s in p.slots)
+        pass_tables = np.concatenate([p.slot_table for p in pbs])
 
         def run(msgs):  # rank 0
             parts = [seq.decode(x, n_slots, b, k) for x, b, k in zip(msgs, lk.sizes, lk.lin_ids)]
             if any(p.failed for p in parts):
                 return seq.SKIPPED, None
             try:
-                return seq.OK, seq.run_pass(m.ps, lk.lin.slots, lk.lin.slot_table, mean, parts, lk.event_time)
+                return seq.OK, seq.run_pass(m.ps, pass_slots, pass_tables, mean, parts, lk.event_time, n_emb)
             except Exception as err:  # noqa: BLE001 - every rank is told; none is left waiting
                 log.error("rank 0: the first-order pass failed: %r", err)
                 return seq.FAILED, None
@@ -399,6 +415,8 @@ class DistributedModel:
         tc = time.perf_counter()
         summed = self._start_sum(flat, g)
         r_grads = None
+        if self._seq_emb:  # every row learned in rank 0's pass: no step 8
+            sparse = "none"
         if sparse == "now":  # the gradients travel while the all-reduce does; applied once agreed
             r_grads = self._a2a(g_rows if g_rows is not None else np.zeros(lk.n_rows, np.float32),
                                 lk.row_splits, lk.back_splits, self._lookup_group)
@@ -424,7 +442,7 @@ class DistributedModel:
             self._queue_update(lk, g_rows)
         elif sparse == "deferred":
             self._deferred.append((lk, g_rows))
-        else:
+        elif sparse == "now":
             self._owner.apply(lk.owned, r_grads, lk.event_time)
             with self._lock:
                 m.timings["update"] += time.perf_counter() - t2

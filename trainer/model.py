@@ -59,19 +59,21 @@ class DenseHead(nn.Module):
         else:
             self.mlp = None
 
-    def forward(self, emb, lin, dense):
+    def forward(self, emb, lin, dense, fm: bool = True):
+        """``fm=False`` leaves the FM term out (:mod:`ps.sequential_fm` computes it from fresh rows)."""
         out = self.bias.expand(_batch(emb, lin, dense))
         if lin is not None:
             out = out + lin.sum(1)
         if dense is not None and self.dense_linear is not None:
             out = out + self.dense_linear(dense).squeeze(1)
         if self.mlp is not None and emb is not None:
-            s = emb.sum(1)
-            fm = 0.5 * (s * s - (emb * emb).sum(1)).sum(1)
             x = emb.flatten(1)
             if dense is not None:
                 x = torch.cat([x, dense], 1)
-            out = out + fm + self.mlp(x).squeeze(1)
+            if fm:
+                s = emb.sum(1)
+                out = out + 0.5 * (s * s - (emb * emb).sum(1)).sum(1)
+            out = out + self.mlp(x).squeeze(1)
         return out
 
 
@@ -255,6 +257,24 @@ class SparseModel:
         logits = self.head(emb, lin, dense)
         self.timings["forward"] += time.perf_counter() - t1
         return logits, leaves
+
+    def mlp_part(self, batch: SparseBatch, pe: PackedBatch, buf: np.ndarray):
+        """For :mod:`ps.sequential_fm`: ``(logits, jac)`` from the embedding block's looked-up rows
+        (``pe``, ``buf`` as :meth:`forward_packed` takes them): the logits leave out the FM and
+        first-order terms and reach the head's parameters only; ``jac`` float64 ``[B, F, dim]`` is
+        d logit / d field input per example."""
+        t0 = time.perf_counter()
+        blk, n_ex = self._emb_block, batch.size
+        nf = len(blk.slots)
+        n = int(pe.offsets[nf] - pe.offsets[0])
+        w = torch.from_numpy(buf[:n * blk.dim].reshape(n, blk.dim))
+        x = pool(w, *_bags_for({}, batch, blk, n), nf * n_ex).view(nf, n_ex, blk.dim).transpose(0, 1)
+        x = x.detach().requires_grad_(True)
+        dense = torch.from_numpy(batch.dense) if batch.dense is not None and self.cfg.dense_features else None
+        logits = self.head(x, None, dense, fm=False)
+        (jac,) = torch.autograd.grad(logits.sum(), x, retain_graph=True)  # logit e depends on x[e] alone
+        self.timings["forward"] += time.perf_counter() - t0
+        return logits, jac.double().numpy()
 
     @torch.no_grad()
     def predict(self, batch: SparseBatch) -> np.ndarray:

@@ -2,7 +2,11 @@
 
 The first-order (linear) weights learn example by example inside the numba kernel: each example
 is scored with the weights its predecessors in the batch left, then its own rows are stepped.
-Everything else takes one step per batch from the batch's start:
+With ``sequential_embeddings`` (a DeepFM; the served model) the embedding rows do too
+(:mod:`ps.sequential_fm`): the FM term is computed from fresh rows, and each row's MLP gradient
+is the batch-start MLP's slope at its example; only the dense head steps once per batch, from
+the residuals. Otherwise everything but the first-order weights takes one step per batch from
+the batch's start:
 
 * an LR's bias and dense weights, from the mean residual (their exact mean-log-loss gradient);
 * a DeepFM's embedding fields and dense head (FM + MLP + bias): their logits are computed once at
@@ -15,18 +19,18 @@ scored before the model has learned anything from the earlier ones (``docs/resul
 section 4, measures what that costs and what this gains).
 
 What else was measured for the served DeepFM (progressive AUC, seed 0, batch 2048; ml-1m's tuning
-stream / the whole ml-100k; this order: 0.7854 / 0.7633) and why it is not here:
+stream / the whole ml-100k; first-order sequential alone: 0.7854 / 0.7633, with
+``sequential_embeddings``: 0.7883 / 0.7678) and why it is not here:
 
+* the embeddings' FM gradient per example but their MLP gradient once per batch (two Adagrad
+  steps per row and batch): 0.7879 / 0.7671, below the single per-example step;
 * FTRL for the first-order tables (lr 0.2-0.5, l1 0-0.1, l2 0-1, beta 0.1-1): 0.7815-0.7857 /
   0.7577-0.7636, nowhere better than Adagrad 0.3 beyond noise;
 * Adagrad's ``initial_accumulator_value`` 0.1 on the first-order tables: +0.0004 on both, and the
   sequential LR gains as much (0.7846 / 0.7640): not a difference between the two;
 * a global bias learned per example (a first-order field every example holds): no change;
 * the dense head's lr from 1e-5 to 1e-2: no change in the 4th decimal (the first-order part
-  carries these streams);
-* the FM part learned example by example too (``bench/fm_sequential_reference.py``): +0.0025 /
-  +0.0038 (0.7879 / 0.7671), at ~24% fewer examples/s. The next step, once the N-rank engine has
-  a path for it (embedding rows are sharded over owners).
+  carries these streams).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import numpy as np
 import torch
 
 from ps.sequential import train_linear_sequential
+from ps.sequential_fm import train_fm_sequential
 
 from .batch import SparseBatch
 from .step_checks import NonFiniteStepError, finite_grads
@@ -45,6 +50,8 @@ from .step_checks import NonFiniteStepError, finite_grads
 
 def sequential_train_step(model, batch: SparseBatch) -> tuple[float, np.ndarray]:
     """``(mean loss, probabilities before each example's update)`` for ``model`` (a SparseModel)."""
+    if model.cfg.sequential_embeddings:
+        return _embeddings_sequential_step(model, batch)
     t0 = time.perf_counter()
     batch = model.complete(batch)
     n, t = batch.size, batch.max_event_time
@@ -93,6 +100,39 @@ def sequential_train_step(model, batch: SparseBatch) -> tuple[float, np.ndarray]
             head.dense_linear.weight.grad = (r.unsqueeze(1) * dense).mean(0, keepdim=True)
     model.optimizer.step()
     model.timings["forward"] += t1 - t0
+    model.timings["update"] += t2 - t1
+    model.timings["backward"] += time.perf_counter() - t2
+    return float(loss), probs
+
+
+def _embeddings_sequential_step(model, batch: SparseBatch) -> tuple[float, np.ndarray]:
+    """A ``sequential_embeddings`` DeepFM: every sparse row learns example by example
+    (:func:`ps.sequential_fm.train_fm_sequential`, fed the batch-start MLP's logits and slopes);
+    the head then steps once from the residuals, and the embeddings take no per-batch step."""
+    t0 = time.perf_counter()
+    batch = model.complete(batch)
+    n, t = batch.size, batch.max_event_time
+    eb, lb = model._emb_block, model._lin_block
+    full = model.pack(batch)
+    buf = model.ps.gather_packed(full, insert=True, event_time=t)
+    k = len(eb.keys)
+    logits, jac = model.mlp_part(batch, full.segments(0, k), buf)
+    fixed = logits.detach().double()
+    # the kernel writes rows as it goes: nothing may enter it that is not finite
+    if not (bool(torch.isfinite(fixed).all()) and np.isfinite(jac).all()):
+        raise NonFiniteStepError("the step's dense logits or MLP slopes are not finite; nothing applied")
+    bags = np.stack([batch.offsets[s] for s in eb.slots + lb.slots])
+    mean = np.array([m == "mean" for m in eb.modes + lb.modes], np.bool_)
+    t1 = time.perf_counter()
+    probs, loss, resid = train_fm_sequential(model.ps, full, k, bags, mean, batch.labels, fixed.numpy(), jac, t,
+                                             insert=False)
+    t2 = time.perf_counter()
+    model.optimizer.zero_grad(set_to_none=True)
+    logits.backward(torch.from_numpy((resid / max(n, 1)).astype(np.float32)))
+    if not finite_grads(model.head) or not math.isfinite(loss):
+        raise NonFiniteStepError(f"the step's loss ({loss}) or dense gradients are not finite; "
+                                 "the sparse rows were stepped, nothing else applied")
+    model.optimizer.step()
     model.timings["update"] += t2 - t1
     model.timings["backward"] += time.perf_counter() - t2
     return float(loss), probs

@@ -40,18 +40,23 @@ def shard_of(ids: np.ndarray, n: int) -> np.ndarray:
 
 def whole_tables(cfg) -> frozenset[str]:
     """Tables of ``cfg`` (a :class:`trainer.config.ModelConfig`) that live whole on rank 0 of an
-    N-rank run instead of split by :func:`shard_of`: a ``sequential`` model's first-order tables,
-    whose example-by-example pass reads every row of an example at once
-    (:mod:`trainer.dist_sequential`).
+    N-rank run instead of split by :func:`shard_of`: the tables of a ``sequential`` model's
+    example-by-example pass, which reads every row of an example at once
+    (:mod:`trainer.dist_sequential`): its first-order tables, and with ``sequential_embeddings``
+    its embedding tables too.
 
     >>> from trainer.config import deepfm_config
-    >>> sorted(whole_tables(deepfm_config(slots=("user_id", "item_id"))))
+    >>> sorted(whole_tables(deepfm_config(slots=("user_id", "item_id"), sequential_embeddings=False)))
     ['item_id_w', 'user_id_w']
+    >>> len(whole_tables(deepfm_config(slots=("user_id", "item_id"))))
+    4
     >>> whole_tables(deepfm_config(sequential=False))
     frozenset()
     """
     if not cfg.sequential:
         return frozenset()
+    if cfg.sequential_embeddings:
+        return frozenset(cfg.linear.values()) | frozenset(cfg.slots.values())
     return frozenset(cfg.linear.values()) - frozenset(cfg.slots.values())
 
 

@@ -25,12 +25,13 @@ SIZES = [(12, 12), (12, 0), (0, 0), (6, 12)]
 PRED = 9  # the rows of "step 9" are scored after training (DistributedModel.predict): new ids read zeros
 
 
-def _cfg(min_count: int = 1, sequential: bool = False) -> ModelConfig:
+def _cfg(min_count: int = 1, sequential: str = "") -> ModelConfig:
     # recent_items shares the item table unsalted: one row per (table, id) across slots.
     # min_count 2: the owners must count occurrences as the 1-process PS does.
-    # sequential: the first-order tables live whole on rank 0, which runs their per-example pass
+    # sequential "linear": the first-order tables live whole on rank 0, which runs their
+    # per-example pass; "all": the embedding tables too (sequential_embeddings)
     return deepfm_config(dim=4, mlp=[8], min_count=min_count, slots=("user_id", "genres", "item_id"),
-                         sequential=sequential)
+                         sequential=bool(sequential), sequential_embeddings=sequential == "all")
 
 
 def _rows(step: int, rank: int, n: int) -> list[dict]:
@@ -55,7 +56,7 @@ def _state(tables, head, opt) -> dict:
 
 
 def _run(rank: int, mode: str, min_count: int, one_at_a_time: bool = False, staleness: int = 1,
-         sequential: bool = False) -> dict:
+         sequential: str = "") -> dict:
     dm = DistributedModel(_cfg(min_count, sequential), mode=mode, staleness=staleness)
     batches = [_batch(_rows(s, rank, SIZES[s][rank]), s, rank) for s in range(len(SIZES))]
     if one_at_a_time:  # as the online ranks step: one batch per call, then a flush
@@ -70,7 +71,7 @@ def _run(rank: int, mode: str, min_count: int, one_at_a_time: bool = False, stal
             **_state(dm.tables, dm.head, dm.optimizer), "wire_bytes": wire}
 
 
-def _worker(rank: int, world: int, mode: str, sequential: bool = False) -> list[dict]:
+def _worker(rank: int, world: int, mode: str, sequential: str = "") -> list[dict]:
     # both admission settings in one process group: one spawn per test
     return [_run(rank, mode, 1, sequential=sequential), _run(rank, mode, 2, sequential=sequential)]
 
@@ -85,7 +86,7 @@ def _global_batch(s: int, sizes: tuple[int, int] | None = None) -> SparseBatch |
                                        event_time_ms=np.concatenate([x.event_time_ms for x in b]))
 
 
-def _reference(min_count: int = 1, sequential: bool = False) -> tuple[list, dict]:
+def _reference(min_count: int = 1, sequential: str = "") -> tuple[list, dict]:
     torch.set_num_threads(1)
     m = SparseModel(_cfg(min_count, sequential))
     losses = [m.train_step(b)[0] for b in map(_global_batch, range(len(SIZES))) if b is not None]
@@ -129,7 +130,7 @@ def _merged(parts: list[dict], name: str):
     return [c[o] for c in cat]
 
 
-@pytest.mark.parametrize("sequential", [False, True], ids=["plain", "sequential"])
+@pytest.mark.parametrize("sequential", ["", "linear", "all"], ids=["plain", "sequential", "sequential_embeddings"])
 def test_sync_two_ranks_equal_one_process_on_the_global_batch(sequential):
     both = run_local(_worker, 2, "sync", sequential, timeout_s=60)
     res = [r[0] for r in both]
@@ -145,8 +146,9 @@ def test_sync_two_ranks_equal_one_process_on_the_global_batch(sequential):
         np.testing.assert_allclose(vals, items[1], rtol=1e-5, atol=1e-6, err_msg=name)
         np.testing.assert_allclose(state, items[2], rtol=1e-5, atol=1e-7, err_msg=name)  # Adagrad sums
         assert times.tolist() == items[3].tolist(), name
-    # both shards hold rows: the ids really are split over the owners
-    assert all(len(r["tables"]["item_id"][0]) for r in res)
+    # both shards hold rows: the ids really are split over the owners (sequential embeddings:
+    # every table is rank 0's)
+    assert all(len(r["tables"]["item_id"][0]) for r in res) == (sequential != "all")
     for r in res:
         for k, v in ref["head"].items():
             np.testing.assert_allclose(r["head"][k], v, rtol=1e-5, atol=1e-7, err_msg=k)

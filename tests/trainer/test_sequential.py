@@ -54,9 +54,33 @@ def test_sequential_needs_first_order_fields():
     d["tables"] = [t for t in d["tables"] if not t["name"].endswith("_w")]
     with pytest.raises(pydantic.ValidationError, match="sequential"):
         ModelConfig.model_validate(d)
-    d["sequential"] = False
+    d["sequential"] = d["sequential_embeddings"] = False
     ModelConfig.model_validate(d)
     assert ModelConfig.model_validate_json(_cfg(True).model_dump_json()).sequential
+
+
+def test_sequential_embeddings_need_a_sequential_deepfm_on_sgd_or_adagrad():
+    d = deepfm_config(dim=4, mlp=[8]).model_dump()
+    assert d["sequential_embeddings"]
+    with pytest.raises(pydantic.ValidationError, match="needs a sequential deepfm"):
+        ModelConfig.model_validate({**d, "sequential": False})
+    d["tables"][0]["optimizer"] = {"kind": "adam", "lr": 0.01}
+    with pytest.raises(pydantic.ValidationError, match="must use sgd or adagrad.*sequential_embeddings = false"):
+        ModelConfig.model_validate(d)
+    assert not ModelConfig.model_validate({**d, "sequential_embeddings": False}).sequential_embeddings
+    with pytest.raises(pydantic.ValidationError, match="needs a sequential deepfm"):
+        ModelConfig.model_validate({**lr_config(sequential=True).model_dump(), "sequential_embeddings": True})
+
+
+def test_deepfm_later_examples_see_earlier_embedding_steps(ml):
+    """With sequential embeddings a repeated example is scored with the FM and first-order steps
+    its earlier copies took; with the first-order part alone its later copies move less."""
+    b = ml.batch(np.array([0] * 8))
+    _, p_emb = SparseModel(_deepfm(True)).train_step(b)
+    lin = deepfm_config(dim=4, mlp=[8], sequential=True, sequential_embeddings=False, seed=0)
+    _, p_lin = SparseModel(lin).train_step(b)
+    assert p_emb[0] == pytest.approx(p_lin[0], abs=1e-6)  # the first copy: nothing learned yet
+    assert abs(p_emb[-1] - p_emb[0]) > abs(p_lin[-1] - p_lin[0])
 
 
 def _deepfm(sequential: bool, seed: int = 0) -> ModelConfig:

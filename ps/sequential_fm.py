@@ -1,0 +1,289 @@
+"""Exact per-example updates of a DeepFM's embedding rows together with its first-order rows.
+
+:mod:`ps.sequential` steps the first-order weights example by example; here the embedding rows
+of the FM and MLP fields do too. The examples of a packed batch are taken in order; for example
+``e`` with fields ``f = 1..F`` (each pooled from fresh rows: ``sum``, or ``mean`` weighting each
+id ``1/len(bag)``):
+
+    logit = offset[e] + sum_lin pool(w) + FM(x_1..x_F),   FM = 0.5 * (|S|^2 - sum_f |x_f|^2),  S = sum_f x_f
+
+``offset`` holds what the kernel does not learn (bias, dense weights, the MLP of the batch-start
+rows). ``p = sigmoid(logit)`` is recorded before the update (progressive validation), ``g = p - y``:
+
+* every first-order row takes one step with ``float32(g * its pooled weight)``;
+* every embedding row of field ``f`` (pool weight ``c``) one step with
+  ``float32(g * c * (S - x_f + J[e, f]))``, where ``J[e, f]`` is the MLP's gradient with respect
+  to field ``f``'s input, taken at the batch's start (``jac``): the FM part is exact per example,
+  the MLP part is the batch-start MLP's slope at this example. A row in several fields sums.
+
+At batch size 1 that is one plain DeepFM step's gradient for every row. Each row takes its
+table's own optimizer (SGD or Adagrad: state as wide as the row), is copied out once, learns on
+the copy and is written back, marked and queued for sync once, in the order the examples first
+stepped it, as :func:`ps.sequential.train_linear_sequential` does.
+
+>>> from ps import AdagradConfig, InitializerConfig, ParameterServer, SGDConfig, TableConfig
+>>> server = ParameterServer([
+...     TableConfig(name="v", dim=2, optimizer=SGDConfig(lr=1.0), initializer=InitializerConfig(kind="zeros")),
+...     TableConfig(name="w", dim=1, optimizer=SGDConfig(lr=1.0), initializer=InitializerConfig(kind="zeros"))],
+...     {"a": "v", "b": "v", "wa": "w"})
+>>> pb = server.pack({"a": np.array([1, 1]), "b": np.array([2, 2]), "wa": np.array([1, 1])})
+>>> bags = np.array([[0, 1, 2]] * 3)                 # 2 examples: one id per field in each
+>>> jac = np.zeros((2, 2, 2)); jac[:, :, 0] = 1.0    # the MLP's slope: 1 along dim 0
+>>> p, loss, resid = train_fm_sequential(server, pb, 2, bags, np.zeros(3, bool), np.array([1.0, 1.0]),
+...                                      np.zeros(2), jac, event_time=1)
+>>> [round(float(x), 4) for x in p]   # the 2nd sees the 1st's steps: FM 0.25 + first order 0.5
+[0.5, 0.6792]
+>>> # row 1 of v: +0.5 * (S - x + J) = 0.5 * 1, then +(1 - 0.6792) * ([1, 0] - [0.5, 0] + [1, 0])
+>>> [round(float(x), 4) for x in server.tables["v"].gather(np.array([1]))[0]]
+[0.9812, 0.0]
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._jit import njit
+from .errors import InvalidInputError, ReadOnlyTableError
+from .group import PackedBatch, ParameterServer
+from .optimizers import OPT_ADAGRAD, OPT_NONE, OPT_SGD, step_elem
+from .rowmarks import M_NDIRTY, M_WATERMARK, marked, reserve_dirty
+from .sequential import _batch_rows, _resolve_rows
+
+__all__ = ["train_fm_sequential"]
+
+#: the optimizers whose state is one value per weight (what the kernel's scratch holds)
+KERNEL_OPTIMIZERS = (OPT_SGD, OPT_ADAGRAD)
+
+
+@njit
+def _pooled(f, e, seg_off, bags, seg_mean, u_of, W, D, x):
+    """Field ``f`` of example ``e`` pooled from the scratch rows into ``x[f]``."""
+    for j in range(D):
+        x[f, j] = 0.0
+    a = seg_off[f] + bags[f, e]
+    b = seg_off[f] + bags[f, e + 1]
+    if b <= a:
+        return
+    wgt = 1.0 / (b - a) if seg_mean[f] else 1.0
+    for i in range(a, b):
+        u = u_of[i]
+        if u >= 0:
+            for j in range(D):
+                x[f, j] += wgt * np.float64(W[u, j])
+
+
+@njit
+def sequential_fm_kernel(ids, seg_off, seg_table, n_emb, bags, seg_mean, labels, offset, jac, t,
+                         tab_base, tab_nshards, tab_kind, tab_hyper, tab_track, slots_list, emb_list,
+                         state_list, times_list, flags_list, dirty_list, meta_list, probs, resid, shard_n):
+    """Learn ``labels.size`` examples in order (see the module docstring); returns the summed log
+    loss and fills ``probs`` (pre-update) and ``resid`` (``p - y``). Segments ``0..n_emb-1`` are
+    the embedding fields (one dim), the rest first-order fields (dim 1)."""
+    n = ids.size
+    nseg = seg_table.size
+    n_shards = len(emb_list)
+    shard_of = np.empty(n, np.int64)
+    rows = np.empty(n, np.int64)
+    _resolve_rows(ids, seg_off, seg_table, tab_base, tab_nshards, slots_list, shard_of, rows, shard_n)
+    tab_of_shard = np.empty(n_shards, np.int64)
+    for ti in range(tab_base.size):
+        for sh in range(tab_base[ti], tab_base[ti] + tab_nshards[ti]):
+            tab_of_shard[sh] = ti
+    present = np.zeros(tab_base.size, np.bool_)
+    for s in range(nseg):
+        present[seg_table[s]] = True
+    # watermarks and dirty queues move as packed_apply_kernel moves them
+    for ti in range(tab_base.size):
+        if not present[ti]:
+            continue
+        for sh in range(tab_base[ti], tab_base[ti] + tab_nshards[ti]):
+            meta = meta_list[sh]
+            if (shard_n[sh] > 0 or tab_nshards[ti] == 1) and t > meta[M_WATERMARK]:
+                meta[M_WATERMARK] = t
+            reserve_dirty(dirty_list[sh], meta, shard_n[sh])
+    u_of, ush, urow = _batch_rows(rows, shard_of, n_shards)
+    nu = urow.size
+    D = emb_list[tab_base[seg_table[0]]].shape[1] if n_emb > 0 else 1
+    F = n_emb
+    # the batch's distinct rows: weights and optimizer state (one value per weight), float32
+    W = np.zeros((nu, D), np.float32)
+    ST = np.zeros((nu, D), np.float32)
+    udim = np.empty(nu, np.int64)
+    uwidth = np.empty(nu, np.int64)
+    utab = np.empty(nu, np.int64)
+    for u in range(nu):
+        sh, r = ush[u], urow[u]
+        udim[u] = emb_list[sh].shape[1]
+        uwidth[u] = state_list[sh].shape[1]
+        for j in range(udim[u]):
+            W[u, j] = emb_list[sh][r, j]
+        for j in range(uwidth[u]):
+            ST[u, j] = state_list[sh][r, j]
+        utab[u] = tab_of_shard[sh]
+    stepped = np.zeros(nu, np.bool_)
+    order = np.empty(nu, np.int64)
+    n_order = 0
+    # one example's rows, equal rows summed (first-seen order): first-order weights, embedding
+    # gradient directions
+    lu = np.empty(n, np.int64)
+    lwgt = np.empty(n, np.float64)
+    vu = np.empty(n, np.int64)
+    vg = np.zeros((n, D), np.float64)
+    x = np.zeros((max(F, 1), D), np.float64)
+    S = np.zeros(D, np.float64)
+    loss = 0.0
+    for e in range(labels.size):
+        logit = np.float64(offset[e])
+        sq = 0.0
+        for j in range(D):
+            S[j] = 0.0
+        for f in range(F):
+            _pooled(f, e, seg_off, bags, seg_mean, u_of, W, D, x)
+            for j in range(D):
+                S[j] += x[f, j]
+                sq += x[f, j] * x[f, j]
+        ss = 0.0
+        for j in range(D):
+            ss += S[j] * S[j]
+        logit += 0.5 * (ss - sq)
+        k = 0
+        for s in range(F, nseg):
+            a = seg_off[s] + bags[s, e]
+            b = seg_off[s] + bags[s, e + 1]
+            if b <= a:
+                continue
+            wgt = 1.0 / (b - a) if seg_mean[s] else 1.0
+            for i in range(a, b):
+                u = u_of[i]
+                if u < 0:
+                    continue
+                logit += wgt * np.float64(W[u, 0])
+                q = 0
+                while q < k and lu[q] != u:
+                    q += 1
+                if q == k:
+                    lu[k] = u
+                    lwgt[k] = wgt
+                    k += 1
+                else:
+                    lwgt[q] += wgt
+        p = 1.0 / (1.0 + math.exp(-logit))
+        y = np.float64(labels[e])
+        probs[e] = p
+        g = p - y
+        resid[e] = g
+        loss += max(logit, 0.0) - logit * y + math.log1p(math.exp(-abs(logit)))
+        # the embedding rows' directions, from the values this example was scored with
+        m = 0
+        for f in range(F):
+            a = seg_off[f] + bags[f, e]
+            b = seg_off[f] + bags[f, e + 1]
+            if b <= a:
+                continue
+            wgt = 1.0 / (b - a) if seg_mean[f] else 1.0
+            for i in range(a, b):
+                u = u_of[i]
+                if u < 0:
+                    continue
+                q = 0
+                while q < m and vu[q] != u:
+                    q += 1
+                if q == m:
+                    vu[m] = u
+                    for j in range(D):
+                        vg[m, j] = 0.0
+                    m += 1
+                for j in range(D):
+                    vg[q, j] += wgt * (S[j] - x[f, j] + jac[e, f, j])
+        for q in range(k + m):
+            if q < k:
+                u, c = lu[q], g * lwgt[q]
+            else:
+                u, c = vu[q - k], g
+            if not stepped[u]:
+                stepped[u] = True
+                order[n_order] = u
+                n_order += 1
+            kind = tab_kind[utab[u]]
+            hyper = tab_hyper[utab[u]]
+            for j in range(udim[u]):
+                gj = c if q < k else c * vg[q - k, j]
+                sa = np.float64(ST[u, j]) if uwidth[u] > 0 else 0.0
+                nw, sa, _ = step_elem(kind, hyper, np.float64(W[u, j]), sa, 0.0,
+                                      np.float64(np.float32(gj)), 1.0, 1.0)
+                W[u, j] = nw
+                if uwidth[u] > 0:
+                    ST[u, j] = sa
+    # apply_updates' bookkeeping, once per row, in the order the rows were first stepped
+    for q in range(n_order):
+        u = order[q]
+        sh, r = ush[u], urow[u]
+        for j in range(udim[u]):
+            emb_list[sh][r, j] = W[u, j]
+        for j in range(uwidth[u]):
+            state_list[sh][r, j] = ST[u, j]
+        times = times_list[sh]
+        if t > times[r]:
+            times[r] = t
+        flags = flags_list[sh]
+        fl, queue = marked(flags[r], tab_track[utab[u]])
+        if queue:
+            meta = meta_list[sh]
+            dirty_list[sh][meta[M_NDIRTY]] = r
+            meta[M_NDIRTY] += 1
+        flags[r] = fl
+    return loss
+
+
+def train_fm_sequential(server: ParameterServer, pb: PackedBatch, n_emb: int, bags: np.ndarray, mean: np.ndarray,
+                        labels: np.ndarray, offset: np.ndarray, jac: np.ndarray, event_time: int,
+                        insert: bool = True):
+    """Learn a batch of a DeepFM's sparse rows example by example: ``(probs float32, mean loss,
+    residuals float64)``.
+
+    ``pb``'s first ``n_emb`` segments are the embedding fields (tables of one dim), the rest the
+    first-order fields (dim 1); ``bags`` int64 ``[n_segments, B + 1]`` are each segment's
+    per-example offsets, ``mean`` which segments mean-pool; ``offset`` float64 ``[B]`` each
+    example's fixed logit; ``jac`` float64 ``[B, n_emb, dim]`` the MLP's input gradient per example.
+    Ids are inserted (through admission) once by a packed gather first, unless ``insert=False``
+    (the caller's gather of these ids already did). Every table read must be SGD or Adagrad.
+    """
+    if not server._local:
+        raise InvalidInputError("sequential updates need local shards")
+    n_seg, n_ex = len(pb.slots), int(labels.size)
+    dims = server._dims[pb.slot_table]
+    if not 0 < n_emb <= n_seg or len(set(dims[:n_emb].tolist())) != 1 or (dims[n_emb:] != 1).any():
+        raise InvalidInputError("the first n_emb segments must be embedding fields of one dim, the rest dim 1")
+    bags = np.ascontiguousarray(bags, np.int64).reshape(n_seg, n_ex + 1)
+    if ((bags[:, -1] != np.diff(pb.offsets)) | (bags[:, 0] != 0)).any() or (np.diff(bags, axis=1) < 0).any():
+        raise InvalidInputError("bags must be per-segment offsets covering each segment's ids")
+    jac = np.ascontiguousarray(jac, np.float64)
+    if jac.shape != (n_ex, n_emb, int(dims[0])):
+        raise InvalidInputError(f"jac must be [B, n_emb, dim] = {(n_ex, n_emb, int(dims[0]))}, got {jac.shape}")
+    present = np.zeros(len(server.table_names), np.bool_)
+    present[pb.slot_table] = True
+    for ti in np.flatnonzero(present).tolist():
+        kind = int(server._tab_kind[ti])
+        if kind == OPT_NONE:
+            raise ReadOnlyTableError(f"table {server.table_names[ti]!r} is a serving replica; it has no optimizer")
+        if kind not in KERNEL_OPTIMIZERS:
+            raise InvalidInputError(f"table {server.table_names[ti]!r}: sequential embeddings need SGD or Adagrad")
+    t = int(event_time)
+    if insert:
+        server.gather_packed(pb, insert=True, event_time=t)
+    probs = np.empty(n_ex, np.float32)
+    resid = np.empty(n_ex, np.float64)
+    shard_n = np.zeros(len(server._shards), np.int64)
+    with server._lock_all():
+        slots_list, emb_list = server._lists()
+        loss = sequential_fm_kernel(
+            pb.ids, pb.offsets, pb.slot_table, n_emb, bags, np.ascontiguousarray(mean, np.bool_),
+            np.ascontiguousarray(labels, np.float64), np.ascontiguousarray(offset, np.float64), jac, t,
+            server._tab_base, server._tab_nshards, server._tab_kind, server._tab_hyper, server._tab_track,
+            slots_list, emb_list, *server._row_lists, probs, resid, shard_n)
+        for ti, sh in server._expiring:
+            if present[ti] and (shard_n[sh] or server._tab_nshards[ti] == 1):
+                server._shards[sh]._expire(None, max(1024, 2 * int(shard_n[sh])))
+    return probs, loss / max(n_ex, 1), resid

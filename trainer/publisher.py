@@ -79,13 +79,14 @@ class Publisher:
         self.dense_version = int(manifest.get("dense_version", 0))
         self.param_deltas_offset = int(manifest.get("param_deltas_offset", 0) or 0)
 
-    async def sync_sparse(self, tables: dict, max_event_time_ms: int) -> int:
-        """Publish the touched rows of ``tables`` as one version; the bytes published."""
+    async def sync_sparse(self, tables: dict, max_event_time_ms: int, confirm: bool = False) -> int:
+        """Publish the touched rows of ``tables`` as one version; the bytes published. ``confirm``:
+        a version even with no touched row (:func:`trainer.sync.encode_sparse_tables`)."""
         t0 = time.perf_counter()
         try:
             msgs = encode_sparse_tables(self.model_id, self.sparse_version + 1, tables,
                                         max_event_time_ms=max_event_time_ms, shard=self.shard,
-                                        shard_count=self.shard_count)
+                                        shard_count=self.shard_count, confirm=confirm)
         except NonFiniteDelta as err:  # the PS refuses non-finite gradients: a bug if it happens
             self._refused("sparse", err)
             return 0

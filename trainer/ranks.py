@@ -251,7 +251,10 @@ class RankTrainer(M.LearnedFields):
         """Collective in ``hybrid`` (the deferred sparse updates are applied first: every rank
         publishes rows that hold every round it counts as applied)."""
         await self._coll(self.dm.flush)
-        await self.publisher.sync_sparse(self.dm.tables, self.max_event_time)
+        # the group learned since the last sync: every shard makes a version, rows or not (a rank
+        # may own none: sequential_embeddings), so serving's per-shard versions all move
+        await self.publisher.sync_sparse(self.dm.tables, self.max_event_time, confirm=self._learned_since_sync)
+        self._learned_since_sync = False
 
     async def sync_dense(self) -> None:
         """Collective (the ranks' sample-rate sums are gathered); rank 0 publishes."""
@@ -311,6 +314,7 @@ class RankTrainer(M.LearnedFields):
     async def _loop(self, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
         started = time.time()
         self._last_sync = time.monotonic()
+        self._learned_since_sync = False
         self.dense_schedule = DenseSchedule(self.ts.sync_interval_s, self.ts.dense_sync_interval_s, self._last_sync)
         if not self.restored or self.publisher.dense_version == 0 or self._from_start:
             await self.sync_dense()
@@ -343,6 +347,7 @@ class RankTrainer(M.LearnedFields):
             if p is not None:
                 await self._learned(p, res)
             queued += int(ctl[:, _EXAMPLES].sum())
+            self._learned_since_sync |= bool(ctl[:, _EXAMPLES].any())
             self.max_event_time = max(self.max_event_time, int(ctl[:, _EVENT].max()))
             if ctl[0, _SYNC]:
                 self._last_sync = now

@@ -93,15 +93,22 @@ def apply_delta(tables: dict[str, EmbeddingTable], msg: ParameterDelta) -> str |
 
 
 def encode_sparse_tables(model_id: str, version: int, tables: dict[str, EmbeddingTable], *,
-                         max_event_time_ms: int = 0, shard: int = 0,
-                         shard_count: int = 0) -> list[tuple[str, ParameterDelta]]:
+                         max_event_time_ms: int = 0, shard: int = 0, shard_count: int = 0,
+                         confirm: bool = False) -> list[tuple[str, ParameterDelta]]:
     """Drain every table's touched-key stream into ``[(table, delta)]`` of one version (of shard
-    ``shard`` of ``shard_count`` when the trainer runs ranks, see ``ParameterDelta.shard``)."""
+    ``shard`` of ``shard_count`` when the trainer runs ranks, see ``ParameterDelta.shard``).
+    ``confirm``: with no touched row, one empty delta (no rows) still makes the version: a rank
+    whose examples changed none of its own rows (every row of a ``sequential_embeddings`` model
+    is rank 0's) confirms its shard is current, or serving's per-shard version would stand still."""
     created = int(time.time() * 1000)
     pending: list[tuple[str, int, SyncChunk]] = []
     for name, t in tables.items():
         for c in t.pop_updates(rows_per_chunk(t.dim)):
             pending.append((name, t.dim, c))
+    if confirm and not pending and tables:
+        name, t = next(iter(tables.items()))
+        none = np.zeros(0, np.int64)
+        pending.append((name, t.dim, SyncChunk(none, np.zeros((0, t.dim), np.float32), none, none)))
     n = len(pending)
     return [(name, encode_sparse(model_id, version, name, dim, c, chunk_index=i, chunk_count=n,
                                  created_at_ms=created, max_event_time_ms=max_event_time_ms,

@@ -30,8 +30,10 @@ N = 8_000
 REPO = Path(__file__).parents[2]
 
 
-def small_cfg():
-    return deepfm_config(dim=8, mlp=[32])
+def small_cfg(sequential_embeddings: bool = True):
+    """The served model, small; ``sequential_embeddings=False``: its embedding tables sharded over
+    the ranks (with them, every table is rank 0's: trainer.sharding.whole_tables)."""
+    return deepfm_config(dim=8, mlp=[32], sequential_embeddings=sequential_embeddings)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +58,8 @@ def _env(settings, tmp: Path) -> dict:
 
 
 def _spawn(settings, tmp: Path, log: Path, snapshot_s: str = "0", idle_s: str = "4",
-           mode: str = "sync", staleness: int = 1) -> subprocess.Popen:
-    (tmp / "model.json").write_text(small_cfg().model_dump_json())
+           mode: str = "sync", staleness: int = 1, cfg=None) -> subprocess.Popen:
+    (tmp / "model.json").write_text((cfg or small_cfg()).model_dump_json())
     return subprocess.Popen([sys.executable, "-m", "trainer", "online", "--sync-interval-s", "1",
                              "--snapshot-interval-event-s", snapshot_s, "--stop-when-idle-s", idle_s,
                              "--batch-size", "512"],
@@ -102,14 +104,18 @@ async def _manifest(root: Path, examples: int, seq: int, logs, shards: int = 2) 
 # hybrid at staleness 0 (each update queued ahead of the next lookup) is checked in process, equal
 # to sync rows and all: tests/trainer/test_distributed.py; on the broker, the publication and
 # snapshot path it shares with staleness 1 is checked here
-@pytest.mark.parametrize("mode,staleness", [("sync", 1), ("hybrid", 1)])
+@pytest.mark.parametrize("mode,staleness,seq_emb", [("sync", 1, False), ("hybrid", 1, False), ("sync", 1, True)],
+                         ids=["sync-sharded", "hybrid-sharded", "sync-sequential_embeddings"])
 async def test_two_ranks_train_the_stream_and_deltas_reproduce_the_union(settings, ml_examples, tmp_path, mode,
-                                                                        staleness):
+                                                                        staleness, seq_emb):
     """Both modes; ``hybrid``'s deferred sparse updates are applied before each publication and
-    snapshot, so its deltas too reproduce the snapshot's rows exactly."""
+    snapshot, so its deltas too reproduce the snapshot's rows exactly. With sequential embeddings
+    every row is rank 0's: rank 1's versions carry none."""
+    cfg = small_cfg(seq_emb)
+    owning = {0} if seq_emb else {0, 1}
     await produce_examples(settings, ml_examples)
     log = tmp_path / "trainer.log"
-    p = _spawn(settings, tmp_path, log, mode=mode, staleness=staleness)
+    p = _spawn(settings, tmp_path, log, mode=mode, staleness=staleness, cfg=cfg)
     assert p.wait(timeout=240) == 0, log.read_text()[-4000:]
     res = _results(log)
     assert sorted(res) == [0, 1], log.read_text()[-3000:]
@@ -119,23 +125,25 @@ async def test_two_ranks_train_the_stream_and_deltas_reproduce_the_union(setting
     assert sum(r["examples_applied"] for r in res.values()) == N
     assert all(r["examples_applied"] > 0 for r in res.values())  # both ranks read partitions
     # driftline_ps_admitted_total counts each rank's shard (compose's Grafana admission panel had no series)
-    assert all(r["ps_admitted"] > 0 for r in res.values()), res
+    assert {r for r, x in res.items() if x["ps_admitted"] > 0} == owning, res
     root = settings.var_dir / "snapshots" / "deepfm"
     man = snapshots.read_manifest(root)
     assert man["shard_count"] == 2 and man["examples_applied"] == N
     assert sorted(man["offsets"]) == ["0", "1", "2", "3"]
-    tables, dense, _ = snapshots.load(root, small_cfg(), serving=True)
+    tables, dense, _ = snapshots.load(root, cfg, serving=True)
     # replay: per (shard, table) the last value of each key; dense from rank 0 only
     msgs = await _deltas(settings)
     sparse = [m for m in msgs if m.WhichOneof("payload") == "sparse"]
+    # every shard makes versions (a rank owning no row confirms its shard with an empty delta)
     assert {m.shard for m in sparse} == {0, 1} and {m.shard_count for m in sparse} == {2}
+    assert {m.shard for m in sparse if len(m.sparse.keys)} == owning
     assert {int(v) for v in man["sparse_versions"].values()} == {max(m.version for m in sparse if m.shard == s)
                                                                  for s in (0, 1)}
     rows: dict = {}
     for m in sorted(sparse, key=lambda m: (m.shard, m.version)):
         t, k, v, tomb = decode_sparse(m)
         # a shard publishes its own rows only; the sequential model's first-order tables are rank 0's
-        own = np.zeros(k.size, np.int64) if t in whole_tables(small_cfg()) else shard_of(k, 2)
+        own = np.zeros(k.size, np.int64) if t in whole_tables(cfg) else shard_of(k, 2)
         assert (own == m.shard).all(), t
         for key, val in zip(k.tolist(), v):
             rows[(t, key)] = val

@@ -54,7 +54,7 @@ import torch.distributed as dist  # noqa: E402
 from trainer.config import deepfm_config  # noqa: E402
 from trainer.data import MovieLensData  # noqa: E402
 from trainer.distributed import DistributedModel  # noqa: E402
-from trainer.rank_local import run_local  # noqa: E402
+from tests.trainer.rank_local import run_local  # noqa: E402
 from trainer.metrics import auc  # noqa: E402
 from trainer.model import SparseModel  # noqa: E402
 

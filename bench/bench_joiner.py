@@ -33,7 +33,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition  # noqa: E402
 from joiner import faust_app  # noqa: E402
 from joiner.core import JoinCore  # noqa: E402
 from joiner.stores.rocksdb import RocksDBStore  # noqa: E402
-from joiner.synth import ml_events  # noqa: E402
+from tests.joiner.synth import ml_events  # noqa: E402
 from joiner.tiered import TieredState  # noqa: E402
 from joiner.types import JoinConfig  # noqa: E402
 from proto import Action, Candidate, FeatureLog, Features, SparseSlot  # noqa: E402

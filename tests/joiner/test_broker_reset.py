@@ -16,8 +16,8 @@ from rocksdict import Options, Rdict
 
 from joiner import dumper
 from joiner.faust_app import BrokerReset, run as run_joiner
-from joiner.reference import offline_join
-from joiner.synth import ml_events
+from tests.joiner.reference import offline_join
+from tests.joiner.synth import ml_events
 from proto import Example
 from services import example_batch
 from services.kafka import create_topics

@@ -12,9 +12,9 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from joiner import sampling
 from joiner.core import JOIN, LATE, ORPHAN, OUT_OF_WINDOW, EXPIRED, JoinCore
-from joiner.reference import offline_join
+from tests.joiner.reference import offline_join
 from joiner.stores.memory import MemoryStore
-from joiner.synth import ml_events
+from tests.joiner.synth import ml_events
 from joiner.tiered import TieredState
 from proto import Action, Candidate, FeatureLog
 from tests.joiner.helpers import emitted_examples, join_config, take_examples

@@ -18,8 +18,8 @@ import pytest
 from aiokafka import TopicPartition
 
 from joiner import dumper
-from joiner.reference import offline_join
-from joiner.synth import ml_events
+from tests.joiner.reference import offline_join
+from tests.joiner.synth import ml_events
 from proto import Example
 from services import example_batch, tansu_quirks
 from services.kafka import create_topics

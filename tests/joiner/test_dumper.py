@@ -12,7 +12,7 @@ import pytest
 from joiner import dumper
 from joiner.stores.rocksdb import RocksDBStore
 from joiner.faust_app import run as run_joiner
-from joiner.synth import ml_events
+from tests.joiner.synth import ml_events
 from services import example_batch
 from services.kafka import create_topics
 from services.settings import Settings

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from joiner.reference import offline_join
-from joiner.synth import ml_events
+from tests.joiner.reference import offline_join
+from tests.joiner.synth import ml_events
 from services.kafka import create_topics
 from services.settings import Settings
 from tests.joiner.test_crash import ROOT, _until_output

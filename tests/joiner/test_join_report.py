@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from joiner.synth import ml_events
+from tests.joiner.synth import ml_events
 from producers.join_report import read_counts, with_join_report
 from services.kafka import create_topics
 from services.ports import free_port

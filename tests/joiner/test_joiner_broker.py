@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from joiner.faust_app import run
-from joiner.reference import offline_join
-from joiner.synth import ml_events
+from tests.joiner.reference import offline_join
+from tests.joiner.synth import ml_events
 from proto import Action, DeadLetter, FeatureLog
 from services.kafka import create_topics
 from services.settings import Settings

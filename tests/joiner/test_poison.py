@@ -9,8 +9,8 @@ from prometheus_client import REGISTRY
 from joiner import dumper
 from joiner.faust_app import run as run_joiner
 from joiner.core import JoinCore
-from joiner.reference import offline_join
-from joiner.synth import ml_events
+from tests.joiner.reference import offline_join
+from tests.joiner.synth import ml_events
 from proto import Action, Candidate, DeadLetter, Example, FeatureLog
 from services import example_batch
 from services.kafka import create_topics

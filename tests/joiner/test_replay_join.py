@@ -4,7 +4,7 @@ equals the offline reference join of the same messages."""
 from __future__ import annotations
 
 from joiner.faust_app import run
-from joiner.reference import offline_join
+from tests.joiner.reference import offline_join
 from producers.replay import replay, replay_events
 from services.settings import Settings
 from tests.joiner.helpers import as_map, join_config, read_examples, ref_as_map

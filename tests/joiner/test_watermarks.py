@@ -14,7 +14,7 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from joiner.core import JoinCore
 from joiner.stores.memory import MemoryStore
-from joiner.synth import ml_events
+from tests.joiner.synth import ml_events
 from joiner.tiered import TieredState
 from joiner.watermark import NO_WATERMARK, Watermark
 from proto import Action, Candidate, FeatureLog

@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from services.ports import free_port
 
-from .distributed import DistributedError
-from .launch import pin_to_cores
+from trainer.distributed import DistributedError
+from trainer.launch import pin_to_cores
 
 
 def _rank_main(fn, rank: int, world: int, port: int, args: tuple, timeout_s: float, threads: int, pin: bool,

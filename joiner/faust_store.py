@@ -27,51 +27,29 @@ recovery, even from a compacted changelog, then ends with the committed values.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from faust.stores import STORES
 from faust.stores import rocksdb as faust_rocksdb
 from faust.types import TP, EventT
-from rocksdict import DbClosedError, ReadOptions, Rdict, WriteBatch
+from rocksdict import DbClosedError
+
+from joiner.stores.rocksdb import RdictKV
 
 MARKER = b"\x00commit"  # (sorts before every state key: joiner.core's keys start with a letter)
 OFFSET_KEY = faust_rocksdb.Store.offset_key
 
 
-class PartitionKV:
+class PartitionKV(RdictKV):
     """One partition's RocksDB as a :class:`joiner.types.KVStore`, with Faust's persisted
     changelog offset written in the same batch as the state."""
 
     url = "driftline://"
 
-    def __init__(self, db: Rdict) -> None:
-        self.db = db
-        self.get = db.get  # type: ignore[method-assign]  # hot path: no wrapper call
-
-    def get(self, key: bytes) -> bytes | None:
-        return self.db.get(key)
-
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return self.db.get(list(keys)) if keys else []
-
-    def scan(self, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
-        ro = ReadOptions()
-        ro.set_iterate_upper_bound(hi)
-        it = self.db.iter(ro)
-        it.seek(lo)
-        while it.valid():
-            yield it.key(), it.value()
-            it.next()
-
     def write(self, changes: Mapping[bytes, bytes | None], changelog_offset: int | None = None) -> None:
         """Apply puts and deletes (None) atomically, with the changelog offset they reach."""
-        wb = WriteBatch(raw_mode=True)
-        for k, v in changes.items():
-            if v is None:
-                wb.delete(k)
-            else:
-                wb.put(k, v)
+        wb = self.batch(changes)
         if changelog_offset is not None:
             wb.put(OFFSET_KEY, str(changelog_offset).encode())
         self.db.write(wb)
@@ -79,9 +57,6 @@ class PartitionKV:
     def persisted_offset(self) -> int | None:
         raw = self.db.get(OFFSET_KEY)
         return int(raw) if raw is not None else None
-
-    def approximate_count(self) -> int:
-        return int(self.db.property_int_value("rocksdb.estimate-num-keys") or 0)
 
     def close(self) -> None:
         """The store owns the database (Faust closes it on revocation)."""

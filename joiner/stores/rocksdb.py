@@ -1,9 +1,20 @@
 """``rocksdb://<path>``: RocksDB through rocksdict, the durable tier.
 
-Each :meth:`write` is one RocksDB WriteBatch written through the WAL (not fsynced): it survives a
-kill -9 of the process atomically (the OS keeps the WAL pages); a power loss may lose the last
-writes, which the joiner then recomputes from Kafka because the input offsets are in the same
-batch. Point lookups use a bloom filter, so the common "is this key waiting?" miss costs no I/O.
+:class:`RdictKV` is the one :class:`joiner.types.KVStore` over an open rocksdict database: the
+dumper's and the benches' :class:`RocksDBStore` opens its own by URL, the Faust table store's
+partitions (:class:`joiner.faust_store.PartitionKV`) get theirs from Faust.
+
+Each :meth:`RdictKV.write` is one RocksDB WriteBatch written through the WAL (not fsynced): it
+survives a kill -9 of the process atomically (the OS keeps the WAL pages); a power loss may lose
+the last writes, which the joiner then recomputes from Kafka because the input offsets are in the
+same batch. Point lookups use a bloom filter, so the common "is this key waiting?" miss costs no I/O.
+
+>>> import tempfile
+>>> store = RocksDBStore(f"rocksdb://{tempfile.mkdtemp()}/state")
+>>> store.write({b"a": b"1", b"b": b"2", b"c": None})
+>>> store.get(b"a"), store.get_many([b"b", b"c"]), list(store.scan(b"a", b"b"))
+(b'1', [b'2', None], [(b'a', b'1')])
+>>> store.close()
 """
 
 from __future__ import annotations
@@ -14,10 +25,53 @@ from pathlib import Path
 from rocksdict import BlockBasedOptions, Options, ReadOptions, Rdict, WriteBatch
 
 
-class RocksDBStore:
+class RdictKV:
+    """Get, scan and atomic batched writes over ``db`` (raw bytes)."""
+
+    def __init__(self, db: Rdict) -> None:
+        self.db = db
+        self.get = db.get  # type: ignore[method-assign]  # hot path: no wrapper call
+
+    def get(self, key: bytes) -> bytes | None:
+        return self.db.get(key)
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return self.db.get(list(keys)) if keys else []
+
+    def scan(self, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
+        ro = ReadOptions()
+        ro.set_iterate_upper_bound(hi)
+        it = self.db.iter(ro)
+        it.seek(lo)
+        while it.valid():
+            yield it.key(), it.value()
+            it.next()
+
+    @staticmethod
+    def batch(changes: Mapping[bytes, bytes | None]) -> WriteBatch:
+        """Puts and deletes (None) as one WriteBatch."""
+        wb = WriteBatch(raw_mode=True)
+        for k, v in changes.items():
+            if v is None:
+                wb.delete(k)
+            else:
+                wb.put(k, v)
+        return wb
+
+    def write(self, changes: Mapping[bytes, bytes | None]) -> None:
+        if changes:
+            self.db.write(self.batch(changes))
+
+    def approximate_count(self) -> int:
+        return int(self.db.property_int_value("rocksdb.estimate-num-keys") or 0)
+
+
+class RocksDBStore(RdictKV):
+    """A database of its own at ``rocksdb://rel/path`` or ``rocksdb:///abs/path``."""
+
     def __init__(self, url: str) -> None:
         self.url = url
-        self.path = Path(url.split("://", 1)[1])  # rocksdb://rel/path or rocksdb:///abs/path
+        self.path = Path(url.split("://", 1)[1])
         self.path.parent.mkdir(parents=True, exist_ok=True)
         opts = Options(raw_mode=True)
         opts.create_if_missing(True)
@@ -25,37 +79,7 @@ class RocksDBStore:
         table.set_bloom_filter(10, False)
         opts.set_block_based_table_factory(table)
         opts.increase_parallelism(2)
-        self._db = Rdict(str(self.path), opts)
-        self.get = self._db.get  # type: ignore[method-assign]  # hot path: no wrapper call
-
-    def get(self, key: bytes) -> bytes | None:
-        return self._db.get(key)
-
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return self._db.get(list(keys)) if keys else []
-
-    def scan(self, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
-        ro = ReadOptions()
-        ro.set_iterate_upper_bound(hi)
-        it = self._db.iter(ro)
-        it.seek(lo)
-        while it.valid():
-            yield it.key(), it.value()
-            it.next()
-
-    def write(self, changes: Mapping[bytes, bytes | None]) -> None:
-        if not changes:
-            return
-        wb = WriteBatch(raw_mode=True)
-        for k, v in changes.items():
-            if v is None:
-                wb.delete(k)
-            else:
-                wb.put(k, v)
-        self._db.write(wb)
-
-    def approximate_count(self) -> int:
-        return int(self._db.property_int_value("rocksdb.estimate-num-keys") or 0)
+        super().__init__(Rdict(str(self.path), opts))
 
     def close(self) -> None:
-        self._db.close()
+        self.db.close()

@@ -18,7 +18,7 @@ from .config import (AdagradConfig, AdamConfig, AdmissionConfig, FtrlConfig, Ini
 from .errors import (InvalidEventTimeError, InvalidGradientError, InvalidIdsError, InvalidInputError,
                      NonFiniteGradientError, PSError, ReadOnlyTableError, SnapshotCorruptError,
                      SnapshotError, SnapshotNotFoundError, UnknownTableError)
-from .group import PackedBatch, ParameterServer
+from .server import PackedBatch, ParameterServer
 from .shard import TableShard
 from .sharding import ShardRouter
 from .sync import SyncChunk

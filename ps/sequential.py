@@ -32,7 +32,7 @@ import numpy as np
 
 from ._jit import njit, prefetch
 from .errors import InvalidInputError, ReadOnlyTableError
-from .group import ParameterServer, PackedBatch
+from .server import ParameterServer, PackedBatch
 from .hashmap import GROUP, home, resolve
 from .optimizers import OPT_ADAM, OPT_NONE, adam_corrections, step_elem
 from .rowmarks import M_NDIRTY, M_WATERMARK, marked, reserve_dirty

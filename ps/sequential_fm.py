@@ -46,7 +46,7 @@ import numpy as np
 
 from ._jit import njit
 from .errors import InvalidInputError, ReadOnlyTableError
-from .group import PackedBatch, ParameterServer
+from .server import PackedBatch, ParameterServer
 from .optimizers import OPT_ADAGRAD, OPT_NONE, OPT_SGD, step_elem
 from .rowmarks import M_NDIRTY, M_WATERMARK, marked, reserve_dirty
 from .sequential import _batch_rows, _resolve_rows

@@ -267,7 +267,7 @@ class TablePublisher:
         slots[:] = shard._slots
         emb[:] = shard._emb
         shard._slots, shard._emb = slots, emb  # the shard's kernels now write the shared arrays
-        shard.version += 1  # array caches (ps.group) must rebuild
+        shard.version += 1  # array caches (ps.server) must rebuild
         self._published[(table, i)] = (path, mm, slots, emb)
         entry[1], entry[2], entry[3] = self._gen, nslots, cap
         if cur is not None:

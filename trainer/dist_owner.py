@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from ps import PackedBatch, ParameterServer
 
-from .dist_wire import RowMap, starts
+from .dist_routing import RowMap, starts
 
 log = logging.getLogger(__name__)
 

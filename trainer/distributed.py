@@ -7,7 +7,7 @@ the dense head. Every rank reads its own batches. Only ``torch.distributed`` col
 
 **One step** (mode ``sync``), on every rank, in this order:
 
-1. *plan* (:mod:`trainer.dist_wire`): the batch's ids (salted and packed as
+1. *plan* (:mod:`trainer.dist_routing`): the batch's ids (salted and packed as
    :class:`trainer.model.SparseModel` packs them) are deduplicated per ``(table, id)`` and sorted
    by ``(owner, table, id)``: that order is the wire order, so no per-id table tag is sent.
 2. *header* (``all_to_all_single``, equal splits): to each owner, ``int64 [T + 3]``: how many
@@ -55,7 +55,7 @@ learns their rows as well and step 8 does not run (nothing is left for it).
 The result equals the 1-process sequential step on the concatenated batch (same test as above).
 In ``hybrid`` the first-order pass stays synchronous (fresh); only the embeddings are stale.
 
-**Wire**: bytes per example and per step in :mod:`trainer.dist_wire`.
+**Wire**: bytes per example and per step in :mod:`trainer.dist_routing`.
 
 **Mode** ``hybrid`` (PERSIA): steps 2-5 of batch ``t+1`` (the lookup) run in a background thread,
 on a second process group, while batch ``t`` does its forward, backward and updates, and step 8
@@ -101,7 +101,7 @@ from .batch import SparseBatch
 from .config import ModelConfig
 from . import dist_sequential as seq
 from .dist_owner import Owner
-from .dist_wire import Lookup, packed_rows, plan
+from .dist_routing import Lookup, packed_rows, plan
 from .model import NonFiniteStepError, SparseModel
 from .sharding import owners, whole_tables
 

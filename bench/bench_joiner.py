@@ -35,7 +35,7 @@ from joiner.core import JoinCore  # noqa: E402
 from joiner.stores.rocksdb import RocksDBStore  # noqa: E402
 from tests.joiner.synth import ml_events  # noqa: E402
 from joiner.tiered import TieredState  # noqa: E402
-from joiner.types import JoinConfig  # noqa: E402
+from joiner.config import JoinConfig  # noqa: E402
 from proto import Action, Candidate, FeatureLog, Features, SparseSlot  # noqa: E402
 from driftline.embedded import tansu_command, wait_for_port  # noqa: E402
 from services.ports import free_port

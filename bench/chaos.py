@@ -53,7 +53,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition  # noqa: E402
 from chaos_postmortem import missing_detail, offsets_with_two_records, replay_join  # noqa: E402
 from joiner.dumper import read_examples  # noqa: E402
 from tests.joiner.reference import offline_join  # noqa: E402
-from joiner.types import JoinConfig  # noqa: E402
+from joiner.config import JoinConfig  # noqa: E402
 from proto import Action, FeatureLog, ModelVersion  # noqa: E402
 from services import broker_reset, example_batch  # noqa: E402
 from services.aiokafka_quirks import stop_consumer  # noqa: E402

@@ -20,7 +20,7 @@ from typing import Any
 from joiner.core import JoinCore
 from joiner.stores.memory import MemoryStore
 from joiner.tiered import TieredState
-from joiner.types import JoinConfig
+from joiner.config import JoinConfig
 from proto import Action, FeatureLog
 
 

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 from joiner import batches, sampling
 from joiner.tiered import TieredState
-from joiner.types import JoinConfig
+from joiner.config import JoinConfig
 from joiner.watermark import NO_WATERMARK, Watermark
 from proto import Action, FeatureLog
 

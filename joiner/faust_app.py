@@ -183,7 +183,7 @@ class JoinerApp:
         marker.write_text(epoch)
 
     def worker_labels(self) -> list[str]:
-        from joiner.types import JoinConfig
+        from joiner.config import JoinConfig
 
         return JoinConfig.from_settings(self.settings.joiner).labels
 

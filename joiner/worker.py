@@ -39,7 +39,7 @@ from joiner.faust_store import MARKER, JoinStore, PartitionKV
 from joiner.kafka_io import BatchedSender, InputConsumer
 from joiner.offsets import OffsetBook
 from joiner.tiered import TieredState
-from joiner.types import JoinConfig
+from joiner.config import JoinConfig
 from services import metrics
 from services.codecs import MalformedMessage, processing_failed
 from services.settings import Settings

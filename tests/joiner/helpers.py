@@ -8,7 +8,7 @@ import time
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from joiner import batches
-from joiner.types import JoinConfig
+from joiner.config import JoinConfig
 from proto import Example
 from services import example_batch, tansu_quirks
 from services.kafka import producer, start_client

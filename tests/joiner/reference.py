@@ -13,7 +13,7 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from joiner import sampling
 from joiner.core import JOIN, JoinCore
-from joiner.types import JoinConfig
+from joiner.config import JoinConfig
 from joiner.watermark import Watermark
 from proto import Action, FeatureLog
 

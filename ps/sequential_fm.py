@@ -115,12 +115,14 @@ def sequential_fm_kernel(ids, seg_off, seg_table, n_emb, bags, seg_mean, labels,
     utab = np.empty(nu, np.int64)
     for u in range(nu):
         sh, r = ush[u], urow[u]
-        udim[u] = emb_list[sh].shape[1]
-        uwidth[u] = state_list[sh].shape[1]
+        emb = emb_list[sh]  # one typed-list read per row: such a read costs more than a weight's copy
+        state = state_list[sh]
+        udim[u] = emb.shape[1]
+        uwidth[u] = state.shape[1]
         for j in range(udim[u]):
-            W[u, j] = emb_list[sh][r, j]
+            W[u, j] = emb[r, j]
         for j in range(uwidth[u]):
-            ST[u, j] = state_list[sh][r, j]
+            ST[u, j] = state[r, j]
         utab[u] = tab_of_shard[sh]
     stepped = np.zeros(nu, np.bool_)
     order = np.empty(nu, np.int64)
@@ -208,22 +210,29 @@ def sequential_fm_kernel(ids, seg_off, seg_table, n_emb, bags, seg_mean, labels,
                 n_order += 1
             kind = tab_kind[utab[u]]
             hyper = tab_hyper[utab[u]]
-            for j in range(udim[u]):
-                gj = c if q < k else c * vg[q - k, j]
-                sa = np.float64(ST[u, j]) if uwidth[u] > 0 else 0.0
-                nw, sa, _ = step_elem(kind, hyper, np.float64(W[u, j]), sa, 0.0,
-                                      np.float64(np.float32(gj)), 1.0, 1.0)
-                W[u, j] = nw
-                if uwidth[u] > 0:
+            if kind == OPT_ADAGRAD:  # the kind a constant: the compiler drops step_elem's other branches
+                for j in range(udim[u]):
+                    gj = c if q < k else c * vg[q - k, j]
+                    nw, sa, _ = step_elem(OPT_ADAGRAD, hyper, np.float64(W[u, j]), np.float64(ST[u, j]), 0.0,
+                                          np.float64(np.float32(gj)), 1.0, 1.0)
+                    W[u, j] = nw
                     ST[u, j] = sa
+            else:
+                for j in range(udim[u]):
+                    gj = c if q < k else c * vg[q - k, j]
+                    nw, _, _ = step_elem(kind, hyper, np.float64(W[u, j]), 0.0, 0.0,
+                                         np.float64(np.float32(gj)), 1.0, 1.0)
+                    W[u, j] = nw
     # apply_updates' bookkeeping, once per row, in the order the rows were first stepped
     for q in range(n_order):
         u = order[q]
         sh, r = ush[u], urow[u]
+        emb = emb_list[sh]
+        state = state_list[sh]
         for j in range(udim[u]):
-            emb_list[sh][r, j] = W[u, j]
+            emb[r, j] = W[u, j]
         for j in range(uwidth[u]):
-            state_list[sh][r, j] = ST[u, j]
+            state[r, j] = ST[u, j]
         times = times_list[sh]
         if t > times[r]:
             times[r] = t

@@ -100,7 +100,7 @@ mlp = [64, 32]
 label = "click"
 sequential = true
 sequential_embeddings = true
-linear_optimizer = { kind = "adagrad", lr = 0.3 }
+linear_optimizer = { kind = "adagrad", lr = 0.2 }
 # fields = ["device", "item_id", "position", "category"]
 # dense = ["price"]
 

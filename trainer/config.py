@@ -41,7 +41,7 @@ from ps import AdagradConfig, InitializerConfig, TableConfig
 #: the served model's sparse Adagrad rates (``driftline eval tune`` chose them on ml-1m's tuning
 #: stream; docs/results.md section 4): embeddings, and first-order weights (a larger step: each is
 #: one number, and ``sequential`` steps it example by example). A project's tables default to them.
-SPARSE_LR, LINEAR_LR = 0.05, 0.3
+SPARSE_LR, LINEAR_LR = 0.05, 0.2
 
 MOVIELENS_SLOTS = ("user_id", "gender", "age", "occupation", "zip", "item_id", "genres", "year")
 #: the real-time slot serving adds to its FeatureLogs after a user's first click: the user's last

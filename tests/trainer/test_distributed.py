@@ -167,14 +167,15 @@ def test_sync_two_ranks_equal_one_process_on_the_global_batch(sequential):
     assert sum(len(items[0]) for items in ref2["tables"].values()) < sum(len(i[0]) for i in ref["tables"].values())
 
 
-def test_hybrid_finishes_and_keeps_replicas_equal():
-    res = [r[0] for r in run_local(_worker, 2, "hybrid", timeout_s=60)]
+@pytest.mark.parametrize("sequential", ["", "all"], ids=["plain", "sequential_embeddings"])
+def test_hybrid_finishes_and_keeps_replicas_equal(sequential):
+    res = [r[0] for r in run_local(_worker, 2, "hybrid", sequential, timeout_s=60)]
     a, b = res
     assert [len(p) for p in a["probs"]] == [12, 12, 0, 6]
     assert all(np.isfinite(a["losses"])) and a["losses"] == b["losses"]
     for k in a["head"]:
         assert (a["head"][k] == b["head"][k]).all(), k     # same all-reduced gradients
-    ref_losses, ref = _reference()
+    ref_losses, ref = _reference(sequential=sequential)
     assert a["losses"][0] == pytest.approx(ref_losses[0], rel=1e-5)  # nothing stale at step 0
     for name, items in ref["tables"].items():              # admission does not depend on timing
         assert _merged(res, name)[0].tolist() == items[0].tolist(), name

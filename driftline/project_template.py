@@ -96,11 +96,11 @@ admission = { min_count = 1, probability = 1.0 }
 [model]
 kind = "deepfm"
 dim = 8
-mlp = [64, 32]
+mlp = [32, 16]
 label = "click"
 sequential = true
 sequential_embeddings = true
-linear_optimizer = { kind = "adagrad", lr = 0.2 }
+linear_optimizer = { kind = "adagrad", lr = 0.3 }
 # fields = ["device", "item_id", "position", "category"]
 # dense = ["price"]
 

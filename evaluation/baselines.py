@@ -160,10 +160,12 @@ def run_counts(s: EvalSettings, seed: int = 0) -> dict:
             "count_prior": s.count_prior}
 
 
-def run_driftline(s: EvalSettings, seed: int, kind: str, batch_size: int | None = None, lr: float | None = None) -> dict:
+def run_driftline(s: EvalSettings, seed: int, kind: str, batch_size: int | None = None, lr: float | None = None,
+                  size: tuple | None = None) -> dict:
+    """One progressive pass; ``size``: the served model's ``(dim, MLP)`` instead of its own."""
     d, rows = _stream(s)
     cfg = (deepfm_model_config(s, seed) if kind == "deepfm"
-           else served_model_config(s, seed) if kind == "served"
+           else served_model_config(s, seed, size=size) if kind == "served"
            else init_model_config(seed) if kind == "init"
            else lr_model_config(s, lr, sequential=kind == "lr_sequential"))
     model = SparseModel(cfg)

@@ -63,12 +63,14 @@ def model_config(s: EvalSettings, seed: int, model_id: str = "eval") -> ModelCon
                          recent_items=False, sequential=False, linear_lr=s.sparse_lr)
 
 
-def served_model_config(s: EvalSettings, seed: int, model_id: str = "served") -> ModelConfig:
+def served_model_config(s: EvalSettings, seed: int, model_id: str = "served", size: tuple | None = None) -> ModelConfig:
     """The model ``make up`` serves (:func:`trainer.config.deepfm_config`'s defaults: sequential
-    first-order weights and embeddings) with ``seed``, on the 8 MovieLens slots and the stream's (tuned) learning
-    rates ``base_sparse_lr`` (embeddings) and ``base_linear_lr`` (first-order weights)."""
-    return deepfm_config(model_id=model_id, dim=s.dim, mlp=list(s.mlp), lr=s.base_sparse_lr, seed=seed,
-                         recent_items=False, linear_lr=s.base_linear_lr)
+    first-order weights and embeddings, its dim and MLP) with ``seed``, on the 8 MovieLens slots and the stream's (tuned) learning
+    rates ``base_sparse_lr`` (embeddings) and ``base_linear_lr`` (first-order weights); ``size``: another
+    ``(dim, MLP)`` (``driftline eval tune`` compares them)."""
+    shape = {} if size is None else {"dim": size[0], "mlp": list(size[1])}
+    return deepfm_config(model_id=model_id, lr=s.base_sparse_lr, seed=seed, recent_items=False,
+                         linear_lr=s.base_linear_lr, **shape)
 
 
 def served_batch() -> int:

@@ -217,6 +217,12 @@ def _md_tuning(tn: dict, settings: dict) -> list[str]:
         sb = b.get("served_batch")
         if sb and sb.get("chosen"):
             L += ["", f"The served model's batch: {sb['rule']}: {sb['chosen']} (the trainer's default: {sb['used']})."]
+        sz = b.get("served_size")
+        if sz and sz.get("candidates"):
+            L += ["", f"The served model's size: {sz['rule']} ({_rate(sz['plain_ex_per_s'])} examples/s): "
+                      f"dim {sz['chosen'][0]}, MLP {sz['chosen'][1]} (the served model's: dim {sz['used'][0]}, "
+                      f"MLP {sz['used'][1]}).", "", "| dim | MLP | AUC | examples/s |", "|---|---|---|---|"]
+            L += [f"| {c['size'][0]} | {c['size'][1]} | {_f(c['auc'])} | {_rate(c['ex_per_s'])} |" for c in sz["candidates"]]
         L += ["", f"Used in section 4: River SGD lr {settings.get('river_lr')}, driftline LR Adagrad lr "
               f"{settings.get('base_lr_lr')} at batch {settings.get('base_lr_batch')}, sequential LR Adagrad lr "
               f"{settings.get('base_lr_seq_lr')} at batch {settings.get('base_lr_seq_batch')}, curve "

@@ -12,7 +12,10 @@
   driftline LR's Adagrad lr per mini-batch size (and the sequential LR's at its batch), and
   driftline DeepFM's sparse lr per batch size, the served model's (embedding lr, first-order lr)
   pair at its batch, and the counting baseline's smoothing prior;
-  per (model, batch) the lr (pair, prior) with the best AUC is chosen.
+  per (model, batch) the lr (pair, prior) with the best AUC is chosen. The served model's size
+  (embedding dim, MLP) is the best AUC among :data:`SERVED_SIZES` whose examples/s pass the
+  plain DeepFM's at batch 1024 by :data:`SPEED_MARGIN` (so it learns better than both of the
+  baselines' ends at once).
 
 ``driftline eval tune`` writes the ``tuning`` section; the ``full()`` settings hold the choices it
 made (the report says if they ever differ).
@@ -45,6 +48,12 @@ DEEPFM_LRS = (0.02, 0.05, 0.1, 0.2)
 SERVED_LRS = tuple((e, w) for e in (0.02, 0.05, 0.1) for w in (0.1, 0.2, 0.3, 0.5))
 #: the served model's batch sizes (the live trainer's default among them: it is chosen here)
 SERVED_BATCHES = (1024, 2048, 4096)
+#: the served model's (embedding dim, MLP), at its lrs and batch 1024: the most accurate of those
+#: at least SPEED_MARGIN times as fast as the plain DeepFM at batch 1024 is chosen
+#: (trainer.config.SERVED_DIM, SERVED_MLP). The margin: examples/s on these shared 2-core machines
+#: move by ~10% from run to run, and the choice must hold in the next one.
+SERVED_SIZES = ((16, (128, 64)), (16, (64, 32)), (8, (128, 64)), (8, (64, 32)), (8, (32, 16)), (4, (64, 32)))
+SIZE_BATCH, SPEED_MARGIN = 1024, 1.1
 #: the counting baseline's smoothing prior (in examples)
 COUNT_PRIORS = (1.0, 3.0, 10.0, 30.0, 100.0)
 
@@ -80,6 +89,8 @@ def _base_candidate(s: EvalSettings, what: str, batch: int, lr: float) -> dict:
     elif what == "driftline_served":
         r = baselines.run_driftline(t.model_copy(update=dict(base_sparse_lr=lr[0], base_linear_lr=lr[1])), 0,
                                     "served", batch)
+    elif what == "driftline_served_size":
+        r = baselines.run_driftline(t, 0, "served", batch, size=lr)
     elif what == "counts":
         r = baselines.run_counts(t.model_copy(update=dict(count_prior=lr)))
     else:
@@ -104,6 +115,8 @@ def run(s: EvalSettings) -> dict:
     btasks += [(s, "driftline_online", b, lr) for b in df_b for lr in df_l]
     btasks += [(s, "driftline_served", b, lr) for b in SERVED_BATCHES
                for lr in (SERVED_LRS if s.name == "full" else ((0.05, 0.3),))]
+    btasks += [(s, "driftline_served_size", SIZE_BATCH, size)
+               for size in (SERVED_SIZES if s.name == "full" else (SERVED_SIZES[-2],))]
     btasks += [(s, "counts", 1, p) for p in (COUNT_PRIORS if s.name == "full" else (10.0,))]
     coll = pmap(_coll_candidate, tasks, s.workers, "tune collisions")
     base = pmap(_base_candidate, btasks, s.workers, "tune baselines")
@@ -122,7 +135,7 @@ def run(s: EvalSettings) -> dict:
                       "criterion": "progressive-validation AUC on the tuning stream, per (model, batch size)",
                       "candidates": base, "chosen": {}},
     }
-    for m in ("river", "driftline_lr", "driftline_lr_sequential", "driftline_online", "driftline_served", "counts"):
+    for m in ("river", "driftline_lr", "driftline_lr_sequential", "driftline_online", "driftline_served", "counts"):  # sizes: below
         for b in sorted({r["batch_size"] for r in base if r["model"] == m}):
             out["baselines"]["chosen"][f"{m}@{b}"] = _best([r for r in base if r["model"] == m and r["batch_size"] == b], "auc")
     # driftline LR's batch for the model-matched comparison: the largest (fastest) whose tuned AUC reaches River's
@@ -144,10 +157,29 @@ def run(s: EvalSettings) -> dict:
             "counts@1": s.count_prior,
             **{f"driftline_lr@{b}": lr for b, lr in s.base_lr_curve}}
     out["baselines"]["settings_used"] = used
+    out["baselines"]["served_size"] = _served_size(base, chosen.get("driftline_online@1024"))
     out["baselines"]["settings_match_choice"] = (all(ch.get(k) == v for k, v in used.items() if k in ch)
                                                  and out["baselines"]["lr_batch"]["chosen"] == s.base_lr_batch
-                                                 and out["baselines"]["served_batch"]["chosen"] in (None, served_batch()))
+                                                 and out["baselines"]["served_batch"]["chosen"] in (None, served_batch())
+                                                 and out["baselines"]["served_size"]["chosen"]
+                                                 == out["baselines"]["served_size"]["used"])
     return out
+
+
+def _served_size(base: list[dict], plain: dict | None) -> dict:
+    """The served model's (dim, MLP): the best AUC among the sizes :data:`SPEED_MARGIN` times as fast as ``plain``
+    (the plain DeepFM at batch 1024, tuned lr; the same pool of runs), else the fastest."""
+    from trainer.config import SERVED_DIM, SERVED_MLP
+
+    sizes = [r for r in base if r["model"] == "driftline_served_size"]
+    bar = plain["ex_per_s"] if plain else 0.0
+    fast = [r for r in sizes if r["ex_per_s"] >= SPEED_MARGIN * bar]
+    pick = _best(fast, "auc") if fast else max(sizes, key=lambda r: r["ex_per_s"]) if sizes else None
+    size = (lambda z: [int(z[0]), [int(x) for x in z[1]]])
+    return {"rule": f"the best AUC among the served model's sizes (dim, MLP) at batch {SIZE_BATCH} at least "
+                    f"{SPEED_MARGIN}x as fast as the plain DeepFM at batch 1024", "plain_ex_per_s": bar,
+            "candidates": [{"size": size(r["lr"]), "auc": r["auc"], "ex_per_s": r["ex_per_s"]} for r in sizes],
+            "chosen": size(pick["lr"]) if pick else None, "used": size((SERVED_DIM, SERVED_MLP))}
 
 
 def _same(a: dict, b: dict) -> bool:

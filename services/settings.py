@@ -337,9 +337,9 @@ class TrainerSettings(BaseModel):
 
     model: str = "deepfm"
     group_id: str = "driftline-trainer"
-    # the served model (sequential first-order weights and embeddings) tuned best at 1024
-    # examples a step, within 0.0004 AUC of 2048 and 4096: docs/results.md, "How settings were chosen"
-    batch_size: int = 1024
+    # the served model (sequential first-order weights and embeddings) tuned best at 2048
+    # examples a step, within 0.0003 AUC of 1024 and 4096: docs/results.md, "How settings were chosen"
+    batch_size: int = 2048
     batch_timeout_s: float = 0.2
     sync_interval_s: float = 10.0
     dense_sync_interval_s: float = 3600.0
@@ -564,7 +564,7 @@ class EvalSettings(BaseModel):
     #: the served model's first-order Adagrad lr (trainer.config.deepfm_config's defaults: DeepFM
     #: with sequential first-order weights and embeddings, at the live trainer.batch_size; tuned;
     #: its embeddings take base_sparse_lr)
-    base_linear_lr: float = 0.2
+    base_linear_lr: float = 0.3
     #: the counting baseline's smoothing: a user's (item's) click rate is (clicks + m * global rate)
     #: / (examples + m), m = count_prior (tuned); the online trainer's live baseline takes it too
     count_prior: float = 10.0

@@ -18,9 +18,9 @@ Users and items act in bursts: in a batch of 1024 a user's later examples would 
 scored before the model has learned anything from the earlier ones (``docs/results.md``,
 section 4, measures what that costs and what this gains).
 
-What else was measured for the served DeepFM (progressive AUC, seed 0, batch 2048; ml-1m's tuning
-stream / the whole ml-100k; first-order sequential alone: 0.7854 / 0.7633, with
-``sequential_embeddings``: 0.7883 / 0.7678) and why it is not here:
+What else was measured for the served DeepFM (then dim 16, MLP 128-64; progressive AUC, seed 0,
+batch 2048; ml-1m's tuning stream / the whole ml-100k; first-order sequential alone: 0.7854 /
+0.7633, with ``sequential_embeddings``: 0.7883 / 0.7678) and why it is not here:
 
 * the embeddings' FM gradient per example but their MLP gradient once per batch (two Adagrad
   steps per row and batch): 0.7879 / 0.7671, below the single per-example step;

@@ -65,7 +65,7 @@ def _edit(template: str) -> str:
     head, rest = template.split("\n[[features]]\n", 1)
     tables = rest[rest.index("# ---"):]
     text = head + "\n" + FEATURES + tables
-    for old, new in (('name = "my-model"', 'name = "shop"'), ("dim = 8", "dim = 4"), ("mlp = [64, 32]", "mlp = [8]"),
+    for old, new in (('name = "my-model"', 'name = "shop"'), ("dim = 8", "dim = 4"), ("mlp = [32, 16]", "mlp = [8]"),
                      ("window_seconds = 900", "window_seconds = 4"), ("idle_advance_seconds = 30", "idle_advance_seconds = 2"),
                      ("sparse_interval_s = 10", "sparse_interval_s = 1"), ("dense_interval_s = 60", "dense_interval_s = 2"),
                      ("negative_rate = 0.25", "negative_rate = 1.0"), ('item_key = "item_id"', 'item_key = "sku"')):

@@ -192,6 +192,14 @@ def apply_updates(kind, hyper, emb, state, urows, ugrads, k, utimes, times, flag
 
 
 @njit
+def adagrad_elem(lr, eps, w, a, g):
+    """:func:`step_elem`'s Adagrad step, ``(w, accumulator)``: a loop over a row's weights that
+    reads ``lr`` and ``eps`` once, outside it, compiles to vector instructions."""
+    acc = np.float32(a + g * g)
+    return np.float64(np.float32(w - lr * g / (math.sqrt(np.float64(acc)) + eps))), np.float64(acc)
+
+
+@njit
 def step_elem(kind, hyper, w, a, b, g, bc1, bc2):
     """One optimizer step of one weight: ``(w, a, b)`` after gradient ``g``, all float64.
 
@@ -205,8 +213,8 @@ def step_elem(kind, hyper, w, a, b, g, bc1, bc2):
     if kind == OPT_SGD:
         return np.float64(np.float32(w - lr * g)), a, b
     if kind == OPT_ADAGRAD:
-        acc = np.float32(a + g * g)
-        return np.float64(np.float32(w - lr * g / (math.sqrt(np.float64(acc)) + hyper[2]))), np.float64(acc), b
+        w, a = adagrad_elem(lr, hyper[2], w, a, g)
+        return w, a, b
     if kind == OPT_ADAM:
         b1, b2, eps = hyper[1], hyper[2], hyper[3]
         m = np.float32(b1 * a + (1.0 - b1) * g)

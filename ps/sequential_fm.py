@@ -47,7 +47,7 @@ import numpy as np
 from ._jit import njit
 from .errors import InvalidInputError, ReadOnlyTableError
 from .server import PackedBatch, ParameterServer
-from .optimizers import OPT_ADAGRAD, OPT_NONE, OPT_SGD, step_elem
+from .optimizers import OPT_ADAGRAD, OPT_NONE, OPT_SGD, adagrad_elem, step_elem
 from .rowmarks import M_NDIRTY, M_WATERMARK, marked, reserve_dirty
 from .sequential import _batch_rows, _resolve_rows
 
@@ -198,30 +198,33 @@ def sequential_fm_kernel(ids, seg_off, seg_table, n_emb, bags, seg_mean, labels,
                         vg[m, j] = 0.0
                     m += 1
                 for j in range(D):
-                    vg[q, j] += wgt * (S[j] - x[f, j] + jac[e, f, j])
+                    vg[q, j] += wgt * (S[j] - x[f, j] + np.float64(jac[e, f, j]))
         for q in range(k + m):
-            if q < k:
-                u, c = lu[q], g * lwgt[q]
-            else:
-                u, c = vu[q - k], g
+            u = lu[q] if q < k else vu[q - k]
             if not stepped[u]:
                 stepped[u] = True
                 order[n_order] = u
                 n_order += 1
             kind = tab_kind[utab[u]]
             hyper = tab_hyper[utab[u]]
-            if kind == OPT_ADAGRAD:  # the kind a constant: the compiler drops step_elem's other branches
-                for j in range(udim[u]):
-                    gj = c if q < k else c * vg[q - k, j]
-                    nw, sa, _ = step_elem(OPT_ADAGRAD, hyper, np.float64(W[u, j]), np.float64(ST[u, j]), 0.0,
-                                          np.float64(np.float32(gj)), 1.0, 1.0)
+            if q < k:  # a first-order row: one weight
+                nw, sa, _ = step_elem(kind, hyper, np.float64(W[u, 0]), np.float64(ST[u, 0]), 0.0,
+                                      np.float64(np.float32(g * lwgt[q])), 1.0, 1.0)
+                W[u, 0] = nw
+                ST[u, 0] = sa
+                continue
+            qk = q - k
+            if kind == OPT_ADAGRAD:
+                lr, eps = hyper[0], hyper[2]  # read before the loop: it then compiles to vector instructions
+                for j in range(D):
+                    nw, sa = adagrad_elem(lr, eps, np.float64(W[u, j]), np.float64(ST[u, j]),
+                                          np.float64(np.float32(g * vg[qk, j])))
                     W[u, j] = nw
                     ST[u, j] = sa
             else:
-                for j in range(udim[u]):
-                    gj = c if q < k else c * vg[q - k, j]
+                for j in range(D):
                     nw, _, _ = step_elem(kind, hyper, np.float64(W[u, j]), 0.0, 0.0,
-                                         np.float64(np.float32(gj)), 1.0, 1.0)
+                                         np.float64(np.float32(g * vg[qk, j])), 1.0, 1.0)
                     W[u, j] = nw
     # apply_updates' bookkeeping, once per row, in the order the rows were first stepped
     for q in range(n_order):
@@ -255,7 +258,7 @@ def train_fm_sequential(server: ParameterServer, pb: PackedBatch, n_emb: int, ba
     ``pb``'s first ``n_emb`` segments are the embedding fields (tables of one dim), the rest the
     first-order fields (dim 1); ``bags`` int64 ``[n_segments, B + 1]`` are each segment's
     per-example offsets, ``mean`` which segments mean-pool; ``offset`` float64 ``[B]`` each
-    example's fixed logit; ``jac`` float64 ``[B, n_emb, dim]`` the MLP's input gradient per example.
+    example's fixed logit; ``jac`` float32 ``[B, n_emb, dim]`` the MLP's input gradient per example (as torch computes it).
     Ids are inserted (through admission) once by a packed gather first, unless ``insert=False``
     (the caller's gather of these ids already did). Every table read must be SGD or Adagrad.
     """
@@ -268,7 +271,7 @@ def train_fm_sequential(server: ParameterServer, pb: PackedBatch, n_emb: int, ba
     bags = np.ascontiguousarray(bags, np.int64).reshape(n_seg, n_ex + 1)
     if ((bags[:, -1] != np.diff(pb.offsets)) | (bags[:, 0] != 0)).any() or (np.diff(bags, axis=1) < 0).any():
         raise InvalidInputError("bags must be per-segment offsets covering each segment's ids")
-    jac = np.ascontiguousarray(jac, np.float64)
+    jac = np.ascontiguousarray(jac, np.float32)
     if jac.shape != (n_ex, n_emb, int(dims[0])):
         raise InvalidInputError(f"jac must be [B, n_emb, dim] = {(n_ex, n_emb, int(dims[0]))}, got {jac.shape}")
     present = np.zeros(len(server.table_names), np.bool_)

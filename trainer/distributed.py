@@ -306,10 +306,10 @@ class DistributedModel:
         fwd = None
         if error is None:
             try:
-                jac = None
+                jac, slopes = None, None
                 if self._seq_emb:
-                    logits, jac = m.mlp_part(lk.batch, lk.pb, lk.buf)
-                    leaves: list = []
+                    slopes = m.mlp_part(lk.batch, lk.pb, lk.buf)
+                    logits, jac, leaves = slopes.logits, slopes.jac, []
                 else:
                     logits, leaves = self._deep_forward(lk)
                 deep = logits.detach().double().numpy()
@@ -320,7 +320,7 @@ class DistributedModel:
                 labels = lk.batch.labels if lk.batch.labels is not None else np.zeros(B, np.float32)
                 msg = seq.encode(False, lens, np.concatenate([p.ids for p in pbs]), deep,
                                  labels.astype(np.float64), jac)
-                fwd = (logits, leaves)
+                fwd = (slopes if slopes is not None else logits, leaves)
             except Exception as err:  # noqa: BLE001 - this rank's part fails; it still takes part
                 error = err
         if fwd is None:
@@ -351,9 +351,9 @@ class DistributedModel:
             error = RuntimeError("rank 0's first-order pass failed (see its log); nothing applied elsewhere")
         if error is not None or status != seq.OK:
             return 0.0, np.zeros(0, np.float32), None, error
-        logits, leaves = fwd
+        deep_part, leaves = fwd  # a HeadSlopes or the logits' graph: either steps back from the seed
         try:
-            logits.backward(torch.from_numpy((resid / max(lk.global_size, 1)).astype(np.float32)))
+            deep_part.backward(torch.from_numpy((resid / max(lk.global_size, 1)).astype(np.float32)))
             if leaves:
                 w = leaves[0][1]
                 g = w.grad.numpy().reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32)

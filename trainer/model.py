@@ -76,6 +76,58 @@ class DenseHead(nn.Module):
             out = out + self.mlp(x).squeeze(1)
         return out
 
+    def slopes(self, emb: torch.Tensor, dense: torch.Tensor | None) -> HeadSlopes:
+        """A DeepFM head without its FM term, for :mod:`ps.sequential_fm`: the logits, each example's
+        d logit / d field input, and :meth:`HeadSlopes.backward` for the head's gradients."""
+        b, nf, d = emb.shape
+        x = emb.flatten(1) if dense is None else torch.cat([emb.flatten(1), dense], 1)
+        x = x.detach().requires_grad_(True)
+        linears = [m for m in self.mlp if isinstance(m, nn.Linear)]  # Linear, ReLU, ..., Linear
+        inputs, pre = [x], []
+        for lin in linears[:-1]:
+            pre.append(F.linear(inputs[-1], lin.weight.detach(), lin.bias.detach()))
+            inputs.append(torch.relu(pre[-1]))
+        out = F.linear(inputs[-1], linears[-1].weight.detach(), linears[-1].bias.detach()).squeeze(1)
+        # logit e depends on x[e] alone: the gradient of the sum is every example's own slope
+        jac, *deltas = torch.autograd.grad(out.sum(), [x, *pre])
+        with torch.no_grad():
+            logits = out + self.bias
+            if dense is not None and self.dense_linear is not None:
+                logits = logits + self.dense_linear(dense).squeeze(1)
+        return HeadSlopes(self, logits, jac[:, :nf * d].reshape(b, nf, d).numpy(), dense,
+                          [a.detach() for a in inputs], deltas)
+
+
+@dataclasses.dataclass
+class HeadSlopes:
+    """What :meth:`DenseHead.slopes` computed: ``logits`` ``[B]`` (no graph), ``jac`` float32
+    ``[B, F, D]``, and per MLP layer its input and its pre-activation gradient at seed 1.
+
+    The backward pass is linear in its seed, so the one that gave ``jac`` gives every weight's
+    gradient for any seed too: a layer's is ``(seed * delta)^T @ input``. The MLP is not run
+    backward a second time once the residuals are known."""
+
+    head: DenseHead
+    logits: torch.Tensor
+    jac: np.ndarray
+    dense: torch.Tensor | None
+    inputs: list[torch.Tensor]
+    deltas: list[torch.Tensor]
+
+    def backward(self, seed: torch.Tensor) -> None:
+        """Set every head parameter's ``.grad`` to d sum(seed * logits) / d parameter."""
+        head, r = self.head, seed.reshape(-1, 1)
+        linears = [m for m in head.mlp if isinstance(m, nn.Linear)]
+        for lin, a, delta in zip(linears[:-1], self.inputs[:-1], self.deltas):
+            rd = delta * r
+            lin.weight.grad = rd.t() @ a
+            lin.bias.grad = rd.sum(0)
+        linears[-1].weight.grad = r.t() @ self.inputs[-1]
+        linears[-1].bias.grad = r.sum(0)
+        head.bias.grad = r.sum(0)
+        if self.dense is not None and head.dense_linear is not None:
+            head.dense_linear.weight.grad = r.t() @ self.dense
+
 
 def _batch(*xs):
     for x in xs:
@@ -258,23 +310,20 @@ class SparseModel:
         self.timings["forward"] += time.perf_counter() - t1
         return logits, leaves
 
-    def mlp_part(self, batch: SparseBatch, pe: PackedBatch, buf: np.ndarray):
-        """For :mod:`ps.sequential_fm`: ``(logits, jac)`` from the embedding block's looked-up rows
-        (``pe``, ``buf`` as :meth:`forward_packed` takes them): the logits leave out the FM and
-        first-order terms and reach the head's parameters only; ``jac`` float64 ``[B, F, dim]`` is
-        d logit / d field input per example."""
+    def mlp_part(self, batch: SparseBatch, pe: PackedBatch, buf: np.ndarray) -> HeadSlopes:
+        """For :mod:`ps.sequential_fm`: :meth:`DenseHead.slopes` from the embedding block's looked-up
+        rows (``pe``, ``buf`` as :meth:`forward_packed` takes them): the logits leave out the FM and
+        first-order terms."""
         t0 = time.perf_counter()
         blk, n_ex = self._emb_block, batch.size
         nf = len(blk.slots)
         n = int(pe.offsets[nf] - pe.offsets[0])
         w = torch.from_numpy(buf[:n * blk.dim].reshape(n, blk.dim))
         x = pool(w, *_bags_for({}, batch, blk, n), nf * n_ex).view(nf, n_ex, blk.dim).transpose(0, 1)
-        x = x.detach().requires_grad_(True)
         dense = torch.from_numpy(batch.dense) if batch.dense is not None and self.cfg.dense_features else None
-        logits = self.head(x, None, dense, fm=False)
-        (jac,) = torch.autograd.grad(logits.sum(), x, retain_graph=True)  # logit e depends on x[e] alone
+        slopes = self.head.slopes(x, dense)
         self.timings["forward"] += time.perf_counter() - t0
-        return logits, jac.double().numpy()
+        return slopes
 
     @torch.no_grad()
     def predict(self, batch: SparseBatch) -> np.ndarray:

@@ -116,19 +116,18 @@ def _embeddings_sequential_step(model, batch: SparseBatch) -> tuple[float, np.nd
     full = model.pack(batch)
     buf = model.ps.gather_packed(full, insert=True, event_time=t)
     k = len(eb.keys)
-    logits, jac = model.mlp_part(batch, full.segments(0, k), buf)
-    fixed = logits.detach().double()
+    slopes = model.mlp_part(batch, full.segments(0, k), buf)
+    fixed = slopes.logits.double()
     # the kernel writes rows as it goes: nothing may enter it that is not finite
-    if not (bool(torch.isfinite(fixed).all()) and np.isfinite(jac).all()):
+    if not (bool(torch.isfinite(fixed).all()) and np.isfinite(slopes.jac).all()):
         raise NonFiniteStepError("the step's dense logits or MLP slopes are not finite; nothing applied")
     bags = np.stack([batch.offsets[s] for s in eb.slots + lb.slots])
     mean = np.array([m == "mean" for m in eb.modes + lb.modes], np.bool_)
     t1 = time.perf_counter()
-    probs, loss, resid = train_fm_sequential(model.ps, full, k, bags, mean, batch.labels, fixed.numpy(), jac, t,
-                                             insert=False)
+    probs, loss, resid = train_fm_sequential(model.ps, full, k, bags, mean, batch.labels, fixed.numpy(), slopes.jac,
+                                             t, insert=False)
     t2 = time.perf_counter()
-    model.optimizer.zero_grad(set_to_none=True)
-    logits.backward(torch.from_numpy((resid / max(n, 1)).astype(np.float32)))
+    slopes.backward(torch.from_numpy((resid / max(n, 1)).astype(np.float32)))
     if not finite_grads(model.head) or not math.isfinite(loss):
         raise NonFiniteStepError(f"the step's loss ({loss}) or dense gradients are not finite; "
                                  "the sparse rows were stepped, nothing else applied")

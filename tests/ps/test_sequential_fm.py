@@ -100,7 +100,7 @@ def test_the_kernel_learns_example_by_example_as_the_docstring_says(admission):
         server.gather_packed(pb, insert=True, event_time=step)  # admission first, as the trainer does
         labels = rng.integers(0, 2, n).astype(np.float64)
         offset = rng.normal(0, 0.3, n)
-        jac = rng.normal(0, 0.2, (n, 3, D))
+        jac = rng.normal(0, 0.2, (n, 3, D)).astype(np.float32)
         want_p, want_rows = _reference(server, slots, bags, labels, offset, jac, mean)
         p, loss, resid = train_fm_sequential(server, pb, 3, offs, mean, labels, offset, jac, step, insert=False)
         np.testing.assert_allclose(p, want_p, rtol=1e-5)

@@ -4,8 +4,9 @@ status page; last line: JSON. Run from a checkout (the checkout's code runs):
 
     .venv/bin/python bench/demo_status_shot.py OUT.png 120
 
-``docs/status-demo-*.png`` (issue 29: the online AUC after 2 minutes of the demo, before and after
-the served model learned its first-order weights example by example) came from it.
+``docs/status-demo-*.png`` (issue 29: the online AUC after 2 minutes of the demo with the plain
+DeepFM, with its first-order weights learned example by example, and with its embeddings too, the
+served model) came from it.
 """
 import json
 import sys

@@ -49,6 +49,7 @@ from services.ports import free_port
 from services.kafka import create_topics, producer, start_client  # noqa: E402
 from services.api_keys import client_headers  # noqa: E402
 from services.settings import Settings  # noqa: E402
+from trainer.config import SERVED_DIM  # noqa: E402  - the served model's rows (what the burst must match)
 
 QUICK = os.environ.get("QUICK") == "1"
 DURATION = 4.0 if QUICK else 15.0
@@ -316,7 +317,7 @@ def main() -> None:
                 triv_loaded, triv_ok, triv_loaded_fail = await load(host, sport, ping_reqs, DURATION / 2)
                 rank_loaded, rank_ok, rank_loaded_fail = await load(host, sport, rank_reqs, DURATION)
                 rows = 200_000 if QUICK else 1_000_000
-                burst_task = asyncio.create_task(delta_burst(settings, rows, 9_000, 16))
+                burst_task = asyncio.create_task(delta_burst(settings, rows, 9_000, SERVED_DIM))
                 during, during_ok, during_fail = await load(host, sport, rank_reqs, DURATION)
                 publish_s = await burst_task
                 ready = (await client.get("/readyz")).json()
@@ -367,7 +368,7 @@ def main() -> None:
             cpu_2 = sum(cpu) / max(1, served[wport]) * 1000
             before = [uss_mb(w) for w in workers]
             rows = 1_000_000
-            await delta_burst(settings, rows, 9_000, 16)
+            await delta_burst(settings, rows, 9_000, SERVED_DIM)
             async with httpx.AsyncClient(base_url=f"http://{host}:{wport}", timeout=10, headers=AUTH_HEADERS) as client:
                 deadline = time.monotonic() + 120
                 while (await client.get("/readyz")).json()["model_version"]["sparse_version"] < 1:

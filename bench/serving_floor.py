@@ -54,7 +54,7 @@ from bench_serving import (CANDIDATES, children, cpu_s, encode_request, load, pc
                            start_stack, stop_all, wait_ready)
 from driftline.embedded import wait_for_port  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
-from serving.app import _Metrics  # noqa: E402
+from serving.metrics import RequestMetrics  # noqa: E402
 from serving.responses import FastJSONResponse  # noqa: E402
 from serving.schemas import RankRequest, RankResponse  # noqa: E402  - module level: FastAPI reads the annotations
 from services.ports import free_port  # noqa: E402
@@ -68,7 +68,7 @@ ROUNDS = 3
 def floor_app() -> FastAPI:
     """The floor: serving's HTTP stack and ``/rank``'s schemas, no work between them."""
     app = FastAPI()
-    app.add_middleware(_Metrics)
+    app.add_middleware(RequestMetrics)
 
     @app.get("/ping")
     async def ping() -> dict[str, str]:

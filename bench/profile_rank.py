@@ -1,6 +1,6 @@
 """Profile of one /rank (100 candidates) by stage, in process: ms per stage, median over 1200 requests.
 
-Starts its own redis-server, loads the ml-1m features, builds the replica (:class:`serving.app.Serving`,
+Starts its own redis-server, loads the ml-1m features, builds the replica (:class:`serving.replica.Serving`,
 the trainer's DeepFM, no snapshot, no broker: the spool takes the logs) and runs the stages of the
 ``/rank`` route one after the other, as the route does (keep the two in step). HTTP (uvicorn, h11,
 FastAPI routing) is not in it: ``bench/bench_serving.py`` measures the whole request.
@@ -56,7 +56,7 @@ import pydantic_core  # noqa: E402
 import torch  # noqa: E402
 
 from proto import ModelVersion  # noqa: E402
-from serving.app import Serving  # noqa: E402
+from serving.replica import Serving  # noqa: E402
 from serving.correction import correct  # noqa: E402
 from serving.feature_log import features_message  # noqa: E402
 from serving.feature_files import load_dataset  # noqa: E402

@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 
 from proto import ParameterDelta
 from ps import EmbeddingTable, SyncChunk
-from serving.app import model_version
+from serving.replica import model_version
 from serving.deltas import DeltaFeed
 from serving.model import TrainerModel
 from serving.versions import DeltaRejected

@@ -1,0 +1,44 @@
+"""``POST /actions``: users' actions (clicks, likes, ...) onto the actions topic; a 202 means Kafka
+acknowledged every one of them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import APIRouter, Depends, HTTPException
+
+from proto import Action
+from serving import metrics
+from serving.replica import Serving, serving_of
+from serving.schemas import ActionsRequest, ActionsResponse
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.post("/actions", response_model=ActionsResponse, status_code=202,
+             summary="Record user actions (writes Action messages to the actions topic)",
+             responses={422: {"description": "Invalid request (wrong types, event time out of range)"},
+                        503: {"description": "Kafka unavailable"}})
+async def actions(body: ActionsRequest, s: Serving = Depends(serving_of)) -> ActionsResponse:
+    now = int(time.time() * 1000)
+    times = [s.event_time(f"actions[{i}].event_time_ms", a.event_time_ms, now)
+             for i, a in enumerate(body.actions)]
+    producer = s.feature_log.producer  # one producer per replica
+    if producer is None:
+        raise HTTPException(503, "Kafka unavailable: actions cannot be written now")
+    try:
+        futures = []
+        for a, event_time_ms in zip(body.actions, times):
+            msg = Action(request_id=a.request_id, item_id=a.item_id, action_type=a.action_type,
+                         event_time_ms=event_time_ms, user_id=a.user_id)
+            futures.append(await asyncio.wait_for(
+                producer.send(s.settings.topics.actions, msg.SerializeToString(), key=a.request_id.encode()),
+                s.options.feature_log_send_timeout_s))
+        await asyncio.wait_for(asyncio.gather(*futures), s.options.feature_log_send_timeout_s)
+    except Exception as err:  # noqa: BLE001 - Kafka errors and timeouts alike
+        raise HTTPException(503, f"Kafka unavailable: {type(err).__name__}: {err}"[:300]) from None
+    metrics.ACTIONS_PRODUCED.inc(len(body.actions))
+    return ActionsResponse(accepted=len(body.actions))

@@ -98,6 +98,96 @@ def _batch_rows(rows, shard_of, n_shards):
 
 
 @njit
+def prepare_batch(ids, seg_off, seg_table, t, tab_base, tab_nshards, slots_list, dirty_list, meta_list, shard_n):
+    """A sequential kernel's start: ``(shard_of, rows, tab_of_shard)``, every id's shard and row
+    (``shard_n`` counts each shard's ids) and each shard's table; the watermarks and dirty queues
+    of the tables the batch reads move as packed_apply_kernel moves them."""
+    n = ids.size
+    shard_of = np.empty(n, np.int64)
+    rows = np.empty(n, np.int64)
+    _resolve_rows(ids, seg_off, seg_table, tab_base, tab_nshards, slots_list, shard_of, rows, shard_n)
+    tab_of_shard = np.empty(len(meta_list), np.int64)
+    for ti in range(tab_base.size):
+        for sh in range(tab_base[ti], tab_base[ti] + tab_nshards[ti]):
+            tab_of_shard[sh] = ti
+    present = np.zeros(tab_base.size, np.bool_)
+    for s in range(seg_table.size):
+        present[seg_table[s]] = True
+    for ti in range(tab_base.size):
+        if not present[ti]:
+            continue
+        for sh in range(tab_base[ti], tab_base[ti] + tab_nshards[ti]):
+            meta = meta_list[sh]
+            if (shard_n[sh] > 0 or tab_nshards[ti] == 1) and t > meta[M_WATERMARK]:
+                meta[M_WATERMARK] = t
+            reserve_dirty(dirty_list[sh], meta, shard_n[sh])
+    return shard_of, rows, tab_of_shard
+
+
+@njit
+def write_back(order, ush, urow, W, ST, width, utab, t, tab_track, emb_list, state_list, times_list, flags_list,
+               dirty_list, meta_list):
+    """A scratch kernel's end: the rows ``order`` names (scratch numbers, in the order the examples
+    first stepped them) written back, ``W[u]`` and ``ST[u, :width[u]]``, each with apply_updates'
+    bookkeeping (its time, its flag, its place in the dirty queue), once per row."""
+    for q in range(order.size):
+        u = order[q]
+        sh, r = ush[u], urow[u]
+        emb = emb_list[sh]
+        for j in range(emb.shape[1]):
+            emb[r, j] = W[u, j]
+        state = state_list[sh]
+        for j in range(width[u]):
+            state[r, j] = ST[u, j]
+        times = times_list[sh]
+        if t > times[r]:
+            times[r] = t
+        flags = flags_list[sh]
+        f, queue = marked(flags[r], tab_track[utab[u]])
+        if queue:
+            meta = meta_list[sh]
+            dirty_list[sh][meta[M_NDIRTY]] = r
+            meta[M_NDIRTY] += 1
+        flags[r] = f
+
+
+@njit
+def first_order_sum(logit, e, s_lo, s_hi, seg_off, bags, seg_mean, u_of, w, eu, ewgt):
+    """``logit`` plus example ``e``'s first-order terms over segments ``s_lo..s_hi-1`` (row ``u``'s
+    weight ``w[u]``, ``u_of`` each id's row, -1 absent), and the rows it read with their summed pool
+    weights in ``eu``, ``ewgt`` (first-seen order): ``(logit, how many rows)``."""
+    k = 0
+    for s in range(s_lo, s_hi):
+        a = seg_off[s] + bags[s, e]
+        b = seg_off[s] + bags[s, e + 1]
+        if b <= a:
+            continue
+        wgt = 1.0 / (b - a) if seg_mean[s] else 1.0
+        for i in range(a, b):
+            u = u_of[i]
+            if u < 0:
+                continue
+            logit += wgt * np.float64(w[u])
+            q = 0
+            while q < k and eu[q] != u:
+                q += 1
+            if q == k:
+                eu[k] = u
+                ewgt[k] = wgt
+                k += 1
+            else:
+                ewgt[q] += wgt
+    return logit, k
+
+
+@njit
+def logistic(logit, y):
+    """One example's ``(p, p - y, log loss)``."""
+    p = 1.0 / (1.0 + math.exp(-logit))
+    return p, p - y, max(logit, 0.0) - logit * y + math.log1p(math.exp(-abs(logit)))
+
+
+@njit
 def sequential_linear_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, offset, t,
                              tab_base, tab_nshards, tab_kind, tab_hyper, tab_track, slots_list, emb_list,
                              state_list, times_list, flags_list, dirty_list, meta_list, probs, resid, shard_n):
@@ -115,25 +205,8 @@ def sequential_linear_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, of
     n = ids.size
     nseg = seg_table.size
     n_shards = len(emb_list)
-    shard_of = np.empty(n, np.int64)
-    rows = np.empty(n, np.int64)
-    _resolve_rows(ids, seg_off, seg_table, tab_base, tab_nshards, slots_list, shard_of, rows, shard_n)
-    tab_of_shard = np.empty(n_shards, np.int64)
-    for ti in range(tab_base.size):
-        for sh in range(tab_base[ti], tab_base[ti] + tab_nshards[ti]):
-            tab_of_shard[sh] = ti
-    present = np.zeros(tab_base.size, np.bool_)
-    for s in range(nseg):
-        present[seg_table[s]] = True
-    # watermarks and dirty queues move as packed_apply_kernel moves them
-    for ti in range(tab_base.size):
-        if not present[ti]:
-            continue
-        for sh in range(tab_base[ti], tab_base[ti] + tab_nshards[ti]):
-            meta = meta_list[sh]
-            if (shard_n[sh] > 0 or tab_nshards[ti] == 1) and t > meta[M_WATERMARK]:
-                meta[M_WATERMARK] = t
-            reserve_dirty(dirty_list[sh], meta, shard_n[sh])
+    shard_of, rows, tab_of_shard = prepare_batch(ids, seg_off, seg_table, t, tab_base, tab_nshards, slots_list,
+                                                 dirty_list, meta_list, shard_n)
     u_of, ush, urow = _batch_rows(rows, shard_of, n_shards)
     nu = urow.size
     w = np.empty(nu, np.float32)
@@ -159,34 +232,11 @@ def sequential_linear_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, of
     ewgt = np.empty(n, np.float64)
     loss = 0.0
     for e in range(labels.size):
-        logit = np.float64(offset[e])
-        k = 0
-        for s in range(nseg):
-            a = seg_off[s] + bags[s, e]
-            b = seg_off[s] + bags[s, e + 1]
-            if b <= a:
-                continue
-            wgt = 1.0 / (b - a) if seg_mean[s] else 1.0
-            for i in range(a, b):
-                u = u_of[i]
-                if u < 0:
-                    continue
-                logit += wgt * np.float64(w[u])
-                q = 0
-                while q < k and eu[q] != u:
-                    q += 1
-                if q == k:
-                    eu[k] = u
-                    ewgt[k] = wgt
-                    k += 1
-                else:
-                    ewgt[q] += wgt
-        p = 1.0 / (1.0 + math.exp(-logit))
-        y = np.float64(labels[e])
+        logit, k = first_order_sum(np.float64(offset[e]), e, 0, nseg, seg_off, bags, seg_mean, u_of, w, eu, ewgt)
+        p, g, ll = logistic(logit, np.float64(labels[e]))
         probs[e] = p
-        g = p - y
         resid[e] = g
-        loss += max(logit, 0.0) - logit * y + math.log1p(math.exp(-abs(logit)))
+        loss += ll
         for q in range(k):
             u = eu[q]
             if not stepped[u]:
@@ -207,25 +257,8 @@ def sequential_linear_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, of
             w[u] = nw
             st[u, 0] = sa
             st[u, 1] = sb
-    # apply_updates' bookkeeping, once per row, in the order the rows were first stepped
-    for q in range(n_order):
-        u = order[q]
-        sh = ush[u]
-        r = urow[u]
-        emb_list[sh][r, 0] = w[u]
-        state = state_list[sh]
-        for j in range(width[u]):
-            state[r, j] = st[u, j]
-        times = times_list[sh]
-        if t > times[r]:
-            times[r] = t
-        flags = flags_list[sh]
-        f, queue = marked(flags[r], tab_track[utab[u]])
-        if queue:
-            meta = meta_list[sh]
-            dirty_list[sh][meta[M_NDIRTY]] = r
-            meta[M_NDIRTY] += 1
-        flags[r] = f
+    write_back(order[:n_order], ush, urow, w.reshape(nu, 1), st, width, utab, t, tab_track, emb_list, state_list,
+               times_list, flags_list, dirty_list, meta_list)
     return loss
 
 
@@ -241,25 +274,8 @@ def write_through_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, offset
     """
     n = ids.size
     nseg = seg_table.size
-    shard_of = np.empty(n, np.int64)
-    rows = np.empty(n, np.int64)
-    _resolve_rows(ids, seg_off, seg_table, tab_base, tab_nshards, slots_list, shard_of, rows, shard_n)
-    tab_of_shard = np.empty(len(emb_list), np.int64)
-    for ti in range(tab_base.size):
-        for sh in range(tab_base[ti], tab_base[ti] + tab_nshards[ti]):
-            tab_of_shard[sh] = ti
-    present = np.zeros(tab_base.size, np.bool_)
-    for s in range(nseg):
-        present[seg_table[s]] = True
-    # watermarks and dirty queues move as packed_apply_kernel moves them
-    for ti in range(tab_base.size):
-        if not present[ti]:
-            continue
-        for sh in range(tab_base[ti], tab_base[ti] + tab_nshards[ti]):
-            meta = meta_list[sh]
-            if (shard_n[sh] > 0 or tab_nshards[ti] == 1) and t > meta[M_WATERMARK]:
-                meta[M_WATERMARK] = t
-            reserve_dirty(dirty_list[sh], meta, shard_n[sh])
+    shard_of, rows, tab_of_shard = prepare_batch(ids, seg_off, seg_table, t, tab_base, tab_nshards, slots_list,
+                                                 dirty_list, meta_list, shard_n)
     # one example's rows, equal rows summed (first-seen order)
     ush = np.empty(n, np.int64)
     urow = np.empty(n, np.int64)
@@ -302,12 +318,10 @@ def write_through_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, offset
                     k += 1
                 else:
                     uwgt[q] += wgt
-        p = 1.0 / (1.0 + math.exp(-logit))
-        y = np.float64(labels[e])
+        p, g, ll = logistic(logit, np.float64(labels[e]))
         probs[e] = p
-        g = p - y
         resid[e] = g
-        loss += max(logit, 0.0) - logit * y + math.log1p(math.exp(-abs(logit)))
+        loss += ll
         for q in range(k):
             sh = ush[q]
             r = urow[q]

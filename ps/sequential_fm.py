@@ -40,16 +40,13 @@ stepped it, as :func:`ps.sequential.train_linear_sequential` does.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from ._jit import njit
 from .errors import InvalidInputError, ReadOnlyTableError
 from .server import PackedBatch, ParameterServer
 from .optimizers import OPT_ADAGRAD, OPT_NONE, OPT_SGD, adagrad_elem, step_elem
-from .rowmarks import M_NDIRTY, M_WATERMARK, marked, reserve_dirty
-from .sequential import _batch_rows, _resolve_rows
+from .sequential import _batch_rows, first_order_sum, logistic, prepare_batch, write_back
 
 __all__ = ["train_fm_sequential"]
 
@@ -83,26 +80,9 @@ def sequential_fm_kernel(ids, seg_off, seg_table, n_emb, bags, seg_mean, labels,
     the embedding fields (one dim), the rest first-order fields (dim 1)."""
     n = ids.size
     nseg = seg_table.size
+    shard_of, rows, tab_of_shard = prepare_batch(ids, seg_off, seg_table, t, tab_base, tab_nshards, slots_list,
+                                                 dirty_list, meta_list, shard_n)
     n_shards = len(emb_list)
-    shard_of = np.empty(n, np.int64)
-    rows = np.empty(n, np.int64)
-    _resolve_rows(ids, seg_off, seg_table, tab_base, tab_nshards, slots_list, shard_of, rows, shard_n)
-    tab_of_shard = np.empty(n_shards, np.int64)
-    for ti in range(tab_base.size):
-        for sh in range(tab_base[ti], tab_base[ti] + tab_nshards[ti]):
-            tab_of_shard[sh] = ti
-    present = np.zeros(tab_base.size, np.bool_)
-    for s in range(nseg):
-        present[seg_table[s]] = True
-    # watermarks and dirty queues move as packed_apply_kernel moves them
-    for ti in range(tab_base.size):
-        if not present[ti]:
-            continue
-        for sh in range(tab_base[ti], tab_base[ti] + tab_nshards[ti]):
-            meta = meta_list[sh]
-            if (shard_n[sh] > 0 or tab_nshards[ti] == 1) and t > meta[M_WATERMARK]:
-                meta[M_WATERMARK] = t
-            reserve_dirty(dirty_list[sh], meta, shard_n[sh])
     u_of, ush, urow = _batch_rows(rows, shard_of, n_shards)
     nu = urow.size
     D = emb_list[tab_base[seg_table[0]]].shape[1] if n_emb > 0 else 1
@@ -150,33 +130,11 @@ def sequential_fm_kernel(ids, seg_off, seg_table, n_emb, bags, seg_mean, labels,
         for j in range(D):
             ss += S[j] * S[j]
         logit += 0.5 * (ss - sq)
-        k = 0
-        for s in range(F, nseg):
-            a = seg_off[s] + bags[s, e]
-            b = seg_off[s] + bags[s, e + 1]
-            if b <= a:
-                continue
-            wgt = 1.0 / (b - a) if seg_mean[s] else 1.0
-            for i in range(a, b):
-                u = u_of[i]
-                if u < 0:
-                    continue
-                logit += wgt * np.float64(W[u, 0])
-                q = 0
-                while q < k and lu[q] != u:
-                    q += 1
-                if q == k:
-                    lu[k] = u
-                    lwgt[k] = wgt
-                    k += 1
-                else:
-                    lwgt[q] += wgt
-        p = 1.0 / (1.0 + math.exp(-logit))
-        y = np.float64(labels[e])
+        logit, k = first_order_sum(logit, e, F, nseg, seg_off, bags, seg_mean, u_of, W[:, 0], lu, lwgt)
+        p, g, ll = logistic(logit, np.float64(labels[e]))
         probs[e] = p
-        g = p - y
         resid[e] = g
-        loss += max(logit, 0.0) - logit * y + math.log1p(math.exp(-abs(logit)))
+        loss += ll
         # the embedding rows' directions, from the values this example was scored with
         m = 0
         for f in range(F):
@@ -226,26 +184,8 @@ def sequential_fm_kernel(ids, seg_off, seg_table, n_emb, bags, seg_mean, labels,
                     nw, _, _ = step_elem(kind, hyper, np.float64(W[u, j]), 0.0, 0.0,
                                          np.float64(np.float32(g * vg[qk, j])), 1.0, 1.0)
                     W[u, j] = nw
-    # apply_updates' bookkeeping, once per row, in the order the rows were first stepped
-    for q in range(n_order):
-        u = order[q]
-        sh, r = ush[u], urow[u]
-        emb = emb_list[sh]
-        state = state_list[sh]
-        for j in range(udim[u]):
-            emb[r, j] = W[u, j]
-        for j in range(uwidth[u]):
-            state[r, j] = ST[u, j]
-        times = times_list[sh]
-        if t > times[r]:
-            times[r] = t
-        flags = flags_list[sh]
-        fl, queue = marked(flags[r], tab_track[utab[u]])
-        if queue:
-            meta = meta_list[sh]
-            dirty_list[sh][meta[M_NDIRTY]] = r
-            meta[M_NDIRTY] += 1
-        flags[r] = fl
+    write_back(order[:n_order], ush, urow, W, ST, uwidth, utab, t, tab_track, emb_list, state_list, times_list,
+               flags_list, dirty_list, meta_list)
     return loss
 
 

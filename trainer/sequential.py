@@ -115,6 +115,7 @@ def _embeddings_sequential_step(model, batch: SparseBatch) -> tuple[float, np.nd
     eb, lb = model._emb_block, model._lin_block
     full = model.pack(batch)
     buf = model.ps.gather_packed(full, insert=True, event_time=t)
+    model.timings["forward"] += time.perf_counter() - t0  # mlp_part adds its own
     k = len(eb.keys)
     slopes = model.mlp_part(batch, full.segments(0, k), buf)
     fixed = slopes.logits.double()

@@ -1,5 +1,5 @@
 """API keys on serving (serving/auth.py, services/api_keys.py), over real HTTP: every route of the
-app (read from ``app.routes``, so a new endpoint is covered the day it is added) without a key,
+app (read from its routes, included routers' too, so a new endpoint is covered the day it is added) without a key,
 with a wrong one and with each configured key in either header; the refusal to start on a
 non-loopback host without a key (the real ``driftline serve`` / ``python -m serving``); key
 rotation through the key file; the outcome counter; no key in the logs; the clients that send it."""
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fastapi.routing import iter_route_contexts
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.routing import Route
 
@@ -50,7 +51,8 @@ BODIES = {"/rank": {"user_id": 1, "candidates": [{"item_id": 1}]},
 def _routes(config: str) -> list[tuple[str, str]]:
     """(path, method) of every route the app of ``config`` has (HEAD stands in for nothing)."""
     app = create_app(Settings().updated(serving={"api_keys": KEYS, **CONFIGS[config]}))
-    return sorted((r.path, min(r.methods - {"HEAD"})) for r in app.routes if isinstance(r, Route))
+    # iter_route_contexts: the routes of included routers too (app.routes holds a router as one entry)
+    return sorted((c.path, min(c.methods - {"HEAD"})) for c in iter_route_contexts(app.routes) if isinstance(c.route, Route))
 
 
 def _protected(config: str, path: str) -> bool:

@@ -152,17 +152,22 @@ def write_back(order, ush, urow, W, ST, width, utab, t, tab_track, emb_list, sta
 
 
 @njit
+def bag_span(s, e, seg_off, bags, seg_mean):
+    """Example ``e``'s bag in segment ``s``: ``(first, end, pool weight)`` of its ids in the packed
+    ids (weight ``1/len`` for a mean-pooled segment, else 1)."""
+    a = seg_off[s] + bags[s, e]
+    b = seg_off[s] + bags[s, e + 1]
+    return a, b, (1.0 / (b - a) if seg_mean[s] and b > a else 1.0)
+
+
+@njit
 def first_order_sum(logit, e, s_lo, s_hi, seg_off, bags, seg_mean, u_of, w, eu, ewgt):
     """``logit`` plus example ``e``'s first-order terms over segments ``s_lo..s_hi-1`` (row ``u``'s
     weight ``w[u]``, ``u_of`` each id's row, -1 absent), and the rows it read with their summed pool
     weights in ``eu``, ``ewgt`` (first-seen order): ``(logit, how many rows)``."""
     k = 0
     for s in range(s_lo, s_hi):
-        a = seg_off[s] + bags[s, e]
-        b = seg_off[s] + bags[s, e + 1]
-        if b <= a:
-            continue
-        wgt = 1.0 / (b - a) if seg_mean[s] else 1.0
+        a, b, wgt = bag_span(s, e, seg_off, bags, seg_mean)
         for i in range(a, b):
             u = u_of[i]
             if u < 0:
@@ -297,11 +302,7 @@ def write_through_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, offset
         logit = np.float64(offset[e])
         k = 0
         for s in range(nseg):
-            a = seg_off[s] + bags[s, e]
-            b = seg_off[s] + bags[s, e + 1]
-            if b <= a:
-                continue
-            wgt = 1.0 / (b - a) if seg_mean[s] else 1.0
+            a, b, wgt = bag_span(s, e, seg_off, bags, seg_mean)
             for i in range(a, b):
                 r = rows[i]
                 if r < 0:

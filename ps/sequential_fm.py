@@ -46,7 +46,7 @@ from ._jit import njit
 from .errors import InvalidInputError, ReadOnlyTableError
 from .server import PackedBatch, ParameterServer
 from .optimizers import OPT_ADAGRAD, OPT_NONE, OPT_SGD, adagrad_elem, step_elem
-from .sequential import _batch_rows, first_order_sum, logistic, prepare_batch, write_back
+from .sequential import _batch_rows, bag_span, first_order_sum, logistic, prepare_batch, write_back
 
 __all__ = ["train_fm_sequential"]
 
@@ -59,11 +59,7 @@ def _pooled(f, e, seg_off, bags, seg_mean, u_of, W, D, x):
     """Field ``f`` of example ``e`` pooled from the scratch rows into ``x[f]``."""
     for j in range(D):
         x[f, j] = 0.0
-    a = seg_off[f] + bags[f, e]
-    b = seg_off[f] + bags[f, e + 1]
-    if b <= a:
-        return
-    wgt = 1.0 / (b - a) if seg_mean[f] else 1.0
+    a, b, wgt = bag_span(f, e, seg_off, bags, seg_mean)
     for i in range(a, b):
         u = u_of[i]
         if u >= 0:
@@ -138,11 +134,7 @@ def sequential_fm_kernel(ids, seg_off, seg_table, n_emb, bags, seg_mean, labels,
         # the embedding rows' directions, from the values this example was scored with
         m = 0
         for f in range(F):
-            a = seg_off[f] + bags[f, e]
-            b = seg_off[f] + bags[f, e + 1]
-            if b <= a:
-                continue
-            wgt = 1.0 / (b - a) if seg_mean[f] else 1.0
+            a, b, wgt = bag_span(f, e, seg_off, bags, seg_mean)
             for i in range(a, b):
                 u = u_of[i]
                 if u < 0:

@@ -90,10 +90,12 @@ def test_feature_logs_come_from_serving_with_data_event_time(loop_stack: LoopSta
                     break
         return [r.value for r in got]
 
-    # Every FeatureLog so far, then the first actions: each click's request was served (and
-    # logged) before it, so its id is among them, whatever partitions the reads started on.
-    logs = asyncio.run(read(settings.topics.features, FeatureLog, 200, drain=True))
+    # The first actions, then every FeatureLog so far: each click's request was served (and
+    # spooled) before it and its log shipped since, so its id is among them, whatever partitions
+    # the reads started on. (Logs first, then actions raced the shipper: a click read after the
+    # drain could name a request whose log was still in the spool.)
     actions = asyncio.run(read(settings.topics.actions, Action, 200))
+    logs = asyncio.run(read(settings.topics.features, FeatureLog, 200, drain=True))
     assert len(logs) >= 200 and len(actions) >= 200, (len(logs), len(actions))
     models = {f.model_version.model_id for f in logs}
     assert models == {"deepfm"}, models  # serving's model, not "replay"

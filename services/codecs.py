@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
@@ -189,7 +189,7 @@ class ExampleBatchBytes:
         return raw
 
 
-_CODECS: dict[type[Message], Codec] = {
+_CODECS: dict[type[Message], Codec[Any]] = {
     FeatureLog: Codec(FeatureLog, validate_feature_log),
     Action: Codec(Action, validate_action),
     Example: ExampleBatchBytes(),  # type: ignore[dict-item]

@@ -53,12 +53,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, overload
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+if TYPE_CHECKING:
+    from proto import Example
 
 __all__ = ["BadExampleBatch", "ExampleColumns", "FIXED_SCHEMA", "decode", "encode", "from_examples",
            "ROW_RULES", "hash_ids", "invalid_rows", "slice_codes", "take", "take_lists", "to_examples",
@@ -109,22 +113,28 @@ class ExampleColumns:
         return len(self.example_ids)
 
 
-class _Strings(Sequence):
+class _Strings(Sequence[str]):
     """An Arrow string column as a lazy ``Sequence[str]`` (converted on first element access)."""
 
     def __init__(self, arr: pa.Array) -> None:
-        self.arrow, self._list = arr, None
+        self.arrow = arr
+        self._list: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.arrow)
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | list[str]:
         if self._list is None:
             self._list = self.arrow.to_pylist()
         return self._list[i]
 
-    def __eq__(self, other) -> bool:
-        return list(self) == list(other)
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
 
 
 def hash_ids(ids: Sequence[str]) -> np.ndarray:
@@ -176,7 +186,8 @@ def encode(c: ExampleColumns, *, large_lists: bool = False) -> bytes:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, batch.schema) as w:
         w.write_batch(batch)
-    return sink.getvalue().to_pybytes()
+    out: bytes = sink.getvalue().to_pybytes()
+    return out
 
 
 def decode(raw: bytes) -> ExampleColumns:
@@ -195,7 +206,8 @@ def _invalid(detail: str) -> BadExampleBatch:
 
 
 def _np(arr: pa.Array) -> np.ndarray:
-    return arr.to_numpy(zero_copy_only=True)
+    out: np.ndarray = arr.to_numpy(zero_copy_only=True)
+    return out
 
 
 def _decode(raw: bytes) -> ExampleColumns:
@@ -284,15 +296,20 @@ def invalid_rows(c: ExampleColumns) -> dict[str, np.ndarray]:
 
 
 def to_sparse_batch_arrays(parts: Sequence[ExampleColumns], slots: Sequence[str], label: str,
-                           dense_features: Sequence[str] = ()) -> dict:
+                           dense_features: Sequence[str] = ()) -> dict[str, Any]:
     """Several decoded batches as the keyword arguments of ``trainer.batch.SparseBatch`` (a missing
     slot column = empty bags, a missing label or dense column = NaN); ``meta["id_hash"]`` holds the
     ids' hashes; ``slice_ids``/``slice_names`` each example's slice (:func:`slice_codes`: the
     trainer's sample-rate tracker groups by it). ``SparseBatch(**to_sparse_batch_arrays(...))``."""
     sizes = np.array([p.size for p in parts], np.int64)
     n = int(sizes.sum())
-    cat = lambda xs, dt: np.concatenate(xs).astype(dt, copy=False) if xs else np.zeros(0, dt)  # noqa: E731
-    nan = lambda p: np.full(p.size, math.nan, np.float32)  # noqa: E731
+
+    def cat(xs: Sequence[np.ndarray], dt: type[np.generic]) -> np.ndarray:
+        return np.concatenate(xs).astype(dt, copy=False) if xs else np.zeros(0, dt)
+
+    def nan(p: ExampleColumns) -> np.ndarray:
+        return np.full(p.size, math.nan, np.float32)
+
     ids, offsets = {}, {}
     for s in slots:
         got = [p.sparse.get(s) for p in parts]
@@ -308,7 +325,7 @@ def to_sparse_batch_arrays(parts: Sequence[ExampleColumns], slots: Sequence[str]
                 labels=cat([p.labels.get(label, nan(p)) for p in parts], np.float32),
                 event_time_ms=cat([p.event_time_ms for p in parts], np.int64),
                 sample_rate=cat([p.sample_rate for p in parts], np.float32), dense=dense,
-                meta={"id_hash": cat([p.id_hash for p in parts], np.uint64).reshape(n, 2)},
+                meta={"id_hash": cat([p.id_hash for p in parts if p.id_hash is not None], np.uint64).reshape(n, 2)},
                 slice_ids=slice_ids, slice_names=slice_names)
 
 
@@ -337,11 +354,14 @@ def slice_codes(columns: Sequence[Sequence[str] | pa.Array]) -> tuple[tuple[str,
     return tuple(names), np.concatenate(codes) if codes else np.zeros(0, np.int32)
 
 
-def from_examples(examples: Sequence) -> ExampleColumns:
+def from_examples(examples: Sequence[Example]) -> ExampleColumns:
     """Columns of ``driftline.v1.Example`` protos (per-example Python: producers and tests only).
     A label/dense key an example lacks reads NaN; a slot it lacks is an empty bag."""
     n = len(examples)
-    col = lambda get, dt: np.fromiter(map(get, examples), dt, n)  # noqa: E731
+
+    def col(get: Callable[[Example], Any], dt: type[np.generic]) -> np.ndarray:
+        return np.fromiter(map(get, examples), dt, n)
+
     label_names = sorted({k for e in examples for k in e.labels})
     dense_names = sorted({k for e in examples for k in e.features.dense})
     slots = sorted({k for e in examples for k in e.features.sparse})
@@ -361,7 +381,7 @@ def from_examples(examples: Sequence) -> ExampleColumns:
         dense={k: col(lambda e: e.features.dense.get(k, math.nan), np.float32) for k in dense_names})
 
 
-def to_examples(c: ExampleColumns) -> list:
+def to_examples(c: ExampleColumns) -> list[Example]:
     """The ``driftline.v1.Example`` protos of a batch (per-example Python: tests and tools only):
     the inverse of :func:`from_examples` (a NaN label or dense value is left out, an empty bag
     is an absent slot).

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -131,7 +131,17 @@ class Record(Generic[M]):
     raw: bytes = b""  # the record's original bytes (no copy), for dead-lettering after validation
 
 
-class _Joined(ConsumerRebalanceListener):
+class RawRecord(Protocol):
+    """What a dead letter needs of a record (aiokafka's ``ConsumerRecord``, our :class:`Record`)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+
+
+class _Joined(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka has no type information
     """Sets ``joined`` at each assignment, after the caller's own listener (if any) has run."""
 
     def __init__(self, joined: asyncio.Event, inner: ConsumerRebalanceListener | None) -> None:
@@ -250,7 +260,7 @@ class TypedConsumer(Generic[M]):
         """Fetch up to ``max_records`` records; decode them, dead-letter the malformed ones."""
         fetched = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
         out: list[Record[M]] = []
-        rejects: list[asyncio.Future] = []
+        rejects: list[asyncio.Future[Any]] = []
         for tp, records in fetched.items():
             for r in records:
                 try:
@@ -280,29 +290,30 @@ class TypedConsumer(Generic[M]):
             if batch:
                 yield batch
 
-    async def dead_letter(self, record: object, err: MalformedMessage) -> asyncio.Future:
+    async def dead_letter(self, record: RawRecord, err: MalformedMessage) -> asyncio.Future[Any]:
         """Send a raw record (anything with topic, partition, offset, key, value) to the dead-letter
         topic with its reason and count it. Await the returned future before committing past it."""
         assert self._dlq is not None
         letter = DeadLetter(
-            source_topic=record.topic,  # type: ignore[attr-defined]
-            partition=record.partition,  # type: ignore[attr-defined]
-            offset=record.offset,  # type: ignore[attr-defined]
-            key=record.key or b"",  # type: ignore[attr-defined]
-            value=record.value or b"",  # type: ignore[attr-defined]
+            source_topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            key=record.key or b"",
+            value=record.value or b"",
             reason=str(err),
             consumer=self.service,
             rejected_at_ms=int(time.time() * 1000),
         )
-        metrics.DEAD_LETTERS.labels(self.service, record.topic, err.kind).inc()  # type: ignore[attr-defined]
+        metrics.DEAD_LETTERS.labels(self.service, record.topic, err.kind).inc()
         self.dead_lettered += 1
         log.warning(
             "dead-lettered %s[%d]@%d: %s",
-            record.topic, record.partition, record.offset, err,  # type: ignore[attr-defined]
+            record.topic, record.partition, record.offset, err,
         )
-        return await self._dlq.send(
-            self.settings.topics.dead_letters, letter.SerializeToString(), key=record.key  # type: ignore[attr-defined]
+        sent: asyncio.Future[Any] = await self._dlq.send(
+            self.settings.topics.dead_letters, letter.SerializeToString(), key=record.key
         )
+        return sent
 
     async def commit(self, offsets: Mapping[TopicPartition, int] | None = None) -> None:
         """Commit the positions handed out so far (or the given next-offsets)."""

@@ -44,13 +44,14 @@ def ssl_context(settings: Settings) -> ssl.SSLContext | None:
     if not k.security_protocol.endswith("SSL"):
         return None
     try:
-        return create_ssl_context(
+        context: ssl.SSLContext = create_ssl_context(
             cafile=str(k.ssl_cafile) if k.ssl_cafile else None,
             certfile=str(k.ssl_certfile) if k.ssl_certfile else None,
             keyfile=str(k.ssl_keyfile) if k.ssl_keyfile else None,
             # ("" rather than None: OpenSSL would prompt on the terminal for an encrypted key's password)
             password=k.ssl_key_password.get_secret_value() if k.ssl_key_password else "",
         )
+        return context
     except (ssl.SSLError, OSError) as err:
         files = {n: getattr(k, n) for n in ("ssl_cafile", "ssl_certfile", "ssl_keyfile") if getattr(k, n)}
         raise KafkaSecurityError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 
 
 def setup_logging(service: str, level: str = "INFO") -> logging.Logger:
@@ -39,7 +40,8 @@ class Throttled:
     spool full (3) (2 more like it held back in the last 60 s)
     """
 
-    def __init__(self, logger: logging.Logger, interval_s: float = 10.0, clock=time.monotonic) -> None:
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.logger, self.interval_s, self._clock = logger, interval_s, clock
         self._next = float("-inf")
         self._held = 0

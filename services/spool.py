@@ -51,10 +51,11 @@ services.spool.SpoolFull: feature-log spool full: 100 of 100 bytes unshipped (Ka
 
 from __future__ import annotations
 
+import builtins
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,7 +167,7 @@ class Spool:
         self._meta.put(b"epoch", epoch.encode(), self._write)
 
     # ------------------------------------------------------------------ writing
-    def append(self, key: bytes, value: bytes) -> int:
+    def append(self, key: builtins.bytes, value: builtins.bytes) -> int:  # (bytes: the property above)
         """Store one entry durably (see the module docstring); return its position."""
         if self._closed:
             raise SpoolError(f"the {self.name} is closed (its service is stopping)")
@@ -242,7 +243,7 @@ class Spool:
             it.next()
         return out
 
-    def _keys(self, start: int, end: int):
+    def _keys(self, start: int, end: int) -> Iterator[builtins.bytes]:
         it = self._db.iter()
         it.seek(_pos(start))
         while it.valid() and int.from_bytes(it.key()[:_POS], "big") < end:

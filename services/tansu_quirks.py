@@ -86,6 +86,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -121,7 +122,7 @@ def install() -> None:
             self.generation = 1
         await original(self)
 
-    coordinator._maybe_leave_group = _maybe_leave_group  # type: ignore[method-assign]
+    coordinator._maybe_leave_group = _maybe_leave_group
     _installed = True
 
 
@@ -180,16 +181,16 @@ def install_faust(settings: Settings) -> None:
     original = thread._highwaters
     create_worker_consumer = thread._create_worker_consumer
 
-    def _create_worker_consumer(self: faust_aiokafka.AIOKafkaConsumerThread, transport: object) -> AIOKafkaConsumer:
+    # (Faust's private methods, typed by what they touch: its protocols do not declare these attributes)
+    def _create_worker_consumer(self: faust_aiokafka.AIOKafkaConsumerThread, transport: Any) -> AIOKafkaConsumer:
         consumer = create_worker_consumer(self, transport)
         assert _faust_settings is not None
         consumer._fetch_max_wait_ms = _faust_settings.kafka.fetch_max_wait_ms  # (read by its Fetcher, made at start)
         return consumer
 
-    async def _highwaters(self: faust_aiokafka.AIOKafkaConsumerThread,
-                          partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
+    async def _highwaters(self: Any, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
         if self.consumer.in_transaction:  # (last stable offsets: read from Fetch responses already)
-            return await original(self, partitions)
+            return dict(await original(self, partitions))
         servers = faust_aiokafka.server_list(self.transport.url, self.transport.default_port)
         # (Faust's TP is a namedtuple equal to aiokafka's, which aiokafka's asserts insist on)
         tps = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
@@ -211,7 +212,7 @@ def _install_stale_leader_rejoin() -> None:
     original = rebalance._on_join_follower
 
     async def _on_join_follower(self: group_coordinator.CoordinatorGroupRebalance) -> bytes | None:
-        assignment = await original(self)
+        assignment: bytes | None = await original(self)
         coordinator = self._coordinator
         failed = 0 if assignment is not None else getattr(coordinator, "_driftline_failed_syncs", 0) + 1
         coordinator._driftline_failed_syncs = failed
@@ -227,7 +228,7 @@ def _install_stale_leader_rejoin() -> None:
             coordinator.reset_generation()  # (a new member id on the next JoinGroup)
         return assignment
 
-    rebalance._on_join_follower = _on_join_follower  # type: ignore[method-assign]
+    rebalance._on_join_follower = _on_join_follower
 
 
 async def committed_offsets(

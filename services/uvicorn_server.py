@@ -21,7 +21,7 @@ from typing import Any
 import uvicorn
 
 
-GRACEFUL_SHUTDOWN_S = 5.0
+GRACEFUL_SHUTDOWN_S = 5
 
 
 class Server(uvicorn.Server):

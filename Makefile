@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 BENCHES := $(patsubst bench/bench_%.py,bench-%,$(wildcard bench/bench_*.py))
 
-.PHONY: up install install-dev test bench $(BENCHES) chaos chaos-faults eval proto clean
+.PHONY: up install install-dev lint test bench $(BENCHES) chaos chaos-faults eval proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ up: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
+
+## ruff's checks and formatter (a check: `ruff format` rewrites), then mypy (pyproject.toml says where it is strict).
+lint: $(DEV_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 ## Benchmarks: `make bench` runs all; `make bench-ps` one; QUICK=1 makes any finish in under a minute.
 bench: $(BENCHES)

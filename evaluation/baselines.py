@@ -49,7 +49,6 @@ stream (nothing is tuned on them).
 from __future__ import annotations
 
 import time
-
 import warnings
 
 import numpy as np
@@ -59,12 +58,11 @@ from torch import nn
 
 from ps import AdagradConfig
 from trainer.batch import SparseBatch
-from trainer.count_baseline import CountBaseline
 from trainer.config import ModelConfig, lr_config
+from trainer.count_baseline import CountBaseline
 from trainer.model import DenseHead, SparseModel
 
-from .common import (EvalSettings, auc, data, init_model_config, mean_std, model_config, pmap, served_batch,
-                     served_model_config)
+from .common import EvalSettings, auc, data, init_model_config, mean_std, model_config, pmap, served_batch, served_model_config
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 

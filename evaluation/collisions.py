@@ -19,8 +19,19 @@ import numpy as np
 
 from trainer.model import SparseModel
 
-from .common import (HashedIds, EvalSettings, auc, buckets_for_rate, coll_model_config, data, md5_bucket, mean_std, pmap,
-                     predict_rows, train_rows)
+from .common import (
+    EvalSettings,
+    HashedIds,
+    auc,
+    buckets_for_rate,
+    coll_model_config,
+    data,
+    md5_bucket,
+    mean_std,
+    pmap,
+    predict_rows,
+    train_rows,
+)
 
 ARMS = ("collisionless", "hashed", "hashed_harsh")
 

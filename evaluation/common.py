@@ -7,16 +7,15 @@ import hashlib
 import math
 import os
 import time
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
-
-import trainer  # noqa: F401  (before torch: OMP_WAIT_POLICY)
 import torch
 from tqdm import tqdm
 
+import trainer  # noqa: F401  (before torch: OMP_WAIT_POLICY)
 from services.settings import EvalSettings, get_settings
 from trainer.batch import SparseBatch
 from trainer.config import ModelConfig, deepfm_config
@@ -271,6 +270,6 @@ def nan_to_none(x):
     return x
 
 
-__all__ = ["EvalSettings", "full", "smoke", "replace", "field", "data", "model_config", "served_model_config", "served_batch", "init_model_config", "coll_model_config", "md5_bucket",
+__all__ = ["EvalSettings", "full", "smoke", "data", "model_config", "served_model_config", "served_batch", "init_model_config", "coll_model_config", "md5_bucket",
            "collision_rate", "buckets_for_rate", "HashedIds", "auc", "train_rows", "predict_rows",
            "mean_std", "pmap", "nan_to_none", "set_threads"]

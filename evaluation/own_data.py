@@ -39,8 +39,8 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -267,7 +267,7 @@ def plot(r: dict, path: Path) -> None:
     for name, s in r["scorers"].items():
         pts = s["auc_over_time"]
         if pts:
-            a.plot([dt.datetime.fromtimestamp(p["t_ms"] / 1000, dt.timezone.utc) for p in pts],
+            a.plot([dt.datetime.fromtimestamp(p["t_ms"] / 1000, dt.UTC) for p in pts],
                    [p["auc"] for p in pts], marker=".", label=name)
         rel = np.array(s["reliability"])
         if rel.size:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .baselines import MODELS as BASELINE_MODELS, OTHER_MODELS as BASELINE_OTHER_MODELS
+from .baselines import MODELS as BASELINE_MODELS
+from .baselines import OTHER_MODELS as BASELINE_OTHER_MODELS
 from .common import nan_to_none
 
 PAPER = {
@@ -371,8 +372,7 @@ def _md_targets(r: dict) -> list[str]:
         margin = [float("inf") if x is None else x for x in g["per_epoch_margin_in_std"]]
         paired = [m / s if s else float("inf") for m, s in zip(g["per_epoch_mean"], g["per_epoch_paired_std"])]
         ph = [m / s if s else float("inf") for m, s in zip(h["per_epoch_mean"], h["per_epoch_paired_std"])]
-        cm, sds = c["collisionless"]["per_epoch_mean"], c["collisionless"]["per_epoch_std"]
-        best, drop = int(np.argmax(cm)) + 1, max(cm) - cm[-1]
+        sds = c["collisionless"]["per_epoch_std"]
         n_pairs = g["seeds"] * len(g["per_epoch_mean"])
         below = [str(e + 1) for e, m in enumerate(margin) if m <= 2]
         L.append(f"- Collisionless beats hashed (paper rates) at every epoch by > 2 standard deviations. Against the std of "

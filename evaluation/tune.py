@@ -175,7 +175,10 @@ def _served_size(base: list[dict], plain: dict | None) -> dict:
     bar = plain["ex_per_s"] if plain else 0.0
     fast = [r for r in sizes if r["ex_per_s"] >= SPEED_MARGIN * bar]
     pick = _best(fast, "auc") if fast else max(sizes, key=lambda r: r["ex_per_s"]) if sizes else None
-    size = (lambda z: [int(z[0]), [int(x) for x in z[1]]])
+
+    def size(z: tuple) -> list:
+        return [int(z[0]), [int(x) for x in z[1]]]
+
     return {"rule": f"the best AUC among the served model's sizes (dim, MLP) at batch {SIZE_BATCH} at least "
                     f"{SPEED_MARGIN}x as fast as the plain DeepFM at batch 1024", "plain_ex_per_s": bar,
             "candidates": [{"size": size(r["lr"]), "auc": r["auc"], "ex_per_s": r["ex_per_s"]} for r in sizes],

@@ -32,13 +32,12 @@ broker reset), and the joiner never emits a second, different example under an e
 from __future__ import annotations
 
 import struct
-import time
 from collections import Counter
 from collections.abc import Sequence
 
 from joiner import batches, sampling
-from joiner.tiered import TieredState
 from joiner.config import JoinConfig
+from joiner.tiered import TieredState
 from joiner.watermark import NO_WATERMARK, Watermark
 from proto import Action, FeatureLog
 
@@ -275,8 +274,8 @@ class JoinCore:
         akey = b"A" + eid
         pend = self.state.get(akey) or b""
         for off in range(0, len(pend), PENDING.size):
-            t, _, l, _ = PENDING.unpack_from(pend, off)
-            if t == a_time and l == li:
+            t, _, label_index, _ = PENDING.unpack_from(pend, off)
+            if t == a_time and label_index == li:
                 self.counts["duplicate_actions"] += 1
                 return
         self.state.put(akey, pend + PENDING.pack(a_time, wa_before, li, ts_ms))

@@ -66,9 +66,9 @@ import signal
 import struct
 import time
 from collections import defaultdict
-from types import SimpleNamespace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -80,13 +80,11 @@ from joiner.offsets import LEGACY_MARKER, OffsetBook
 from joiner.stores.rocksdb import RocksDBStore
 from joiner.watermark import Watermark
 from proto import Example
-from services import example_batch
+from services import broker_reset, example_batch, metrics, tansu_quirks
 from services.atomic import write_parquet_atomic
-from services.disk import DiskGuard
-from services.example_batch import BadExampleBatch, ExampleColumns
-from services.example_batch import take
-from services import broker_reset, metrics, tansu_quirks
 from services.codecs import MalformedMessage, processing_failed
+from services.disk import DiskGuard
+from services.example_batch import BadExampleBatch, ExampleColumns, take
 from services.kafka import BrokerUnavailable, TypedConsumer, create_topics
 from services.log import setup_logging
 from services.settings import Settings, get_settings
@@ -150,7 +148,7 @@ def flatten(c: ExampleColumns, labels: list[str]) -> pa.Table:
 
 
 def hour_dir(root: Path, event_time_ms: int) -> Path:
-    t = datetime.fromtimestamp(event_time_ms / 1000, tz=timezone.utc)
+    t = datetime.fromtimestamp(event_time_ms / 1000, tz=UTC)
     return root / f"dt={t:%Y-%m-%d}" / f"hour={t:%H}"
 
 
@@ -319,7 +317,7 @@ class _Dumper:
                     await (await self.consumer.dead_letter(r, err))
                 except (MemoryError, OSError):
                     raise  # the machine's fault, not the record's
-                except Exception as err:  # noqa: BLE001 - a record must not stop the dumper for good
+                except Exception as err:
                     self.totals["failed"] += 1
                     await (await self.consumer.dead_letter(r, processing_failed(err)))
             if records:

@@ -31,6 +31,6 @@ def bound_consumer_thread_stop(app: Any, seconds: float = CONSUMER_THREAD_STOP_S
     5.0
     >>> bound_consumer_thread_stop(type("Fresh", (), {"_consumer": None})())
     """
-    thread = getattr(getattr(app, "_consumer", None), "_thread", None)  # noqa: SLF001 - no public handle
+    thread = getattr(getattr(app, "_consumer", None), "_thread", None)
     if thread is not None:
         thread.shutdown_timeout = seconds

@@ -142,7 +142,7 @@ async def changelog_records(settings: Settings, tps: list[TopicPartition]
                                 **security_options(settings))
     await consumer.start()
     try:
-        await consumer._client.force_metadata_update()  # noqa: SLF001 - the topic may be new
+        await consumer._client.force_metadata_update()
         left = [tp for tp in tps if tp.partition in (consumer.partitions_for_topic(tp.topic) or set())]
         if not left:
             return out

@@ -15,7 +15,7 @@ _SCALE = float(1 << 64)
 
 
 @functools.lru_cache(maxsize=16)
-def _keyed(seed: int) -> "hashlib._Hash":
+def _keyed(seed: int) -> hashlib._Hash:
     return hashlib.blake2b(digest_size=8, key=seed.to_bytes(8, "little", signed=True))
 
 

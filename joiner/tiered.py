@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
-from collections.abc import Iterator
 
 from joiner.types import KVStore
 

@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 from aiokafka import TopicPartition
 
 from joiner import metrics as jm
+from joiner.config import JoinConfig
 from joiner.core import JoinCore
-from joiner.partitioning import murmur2_partitions
 from joiner.faust_store import MARKER, JoinStore, PartitionKV
 from joiner.kafka_io import BatchedSender, InputConsumer
 from joiner.offsets import OffsetBook
+from joiner.partitioning import murmur2_partitions
 from joiner.tiered import TieredState
-from joiner.config import JoinConfig
 from services import metrics
 from services.codecs import MalformedMessage, processing_failed
 from services.settings import Settings
@@ -245,14 +245,14 @@ class Worker:
     def _join_once(self, part: Part, batch: Sequence[tuple]) -> tuple[int, Exception] | None:
         core, features, i = part.core, self.features, 0
         try:
-            for i, (topic, p, value, ts, _) in enumerate(batch):
+            for i, (topic, p, value, ts, _) in enumerate(batch):  # noqa: B007 - i: where the except below failed
                 if topic == features:
                     core.on_features(p, value, ts)
                 else:
                     core.on_action(p, value, ts)
         except (MemoryError, OSError):
             raise  # the machine's fault, not the record's
-        except Exception as err:  # noqa: BLE001 - whatever a record triggers, it must not loop
+        except Exception as err:
             return i, err
         core.advance(part.p)
         return None

@@ -56,7 +56,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import date, datetime, timezone
+from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -207,7 +207,7 @@ def _time(text: str, unit: str, line: int) -> int | None:
         except ValueError:
             raise InvalidInput(f"line {line}: event time {text!r} is not ISO 8601") from None
         # a time without a zone is UTC (a log's local time would move with the machine replaying it)
-        return int((when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp() * 1000)
+        return int((when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp() * 1000)
     try:
         t = float(text)
     except ValueError:
@@ -262,7 +262,7 @@ def parquet_rows(path: Path, spec: MapFile, batch_rows: int = 65_536) -> Iterato
     separator = spec.csv.list_separator or "|"
     try:
         source = pq.ParquetFile(path)
-    except Exception as err:  # noqa: BLE001 - pyarrow's own errors: not Parquet, unreadable
+    except Exception as err:
         raise InvalidInput(f"{path}: not a readable Parquet file ({err})") from None
     for batch in source.iter_batches(batch_size=batch_rows):
         for row in batch.to_pylist():
@@ -276,7 +276,7 @@ def _text(value: Any, unit: str, separator: str) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, datetime):  # a timestamp without a zone is UTC, as in _time
-        ms = int((value if value.tzinfo else value.replace(tzinfo=timezone.utc)).timestamp() * 1000)
+        ms = int((value if value.tzinfo else value.replace(tzinfo=UTC)).timestamp() * 1000)
         return value.isoformat() if unit == "iso" else str(ms // 1000 if unit == "s" else ms)
     if isinstance(value, date):
         return _text(datetime(value.year, value.month, value.day), unit, separator)

@@ -164,7 +164,7 @@ async def drive(
     clicks_left = np.bincount(plan.action_request, minlength=plan.n_requests)
     request_ids: dict[int, asyncio.Future[str | None]] = {}
     tasks: set[asyncio.Task] = set()
-    answered = open(settings.replay.answered_log, "a", buffering=1) if settings.replay.answered_log else None  # noqa: SIM115
+    answered = open(settings.replay.answered_log, "a", buffering=1) if settings.replay.answered_log else None
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=httpx.Timeout(30.0),
                                  headers=client_headers(settings.serving)) as client:  # serving's API key, if set
@@ -311,9 +311,9 @@ async def drive(
 def after_learned(settings, dataset: str) -> int | None:  # type: ignore[no-untyped-def]
     """The first rating after the newest event time the online trainer's snapshot learned (None:
     no snapshot it learned into): where a restarted replay resumes (``up``, ``--after-learned``)."""
+    from driftline.project import named_config
     from producers.movielens import first_rating_after
     from trainer import snapshots
-    from driftline.project import named_config
 
     root = settings.model_snapshots(named_config(settings.trainer.model).model_id)
     learned = snapshots.learned_online(root)

@@ -160,7 +160,7 @@ class EpochWatch:
                 current = await asyncio.wait_for(
                     ensure_broker_epoch(self.settings), self.settings.kafka.connect_timeout_s
                 )
-        except (KafkaError, OSError, asyncio.TimeoutError) as err:
+        except (TimeoutError, KafkaError, OSError) as err:
             log.debug("epoch check failed (%r); the broker is unreachable", err)
             return None
         if current == self.epoch:

@@ -54,8 +54,9 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, overload
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 import pyarrow as pa
@@ -376,9 +377,17 @@ def from_examples(examples: Sequence[Example]) -> ExampleColumns:
         col(lambda e: e.item_id, np.int64), col(lambda e: e.user_id, np.int64),
         col(lambda e: e.event_time_ms, np.int64), col(lambda e: e.sample_rate, np.float32),
         [e.model_id for e in examples],
-        labels={k: col(lambda e: e.labels.get(k, math.nan), np.float32) for k in label_names},
+        labels={k: col(partial(_label, k), np.float32) for k in label_names},
         sparse=sparse,
-        dense={k: col(lambda e: e.features.dense.get(k, math.nan), np.float32) for k in dense_names})
+        dense={k: col(partial(_dense, k), np.float32) for k in dense_names})
+
+
+def _label(name: str, e: Example) -> float:
+    return float(e.labels.get(name, math.nan))
+
+
+def _dense(name: str, e: Example) -> float:
+    return float(e.features.dense.get(name, math.nan))
 
 
 def to_examples(c: ExampleColumns) -> list[Example]:

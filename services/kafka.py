@@ -79,10 +79,10 @@ async def start_client(client: AIOKafkaProducer | AIOKafkaConsumer, settings: Se
     """Start a client, turning "no broker" into one actionable line instead of a traceback."""
     try:
         await asyncio.wait_for(client.start(), timeout=settings.kafka.connect_timeout_s)
-    except (KafkaConnectionError, asyncio.TimeoutError, OSError):
+    except (TimeoutError, KafkaConnectionError, OSError):
         try:
             await client.stop()
-        except Exception:  # noqa: BLE001 - best effort: the client never started
+        except Exception:
             pass
         raise _unreachable(settings) from None
 
@@ -100,7 +100,7 @@ async def create_topics(settings: Settings, topics: Mapping[str, int] | None = N
     admin = admin_client(settings)
     try:
         await asyncio.wait_for(admin.start(), timeout=settings.kafka.connect_timeout_s)
-    except (KafkaConnectionError, asyncio.TimeoutError, OSError):
+    except (TimeoutError, KafkaConnectionError, OSError):
         raise _unreachable(settings) from None
     try:
         existing = set(await admin.list_topics())
@@ -236,7 +236,7 @@ class TypedConsumer(Generic[M]):
         while not joined.is_set():
             try:
                 await asyncio.wait_for(joined.wait(), timeout=wait_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("%s: still joining consumer group %s after %.0fs (a member that stopped "
                             "without leaving holds the join until its session times out, %d ms)",
                             self.service, self.group_id, time.monotonic() - started,

@@ -99,7 +99,7 @@ def http_answers(url: str, timeout: float = 2.0) -> bool:
     import urllib.request
 
     try:
-        with urllib.request.urlopen(url, timeout=timeout):  # noqa: S310 - our own local endpoints
+        with urllib.request.urlopen(url, timeout=timeout):
             return True
     except urllib.error.HTTPError:
         return True

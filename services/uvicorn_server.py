@@ -20,7 +20,6 @@ from typing import Any
 
 import uvicorn
 
-
 GRACEFUL_SHUTDOWN_S = 5
 
 

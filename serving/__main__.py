@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging("serving-ps", settings.log_level)
         return serving_ps(settings)
     # imported here, not above: the serving PS must set up its metrics before prometheus_client loads
-    from serving.app import create_app
     from services.uvicorn_server import serve
+    from serving.app import create_app
 
     model, sock = None, None
     if args.worker_index is not None:  # a worker of this machine's serving PS

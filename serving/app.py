@@ -38,11 +38,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.settings import Settings
 from serving import auth, metrics
 from serving.api import actions, probes, rank
 from serving.model import ServingModel
 from serving.replica import Serving
-from services.settings import Settings
 
 __all__ = ["create_app"]
 

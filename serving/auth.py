@@ -32,9 +32,9 @@ from fastapi.openapi.models import HTTPBearer as HTTPBearerModel
 from fastapi.responses import JSONResponse, Response
 from fastapi.security.base import SecurityBase
 
-from serving.metrics import AUTH
 from services.api_keys import API_KEY_HEADER, ApiKeyError, configured_keys, keys_required, listed_keys, read_key_file
 from services.settings import ServingSettings
+from serving.metrics import AUTH
 
 log = logging.getLogger(__name__)
 

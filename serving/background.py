@@ -32,7 +32,7 @@ class BackgroundLoop:
                 raise
             except BrokerUnavailable as err:
                 log.warning("%s: %s; retrying in %.1fs", self.task_name, err, self.retry_s)
-            except Exception:  # noqa: BLE001 - a bad record or a bug must not stop serving
+            except Exception:
                 log.exception("%s: consumer failed; restarting in %.1fs", self.task_name, self.retry_s)
             raise_if_cancelled()
             await asyncio.sleep(self.retry_s)

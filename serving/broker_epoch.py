@@ -16,10 +16,10 @@ import time
 
 from aiokafka.errors import KafkaError
 
-from serving.background import raise_if_cancelled
+from services.broker_reset import EpochWatch
 from services.kafka import BrokerUnavailable
 from services.settings import Settings
-from services.broker_reset import EpochWatch
+from serving.background import raise_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class SharedEpoch:
             if not self._started:
                 try:
                     await asyncio.wait_for(self.watch.start(), self.settings.kafka.connect_timeout_s)
-                except (KafkaError, OSError, asyncio.TimeoutError, BrokerUnavailable) as err:
+                except (TimeoutError, KafkaError, OSError, BrokerUnavailable) as err:
                     log.debug("broker epoch not known yet: %r", err)
                     with contextlib.suppress(Exception):
                         await self.watch.stop()

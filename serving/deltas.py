@@ -53,16 +53,16 @@ from pathlib import Path
 from aiokafka import TopicPartition
 
 from proto import ParameterDelta
+from services import metrics as shared_metrics
+from services.codecs import MalformedMessage, processing_failed
+from services.kafka import Record, TypedConsumer, create_topics
+from services.settings import Settings
 from serving import metrics
 from serving.background import BackgroundLoop
 from serving.broker_epoch import SharedEpoch
 from serving.model import ServingModel
 from serving.refused_deltas import RefusedDeltas
 from serving.versions import Bootstrap, DeltaRejected
-from services import metrics as shared_metrics
-from services.codecs import MalformedMessage, processing_failed
-from services.kafka import Record, TypedConsumer, create_topics
-from services.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class DeltaFeed(BackgroundLoop):
             await consumer.start()
             parts = consumer.consumer.partitions_for_topic(topic)
             if not parts:
-                await consumer.consumer._client.force_metadata_update()  # noqa: SLF001
+                await consumer.consumer._client.force_metadata_update()
                 parts = consumer.consumer.partitions_for_topic(topic) or {0}
             tps = [TopicPartition(topic, p) for p in sorted(parts)]
             if len(tps) > 1:
@@ -248,7 +248,7 @@ class DeltaFeed(BackgroundLoop):
         try:
             # In a worker thread, building new tables: requests keep being scored on the old ones.
             boot = await asyncio.to_thread(self.model.bootstrap, self.snapshot_dir)
-        except Exception:  # noqa: BLE001 - a bad snapshot: keep serving, look again later
+        except Exception:
             log.exception("param deltas: reloading from the snapshot of epoch %s failed; keeping the "
                           "current model", awaiting)
             return False
@@ -304,7 +304,7 @@ class DeltaFeed(BackgroundLoop):
                       msg.version, msg.chunk_index, err)
             await self._dead_letter_once(consumer, record, MalformedMessage("refused", str(err)[:500]))
             return
-        except Exception as err:  # noqa: BLE001 - decoded but failed: dead-letter it, move on
+        except Exception as err:
             self.skipped += 1
             self.failed += 1
             metrics.DELTAS_SKIPPED.labels("failed").inc()

@@ -57,9 +57,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.types as pat
 
-from serving.feature_store import FeatureStore, FeatureStoreError
 from services.hashing import string_id, string_ids, string_key
 from services.redis_client import redacted, without_password
+from serving.feature_store import FeatureStore, FeatureStoreError
 
 Slots = dict[str, list[int]]
 _SLOT = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")

@@ -30,16 +30,15 @@ from aiokafka.errors import MessageSizeTooLargeError, RecordTooLargeError
 from google.protobuf.internal.encoder import _VarintBytes
 
 from proto import FeatureLog, Features, ModelVersion
-
 from services import metrics as shared_metrics
 from services.aiokafka_quirks import set_lz4_level
+from services.disk import DiskGuard
 from services.kafka import BrokerUnavailable, producer, start_client
 from services.settings import Settings
+from services.spool import Entry, Spool, SpoolDiskFull
 from serving import metrics
 from serving.background import cancel_and_wait, raise_if_cancelled
 from serving.broker_epoch import SharedEpoch
-from services.disk import DiskGuard
-from services.spool import Entry, Spool, SpoolDiskFull
 
 log = logging.getLogger(__name__)
 _FLOAT = struct.Struct("<f")
@@ -283,7 +282,7 @@ class FeatureLogger:
                 backoff = _MIN_BACKOFF_S
             except asyncio.CancelledError:
                 raise
-            except Exception as err:  # noqa: BLE001 - every failure is retried; nothing is dropped
+            except Exception as err:
                 metrics.FEATURE_LOG_SEND_ERRORS.inc()
                 log.warning("feature log: shipping failed (%r); retrying in %.1fs, the entries stay "
                             "in the spool", err, backoff)

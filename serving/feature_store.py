@@ -43,10 +43,10 @@ from typing import Any
 import hiredis
 from redis.exceptions import AuthenticationError, RedisClusterException, RedisError, ResponseError
 
-from serving import metrics
-from serving.cluster_io import SlotMapRefresh, send_by_node
 from services.redis_client import RedisCluster, connect, redacted, without_password
 from services.settings import RedisClientSettings
+from serving import metrics
+from serving.cluster_io import SlotMapRefresh, send_by_node
 
 Slots = dict[str, list[int]]
 
@@ -154,7 +154,7 @@ class FeatureStore:
             if self.cluster:
                 return bool(await self.redis.ping(target_nodes=RedisCluster.PRIMARIES))
             return bool(await self.redis.ping())
-        except Exception:  # noqa: BLE001 - any failure means "not reachable"
+        except Exception:
             return False
 
     async def fetch(self, user_id: int, item_ids: Sequence[int]) -> RankFeatures:
@@ -169,7 +169,7 @@ class FeatureStore:
                 packed = hiredis.pack_command(("MGET", self.user_key(user_id), *map(item.__add__, map(str, item_ids)))) + \
                     hiredis.pack_command(("LRANGE", self.clicks_key(user_id), 0, self.recent_clicks - 1))
                 values, clicks = await self._round_trip(packed, 2)
-        except Exception as err:  # noqa: BLE001 - redis raises many types; callers get one
+        except Exception as err:
             metrics.FEATURE_STORE_ERRORS.labels("fetch").inc()
             raise self.error("fetch", err) from err
         finally:
@@ -253,7 +253,7 @@ class FeatureStore:
             for user_id in {u for u, _ in clicks}:
                 pipe.ltrim(self.clicks_key(user_id), 0, self.recent_clicks - 1)
             results = await pipe.execute(raise_on_error=False)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             metrics.FEATURE_STORE_ERRORS.labels("record_clicks").inc()
             await self._refresh()  # a cluster's node down: the next try finds its replica
             raise self.error("update", err) from err
@@ -271,7 +271,7 @@ class FeatureStore:
         """A small named value kept beside the features (e.g. the broker epoch they were read in)."""
         try:
             raw = await self.redis.get(self.marker_key(name))
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             await self._refresh()
             raise self.error("read", err) from err
         return raw.decode() if raw is not None else None
@@ -279,7 +279,7 @@ class FeatureStore:
     async def set_marker(self, name: str, value: str) -> None:
         try:
             await self.redis.set(self.marker_key(name), value)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             await self._refresh()
             raise self.error("update", err) from err
 

@@ -27,8 +27,17 @@ from ps import EmbeddingTable, SyncChunk, TableConfig
 from serving.correction import SampleRates
 from serving.model import Slots, latest_snapshot
 from serving.request_features import Declared
-from serving.versions import (Bootstrap, DeltaRejected, SparseVersions, VersionState, check_shard, chunk_done,
-                              delta_sample_rates, manifest_sample_rates, manifest_sparse_versions)
+from serving.versions import (
+    Bootstrap,
+    DeltaRejected,
+    SparseVersions,
+    VersionState,
+    check_shard,
+    chunk_done,
+    delta_sample_rates,
+    manifest_sample_rates,
+    manifest_sparse_versions,
+)
 
 __all__ = ["DEFAULT_SLOTS", "FMModel"]
 

@@ -20,16 +20,24 @@ from ps import EmbeddingTable, SyncChunk, TableConfig
 from serving.correction import SampleRates
 from serving.request_features import Declared
 from serving.split_head import SplitHead
-from serving.versions import (Bootstrap, DeltaRejected, SparseVersions, VersionState, check_shard, chunk_done,
-                              delta_sample_rates, manifest_sample_rates, manifest_sparse_versions)
+from serving.versions import (
+    Bootstrap,
+    DeltaRejected,
+    SparseVersions,
+    VersionState,
+    check_shard,
+    chunk_done,
+    delta_sample_rates,
+    manifest_sample_rates,
+    manifest_sparse_versions,
+)
 from trainer.sharding import whole_tables
 
 if TYPE_CHECKING:
-    from trainer.config import ModelConfig
-    from trainer.model import DenseHead
     from trainer.batch import SparseBatch
+    from trainer.config import ModelConfig
     from trainer.inference import Scorer
-    from trainer.model import SparseModel
+    from trainer.model import DenseHead, SparseModel
 
 Slots = Mapping[str, Sequence[int]]
 _NO_IDS = np.zeros(0, np.int64)

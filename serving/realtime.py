@@ -24,14 +24,14 @@ import logging
 from aiokafka import TopicPartition
 
 from proto import Action
-from serving import metrics
-from serving.background import BackgroundLoop, raise_if_cancelled
-from serving.broker_epoch import SharedEpoch
-from serving.feature_store import FeatureStore, FeatureStoreError
 from services import metrics as shared_metrics
 from services.codecs import processing_failed
 from services.kafka import Record, TypedConsumer
 from services.settings import Settings
+from serving import metrics
+from serving.background import BackgroundLoop, raise_if_cancelled
+from serving.broker_epoch import SharedEpoch
+from serving.feature_store import FeatureStore, FeatureStoreError
 
 log = logging.getLogger(__name__)
 
@@ -127,13 +127,13 @@ class RecentClicks(BackgroundLoop):
         clicks = [(r.value.user_id, r.value.item_id) for r in owners]
         try:
             refused = await self._with_retry(clicks)
-        except Exception as err:  # noqa: BLE001 - a bug, not Redis: find the records it fails on
+        except Exception as err:
             log.warning("recent clicks: a batch failed (%r); recording its clicks one by one", err)
             refused = []
             for i, click in enumerate(clicks):
                 try:
                     refused += [(i, e) for _, e in await self._with_retry([click])]
-                except Exception as one:  # noqa: BLE001
+                except Exception as one:
                     refused.append((i, one))
         letters = []
         for i, err in refused:

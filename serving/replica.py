@@ -12,6 +12,10 @@ import time
 
 from fastapi import HTTPException, Request
 
+from services.codecs import event_time_error
+from services.log import Throttled
+from services.settings import Settings
+from services.spool import SpoolError, SpoolFull
 from serving import metrics
 from serving.broker_epoch import SharedEpoch
 from serving.deltas import DeltaFeed
@@ -24,10 +28,6 @@ from serving.realtime import RecentClicks
 from serving.schemas import ModelVersionOut, SampleRateOut
 from serving.shared_model import SharedFeed, SharedModel
 from serving.store_watch import StoreWatchLoop
-from services.codecs import event_time_error
-from services.log import Throttled
-from services.settings import Settings
-from services.spool import SpoolError, SpoolFull
 
 __all__ = ["Serving", "model_version", "serving_of"]
 

@@ -33,12 +33,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from services.settings import Settings
 from serving import replica_metrics
 from serving.broker_epoch import SharedEpoch
 from serving.deltas import DeltaFeed
 from serving.model import warm_up
 from serving.shared_model import PSModel
-from services.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ async def _run_ps(settings: Settings, workers: list[subprocess.Popen[bytes]]) ->
             model.publish_state()  # readiness and staleness move without deltas too
             try:
                 await asyncio.wait_for(stop.wait(), options.ps_state_interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
     finally:
         for w in workers:

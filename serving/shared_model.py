@@ -31,9 +31,9 @@ from proto import ParameterDelta
 from serving.correction import SampleRates
 from serving.deltas import publish_model_metrics
 from serving.model import TrainerModel
-from serving.versions import Bootstrap, DeltaRejected, VersionState
 from serving.request_features import Declared
 from serving.shared_tables import Control, NotPublished, TablePublisher, attach_tables
+from serving.versions import Bootstrap, DeltaRejected, VersionState
 
 log = logging.getLogger(__name__)
 

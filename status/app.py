@@ -28,8 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from services.settings import Settings, get_settings
 from status.metrics import StatusMetrics
-from status.options import (StatusSettings, Target, parse_target, resolve_targets, status_settings,
-                            with_serving_key)
+from status.options import StatusSettings, Target, parse_target, resolve_targets, status_settings, with_serving_key
 from status.scrape import Scraper
 
 STATIC = Path(__file__).parent / "static"

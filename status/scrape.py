@@ -91,7 +91,7 @@ class Scraper:
             kind, detail = "http_status", f"HTTP {err.response.status_code}"
         except httpx.HTTPError as err:
             kind, detail = "connect", f"{type(err).__name__}: {err}"
-        except Exception as err:  # noqa: BLE001 - a malformed exposition must not stop the page
+        except Exception as err:
             kind, detail = "parse", f"{type(err).__name__}: {err}"
         state.last_duration_s = time.perf_counter() - started
         state.scrapes += 1
@@ -114,7 +114,7 @@ class Scraper:
         await asyncio.gather(*(self._fetch(s, now) for s in self.states))
         try:
             point, meta = derive(self.states, now, self.opts.rate_window_s)
-        except Exception:  # noqa: BLE001 - a bug in one series must not stop the page
+        except Exception:
             log.exception("deriving the status series failed")
             point, meta = {}, {}
         point = {k: _finite(v) for k, v in point.items()}
@@ -132,7 +132,7 @@ class Scraper:
                     await self.scrape_once()
                 except asyncio.CancelledError:
                     raise
-                except Exception:  # noqa: BLE001 - keep scraping whatever happened
+                except Exception:
                     log.exception("scrape round failed")
                 await asyncio.sleep(max(0.05, self.opts.scrape_interval_s - (time.monotonic() - started)))
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from rocksdict import BlockBasedOptions, Options, ReadOptions, Rdict, WriteBatch
+from rocksdict import BlockBasedOptions, Options, Rdict, ReadOptions, WriteBatch
 
 
 class RdictKV:

@@ -119,6 +119,11 @@ def markdown(r: dict, plots: bool = True) -> str:
     return "\n".join(L) + "\n"
 
 
+def _figure(section: str, plots: bool) -> list[str]:
+    """The section's plot as markdown lines (none without plots)."""
+    return [f"![{section}]({PLOTS[section]})", ""] if plots else []
+
+
 def _md_collisions(c: dict, plots: bool) -> list[str]:
     st = c["setup"]
     m = st.get("model", {})
@@ -178,9 +183,7 @@ def _md_collisions(c: dict, plots: bool) -> list[str]:
                     row.append(f"{g['per_epoch_wins'][e]}/{g['seeds']}")
         L.append("| " + " | ".join(row) + " |")
     L += [""]
-    if plots:
-        L += [f"![collisions]({PLOTS['collisions']})", ""]
-    return L
+    return L + _figure("collisions", plots)
 
 
 def _md_tuning(tn: dict, settings: dict) -> list[str]:
@@ -265,9 +268,7 @@ def _md_online(o: dict, plots: bool) -> list[str]:
                  f"{PAPER['online'][k]} | {PAPER['interval'][k]} |")
     L += ["", "Batch-only on each N's shards: " + ", ".join(
         f"{k}: {_pm(v)}" for k, v in bo.get("by_N", {}).items()) + ".", ""]
-    if plots:
-        L += [f"![online]({PLOTS['online']})", ""]
-    return L
+    return L + _figure("online", plots)
 
 
 def _md_staleness(s: dict, plots: bool) -> list[str]:
@@ -287,9 +288,7 @@ def _md_staleness(s: dict, plots: bool) -> list[str]:
             L.append(f"| {k} | {_f(a['auc_mean_after_failure'])} | {a['auc_lost_mean']:+.4f} ± {_f(a['auc_lost_std'])} | "
                      f"{a['first_shard_auc_lost_mean']:+.4f} ± {_f(a['first_shard_auc_lost_std'])} |")
     L += ["", "Paper: a day of lost updates on a few parameters barely changes quality, so daily snapshots suffice.", ""]
-    if plots:
-        L += [f"![staleness]({PLOTS['staleness']})", ""]
-    return L
+    return L + _figure("staleness", plots)
 
 
 def _md_baselines(b: dict, plots: bool) -> list[str]:
@@ -350,8 +349,7 @@ def _md_baselines(b: dict, plots: bool) -> list[str]:
                 L.append(f"| {c['batch_size']} | {c['lr']} | {_f(c['auc_mean'])} | {c['auc_mean'] - r['auc_mean']:+.4f} | "
                          f"{_rate(c['ex_per_s'])} | {c['ex_per_s'] / r['ex_per_s']:.2f}x |")
     L += [""]
-    if plots:
-        L += [f"![baselines]({PLOTS['baselines']})", ""]
+    L += _figure("baselines", plots)
     for ds, o in (b.get("datasets") or {}).items():
         L += [f"**{ds}**, the whole data set ({o['setup']['ratings']:,} ratings, rating >= 4 as a click, time order), "
               "with the settings tuned on ml-1m's tuning stream (nothing tuned here):", "",

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from driftline.client import AsyncRankClient, InvalidInput, ServingError
 from driftline.project import FeatureSpec, load_project
 from producers.csv_log import Request, load_map, parquet_rows, rebase, requests_of, too_old
-from producers.join_report import add_arguments, default_urls, with_join_report
+from producers.join_report import add_arguments, default_urls, driver_settings, with_join_report
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -168,26 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
     log_file.add_argument("--parquet", type=Path, help="the same log as a Parquet file (typed cells)")
     p.add_argument("--map", type=Path, required=True, help="TOML naming the log's columns (see producers/csv_log.py)")
     p.add_argument("--config", type=Path, default=None, help="the project file (driftline.toml): the features' specs")
-    p.add_argument("--url", default=None, help="serving base URL (default: settings.serving host and port)")
     p.add_argument("--speed", type=float, default=None,
                    help="event-time speed-up; 0 = as fast as serving answers (default: settings.replay.speed)")
     p.add_argument("--limit", type=int, default=None, help="replay at most the first N requests")
     p.add_argument("--rebase", action="store_true", help="shift event times so the log's last event is now")
-    p.add_argument("--concurrency", type=int, default=16, help="HTTP calls in flight at most")
-    p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for serving's /readyz")
-    p.add_argument("--no-progress", action="store_true")
     add_arguments(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from services.log import setup_logging
-    from services.settings import get_settings
-
     args = build_parser().parse_args(argv)
-    settings = get_settings()
-    setup_logging(SERVICE, settings.log_level)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call otherwise
+    settings = driver_settings(SERVICE)
     try:
         replay = replay_csv(settings, args.csv or args.parquet, args.map, args.config, url=args.url,
                             speed=args.speed, limit=args.limit, rebase_time=args.rebase, concurrency=args.concurrency,

@@ -98,32 +98,19 @@ FORMAT_VERSION: Final[int] = 1
 #: Positive label: rating >= 4 stars (Monolith's >= 3.5 cut on ml-25m, on whole stars).
 LABEL_MIN_RATING: Final[float] = 4.0
 
-RATINGS_SCHEMA: Final[pa.Schema] = pa.schema(
-    [
-        pa.field("user_id", pa.int64(), nullable=False),
-        pa.field("item_id", pa.int64(), nullable=False),
-        pa.field("rating", pa.float32(), nullable=False),
-        pa.field("timestamp", pa.int64(), nullable=False),
-        pa.field("label", pa.int8(), nullable=False),
-    ]
-)
-USERS_SCHEMA: Final[pa.Schema] = pa.schema(
-    [
-        pa.field("user_id", pa.int64(), nullable=False),
-        pa.field("gender", pa.string(), nullable=False),
-        pa.field("age", pa.int32(), nullable=False),
-        pa.field("occupation", pa.string(), nullable=False),
-        pa.field("zip", pa.string(), nullable=False),
-    ]
-)
-ITEMS_SCHEMA: Final[pa.Schema] = pa.schema(
-    [
-        pa.field("item_id", pa.int64(), nullable=False),
-        pa.field("title", pa.string(), nullable=False),
-        pa.field("year", pa.int32(), nullable=True),
-        pa.field("genres", pa.list_(pa.string()), nullable=False),
-    ]
-)
+def _schema(*fields: tuple[str, pa.DataType], nullable: tuple[str, ...] = ()) -> pa.Schema:
+    return pa.schema([pa.field(name, kind, nullable=name in nullable) for name, kind in fields])
+
+
+RATINGS_SCHEMA: Final[pa.Schema] = _schema(
+    ("user_id", pa.int64()), ("item_id", pa.int64()), ("rating", pa.float32()), ("timestamp", pa.int64()),
+    ("label", pa.int8()))
+USERS_SCHEMA: Final[pa.Schema] = _schema(
+    ("user_id", pa.int64()), ("gender", pa.string()), ("age", pa.int32()), ("occupation", pa.string()),
+    ("zip", pa.string()))
+ITEMS_SCHEMA: Final[pa.Schema] = _schema(
+    ("item_id", pa.int64()), ("title", pa.string()), ("year", pa.int32()), ("genres", pa.list_(pa.string())),
+    nullable=("year",))
 
 _MANIFEST: Final[str] = "manifest.json"
 _WHEELS_DIR: Final[str] = "_wheels"

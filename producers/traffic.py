@@ -37,7 +37,7 @@ import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 from tqdm import tqdm
 
-from producers.join_report import add_arguments, default_urls, with_join_report
+from producers.join_report import add_arguments, default_urls, driver_settings, with_join_report
 from producers.movielens import load
 from producers.replay import ReplayPlan, make_plan
 from services.api_keys import client_headers
@@ -355,11 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--after-learned", action="store_true",
                    help="start after the newest event time the online trainer's snapshot learned, when there is "
                         "one (a replay restarted with the stack: docker compose); else at --start-rating")
-    p.add_argument("--concurrency", type=int, default=16, help="HTTP calls in flight at most")
-    p.add_argument("--url", default=None, help="serving base URL (default: settings.serving host and port)")
-    p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for serving's /readyz")
     p.add_argument("--metrics-port", type=int, default=None, help="/metrics port (default: settings.metrics_port)")
-    p.add_argument("--no-progress", action="store_true")
     p.add_argument("--stay", action="store_true",
                    help="after the replay, keep /metrics up until stopped (so its totals stay scrapeable)")
     add_arguments(p)
@@ -367,14 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from services.log import setup_logging
     from services.metrics import SERVICE_UP, serve_metrics
-    from services.settings import get_settings
 
     args = build_parser().parse_args(argv)
-    settings = get_settings()
-    setup_logging(SERVICE, settings.log_level)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call otherwise
+    settings = driver_settings(SERVICE)
     port = settings.metrics_port if args.metrics_port is None else args.metrics_port
     if port:
         try:

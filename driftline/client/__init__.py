@@ -31,8 +31,15 @@ the actions with it) and ``items`` best first, each with the caller's ``item`` a
 ``client.actions([{"request_id": r.request_id, "item_id": "sku-2", "action_type": "click"}])``.
 """
 
-from driftline.client.features import (FeatureEncoder, InvalidInput, MissingFeature, UnknownAction, UnknownFeature,
-                                       WrongValue, item_id_of)
+from driftline.client.features import (
+                                       FeatureEncoder,
+                                       InvalidInput,
+                                       MissingFeature,
+                                       UnknownAction,
+                                       UnknownFeature,
+                                       WrongValue,
+                                       item_id_of,
+)
 from driftline.client.http import AsyncRankClient, RankClient, Ranking, Rejected, ScoredItem, ServingError
 from driftline.client.kafka import ActionProducer, Blocking, FeatureLogProducer
 

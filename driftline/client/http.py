@@ -195,16 +195,30 @@ class _Base:
         self.retries = retries
         self.headers = _auth_headers(api_key)
 
-    def _give_up(self, endpoint: str, attempt: int, outcome: httpx.Response | Exception) -> ServingError | None:
-        """The error to raise now, or None to retry after :meth:`_pause`."""
+    def _settled(self, endpoint: str, attempt: int, outcome: httpx.Response | Exception) -> dict | None:
+        """A call's answer (a 2xx's body), None to retry after :meth:`_pause`, or the error raised
+        (a rejection at once; anything else once the retries are spent)."""
         if isinstance(outcome, httpx.Response):
+            if outcome.status_code < 300:
+                answer: dict = outcome.json()
+                return answer
             err = _error(endpoint, outcome)
-            return err if isinstance(err, Rejected) or attempt >= self.retries else None
-        return ServingError(0, f"{type(outcome).__name__}: {outcome}", endpoint) if attempt >= self.retries else None
+            if isinstance(err, Rejected) or attempt >= self.retries:
+                raise err
+        elif attempt >= self.retries:
+            raise ServingError(0, f"{type(outcome).__name__}: {outcome}", endpoint)
+        return None
 
-    @staticmethod
-    def _not_ready(url: str, timeout_s: float, last: str) -> ServingError:
-        return ServingError(503, f"serving at {url} not ready after {timeout_s:.0f} s ({last})", "/readyz")
+    def _ready(self, outcome: httpx.Response | Exception, deadline: float, timeout_s: float) -> dict | None:
+        """``/readyz``'s body once serving has a model; None to ask again; past the deadline an error
+        naming the last answer."""
+        if isinstance(outcome, httpx.Response) and outcome.status_code == 200:
+            body: dict = outcome.json()
+            return body
+        if time.monotonic() <= deadline:
+            return None
+        last = f"HTTP {outcome.status_code}" if isinstance(outcome, httpx.Response) else type(outcome).__name__
+        raise ServingError(503, f"serving at {self.url} not ready after {timeout_s:.0f} s ({last})", "/readyz")
 
     @staticmethod
     def _pause(attempt: int) -> float:
@@ -236,32 +250,24 @@ class RankClient(_Base):
     def _post(self, endpoint: str, body: dict) -> dict:
         for attempt in range(self.retries + 1):
             try:
-                r = self.http.post(endpoint, json=body)
-                if r.status_code < 300:
-                    return r.json()  # type: ignore[no-any-return]
-                outcome: httpx.Response | Exception = r
+                outcome: httpx.Response | Exception = self.http.post(endpoint, json=body)
             except httpx.TransportError as err:
                 outcome = err
-            err = self._give_up(endpoint, attempt, outcome)
-            if err is not None:
-                raise err
+            if (answer := self._settled(endpoint, attempt, outcome)) is not None:
+                return answer
             time.sleep(self._pause(attempt))
         raise AssertionError("unreachable")
 
     def wait_ready(self, timeout_s: float = 60.0) -> dict:
         """Poll ``/readyz`` until serving has a model (its body), or :class:`ServingError` after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        last = "no answer"
         while True:
             try:
-                r = self.http.get("/readyz")
-                if r.status_code == 200:
-                    return r.json()  # type: ignore[no-any-return]
-                last = f"HTTP {r.status_code}"
+                outcome: httpx.Response | Exception = self.http.get("/readyz")
             except httpx.TransportError as err:
-                last = type(err).__name__
-            if time.monotonic() > deadline:
-                raise self._not_ready(self.url, timeout_s, last)
+                outcome = err
+            if (body := self._ready(outcome, deadline, timeout_s)) is not None:
+                return body
             time.sleep(_READY_POLL_S)
 
     def rank(self, user_id: Item | None = None, candidates: Sequence[Any] = (), context: Mapping[str, Any] | None = None,
@@ -302,32 +308,24 @@ class AsyncRankClient(_Base):
     async def _post(self, endpoint: str, body: dict) -> dict:
         for attempt in range(self.retries + 1):
             try:
-                r = await self.http.post(endpoint, json=body)
-                if r.status_code < 300:
-                    return r.json()  # type: ignore[no-any-return]
-                outcome: httpx.Response | Exception = r
+                outcome: httpx.Response | Exception = await self.http.post(endpoint, json=body)
             except httpx.TransportError as err:
                 outcome = err
-            err = self._give_up(endpoint, attempt, outcome)
-            if err is not None:
-                raise err
+            if (answer := self._settled(endpoint, attempt, outcome)) is not None:
+                return answer
             await asyncio.sleep(self._pause(attempt))
         raise AssertionError("unreachable")
 
     async def wait_ready(self, timeout_s: float = 60.0) -> dict:
         """Poll ``/readyz`` until serving has a model (its body), or :class:`ServingError` after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        last = "no answer"
         while True:
             try:
-                r = await self.http.get("/readyz")
-                if r.status_code == 200:
-                    return r.json()  # type: ignore[no-any-return]
-                last = f"HTTP {r.status_code}"
+                outcome: httpx.Response | Exception = await self.http.get("/readyz")
             except httpx.TransportError as err:
-                last = type(err).__name__
-            if time.monotonic() > deadline:
-                raise self._not_ready(self.url, timeout_s, last)
+                outcome = err
+            if (body := self._ready(outcome, deadline, timeout_s)) is not None:
+                return body
             await asyncio.sleep(_READY_POLL_S)
 
     async def rank(self, user_id: Item | None = None, candidates: Sequence[Any] = (),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -280,6 +280,17 @@ class TypedConsumer(Generic[M]):
             # The dead letters must be durable before the offsets past them can be committed.
             await asyncio.gather(*rejects)
         return out
+
+    def lag_after(self, records: Sequence[Record[M]]) -> dict[int, int]:
+        """Each partition's records left behind the last of ``records`` (by the consumer's last known
+        high watermark; a partition without one is left out)."""
+        last = {r.partition: r for r in records}
+        lag = {}
+        for partition, r in last.items():
+            hw = self.consumer.highwater(TopicPartition(r.topic, partition))
+            if hw is not None:
+                lag[partition] = max(0, hw - r.offset - 1)
+        return lag
 
     async def batches(
         self, max_records: int | None = None, timeout_ms: int = 1000

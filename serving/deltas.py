@@ -202,13 +202,7 @@ class DeltaFeed(BackgroundLoop):
             self.awaiting_epoch = current
 
     def _note_lag(self, consumer: TypedConsumer[ParameterDelta], records: list[Record[ParameterDelta]]) -> None:
-        last: dict[int, int] = {}
-        for r in records:
-            last[r.partition] = r.offset
-        for partition, offset in last.items():
-            hw = consumer.consumer.highwater(TopicPartition(self.settings.topics.param_deltas, partition))
-            if hw is not None:
-                self._lag[partition] = max(0, hw - offset - 1)
+        self._lag.update(consumer.lag_after(records))
         if not any(self._lag.values()):
             self._behind_since = None
         elif self._behind_since is None:

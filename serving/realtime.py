@@ -20,8 +20,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-
-from aiokafka import TopicPartition
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from proto import Action
 from services import metrics as shared_metrics
@@ -34,6 +34,7 @@ from serving.broker_epoch import SharedEpoch
 from serving.feature_store import FeatureStore, FeatureStoreError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _EPOCH_MARKER = "realtime-epoch"
 
@@ -112,13 +113,7 @@ class RecentClicks(BackgroundLoop):
         self.from_beginning = True
 
     def _note_lag(self, consumer: TypedConsumer[Action], records: list[Record[Action]]) -> None:
-        last: dict[int, int] = {}
-        for r in records:
-            last[r.partition] = r.offset
-        for partition, offset in last.items():
-            hw = consumer.consumer.highwater(TopicPartition(self.settings.topics.actions, partition))
-            if hw is not None:
-                self._lag[partition] = max(0, hw - offset - 1)
+        self._lag.update(consumer.lag_after(records))
 
     async def _record(self, consumer: TypedConsumer[Action], batch: list[Record[Action]]) -> list[asyncio.Future]:
         """Record the batch's clicks; return the dead letters of the records that failed (to await
@@ -144,9 +139,13 @@ class RecentClicks(BackgroundLoop):
         return letters
 
     async def _with_retry(self, clicks: list[tuple[int, int]]) -> list[tuple[int, Exception]]:
+        return await self._until_stored(lambda: self.store.record_clicks(clicks))
+
+    async def _until_stored(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``await call()`` until the store answers (Redis down is waited out, never an error)."""
         while True:
             try:
-                return await self.store.record_clicks(clicks)
+                return await call()
             except FeatureStoreError as err:
                 log.warning("%s; retrying", err)
                 raise_if_cancelled()
@@ -157,13 +156,7 @@ class RecentClicks(BackgroundLoop):
         metrics.REALTIME_UPDATES.inc(n)
 
     async def _marker(self) -> str | None:
-        while True:
-            try:
-                return await self.store.get_marker(_EPOCH_MARKER)
-            except FeatureStoreError as err:
-                log.warning("%s; retrying", err)
-                raise_if_cancelled()
-                await asyncio.sleep(self.retry_s)
+        return await self._until_stored(lambda: self.store.get_marker(_EPOCH_MARKER))
 
     async def _set_marker(self, epoch: str) -> bool:
         try:

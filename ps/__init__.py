@@ -13,16 +13,25 @@ admitted ids read as zeros. Typical trainer step::
     ps.apply_gradients(batch, grads, event_time=t)         # dict slot -> float32 grads
 """
 
-from .config import (AdagradConfig, AdamConfig, AdmissionConfig, FtrlConfig, InitializerConfig,
-                     SGDConfig, TableConfig)
-from .errors import (InvalidEventTimeError, InvalidGradientError, InvalidIdsError, InvalidInputError,
-                     NonFiniteGradientError, PSError, ReadOnlyTableError, SnapshotCorruptError,
-                     SnapshotError, SnapshotNotFoundError, UnknownTableError)
+from .config import AdagradConfig, AdamConfig, AdmissionConfig, FtrlConfig, InitializerConfig, SGDConfig, TableConfig
+from .errors import (
+    InvalidEventTimeError,
+    InvalidGradientError,
+    InvalidIdsError,
+    InvalidInputError,
+    NonFiniteGradientError,
+    PSError,
+    ReadOnlyTableError,
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotNotFoundError,
+    UnknownTableError,
+)
 from .server import PackedBatch, ParameterServer
 from .shard import TableShard
 from .sharding import ShardRouter
-from .sync import SyncChunk
 from .snapshot import load_shard, restore_table, save_shard, save_table
+from .sync import SyncChunk
 from .table import EmbeddingTable
 
 __all__ = [

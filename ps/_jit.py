@@ -11,12 +11,33 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 
 import numba
 import numpy as np
+import numpy.typing as npt
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
+
+if TYPE_CHECKING:
+    from numba.core.dispatcher import Dispatcher
+    from numba.core.typing.templates import Signature
+
+# Annotations of the kernels' arguments. numba ignores them (it compiles for the types of the
+# values passed); they let mypy check the callers. Scalars come as Python or numpy numbers.
+I64Array: TypeAlias = npt.NDArray[np.int64]
+F32Array: TypeAlias = npt.NDArray[np.float32]
+F64Array: TypeAlias = npt.NDArray[np.float64]
+U8Array: TypeAlias = npt.NDArray[np.uint8]
+U16Array: TypeAlias = npt.NDArray[np.uint16]
+BoolArray: TypeAlias = npt.NDArray[np.bool_]
+IntLike: TypeAlias = int | np.integer[Any]
+FloatLike: TypeAlias = float | np.floating[Any]
+BoolLike: TypeAlias = bool | np.bool_
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _cache_writable() -> bool:
@@ -32,7 +53,7 @@ def _cache_writable() -> bool:
 CACHE = _cache_writable()
 
 
-def njit(fn):
+def njit(fn: _F) -> Dispatcher[_F]:
     """``numba.njit(cache=..., nogil=True, error_model="numpy")``: kernels release the GIL while they run.
 
     Bounds checks stay numba's default (off; ``NUMBA_BOUNDSCHECK=1`` turns them on to debug).
@@ -49,22 +70,27 @@ def njit(fn):
 ALIGN = 64
 
 
-def aligned_zeros(shape, dtype, align: int = ALIGN) -> np.ndarray:
+def aligned_zeros(shape: IntLike | tuple[IntLike, ...], dtype: npt.DTypeLike, align: int = ALIGN) -> np.ndarray:
     """``np.zeros`` whose data starts on an ``align``-byte boundary.
 
     numpy's large allocations start 16 bytes past a page boundary, so a 64-byte
     embedding row would touch two cache lines on every read; aligned, it touches one.
     """
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    dims = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
     dt = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
     buf = np.zeros(nbytes + align, np.uint8)
     off = (-buf.ctypes.data) % align
-    return buf[off:off + nbytes].view(dt).reshape(shape)
+    out: np.ndarray = buf[off:off + nbytes].view(dt).reshape(dims)
+    return out
+
+
+#: numba's lowering context (``numba.core.base.BaseContext``) is not annotated: ``Any``
+_Codegen: TypeAlias = Callable[[Any, ir.IRBuilder, "Signature", list[ir.Value]], ir.Value]
 
 
 @intrinsic
-def prefetch(typingctx, arr, idx):
+def _prefetch(typingctx: object, arr: types.Type, idx: types.Type) -> tuple[Signature, _Codegen] | None:
     """``prefetch(a, i)``: hint the CPU to load the cache line holding ``a[i]`` (``a[i, 0]`` for 2-D).
 
     Pure hint (LLVM ``llvm.prefetch``, read, keep in all cache levels): never faults and
@@ -75,7 +101,7 @@ def prefetch(typingctx, arr, idx):
         return None
     sig = types.void(arr, idx)
 
-    def codegen(context, builder, signature, args):
+    def codegen(context: Any, builder: ir.IRBuilder, signature: Signature, args: list[ir.Value]) -> ir.Value:
         aryty, idxty = signature.args
         ary = context.make_array(aryty)(context, builder, args[0])
         i = context.cast(builder, args[1], idxty, types.intp)
@@ -92,6 +118,11 @@ def prefetch(typingctx, arr, idx):
     return sig, codegen
 
 
+#: numba's stubs type an intrinsic's call with its typing function's arguments, ``typingctx``
+#: first (numba supplies it); in a kernel it is called with the rest, as this says.
+prefetch = cast("Callable[[np.ndarray, IntLike], None]", _prefetch)
+
+
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)
 _S33 = np.uint64(33)
@@ -101,7 +132,7 @@ _INV53 = 1.0 / 9007199254740992.0  # 2**-53
 
 
 @njit
-def mix64(key):
+def mix64(key: IntLike) -> np.uint64:
     """murmur3 fmix64 of an int64 (bit-reinterpreted as uint64): a bijection, so distinct ids never hash-collide in 64 bits."""
     x = np.uint64(key)
     x ^= x >> _S33
@@ -113,20 +144,20 @@ def mix64(key):
 
 
 @njit
-def mix64_seeded(key, seed):
+def mix64_seeded(key: IntLike, seed: IntLike) -> np.uint64:
     """A second, independent hash family (for shards, sketch rows and random draws)."""
     return mix64(np.int64(mix64(np.int64(np.uint64(key) ^ (np.uint64(seed) * _GOLD + _GOLD)))))
 
 
 @njit
-def uniform01(key, seed, counter):
+def uniform01(key: IntLike, seed: IntLike, counter: IntLike) -> np.float64:
     """A uniform float64 in [0, 1) that is a pure function of (key, seed, counter)."""
     h = mix64_seeded(np.int64(np.uint64(key) + np.uint64(counter) * _GOLD), seed)
     return np.float64(h >> _S11) * _INV53
 
 
 @numba.njit(cache=CACHE, nogil=True, inline="always")
-def prefetch_row(a, r):
+def prefetch_row(a: np.ndarray, r: IntLike) -> None:
     """Prefetch every cache line of row ``r`` of a 2-D float32/int32 array (any ``r``: a hint)."""
     row = a[r]
     n = a.shape[1]

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numbers
 
 import numpy as np
+import numpy.typing as npt
 
-from .errors import (InvalidEventTimeError, InvalidGradientError, InvalidIdsError,
-                     NonFiniteGradientError)
+from .errors import InvalidEventTimeError, InvalidGradientError, InvalidIdsError, NonFiniteGradientError
 
 
-def as_ids(ids) -> np.ndarray:
+def as_ids(ids: npt.ArrayLike) -> np.ndarray:
     """A C-contiguous int64 1-D view/copy of ``ids``; any lossless integer input is accepted."""
     a = np.asarray(ids)
     if a.ndim != 1:
@@ -24,7 +24,7 @@ def as_ids(ids) -> np.ndarray:
     raise InvalidIdsError(f"ids must be an integer array that fits int64, got dtype {a.dtype}")
 
 
-def as_grads(grads, n: int, dim: int, check_finite: bool = True) -> np.ndarray:
+def as_grads(grads: npt.ArrayLike, n: int, dim: int, check_finite: bool = True) -> np.ndarray:
     """float32 ``[n, dim]`` C-contiguous gradients, all finite (unless the caller checks that
     itself, once over many slots: ``check_finite=False``)."""
     g = np.asarray(grads)
@@ -41,7 +41,7 @@ def as_grads(grads, n: int, dim: int, check_finite: bool = True) -> np.ndarray:
     return g
 
 
-def as_event_time(t, n: int) -> np.ndarray:
+def as_event_time(t: npt.ArrayLike | None, n: int) -> np.ndarray:
     """Event time(s) in int64 ms: a length-1 array for a scalar, else one per id."""
     if isinstance(t, (bool, np.bool_)):
         raise InvalidEventTimeError("event time must be int64 milliseconds, got a bool")
@@ -58,7 +58,7 @@ def as_event_time(t, n: int) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64) if n != 1 else a.astype(np.int64).reshape(1)
 
 
-def as_values(values, n: int, dim: int) -> np.ndarray:
+def as_values(values: npt.ArrayLike, n: int, dim: int) -> np.ndarray:
     """float32 ``[n, dim]`` rows for replica upserts (finite, like gradients)."""
     try:
         return as_grads(values, n, dim)

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import mix64_seeded, njit, uniform01
+from ._jit import FloatLike, I64Array, IntLike, U16Array, mix64_seeded, njit, uniform01
 
 MAX_COUNT = 65535
 
 
 @njit
-def sketch_add(sketch, key, seed):
+def sketch_add(sketch: U16Array, key: IntLike, seed: IntLike) -> IntLike:
     """Count one occurrence of ``key``; returns its estimated count afterwards."""
     depth, width = sketch.shape
     lo = sketch_estimate(sketch, key, seed)
@@ -44,9 +44,9 @@ def sketch_add(sketch, key, seed):
 
 
 @njit
-def sketch_estimate(sketch, key, seed):
+def sketch_estimate(sketch: U16Array, key: IntLike, seed: IntLike) -> IntLike:
     depth, width = sketch.shape
-    lo = MAX_COUNT
+    lo: IntLike = MAX_COUNT
     for d in range(depth):
         c = np.int64(sketch[d, np.int64(mix64_seeded(key, seed + d) % np.uint64(width))])
         if c < lo:
@@ -55,7 +55,8 @@ def sketch_estimate(sketch, key, seed):
 
 
 @njit
-def admit(sketch, seed, min_count, probability, meta, rng_slot, key):
+def admit(sketch: U16Array, seed: IntLike, min_count: IntLike, probability: FloatLike, meta: I64Array, rng_slot: IntLike,
+          key: IntLike) -> bool:
     """Decide one occurrence of a missing ``key`` (counts it as a side effect)."""
     if min_count > 1:
         if sketch_add(sketch, key, seed) < min_count:
@@ -69,13 +70,13 @@ def admit(sketch, seed, min_count, probability, meta, rng_slot, key):
 
 
 @njit
-def _add_many(sketch, seed, keys, out):
+def _add_many(sketch: U16Array, seed: IntLike, keys: I64Array, out: I64Array) -> None:
     for i in range(keys.size):
         out[i] = sketch_add(sketch, keys[i], seed)
 
 
 @njit
-def _estimate_many(sketch, seed, keys, out):
+def _estimate_many(sketch: U16Array, seed: IntLike, keys: I64Array, out: I64Array) -> None:
     for i in range(keys.size):
         out[i] = sketch_estimate(sketch, keys[i], seed)
 
@@ -83,7 +84,7 @@ def _estimate_many(sketch, seed, keys, out):
 class CountMinSketch:
     """A standalone count-min sketch (the tables embed the same kernels)."""
 
-    def __init__(self, width: int = 1 << 18, depth: int = 4, seed: int = 0):
+    def __init__(self, width: int = 1 << 18, depth: int = 4, seed: int = 0) -> None:
         self.counts = np.zeros((depth, width), np.uint16)
         self.seed = seed
 

@@ -15,7 +15,8 @@ True
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from collections.abc import Callable
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -69,11 +70,11 @@ class FtrlConfig(_Frozen):
 
 
 OptimizerConfig = Annotated[
-    Union[SGDConfig, AdagradConfig, AdamConfig, FtrlConfig], Field(discriminator="kind")
+    SGDConfig | AdagradConfig | AdamConfig | FtrlConfig, Field(discriminator="kind")
 ]
 
 #: float32 state columns each optimizer stores beside a row, as a function of dim.
-_STATE_WIDTH = {"sgd": lambda d: 0, "adagrad": lambda d: d, "adam": lambda d: 2 * d + 1,
+_STATE_WIDTH: dict[str, Callable[[int], int]] = {"sgd": lambda d: 0, "adagrad": lambda d: d, "adam": lambda d: 2 * d + 1,
                 "ftrl": lambda d: 2 * d}
 
 
@@ -143,7 +144,7 @@ class TableConfig(_Frozen):
         """float32 optimizer-state columns stored beside each row."""
         return 0 if self.optimizer is None else _STATE_WIDTH[self.optimizer.kind](self.dim)
 
-    def serving(self) -> "TableConfig":
+    def serving(self) -> TableConfig:
         """The config of a serving replica of this table (no optimizer, no TTL, no tracking)."""
         return self.model_copy(update=dict(optimizer=None, ttl_seconds=None,
                                            admission=AdmissionConfig(), track_updates=False))

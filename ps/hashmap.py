@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import ALIGN, aligned_zeros, mix64, njit, prefetch
+from ._jit import ALIGN, I64Array, IntLike, aligned_zeros, mix64, njit, prefetch
 
 #: grow the index when it would be fuller than this (linear probing degrades past ~0.8)
 MAX_LOAD = 0.7
@@ -32,7 +32,7 @@ GROUP = 128
 
 
 @njit
-def probe(slots, mask, key):
+def probe(slots: I64Array, mask: IntLike, key: IntLike) -> np.int64:
     """Slot holding ``key``, or the empty slot where it would go (``>= 0`` either way)."""
     h = np.int64(mix64(key) & np.uint64(mask))
     while True:
@@ -42,14 +42,14 @@ def probe(slots, mask, key):
 
 
 @njit
-def home(key, mask):
+def home(key: IntLike, mask: IntLike) -> np.int64:
     return np.int64(mix64(key) & np.uint64(mask))
 
 
 @njit
-def resolve(slots, mask, key, h):
+def resolve(slots: I64Array, mask: IntLike, key: IntLike, h: IntLike) -> np.int64:
     """Row of ``key`` (-1 if absent), probing from its home slot ``h``."""
-    r = slots[h, 1]
+    r: np.int64 = slots[h, 1]
     if r < 0 or slots[h, 0] == key:  # at load <= 0.7 most ids end here
         return r
     while True:
@@ -60,7 +60,7 @@ def resolve(slots, mask, key, h):
 
 
 @njit
-def lookup_kernel(slots, mask, keys, out):
+def lookup_kernel(slots: I64Array, mask: IntLike, keys: I64Array, out: I64Array) -> None:
     # Batched probes: hash a group of ids and prefetch their home slots, then resolve
     # them, so a group's cache misses overlap instead of being paid one after another.
     n = keys.size
@@ -76,7 +76,7 @@ def lookup_kernel(slots, mask, keys, out):
 
 
 @njit
-def put(slots, mask, key, row):
+def put(slots: I64Array, mask: IntLike, key: IntLike, row: IntLike) -> tuple[IntLike, bool]:
     """Map ``key -> row`` if absent; returns the row now mapped and whether it was new."""
     h = probe(slots, mask, key)
     if slots[h, 1] >= 0:
@@ -87,10 +87,10 @@ def put(slots, mask, key, row):
 
 
 @njit
-def remove(slots, mask, key):
+def remove(slots: I64Array, mask: IntLike, key: IntLike) -> IntLike:
     """Unmap ``key`` by backward-shift deletion; returns its row or -1."""
     i = probe(slots, mask, key)
-    row = slots[i, 1]
+    row: np.int64 = slots[i, 1]
     if row < 0:
         return -1
     j = i
@@ -113,7 +113,7 @@ def remove(slots, mask, key):
 
 
 @njit
-def rehash_kernel(old, new, new_mask):
+def rehash_kernel(old: I64Array, new: I64Array, new_mask: IntLike) -> None:
     for s in range(old.shape[0]):
         if old[s, 1] >= 0:
             put(new, new_mask, old[s, 0], old[s, 1])
@@ -136,7 +136,7 @@ class HashIndex:
     on its own ``slots`` array so a whole batch is one kernel call.
     """
 
-    def __init__(self, capacity: int = 1024):
+    def __init__(self, capacity: int = 1024) -> None:
         self.slots = empty_slots(capacity)
         self.size = 0
 
@@ -145,7 +145,7 @@ class HashIndex:
 
     @property
     def capacity(self) -> int:
-        return self.slots.shape[0]
+        return int(self.slots.shape[0])
 
     def reserve(self, n: int) -> None:
         """Make room for ``n`` keys in total, rehashing into a bigger slot array if needed."""
@@ -179,7 +179,7 @@ def grow(slots: np.ndarray, n: int) -> np.ndarray:
 
 
 @njit
-def _insert_kernel(slots, mask, keys, rows, out):
+def _insert_kernel(slots: I64Array, mask: IntLike, keys: I64Array, rows: I64Array, out: I64Array) -> int:
     added = 0
     for i in range(keys.size):
         r, new = put(slots, mask, keys[i], rows[i])

@@ -15,14 +15,14 @@ import math
 
 import numpy as np
 
-from ._jit import njit, uniform01
+from ._jit import F32Array, FloatLike, I64Array, IntLike, njit, uniform01
 
 INIT_ZEROS, INIT_UNIFORM, INIT_NORMAL = 0, 1, 2
 KINDS = {"zeros": INIT_ZEROS, "uniform": INIT_UNIFORM, "normal": INIT_NORMAL}
 
 
 @njit
-def init_row(out_row, key, kind, scale, seed):
+def init_row(out_row: F32Array, key: IntLike, kind: IntLike, scale: FloatLike, seed: IntLike) -> None:
     """Fill ``out_row`` (float32[dim]) with the initial weights of ``key``."""
     dim = out_row.size
     if kind == INIT_ZEROS:
@@ -39,7 +39,7 @@ def init_row(out_row, key, kind, scale, seed):
 
 
 @njit
-def _init_many(keys, out, kind, scale, seed):
+def _init_many(keys: I64Array, out: F32Array, kind: IntLike, scale: FloatLike, seed: IntLike) -> None:
     for i in range(keys.size):
         init_row(out[i], keys[i], kind, scale, seed)
 

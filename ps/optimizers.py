@@ -18,9 +18,9 @@ import math
 
 import numpy as np
 
-from ._jit import njit, prefetch, prefetch_row
-from .rowmarks import mark_changed
+from ._jit import BoolLike, F32Array, F64Array, I64Array, IntLike, U8Array, njit, prefetch, prefetch_row
 from .config import AdagradConfig, AdamConfig, FtrlConfig, SGDConfig, TableConfig
+from .rowmarks import mark_changed
 
 OPT_NONE, OPT_SGD, OPT_ADAGRAD, OPT_ADAM, OPT_FTRL = -1, 0, 1, 2, 3
 
@@ -45,7 +45,7 @@ def encode(cfg: TableConfig) -> tuple[int, np.ndarray]:
 
 
 @njit
-def init_state(w, s, kind, hyper):
+def init_state(w: F32Array, s: F32Array, kind: IntLike, hyper: F64Array) -> None:
     """Initial optimizer state ``s`` of a new row whose weights are ``w``."""
     dim = w.size
     if kind == OPT_ADAGRAD:
@@ -70,7 +70,7 @@ DEDUPE_GROUP = 64
 
 
 @njit
-def dedupe_capacity(n):
+def dedupe_capacity(n: IntLike) -> int:
     """Slots of :func:`dedupe_into`'s scratch table for a batch of ``n`` ids (load <= 0.5)."""
     cap = 16
     while cap < 2 * n:
@@ -79,7 +79,7 @@ def dedupe_capacity(n):
 
 
 @njit
-def dedupe(rows, grads, times):
+def dedupe(rows: I64Array, grads: F32Array, times: I64Array) -> tuple[int, I64Array, F32Array, I64Array]:
     """Sum gradients of equal rows (rows < 0 are skipped); keeps first-seen order.
 
     Returns ``(k, urows, ugrads, utimes)``, valid in ``[:k]``; ``utimes`` is the latest
@@ -95,7 +95,8 @@ def dedupe(rows, grads, times):
 
 
 @njit
-def dedupe_into(rows, grads, times, tab, urows, ugrads, utimes):
+def dedupe_into(rows: I64Array, grads: F32Array, times: I64Array, tab: I64Array, urows: I64Array, ugrads: F32Array,
+                utimes: I64Array) -> int:
     """:func:`dedupe` into caller-given buffers; ``tab`` is ``int64[cap, 2]``, cap a power of two > n.
 
     ``tab`` holds (row, position) pairs so a probe touches one cache line; its home
@@ -141,7 +142,8 @@ def dedupe_into(rows, grads, times, tab, urows, ugrads, utimes):
 
 
 @njit
-def apply_updates(kind, hyper, emb, state, urows, ugrads, k, utimes, times, flags, dirty, meta, track):
+def apply_updates(kind: IntLike, hyper: F64Array, emb: F32Array, state: F32Array, urows: I64Array, ugrads: F32Array, k: IntLike,
+                  utimes: I64Array, times: I64Array, flags: U8Array, dirty: I64Array, meta: I64Array, track: BoolLike) -> None:
     """One optimizer step on rows ``urows[:k]`` with summed gradients ``ugrads[:k]``.
 
     Also records each update (last-update time, change marks) in the same pass, while
@@ -192,7 +194,7 @@ def apply_updates(kind, hyper, emb, state, urows, ugrads, k, utimes, times, flag
 
 
 @njit
-def adagrad_elem(lr, eps, w, a, g):
+def adagrad_elem(lr: float, eps: float, w: float, a: float, g: float) -> tuple[np.float64, np.float64]:
     """:func:`step_elem`'s Adagrad step, ``(w, accumulator)``: a loop over a row's weights that
     reads ``lr`` and ``eps`` once, outside it, compiles to vector instructions."""
     acc = np.float32(a + g * g)
@@ -200,7 +202,8 @@ def adagrad_elem(lr, eps, w, a, g):
 
 
 @njit
-def step_elem(kind, hyper, w, a, b, g, bc1, bc2):
+def step_elem(kind: IntLike, hyper: F64Array, w: float, a: float, b: float, g: float, bc1: float,
+              bc2: float) -> tuple[float, float, float]:
     """One optimizer step of one weight: ``(w, a, b)`` after gradient ``g``, all float64.
 
     ``a``, ``b`` are the weight's state (Adagrad: accumulator; Adam: m, v; FTRL: z, n; unused
@@ -234,6 +237,6 @@ def step_elem(kind, hyper, w, a, b, g, bc1, bc2):
 
 
 @njit
-def adam_corrections(hyper, step):
+def adam_corrections(hyper: F64Array, step: float) -> tuple[float, float]:
     """Adam's bias corrections ``(1 - beta1**step, sqrt(1 - beta2**step))``."""
     return 1.0 - hyper[1] ** step, math.sqrt(1.0 - hyper[2] ** step)

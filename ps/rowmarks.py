@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from ._jit import njit
+from ._jit import BoolLike, I64Array, IntLike, U8Array, njit
 
 LIVE, DEAD, SYNC, SNAP = 1, 2, 4, 8
 M_SIZE, M_HIGH, M_NFREE, M_NDIRTY, M_DHEAD, M_RNG, M_CURSOR, M_WATERMARK = range(8)
 
 
 @njit
-def marked(f, track):
+def marked(f: IntLike, track: BoolLike) -> tuple[IntLike, bool]:
     """``(new flags, whether to queue the row for sync)`` of a row with flags ``f`` that changed.
 
     Scalars only: per-row kernels call it in their hot loop, where a call taking arrays costs
@@ -21,7 +21,7 @@ def marked(f, track):
 
 
 @njit
-def mark_changed(r, flags, dirty, meta, track):
+def mark_changed(r: IntLike, flags: U8Array, dirty: I64Array, meta: I64Array, track: BoolLike) -> None:
     f, queue = marked(flags[r], track)
     if queue:
         dirty[meta[M_NDIRTY]] = r
@@ -32,7 +32,7 @@ def mark_changed(r, flags, dirty, meta, track):
 
 
 @njit
-def reserve_dirty(dirty, meta, pushes):
+def reserve_dirty(dirty: I64Array, meta: I64Array, pushes: IntLike) -> None:
     """Make room for ``pushes`` appends to a shard's dirty list by dropping its drained head.
 
     Each row is queued at most once, so after compaction a batch's rows always fit."""

@@ -18,29 +18,47 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import njit, prefetch_row
+from ._jit import BoolLike, F32Array, F64Array, FloatLike, I64Array, IntLike, U8Array, U16Array, njit, prefetch_row
 from .admission import admit
 from .hashmap import GROUP, probe, remove
 from .initializers import init_row
 from .optimizers import init_state
+from .rowmarks import (
+    DEAD,
+    LIVE,
+    M_CURSOR,
+    M_DHEAD,
+    M_HIGH,
+    M_NDIRTY,
+    M_NFREE,
+    M_RNG,
+    M_SIZE,
+    M_WATERMARK,
+    SNAP,
+    SYNC,
+    mark_changed,
+)
 
-from .rowmarks import (DEAD, LIVE, M_CURSOR, M_DHEAD, M_HIGH, M_NDIRTY, M_NFREE, M_RNG, M_SIZE,  # noqa: F401
-                       M_WATERMARK, SNAP, SYNC, mark_changed)
+__all__ = ["DEAD", "LIVE", "M_CURSOR", "M_DHEAD", "M_HIGH", "M_NDIRTY", "M_NFREE", "M_RNG", "M_SIZE", "M_WATERMARK",
+           "META_FIELDS", "SNAP", "SYNC", "alloc_row", "delete_kernel", "expire_kernel", "gather_rows_kernel",
+           "insert_kernel", "mark_changed", "pop_kernel", "rebuild_index", "release_row", "upsert_kernel"]
+
 META_FIELDS = ("size", "high", "nfree", "ndirty", "dhead", "rng", "cursor", "watermark")
 
 
 @njit
-def alloc_row(meta, free):
+def alloc_row(meta: I64Array, free: I64Array) -> np.int64:
     if meta[M_NFREE] > 0:
         meta[M_NFREE] -= 1
-        return free[meta[M_NFREE]]
-    r = meta[M_HIGH]
+        reused: np.int64 = free[meta[M_NFREE]]
+        return reused
+    r: np.int64 = meta[M_HIGH]
     meta[M_HIGH] += 1
     return r
 
 
 @njit
-def release_row(r, flags, dirty, free, meta, track):
+def release_row(r: IntLike, flags: U8Array, dirty: I64Array, free: I64Array, meta: I64Array, track: BoolLike) -> None:
     """The row left the index: keep it as a pending tombstone, or free it at once."""
     if track:
         f = (flags[r] & ~(LIVE | SNAP)) | DEAD
@@ -56,9 +74,11 @@ def release_row(r, flags, dirty, free, meta, track):
 
 
 @njit
-def insert_kernel(slots, mask, keys, out, emb, state, row_keys, times, flags, free, dirty, meta,
-                  tarr, track, init_kind, init_scale, init_seed, opt_kind, hyper,
-                  sketch, adm_seed, min_count, probability):
+def insert_kernel(slots: I64Array, mask: IntLike, keys: I64Array, out: I64Array, emb: F32Array, state: F32Array,
+                  row_keys: I64Array, times: I64Array, flags: U8Array, free: I64Array, dirty: I64Array, meta: I64Array,
+                  tarr: I64Array, track: BoolLike, init_kind: IntLike, init_scale: FloatLike, init_seed: IntLike,
+                  opt_kind: IntLike, hyper: F64Array, sketch: U16Array, adm_seed: IntLike, min_count: IntLike,
+                  probability: FloatLike) -> None:
     """Resolve ``keys``; admit and initialise the missing ones. ``out`` gets row or -1."""
     has_state = state.shape[1] > 0
     for i in range(keys.size):
@@ -85,7 +105,7 @@ def insert_kernel(slots, mask, keys, out, emb, state, row_keys, times, flags, fr
 
 
 @njit
-def gather_rows_kernel(rows, emb, out):
+def gather_rows_kernel(rows: I64Array, emb: F32Array, out: F32Array) -> int:
     """``out[i] = emb[rows[i]]`` (zeros where ``rows[i] < 0``); returns how many were < 0.
 
     Rows are prefetched :data:`~ps.hashmap.GROUP` ahead so that many misses overlap.
@@ -110,7 +130,9 @@ def gather_rows_kernel(rows, emb, out):
 
 
 @njit
-def upsert_kernel(slots, mask, keys, values, vtimes, emb, row_keys, times, flags, free, dirty, meta, track):
+def upsert_kernel(slots: I64Array, mask: IntLike, keys: I64Array, values: F32Array, vtimes: I64Array, emb: F32Array,
+                  row_keys: I64Array, times: I64Array, flags: U8Array, free: I64Array, dirty: I64Array, meta: I64Array,
+                  track: BoolLike) -> None:
     """Replica side: write rows as given (insert when absent)."""
     dim = emb.shape[1]
     for i in range(keys.size):
@@ -131,7 +153,8 @@ def upsert_kernel(slots, mask, keys, values, vtimes, emb, row_keys, times, flags
 
 
 @njit
-def delete_kernel(slots, mask, keys, flags, dirty, free, meta, track):
+def delete_kernel(slots: I64Array, mask: IntLike, keys: I64Array, flags: U8Array, dirty: I64Array, free: I64Array,
+                  meta: I64Array, track: BoolLike) -> int:
     n = 0
     for i in range(keys.size):
         r = remove(slots, mask, keys[i])
@@ -143,7 +166,8 @@ def delete_kernel(slots, mask, keys, flags, dirty, free, meta, track):
 
 
 @njit
-def expire_kernel(slots, mask, row_keys, times, flags, dirty, free, meta, track, cutoff, budget):
+def expire_kernel(slots: I64Array, mask: IntLike, row_keys: I64Array, times: I64Array, flags: U8Array, dirty: I64Array,
+                  free: I64Array, meta: I64Array, track: BoolLike, cutoff: IntLike, budget: IntLike) -> int:
     """Evict live rows last updated before ``cutoff``, scanning at most ``budget`` rows.
 
     A cursor remembers where the scan stopped, so repeated calls sweep the whole table
@@ -168,7 +192,8 @@ def expire_kernel(slots, mask, row_keys, times, flags, dirty, free, meta, track,
 
 
 @njit
-def pop_kernel(slots, mask, row_keys, flags, dirty, free, meta, max_items, up_rows, tomb_keys):
+def pop_kernel(slots: I64Array, mask: IntLike, row_keys: I64Array, flags: U8Array, dirty: I64Array, free: I64Array,
+               meta: I64Array, max_items: IntLike, up_rows: I64Array, tomb_keys: I64Array) -> tuple[int, int]:
     """Drain up to ``max_items`` queued rows into upserts (live) and tombstones (dead).
 
     A dead row whose key is live again (re-inserted since) yields no tombstone: the new
@@ -203,7 +228,7 @@ def pop_kernel(slots, mask, row_keys, flags, dirty, free, meta, max_items, up_ro
 
 
 @njit
-def rebuild_index(slots, mask, row_keys, flags, high):
+def rebuild_index(slots: I64Array, mask: IntLike, row_keys: I64Array, flags: U8Array, high: IntLike) -> int:
     n = 0
     for r in range(high):
         if flags[r] & LIVE:

@@ -27,20 +27,24 @@ learn (bias, dense features); the caller updates those from the returned residua
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
-from ._jit import njit, prefetch
+from ._jit import BoolArray, F32Array, F64Array, I64Array, IntLike, U8Array, njit, prefetch
 from .errors import InvalidInputError, ReadOnlyTableError
-from .server import ParameterServer, PackedBatch
 from .hashmap import GROUP, home, resolve
 from .optimizers import OPT_ADAM, OPT_NONE, adam_corrections, step_elem
 from .rowmarks import M_NDIRTY, M_WATERMARK, marked, reserve_dirty
+from .server import PackedBatch, ParameterServer
 from .sharding import shard_index
+
+# the per-shard array lists are numba typed lists, annotated as the Sequence they are (ps.server)
 
 
 @njit
-def _resolve_rows(ids, seg_off, seg_table, tab_base, tab_nshards, slots_list, shard_of, rows, shard_n):
+def _resolve_rows(ids: I64Array, seg_off: I64Array, seg_table: I64Array, tab_base: I64Array, tab_nshards: I64Array,
+                  slots_list: Sequence[I64Array], shard_of: I64Array, rows: I64Array, shard_n: I64Array) -> None:
     """Shard and row of every id (-1: absent); hash slots prefetched a group ahead."""
     hs = np.empty(GROUP, np.int64)
     for s in range(seg_table.size):
@@ -68,7 +72,7 @@ def _resolve_rows(ids, seg_off, seg_table, tab_base, tab_nshards, slots_list, sh
 
 
 @njit
-def _batch_rows(rows, shard_of, n_shards):
+def _batch_rows(rows: I64Array, shard_of: I64Array, n_shards: IntLike) -> tuple[I64Array, I64Array, I64Array]:
     """Number the batch's distinct (shard, row) pairs: ``(u [n] (-1: absent), shard [U], row [U])``."""
     n = rows.size
     cap = 16
@@ -98,7 +102,9 @@ def _batch_rows(rows, shard_of, n_shards):
 
 
 @njit
-def prepare_batch(ids, seg_off, seg_table, t, tab_base, tab_nshards, slots_list, dirty_list, meta_list, shard_n):
+def prepare_batch(ids: I64Array, seg_off: I64Array, seg_table: I64Array, t: IntLike, tab_base: I64Array,
+                  tab_nshards: I64Array, slots_list: Sequence[I64Array], dirty_list: Sequence[I64Array],
+                  meta_list: Sequence[I64Array], shard_n: I64Array) -> tuple[I64Array, I64Array, I64Array]:
     """A sequential kernel's start: ``(shard_of, rows, tab_of_shard)``, every id's shard and row
     (``shard_n`` counts each shard's ids) and each shard's table; the watermarks and dirty queues
     of the tables the batch reads move as packed_apply_kernel moves them."""
@@ -125,8 +131,10 @@ def prepare_batch(ids, seg_off, seg_table, t, tab_base, tab_nshards, slots_list,
 
 
 @njit
-def write_back(order, ush, urow, W, ST, width, utab, t, tab_track, emb_list, state_list, times_list, flags_list,
-               dirty_list, meta_list):
+def write_back(order: I64Array, ush: I64Array, urow: I64Array, W: F32Array, ST: F32Array, width: I64Array,
+               utab: I64Array, t: IntLike, tab_track: BoolArray, emb_list: Sequence[F32Array],
+               state_list: Sequence[F32Array], times_list: Sequence[I64Array], flags_list: Sequence[U8Array],
+               dirty_list: Sequence[I64Array], meta_list: Sequence[I64Array]) -> None:
     """A scratch kernel's end: the rows ``order`` names (scratch numbers, in the order the examples
     first stepped them) written back, ``W[u]`` and ``ST[u, :width[u]]``, each with apply_updates'
     bookkeeping (its time, its flag, its place in the dirty queue), once per row."""
@@ -152,7 +160,7 @@ def write_back(order, ush, urow, W, ST, width, utab, t, tab_track, emb_list, sta
 
 
 @njit
-def bag_span(s, e, seg_off, bags, seg_mean):
+def bag_span(s: IntLike, e: IntLike, seg_off: I64Array, bags: I64Array, seg_mean: BoolArray) -> tuple[int, int, float]:
     """Example ``e``'s bag in segment ``s``: ``(first, end, pool weight)`` of its ids in the packed
     ids (weight ``1/len`` for a mean-pooled segment, else 1)."""
     a = seg_off[s] + bags[s, e]
@@ -161,7 +169,8 @@ def bag_span(s, e, seg_off, bags, seg_mean):
 
 
 @njit
-def first_order_sum(logit, e, s_lo, s_hi, seg_off, bags, seg_mean, u_of, w, eu, ewgt):
+def first_order_sum(logit: float, e: IntLike, s_lo: IntLike, s_hi: IntLike, seg_off: I64Array, bags: I64Array,
+                    seg_mean: BoolArray, u_of: I64Array, w: F32Array, eu: I64Array, ewgt: F64Array) -> tuple[float, int]:
     """``logit`` plus example ``e``'s first-order terms over segments ``s_lo..s_hi-1`` (row ``u``'s
     weight ``w[u]``, ``u_of`` each id's row, -1 absent), and the rows it read with their summed pool
     weights in ``eu``, ``ewgt`` (first-seen order): ``(logit, how many rows)``."""
@@ -186,16 +195,20 @@ def first_order_sum(logit, e, s_lo, s_hi, seg_off, bags, seg_mean, u_of, w, eu, 
 
 
 @njit
-def logistic(logit, y):
+def logistic(logit: float, y: float) -> tuple[float, float, float]:
     """One example's ``(p, p - y, log loss)``."""
     p = 1.0 / (1.0 + math.exp(-logit))
     return p, p - y, max(logit, 0.0) - logit * y + math.log1p(math.exp(-abs(logit)))
 
 
 @njit
-def sequential_linear_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, offset, t,
-                             tab_base, tab_nshards, tab_kind, tab_hyper, tab_track, slots_list, emb_list,
-                             state_list, times_list, flags_list, dirty_list, meta_list, probs, resid, shard_n):
+def sequential_linear_kernel(
+        ids: I64Array, seg_off: I64Array, seg_table: I64Array, bags: I64Array, seg_mean: BoolArray,
+        labels: F64Array, offset: F64Array, t: IntLike, tab_base: I64Array, tab_nshards: I64Array, tab_kind: I64Array,
+        tab_hyper: F64Array, tab_track: BoolArray, slots_list: Sequence[I64Array], emb_list: Sequence[F32Array],
+        state_list: Sequence[F32Array], times_list: Sequence[I64Array], flags_list: Sequence[U8Array],
+        dirty_list: Sequence[I64Array], meta_list: Sequence[I64Array], probs: F32Array, resid: F64Array,
+        shard_n: I64Array) -> float:
     """Learn ``labels.size`` examples in order (see the module docstring); returns the summed log loss.
 
     ``bags[s]`` are segment ``s``'s per-example offsets (relative to ``seg_off[s]``); every table
@@ -255,8 +268,8 @@ def sequential_linear_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, of
                 step = np.float64(st[u, 2]) + 1.0
                 st[u, 2] = step
                 bc1, bc2 = adam_corrections(hyper, step)
-            sa = np.float64(st[u, 0])
-            sb = np.float64(st[u, 1])
+            sa: float = np.float64(st[u, 0])
+            sb: float = np.float64(st[u, 1])
             nw, sa, sb = step_elem(kind, hyper, np.float64(w[u]), sa, sb,
                                    np.float64(np.float32(g * ewgt[q])), bc1, bc2)
             w[u] = nw
@@ -268,9 +281,13 @@ def sequential_linear_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, of
 
 
 @njit
-def write_through_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, offset, t,
-                             tab_base, tab_nshards, tab_kind, tab_hyper, tab_track, slots_list, emb_list,
-                             state_list, times_list, flags_list, dirty_list, meta_list, probs, resid, shard_n):
+def write_through_kernel(
+        ids: I64Array, seg_off: I64Array, seg_table: I64Array, bags: I64Array, seg_mean: BoolArray,
+        labels: F64Array, offset: F64Array, t: IntLike, tab_base: I64Array, tab_nshards: I64Array, tab_kind: I64Array,
+        tab_hyper: F64Array, tab_track: BoolArray, slots_list: Sequence[I64Array], emb_list: Sequence[F32Array],
+        state_list: Sequence[F32Array], times_list: Sequence[I64Array], flags_list: Sequence[U8Array],
+        dirty_list: Sequence[I64Array], meta_list: Sequence[I64Array], probs: F32Array, resid: F64Array,
+        shard_n: I64Array) -> float:
     """:func:`sequential_linear_kernel`'s results, each step written straight into the tables.
 
     Faster when the batch's ids all fall in one shard (one shared table, an LR's: nothing to copy
@@ -366,7 +383,8 @@ def write_through_kernel(ids, seg_off, seg_table, bags, seg_mean, labels, offset
 
 
 def train_linear_sequential(server: ParameterServer, pb: PackedBatch, bags: np.ndarray, mean: np.ndarray,
-                            labels: np.ndarray, offset: np.ndarray, event_time: int, insert: bool = True):
+                            labels: np.ndarray, offset: np.ndarray, event_time: int,
+                            insert: bool = True) -> tuple[np.ndarray, float, np.ndarray]:
     """Learn a batch of a linear model example by example: ``(probs float32, mean loss, residuals)``.
 
     Ids are looked up (and inserted through admission) once for the batch by the packed gather

@@ -40,13 +40,15 @@ stepped it, as :func:`ps.sequential.train_linear_sequential` does.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from ._jit import njit
+from ._jit import BoolArray, F32Array, F64Array, I64Array, IntLike, U8Array, njit
 from .errors import InvalidInputError, ReadOnlyTableError
-from .server import PackedBatch, ParameterServer
 from .optimizers import OPT_ADAGRAD, OPT_NONE, OPT_SGD, adagrad_elem, step_elem
 from .sequential import _batch_rows, bag_span, first_order_sum, logistic, prepare_batch, write_back
+from .server import PackedBatch, ParameterServer
 
 __all__ = ["train_fm_sequential"]
 
@@ -55,7 +57,8 @@ KERNEL_OPTIMIZERS = (OPT_SGD, OPT_ADAGRAD)
 
 
 @njit
-def _pooled(f, e, seg_off, bags, seg_mean, u_of, W, D, x):
+def _pooled(f: IntLike, e: IntLike, seg_off: I64Array, bags: I64Array, seg_mean: BoolArray, u_of: I64Array, W: F32Array,
+            D: IntLike, x: F64Array) -> None:
     """Field ``f`` of example ``e`` pooled from the scratch rows into ``x[f]``."""
     for j in range(D):
         x[f, j] = 0.0
@@ -68,9 +71,13 @@ def _pooled(f, e, seg_off, bags, seg_mean, u_of, W, D, x):
 
 
 @njit
-def sequential_fm_kernel(ids, seg_off, seg_table, n_emb, bags, seg_mean, labels, offset, jac, t,
-                         tab_base, tab_nshards, tab_kind, tab_hyper, tab_track, slots_list, emb_list,
-                         state_list, times_list, flags_list, dirty_list, meta_list, probs, resid, shard_n):
+def sequential_fm_kernel(
+        ids: I64Array, seg_off: I64Array, seg_table: I64Array, n_emb: IntLike, bags: I64Array, seg_mean: BoolArray,
+        labels: F64Array, offset: F64Array, jac: F32Array, t: IntLike, tab_base: I64Array, tab_nshards: I64Array,
+        tab_kind: I64Array, tab_hyper: F64Array, tab_track: BoolArray, slots_list: Sequence[I64Array],
+        emb_list: Sequence[F32Array], state_list: Sequence[F32Array], times_list: Sequence[I64Array],
+        flags_list: Sequence[U8Array], dirty_list: Sequence[I64Array], meta_list: Sequence[I64Array], probs: F32Array,
+        resid: F64Array, shard_n: I64Array) -> float:
     """Learn ``labels.size`` examples in order (see the module docstring); returns the summed log
     loss and fills ``probs`` (pre-update) and ``resid`` (``p - y``). Segments ``0..n_emb-1`` are
     the embedding fields (one dim), the rest first-order fields (dim 1)."""
@@ -113,7 +120,7 @@ def sequential_fm_kernel(ids, seg_off, seg_table, n_emb, bags, seg_mean, labels,
     S = np.zeros(D, np.float64)
     loss = 0.0
     for e in range(labels.size):
-        logit = np.float64(offset[e])
+        logit: float = np.float64(offset[e])
         sq = 0.0
         for j in range(D):
             S[j] = 0.0
@@ -183,7 +190,7 @@ def sequential_fm_kernel(ids, seg_off, seg_table, n_emb, bags, seg_mean, labels,
 
 def train_fm_sequential(server: ParameterServer, pb: PackedBatch, n_emb: int, bags: np.ndarray, mean: np.ndarray,
                         labels: np.ndarray, offset: np.ndarray, jac: np.ndarray, event_time: int,
-                        insert: bool = True):
+                        insert: bool = True) -> tuple[np.ndarray, float, np.ndarray]:
     """Learn a batch of a DeepFM's sparse rows example by example: ``(probs float32, mean loss,
     residuals float64)``.
 

@@ -23,13 +23,15 @@ True
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 from numba.typed import List
 
-from ._jit import njit, prefetch, prefetch_row
+from ._jit import BoolArray, F32Array, F64Array, I64Array, IntLike, U8Array, njit, prefetch, prefetch_row
 from ._validate import as_event_time, as_grads, as_ids
 from .config import TableConfig
 from .errors import InvalidGradientError, InvalidInputError, NonFiniteGradientError, ReadOnlyTableError, UnknownTableError
@@ -40,10 +42,18 @@ from .shard import TableShard
 from .sharding import shard_index
 from .table import EmbeddingTable
 
+if TYPE_CHECKING:
+    import os
+    from pathlib import Path
+
+# The per-shard array lists the kernels take are numba typed lists (``numba.typed.List``, a
+# MutableSequence; numba leaves it untyped): annotated as the Sequence they are.
+
 
 @njit
-def packed_gather_kernel(ids, seg_off, seg_table, tab_base, tab_nshards, slots_list, emb_list,
-                         out, out_off, rows, shard_of):
+def packed_gather_kernel(ids: I64Array, seg_off: I64Array, seg_table: I64Array, tab_base: I64Array,
+                         tab_nshards: I64Array, slots_list: Sequence[I64Array], emb_list: Sequence[F32Array],
+                         out: F32Array, out_off: I64Array, rows: I64Array, shard_of: I64Array) -> None:
     """Resolve and copy every slot of a packed batch; rows[i] = -1 where absent (zeros out).
 
     Per (slot, shard), ids go through in groups of :data:`~ps.hashmap.GROUP`: hash and
@@ -97,7 +107,8 @@ def packed_gather_kernel(ids, seg_off, seg_table, tab_base, tab_nshards, slots_l
 
 
 @njit
-def packed_dedupe(ids_rows, pos, gst, m, dim, grads, tarr):
+def packed_dedupe(ids_rows: I64Array, pos: I64Array, gst: I64Array, m: IntLike, dim: IntLike, grads: F32Array,
+                  tarr: I64Array) -> tuple[int, I64Array, F32Array, I64Array]:
     """:func:`ps.optimizers.dedupe_into` over rows ``ids_rows[:m]`` whose gradients start at
     ``grads[gst[q]]`` (the packed buffer, no per-slot copies) and whose times are ``tarr[pos[q]]``
     (or ``tarr[0]``). Same order, same float32 sums: bit-identical to the per-table path."""
@@ -144,9 +155,12 @@ def packed_dedupe(ids_rows, pos, gst, m, dim, grads, tarr):
 
 
 @njit
-def packed_apply_kernel(ids, seg_off, seg_table, grads, grad_off, tarr, tab_base, tab_nshards, tab_dim,
-                        tab_kind, tab_hyper, tab_track, tab_present, slots_list, emb_list, state_list,
-                        times_list, flags_list, dirty_list, meta_list, shard_n, shard_k):
+def packed_apply_kernel(ids: I64Array, seg_off: I64Array, seg_table: I64Array, grads: F32Array, grad_off: I64Array,
+                        tarr: I64Array, tab_base: I64Array, tab_nshards: I64Array, tab_dim: I64Array,
+                        tab_kind: I64Array, tab_hyper: F64Array, tab_track: BoolArray, tab_present: BoolArray,
+                        slots_list: Sequence[I64Array], emb_list: Sequence[F32Array], state_list: Sequence[F32Array],
+                        times_list: Sequence[I64Array], flags_list: Sequence[U8Array], dirty_list: Sequence[I64Array],
+                        meta_list: Sequence[I64Array], shard_n: I64Array, shard_k: I64Array) -> None:
     """One optimizer step on every table of a packed batch, from one packed gradient buffer.
 
     Per (table, shard), in batch order: the ids' rows are resolved (prefetched a group ahead),
@@ -218,7 +232,7 @@ def packed_apply_kernel(ids, seg_off, seg_table, grads, grad_off, tarr, tab_base
 
 
 @njit
-def all_finite(g):
+def all_finite(g: F32Array) -> bool:
     """Whether every value of the 1-D float32 ``g`` is finite (one pass, no temporaries)."""
     for i in range(g.size):
         if not np.isfinite(g[i]):
@@ -238,7 +252,7 @@ class PackedBatch:
     def slot_ids(self, k: int) -> np.ndarray:
         return self.ids[self.offsets[k]:self.offsets[k + 1]]
 
-    def segments(self, a: int, b: int) -> "PackedBatch":
+    def segments(self, a: int, b: int) -> PackedBatch:
         """Slots ``a:b`` alone, as a packed batch of their own (views, no copy).
 
         >>> pb = PackedBatch(("x", "y", "z"), np.array([5, 6, 7, 8]), np.array([0, 1, 3, 4]), np.array([0, 1, 1]))
@@ -256,7 +270,14 @@ class ParameterServer:
     own name.
     """
 
-    def __init__(self, tables: Sequence[TableConfig | EmbeddingTable], slots: Mapping[str, str] | None = None):
+    # the shards' arrays as numba typed lists, rebuilt by _lists when a shard reallocates
+    _slots_list: Sequence[np.ndarray]
+    _emb_list: Sequence[np.ndarray]
+    #: state, times, flags, dirty, meta
+    _row_lists: tuple[Sequence[np.ndarray], Sequence[np.ndarray], Sequence[np.ndarray], Sequence[np.ndarray],
+                      Sequence[np.ndarray]]
+
+    def __init__(self, tables: Sequence[TableConfig | EmbeddingTable], slots: Mapping[str, str] | None = None) -> None:
         self.tables: dict[str, EmbeddingTable] = {}
         for t in tables:
             t = t if isinstance(t, EmbeddingTable) else EmbeddingTable(t)
@@ -276,7 +297,7 @@ class ParameterServer:
         self._tab_nshards = np.array(nsh, np.int64)
         self._tab_base = np.concatenate([[0], np.cumsum(nsh)[:-1]]).astype(np.int64)
         self._dims = np.array([t.dim for t in self.tables.values()], np.int64)
-        self._cache_key = None
+        self._cache_key: tuple[int, ...] | None = None
         if self._local:  # per-table optimizer settings, as arrays for packed_apply_kernel
             first = [t.shards[0] for t in self.tables.values()]
             self._tab_kind = np.array([s._opt_kind for s in first], np.int64)
@@ -313,7 +334,7 @@ class ParameterServer:
         ids = np.concatenate(arrays) if arrays else np.empty(0, np.int64)
         return PackedBatch(tuple(names), ids, offsets, np.array(tabs, np.int64))
 
-    def _lists(self):
+    def _lists(self) -> tuple[Sequence[np.ndarray], Sequence[np.ndarray]]:
         key = tuple(s.version for s in self._shards)
         if key != self._cache_key:
             self._slots_list = List([s._slots for s in self._shards])
@@ -331,7 +352,7 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ reads
     def gather(self, batch: Mapping[str, np.ndarray] | PackedBatch, *, insert: bool = False,
-               event_time=None) -> dict[str, np.ndarray]:
+               event_time: npt.ArrayLike | None = None) -> dict[str, np.ndarray]:
         """``{slot: float32 [n, dim]}`` for a multi-slot batch, resolved in one packed call.
 
         With ``insert=True`` (training) new ids go through admission at ``event_time``
@@ -342,12 +363,13 @@ class ParameterServer:
         return self._views(pb, out, out_off, self._dims[pb.slot_table])
 
     def gather_packed(self, batch: Mapping[str, np.ndarray] | PackedBatch, *, insert: bool = False,
-                      event_time=None) -> np.ndarray:
+                      event_time: npt.ArrayLike | None = None) -> np.ndarray:
         """:meth:`gather` as the one float32 buffer behind its views: slot ``k``'s ``[n_k, dim]``
         rows back to back in packed order (the layout :meth:`apply_packed_gradients` takes)."""
         return self._gather_flat(self.pack(batch), insert, event_time)[0]
 
-    def _gather_flat(self, pb: PackedBatch, insert: bool, event_time) -> tuple[np.ndarray, np.ndarray]:
+    def _gather_flat(self, pb: PackedBatch, insert: bool,
+                     event_time: npt.ArrayLike | None) -> tuple[np.ndarray, np.ndarray]:
         t = as_event_time(event_time, pb.ids.size) if insert else None
         out_off = self._out_offsets(pb)
         out = np.empty(int(out_off[-1]), np.float32)
@@ -360,15 +382,16 @@ class ParameterServer:
             shard_of = np.empty(pb.ids.size, np.int64)
             packed_gather_kernel(pb.ids, pb.offsets, pb.slot_table, self._tab_base, self._tab_nshards,
                                  slots_list, emb_list, out, out_off, rows, shard_of)
-            if insert:
+            if t is not None:  # insert
                 self._insert_missing(pb, rows, out, out_off, t)
         return out, out_off
 
-    def _insert_missing(self, pb, rows, out, out_off, t):
+    def _insert_missing(self, pb: PackedBatch, rows: np.ndarray, out: np.ndarray, out_off: np.ndarray,
+                        t: np.ndarray) -> None:
         miss = rows < 0
         if not miss.any():
             return
-        per_table: dict[int, list] = {}
+        per_table: dict[int, list[tuple[int, np.ndarray]]] = {}
         for k in range(len(pb.slots)):
             a, b = pb.offsets[k], pb.offsets[k + 1]
             pos = a + np.flatnonzero(miss[a:b])
@@ -386,7 +409,8 @@ class ParameterServer:
                 view[p - pb.offsets[k]] = vals[i:i + p.size]
                 i += p.size
 
-    def _gather_per_table(self, pb, out, out_off, insert, t):
+    def _gather_per_table(self, pb: PackedBatch, out: np.ndarray, out_off: np.ndarray, insert: bool,
+                          t: np.ndarray | None) -> None:
         for k in range(len(pb.slots)):
             table = self.tables[self.table_names[pb.slot_table[k]]]
             a, b = pb.offsets[k], pb.offsets[k + 1]
@@ -394,13 +418,13 @@ class ParameterServer:
             out[out_off[k]:out_off[k + 1]] = table.gather(pb.ids[a:b], insert=insert, event_time=st).reshape(-1)
 
     @staticmethod
-    def _views(pb, out, out_off, seg_dims):
+    def _views(pb: PackedBatch, out: np.ndarray, out_off: np.ndarray, seg_dims: np.ndarray) -> dict[str, np.ndarray]:
         return {name: out[out_off[k]:out_off[k + 1]].reshape(-1, int(seg_dims[k]))
                 for k, name in enumerate(pb.slots)}
 
     # ------------------------------------------------------------------ writes
     def apply_gradients(self, batch: Mapping[str, np.ndarray] | PackedBatch,
-                        grads: Mapping[str, np.ndarray], event_time) -> dict[str, int]:
+                        grads: Mapping[str, np.ndarray], event_time: npt.ArrayLike) -> dict[str, int]:
         """Apply per-slot gradients; slots sharing a table are summed per id in one update.
 
         All slots are validated before any table changes. Returns rows updated per table.
@@ -417,7 +441,7 @@ class ParameterServer:
         return self._apply_packed(pb, flat, t)
 
     def apply_packed_gradients(self, batch: Mapping[str, np.ndarray] | PackedBatch, grads: np.ndarray,
-                               event_time) -> dict[str, int]:
+                               event_time: npt.ArrayLike) -> dict[str, int]:
         """:meth:`apply_gradients` with every slot's gradients in **one** 1-D buffer, laid out as
         :meth:`gather` lays out its result (slot ``k``'s ``[n_k, dim]`` rows back to back, in
         packed order): one validation and one numba call for all tables and shards."""
@@ -446,7 +470,7 @@ class ParameterServer:
         """One kernel for every table and shard; ``g`` is float32, C-contiguous, the packed layout."""
         if not all_finite(g):
             bad = sum(int((~np.isfinite(g[a:b].reshape(-1, int(self._dims[pb.slot_table[k]])))).any(axis=1).sum())
-                      for k, (a, b) in enumerate(zip(self._out_offsets(pb)[:-1], self._out_offsets(pb)[1:])))
+                      for k, (a, b) in enumerate(zip(self._out_offsets(pb)[:-1], self._out_offsets(pb)[1:], strict=True)))
             raise NonFiniteGradientError(f"{bad} gradient row(s) contain NaN or Inf; nothing applied")
         present = np.zeros(len(self.table_names), np.bool_)
         present[pb.slot_table] = True
@@ -462,7 +486,7 @@ class ParameterServer:
             for ti, sh in self._expiring:
                 if present[ti] and (shard_n[sh] or self._tab_nshards[ti] == 1):
                     self._shards[sh]._expire(None, max(1024, 2 * int(shard_n[sh])))
-        done = {}
+        done: dict[str, int] = {}
         for ti in np.flatnonzero(present).tolist():
             b = int(self._tab_base[ti])
             done[self.table_names[ti]] = int(shard_k[b:b + int(self._tab_nshards[ti])].sum())
@@ -470,15 +494,16 @@ class ParameterServer:
 
     def _apply_per_table(self, pb: PackedBatch, grads: Mapping[str, np.ndarray], t: np.ndarray) -> dict[str, int]:
         """Remote shards: one call per table (validating every slot first)."""
-        per_table: dict[int, list] = {}
+        per_table: dict[int, list[tuple[int, np.ndarray]]] = {}
         for k, slot in enumerate(pb.slots):
             ti = int(pb.slot_table[k])
             g = as_grads(grads[slot], int(pb.offsets[k + 1] - pb.offsets[k]), int(self._dims[ti]))
             per_table.setdefault(ti, []).append((k, g))
-        done = {}
+        done: dict[str, int] = {}
         for ti, parts in per_table.items():
             ids = np.concatenate([pb.slot_ids(k) for k, _ in parts])
             g = np.concatenate([g for _, g in parts]) if len(parts) > 1 else parts[0][1]
+            tt: np.ndarray | int
             if t.size > 1:
                 tt = np.concatenate([t[pb.offsets[k]:pb.offsets[k + 1]] for k, _ in parts])
             else:
@@ -494,14 +519,14 @@ class ParameterServer:
         return sum(t.memory_bytes() for t in self.tables.values())
 
     # ------------------------------------------------------------------ snapshots
-    def save(self, root, incremental: bool = False) -> list:
+    def save(self, root: str | os.PathLike[str], incremental: bool = False) -> list[Path]:
         """Snapshot every shard of every table into ``root`` (see :mod:`ps.snapshot`)."""
         from .snapshot import save_table
         return [p for t in self.tables.values() for p in save_table(t, root, incremental)]
 
     @classmethod
-    def restore(cls, root, tables: Sequence[TableConfig | str], slots: Mapping[str, str] | None = None
-                ) -> "ParameterServer":
+    def restore(cls, root: str | os.PathLike[str], tables: Sequence[TableConfig | str],
+                slots: Mapping[str, str] | None = None) -> ParameterServer:
         """Rebuild from the newest snapshot chains in ``root``; all verified before returning."""
         from .snapshot import restore_table
         return cls([restore_table(root, t) for t in tables], slots)

@@ -24,9 +24,11 @@ and read as **zeros** (not the initializer: an id must not look trained before i
 from __future__ import annotations
 
 import threading
-from typing import Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from . import rows as R
 from ._jit import aligned_zeros
@@ -38,13 +40,27 @@ from .initializers import KINDS
 from .optimizers import OPT_NONE, apply_updates, dedupe, encode
 from .sync import SyncChunk
 
+if TYPE_CHECKING:
+    from pathlib import Path
+
 INT64_MIN = np.iinfo(np.int64).min
 
 
 class TableShard:
     """Shard ``shard_index`` of ``config`` (``config.shards`` shards in total)."""
 
-    def __init__(self, config: TableConfig, shard_index: int = 0, capacity: int | None = None):
+    # row storage, (re)allocated by _resize_rows
+    _emb: np.ndarray
+    _state: np.ndarray
+    _row_keys: np.ndarray
+    _times: np.ndarray
+    _flags: np.ndarray
+    _free: np.ndarray
+    _dirty: np.ndarray
+    #: ``(snapshot directory, seq)`` of this shard's last snapshot, set by :mod:`ps.snapshot`
+    _snap_parent: tuple[Path, int]
+
+    def __init__(self, config: TableConfig, shard_index: int = 0, capacity: int | None = None) -> None:
         if not 0 <= shard_index < config.shards:
             raise InvalidInputError(f"shard_index {shard_index} not in [0, {config.shards})")
         self.config = config
@@ -76,13 +92,14 @@ class TableShard:
     # ------------------------------------------------------------------ storage
     def _resize_rows(self, cap: int) -> None:
         high = int(self.meta[R.M_HIGH])
-        def grown(old, shape, dtype):
+        def grown(old: np.ndarray | None, shape: int | tuple[int, int], dtype: npt.DTypeLike) -> np.ndarray:
             # 64-byte aligned: a dim-16 float32 row is then exactly one cache line
             new = aligned_zeros(shape, dtype)
             if old is not None:
                 new[:high] = old[:high]
             return new
-        g = (lambda name: getattr(self, name, None))
+        def g(name: str) -> np.ndarray | None:
+            return getattr(self, name, None)
         self._emb = grown(g("_emb"), (cap, self.dim), np.float32)
         self._state = grown(g("_state"), (cap, self._width), np.float32)
         self._row_keys = grown(g("_row_keys"), cap, np.int64)
@@ -119,7 +136,7 @@ class TableShard:
 
     @property
     def _mask(self) -> int:
-        return self._slots.shape[0] - 1
+        return int(self._slots.shape[0]) - 1
 
     def __len__(self) -> int:
         return int(self.meta[R.M_SIZE])
@@ -142,7 +159,7 @@ class TableShard:
             self.meta[R.M_WATERMARK] = mx
 
     # ------------------------------------------------------------------ reads
-    def lookup(self, ids) -> np.ndarray:
+    def lookup(self, ids: npt.ArrayLike) -> np.ndarray:
         """Row number of each id, -1 where absent."""
         ids = as_ids(ids)
         with self.lock:
@@ -153,7 +170,8 @@ class TableShard:
         lookup_kernel(self._slots, self._mask, ids, out)
         return out
 
-    def gather(self, ids, *, insert: bool = False, event_time=None, out: np.ndarray | None = None) -> np.ndarray:
+    def gather(self, ids: npt.ArrayLike, *, insert: bool = False, event_time: npt.ArrayLike | None = None,
+               out: np.ndarray | None = None) -> np.ndarray:
         """Embeddings of ``ids`` as float32 ``[n, dim]`` (zeros for absent/unadmitted ids).
 
         ``insert=True`` (training forward pass) first runs admission and creates rows for
@@ -166,14 +184,14 @@ class TableShard:
         with self.lock:
             return self._gather(ids, out, t)
 
-    def _out(self, out, n):
+    def _out(self, out: np.ndarray | None, n: int) -> np.ndarray:
         if out is None:
             return np.empty((n, self.dim), np.float32)
         if out.dtype != np.float32 or out.shape != (n, self.dim) or not out.flags.c_contiguous:
             raise InvalidInputError(f"out must be C-contiguous float32 {(n, self.dim)}")
         return out
 
-    def _gather(self, ids, out, t=None):
+    def _gather(self, ids: np.ndarray, out: np.ndarray, t: np.ndarray | None = None) -> np.ndarray:
         # Two prefetching passes (batched probes, then row copy with rows prefetched a
         # group ahead) measured faster than one fused pass of groups. With insert=True
         # only the ids that missed take the insert path.
@@ -191,7 +209,7 @@ class TableShard:
         return out
 
     # ------------------------------------------------------------------ writes
-    def lookup_or_insert(self, ids, event_time) -> np.ndarray:
+    def lookup_or_insert(self, ids: npt.ArrayLike, event_time: npt.ArrayLike) -> np.ndarray:
         """Rows of ``ids``, admitting and initialising new ids; -1 where not admitted."""
         ids = as_ids(ids)
         t = as_event_time(event_time, ids.size)
@@ -225,7 +243,7 @@ class TableShard:
         self.admitted += int(self.meta[R.M_SIZE]) - before  # inserting only adds rows
         return out
 
-    def apply_gradients(self, ids, grads, event_time) -> int:
+    def apply_gradients(self, ids: npt.ArrayLike, grads: npt.ArrayLike, event_time: npt.ArrayLike) -> int:
         """Sum ``grads`` per unique id and take one optimizer step on each existing row.
 
         Ids without a row (never inserted, or not admitted) are ignored: call
@@ -237,7 +255,7 @@ class TableShard:
         with self.lock:
             return self._apply_gradients(ids, g, t)
 
-    def _apply_gradients(self, ids, g, t) -> int:
+    def _apply_gradients(self, ids: np.ndarray, g: np.ndarray, t: np.ndarray) -> int:
         if self._opt_kind == OPT_NONE:
             raise ReadOnlyTableError(f"table {self.config.name!r} is a serving replica; it has no optimizer")
         self._see_time(t)
@@ -250,13 +268,13 @@ class TableShard:
             self._expire(None, max(1024, 2 * ids.size))
         return int(k)
 
-    def delete(self, ids) -> int:
+    def delete(self, ids: npt.ArrayLike) -> int:
         """Remove ``ids`` (absent ones are ignored); returns how many were removed."""
         ids = as_ids(ids)
         with self.lock:
             return self._delete(ids)
 
-    def _delete(self, ids) -> int:
+    def _delete(self, ids: np.ndarray) -> int:
         self._reserve(0, ids.size)
         return int(R.delete_kernel(self._slots, self._mask, ids, self._flags, self._dirty,
                                    self._free, self.meta, self._track))
@@ -273,7 +291,7 @@ class TableShard:
         with self.lock:
             return self._expire(now, max_scan)
 
-    def _expire(self, now, max_scan) -> int:
+    def _expire(self, now: int | None, max_scan: int | None) -> int:
         ttl = self.config.ttl_ms
         now = self.watermark if now is None else now
         if ttl is None or now is None:
@@ -326,7 +344,7 @@ class TableShard:
         with self.lock:
             self._apply_sync(keys, vals, times, tomb)
 
-    def _apply_sync(self, keys, vals, times, tomb) -> None:
+    def _apply_sync(self, keys: np.ndarray, vals: np.ndarray, times: np.ndarray, tomb: np.ndarray) -> None:
         if tomb.size:
             self._delete(tomb)
         if keys.size:
@@ -335,7 +353,7 @@ class TableShard:
             R.upsert_kernel(self._slots, self._mask, keys, vals, times, self._emb, self._row_keys,
                             self._times, self._flags, self._free, self._dirty, self.meta, self._track)
 
-    def load_rows(self, keys, values, state, times) -> None:
+    def load_rows(self, keys: npt.ArrayLike, values: npt.ArrayLike, state: npt.ArrayLike, times: npt.ArrayLike) -> None:
         """Insert rows with their optimizer state (resharding a snapshot: rows move to the shard
         that owns them now, keeping what training learned about them). Not news for replicas: the
         rows are not put on the touched-key stream, so call it on a table being built: it drains

@@ -17,24 +17,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import mix64_seeded, njit
+from ._jit import I64Array, IntLike, mix64_seeded, njit
 
 SHARD_SEED = 0x5EED5A4D
 
 
 @njit
-def shard_index(key, num_shards):
+def shard_index(key: IntLike, num_shards: IntLike) -> np.int64:
     return np.int64((mix64_seeded(key, SHARD_SEED) >> np.uint64(16)) % np.uint64(num_shards))
 
 
 @njit
-def _shard_of(ids, num_shards, out):
+def _shard_of(ids: I64Array, num_shards: IntLike, out: I64Array) -> None:
     for i in range(ids.size):
         out[i] = shard_index(ids[i], num_shards)
 
 
 @njit
-def _split(shard, num_shards, counts, order):
+def _split(shard: I64Array, num_shards: IntLike, counts: I64Array, order: I64Array) -> None:
     # counting sort: stable, O(n), positions of each shard's ids contiguous in `order`
     for i in range(shard.size):
         counts[shard[i] + 1] += 1
@@ -50,7 +50,7 @@ def _split(shard, num_shards, counts, order):
 class ShardRouter:
     """Maps ids to shard numbers and splits batches per shard (order preserved)."""
 
-    def __init__(self, num_shards: int):
+    def __init__(self, num_shards: int) -> None:
         if num_shards < 1:
             raise ValueError("num_shards must be >= 1")
         self.num_shards = num_shards

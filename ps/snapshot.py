@@ -41,7 +41,9 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -55,6 +57,11 @@ from .table import EmbeddingTable
 FORMAT = "driftline-ps-snapshot"
 VERSION = 1
 _ALIGN = 64
+#: a directory given by the caller
+StrPath: TypeAlias = str | os.PathLike[str]
+#: a parsed manifest: JSON, so its values' types are checked where they are read, not here
+Manifest: TypeAlias = dict[str, Any]
+
 _NAME = re.compile(r"^(?P<table>.+)\.s(?P<shard>\d{4})-of-(?P<n>\d{4})\.(?P<seq>\d{8})\.(?P<kind>full|incr)\.json$")
 
 
@@ -73,7 +80,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, chunks) -> tuple[int, str]:
+def _atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> tuple[int, str]:
     """Write byte chunks to ``path`` via temp file + fsync + rename; returns (size, sha256)."""
     h = hashlib.sha256()
     size = 0
@@ -98,7 +105,7 @@ def _atomic_write(path: Path, chunks) -> tuple[int, str]:
 
 
 # ---------------------------------------------------------------------- export
-def _export(shard: TableShard, incremental: bool) -> tuple[dict, dict, np.ndarray]:
+def _export(shard: TableShard, incremental: bool) -> tuple[dict[str, np.ndarray], dict[str, int], np.ndarray]:
     """Copy what a snapshot needs out of ``shard`` (caller holds the lock)."""
     m = shard.meta
     high = int(m[R.M_HIGH])
@@ -118,7 +125,7 @@ def _export(shard: TableShard, incremental: bool) -> tuple[dict, dict, np.ndarra
     return arrays, meta, rows
 
 
-def save_shard(shard: TableShard, root, incremental: bool = False) -> Path:
+def save_shard(shard: TableShard, root: StrPath, incremental: bool = False) -> Path:
     """Snapshot one shard into directory ``root``; returns the manifest path.
 
     An incremental snapshot needs an earlier snapshot of this shard object in the same
@@ -139,7 +146,9 @@ def save_shard(shard: TableShard, root, incremental: bool = False) -> Path:
     kind = "incr" if incremental else "full"
     stem = _stem(cfg.name, shard.shard_index, cfg.shards, seq, kind)
     try:
-        layout, chunks, off = {}, [], 0
+        layout: dict[str, dict[str, Any]] = {}
+        chunks: list[bytes | memoryview] = []
+        off = 0
         for name, a in arrays.items():
             a = np.ascontiguousarray(a)
             pad = (-off) % _ALIGN
@@ -148,13 +157,13 @@ def save_shard(shard: TableShard, root, incremental: bool = False) -> Path:
                 off += pad
             layout[name] = {"dtype": a.dtype.str, "shape": list(a.shape), "offset": off, "nbytes": a.nbytes}
             if a.nbytes:
-                chunks.append(a.reshape(-1).view(np.uint8))
+                chunks.append(a.reshape(-1).view(np.uint8).data)
             off += a.nbytes
         size, digest = _atomic_write(root / (stem + ".bin"), chunks)
         manifest = {
             "format": FORMAT, "version": VERSION, "table": cfg.name, "shard": shard.shard_index,
             "num_shards": cfg.shards, "seq": seq, "kind": kind,
-            "parent_seq": parent[1] if incremental else None,
+            "parent_seq": parent[1] if incremental and parent is not None else None,
             "config": json.loads(cfg.model_dump_json()), "meta": meta, "data_file": stem + ".bin",
             "data_bytes": size, "sha256": digest, "arrays": layout, "rows": int(rows.size),
             "created_unix": time.time(),
@@ -172,11 +181,11 @@ def save_shard(shard: TableShard, root, incremental: bool = False) -> Path:
 
 
 # ---------------------------------------------------------------------- reading
-def _corrupt(path, why) -> SnapshotCorruptError:
+def _corrupt(path: StrPath, why: str) -> SnapshotCorruptError:
     return SnapshotCorruptError(f"snapshot {path}: {why}; refusing to load it")
 
 
-def read_snapshot(manifest_path) -> tuple[dict, dict]:
+def read_snapshot(manifest_path: StrPath) -> tuple[Manifest, dict[str, np.ndarray]]:
     """Verify and read one snapshot: ``(manifest, arrays)``. Raises SnapshotCorruptError."""
     mp = Path(manifest_path)
     try:
@@ -207,11 +216,11 @@ def read_snapshot(manifest_path) -> tuple[dict, dict]:
         raise _corrupt(mp, f"data file has {actual} bytes, manifest says {expected} (truncated?)")
     buf = np.empty(expected, np.uint8)
     with open(data_path, "rb") as f:
-        if f.readinto(memoryview(buf)) != expected:
+        if f.readinto(buf.data) != expected:
             raise _corrupt(mp, "short read")
-    if hashlib.sha256(buf).hexdigest() != digest:
+    if hashlib.sha256(buf.data).hexdigest() != digest:
         raise _corrupt(mp, "sha256 mismatch")
-    arrays = {}
+    arrays: dict[str, np.ndarray] = {}
     try:
         for name, spec in layout.items():
             dt = np.dtype(spec["dtype"])
@@ -225,9 +234,9 @@ def read_snapshot(manifest_path) -> tuple[dict, dict]:
     return man, arrays
 
 
-def list_snapshots(root, table: str, shard: int, num_shards: int) -> dict[int, Path]:
+def list_snapshots(root: StrPath, table: str, shard: int, num_shards: int) -> dict[int, Path]:
     """``seq -> manifest path`` of every committed snapshot of one shard in ``root``."""
-    out = {}
+    out: dict[int, Path] = {}
     root = Path(root)
     if not root.is_dir():
         return out
@@ -238,7 +247,8 @@ def list_snapshots(root, table: str, shard: int, num_shards: int) -> dict[int, P
     return out
 
 
-def _chain(root, table, shard, num_shards, seq):
+def _chain(root: StrPath, table: str, shard: int, num_shards: int,
+           seq: int | None) -> list[tuple[Manifest, dict[str, np.ndarray]]]:
     snaps = list_snapshots(root, table, shard, num_shards)
     if not snaps:
         raise SnapshotNotFoundError(f"no snapshot of {table} shard {shard}/{num_shards} in {root}")
@@ -259,19 +269,19 @@ def _chain(root, table, shard, num_shards, seq):
     return chain[::-1]
 
 
-def _check_rows(man, a, high, cap_rows):
+def _check_rows(man: Manifest, a: dict[str, np.ndarray], high: int, cap_rows: int) -> None:
     r = a["rows"]
     n = r.size
     shapes_ok = (a["keys"].shape == (n,) and a["times"].shape == (n,) and a["emb"].shape[0] == n
                  and a["state"].shape[0] == n)
-    def out_of_range(x):
+    def out_of_range(x: np.ndarray) -> int | np.bool_:  # 0 for an empty array
         return x.size and (x.min() < 0 or x.max() >= high)
     if (not shapes_ok or out_of_range(r) or out_of_range(a["live_rows"]) or out_of_range(a["free"])
             or high > cap_rows):
         raise _corrupt(man["data_file"], "row arrays are inconsistent")
 
 
-def load_shard(root, table: str, shard: int = 0, num_shards: int = 1, seq: int | None = None,
+def load_shard(root: StrPath, table: str, shard: int = 0, num_shards: int = 1, seq: int | None = None,
                config: TableConfig | None = None) -> TableShard:
     """Restore one shard from its newest (or ``seq``) snapshot chain in ``root``."""
     chain = _chain(root, table, shard, num_shards, seq)
@@ -322,23 +332,25 @@ def load_shard(root, table: str, shard: int = 0, num_shards: int = 1, seq: int |
     return s
 
 
-def save_table(table: EmbeddingTable, root, incremental: bool = False) -> list[Path]:
+def save_table(table: EmbeddingTable, root: StrPath, incremental: bool = False) -> list[Path]:
     """Snapshot every shard of ``table`` (each one independently); returns manifest paths."""
     return [save_shard(s, root, incremental) for s in table.shards]
 
 
-def restore_table(root, table: str | TableConfig) -> EmbeddingTable:
+def restore_table(root: StrPath, table: str | TableConfig) -> EmbeddingTable:
     """Rebuild a table from the newest snapshot chains of all its shards in ``root``.
 
     Every shard is verified before the table is returned; any corruption raises.
     """
     cfg = table if isinstance(table, TableConfig) else None
-    name = cfg.name if cfg else table
+    name = table.name if isinstance(table, TableConfig) else table
     if cfg is None:
         found = [p for p in Path(root).glob(f"{glob_escape(name)}.s0000-of-*.json") if _NAME.match(p.name)]
         if not found:
             raise SnapshotNotFoundError(f"no snapshot of table {name!r} in {root}")
-        num = int(_NAME.match(found[0].name)["n"])
+        first = _NAME.match(found[0].name)
+        assert first is not None  # found holds matching names only
+        num = int(first["n"])
     else:
         num = cfg.shards
     shards = [load_shard(root, name, i, num, config=cfg) for i in range(num)]

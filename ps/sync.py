@@ -46,7 +46,7 @@ class SyncChunk:
         return int(self.keys.size + self.tombstones.size)
 
     @staticmethod
-    def concat(chunks: "list[SyncChunk]", dim: int) -> "SyncChunk":
+    def concat(chunks: list[SyncChunk], dim: int) -> SyncChunk:
         """Join chunks (e.g. one per shard) into one."""
         if not chunks:
             e = np.empty(0, np.int64)

@@ -18,9 +18,10 @@ so remote shard proxies can stand in for local ones.
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from ._validate import as_event_time, as_grads, as_ids, as_values
 from .config import TableConfig
@@ -33,7 +34,7 @@ from .sync import SyncChunk
 class EmbeddingTable:
     """A (possibly sharded) collisionless embedding table; see the module docstring."""
 
-    def __init__(self, config: TableConfig, shards: Sequence[TableShard] | None = None):
+    def __init__(self, config: TableConfig, shards: Sequence[TableShard] | None = None) -> None:
         self.config = config
         self.shards = list(shards) if shards is not None else [TableShard(config, i) for i in range(config.shards)]
         if len(self.shards) != config.shards:
@@ -64,21 +65,22 @@ class EmbeddingTable:
         """Rows removed by TTL expiry since this process built the shards."""
         return sum(getattr(s, "evicted", 0) for s in self.shards)
 
-    def _event_time(self, event_time, n):
+    def _event_time(self, event_time: npt.ArrayLike | None, n: int) -> np.ndarray:
         return as_event_time(event_time, n)
 
     # ------------------------------------------------------------------ reads / writes
-    def contains(self, ids) -> np.ndarray:
+    def contains(self, ids: npt.ArrayLike) -> np.ndarray:
         """Boolean mask: which ids have a row."""
         ids = as_ids(ids)
         if len(self.shards) == 1:
             return self.shards[0].lookup(ids) >= 0
         out = np.empty(ids.size, bool)
-        for s, pos in zip(self.shards, self.router.split(ids)):
+        for s, pos in zip(self.shards, self.router.split(ids), strict=True):
             out[pos] = s.lookup(ids[pos]) >= 0
         return out
 
-    def gather(self, ids, *, insert: bool = False, event_time=None, out: np.ndarray | None = None) -> np.ndarray:
+    def gather(self, ids: npt.ArrayLike, *, insert: bool = False, event_time: npt.ArrayLike | None = None,
+               out: np.ndarray | None = None) -> np.ndarray:
         """float32 ``[n, dim]`` embeddings (zeros where absent); ``torch.from_numpy`` shares it.
 
         ``insert=True`` (training forward) admits/initialises new ids at ``event_time``.
@@ -91,13 +93,13 @@ class EmbeddingTable:
             out = np.empty((ids.size, self.dim), np.float32)
         elif out.dtype != np.float32 or out.shape != (ids.size, self.dim):
             raise InvalidInputError(f"out must be float32 {(ids.size, self.dim)}")
-        for s, pos in zip(self.shards, self.router.split(ids)):
+        for s, pos in zip(self.shards, self.router.split(ids), strict=True):
             if pos.size:
                 st = None if t is None else (t[pos] if t.size > 1 else int(t[0]))
                 out[pos] = s.gather(ids[pos], insert=insert, event_time=st)
         return out
 
-    def apply_gradients(self, ids, grads, event_time) -> int:
+    def apply_gradients(self, ids: npt.ArrayLike, grads: npt.ArrayLike, event_time: npt.ArrayLike) -> int:
         """Sum gradients per unique id and step each existing row; returns rows updated."""
         ids = as_ids(ids)
         g = as_grads(grads, ids.size, self.dim)
@@ -105,14 +107,14 @@ class EmbeddingTable:
         if len(self.shards) == 1:
             return self.shards[0].apply_gradients(ids, g, t if t.size > 1 else int(t[0]))
         n = 0
-        for s, pos in zip(self.shards, self.router.split(ids)):
+        for s, pos in zip(self.shards, self.router.split(ids), strict=True):
             if pos.size:
                 n += s.apply_gradients(ids[pos], g[pos], t[pos] if t.size > 1 else int(t[0]))
         return n
 
-    def delete(self, ids) -> int:
+    def delete(self, ids: npt.ArrayLike) -> int:
         ids = as_ids(ids)
-        return sum(s.delete(ids[pos]) for s, pos in zip(self.shards, self.router.split(ids)) if pos.size)
+        return sum(s.delete(ids[pos]) for s, pos in zip(self.shards, self.router.split(ids), strict=True) if pos.size)
 
     def expire(self, now: int | None = None, max_scan: int | None = None) -> int:
         """Bounded TTL sweep on every shard (see :meth:`TableShard.expire`)."""
@@ -138,28 +140,29 @@ class EmbeddingTable:
             self.shards[0].apply_sync(SyncChunk(keys, vals, times, tomb))
             return
         kp, tp = self.router.split(keys), self.router.split(tomb)
-        for s, a, b in zip(self.shards, kp, tp):
+        for s, a, b in zip(self.shards, kp, tp, strict=True):
             if a.size or b.size:
                 s.apply_sync(SyncChunk(keys[a], vals[a], times[a], tomb[b]))
 
-    def load_rows(self, keys, values, state, times) -> None:
+    def load_rows(self, keys: npt.ArrayLike, values: npt.ArrayLike, state: npt.ArrayLike, times: npt.ArrayLike) -> None:
         """Insert rows with their optimizer state, split per shard (:meth:`TableShard.load_rows`)."""
         keys = as_ids(keys)
         values = as_values(values, keys.size, self.dim)
         state = np.asarray(state, np.float32).reshape(keys.size, -1)
         times = np.asarray(times, np.int64).reshape(keys.size)
-        for s, pos in zip(self.shards, self.router.split(keys)):
+        for s, pos in zip(self.shards, self.router.split(keys), strict=True):
             if pos.size:
                 s.load_rows(keys[pos], values[pos], state[pos], times[pos])
 
-    def items(self):
+    def items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(keys, values, optimizer_state, times)`` of all rows sorted by key."""
         parts = [s.items() for s in self.shards]
         if len(parts) == 1:
             return parts[0]
         cat = [np.concatenate([p[i] for p in parts]) for i in range(4)]
         o = np.argsort(cat[0], kind="stable")
-        return tuple(c[o] for c in cat)
+        keys, values, state, times = (c[o] for c in cat)
+        return keys, values, state, times
 
     def __repr__(self) -> str:
         return f"EmbeddingTable({self.name!r}, dim={self.dim}, shards={len(self.shards)}, keys={len(self)})"

@@ -22,7 +22,6 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
@@ -30,7 +29,8 @@ from tqdm import tqdm
 from driftline.client import AsyncRankClient, InvalidInput, ServingError
 from driftline.project import FeatureSpec, load_project
 from producers.csv_log import Request, load_map, parquet_rows, rebase, requests_of, too_old
-from producers.join_report import add_arguments, default_urls, driver_settings, with_join_report
+from producers.drivers import ReplayStats, add_arguments, driver_settings
+from producers.join_report import default_urls, with_join_report
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -38,23 +38,7 @@ log = logging.getLogger(__name__)
 SERVICE = "traffic"
 
 
-@dataclass
-class _Stats:
-    requests: int = 0
-    impressions: int = 0
-    actions: int = 0
-    rank_errors: int = 0
-    action_errors: int = 0
-    actions_skipped: int = 0  # their /rank failed: no request id to send them with
-    errors: list[str] = field(default_factory=list)  # the first few, for the summary
-
-    def error(self, message: str) -> None:
-        if len(self.errors) < 5:
-            self.errors.append(message)
-            log.warning("%s", message)
-
-
-async def _replay_one(client: AsyncRankClient, r: Request, stats: _Stats) -> None:
+async def _replay_one(client: AsyncRankClient, r: Request, stats: ReplayStats) -> None:
     try:
         ranking = await client.rank(user_id=r.user, candidates=r.candidates, context=r.context,
                                     event_time_ms=r.event_time_ms)
@@ -84,7 +68,7 @@ async def drive(settings: Settings, requests: Sequence[Request], client: AsyncRa
     """Replay ``requests`` through serving (at most ``concurrency`` in flight); returns the stats."""
     speed = settings.replay.speed if speed is None else speed
     await client.wait_ready(ready_timeout_s)
-    stats = _Stats()
+    stats = ReplayStats()
     sem = asyncio.Semaphore(concurrency)
     tasks: set[asyncio.Task] = set()
     first = next((r.event_time_ms for r in requests if r.event_time_ms is not None), None)

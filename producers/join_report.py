@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.settings import Settings
 
-__all__ = ["WARN_FRACTION", "JoinReport", "add_arguments", "default_urls", "read_counts", "report_after",
+__all__ = ["WARN_FRACTION", "JoinReport", "report_arguments", "default_urls", "read_counts", "report_after",
            "with_join_report"]
 
 log = logging.getLogger(__name__)
@@ -157,25 +157,10 @@ async def with_join_report(replay: Awaitable[dict | None], urls: Sequence[str], 
     return stats
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags both traffic drivers take: how they reach serving, and the join report's."""
-    p.add_argument("--url", default=None, help="serving base URL (default: settings.serving host and port)")
-    p.add_argument("--concurrency", type=int, default=16, help="HTTP calls in flight at most")
-    p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for serving's /readyz")
-    p.add_argument("--no-progress", action="store_true")
+def report_arguments(p: argparse.ArgumentParser) -> None:
+    """The report's flags (every traffic driver takes them: :func:`producers.drivers.add_arguments`)."""
     p.add_argument("--joiner-metrics", action="append", default=None, metavar="URL",
                    help="a joiner worker's /metrics, once per worker (default: the joiner `driftline up` runs)")
     p.add_argument("--join-settle-s", type=float, default=60.0,
                    help="after the replay, wait at most this long for the joiner to read its actions")
     p.add_argument("--no-join-report", action="store_true", help="do not read the joiner's counts")
-
-
-def driver_settings(service: str) -> Settings:
-    """A traffic driver's start: the settings, and logging set up (httpx's one line per call muted)."""
-    from services.log import setup_logging
-    from services.settings import get_settings
-
-    settings = get_settings()
-    setup_logging(service, settings.log_level)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    return settings

@@ -37,7 +37,8 @@ import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 from tqdm import tqdm
 
-from producers.join_report import add_arguments, default_urls, driver_settings, with_join_report
+from producers.drivers import ReplayStats, add_arguments, driver_settings
+from producers.join_report import default_urls, with_join_report
 from producers.movielens import load
 from producers.replay import ReplayPlan, make_plan
 from services.api_keys import client_headers
@@ -61,13 +62,7 @@ class ServingUnavailable(RuntimeError):
 
 
 @dataclass
-class _Stats:
-    requests: int = 0
-    impressions: int = 0
-    actions: int = 0
-    rank_errors: int = 0
-    action_errors: int = 0
-    actions_skipped: int = 0  # their /rank failed, so there is no request id to click on
+class _Stats(ReplayStats):
     rank_latency_s: list[float] = field(default_factory=list)
     first_version: int | None = None
     last_version: int = 0

@@ -392,25 +392,14 @@ def train_linear_sequential(server: ParameterServer, pb: PackedBatch, bags: np.n
     ``bags`` int64 ``[n_segments, B + 1]`` are each packed segment's per-example offsets, ``mean``
     which segments mean-pool; ``offset`` float64 ``[B]`` is each example's fixed logit part.
     """
-    if not server._local:
-        raise InvalidInputError("sequential updates need local shards")
+    local_shards(server)
     dims = server._dims[pb.slot_table]
     if (dims != 1).any():
         raise InvalidInputError("sequential updates are for dim-1 (linear) tables only")
     n_ex = int(labels.size)
-    bags = np.ascontiguousarray(bags, np.int64).reshape(len(pb.slots), n_ex + 1)
-    if ((bags[:, -1] != np.diff(pb.offsets)) | (bags[:, 0] != 0)).any() or (np.diff(bags, axis=1) < 0).any():
-        raise InvalidInputError("bags must be per-segment offsets covering each segment's ids")
-    present = np.zeros(len(server.table_names), np.bool_)
-    present[pb.slot_table] = True
-    for ti in np.flatnonzero(present & (server._tab_kind == OPT_NONE)).tolist():
-        raise ReadOnlyTableError(f"table {server.table_names[ti]!r} is a serving replica; it has no optimizer")
-    t = int(event_time)
-    if insert:
-        server.gather_packed(pb, insert=True, event_time=t)
-    probs = np.empty(n_ex, np.float32)
-    resid = np.empty(n_ex, np.float64)
-    shard_n = np.zeros(len(server._shards), np.int64)
+    bags = checked_bags(pb, bags, n_ex)
+    present = learning_tables(server, pb)
+    t, probs, resid, shard_n = started(server, pb, n_ex, event_time, insert)
     with server._lock_all():
         slots_list, emb_list = server._lists()
         shards = {int(server._tab_base[t]) for t in pb.slot_table.tolist() if server._tab_nshards[t] == 1}
@@ -421,7 +410,47 @@ def train_linear_sequential(server: ParameterServer, pb: PackedBatch, bags: np.n
             np.ascontiguousarray(labels, np.float64), np.ascontiguousarray(offset, np.float64), t,
             server._tab_base, server._tab_nshards, server._tab_kind, server._tab_hyper, server._tab_track,
             slots_list, emb_list, *server._row_lists, probs, resid, shard_n)
-        for ti, sh in server._expiring:
-            if present[ti] and (shard_n[sh] or server._tab_nshards[ti] == 1):
-                server._shards[sh]._expire(None, max(1024, 2 * int(shard_n[sh])))
+        expire_touched(server, present, shard_n)
     return probs, loss / max(n_ex, 1), resid
+
+
+# The Python side both sequential drivers (this module's and ps.sequential_fm's) share: the checks of
+# their input, the gather that admits the batch's ids, and the TTL expiry of the shards they touched.
+
+def local_shards(server: ParameterServer) -> None:
+    if not server._local:
+        raise InvalidInputError("sequential updates need local shards")
+
+
+def checked_bags(pb: PackedBatch, bags: np.ndarray, n_ex: int) -> I64Array:
+    """``bags`` as int64 ``[n_segments, B + 1]``, each segment's per-example offsets over its ids."""
+    out: I64Array = np.ascontiguousarray(bags, np.int64).reshape(len(pb.slots), n_ex + 1)
+    if ((out[:, -1] != np.diff(pb.offsets)) | (out[:, 0] != 0)).any() or (np.diff(out, axis=1) < 0).any():
+        raise InvalidInputError("bags must be per-segment offsets covering each segment's ids")
+    return out
+
+
+def learning_tables(server: ParameterServer, pb: PackedBatch) -> BoolArray:
+    """Which of the server's tables the batch reads (a serving replica's, without an optimizer, refused)."""
+    present = np.zeros(len(server.table_names), np.bool_)
+    present[pb.slot_table] = True
+    for ti in np.flatnonzero(present & (server._tab_kind == OPT_NONE)).tolist():
+        raise ReadOnlyTableError(f"table {server.table_names[ti]!r} is a serving replica; it has no optimizer")
+    return present
+
+
+def started(server: ParameterServer, pb: PackedBatch, n_ex: int, event_time: int,
+            insert: bool) -> tuple[int, F32Array, F64Array, I64Array]:
+    """The batch's ids admitted (``insert``), and the kernel's outputs: ``(time, probs, residuals,
+    rows touched per shard)``."""
+    t = int(event_time)
+    if insert:
+        server.gather_packed(pb, insert=True, event_time=t)
+    return t, np.empty(n_ex, np.float32), np.empty(n_ex, np.float64), np.zeros(len(server._shards), np.int64)
+
+
+def expire_touched(server: ParameterServer, present: BoolArray, shard_n: I64Array) -> None:
+    """The TTL sweep of every expiring shard the batch touched (call holding the server's locks)."""
+    for ti, sh in server._expiring:
+        if present[ti] and (shard_n[sh] or server._tab_nshards[ti] == 1):
+            server._shards[sh]._expire(None, max(1024, 2 * int(shard_n[sh])))

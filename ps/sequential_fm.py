@@ -45,9 +45,21 @@ from collections.abc import Sequence
 import numpy as np
 
 from ._jit import BoolArray, F32Array, F64Array, I64Array, IntLike, U8Array, njit
-from .errors import InvalidInputError, ReadOnlyTableError
-from .optimizers import OPT_ADAGRAD, OPT_NONE, OPT_SGD, adagrad_elem, step_elem
-from .sequential import _batch_rows, bag_span, first_order_sum, logistic, prepare_batch, write_back
+from .errors import InvalidInputError
+from .optimizers import OPT_ADAGRAD, OPT_SGD, adagrad_elem, step_elem
+from .sequential import (
+    _batch_rows,
+    bag_span,
+    checked_bags,
+    expire_touched,
+    first_order_sum,
+    learning_tables,
+    local_shards,
+    logistic,
+    prepare_batch,
+    started,
+    write_back,
+)
 from .server import PackedBatch, ParameterServer
 
 __all__ = ["train_fm_sequential"]
@@ -201,32 +213,20 @@ def train_fm_sequential(server: ParameterServer, pb: PackedBatch, n_emb: int, ba
     Ids are inserted (through admission) once by a packed gather first, unless ``insert=False``
     (the caller's gather of these ids already did). Every table read must be SGD or Adagrad.
     """
-    if not server._local:
-        raise InvalidInputError("sequential updates need local shards")
+    local_shards(server)
     n_seg, n_ex = len(pb.slots), int(labels.size)
     dims = server._dims[pb.slot_table]
     if not 0 < n_emb <= n_seg or len(set(dims[:n_emb].tolist())) != 1 or (dims[n_emb:] != 1).any():
         raise InvalidInputError("the first n_emb segments must be embedding fields of one dim, the rest dim 1")
-    bags = np.ascontiguousarray(bags, np.int64).reshape(n_seg, n_ex + 1)
-    if ((bags[:, -1] != np.diff(pb.offsets)) | (bags[:, 0] != 0)).any() or (np.diff(bags, axis=1) < 0).any():
-        raise InvalidInputError("bags must be per-segment offsets covering each segment's ids")
+    bags = checked_bags(pb, bags, n_ex)
     jac = np.ascontiguousarray(jac, np.float32)
     if jac.shape != (n_ex, n_emb, int(dims[0])):
         raise InvalidInputError(f"jac must be [B, n_emb, dim] = {(n_ex, n_emb, int(dims[0]))}, got {jac.shape}")
-    present = np.zeros(len(server.table_names), np.bool_)
-    present[pb.slot_table] = True
+    present = learning_tables(server, pb)
     for ti in np.flatnonzero(present).tolist():
-        kind = int(server._tab_kind[ti])
-        if kind == OPT_NONE:
-            raise ReadOnlyTableError(f"table {server.table_names[ti]!r} is a serving replica; it has no optimizer")
-        if kind not in KERNEL_OPTIMIZERS:
+        if int(server._tab_kind[ti]) not in KERNEL_OPTIMIZERS:
             raise InvalidInputError(f"table {server.table_names[ti]!r}: sequential embeddings need SGD or Adagrad")
-    t = int(event_time)
-    if insert:
-        server.gather_packed(pb, insert=True, event_time=t)
-    probs = np.empty(n_ex, np.float32)
-    resid = np.empty(n_ex, np.float64)
-    shard_n = np.zeros(len(server._shards), np.int64)
+    t, probs, resid, shard_n = started(server, pb, n_ex, event_time, insert)
     with server._lock_all():
         slots_list, emb_list = server._lists()
         loss = sequential_fm_kernel(
@@ -234,7 +234,5 @@ def train_fm_sequential(server: ParameterServer, pb: PackedBatch, n_emb: int, ba
             np.ascontiguousarray(labels, np.float64), np.ascontiguousarray(offset, np.float64), jac, t,
             server._tab_base, server._tab_nshards, server._tab_kind, server._tab_hyper, server._tab_track,
             slots_list, emb_list, *server._row_lists, probs, resid, shard_n)
-        for ti, sh in server._expiring:
-            if present[ti] and (shard_n[sh] or server._tab_nshards[ti] == 1):
-                server._shards[sh]._expire(None, max(1024, 2 * int(shard_n[sh])))
+        expire_touched(server, present, shard_n)
     return probs, loss / max(n_ex, 1), resid

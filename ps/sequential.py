@@ -39,7 +39,7 @@ from .rowmarks import M_NDIRTY, M_WATERMARK, marked, reserve_dirty
 from .server import PackedBatch, ParameterServer
 from .sharding import shard_index
 
-# the per-shard array lists are numba typed lists, annotated as the Sequence they are (ps.server)
+# the per-shard array lists are numba typed lists, annotated as the Sequence they are (ps.packed)
 
 
 @njit

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ps import AdamConfig, EmbeddingTable, InitializerConfig, ParameterServer, TableConfig
-from ps.server import packed_gather_kernel  # noqa: F401  (the single kernel under test)
+from ps.packed import packed_gather_kernel  # noqa: F401  (the single kernel under test)
 
 from conftest import assert_tables_identical
 

@@ -13,10 +13,18 @@ from .optimizers import DEDUPE_GROUP, apply_updates, dedupe_capacity
 from .rowmarks import M_WATERMARK, reserve_dirty
 from .sharding import shard_index
 
-__all__ = ["all_finite", "packed_apply_kernel", "packed_dedupe", "packed_gather_kernel"]
+__all__ = ["all_finite", "packed_apply_kernel", "packed_dedupe", "packed_gather_kernel", "segment"]
 
 # The per-shard array lists the kernels take are numba typed lists (``numba.typed.List``, a
 # MutableSequence; numba leaves it untyped): annotated as the Sequence they are.
+
+
+@njit
+def segment(s: int, seg_off: I64Array, seg_table: I64Array, tab_base: I64Array,
+            tab_nshards: I64Array) -> tuple[int, int, int, int]:
+    """Segment ``s`` of a packed batch: its table's first shard and shard count, its ids' span."""
+    t = seg_table[s]
+    return tab_base[t], tab_nshards[t], seg_off[s], seg_off[s + 1]
 
 
 @njit
@@ -31,11 +39,7 @@ def packed_gather_kernel(ids: I64Array, seg_off: I64Array, seg_table: I64Array, 
     pos = np.empty(GROUP, np.int64)
     hs = np.empty(GROUP, np.int64)
     for s in range(seg_table.size):
-        t = seg_table[s]
-        base = tab_base[t]
-        ns = tab_nshards[t]
-        a = seg_off[s]
-        b = seg_off[s + 1]
+        base, ns, a, b = segment(s, seg_off, seg_table, tab_base, tab_nshards)
         if ns > 1:
             for i in range(a, b):
                 shard_of[i] = base + shard_index(ids[i], ns)

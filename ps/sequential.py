@@ -35,6 +35,7 @@ from ._jit import BoolArray, F32Array, F64Array, I64Array, IntLike, U8Array, nji
 from .errors import InvalidInputError, ReadOnlyTableError
 from .hashmap import GROUP, home, resolve
 from .optimizers import OPT_ADAM, OPT_NONE, adam_corrections, step_elem
+from .packed import segment
 from .rowmarks import M_NDIRTY, M_WATERMARK, marked, reserve_dirty
 from .server import PackedBatch, ParameterServer
 from .sharding import shard_index
@@ -48,11 +49,7 @@ def _resolve_rows(ids: I64Array, seg_off: I64Array, seg_table: I64Array, tab_bas
     """Shard and row of every id (-1: absent); hash slots prefetched a group ahead."""
     hs = np.empty(GROUP, np.int64)
     for s in range(seg_table.size):
-        t = seg_table[s]
-        base = tab_base[t]
-        ns = tab_nshards[t]
-        a = seg_off[s]
-        b = seg_off[s + 1]
+        base, ns, a, b = segment(s, seg_off, seg_table, tab_base, tab_nshards)
         for i in range(a, b):
             shard_of[i] = base + shard_index(ids[i], ns) if ns > 1 else base
             shard_n[shard_of[i]] += 1

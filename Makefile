@@ -39,10 +39,9 @@ TEST_WORKERS ?= 2
 test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
-## ruff's checks and formatter (a check: `ruff format` rewrites), then mypy (pyproject.toml says where it is strict).
+## ruff's checks (layout included) and mypy (pyproject.toml says what each checks, and where mypy is strict).
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 ## Benchmarks: `make bench` runs all; `make bench-ps` one; QUICK=1 makes any finish in under a minute.

@@ -98,6 +98,7 @@ FORMAT_VERSION: Final[int] = 1
 #: Positive label: rating >= 4 stars (Monolith's >= 3.5 cut on ml-25m, on whole stars).
 LABEL_MIN_RATING: Final[float] = 4.0
 
+
 def _schema(*fields: tuple[str, pa.DataType], nullable: tuple[str, ...] = ()) -> pa.Schema:
     return pa.schema([pa.field(name, kind, nullable=name in nullable) for name, kind in fields])
 
@@ -169,6 +170,7 @@ DATASETS: Final[Mapping[str, _Source]] = {
         item_key_is_title=False,
     ),
 }
+
 
 @dataclass(frozen=True)
 class DatasetPaths:

@@ -203,7 +203,6 @@ def packed_apply_kernel(ids: I64Array, seg_off: I64Array, seg_table: I64Array, g
             shard_k[sh] = k
 
 
-
 @njit
 def all_finite(g: F32Array) -> bool:
     """Whether every value of the 1-D float32 ``g`` is finite (one pass, no temporaries)."""

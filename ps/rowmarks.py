@@ -29,8 +29,6 @@ def mark_changed(r: IntLike, flags: U8Array, dirty: I64Array, meta: I64Array, tr
     flags[r] = f
 
 
-
-
 @njit
 def reserve_dirty(dirty: I64Array, meta: I64Array, pushes: IntLike) -> None:
     """Make room for ``pushes`` appends to a shard's dirty list by dropping its drained head.

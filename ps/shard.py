@@ -92,12 +92,14 @@ class TableShard:
     # ------------------------------------------------------------------ storage
     def _resize_rows(self, cap: int) -> None:
         high = int(self.meta[R.M_HIGH])
+
         def grown(old: np.ndarray | None, shape: int | tuple[int, int], dtype: npt.DTypeLike) -> np.ndarray:
             # 64-byte aligned: a dim-16 float32 row is then exactly one cache line
             new = aligned_zeros(shape, dtype)
             if old is not None:
                 new[:high] = old[:high]
             return new
+
         def g(name: str) -> np.ndarray | None:
             return getattr(self, name, None)
         self._emb = grown(g("_emb"), (cap, self.dim), np.float32)

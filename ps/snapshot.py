@@ -274,6 +274,7 @@ def _check_rows(man: Manifest, a: dict[str, np.ndarray], high: int, cap_rows: in
     n = r.size
     shapes_ok = (a["keys"].shape == (n,) and a["times"].shape == (n,) and a["emb"].shape[0] == n
                  and a["state"].shape[0] == n)
+
     def out_of_range(x: np.ndarray) -> int | np.bool_:  # 0 for an empty array
         return x.size and (x.min() < 0 or x.max() >= high)
     if (not shapes_ok or out_of_range(r) or out_of_range(a["live_rows"]) or out_of_range(a["free"])

@@ -310,7 +310,6 @@ class DeltaFeed(BackgroundLoop):
         if msg.created_at_ms:
             metrics.DELTA_LAG.labels(kind).observe(max(0.0, time.time() - msg.created_at_ms / 1000))
 
-
     async def _dead_letter_once(self, consumer: TypedConsumer[ParameterDelta], record: Record[ParameterDelta],
                                 reason: MalformedMessage) -> None:
         """Dead-letter the record's original bytes, unless this replica already did (before a restart)."""

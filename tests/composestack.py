@@ -464,7 +464,7 @@ def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     import urllib.request
 
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - local test endpoints
+        with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as err:
         return err.code, err.read().decode()

@@ -140,7 +140,7 @@ def _rank(url: str, key: str | None) -> tuple[int, dict]:
     headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
     req = urllib.request.Request(url + "/rank", data=body.encode(), headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:  # noqa: S310 - local test endpoint
+        with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as err:
         return err.code, {"detail": err.read().decode()}

@@ -109,13 +109,14 @@ def sasl_settings(base: Settings, **kafka: object) -> Settings:
 
 def _carries_sasl(client: object, mechanism: str = "SCRAM-SHA-256") -> None:
     """An aiokafka producer's / consumer's / admin client's connection options."""
-    c = getattr(client, "client", None) or getattr(client, "_client")
+    c = getattr(client, "client", None) or client._client
     assert (c._security_protocol, c._sasl_mechanism, c._sasl_plain_username, c._sasl_plain_password) == \
         ("SASL_PLAINTEXT", mechanism, "driftline", PASSWORD)
 
 
 async def test_clients_built_from_the_settings_carry_them(tmp_path: Path) -> None:
     from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
+
     from joiner.faust_app import JoinerApp
     from proto import Action
     from services.kafka import TypedConsumer, admin_client, producer

@@ -127,8 +127,8 @@ async def test_the_faust_joiner_works_over_mutual_tls(tls_broker: TLSFront, cert
     """One Faust worker (its consumer, producer, changelog and the quirks' true end offsets) joins
     features and actions over TLS and writes its examples."""
     from joiner.faust_app import run
-    from tests.joiner.synth import ml_events
     from tests.joiner.helpers import JOINER, produce
+    from tests.joiner.synth import ml_events
 
     s = tls_settings(tls_broker, certs, tmp_path)
     s = s.updated(topics={name: f"{name}-tls" for name in ("features", "actions", "examples", "dead_letters")},

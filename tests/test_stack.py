@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from proto import Action, FeatureLog
-from services.ports import PORT_IN_USE_EXIT, free_port, port_is_open
 from services.kafka import TypedConsumer
+from services.ports import PORT_IN_USE_EXIT, free_port, port_is_open
 from services.settings import Settings
 from tests.loopstack import LoopStack, alive, descendants, free_port_block
 
@@ -218,10 +218,10 @@ def test_up_with_a_bad_model_file_is_one_actionable_line(tmp_path: Path, repo_ro
 def test_a_snapshot_learned_online_is_never_replaced_by_a_warm_start(tmp_path: Path, repo_root: Path) -> None:
     """The next `up` keeps a snapshot the online trainer learned into and resumes the replay after
     its newest event time; a warm start's own snapshot (nothing learned online) is replaced."""
+    from driftline.project import named_config
     from driftline.stack import _warm_start, warm_start_cut
     from producers.movielens import fetch, first_rating_after
     from trainer import snapshots
-    from driftline.project import named_config
 
     class Recorder:  # stands in for the supervisor: what would be started
         def __init__(self) -> None:
@@ -251,10 +251,10 @@ def test_a_warm_start_on_every_start_keeps_what_the_online_trainer_learned(tmp_p
     """docker compose runs its warm start and its traffic on every `up`: `trainer batch
     --unless-learned` leaves a snapshot the online trainer learned into as it is, and `traffic
     --after-learned` starts after the newest event time it learned."""
+    from driftline.project import named_config
     from producers.movielens import fetch, first_rating_after
     from producers.traffic import after_learned
     from trainer import snapshots
-    from driftline.project import named_config
 
     settings = Settings(var_dir=tmp_path / "var", data_dir=repo_root / "var" / "data")
     fetch(settings.replay.dataset, settings.data_dir)

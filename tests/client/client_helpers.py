@@ -7,10 +7,10 @@ import time
 from aiokafka import AIOKafkaConsumer
 
 from ps import AdagradConfig, InitializerConfig, TableConfig
-from serving.model import TrainerModel
 from services.codecs import codec_for
 from services.kafka import start_client
 from services.settings import Settings
+from serving.model import TrainerModel
 from trainer.config import ModelConfig
 
 

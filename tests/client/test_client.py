@@ -8,20 +8,31 @@ import asyncio
 import time
 
 import pytest
+from client_helpers import read_topic, served_model
+from serving_helpers import running
 
 import driftline.project
-from driftline.client import (ActionProducer, AsyncRankClient, Blocking, FeatureLogProducer, InvalidInput,
-                              RankClient, Rejected, ServingError, UnknownAction, UnknownFeature, WrongValue, item_id_of)
+from driftline.client import (
+    ActionProducer,
+    AsyncRankClient,
+    Blocking,
+    FeatureLogProducer,
+    InvalidInput,
+    RankClient,
+    Rejected,
+    ServingError,
+    UnknownAction,
+    UnknownFeature,
+    WrongValue,
+    item_id_of,
+)
 from driftline.project import FeatureSpec
 from proto import Action, FeatureLog
-from serving.app import create_app
 from services.hashing import string_id
 from services.kafka import create_topics
 from services.ports import free_port
 from services.settings import Settings
-
-from client_helpers import read_topic, served_model
-from serving_helpers import running
+from serving.app import create_app
 
 FEATURES = [FeatureSpec(name="item_id", source="item"),
             FeatureSpec(name="device", source="context", ids="string"),

@@ -10,17 +10,16 @@ import json
 from pathlib import Path
 
 import pytest
+from client_helpers import read_topic, served_model
+from serving_helpers import running, wait_ready
 
 from driftline.cli import main as cli_main
 from driftline.client import InvalidInput, item_id_of
 from producers.csv_log import MapFile, load_map, requests_of
 from proto import Action, FeatureLog
-from serving.app import create_app
 from services.hashing import string_id
 from services.settings import Settings
-
-from client_helpers import read_topic, served_model
-from serving_helpers import running, wait_ready
+from serving.app import create_app
 
 MAP = """
 [columns]

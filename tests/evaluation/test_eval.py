@@ -117,4 +117,3 @@ def test_model_matched_baselines_are_reported(smoke_out):
     assert [c["batch_size"] for c in b["driftline_lr_curve"]] == [bs for bs, _ in smoke().base_lr_curve]
     md = (smoke_out / "results.md").read_text()
     assert "Model-matched comparisons" in md and "How settings were chosen" in md
-

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from aiokafka.partitioner import DefaultPartitioner
 
 from joiner import sampling
-from joiner.core import JOIN, JoinCore
 from joiner.config import JoinConfig
+from joiner.core import JOIN, JoinCore
 from joiner.watermark import Watermark
 from proto import Action, FeatureLog
 

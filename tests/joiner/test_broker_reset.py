@@ -15,16 +15,16 @@ from prometheus_client import REGISTRY
 from rocksdict import Options, Rdict
 
 from joiner import dumper
-from joiner.faust_app import BrokerReset, run as run_joiner
-from tests.joiner.reference import offline_join
-from tests.joiner.synth import ml_events
+from joiner.faust_app import BrokerReset
+from joiner.faust_app import run as run_joiner
 from proto import Example
 from services import example_batch
 from services.kafka import create_topics
 from services.settings import Settings
 from tests.conftest import Broker, KilledBroker, killed_broker
-from tests.joiner.helpers import (JOINER, as_map, consumed_all, join_config, produce, read_examples, ref_as_map,
-                                  run_until_consumed)
+from tests.joiner.helpers import JOINER, as_map, consumed_all, join_config, produce, read_examples, ref_as_map, run_until_consumed
+from tests.joiner.reference import offline_join
+from tests.joiner.synth import ml_events
 
 CFG = join_config()
 

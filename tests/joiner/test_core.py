@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections import defaultdict
 
 import pytest
 from aiokafka.partitioner import DefaultPartitioner
 
 from joiner import sampling
-from joiner.core import JOIN, LATE, ORPHAN, OUT_OF_WINDOW, EXPIRED, JoinCore
-from tests.joiner.reference import offline_join
+from joiner.core import EXPIRED, JOIN, LATE, ORPHAN, OUT_OF_WINDOW, JoinCore
 from joiner.stores.memory import MemoryStore
-from tests.joiner.synth import ml_events
 from joiner.tiered import TieredState
 from proto import Action, Candidate, FeatureLog
 from tests.joiner.helpers import emitted_examples, join_config, take_examples
+from tests.joiner.reference import offline_join
+from tests.joiner.synth import ml_events
 
 CFG = join_config()
 # The single-event tests below: with no outliers tolerated the watermark is the max time seen,

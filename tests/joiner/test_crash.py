@@ -18,13 +18,13 @@ import pytest
 from aiokafka import TopicPartition
 
 from joiner import dumper
-from tests.joiner.reference import offline_join
-from tests.joiner.synth import ml_events
 from proto import Example
 from services import example_batch, tansu_quirks
 from services.kafka import create_topics
 from services.settings import Settings
 from tests.joiner.helpers import as_map, join_config, produce, read_examples, ref_as_map
+from tests.joiner.reference import offline_join
+from tests.joiner.synth import ml_events
 
 ROOT = Path(__file__).resolve().parents[2]
 

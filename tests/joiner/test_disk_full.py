@@ -8,7 +8,6 @@ import asyncio
 import time
 from pathlib import Path
 
-import pytest
 from prometheus_client import REGISTRY
 
 from joiner import dumper

@@ -10,13 +10,13 @@ import pyarrow.compute as pc
 import pytest
 
 from joiner import dumper
-from joiner.stores.rocksdb import RocksDBStore
 from joiner.faust_app import run as run_joiner
-from tests.joiner.synth import ml_events
+from joiner.stores.rocksdb import RocksDBStore
 from services import example_batch
 from services.kafka import create_topics
 from services.settings import Settings
 from tests.joiner.helpers import JOINER, produce, read_examples
+from tests.joiner.synth import ml_events
 
 
 def batches(topic: str, examples: list, per_record: int = 1) -> list[tuple[str, bytes, bytes]]:

@@ -13,13 +13,14 @@ import sys
 import time
 from pathlib import Path
 
-from tests.joiner.reference import offline_join
-from tests.joiner.synth import ml_events
 from services.kafka import create_topics
 from services.settings import Settings
+from tests.joiner.helpers import as_map, consumed_all, join_config, produce, read_examples, ref_as_map
+from tests.joiner.reference import offline_join
+from tests.joiner.synth import ml_events
 from tests.joiner.test_crash import ROOT, _until_output
 from tests.joiner.test_crash import _env as crash_env
-from tests.joiner.helpers import as_map, consumed_all, join_config, produce, read_examples, ref_as_map
+
 
 def _env(settings: Settings) -> dict[str, str]:
     env = crash_env(settings)

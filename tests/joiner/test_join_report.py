@@ -10,12 +10,12 @@ import time
 
 import httpx
 
-from tests.joiner.synth import ml_events
 from producers.join_report import read_counts, with_join_report
 from services.kafka import create_topics
 from services.ports import free_port
 from services.settings import Settings
 from tests.joiner.helpers import produce
+from tests.joiner.synth import ml_events
 from tests.joiner.test_crash import _env, _joiner
 
 

@@ -11,13 +11,12 @@ import pytest
 from prometheus_client import REGISTRY
 
 from joiner.faust_app import run
-from tests.joiner.reference import offline_join
-from tests.joiner.synth import ml_events
 from proto import Action, DeadLetter, FeatureLog
 from services.kafka import create_topics
 from services.settings import Settings
-from tests.joiner.helpers import (JOINER, as_map, join_config, produce, read_examples, read_topic, ref_as_map,
-                                  run_until_consumed)
+from tests.joiner.helpers import JOINER, as_map, join_config, produce, read_examples, read_topic, ref_as_map, run_until_consumed
+from tests.joiner.reference import offline_join
+from tests.joiner.synth import ml_events
 
 CFG = join_config()
 

@@ -7,15 +7,15 @@ import pytest
 from prometheus_client import REGISTRY
 
 from joiner import dumper
-from joiner.faust_app import run as run_joiner
 from joiner.core import JoinCore
-from tests.joiner.reference import offline_join
-from tests.joiner.synth import ml_events
+from joiner.faust_app import run as run_joiner
 from proto import Action, Candidate, DeadLetter, Example, FeatureLog
 from services import example_batch
 from services.kafka import create_topics
 from services.settings import Settings
 from tests.joiner.helpers import JOINER, as_map, join_config, produce, read_examples, read_topic, ref_as_map
+from tests.joiner.reference import offline_join
+from tests.joiner.synth import ml_events
 from tests.joiner.test_dumper import batches
 
 CFG = join_config()

@@ -4,10 +4,10 @@ equals the offline reference join of the same messages."""
 from __future__ import annotations
 
 from joiner.faust_app import run
-from tests.joiner.reference import offline_join
 from producers.replay import replay, replay_events
 from services.settings import Settings
 from tests.joiner.helpers import as_map, join_config, read_examples, ref_as_map
+from tests.joiner.reference import offline_join
 
 JOINER = {"window_seconds": 600, "seed": 3}
 CFG = join_config(JOINER)

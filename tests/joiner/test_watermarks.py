@@ -14,11 +14,11 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from joiner.core import JoinCore
 from joiner.stores.memory import MemoryStore
-from tests.joiner.synth import ml_events
 from joiner.tiered import TieredState
 from joiner.watermark import NO_WATERMARK, Watermark
 from proto import Action, Candidate, FeatureLog
 from tests.joiner.helpers import take_examples
+from tests.joiner.synth import ml_events
 from tests.joiner.test_core import CFG, NP, as_map, ref_map, simulate
 
 FAR = 2**63 - 1  # the poison value of issue 12

@@ -2,11 +2,19 @@
 
 import numpy as np
 import pytest
-
-from ps import (EmbeddingTable, InvalidEventTimeError, InvalidGradientError, InvalidIdsError,
-                NonFiniteGradientError, ParameterServer, ReadOnlyTableError, TableConfig, UnknownTableError)
-
 from conftest import assert_tables_identical
+
+from ps import (
+    EmbeddingTable,
+    InvalidEventTimeError,
+    InvalidGradientError,
+    InvalidIdsError,
+    NonFiniteGradientError,
+    ParameterServer,
+    ReadOnlyTableError,
+    TableConfig,
+    UnknownTableError,
+)
 
 
 def fresh(shards=1):

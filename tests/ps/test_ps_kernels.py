@@ -6,8 +6,16 @@ import math
 import numpy as np
 import pytest
 
-from ps import (AdagradConfig, AdmissionConfig, EmbeddingTable, InitializerConfig, SGDConfig,
-                TableConfig, restore_table, save_table)
+from ps import (
+    AdagradConfig,
+    AdmissionConfig,
+    EmbeddingTable,
+    InitializerConfig,
+    SGDConfig,
+    TableConfig,
+    restore_table,
+    save_table,
+)
 from ps._jit import aligned_zeros, njit, prefetch, prefetch_row
 from ps.hashmap import GROUP
 from ps.optimizers import dedupe

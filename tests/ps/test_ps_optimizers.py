@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ps import (AdagradConfig, AdamConfig, EmbeddingTable, FtrlConfig, InitializerConfig, SGDConfig,
-                TableConfig)
+from ps import AdagradConfig, AdamConfig, EmbeddingTable, FtrlConfig, InitializerConfig, SGDConfig, TableConfig
 
 IDS = np.array([5, 9, 5, 2, 9, 5], np.int64)  # duplicates on purpose
 DIM = 4
@@ -97,8 +96,9 @@ def test_initializers_seeded_and_scaled():
     for kind, check in [("zeros", lambda w: (w == 0).all()),
                         ("uniform", lambda w: np.abs(w).max() <= 0.2 and abs(w.std() - 0.2 / math.sqrt(3)) < 0.005),
                         ("normal", lambda w: abs(w.std() - 0.2) < 0.005 and abs(w.mean()) < 0.005)]:
-        mk = lambda seed: EmbeddingTable(TableConfig(name="i", dim=8, initializer=InitializerConfig(
-            kind=kind, scale=0.2, seed=seed)))
+        def mk(seed, kind=kind):
+            return EmbeddingTable(TableConfig(name="i", dim=8, initializer=InitializerConfig(
+                kind=kind, scale=0.2, seed=seed)))
         a = mk(1).gather(ids, insert=True, event_time=0)
         assert check(a), kind
         assert (mk(1).gather(ids[::-1], insert=True, event_time=0) == a[::-1]).all()

@@ -2,13 +2,12 @@
 
 import numpy as np
 import pytest
+from conftest import assert_tables_identical
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ps import AdamConfig, EmbeddingTable, InitializerConfig, ParameterServer, TableConfig
 from ps.packed import packed_gather_kernel  # noqa: F401  (the single kernel under test)
-
-from conftest import assert_tables_identical
 
 
 def test_packed_lookup_over_many_tables_equals_per_table(rng):
@@ -52,8 +51,10 @@ def test_packed_insert_equals_per_table_insert(rng):
 @given(shards=st.integers(2, 7), seed=st.integers(0, 2**31))
 def test_sharded_equals_unsharded(shards, seed):
     rng = np.random.default_rng(seed)
-    mk = lambda n: EmbeddingTable(TableConfig(name="s", dim=5, shards=n, optimizer=AdamConfig(lr=0.01),
-                                              initializer=InitializerConfig(kind="normal", seed=4)))
+
+    def mk(n):
+        return EmbeddingTable(TableConfig(name="s", dim=5, shards=n, optimizer=AdamConfig(lr=0.01),
+                                          initializer=InitializerConfig(kind="normal", seed=4)))
     one, many = mk(1), mk(shards)
     for step in range(5):
         ids = rng.integers(-(2**63), 2**63 - 1, size=0, dtype=np.int64)
@@ -114,7 +115,7 @@ def test_packed_gradients_equal_per_table_calls(seed, per_id_times):
         t = (step * 3000 + rng.integers(0, 9000, n)) if per_id_times else step * 3000
         ea = a.gather(batch, insert=True, event_time=t)
         b_parts = {}
-        for s, ids in batch.items():
+        for s in batch:
             b_parts.setdefault(slot_table[s], []).append(s)
         tt = np.asarray(t) if per_id_times else None
         offs = np.cumsum([0] + [v.size for v in batch.values()])

@@ -7,14 +7,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import assert_tables_identical
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ps import (AdmissionConfig, EmbeddingTable, FtrlConfig, SnapshotCorruptError, SnapshotError,
-                SnapshotNotFoundError, TableConfig, restore_table, save_table)
+from ps import (
+    AdmissionConfig,
+    EmbeddingTable,
+    FtrlConfig,
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotNotFoundError,
+    TableConfig,
+    restore_table,
+    save_table,
+)
 from ps import rows as R
-
-from conftest import assert_tables_identical
 
 CFG = TableConfig(name="snap", dim=3, shards=2, optimizer=FtrlConfig(), ttl_seconds=100,
                   admission=AdmissionConfig(min_count=2, probability=0.7, sketch_width=256),

@@ -5,9 +5,7 @@ import math
 import numpy as np
 import pytest
 
-import ps.sequential
-from ps import (AdagradConfig, AdamConfig, FtrlConfig, InitializerConfig, ParameterServer, SGDConfig,
-                TableConfig)
+from ps import AdagradConfig, AdamConfig, FtrlConfig, InitializerConfig, ParameterServer, SGDConfig, TableConfig
 from ps.errors import InvalidInputError
 from ps.optimizers import OPT_ADAM, adam_corrections, step_elem
 from ps.sequential import train_linear_sequential
@@ -146,4 +144,3 @@ def test_rejects_wide_tables_and_bad_bags():
     with pytest.raises(InvalidInputError):
         train_linear_sequential(server, server.pack({"w": np.array([1, 2])}), np.array([[0, 1]]),
                                 np.zeros(1, bool), np.ones(1, np.float32), np.zeros(1), event_time=1)
-

@@ -7,8 +7,16 @@ import math
 import numpy as np
 import pytest
 
-from ps import (AdagradConfig, AdamConfig, AdmissionConfig, InitializerConfig, InvalidInputError, ParameterServer,
-                SGDConfig, TableConfig)
+from ps import (
+    AdagradConfig,
+    AdamConfig,
+    AdmissionConfig,
+    InitializerConfig,
+    InvalidInputError,
+    ParameterServer,
+    SGDConfig,
+    TableConfig,
+)
 from ps.sequential_fm import train_fm_sequential
 
 D = 3
@@ -56,7 +64,7 @@ def _reference(server: ParameterServer, slots, bags, labels, offset, jac, mean):
     lr = {"v": 0.2, "u": 0.1, "w": 0.5}
     probs = []
     for e in range(labels.size):
-        xs, lin = [], 0.0
+        xs = []
         for f, s in enumerate(("a", "b", "c")):
             bag = [i for i in bags[s][e] if (names[s], i) in present]
             c = 1.0 / len(bags[s][e]) if mean[f] and bags[s][e] else 1.0

@@ -17,12 +17,12 @@ from fastapi import FastAPI
 
 from proto import DeadLetter, ParameterDelta
 from proto.parameter_delta_pb2 import DenseParameters, SampleRates, SparseRows, Tensor
+from services.kafka import TypedConsumer, create_topics, producer, start_client
+from services.ports import free_port
+from services.settings import Settings
 from serving.feature_store import FeatureStore
 from serving.fm_model import FMModel
 from serving.model import TrainerModel
-from services.ports import free_port
-from services.kafka import TypedConsumer, create_topics, producer, start_client
-from services.settings import Settings
 
 USERS = {1: {"user_id": [1], "gender": [11], "age": [25]}, 2: {"user_id": [2], "gender": [12], "age": [35]}}
 ITEMS = {i: {"item_id": [i], "genres": [100 + i % 3, 200], "year": [1990 + i % 5]} for i in range(1, 51)}

@@ -20,14 +20,14 @@ import httpx
 import pytest
 from fastapi.routing import iter_route_contexts
 from prometheus_client.parser import text_string_to_metric_families
+from serving_helpers import running
 from starlette.routing import Route
 
-from serving.app import create_app
-from serving.auth import MISSING, WRONG
 from services.api_keys import configured_keys
 from services.ports import free_port
 from services.settings import Settings
-from serving_helpers import running
+from serving.app import create_app
+from serving.auth import MISSING, WRONG
 
 KEYS = ["key-new-0f3a9c", "key-old-77b1e2"]  # two at once: a rotation in progress
 WRONG_KEY = "key-new-0f3a9d"  # one character off the first

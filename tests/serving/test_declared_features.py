@@ -9,19 +9,18 @@ import time
 import httpx
 import numpy as np
 import torch
+from serving_helpers import publish, running, wait_ready
 
 from proto import FeatureLog
 from ps import AdagradConfig, InitializerConfig, TableConfig
+from services.kafka import TypedConsumer
+from services.settings import Settings
 from serving.app import create_app
 from serving.feature_store import FeatureStore
 from serving.model import TrainerModel
-from services.kafka import TypedConsumer
-from services.settings import Settings
 from trainer.config import ModelConfig, deepfm_config
 from trainer.model import DenseHead
 from trainer.sync import encode_dense
-
-from serving_helpers import publish, running, wait_ready
 
 
 def lr_model(model_id: str, slots: list[str], dense: list[str] | None = None) -> ModelConfig:

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from serving_helpers import dense_delta, parameters, publish, sparse_delta
 
+from services.settings import Settings
 from serving.deltas import DeltaFeed
 from serving.fm_model import FMModel
-from services.settings import Settings
-
-from serving_helpers import dense_delta, parameters, publish, sparse_delta
 
 DIM = 4
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 from prometheus_client import REGISTRY
 
-from serving.app import create_app
 from services.settings import Settings
+from serving.app import create_app
 from tests.conftest import fill_disk
 from tests.serving.serving_helpers import running, wait_ready
 

@@ -7,12 +7,11 @@ import asyncio
 import time
 
 import httpx
+from serving_helpers import read_keys, read_records, running, wait_ready
 
 from proto import Action, FeatureLog
-from serving.app import create_app
 from services.settings import Settings
-
-from serving_helpers import read_keys, read_records, running, wait_ready
+from serving.app import create_app
 
 I64 = 2**63 - 1
 

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
+from services.hashing import string_id
 from serving.feature_files import main
 from serving.feature_store import FeatureStore
-from services.hashing import string_id
 
 
 def test_users_parquet_and_items_csv_load(redis_url: str, tmp_path: Path, capsys) -> None:

@@ -8,14 +8,14 @@ from collections.abc import Iterator
 
 import pytest
 import schemathesis
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
 from schemathesis.generation import GenerationMode
-from hypothesis import HealthCheck, given, settings as hsettings
+from serving_helpers import ITEMS, USERS, running, wait_ready
 
+from services.settings import Settings
 from serving.app import create_app
 from serving.feature_store import FeatureStore
-from services.settings import Settings
-
-from serving_helpers import ITEMS, USERS, running, wait_ready
 
 
 @pytest.fixture(scope="module")

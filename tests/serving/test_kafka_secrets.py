@@ -7,14 +7,13 @@ import time
 
 import httpx
 import pytest
-
-from serving.app import create_app
-from serving.fm_model import FMModel
-from services.settings import Settings
-from tests.test_kafka_security import PASSWORD, sasl_settings
-
 from serving_helpers import running, wait_ready
 from test_rank import rank_body
+
+from services.settings import Settings
+from serving.app import create_app
+from serving.fm_model import FMModel
+from tests.test_kafka_security import PASSWORD, sasl_settings
 
 
 def test_serving_shows_the_password_nowhere(filled_store: Settings, caplog: pytest.LogCaptureFixture) -> None:

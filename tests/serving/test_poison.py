@@ -7,17 +7,16 @@ import asyncio
 import time
 
 import numpy as np
+from serving_helpers import dead_letters, dense_delta, publish, sparse_delta
 
 from proto import Action, ParameterDelta
 from proto.parameter_delta_pb2 import DenseParameters, Tensor
+from services.kafka import create_topics, producer, start_client
+from services.settings import Settings
 from serving.deltas import DeltaFeed
 from serving.feature_store import FeatureStore
 from serving.fm_model import FMModel
 from serving.realtime import RecentClicks
-from services.kafka import create_topics, producer, start_client
-from services.settings import Settings
-
-from serving_helpers import dead_letters, dense_delta, publish, sparse_delta
 
 
 async def test_a_delta_that_fails_to_apply_is_dead_lettered(settings: Settings) -> None:

@@ -21,13 +21,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from serving_helpers import read_keys
 
-from serving.fm_model import FMModel
 from services.ports import free_port
 from services.settings import Settings
-
+from serving.fm_model import FMModel
 from tests.conftest import Broker
-from serving_helpers import read_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,14 +9,13 @@ import httpx
 import numpy as np
 import pytest
 from prometheus_client import REGISTRY
+from serving_helpers import dense_delta, publish, read_records, running, sparse_delta, wait_ready
 
 from proto import FeatureLog
+from services.settings import Settings
 from serving.app import create_app
 from serving.correction import correct
 from serving.fm_model import FMModel
-from services.settings import Settings
-
-from serving_helpers import dense_delta, publish, read_records, running, sparse_delta, wait_ready
 
 
 def rank_body(user_id: int = 1, items: list[int] | None = None, **extra: object) -> dict:
@@ -264,6 +263,7 @@ def test_a_score_only_request_writes_no_feature_log_and_moves_no_clock(filled_st
     it, no action joins it), and its event time does not become the clock of later requests."""
     year_2000 = 946_684_800_000
     app = create_app(filled_store.updated(event_time=dict(max_past_s=40 * 365 * 86400)))
+
     def score_only() -> float:  # this process's count: other tests score too
         return REGISTRY.get_sample_value("driftline_serving_score_only_total") or 0.0
 
@@ -292,9 +292,9 @@ def test_an_emptied_feature_store_marks_answers_and_withholds_their_feature_logs
     are marked degraded, /readyz says so, their feature logs are withheld; a reload ends it. A
     replica started while the store is empty knows it from its first request."""
     import redis
+    from serving_helpers import ITEMS, USERS
 
     from serving.feature_store import FeatureStore
-    from serving_helpers import ITEMS, USERS
 
     fast = filled_store.updated(serving=dict(feature_store_check_s=0.1))
     prefix = fast.serving.redis_prefix

@@ -19,15 +19,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from serving_helpers import running, wait_ready
 
 from driftline.embedded import redis_binary, redis_command, wait_for_port
+from services.ports import free_port
+from services.settings import RedisClientSettings, Settings
 from serving.app import create_app
 from serving.feature_files import main
 from serving.feature_store import FeatureStore, FeatureStoreError
-from services.ports import free_port
-from services.settings import RedisClientSettings, Settings
-
-from serving_helpers import running, wait_ready
 
 PASSWORD = "s3cret-pw"  # alice's
 DEFAULT_PASSWORD = "hunter2-pw"  # requirepass: the default user's
@@ -73,7 +72,7 @@ def test_an_acl_user_loads_features_and_serves_rank(settings: Settings, acl_port
     prefix = f"acl{time.time_ns()}"
     assert main(["load", *_files(tmp_path), "--redis-url", url, "--prefix", prefix]) == 0
     out = capsys.readouterr().out
-    assert f"loaded 22 feature keys" in out and "alice:***@127.0.0.1" in out and PASSWORD not in out
+    assert "loaded 22 feature keys" in out and "alice:***@127.0.0.1" in out and PASSWORD not in out
 
     caplog.set_level(logging.INFO)
     app = create_app(_options(settings, tmp_path, url, prefix))

@@ -8,21 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+from serving_helpers import running, wait_ready
 
+from services.settings import RedisClientSettings, Settings, get_settings
 from serving.app import create_app
 from serving.feature_files import main
 from serving.feature_store import LOADED_MARKER, FeatureStore
-from services.settings import RedisClientSettings, Settings, get_settings
 from tests.redis_cluster import LocalCluster, Node
-
-from serving_helpers import running, wait_ready
 
 USERS = range(1, 41)
 ITEMS = range(1, 201)

@@ -12,25 +12,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from serving_helpers import parameters, publish, read_keys
 
 from proto import Action
+from services.broker_reset import read_broker_epoch
+from services.kafka import create_topics, producer, start_client
+from services.settings import Settings
 from serving.broker_epoch import SharedEpoch
 from serving.deltas import DeltaFeed
 from serving.feature_log import FeatureLogger
 from serving.feature_store import FeatureStore
 from serving.model import TrainerModel
 from serving.realtime import RecentClicks
-from services.kafka import create_topics, producer, start_client
-from services.settings import Settings
-from services.broker_reset import read_broker_epoch
 from tests.conftest import Broker, KilledBroker, killed_broker
 from trainer import snapshots
 from trainer.batch import SparseBatch
 from trainer.config import deepfm_config
 from trainer.model import SparseModel
 from trainer.sync import encode_dense, encode_sparse_tables
-
-from serving_helpers import parameters, publish, read_keys
 
 
 @pytest.fixture(scope="module")

@@ -14,20 +14,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 from prometheus_client import REGISTRY
+from serving_helpers import parameters, publish
 
 from proto import ParameterDelta
 from ps import EmbeddingTable, SyncChunk
-from serving.replica import model_version
+from services.settings import Settings
 from serving.deltas import DeltaFeed
 from serving.model import TrainerModel
+from serving.replica import model_version
 from serving.versions import DeltaRejected
-from services.settings import Settings
 from trainer import snapshots
 from trainer.config import ModelConfig, deepfm_config
 from trainer.sharding import owners, shard_of, whole_tables
 from trainer.sync import encode_sparse_tables
-
-from serving_helpers import parameters, publish
 
 #: the tables the fake ranks train (a version is one chunk per touched table a rank owns: 3 on rank 0,
 #: 2 on the others, since item_id_w, a first-order table of this sequential model, is rank 0's whole)
@@ -282,18 +281,18 @@ def test_snapshot_gate_per_shard_and_layout(settings: Settings) -> None:
 
     feed = DeltaFeed(settings, TrainerModel(config=deepfm_config(dim=4, mlp=[8])))
     boot = Bootstrap(Path("snap"), 1, 0, shard_count=2, sparse_versions={0: 2, 1: 1})
-    feed._adopt(boot)  # noqa: SLF001 - what load_snapshot does with a bootstrap
-    held = lambda v, s, n: feed._held(_delta(v, s, n), "sparse")  # noqa: E731, SLF001
+    feed._adopt(boot)
+    held = lambda v, s, n: feed._held(_delta(v, s, n), "sparse")  # noqa: E731
     assert held(9, 0, 0)  # a one-process trainer's, before the 2-rank trainer took over
     assert held(2, 0, 2) and held(1, 1, 2) and not held(2, 1, 2) and not held(3, 0, 2)
     assert not held(1, 0, 1) and feed.gate is None  # restarted with one rank: supersedes
     assert not held(1, 0, 2)  # versions of the old layout gate nothing any more
     # Resumed at the snapshot's offset, every other layout is a later one.
-    feed._adopt(boot)  # noqa: SLF001
+    feed._adopt(boot)
     feed.past_snapshot = True
     assert not held(1, 0, 0) and feed.gate is None
     # A one-process snapshot (only "sparse_version") gates today's stream exactly as before.
-    feed._adopt(Bootstrap(Path("snap"), 5, 0, shard_count=0, sparse_versions={0: 5}))  # noqa: SLF001
+    feed._adopt(Bootstrap(Path("snap"), 5, 0, shard_count=0, sparse_versions={0: 5}))
     assert held(5, 0, 0) and not held(6, 0, 0)
 
 

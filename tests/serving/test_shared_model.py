@@ -14,15 +14,15 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from serving_helpers import parameters
 
-from serving.shared_model import PSModel, SharedModel
 from services.ports import free_port
+from serving.shared_model import PSModel, SharedModel
 from trainer import snapshots
 from trainer.batch import SparseBatch
 from trainer.config import deepfm_config
 from trainer.model import SparseModel
 from trainer.sync import encode_dense, encode_sparse_tables
-from serving_helpers import parameters
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = deepfm_config(dim=4, mlp=[8])
@@ -164,8 +164,9 @@ def test_serve_with_two_workers(tmp_path: Path, redis_url: str) -> None:
 def test_worker_app_serves_the_ps_versions(filled_store, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A worker's app: 503 until the PS publishes a loaded model, then /rank and /readyz carry the
     PS's versions, and a dense delta on the PS reaches the worker's next request."""
-    from serving.app import create_app
     from serving_helpers import running, wait_ready
+
+    from serving.app import create_app
 
     settings = filled_store.updated(serving={"model": "deepfm"})
     ps_dir = tmp_path / "ps"

@@ -28,7 +28,7 @@ def _config(shards: int) -> TableConfig:
     return TableConfig(name="t", dim=DIM, shards=shards, initial_capacity=64).serving()
 
 
-def _reader(root: str, shards: int, seconds: float, out: "mp.Queue[tuple[int, int, int, int]]") -> None:
+def _reader(root: str, shards: int, seconds: float, out: mp.Queue[tuple[int, int, int, int]]) -> None:
     control = Control(Path(root), MAX_SHARDS, STATE, write=False)
     _seq, state = control.read_state()
     table = attach_tables(Path(root), control, state, {"t": _config(shards)})["t"]

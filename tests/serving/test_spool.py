@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.spool import Spool, SpoolFull, SpoolLocked
 from services.settings import ServingSettings
+from services.spool import Spool, SpoolFull, SpoolLocked
 
 
 def spool_at(path: Path, max_bytes: int = 1 << 20, **overrides: object) -> Spool:

@@ -9,18 +9,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from serving_helpers import dead_letters, parameters, publish
 
 from proto import ParameterDelta
+from services.settings import Settings
 from serving.deltas import DeltaFeed
 from serving.model import TrainerModel
-from services.settings import Settings
 from trainer import snapshots
 from trainer.batch import SparseBatch
 from trainer.config import deepfm_config
 from trainer.model import SparseModel
 from trainer.sync import NonFiniteDelta, encode_dense, encode_sparse_tables
-
-from serving_helpers import dead_letters, parameters, publish
 
 
 def _rows(rng: np.random.Generator, n: int) -> list[dict[str, list[int]]]:
@@ -124,7 +123,7 @@ async def test_a_nan_delta_is_refused_dead_lettered_once_and_the_last_good_model
     bad_sparse = _poisoned(next(m for _t, m in encode_sparse_tables(cfg.model_id, 2, _trained(trainer, rng))))
     bad_dense = _poisoned(encode_dense(cfg.model_id, 2, trainer.head))
     await publish(settings, [*good, bad_sparse, bad_dense])
-    for restart in range(2):  # a restart re-reads the refused records: they are not dead-lettered again
+    for _ in range(2):  # a restart re-reads the refused records: they are not dead-lettered again
         feed = DeltaFeed(settings, TrainerModel(config=cfg), retry_s=0.2)
         feed.start()
         try:

@@ -29,7 +29,7 @@ class MetricsServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 server.hits += 1
                 if self.path != "/metrics":
                     self.send_error(404)
@@ -119,7 +119,7 @@ class FakeStack:
         self.s_stale = Gauge("driftline_serving_model_staleness_seconds", "Staleness.", ["model_id", "kind"], registry=r)
 
     def _step(self, elapsed: float) -> None:
-        rng, dt = self.rng, self.tick_s
+        rng = self.rng
         event_s = self.EVENT_START_S + self.SPEED * elapsed
         now = time.time()
         for p in range(4):

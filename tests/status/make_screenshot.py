@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.settings import Settings
 from driftline.stack import status_targets
+from services.settings import Settings
 from status.options import StatusSettings
 from tests.status.conftest import CHROMIUM, CHROMIUM_ARGS, ENSURE_CHROMIUM, StatusServer
 

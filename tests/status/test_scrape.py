@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from driftline.stack import status_targets
 from services.ports import free_port
 from services.settings import Settings
-from driftline.stack import status_targets
 from status.options import StatusSettings, Target, parse_target, resolve_targets
 from status.scrape import Scraper
 from tests.status.fakestack import MetricsServer
@@ -42,7 +42,7 @@ def trainer_text(auc: float, examples: int, rows: int, event_ms: float | None = 
         "# TYPE driftline_trainer_auc gauge",
         f'driftline_trainer_auc{{model="deepfm",mode="online"}} {auc}',
         'driftline_trainer_auc{model="deepfm",mode="batch"} 0.99',
-        f'driftline_trainer_loss{{model="deepfm",mode="online"}} 0.5',
+        'driftline_trainer_loss{model="deepfm",mode="online"} 0.5',
         "# TYPE driftline_trainer_examples_total counter",
         f'driftline_trainer_examples_total{{model="deepfm",mode="online"}} {examples}',
         f'driftline_trainer_table_rows{{model="deepfm",table="user_id"}} {rows}',

@@ -1,5 +1,8 @@
 """``results.json`` (merged per section), ``results.md`` and the PNG plots (:mod:`evaluation.report_plots`),
-all from the JSON."""
+all from the JSON.
+
+(Near 500 lines: one markdown renderer per results section, each a table of that experiment's
+numbers built from the same few formatting helpers; split, a reader would chase the helpers.)"""
 
 from __future__ import annotations
 

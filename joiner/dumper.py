@@ -1,5 +1,8 @@
 """``python -m joiner.dumper``: the ``examples`` topic -> Parquet files by event hour, each example once.
 
+(Near 500 lines: one consumer, whose poll, flatten, write and crash-recovery rules read best beside
+each other; the layout table below is a good part of it.)
+
 Each ``examples`` record is one example batch (:mod:`services.example_batch`: an Arrow record
 batch); the dumper builds its Parquet tables from the decoded Arrow columns (:func:`flatten`,
 renaming ``label.x`` to ``label_x``, ``sparse.s`` to ``sparse_s``, ``dense.d`` to ``dense_d``),

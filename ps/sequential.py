@@ -1,5 +1,8 @@
 """Exact per-example updates for sparse linear models (logistic regression) over a packed batch.
 
+(Over 450 lines: the linear kernels, and the parts :mod:`ps.sequential_fm` shares with them: row
+resolution, the bag walk, the logistic step and the write-back.)
+
 Mini-batch SGD gives a weight one step per batch however often the batch holds it; ml-1m users
 rate in bursts, so a batch of 1024 learns much less than 1024 single steps (River's way). Here the
 examples of a batch are taken in order: each is scored with the weights as its predecessors left

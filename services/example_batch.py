@@ -1,5 +1,8 @@
 """One Kafka record on ``examples`` = one columnar batch of examples (Arrow IPC stream).
 
+(Over 450 lines: the format, its codec, its row rules and its conversions are one contract between
+the joiner and the trainer, kept and tested together by ``tests/test_example_batch.py``.)
+
 Decision (groundwork for issue 13): an Arrow IPC stream holding one RecordBatch, decoded by
 pyarrow into numpy views. Measured by ``bench/bench_example_format.py`` (one batch of 2000 examples,
 8 slots of 1-5 random 62-bit ids, 2 labels, 1 dense; best of 10 on 2 shared cores, so +-30%):

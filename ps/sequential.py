@@ -46,6 +46,18 @@ from .sharding import shard_index
 # the per-shard array lists are numba typed lists, annotated as the Sequence they are (ps.packed)
 
 
+#: a server's per-table settings as the sequential kernels take them (one numba tuple):
+#: ``(tab_base, tab_nshards, tab_kind, tab_hyper, tab_track)``
+TableArrays = tuple[I64Array, I64Array, I64Array, F64Array, BoolArray]
+#: its per-shard arrays: ``(slots, emb, state, times, flags, dirty, meta)`` lists, one entry a shard
+ShardArrays = tuple[Sequence[I64Array], Sequence[F32Array], Sequence[F32Array], Sequence[I64Array],
+                    Sequence[U8Array], Sequence[I64Array], Sequence[I64Array]]
+
+
+def kernel_tables(server: ParameterServer) -> TableArrays:
+    return server._tab_base, server._tab_nshards, server._tab_kind, server._tab_hyper, server._tab_track
+
+
 @njit
 def _resolve_rows(ids: I64Array, seg_off: I64Array, seg_table: I64Array, tab_base: I64Array, tab_nshards: I64Array,
                   slots_list: Sequence[I64Array], shard_of: I64Array, rows: I64Array, shard_n: I64Array) -> None:
@@ -102,12 +114,13 @@ def _batch_rows(rows: I64Array, shard_of: I64Array, n_shards: IntLike) -> tuple[
 
 
 @njit
-def prepare_batch(ids: I64Array, seg_off: I64Array, seg_table: I64Array, t: IntLike, tab_base: I64Array,
-                  tab_nshards: I64Array, slots_list: Sequence[I64Array], dirty_list: Sequence[I64Array],
-                  meta_list: Sequence[I64Array], shard_n: I64Array) -> tuple[I64Array, I64Array, I64Array]:
+def prepare_batch(ids: I64Array, seg_off: I64Array, seg_table: I64Array, t: IntLike, tables: TableArrays,
+                  shards: ShardArrays, shard_n: I64Array) -> tuple[I64Array, I64Array, I64Array]:
     """A sequential kernel's start: ``(shard_of, rows, tab_of_shard)``, every id's shard and row
     (``shard_n`` counts each shard's ids) and each shard's table; the watermarks and dirty queues
     of the tables the batch reads move as packed_apply_kernel moves them."""
+    tab_base, tab_nshards = tables[0], tables[1]
+    slots_list, dirty_list, meta_list = shards[0], shards[5], shards[6]
     n = ids.size
     shard_of = np.empty(n, np.int64)
     rows = np.empty(n, np.int64)
@@ -132,12 +145,11 @@ def prepare_batch(ids: I64Array, seg_off: I64Array, seg_table: I64Array, t: IntL
 
 @njit
 def write_back(order: I64Array, ush: I64Array, urow: I64Array, W: F32Array, ST: F32Array, width: I64Array,
-               utab: I64Array, t: IntLike, tab_track: BoolArray, emb_list: Sequence[F32Array],
-               state_list: Sequence[F32Array], times_list: Sequence[I64Array], flags_list: Sequence[U8Array],
-               dirty_list: Sequence[I64Array], meta_list: Sequence[I64Array]) -> None:
+               utab: I64Array, t: IntLike, tab_track: BoolArray, shards: ShardArrays) -> None:
     """A scratch kernel's end: the rows ``order`` names (scratch numbers, in the order the examples
     first stepped them) written back, ``W[u]`` and ``ST[u, :width[u]]``, each with apply_updates'
     bookkeeping (its time, its flag, its place in the dirty queue), once per row."""
+    _, emb_list, state_list, times_list, flags_list, dirty_list, meta_list = shards
     for q in range(order.size):
         u = order[q]
         sh, r = ush[u], urow[u]
@@ -203,11 +215,8 @@ def logistic(logit: float, y: float) -> tuple[float, float, float]:
 
 @njit
 def sequential_linear_kernel(
-        ids: I64Array, seg_off: I64Array, seg_table: I64Array, bags: I64Array, seg_mean: BoolArray,
-        labels: F64Array, offset: F64Array, t: IntLike, tab_base: I64Array, tab_nshards: I64Array, tab_kind: I64Array,
-        tab_hyper: F64Array, tab_track: BoolArray, slots_list: Sequence[I64Array], emb_list: Sequence[F32Array],
-        state_list: Sequence[F32Array], times_list: Sequence[I64Array], flags_list: Sequence[U8Array],
-        dirty_list: Sequence[I64Array], meta_list: Sequence[I64Array], probs: F32Array, resid: F64Array,
+        ids: I64Array, seg_off: I64Array, seg_table: I64Array, bags: I64Array, seg_mean: BoolArray, labels: F64Array,
+        offset: F64Array, t: IntLike, tables: TableArrays, shards: ShardArrays, probs: F32Array, resid: F64Array,
         shard_n: I64Array) -> float:
     """Learn ``labels.size`` examples in order (see the module docstring); returns the summed log loss.
 
@@ -220,11 +229,12 @@ def sequential_linear_kernel(
     tables end bit for bit as if every step had been written through, and a model with many
     tables pays no per-id switch between their arrays.
     """
+    tab_base, tab_nshards, tab_kind, tab_hyper, tab_track = tables
+    slots_list, emb_list, state_list, times_list, flags_list, dirty_list, meta_list = shards
     n = ids.size
     nseg = seg_table.size
     n_shards = len(emb_list)
-    shard_of, rows, tab_of_shard = prepare_batch(ids, seg_off, seg_table, t, tab_base, tab_nshards, slots_list,
-                                                 dirty_list, meta_list, shard_n)
+    shard_of, rows, tab_of_shard = prepare_batch(ids, seg_off, seg_table, t, tables, shards, shard_n)
     u_of, ush, urow = _batch_rows(rows, shard_of, n_shards)
     nu = urow.size
     w = np.empty(nu, np.float32)
@@ -275,18 +285,14 @@ def sequential_linear_kernel(
             w[u] = nw
             st[u, 0] = sa
             st[u, 1] = sb
-    write_back(order[:n_order], ush, urow, w.reshape(nu, 1), st, width, utab, t, tab_track, emb_list, state_list,
-               times_list, flags_list, dirty_list, meta_list)
+    write_back(order[:n_order], ush, urow, w.reshape(nu, 1), st, width, utab, t, tab_track, shards)
     return loss
 
 
 @njit
 def write_through_kernel(
-        ids: I64Array, seg_off: I64Array, seg_table: I64Array, bags: I64Array, seg_mean: BoolArray,
-        labels: F64Array, offset: F64Array, t: IntLike, tab_base: I64Array, tab_nshards: I64Array, tab_kind: I64Array,
-        tab_hyper: F64Array, tab_track: BoolArray, slots_list: Sequence[I64Array], emb_list: Sequence[F32Array],
-        state_list: Sequence[F32Array], times_list: Sequence[I64Array], flags_list: Sequence[U8Array],
-        dirty_list: Sequence[I64Array], meta_list: Sequence[I64Array], probs: F32Array, resid: F64Array,
+        ids: I64Array, seg_off: I64Array, seg_table: I64Array, bags: I64Array, seg_mean: BoolArray, labels: F64Array,
+        offset: F64Array, t: IntLike, tables: TableArrays, shards: ShardArrays, probs: F32Array, resid: F64Array,
         shard_n: I64Array) -> float:
     """:func:`sequential_linear_kernel`'s results, each step written straight into the tables.
 
@@ -294,10 +300,11 @@ def write_through_kernel(
     out and no per-row numbering; 515k against 330k examples/s on ml-1m here); with many tables,
     reading another shard's arrays for almost every id costs twice the scratch kernel's time.
     """
+    tab_base, tab_nshards, tab_kind, tab_hyper, tab_track = tables
+    slots_list, emb_list, state_list, times_list, flags_list, dirty_list, meta_list = shards
     n = ids.size
     nseg = seg_table.size
-    shard_of, rows, tab_of_shard = prepare_batch(ids, seg_off, seg_table, t, tab_base, tab_nshards, slots_list,
-                                                 dirty_list, meta_list, shard_n)
+    shard_of, rows, tab_of_shard = prepare_batch(ids, seg_off, seg_table, t, tables, shards, shard_n)
     # one example's rows, equal rows summed (first-seen order)
     ush = np.empty(n, np.int64)
     urow = np.empty(n, np.int64)
@@ -408,8 +415,7 @@ def train_linear_sequential(server: ParameterServer, pb: PackedBatch, bags: np.n
         loss = kernel(
             pb.ids, pb.offsets, pb.slot_table, bags, np.ascontiguousarray(mean, np.bool_),
             np.ascontiguousarray(labels, np.float64), np.ascontiguousarray(offset, np.float64), t,
-            server._tab_base, server._tab_nshards, server._tab_kind, server._tab_hyper, server._tab_track,
-            slots_list, emb_list, *server._row_lists, probs, resid, shard_n)
+            kernel_tables(server), (slots_list, emb_list, *server._row_lists), probs, resid, shard_n)
         expire_touched(server, present, shard_n)
     return probs, loss / max(n_ex, 1), resid
 

@@ -40,19 +40,20 @@ stepped it, as :func:`ps.sequential.train_linear_sequential` does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
-from ._jit import BoolArray, F32Array, F64Array, I64Array, IntLike, U8Array, njit
+from ._jit import BoolArray, F32Array, F64Array, I64Array, IntLike, njit
 from .errors import InvalidInputError
 from .optimizers import OPT_ADAGRAD, OPT_SGD, adagrad_elem, step_elem
 from .sequential import (
+    ShardArrays,
+    TableArrays,
     _batch_rows,
     bag_span,
     checked_bags,
     expire_touched,
     first_order_sum,
+    kernel_tables,
     learning_tables,
     local_shards,
     logistic,
@@ -85,18 +86,16 @@ def _pooled(f: IntLike, e: IntLike, seg_off: I64Array, bags: I64Array, seg_mean:
 @njit
 def sequential_fm_kernel(
         ids: I64Array, seg_off: I64Array, seg_table: I64Array, n_emb: IntLike, bags: I64Array, seg_mean: BoolArray,
-        labels: F64Array, offset: F64Array, jac: F32Array, t: IntLike, tab_base: I64Array, tab_nshards: I64Array,
-        tab_kind: I64Array, tab_hyper: F64Array, tab_track: BoolArray, slots_list: Sequence[I64Array],
-        emb_list: Sequence[F32Array], state_list: Sequence[F32Array], times_list: Sequence[I64Array],
-        flags_list: Sequence[U8Array], dirty_list: Sequence[I64Array], meta_list: Sequence[I64Array], probs: F32Array,
-        resid: F64Array, shard_n: I64Array) -> float:
+        labels: F64Array, offset: F64Array, jac: F32Array, t: IntLike, tables: TableArrays, shards: ShardArrays,
+        probs: F32Array, resid: F64Array, shard_n: I64Array) -> float:
     """Learn ``labels.size`` examples in order (see the module docstring); returns the summed log
     loss and fills ``probs`` (pre-update) and ``resid`` (``p - y``). Segments ``0..n_emb-1`` are
     the embedding fields (one dim), the rest first-order fields (dim 1)."""
+    tab_base, tab_nshards, tab_kind, tab_hyper, tab_track = tables
+    slots_list, emb_list, state_list, times_list, flags_list, dirty_list, meta_list = shards
     n = ids.size
     nseg = seg_table.size
-    shard_of, rows, tab_of_shard = prepare_batch(ids, seg_off, seg_table, t, tab_base, tab_nshards, slots_list,
-                                                 dirty_list, meta_list, shard_n)
+    shard_of, rows, tab_of_shard = prepare_batch(ids, seg_off, seg_table, t, tables, shards, shard_n)
     n_shards = len(emb_list)
     u_of, ush, urow = _batch_rows(rows, shard_of, n_shards)
     nu = urow.size
@@ -195,8 +194,7 @@ def sequential_fm_kernel(
                     nw, _, _ = step_elem(kind, hyper, np.float64(W[u, j]), 0.0, 0.0,
                                          np.float64(np.float32(g * vg[qk, j])), 1.0, 1.0)
                     W[u, j] = nw
-    write_back(order[:n_order], ush, urow, W, ST, uwidth, utab, t, tab_track, emb_list, state_list, times_list,
-               flags_list, dirty_list, meta_list)
+    write_back(order[:n_order], ush, urow, W, ST, uwidth, utab, t, tab_track, shards)
     return loss
 
 
@@ -232,7 +230,6 @@ def train_fm_sequential(server: ParameterServer, pb: PackedBatch, n_emb: int, ba
         loss = sequential_fm_kernel(
             pb.ids, pb.offsets, pb.slot_table, n_emb, bags, np.ascontiguousarray(mean, np.bool_),
             np.ascontiguousarray(labels, np.float64), np.ascontiguousarray(offset, np.float64), jac, t,
-            server._tab_base, server._tab_nshards, server._tab_kind, server._tab_hyper, server._tab_track,
-            slots_list, emb_list, *server._row_lists, probs, resid, shard_n)
+            kernel_tables(server), (slots_list, emb_list, *server._row_lists), probs, resid, shard_n)
         expire_touched(server, present, shard_n)
     return probs, loss / max(n_ex, 1), resid

@@ -207,10 +207,14 @@ def first_order_sum(logit: float, e: IntLike, s_lo: IntLike, s_hi: IntLike, seg_
 
 
 @njit
-def logistic(logit: float, y: float) -> tuple[float, float, float]:
-    """One example's ``(p, p - y, log loss)``."""
+def scored(e: IntLike, logit: float, labels: F64Array, probs: F32Array, resid: F64Array) -> tuple[float, float]:
+    """Example ``e`` scored: its probability and residual ``p - y`` recorded in ``probs`` and
+    ``resid``; returns ``(p - y, log loss)``."""
+    y = np.float64(labels[e])
     p = 1.0 / (1.0 + math.exp(-logit))
-    return p, p - y, max(logit, 0.0) - logit * y + math.log1p(math.exp(-abs(logit)))
+    probs[e] = p
+    resid[e] = p - y
+    return p - y, max(logit, 0.0) - logit * y + math.log1p(math.exp(-abs(logit)))
 
 
 @njit
@@ -261,9 +265,7 @@ def sequential_linear_kernel(
     loss = 0.0
     for e in range(labels.size):
         logit, k = first_order_sum(np.float64(offset[e]), e, 0, nseg, seg_off, bags, seg_mean, u_of, w, eu, ewgt)
-        p, g, ll = logistic(logit, np.float64(labels[e]))
-        probs[e] = p
-        resid[e] = g
+        g, ll = scored(e, logit, labels, probs, resid)
         loss += ll
         for q in range(k):
             u = eu[q]
@@ -343,9 +345,7 @@ def write_through_kernel(
                     k += 1
                 else:
                     uwgt[q] += wgt
-        p, g, ll = logistic(logit, np.float64(labels[e]))
-        probs[e] = p
-        resid[e] = g
+        g, ll = scored(e, logit, labels, probs, resid)
         loss += ll
         for q in range(k):
             sh = ush[q]

@@ -56,8 +56,8 @@ from .sequential import (
     kernel_tables,
     learning_tables,
     local_shards,
-    logistic,
     prepare_batch,
+    scored,
     started,
     write_back,
 )
@@ -145,9 +145,7 @@ def sequential_fm_kernel(
             ss += S[j] * S[j]
         logit += 0.5 * (ss - sq)
         logit, k = first_order_sum(logit, e, F, nseg, seg_off, bags, seg_mean, u_of, W[:, 0], lu, lwgt)
-        p, g, ll = logistic(logit, np.float64(labels[e]))
-        probs[e] = p
-        resid[e] = g
+        g, ll = scored(e, logit, labels, probs, resid)
         loss += ll
         # the embedding rows' directions, from the values this example was scored with
         m = 0

@@ -1,6 +1,6 @@
 """Sparse optimizers whose state lives beside each row: SGD, Adagrad, Adam, FTRL.
 
-A batch's gradients are first summed per unique row (:func:`dedupe_sum`), then one
+A batch's gradients are first summed per unique row (:func:`dedupe`), then one
 update is applied per row, so an id seen k times in a batch gets one step with the
 sum of its k gradients (what a dense framework would compute for an embedding bag).
 Math is done in float64 and stored as float32.

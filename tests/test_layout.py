@@ -16,17 +16,18 @@ ROOT = Path(__file__).parents[1]
 _INCLUDE = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
 FIRST_PARTY = {g.rstrip("*").rstrip(".") for g in _INCLUDE["include"]} | {"bench"}
 
-# Bottom to top; a module's floor is that of the longest prefix naming it. The model's config and
-# the project file (which builds one) sit under the services (trainer, serving, joiner read them)
-# and the client over them; the dataset
+# Bottom to top; a module's floor is that of the longest prefix naming it. The configuration
+# floor (CONFIG: every setting, the project file that sets them and the model config it builds,
+# the join's config) sits right above the parameter server whose table configs it reads and
+# under every service that reads it; the client over the services; the dataset
 # loaders under the trainer; the CLI and the local stack (``driftline`` itself) on top, and the
 # benchmarks above everything.
+CONFIG = ("services.settings", "trainer.config", "joiner.config", "driftline.project", "driftline.project_template")
 FLOORS: tuple[tuple[str, ...], ...] = (
     ("proto",),
     ("ps",),
+    CONFIG,
     ("services",),
-    ("trainer.config",),
-    ("driftline.project", "driftline.project_template"),
     ("driftline.client",),
     ("producers.movielens", "producers.movielens_features"),
     ("trainer",),
@@ -156,6 +157,15 @@ def test_the_walk_sees_lazy_imports_and_skips_type_only_ones() -> None:
     assert "driftline.project" in imports("serving.model")  # inside a method
     assert "status.targets" in imports("status.series")
     assert "joiner.stores.memory" in imports("joiner.stores")  # `from joiner.stores.memory import ...`
+
+
+def test_the_config_floor_imports_only_itself_ps_and_proto() -> None:
+    """The configuration floor (issue 33): the settings, the project file, the model config and
+    the join config read nothing of any service, so every service can read them."""
+    assert set(CONFIG) <= set(modules())
+    below = {m for m in modules() if floor(m) <= floor("services.settings")}
+    assert {i for m in CONFIG for i in imports(m)} <= below
+    assert {floor(m) for m in CONFIG} == {FLOORS.index(CONFIG)} and FLOORS.index(CONFIG) < floor("services.kafka")
 
 
 def test_services_imports_no_package_above_it() -> None:

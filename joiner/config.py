@@ -1,15 +1,18 @@
-"""The join's configuration: :class:`JoinConfig`, built from the service's settings."""
+"""The join's configuration: :class:`JoinConfig`, built from the service's settings.
+
+It checks nothing itself: every value comes from :class:`services.settings.JoinerSettings`, whose
+fields carry the bounds (sample rates in (0, 1], a ``Literal`` late policy...), validated once
+where the settings are read. ``from_settings``'s overrides (tests, benchmarks) that name a setting
+go through the settings too, so they meet the same bounds.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from services.settings import JoinerSettings
-
-
-LATE_POLICIES = ("drop", "correction")
-POSITIVE_EMIT = ("immediate", "window_close")
+from services.settings import JoinerSettings, LatePolicy, PositiveEmit
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,10 @@ class JoinConfig:
     >>> JoinConfig.from_settings(JoinerSettings(), late_policy="never")
     Traceback (most recent call last):
     ...
-    ValueError: late_policy must be one of ('drop', 'correction'), not 'never'
+    pydantic_core._pydantic_core.ValidationError: 1 validation error for JoinerSettings
+    late_policy
+      Input should be 'drop' or 'correction' [type=literal_error, input_value='never', input_type=str]
+    ...
     """
 
     window_ms: int
@@ -48,22 +54,9 @@ class JoinConfig:
     slice_sample_rates: Mapping[str, float]
     seed: int
     label_map: Mapping[str, str]
-    late_policy: str
-    positive_emit: str
+    late_policy: LatePolicy
+    positive_emit: PositiveEmit
     watermark_outliers: int
-
-    def __post_init__(self) -> None:
-        if self.late_policy not in LATE_POLICIES:
-            raise ValueError(f"late_policy must be one of {LATE_POLICIES}, not {self.late_policy!r}")
-        if self.positive_emit not in POSITIVE_EMIT:
-            raise ValueError(f"positive_emit must be one of {POSITIVE_EMIT}, not {self.positive_emit!r}")
-        rates = [self.negative_sample_rate, *self.slice_sample_rates.values()]
-        if not all(0.0 < r <= 1.0 for r in rates):
-            raise ValueError(f"negative sample rates must lie in (0, 1]: {rates}")
-        if len(set(self.label_map.values())) > 16:
-            raise ValueError("at most 16 distinct labels")
-        if self.watermark_outliers < 0:
-            raise ValueError(f"watermark_outliers must be >= 0, not {self.watermark_outliers}")
 
     @property
     def labels(self) -> list[str]:
@@ -71,9 +64,14 @@ class JoinConfig:
         return sorted(set(self.label_map.values()))
 
     @classmethod
-    def from_settings(cls, s: JoinerSettings, **overrides: object) -> JoinConfig:
-        """Build from ``settings.joiner``, some fields replaced by ``overrides``."""
-        values: dict[str, object] = dict(
+    def from_settings(cls, s: JoinerSettings, **overrides: Any) -> JoinConfig:
+        """Build from ``settings.joiner``, some fields replaced by ``overrides``: those named like
+        a setting (``negative_sample_rate``, ``late_policy``...) are validated as that setting; the
+        millisecond ones (``window_ms``...) replace what the settings' seconds give."""
+        named = {k: overrides.pop(k) for k in list(overrides) if k in JoinerSettings.model_fields}
+        if named:
+            s = JoinerSettings.model_validate({**s.model_dump(), **named})
+        values: dict[str, Any] = dict(
             window_ms=int(s.window_seconds * 1000),
             lateness_ms=int(s.allowed_lateness_seconds * 1000),
             orphan_grace_ms=int(s.orphan_grace_seconds * 1000),
@@ -87,4 +85,4 @@ class JoinConfig:
             watermark_outliers=s.watermark_outliers,
         )
         values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)

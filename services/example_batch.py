@@ -260,7 +260,9 @@ def _decode(raw: bytes) -> ExampleColumns:
     return out
 
 
-#: The rules every example of a batch keeps (:func:`invalid_rows`), by reason.
+#: The rules every example of a batch keeps (:func:`invalid_rows`), by reason. Wire input: a batch
+#: on the examples topic may come from any client, so its sample rates are checked here even though
+#: the joiner's come from a validated setting (services.settings.SampleRate).
 ROW_RULES = {
     "empty_example_id": "a non-empty example_id",
     "event_time": "event_time_ms > 0",

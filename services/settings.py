@@ -13,6 +13,21 @@ users already have them set: ``KAFKA_BOOTSTRAP_SERVERS`` and ``REDIS_URL``. When
 >>> Settings().joiner.window_seconds
 42.0
 >>> del os.environ["DRIFTLINE_JOINER__WINDOW_SECONDS"]
+
+Bounds and enumerations live on the fields (``Field(gt=0, le=1)``, ``Literal``), so a bad value
+fails here, once, with pydantic's message naming the setting; the code that reads a setting
+trusts it. The project file (driftline/project.py) declares its keys with the same types
+(:data:`SampleRate`, :data:`LabelMap`...), so it refuses what the settings refuse:
+
+>>> os.environ["DRIFTLINE_JOINER__NEGATIVE_SAMPLE_RATE"] = "1.5"
+>>> Settings()
+Traceback (most recent call last):
+...
+pydantic_core._pydantic_core.ValidationError: 1 validation error for Settings
+joiner.negative_sample_rate
+  Input should be less than or equal to 1 [type=less_than_equal]
+...
+>>> del os.environ["DRIFTLINE_JOINER__NEGATIVE_SAMPLE_RATE"]
 """
 
 from __future__ import annotations
@@ -21,11 +36,60 @@ import ipaddress
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# The types settings share with the project file's keys (driftline/project.py): one declaration
+# of each bound, whichever edge the value comes in by.
+
+#: a share of negative examples the joiner keeps (the trainer measures it, serving corrects by it)
+SampleRate = Annotated[float, Field(gt=0, le=1)]
+#: a duration that must pass (a window, an interval, a timeout)
+PositiveSeconds = Annotated[float, Field(gt=0)]
+#: a duration that may be zero (a grace, a margin)
+Seconds = Annotated[float, Field(ge=0)]
+#: a count of at least one (a batch, a partition)
+Count = Annotated[int, Field(ge=1)]
+#: a TCP port; 0: any free one
+Port = Annotated[int, Field(ge=0, le=65535)]
+#: what the joiner does with an action that arrives after its impression's window closed
+LatePolicy = Literal["drop", "correction"]
+#: when the joiner emits a joined positive: as soon as it joins, or when its window closes
+PositiveEmit = Literal["immediate", "window_close"]
+#: what serving does with a /rank naming a feature the model does not read
+UnknownFeatures = Literal["reject", "ignore"]
+#: the joiner's label bits: a label mask holds 16 (services/example_batch.py, joiner/core.py)
+MAX_LABELS = 16
+
+
+def _few_labels(label_map: dict[str, str]) -> dict[str, str]:
+    """At most :data:`MAX_LABELS` distinct labels.
+
+    >>> _few_labels({f"a{i}": f"l{i}" for i in range(17)})
+    Traceback (most recent call last):
+    ...
+    ValueError: at most 16 distinct labels, not 17
+    """
+    labels = set(label_map.values())
+    if len(labels) > MAX_LABELS:
+        raise ValueError(f"at most {MAX_LABELS} distinct labels, not {len(labels)}")
+    return label_map
+
+
+#: action type -> the label it sets
+LabelMap = Annotated[dict[str, str], AfterValidator(_few_labels)]
 
 
 class TopicSettings(BaseModel):
@@ -36,9 +100,9 @@ class TopicSettings(BaseModel):
     examples: str = "examples"
     param_deltas: str = "param-deltas"
     dead_letters: str = "dead-letters"
-    partitions: int = 4
+    partitions: Count = 4
     # Parameter deltas must be applied in version order, so they live on one partition.
-    param_delta_partitions: int = 1
+    param_delta_partitions: Count = 1
 
     def all(self) -> dict[str, int]:
         """Topic name -> partition count, for topic creation."""
@@ -60,7 +124,7 @@ class KafkaClientSettings(BaseModel):
     request_timeout_ms: int = 30_000
     linger_ms: int = 5
     max_batch_size: int = 1_048_576
-    compression_type: str | None = "lz4"
+    compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = "lz4"
     max_poll_records: int = 2_000
     # tansu answers a fetch only when this wait is over, even with records waiting (quirk 7): it
     # is every consumer's latency. Apache Kafka answers as soon as a record is there.
@@ -176,10 +240,10 @@ class EmbeddedSettings(BaseModel):
 
     # A loopback address only: neither server can authenticate clients or encrypt (README: Security).
     host: str = "127.0.0.1"
-    broker_port: int = 9092
-    redis_port: int = 6379
+    broker_port: Port = 9092
+    redis_port: Port = 6379
     # Services started by `make up` export /metrics on consecutive ports from here.
-    metrics_port_base: int = 9101
+    metrics_port_base: Port = 9101
     start_timeout_s: float = 20.0
     # A service whose liveness check (its /metrics or /healthz answering a GET within 2 s, every
     # 5 s) has not passed for this long is killed and restarted: a hung process is not left in place.
@@ -255,32 +319,32 @@ class ReplaySettings(BaseModel):
 class JoinerSettings(BaseModel):
     """The online joiner (features ⋈ actions -> examples)."""
 
-    window_seconds: float = 900.0
+    window_seconds: PositiveSeconds = 900.0
     # How far behind the action watermark an action may be and still count as on time.
-    allowed_lateness_seconds: float = 5.0
+    allowed_lateness_seconds: Seconds = 5.0
     # How long an action waits for its features before it is counted as an orphan.
-    orphan_grace_seconds: float = 300.0
+    orphan_grace_seconds: Seconds = 300.0
     # How long a closed impression is remembered to recognise late actions (None: the window).
-    late_retention_seconds: float | None = None
-    negative_sample_rate: float = 0.25
+    late_retention_seconds: Seconds | None = None
+    negative_sample_rate: SampleRate = 0.25
     # Per-slice negative rates, the slice being the serving model_id; others use the default.
-    slice_sample_rates: dict[str, float] = Field(default_factory=dict)
+    slice_sample_rates: dict[str, SampleRate] = Field(default_factory=dict)
     seed: int = 7
     # "immediate": a positive is emitted as soon as it joins; "window_close": when its window closes.
-    positive_emit: str = "immediate"
-    cache_size: int = 200_000
-    spill_after_seconds: float = 120.0
-    late_policy: str = "drop"
-    label_map: dict[str, str] = Field(default_factory=lambda: {"click": "click", "like": "like"})
-    batch_size: int = 2_000
-    batch_timeout_s: float = 0.2
+    positive_emit: PositiveEmit = "immediate"
+    cache_size: Count = 200_000
+    spill_after_seconds: Seconds = 120.0
+    late_policy: LatePolicy = "drop"
+    label_map: LabelMap = Field(default_factory=lambda: {"click": "click", "like": "like"})
+    batch_size: Count = 2_000
+    batch_timeout_s: Seconds = 0.2
     # A joiner worker's local state directory, rocksdb://<path> (its Faust tables' RocksDB; one per
     # worker); None means rocksdb://<var_dir>/joiner/faust.
     store_url: str | None = None
     # The Faust joiner's app id: its consumer group and the prefix of its changelog topic.
     group_id: str = "driftline-joiner"
     # Workers that follow each partition's changelog to take it over quickly.
-    standby_replicas: int = 1
+    standby_replicas: int = Field(1, ge=0)
     # The Faust joiner's group liveness: a killed worker's partitions move after its session
     # times out (the takeover waits that out). Shorter than kafka.session_timeout_ms: Faust
     # heartbeats from its consumer thread, so a long batch does not miss heartbeats.
@@ -289,15 +353,15 @@ class JoinerSettings(BaseModel):
     # A worker that has waited this long for a group assignment (at start or after a rebalance
     # began) exits with code 4 to be restarted: a join that never completes was seen on tansu
     # (joiner/README.md). Well above a normal join (session timeout + tansu's slow first join).
-    join_timeout_s: float = 60.0
+    join_timeout_s: PositiveSeconds = 60.0
     # Live traffic only: when an actions partition has been idle this many wall seconds, advance
     # its watermark to the features watermark minus the margin so windows close. None: off (a
     # replay's result then depends only on the data).
-    idle_advance_seconds: float | None = None
-    idle_advance_margin_seconds: float = 60.0
+    idle_advance_seconds: PositiveSeconds | None = None
+    idle_advance_margin_seconds: Seconds = 60.0
     # A partition's watermark is the (k+1)-th largest distinct event time seen on it, so k
     # far-off events (a bad client clock) cannot close every window; windows close k events later.
-    watermark_outliers: int = 2
+    watermark_outliers: int = Field(2, ge=0)
     # The examples a worker produced stay this long in its local spool (joiner/output_spool.py,
     # beside its state store) to be produced again into a broker whose data was reset: the dumper
     # and the trainer may not have read them. Within dumper.dedup_min_wall_s, so the dumper
@@ -320,8 +384,8 @@ class DumperSettings(BaseModel):
     """``python -m joiner.dumper``: the ``examples`` topic -> Parquet."""
 
     # A flush writes the buffered rows when this many are buffered or the oldest waited this long.
-    flush_rows: int = 100_000
-    flush_interval_s: float = 30.0
+    flush_rows: Count = 100_000
+    flush_interval_s: PositiveSeconds = 30.0
     # Event-time seconds a written example id is remembered for de-duplication; None: derived
     # from the joiner's windows (joiner.dumper.default_dedup_horizon_s).
     dedup_horizon_s: float | None = None
@@ -339,10 +403,11 @@ class TrainerSettings(BaseModel):
     group_id: str = "driftline-trainer"
     # the served model (sequential first-order weights and embeddings) tuned best at 2048
     # examples a step, within 0.0003 AUC of 1024 and 4096: docs/results.md, "How settings were chosen"
-    batch_size: int = 2048
-    batch_timeout_s: float = 0.2
-    sync_interval_s: float = 10.0
-    dense_sync_interval_s: float = 3600.0
+    batch_size: Count = 2048
+    batch_timeout_s: Seconds = 0.2
+    # Seconds between sparse deltas (rows), and between dense ones (the head's weights).
+    sync_interval_s: PositiveSeconds = 10.0
+    dense_sync_interval_s: PositiveSeconds = 3600.0
     snapshot_interval_event_s: float = 86_400.0
     # Snapshots live under <var_dir>/snapshots/<model_id> unless set.
     snapshot_dir: Path | None = None
@@ -355,11 +420,11 @@ class TrainerSettings(BaseModel):
     # sample rates the trainer records (trainer/sample_rates.py): how fast the recorded rate
     # follows a changed joiner setting. ~25 batches of negatives: about as fast as the model's own
     # bias moves to the new mix; under a constant setting the rate is exact whatever the value.
-    sample_rate_half_life: float = 50_000.0
+    sample_rate_half_life: float = Field(50_000.0, gt=0)
     # Ranks of distributed training on this machine (trainer/ranks.py, docs/scale-out.md): 1 is
     # one trainer process owning every shard; N > 1 starts N ranks through torch's elastic
     # launcher, rank r owning shard r of every table and the partitions p with p % N == r.
-    nproc: int = 1
+    nproc: Count = 1
     # "sync" or "hybrid" (trainer/distributed.py). staleness (hybrid): steps of sparse updates a
     # looked-up row may miss, the updates overlapping the next steps; 0: none missed (sync's
     # results), a round's update overlapping the next round's poll and decode (docs/scale-out.md).
@@ -372,10 +437,10 @@ class TrainerSettings(BaseModel):
     pin_cores: bool = False
     # Times the elastic launcher restarts the whole group after a rank failed (kill -9 included)
     # before it gives up (then `driftline up`'s supervisor restarts the launcher).
-    max_restarts: int = 3
+    max_restarts: int = Field(3, ge=0)
     # Seconds a collective waits for a rank that does not arrive before it fails: bounds a hang
     # on a rank stuck outside the step (a dead rank's peers fail at once, its socket closes).
-    collective_timeout_s: float = 120.0
+    collective_timeout_s: PositiveSeconds = 120.0
     # Rank r > 0 exports its /metrics on metrics_port + r * rank_metrics_port_stride (rank 0 on
     # metrics_port): ports next to the trainer's belong to other services under `driftline up`.
     rank_metrics_port_stride: int = 100
@@ -385,8 +450,8 @@ class ServingSettings(BaseModel):
     """The ranking API."""
 
     host: str = "127.0.0.1"
-    port: int = 8000
-    max_candidates: int = 1_000
+    port: Port = 8000
+    max_candidates: Count = 1_000
     # Largest FeatureLog (encoded, + its request-id key) /rank logs; a larger one is a 413. A bit
     # under Kafka's default message.max.bytes (1,048,588), so a logged request always fits the
     # topic; the feature-log producer's max_request_size follows it.
@@ -435,9 +500,9 @@ class ServingSettings(BaseModel):
     event_clock_s: float = Field(default=300.0, ge=0)
     # A /rank naming a feature the model does not read: "reject" (a 422 naming it) or "ignore"
     # (dropped before scoring and logging, counted in driftline_serving_unknown_features_total).
-    unknown_features: str = "reject"
+    unknown_features: UnknownFeatures = "reject"
     # How many recent clicks per user the real-time feature keeps, and which actions count.
-    recent_clicks: int = 20
+    recent_clicks: int = Field(20, ge=0)
     click_actions: tuple[str, ...] = ("click", "like")
     # The consumer group of the real-time reader (one for all replicas: Redis is shared).
     realtime_group_id: str = "serving-realtime"
@@ -493,7 +558,7 @@ class StatusSettings(BaseModel):
     """The live status page (``driftline status``): what it scrapes, how often, how much it keeps."""
 
     host: str = "127.0.0.1"
-    port: int = 8500
+    port: Port = 8500
     scrape_interval_s: float = 2.0
     # Per-target timeout of one scrape; a slower target counts as down for that round.
     scrape_timeout_s: float = 1.5
@@ -609,8 +674,8 @@ class Settings(BaseSettings):
     project: Path | None = None
     # The dataset cache (MovieLens for the demo): under var_dir unless set, so moving var_dir moves it.
     data_dir: Path = Field(default_factory=lambda fields: fields["var_dir"] / "data")
-    log_level: str = "INFO"
-    metrics_port: int = 0
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+    metrics_port: Port = 0
     # 0.0.0.0 in containers, so Prometheus can scrape from another host.
     metrics_host: str = "127.0.0.1"
     service_name: str = "driftline"
@@ -679,7 +744,7 @@ class Settings(BaseSettings):
         """
         return self.serving.spool_dir or self.var_dir / "serving" / f"spool-{self.serving.port}"
 
-    def updated(self, **sections: dict) -> Settings:
+    def updated(self, **sections: dict[str, Any]) -> Settings:
         """A copy with some fields of the named sections replaced: how code that runs a service
         with other values (a test, a benchmark, a command-line flag) passes them, instead of
         constructor arguments that shadow the settings.

@@ -74,6 +74,8 @@ class SampleRates:
     recorded: bool = False
 
     def __post_init__(self) -> None:
+        # Wire input, checked here and not trusted: these rates come from a snapshot manifest or a
+        # dense delta on Kafka, which any client may write, not from the joiner's validated setting.
         for name, r in [("global", self.global_rate), *self.slices.items()]:
             if not (0.0 < r <= 1.0):
                 raise BadSampleRates(f"sample rate of {name} is {r}, not in (0, 1]")

@@ -8,8 +8,9 @@ A project maps onto two things the rest of driftline already reads:
   dense features). ``trainer.model`` may name the project file itself: every service that loads
   the model (trainer, serving) then reads it from the file (:func:`named_config`).
 * :meth:`Project.settings_overrides`: the :class:`services.settings.Settings` fields the file sets,
-  as nested sections. Absent keys mean "keep the setting": defaults live only in
-  ``services/settings.py``. Environment variables win over the file (:meth:`Project.resolved_settings`,
+  as nested sections: :data:`FILE_KEYS` maps each of the file's own keys to its setting (the one
+  table of renames), ``[settings.<section>]`` names any other by its own name. Absent keys mean
+  "keep the setting": defaults live only in ``services/settings.py``. Environment variables win over the file (:meth:`Project.resolved_settings`,
   :func:`apply_to_environ`), so every setting stays overridable as before.
 
 >>> from services.settings import Settings
@@ -34,22 +35,61 @@ True
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from ps import AdmissionConfig, InitializerConfig, TableConfig
 from ps.config import OptimizerConfig
-from services.settings import PROJECT_VAR
+from services.settings import (
+    PROJECT_VAR,
+    LabelMap,
+    PositiveSeconds,
+    SampleRate,
+    Seconds,
+    Settings,
+    UnknownFeatures,
+)
 
 if TYPE_CHECKING:
     # at run time inside the functions that need it: importing trainer sets OMP_WAIT_POLICY for
     # a process that has no torch yet (trainer/__init__.py), and the client's users import this module
     from trainer.config import ModelConfig
 
-__all__ = ["FeatureSpec", "Project", "ProjectFile", "ProjectError", "load_project", "apply_to_environ", "named_config",
-           "PROJECT_VAR"]
+__all__ = [
+    "FILE_KEYS",
+    "PROJECT_VAR",
+    "FeatureSpec",
+    "Project",
+    "ProjectError",
+    "ProjectFile",
+    "apply_to_environ",
+    "load_project",
+    "named_config",
+]
+
+#: The project file's own keys -> the setting each one sets, ``(section, field)`` of
+#: :class:`services.settings.Settings`: the one place a file key is renamed (a key of the file's
+#: sections reads better in the file's words: ``[sampling] negative_rate``, not
+#: ``negative_sample_rate``). A key's type is the setting's (the same bound, declared once in
+#: services/settings.py); tests/test_project.py holds both, and docs/own-data.md's table, to it.
+#: Any other setting is ``[settings.<section>] <field>``, by its own name.
+FILE_KEYS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("sampling", "negative_rate"): ("joiner", "negative_sample_rate"),
+    ("sampling", "per_model"): ("joiner", "slice_sample_rates"),
+    ("windows", "window_seconds"): ("joiner", "window_seconds"),
+    ("windows", "allowed_lateness_seconds"): ("joiner", "allowed_lateness_seconds"),
+    ("windows", "orphan_grace_seconds"): ("joiner", "orphan_grace_seconds"),
+    ("windows", "idle_advance_seconds"): ("joiner", "idle_advance_seconds"),
+    ("windows", "idle_advance_margin_seconds"): ("joiner", "idle_advance_margin_seconds"),
+    ("labels",): ("joiner", "label_map"),
+    ("sync", "sparse_interval_s"): ("trainer", "sync_interval_s"),
+    ("sync", "dense_interval_s"): ("trainer", "dense_sync_interval_s"),
+    ("unknown_features",): ("serving", "unknown_features"),
+}
 
 _NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 
@@ -131,26 +171,28 @@ class ModelSpec(_Spec):
     linear_optimizer: OptimizerConfig | None = None
 
 
+# The sections of the keys in FILE_KEYS: each key typed as its setting (services/settings.py).
+
 class SamplingSpec(_Spec):
     #: share of negative examples the joiner keeps (the trainer corrects for it)
-    negative_rate: float | None = Field(None, gt=0, le=1)
+    negative_rate: SampleRate | None = None
     #: per served model id (slice)
-    per_model: dict[str, float] | None = None
+    per_model: dict[str, SampleRate] | None = None
 
 
 class WindowSpec(_Spec):
-    window_seconds: float | None = Field(None, gt=0)
-    allowed_lateness_seconds: float | None = Field(None, ge=0)
-    orphan_grace_seconds: float | None = Field(None, ge=0)
+    window_seconds: PositiveSeconds | None = None
+    allowed_lateness_seconds: Seconds | None = None
+    orphan_grace_seconds: Seconds | None = None
     #: live traffic with sparse actions: advance an idle actions partition's watermark after this
     #: many wall seconds so windows close (absent: off, a replay's result depends only on the data)
-    idle_advance_seconds: float | None = Field(None, gt=0)
-    idle_advance_margin_seconds: float | None = Field(None, ge=0)
+    idle_advance_seconds: PositiveSeconds | None = None
+    idle_advance_margin_seconds: Seconds | None = None
 
 
 class SyncSpec(_Spec):
-    sparse_interval_s: float | None = Field(None, gt=0)
-    dense_interval_s: float | None = Field(None, gt=0)
+    sparse_interval_s: PositiveSeconds | None = None
+    dense_interval_s: PositiveSeconds | None = None
 
 
 class StoreSpec(_Spec):
@@ -170,7 +212,7 @@ class WarmStartSpec(_Spec):
     examples_dir: Path | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "WarmStartSpec":
+    def _check(self) -> WarmStartSpec:
         if (self.kind == "examples") != (self.examples_dir is not None):
             raise ValueError("warm_start: kind = 'examples' needs examples_dir (and only it does)")
         return self
@@ -185,7 +227,7 @@ class ProjectFile(_Spec):
     tables: dict[str, TableSpec] = Field(default_factory=dict)
     model: ModelSpec = ModelSpec()
     #: action type -> the label it sets (the joiner's ``label_map``)
-    labels: dict[str, str] | None = None
+    labels: LabelMap | None = None
     sampling: SamplingSpec = SamplingSpec()
     windows: WindowSpec = WindowSpec()
     sync: SyncSpec = SyncSpec()
@@ -196,7 +238,7 @@ class ProjectFile(_Spec):
     demo: Literal["movielens"] | None = None
     #: a ``/rank`` naming a feature the model does not read: "reject" (422 naming it) or "ignore"
     #: (dropped and counted in ``driftline_serving_unknown_features_total``)
-    unknown_features: Literal["reject", "ignore"] | None = None
+    unknown_features: UnknownFeatures | None = None
     #: any other setting, by section: ``[settings.event_time] max_past_s = 2592000``
     settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
@@ -205,8 +247,6 @@ class ProjectFile(_Spec):
     def _known_settings(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         """A misspelt section or key would be ignored silently (the environment ignores unknown
         variables): refuse it, and check the values' types now rather than in every service."""
-        from services.settings import Settings
-
         for section, fields in value.items():
             kind = getattr(Settings.model_fields.get(section), "annotation", None)
             if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
@@ -219,7 +259,7 @@ class ProjectFile(_Spec):
         return value
 
     @model_validator(mode="after")
-    def _check(self) -> "ProjectFile":
+    def _check(self) -> ProjectFile:
         names = [f.name for f in self.features]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -256,7 +296,7 @@ class Project:
         self.path = path
 
     @classmethod
-    def model_validate(cls, data: Any, path: Path | None = None) -> "Project":
+    def model_validate(cls, data: Any, path: Path | None = None) -> Project:
         return cls(ProjectFile.model_validate(data), path)
 
     def __getattr__(self, name: str) -> Any:
@@ -272,34 +312,36 @@ class Project:
         """Action type -> label: the file's ``[labels]``, else the joiner's ``label_map`` setting."""
         if self.file.labels is not None:
             return dict(self.file.labels)
-        from services.settings import get_settings
+        from services.settings import (
+            get_settings,  # (the process's settings, read when asked for)
+        )
 
         return dict(get_settings().joiner.label_map)
 
-    def model_copy(self, update: dict[str, Any]) -> "Project":
+    def model_copy(self, update: dict[str, Any]) -> Project:
         return Project(self.file.model_copy(update=update), self.path)
 
     def feature(self, name: str) -> FeatureSpec:
-        return next(f for f in self.features if f.name == name)
+        return next(f for f in self.file.features if f.name == name)
 
     def _roles(self) -> tuple[list[str], list[str], list[str]]:
-        sparse = [f.name for f in self.features if f.kind == "sparse"]
-        m = self.model
+        sparse = [f.name for f in self.file.features if f.kind == "sparse"]
+        m = self.file.model
         fields = m.fields if m.fields is not None else (sparse if m.kind == "deepfm" else [])
         linear = m.linear if m.linear is not None else sparse
-        dense = m.dense if m.dense is not None else [f.name for f in self.features if f.kind == "dense"]
+        dense = m.dense if m.dense is not None else [f.name for f in self.file.features if f.kind == "dense"]
         return list(fields), list(linear), list(dense)
 
     def _table(self, name: str, dim: int, index: int, first_order: bool = False) -> TableConfig:
         from trainer.config import LINEAR_LR, SPARSE_LR
 
-        default, own = self.tables.get("default", TableSpec()), self.tables.get(name, TableSpec())
-        linear = ({"optimizer": self.model.linear_optimizer.model_dump()}
-                  if first_order and self.model.linear_optimizer is not None else {})
+        default, own = self.file.tables.get("default", TableSpec()), self.file.tables.get(name, TableSpec())
+        linear = ({"optimizer": self.file.model.linear_optimizer.model_dump()}
+                  if first_order and self.file.model.linear_optimizer is not None else {})
         merged = {**default.model_dump(exclude_unset=True), **linear, **own.model_dump(exclude_unset=True)}
         merged = {k: v for k, v in merged.items() if v is not None}
         merged.setdefault("optimizer", {"kind": "adagrad", "lr": LINEAR_LR if first_order else SPARSE_LR})
-        merged.setdefault("initializer", {"kind": "normal", "scale": 0.01, "seed": 1 + 1000 * self.model.seed + index}
+        merged.setdefault("initializer", {"kind": "normal", "scale": 0.01, "seed": 1 + 1000 * self.file.model.seed + index}
                           if dim > 1 else {"kind": "zeros"})
         merged["dim"] = dim if dim == 1 else merged.get("dim", dim)
         return TableConfig(name=name, **merged)
@@ -314,35 +356,36 @@ class Project:
         lin = {n: f"{self.feature(n).table or n}_w" for n in linear}
         names = list(dict.fromkeys([*emb.values(), *lin.values()]))
         first_order = {t for t in lin.values() if t not in emb.values()}
-        tables = [self._table(t, 1 if t in first_order else self.model.dim, i, t in first_order)
+        tables = [self._table(t, 1 if t in first_order else self.file.model.dim, i, t in first_order)
                   for i, t in enumerate(names)]
         used = {*fields, *linear}
-        m = self.model
+        m = self.file.model
         extra = {k: v for k, v in (("mlp", m.mlp), ("dense_optimizer", m.dense_optimizer), ("dense_lr", m.dense_lr))
                  if v is not None}
         if m.kind == "lr" and m.mlp is None:
             extra["mlp"] = []
         return ModelConfig(
-            model_id=self.name, kind=m.kind, slots=emb, linear=lin, tables=tables, dense_features=dense,
-            pooling={f.name: f.pooling for f in self.features if f.pooling and f.name in used},
-            salt={f.name: f.salt for f in self.features if f.salt is not None and f.name in used},
+            model_id=self.file.name, kind=m.kind, slots=emb, linear=lin, tables=tables, dense_features=dense,
+            pooling={f.name: f.pooling for f in self.file.features if f.pooling and f.name in used},
+            salt={f.name: f.salt for f in self.file.features if f.salt is not None and f.name in used},
             label=m.label, seed=m.seed, sequential=m.sequential and bool(lin),
             sequential_embeddings=m.sequential_embeddings and m.sequential and bool(lin) and m.kind == "deepfm",
             **extra)
 
     def settings_overrides(self) -> dict[str, dict[str, Any]]:
         """The settings this file sets, as ``{section: {field: value}}`` (for
-        :meth:`services.settings.Settings.updated`); keys the file leaves out are absent."""
+        :meth:`services.settings.Settings.updated`); keys the file leaves out are absent:
+        ``[settings.<section>]``, then each key of :data:`FILE_KEYS` the file sets, then
+        ``trainer.model``, the file itself when read from one (the model is declared in it)."""
         out: dict[str, dict[str, Any]] = {s: dict(v) for s, v in self.file.settings.items()}
-
-        def put(section: str, **fields: Any) -> None:
-            out.setdefault(section, {}).update({k: v for k, v in fields.items() if v is not None})
-
-        put("trainer", model=str(self.path) if self.path is not None else None,
-            sync_interval_s=self.sync.sparse_interval_s, dense_sync_interval_s=self.sync.dense_interval_s)
-        put("serving", unknown_features=self.unknown_features)
-        put("joiner", label_map=self.file.labels, negative_sample_rate=self.sampling.negative_rate,
-            slice_sample_rates=self.sampling.per_model, **self.windows.model_dump(exclude_none=True))
+        for keys, (section, field) in FILE_KEYS.items():
+            value: Any = self.file
+            for key in keys:
+                value = getattr(value, key)
+            if value is not None:
+                out.setdefault(section, {})[field] = value
+        if self.path is not None:
+            out.setdefault("trainer", {})["model"] = str(self.path)
         return {k: v for k, v in out.items() if v}
 
     def settings_env(self) -> dict[str, str]:
@@ -354,27 +397,25 @@ class Project:
                 (json.dumps(v) if isinstance(v, (dict, list, tuple, bool)) else str(v))
                 for section, fields in self.settings_overrides().items() for key, v in fields.items()}
 
-    def resolved_settings(self) -> Any:
+    def resolved_settings(self) -> Settings:
         """``Settings`` with this file applied under the environment: a variable set in
         ``os.environ`` keeps its value, every other key the file sets replaces the default."""
-        return _file_under_env()(**self.settings_overrides())
+        overrides: dict[str, Any] = self.settings_overrides()
+        return _FileUnderEnv(**overrides)
 
 
-def _file_under_env() -> type:
-    from services.settings import Settings
+class _FileUnderEnv(Settings):
+    """Settings whose constructor arguments (the file) rank below the environment."""
 
-    class FileUnderEnv(Settings):
-        """Settings whose constructor arguments (the file) rank below the environment."""
-
-        @classmethod
-        def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
-                                       file_secret_settings):  # type: ignore[override]
-            return env_settings, init_settings, dotenv_settings, file_secret_settings
-
-    return FileUnderEnv
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return env_settings, init_settings, dotenv_settings, file_secret_settings
 
 
-def apply_to_environ(project: Project, environ: Any = None) -> dict[str, str]:
+def apply_to_environ(project: Project, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Set the file's settings as environment variables where none is set (the environment wins),
     so this process and every service it starts read them. Returns what it set."""
     environ = os.environ if environ is None else environ
@@ -415,7 +456,7 @@ def load_project(path: str | Path) -> Project:
     return Project(project, path)
 
 
-def json_schema() -> dict:
+def json_schema() -> dict[str, Any]:
     """The project file's JSON schema (editors: ``driftline init --schema``)."""
     return ProjectFile.model_json_schema()
 

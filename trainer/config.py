@@ -84,7 +84,7 @@ class ModelConfig(BaseModel):
     sequential_embeddings: bool = False
 
     @model_validator(mode="after")
-    def _check(self) -> "ModelConfig":
+    def _check(self) -> ModelConfig:
         names = {t.name for t in self.tables}
         if len(names) != len(self.tables):
             raise ValueError("duplicate table names")
@@ -111,9 +111,11 @@ class ModelConfig(BaseModel):
             if not self.sequential or self.kind != "deepfm":
                 raise ValueError("sequential_embeddings needs a sequential deepfm")
             for t in {*self.slots.values(), *self.linear.values()}:
-                if self.table(t).optimizer.kind not in ("sgd", "adagrad"):
+                optimizer = self.table(t).optimizer  # (None: a serving replica's table, which learns nothing)
+                kind = None if optimizer is None else optimizer.kind
+                if kind not in ("sgd", "adagrad"):
                     raise ValueError(f"sequential_embeddings: table {t!r} must use sgd or adagrad, not "
-                                     f"{self.table(t).optimizer.kind} (or set sequential_embeddings = false)")
+                                     f"{kind} (or set sequential_embeddings = false)")
         return self
 
     def table(self, name: str) -> TableConfig:
@@ -187,8 +189,8 @@ def deepfm_config(model_id: str = "deepfm", dim: int = SERVED_DIM, mlp: list[int
                            initializer=zeros(len(slots) + i), admission=adm,
                            ttl_seconds=ttl_seconds, shards=shards) for i, s in enumerate(slots)]
     fields = {s: s for s in slots}
-    pooling: dict = {"genres": "mean"}
-    salt: dict = {}
+    pooling: dict[str, Literal["sum", "mean"]] = {"genres": "mean"}
+    salt: dict[str, bool] = {}
     if recent_items and "item_id" in slots and RECENT_ITEMS not in slots:
         fields[RECENT_ITEMS] = "item_id"
         pooling[RECENT_ITEMS] = "mean"
@@ -209,7 +211,7 @@ def lr_config(model_id: str = "lr", lr: float = 0.05, slots: tuple[str, ...] = M
     for, but it must accept the Examples serving logs after a user's first click."""
     t = TableConfig(name="weights", dim=1, optimizer=AdagradConfig(lr=lr), initializer=InitializerConfig(kind="zeros"))
     linear = {s: "weights" for s in slots}
-    pooling: dict = {}
+    pooling: dict[str, Literal["sum", "mean"]] = {}
     if recent_items and RECENT_ITEMS not in slots:
         linear[RECENT_ITEMS] = "weights"
         pooling[RECENT_ITEMS] = "mean"

@@ -39,7 +39,14 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from ps import AdmissionConfig, InitializerConfig, TableConfig
@@ -255,7 +262,12 @@ class ProjectFile(_Spec):
             if unknown:
                 raise ValueError(f"[settings.{section}]: no such settings {unknown}")
             # (alone: checks between a section's settings wait for the environment's, e.g. a password)
-            kind.model_validate(fields, context={"section_only": True})
+            try:
+                kind.model_validate(fields, context={"section_only": True})
+            except ValidationError as err:  # its own location would lose the section's name
+                first = err.errors()[0]
+                where = ".".join(str(x) for x in first["loc"])
+                raise ValueError(f"[settings.{section}] {where}: {first['msg'].removeprefix('Value error, ')}") from None
         return value
 
     @model_validator(mode="after")
@@ -429,8 +441,6 @@ def apply_to_environ(project: Project, environ: MutableMapping[str, str] | None 
 def load_project(path: str | Path) -> Project:
     """Read and validate a project file (``.toml``, or ``.yaml``/``.yml``); :class:`ProjectError`
     with one readable line when it is missing or invalid."""
-    from pydantic import ValidationError
-
     path = Path(path).resolve()
     try:
         text = path.read_text()

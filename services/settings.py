@@ -747,14 +747,24 @@ class Settings(BaseSettings):
     def updated(self, **sections: dict[str, Any]) -> Settings:
         """A copy with some fields of the named sections replaced: how code that runs a service
         with other values (a test, a benchmark, a command-line flag) passes them, instead of
-        constructor arguments that shadow the settings.
+        constructor arguments that shadow the settings. The new values are validated as the
+        environment's are (a command-line flag is an edge too), so code reading a setting can
+        trust it whichever way it came.
 
         >>> s = Settings().updated(trainer={"batch_size": 64}, dumper={"flush_rows": 10})
         >>> s.trainer.batch_size, s.dumper.flush_rows, Settings().trainer.batch_size
         (64, 10, 2048)
+        >>> Settings().updated(trainer={"batch_size": 0})
+        Traceback (most recent call last):
+        ...
+        pydantic_core._pydantic_core.ValidationError: 1 validation error for TrainerSettings
+        batch_size
+          Input should be greater than or equal to 1 [type=greater_than_equal, input_value=0, input_type=int]
+        ...
         """
         return self.model_copy(update={
-            name: getattr(self, name).model_copy(update=fields) for name, fields in sections.items()})
+            name: type(section).model_validate({**section.model_dump(), **fields})
+            for name, fields in sections.items() for section in [getattr(self, name)]})
 
 
 @lru_cache(maxsize=1)

@@ -53,6 +53,16 @@ def test_a_bad_setting_fails_at_settings_naming_it(monkeypatch, var: str, value:
     assert f"\n{where}\n" in text and message in text, text
 
 
+def test_updated_values_meet_the_same_bounds() -> None:
+    """``Settings.updated`` (tests, benchmarks, command-line flags) validates what it sets."""
+    s = Settings().updated(joiner={"negative_sample_rate": 0.5, "late_policy": "correction"})
+    assert (s.joiner.negative_sample_rate, s.joiner.late_policy) == (0.5, "correction")
+    with pytest.raises(ValidationError, match=r"negative_sample_rate\n  Input should be less than or equal to 1"):
+        Settings().updated(joiner={"negative_sample_rate": 1.5})
+    with pytest.raises(ValidationError, match=r"nproc\n  Input should be greater than or equal to 1"):
+        Settings().updated(trainer={"nproc": 0})
+
+
 def test_join_config_overrides_meet_the_settings_bounds() -> None:
     """Tests and benchmarks override JoinConfig's values directly: those named like a setting are
     validated as it (the join itself checks nothing)."""
@@ -147,7 +157,8 @@ def test_the_project_file_refuses_what_the_settings_refuse(tmp_path: Path) -> No
     with pytest.raises(ProjectError, match=r"labels: Value error, at most 16 distinct labels|labels: at most 16"):
         load_project_from(TEMPLATE.replace('[labels]\nclick = "click"', "[labels]\n" + "\n".join(
             f'{k} = "{v}"' for k, v in {**SEVENTEEN_LABELS, "click": "click"}.items())), tmp_path)
-    with pytest.raises(ProjectError, match=r"settings\.negative_sample_rate: Input should be less than or equal to 1"):
+    bound = r"settings: \[settings.joiner\] negative_sample_rate: Input should be less than or equal to 1"
+    with pytest.raises(ProjectError, match=bound):
         load_project_from(TEMPLATE + "\n[settings.joiner]\nnegative_sample_rate = 2\n", tmp_path)
 
 

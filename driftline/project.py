@@ -10,8 +10,9 @@ A project maps onto two things the rest of driftline already reads:
 * :meth:`Project.settings_overrides`: the :class:`services.settings.Settings` fields the file sets,
   as nested sections: :data:`FILE_KEYS` maps each of the file's own keys to its setting (the one
   table of renames), ``[settings.<section>]`` names any other by its own name. Absent keys mean
-  "keep the setting": defaults live only in ``services/settings.py``. Environment variables win over the file (:meth:`Project.resolved_settings`,
-  :func:`apply_to_environ`), so every setting stays overridable as before.
+  "keep the setting": defaults live only in ``services/settings.py``. Environment variables win
+  over the file (:meth:`Project.resolved_settings`, :func:`apply_to_environ`), so every setting
+  stays overridable as before.
 
 >>> from services.settings import Settings
 >>> p = Project.model_validate({"name": "shop", "features": [
@@ -82,7 +83,7 @@ __all__ = [
 #: :class:`services.settings.Settings`: the one place a file key is renamed (a key of the file's
 #: sections reads better in the file's words: ``[sampling] negative_rate``, not
 #: ``negative_sample_rate``). A key's type is the setting's (the same bound, declared once in
-#: services/settings.py); tests/test_project.py holds both, and docs/own-data.md's table, to it.
+#: services/settings.py); tests/test_config_floor.py holds both, and docs/own-data.md's table, to it.
 #: Any other setting is ``[settings.<section>] <field>``, by its own name.
 FILE_KEYS: dict[tuple[str, ...], tuple[str, str]] = {
     ("sampling", "negative_rate"): ("joiner", "negative_sample_rate"),
@@ -324,9 +325,8 @@ class Project:
         """Action type -> label: the file's ``[labels]``, else the joiner's ``label_map`` setting."""
         if self.file.labels is not None:
             return dict(self.file.labels)
-        from services.settings import (
-            get_settings,  # (the process's settings, read when asked for)
-        )
+        # (the process's settings, read when asked for)
+        from services.settings import get_settings
 
         return dict(get_settings().joiner.label_map)
 

@@ -62,7 +62,7 @@ PositiveSeconds = Annotated[float, Field(gt=0)]
 Seconds = Annotated[float, Field(ge=0)]
 #: a count of at least one (a batch, a partition)
 Count = Annotated[int, Field(ge=1)]
-#: a TCP port; 0: any free one
+#: a TCP port (0, for the /metrics port: a free one)
 Port = Annotated[int, Field(ge=0, le=65535)]
 #: what the joiner does with an action that arrives after its impression's window closed
 LatePolicy = Literal["drop", "correction"]
@@ -70,7 +70,7 @@ LatePolicy = Literal["drop", "correction"]
 PositiveEmit = Literal["immediate", "window_close"]
 #: what serving does with a /rank naming a feature the model does not read
 UnknownFeatures = Literal["reject", "ignore"]
-#: the joiner's label bits: a label mask holds 16 (services/example_batch.py, joiner/core.py)
+#: distinct labels the joiner can join: an impression's label mask is 16 bits (joiner/core.py, HEADER)
 MAX_LABELS = 16
 
 

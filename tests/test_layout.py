@@ -40,7 +40,6 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 )
 
 
-
 @cache
 def modules() -> dict[str, Path]:
     out = {}

@@ -340,7 +340,7 @@ class JoinerSettings(BaseModel):
     batch_timeout_s: Seconds = 0.2
     # A joiner worker's local state directory, rocksdb://<path> (its Faust tables' RocksDB; one per
     # worker); None means rocksdb://<var_dir>/joiner/faust.
-    store_url: str | None = None
+    store_url: str | None = Field(None, pattern=r"^rocksdb://.+")
     # The Faust joiner's app id: its consumer group and the prefix of its changelog topic.
     group_id: str = "driftline-joiner"
     # Workers that follow each partition's changelog to take it over quickly.

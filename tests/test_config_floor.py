@@ -38,6 +38,7 @@ SEVENTEEN_LABELS = {f"a{i}": f"l{i}" for i in range(17)}
     ("DRIFTLINE_JOINER__ALLOWED_LATENESS_SECONDS", "-1", "joiner.allowed_lateness_seconds", "greater than or equal to 0"),
     ("DRIFTLINE_JOINER__WATERMARK_OUTLIERS", "-1", "joiner.watermark_outliers", "greater than or equal to 0"),
     ("DRIFTLINE_JOINER__LABEL_MAP", json.dumps(SEVENTEEN_LABELS), "joiner.label_map", "at most 16 distinct labels"),
+    ("DRIFTLINE_JOINER__STORE_URL", "/var/joiner", "joiner.store_url", "should match pattern '^rocksdb://.+'"),
     ("DRIFTLINE_TRAINER__SYNC_INTERVAL_S", "0", "trainer.sync_interval_s", "greater than 0"),
     ("DRIFTLINE_TRAINER__BATCH_SIZE", "0", "trainer.batch_size", "greater than or equal to 1"),
     ("DRIFTLINE_SERVING__UNKNOWN_FEATURES", "warn", "serving.unknown_features", "'reject' or 'ignore'"),

@@ -461,7 +461,7 @@ def load_project(path: str | Path) -> Project:
         where = ".".join(str(x) for x in first["loc"]) or "(top)"
         msg = first["msg"].removeprefix("Value error, ")
         raise ProjectError(f"{path}: {where}: {msg} ({err.error_count()} error(s))") from None
-    except Exception as err:  # a TOML/YAML syntax error: its own message says where
+    except Exception as err:  # noqa: BLE001 - a TOML/YAML syntax error: its own message says where
         raise ProjectError(f"{path}: {err}") from None
     return Project(project, path)
 

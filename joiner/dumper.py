@@ -320,7 +320,7 @@ class _Dumper:
                     await (await self.consumer.dead_letter(r, err))
                 except (MemoryError, OSError):
                     raise  # the machine's fault, not the record's
-                except Exception as err:
+                except Exception as err:  # noqa: BLE001 - a record this path fails on is dead-lettered, never a crash loop
                     self.totals["failed"] += 1
                     await (await self.consumer.dead_letter(r, processing_failed(err)))
             if records:

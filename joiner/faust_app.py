@@ -254,7 +254,7 @@ class JoinerApp:
                 gone = [tp.partition for tp in revoked if tp.topic == self.settings.topics.features]
                 try:
                     await self.commit_offsets(gone)
-                except Exception as err:
+                except Exception as err:  # noqa: BLE001 - logged: the partitions' new owner starts from their last commit
                     log.warning("committing the offsets of revoked partitions %s failed: %r", gone, err)
                 self.worker.drop(gone)
                 for tp in [tp for tp in self.committed if tp.partition in gone]:

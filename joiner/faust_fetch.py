@@ -55,7 +55,7 @@ def _fetch_loop_for(inputs: frozenset[str], handler: Handler) -> Callable[..., A
                 if not self.flow_active:  # a rebalance began during the fetch: read it again later
                     try:
                         await self.perform_seek()
-                    except Exception as err:
+                    except Exception as err:  # noqa: BLE001 - logged: the fetched records are put back unread either way
                         log.warning("seek after a suspended fetch failed: %r", err)
                     await _unread(self, {tp: recs for tp, recs in records.items() if tp.topic in inputs})
                     continue
@@ -108,7 +108,7 @@ async def _unread(consumer: Any, dropped: Mapping[TP, list[Any]]) -> None:
         if recs and tp in assigned:
             try:
                 await consumer.seek(tp, recs[0].offset)
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - logged: a failed seek must not stop the fetch loop
                 log.warning("seeking %s back to %d after a dropped fetch failed: %r", tp, recs[0].offset, err)
 
 

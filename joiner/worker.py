@@ -252,7 +252,7 @@ class Worker:
                     core.on_action(p, value, ts)
         except (MemoryError, OSError):
             raise  # the machine's fault, not the record's
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - handed back: the record the batch failed on is dead-lettered
             return i, err
         core.advance(part.p)
         return None

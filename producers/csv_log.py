@@ -262,7 +262,7 @@ def parquet_rows(path: Path, spec: MapFile, batch_rows: int = 65_536) -> Iterato
     separator = spec.csv.list_separator or "|"
     try:
         source = pq.ParquetFile(path)
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - pyarrow raises many types for an unreadable file: one clear error
         raise InvalidInput(f"{path}: not a readable Parquet file ({err})") from None
     for batch in source.iter_batches(batch_size=batch_rows):
         for row in batch.to_pylist():

@@ -204,7 +204,7 @@ def read_snapshot(manifest_path: StrPath) -> tuple[Manifest, dict[str, np.ndarra
         {k: int(man["meta"][k]) for k in ("high", "rng", "cursor", "watermark", "size")}
     except SnapshotCorruptError:
         raise
-    except Exception as e:  # missing/mistyped fields
+    except Exception as e:  # noqa: BLE001 - missing or mistyped fields: a corrupt snapshot, named
         raise _corrupt(mp, f"manifest is malformed ({type(e).__name__}: {e})") from None
     if kind not in ("full", "incr") or seq < 1:
         raise _corrupt(mp, "bad kind/seq")

@@ -82,7 +82,7 @@ async def start_client(client: AIOKafkaProducer | AIOKafkaConsumer, settings: Se
     except (TimeoutError, KafkaConnectionError, OSError):
         try:
             await client.stop()
-        except Exception:
+        except Exception:  # noqa: BLE001 - closing a client that never connected: the first error is the one raised
             pass
         raise _unreachable(settings) from None
 

@@ -119,7 +119,7 @@ class Spool:
         self.path.mkdir(parents=True, exist_ok=True)
         try:
             self._db = Rdict(str(self.path), _options(), column_families={_META: _options()})
-        except Exception as err:  # rocksdict raises a bare Exception carrying RocksDB's message
+        except Exception as err:  # noqa: BLE001 - rocksdict raises a bare Exception carrying RocksDB's message
             if "lock" in str(err).lower():
                 raise SpoolLocked(
                     f"{name} {self.path} is in use by another process (two processes with one "
@@ -180,7 +180,7 @@ class Spool:
         position = self.end
         try:
             self._db.put(_pos(position) + key, value, self._write)
-        except Exception as err:  # disk full, I/O error: never answer 200 without the log
+        except Exception as err:  # noqa: BLE001 - disk full, I/O error: never answer 200 without the log
             raise SpoolError(f"{self.name} {self.path}: write failed: {err}") from None
         self.end = position + size
         self.pending += 1

@@ -282,7 +282,7 @@ class FeatureLogger:
                 backoff = _MIN_BACKOFF_S
             except asyncio.CancelledError:
                 raise
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - shipping retries whatever failed; the entries stay in the spool
                 metrics.FEATURE_LOG_SEND_ERRORS.inc()
                 log.warning("feature log: shipping failed (%r); retrying in %.1fs, the entries stay "
                             "in the spool", err, backoff)

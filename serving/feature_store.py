@@ -154,7 +154,7 @@ class FeatureStore:
             if self.cluster:
                 return bool(await self.redis.ping(target_nodes=RedisCluster.PRIMARIES))
             return bool(await self.redis.ping())
-        except Exception:
+        except Exception:  # noqa: BLE001 - a ping that fails in any way means not ready
             return False
 
     async def fetch(self, user_id: int, item_ids: Sequence[int]) -> RankFeatures:

@@ -122,13 +122,13 @@ class RecentClicks(BackgroundLoop):
         clicks = [(r.value.user_id, r.value.item_id) for r in owners]
         try:
             refused = await self._with_retry(clicks)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - retried click by click below
             log.warning("recent clicks: a batch failed (%r); recording its clicks one by one", err)
             refused = []
             for i, click in enumerate(clicks):
                 try:
                     refused += [(i, e) for _, e in await self._with_retry([click])]
-                except Exception as one:
+                except Exception as one:  # noqa: BLE001 - this click is dead-lettered with its error
                     refused.append((i, one))
         letters = []
         for i, err in refused:

@@ -91,7 +91,7 @@ class Scraper:
             kind, detail = "http_status", f"HTTP {err.response.status_code}"
         except httpx.HTTPError as err:
             kind, detail = "connect", f"{type(err).__name__}: {err}"
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - a body that does not parse counts as a failed scrape
             kind, detail = "parse", f"{type(err).__name__}: {err}"
         state.last_duration_s = time.perf_counter() - started
         state.scrapes += 1

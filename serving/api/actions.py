@@ -38,7 +38,7 @@ async def actions(body: ActionsRequest, s: Serving = Depends(serving_of)) -> Act
                 producer.send(s.settings.topics.actions, msg.SerializeToString(), key=a.request_id.encode()),
                 s.options.feature_log_send_timeout_s))
         await asyncio.wait_for(asyncio.gather(*futures), s.options.feature_log_send_timeout_s)
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - any failure to send: a 503, never a 500
         raise HTTPException(503, f"Kafka unavailable: {type(err).__name__}: {err}"[:300]) from None
     metrics.ACTIONS_PRODUCED.inc(len(body.actions))
     return ActionsResponse(accepted=len(body.actions))

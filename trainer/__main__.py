@@ -121,16 +121,15 @@ def write_batch_snapshot(model: SparseModel, max_event_time_ms: int, examples: i
     sampled at (``sample_rates`` in the manifest, as the online trainer records them: serving
     corrects with them, and ``trainer online`` continues the tracker from them)."""
     from . import snapshots
+    from .manifest import Manifest
 
     cfg = model.cfg
     if root is None:
         root = get_settings().snapshot_root
     return snapshots.save(Path(root) / cfg.model_id, cfg, model.tables,
                           {"head": model.head.state_dict(), "optimizer": model.optimizer.state_dict()},
-                          {"offsets": {}, "sparse_version": 0, "dense_version": 0, "param_deltas_offset": 0,
-                           "examples_applied": 0, "max_event_time_ms": int(max_event_time_ms),
-                           "source": "batch", "batch_examples": int(examples),
-                           "sample_rates": sample_rates.state()})
+                          Manifest(param_deltas_offset=0, max_event_time_ms=int(max_event_time_ms), source="batch",
+                                   batch_examples=int(examples), sample_rates=sample_rates.state()))
 
 
 def _online_settings(args):
@@ -235,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         root = settings.model_snapshots(named_config(args.model).model_id)
         if args.unless_learned and (learned := snapshots.learned_online(root)) is not None:
             print(json.dumps({"skipped": f"{root} holds the online trainer's model "
-                                         f"({learned['examples_applied']} examples learned): kept"}), flush=True)
+                                         f"({learned.examples_applied} examples learned): kept"}), flush=True)
             return 0
         run_batch(args)
     else:

@@ -79,6 +79,7 @@ from .config import ModelConfig
 from .count_baseline import CountBaseline
 from .ingest import NO_HASHES, Decoded, Ingest, Prepared
 from .isolate import train_isolating
+from .manifest import Manifest
 from .model import SparseModel
 from .publisher import DenseSchedule, Publisher
 from .resets import ResetWatch
@@ -211,19 +212,19 @@ class OnlineTrainer(M.LearnedFields):
         self.resume_offsets, self._from_start = got.offsets, got.from_start
         self.applied_offsets = dict(self.resume_offsets)
         self.snapshots.record_epoch(self.epoch)
-        self.publisher.restore(man)
-        self.examples_applied = int(man.get("examples_applied", 0))
-        self.max_event_time = int(man.get("max_event_time_ms", 0))
-        self.clock.next_at = man.get("next_snapshot_at")
+        self.publisher.restore(man, reset=got.reset)
+        self.examples_applied = man.examples_applied
+        self.max_event_time = man.max_event_time_ms
+        self.clock.next_at = man.next_snapshot_at
         if self.max_event_time:
             M.EVENT_TIME.labels(self.cfg.model_id).set(self.max_event_time)
         if "auc_pos" in dense and "auc_neg" in dense:
             self.auc.load(dense["auc_pos"], dense["auc_neg"])
         self.dedup.load(dense.get("dedup", []))
         self.learned.load_scores(dense.get("scores"))
-        self.sample_rates.load(man.get("sample_rates", {}))
-        log.info("restored snapshot %s (%s): %d examples applied, offsets %s", man["name"],
-                 man.get("source", "online"), self.examples_applied, self.resume_offsets)
+        self.sample_rates.load(man.sample_rates)
+        log.info("restored snapshot %s (%s): %d examples applied, offsets %s", man.name,
+                 man.source, self.examples_applied, self.resume_offsets)
         return True
 
     def snapshot(self) -> Path:
@@ -231,11 +232,10 @@ class OnlineTrainer(M.LearnedFields):
         t0 = time.perf_counter()
         dense = {"auc_pos": self.auc.pos, "auc_neg": self.auc.neg, "dedup": self.dedup.state(),
                  "scores": self.learned.scores_state()}
-        man = {"offsets": {str(k): v for k, v in self.applied_offsets.items()}, "topic": self.topic,
-               "broker_epoch": self.epoch, "from_start": self._from_start, **self.publisher.versions(),
-               "examples_applied": self.examples_applied, "max_event_time_ms": self.max_event_time,
-               "next_snapshot_at": self.clock.next_at, "auc": self.auc.value(),
-               "sample_rates": self.sample_rates.state()}
+        man = Manifest(offsets=dict(self.applied_offsets), topic=self.topic, broker_epoch=self.epoch,
+                       from_start=self._from_start, **self.publisher.versions(),
+                       examples_applied=self.examples_applied, max_event_time_ms=self.max_event_time,
+                       next_snapshot_at=self.clock.next_at, auc=self.auc.value(), sample_rates=self.sample_rates.state())
         path = self.snapshots.save(self.model, dense, man)
         self._stage("snapshot", time.perf_counter() - t0)
         return path

@@ -201,11 +201,9 @@ class RankTrainer(M.LearnedFields):
         if "optimizer" in got.dense:
             self.dm.optimizer.load_state_dict(got.dense["optimizer"])
         self.restored, self._from_start = True, got.reset
-        self.publisher.dense_version = int(man.get("dense_version", 0))
-        self.publisher.param_deltas_offset = 0 if got.reset else int(man.get("param_deltas_offset", 0) or 0)
-        self.publisher.sparse_version = got.sparse_version
-        self.max_event_time = int(man.get("max_event_time_ms", 0))
-        self.clock.next_at = man.get("next_snapshot_at")
+        self.publisher.restore(man, sparse_version=got.sparse_version, reset=got.reset)
+        self.max_event_time = man.max_event_time_ms
+        self.clock.next_at = man.next_snapshot_at
         self.dedup.load(got.dedup)
         if got.auc is not None:
             self.auc.load(*got.auc)
@@ -214,7 +212,7 @@ class RankTrainer(M.LearnedFields):
         self.examples_applied = got.examples_applied
         self.applied_offsets = {int(k): int(v) for k, v in got.offsets.items()}
         log.info("rank %d/%d restored snapshot %s (%d ranks wrote it%s): %d examples applied here",
-                 self.rank, self.world, man["name"], int(man.get("shard_count", 0) or 1),
+                 self.rank, self.world, man.name, man.shards or 1,
                  ", in another broker epoch: reading from the start" if got.reset else "", self.examples_applied)
 
     async def snapshot(self) -> Path | None:

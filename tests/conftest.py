@@ -285,7 +285,7 @@ def dedup_window():  # every online trainer's duplicate check
 
 @part
 def ranks():  # a distributed trainer's owners and wire
-    from trainer.dist_routing import packed_rows, plan
+    from trainer.dist.routing import packed_rows, plan
     from trainer.sharding import shard_of
     ids = np.arange(12, dtype=np.int64)
     tab = ids % 3

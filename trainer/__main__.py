@@ -142,7 +142,7 @@ async def _run_online(args, ranks: bool = False) -> dict:
     settings = _online_settings(args)
     cfg = named_config(args.model)
     if ranks:
-        from .ranks import RankTrainer
+        from .dist.rank_trainer import RankTrainer
         tr = RankTrainer(settings, cfg)
     else:
         from .online import OnlineTrainer
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rank = world = None
     if args.cmd == "online":
-        from . import launch
+        from .dist import launch
         nproc = _online_settings(args).trainer.nproc
         if launch.under_launcher():
             import faulthandler  # a rank stuck in a collective: `kill -USR1` prints every thread's stack
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 dist.destroy_process_group()
         print(json.dumps(result), flush=True)
         if result.get("regroup"):
-            from .ranks import EXIT_REGROUP
+            from .dist.rank_trainer import EXIT_REGROUP
             return EXIT_REGROUP
     return 0
 

@@ -50,7 +50,7 @@ STAGE_SECONDS = Counter("driftline_trainer_stage_seconds_total",
                         "wait_train/commit/sync/snapshot; batch lookup/forward/backward/update.",
                         ["model", "stage"])
 
-# One rank of a distributed trainer (trainer.ranks) each: every rank exports on its own port
+# One rank of a distributed trainer (trainer.dist.rank_trainer) each: every rank exports on its own port
 RANK_EXAMPLES = Counter("driftline_trainer_rank_examples_total", "Examples trained on by one rank.", ["model", "rank"])
 RANK_STEPS = Counter("driftline_trainer_rank_steps_total",
                      "Distributed training steps of one rank (steps where every rank was idle excluded).",

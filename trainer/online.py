@@ -20,7 +20,7 @@ Every ``sync_interval_s`` the touched sparse rows are published to ``param-delta
 the dense params at first as often, then less and less up to every ``dense_sync_interval_s``
 (:class:`trainer.publisher.DenseSchedule` says why). Every
 ``snapshot_interval_event_s`` of event time (and on a clean stop) a snapshot is written; a restart
-resumes from the newest (:mod:`trainer.resume`: what it records, and the crash semantics).
+resumes from the newest (:mod:`trainer.snapshot_store`: what it records, and the crash semantics).
 
 Broker resets (tansu's memory storage lost with a broker restart; told by
 :class:`services.broker_reset.EpochWatch`, a check costing ~1 ms, made before every offset commit
@@ -83,7 +83,7 @@ from .manifest import Manifest
 from .model import SparseModel
 from .publisher import DenseSchedule, Publisher
 from .resets import ResetWatch
-from .resume import Snapshots
+from .snapshot_store import SnapshotStore
 from .snapshots import EventClock
 from .sample_rates import SampleRateTracker
 
@@ -160,7 +160,7 @@ class OnlineTrainer(M.LearnedFields):
         self.publisher = Publisher(settings, cfg.model_id, self._stage)
         self.learned = M.Learned(cfg.model_id, self.auc, self.sample_rates, self.dedup, self.publisher.applied,
                                  self.ps_counts, baseline=CountBaseline(settings.eval.count_prior))
-        self.snapshots = Snapshots(self.snapshot_root, cfg, self.topic)
+        self.snapshots = SnapshotStore(self.snapshot_root, cfg, self.topic)
         self.commits: Committer | None = None
         self.resume_offsets: dict[int, int] = {}
         #: the broker epoch the offsets belong to (None: an external Kafka without one)
@@ -195,7 +195,7 @@ class OnlineTrainer(M.LearnedFields):
 
     # ------------------------------------------------------------------ state
     def restore(self, epoch: str | None) -> bool:
-        """Load the newest snapshot (:meth:`trainer.resume.Snapshots.load`: after a broker reset,
+        """Load the newest snapshot (:meth:`trainer.snapshot_store.SnapshotStore.load`: after a broker reset,
         ``epoch`` differing from the snapshot's, its offsets are not used); False if there is none."""
         self.epoch = epoch
         got = self.snapshots.load(epoch)

@@ -12,7 +12,7 @@ read-only replicas; then apply ``param-deltas`` from ``manifest.param_deltas_off
 (sparse versions <= ``manifest.sparse_version`` are already included; the manifest is a
 :class:`trainer.manifest.Manifest`).
 
-**N ranks** (:mod:`trainer.ranks`): each rank writes its shard into
+**N ranks** (:mod:`trainer.dist.rank_trainer`): each rank writes its shard into
 ``.snap-<seq>.tmp/rank-<r>/`` (:func:`save_rank`: ``tables/`` as the PS writes a one-shard table,
 and ``state.pt``: its offsets, dedup window, AUC histograms, sample-rate sums); after a barrier
 rank 0 writes ``dense.pt`` and the manifest (``"shard_count": N``, ``"sparse_versions": {"0": v0,

@@ -22,7 +22,7 @@ from proto import ParameterDelta
 from trainer import snapshots
 from trainer.config import deepfm_config
 from trainer.data import MovieLensData, produce_examples
-from trainer.ranks import my_partitions
+from trainer.dist.rank_trainer import my_partitions
 from trainer.sharding import shard_of, whole_tables
 from trainer.sync import decode_sparse
 
@@ -181,7 +181,7 @@ async def test_kill_9_of_one_rank_restarts_the_group_from_the_last_manifest(sett
     text = log.read_text()
     assert "restored snapshot" in text, text[-3000:]
     # one failure (the kill), one restart: the restarted ranks found each other at once (they read
-    # a dead peer's address from the launcher's store before trainer.launch.init_rank separated attempts)
+    # a dead peer's address from the launcher's store before trainer.dist.launch.init_rank separated attempts)
     assert text.count("failed (exitcode") == 1, text[-4000:]
     final = snapshots.read_manifest(root)
     assert final["shard_count"] == 2

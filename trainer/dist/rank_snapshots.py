@@ -1,6 +1,6 @@
-"""Where the ranks of :mod:`trainer.ranks` resume, and what their snapshots record.
+"""Where the ranks of :mod:`trainer.dist.rank_trainer` resume, and what their snapshots record.
 
-(:mod:`trainer.snapshots` is the file format, N-rank layout included; :mod:`trainer.resume` the
+(:mod:`trainer.snapshots` is the file format, N-rank layout included; :mod:`trainer.snapshot_store` the
 1-process trainer's use of it; this the ranks'.) Kept apart from the rank loop so that the loop
 reads as the round it runs.
 
@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import metrics as M
-from . import snapshots
-from .config import ModelConfig
-from .manifest import Manifest
-from .sample_rates import SampleRateTracker
+from .. import metrics as M
+from .. import snapshots
+from ..config import ModelConfig
+from ..manifest import Manifest
+from ..sample_rates import SampleRateTracker
 
 
 @dataclass

@@ -1,14 +1,14 @@
 """The online trainer as one rank of N (``trainer online --nproc N``, or under ``torchrun``).
 
-Each rank is a process started by torch's elastic launcher (:mod:`trainer.launch`) and joined to
-the others by a gloo process group. The model is :class:`trainer.distributed.DistributedModel`:
+Each rank is a process started by torch's elastic launcher (:mod:`trainer.dist.launch`) and joined to
+the others by a gloo process group. The model is :class:`trainer.dist.model.DistributedModel`:
 rank ``r`` owns shard ``r`` of every table (:func:`trainer.sharding.shard_of`), the dense head is
 replicated. The parts of the 1-process trainer are reused: :class:`trainer.ingest.Ingest`
 (records -> checked, deduplicated batches), :class:`trainer.publisher.Publisher` (its shard's
 rows, named ``shard=r, shard_count=N``; dense by rank 0 only), :class:`trainer.commits.Committer`
 (the group's offsets) and the snapshot file format (:mod:`trainer.snapshots`, N-rank layout).
 
-**Input** (:mod:`trainer.rank_input`). Rank ``r`` of ``N`` reads the partitions ``p`` of
+**Input** (:mod:`trainer.dist.input`). Rank ``r`` of ``N`` reads the partitions ``p`` of
 ``examples`` with ``p % N == r`` by manual assignment; offsets are committed per partition as the
 1-process trainer does.
 
@@ -29,7 +29,7 @@ rows, named ``shard=r, shard_count=N``; dense by rank 0 only), :class:`trainer.c
    (:meth:`RankTrainer.snapshot`).
 
 **A failing example** (its loss or gradients not finite, or the step raising on it) fails the
-step on every rank together: the engine's per-rank failure flags (:class:`trainer.distributed.RankStepError`)
+step on every rank together: the engine's per-rank failure flags (:class:`trainer.dist.model.RankStepError`)
 tell each rank whether its own batch failed, and nothing is applied anywhere. The ranks then
 retry in lockstep (:func:`trainer.isolate.train_isolating_ranks`): a rank whose batch failed
 halves it down to the failing examples, the others retry theirs whole (or step empty), until
@@ -45,14 +45,14 @@ batch is dropped (fetched from the old topic, or from the new one at old positio
 the model, versions and dedup windows are kept, rank 0 creates the topics again, every rank reads
 its partitions from their start, rank 0 publishes the dense weights on the new ``param-deltas``,
 the group writes a snapshot of the new epoch. A group started on a snapshot of another epoch does
-the same (:mod:`trainer.rank_resume`).
+the same (:mod:`trainer.dist.rank_snapshots`).
 
 **Snapshots** (all ranks at the same round): each rank writes its shard (rows + PS optimizer
 state) and its own stream state (its partitions' next offsets, dedup window, AUC histograms,
 sample-rate sums, examples applied); rank 0, after an ``all_gather`` of the ranks' summaries (the
 barrier), writes the dense weights and optimizer and the manifest last
 (:func:`trainer.snapshots.commit_ranks`; what is recorded and how a rank resumes:
-:mod:`trainer.rank_resume`). A kill -9 of any rank makes the elastic launcher stop
+:mod:`trainer.dist.rank_snapshots`). A kill -9 of any rank makes the elastic launcher stop
 and restart the whole group (``trainer.max_restarts``), and every rank resumes from the last
 complete manifest; a snapshot of N ranks restores into M ranks (rows resharded on load, offsets
 split by the partition rule, the global stream state given to rank 0). Ranks whose launcher is
@@ -92,21 +92,22 @@ from services.codecs import processing_failed
 from services.kafka import TypedConsumer, create_topics, producer, start_client
 from services.settings import Settings
 
-from . import dedup
-from . import metrics as M
-from . import rank_resume, snapshots
-from .batch import SparseBatch
-from .commits import Committer
-from .config import ModelConfig
-from .count_baseline import CountBaseline
-from .distributed import DistributedModel
-from .ingest import Ingest
-from .isolate import StepResult, train_isolating_ranks
-from .publisher import DenseSchedule, Publisher
-from .rank_input import RankInput, empty_batch, my_partitions  # noqa: F401 - the rule, named here too
-from .resets import ResetWatch
-from .resume import Snapshots
-from .sample_rates import SampleRateTracker
+from .. import dedup
+from .. import metrics as M
+from .. import snapshots
+from ..batch import SparseBatch
+from ..commits import Committer
+from ..config import ModelConfig
+from ..count_baseline import CountBaseline
+from ..ingest import Ingest
+from ..isolate import StepResult, train_isolating_ranks
+from ..publisher import DenseSchedule, Publisher
+from ..resets import ResetWatch
+from ..snapshot_store import SnapshotStore
+from ..sample_rates import SampleRateTracker
+from . import rank_snapshots
+from .input import RankInput, empty_batch, my_partitions  # noqa: F401 - the rule, named here too
+from .model import DistributedModel
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class RankTrainer(M.LearnedFields):
 
     def __init__(self, settings: Settings, cfg: ModelConfig):
         if not dist.is_initialized():
-            raise RankError("torch.distributed is not initialized (start ranks with trainer.launch or torchrun)")
+            raise RankError("torch.distributed is not initialized (start ranks with trainer.dist.launch or torchrun)")
         ts = settings.trainer
         self.settings, self.cfg, self.ts = settings, cfg, ts
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -179,7 +180,7 @@ class RankTrainer(M.LearnedFields):
     # ------------------------------------------------------------------ state
     def _restore(self, epoch: str | None) -> None:
         """Build the model from the latest complete snapshot (any number of ranks wrote it,
-        :mod:`trainer.rank_resume`) or fresh. Collective (the engine broadcasts rank 0's head, and
+        :mod:`trainer.dist.rank_snapshots`) or fresh. Collective (the engine broadcasts rank 0's head, and
         rank 0's broker epoch: every rank follows the same)."""
         torch.set_num_threads(1)
         agreed = [epoch]
@@ -187,7 +188,7 @@ class RankTrainer(M.LearnedFields):
         self.epoch = agreed[0]
         if self.resets.watch is not None:
             self.resets.watch.epoch = self.epoch
-        got = rank_resume.load(self.root, self.cfg, self.topic, self.rank, self.world, self.epoch)
+        got = rank_snapshots.load(self.root, self.cfg, self.topic, self.rank, self.world, self.epoch)
         ts = self.ts
         self.dm = DistributedModel(self.cfg, mode=ts.dist_mode, staleness=ts.staleness,
                                    tables=got.tables if got is not None else None)
@@ -224,22 +225,22 @@ class RankTrainer(M.LearnedFields):
         await self._coll(dist.broadcast_object_list, seq, 0)
         seq = int(seq[0])
         tables = self.dm.tables
-        part = rank_resume.rank_part(self.applied_offsets, self.dedup.state(), self.auc, self.sample_rates,
+        part = rank_snapshots.rank_part(self.applied_offsets, self.dedup.state(), self.auc, self.sample_rates,
                                      self.examples_applied, self.learned.scores_state())
         await loop.run_in_executor(None, snapshots.save_rank, self.root, seq, self.rank, tables, part)
-        mine = rank_resume.summary(part, self.publisher.sparse_version, self.publisher.param_deltas_offset, tables)
+        mine = rank_snapshots.summary(part, self.publisher.sparse_version, self.publisher.param_deltas_offset, tables)
         parts: list = [None] * self.world
         await self._coll(dist.all_gather_object, parts, mine)  # also the barrier: every part is written
         path = None
         if self.rank == 0:
-            man, rows = rank_resume.manifest_of(
+            man, rows = rank_snapshots.manifest_of(
                 parts, topic=self.topic, broker_epoch=self.epoch, dense_version=self.publisher.dense_version,
                 max_event_time_ms=self.max_event_time, next_snapshot_at=self.clock.next_at,
                 half_life=self.ts.sample_rate_half_life)
             dense = {"head": self.dm.head.state_dict(), "optimizer": self.dm.optimizer.state_dict()}
             path = await loop.run_in_executor(
                 None, lambda: snapshots.commit_ranks(self.root, self.cfg, seq, self.world, dense, man, rows))
-            Snapshots(self.root, self.cfg, self.topic).record_epoch(self.epoch)
+            SnapshotStore(self.root, self.cfg, self.topic).record_epoch(self.epoch)
             M.SNAPSHOTS.labels(self.cfg.model_id).inc()
         self._stage("snapshot", time.perf_counter() - t0)
         return path
@@ -259,7 +260,7 @@ class RankTrainer(M.LearnedFields):
         states: list = [None] * self.world
         await self._coll(dist.all_gather_object, states, self.sample_rates.state())
         if self.rank == 0:
-            rates = rank_resume.merged_rates(states, self.ts.sample_rate_half_life).rates()
+            rates = rank_snapshots.merged_rates(states, self.ts.sample_rate_half_life).rates()
             await self.publisher.sync_dense(self.dm.head, self.max_event_time, rates)
 
     # ------------------------------------------------------------------ a round

@@ -34,6 +34,7 @@ has an offset of the new epoch), and the dedup window drops the examples the sna
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -63,7 +64,7 @@ class Restored:
 
 
 def _ranks_stream_state(snap: Path, n: int) -> dict:
-    """The stream state of a snapshot written by ``n`` ranks (:mod:`trainer.ranks`), as one process
+    """The stream state of a snapshot written by ``n`` ranks (:mod:`trainer.dist.rank_trainer`), as one process
     keeps it: the ranks' AUC histograms summed, their dedup windows together (each read other
     partitions; the window keeps its newest ``dedup_window`` ids). A 1-process trainer resuming
     from it (N -> 1) then loses neither; the sample rates are the manifest's, merged by rank 0."""
@@ -75,7 +76,7 @@ def _ranks_stream_state(snap: Path, n: int) -> dict:
             "dedup": np.concatenate([np.asarray(p["dedup"], np.uint64).reshape(-1, 2) for p in parts])}
 
 
-class Snapshots:
+class SnapshotStore:
     """The online trainer's snapshots of one model under ``root`` (``settings.model_snapshots(model_id)``)."""
 
     def __init__(self, root: Path, cfg: ModelConfig, topic: str):
@@ -107,11 +108,11 @@ class Snapshots:
             offsets, from_start = man.offsets_for(self.topic), man.from_start
         return Restored(tables, dense, man, reset, offsets, from_start)
 
-    def save(self, model: SparseModel, dense: dict, manifest: Manifest) -> Path:
+    def save(self, model: SparseModel, dense: dict, manifest: Manifest | Mapping) -> Path:
         """Write a snapshot of ``model`` (tables, head, optimizer) with more ``dense`` state and the
         ``manifest``'s stream state."""
         dense = {"head": model.head.state_dict(), "optimizer": model.optimizer.state_dict(), **dense}
-        path = snapshots.save(self.root, self.cfg, model.tables, dense, replace(manifest, source="online"))
+        path = snapshots.save(self.root, self.cfg, model.tables, dense, replace(Manifest.from_dict(manifest), source="online"))
         M.SNAPSHOTS.labels(self.cfg.model_id).inc()
         return path
 

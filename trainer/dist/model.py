@@ -1,4 +1,7 @@
 """Distributed training over ``torch.distributed``: sparse model parallel, dense data parallel.
+(Over 450 lines because one step's phases, planned, looked up, exchanged, updated and, in hybrid,
+deferred, share the engine's state and read best in the order a step runs them; what stands alone
+is apart already: :mod:`trainer.dist.routing`, :mod:`trainer.dist.owner`, :mod:`trainer.dist.sequential`.)
 
 N ranks train one model. Rank ``r`` owns shard ``r`` of every PS table (the ids with
 :func:`trainer.sharding.shard_of` ``(id, N) == r``: the PS's own shard hash) and a full replica of

@@ -22,7 +22,7 @@ whole but its offsets are not used: every partition is read from its start (``re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -137,19 +137,17 @@ def summary(part: dict, sparse_version: int, param_deltas_offset: int, tables: d
             "sample_rates": part["sample_rates"], "auc_pos": part["auc_pos"], "auc_neg": part["auc_neg"]}
 
 
-def manifest_of(parts: list[dict], *, topic: str, broker_epoch: str | None, dense_version: int,
-                max_event_time_ms: int, next_snapshot_at: int | None, half_life: float) -> tuple[Manifest, dict]:
-    """Rank 0's manifest fields and rows per table from every rank's :func:`summary`."""
+def manifest_of(parts: list[dict], base: Manifest, *, half_life: float) -> tuple[Manifest, dict]:
+    """Rank 0's manifest and rows per table from every rank's :func:`summary`: ``base`` (rank 0's
+    stream fields: topic, epoch, dense version, clocks) with the ranks' offsets, versions, counts,
+    AUC and sample rates merged in."""
     auc = M.StreamingAUC()
     auc.load(sum(p["auc_pos"] for p in parts), sum(p["auc_neg"] for p in parts))
     versions = {r: int(p["sparse_version"]) for r, p in enumerate(parts)}
-    man = Manifest(offsets={int(k): int(v) for p in parts for k, v in p["offsets"].items()}, topic=topic,
-                   broker_epoch=broker_epoch, from_start=False,
-                   sparse_version=max(versions.values()), sparse_versions=versions, dense_version=dense_version,
-                   param_deltas_offset=min(int(p["param_deltas_offset"]) for p in parts),
-                   examples_applied=sum(int(p["examples_applied"]) for p in parts),
-                   max_event_time_ms=max_event_time_ms, next_snapshot_at=next_snapshot_at,
-                   auc=auc.value(), source="online",
-                   sample_rates=merged_rates([p["sample_rates"] for p in parts], half_life).state())
+    man = replace(base, offsets={int(k): int(v) for p in parts for k, v in p["offsets"].items()}, from_start=False,
+                  sparse_version=max(versions.values()), sparse_versions=versions,
+                  param_deltas_offset=min(int(p["param_deltas_offset"]) for p in parts),
+                  examples_applied=sum(int(p["examples_applied"]) for p in parts), auc=auc.value(), source="online",
+                  sample_rates=merged_rates([p["sample_rates"] for p in parts], half_life).state())
     rows = {n: sum(int(p["rows"][n]) for p in parts) for n in parts[0]["rows"]}
     return man, rows

@@ -33,7 +33,7 @@ from aiokafka.errors import KafkaError
 
 from services import metrics as service_metrics
 from services.codecs import processing_failed
-from services.kafka import create_topics, producer, start_client
+from services.kafka import TypedConsumer, create_topics, producer, start_client
 from services.settings import Settings
 
 from . import dedup
@@ -190,7 +190,45 @@ class TrainerLoop(LearnedFields):
             self.learned.batch(batch, res.loss, res.probs, arrival)
         self.learned.done(hashes, p.offsets)
 
+    async def _restore_at_start(self, epoch: str | None) -> None:
+        """The model and stream state from the newest snapshot, or fresh (``epoch``: the broker's now)."""
+        raise NotImplementedError
+
+    def _consumer(self) -> TypedConsumer:
+        """This process' consumer of ``examples`` (not started)."""
+        raise NotImplementedError
+
+    async def _start_input(self) -> None:
+        """Start reading (the consumer joins its group, or is assigned its partitions)."""
+        raise NotImplementedError
+
+    async def _loop(self, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ start, resets, end
+    async def run(self, stop_when_idle_s: float | None = None, max_examples: int | None = None) -> dict:
+        """Train until stopped (``stop_event``), idle ``stop_when_idle_s`` or ``max_examples`` queued;
+        the result line. The topics (rank 0), the broker epoch, the restore, the producer, the consumer
+        and the committer are set up here for every engine, and closed here."""
+        if self.rank == 0:
+            await self._create_topics()
+        epoch = await self.resets.start(self.settings)
+        await self._restore_at_start(epoch)
+        await self._start_producer()
+        # (a kill -9'd predecessor stays a group member until its session times out: start() waits)
+        self.consumer = self.ingest.consumer = self._consumer()
+        self._start_commits()
+        try:
+            await self._start_input()
+            return await self._loop(stop_when_idle_s, max_examples)
+        finally:
+            await self._teardown()
+
+    async def _teardown(self) -> None:
+        """Stopping (cleanly or not): commit nothing more, close the clients and the epoch watch."""
+        await self._close_clients()
+        await self.resets.stop()
+
     async def _create_topics(self) -> None:
         s = self.settings
         await create_topics(s, {self.topic: s.topics.partitions, s.topics.param_deltas: 1, s.topics.dead_letters: 1})

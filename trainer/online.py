@@ -345,25 +345,19 @@ class OnlineTrainer(TrainerLoop):
             self.unknown_start.add(part)
 
     # ------------------------------------------------------------------ main loop
-    async def run(self, stop_when_idle_s: float | None = None, max_examples: int | None = None) -> dict:
-        s = self.settings
-        await self._create_topics()
-        epoch = await self.resets.start(s)
+    async def _restore_at_start(self, epoch: str | None) -> None:
         self.restore(epoch)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="trainer-step")
-        await self._start_producer()
-        # (a kill -9'd predecessor stays a group member until its session times out: start() waits)
-        self.consumer = self.ingest.consumer = TypedConsumer(
-            s, "trainer", Example, [self.topic], self.group_id, dead_letter_producer=self._producer,
-            listener=_Seek(self))
-        self._start_commits()
-        try:
-            warm = asyncio.get_running_loop().run_in_executor(self._executor, self._warm_up)
-            await self.consumer.start()
-            await warm
-            return await self._loop(stop_when_idle_s, max_examples)
-        finally:
-            await self.resets.stop()
+
+    def _consumer(self) -> TypedConsumer:
+        return TypedConsumer(self.settings, "trainer", Example, [self.topic], self.group_id,
+                             dead_letter_producer=self._producer, listener=_Seek(self))
+
+    async def _start_input(self) -> None:
+        """Join the group while the training thread warms up."""
+        warm = asyncio.get_running_loop().run_in_executor(self._executor, self._warm_up)
+        await self.consumer.start()
+        await warm
 
     async def _finish(self, started: float) -> dict:
         return await super()._finish(started, stages=dict(self.stage, **{f"model_{k}": v
@@ -372,7 +366,7 @@ class OnlineTrainer(TrainerLoop):
     async def _teardown(self) -> None:
         for task, _ in self._pending:  # cancelled mid-batch: let the steps finish, commit nothing more
             task.cancel()
-        await self._close_clients()
+        await super()._teardown()
         self._executor.shutdown(wait=True)
 
     async def _loop(self, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
@@ -384,39 +378,36 @@ class OnlineTrainer(TrainerLoop):
         await self._begin()
         nxt = _NextBatch()
         queued = self.examples_applied
-        try:
-            while not self.stop_event.is_set():
-                now = time.monotonic()
-                if await self.resets.check_when_due(now):
-                    nxt = _NextBatch()  # fetched from the old topic or at its positions: lost / read again
-                    await self._handle_reset()
-                if await self.disk.wait_for_space(self.stop_event):
-                    continue  # (the stop may have come meanwhile)
-                recs = await self._poll(nxt, now)
-                now = time.monotonic()
-                if recs:
-                    last_data = now
-                    await self._add(nxt, recs, now)
-                if nxt.records and (nxt.decoded.examples >= self.batch_size or now - nxt.first_at >= self.batch_timeout_s):
-                    prepared = await self._prepare(nxt.records, nxt.polled_at_ms, nxt.decoded)
-                    nxt = _NextBatch()
-                    await self._drain(self.max_in_flight - 1)
-                    self._start(prepared)
-                    queued += prepared.batch.size if prepared.batch is not None else 0
-                    if max_examples is not None and queued >= max_examples:
-                        break
-                now = time.monotonic()
-                self.learned.rate(now)
-                await self._sync_when_due(now)
-                if stop_when_idle_s is not None and not nxt.records and now - last_data >= stop_when_idle_s:
-                    break
-            if nxt.records:
+        while not self.stop_event.is_set():
+            now = time.monotonic()
+            if await self.resets.check_when_due(now):
+                nxt = _NextBatch()  # fetched from the old topic or at its positions: lost / read again
+                await self._handle_reset()
+            if await self.disk.wait_for_space(self.stop_event):
+                continue  # (the stop may have come meanwhile)
+            recs = await self._poll(nxt, now)
+            now = time.monotonic()
+            if recs:
+                last_data = now
+                await self._add(nxt, recs, now)
+            if nxt.records and (nxt.decoded.examples >= self.batch_size or now - nxt.first_at >= self.batch_timeout_s):
                 prepared = await self._prepare(nxt.records, nxt.polled_at_ms, nxt.decoded)
-                await self._drain()
+                nxt = _NextBatch()
+                await self._drain(self.max_in_flight - 1)
                 self._start(prepared)
-            return await self._finish(started)
-        finally:
-            await self._teardown()
+                queued += prepared.batch.size if prepared.batch is not None else 0
+                if max_examples is not None and queued >= max_examples:
+                    break
+            now = time.monotonic()
+            self.learned.rate(now)
+            await self._sync_when_due(now)
+            if stop_when_idle_s is not None and not nxt.records and now - last_data >= stop_when_idle_s:
+                break
+        if nxt.records:
+            prepared = await self._prepare(nxt.records, nxt.polled_at_ms, nxt.decoded)
+            await self._drain()
+            self._start(prepared)
+        return await self._finish(started)
 
     async def _poll(self, nxt: _NextBatch, now: float) -> list:
         """Poll about as many records as complete the next batch (by the examples per record

@@ -242,25 +242,21 @@ class RankTrainer(TrainerLoop):
         return torch.stack(out).numpy()
 
     # ------------------------------------------------------------------ main loop
-    async def run(self, stop_when_idle_s: float | None = None, max_examples: int | None = None) -> dict:
-        s = self.settings
-        if self.rank == 0:
-            await self._create_topics()
-        epoch = await self.resets.start(s)
+    async def _restore_at_start(self, epoch: str | None) -> None:
         await self._coll(self._restore, epoch)  # collective; after it rank 0's topics exist too
-        await self._start_producer()
-        self.consumer = self.ingest.consumer = TypedConsumer(
-            s, "trainer", Example, [], self.ts.group_id, dead_letter_producer=self._producer)
+
+    def _consumer(self) -> TypedConsumer:
+        """Manually assigned (:mod:`trainer.dist.input`): no group join, no rebalances."""
+        return TypedConsumer(self.settings, "trainer", Example, [], self.ts.group_id, dead_letter_producer=self._producer)
+
+    async def _start_input(self) -> None:
         await self.consumer.start()
-        self._start_commits()
-        try:
-            self.applied_offsets = await self.input.assign(self.applied_offsets, self._from_start)
-            return await self._loop(stop_when_idle_s, max_examples)
-        finally:
-            await self._close_clients()
-            await self.resets.stop()
-            self.dm.close()
-            self._executor.shutdown(wait=True)
+        self.applied_offsets = await self.input.assign(self.applied_offsets, self._from_start)
+
+    async def _teardown(self) -> None:
+        await super()._teardown()
+        self.dm.close()
+        self._executor.shutdown(wait=True)
 
     def _examples_learned(self) -> int:
         return self._queued

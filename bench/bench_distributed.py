@@ -25,7 +25,7 @@
   with rows that miss the previous step's update (staleness 1): on this stream every item row
   and user-attribute row is in every step, so that costs progressive AUC (about 0.018 in QUICK,
   0.009 over 200 steps; the same as a 1-process run applying each update one step late:
-  tests/trainer/test_distributed.py, docs/scale-out.md).
+  tests/trainer/distributed/test_distributed.py, docs/scale-out.md).
 * ``auc_holdout_*``: the trained model (every update applied) scoring the ``HOLDOUT`` examples
   that follow the stream, learning none: what staleness costs the model itself.
 * ``auc_hybrid_1proc_late``: one process on the same global batches applying each sparse update
@@ -54,7 +54,7 @@ import torch.distributed as dist  # noqa: E402
 from trainer.config import deepfm_config  # noqa: E402
 from trainer.data import MovieLensData  # noqa: E402
 from trainer.dist.model import DistributedModel  # noqa: E402
-from tests.trainer.rank_local import run_local  # noqa: E402
+from tests.trainer.distributed.rank_local import run_local  # noqa: E402
 from trainer.metrics import auc  # noqa: E402
 from trainer.model import SparseModel  # noqa: E402
 

@@ -33,7 +33,7 @@ import trainer  # noqa: E402,F401  - before torch: OMP_WAIT_POLICY=PASSIVE
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.trainer.rank_local import run_local  # noqa: E402
+from tests.trainer.distributed.rank_local import run_local  # noqa: E402
 
 REPEATS = 100 if os.environ.get("QUICK") == "1" else 500
 HEAD = 66_053        # the DeepFM head's floats (dim 16, MLP 256-128) plus the loss and flags

@@ -45,7 +45,7 @@ the dense head. Every rank reads its own batches. Only ``torch.distributed`` col
    initial head is broadcast once).
 
 So an N-rank ``sync`` run equals a 1-process run on the concatenated global batch, up to float
-summation order (and the admitting batch of an id, step 3) (tests/trainer/test_distributed.py checks rows, PS optimizer state and Adam's
+summation order (and the admitting batch of an id, step 3) (tests/trainer/distributed/test_distributed.py checks rows, PS optimizer state and Adam's
 state). An idle rank (empty batch) takes part in every collective; a step whose global batch is
 empty is skipped by all ranks together.
 
@@ -72,7 +72,7 @@ batches (empty ones for an idle rank). A caller with one batch at a time uses
 :meth:`DistributedModel.step` (the same order of lookups and updates; the step's own update
 waits for the next call) and :meth:`DistributedModel.flush` before it reads the tables. With
 ``staleness`` 1 this equals a 1-process run applying each step's sparse update one step late
-(tests/trainer/test_distributed.py); what that costs in AUC: ``docs/scale-out.md``. With
+(tests/trainer/distributed/test_distributed.py); what that costs in AUC: ``docs/scale-out.md``. With
 ``staleness`` 0, :meth:`DistributedModel.step` queues a step's update ahead of the next lookup:
 ``sync``'s results, the update overlapping what the caller does between steps.
 

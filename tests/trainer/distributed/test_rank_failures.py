@@ -3,7 +3,7 @@ reset under them (tansu memory storage, a kill -9 of the broker), and an example
 fails its training step on one rank. Real broker (this module's own, restarted by the test), real
 processes; the group must go on without a restart.
 
-The happy paths and kill -9 of a rank: tests/trainer/test_ranks.py."""
+The happy paths and kill -9 of a rank: tests/trainer/distributed/test_ranks.py."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from trainer.data import MovieLensData, produce_examples
 from trainer.model import SparseModel
 from trainer.snapshot_store import SnapshotStore
 
-from .test_online import read_topic
+from ..test_online import read_topic
 from .test_ranks import REPO, _env, _results
 
 N = 4_000

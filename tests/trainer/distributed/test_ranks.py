@@ -1,6 +1,6 @@
 """Distributed online training: N ranks under torch's elastic launcher, on the real broker.
 
-The snapshot layout alone: tests/trainer/test_rank_snapshots.py.
+The snapshot layout alone: tests/trainer/distributed/test_rank_snapshots.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from trainer.sharding import shard_of, whole_tables
 from trainer.sync import decode_sparse
 
 N = 8_000
-REPO = Path(__file__).parents[2]
+REPO = Path(__file__).parents[3]
 
 
 def small_cfg(sequential_embeddings: bool = True):
@@ -102,7 +102,7 @@ async def _manifest(root: Path, examples: int, seq: int, logs, shards: int = 2) 
 
 
 # hybrid at staleness 0 (each update queued ahead of the next lookup) is checked in process, equal
-# to sync rows and all: tests/trainer/test_distributed.py; on the broker, the publication and
+# to sync rows and all: tests/trainer/distributed/test_distributed.py; on the broker, the publication and
 # snapshot path it shares with staleness 1 is checked here
 @pytest.mark.parametrize("mode,staleness,seq_emb", [("sync", 1, False), ("hybrid", 1, False), ("sync", 1, True)],
                          ids=["sync-sharded", "hybrid-sharded", "sync-sequential_embeddings"])

@@ -1,4 +1,4 @@
-"""Distributed training (:mod:`trainer.distributed`): 2 gloo ranks vs 1 process. ``QUICK=1`` for a
+"""Distributed training (:mod:`trainer.dist.model`): 2 gloo ranks vs 1 process. ``QUICK=1`` for a
 < 1 min run. Last line: JSON.
 
 * model: DeepFM (8 slots, dim 16, MLP 256-128) on ml-1m in time order, as bench_trainer.
@@ -25,7 +25,7 @@
   with rows that miss the previous step's update (staleness 1): on this stream every item row
   and user-attribute row is in every step, so that costs progressive AUC (about 0.018 in QUICK,
   0.009 over 200 steps; the same as a 1-process run applying each update one step late:
-  tests/trainer/test_distributed.py, docs/scale-out.md).
+  tests/trainer/distributed/test_distributed.py, docs/scale-out.md).
 * ``auc_holdout_*``: the trained model (every update applied) scoring the ``HOLDOUT`` examples
   that follow the stream, learning none: what staleness costs the model itself.
 * ``auc_hybrid_1proc_late``: one process on the same global batches applying each sparse update
@@ -53,8 +53,8 @@ import torch.distributed as dist  # noqa: E402
 
 from trainer.config import deepfm_config  # noqa: E402
 from trainer.data import MovieLensData  # noqa: E402
-from trainer.distributed import DistributedModel  # noqa: E402
-from tests.trainer.rank_local import run_local  # noqa: E402
+from trainer.dist.model import DistributedModel  # noqa: E402
+from tests.trainer.distributed.rank_local import run_local  # noqa: E402
 from trainer.metrics import auc  # noqa: E402
 from trainer.model import SparseModel  # noqa: E402
 
@@ -69,7 +69,7 @@ LIMIT = (WARMUP + STEPS) * 2 * BATCH
 
 def _cfg():
     # the engine's owner path for every table (issue 14's numbers); a sequential model's
-    # first-order pass on rank 0 (trainer.dist_sequential) is not what this measures
+    # first-order pass on rank 0 (trainer.dist.sequential) is not what this measures
     return deepfm_config(dim=16, mlp=[256, 128], recent_items=False, sequential=False, linear_lr=0.05)
 
 

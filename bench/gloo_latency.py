@@ -5,7 +5,7 @@ Two pinned ranks (as ``bench_distributed.py``) time, per call and per rank, wall
 
 * ``a2a_tiny_threads_{1,2,4}``: a 96-byte ``all_to_all_single`` on a group with 1, 2 or 4
   ProcessGroupGloo threads (the header's size);
-* ``step_5_collectives``: the shape of one ``sync`` step of ``trainer.distributed`` at
+* ``step_5_collectives``: the shape of one ``sync`` step of ``trainer.dist.model`` at
   ``bench_distributed``'s batch (header, ids, rows, then the dense swap in flight with the
   gradients on a second group);
 * ``step_3_collectives``: the fewest a step could have (the header riding on the dense swap, the
@@ -33,7 +33,7 @@ import trainer  # noqa: E402,F401  - before torch: OMP_WAIT_POLICY=PASSIVE
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.trainer.rank_local import run_local  # noqa: E402
+from tests.trainer.distributed.rank_local import run_local  # noqa: E402
 
 REPEATS = 100 if os.environ.get("QUICK") == "1" else 500
 HEAD = 66_053        # the DeepFM head's floats (dim 16, MLP 256-128) plus the loss and flags

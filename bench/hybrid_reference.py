@@ -1,7 +1,7 @@
 """What ``hybrid``'s staleness costs, without torch.distributed: one process on the bench's global
 batches (``bench_distributed``'s model and stream), sparse updates applied at once (``sync``) or
 one step late, after the next step's lookup (``hybrid`` with staleness 1:
-tests/trainer/test_distributed.py checks the engine equals this). Deterministic.
+tests/trainer/distributed/test_distributed.py checks the engine equals this). Deterministic.
 
     python bench/hybrid_reference.py [STEPS [SEED ...]]    # defaults: 27 (bench QUICK), seed None
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 
 import bench_distributed as bd  # noqa: E402
-from tests.trainer.rank_local import run_local  # noqa: E402
+from tests.trainer.distributed.rank_local import run_local  # noqa: E402
 
 # a sync step without count admission: header, ids, rows, then the dense sum and the gradients
 # (issued together, the sum first)

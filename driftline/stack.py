@@ -101,7 +101,7 @@ APP_SERVICES: list[AppService] = [
     AppService("joiner", ("joiner",), metrics_port=_metrics("joiner"),
                legacy_env={"DRIFTLINE_JOINER__IDLE_ADVANCE_SECONDS": "30"}),
     AppService("dumper", ("dumper",), metrics_port=_metrics("dumper")),
-    # trainer.nproc > 1: that many ranks under torch's elastic launcher (trainer/launch.py); rank
+    # trainer.nproc > 1: that many ranks under torch's elastic launcher (trainer/dist/launch.py); rank
     # r > 0 exports metrics on the trainer's port + r * trainer.rank_metrics_port_stride
     AppService("trainer", ("trainer", "online"), metrics_port=_metrics("trainer"),
                settings_env=lambda s: {"DRIFTLINE_TRAINER__NPROC": str(s.trainer.nproc)},

@@ -33,6 +33,7 @@ import numpy as np
 from proto import ParameterDelta
 from trainer import snapshots
 from trainer.inference import Scorer
+from trainer.manifest import Manifest
 from trainer.model import SparseModel
 from trainer.sync import apply_delta, complete_versions, decode_dense, encode_dense, encode_sparse_tables
 
@@ -48,9 +49,8 @@ def stream(s: EvalSettings):
     return d, np.arange(cut), np.arange(cut, len(d))
 
 
-def _manifest(version: int, max_t: int) -> dict:
-    return {"offsets": {}, "sparse_version": version, "dense_version": version, "param_deltas_offset": 0,
-            "examples_applied": 0, "max_event_time_ms": max_t}
+def _manifest(version: int, max_t: int) -> Manifest:
+    return Manifest(sparse_version=version, dense_version=version, param_deltas_offset=0, max_event_time_ms=max_t)
 
 
 def _save(root: Path, model: SparseModel, version: int, max_t: int) -> Path:
@@ -59,7 +59,7 @@ def _save(root: Path, model: SparseModel, version: int, max_t: int) -> Path:
                           _manifest(version, max_t), keep=1)
 
 
-def _restore(s: EvalSettings, seed: int, root: Path) -> tuple[SparseModel, Scorer, dict]:
+def _restore(s: EvalSettings, seed: int, root: Path) -> tuple[SparseModel, Scorer, Manifest]:
     """Trainer restored from a snapshot (tables with optimizer state, head, dense optimizer) and a
     serving Scorer bootstrapped from the same snapshot."""
     cfg = model_config(s, seed, MODEL_ID)
@@ -117,12 +117,12 @@ def online_run(s: EvalSettings, seed: int, n_shards: int, snap: Path, start: int
     d, _, orows = stream(s)
     shards = np.array_split(orows, n_shards)
     model, scorer, manifest = _restore(s, seed, snap)
-    sync = _Sync(model, scorer, manifest.get("sparse_version", 0))
+    sync = _Sync(model, scorer, manifest.sparse_version)
     aucs, sync_rows = [float("nan")] * n_shards, [0] * n_shards
     scores = np.full(orows.size, np.nan, np.float32)
     base = int(orows[0]) if orows.size else 0
     train_s = n_train = 0.0
-    max_t = manifest.get("max_event_time_ms", 0)
+    max_t = manifest.max_event_time_ms
     for i in range(start, n_shards):
         rows = shards[i]
         if save_before and i in save_before:

@@ -314,10 +314,10 @@ def after_learned(settings, dataset: str) -> int | None:  # type: ignore[no-unty
     learned = snapshots.learned_online(root)
     if learned is None:
         return None
-    start = first_rating_after(dataset, settings.data_dir, int(learned["max_event_time_ms"]))
+    start = first_rating_after(dataset, settings.data_dir, learned.max_event_time_ms)
     log.info("%s holds the online trainer's model (%d examples learned, up to %s): the replay resumes at "
-             "rating %d", root, learned["examples_applied"],
-             time.strftime("%Y-%m-%d %H:%M", time.gmtime(learned["max_event_time_ms"] / 1000)), start)
+             "rating %d", root, learned.examples_applied,
+             time.strftime("%Y-%m-%d %H:%M", time.gmtime(learned.max_event_time_ms / 1000)), start)
     return start
 
 

@@ -421,11 +421,11 @@ class TrainerSettings(BaseModel):
     # follows a changed joiner setting. ~25 batches of negatives: about as fast as the model's own
     # bias moves to the new mix; under a constant setting the rate is exact whatever the value.
     sample_rate_half_life: float = Field(50_000.0, gt=0)
-    # Ranks of distributed training on this machine (trainer/ranks.py, docs/scale-out.md): 1 is
-    # one trainer process owning every shard; N > 1 starts N ranks through torch's elastic
+    # Ranks of distributed training on this machine (trainer/dist/rank_trainer.py, docs/scale-out.md):
+    # 1 is one trainer process owning every shard; N > 1 starts N ranks through torch's elastic
     # launcher, rank r owning shard r of every table and the partitions p with p % N == r.
     nproc: Count = 1
-    # "sync" or "hybrid" (trainer/distributed.py). staleness (hybrid): steps of sparse updates a
+    # "sync" or "hybrid" (trainer/dist/model.py). staleness (hybrid): steps of sparse updates a
     # looked-up row may miss, the updates overlapping the next steps; 0: none missed (sync's
     # results), a round's update overlapping the next round's poll and decode (docs/scale-out.md).
     dist_mode: Literal["sync", "hybrid"] = "sync"
@@ -433,7 +433,7 @@ class TrainerSettings(BaseModel):
     # Pin each rank (and its threads: gloo's, the lookup thread) to its own share of this
     # machine's cores (local rank r of N: the r-th of N equal slices): for a machine given over
     # to the ranks, where the scheduler otherwise moves ranks onto one core now and then and the
-    # others wait for them in every collective (trainer/launch.py, docs/scale-out.md).
+    # others wait for them in every collective (trainer/dist/launch.py, docs/scale-out.md).
     pin_cores: bool = False
     # Times the elastic launcher restarts the whole group after a rank failed (kill -9 included)
     # before it gives up (then `driftline up`'s supervisor restarts the launcher).

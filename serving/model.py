@@ -281,30 +281,29 @@ class TrainerModel:
             tables, dense_state, manifest = load_latest(path)
         except FileNotFoundError:
             return None
-        self.config = ModelConfig.model_validate(manifest["config"])
-        rates = manifest_sample_rates(manifest.get("sample_rates"))  # a bad one fails before the swap
+        self.config = ModelConfig.model_validate(manifest.config)
+        rates = manifest_sample_rates(manifest.sample_rates)  # a bad one fails before the swap
         self.scorer = Scorer(self.config, tables, dense_state)
         self.sample_rates = rates
-        created = int(manifest.get("created_at_ms", 0))
+        created = int(manifest.created_at_ms or 0)
         shard_count, versions = manifest_sparse_versions(manifest)
         self.sparse.restore(shard_count, versions, created)
-        self.dense.version = int(manifest.get("dense_version", 0))
+        self.dense.version = manifest.dense_version
         self.dense.published_ms = created
         self.dense.pending.clear()
         # 0 is an offset too: a warm start's snapshot predates every delta on the topic (read from
         # its start, every delta is after it, whatever the layout of the trainer that publishes)
-        offset = manifest.get("param_deltas_offset")
-        return Bootstrap(path / manifest["name"], self.sparse.version, self.dense.version,
-                         None if offset is None else int(offset), manifest.get("broker_epoch"),
+        return Bootstrap(path / manifest.name, self.sparse.version, self.dense.version,
+                         manifest.param_deltas_offset, manifest.broker_epoch,
                          shard_count, versions)
 
     def snapshot_epoch(self, root: Path | None) -> str | None:
-        from trainer.snapshots import read_manifest
+        from trainer.snapshots import latest
 
         if root is None:
             return None
         try:
-            manifest = read_manifest(root / self.model_id)
+            manifest = latest(root / self.model_id)
         except (OSError, ValueError):
             return None  # being replaced right now: the next look sees the new one
-        return manifest.get("broker_epoch") if manifest else None
+        return manifest.broker_epoch if manifest else None

@@ -28,6 +28,7 @@ import numpy as np
 
 from proto import ParameterDelta
 from serving.correction import BadSampleRates, SampleRates
+from trainer.manifest import Manifest
 
 __all__ = ["Bootstrap", "DeltaRejected", "SparseVersions", "VersionState", "check_shard", "chunk_done",
            "delta_sample_rates", "manifest_sample_rates", "manifest_sparse_versions"]
@@ -132,14 +133,13 @@ class SparseVersions:
         chunk_done(self.shards.setdefault(msg.shard, VersionState()), msg)
 
 
-def manifest_sparse_versions(manifest: Mapping) -> tuple[int, dict[int, int]]:
+def manifest_sparse_versions(manifest: Manifest | Mapping) -> tuple[int, dict[int, int]]:
     """``(shard_count, {shard: version})`` a snapshot holds: ``shard_count`` and ``sparse_versions``
     written by an N-rank trainer, or the one ``sparse_version`` of a one-process trainer."""
-    shard_count = int(manifest.get("shard_count") or 0)
-    per_shard = manifest.get("sparse_versions")
-    if shard_count and per_shard is not None:
-        return shard_count, {int(s): int(v) for s, v in per_shard.items()}
-    return shard_count, {0: int(manifest.get("sparse_version", 0))}
+    man = Manifest.from_dict(manifest)
+    if man.shards and man.sparse_versions is not None:
+        return man.shards, dict(man.sparse_versions)
+    return man.shards, {0: man.sparse_version}
 
 
 def check_shard(msg: ParameterDelta, whole: frozenset[str] = frozenset()) -> None:

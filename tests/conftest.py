@@ -165,8 +165,8 @@ AFTER_LOOP_STACK = ("tests/test_compose_processes.py",)
 # The longest files (a full run's durations on a 2-core machine: each 2-7 min of many processes),
 # started first so the two workers finish together instead of one running them alone at the end.
 LONGEST_FILES = (
-    "tests/joiner/test_faust_joiner.py", "tests/trainer/test_machines.py", "tests/trainer/test_rank_failures.py",
-    *LOOP_STACK_FILES, *AFTER_LOOP_STACK, "tests/trainer/test_ranks.py", "tests/test_own_data.py", "tests/trainer/test_online.py",
+    "tests/joiner/test_faust_joiner.py", "tests/trainer/distributed/test_machines.py", "tests/trainer/distributed/test_rank_failures.py",
+    *LOOP_STACK_FILES, *AFTER_LOOP_STACK, "tests/trainer/distributed/test_ranks.py", "tests/test_own_data.py", "tests/trainer/test_online.py",
     "tests/joiner/test_crash.py", "tests/test_stack.py", "tests/serving/test_process.py",
 )
 
@@ -285,7 +285,7 @@ def dedup_window():  # every online trainer's duplicate check
 
 @part
 def ranks():  # a distributed trainer's owners and wire
-    from trainer.dist_routing import packed_rows, plan
+    from trainer.dist.routing import packed_rows, plan
     from trainer.sharding import shard_of
     ids = np.arange(12, dtype=np.int64)
     tab = ids % 3

@@ -6,7 +6,8 @@ Public API (what serving imports):
 * :class:`trainer.batch.SparseBatch` - a batch of examples as flat ids + offsets per slot.
 * :class:`trainer.inference.Scorer` - ``Scorer(config, tables, dense_state).predict(batch)``.
 * :mod:`trainer.sync` - ParameterDelta encode/decode (``decode_sparse``, ``decode_dense``, ...).
-* :func:`trainer.snapshots.load_latest` - ``(tables, dense_state, manifest)`` for catch-up.
+* :func:`trainer.snapshots.load_latest` - ``(tables, dense_state, manifest)`` for catch-up (the
+  manifest a :class:`trainer.manifest.Manifest`).
 """
 
 import os as _os

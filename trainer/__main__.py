@@ -121,16 +121,15 @@ def write_batch_snapshot(model: SparseModel, max_event_time_ms: int, examples: i
     sampled at (``sample_rates`` in the manifest, as the online trainer records them: serving
     corrects with them, and ``trainer online`` continues the tracker from them)."""
     from . import snapshots
+    from .manifest import Manifest
 
     cfg = model.cfg
     if root is None:
         root = get_settings().snapshot_root
     return snapshots.save(Path(root) / cfg.model_id, cfg, model.tables,
                           {"head": model.head.state_dict(), "optimizer": model.optimizer.state_dict()},
-                          {"offsets": {}, "sparse_version": 0, "dense_version": 0, "param_deltas_offset": 0,
-                           "examples_applied": 0, "max_event_time_ms": int(max_event_time_ms),
-                           "source": "batch", "batch_examples": int(examples),
-                           "sample_rates": sample_rates.state()})
+                          Manifest(param_deltas_offset=0, max_event_time_ms=int(max_event_time_ms), source="batch",
+                                   batch_examples=int(examples), sample_rates=sample_rates.state()))
 
 
 def _online_settings(args):
@@ -143,7 +142,7 @@ async def _run_online(args, ranks: bool = False) -> dict:
     settings = _online_settings(args)
     cfg = named_config(args.model)
     if ranks:
-        from .ranks import RankTrainer
+        from .dist.rank_trainer import RankTrainer
         tr = RankTrainer(settings, cfg)
     else:
         from .online import OnlineTrainer
@@ -207,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rank = world = None
     if args.cmd == "online":
-        from . import launch
+        from .dist import launch
         nproc = _online_settings(args).trainer.nproc
         if launch.under_launcher():
             import faulthandler  # a rank stuck in a collective: `kill -USR1` prints every thread's stack
@@ -235,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         root = settings.model_snapshots(named_config(args.model).model_id)
         if args.unless_learned and (learned := snapshots.learned_online(root)) is not None:
             print(json.dumps({"skipped": f"{root} holds the online trainer's model "
-                                         f"({learned['examples_applied']} examples learned): kept"}), flush=True)
+                                         f"({learned.examples_applied} examples learned): kept"}), flush=True)
             return 0
         run_batch(args)
     else:
@@ -248,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 dist.destroy_process_group()
         print(json.dumps(result), flush=True)
         if result.get("regroup"):
-            from .ranks import EXIT_REGROUP
+            from .dist.rank_trainer import EXIT_REGROUP
             return EXIT_REGROUP
     return 0
 

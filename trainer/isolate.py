@@ -96,7 +96,7 @@ def _bisect(step: Step, batch: SparseBatch, rows: np.ndarray, err: Exception,
 
 def train_isolating_lockstep(step: Step, batch: SparseBatch, own_error: Callable[[Exception], Exception | None],
                              more: Callable[[int], bool]) -> StepResult:
-    """:func:`train_isolating` for ranks that step together (:mod:`trainer.ranks`): every rank
+    """:func:`train_isolating` for ranks that step together (:mod:`trainer.dist.rank_trainer`): every rank
     calls it with its batch (empty when idle) and every call of ``step`` is collective. A failed
     step raises on every rank at once and applies nothing anywhere; ``own_error(err)`` is this
     rank's own error in it (None: another rank's batch failed, re-raised when not a step failure).
@@ -161,14 +161,14 @@ def train_isolating_lockstep(step: Step, batch: SparseBatch, own_error: Callable
 
 
 def train_isolating_ranks(dm, batch: SparseBatch) -> StepResult:
-    """``dm.step(batch)`` of a :class:`trainer.distributed.DistributedModel` (its ``hybrid``
+    """``dm.step(batch)`` of a :class:`trainer.dist.model.DistributedModel` (its ``hybrid``
     overlap included: a failed step raises before its sparse update is deferred), finding the
     examples a failed step fails on with :func:`train_isolating_lockstep` (collective, as the step;
     a failure no example of any rank caused is raised)."""
     import torch
     import torch.distributed as dist
 
-    from .distributed import RankStepError
+    from .dist.model import RankStepError
 
     def own(err: Exception) -> Exception | None:
         if not isinstance(err, RankStepError):

@@ -1,10 +1,7 @@
-"""The trainer's Prometheus metrics (prefix ``driftline_trainer_``) and streaming AUC."""
+"""The trainer's Prometheus metrics (prefix ``driftline_trainer_``) and streaming AUC (the bookkeeping
+that updates them per batch learned: :mod:`trainer.learned`)."""
 
 from __future__ import annotations
-
-import math
-import time
-from collections.abc import Callable
 
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
@@ -50,7 +47,7 @@ STAGE_SECONDS = Counter("driftline_trainer_stage_seconds_total",
                         "wait_train/commit/sync/snapshot; batch lookup/forward/backward/update.",
                         ["model", "stage"])
 
-# One rank of a distributed trainer (trainer.ranks) each: every rank exports on its own port
+# One rank of a distributed trainer (trainer.dist.rank_trainer) each: every rank exports on its own port
 RANK_EXAMPLES = Counter("driftline_trainer_rank_examples_total", "Examples trained on by one rank.", ["model", "rank"])
 RANK_STEPS = Counter("driftline_trainer_rank_steps_total",
                      "Distributed training steps of one rank (steps where every rank was idle excluded).",
@@ -133,136 +130,6 @@ class StreamingAUC:
 
     def load(self, pos, neg) -> None:
         self.pos, self.neg = np.asarray(pos, np.float64).copy(), np.asarray(neg, np.float64).copy()
-
-
-class Learned:
-    """The bookkeeping of learned batches, one per trainer process (the 1-process trainer's and each
-    rank's alike): the streaming AUC (progressive validation: ``probs`` scored before the update),
-    the sample rates, the examples counted and their gauges, the loss EMA, and per batch done its
-    ids into the dedup window, its partitions' next offsets and a commit request. ``auc``,
-    ``sample_rates``, ``dedup``, ``published`` (the publisher's ``applied``) belong to the trainer;
-    ``commit`` is set once its committer exists; ``rank``: a rank's examples are also counted by rank.
-
-    >>> from trainer.sample_rates import SampleRateTracker
-    >>> from trainer.batch import SparseBatch
-    >>> b = SparseBatch.from_slot_dicts([{"a": [1]}, {"a": [2]}], slots=["a"], labels=[1.0, 0.0], event_time_ms=[5, 6],
-    ...                                 sample_rate=[1.0, 0.5])
-    >>> book = Learned("doc", StreamingAUC(), SampleRateTracker(1e6))
-    >>> book.batch(b, 0.5, np.array([0.9, 0.1]), np.array([0, 0]))
-    >>> book.done(None, {0: 7}); book.done(None, {0: 3})  # offsets only move forward
-    >>> book.examples, book.loss_ema, book.auc.value(), book.offsets
-    (2, 0.5, 1.0, {0: 7})
-    """
-
-    def __init__(self, model_id: str, auc: StreamingAUC, sample_rates, dedup=None,
-                 published: Callable[[np.ndarray, np.ndarray], None] | None = None, ps_counts: PSCounts | None = None,
-                 rank: int | None = None, baseline=None):
-        self.model_id, self.auc, self.sample_rates, self.dedup = model_id, auc, sample_rates, dedup
-        #: a :class:`trainer.count_baseline.CountBaseline` scored beside the model (None: none)
-        self.baseline = baseline
-        self.log_loss_sum, self.log_loss_n = 0.0, 0  # the model's progressive log loss
-        self.published, self.ps_counts = published, ps_counts
-        self.by_rank = None if rank is None else RANK_EXAMPLES.labels(model_id, str(rank))
-        self.commit: Callable[[], None] = lambda: None
-        self.examples = 0
-        self.loss_ema = float("nan")
-        self.offsets: dict[int, int] = {}  # partition -> next offset of everything done
-        self._rate_mark = (time.monotonic(), 0)
-
-    def batch(self, batch, loss: float, probs: np.ndarray, arrival_ms: np.ndarray | None) -> None:
-        """``batch`` was learned (``probs``: its scores before the update; ``loss``: the step's)."""
-        self.auc.update(probs, batch.labels)
-        self.sample_rates.update(batch.slice_ids, batch.slice_names, batch.sample_rate, batch.labels)
-        self.examples += batch.size
-        if self.published is not None:
-            self.published(batch.event_time_ms, arrival_ms)
-        if self.ps_counts is not None:
-            self.ps_counts.update()
-        self.loss_ema = loss if math.isnan(self.loss_ema) else 0.98 * self.loss_ema + 0.02 * loss
-        self._score(batch, probs)
-        EXAMPLES.labels(self.model_id, "online").inc(batch.size)
-        if self.by_rank is not None:
-            self.by_rank.inc(batch.size)
-        LOSS.labels(self.model_id, "online").set(self.loss_ema)
-        AUC.labels(self.model_id, "online").set(self.auc.value())
-
-    def _score(self, batch, probs: np.ndarray) -> None:
-        """The model's progressive log loss, and the baseline scored and counted on the same batch."""
-        known = ~np.isnan(batch.labels)
-        y = batch.labels[known].astype(np.float64)
-        q = np.clip(np.asarray(probs, np.float64)[known], 1e-7, 1 - 1e-7)
-        self.log_loss_sum -= float((y * np.log(q) + (1 - y) * np.log1p(-q)).sum())
-        self.log_loss_n += int(y.size)
-        if self.log_loss_n:
-            LOG_LOSS.labels(self.model_id, "model").set(self.log_loss_sum / self.log_loss_n)
-        if self.baseline is not None and self.baseline.score_batch(batch) is not None and self.baseline.examples:
-            BASELINE_AUC.labels(self.model_id, "counts").set(self.baseline.auc.value())
-            LOG_LOSS.labels(self.model_id, "counts").set(self.baseline.log_loss)
-
-    def scores(self) -> dict:
-        """The model's progressive log loss beside the baseline's AUC and log loss (a result line's)."""
-        b = self.baseline
-        return {"log_loss": self.log_loss_sum / self.log_loss_n if self.log_loss_n else None,
-                "baseline_auc": b.auc.value() if b is not None and b.examples else None,
-                "baseline_log_loss": b.log_loss if b is not None and b.examples else None}
-
-    def scores_state(self) -> dict:
-        """The model's log loss sums and the baseline's state, for a snapshot."""
-        return {"log_loss": [self.log_loss_sum, self.log_loss_n],
-                "count_baseline": None if self.baseline is None else self.baseline.state()}
-
-    def load_scores(self, state: dict | None) -> None:
-        """Continue from :meth:`scores_state` (None, or a snapshot written before it existed: afresh)."""
-        if not state:
-            return
-        self.log_loss_sum, self.log_loss_n = float(state["log_loss"][0]), int(state["log_loss"][1])
-        if self.baseline is not None and state.get("count_baseline"):
-            self.baseline.load(state["count_baseline"])
-
-    def done(self, hashes: np.ndarray | None, offsets: dict[int, int]) -> None:
-        """A polled batch is done (learned, dead-lettered or dropped as duplicates): its ids enter
-        the dedup window (only now: a snapshot never marks as seen an example not learned), its
-        offsets move on, and a commit of them is asked for."""
-        if self.dedup is not None and hashes is not None:
-            self.dedup.add_many(hashes)
-        for part, off in offsets.items():
-            if off > self.offsets.get(part, -1):
-                self.offsets[part] = off
-        self.commit()
-
-    def rate(self, now: float) -> None:
-        """Export the examples/s since the last export, at most once a second (monotonic ``now``)."""
-        t, n = self._rate_mark
-        if now - t >= 1.0:
-            EXAMPLES_PER_S.labels(self.model_id, "online").set((self.examples - n) / (now - t))
-            self._rate_mark = (now, self.examples)
-
-
-class LearnedFields:
-    """A trainer's counts, kept by its :class:`Learned` (``self.learned``), under the names its
-    snapshots, results and tests use."""
-
-    learned: Learned
-
-    @property
-    def examples_applied(self) -> int:
-        return self.learned.examples
-
-    @examples_applied.setter
-    def examples_applied(self, n: int) -> None:
-        self.learned.examples = n
-
-    @property
-    def applied_offsets(self) -> dict[int, int]:
-        return self.learned.offsets
-
-    @applied_offsets.setter
-    def applied_offsets(self, offsets: dict[int, int]) -> None:
-        self.learned.offsets = offsets
-
-    @property
-    def loss_ema(self) -> float:
-        return self.learned.loss_ema
 
 
 def auc(scores: np.ndarray, labels: np.ndarray) -> float:

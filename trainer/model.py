@@ -282,7 +282,7 @@ class SparseModel:
         """Logits ``[B]`` and ``[(block, leaf)]`` from an already looked-up packed buffer ``buf``
         (``pb``'s rows in :meth:`ps.ParameterServer.gather_packed`'s layout; ``batch`` completed).
         Split from :meth:`forward` so that a lookup elsewhere (the owners of
-        :mod:`trainer.distributed`) feeds the same pooling and head. ``linear=False``: ``pb`` holds
+        :mod:`trainer.dist.model`) feeds the same pooling and head. ``linear=False``: ``pb`` holds
         the embedding block alone and the logits leave the first-order fields out (a sequential
         model learns those in :mod:`trainer.sequential`)."""
         t1 = time.perf_counter()

@@ -1,4 +1,6 @@
 """Online training from the ``examples`` topic (Monolith's streaming trainer): the run loop.
+What it shares with a rank of N (restoring, the sync schedule, broker resets, a batch's bookkeeping,
+the clean stop) is :class:`trainer.loop.TrainerLoop`'s; here is the pipelined loop and its step.
 
 Fetching: this process' consumer fetches, on the event loop. (A loader subprocess fetched while
 each record carried one example: it hid aiokafka's per-record Python. With ~1000 examples per
@@ -20,7 +22,7 @@ Every ``sync_interval_s`` the touched sparse rows are published to ``param-delta
 the dense params at first as often, then less and less up to every ``dense_sync_interval_s``
 (:class:`trainer.publisher.DenseSchedule` says why). Every
 ``snapshot_interval_event_s`` of event time (and on a clean stop) a snapshot is written; a restart
-resumes from the newest (:mod:`trainer.resume`: what it records, and the crash semantics).
+resumes from the newest (:mod:`trainer.snapshot_store`: what it records, and the crash semantics).
 
 Broker resets (tansu's memory storage lost with a broker restart; told by
 :class:`services.broker_reset.EpochWatch`, a check costing ~1 ms, made before every offset commit
@@ -50,7 +52,6 @@ snapshot written, the offsets committed; exit 0, well within the supervisor's 10
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -61,30 +62,21 @@ from pathlib import Path
 import numpy as np
 import torch
 from aiokafka import ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaError
 
 from proto import Example
-from services import metrics as service_metrics
 from services.disk import DiskGuard
 from services import example_batch
-from services.codecs import processing_failed
-from services.kafka import TypedConsumer, create_topics, producer, start_client
+from services.kafka import TypedConsumer
 from services.settings import Settings
 
 from . import metrics as M
 from . import dedup
 from .batch import SparseBatch
-from .commits import Committer
 from .config import ModelConfig
-from .count_baseline import CountBaseline
-from .ingest import NO_HASHES, Decoded, Ingest, Prepared
+from .ingest import NO_HASHES, Decoded, Prepared
 from .isolate import train_isolating
+from .loop import TrainerLoop
 from .model import SparseModel
-from .publisher import DenseSchedule, Publisher
-from .resets import ResetWatch
-from .resume import Snapshots
-from .snapshots import EventClock
-from .sample_rates import SampleRateTracker
 
 log = logging.getLogger(__name__)
 
@@ -124,22 +116,18 @@ class _NextBatch:
     polled_at_ms: int = 0  # wall time of the same
 
 
-class OnlineTrainer(M.LearnedFields):
+class OnlineTrainer(TrainerLoop):
     """Every knob is a field of ``settings.trainer`` (:class:`services.settings.TrainerSettings`):
     run one with other values through ``settings.updated(trainer={...})``. Its parts:
     :attr:`ingest` (records -> batches), :attr:`publisher` (``param-deltas``), :attr:`snapshots`
     (restarts), :attr:`commits` (the group's offsets, once running), :attr:`resets` (broker resets)."""
 
     def __init__(self, settings: Settings, cfg: ModelConfig, *, torch_threads: int = 1):
+        super().__init__(settings, cfg, ("poll", "prepare", "train", "step_gap", "wait_train", "commit", "sync",
+                                         "snapshot"))
         ts = settings.trainer
-        self.settings, self.cfg = settings, cfg
-        self.topic = settings.topics.examples
-        self.sync_interval_s = ts.sync_interval_s
-        self.dense_sync_interval_s = ts.dense_sync_interval_s
-        self.snapshot_interval_ms = int(1000 * ts.snapshot_interval_event_s)
         self.batch_size = ts.batch_size
         self.batch_timeout_s = ts.batch_timeout_s
-        self.snapshot_root = settings.model_snapshots(cfg.model_id)
         self.disk = DiskGuard.from_settings("trainer", self.snapshot_root, settings)
         self.group_id = ts.group_id
         # torch intra-op threads of the training thread. 1 by default: the other core decodes and
@@ -147,38 +135,15 @@ class OnlineTrainer(M.LearnedFields):
         # cores, and OpenMP's barriers then wait on descheduled threads (10x slower steps measured).
         self.torch_threads = torch_threads
         self.model = SparseModel(cfg)
-        self.ps_counts = M.PSCounts(cfg.model_id, self.model.tables)
-        self.auc = M.StreamingAUC()
-        self.dedup = dedup.DedupWindow(ts.dedup_window)
-        self.sample_rates = SampleRateTracker(ts.sample_rate_half_life)  # what serving corrects with
-        self.stage = {k: 0.0 for k in ("poll", "prepare", "train", "step_gap", "wait_train", "commit",
-                                                "sync", "snapshot")}
+        self.ps_counts = self.learned.ps_counts = M.PSCounts(cfg.model_id, self.model.tables)
         self._step_end: float | None = None  # perf_counter when the training thread last finished a step
-        self.ingest = Ingest(cfg, self.topic, self.dedup, max_future_ms=int(1000 * settings.event_time.max_future_s),
-                             stage=self._stage)
-        self.publisher = Publisher(settings, cfg.model_id, self._stage)
-        self.learned = M.Learned(cfg.model_id, self.auc, self.sample_rates, self.dedup, self.publisher.applied,
-                                 self.ps_counts, baseline=CountBaseline(settings.eval.count_prior))
-        self.snapshots = Snapshots(self.snapshot_root, cfg, self.topic)
-        self.commits: Committer | None = None
+        self.snapshots = self.store  # (the name tests and tools use)
         self.resume_offsets: dict[int, int] = {}
-        #: the broker epoch the offsets belong to (None: an external Kafka without one)
-        self.epoch: str | None = None
-        self.resets = ResetWatch(ts.epoch_check_interval_s, lambda: (self.ingest.highwater, self.applied_offsets))
-        self._reset_at_start = False  # the restored snapshot was written in another broker epoch
-        #: a partition without an applied offset starts at its earliest record, not at the group's
-        #: committed offset (after a reset: a stale commit may have reached the new broker)
-        self._from_start = False
         # assigned partitions whose start position is not known yet (see _note_starts)
         self.unknown_start: set[int] = set()
-        self.max_event_time = 0
-        self.clock = EventClock(self.snapshot_interval_ms)
-        self.stop_event = asyncio.Event()
         self.ready = asyncio.Event()  # set once the group join assigned partitions
         self.first_batch_at: float | None = None
         self.last_batch_at: float | None = None
-        self._last_sync = 0.0  # monotonic time of the last sparse sync
-        self.dense_schedule = DenseSchedule(self.sync_interval_s, self.dense_sync_interval_s)
         # batches handed to the training thread, oldest first: (task following it, its id hashes)
         self._pending: deque[tuple[asyncio.Task, np.ndarray]] = deque()
         #: 2: the next batch waits on the training thread's queue while the current one trains, so
@@ -188,13 +153,9 @@ class OnlineTrainer(M.LearnedFields):
         self._per_record = float(self.batch_size)
         self._executor: ThreadPoolExecutor | None = None
 
-    def _stage(self, name: str, seconds: float) -> None:
-        self.stage[name] += seconds
-        M.STAGE_SECONDS.labels(self.cfg.model_id, name).inc(seconds)
-
     # ------------------------------------------------------------------ state
     def restore(self, epoch: str | None) -> bool:
-        """Load the newest snapshot (:meth:`trainer.resume.Snapshots.load`: after a broker reset,
+        """Load the newest snapshot (:meth:`trainer.snapshot_store.SnapshotStore.load`: after a broker reset,
         ``epoch`` differing from the snapshot's, its offsets are not used); False if there is none."""
         self.epoch = epoch
         got = self.snapshots.load(epoch)
@@ -202,28 +163,21 @@ class OnlineTrainer(M.LearnedFields):
             self.snapshots.record_epoch(self.epoch)
             return False
         dense, man = got.dense, got.manifest
-        self._reset_at_start = got.reset
         self.model = SparseModel(self.cfg, got.tables)
         self.ps_counts = self.learned.ps_counts = M.PSCounts(self.cfg.model_id, self.model.tables)
         self.model.head.load_state_dict(dense["head"])
         if "optimizer" in dense:
             self.model.optimizer.load_state_dict(dense["optimizer"])
         self.resume_offsets, self._from_start = got.offsets, got.from_start
-        self.applied_offsets = dict(self.resume_offsets)
         self.snapshots.record_epoch(self.epoch)
-        self.publisher.restore(man)
-        self.examples_applied = int(man.get("examples_applied", 0))
-        self.max_event_time = int(man.get("max_event_time_ms", 0))
-        self.clock.next_at = man.get("next_snapshot_at")
+        auc = (dense["auc_pos"], dense["auc_neg"]) if "auc_pos" in dense and "auc_neg" in dense else None
+        self._restore_stream(man, reset=got.reset, offsets=self.resume_offsets, examples_applied=man.examples_applied,
+                             dedup_state=dense.get("dedup", []), auc=auc, sample_rates=man.sample_rates,
+                             scores=dense.get("scores"))
         if self.max_event_time:
             M.EVENT_TIME.labels(self.cfg.model_id).set(self.max_event_time)
-        if "auc_pos" in dense and "auc_neg" in dense:
-            self.auc.load(dense["auc_pos"], dense["auc_neg"])
-        self.dedup.load(dense.get("dedup", []))
-        self.learned.load_scores(dense.get("scores"))
-        self.sample_rates.load(man.get("sample_rates", {}))
-        log.info("restored snapshot %s (%s): %d examples applied, offsets %s", man["name"],
-                 man.get("source", "online"), self.examples_applied, self.resume_offsets)
+        log.info("restored snapshot %s (%s): %d examples applied, offsets %s", man.name,
+                 man.source, self.examples_applied, self.resume_offsets)
         return True
 
     def snapshot(self) -> Path:
@@ -231,14 +185,13 @@ class OnlineTrainer(M.LearnedFields):
         t0 = time.perf_counter()
         dense = {"auc_pos": self.auc.pos, "auc_neg": self.auc.neg, "dedup": self.dedup.state(),
                  "scores": self.learned.scores_state()}
-        man = {"offsets": {str(k): v for k, v in self.applied_offsets.items()}, "topic": self.topic,
-               "broker_epoch": self.epoch, "from_start": self._from_start, **self.publisher.versions(),
-               "examples_applied": self.examples_applied, "max_event_time_ms": self.max_event_time,
-               "next_snapshot_at": self.clock.next_at, "auc": self.auc.value(),
-               "sample_rates": self.sample_rates.state()}
-        path = self.snapshots.save(self.model, dense, man)
+        path = self.snapshots.save(self.model, dense, self._stream_manifest())
+        self.snapshots.record_epoch(self.epoch)
         self._stage("snapshot", time.perf_counter() - t0)
         return path
+
+    async def _write_snapshot(self) -> None:
+        self.snapshot()
 
     # ------------------------------------------------------------------ sync
     async def sync_sparse(self) -> int:
@@ -290,28 +243,19 @@ class OnlineTrainer(M.LearnedFields):
         if p.batch is not None:
             # progressive validation: the step's forward pass scores the batch before it is learned
             res, dt, gap = await step
-            loss, probs = res.loss, res.probs
+        else:
+            res = dt = gap = None
         if prev is not None:
             await prev
-        hashes = p.hashes
-        if p.batch is not None and res.failed:
-            letters = []  # records the step failed on alone (durable before the commit below)
-            for row, err in res.failed:
-                rec, raw = p.letter_of(row)
-                letters.append(await self.ingest.dead_letter(rec, raw, processing_failed(err)))
-            await asyncio.gather(*letters)
-            hashes = hashes[res.applied]
-            p = dataclasses.replace(p, batch=p.batch.select(res.applied) if res.applied.size else None,
-                                    arrival_ms=p.arrival_ms[res.applied])
-        if p.batch is not None:
-            batch = p.batch
+
+        def learned(batch: SparseBatch) -> None:
             self._stage("train", dt)
             self._stage("step_gap", gap)
-            self.learned.batch(batch, loss, probs, p.arrival_ms)
             self.last_batch_at = time.perf_counter()
             self.max_event_time = max(self.max_event_time, batch.max_event_time)
             M.EVENT_TIME.labels(self.cfg.model_id).set(self.max_event_time)
-        self.learned.done(hashes, p.offsets)
+
+        await self._book(p, res, learned)
 
     def _start(self, p: Prepared) -> None:
         """Hand the batch to the training thread *now* (a task would only submit it when the event
@@ -373,161 +317,97 @@ class OnlineTrainer(M.LearnedFields):
         """Publish sparse rows every ``sync_interval_s`` and dense weights when :attr:`dense_schedule` says,
         each after the batches in flight are applied (a sync holds only applied updates); not while
         a broker reset waits to be handled (it publishes onto the new topics itself)."""
-        sparse = now - self._last_sync >= self.sync_interval_s
-        dense = self.dense_schedule.due(now)
+        sparse, dense = self._syncs_due(now)
         if not (sparse or dense) or await self.resets.noticed():
             return
-        if sparse:
-            self._last_sync = now
-            await self._drain()
-            await self.sync_sparse()
-        if dense:
-            await self._drain()
-            self.dense_schedule.published(now, self.examples_applied)
-            await self.sync_dense()
+        await self._sync(now, sparse, dense)
+
+    async def _quiesce(self) -> None:
+        await self._drain()
 
     # ------------------------------------------------------------------ broker resets
-    async def _handle_reset(self) -> None:
-        """The broker's data was reset under the running trainer: the topics are new (empty, or
-        refilled since), the group and its offsets are gone. The model, the versions and the dedup
-        window are kept; every partition of the new ``examples`` is read from its start (the window
-        drops what was applied already). What the old topics held
-        beyond the last record applied is lost with them: counted from the last known high
-        watermark and the last record applied, both as of the last check that still saw the old
-        epoch (``driftline_broker_reset_lost_total``; over by what was applied after that check, a
-        batch or two at most: a busy trainer checks before every commit). Then the topics are
-        created with their configured partitions (tansu auto-creates a missing one with its
-        default), the dense weights are published on the new ``param-deltas``, and a snapshot of
-        the new epoch is written at once: serving reloads from it and reads the new
-        ``param-deltas`` after its ``param_deltas_offset``."""
-        epoch = self.resets.new_epoch
-        # batches handed over before the reset was noticed hold real examples: apply them (not
-        # committed: the committer sees the pending reset); their ids enter the dedup window
+    async def _reset_epoch(self) -> str | None:
+        """Batches handed over before the reset was noticed hold real examples: applied first (not
+        committed: the committer sees the pending reset); their ids enter the dedup window."""
         while self._pending:
             await self._pending[0][0]
             self._pending.popleft()
-        await self.commits.drop()  # a commit of the old offsets, waiting for the lost group
-        lost = self.resets.lost()
-        service_metrics.BROKER_RESET_LOST.labels("trainer", self.topic).inc(lost)
-        log.warning("broker reset (epoch %s -> %s): %d examples of the old %s were not applied yet and are "
-                    "lost; model kept at %d examples applied, re-reading %s from its start", self.epoch,
-                    epoch, lost, self.topic, self.examples_applied, self.topic)
-        # sends still retrying since the reset (a sync in flight then) land before ours, not among them
-        try:
-            await asyncio.wait_for(self._producer.flush(), self.settings.kafka.connect_timeout_s)
-        except (asyncio.TimeoutError, KafkaError) as err:
-            log.warning("sends of the old epoch still pending after the reset (%r)", err)
-        await create_topics(self.settings)
-        self.epoch = epoch
-        self.applied_offsets, self.resume_offsets, self.ingest.highwater = {}, {}, {}
+        return self.resets.new_epoch
+
+    async def _reset_input(self) -> None:
+        """Every assigned partition of the new topic is read from its start (:meth:`TrainerLoop._handle_reset`)."""
+        self.applied_offsets, self.resume_offsets = {}, {}
         self.unknown_start = set()
         self._from_start = True
-        self.resets.handled()
         assigned = {tp.partition for tp in self.consumer.consumer.assignment() if tp.topic == self.topic}
         for part in sorted(assigned):
             await self.consumer.consumer.seek_to_beginning(TopicPartition(self.topic, part))
             self.unknown_start.add(part)
-        await self.sync_dense()  # the new topic's first delta; param_deltas_offset now points into it
-        self.snapshot()
-        self.snapshots.record_epoch(self.epoch)
-
-    async def _begin(self, restored: bool) -> None:
-        """Before the first batch: publish the dense weights if serving has none of this run's; if
-        the restored snapshot was written in another broker epoch, also write a snapshot of this
-        one at once (serving bootstraps from it after a reset)."""
-        if not restored or self.publisher.dense_version == 0 or self._reset_at_start:
-            await self.sync_dense()
-        if self._reset_at_start:
-            self.snapshot()
-            self._reset_at_start = False
 
     # ------------------------------------------------------------------ main loop
-    async def run(self, stop_when_idle_s: float | None = None, max_examples: int | None = None) -> dict:
-        s = self.settings
-        await create_topics(s, {self.topic: s.topics.partitions, s.topics.param_deltas: 1, s.topics.dead_letters: 1})
-        epoch = await self.resets.start(s)
-        restored = self.restore(epoch)
+    async def _restore_at_start(self, epoch: str | None) -> None:
+        self.restore(epoch)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="trainer-step")
-        self._producer = self.publisher.producer = producer(s)
-        await start_client(self._producer, s)
-        # (a kill -9'd predecessor stays a group member until its session times out: start() waits)
-        self.consumer = self.ingest.consumer = TypedConsumer(
-            s, "trainer", Example, [self.topic], self.group_id, dead_letter_producer=self._producer,
-            listener=_Seek(self))
-        self.commits = Committer(self.consumer, self.topic, lambda: self.applied_offsets, self.resets.noticed,
-                                 s.kafka.connect_timeout_s, self._stage)
-        self.learned.commit = self.commits.request
-        try:
-            warm = asyncio.get_running_loop().run_in_executor(self._executor, self._warm_up)
-            await self.consumer.start()
-            await warm
-            return await self._loop(restored, stop_when_idle_s, max_examples)
-        finally:
-            await self.resets.stop()
+
+    def _consumer(self) -> TypedConsumer:
+        return TypedConsumer(self.settings, "trainer", Example, [self.topic], self.group_id,
+                             dead_letter_producer=self._producer, listener=_Seek(self))
+
+    async def _start_input(self) -> None:
+        """Join the group while the training thread warms up."""
+        warm = asyncio.get_running_loop().run_in_executor(self._executor, self._warm_up)
+        await self.consumer.start()
+        await warm
 
     async def _finish(self, started: float) -> dict:
-        await self._drain()
-        await self.sync_sparse()
-        await self.sync_dense()
-        self.snapshot()
-        await self.commits.flush()
-        elapsed = time.time() - started
-        return {"examples_applied": self.examples_applied, "auc": self.auc.value(), "loss": self.loss_ema,
-                **self.learned.scores(), "bad": self.consumer.dead_lettered, "duplicates": self.ingest.duplicates,
-                "sparse_version": self.publisher.sparse_version, "elapsed_s": elapsed,
-                "stages": dict(self.stage, **{f"model_{k}": v for k, v in self.model.timings.items()})}
+        return await super()._finish(started, stages=dict(self.stage, **{f"model_{k}": v
+                                                                          for k, v in self.model.timings.items()}))
 
     async def _teardown(self) -> None:
         for task, _ in self._pending:  # cancelled mid-batch: let the steps finish, commit nothing more
             task.cancel()
-        self.commits.cancel()
-        await self.consumer.stop()
-        await self._producer.stop()
+        await super()._teardown()
         self._executor.shutdown(wait=True)
 
-    async def _loop(self, restored: bool, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
+    async def _loop(self, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
         """The main loop: poll records until they hold ``batch_size`` examples (or
         ``batch_timeout_s`` passed), decoding each as it arrives, then hand the batch over."""
         started = time.time()
-        self._last_sync = time.monotonic()
-        self.dense_schedule = DenseSchedule(self.sync_interval_s, self.dense_sync_interval_s, self._last_sync)
+        self._schedule_start(time.monotonic())
         last_data = time.monotonic()
-        await self._begin(restored)
+        await self._begin()
         nxt = _NextBatch()
         queued = self.examples_applied
-        try:
-            while not self.stop_event.is_set():
-                now = time.monotonic()
-                if await self.resets.check_when_due(now):
-                    nxt = _NextBatch()  # fetched from the old topic or at its positions: lost / read again
-                    await self._handle_reset()
-                if await self.disk.wait_for_space(self.stop_event):
-                    continue  # (the stop may have come meanwhile)
-                recs = await self._poll(nxt, now)
-                now = time.monotonic()
-                if recs:
-                    last_data = now
-                    await self._add(nxt, recs, now)
-                if nxt.records and (nxt.decoded.examples >= self.batch_size or now - nxt.first_at >= self.batch_timeout_s):
-                    prepared = await self._prepare(nxt.records, nxt.polled_at_ms, nxt.decoded)
-                    nxt = _NextBatch()
-                    await self._drain(self.max_in_flight - 1)
-                    self._start(prepared)
-                    queued += prepared.batch.size if prepared.batch is not None else 0
-                    if max_examples is not None and queued >= max_examples:
-                        break
-                now = time.monotonic()
-                self.learned.rate(now)
-                await self._sync_when_due(now)
-                if stop_when_idle_s is not None and not nxt.records and now - last_data >= stop_when_idle_s:
-                    break
-            if nxt.records:
+        while not self.stop_event.is_set():
+            now = time.monotonic()
+            if await self.resets.check_when_due(now):
+                nxt = _NextBatch()  # fetched from the old topic or at its positions: lost / read again
+                await self._handle_reset()
+            if await self.disk.wait_for_space(self.stop_event):
+                continue  # (the stop may have come meanwhile)
+            recs = await self._poll(nxt, now)
+            now = time.monotonic()
+            if recs:
+                last_data = now
+                await self._add(nxt, recs, now)
+            if nxt.records and (nxt.decoded.examples >= self.batch_size or now - nxt.first_at >= self.batch_timeout_s):
                 prepared = await self._prepare(nxt.records, nxt.polled_at_ms, nxt.decoded)
-                await self._drain()
+                nxt = _NextBatch()
+                await self._drain(self.max_in_flight - 1)
                 self._start(prepared)
-            return await self._finish(started)
-        finally:
-            await self._teardown()
+                queued += prepared.batch.size if prepared.batch is not None else 0
+                if max_examples is not None and queued >= max_examples:
+                    break
+            now = time.monotonic()
+            self.learned.rate(now)
+            await self._sync_when_due(now)
+            if stop_when_idle_s is not None and not nxt.records and now - last_data >= stop_when_idle_s:
+                break
+        if nxt.records:
+            prepared = await self._prepare(nxt.records, nxt.polled_at_ms, nxt.decoded)
+            await self._drain()
+            self._start(prepared)
+        return await self._finish(started)
 
     async def _poll(self, nxt: _NextBatch, now: float) -> list:
         """Poll about as many records as complete the next batch (by the examples per record

@@ -31,6 +31,7 @@ from aiokafka.errors import KafkaError
 from services.settings import Settings
 
 from . import metrics as M
+from .manifest import Manifest
 from .sync import NonFiniteDelta, encode_dense, encode_sparse_tables
 
 log = logging.getLogger(__name__)
@@ -70,14 +71,18 @@ class Publisher:
         return bool(self._unsynced_times)
 
     def versions(self) -> dict[str, int]:
-        """What a snapshot records of the publishing (the manifest's fields)."""
-        return {"sparse_version": self.sparse_version, "dense_version": self.dense_version,
-                "param_deltas_offset": self.param_deltas_offset}
+        """What a snapshot records of the publishing (:class:`trainer.manifest.Manifest`'s fields)."""
+        return dict(sparse_version=self.sparse_version, dense_version=self.dense_version,
+                    param_deltas_offset=self.param_deltas_offset)
 
-    def restore(self, manifest: dict) -> None:
-        self.sparse_version = int(manifest.get("sparse_version", 0))
-        self.dense_version = int(manifest.get("dense_version", 0))
-        self.param_deltas_offset = int(manifest.get("param_deltas_offset", 0) or 0)
+    def restore(self, manifest: Manifest, *, sparse_version: int | None = None, reset: bool = False) -> None:
+        """The versions a restored snapshot records: the one restore path of both trainers.
+        ``sparse_version``: this publisher's own stream's (a rank's shard), when not the manifest's;
+        ``reset``: the snapshot was written in another broker epoch, so nothing of ours is on the
+        new ``param-deltas`` and serving resumes at most from its start."""
+        self.sparse_version = manifest.sparse_version if sparse_version is None else sparse_version
+        self.dense_version = manifest.dense_version
+        self.param_deltas_offset = 0 if reset else int(manifest.param_deltas_offset or 0)
 
     async def sync_sparse(self, tables: dict, max_event_time_ms: int, confirm: bool = False) -> int:
         """Publish the touched rows of ``tables`` as one version; the bytes published. ``confirm``:

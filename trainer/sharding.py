@@ -8,7 +8,7 @@ a rank's rows can be written and read as that shard's snapshot files.
 
 Because it is the same hash, a rank's *local* table must not be sharded again with a modulus that
 shares a factor with ``n`` (rank 0 of 2 only holds ids with an even hash: a 2-shard local table
-would leave its shard 1 empty); :mod:`trainer.distributed` keeps one local shard per table.
+would leave its shard 1 empty); :mod:`trainer.dist.model` keeps one local shard per table.
 
 >>> ids = np.arange(-4, 6, dtype=np.int64)
 >>> own = shard_of(ids, 3)
@@ -42,7 +42,7 @@ def whole_tables(cfg) -> frozenset[str]:
     """Tables of ``cfg`` (a :class:`trainer.config.ModelConfig`) that live whole on rank 0 of an
     N-rank run instead of split by :func:`shard_of`: the tables of a ``sequential`` model's
     example-by-example pass, which reads every row of an example at once
-    (:mod:`trainer.dist_sequential`): its first-order tables, and with ``sequential_embeddings``
+    (:mod:`trainer.dist.sequential`): its first-order tables, and with ``sequential_embeddings``
     its embedding tables too.
 
     >>> from trainer.config import deepfm_config

@@ -8,10 +8,11 @@ Tables are written by the PS itself (:meth:`ps.ParameterServer.save` /
 optimizer state, update times, admission sketches, free rows, expiry cursor and watermark.
 
 Serving: ``tables, dense_state, manifest = load_latest(Path("var/snapshots/deepfm"))`` gives
-read-only replicas; then apply ``param-deltas`` from ``manifest["param_deltas_offset"]`` on
-(sparse versions <= ``manifest["sparse_version"]`` are already included).
+read-only replicas; then apply ``param-deltas`` from ``manifest.param_deltas_offset`` on
+(sparse versions <= ``manifest.sparse_version`` are already included; the manifest is a
+:class:`trainer.manifest.Manifest`).
 
-**N ranks** (:mod:`trainer.ranks`): each rank writes its shard into
+**N ranks** (:mod:`trainer.dist.rank_trainer`): each rank writes its shard into
 ``.snap-<seq>.tmp/rank-<r>/`` (:func:`save_rank`: ``tables/`` as the PS writes a one-shard table,
 and ``state.pt``: its offsets, dedup window, AUC histograms, sample-rate sums); after a barrier
 rank 0 writes ``dense.pt`` and the manifest (``"shard_count": N``, ``"sparse_versions": {"0": v0,
@@ -30,6 +31,8 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +42,7 @@ from ps import EmbeddingTable, SnapshotError, SyncChunk, restore_table, save_tab
 from services.atomic import fsync_path, write_bytes_atomic
 
 from .config import ModelConfig
+from .manifest import Manifest
 
 FORMAT = "driftline-trainer-snapshot/2"
 
@@ -81,12 +85,11 @@ def _write(path: Path, data: bytes) -> None:
 
 
 def save(root: Path, config: ModelConfig, tables: dict[str, EmbeddingTable], dense: dict,
-         manifest: dict, keep: int = 3) -> Path:
+         manifest: Manifest | Mapping, keep: int = 3) -> Path:
     """Write a snapshot; ``dense`` is a dict of torch-saveable state (head, optimizer, ...)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    prev = read_manifest(root)
-    seq = (prev["seq"] + 1) if prev else 1
+    seq = next_seq(root)
     name = f"snap-{seq:09d}"
     tmp = root / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -98,9 +101,9 @@ def save(root: Path, config: ModelConfig, tables: dict[str, EmbeddingTable], den
     buf = io.BytesIO()
     torch.save(dense, buf)
     _write(tmp / "dense.pt", buf.getvalue())
-    full = dict(manifest, format=FORMAT, seq=seq, name=name, model_id=config.model_id, created_at_ms=int(time.time() * 1000),
-                rows=rows, config=json.loads(config.model_dump_json()))
-    _write(tmp / "manifest.json", json.dumps(full, indent=1).encode())
+    full = replace(Manifest.from_dict(manifest), format=FORMAT, seq=seq, name=name, model_id=config.model_id,
+                   created_at_ms=int(time.time() * 1000), rows=rows, config=json.loads(config.model_dump_json()))
+    _write(tmp / "manifest.json", json.dumps(full.to_dict(), indent=1).encode())
     fsync_path(tmp)
     os.replace(tmp, root / name)
     fsync_path(root)
@@ -117,8 +120,8 @@ def _staging(root: Path, seq: int) -> Path:
 
 def next_seq(root: Path) -> int:
     """The sequence number of the next snapshot under ``root`` (rank 0 decides it for all ranks)."""
-    prev = read_manifest(root)
-    return (prev["seq"] + 1) if prev else 1
+    prev = latest(root)
+    return (prev.seq + 1) if prev else 1
 
 
 def local_config(t):
@@ -142,7 +145,7 @@ def save_rank(root: Path, seq: int, rank: int, tables: dict[str, EmbeddingTable]
     fsync_path(d)
 
 
-def commit_ranks(root: Path, config: ModelConfig, seq: int, shard_count: int, dense: dict, manifest: dict,
+def commit_ranks(root: Path, config: ModelConfig, seq: int, shard_count: int, dense: dict, manifest: Manifest | Mapping,
                  rows: dict[str, int], keep: int = 3) -> Path:
     """Rank 0, once every rank's :func:`save_rank` returned (a barrier): write ``dense.pt`` and the
     manifest, move the snapshot into place, then point ``LATEST`` at it."""
@@ -154,10 +157,10 @@ def commit_ranks(root: Path, config: ModelConfig, seq: int, shard_count: int, de
     buf = io.BytesIO()
     torch.save(dense, buf)
     _write(tmp / "dense.pt", buf.getvalue())
-    full = dict(manifest, format=FORMAT, seq=seq, name=name, model_id=config.model_id,
-                created_at_ms=int(time.time() * 1000), rows=rows, shard_count=shard_count,
-                config=json.loads(config.model_dump_json()))
-    _write(tmp / "manifest.json", json.dumps(full, indent=1).encode())
+    full = replace(Manifest.from_dict(manifest), format=FORMAT, seq=seq, name=name, model_id=config.model_id,
+                   created_at_ms=int(time.time() * 1000), rows=rows, shard_count=shard_count,
+                   config=json.loads(config.model_dump_json()))
+    _write(tmp / "manifest.json", json.dumps(full.to_dict(), indent=1).encode())
     fsync_path(tmp)
     shutil.rmtree(root / name, ignore_errors=True)  # never pointed at: LATEST names seq - 1
     os.replace(tmp, root / name)
@@ -207,18 +210,18 @@ def load_rank(root: Path, config: ModelConfig, rank: int, world: int):
     from .sharding import shard_of, whole_tables
 
     root = Path(root)
-    manifest = read_manifest(root)
+    manifest = latest(root)
     if manifest is None:
         return None
-    snap = root / manifest["name"]
-    if manifest.get("format") != FORMAT:
-        raise SnapshotError(f"{snap}: snapshot format {manifest.get('format')!r} is not {FORMAT!r}")
-    n = int(manifest.get("shard_count", 0) or 0)
+    snap = root / manifest.name
+    if manifest.format != FORMAT:
+        raise SnapshotError(f"{snap}: snapshot format {manifest.format!r} is not {FORMAT!r}")
+    n = manifest.shards
     tables, state = {}, None
     whole = whole_tables(config)
     for t in config.tables:
         lt = local_config(t)
-        if manifest.get("rows", {}).get(t.name) is None or (t.name in whole and rank != 0):
+        if (manifest.rows or {}).get(t.name) is None or (t.name in whole and rank != 0):
             tables[t.name] = EmbeddingTable(lt)
         elif t.name in whole:  # all of it, however the writer's ranks held it
             parts = _shard_parts(snap, t, n) if n else [restore_table(snap / "tables", t)]
@@ -234,19 +237,27 @@ def load_rank(root: Path, config: ModelConfig, rank: int, world: int):
     return tables, dense, manifest, state
 
 
-def learned_online(root: Path) -> dict | None:
+def learned_online(root: Path) -> Manifest | None:
     """The manifest of the newest snapshot under ``root`` when the online trainer learned into it
     (``examples_applied`` > 0; a warm start's batch snapshot has 0), else None. Such a snapshot is
     never replaced by a warm start (``driftline up``, ``trainer batch --unless-learned``)."""
-    manifest = read_manifest(root)
-    return manifest if manifest is not None and int(manifest.get("examples_applied", 0)) > 0 else None
+    manifest = latest(root)
+    return manifest if manifest is not None and manifest.examples_applied > 0 else None
 
 
 def read_manifest(root: Path) -> dict | None:
-    latest = Path(root) / "LATEST"
-    if not latest.exists():
+    """The newest snapshot's manifest as the JSON written (for tools and tests reading the file;
+    code reads :func:`latest`'s typed one)."""
+    pointer = Path(root) / "LATEST"
+    if not pointer.exists():
         return None
-    return json.loads((Path(root) / latest.read_text().strip() / "manifest.json").read_text())
+    return json.loads((Path(root) / pointer.read_text().strip() / "manifest.json").read_text())
+
+
+def latest(root: Path) -> Manifest | None:
+    """The newest snapshot's manifest under ``root``, or None when there is none."""
+    raw = read_manifest(root)
+    return None if raw is None else Manifest.from_dict(raw)
 
 
 def _replica(table: EmbeddingTable, config) -> EmbeddingTable:
@@ -266,18 +277,18 @@ def load(root: Path, config: ModelConfig | None = None, *, serving: bool = True)
 
     ``dense`` is the saved dict (``dense["head"]`` is the head's state_dict)."""
     root = Path(root)
-    manifest = read_manifest(root)
+    manifest = latest(root)
     if manifest is None:
         return None
-    config = config or ModelConfig.model_validate(manifest["config"])
-    snap = root / manifest["name"]
-    if manifest.get("format") != FORMAT:
-        raise SnapshotError(f"{snap}: snapshot format {manifest.get('format')!r} is not {FORMAT!r} "
+    config = config or ModelConfig.model_validate(manifest.config)
+    snap = root / manifest.name
+    if manifest.format != FORMAT:
+        raise SnapshotError(f"{snap}: snapshot format {manifest.format!r} is not {FORMAT!r} "
                             "(written before tables were PS snapshots); delete it or train again")
     tables = {}
-    n = int(manifest.get("shard_count", 0) or 0)
+    n = manifest.shards
     for t in config.tables:
-        if manifest.get("rows", {}).get(t.name) is None:
+        if (manifest.rows or {}).get(t.name) is None:
             tables[t.name] = EmbeddingTable(t.serving() if serving else t)  # a table added since
             continue
         if n:  # written by n ranks: the union of their shards

@@ -37,7 +37,7 @@ T0 = 1_700_000_000_000
 @pytest.fixture(scope="module")
 def cfg() -> ModelConfig:
     # embedding tables sharded over the ranks, what these tests are about (sequential embeddings
-    # put every table on rank 0: tests/trainer/test_ranks.py runs that layout on the broker)
+    # put every table on rank 0: tests/trainer/distributed/test_ranks.py runs that layout on the broker)
     return deepfm_config(dim=4, mlp=[8], sequential_embeddings=False)
 
 

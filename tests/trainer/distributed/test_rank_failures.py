@@ -3,7 +3,7 @@ reset under them (tansu memory storage, a kill -9 of the broker), and an example
 fails its training step on one rank. Real broker (this module's own, restarted by the test), real
 processes; the group must go on without a restart.
 
-The happy paths and kill -9 of a rank: tests/trainer/test_ranks.py."""
+The happy paths and kill -9 of a rank: tests/trainer/distributed/test_ranks.py."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from trainer import snapshots
 from trainer.config import ModelConfig, deepfm_config
 from trainer.data import MovieLensData, produce_examples
 from trainer.model import SparseModel
-from trainer.resume import Snapshots
+from trainer.snapshot_store import SnapshotStore
 
-from .test_online import read_topic
+from ..test_online import read_topic
 from .test_ranks import REPO, _env, _results
 
 N = 4_000
@@ -158,7 +158,7 @@ def _overflowing_warm_start(root: Path, cfg: ModelConfig, topic: str) -> None:
     model = SparseModel(cfg)
     with torch.no_grad():
         model.head.dense_linear.weight.fill_(2.0)
-    Snapshots(root, cfg, topic).save(model, {}, {"topic": topic, "offsets": {}, "examples_applied": 0})
+    SnapshotStore(root, cfg, topic).save(model, {}, {"topic": topic, "offsets": {}, "examples_applied": 0})
 
 
 @pytest.mark.parametrize("mode", ["sync", "hybrid"])

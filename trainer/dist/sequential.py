@@ -5,7 +5,7 @@ each example is scored with the rows its predecessors in the batch left. One exa
 in several tables, and an N-rank batch is the concatenation of the ranks' batches, so the pass
 cannot be split by owner. The first-order tables therefore live **whole on rank 0**
 (:func:`trainer.sharding.whole_tables`: dim-1 rows, a small share of a model's memory), and
-each step, on :class:`trainer.distributed.DistributedModel`'s dense group:
+each step, on :class:`trainer.dist.model.DistributedModel`'s dense group:
 
 1. every rank sends rank 0 its examples' first-order ids (per slot, with each example's bag
    lengths), the logits of its deep part (embedding fields and dense head, computed from the

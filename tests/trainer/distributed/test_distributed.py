@@ -1,4 +1,4 @@
-"""trainer.distributed in real processes (2 gloo ranks, 1 torch thread each, tiny DeepFM).
+"""trainer.dist.model in real processes (2 gloo ranks, 1 torch thread each, tiny DeepFM).
 
 ``sync``: 2 ranks == 1 process on the concatenated global batch (rows, PS optimizer state, row
 times, dense head, Adam state, losses), with an idle rank and an all-idle step on the way.
@@ -15,9 +15,9 @@ import torch
 
 from trainer.batch import SparseBatch
 from trainer.config import ModelConfig, deepfm_config
-from trainer.distributed import DistributedError, DistributedModel
+from trainer.dist.model import DistributedError, DistributedModel
 from trainer.isolate import train_isolating_ranks
-from tests.trainer.rank_local import run_local
+from tests.trainer.distributed.rank_local import run_local
 from trainer.model import SparseModel
 
 #: examples per rank per step: an idle rank (step 1) and an all-idle step (step 2) included

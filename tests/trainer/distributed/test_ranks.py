@@ -1,6 +1,6 @@
 """Distributed online training: N ranks under torch's elastic launcher, on the real broker.
 
-The snapshot layout alone: tests/trainer/test_rank_snapshots.py.
+The snapshot layout alone: tests/trainer/distributed/test_rank_snapshots.py.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from proto import ParameterDelta
 from trainer import snapshots
 from trainer.config import deepfm_config
 from trainer.data import MovieLensData, produce_examples
-from trainer.ranks import my_partitions
+from trainer.dist.rank_trainer import my_partitions
 from trainer.sharding import shard_of, whole_tables
 from trainer.sync import decode_sparse
 
 N = 8_000
-REPO = Path(__file__).parents[2]
+REPO = Path(__file__).parents[3]
 
 
 def small_cfg(sequential_embeddings: bool = True):
@@ -102,7 +102,7 @@ async def _manifest(root: Path, examples: int, seq: int, logs, shards: int = 2) 
 
 
 # hybrid at staleness 0 (each update queued ahead of the next lookup) is checked in process, equal
-# to sync rows and all: tests/trainer/test_distributed.py; on the broker, the publication and
+# to sync rows and all: tests/trainer/distributed/test_distributed.py; on the broker, the publication and
 # snapshot path it shares with staleness 1 is checked here
 @pytest.mark.parametrize("mode,staleness,seq_emb", [("sync", 1, False), ("hybrid", 1, False), ("sync", 1, True)],
                          ids=["sync-sharded", "hybrid-sharded", "sync-sequential_embeddings"])
@@ -181,7 +181,7 @@ async def test_kill_9_of_one_rank_restarts_the_group_from_the_last_manifest(sett
     text = log.read_text()
     assert "restored snapshot" in text, text[-3000:]
     # one failure (the kill), one restart: the restarted ranks found each other at once (they read
-    # a dead peer's address from the launcher's store before trainer.launch.init_rank separated attempts)
+    # a dead peer's address from the launcher's store before trainer.dist.launch.init_rank separated attempts)
     assert text.count("failed (exitcode") == 1, text[-4000:]
     final = snapshots.read_manifest(root)
     assert final["shard_count"] == 2

@@ -1,6 +1,6 @@
-"""Where the ranks of :mod:`trainer.ranks` resume, and what their snapshots record.
+"""Where the ranks of :mod:`trainer.dist.rank_trainer` resume, and what their snapshots record.
 
-(:mod:`trainer.snapshots` is the file format, N-rank layout included; :mod:`trainer.resume` the
+(:mod:`trainer.snapshots` is the file format, N-rank layout included; :mod:`trainer.snapshot_store` the
 1-process trainer's use of it; this the ranks'.) Kept apart from the rank loop so that the loop
 reads as the round it runs.
 
@@ -22,16 +22,17 @@ whole but its offsets are not used: every partition is read from its start (``re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from . import metrics as M
-from . import snapshots
-from .config import ModelConfig
-from .sample_rates import SampleRateTracker
+from .. import metrics as M
+from .. import snapshots
+from ..config import ModelConfig
+from ..manifest import Manifest
+from ..sample_rates import SampleRateTracker
 
 
 @dataclass
@@ -40,7 +41,7 @@ class RankRestored:
 
     tables: dict          # this rank's shard, one local shard per table
     dense: dict           # head, optimizer
-    manifest: dict
+    manifest: Manifest
     offsets: dict[int, int]   # partition -> next offset (of the partitions this snapshot names)
     sparse_version: int       # this rank's shard's last version
     dedup: object             # a DedupWindow state (or a list of example ids, old snapshots)
@@ -76,11 +77,10 @@ def merged_rates(states: list[dict], half_life: float) -> SampleRateTracker:
     return out
 
 
-def _rank_states(root: Path, man: dict) -> list[dict]:
+def _rank_states(root: Path, man: Manifest) -> list[dict]:
     """Every rank's own state of an N-rank snapshot ([] for a 1-process one)."""
-    snap = Path(root) / man["name"]
-    return [torch.load(snap / f"rank-{r}" / "state.pt", weights_only=False)
-            for r in range(int(man.get("shard_count", 0) or 0))]
+    snap = Path(root) / man.name
+    return [torch.load(snap / f"rank-{r}" / "state.pt", weights_only=False) for r in range(man.shards)]
 
 
 def load(root: Path, cfg: ModelConfig, topic: str, rank: int, world: int, epoch: str | None = None) -> RankRestored | None:
@@ -90,7 +90,7 @@ def load(root: Path, cfg: ModelConfig, topic: str, rank: int, world: int, epoch:
     if got is None:
         return None
     out = _load(root, topic, rank, got)
-    snap_epoch = out.manifest.get("broker_epoch")
+    snap_epoch = out.manifest.broker_epoch
     if epoch is not None and snap_epoch is not None and snap_epoch != epoch:
         out.offsets, out.reset = {}, True
     return out
@@ -98,13 +98,13 @@ def load(root: Path, cfg: ModelConfig, topic: str, rank: int, world: int, epoch:
 
 def _load(root: Path, topic: str, rank: int, got: tuple) -> RankRestored:
     tables, dense, man, state = got
-    versions = {int(k): int(v) for k, v in (man.get("sparse_versions") or {}).items()}
-    same_topic = man.get("topic", topic) == topic
+    versions = dict(man.sparse_versions or {})
+    same_topic = (man.topic or topic) == topic
     if state is not None:  # written by as many ranks: this rank's own part
         return RankRestored(tables, dense, man, dict(state["offsets"]) if same_topic else {},
                             versions.get(rank, 0), state["dedup"], (state["auc_pos"], state["auc_neg"]),
                             state["sample_rates"], int(state["examples_applied"]), scores=state.get("scores"))
-    offsets = {int(k): int(v) for k, v in man.get("offsets", {}).items()} if same_topic else {}
+    offsets = man.offsets_for(topic)
     parts = _rank_states(root, man)
     # every rank's window (bounded by the window's size when loaded): a partition may have moved here
     windows = [p["dedup"] for p in parts] if parts else [dense.get("dedup", [])]
@@ -112,14 +112,14 @@ def _load(root: Path, topic: str, rank: int, got: tuple) -> RankRestored:
     window = np.concatenate(arrays) if arrays else windows[0]
     auc, rates, applied = None, {}, 0
     if rank == 0:
-        applied = int(man.get("examples_applied", 0))
+        applied = man.examples_applied
         if parts:
             auc = (sum(p["auc_pos"] for p in parts), sum(p["auc_neg"] for p in parts))
         elif "auc_pos" in dense:
             auc = (dense["auc_pos"], dense["auc_neg"])
-        rates = man.get("sample_rates", {})
+        rates = man.sample_rates
     # a new (shard_count, shard) stream of versions: start above every version written before
-    version = max([int(man.get("sparse_version", 0)), *versions.values()])
+    version = max([man.sparse_version, *versions.values()])
     return RankRestored(tables, dense, man, offsets, version, window, auc, rates, applied)
 
 
@@ -137,19 +137,17 @@ def summary(part: dict, sparse_version: int, param_deltas_offset: int, tables: d
             "sample_rates": part["sample_rates"], "auc_pos": part["auc_pos"], "auc_neg": part["auc_neg"]}
 
 
-def manifest_of(parts: list[dict], *, topic: str, broker_epoch: str | None, dense_version: int,
-                max_event_time_ms: int, next_snapshot_at: int | None, half_life: float) -> tuple[dict, dict]:
-    """Rank 0's manifest fields and rows per table from every rank's :func:`summary`."""
+def manifest_of(parts: list[dict], base: Manifest, *, half_life: float) -> tuple[Manifest, dict]:
+    """Rank 0's manifest and rows per table from every rank's :func:`summary`: ``base`` (rank 0's
+    stream fields: topic, epoch, dense version, clocks) with the ranks' offsets, versions, counts,
+    AUC and sample rates merged in."""
     auc = M.StreamingAUC()
     auc.load(sum(p["auc_pos"] for p in parts), sum(p["auc_neg"] for p in parts))
-    versions = {str(r): int(p["sparse_version"]) for r, p in enumerate(parts)}
-    man = {"offsets": {str(k): v for p in parts for k, v in p["offsets"].items()}, "topic": topic,
-           "broker_epoch": broker_epoch, "from_start": False,
-           "sparse_version": max(versions.values()), "sparse_versions": versions, "dense_version": dense_version,
-           "param_deltas_offset": min(int(p["param_deltas_offset"]) for p in parts),
-           "examples_applied": sum(int(p["examples_applied"]) for p in parts),
-           "max_event_time_ms": max_event_time_ms, "next_snapshot_at": next_snapshot_at,
-           "auc": auc.value(), "source": "online",
-           "sample_rates": merged_rates([p["sample_rates"] for p in parts], half_life).state()}
+    versions = {r: int(p["sparse_version"]) for r, p in enumerate(parts)}
+    man = replace(base, offsets={int(k): int(v) for p in parts for k, v in p["offsets"].items()}, from_start=False,
+                  sparse_version=max(versions.values()), sparse_versions=versions,
+                  param_deltas_offset=min(int(p["param_deltas_offset"]) for p in parts),
+                  examples_applied=sum(int(p["examples_applied"]) for p in parts), auc=auc.value(), source="online",
+                  sample_rates=merged_rates([p["sample_rates"] for p in parts], half_life).state())
     rows = {n: sum(int(p["rows"][n]) for p in parts) for n in parts[0]["rows"]}
     return man, rows

@@ -18,9 +18,9 @@ from collections.abc import Callable
 import numpy as np
 from aiokafka import TopicPartition
 
-from .batch import SparseBatch
-from .config import ModelConfig
-from .ingest import Decoded, Ingest
+from ..batch import SparseBatch
+from ..config import ModelConfig
+from ..ingest import Decoded, Ingest
 
 log = logging.getLogger(__name__)
 

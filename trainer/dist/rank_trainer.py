@@ -1,14 +1,14 @@
 """The online trainer as one rank of N (``trainer online --nproc N``, or under ``torchrun``).
 
-Each rank is a process started by torch's elastic launcher (:mod:`trainer.launch`) and joined to
-the others by a gloo process group. The model is :class:`trainer.distributed.DistributedModel`:
+Each rank is a process started by torch's elastic launcher (:mod:`trainer.dist.launch`) and joined to
+the others by a gloo process group. The model is :class:`trainer.dist.model.DistributedModel`:
 rank ``r`` owns shard ``r`` of every table (:func:`trainer.sharding.shard_of`), the dense head is
 replicated. The parts of the 1-process trainer are reused: :class:`trainer.ingest.Ingest`
 (records -> checked, deduplicated batches), :class:`trainer.publisher.Publisher` (its shard's
 rows, named ``shard=r, shard_count=N``; dense by rank 0 only), :class:`trainer.commits.Committer`
 (the group's offsets) and the snapshot file format (:mod:`trainer.snapshots`, N-rank layout).
 
-**Input** (:mod:`trainer.rank_input`). Rank ``r`` of ``N`` reads the partitions ``p`` of
+**Input** (:mod:`trainer.dist.input`). Rank ``r`` of ``N`` reads the partitions ``p`` of
 ``examples`` with ``p % N == r`` by manual assignment; offsets are committed per partition as the
 1-process trainer does.
 
@@ -22,14 +22,14 @@ rows, named ``shard=r, shard_count=N``; dense by rank 0 only), :class:`trainer.c
    examples queued, and rank 0's clock decisions (sparse / dense sync due). Every rank then takes
    the same decisions without another message;
 3. step (:meth:`DistributedModel.step`, collective; an empty batch on an idle rank), then
-   the bookkeeping of the 1-process trainer (:class:`trainer.metrics.Learned`) and per-rank
+   the bookkeeping of the 1-process trainer (:class:`trainer.learned.Learned`) and per-rank
    metrics (label ``rank``: examples, steps, seconds and bytes in collectives);
 4. when due: each rank publishes its shard's touched rows; rank 0 the dense weights with the
    sample rates of *all* ranks (their trackers' sums, gathered); every rank snapshots its shard
    (:meth:`RankTrainer.snapshot`).
 
 **A failing example** (its loss or gradients not finite, or the step raising on it) fails the
-step on every rank together: the engine's per-rank failure flags (:class:`trainer.distributed.RankStepError`)
+step on every rank together: the engine's per-rank failure flags (:class:`trainer.dist.model.RankStepError`)
 tell each rank whether its own batch failed, and nothing is applied anywhere. The ranks then
 retry in lockstep (:func:`trainer.isolate.train_isolating_ranks`): a rank whose batch failed
 halves it down to the failing examples, the others retry theirs whole (or step empty), until
@@ -40,19 +40,19 @@ collective and no failure reaches the launcher (no restart, no crash loop).
 **Broker resets** (tansu's memory storage lost with a broker restart, :mod:`trainer.resets`):
 every rank watches the broker epoch (before each commit, and every ``epoch_check_interval_s``)
 and puts what it saw into the round's agreement; when any rank saw a reset, all ranks handle it
-in the same round (:meth:`RankTrainer._handle_reset`), as the 1-process trainer does: the round's
+in the same round (:meth:`trainer.loop.TrainerLoop._handle_reset`, the 1-process trainer's too): the round's
 batch is dropped (fetched from the old topic, or from the new one at old positions: read again),
 the model, versions and dedup windows are kept, rank 0 creates the topics again, every rank reads
 its partitions from their start, rank 0 publishes the dense weights on the new ``param-deltas``,
 the group writes a snapshot of the new epoch. A group started on a snapshot of another epoch does
-the same (:mod:`trainer.rank_resume`).
+the same (:mod:`trainer.dist.rank_snapshots`).
 
 **Snapshots** (all ranks at the same round): each rank writes its shard (rows + PS optimizer
 state) and its own stream state (its partitions' next offsets, dedup window, AUC histograms,
 sample-rate sums, examples applied); rank 0, after an ``all_gather`` of the ranks' summaries (the
 barrier), writes the dense weights and optimizer and the manifest last
 (:func:`trainer.snapshots.commit_ranks`; what is recorded and how a rank resumes:
-:mod:`trainer.rank_resume`). A kill -9 of any rank makes the elastic launcher stop
+:mod:`trainer.dist.rank_snapshots`). A kill -9 of any rank makes the elastic launcher stop
 and restart the whole group (``trainer.max_restarts``), and every rank resumes from the last
 complete manifest; a snapshot of N ranks restores into M ranks (rows resharded on load, offsets
 split by the partition rule, the global stream state given to rank 0). Ranks whose launcher is
@@ -84,29 +84,20 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from aiokafka.errors import KafkaError
 
 from proto import Example
-from services import metrics as service_metrics
-from services.codecs import processing_failed
-from services.kafka import TypedConsumer, create_topics, producer, start_client
+from services.kafka import TypedConsumer
 from services.settings import Settings
 
-from . import dedup
-from . import metrics as M
-from . import rank_resume, snapshots
-from .batch import SparseBatch
-from .commits import Committer
-from .config import ModelConfig
-from .count_baseline import CountBaseline
-from .distributed import DistributedModel
-from .ingest import Ingest
-from .isolate import StepResult, train_isolating_ranks
-from .publisher import DenseSchedule, Publisher
-from .rank_input import RankInput, empty_batch, my_partitions  # noqa: F401 - the rule, named here too
-from .resets import ResetWatch
-from .resume import Snapshots
-from .sample_rates import SampleRateTracker
+from .. import metrics as M
+from .. import snapshots
+from ..batch import SparseBatch
+from ..config import ModelConfig
+from ..isolate import StepResult, train_isolating_ranks
+from ..loop import TrainerLoop
+from . import rank_snapshots
+from .input import RankInput, empty_batch, my_partitions  # noqa: F401 - the rule, named here too
+from .model import DistributedModel
 
 log = logging.getLogger(__name__)
 
@@ -124,52 +115,31 @@ class RankError(RuntimeError):
     """A rank cannot run: no process group, or a snapshot that does not fit."""
 
 
-class RankTrainer(M.LearnedFields):
+class RankTrainer(TrainerLoop):
     """Rank ``dist.get_rank()`` of the online trainer; every knob is a field of ``settings.trainer``."""
 
     def __init__(self, settings: Settings, cfg: ModelConfig):
         if not dist.is_initialized():
-            raise RankError("torch.distributed is not initialized (start ranks with trainer.launch or torchrun)")
-        ts = settings.trainer
-        self.settings, self.cfg, self.ts = settings, cfg, ts
+            raise RankError("torch.distributed is not initialized (start ranks with trainer.dist.launch or torchrun)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.topic = settings.topics.examples
-        self.root = settings.model_snapshots(cfg.model_id)
-        self.clock = snapshots.EventClock(int(1000 * ts.snapshot_interval_event_s))
-        self.stage = {k: 0.0 for k in ("poll", "prepare", "train", "commit", "sync", "snapshot", "agree",
-                                         "comm")}
-        self.dedup = dedup.DedupWindow(ts.dedup_window)
-        self.auc = M.StreamingAUC()
-        self.sample_rates = SampleRateTracker(ts.sample_rate_half_life)
-        self.ingest = Ingest(cfg, self.topic, self.dedup, max_future_ms=int(1000 * settings.event_time.max_future_s),
-                             stage=self._stage)
+        super().__init__(settings, cfg, ("poll", "prepare", "train", "commit", "sync", "snapshot", "agree", "comm"),
+                         rank=self.rank)
+        ts = self.ts
+        self.root = self.snapshot_root
         self.input = RankInput(self.ingest, self.topic, self.rank, self.world, ts.batch_size, ts.batch_timeout_s,
                                self._stage)
-        self.publisher = Publisher(settings, cfg.model_id, self._stage)
         self.publisher.shard, self.publisher.shard_count = self.rank, self.world
-        # (each rank's baseline counts the users and items of its own partitions)
-        self.learned = M.Learned(cfg.model_id, self.auc, self.sample_rates, self.dedup, self.publisher.applied,
-                                 rank=self.rank, baseline=CountBaseline(settings.eval.count_prior))
-        self.epoch: str | None = None  # the broker epoch the offsets belong to (None: no epochs)
-        self.resets = ResetWatch(ts.epoch_check_interval_s, lambda: (self.ingest.highwater, self.applied_offsets))
-        self._from_start = False  # partitions start at their earliest record (the snapshot's epoch is gone)
-        self.max_event_time = 0
-        self.failed_steps = 0  # rounds whose step failed on some rank (examples isolated)
-        self.stop_event = asyncio.Event()
         # every collective runs on this one thread, in the same order on every rank
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"rank{self.rank}-step")
         self.dm: DistributedModel | None = None
         self._parent = os.getppid()  # the launcher: gone when this changes
         self.regroup = False  # exit with EXIT_REGROUP: another machine's launcher is gone
-        self.restored = False
+        self._queued = 0  # examples queued by all ranks in this run (the dense schedule's count)
+        self._learned_since_sync = False
 
     @property
     def partitions(self) -> list[int]:
         return self.input.partitions
-
-    def _stage(self, name: str, seconds: float) -> None:
-        self.stage[name] = self.stage.get(name, 0.0) + seconds
-        M.STAGE_SECONDS.labels(self.cfg.model_id, name).inc(seconds)
 
     async def _coll(self, fn, *args):
         """Run a collective (or a step) on the collectives' thread, keeping the event loop (the
@@ -179,7 +149,7 @@ class RankTrainer(M.LearnedFields):
     # ------------------------------------------------------------------ state
     def _restore(self, epoch: str | None) -> None:
         """Build the model from the latest complete snapshot (any number of ranks wrote it,
-        :mod:`trainer.rank_resume`) or fresh. Collective (the engine broadcasts rank 0's head, and
+        :mod:`trainer.dist.rank_snapshots`) or fresh. Collective (the engine broadcasts rank 0's head, and
         rank 0's broker epoch: every rank follows the same)."""
         torch.set_num_threads(1)
         agreed = [epoch]
@@ -187,7 +157,7 @@ class RankTrainer(M.LearnedFields):
         self.epoch = agreed[0]
         if self.resets.watch is not None:
             self.resets.watch.epoch = self.epoch
-        got = rank_resume.load(self.root, self.cfg, self.topic, self.rank, self.world, self.epoch)
+        got = rank_snapshots.load(self.root, self.cfg, self.topic, self.rank, self.world, self.epoch)
         ts = self.ts
         self.dm = DistributedModel(self.cfg, mode=ts.dist_mode, staleness=ts.staleness,
                                    tables=got.tables if got is not None else None)
@@ -200,21 +170,12 @@ class RankTrainer(M.LearnedFields):
         self.dm.head.load_state_dict(got.dense["head"])
         if "optimizer" in got.dense:
             self.dm.optimizer.load_state_dict(got.dense["optimizer"])
-        self.restored, self._from_start = True, got.reset
-        self.publisher.dense_version = int(man.get("dense_version", 0))
-        self.publisher.param_deltas_offset = 0 if got.reset else int(man.get("param_deltas_offset", 0) or 0)
-        self.publisher.sparse_version = got.sparse_version
-        self.max_event_time = int(man.get("max_event_time_ms", 0))
-        self.clock.next_at = man.get("next_snapshot_at")
-        self.dedup.load(got.dedup)
-        if got.auc is not None:
-            self.auc.load(*got.auc)
-        self.sample_rates.load(got.sample_rates)
-        self.learned.load_scores(got.scores)
-        self.examples_applied = got.examples_applied
-        self.applied_offsets = {int(k): int(v) for k, v in got.offsets.items()}
+        self._from_start = got.reset
+        self._restore_stream(man, reset=got.reset, offsets=got.offsets, examples_applied=got.examples_applied,
+                             dedup_state=got.dedup, auc=got.auc, sample_rates=got.sample_rates, scores=got.scores,
+                             sparse_version=got.sparse_version)
         log.info("rank %d/%d restored snapshot %s (%d ranks wrote it%s): %d examples applied here",
-                 self.rank, self.world, man["name"], int(man.get("shard_count", 0) or 1),
+                 self.rank, self.world, man.name, man.shards or 1,
                  ", in another broker epoch: reading from the start" if got.reset else "", self.examples_applied)
 
     async def snapshot(self) -> Path | None:
@@ -226,22 +187,19 @@ class RankTrainer(M.LearnedFields):
         await self._coll(dist.broadcast_object_list, seq, 0)
         seq = int(seq[0])
         tables = self.dm.tables
-        part = rank_resume.rank_part(self.applied_offsets, self.dedup.state(), self.auc, self.sample_rates,
+        part = rank_snapshots.rank_part(self.applied_offsets, self.dedup.state(), self.auc, self.sample_rates,
                                      self.examples_applied, self.learned.scores_state())
         await loop.run_in_executor(None, snapshots.save_rank, self.root, seq, self.rank, tables, part)
-        mine = rank_resume.summary(part, self.publisher.sparse_version, self.publisher.param_deltas_offset, tables)
+        mine = rank_snapshots.summary(part, self.publisher.sparse_version, self.publisher.param_deltas_offset, tables)
         parts: list = [None] * self.world
         await self._coll(dist.all_gather_object, parts, mine)  # also the barrier: every part is written
         path = None
         if self.rank == 0:
-            man, rows = rank_resume.manifest_of(
-                parts, topic=self.topic, broker_epoch=self.epoch, dense_version=self.publisher.dense_version,
-                max_event_time_ms=self.max_event_time, next_snapshot_at=self.clock.next_at,
-                half_life=self.ts.sample_rate_half_life)
+            man, rows = rank_snapshots.manifest_of(parts, self._stream_manifest(), half_life=self.ts.sample_rate_half_life)
             dense = {"head": self.dm.head.state_dict(), "optimizer": self.dm.optimizer.state_dict()}
             path = await loop.run_in_executor(
                 None, lambda: snapshots.commit_ranks(self.root, self.cfg, seq, self.world, dense, man, rows))
-            Snapshots(self.root, self.cfg, self.topic).record_epoch(self.epoch)
+            self.store.record_epoch(self.epoch)
             M.SNAPSHOTS.labels(self.cfg.model_id).inc()
         self._stage("snapshot", time.perf_counter() - t0)
         return path
@@ -261,7 +219,7 @@ class RankTrainer(M.LearnedFields):
         states: list = [None] * self.world
         await self._coll(dist.all_gather_object, states, self.sample_rates.state())
         if self.rank == 0:
-            rates = rank_resume.merged_rates(states, self.ts.sample_rate_half_life).rates()
+            rates = rank_snapshots.merged_rates(states, self.ts.sample_rate_half_life).rates()
             await self.publisher.sync_dense(self.dm.head, self.max_event_time, rates)
 
     # ------------------------------------------------------------------ a round
@@ -277,50 +235,38 @@ class RankTrainer(M.LearnedFields):
         mine[_STOP], mine[_IDLE], mine[_RESET], mine[_EXAMPLES], mine[_EVENT] = int(stop), int(idle), int(reset), examples, event
         mine[_ORPHAN] = int(os.getppid() != self._parent)
         if self.rank == 0:  # rank 0's clock decides the time-based syncs for everyone
-            mine[_SYNC] = int(now - self._last_sync >= self.ts.sync_interval_s)
-            mine[_DENSE] = int(self.dense_schedule.due(now))
+            mine[_SYNC], mine[_DENSE] = (int(due) for due in self._syncs_due(now))
         out = [torch.zeros(_COLUMNS, dtype=torch.int64) for _ in range(self.world)]
         await self._coll(dist.all_gather, out, mine)
         self._stage("agree", time.perf_counter() - t0)
         return torch.stack(out).numpy()
 
     # ------------------------------------------------------------------ main loop
-    async def run(self, stop_when_idle_s: float | None = None, max_examples: int | None = None) -> dict:
-        s = self.settings
-        if self.rank == 0:
-            await create_topics(s, {self.topic: s.topics.partitions, s.topics.param_deltas: 1,
-                                    s.topics.dead_letters: 1})
-        epoch = await self.resets.start(s)
+    async def _restore_at_start(self, epoch: str | None) -> None:
         await self._coll(self._restore, epoch)  # collective; after it rank 0's topics exist too
-        self._producer = self.publisher.producer = producer(s)
-        await start_client(self._producer, s)
-        self.consumer = self.ingest.consumer = TypedConsumer(
-            s, "trainer", Example, [], self.ts.group_id, dead_letter_producer=self._producer)
+
+    def _consumer(self) -> TypedConsumer:
+        """Manually assigned (:mod:`trainer.dist.input`): no group join, no rebalances."""
+        return TypedConsumer(self.settings, "trainer", Example, [], self.ts.group_id, dead_letter_producer=self._producer)
+
+    async def _start_input(self) -> None:
         await self.consumer.start()
-        self.commits = Committer(self.consumer, self.topic, lambda: self.applied_offsets, self.resets.noticed,
-                                 s.kafka.connect_timeout_s, self._stage)
-        self.learned.commit = self.commits.request
-        try:
-            self.applied_offsets = await self.input.assign(self.applied_offsets, self._from_start)
-            return await self._loop(stop_when_idle_s, max_examples)
-        finally:
-            self.commits.cancel()
-            await self.consumer.stop()
-            await self._producer.stop()
-            await self.resets.stop()
-            self.dm.close()
-            self._executor.shutdown(wait=True)
+        self.applied_offsets = await self.input.assign(self.applied_offsets, self._from_start)
+
+    async def _teardown(self) -> None:
+        await super()._teardown()
+        self.dm.close()
+        self._executor.shutdown(wait=True)
+
+    def _examples_learned(self) -> int:
+        return self._queued
 
     async def _loop(self, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
         started = time.time()
-        self._last_sync = time.monotonic()
+        self._schedule_start(time.monotonic())
         self._learned_since_sync = False
-        self.dense_schedule = DenseSchedule(self.ts.sync_interval_s, self.ts.dense_sync_interval_s, self._last_sync)
-        if not self.restored or self.publisher.dense_version == 0 or self._from_start:
-            await self.sync_dense()
-        if self._from_start:  # serving bootstraps from a snapshot of this broker epoch
-            await self.snapshot()
-        last_data, queued = time.monotonic(), 0
+        await self._begin()
+        last_data, self._queued = time.monotonic(), 0
         while True:
             recs, decoded, polled_at = await self.input.poll_round(self.stop_event)
             now = time.monotonic()
@@ -345,16 +291,11 @@ class RankTrainer(M.LearnedFields):
                 M.rank_steps(self.cfg.model_id, self.rank, self.dm.steps - steps, comm, self.dm.alltoall_bytes - sent)
             self.learned.rate(time.monotonic())
             if p is not None:
-                await self._learned(p, res)
-            queued += int(ctl[:, _EXAMPLES].sum())
+                await self._book(p, res)
+            self._queued += int(ctl[:, _EXAMPLES].sum())
             self._learned_since_sync |= bool(ctl[:, _EXAMPLES].any())
             self.max_event_time = max(self.max_event_time, int(ctl[:, _EVENT].max()))
-            if ctl[0, _SYNC]:
-                self._last_sync = now
-                await self.sync_sparse()
-            if ctl[0, _DENSE]:
-                self.dense_schedule.published(now, queued)
-                await self.sync_dense()
+            await self._sync(now, bool(ctl[0, _SYNC]), bool(ctl[0, _DENSE]))  # rank 0's decisions, for all
             if self.clock.due(self.max_event_time):  # the same global event time on every rank
                 await self.sync_sparse()
                 self.clock.taken(self.max_event_time)
@@ -362,21 +303,16 @@ class RankTrainer(M.LearnedFields):
             if ctl[:, _ORPHAN].any():
                 self._launchers_lost(ctl[:, _ORPHAN])
                 break
-            if ctl[:, _STOP].any() or ctl[:, _IDLE].all() or (max_examples is not None and queued >= max_examples):
+            if ctl[:, _STOP].any() or ctl[:, _IDLE].all() or (max_examples is not None and self._queued >= max_examples):
                 break
-        await self.sync_sparse()
-        await self.sync_dense()
+        return await self._finish(
+            started, {"rank": self.rank, "world": self.world}, failed_steps=self.failed_steps, mode=self.dm.mode,
+            overlapped_updates=self.dm.overlapped_updates, failed_updates=self.dm.failed_updates,
+            alltoall_bytes=self.dm.alltoall_bytes, comm_s=float(sum(self.dm.comm_s)), broker_epoch=self.epoch,
+            stages=dict(self.stage), regroup=self.regroup, ps_admitted=M.ps_admitted(self.cfg.model_id))
+
+    async def _write_snapshot(self) -> None:
         await self.snapshot()
-        await self.commits.flush()
-        return {"rank": self.rank, "world": self.world, "examples_applied": self.examples_applied,
-                "auc": self.auc.value(), "loss": self.loss_ema, **self.learned.scores(), "bad": self.consumer.dead_lettered,
-                "duplicates": self.ingest.duplicates, "failed_steps": self.failed_steps,
-                "sparse_version": self.publisher.sparse_version, "elapsed_s": time.time() - started,
-                "mode": self.dm.mode, "overlapped_updates": self.dm.overlapped_updates,
-                "failed_updates": self.dm.failed_updates,
-                "alltoall_bytes": self.dm.alltoall_bytes, "comm_s": float(sum(self.dm.comm_s)),
-                "broker_epoch": self.epoch, "stages": dict(self.stage), "regroup": self.regroup,
-                "ps_admitted": M.ps_admitted(self.cfg.model_id)}
 
     def _launchers_lost(self, orphans: np.ndarray) -> None:
         """Some ranks' launcher is gone (kill -9 of it, or of the machine's agent): nobody would
@@ -390,49 +326,23 @@ class RankTrainer(M.LearnedFields):
         log.warning("rank %d: the launcher of rank(s) %s is gone: stopping the group after a last snapshot%s",
                     self.rank, lost, " (exit %d: this launcher restarts us)" % EXIT_REGROUP if self.regroup else "")
 
-    async def _learned(self, p, res: StepResult) -> None:
-        """Bookkeeping of a round's batch (:class:`trainer.metrics.Learned`, as the 1-process
-        trainer's); the examples the step failed on alone are dead-lettered first (durable before
-        the commit of their offsets)."""
-        hashes, batch, arrival = p.hashes, p.batch, p.arrival_ms
-        if batch is not None and res.failed:
-            self.failed_steps += 1
-            letters = []
-            for row, err in res.failed:
-                rec, raw = p.letter_of(row)
-                letters.append(await self.ingest.dead_letter(rec, raw, processing_failed(err)))
-            await asyncio.gather(*letters)
-            hashes, arrival = hashes[res.applied], arrival[res.applied]
-            batch = batch.select(res.applied) if res.applied.size else None
-        if batch is not None:
-            self.learned.batch(batch, res.loss, res.probs, arrival)
-        self.learned.done(hashes, p.offsets)
-
-    async def _handle_reset(self) -> None:
-        """Collective, every rank in the same round: follow a broker reset (the module docstring;
-        what is lost and why as in :meth:`trainer.online.OnlineTrainer._handle_reset`)."""
+    async def _reset_epoch(self) -> str | None:
+        """Collective, every rank in the same round: the new epoch any rank saw (the module docstring;
+        what is lost and why: :meth:`trainer.loop.TrainerLoop._handle_reset`)."""
         epochs: list = [None] * self.world
         await self._coll(dist.all_gather_object, epochs, self.resets.new_epoch)
         epoch = next(e for e in epochs if e is not None)  # ranks racing to write it read the first
         if self.resets.watch is not None:
             self.resets.watch.epoch = epoch
-        await self.commits.drop()  # a commit of the old offsets, waiting for the lost group
-        lost = self.resets.lost()
-        service_metrics.BROKER_RESET_LOST.labels("trainer", self.topic).inc(lost)
-        log.warning("rank %d: broker reset (epoch %s -> %s): %d examples of the old %s[%s] were not applied "
-                    "yet and are lost; model kept at %d examples applied here, re-reading from the start",
-                    self.rank, self.epoch, epoch, lost, self.topic, self.partitions, self.examples_applied)
-        try:  # sends still retrying since the reset land before ours, not among them
-            await asyncio.wait_for(self._producer.flush(), self.settings.kafka.connect_timeout_s)
-        except (asyncio.TimeoutError, KafkaError) as err:
-            log.warning("sends of the old epoch still pending after the reset (%r)", err)
-        if self.rank == 0:  # with their configured partitions (tansu auto-creates with its default)
-            await create_topics(self.settings)
+        return epoch
+
+    def _reset_where(self) -> str:
+        return f"{self.topic}[{self.partitions}]"
+
+    async def _barrier(self) -> None:
         await self._coll(dist.barrier)
-        self.epoch, self.ingest.highwater = epoch, {}
-        self.resets.handled()
+
+    async def _reset_input(self) -> None:
         self.applied_offsets = await self.input.assign({}, from_start=True)
         # nothing of this rank's is on the new param-deltas: serving resumes at most from its start
         self.publisher.param_deltas_offset = 0
-        await self.sync_dense()  # the new topic's first delta
-        await self.snapshot()

@@ -6,11 +6,11 @@ free local port starts ``N`` worker processes (``python -m trainer online`` with
 each sees torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` environment and runs as a rank,
 :func:`init_rank`). When a worker fails (an exception, or a kill -9) the launcher stops the others
 and restarts the whole group, up to ``trainer.max_restarts`` times; every rank then resumes from
-the last complete snapshot (:mod:`trainer.ranks`). Past that it fails, and ``driftline up``'s
+the last complete snapshot (:mod:`trainer.dist.rank_trainer`). Past that it fails, and ``driftline up``'s
 supervisor restarts the launcher. A SIGTERM of the launcher is passed on to the workers (each
 stops cleanly: the last snapshot, the offsets) and the launcher exits 0; ranks whose launcher is
 gone (kill -9: nobody would restart them) stop the group after a last snapshot, and where other
-machines' launchers live their ranks exit with ``trainer.ranks.EXIT_REGROUP`` to be restarted.
+machines' launchers live their ranks exit with ``trainer.dist.rank_trainer.EXIT_REGROUP`` to be restarted.
 Several machines: run ``torchrun`` itself on each, with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
 (docs/scale-out.md); the workers are the same.
 """

@@ -1,6 +1,6 @@
 """N ranks of a function in spawned processes on this machine, joined by a gloo process group:
-the engine's tests and benchmark (:mod:`trainer.distributed`). The online trainer's ranks are
-started by torch's elastic launcher instead (:mod:`trainer.launch`)."""
+the engine's tests and benchmark (:mod:`trainer.dist.model`). The online trainer's ranks are
+started by torch's elastic launcher instead (:mod:`trainer.dist.launch`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from services.ports import free_port
 
-from trainer.distributed import DistributedError
-from trainer.launch import pin_to_cores
+from trainer.dist.model import DistributedError
+from trainer.dist.launch import pin_to_cores
 
 
 def _rank_main(fn, rank: int, world: int, port: int, args: tuple, timeout_s: float, threads: int, pin: bool,
@@ -36,7 +36,7 @@ def _rank_main(fn, rank: int, world: int, port: int, args: tuple, timeout_s: flo
 
 def run_local(fn, world: int, *args, timeout_s: float = 60.0, threads: int = 1, pin: bool = False) -> list:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by a gloo process
-    group on 127.0.0.1 (each pinned to its share of the cores with ``pin``: :func:`trainer.launch.pin_to_cores`);
+    group on 127.0.0.1 (each pinned to its share of the cores with ``pin``: :func:`trainer.dist.launch.pin_to_cores`);
     returns their results by rank. ``fn`` must be importable (module level).
     Raises :class:`DistributedError` with the failing rank's traceback, or when ranks do not all
     finish within ``2 * timeout_s`` (the processes are then killed)."""

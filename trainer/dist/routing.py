@@ -1,4 +1,4 @@
-"""The id bookkeeping of one distributed lookup (:mod:`trainer.distributed`, steps 1 and 4-5):
+"""The id bookkeeping of one distributed lookup (:mod:`trainer.dist.model`, steps 1 and 4-5):
 which unique ``(table, id)`` pairs go to which owner, in what order, and where each returned
 row lands in the packed buffer. Pure numpy, no collectives.
 
@@ -7,7 +7,7 @@ row lands in the packed buffer. Pure numpy, no collectives.
 the row width (DeepFM here: 16 for a field, 1 for its first-order weight, so ``8 + 4*17*2`` per
 (field, id) pair), plus ``8 (T + 3) N`` header bytes per step and the dense head's gradients
 (``4 P`` bytes per step, all-reduced, P parameters) independent of the batch size.
-:attr:`trainer.distributed.DistributedModel.alltoall_bytes` counts what left this rank
+:attr:`trainer.dist.model.DistributedModel.alltoall_bytes` counts what left this rank
 (``allreduce_bytes``: the dense part).
 
 >>> import numpy as np
@@ -187,7 +187,7 @@ def packed_rows(dims: np.ndarray, u_tab: np.ndarray, inv: np.ndarray, tab: np.nd
 
 @dataclass
 class Lookup:
-    """One batch's looked-up rows and what its gradient step needs (:mod:`trainer.distributed`'s steps)."""
+    """One batch's looked-up rows and what its gradient step needs (:mod:`trainer.dist.model`'s steps)."""
 
     batch: object                 # trainer.batch.SparseBatch (completed)
     pb: object                    # ps.PackedBatch (salted ids, packed)
@@ -196,7 +196,7 @@ class Lookup:
     n_rows: int                   # float32 values of the unique rows (what we received)
     row_splits: list[int]         # values per owner (received rows; sent gradients)
     back_splits: list[int]        # values per requester (sent rows; received gradients)
-    owned: object                 # trainer.dist_owner.Owned: what the update applies to
+    owned: object                 # trainer.dist.owner.Owned: what the update applies to
     global_size: int
     event_time: int
     comm_s: float

@@ -1,4 +1,4 @@
-"""The owner's side of :mod:`trainer.distributed`: this rank's shard of every table serving the
+"""The owner's side of :mod:`trainer.dist.model`: this rank's shard of every table serving the
 lookups (step 4) and applying the gradients (step 8) of every rank's batch.
 
 **Failures inside the owner.** No input is known to make a PS gather or update raise (ids and
@@ -9,7 +9,7 @@ again: a crash loop.
 
 * A **lookup** that raises is retried requester by requester; the requesters whose ids fail on
   their own read zeros and are named in the step's failure flags
-  (:class:`trainer.distributed.OwnerLookupError` on those ranks), so every rank fails the step
+  (:class:`trainer.dist.model.OwnerLookupError` on those ranks), so every rank fails the step
   together, nothing is applied, and :func:`trainer.isolate.train_isolating_ranks` bisects only
   their batches down to the examples whose ids fail: dead-lettered like any failing example.
 * An **update** that raises comes after every rank agreed on the step (the dense all-reduce):
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from ps import PackedBatch, ParameterServer
 
-from .dist_routing import RowMap, starts
+from .routing import RowMap, starts
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,7 @@
 """Distributed training over ``torch.distributed``: sparse model parallel, dense data parallel.
+(Over 450 lines because one step's phases, planned, looked up, exchanged, updated and, in hybrid,
+deferred, share the engine's state and read best in the order a step runs them; what stands alone
+is apart already: :mod:`trainer.dist.routing`, :mod:`trainer.dist.owner`, :mod:`trainer.dist.sequential`.)
 
 N ranks train one model. Rank ``r`` owns shard ``r`` of every PS table (the ids with
 :func:`trainer.sharding.shard_of` ``(id, N) == r``: the PS's own shard hash) and a full replica of
@@ -7,7 +10,7 @@ the dense head. Every rank reads its own batches. Only ``torch.distributed`` col
 
 **One step** (mode ``sync``), on every rank, in this order:
 
-1. *plan* (:mod:`trainer.dist_routing`): the batch's ids (salted and packed as
+1. *plan* (:mod:`trainer.dist.routing`): the batch's ids (salted and packed as
    :class:`trainer.model.SparseModel` packs them) are deduplicated per ``(table, id)`` and sorted
    by ``(owner, table, id)``: that order is the wire order, so no per-id table tag is sent.
 2. *header* (``all_to_all_single``, equal splits): to each owner, ``int64 [T + 3]``: how many
@@ -19,7 +22,7 @@ the dense head. Every rank reads its own batches. Only ``torch.distributed`` col
    owner repeats the id so its sketch counts what the 1-process PS counts; an id admitted by this
    very batch then reads its new row at every position, where the 1-process PS reads zeros at the
    occurrences before the admitting one: deduplication cannot tell positions apart).
-4. *lookup* (:mod:`trainer.dist_owner`): each owner runs, per table,
+4. *lookup* (:mod:`trainer.dist.owner`): each owner runs, per table,
    ``EmbeddingTable.gather(insert=True)`` (admission, lookup-or-insert): exactly the 1-process
    PS's insert path. A gather that raises names the requesters whose ids fail (step 7).
 5. *embeddings* (``all_to_all_single``, uneven): float32 rows back, in the order they came.
@@ -42,20 +45,20 @@ the dense head. Every rank reads its own batches. Only ``torch.distributed`` col
    initial head is broadcast once).
 
 So an N-rank ``sync`` run equals a 1-process run on the concatenated global batch, up to float
-summation order (and the admitting batch of an id, step 3) (tests/trainer/test_distributed.py checks rows, PS optimizer state and Adam's
+summation order (and the admitting batch of an id, step 3) (tests/trainer/distributed/test_distributed.py checks rows, PS optimizer state and Adam's
 state). An idle rank (empty batch) takes part in every collective; a step whose global batch is
 empty is skipped by all ranks together.
 
 **Sequential models** (``ModelConfig.sequential``): the first-order tables live whole on rank 0
 (:func:`trainer.sharding.whole_tables`) and are left out of steps 3-5 and 8; in step 6 each rank
 runs its deep part forward, rank 0 runs the first-order pass over the global batch and returns
-each rank its residuals, and each rank back-propagates them (:mod:`trainer.dist_sequential`).
+each rank its residuals, and each rank back-propagates them (:mod:`trainer.dist.sequential`).
 With ``sequential_embeddings`` the embedding tables live whole on rank 0 too, rank 0's pass
 learns their rows as well and step 8 does not run (nothing is left for it).
 The result equals the 1-process sequential step on the concatenated batch (same test as above).
 In ``hybrid`` the first-order pass stays synchronous (fresh); only the embeddings are stale.
 
-**Wire**: bytes per example and per step in :mod:`trainer.dist_routing`.
+**Wire**: bytes per example and per step in :mod:`trainer.dist.routing`.
 
 **Mode** ``hybrid`` (PERSIA): steps 2-5 of batch ``t+1`` (the lookup) run in a background thread,
 on a second process group, while batch ``t`` does its forward, backward and updates, and step 8
@@ -69,11 +72,11 @@ batches (empty ones for an idle rank). A caller with one batch at a time uses
 :meth:`DistributedModel.step` (the same order of lookups and updates; the step's own update
 waits for the next call) and :meth:`DistributedModel.flush` before it reads the tables. With
 ``staleness`` 1 this equals a 1-process run applying each step's sparse update one step late
-(tests/trainer/test_distributed.py); what that costs in AUC: ``docs/scale-out.md``. With
+(tests/trainer/distributed/test_distributed.py); what that costs in AUC: ``docs/scale-out.md``. With
 ``staleness`` 0, :meth:`DistributedModel.step` queues a step's update ahead of the next lookup:
 ``sync``'s results, the update overlapping what the caller does between steps.
 
-The online trainer's ranks (:mod:`trainer.ranks`, launched by :mod:`trainer.launch`) step it one
+The online trainer's ranks (:mod:`trainer.dist.rank_trainer`, launched by :mod:`trainer.dist.launch`) step it one
 batch per round (:meth:`DistributedModel.step`); their snapshots and deltas name shards by
 :func:`trainer.sharding.shard_of`.
 
@@ -97,13 +100,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .batch import SparseBatch
-from .config import ModelConfig
-from . import dist_sequential as seq
-from .dist_owner import Owner
-from .dist_routing import Lookup, packed_rows, plan
-from .model import NonFiniteStepError, SparseModel
-from .sharding import owners, whole_tables
+from ..batch import SparseBatch
+from ..config import ModelConfig
+from ..model import NonFiniteStepError, SparseModel
+from ..sharding import owners, whole_tables
+from . import sequential as seq
+from .owner import Owner
+from .routing import Lookup, packed_rows, plan
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +156,7 @@ class DistributedModel:
         self._tables = [self.model.tables[n] for n in self._names]
         self._dims = np.array([t.dim for t in self._tables], np.int64)
         self._owner = Owner(self._tables, self._names, self.rank, self.world, self.model.ps)
-        # a sequential model's first-order tables live whole on rank 0 (trainer.dist_sequential)
+        # a sequential model's first-order tables live whole on rank 0 (trainer.dist.sequential)
         whole = whole_tables(cfg)
         self._whole = np.array([n in whole for n in self._names], bool)
         self._seq = cfg.sequential
@@ -184,7 +187,7 @@ class DistributedModel:
 
     @property
     def failed_updates(self) -> int:
-        """Owner updates that raised and were skipped (:mod:`trainer.dist_owner`)."""
+        """Owner updates that raised and were skipped (:mod:`trainer.dist.owner`)."""
         return self._owner.failed_updates
 
     @property
@@ -294,7 +297,7 @@ class DistributedModel:
     def _local_sequential(self, lk: Lookup, error: Exception | None):
         """:meth:`_local` of a ``sequential`` model, ``(loss, probs, g_rows or None, error)``: the
         deep part's forward, rank 0's first-order pass over the global batch
-        (:mod:`trainer.dist_sequential`; collective, so every rank takes part whatever failed
+        (:mod:`trainer.dist.sequential`; collective, so every rank takes part whatever failed
         before), then the deep part's backward from this rank's residuals. Never raises."""
         m = self.model
         blocks = [m._emb_block, m._lin_block] if self._seq_emb else [m._lin_block]

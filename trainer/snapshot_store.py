@@ -34,7 +34,8 @@ has an offset of the new epoch), and the dedup window drops the examples the sna
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from services.atomic import write_bytes_atomic
@@ -42,6 +43,7 @@ from services.atomic import write_bytes_atomic
 from . import metrics as M
 from . import snapshots
 from .config import ModelConfig
+from .manifest import Manifest
 from .model import SparseModel
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,7 @@ class Restored:
 
     tables: dict
     dense: dict  # head, optimizer (absent in a warm start's), auc_pos/auc_neg, dedup
-    manifest: dict
+    manifest: Manifest
     #: it was written in another broker epoch: its offsets are not used
     reset: bool
     offsets: dict[int, int]  # partition -> next offset, where to resume ({}: the group's, or the start)
@@ -62,7 +64,7 @@ class Restored:
 
 
 def _ranks_stream_state(snap: Path, n: int) -> dict:
-    """The stream state of a snapshot written by ``n`` ranks (:mod:`trainer.ranks`), as one process
+    """The stream state of a snapshot written by ``n`` ranks (:mod:`trainer.dist.rank_trainer`), as one process
     keeps it: the ranks' AUC histograms summed, their dedup windows together (each read other
     partitions; the window keeps its newest ``dedup_window`` ids). A 1-process trainer resuming
     from it (N -> 1) then loses neither; the sample rates are the manifest's, merged by rank 0."""
@@ -74,7 +76,7 @@ def _ranks_stream_state(snap: Path, n: int) -> dict:
             "dedup": np.concatenate([np.asarray(p["dedup"], np.uint64).reshape(-1, 2) for p in parts])}
 
 
-class Snapshots:
+class SnapshotStore:
     """The online trainer's snapshots of one model under ``root`` (``settings.model_snapshots(model_id)``)."""
 
     def __init__(self, root: Path, cfg: ModelConfig, topic: str):
@@ -88,31 +90,29 @@ class Snapshots:
         if got is None:
             return None
         tables, dense, man = got
-        if man.get("shard_count"):
-            dense = dict(dense, **_ranks_stream_state(self.root / man["name"], int(man["shard_count"])))
+        if man.shards:
+            dense = dict(dense, **_ranks_stream_state(self.root / man.name, man.shards))
         # snapshots written before manifests named their epoch: the marker beside them
         marker = self.root / EPOCH_MARKER
-        snap_epoch = man.get("broker_epoch") or (marker.read_text().strip() if marker.exists() else None)
+        snap_epoch = man.broker_epoch or (marker.read_text().strip() if marker.exists() else None)
         reset = epoch is not None and snap_epoch is not None and snap_epoch != epoch
         # A `trainer batch --snapshot` warm start has no stream state: no offsets (the group's
         # committed ones, or the earliest, apply), no streaming AUC (the online AUC starts from the
         # stream, not from the batch's training passes) and no dedup window.
         if reset:
             log.warning("the broker's data was reset since snapshot %s (epoch %s, now %s): keeping its "
-                        "state, reading every partition of %s from its start", man["name"], snap_epoch,
+                        "state, reading every partition of %s from its start", man.name, snap_epoch,
                         epoch, self.topic)
             offsets, from_start = {}, True
         else:
-            same_topic = man.get("topic", self.topic) == self.topic
-            offsets = {int(k): int(v) for k, v in man.get("offsets", {}).items()} if same_topic else {}
-            from_start = bool(man.get("from_start", False))
+            offsets, from_start = man.offsets_for(self.topic), man.from_start
         return Restored(tables, dense, man, reset, offsets, from_start)
 
-    def save(self, model: SparseModel, dense: dict, manifest: dict) -> Path:
+    def save(self, model: SparseModel, dense: dict, manifest: Manifest | Mapping) -> Path:
         """Write a snapshot of ``model`` (tables, head, optimizer) with more ``dense`` state and the
         ``manifest``'s stream state."""
         dense = {"head": model.head.state_dict(), "optimizer": model.optimizer.state_dict(), **dense}
-        path = snapshots.save(self.root, self.cfg, model.tables, dense, dict(manifest, source="online"))
+        path = snapshots.save(self.root, self.cfg, model.tables, dense, replace(Manifest.from_dict(manifest), source="online"))
         M.SNAPSHOTS.labels(self.cfg.model_id).inc()
         return path
 

@@ -46,17 +46,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import trainer  # noqa: E402,F401  - before torch: OMP_WAIT_POLICY=PASSIVE (see trainer/__init__.py)
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import numpy as np
+import torch
+import torch.distributed as dist
 
-from trainer.config import deepfm_config  # noqa: E402
-from trainer.data import MovieLensData  # noqa: E402
-from trainer.dist.model import DistributedModel  # noqa: E402
-from tests.trainer.distributed.rank_local import run_local  # noqa: E402
-from trainer.metrics import auc  # noqa: E402
-from trainer.model import SparseModel  # noqa: E402
+import trainer  # noqa: F401  - before torch: OMP_WAIT_POLICY=PASSIVE (see trainer/__init__.py)
+from tests.trainer.distributed.rank_local import run_local
+from trainer.config import deepfm_config
+from trainer.data import MovieLensData
+from trainer.dist.model import DistributedModel
+from trainer.metrics import auc
+from trainer.model import SparseModel
 
 QUICK = os.environ.get("QUICK") == "1"
 PIN = os.environ.get("PIN", "1") == "1"   # trainer.pin_cores: each rank on its own core (PIN=0: not)

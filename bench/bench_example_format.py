@@ -30,9 +30,9 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from proto import Example  # noqa: E402
-from services import example_batch as eb  # noqa: E402
-from trainer.batch import SparseBatch  # noqa: E402
+from proto import Example
+from services import example_batch as eb
+from trainer.batch import SparseBatch
 
 QUICK = os.environ.get("QUICK") == "1"
 N = 2000
@@ -164,6 +164,7 @@ def main() -> None:
     results = {}
 
     raws = [e.SerializeToString() for e in exs]
+
     def pe_decode():  # (the numba trainer.wire parser measured in the study is gone: upb objects)
         b = SparseBatch.from_examples([Example.FromString(r) for r in raws], SLOTS, LABEL, DENSE)
         assert b.size == N

@@ -28,21 +28,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from aiokafka import AIOKafkaConsumer, TopicPartition  # noqa: E402
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from joiner import faust_app  # noqa: E402
-from joiner.core import JoinCore  # noqa: E402
-from joiner.stores.rocksdb import RocksDBStore  # noqa: E402
-from tests.joiner.synth import ml_events  # noqa: E402
-from joiner.tiered import TieredState  # noqa: E402
-from joiner.config import JoinConfig  # noqa: E402
-from proto import Action, Candidate, FeatureLog, Features, SparseSlot  # noqa: E402
-from driftline.embedded import tansu_command, wait_for_port  # noqa: E402
+from driftline.embedded import tansu_command, wait_for_port
+from joiner import faust_app
+from joiner.config import JoinConfig
+from joiner.core import JoinCore
+from joiner.stores.rocksdb import RocksDBStore
+from joiner.tiered import TieredState
+from proto import Action, Candidate, FeatureLog, Features, SparseSlot
+from services import tansu_quirks
+from services.kafka import create_topics, producer, start_client
 from services.ports import free_port
-from services import tansu_quirks  # noqa: E402
-from services.kafka import create_topics, producer, start_client  # noqa: E402
-from services.settings import Settings  # noqa: E402
-from tests.joiner.helpers import produce  # noqa: E402
+from services.settings import Settings
+from tests.joiner.helpers import produce
+from tests.joiner.synth import ml_events
 
 QUICK = os.environ.get("QUICK") == "1"
 

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_serving import rank_requests, start, start_stack, stop_all, wait_ready  # noqa: E402
+from bench_serving import rank_requests, start, start_stack, stop_all, wait_ready
 
 QUICK = os.environ.get("QUICK") == "1"
 DURATION = 3.0 if QUICK else 10.0

@@ -12,22 +12,21 @@ import os
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import json  # noqa: E402
-import shutil  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ps import AdagradConfig, EmbeddingTable, InitializerConfig, TableConfig  # noqa: E402
-from ps import restore_table, save_table  # noqa: E402
-from ps._jit import aligned_zeros  # noqa: E402
-from ps.rows import gather_rows_kernel  # noqa: E402
+from ps import AdagradConfig, EmbeddingTable, InitializerConfig, TableConfig, restore_table, save_table
+from ps._jit import aligned_zeros
+from ps.rows import gather_rows_kernel
 
 torch.set_num_threads(1)
 QUICK = os.environ.get("QUICK") == "1"

@@ -16,11 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from producers.replay import replay, replay_events  # noqa: E402
-from driftline.embedded import tansu_command, wait_for_port  # noqa: E402
+from driftline.embedded import tansu_command, wait_for_port
+from producers.replay import replay, replay_events
+from services.kafka import create_topics, producer, start_client
 from services.ports import free_port
-from services.kafka import create_topics, producer, start_client  # noqa: E402
-from services.settings import Settings  # noqa: E402
+from services.settings import Settings
 
 
 async def raw_produce(settings: Settings, messages: list[tuple[str, bytes, bytes]]) -> float:

@@ -42,14 +42,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from proto import ParameterDelta  # noqa: E402
-from proto.parameter_delta_pb2 import SparseRows  # noqa: E402
-from driftline.embedded import redis_command, tansu_command, wait_for_port  # noqa: E402
+from driftline.embedded import redis_command, tansu_command, wait_for_port
+from proto import ParameterDelta
+from proto.parameter_delta_pb2 import SparseRows
+from services.api_keys import client_headers
+from services.kafka import create_topics, producer, start_client
 from services.ports import free_port
-from services.kafka import create_topics, producer, start_client  # noqa: E402
-from services.api_keys import client_headers  # noqa: E402
-from services.settings import Settings  # noqa: E402
-from trainer.config import SERVED_DIM  # noqa: E402  - the served model's rows (what the burst must match)
+from services.settings import Settings
+from trainer.config import SERVED_DIM
 
 QUICK = os.environ.get("QUICK") == "1"
 DURATION = 4.0 if QUICK else 15.0
@@ -198,8 +198,8 @@ def children(pid: int) -> list[int]:
 
 
 def _torn_reader(root: str, seconds: float, q) -> None:  # type: ignore[no-untyped-def]
-    from serving.shared_tables import Control, attach_tables
     from ps import TableConfig
+    from serving.shared_tables import Control, attach_tables
 
     control = Control(Path(root), 16, 1 << 16, write=False)
     table = attach_tables(Path(root), control, control.read_state()[1],

@@ -37,15 +37,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import trainer  # noqa: E402,F401  - before torch: sets OMP_WAIT_POLICY=PASSIVE (see trainer/__init__.py)
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-from trainer.config import deepfm_config  # noqa: E402
-from trainer.data import MovieLensData, produce_examples  # noqa: E402
-from trainer.model import DenseHead, SparseModel, make_dense_optimizer  # noqa: E402
+import trainer  # noqa: F401  - before torch: sets OMP_WAIT_POLICY=PASSIVE (see trainer/__init__.py)
+from trainer.config import deepfm_config
+from trainer.data import MovieLensData, produce_examples
+from trainer.model import DenseHead, SparseModel, make_dense_optimizer
 
 warnings.filterwarnings("ignore", message="Sparse invariant")
 QUICK = os.environ.get("QUICK") == "1"
@@ -127,8 +127,8 @@ def bench_decode(data, cfg):
     the per-example protobuf path (parse, slot check, ``SparseBatch.from_examples``; unvalidated: the
     per-example validator went with the one-example-per-record format, so this flatters it a little).
     Also the bytes per example on the topic (the records' values)."""
-    from services import example_batch
     from proto import Example
+    from services import example_batch
     from trainer import ingest
     from trainer.batch import SparseBatch
     from trainer.data import example_records

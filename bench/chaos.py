@@ -48,17 +48,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aiokafka import AIOKafkaConsumer, TopicPartition  # noqa: E402
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from chaos_postmortem import missing_detail, offsets_with_two_records, replay_join
 
-from chaos_postmortem import missing_detail, offsets_with_two_records, replay_join  # noqa: E402
-from joiner.dumper import read_examples  # noqa: E402
-from tests.joiner.reference import offline_join  # noqa: E402
-from joiner.config import JoinConfig  # noqa: E402
-from proto import Action, FeatureLog, ModelVersion  # noqa: E402
-from services import broker_reset, example_batch  # noqa: E402
-from services.aiokafka_quirks import stop_consumer  # noqa: E402
-from services.settings import Settings  # noqa: E402
-from tests.loopstack import LoopStack  # noqa: E402
+from joiner.config import JoinConfig
+from joiner.dumper import read_examples
+from proto import Action, FeatureLog, ModelVersion
+from services import broker_reset, example_batch
+from services.aiokafka_quirks import stop_consumer
+from services.settings import Settings
+from tests.joiner.reference import offline_join
+from tests.loopstack import LoopStack
 
 REPO = Path(__file__).resolve().parent.parent
 KILLED = ("joiner", "joiner", "dumper", "trainer", "serving")
@@ -102,7 +102,7 @@ class Capture:
         await c.start()
         try:
             while not self.stop.is_set():
-                await c._client.force_metadata_update()  # noqa: SLF001 - the topics may be new
+                await c._client.force_metadata_update()
                 tps = [TopicPartition(topic, p) for topic in topics for p in sorted(c.partitions_for_topic(topic) or [])]
                 if len(tps) < 3:
                     await asyncio.sleep(0.5)

@@ -46,8 +46,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from chaos import _kill, _metric, _metric_sum, _parquet_ids, _supervisor_state, _wait, log, run_main  # noqa: E402
-from tests.loopstack import LoopStack  # noqa: E402
+from chaos import _kill, _metric, _metric_sum, _parquet_ids, _supervisor_state, _wait, log, run_main
+
+from tests.loopstack import LoopStack
 
 REPO = Path(__file__).resolve().parent.parent
 LIVENESS_S = 20

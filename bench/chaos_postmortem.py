@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from joiner.config import JoinConfig
 from joiner.core import JoinCore
 from joiner.stores.memory import MemoryStore
 from joiner.tiered import TieredState
-from joiner.config import JoinConfig
 from proto import Action, FeatureLog
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 REPO = Path.cwd()
 sys.path.insert(0, str(REPO))
-from tests.loopstack import LoopStack  # noqa: E402
-from tests.status.make_screenshot import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
+from tests.loopstack import LoopStack
+from tests.status.make_screenshot import CHROMIUM, CHROMIUM_ARGS
 
 out, wait = Path(sys.argv[1]), float(sys.argv[2])
 with tempfile.TemporaryDirectory(prefix="shot-") as tmp:

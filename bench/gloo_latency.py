@@ -29,11 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import trainer  # noqa: E402,F401  - before torch: OMP_WAIT_POLICY=PASSIVE
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from tests.trainer.distributed.rank_local import run_local  # noqa: E402
+import trainer  # noqa: F401  - before torch: OMP_WAIT_POLICY=PASSIVE
+from tests.trainer.distributed.rank_local import run_local
 
 REPEATS = 100 if os.environ.get("QUICK") == "1" else 500
 HEAD = 66_053        # the DeepFM head's floats (dim 16, MLP 256-128) plus the loss and flags
@@ -66,7 +66,7 @@ def _ranks(rank: int, world: int, repeats: int) -> dict:
         opts = dist.ProcessGroupGloo._Options()
         opts._threads = threads
         g = dist.new_group(backend="gloo", pg_options=opts)
-        out[f"a2a_tiny_threads_{threads}"] = _time(lambda: a2a(12, g), repeats)
+        out[f"a2a_tiny_threads_{threads}"] = _time(lambda g=g: a2a(12, g), repeats)
     dense, lookups = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
 
     def five():

@@ -26,15 +26,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_distributed as B  # noqa: E402 - imports trainer before torch
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import bench_distributed as B
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-from trainer.config import deepfm_config  # noqa: E402
-from trainer.data import MovieLensData  # noqa: E402
-from trainer.metrics import auc  # noqa: E402
-from trainer.model import SparseModel  # noqa: E402
+from trainer.config import deepfm_config
+from trainer.data import MovieLensData
+from trainer.metrics import auc
+from trainer.model import SparseModel
 
 GLOBAL = 2 * B.BATCH  # the 2-rank bench's global batch
 LATE_TABLES = set(os.environ["LATE_TABLES"].split(",")) if os.environ.get("LATE_TABLES") else None

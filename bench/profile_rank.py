@@ -52,20 +52,20 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import pydantic_core  # noqa: E402
-import torch  # noqa: E402
+import pydantic_core
+import torch
 
-from proto import ModelVersion  # noqa: E402
-from serving.replica import Serving  # noqa: E402
-from serving.correction import correct  # noqa: E402
-from serving.feature_log import features_message  # noqa: E402
-from serving.feature_files import load_dataset  # noqa: E402
-from serving.model import warm_up  # noqa: E402
-from serving.request_features import slots_for  # noqa: E402
-from serving.schemas import RankRequest  # noqa: E402
-from driftline.embedded import redis_command, wait_for_port  # noqa: E402
+from driftline.embedded import redis_command, wait_for_port
+from proto import ModelVersion
 from services.ports import free_port
-from services.settings import Settings  # noqa: E402
+from services.settings import Settings
+from serving.correction import correct
+from serving.feature_files import load_dataset
+from serving.feature_log import features_message
+from serving.model import warm_up
+from serving.replica import Serving
+from serving.request_features import slots_for
+from serving.schemas import RankRequest
 
 STAGES = ("json parse", "validate", "checks", "redis fetch", "assemble slots", "score", "correct+sort",
           "log encode", "spool put", "response", "total")
@@ -82,7 +82,6 @@ async def profile(settings: Settings, bodies: list[bytes], requests: int, warm: 
             t1 = time.perf_counter()
             body = RankRequest.model_validate(obj)
             t2 = time.perf_counter()
-            n = len(body.candidates)
             event_time_ms = s.event_time("event_time_ms", body.event_time_ms, int(time.time() * 1000))
             request_id = body.request_id or uuid.uuid4().hex
             item_ids = [c.item_id for c in body.candidates]

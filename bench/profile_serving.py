@@ -27,12 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_serving import CANDIDATES, cpu_s, encode_request, load, rank_requests, start, start_stack, wait_ready  # noqa: E402
+from bench_serving import CANDIDATES, cpu_s, encode_request, load, rank_requests, start, start_stack, wait_ready
 
 REQUESTS = int(os.environ.get("REQUESTS", "3000"))
 CONCURRENCY = int(os.environ.get("BENCH_CONCURRENCY", "8"))

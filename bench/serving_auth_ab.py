@@ -25,8 +25,9 @@ import numpy as np
 os.environ.pop("DRIFTLINE_SERVING__API_KEYS", None)  # each server gets its own below
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_serving as bench  # noqa: E402
-from services.ports import free_port  # noqa: E402
+import bench_serving as bench
+
+from services.ports import free_port
 
 KEY = "bench-ab-key-51c0"
 ROUNDS = int(os.environ.get("ROUNDS", "10"))

@@ -50,14 +50,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_serving import (CANDIDATES, children, cpu_s, encode_request, load, pct, start,  # noqa: E402
-                           start_stack, stop_all, wait_ready)
-from driftline.embedded import wait_for_port  # noqa: E402
-from fastapi import FastAPI  # noqa: E402
-from serving.metrics import RequestMetrics  # noqa: E402
-from serving.responses import FastJSONResponse  # noqa: E402
-from serving.schemas import RankRequest, RankResponse  # noqa: E402  - module level: FastAPI reads the annotations
-from services.ports import free_port  # noqa: E402
+from bench_serving import CANDIDATES, children, cpu_s, encode_request, load, pct, start, start_stack, stop_all, wait_ready
+from fastapi import FastAPI
+
+from driftline.embedded import wait_for_port
+from services.ports import free_port
+from serving.metrics import RequestMetrics
+from serving.responses import FastJSONResponse
+from serving.schemas import RankRequest, RankResponse
 
 QUICK = os.environ.get("QUICK") == "1"
 SECONDS = 1.5 if QUICK else 6.0

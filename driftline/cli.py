@@ -13,16 +13,16 @@ import os
 # libgomp reads this once, so it must be set before anything imports torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from services.log import setup_logging  # noqa: E402
-from services.ports import PORT_IN_USE_EXIT, PortInUse  # noqa: E402
-from services.settings import PROJECT_VAR, Settings, get_settings  # noqa: E402
+from services.log import setup_logging
+from services.ports import PORT_IN_USE_EXIT, PortInUse
+from services.settings import PROJECT_VAR, Settings, get_settings
 
 
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:

@@ -28,16 +28,15 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from driftline.embedded import redis_command, tansu_command, wait_for_port
 from driftline.supervisor import ServiceSpec, Supervisor
+from services.broker_reset import ensure_broker_epoch
 from services.kafka import create_topics
 from services.ports import Listen, PortInUse, check_ports_free, http_answers, port_is_open
 from services.redis_client import redacted
 from services.settings import Settings
-from services.broker_reset import ensure_broker_epoch
 from status.options import Target
 
 if TYPE_CHECKING:
@@ -190,8 +189,8 @@ def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external
     * With an external Kafka, a snapshot of this broker's data is kept as well (its offsets hold).
     * Otherwise (none, or only a warm start's) the warm start trains a new one.
     """
-    from producers.traffic import after_learned
     from driftline.project import named_config
+    from producers.traffic import after_learned
 
     resume = after_learned(settings, settings.replay.dataset)
     if resume is not None:
@@ -384,8 +383,6 @@ def stack_ports(settings: Settings, demo: bool) -> list[Listen]:
     if demo:
         ports.append(Listen(mhost, settings.embedded.metrics_port("traffic"), "the traffic's /metrics", "embedded.metrics_port_base"))
     return ports
-
-
 
 
 def status_targets(settings: Settings) -> list[Target]:

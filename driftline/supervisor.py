@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.ports import PORT_IN_USE_EXIT, PortInUse
 from services.broker_reset import RESET_EXIT_CODE
+from services.ports import PORT_IN_USE_EXIT, PortInUse
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Supervisor:
         header = f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting {' '.join(spec.argv)}\n".encode()
         out = None
         try:
-            out = open(path, "ab", buffering=0)  # noqa: SIM115 - the child owns it from here
+            out = open(path, "ab", buffering=0)
             out.write(header)
         except OSError as err:
             if out is not None:
@@ -264,7 +264,7 @@ class Supervisor:
         try:
             assert spec.on_restart is not None
             spec.on_restart()
-        except Exception:  # noqa: BLE001 - the services recover on their own too, only later
+        except Exception:
             log.exception("%s: restart hook failed", spec.name)
 
     def _write_state(self) -> None:

@@ -8,9 +8,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -47,7 +47,7 @@ class SparseBatch:
     def bag(self, slot: str) -> tuple[np.ndarray, np.ndarray]:
         return self.ids[slot], self.offsets[slot]
 
-    def select(self, rows: np.ndarray) -> "SparseBatch":
+    def select(self, rows: np.ndarray) -> SparseBatch:
         """The sub-batch of ``rows`` (int indices), vectorized."""
         rows = np.asarray(rows, np.int64)
         ids, offs = {}, {}
@@ -62,7 +62,7 @@ class SparseBatch:
     @staticmethod
     def from_slot_dicts(rows: Sequence[dict[str, Sequence[int]]], dense: np.ndarray | None = None, *,
                         slots: Iterable[str] | None = None, labels=None, event_time_ms=None,
-                        sample_rate=None) -> "SparseBatch":
+                        sample_rate=None) -> SparseBatch:
         """From plain dicts ``slot -> ids`` (what the feature store holds). Missing slots are empty bags."""
         slots = sorted({s for r in rows for s in r}) if slots is None else list(slots)
         n = len(rows)
@@ -80,7 +80,7 @@ class SparseBatch:
 
     @staticmethod
     def from_examples(examples: Sequence[Example], slots: Iterable[str] | None = None, label: str = "click",
-                      dense_features: Sequence[str] = ()) -> "SparseBatch":
+                      dense_features: Sequence[str] = ()) -> SparseBatch:
         """From Example protos. Missing labels read as NaN, missing dense features as NaN."""
         n = len(examples)
         feats = [e.features.sparse for e in examples]

@@ -107,7 +107,7 @@ class _KeyCounts:
         return {"keys": self.keys[:n].copy(), "clicks": self.clicks[:n].copy(), "seen": self.seen[:n].copy()}
 
     @classmethod
-    def loaded(cls, state: dict[str, np.ndarray]) -> "_KeyCounts":
+    def loaded(cls, state: dict[str, np.ndarray]) -> _KeyCounts:
         keys = np.asarray(state["keys"], np.int64)
         counts = cls(max(1024, keys.size))
         rows = counts.rows(keys)

@@ -7,17 +7,17 @@ indexing only.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from proto import Example
 from producers.movielens import load
 from producers.movielens_features import MovieLensFeatures
+from proto import Example
 
 from .batch import SparseBatch
 
@@ -28,7 +28,7 @@ class _CSR:
     ids: np.ndarray
 
     @staticmethod
-    def build(keyed: dict[int, list[int]]) -> "_CSR":
+    def build(keyed: dict[int, list[int]]) -> _CSR:
         n = max(keyed) + 1 if keyed else 1
         lens = np.zeros(n, np.int64)
         for k, v in keyed.items():

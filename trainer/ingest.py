@@ -58,8 +58,7 @@ from aiokafka import TopicPartition
 
 from services import example_batch
 from services.codecs import MalformedMessage, event_time_error, processing_failed
-from services.example_batch import BadExampleBatch, ExampleColumns
-from services.example_batch import take
+from services.example_batch import BadExampleBatch, ExampleColumns, take
 
 from . import metrics as M
 from .batch import SparseBatch

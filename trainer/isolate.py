@@ -73,7 +73,7 @@ def train_isolating(step: Step, batch: SparseBatch) -> StepResult:
         return StepResult(float("nan"), np.zeros(0, np.float32), np.zeros(0, np.int64), failed)
     rows = np.concatenate([r for r, _, _ in done])
     n = int(rows.size)
-    loss = sum(l * r.size for r, l, _ in done) / n
+    loss = sum(part_loss * r.size for r, part_loss, _ in done) / n
     return StepResult(float(loss), np.concatenate([p for _, _, p in done]), rows, failed)
 
 
@@ -139,7 +139,7 @@ def train_isolating_lockstep(step: Step, batch: SparseBatch, own_error: Callable
         piece = pieces.popleft() if pieces else rows[:0]
         try:
             loss, probs = step(batch.select(piece))
-        except Exception as err:  # noqa: BLE001 - as above
+        except Exception as err:
             mine = own_error(err)
             if piece.size == 0 and mine is not None:
                 raise  # an empty piece failed here: the trainer, not an example
@@ -156,7 +156,7 @@ def train_isolating_lockstep(step: Step, batch: SparseBatch, own_error: Callable
     order = np.argsort(np.concatenate([r for r, _, _ in done]), kind="stable")
     applied = np.concatenate([r for r, _, _ in done])[order]
     n = int(applied.size)
-    loss = sum(l * r.size for r, l, _ in done) / n
+    loss = sum(part_loss * r.size for r, part_loss, _ in done) / n
     return StepResult(float(loss), np.concatenate([p for _, _, p in done])[order], applied, failed)
 
 

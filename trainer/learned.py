@@ -13,8 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .metrics import (AUC, BASELINE_AUC, EXAMPLES, EXAMPLES_PER_S, LOG_LOSS, LOSS, RANK_EXAMPLES, PSCounts,
-                      StreamingAUC)
+from .metrics import AUC, BASELINE_AUC, EXAMPLES, EXAMPLES_PER_S, LOG_LOSS, LOSS, RANK_EXAMPLES, PSCounts, StreamingAUC
 
 
 class Learned:

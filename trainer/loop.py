@@ -281,7 +281,7 @@ class TrainerLoop(LearnedFields):
         # sends still retrying since the reset (a sync in flight then) land before ours, not among them
         try:
             await asyncio.wait_for(self._producer.flush(), self.settings.kafka.connect_timeout_s)
-        except (asyncio.TimeoutError, KafkaError) as err:
+        except (TimeoutError, KafkaError) as err:
             log.warning("sends of the old epoch still pending after the reset (%r)", err)
         if self.rank == 0:  # with their configured partitions (tansu auto-creates with its default)
             await create_topics(self.settings)

@@ -28,9 +28,9 @@ as that JSON, for tools and tests that look at the file as written.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 #: the fields written even when None (every stream writer recorded them, null or not)
 _ALWAYS = ("offsets", "topic", "broker_epoch", "from_start", "sparse_version", "dense_version", "param_deltas_offset",

@@ -34,7 +34,6 @@ from .config import ModelConfig
 from .sequential import sequential_train_step
 from .step_checks import NonFiniteStepError, finite_grads
 
-
 _NO_IDS = np.zeros(0, np.int64)
 
 

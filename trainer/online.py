@@ -64,13 +64,13 @@ import torch
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 
 from proto import Example
-from services.disk import DiskGuard
 from services import example_batch
+from services.disk import DiskGuard
 from services.kafka import TypedConsumer
 from services.settings import Settings
 
-from . import metrics as M
 from . import dedup
+from . import metrics as M
 from .batch import SparseBatch
 from .config import ModelConfig
 from .ingest import NO_HASHES, Decoded, Prepared
@@ -82,7 +82,7 @@ log = logging.getLogger(__name__)
 
 
 class _Seek(ConsumerRebalanceListener):
-    def __init__(self, trainer: "OnlineTrainer"):
+    def __init__(self, trainer: OnlineTrainer):
         self.t = trainer
 
     async def on_partitions_revoked(self, revoked):

@@ -14,8 +14,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from services.settings import Settings
 from services.broker_reset import EpochWatch
+from services.settings import Settings
 
 
 class ResetWatch:

@@ -23,8 +23,7 @@ trainer.sync.NonFiniteDelta: item: 1 of 2 rows not finite (version 4)
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import torch

@@ -21,7 +21,7 @@ def ml() -> MovieLensData:
 
 
 def _fill(model: SparseModel, rng: np.random.Generator, ids: np.ndarray) -> None:
-    for name, t in model.tables.items():
+    for t in model.tables.values():
         vals = rng.normal(size=(ids.size, t.dim)).astype(np.float32)
         t.apply_sync(SyncChunk(ids, vals, np.ones(ids.size, np.int64), np.zeros(0, np.int64)))
 

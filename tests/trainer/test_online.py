@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -12,8 +11,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 import pytest
+import torch
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from prometheus_client import REGISTRY
 
@@ -113,7 +112,7 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
     for version in complete_versions(sparse):
         for m in version:
             apply_delta(replicas, m)
-    for name, t in tr.model.tables.items():
+    for name in tr.model.tables:
         k, v, _, _ = tr.publisher.last_sync_tables[name]
         rk, rv, _, _ = replicas[name].items()
         assert np.array_equal(k, rk), name
@@ -124,12 +123,12 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
     assert tr.dense_schedule.learned_syncs >= 1
 
     letters = [DeadLetter.FromString(v) for v in await read_topic(settings, settings.topics.dead_letters)]
-    reasons = sorted(l.reason for l in letters)
+    reasons = sorted(letter.reason for letter in letters)
     assert len(letters) == 3 and [r.split(":")[0] for r in reasons] == ["bad_label", "undecodable", "unknown_slot"]
-    assert odd in [l.value for l in letters]
+    assert odd in [letter.value for letter in letters]
     # a refused example's letter is a batch of that example (the rest of its record was learned)
-    refused = {l.reason.split(":")[0]: example_batch.to_examples(example_batch.decode(l.value))
-               for l in letters if l.value != odd}
+    refused = {letter.reason.split(":")[0]: example_batch.to_examples(example_batch.decode(letter.value))
+               for letter in letters if letter.value != odd}
     assert refused["unknown_slot"] == [bad[0]] and [e.example_id for e in refused["bad_label"]] == ["bad/2"]
     assert "nonexistent_slot" in reasons[2] and "'click' missing" in reasons[0], reasons
 

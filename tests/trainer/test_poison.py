@@ -107,17 +107,16 @@ async def test_poison_records_are_dead_lettered_and_training_goes_on(settings):
     def ids(letter: DeadLetter) -> list[str]:  # a refused example's letter: a batch of that example
         return [e.example_id for e in example_batch.to_examples(example_batch.decode(letter.value))]
 
-    failed = {l.value: l.reason for l in letters["failed"]}
+    failed = {letter.value: letter.reason for letter in letters["failed"]}
     assert failed[undecodable_raw] == "failed: IndexError: a decoder bug"  # in decoding: the whole record
-    [in_step] = [l for l in letters["failed"] if l.value != undecodable_raw]
+    [in_step] = [letter for letter in letters["failed"] if letter.value != undecodable_raw]
     assert ids(in_step) == ["poison/100"] and "NonFiniteStepError" in in_step.reason  # in the training step
-    assert [ids(l) for l in letters["event_time"]] == [["poison/200"]]
-    assert [ids(l) for l in letters["bad_label"]] == [["poison/300"]]
+    assert [ids(letter) for letter in letters["event_time"]] == [["poison/200"]]
+    assert [ids(letter) for letter in letters["bad_label"]] == [["poison/300"]]
     assert tr.max_event_time < now  # the event-time clock did not jump
     man = snapshots.read_manifest(tr.snapshot_root)
     assert man["examples_applied"] == N and sum(man["offsets"].values()) == records  # moved past them
     assert man["next_snapshot_at"] < now  # periodic snapshots still come due
-
 
 
 async def test_the_publisher_refuses_non_finite_parameters(tmp_path) -> None:

@@ -25,7 +25,6 @@ from trainer.config import deepfm_config
 from trainer.data import MovieLensData, produce_examples
 from trainer.online import OnlineTrainer
 
-
 N = 4_000
 OLD, NEW = 2_000, 2_000  # examples before and after the reset
 REPEATED = 300  # examples of the old epoch the new topic holds again (a joiner re-emitting them)

@@ -10,9 +10,8 @@ import torch
 import torch.distributed as dist
 
 from services.ports import free_port
-
-from trainer.dist.model import DistributedError
 from trainer.dist.launch import pin_to_cores
+from trainer.dist.model import DistributedError
 
 
 def _rank_main(fn, rank: int, world: int, port: int, args: tuple, timeout_s: float, threads: int, pin: bool,

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from tests.trainer.distributed.rank_local import run_local
 from trainer.batch import SparseBatch
 from trainer.config import ModelConfig, deepfm_config
 from trainer.dist.model import DistributedError, DistributedModel
 from trainer.isolate import train_isolating_ranks
-from tests.trainer.distributed.rank_local import run_local
 from trainer.model import SparseModel
 
 #: examples per rank per step: an idle rank (step 1) and an all-idle step (step 2) included

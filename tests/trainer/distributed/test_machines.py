@@ -21,7 +21,7 @@ from services.ports import free_port
 from trainer import snapshots
 from trainer.data import produce_examples
 
-from .test_ranks import N, REPO, _env, _manifest, ml_examples, small_cfg  # noqa: F401 - the fixture
+from .test_ranks import REPO, N, _env, _manifest, small_cfg
 
 RDZV_ID = "driftline-trainer"
 

@@ -41,7 +41,7 @@ def test_one_rank_snapshot_restores_into_two(tmp_path):
     snapshots.save(tmp_path, cfg, m.tables, {"head": m.head.state_dict(), "optimizer": m.optimizer.state_dict()},
                    {"offsets": {"0": 5, "1": 7}, "sparse_version": 3})
     parts = [snapshots.load_rank(tmp_path, cfg, r, 2) for r in range(2)]
-    for r, (tables, dense, man, state) in enumerate(parts):
+    for r, (tables, _, _, state) in enumerate(parts):
         assert state is None  # written by another number of ranks: the caller splits the stream state
         for name, t in tables.items():
             k = t.items()[0]  # a sequential model's first-order tables go wholly to rank 0

@@ -21,7 +21,7 @@ from driftline.stack import APP_SERVICES
 from proto import ParameterDelta
 from trainer import snapshots
 from trainer.config import deepfm_config
-from trainer.data import MovieLensData, produce_examples
+from trainer.data import produce_examples
 from trainer.dist.rank_trainer import my_partitions
 from trainer.sharding import shard_of, whole_tables
 from trainer.sync import decode_sparse
@@ -34,11 +34,6 @@ def small_cfg(sequential_embeddings: bool = True):
     """The served model, small; ``sequential_embeddings=False``: its embedding tables sharded over
     the ranks (with them, every table is rank 0's: trainer.sharding.whole_tables)."""
     return deepfm_config(dim=8, mlp=[32], sequential_embeddings=sequential_embeddings)
-
-
-@pytest.fixture(scope="module")
-def ml_examples():
-    return MovieLensData(limit=N).examples()
 
 
 def test_partition_rule():

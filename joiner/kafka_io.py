@@ -58,7 +58,7 @@ class InputConsumer(TypedConsumer):
     (:mod:`joiner.worker`) only decodes and dead-letters with it."""
 
     def __init__(self, settings: Settings, dlq: object) -> None:
-        super().__init__(settings, SERVICE, FeatureLog, [], None, dead_letter_producer=dlq)  # type: ignore[arg-type]
+        super().__init__(settings, SERVICE, FeatureLog, [], None, dead_letter_producer=dlq)
         t = settings.topics
         self.decoders = {t.features: decode_feature_log, t.actions: codec_for(Action).decode}
 

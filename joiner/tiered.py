@@ -114,7 +114,7 @@ class TieredState:
         """Write the batch's changes atomically (``write_args`` go to the store's ``write``);
         return how many keys were written."""
         n = len(self.dirty)
-        self.store.write(self.dirty, **write_args)  # type: ignore[call-arg]
+        self.store.write(self.dirty, **write_args)
         self.dirty = {}
         self._dirty_index.clear()
         return n

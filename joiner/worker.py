@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from aiokafka import TopicPartition
+from aiokafka import AIOKafkaProducer, ConsumerRecord, TopicPartition
 
 from joiner import metrics as jm
 from joiner.config import JoinConfig
@@ -109,7 +109,7 @@ class Part:
 class Worker:
     """The join over Faust's events; the caller serialises calls (one batch at a time)."""
 
-    def __init__(self, settings: Settings, store: JoinStore, changelog: str, prod: object,
+    def __init__(self, settings: Settings, store: JoinStore, changelog: str, prod: AIOKafkaProducer,
                  sender: BatchedSender, highwater: Callable[[TopicPartition], int | None] = lambda tp: None) -> None:
         self.settings, self.store, self.changelog, self.prod, self.sender = settings, store, changelog, prod, sender
         # the consumer's last high watermark of an input partition: stored at each commit, so a
@@ -166,7 +166,7 @@ class Worker:
                 log.info("partition %d closed", p)
 
     # -- batches -------------------------------------------------------------------------------
-    async def process(self, fetched: Sequence[object], owned: set[int]) -> dict[TopicPartition, int]:
+    async def process(self, fetched: Sequence[ConsumerRecord], owned: set[int]) -> dict[TopicPartition, int]:
         """Join one batch of input records (aiokafka ``ConsumerRecord``s: timestamps in ms) of
         partitions in ``owned`` and commit it. Returns the input partitions the consumer must
         seek back, to the offset to read next: it went past records of theirs unread (a gap
@@ -181,39 +181,39 @@ class Worker:
         decoders = self.inputs.decoders
         actions, now = self.actions, time.monotonic()
         forwards = []
-        homes = murmur2_partitions([m.key for m in fetched], self.settings.topics.partitions)  # type: ignore[attr-defined]
+        homes = murmur2_partitions([m.key for m in fetched], self.settings.topics.partitions)
         for m, home in zip(fetched, homes.tolist()):
-            p = m.partition  # type: ignore[attr-defined]
+            p = m.partition
             if p not in owned:
                 continue  # revoked while buffered: its new owner reads it
             part = self.parts.get(p) or await self.part(p)
-            tp = TopicPartition(m.topic, p)  # type: ignore[attr-defined]
+            tp = TopicPartition(m.topic, p)
             expected = part.next.get(tp, 0)
-            if m.offset < expected or tp in seek:  # type: ignore[attr-defined]
+            if m.offset < expected or tp in seek:
                 continue  # already in the committed state, or after a gap: read again
-            if m.offset > expected and not self._gap(tp, expected, m.offset):  # type: ignore[attr-defined]
+            if m.offset > expected and not self._gap(tp, expected, m.offset):
                 seek[tp] = expected
                 continue
             self.gaps.pop(tp, None)
-            part.next[tp] = m.offset + 1  # type: ignore[attr-defined]
+            part.next[tp] = m.offset + 1
             # A producer with another partitioner than murmur2 (where serving puts a request's
             # feature log and actions) left it away from its request's other records: forward it
             # there; its offset is committed once the send is acknowledged (a crash in between
             # sends it twice: the join counts the copy as a duplicate).
             if home >= 0 and home != p:
-                forwards.append(await self.prod.send(m.topic, m.value, key=m.key, partition=home))  # type: ignore[attr-defined]
-                jm.REROUTED.labels(m.topic).inc()  # type: ignore[attr-defined]
+                forwards.append(await self.prod.send(m.topic, m.value, key=m.key, partition=home))
+                jm.REROUTED.labels(m.topic).inc()
                 self.counts["rerouted"] += 1
                 continue
             batch = records.setdefault(p, [])
             try:
-                value = decoders[m.topic](m.value)  # type: ignore[attr-defined]
+                value = decoders[m.topic](m.value)
             except MalformedMessage as err:
                 rejects.append(await self.inputs.dead_letter(m, err))
                 continue
-            if m.topic == actions:  # type: ignore[attr-defined]
+            if m.topic == actions:
                 part.last_action = now
-            batch.append((m.topic, p, value, m.timestamp, m))  # type: ignore[attr-defined]
+            batch.append((m.topic, p, value, m.timestamp, m))
         if rejects or forwards:
             await asyncio.gather(*rejects, *forwards)  # dead letters and forwards durable before their offsets are
         if not records:
@@ -342,11 +342,11 @@ class Worker:
         return dict(total)
 
 
-async def send_changelog(prod: object, topic: str, p: int, changes: Iterable[tuple[bytes, bytes | None]]) -> int:
+async def send_changelog(prod: AIOKafkaProducer, topic: str, p: int, changes: Iterable[tuple[bytes, bytes | None]]) -> int:
     """Write ``changes`` (a None value: a delete) and a commit marker to partition ``p`` of the
     changelog ``topic`` in as few record batches as fit; the marker's offset once all are acked."""
     futures = []
-    b = prod.create_batch()  # type: ignore[attr-defined]
+    b = prod.create_batch()
     n = size = 0
     for key, value in itertools.chain(changes, [(MARKER, b"")]):
         size += len(key) + len(value or b"")
@@ -354,11 +354,11 @@ async def send_changelog(prod: object, topic: str, p: int, changes: Iterable[tup
             if n == 0:
                 raise ValueError(f"a changelog record of {len(value or b'')} bytes exceeds max_batch_size")
             b.close()
-            futures.append(await prod.send_batch(b, topic, partition=p))  # type: ignore[attr-defined]
-            b, n = prod.create_batch(), 0  # type: ignore[attr-defined]
+            futures.append(await prod.send_batch(b, topic, partition=p))
+            b, n = prod.create_batch(), 0
         n += 1
     b.close()
-    futures.append(await prod.send_batch(b, topic, partition=p))  # type: ignore[attr-defined]
+    futures.append(await prod.send_batch(b, topic, partition=p))
     metas = await asyncio.gather(*futures)
     jm.CHANGELOG_BYTES.inc(size)
     return metas[-1].offset + n - 1

@@ -64,10 +64,6 @@ def _t(ms: int) -> bytes:
     return _TS.pack(min(max(ms, 0), _MAX_MS))
 
 
-def index_key(kind: bytes, partition: int, time_ms: int, tag: bytes, eid: bytes) -> bytes:
-    return kind + _P.pack(partition) + _t(time_ms) + tag + eid
-
-
 def pack_items(items: list[int]) -> bytes:
     return struct.pack(f"<{len(items)}q", *items)
 

@@ -81,9 +81,6 @@ class TieredState:
                     merged[k] = v
         return sorted(merged.items())
 
-    def scan_keys(self, lo: bytes, hi: bytes) -> list[bytes]:
-        return [k for k, _ in self.scan_items(lo, hi)]
-
     # -- writes --------------------------------------------------------------------------------
     def put(self, key: bytes, value: bytes, *, cache: bool = False) -> None:
         self.dirty[key] = value

@@ -106,11 +106,6 @@ class AdmissionConfig(_Frozen):
     sketch_depth: int = Field(4, ge=1, le=16)
     seed: int = Field(0, ge=0, lt=2**63)
 
-    @property
-    def filtering(self) -> bool:
-        """True when some occurrences are refused (a sketch or RNG is needed)."""
-        return self.min_count > 1 or self.probability < 1.0
-
 
 class TableConfig(_Frozen):
     """One embedding table (logically; it may be split into ``shards``).

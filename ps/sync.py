@@ -44,16 +44,3 @@ class SyncChunk:
 
     def __len__(self) -> int:
         return int(self.keys.size + self.tombstones.size)
-
-    @staticmethod
-    def concat(chunks: list[SyncChunk], dim: int) -> SyncChunk:
-        """Join chunks (e.g. one per shard) into one."""
-        if not chunks:
-            e = np.empty(0, np.int64)
-            return SyncChunk(e, np.empty((0, dim), np.float32), e.copy(), e.copy())
-        if len(chunks) == 1:
-            return chunks[0]
-        return SyncChunk(np.concatenate([c.keys for c in chunks]),
-                         np.concatenate([c.values for c in chunks]),
-                         np.concatenate([c.times for c in chunks]),
-                         np.concatenate([c.tombstones for c in chunks]))

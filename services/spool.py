@@ -154,10 +154,6 @@ class Spool:
         return self.end - self.low
 
     @property
-    def pending_bytes(self) -> int:
-        return self.end - self.shipped
-
-    @property
     def epoch(self) -> str | None:
         """The broker epoch the shipped entries were sent to (None: never shipped)."""
         raw = self._meta.get(b"epoch")

@@ -29,8 +29,5 @@ class MemoryStore:
             else:
                 self._data[k] = v
 
-    def approximate_count(self) -> int:
-        return len(self._data)
-
     def close(self) -> None:
         pass

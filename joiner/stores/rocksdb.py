@@ -62,9 +62,6 @@ class RdictKV:
         if changes:
             self.db.write(self.batch(changes))
 
-    def approximate_count(self) -> int:
-        return int(self.db.property_int_value("rocksdb.estimate-num-keys") or 0)
-
 
 class RocksDBStore(RdictKV):
     """A database of its own at ``rocksdb://rel/path`` or ``rocksdb:///abs/path``."""

@@ -1,5 +1,8 @@
 """Every setting of every driftline service, with its default, in one place.
 
+(Long on purpose: one place for every setting, so each default, bound and comment is written once;
+the README's settings table is checked against it by ``tests/test_settings_readme.py``.)
+
 Each field can be overridden by an environment variable: ``DRIFTLINE_<FIELD>`` for top-level
 fields and ``DRIFTLINE_<SECTION>__<FIELD>`` for a section's (for example
 ``DRIFTLINE_JOINER__WINDOW_SECONDS=600``). Two variables keep their conventional names because

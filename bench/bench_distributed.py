@@ -46,11 +46,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import trainer  # noqa: F401  - before torch: OMP_WAIT_POLICY=PASSIVE (see trainer/__init__.py)
+
+# isort: split
 import numpy as np
 import torch
 import torch.distributed as dist
 
-import trainer  # noqa: F401  - before torch: OMP_WAIT_POLICY=PASSIVE (see trainer/__init__.py)
 from tests.trainer.distributed.rank_local import run_local
 from trainer.config import deepfm_config
 from trainer.data import MovieLensData

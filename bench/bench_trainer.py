@@ -37,12 +37,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import trainer  # noqa: F401  - before torch: sets OMP_WAIT_POLICY=PASSIVE (see trainer/__init__.py)
+
+# isort: split
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import trainer  # noqa: F401  - before torch: sets OMP_WAIT_POLICY=PASSIVE (see trainer/__init__.py)
 from trainer.config import deepfm_config
 from trainer.data import MovieLensData, produce_examples
 from trainer.model import DenseHead, SparseModel, make_dense_optimizer

@@ -29,10 +29,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import trainer  # noqa: F401  - before torch: OMP_WAIT_POLICY=PASSIVE
+
+# isort: split
 import torch
 import torch.distributed as dist
 
-import trainer  # noqa: F401  - before torch: OMP_WAIT_POLICY=PASSIVE
 from tests.trainer.distributed.rank_local import run_local
 
 REPEATS = 100 if os.environ.get("QUICK") == "1" else 500

@@ -11,11 +11,13 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+import trainer  # noqa: F401  (before torch: OMP_WAIT_POLICY)
+
+# isort: split
 import numpy as np
 import torch
 from tqdm import tqdm
 
-import trainer  # noqa: F401  (before torch: OMP_WAIT_POLICY)
 from services.settings import EvalSettings, get_settings
 from trainer.batch import SparseBatch
 from trainer.config import ModelConfig, deepfm_config

@@ -14,6 +14,7 @@ COPY serving serving
 COPY proto proto
 COPY ps ps
 COPY producers producers
+COPY movielens movielens
 COPY status status
 COPY evaluation evaluation
 # the demo's project file (docker-compose.yml: DRIFTLINE_PROJECT), as `make up` runs it

@@ -97,7 +97,7 @@ def _model_arg(model: str) -> str:
 
 
 def _cmd_data_fetch(args: argparse.Namespace, settings: Settings) -> int:
-    from producers.movielens import fetch, fetch_all
+    from movielens.data import fetch, fetch_all
 
     if args.dataset == "all":
         paths = fetch_all(settings.data_dir, progress=not args.no_progress)
@@ -298,7 +298,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     command runs: ``serve`` must set up its replica's metrics before anything imports
     prometheus_client (services.kafka does; see serving.replica_metrics)."""
     from driftline.embedded import StackError
-    from producers.movielens import DataError
+    from movielens.data import DataError
     from services.kafka import BrokerUnavailable
     from services.kafka_security import KafkaSecurityError
 

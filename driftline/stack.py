@@ -140,7 +140,7 @@ def warm_start_cut(settings: Settings, fraction: float = WARM_START_FRACTION) ->
     ``[trained, start)``; the traffic replays from ``trained`` (the hold-out is new to the model)."""
     import pyarrow.parquet as pq
 
-    from producers.movielens import DatasetPaths
+    from movielens.data import DatasetPaths
 
     n = pq.read_metadata(DatasetPaths.under(settings.replay.dataset, settings.data_dir).ratings).num_rows
     start = int(n * fraction)
@@ -156,7 +156,7 @@ def demo_event_time_env(settings: Settings) -> dict[str, str]:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from producers.movielens import DatasetPaths
+    from movielens.data import DatasetPaths
     from producers.replay import PAST_BOUND_VAR, replay_event_time_bounds
 
     if PAST_BOUND_VAR in os.environ:
@@ -221,7 +221,7 @@ def _project_start(settings: Settings, supervisor: Supervisor, project: Project,
     Parquet examples, written as the snapshot the online trainer and serving start from)."""
     rows = [("project", str(project.path))]
     if project.store.movielens and project.demo is None:  # (the demo loads them itself)
-        from producers.movielens import fetch
+        from movielens.data import fetch
 
         fetch(settings.replay.dataset, settings.data_dir, progress=True)
         supervisor.start(ServiceSpec("features-load", _driftline("features", "load", "--movielens"),
@@ -294,7 +294,7 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
         common_env = {"DRIFTLINE_TRAINER__MODEL": settings.trainer.model}
         replay_start: int | None = None  # the warm start's cut
         if demo:
-            from producers.movielens import fetch
+            from movielens.data import fetch
 
             fetch(settings.replay.dataset, settings.data_dir, progress=True)
             common_env.update(demo_event_time_env(settings))

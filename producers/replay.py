@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from producers.movielens import load
-from producers.movielens_features import MovieLensFeatures
+from movielens.data import load
+from movielens.features import MovieLensFeatures
 from proto import Action, DeadLetter, FeatureLog, ModelVersion
 from services import metrics
 from services.codecs import event_time_error

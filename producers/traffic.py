@@ -37,9 +37,9 @@ import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 from tqdm import tqdm
 
+from movielens.data import load
 from producers.drivers import ReplayStats, add_arguments, driver_settings
 from producers.join_report import default_urls, with_join_report
-from producers.movielens import load
 from producers.replay import ReplayPlan, make_plan
 from services.api_keys import client_headers
 from services.settings import Settings
@@ -307,7 +307,7 @@ def after_learned(settings, dataset: str) -> int | None:  # type: ignore[no-unty
     """The first rating after the newest event time the online trainer's snapshot learned (None:
     no snapshot it learned into): where a restarted replay resumes (``up``, ``--after-learned``)."""
     from driftline.project import named_config
-    from producers.movielens import first_rating_after
+    from movielens.data import first_rating_after
     from trainer import snapshots
 
     root = settings.model_snapshots(named_config(settings.trainer.model).model_id)

@@ -237,8 +237,8 @@ async def load_files(url: str, prefix: str, users: Path | None, items: Path | No
 
 async def load_dataset(url: str, dataset: str, data_dir: Path, prefix: str = "driftline") -> tuple[int, float]:
     """Fill the store with a MovieLens dataset's user and item features; return (keys, seconds)."""
-    from producers.movielens import load
-    from producers.movielens_features import MovieLensFeatures
+    from movielens.data import load
+    from movielens.features import MovieLensFeatures
 
     started = time.perf_counter()
     ml = load(dataset, data_dir)

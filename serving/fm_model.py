@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from producers.movielens_features import ITEM_SLOTS, USER_SLOTS
+from movielens.features import ITEM_SLOTS, USER_SLOTS
 from proto import ParameterDelta
 from ps import EmbeddingTable, SyncChunk, TableConfig
 from serving.correction import SampleRates

@@ -83,7 +83,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, repo_root: Path) -> Iterator
     s = ComposeProcesses.create(repo_root, tmp_path_factory.mktemp("compose"), OVERRIDES)
     # The image's data dir is on the volume: there, the dataset cache the tests share (fetched
     # once for all of them: a fresh clone has none yet if this file runs first)
-    from producers.movielens import fetch
+    from movielens.data import fetch
 
     shared = Path(os.environ["DRIFTLINE_DATA_DIR"]).resolve()
     fetch("ml-1m", shared, progress=False)

@@ -22,9 +22,9 @@ import pytest
 import redis
 
 from driftline.cli import main as cli_main
+from movielens.data import load
 from producers.csv_log import load_map, requests_of
 from producers.csv_traffic import project_of
-from producers.movielens import load
 from services.settings import get_settings
 from tests.loopstack import LoopStack
 

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from producers.movielens_features import MovieLensFeatures
+from movielens.features import MovieLensFeatures
 from producers.replay import Refused, encode_messages, make_plan, replay, replay_events, request_id
 from proto import Action, DeadLetter, FeatureLog
 from services.codecs import codec_for

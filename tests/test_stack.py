@@ -220,7 +220,7 @@ def test_a_snapshot_learned_online_is_never_replaced_by_a_warm_start(tmp_path: P
     its newest event time; a warm start's own snapshot (nothing learned online) is replaced."""
     from driftline.project import named_config
     from driftline.stack import _warm_start, warm_start_cut
-    from producers.movielens import fetch, first_rating_after
+    from movielens.data import fetch, first_rating_after
     from trainer import snapshots
 
     class Recorder:  # stands in for the supervisor: what would be started
@@ -252,7 +252,7 @@ def test_a_warm_start_on_every_start_keeps_what_the_online_trainer_learned(tmp_p
     --unless-learned` leaves a snapshot the online trainer learned into as it is, and `traffic
     --after-learned` starts after the newest event time it learned."""
     from driftline.project import named_config
-    from producers.movielens import fetch, first_rating_after
+    from movielens.data import fetch, first_rating_after
     from producers.traffic import after_learned
     from trainer import snapshots
 

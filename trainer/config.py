@@ -1,6 +1,6 @@
 """Models declared as typed data, not code.
 
-A model reads sparse *slots* (named bags of int64 ids, see :mod:`producers.movielens_features`).
+A model reads sparse *slots* (named bags of int64 ids, see :mod:`movielens.features`).
 Each slot maps to a PS table that holds its embeddings; several slots may share one table (their
 ids are then salted per slot so equal ids of different slots do not collide, unless ``salt`` says
 otherwise for a slot: unsalted slots of one table read the same row for the same id, e.g. the

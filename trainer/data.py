@@ -15,8 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from producers.movielens import load
-from producers.movielens_features import MovieLensFeatures
+from movielens.data import load
+from movielens.features import MovieLensFeatures
 from proto import Example
 
 from .batch import SparseBatch

@@ -38,7 +38,7 @@ def ml_events(
     data_dir: Path = Path("var/data"),
 ) -> list[tuple[str, bytes, bytes]]:
     """``(kind, key, value)`` with kind ``"features"`` or ``"actions"``, key = request id."""
-    from producers.movielens import load
+    from movielens.data import load
 
     ratings = load("ml-1m", data_dir).ratings.slice(start, n_requests)
     users = ratings.column("user_id").to_numpy()

@@ -1,4 +1,4 @@
-"""Tests for producers.movielens on the real ml-1m / ml-100k data (downloaded once per session)."""
+"""Tests for movielens.data on the real ml-1m / ml-100k data (downloaded once per session)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from producers import movielens
-from producers.movielens import (
+from movielens import data as movielens
+from movielens.data import (
     ITEMS_SCHEMA,
     RATINGS_SCHEMA,
     USERS_SCHEMA,

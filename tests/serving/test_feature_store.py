@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from producers.movielens import load
-from producers.movielens_features import MovieLensFeatures
+from movielens.data import load
+from movielens.features import MovieLensFeatures
 from serving.feature_files import main
 from serving.feature_store import FeatureStore
 

@@ -53,7 +53,10 @@ class SparseBatch:
         ids, offs = {}, {}
         for s in self.ids:
             ids[s], offs[s] = take_lists(self.ids[s], self.offsets[s], rows)
-        pick = lambda a: None if a is None else a[rows]  # noqa: E731
+
+        def pick(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[rows]
+
         return SparseBatch(int(rows.size), ids, offs, pick(self.labels), pick(self.event_time_ms),
                            pick(self.sample_rate), pick(self.dense),
                            None if self.example_ids is None else [self.example_ids[i] for i in rows],

@@ -27,17 +27,7 @@ from ps import EmbeddingTable, SyncChunk, TableConfig
 from serving.correction import SampleRates
 from serving.model import Slots, latest_snapshot
 from serving.request_features import Declared
-from serving.versions import (
-    Bootstrap,
-    DeltaRejected,
-    SparseVersions,
-    VersionState,
-    check_shard,
-    chunk_done,
-    delta_sample_rates,
-    manifest_sample_rates,
-    manifest_sparse_versions,
-)
+from serving.versions import Bootstrap, DeltaRejected, VersionedModel, manifest_sample_rates, manifest_sparse_versions
 
 __all__ = ["DEFAULT_SLOTS", "FMModel"]
 
@@ -49,11 +39,11 @@ def _sigmoid(z: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0)))
 
 
-class FMModel:
+class FMModel(VersionedModel):
     """Factorization machine over one embedding table per slot (sum-pooled multi-valued slots)."""
 
     def __init__(self, slots: Sequence[str] = DEFAULT_SLOTS, dim: int = 8, model_id: str = "deepfm") -> None:
-        self.model_id = model_id
+        super().__init__(model_id)
         self.dim = dim
         self.width = dim + 1
         self.tables: dict[str, EmbeddingTable] = {
@@ -62,9 +52,6 @@ class FMModel:
         }
         self.dense_params: dict[str, np.ndarray] = {"bias": np.zeros(1, np.float32)}
         self._dense_lock = threading.Lock()
-        self.sparse = SparseVersions()
-        self.dense = VersionState()
-        self.sample_rates = SampleRates()
         self.declared = Declared.of(slots)
 
     # ------------------------------------------------------------------ scoring
@@ -108,28 +95,8 @@ class FMModel:
         return _sigmoid(z)
 
     # ------------------------------------------------------------------ deltas
-    def apply_delta(self, msg: ParameterDelta) -> str:
-        if msg.model_id != self.model_id:
-            raise DeltaRejected("other_model", f"delta for {msg.model_id!r}, serving {self.model_id!r}")
-        kind = msg.WhichOneof("payload")
-        if kind == "sparse":
-            check_shard(msg)
-            self._apply_sparse(msg)
-            self.sparse.done(msg)
-        elif kind == "dense":
-            self._apply_dense(msg)
-            chunk_done(self.dense, msg)
-        else:
-            raise DeltaRejected("bad_shape", "delta without payload")
-        return kind
-
-    def _apply_sparse(self, msg: ParameterDelta) -> None:
+    def _write_sparse(self, msg: ParameterDelta, table: EmbeddingTable) -> None:
         rows = msg.sparse
-        table = self.tables.get(rows.table)
-        if table is None:
-            raise DeltaRejected("unknown_table", f"no table {rows.table!r}")
-        if rows.dim != table.dim:
-            raise DeltaRejected("bad_shape", f"table {rows.table} has dim {table.dim}, delta {rows.dim}")
         keys = np.frombuffer(rows.keys, dtype="<i8").astype(np.int64)
         values = np.frombuffer(rows.values, dtype="<f4").astype(np.float32).reshape(keys.size, rows.dim)
         if not np.isfinite(values).all():
@@ -139,8 +106,7 @@ class FMModel:
         times = np.full(keys.size, when, np.int64)
         table.apply_sync(SyncChunk(keys, values, times, tomb))
 
-    def _apply_dense(self, msg: ParameterDelta) -> None:
-        rates = delta_sample_rates(msg, self.sample_rates)
+    def _write_dense(self, msg: ParameterDelta, rates: SampleRates) -> None:
         updates: list[tuple[np.ndarray, np.ndarray]] = []
         for t in msg.dense.tensors:
             current = self.dense_params.get(t.name)
@@ -199,10 +165,8 @@ class FMModel:
                     if name in self.dense_params:
                         np.copyto(self.dense_params[name], z[name])
         self.sample_rates = manifest_sample_rates(meta.get("sample_rates"))
-        self.sparse.restore(*manifest_sparse_versions(meta), meta["sparse_published_ms"])
-        self.dense.version = meta["dense_version"]
-        self.dense.published_ms = meta["dense_published_ms"]
-        self.dense.pending.clear()
+        self._restore_versions(*manifest_sparse_versions(meta), meta["sparse_published_ms"],
+                               meta["dense_version"], meta["dense_published_ms"])
 
     def bootstrap(self, root: Path | None) -> Bootstrap | None:
         path = latest_snapshot(root)

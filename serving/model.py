@@ -24,10 +24,8 @@ from serving.versions import (
     Bootstrap,
     DeltaRejected,
     SparseVersions,
+    VersionedModel,
     VersionState,
-    check_shard,
-    chunk_done,
-    delta_sample_rates,
     manifest_sample_rates,
     manifest_sparse_versions,
 )
@@ -138,7 +136,7 @@ class _PooledInputs:
         return emb, lin, dense
 
 
-class TrainerModel:
+class TrainerModel(VersionedModel):
     """The trainer's model (``trainer.inference.Scorer``: DeepFM or LR) over serving-replica tables.
 
     Sparse deltas go through ``trainer.sync.apply_delta`` (``apply_sync`` in place, per chunk,
@@ -154,10 +152,7 @@ class TrainerModel:
 
         self.config = config if config is not None else named_config(model_name)
         self.scorer = Scorer(self.config)  # type: ignore[arg-type]
-        self.model_id: str = self.config.model_id  # type: ignore[attr-defined]
-        self.sparse = SparseVersions()
-        self.dense = VersionState()
-        self.sample_rates = SampleRates()
+        super().__init__(self.config.model_id)  # type: ignore[attr-defined]
         self._pooler: SparseModel | None = None
         self._declared: tuple[object, Declared] | None = None
         self._splits: tuple[object, dict[frozenset[str], SplitHead]] = (None, {})
@@ -237,37 +232,27 @@ class TrainerModel:
         from trainer.sync import NonFiniteDelta
 
         try:
-            return self._apply_delta(msg)
+            return super().apply_delta(msg)
         except NonFiniteDelta as err:  # checked before anything is written: the last good model stays
             raise DeltaRejected("non_finite", str(err)) from None
 
-    def _apply_delta(self, msg: ParameterDelta) -> str:
-        from trainer.sync import apply_delta, decode_dense
+    def _whole(self) -> frozenset[str]:
+        return whole_tables(self.config)
 
-        if msg.model_id != self.model_id:
-            raise DeltaRejected("other_model", f"delta for {msg.model_id!r}, serving {self.model_id!r}")
-        kind = msg.WhichOneof("payload")
-        if kind == "sparse":
-            table = self.scorer.tables.get(msg.sparse.table)
-            if table is None:
-                raise DeltaRejected("unknown_table", f"no table {msg.sparse.table!r}")
-            if msg.sparse.dim != table.dim:
-                raise DeltaRejected("bad_shape", f"table {table.name} has dim {table.dim}, delta {msg.sparse.dim}")
-            check_shard(msg, whole_tables(self.config))
-            apply_delta(self.scorer.tables, msg)
-            self.sparse.done(msg)
-        elif kind == "dense":
-            rates = delta_sample_rates(msg, self.sample_rates)
-            state = decode_dense(msg)
-            try:
-                self.scorer.load_dense(state)
-            except (RuntimeError, ValueError, KeyError) as err:
-                raise DeltaRejected("bad_shape", f"dense parameters do not fit the head: {err}") from None
-            self.sample_rates = rates
-            chunk_done(self.dense, msg)
-        else:
-            raise DeltaRejected("bad_shape", "delta without payload")
-        return kind
+    def _write_sparse(self, msg: ParameterDelta, table: EmbeddingTable) -> None:
+        from trainer.sync import apply_delta
+
+        apply_delta(self.scorer.tables, msg)
+
+    def _write_dense(self, msg: ParameterDelta, rates: SampleRates) -> None:
+        from trainer.sync import decode_dense
+
+        state = decode_dense(msg)  # a non-finite one raises first (NonFiniteDelta)
+        try:
+            self.scorer.load_dense(state)
+        except (RuntimeError, ValueError, KeyError) as err:
+            raise DeltaRejected("bad_shape", f"dense parameters do not fit the head: {err}") from None
+        self.sample_rates = rates
 
     def bootstrap(self, root: Path | None) -> Bootstrap | None:
         from trainer.config import ModelConfig
@@ -287,10 +272,7 @@ class TrainerModel:
         self.sample_rates = rates
         created = int(manifest.created_at_ms or 0)
         shard_count, versions = manifest_sparse_versions(manifest)
-        self.sparse.restore(shard_count, versions, created)
-        self.dense.version = manifest.dense_version
-        self.dense.published_ms = created
-        self.dense.pending.clear()
+        self._restore_versions(shard_count, versions, created, manifest.dense_version, created)
         # 0 is an offset too: a warm start's snapshot predates every delta on the topic (read from
         # its start, every delta is after it, whatever the layout of the trainer that publishes)
         return Bootstrap(path / manifest.name, self.sparse.version, self.dense.version,

@@ -27,11 +27,12 @@ from pathlib import Path
 import numpy as np
 
 from proto import ParameterDelta
+from ps import EmbeddingTable
 from serving.correction import BadSampleRates, SampleRates
 from trainer.manifest import Manifest
 
-__all__ = ["Bootstrap", "DeltaRejected", "SparseVersions", "VersionState", "check_shard", "chunk_done",
-           "delta_sample_rates", "manifest_sample_rates", "manifest_sparse_versions"]
+__all__ = ["Bootstrap", "DeltaRejected", "SparseVersions", "VersionState", "VersionedModel", "check_shard",
+           "chunk_done", "delta_sample_rates", "manifest_sample_rates", "manifest_sparse_versions"]
 
 
 @dataclass
@@ -221,3 +222,59 @@ def delta_sample_rates(msg: ParameterDelta, current: SampleRates) -> SampleRates
 def manifest_sample_rates(rates: Mapping | None) -> SampleRates:
     """A snapshot's ``sample_rates`` (None or empty: the trainer recorded none: no correction)."""
     return SampleRates.from_mapping(rates) if rates else SampleRates()
+
+
+class VersionedModel:
+    """What every served model shares: its versions, the sample rates its parameters were trained
+    under, and a delta's checks and bookkeeping. A model brings its ``tables``, how a checked chunk
+    is written (:meth:`_write_sparse`, :meth:`_write_dense`) and the tables that live whole on
+    shard 0 (:meth:`_whole`, for :func:`check_shard`)."""
+
+    tables: Mapping[str, EmbeddingTable]
+
+    def __init__(self, model_id: str) -> None:
+        self.model_id = model_id
+        self.sparse = SparseVersions()
+        self.dense = VersionState()
+        self.sample_rates = SampleRates()
+
+    def apply_delta(self, msg: ParameterDelta) -> str:
+        """Apply one chunk in place; return its kind ("sparse" or "dense"). A chunk that does not
+        fit raises :class:`DeltaRejected` before anything of it is written."""
+        if msg.model_id != self.model_id:
+            raise DeltaRejected("other_model", f"delta for {msg.model_id!r}, serving {self.model_id!r}")
+        kind = msg.WhichOneof("payload")
+        if kind == "sparse":
+            rows = msg.sparse
+            table = self.tables.get(rows.table)
+            if table is None:
+                raise DeltaRejected("unknown_table", f"no table {rows.table!r}")
+            if rows.dim != table.dim:
+                raise DeltaRejected("bad_shape", f"table {rows.table} has dim {table.dim}, delta {rows.dim}")
+            check_shard(msg, self._whole())
+            self._write_sparse(msg, table)
+            self.sparse.done(msg)
+        elif kind == "dense":
+            self._write_dense(msg, delta_sample_rates(msg, self.sample_rates))
+            chunk_done(self.dense, msg)
+        else:
+            raise DeltaRejected("bad_shape", "delta without payload")
+        return kind
+
+    def _whole(self) -> frozenset[str]:
+        return frozenset()
+
+    def _write_sparse(self, msg: ParameterDelta, table: EmbeddingTable) -> None:
+        raise NotImplementedError
+
+    def _write_dense(self, msg: ParameterDelta, rates: SampleRates) -> None:
+        """Write the dense chunk and take ``rates`` (the sample rates it brings) with it."""
+        raise NotImplementedError
+
+    def _restore_versions(self, shard_count: int, versions: Mapping[int, int], sparse_ms: int,
+                          dense_version: int, dense_ms: int) -> None:
+        """The versions a snapshot holds become the served ones (chunks pending are forgotten)."""
+        self.sparse.restore(shard_count, versions, sparse_ms)
+        self.dense.version = dense_version
+        self.dense.published_ms = dense_ms
+        self.dense.pending.clear()

@@ -4,23 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-IMPRESSIONS = Counter("driftline_joiner_impressions_total", "Impressions (candidates of feature logs) consumed.")
-DUPLICATE_IMPRESSIONS = Counter("driftline_joiner_duplicate_impressions_total", "Impressions seen again and ignored.")
-EXPIRED_IMPRESSIONS = Counter(
-    "driftline_joiner_expired_impressions_total",
-    "Impressions refused: the features watermark had passed them by more than W + L + R, so their "
-    "tombstone may be gone and they cannot be told from a repeat (a re-sent or re-read feature log).",
-)
-ACTIONS = Counter("driftline_joiner_actions_total", "Actions consumed.")
-UNMAPPED = Counter("driftline_joiner_unmapped_actions_total", "Actions whose type maps to no label.")
-JOINS = Counter("driftline_joiner_joined_actions_total", "Actions joined to their impression.")
-DUPLICATE_ACTIONS = Counter("driftline_joiner_duplicate_actions_total", "Repeated actions, ignored (idempotent).")
-POSITIVES = Counter("driftline_joiner_positives_total", "Positive examples emitted.")
 NEGATIVES = Counter("driftline_joiner_negatives_total", "Windows closed without a positive, by outcome.", ["outcome"])
 LATE = Counter("driftline_joiner_late_actions_total", "Actions for a closed window, by reason.", ["reason"])
-ORPHANS = Counter("driftline_joiner_orphan_actions_total", "Actions whose features never came (dropped).")
-CORRECTIONS = Counter("driftline_joiner_corrections_total", "Correction examples for late actions (late_policy=correction).")
-EXTRA_LABELS = Counter("driftline_joiner_extra_labels_total", "Second action types after an immediate positive (dropped).")
 LOOKUPS = Counter("driftline_joiner_lookups_total", "Waiting-state lookups by tier: cache, disk, miss.", ["tier"])
 SPILLED = Counter("driftline_joiner_spilled_total", "Impressions evicted from the memory cache (they stay on disk).")
 WAITING = Gauge("driftline_joiner_waiting_impressions", "Impressions whose window is open, by tier.", ["tier"])
@@ -62,19 +47,23 @@ OUTPUT_SPOOL_BYTES = Gauge("driftline_joiner_output_spool_bytes",
                            "Bytes of produced example records kept to produce again after a broker reset.")
 OUTPUT_RESENT = Counter("driftline_joiner_output_resent_total",
                         "Example records produced again into a broker whose data was reset.")
-_COUNTERS = {
-    "impressions": IMPRESSIONS,
-    "duplicate_impressions": DUPLICATE_IMPRESSIONS,
-    "expired_impressions": EXPIRED_IMPRESSIONS,
-    "actions": ACTIONS,
-    "unmapped_actions": UNMAPPED,
-    "joins": JOINS,
-    "duplicate_actions": DUPLICATE_ACTIONS,
-    "positives": POSITIVES,
-    "orphan_actions": ORPHANS,
-    "corrections": CORRECTIONS,
-    "extra_labels": EXTRA_LABELS,
-}
+
+#: a batch's count -> its counter (:func:`publish` adds a batch's counts)
+_COUNTERS = {name: Counter(metric, doc) for name, metric, doc in (
+    ("impressions", "driftline_joiner_impressions_total", "Impressions (candidates of feature logs) consumed."),
+    ("duplicate_impressions", "driftline_joiner_duplicate_impressions_total", "Impressions seen again and ignored."),
+    ("expired_impressions", "driftline_joiner_expired_impressions_total",
+     "Impressions refused: the features watermark had passed them by more than W + L + R, so their "
+     "tombstone may be gone and they cannot be told from a repeat (a re-sent or re-read feature log)."),
+    ("actions", "driftline_joiner_actions_total", "Actions consumed."),
+    ("unmapped_actions", "driftline_joiner_unmapped_actions_total", "Actions whose type maps to no label."),
+    ("joins", "driftline_joiner_joined_actions_total", "Actions joined to their impression."),
+    ("duplicate_actions", "driftline_joiner_duplicate_actions_total", "Repeated actions, ignored (idempotent)."),
+    ("positives", "driftline_joiner_positives_total", "Positive examples emitted."),
+    ("orphan_actions", "driftline_joiner_orphan_actions_total", "Actions whose features never came (dropped)."),
+    ("corrections", "driftline_joiner_corrections_total", "Correction examples for late actions (late_policy=correction)."),
+    ("extra_labels", "driftline_joiner_extra_labels_total", "Second action types after an immediate positive (dropped)."),
+)}
 
 
 def publish(counts: dict[str, int]) -> None:

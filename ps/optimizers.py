@@ -95,6 +95,31 @@ def dedupe(rows: I64Array, grads: F32Array, times: I64Array) -> tuple[int, I64Ar
 
 
 @njit
+def clear_slots(tab: I64Array) -> int:
+    """Mark every slot of a dedupe table (``int64[cap, 2]``: row, position) empty; return its mask."""
+    for h in range(tab.shape[0]):
+        tab[h, 0] = -1
+    return int(tab.shape[0]) - 1
+
+
+@njit
+def prefetch_homes(rows: I64Array, b: IntLike, e: IntLike, hs: I64Array, tab: I64Array, mask: IntLike) -> None:
+    """Hash ``rows[b:e]`` into ``hs[:e - b]`` and prefetch their home slots: a group's misses overlap."""
+    for i in range(b, e):
+        h = (rows[i] * 0x9E3779B1) & mask
+        hs[i - b] = h
+        prefetch(tab, h)
+
+
+@njit
+def find_slot(tab: I64Array, h: IntLike, r: IntLike, mask: IntLike) -> IntLike:
+    """Row ``r``'s slot in a dedupe table, probed from its home ``h``: where it is, or the empty one it takes."""
+    while tab[h, 0] >= 0 and tab[h, 0] != r:
+        h = (h + 1) & mask
+    return h
+
+
+@njit
 def dedupe_into(rows: I64Array, grads: F32Array, times: I64Array, tab: I64Array, urows: I64Array, ugrads: F32Array,
                 utimes: I64Array) -> int:
     """:func:`dedupe` into caller-given buffers; ``tab`` is ``int64[cap, 2]``, cap a power of two > n.
@@ -105,25 +130,18 @@ def dedupe_into(rows: I64Array, grads: F32Array, times: I64Array, tab: I64Array,
     """
     n = rows.size
     dim = grads.shape[1]
-    mask = tab.shape[0] - 1
-    for h in range(tab.shape[0]):
-        tab[h, 0] = -1
+    mask = clear_slots(tab)
     hs = np.empty(DEDUPE_GROUP, np.int64)
     k = 0
     for b in range(0, n, DEDUPE_GROUP):
         e = min(n, b + DEDUPE_GROUP)
-        for i in range(b, e):
-            h = (rows[i] * 0x9E3779B1) & mask
-            hs[i - b] = h
-            prefetch(tab, h)
+        prefetch_homes(rows, b, e, hs, tab, mask)
         for i in range(b, e):
             r = rows[i]
             if r < 0:
                 continue
             t = times[i] if times.size > 1 else times[0]
-            h = hs[i - b]
-            while tab[h, 0] >= 0 and tab[h, 0] != r:
-                h = (h + 1) & mask
+            h = find_slot(tab, hs[i - b], r, mask)
             if tab[h, 0] < 0:
                 tab[h, 0] = r
                 tab[h, 1] = k

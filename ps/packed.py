@@ -9,7 +9,7 @@ import numpy as np
 
 from ._jit import BoolArray, F32Array, F64Array, I64Array, IntLike, U8Array, njit, prefetch, prefetch_row
 from .hashmap import GROUP, home, resolve
-from .optimizers import DEDUPE_GROUP, apply_updates, dedupe_capacity
+from .optimizers import DEDUPE_GROUP, apply_updates, clear_slots, dedupe_capacity, find_slot, prefetch_homes
 from .rowmarks import M_WATERMARK, reserve_dirty
 from .sharding import shard_index
 
@@ -86,9 +86,7 @@ def packed_dedupe(ids_rows: I64Array, pos: I64Array, gst: I64Array, m: IntLike, 
     ``grads[gst[q]]`` (the packed buffer, no per-slot copies) and whose times are ``tarr[pos[q]]``
     (or ``tarr[0]``). Same order, same float32 sums: bit-identical to the per-table path."""
     tab = np.empty((dedupe_capacity(m), 2), np.int64)
-    mask = tab.shape[0] - 1
-    for h in range(tab.shape[0]):
-        tab[h, 0] = -1
+    mask = clear_slots(tab)
     urows = np.empty(m, np.int64)
     ugrads = np.empty((m, dim), np.float32)
     utimes = np.empty(m, np.int64)
@@ -97,18 +95,13 @@ def packed_dedupe(ids_rows: I64Array, pos: I64Array, gst: I64Array, m: IntLike, 
     k = 0
     for b in range(0, m, DEDUPE_GROUP):
         e = min(m, b + DEDUPE_GROUP)
-        for q in range(b, e):
-            h = (ids_rows[q] * 0x9E3779B1) & mask
-            hs[q - b] = h
-            prefetch(tab, h)
+        prefetch_homes(ids_rows, b, e, hs, tab, mask)
         for q in range(b, e):
             r = ids_rows[q]
             if r < 0:
                 continue
             t = tarr[0] if one_time else tarr[pos[q]]
-            h = hs[q - b]
-            while tab[h, 0] >= 0 and tab[h, 0] != r:
-                h = (h + 1) & mask
+            h = find_slot(tab, hs[q - b], r, mask)
             g0 = gst[q]
             if tab[h, 0] < 0:
                 tab[h, 0] = r

@@ -27,35 +27,28 @@ CANDIDATES = Histogram(
     "driftline_serving_candidates_per_request", "Candidates scored per /rank request.",
     buckets=(1, 5, 10, 20, 50, 100, 200, 500, 1000, 2000),
 )
-MODEL_VERSION = Gauge(
-    "driftline_serving_model_version", "Version of the model being served, by kind (sparse/dense).",
-    ["model_id", "kind"],
-    multiprocess_mode="mostrecent",
-)
-SPARSE_VERSION = Gauge(
+
+
+def _model_gauge(name: str, doc: str, *labels: str) -> Gauge:
+    """A gauge of the served model, by ``model_id`` and ``labels``: whatever a process set last."""
+    return Gauge(name, doc, ["model_id", *labels], multiprocess_mode="mostrecent")
+
+
+MODEL_VERSION = _model_gauge(
+    "driftline_serving_model_version", "Version of the model being served, by kind (sparse/dense).", "kind")
+SPARSE_VERSION = _model_gauge(
     "driftline_serving_sparse_version",
     "Sparse version served of each shard of the trainer's current layout (shard 0 alone for a "
-    "one-process trainer); driftline_serving_model_version{kind=\"sparse\"} is their minimum.",
-    ["model_id", "shard"],
-    multiprocess_mode="mostrecent",
-)
-SHARD_COUNT = Gauge(
-    "driftline_serving_sparse_shard_count",
-    "Shard count of the sparse deltas served (0: a one-process trainer).", ["model_id"],
-    multiprocess_mode="mostrecent",
-)
-DELTA_STALENESS = Gauge(
+    "one-process trainer); driftline_serving_model_version{kind=\"sparse\"} is their minimum.", "shard")
+SHARD_COUNT = _model_gauge(
+    "driftline_serving_sparse_shard_count", "Shard count of the sparse deltas served (0: a one-process trainer).")
+DELTA_STALENESS = _model_gauge(
     "driftline_serving_model_staleness_seconds",
-    "Now minus the publish time of the newest applied version, by kind.", ["model_id", "kind"],
-    multiprocess_mode="mostrecent",
-)
-SAMPLE_RATE = Gauge(
+    "Now minus the publish time of the newest applied version, by kind.", "kind")
+SAMPLE_RATE = _model_gauge(
     "driftline_serving_sample_rate",
     "Negative sample rate of the log-odds correction: the served model's rate for its slice (source "
-    "slice), else over all slices (global), else 1.0 (unrecorded: its trainer recorded none).",
-    ["model_id", "source"],
-    multiprocess_mode="mostrecent",
-)
+    "slice), else over all slices (global), else 1.0 (unrecorded: its trainer recorded none).", "source")
 DELTA_LAG = Histogram(
     "driftline_serving_delta_apply_lag_seconds",
     "Publish-to-applied delay of each parameter-delta chunk, by kind.", ["kind"],

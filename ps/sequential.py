@@ -181,6 +181,19 @@ def bag_span(s: IntLike, e: IntLike, seg_off: I64Array, bags: I64Array, seg_mean
 
 
 @njit
+def seen_at(keys: I64Array, k: IntLike, key: IntLike) -> IntLike:
+    """Where ``key`` stands among ``keys[:k]`` (an example's rows, first-seen order); ``k``: not there.
+
+    >>> int(seen_at(np.array([4, 2, 9]), 3, 2)), int(seen_at(np.array([4, 2, 9]), 2, 9))
+    (1, 2)
+    """
+    q = 0
+    while q < k and keys[q] != key:
+        q += 1
+    return q
+
+
+@njit
 def first_order_sum(logit: float, e: IntLike, s_lo: IntLike, s_hi: IntLike, seg_off: I64Array, bags: I64Array,
                     seg_mean: BoolArray, u_of: I64Array, w: F32Array, eu: I64Array, ewgt: F64Array) -> tuple[float, int]:
     """``logit`` plus example ``e``'s first-order terms over segments ``s_lo..s_hi-1`` (row ``u``'s
@@ -194,9 +207,7 @@ def first_order_sum(logit: float, e: IntLike, s_lo: IntLike, s_hi: IntLike, seg_
             if u < 0:
                 continue
             logit += wgt * np.float64(w[u])
-            q = 0
-            while q < k and eu[q] != u:
-                q += 1
+            q = seen_at(eu, k, u)
             if q == k:
                 eu[k] = u
                 ewgt[k] = wgt

@@ -58,6 +58,7 @@ from .sequential import (
     local_shards,
     prepare_batch,
     scored,
+    seen_at,
     started,
     write_back,
 )
@@ -155,9 +156,7 @@ def sequential_fm_kernel(
                 u = u_of[i]
                 if u < 0:
                     continue
-                q = 0
-                while q < m and vu[q] != u:
-                    q += 1
+                q = seen_at(vu, m, u)
                 if q == m:
                     vu[m] = u
                     for j in range(D):

@@ -34,7 +34,7 @@ from . import rows as R
 from ._jit import aligned_zeros
 from ._validate import as_event_time, as_grads, as_ids, as_values
 from .config import TableConfig
-from .errors import InvalidInputError, ReadOnlyTableError
+from .errors import InvalidIdsError, InvalidInputError, ReadOnlyTableError
 from .hashmap import MAX_LOAD, empty_slots, grow, lookup_kernel
 from .initializers import KINDS
 from .optimizers import OPT_NONE, apply_updates, dedupe, encode
@@ -374,6 +374,34 @@ class TableShard:
             self._state[self._lookup(keys)] = state
             for _ in self.pop_updates(1 << 30):
                 pass
+
+    def read_rows(self, ids: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """``(values, optimizer_state)`` of rows that exist (copies); an absent id raises."""
+        ids = as_ids(ids)
+        with self.lock:
+            rows = self._present(ids)
+            return self._emb[rows], self._state[rows]
+
+    def write_rows(self, ids: npt.ArrayLike, values: npt.ArrayLike, state: npt.ArrayLike) -> None:
+        """Overwrite the values and optimizer state of rows that exist, and nothing else: no time,
+        no change mark, no admission. For a cache that steps rows elsewhere while the table keeps
+        their bookkeeping (``trainer.mixcache``); an absent id raises before anything is written."""
+        ids = as_ids(ids)
+        vals = as_values(values, ids.size, self.dim)
+        st = np.asarray(state, np.float32).reshape(ids.size, -1)
+        if st.shape[1] != self._state.shape[1]:
+            raise InvalidInputError(f"{self.config.name}: optimizer state width {st.shape[1]}, "
+                                    f"the table's is {self._state.shape[1]}")
+        with self.lock:
+            rows = self._present(ids)
+            self._emb[rows] = vals
+            self._state[rows] = st
+
+    def _present(self, ids: np.ndarray) -> np.ndarray:
+        rows = self._lookup(ids)
+        if ids.size and int(rows.min()) < 0:
+            raise InvalidIdsError(f"{self.config.name}: {int((rows < 0).sum())} of {ids.size} ids have no row")
+        return rows
 
     # ------------------------------------------------------------------ inspection
     def items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -154,6 +154,39 @@ class EmbeddingTable:
             if pos.size:
                 s.load_rows(keys[pos], values[pos], state[pos], times[pos])
 
+    def read_rows(self, ids: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """``(values, optimizer_state)`` of rows that exist, split per shard (:meth:`TableShard.read_rows`)."""
+        ids = as_ids(ids)
+        if len(self.shards) == 1:
+            return self.shards[0].read_rows(ids)
+        values = np.empty((ids.size, self.dim), np.float32)
+        state = np.empty((ids.size, self.config.slot_width), np.float32)
+        for s, pos in zip(self.shards, self.router.split(ids), strict=True):
+            if pos.size:
+                values[pos], state[pos] = s.read_rows(ids[pos])
+        return values, state
+
+    def write_rows(self, ids: npt.ArrayLike, values: npt.ArrayLike, state: npt.ArrayLike) -> None:
+        """Overwrite values and optimizer state of rows that exist, nothing else
+        (:meth:`TableShard.write_rows`).
+
+        >>> from ps import TableConfig
+        >>> t = EmbeddingTable(TableConfig(name="t", dim=2))
+        >>> _ = t.gather([7], insert=True, event_time=1)
+        >>> t.write_rows([7], [[1.0, 2.0]], t.read_rows([7])[1])
+        >>> t.read_rows([7])[0].tolist(), t.pending_updates
+        ([[1.0, 2.0]], 1)
+        """
+        ids = as_ids(ids)
+        values = as_values(values, ids.size, self.dim)
+        state = np.asarray(state, np.float32).reshape(ids.size, -1)
+        if len(self.shards) == 1:
+            self.shards[0].write_rows(ids, values, state)
+            return
+        for s, pos in zip(self.shards, self.router.split(ids), strict=True):
+            if pos.size:
+                s.write_rows(ids[pos], values[pos], state[pos])
+
     def items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(keys, values, optimizer_state, times)`` of all rows sorted by key."""
         parts = [s.items() for s in self.shards]

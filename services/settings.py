@@ -73,6 +73,8 @@ LatePolicy = Literal["drop", "correction"]
 PositiveEmit = Literal["immediate", "window_close"]
 #: what serving does with a /rank naming a feature the model does not read
 UnknownFeatures = Literal["reject", "ignore"]
+#: a torch device the trainer may place its dense part on (trainer.device)
+TorchDevice = Annotated[str, Field(pattern=r"^(cpu|cuda(:\d+)?)$")]
 #: distinct labels the joiner can join: an impression's label mask is 16 bits (joiner/core.py, HEADER)
 MAX_LABELS = 16
 
@@ -447,6 +449,15 @@ class TrainerSettings(BaseModel):
     # Rank r > 0 exports its /metrics on metrics_port + r * rank_metrics_port_stride (rank 0 on
     # metrics_port): ports next to the trainer's belong to other services under `driftline up`.
     rank_metrics_port_stride: int = 100
+    # Where the dense head, its optimizer and the pooling run (trainer/device.py): "cpu", or
+    # "cuda" / "cuda:N" where torch sees that GPU. The PS tables stay on the host either way.
+    device: TorchDevice = "cpu"
+    # Rows of each embedding table kept on the device with their optimizer state and stepped there
+    # (trainer/mixcache.py, the MixCache; SGD or Adagrad tables without TTL, a model with
+    # sequential off); 0: none. A row enters after cache_admit_after steps that missed it; the
+    # least recently used leaves. Rows are written back before every delta and snapshot.
+    cache_rows: int = Field(0, ge=0)
+    cache_admit_after: Count = 2
 
 
 class ServingSettings(BaseModel):

@@ -21,6 +21,7 @@ from services import metrics as service_metrics
 from services.settings import get_settings
 
 from . import metrics as M
+from .device import DeviceError, resolve_device
 from .model import SparseModel
 from .sample_rates import SampleRateTracker
 
@@ -34,7 +35,9 @@ def run_batch(args) -> dict:
     if not 0 <= args.test_fraction < 1:
         raise SystemExit(f"trainer batch: --test-fraction {args.test_fraction} is not in [0, 1)")
     cfg = named_config(args.model)
-    model = SparseModel(cfg)
+    ts = get_settings().trainer
+    model = SparseModel(cfg, device=args.device, cache_rows=ts.cache_rows if args.cache_rows is None else args.cache_rows,
+                        cache_admit_after=ts.cache_admit_after)
     ps_counts = M.PSCounts(cfg.model_id, model.tables)
     files = parquet_files(Path(args.examples_dir))
     data = None if files and not args.movielens else MovieLensData(args.dataset, Path(args.data_dir), limit=args.limit)
@@ -124,6 +127,7 @@ def write_batch_snapshot(model: SparseModel, max_event_time_ms: int, examples: i
     from .manifest import Manifest
 
     cfg = model.cfg
+    model.write_back()
     if root is None:
         root = get_settings().snapshot_root
     return snapshots.save(Path(root) / cfg.model_id, cfg, model.tables,
@@ -134,7 +138,8 @@ def write_batch_snapshot(model: SparseModel, max_event_time_ms: int, examples: i
 
 def _online_settings(args):
     flags = {"batch_size": args.batch_size, "sync_interval_s": args.sync_interval_s,
-             "snapshot_interval_event_s": args.snapshot_interval_event_s, "nproc": args.nproc}
+             "snapshot_interval_event_s": args.snapshot_interval_event_s, "nproc": args.nproc,
+             "device": args.device}
     return get_settings().updated(trainer={k: v for k, v in flags.items() if v is not None})
 
 
@@ -191,9 +196,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="do nothing when the snapshot folder holds a snapshot the online trainer learned into "
                         "(a warm start that runs on every start: docker compose)")
     b.add_argument("--quiet", action="store_true")
+    b.add_argument("--device", default=settings.trainer.device,
+                   help="where the dense head trains: cpu, cuda or cuda:N (trainer.device); the PS stays on the host")
+    b.add_argument("--cache-rows", type=int, default=None,
+                   help="rows per embedding table cached on the device (trainer.cache_rows; 0: none)")
     o = sub.add_parser("online", help="train from the examples topic")
     o.add_argument("--model", default=None)
     o.add_argument("--batch-size", type=int, default=None)
+    o.add_argument("--device", default=None, help="cpu, cuda or cuda:N (trainer.device)")
     o.add_argument("--sync-interval-s", type=float, default=None)
     o.add_argument("--snapshot-interval-event-s", type=float, default=None)
     o.add_argument("--stop-when-idle-s", type=float, default=None)
@@ -202,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="ranks on this machine (default trainer.nproc); > 1 starts them through torch's elastic launcher")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
+    try:  # a GPU this machine lacks is a usage error, said before anything starts
+        device = resolve_device(args.device or settings.trainer.device)
+    except DeviceError as err:
+        ap.error(str(err))
+    if args.cmd == "online" and device.type != "cpu" and _online_settings(args).trainer.nproc > 1:
+        ap.error(f"trainer.device = {str(device)!r} runs one trainer process: N ranks train on the CPU (nproc 1)")
     torch.set_num_threads(2)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rank = world = None

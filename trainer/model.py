@@ -31,6 +31,8 @@ from ps import EmbeddingTable, PackedBatch, ParameterServer
 
 from .batch import SparseBatch
 from .config import ModelConfig
+from .device import Transfers, resolve_device
+from .mixcache import Located, MixCache, cacheable
 from .sequential import sequential_train_step
 from .step_checks import NonFiniteStepError, finite_grads
 
@@ -93,7 +95,7 @@ class DenseHead(nn.Module):
             logits = out + self.bias
             if dense is not None and self.dense_linear is not None:
                 logits = logits + self.dense_linear(dense).squeeze(1)
-        return HeadSlopes(self, logits, jac[:, :nf * d].reshape(b, nf, d).numpy(), dense,
+        return HeadSlopes(self, logits, jac[:, :nf * d].reshape(b, nf, d).cpu().numpy(), dense,
                           [a.detach() for a in inputs], deltas)
 
 
@@ -184,8 +186,9 @@ def pool(w: torch.Tensor, bag: np.ndarray | None, weights: np.ndarray | None, n_
     ``index_select`` (each row is in exactly one bag), cheaper than ``embedding_bag``'s."""
     if bag is None:
         return w
-    src = w if weights is None else w * torch.from_numpy(weights).unsqueeze(1)
-    return torch.zeros(n_bags, w.shape[1], dtype=w.dtype).index_add_(0, torch.from_numpy(bag), src)
+    src = w if weights is None else w * torch.from_numpy(weights).to(w.device).unsqueeze(1)
+    return (torch.zeros(n_bags, w.shape[1], dtype=w.dtype, device=w.device)
+            .index_add_(0, torch.from_numpy(bag).to(w.device), src))
 
 
 def _bags_for(bags: dict[tuple, tuple], batch: SparseBatch, blk: PooledBlock, rows: int) -> tuple:
@@ -208,13 +211,21 @@ def _bags_for(bags: dict[tuple, tuple], batch: SparseBatch, blk: PooledBlock, ro
 
 
 class SparseModel:
-    """A model = config + PS tables + torch head. ``forward`` for scoring, ``train_step`` to learn."""
+    """A model = config + PS tables + torch head. ``forward`` for scoring, ``train_step`` to learn.
+
+    ``device`` (``trainer.device``): where the head, its optimizer and the pooling run; the tables
+    stay on the host (:mod:`trainer.device`). ``cache_rows`` (``trainer.cache_rows``): rows per
+    embedding table kept on the device, stepped there (:mod:`trainer.mixcache`); 0: none."""
 
     def __init__(self, cfg: ModelConfig, tables: dict[str, EmbeddingTable] | None = None,
-                 head: DenseHead | None = None, train: bool = True):
+                 head: DenseHead | None = None, train: bool = True, device: str | torch.device = "cpu",
+                 cache_rows: int = 0, cache_admit_after: int = 2):
         self.cfg = cfg
+        self.io = Transfers(resolve_device(device))
         self.tables = tables if tables is not None else make_tables(cfg, serving=not train)
         self.head = head if head is not None else DenseHead(cfg)
+        if self.io.cuda:
+            self.head.to(self.io.device)
         self.optimizer = make_dense_optimizer(cfg, self.head) if train else None
         salts = cfg.salts()
         # packed layout: embedding fields (one dim) then first-order fields (dim 1)
@@ -241,6 +252,24 @@ class SparseModel:
         self.ps = ParameterServer([self.tables[t.name] for t in cfg.tables], ps_slots)
         self._dims = {k: cfg.table(t).dim for k, t in ps_slots.items()}
         self.timings: dict[str, float] = defaultdict(float)
+        self.cache = self._make_cache(cache_rows, cache_admit_after) if cache_rows else None
+
+    def _make_cache(self, rows: int, admit_after: int) -> MixCache:
+        if self.cfg.sequential:
+            raise ValueError("trainer.cache_rows: a sequential model steps its rows on the host, example by "
+                             "example; the cache serves a model with sequential off")
+        blk = self._emb_block
+        names = list(self.ps.table_names)
+        tables = {} if blk is None else {names.index(self.ps.slots[k]): self.tables[self.ps.slots[k]] for k in blk.keys}
+        cached = {ti: t for ti, t in tables.items() if cacheable(t)}
+        if blk is None or not cached:
+            raise ValueError("trainer.cache_rows: no embedding table of this model can be cached "
+                             "(SGD or Adagrad, no TTL)")
+        return MixCache(cached, blk.dim, rows, self.io, admit_after)
+
+    def write_back(self) -> int:
+        """Copy the cache's stepped rows to the host tables (before anything reads them); the rows."""
+        return self.cache.write_back() if self.cache is not None else 0
 
     # ------------------------------------------------------------------ forward
     def complete(self, batch: SparseBatch) -> SparseBatch:
@@ -268,22 +297,29 @@ class SparseModel:
 
     def forward(self, batch: SparseBatch, *, insert: bool = False, event_time: int | None = None):
         """Logits ``[B]`` and ``(packed batch, [(block, leaf)])``; leaves require grad when inserting."""
+        logits, pb, leaves, _ = self._forward(batch, insert, event_time)
+        return logits, (pb, leaves)
+
+    def _forward(self, batch: SparseBatch, insert: bool, event_time: int | None):
+        """:meth:`forward`, and where the cache holds the embedding block's rows (None: no cache)."""
         t0 = time.perf_counter()
         batch = self.complete(batch)
         pb = self.pack(batch)
         buf = self.ps.gather_packed(pb, insert=insert, event_time=event_time)
+        at = None if self.cache is None else self.cache.locate(pb, 0, len(self._emb_block.keys))
         self.timings["lookup"] += time.perf_counter() - t0
-        logits, leaves = self.forward_packed(batch, pb, buf, requires_grad=insert)
-        return logits, (pb, leaves)
+        logits, leaves = self.forward_packed(batch, pb, buf, requires_grad=insert, cached=at)
+        return logits, pb, leaves, at
 
     def forward_packed(self, batch: SparseBatch, pb: PackedBatch, buf: np.ndarray, *, requires_grad: bool,
-                       linear: bool = True):
+                       linear: bool = True, cached: Located | None = None):
         """Logits ``[B]`` and ``[(block, leaf)]`` from an already looked-up packed buffer ``buf``
         (``pb``'s rows in :meth:`ps.ParameterServer.gather_packed`'s layout; ``batch`` completed).
         Split from :meth:`forward` so that a lookup elsewhere (the owners of
         :mod:`trainer.dist.model`) feeds the same pooling and head. ``linear=False``: ``pb`` holds
         the embedding block alone and the logits leave the first-order fields out (a sequential
-        model learns those in :mod:`trainer.sequential`)."""
+        model learns those in :mod:`trainer.sequential`). ``cached``: the embedding block's rows
+        located in :attr:`cache` (its hits are read there)."""
         t1 = time.perf_counter()
         pooled, leaves, elem, seg = [], [], 0, 0
         bags: dict[tuple, tuple] = {}  # blocks over the same slots pool the same bags (DeepFM's two)
@@ -293,7 +329,8 @@ class SparseModel:
                 continue
             nf = len(blk.slots)
             n = int(pb.offsets[seg + nf] - pb.offsets[seg])
-            w = torch.from_numpy(buf[elem:elem + n * blk.dim].reshape(n, blk.dim))
+            rows = buf[elem:elem + n * blk.dim].reshape(n, blk.dim)
+            w = self.io.to_device(rows) if cached is None or blk is not self._emb_block else self.cache.assemble(cached, rows)
             elem += n * blk.dim
             seg += nf
             if requires_grad:
@@ -304,8 +341,7 @@ class SparseModel:
         emb, lin = pooled
         if lin is not None:
             lin = lin.reshape(batch.size, lin.shape[1])  # dim 1: [B, L] (also for B == 0)
-        dense = torch.from_numpy(batch.dense) if batch.dense is not None and self.cfg.dense_features else None
-        logits = self.head(emb, lin, dense)
+        logits = self.head(emb, lin, self.dense_input(batch))
         self.timings["forward"] += time.perf_counter() - t1
         return logits, leaves
 
@@ -317,18 +353,21 @@ class SparseModel:
         blk, n_ex = self._emb_block, batch.size
         nf = len(blk.slots)
         n = int(pe.offsets[nf] - pe.offsets[0])
-        w = torch.from_numpy(buf[:n * blk.dim].reshape(n, blk.dim))
+        w = self.io.to_device(buf[:n * blk.dim].reshape(n, blk.dim))
         x = pool(w, *_bags_for({}, batch, blk, n), nf * n_ex).view(nf, n_ex, blk.dim).transpose(0, 1)
-        dense = torch.from_numpy(batch.dense) if batch.dense is not None and self.cfg.dense_features else None
-        slopes = self.head.slopes(x, dense)
+        slopes = self.head.slopes(x, self.dense_input(batch))
         self.timings["forward"] += time.perf_counter() - t0
         return slopes
+
+    def dense_input(self, batch: SparseBatch) -> torch.Tensor | None:
+        """The batch's dense features on the device (None when the model reads none)."""
+        return self.io.to_device(batch.dense) if batch.dense is not None and self.cfg.dense_features else None
 
     @torch.no_grad()
     def predict(self, batch: SparseBatch) -> np.ndarray:
         """Probabilities (no insertion, no learning)."""
         logits, _ = self.forward(batch, insert=False)
-        return torch.sigmoid(logits).numpy()
+        return self.io.to_host(torch.sigmoid(logits))
 
     # ------------------------------------------------------------------ training
     def train_step(self, batch: SparseBatch):
@@ -341,8 +380,8 @@ class SparseModel:
         if self.cfg.sequential:
             return sequential_train_step(self, batch)
         t = batch.max_event_time
-        logits, (pb, leaves) = self.forward(batch, insert=True, event_time=t)
-        labels = torch.from_numpy(batch.labels)
+        logits, pb, leaves, at = self._forward(batch, True, t)
+        labels = self.io.to_device(batch.labels)
         t1 = time.perf_counter()
         loss = F.binary_cross_entropy_with_logits(logits, labels)
         self.optimizer.zero_grad(set_to_none=True)
@@ -358,11 +397,21 @@ class SparseModel:
         t2 = time.perf_counter()
         # the leaves are the packed buffer's blocks in order, so their gradients back to back are
         # the packed gradient buffer: one validation and one PS call for every table
-        gs = [w.grad.numpy().reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32)
-              for _, w in leaves]
+        gs, hits = [], None
+        for blk, w in leaves:
+            if w.grad is None:
+                gs.append(np.zeros(w.numel(), np.float32))
+            elif at is not None and blk is self._emb_block:
+                host, hits = self.cache.split_gradients(at, w.grad)
+                gs.append(host.reshape(-1))
+            else:
+                gs.append(self.io.to_host(w.grad).reshape(-1))
         self.ps.apply_packed_gradients(pb, np.concatenate(gs) if len(gs) > 1 else gs[0], t)
+        if at is not None:
+            self.cache.step(at, hits if hits is not None else torch.zeros((0, self._emb_block.dim)))
+            self.cache.admit(at)
         t3 = time.perf_counter()
         self.optimizer.step()
         self.timings["backward"] += t2 - t1 + time.perf_counter() - t3
         self.timings["update"] += t3 - t2
-        return value, torch.sigmoid(logits.detach()).numpy()
+        return value, self.io.to_host(torch.sigmoid(logits.detach()))

@@ -134,7 +134,8 @@ class OnlineTrainer(TrainerLoop):
         # assembles the next batch; 2 torch threads plus the decoding thread oversubscribe two
         # cores, and OpenMP's barriers then wait on descheduled threads (10x slower steps measured).
         self.torch_threads = torch_threads
-        self.model = SparseModel(cfg)
+        self.placement = {"device": ts.device, "cache_rows": ts.cache_rows, "cache_admit_after": ts.cache_admit_after}
+        self.model = SparseModel(cfg, **self.placement)
         self.ps_counts = self.learned.ps_counts = M.PSCounts(cfg.model_id, self.model.tables)
         self._step_end: float | None = None  # perf_counter when the training thread last finished a step
         self.snapshots = self.store  # (the name tests and tools use)
@@ -163,7 +164,7 @@ class OnlineTrainer(TrainerLoop):
             self.snapshots.record_epoch(self.epoch)
             return False
         dense, man = got.dense, got.manifest
-        self.model = SparseModel(self.cfg, got.tables)
+        self.model = SparseModel(self.cfg, got.tables, **self.placement)
         self.ps_counts = self.learned.ps_counts = M.PSCounts(self.cfg.model_id, self.model.tables)
         self.model.head.load_state_dict(dense["head"])
         if "optimizer" in dense:
@@ -185,6 +186,7 @@ class OnlineTrainer(TrainerLoop):
         t0 = time.perf_counter()
         dense = {"auc_pos": self.auc.pos, "auc_neg": self.auc.neg, "dedup": self.dedup.state(),
                  "scores": self.learned.scores_state()}
+        self.model.write_back()
         path = self.snapshots.save(self.model, dense, self._stream_manifest())
         self.snapshots.record_epoch(self.epoch)
         self._stage("snapshot", time.perf_counter() - t0)
@@ -196,6 +198,7 @@ class OnlineTrainer(TrainerLoop):
     # ------------------------------------------------------------------ sync
     async def sync_sparse(self) -> int:
         """Publish the touched rows as one version (call with no batch in flight)."""
+        self.model.write_back()
         return await self.publisher.sync_sparse(self.model.tables, self.max_event_time)
 
     async def sync_dense(self) -> None:
@@ -209,7 +212,7 @@ class OnlineTrainer(TrainerLoop):
         head), so the first real batch does not pay ~0.5 s of JIT/cache loading."""
         torch.set_num_threads(self.torch_threads)
         cfg = self.cfg
-        m = SparseModel(cfg)
+        m = SparseModel(cfg, **self.placement)
         # a tiny batch, then a full one: torch's allocator and BLAS see the real shapes here, not in
         # the first streamed steps (which took ~3x a steady step)
         for n in (2, self.batch_size):

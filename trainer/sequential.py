@@ -60,8 +60,7 @@ def sequential_train_step(model, batch: SparseBatch) -> tuple[float, np.ndarray]
     mean = np.array([m == "mean" for m in blk.modes], np.bool_)
     head = model.head
     deep = model._emb_block is not None
-    dense = (torch.from_numpy(batch.dense) if batch.dense is not None and model.cfg.dense_features
-             and head.dense_linear is not None else None)
+    dense = model.dense_input(batch) if head.dense_linear is not None else None
     if deep:
         # one gather inserts every table's ids, as the plain step's does; the kernel reads the
         # first-order block's rows itself
@@ -82,9 +81,9 @@ def sequential_train_step(model, batch: SparseBatch) -> tuple[float, np.ndarray]
         raise NonFiniteStepError("the step's dense logits are not finite; nothing applied")
     t1 = time.perf_counter()
     probs, loss, resid = train_linear_sequential(model.ps, pb, bags, mean, batch.labels,
-                                                 fixed.numpy(), t, insert=not deep)
+                                                 model.io.to_host(fixed), t, insert=not deep)
     t2 = time.perf_counter()
-    r = torch.from_numpy(resid.astype(np.float32))
+    r = model.io.to_device(resid.astype(np.float32))
     model.optimizer.zero_grad(set_to_none=True)
     if deep:
         logits.backward(r / max(n, 1))
@@ -92,7 +91,7 @@ def sequential_train_step(model, batch: SparseBatch) -> tuple[float, np.ndarray]
             raise NonFiniteStepError(f"the step's loss ({loss}) or dense gradients are not finite; "
                                      "the first-order rows were stepped, nothing else applied")
         w = leaves[0][1]
-        g = w.grad.numpy().reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32)
+        g = model.io.to_host(w.grad).reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32)
         model.ps.apply_packed_gradients(pe, g, t)
     else:
         head.bias.grad = r.mean().reshape(1)
@@ -125,10 +124,10 @@ def _embeddings_sequential_step(model, batch: SparseBatch) -> tuple[float, np.nd
     bags = np.stack([batch.offsets[s] for s in eb.slots + lb.slots])
     mean = np.array([m == "mean" for m in eb.modes + lb.modes], np.bool_)
     t1 = time.perf_counter()
-    probs, loss, resid = train_fm_sequential(model.ps, full, k, bags, mean, batch.labels, fixed.numpy(), slopes.jac,
+    probs, loss, resid = train_fm_sequential(model.ps, full, k, bags, mean, batch.labels, model.io.to_host(fixed), slopes.jac,
                                              t, insert=False)
     t2 = time.perf_counter()
-    slopes.backward(torch.from_numpy((resid / max(n, 1)).astype(np.float32)))
+    slopes.backward(model.io.to_device((resid / max(n, 1)).astype(np.float32)))
     if not finite_grads(model.head) or not math.isfinite(loss):
         raise NonFiniteStepError(f"the step's loss ({loss}) or dense gradients are not finite; "
                                  "the sparse rows were stepped, nothing else applied")

@@ -71,7 +71,7 @@ def _ranks_stream_state(snap: Path, n: int) -> dict:
     import numpy as np
     import torch
 
-    parts = [torch.load(snap / f"rank-{r}" / "state.pt", weights_only=False) for r in range(n)]
+    parts = [torch.load(snap / f"rank-{r}" / "state.pt", weights_only=False, map_location="cpu") for r in range(n)]
     return {"auc_pos": sum(p["auc_pos"] for p in parts), "auc_neg": sum(p["auc_neg"] for p in parts),
             "dedup": np.concatenate([np.asarray(p["dedup"], np.uint64).reshape(-1, 2) for p in parts])}
 

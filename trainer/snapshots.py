@@ -232,8 +232,8 @@ def load_rank(root: Path, config: ModelConfig, rank: int, world: int):
             parts = _shard_parts(snap, t, n) if n else [restore_table(snap / "tables", t)]
             tables[t.name] = _union(parts, lt, False, keep=lambda k: shard_of(k, world) == rank)
     if n == world:
-        state = torch.load(snap / f"rank-{rank}" / "state.pt", weights_only=False)
-    dense = torch.load(snap / "dense.pt", weights_only=False)
+        state = torch.load(snap / f"rank-{rank}" / "state.pt", weights_only=False, map_location="cpu")
+    dense = torch.load(snap / "dense.pt", weights_only=False, map_location="cpu")
     return tables, dense, manifest, state
 
 
@@ -296,7 +296,7 @@ def load(root: Path, config: ModelConfig | None = None, *, serving: bool = True)
             continue
         restored = restore_table(snap / "tables", t)  # verified (sha256) before it is returned
         tables[t.name] = _replica(restored, t) if serving else restored
-    dense = torch.load(snap / "dense.pt", weights_only=False)
+    dense = torch.load(snap / "dense.pt", weights_only=False, map_location="cpu")
     return tables, dense, manifest
 
 

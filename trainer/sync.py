@@ -125,7 +125,7 @@ def encode_dense(model_id: str, version: int, state: dict[str, torch.Tensor] | t
         state = state.state_dict()
     tensors = []
     for name, t in state.items():
-        a = t.detach().to(torch.float32).contiguous().numpy()
+        a = t.detach().to(torch.float32).cpu().contiguous().numpy()
         _check_finite(f"dense {name}", a, version)
         tensors.append(Tensor(name=name, shape=list(a.shape), values=a.astype("<f4").tobytes()))
     return ParameterDelta(model_id=model_id, version=version, chunk_index=0, chunk_count=1,

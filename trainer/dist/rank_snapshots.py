@@ -80,7 +80,7 @@ def merged_rates(states: list[dict], half_life: float) -> SampleRateTracker:
 def _rank_states(root: Path, man: Manifest) -> list[dict]:
     """Every rank's own state of an N-rank snapshot ([] for a 1-process one)."""
     snap = Path(root) / man.name
-    return [torch.load(snap / f"rank-{r}" / "state.pt", weights_only=False) for r in range(man.shards)]
+    return [torch.load(snap / f"rank-{r}" / "state.pt", weights_only=False, map_location="cpu") for r in range(man.shards)]
 
 
 def load(root: Path, cfg: ModelConfig, topic: str, rank: int, world: int, epoch: str | None = None) -> RankRestored | None:

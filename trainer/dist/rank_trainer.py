@@ -122,6 +122,11 @@ class RankTrainer(TrainerLoop):
         if not dist.is_initialized():
             raise RankError("torch.distributed is not initialized (start ranks with trainer.dist.launch or torchrun)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if settings.trainer.device != "cpu":
+            # the ranks' dense all-reduce would want NCCL and their exchange of host rows gloo
+            # (two process groups): not built yet; the one-process trainer runs on a GPU
+            raise RankError(f"trainer.device = {settings.trainer.device!r} runs one trainer process (nproc 1); "
+                            "N ranks train on the CPU")
         super().__init__(settings, cfg, ("poll", "prepare", "train", "commit", "sync", "snapshot", "agree", "comm"),
                          rank=self.rank)
         ts = self.ts

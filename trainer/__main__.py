@@ -38,7 +38,7 @@ def run_batch(args) -> dict:
     ts = get_settings().trainer
     model = SparseModel(cfg, device=args.device, cache_rows=ts.cache_rows if args.cache_rows is None else args.cache_rows,
                         cache_admit_after=ts.cache_admit_after)
-    ps_counts = M.PSCounts(cfg.model_id, model.tables)
+    ps_counts = M.PSCounts(cfg.model_id, model.tables, model)
     files = parquet_files(Path(args.examples_dir))
     data = None if files and not args.movielens else MovieLensData(args.dataset, Path(args.data_dir), limit=args.limit)
     if data is None:

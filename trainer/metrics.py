@@ -42,6 +42,12 @@ PS_ADMITTED = Counter("driftline_ps_admitted_total", "Ids admitted into a PS tab
                       ["model", "table"])
 PS_EVICTED = Counter("driftline_ps_evicted_total", "PS table rows removed by TTL expiry.", ["model", "table"])
 SNAPSHOTS = Counter("driftline_trainer_snapshots_total", "Snapshots written.", ["model"])
+CACHE_ROWS = Counter("driftline_trainer_cache_rows_total",
+                     "The MixCache's rows (trainer.cache_rows), by event: lookup, hit, written_back (to the host "
+                     "PS: before deltas, snapshots and evictions), admitted, evicted.", ["model", "event"])
+COPY_BYTES = Counter("driftline_trainer_device_copy_bytes_total",
+                     "Bytes copied between the host and the device (trainer.device), by direction (h2d, d2h).",
+                     ["model", "direction"])
 STAGE_SECONDS = Counter("driftline_trainer_stage_seconds_total",
                         "Time per training stage: online poll/prepare (validate, dedup, assemble)/train/"
                         "wait_train/commit/sync/snapshot; batch lookup/forward/backward/update.",
@@ -78,12 +84,15 @@ class PSCounts:
     """Exports the PS tables' admission/eviction counts as :data:`PS_ADMITTED` / :data:`PS_EVICTED`:
     ``update()`` after a step or an expiry pass adds what each table counted since the last call.
     The counts are the tables' own (since their shards were built: restored tables start at 0), so
-    make a new one for new tables."""
+    make a new one for new tables. ``model``: its device copies and cache too (:data:`COPY_BYTES`,
+    :data:`CACHE_ROWS`)."""
 
-    def __init__(self, model_id: str, tables: dict):
+    def __init__(self, model_id: str, tables: dict, model=None):
         self.model_id = model_id
         self._seen: dict[str, tuple[int, int]] = {}
+        self._device_seen: dict[str, int] = {}
         self.tables = tables
+        self.model = model
         for name in tables:  # the series exist (at 0) from the start
             PS_ADMITTED.labels(model_id, name)
             PS_EVICTED.labels(model_id, name)
@@ -97,6 +106,22 @@ class PSCounts:
             if e > e0:
                 PS_EVICTED.labels(self.model_id, name).inc(e - e0)
             self._seen[name] = (a, e)
+        if self.model is not None:
+            self._device()
+
+    def _device(self) -> None:
+        io, cache = self.model.io, self.model.cache
+        counts = [(COPY_BYTES, "h2d", io.h2d_bytes), (COPY_BYTES, "d2h", io.d2h_bytes)]
+        if cache is not None:
+            st = cache.stats
+            counts += [(CACHE_ROWS, event, n) for event, n in (
+                ("lookup", st.lookups), ("hit", st.hits), ("written_back", st.written_back),
+                ("admitted", st.admitted), ("evicted", st.evicted))]
+        for metric, label, n in counts:  # the labels differ across the two metrics
+            seen = self._device_seen.get(label, 0)
+            if n > seen:
+                metric.labels(self.model_id, label).inc(n - seen)
+            self._device_seen[label] = n
 
 
 class StreamingAUC:

@@ -136,7 +136,7 @@ class OnlineTrainer(TrainerLoop):
         self.torch_threads = torch_threads
         self.placement = {"device": ts.device, "cache_rows": ts.cache_rows, "cache_admit_after": ts.cache_admit_after}
         self.model = SparseModel(cfg, **self.placement)
-        self.ps_counts = self.learned.ps_counts = M.PSCounts(cfg.model_id, self.model.tables)
+        self.ps_counts = self.learned.ps_counts = M.PSCounts(cfg.model_id, self.model.tables, self.model)
         self._step_end: float | None = None  # perf_counter when the training thread last finished a step
         self.snapshots = self.store  # (the name tests and tools use)
         self.resume_offsets: dict[int, int] = {}
@@ -165,7 +165,7 @@ class OnlineTrainer(TrainerLoop):
             return False
         dense, man = got.dense, got.manifest
         self.model = SparseModel(self.cfg, got.tables, **self.placement)
-        self.ps_counts = self.learned.ps_counts = M.PSCounts(self.cfg.model_id, self.model.tables)
+        self.ps_counts = self.learned.ps_counts = M.PSCounts(self.cfg.model_id, self.model.tables, self.model)
         self.model.head.load_state_dict(dense["head"])
         if "optimizer" in dense:
             self.model.optimizer.load_state_dict(dense["optimizer"])

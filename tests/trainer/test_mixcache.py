@@ -182,3 +182,22 @@ async def test_online_with_the_cache_publishes_what_it_learned_and_resumes_after
     final = snapshots.read_manifest(root)
     assert final["examples_applied"] == n, (killed_at, final)
     assert sum(final["offsets"].values()) == records
+
+
+def test_the_cache_and_the_copies_are_exported(batches):
+    from prometheus_client import REGISTRY
+
+    from trainer.metrics import PSCounts
+
+    m = SparseModel(_cfg(model_id="cache-metrics"), cache_rows=512)
+    counts = PSCounts("cache-metrics", m.tables, m)
+    _train(m, batches[:10])
+    m.write_back()
+    counts.update()
+
+    def sample(event: str) -> float | None:
+        return REGISTRY.get_sample_value("driftline_trainer_cache_rows_total", {"model": "cache-metrics", "event": event})
+
+    st = m.cache.stats
+    assert sample("lookup") == st.lookups > sample("hit") == st.hits > 0
+    assert sample("written_back") == st.written_back > 0 and sample("admitted") == st.admitted > 0

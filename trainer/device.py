@@ -51,21 +51,53 @@ def resolve_device(name: str | torch.device) -> torch.device:
 
 
 class Transfers:
-    """A step's host/device copies, and their bytes (``h2d_bytes``, ``d2h_bytes``: CUDA only)."""
+    """A step's host/device copies, and their bytes (``h2d_bytes``, ``d2h_bytes``: CUDA only).
+
+    On CUDA a host array goes over through one of :data:`STAGES` pinned buffers, reused in turn
+    (pinning memory for every copy costs more than the copy): a buffer is refilled only once the
+    copy that last read it is done (its event), so copies leave without blocking the host."""
+
+    #: pinned staging buffers in the ring: more than one step's copies (rows, indices, labels)
+    STAGES = 8
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.h2d_bytes = 0
         self.d2h_bytes = 0
+        self._stages: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._turn = 0
 
     def to_device(self, a: np.ndarray | torch.Tensor) -> torch.Tensor:
         """``a`` on the device (a host array: its own memory on the CPU, a pinned copy sent on CUDA)."""
         t = torch.from_numpy(a) if isinstance(a, np.ndarray) else a
         if not self.cuda:
             return t
-        self.h2d_bytes += t.numel() * t.element_size()
-        return t.pin_memory().to(self.device, non_blocking=True)
+        n = t.numel() * t.element_size()
+        self.h2d_bytes += n
+        if not n:
+            return torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        i = self._turn % self.STAGES
+        self._turn += 1
+        staged = self._stage(i, n).view(t.dtype).view(t.shape)
+        staged.copy_(t)
+        out = staged.to(self.device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._stages[i] = (self._stages[i][0], done)
+        return out
+
+    def _stage(self, i: int, n: int) -> torch.Tensor:
+        """Pinned buffer ``i`` (at least ``n`` bytes), once the copy that last read it is done."""
+        while len(self._stages) <= i:
+            self._stages.append((torch.empty(0, dtype=torch.uint8, pin_memory=True), None))
+        buf, done = self._stages[i]
+        if done is not None:
+            done.synchronize()
+        if buf.numel() < n:
+            buf = torch.empty(max(n, 2 * buf.numel()), dtype=torch.uint8, pin_memory=True)
+            self._stages[i] = (buf, None)
+        return buf[:n]
 
     def to_host(self, t: torch.Tensor) -> np.ndarray:
         """``t`` as a host array (its own memory on the CPU; a copy, waited for, on CUDA)."""

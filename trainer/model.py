@@ -387,6 +387,9 @@ class SparseModel:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         value = float(loss.detach())
+        # copied back now, while the device waits anyway: the updates queued below then run on
+        # the device while the caller prepares the next batch (CUDA kernels run asynchronously)
+        probs = self.io.to_host(torch.sigmoid(logits.detach()))
         # Nothing is applied before everything is known to be finite, so a step that raises
         # changed no parameter and its batch can be retried without its poison record
         # (trainer.isolate): the loss and the head's gradients here, the sparse gradients in
@@ -414,4 +417,4 @@ class SparseModel:
         self.optimizer.step()
         self.timings["backward"] += t2 - t1 + time.perf_counter() - t3
         self.timings["update"] += t3 - t2
-        return value, self.io.to_host(torch.sigmoid(logits.detach()))
+        return value, probs

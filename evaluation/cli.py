@@ -1,4 +1,4 @@
-"""``driftline eval tune|collisions|online|staleness|baselines|all [--smoke] [--out docs]``, and
+"""``driftline eval tune|collisions|online|staleness|baselines|coldstart|all [--smoke] [--out docs]``, and
 ``driftline eval data`` (your own project's examples against naive baselines: :mod:`evaluation.own_data`).
 
 ``tune`` picks the collisions model and the baselines' learning rates on validation data (never
@@ -27,7 +27,7 @@ from services.settings import get_settings
 
 from .common import EvalSettings, full, set_threads, smoke
 
-EXPERIMENTS = ("tune", "collisions", "online", "staleness", "baselines")
+EXPERIMENTS = ("tune", "collisions", "online", "staleness", "baselines", "coldstart")
 SECTION = {"tune": "tuning"}
 
 
@@ -73,7 +73,7 @@ def run(experiments: list[str], s: EvalSettings, out: Path, work_root: Path, plo
     """Run ``experiments`` with settings ``s``; write ``out/results.*``; returns the merged JSON."""
     import torch
 
-    from . import baselines, collisions, online, report, tune
+    from . import baselines, coldstart, collisions, online, report, tune
 
     set_threads(1 if s.workers > 1 else 2)
     work_root.mkdir(parents=True, exist_ok=True)
@@ -93,6 +93,8 @@ def run(experiments: list[str], s: EvalSettings, out: Path, work_root: Path, plo
                 results[e] = online.run_staleness(s, work)
             elif e == "baselines":
                 results[e] = baselines.run(s)
+            elif e == "coldstart":
+                results[e] = coldstart.run(s)
             seconds[e] = time.perf_counter() - t0
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import report_plots
+from . import coldstart, report_plots
 from .baselines import MODELS as BASELINE_MODELS
 from .baselines import OTHER_MODELS as BASELINE_OTHER_MODELS
 from .common import nan_to_none
@@ -118,6 +118,8 @@ def markdown(r: dict, plots: bool = True) -> str:
         L += _md_staleness(r["staleness"], plots)
     if "baselines" in r:
         L += _md_baselines(r["baselines"], plots)
+    if "coldstart" in r:
+        L += coldstart.markdown(r["coldstart"])
     if "tuning" in r:
         L += _md_tuning(r["tuning"], meta.get("settings", {}))
     L += _md_targets(r)
@@ -471,6 +473,9 @@ def summary_lines(r: dict, sections) -> list[str]:
             out.append(f"tuning: collisions chose {c.get('chosen')} (settings match: {c.get('settings_match_choice')})")
             for k, v in r.get("tuning", {}).get("baselines", {}).get("chosen", {}).items():
                 out.append(f"tuning: {k} lr {v['lr']} (AUC {_f(v['auc'])})")
+            continue
+        if sec == "coldstart":
+            out += coldstart.summary(r["coldstart"]) if "coldstart" in r else []
             continue
         d = r.get(sec, {})
         keys = {"collisions": ("collisionless", "hashed", "hashed_harsh"),

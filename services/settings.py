@@ -629,6 +629,9 @@ class EvalSettings(BaseModel):
     stale_k: tuple[int, ...] = (0, 1, 5, 10)  # k = 0: restore only (control)
     # baselines
     base_limit: int | None = 300_000
+    # cold start (evaluation/coldstart.py, the same stream): the share of it that stands for the
+    # batch data; cold users and items are those it never saw
+    cold_split: float = Field(0.5, gt=0, lt=1)
     base_offset: int = 0
     base_batch_size: int = 64              # online mini-batch for the from-scratch stream
     base_sparse_lr: float = 0.05           # DeepFM's sparse Adagrad lr on the stream (tuned: evaluation/tune.py)

@@ -117,3 +117,18 @@ def test_model_matched_baselines_are_reported(smoke_out):
     assert [c["batch_size"] for c in b["driftline_lr_curve"]] == [bs for bs, _ in smoke().base_lr_curve]
     md = (smoke_out / "results.md").read_text()
     assert "Model-matched comparisons" in md and "How settings were chosen" in md
+
+
+def test_coldstart_measures_cold_users_and_items_beside_counting_clicks(smoke_out):
+    c = json.loads((smoke_out / "results.json").read_text())["coldstart"]
+    st = c["setup"]
+    assert st["examples"]["users_first_1"] <= st["examples"]["users_first_10"] <= st["examples"]["overall"]
+    for arm in ("served", "deepfm", "counts"):
+        a = c["arms"][arm]
+        assert 0.5 < a["auc_overall"]["mean"] < 1 and a["ex_per_s"] > 0
+        assert a["auc_users_first_10"]["mean"] == a["auc_users_first_10"]["mean"]  # not NaN
+    d = c["arms"]["counts"]["vs_served"]["auc_users_first_10"]
+    runs = {(r["arm"], r["seed"]): r for r in c["runs"]}
+    want = [runs[("counts", s)]["auc_users_first_10"] - runs[("served", s)]["auc_users_first_10"] for s in st["seeds"]]
+    assert abs(d["mean"] - sum(want) / len(want)) < 1e-12
+    assert "## 5. Cold start" in (smoke_out / "results.md").read_text()

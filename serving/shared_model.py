@@ -61,9 +61,9 @@ class PSModel(TrainerModel):
     def _adopt(self) -> None:
         self.publisher.adopt(self.tables)
         self.layout_gen += 1
-        self._write_dense()
+        self._publish_dense()
 
-    def _write_dense(self) -> None:
+    def _publish_dense(self) -> None:
         self.dense_gen += 1
         path = _dense_file(self.root, self.dense_gen)
         tmp = path.with_suffix(".tmp")
@@ -79,7 +79,7 @@ class PSModel(TrainerModel):
                 kind = super().apply_delta(msg)
         else:
             kind = super().apply_delta(msg)
-            self._write_dense()
+            self._publish_dense()
         self.publish_state()
         return kind
 

@@ -91,7 +91,8 @@ admission = { min_count = 1, probability = 1.0 }
 #   user's or item's burst is scored with what its earlier examples taught (false: once per batch)
 #   sequential_embeddings: with sequential, a deepfm's embedding rows learn that way too (its
 #   tables then need "sgd" or "adagrad"; false: the embeddings step once per batch)
-#   linear_optimizer: the first-order tables' optimizer (they take a larger step than embeddings)
+#   linear_optimizer: the first-order tables' optimizer (they take a larger step than embeddings;
+#   the initial accumulator keeps a new id's first Adagrad steps from swinging its weight)
 # ---------------------------------------------------------------------------------------------
 [model]
 kind = "deepfm"
@@ -100,7 +101,7 @@ mlp = [32, 16]
 label = "click"
 sequential = true
 sequential_embeddings = true
-linear_optimizer = { kind = "adagrad", lr = 0.3 }
+linear_optimizer = { kind = "adagrad", lr = 0.3, initial_accumulator_value = 0.3 }
 # fields = ["device", "item_id", "position", "category"]
 # dense = ["price"]
 

@@ -27,7 +27,8 @@ batch 2048; ml-1m's tuning stream / the whole ml-100k; first-order sequential al
 * FTRL for the first-order tables (lr 0.2-0.5, l1 0-0.1, l2 0-1, beta 0.1-1): 0.7815-0.7857 /
   0.7577-0.7636, nowhere better than Adagrad 0.3 beyond noise;
 * Adagrad's ``initial_accumulator_value`` 0.1 on the first-order tables: +0.0004 on both, and the
-  sequential LR gains as much (0.7846 / 0.7640): not a difference between the two;
+  sequential LR gains as much (0.7846 / 0.7640): not a difference between the two (adopted later,
+  at 0.3, for new users: :data:`trainer.config.LINEAR_ACC`);
 * a global bias learned per example (a first-order field every example holds): no change;
 * the dense head's lr from 1e-5 to 1e-2: no change in the 4th decimal (the first-order part
   carries these streams).

@@ -217,6 +217,6 @@ def combine(release: Release[Any] | None, dense: Callable[[Any], np.ndarray]) ->
     for w, p in release.parts:
         x = dense(p)
         x = x if w == 1.0 else x * np.float32(w)
-        out = x.copy() if out is None else out + x
+        out = x if out is None else out + x  # never in place: x may be the pusher's buffer
     assert out is not None
     return out if release.scale == 1.0 else out * np.float32(release.scale)

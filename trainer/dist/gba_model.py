@@ -1,0 +1,371 @@
+"""``trainer.dist_mode = "gba"`` and ``"async"``: N ranks that do not step in lockstep, over a
+parameter-server design on ``torch.distributed.rpc`` (GBA, :mod:`trainer.dist.gba`).
+
+Rank ``r`` owns shard ``r`` of every PS table, as in :mod:`trainer.dist.model`; rank 0 also owns
+the dense head (the *master* head and its optimizer; every rank trains on a replica it pulls).
+Each rank runs a :class:`ShardServer` for what it owns, answering pulls and pushes on RPC
+threads. **One step**, on one rank, never waiting for another rank's step:
+
+1. *plan* (:func:`trainer.dist.routing.plan`): the batch's unique ``(table, id)`` pairs in wire
+   order (owner, table, id).
+2. *pull*: to every owner its ids (an RPC; the own shard a local call): the owner looks them up
+   (lookup-or-insert, :meth:`trainer.dist.owner.Owner.serve`, the 1-process PS's insert path) and
+   returns the rows with its **token** (its global steps so far); owner 0 also returns the dense
+   head when it changed since this rank's last pull, with the dense token.
+3. *forward/backward* locally, loss = sum / ``global_batch`` (sync's normalisation).
+4. *push* (RPC, not waited for: the next step's push waits for it): to every owner its rows'
+   gradients, the example count and the token they were pulled at; owner 0 also gets the dense
+   gradients. Each owner's :class:`trainer.dist.gba.TokenBuffer` sums them until they cover
+   ``global_batch`` examples, then applies them once with the table's own optimizer (the dense
+   head: its optimizer); stale ones are decayed or dropped there. In ``async`` every push is
+   applied on arrival (the paper's baseline).
+
+Every owner gets every push (with no ids when the batch has none of its rows), so all owners
+count the same examples and their tokens move together.
+
+**Transport**: ``torch.distributed.rpc`` (TensorPipe, shared memory between ranks on one
+machine, TCP otherwise), chosen over ``isend``/``irecv`` on a second gloo group because a pull is
+a request and a reply from any rank at any time: with point-to-point the server thread would
+have to match requests from any source to replies by hand, which is what RPC does.
+Measured round trip between two pinned ranks on this machine (``bench/rpc_latency.py``): about
+0.3-0.45 ms for 64 B and for the DeepFM head's 264 kB with shared memory (0.6-0.7 ms over TCP); a
+step pulls and pushes once per remote owner.
+
+**Equal to sync** when every rank pushes exactly one full batch per token and nothing is stale
+(each rank waits for its pushes and all meet at a barrier between steps,
+tests/trainer/distributed/test_gba.py): each owner then releases one global batch of the same
+gradients, scaled by 1, as sync's owners apply them.
+
+**Not here** (issue #34): sequential models, count admission (``min_count > 1``, probabilistic
+admission: the owner would need occurrence counts), snapshots of the buffers, the online trainer.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import threading
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+import torch.nn.functional as F
+
+from services.ports import free_port
+
+from ..batch import SparseBatch
+from ..config import ModelConfig
+from ..model import NonFiniteStepError, SparseModel, make_dense_optimizer
+from ..sharding import owners
+from .gba import MODES, GBAStats, Release, TokenBuffer, combine
+from .model import DistributedError, OwnerLookupError
+from .owner import Owner
+from .routing import packed_rows, plan, starts
+
+__all__ = ["GBAModel", "ShardServer", "DenseOwner"]
+
+log = logging.getLogger(__name__)
+
+_SERVER: ShardServer | None = None   # this process's server: what the RPC handlers call
+_TICKETS = [0]                        # rank 0: the shared work counter (:meth:`GBAModel.ticket`)
+_TICKET_LOCK = threading.Lock()
+
+
+def _pull(*args):
+    assert _SERVER is not None, "no GBA server in this process"
+    return _SERVER.pull(*args)
+
+
+def _push(*args):
+    assert _SERVER is not None, "no GBA server in this process"
+    return _SERVER.push(*args)
+
+
+def _ticket() -> int:
+    with _TICKET_LOCK:
+        _TICKETS[0] += 1
+        return _TICKETS[0] - 1
+
+
+class DenseOwner:
+    """Rank 0's master head and its optimizer behind a token buffer of its own."""
+
+    def __init__(self, head: torch.nn.Module, cfg: ModelConfig, buffer: TokenBuffer):
+        self.head = head
+        self.params = list(head.parameters())
+        self.optimizer = make_dense_optimizer(cfg, head)
+        self.buffer = buffer
+        self.lock = threading.Lock()
+
+    def pull(self, known: int | None):
+        """``(flat parameters or None when ``known`` is the current token, token)``."""
+        with self.lock:
+            t = self.buffer.token
+            if known == t:
+                return None, t
+            return torch.cat([p.detach().reshape(-1) for p in self.params]).clone(), t
+
+    def push(self, token: int, examples: int, grads: torch.Tensor) -> None:
+        with self.lock:
+            self.apply(self.buffer.push(token, examples, grads))
+
+    def apply(self, rel: Release | None) -> None:
+        flat = combine(rel, lambda g: g)
+        if flat is None:
+            return
+        off = 0
+        for p in self.params:
+            p.grad = flat[off:off + p.numel()].view_as(p)
+            off += p.numel()
+        self.optimizer.step()
+
+
+class ShardServer:
+    """One rank's shard of every table (and, on rank 0, the dense head) answering pulls and
+    pushes; one lock orders lookups and updates on the shard."""
+
+    def __init__(self, owner: Owner, world: int, global_batch: int, max_staleness: int, mode: str,
+                 dense: DenseOwner | None):
+        self.owner, self.world, self.dense = owner, world, dense
+        self.buffer: TokenBuffer = TokenBuffer(global_batch, max_staleness, mode)
+        self.lock = threading.Lock()
+
+    def pull(self, requester: int, ids: np.ndarray, counts: np.ndarray, t_event: int, insert: bool,
+             dense_known: int | None):
+        """``(rows, token, dense parameters or None, dense token)`` for ``ids`` (per-table
+        ``counts``, wire order)."""
+        rcounts = np.zeros((self.world, counts.size), np.int64)
+        rcounts[requester] = counts
+        with self.lock:
+            token = self.buffer.token
+            reply, _, failed = self.owner.serve(ids, None, rcounts, t_event, insert)
+        if failed.any():
+            raise OwnerLookupError(f"rank {self.owner.rank}: the lookup of rank {requester}'s ids failed")
+        dense, dtoken = self.dense.pull(dense_known) if self.dense is not None and dense_known != -1 else (None, -1)
+        return reply, token, dense, dtoken
+
+    def push(self, ids: np.ndarray, counts: np.ndarray, grads: np.ndarray, examples: int, token: int,
+             t_event: int, dense: torch.Tensor | None, dense_token: int) -> None:
+        with self.lock:
+            self.apply(self.buffer.push(token, examples, (counts, ids, grads, t_event)))
+        if dense is not None and self.dense is not None:
+            self.dense.push(dense_token, examples, dense)
+
+    def flush(self) -> None:
+        """Apply what the buffers hold short of a global batch (the end of a run)."""
+        with self.lock:
+            self.apply(self.buffer.flush())
+        if self.dense is not None:
+            with self.dense.lock:
+                self.dense.apply(self.dense.buffer.flush())
+
+    def stats(self) -> GBAStats:
+        return self.buffer.stats if self.dense is None else self.buffer.stats.add(self.dense.buffer.stats)
+
+    def apply(self, rel: Release | None) -> None:
+        """One aggregated update: per table every part's ``weight * scale * gradients``, summed per
+        id by :meth:`ps.EmbeddingTable.apply_gradients` in one optimizer step."""
+        if rel is None:
+            return
+        dims = self.owner.dims
+        per: dict[int, tuple[list, list]] = {}
+        t_max = 0
+        for w, (counts, ids, grads, t_event) in rel.parts:
+            t_max = max(t_max, t_event)
+            f = np.float32(w * rel.scale)
+            id_off, row_off = starts(counts), starts(counts * dims)
+            for ti in np.flatnonzero(counts).tolist():
+                n, d = int(counts[ti]), int(dims[ti])
+                g = grads[row_off[ti]:row_off[ti] + n * d].reshape(n, d)
+                ids_t, g_t = per.setdefault(ti, ([], []))
+                ids_t.append(ids[id_off[ti]:id_off[ti] + n])
+                g_t.append(g if f == 1.0 else g * f)
+        for ti, (ids_t, g_t) in sorted(per.items()):
+            try:
+                self.owner.tables[ti].apply_gradients(np.concatenate(ids_t), np.concatenate(g_t), t_max)
+            except Exception as err:  # noqa: BLE001 - other ranks' gradients: skip, count, never hang
+                self.owner.failed_updates += 1
+                log.error("rank %d: GBA update of table %s failed, skipped: %r", self.owner.rank,
+                          self.owner.names[ti], err)
+
+
+class GBAModel:
+    """A :class:`SparseModel` trained by N ranks without lockstep (``mode``: ``"gba"`` or
+    ``"async"``). Built collectively (every rank, after ``init_process_group``); :meth:`step`
+    and :meth:`predict` are not collective; :meth:`finish` and :meth:`close` are."""
+
+    def __init__(self, cfg: ModelConfig, *, mode: str = "gba", global_batch: int, max_staleness: int = 8,
+                 group=None, tables: dict | None = None):
+        global _SERVER
+        if not dist.is_available() or not dist.is_initialized():
+            raise DistributedError("torch.distributed is not initialized: call init_process_group first")
+        if mode not in MODES:
+            raise DistributedError(f"mode must be one of {MODES}, got {mode!r}")
+        if cfg.sequential:
+            raise DistributedError("gba/async: sequential models are not supported (use sync or hybrid)")
+        if any(t.admission.min_count > 1 or t.admission.probability < 1.0 for t in cfg.tables):
+            raise DistributedError("gba/async: count or probabilistic admission is not supported")
+        self.mode, self.group, self.global_batch = mode, group, global_batch
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        local = cfg.model_copy(update={"tables": [t.model_copy(update={"shards": 1}) for t in cfg.tables]})
+        self.model = SparseModel(local, tables)
+        self.cfg = cfg
+        self._names = self.model.ps.table_names
+        self._dims = np.array([self.model.tables[n].dim for n in self._names], np.int64)
+        self._params = list(self.model.head.parameters())
+        with torch.no_grad():  # equal replicas, and the master starts from them
+            for p in self._params:
+                dist.broadcast(p.data, 0, group=group)
+        owner = Owner([self.model.tables[n] for n in self._names], self._names, self.rank, self.world, self.model.ps)
+        dense = None
+        if self.rank == 0:
+            dense = DenseOwner(copy.deepcopy(self.model.head), cfg,
+                               TokenBuffer(global_batch, max_staleness, mode))
+        self.server = ShardServer(owner, self.world, global_batch, max_staleness, mode, dense)
+        _SERVER = self.server
+        _TICKETS[0] = 0
+        port = [free_port() if self.rank == 0 else 0]
+        dist.broadcast_object_list(port, 0, group=group)
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port[0]}", num_worker_threads=4,
+                                               _transports=["shm", "uv"], _channels=["basic"])
+        rpc.init_rpc(f"gba{self.rank}", rank=self.rank, world_size=self.world, rpc_backend_options=opts)
+        self._dense_token: int | None = None
+        self._inflight: list = []
+        self.steps = 0
+        self.step_s: list[float] = []
+        # test knob: seconds slept between the pull and the push, as a rank slow in its compute
+        # (its gradients then arrive stale; ``trainer.debug_slow_rank`` sleeps after the push)
+        self.push_delay_s = 0.0
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def tables(self):
+        """This rank's shard of every table."""
+        return self.model.tables
+
+    @property
+    def head(self):
+        """The dense head: the master on rank 0, this rank's last pulled replica elsewhere."""
+        return self.server.dense.head if self.server.dense is not None else self.model.head
+
+    @property
+    def optimizer(self):
+        """The master head's optimizer (rank 0), None elsewhere."""
+        return self.server.dense.optimizer if self.server.dense is not None else None
+
+    @property
+    def stats(self) -> GBAStats:
+        """What this rank's buffers (its shard, and on rank 0 the dense head) did."""
+        return self.server.stats()
+
+    # ------------------------------------------------------------------ the step
+    def _lookup(self, batch: SparseBatch, insert: bool):
+        m, n = self.model, self.world
+        pb = m.pack(batch)
+        tab = np.repeat(pb.slot_table, np.diff(pb.offsets))
+        p = plan(pb.ids, tab, owners(pb.ids, n), n, len(self._names))
+        id_off = starts(p.counts.sum(1))
+        t_event = int(batch.max_event_time)
+        calls = []
+        for o in range(n):
+            sl = slice(int(id_off[o]), int(id_off[o] + p.counts[o].sum()))
+            args = (self.rank, p.u_ids[sl], p.counts[o], t_event, insert, self._dense_token if o == 0 else -1)
+            calls.append((o, sl, args))
+        futs = {o: rpc.rpc_async(f"gba{o}", _pull, args=args) for o, _, args in calls if o != self.rank}
+        got = {self.rank: self.server.pull(*calls[self.rank][2])}
+        got.update({o: f.wait() for o, f in futs.items()})
+        rows = np.concatenate([got[o][0] for o in range(n)])
+        dense, dtoken = got[0][2], got[0][3]
+        if dense is not None:
+            with torch.no_grad():
+                off = 0
+                for q in self._params:
+                    q.copy_(dense[off:off + q.numel()].view_as(q))
+                    off += q.numel()
+            self._dense_token = dtoken
+        rows_map = packed_rows(self._dims, p.u_tab, p.inv, tab)
+        return pb, p, rows_map, rows_map.take(rows, rows_map.size), rows.size, [got[o][1] for o in range(n)], t_event
+
+    def step(self, batch: SparseBatch):
+        """Pull, learn and push one batch: ``(this batch's mean loss, its probabilities before
+        the update)``. Raises :class:`NonFiniteStepError` (nothing pushed) on a non-finite loss or
+        gradient; a failed remote lookup raises here too. Not collective."""
+        t0 = time.perf_counter()
+        m = self.model
+        batch = m.complete(batch)
+        if batch.size == 0:
+            return 0.0, np.zeros(0, np.float32)
+        pb, p, rows_map, buf, n_rows, tokens, t_event = self._lookup(batch, True)
+        logits, leaves = m.forward_packed(batch, pb, buf, requires_grad=True)
+        labels = batch.labels if batch.labels is not None else np.zeros(batch.size, np.float32)
+        for q in self._params:
+            q.grad = None
+        loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(labels), reduction="sum") / self.global_batch
+        loss.backward()
+        gs = [w.grad.numpy().reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32) for _, w in leaves]
+        g_rows = rows_map.sum_back(np.concatenate(gs) if len(gs) > 1 else gs[0], n_rows)
+        head = torch.cat([q.grad.reshape(-1) if q.grad is not None else torch.zeros(q.numel()) for q in self._params])
+        value = float(loss.detach()) * self.global_batch / batch.size
+        if not (math.isfinite(value) and np.isfinite(g_rows).all() and bool(torch.isfinite(head).all())):
+            raise NonFiniteStepError(f"rank {self.rank}: the loss ({value}) or a gradient is not finite; nothing pushed")
+        if self.push_delay_s:
+            time.sleep(self.push_delay_s)
+        self.wait()
+        row_off = starts((p.counts * self._dims).sum(1))
+        id_off = starts(p.counts.sum(1))
+        local = None
+        for o in range(self.world):
+            ids = p.u_ids[int(id_off[o]):int(id_off[o] + p.counts[o].sum())]
+            g = g_rows[int(row_off[o]):int(row_off[o] + (p.counts[o] * self._dims).sum())]
+            args = (ids, p.counts[o], g, batch.size, tokens[o], t_event, head if o == 0 else None,
+                    self._dense_token if o == 0 else -1)
+            if o == self.rank:
+                local = args
+            else:
+                self._inflight.append(rpc.rpc_async(f"gba{o}", _push, args=args))
+        assert local is not None
+        self.server.push(*local)
+        self.steps += 1
+        self.step_s.append(time.perf_counter() - t0)
+        return value, torch.sigmoid(logits.detach()).numpy()
+
+    def wait(self) -> None:
+        """Wait for this rank's pushes in flight (raises a remote owner's error here)."""
+        inflight, self._inflight = self._inflight, []
+        for f in inflight:
+            f.wait()
+
+    def finish(self) -> None:
+        """Collective: every rank's pushes land, then every owner applies what its buffers hold
+        short of a global batch: the tables and the head then hold every example learned."""
+        self.wait()
+        dist.barrier(group=self.group)
+        self.server.flush()
+        dist.barrier(group=self.group)
+
+    @torch.no_grad()
+    def predict(self, batch: SparseBatch) -> np.ndarray:
+        """Probabilities for ``batch`` from the owners' current rows and the master head, nothing
+        inserted or learned. Not collective."""
+        batch = self.model.complete(batch)
+        if batch.size == 0:
+            return np.zeros(0, np.float32)
+        self._dense_token = None  # the head as it is now
+        pb, _, _, buf, _, _, _ = self._lookup(batch, False)
+        logits, _ = self.model.forward_packed(batch, pb, buf, requires_grad=False)
+        return torch.sigmoid(logits).numpy()
+
+    def ticket(self) -> int:
+        """The next number of a counter shared by the ranks (rank 0 holds it): which batch of a
+        shared stream a rank takes next, so fast ranks take more (the benchmark)."""
+        return _ticket() if self.rank == 0 else int(rpc.rpc_sync("gba0", _ticket))
+
+    def close(self) -> None:
+        """Collective: waits for every rank's RPCs, then stops this rank's server."""
+        global _SERVER
+        self.wait()
+        rpc.shutdown()
+        _SERVER = None

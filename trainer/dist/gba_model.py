@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 _SERVER: ShardServer | None = None   # this process's server: what the RPC handlers call
 _TICKETS = [0]                        # rank 0: the shared work counter (:meth:`GBAModel.ticket`)
 _TICKET_LOCK = threading.Lock()
+_RPC_UP = [False]                     # rpc.init_rpc ran in this process (and no shutdown since)
 
 
 def _pull(*args):
@@ -227,11 +228,14 @@ class GBAModel:
         self.server = ShardServer(owner, self.world, global_batch, max_staleness, mode, dense)
         _SERVER = self.server
         _TICKETS[0] = 0
-        port = [free_port() if self.rank == 0 else 0]
-        dist.broadcast_object_list(port, 0, group=group)
-        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port[0]}", num_worker_threads=4,
-                                               _transports=["shm", "uv"], _channels=["basic"])
-        rpc.init_rpc(f"gba{self.rank}", rank=self.rank, world_size=self.world, rpc_backend_options=opts)
+        if not _RPC_UP[0]:  # kept up by close(keep_rpc=True) for the next model in this process
+            port = [free_port() if self.rank == 0 else 0]
+            dist.broadcast_object_list(port, 0, group=group)
+            opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port[0]}", num_worker_threads=4,
+                                                   _transports=["shm", "uv"], _channels=["basic"])
+            rpc.init_rpc(f"gba{self.rank}", rank=self.rank, world_size=self.world, rpc_backend_options=opts)
+            _RPC_UP[0] = True
+        dist.barrier(group=group)  # every rank's server is in place before anyone pulls
         self._dense_token: int | None = None
         self._inflight: list = []
         self.steps = 0
@@ -363,9 +367,13 @@ class GBAModel:
         shared stream a rank takes next, so fast ranks take more (the benchmark)."""
         return _ticket() if self.rank == 0 else int(rpc.rpc_sync("gba0", _ticket))
 
-    def close(self) -> None:
-        """Collective: waits for every rank's RPCs, then stops this rank's server."""
+    def close(self, keep_rpc: bool = False) -> None:
+        """Collective: waits for every rank's RPCs; stops RPC unless ``keep_rpc`` (another
+        :class:`GBAModel` follows in this process and reuses it: no new port, no new agent)."""
         global _SERVER
         self.wait()
-        rpc.shutdown()
+        dist.barrier(group=self.group)
+        if not keep_rpc:
+            rpc.shutdown()
+            _RPC_UP[0] = False
         _SERVER = None

@@ -97,7 +97,7 @@ from ..isolate import StepResult, train_isolating_ranks
 from ..loop import TrainerLoop
 from . import rank_snapshots
 from .input import RankInput, empty_batch, my_partitions  # noqa: F401 - the rule, named here too
-from .model import DistributedModel
+from .model import MODES, DistributedError, DistributedModel
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,9 @@ class RankTrainer(TrainerLoop):
             self.resets.watch.epoch = self.epoch
         got = rank_snapshots.load(self.root, self.cfg, self.topic, self.rank, self.world, self.epoch)
         ts = self.ts
+        if ts.dist_mode not in MODES:  # gba/async: trainer.dist.gba_model, not on the online ranks yet
+            raise DistributedError(f"trainer.dist_mode = {ts.dist_mode!r} is not in the online N-rank trainer yet "
+                                   f"(issue 34: bench/bench_gba.py and tests only); use one of {MODES}")
         self.dm = DistributedModel(self.cfg, mode=ts.dist_mode, staleness=ts.staleness,
                                    tables=got.tables if got is not None else None)
         # this rank's shard of the tables: admissions and TTL evictions counted per rank (the shards

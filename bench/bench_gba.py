@@ -14,7 +14,9 @@ async on bench_distributed's stream and model (ml-1m in time order, DeepFM 8 slo
   scoring the ``HOLDOUT`` examples after the stream; ``auc_*``: progressive AUC (each batch scored
   before it is learned), no straggler; ``*_slow4`` of both for rank 1 slowed 4x.
 * gba: ``global_batch`` = 2 x ``BATCH`` (sync's), ``max_staleness`` ``MAX_STALENESS`` (default
-  8); async: every push applied on arrival, as the mean over its own batch, no decay.
+  8), ``fresh_wait`` ``FRESH_WAIT`` (default 1.5; 0: the paper's free-running GBA); async: every
+  push applied on arrival, as the mean over its own batch, no decay. ``MODES``, ``SLOW``: a subset.
+  Each gba/async line also prints per rank (waits, timed out, ms per step in each phase).
 * ``staleness_mean_gba``, ``dropped_gradients_gba`` (and ``_slow4``): over every owner's buffer.
 """
 
@@ -44,8 +46,10 @@ from trainer.metrics import auc
 
 PIN = os.environ.get("PIN", "1") == "1"
 MAX_STALENESS = int(os.environ.get("MAX_STALENESS", "8"))
-SLOW = (1, 2, 4)
-MODES = ("sync", "hybrid", "gba", "async")
+FRESH_WAIT = float(os.environ.get("FRESH_WAIT", "1.5"))  # trainer.gba.fresh_wait (0: free-running GBA)
+# (a subset for experiments: e.g. MODES=sync,gba SLOW=1,4; the JSON then lacks the others' keys)
+SLOW = tuple(int(x) for x in os.environ.get("SLOW", "1,2,4").split(","))
+MODES = tuple(os.environ.get("MODES", "sync,hybrid,gba,async").split(","))
 
 
 def _run(rank: int, world: int, mode: str, factor: float, batches: list, hold) -> dict:
@@ -64,9 +68,10 @@ def _run(rank: int, world: int, mode: str, factor: float, batches: list, hold) -
             got[s * world + rank] = next(it)[1]
             slow.after(time.perf_counter() - t)
         wall = time.perf_counter() - t0
-        hold_probs, stats = dm.predict(hold), None
+        hold_probs, stats, waits = dm.predict(hold), None, (0, 0)
     else:
-        dm = GBAModel(_cfg(), mode=mode, global_batch=world * BATCH, max_staleness=MAX_STALENESS)
+        dm = GBAModel(_cfg(), mode=mode, global_batch=world * BATCH, max_staleness=MAX_STALENESS,
+                      fresh_wait=FRESH_WAIT)
         for s in range(WARMUP):  # numba compile, allocator, optimizer state: the lockstep slices
             got[s * world + rank] = dm.step(batches[s * world + rank])[1]
         dm.wait()
@@ -79,9 +84,11 @@ def _run(rank: int, world: int, mode: str, factor: float, batches: list, hold) -
         wall = time.perf_counter() - t0
         dm.finish()
         hold_probs, stats = dm.predict(hold), dm.stats
+        waits = (dm.waits, dm.waits_timed_out, {k: round(v / max(1, dm.steps) * 1000, 2) for k, v in dm.timings.items()})
     dm.close()
     examples = sum(batches[k].size for k in got if k >= n_warm)
-    return {"wall": wall, "examples": examples, "probs": got, "hold_probs": hold_probs, "stats": stats}
+    return {"wall": wall, "examples": examples, "probs": got, "hold_probs": hold_probs, "stats": stats,
+            "waits": waits}
 
 
 def _rank(rank: int, world: int) -> dict:
@@ -118,16 +125,19 @@ def main() -> None:
             if parts[0]["stats"] is not None:
                 st = parts[0]["stats"].add(parts[1]["stats"])
                 line += (f"  applied {st.applied} decayed {st.decayed} dropped {st.dropped} "
-                         f"staleness {st.mean_staleness:.2f}")
+                         f"staleness {st.mean_staleness:.2f}  waits/timed out {[p['waits'] for p in parts]}")
                 if mode == "gba" and factor in (1, 4):
                     out[f"staleness_mean_gba{sfx}"] = round(st.mean_staleness, 3)
                     out[f"dropped_gradients_gba{sfx}"] = st.dropped
             print(line, flush=True)
-    out["speedup_gba_vs_sync_slow4"] = round(out["ex_per_s_gba_slow4"] / out["ex_per_s_sync_slow4"], 3)
-    out["gba_vs_sync_no_straggler"] = round(out["ex_per_s_gba"] / out["ex_per_s_sync"], 3)
-    out["auc_holdout_gap_gba_sync"] = round(out["auc_holdout_gba"] - out["auc_holdout_sync"], 4)
-    out["auc_holdout_gap_gba_async"] = round(out["auc_holdout_gba"] - out["auc_holdout_async"], 4)
-    out.update({"pin_cores": PIN, "batch_per_rank": BATCH, "max_staleness": MAX_STALENESS, "steps": STEPS,
+    for key, a, b, op in (("speedup_gba_vs_sync_slow4", "ex_per_s_gba_slow4", "ex_per_s_sync_slow4", "/"),
+                          ("gba_vs_sync_no_straggler", "ex_per_s_gba", "ex_per_s_sync", "/"),
+                          ("auc_holdout_gap_gba_sync", "auc_holdout_gba", "auc_holdout_sync", "-"),
+                          ("auc_holdout_gap_gba_async", "auc_holdout_gba", "auc_holdout_async", "-")):
+        if a in out and b in out:
+            out[key] = round(out[a] / out[b], 3) if op == "/" else round(out[a] - out[b], 4)
+    out.update({"pin_cores": PIN, "batch_per_rank": BATCH, "max_staleness": MAX_STALENESS, "fresh_wait": FRESH_WAIT,
+                "steps": STEPS,
                 "quick": os.environ.get("QUICK") == "1", "wall_s": round(time.time() - t_start, 1)})
     print(json.dumps(out))
 

@@ -407,6 +407,9 @@ class GBASettings(BaseModel):
     global_batch: int = Field(0, ge=0)
     # Global steps a gradient may lag its owner before it is dropped (weighted 1/s from s = 2).
     max_staleness: int = Field(8, ge=0)
+    # Before a pull, wait up to this x the rank's own step for the global batch its last push
+    # joined (fresh parameters with no straggler, as in sync; 0: the paper's free-running GBA).
+    fresh_wait: float = Field(1.5, ge=0)
     # dist_mode "auto": a rank whose step time stays over this x the median is a straggler.
     straggler_ratio: float = Field(2.0, gt=1)
 

@@ -20,6 +20,18 @@ threads. **One step**, on one rank, never waiting for another rank's step:
    head: its optimizer); stale ones are decayed or dropped there. In ``async`` every push is
    applied on arrival (the paper's baseline).
 
+**The fresh pull** (``fresh_wait``, ``trainer.gba.fresh_wait``; not in the paper, measured here):
+a free-running rank pulls while its own push still waits in the buffer for the other ranks', so
+with no straggler about a third of its gradients were one step stale, a self-sustaining pattern
+(bench-gba: ``staleness_mean_gba`` 0.34-0.45) that cost 0.002-0.004 of holdout AUC against sync.
+So step 2 first waits, up to ``fresh_wait`` x the rank's own last step, until the global batch its
+last push joined is applied (the owner's token passed it): with no straggler the ranks then learn
+on fresh parameters, as in sync (staleness 0, sync's AUC), and a straggler makes the wait time
+out, after which the rank pulls at once for 1, 4, 16, 64 steps (timeouts in a row; halved after
+each wait that succeeds). ``fresh_wait=0`` is the paper's free-running GBA. The cost: with no
+straggler the ranks wait for each other as in sync, and a step's RPCs are then on its critical
+path (bench-gba: gba 0.7-0.8 x sync's rate with it, 0.9-1.0 x without).
+
 Every owner gets every push (with no ids when the batch has none of its rows), so all owners
 count the same examples and their tokens move together.
 
@@ -109,9 +121,11 @@ class DenseOwner:
                 return None, t
             return torch.cat([p.detach().reshape(-1) for p in self.params]).clone(), t
 
-    def push(self, token: int, examples: int, grads: torch.Tensor) -> None:
+    def push(self, token: int, examples: int, grads: torch.Tensor) -> int:
         with self.lock:
+            joined = self.buffer.token
             self.apply(self.buffer.push(token, examples, grads))
+            return joined
 
     def apply(self, rel: Release | None) -> None:
         flat = combine(rel, lambda g: g)
@@ -133,11 +147,29 @@ class ShardServer:
         self.owner, self.world, self.dense = owner, world, dense
         self.buffer: TokenBuffer = TokenBuffer(global_batch, max_staleness, mode)
         self.lock = threading.Lock()
+        self.moved = threading.Condition()  # notified after every push: a token may have moved
+
+    def tokens(self) -> tuple[int, int]:
+        return self.buffer.token, self.dense.buffer.token if self.dense is not None else -1
+
+    def await_tokens(self, after: int, dense_after: int, wait_s: float) -> bool:
+        """Wait up to ``wait_s`` until this owner (and, asked with ``dense_after >= 0``, the dense
+        head) applied a global batch since the tokens ``after`` / ``dense_after``: whether it did."""
+        def moved() -> bool:
+            t, d = self.tokens()
+            return t > after and (dense_after < 0 or d > dense_after)
+        if wait_s <= 0 or after < 0:
+            return moved()
+        with self.moved:
+            return self.moved.wait_for(moved, timeout=wait_s)
 
     def pull(self, requester: int, ids: np.ndarray, counts: np.ndarray, t_event: int, insert: bool,
-             dense_known: int | None):
-        """``(rows, token, dense parameters or None, dense token)`` for ``ids`` (per-table
-        ``counts``, wire order)."""
+             dense_known: int | None, after: int = -1, dense_after: int = -1, wait_s: float = 0.0):
+        """``(rows, token, dense parameters or None, dense token, fresh)`` for ``ids`` (per-table
+        ``counts``, wire order), after waiting up to ``wait_s`` until the global batches the
+        requester's last pushes joined (tokens ``after`` / ``dense_after``) are applied (``fresh``:
+        they were)."""
+        fresh = self.await_tokens(after, dense_after, wait_s)
         rcounts = np.zeros((self.world, counts.size), np.int64)
         rcounts[requester] = counts
         with self.lock:
@@ -146,14 +178,20 @@ class ShardServer:
         if failed.any():
             raise OwnerLookupError(f"rank {self.owner.rank}: the lookup of rank {requester}'s ids failed")
         dense, dtoken = self.dense.pull(dense_known) if self.dense is not None and dense_known != -1 else (None, -1)
-        return reply, token, dense, dtoken
+        return reply, token, dense, dtoken, fresh
 
     def push(self, ids: np.ndarray, counts: np.ndarray, grads: np.ndarray, examples: int, token: int,
-             t_event: int, dense: torch.Tensor | None, dense_token: int) -> None:
+             t_event: int, dense: torch.Tensor | None, dense_token: int) -> tuple[int, int]:
+        """Returns the tokens of the global batches the push joined (the shard's, the head's or -1)."""
         with self.lock:
+            joined = self.buffer.token
             self.apply(self.buffer.push(token, examples, (counts, ids, grads, t_event)))
+        dense_joined = -1
         if dense is not None and self.dense is not None:
-            self.dense.push(dense_token, examples, dense)
+            dense_joined = self.dense.push(dense_token, examples, dense)
+        with self.moved:
+            self.moved.notify_all()
+        return joined, dense_joined
 
     def flush(self) -> None:
         """Apply what the buffers hold short of a global batch (the end of a run)."""
@@ -199,7 +237,7 @@ class GBAModel:
     and :meth:`predict` are not collective; :meth:`finish` and :meth:`close` are."""
 
     def __init__(self, cfg: ModelConfig, *, mode: str = "gba", global_batch: int, max_staleness: int = 8,
-                 group=None, tables: dict | None = None):
+                 fresh_wait: float = 1.5, group=None, tables: dict | None = None):
         global _SERVER
         if not dist.is_available() or not dist.is_initialized():
             raise DistributedError("torch.distributed is not initialized: call init_process_group first")
@@ -243,6 +281,20 @@ class GBAModel:
         # test knob: seconds slept between the pull and the push, as a rank slow in its compute
         # (its gradients then arrive stale; ``trainer.debug_slow_rank`` sleeps after the push)
         self.push_delay_s = 0.0
+        # the fresh pull (module docstring): the tokens of the global batches this rank's last
+        # pushes joined (per owner, and the head's), the seconds its last step worked (waits left
+        # out), how many steps to pull without waiting, and for how many after the next timeout
+        self._after: list[int] = [-1] * self.world
+        self._dense_after = -1
+        self._work_s = 0.0
+        self._skip = 0
+        self._backoff = 1
+        self.fresh_wait_fraction = fresh_wait
+        self.waits_timed_out = 0
+        self.waits = 0
+        # seconds per phase, summed over steps: "acks" (the last pushes' replies), "pull" (its
+        # fresh wait included), "learn" (forward, backward), "push" (the own shard's update included)
+        self.timings: dict[str, float] = {"acks": 0.0, "pull": 0.0, "learn": 0.0, "push": 0.0}
 
     # ------------------------------------------------------------------ properties
     @property
@@ -268,6 +320,14 @@ class GBAModel:
     # ------------------------------------------------------------------ the step
     def _lookup(self, batch: SparseBatch, insert: bool):
         m, n = self.model, self.world
+        # the fresh pull: wait (up to fresh_wait x the own last step) for the global batch this
+        # rank's last push joined; after a wait that timed out (a straggler) pull at once for a
+        # while, 4x longer after each timeout in a row, half as long after each wait that was not
+        wait_s = 0.0
+        if insert and self.mode == "gba" and self._skip == 0:
+            wait_s = self.fresh_wait_fraction * self._work_s
+        self._skip = max(0, self._skip - 1)
+        tp = time.perf_counter()
         pb = m.pack(batch)
         tab = np.repeat(pb.slot_table, np.diff(pb.offsets))
         p = plan(pb.ids, tab, owners(pb.ids, n), n, len(self._names))
@@ -276,12 +336,21 @@ class GBAModel:
         calls = []
         for o in range(n):
             sl = slice(int(id_off[o]), int(id_off[o] + p.counts[o].sum()))
-            args = (self.rank, p.u_ids[sl], p.counts[o], t_event, insert, self._dense_token if o == 0 else -1)
+            args = (self.rank, p.u_ids[sl], p.counts[o], t_event, insert, self._dense_token if o == 0 else -1,
+                    self._after[o] if wait_s else -1, self._dense_after if wait_s and o == 0 else -1, wait_s)
             calls.append((o, sl, args))
         futs = {o: rpc.rpc_async(f"gba{o}", _pull, args=args) for o, _, args in calls if o != self.rank}
         got = {self.rank: self.server.pull(*calls[self.rank][2])}
         got.update({o: f.wait() for o, f in futs.items()})
         rows = np.concatenate([got[o][0] for o in range(n)])
+        self.timings["pull"] += time.perf_counter() - tp
+        if wait_s:
+            self.waits += 1
+            if all(got[o][4] for o in range(n)):
+                self._backoff = max(1, self._backoff // 2)
+            else:  # a straggler: pull at once for a while, 4x as long after each timeout in a row
+                self.waits_timed_out += 1
+                self._skip, self._backoff = self._backoff, min(4 * self._backoff, 64)
         dense, dtoken = got[0][2], got[0][3]
         if dense is not None:
             with torch.no_grad():
@@ -303,6 +372,7 @@ class GBAModel:
         if batch.size == 0:
             return 0.0, np.zeros(0, np.float32)
         pb, p, rows_map, buf, n_rows, tokens, t_event = self._lookup(batch, True)
+        t1 = time.perf_counter()
         logits, leaves = m.forward_packed(batch, pb, buf, requires_grad=True)
         labels = batch.labels if batch.labels is not None else np.zeros(batch.size, np.float32)
         for q in self._params:
@@ -315,6 +385,8 @@ class GBAModel:
         value = float(loss.detach()) * self.global_batch / batch.size
         if not (math.isfinite(value) and np.isfinite(g_rows).all() and bool(torch.isfinite(head).all())):
             raise NonFiniteStepError(f"rank {self.rank}: the loss ({value}) or a gradient is not finite; nothing pushed")
+        t2 = time.perf_counter()
+        self.timings["learn"] += t2 - t1
         if self.push_delay_s:
             time.sleep(self.push_delay_s)
         self.wait()
@@ -329,9 +401,14 @@ class GBAModel:
             if o == self.rank:
                 local = args
             else:
-                self._inflight.append(rpc.rpc_async(f"gba{o}", _push, args=args))
+                self._inflight.append((o, rpc.rpc_async(f"gba{o}", _push, args=args)))
         assert local is not None
-        self.server.push(*local)
+        # every owner (and the head) gets every push with the same example count, so their
+        # global batches fill in step: the one this push joined on the own shard stands for all
+        joined, _ = self.server.push(*local)
+        self._after, self._dense_after = [joined] * self.world, joined
+        self.timings["push"] += time.perf_counter() - t2
+        self._work_s = time.perf_counter() - t1
         self.steps += 1
         self.step_s.append(time.perf_counter() - t0)
         return value, torch.sigmoid(logits.detach()).numpy()
@@ -339,8 +416,10 @@ class GBAModel:
     def wait(self) -> None:
         """Wait for this rank's pushes in flight (raises a remote owner's error here)."""
         inflight, self._inflight = self._inflight, []
-        for f in inflight:
+        t = time.perf_counter()
+        for _, f in inflight:
             f.wait()
+        self.timings["acks"] += time.perf_counter() - t
 
     def finish(self) -> None:
         """Collective: every rank's pushes land, then every owner applies what its buffers hold

@@ -77,8 +77,10 @@ def _run(rank: int, world: int, mode: str, factor: float, batches: list, hold) -
         dm.wait()
         dist.barrier()
         t0 = time.perf_counter()
-        while (k := n_warm + dm.ticket()) < len(batches):
+        nxt = dm.ticket_later()  # the next ticket travels while a step runs
+        while (k := n_warm + nxt.wait()) < len(batches):
             t = time.perf_counter()
+            nxt = dm.ticket_later()
             got[k] = dm.step(batches[k])[1]
             slow.after(time.perf_counter() - t)
         wall = time.perf_counter() - t0

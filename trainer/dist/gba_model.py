@@ -446,6 +446,14 @@ class GBAModel:
         shared stream a rank takes next, so fast ranks take more (the benchmark)."""
         return _ticket() if self.rank == 0 else int(rpc.rpc_sync("gba0", _ticket))
 
+    def ticket_later(self):
+        """:meth:`ticket` as a future (``.wait()`` gives it): taken while this rank's step runs."""
+        if self.rank == 0:
+            f: torch.futures.Future = torch.futures.Future()
+            f.set_result(_ticket())
+            return f
+        return rpc.rpc_async("gba0", _ticket)
+
     def close(self, keep_rpc: bool = False) -> None:
         """Collective: waits for every rank's RPCs; stops RPC unless ``keep_rpc`` (another
         :class:`GBAModel` follows in this process and reuses it: no new port, no new agent)."""

@@ -4,7 +4,8 @@
   GBA's tables, dense head and Adam state equal sync's (``DistributedModel``) up to float order;
 * a straggler does not stop the fast rank (a shared stream: the fast rank takes most of it), and
   its stale gradients are decayed, or dropped past ``max_staleness``, and counted;
-* ``async`` applies every push on arrival (one release per push)."""
+* ``async`` applies every push on arrival (one release per push);
+* the fresh pull with no time limit and no straggler: free-running ranks, no gradient stale."""
 
 from __future__ import annotations
 
@@ -76,10 +77,11 @@ def test_gba_one_batch_per_rank_per_token_equals_sync():
 N_STREAM = 40
 
 
-def _straggler_worker(rank: int, world: int, mode: str, max_staleness: int) -> dict:
-    dm = GBAModel(_cfg(), mode=mode, global_batch=world * B, max_staleness=max_staleness)
+def _straggler_worker(rank: int, world: int, mode: str, max_staleness: int, fresh_wait: float = 1.5,
+                      delay_s: float = 0.15) -> dict:
+    dm = GBAModel(_cfg(), mode=mode, global_batch=world * B, max_staleness=max_staleness, fresh_wait=fresh_wait)
     if rank == 1:
-        dm.push_delay_s = 0.15   # slow between pull and push: its gradients arrive stale
+        dm.push_delay_s = delay_s   # slow between pull and push: its gradients arrive stale
     dist.barrier()
     taken, t0 = [], time.perf_counter()
     while (k := dm.ticket()) < N_STREAM:
@@ -104,3 +106,12 @@ def test_a_straggler_does_not_stop_the_fast_rank_and_stale_gradients_are_decayed
     st = fast["stats"].add(slow["stats"])
     # every push applied on arrival: 2 owners per push (and the head on rank 0), none dropped
     assert st.dropped == st.decayed == 0 and st.applied == 3 * N_STREAM
+
+
+def test_the_fresh_pull_without_a_straggler_leaves_no_gradient_stale():
+    """Unbounded fresh waits: a rank pulls only once the global batch its last push joined is
+    applied, so every push meets the token it pulled (no barrier, no lockstep)."""
+    fast, other = run_local(_straggler_worker, 2, "gba", 8, 1e6, 0.0, timeout_s=60)
+    st = fast["stats"].add(other["stats"])
+    assert st.staleness_sum == 0 and st.dropped == 0 and st.pushed == 3 * N_STREAM
+    assert len(fast["taken"]) + len(other["taken"]) == N_STREAM

@@ -3,7 +3,7 @@ parameter-server design on ``torch.distributed.rpc`` (GBA, :mod:`trainer.dist.gb
 
 Rank ``r`` owns shard ``r`` of every PS table, as in :mod:`trainer.dist.model`; rank 0 also owns
 the dense head (the *master* head and its optimizer; every rank trains on a replica it pulls).
-Each rank runs a :class:`ShardServer` for what it owns, answering pulls and pushes on RPC
+Each rank runs a :class:`trainer.dist.gba_server.ShardServer` for what it owns, answering pulls and pushes on RPC
 threads. **One step**, on one rank, never waiting for another rank's step:
 
 1. *plan* (:func:`trainer.dist.routing.plan`): the batch's unique ``(table, id)`` pairs in wire
@@ -57,7 +57,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import threading
 import time
 
 import numpy as np
@@ -70,165 +69,20 @@ from services.ports import free_port
 
 from ..batch import SparseBatch
 from ..config import ModelConfig
-from ..model import NonFiniteStepError, SparseModel, make_dense_optimizer
+from ..model import NonFiniteStepError, SparseModel
 from ..sharding import owners
-from .gba import MODES, GBAStats, Release, TokenBuffer, combine
-from .model import DistributedError, OwnerLookupError
+from . import gba_server as srv
+from .gba import MODES, GBAStats, TokenBuffer
+from .gba_server import DenseOwner, ShardServer
+from .model import DistributedError
 from .owner import Owner
 from .routing import packed_rows, plan, starts
 
-__all__ = ["GBAModel", "ShardServer", "DenseOwner"]
+__all__ = ["GBAModel"]
 
 log = logging.getLogger(__name__)
 
-_SERVER: ShardServer | None = None   # this process's server: what the RPC handlers call
-_TICKETS = [0]                        # rank 0: the shared work counter (:meth:`GBAModel.ticket`)
-_TICKET_LOCK = threading.Lock()
-_RPC_UP = [False]                     # rpc.init_rpc ran in this process (and no shutdown since)
-
-
-def _pull(*args):
-    assert _SERVER is not None, "no GBA server in this process"
-    return _SERVER.pull(*args)
-
-
-def _push(*args):
-    assert _SERVER is not None, "no GBA server in this process"
-    return _SERVER.push(*args)
-
-
-def _ticket() -> int:
-    with _TICKET_LOCK:
-        _TICKETS[0] += 1
-        return _TICKETS[0] - 1
-
-
-class DenseOwner:
-    """Rank 0's master head and its optimizer behind a token buffer of its own."""
-
-    def __init__(self, head: torch.nn.Module, cfg: ModelConfig, buffer: TokenBuffer):
-        self.head = head
-        self.params = list(head.parameters())
-        self.optimizer = make_dense_optimizer(cfg, head)
-        self.buffer = buffer
-        self.lock = threading.Lock()
-
-    def pull(self, known: int | None):
-        """``(flat parameters or None when ``known`` is the current token, token)``."""
-        with self.lock:
-            t = self.buffer.token
-            if known == t:
-                return None, t
-            return torch.cat([p.detach().reshape(-1) for p in self.params]).clone(), t
-
-    def push(self, token: int, examples: int, grads: torch.Tensor) -> int:
-        with self.lock:
-            joined = self.buffer.token
-            self.apply(self.buffer.push(token, examples, grads))
-            return joined
-
-    def apply(self, rel: Release | None) -> None:
-        flat = combine(rel, lambda g: g)
-        if flat is None:
-            return
-        off = 0
-        for p in self.params:
-            p.grad = flat[off:off + p.numel()].view_as(p)
-            off += p.numel()
-        self.optimizer.step()
-
-
-class ShardServer:
-    """One rank's shard of every table (and, on rank 0, the dense head) answering pulls and
-    pushes; one lock orders lookups and updates on the shard."""
-
-    def __init__(self, owner: Owner, world: int, global_batch: int, max_staleness: int, mode: str,
-                 dense: DenseOwner | None):
-        self.owner, self.world, self.dense = owner, world, dense
-        self.buffer: TokenBuffer = TokenBuffer(global_batch, max_staleness, mode)
-        self.lock = threading.Lock()
-        self.moved = threading.Condition()  # notified after every push: a token may have moved
-
-    def tokens(self) -> tuple[int, int]:
-        return self.buffer.token, self.dense.buffer.token if self.dense is not None else -1
-
-    def await_tokens(self, after: int, dense_after: int, wait_s: float) -> bool:
-        """Wait up to ``wait_s`` until this owner (and, asked with ``dense_after >= 0``, the dense
-        head) applied a global batch since the tokens ``after`` / ``dense_after``: whether it did."""
-        def moved() -> bool:
-            t, d = self.tokens()
-            return t > after and (dense_after < 0 or d > dense_after)
-        if wait_s <= 0 or after < 0:
-            return moved()
-        with self.moved:
-            return self.moved.wait_for(moved, timeout=wait_s)
-
-    def pull(self, requester: int, ids: np.ndarray, counts: np.ndarray, t_event: int, insert: bool,
-             dense_known: int | None, after: int = -1, dense_after: int = -1, wait_s: float = 0.0):
-        """``(rows, token, dense parameters or None, dense token, fresh)`` for ``ids`` (per-table
-        ``counts``, wire order), after waiting up to ``wait_s`` until the global batches the
-        requester's last pushes joined (tokens ``after`` / ``dense_after``) are applied (``fresh``:
-        they were)."""
-        fresh = self.await_tokens(after, dense_after, wait_s)
-        rcounts = np.zeros((self.world, counts.size), np.int64)
-        rcounts[requester] = counts
-        with self.lock:
-            token = self.buffer.token
-            reply, _, failed = self.owner.serve(ids, None, rcounts, t_event, insert)
-        if failed.any():
-            raise OwnerLookupError(f"rank {self.owner.rank}: the lookup of rank {requester}'s ids failed")
-        dense, dtoken = self.dense.pull(dense_known) if self.dense is not None and dense_known != -1 else (None, -1)
-        return reply, token, dense, dtoken, fresh
-
-    def push(self, ids: np.ndarray, counts: np.ndarray, grads: np.ndarray, examples: int, token: int,
-             t_event: int, dense: torch.Tensor | None, dense_token: int) -> tuple[int, int]:
-        """Returns the tokens of the global batches the push joined (the shard's, the head's or -1)."""
-        with self.lock:
-            joined = self.buffer.token
-            self.apply(self.buffer.push(token, examples, (counts, ids, grads, t_event)))
-        dense_joined = -1
-        if dense is not None and self.dense is not None:
-            dense_joined = self.dense.push(dense_token, examples, dense)
-        with self.moved:
-            self.moved.notify_all()
-        return joined, dense_joined
-
-    def flush(self) -> None:
-        """Apply what the buffers hold short of a global batch (the end of a run)."""
-        with self.lock:
-            self.apply(self.buffer.flush())
-        if self.dense is not None:
-            with self.dense.lock:
-                self.dense.apply(self.dense.buffer.flush())
-
-    def stats(self) -> GBAStats:
-        return self.buffer.stats if self.dense is None else self.buffer.stats.add(self.dense.buffer.stats)
-
-    def apply(self, rel: Release | None) -> None:
-        """One aggregated update: per table every part's ``weight * scale * gradients``, summed per
-        id by :meth:`ps.EmbeddingTable.apply_gradients` in one optimizer step."""
-        if rel is None:
-            return
-        dims = self.owner.dims
-        per: dict[int, tuple[list, list]] = {}
-        t_max = 0
-        for w, (counts, ids, grads, t_event) in rel.parts:
-            t_max = max(t_max, t_event)
-            f = np.float32(w * rel.scale)
-            id_off, row_off = starts(counts), starts(counts * dims)
-            for ti in np.flatnonzero(counts).tolist():
-                n, d = int(counts[ti]), int(dims[ti])
-                g = grads[row_off[ti]:row_off[ti] + n * d].reshape(n, d)
-                ids_t, g_t = per.setdefault(ti, ([], []))
-                ids_t.append(ids[id_off[ti]:id_off[ti] + n])
-                g_t.append(g if f == 1.0 else g * f)
-        for ti, (ids_t, g_t) in sorted(per.items()):
-            try:
-                self.owner.tables[ti].apply_gradients(np.concatenate(ids_t), np.concatenate(g_t), t_max)
-            except Exception as err:  # noqa: BLE001 - other ranks' gradients: skip, count, never hang
-                self.owner.failed_updates += 1
-                log.error("rank %d: GBA update of table %s failed, skipped: %r", self.owner.rank,
-                          self.owner.names[ti], err)
+_RPC_UP = [False]   # rpc.init_rpc ran in this process (and no shutdown since)
 
 
 class GBAModel:
@@ -238,7 +92,6 @@ class GBAModel:
 
     def __init__(self, cfg: ModelConfig, *, mode: str = "gba", global_batch: int, max_staleness: int = 8,
                  fresh_wait: float = 1.5, group=None, tables: dict | None = None):
-        global _SERVER
         if not dist.is_available() or not dist.is_initialized():
             raise DistributedError("torch.distributed is not initialized: call init_process_group first")
         if mode not in MODES:
@@ -264,8 +117,8 @@ class GBAModel:
             dense = DenseOwner(copy.deepcopy(self.model.head), cfg,
                                TokenBuffer(global_batch, max_staleness, mode))
         self.server = ShardServer(owner, self.world, global_batch, max_staleness, mode, dense)
-        _SERVER = self.server
-        _TICKETS[0] = 0
+        srv.install(self.server)
+        srv.reset_tickets()
         if not _RPC_UP[0]:  # kept up by close(keep_rpc=True) for the next model in this process
             port = [free_port() if self.rank == 0 else 0]
             dist.broadcast_object_list(port, 0, group=group)
@@ -339,7 +192,7 @@ class GBAModel:
             args = (self.rank, p.u_ids[sl], p.counts[o], t_event, insert, self._dense_token if o == 0 else -1,
                     self._after[o] if wait_s else -1, self._dense_after if wait_s and o == 0 else -1, wait_s)
             calls.append((o, sl, args))
-        futs = {o: rpc.rpc_async(f"gba{o}", _pull, args=args) for o, _, args in calls if o != self.rank}
+        futs = {o: rpc.rpc_async(f"gba{o}", srv.pull, args=args) for o, _, args in calls if o != self.rank}
         got = {self.rank: self.server.pull(*calls[self.rank][2])}
         got.update({o: f.wait() for o, f in futs.items()})
         rows = np.concatenate([got[o][0] for o in range(n)])
@@ -401,7 +254,7 @@ class GBAModel:
             if o == self.rank:
                 local = args
             else:
-                self._inflight.append((o, rpc.rpc_async(f"gba{o}", _push, args=args)))
+                self._inflight.append((o, rpc.rpc_async(f"gba{o}", srv.push, args=args)))
         assert local is not None
         # every owner (and the head) gets every push with the same example count, so their
         # global batches fill in step: the one this push joined on the own shard stands for all
@@ -444,23 +297,22 @@ class GBAModel:
     def ticket(self) -> int:
         """The next number of a counter shared by the ranks (rank 0 holds it): which batch of a
         shared stream a rank takes next, so fast ranks take more (the benchmark)."""
-        return _ticket() if self.rank == 0 else int(rpc.rpc_sync("gba0", _ticket))
+        return srv.ticket() if self.rank == 0 else int(rpc.rpc_sync("gba0", srv.ticket))
 
     def ticket_later(self):
         """:meth:`ticket` as a future (``.wait()`` gives it): taken while this rank's step runs."""
         if self.rank == 0:
             f: torch.futures.Future = torch.futures.Future()
-            f.set_result(_ticket())
+            f.set_result(srv.ticket())
             return f
-        return rpc.rpc_async("gba0", _ticket)
+        return rpc.rpc_async("gba0", srv.ticket)
 
     def close(self, keep_rpc: bool = False) -> None:
         """Collective: waits for every rank's RPCs; stops RPC unless ``keep_rpc`` (another
         :class:`GBAModel` follows in this process and reuses it: no new port, no new agent)."""
-        global _SERVER
         self.wait()
         dist.barrier(group=self.group)
         if not keep_rpc:
             rpc.shutdown()
             _RPC_UP[0] = False
-        _SERVER = None
+        srv.install(None)

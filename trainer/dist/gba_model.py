@@ -49,7 +49,9 @@ tests/trainer/distributed/test_gba.py): each owner then releases one global batc
 gradients, scaled by 1, as sync's owners apply them.
 
 **Not here** (issue #34): sequential models, count admission (``min_count > 1``, probabilistic
-admission: the owner would need occurrence counts), snapshots of the buffers, the online trainer.
+admission: the owner would need occurrence counts), snapshots of the buffers (the online ranks
+flush them before each snapshot instead, :mod:`trainer.dist.rank_trainer`), rounds of the online
+ranks that do not wait for each other.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import time
 
 import numpy as np
@@ -124,7 +127,14 @@ class GBAModel:
             dist.broadcast_object_list(port, 0, group=group)
             opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port[0]}", num_worker_threads=4,
                                                    _transports=["shm", "uv"], _channels=["basic"])
-            rpc.init_rpc(f"gba{self.rank}", rank=self.rank, world_size=self.world, rpc_backend_options=opts)
+            # under torch's elastic launcher every rank would only connect to the agent's store
+            # (TORCHELASTIC_USE_AGENT_STORE), which is not at this port: rank 0 serves this one
+            agent = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+            try:
+                rpc.init_rpc(f"gba{self.rank}", rank=self.rank, world_size=self.world, rpc_backend_options=opts)
+            finally:
+                if agent is not None:
+                    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent
             _RPC_UP[0] = True
         dist.barrier(group=group)  # every rank's server is in place before anyone pulls
         self._dense_token: int | None = None
@@ -148,6 +158,10 @@ class GBAModel:
         # seconds per phase, summed over steps: "acks" (the last pushes' replies), "pull" (its
         # fresh wait included), "learn" (forward, backward), "push" (the own shard's update included)
         self.timings: dict[str, float] = {"acks": 0.0, "pull": 0.0, "learn": 0.0, "push": 0.0}
+        # what the online ranks (trainer.dist.rank_trainer) read of either engine
+        self.alltoall_bytes = 0          # bytes this rank pushed to other ranks' owners (ids, gradients, head)
+        self.comm_s: list[float] = []    # per step: seconds in its pull and its push
+        self.overlapped_updates = 0      # (hybrid's; none here)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -164,6 +178,11 @@ class GBAModel:
     def optimizer(self):
         """The master head's optimizer (rank 0), None elsewhere."""
         return self.server.dense.optimizer if self.server.dense is not None else None
+
+    @property
+    def failed_updates(self) -> int:
+        """Updates of this rank's shard that raised and were skipped."""
+        return self.server.owner.failed_updates
 
     @property
     def stats(self) -> GBAStats:
@@ -255,13 +274,16 @@ class GBAModel:
                 local = args
             else:
                 self._inflight.append((o, rpc.rpc_async(f"gba{o}", srv.push, args=args)))
+                self.alltoall_bytes += ids.nbytes + g.nbytes + (head.numel() * 4 if o == 0 else 0)
         assert local is not None
         # every owner (and the head) gets every push with the same example count, so their
         # global batches fill in step: the one this push joined on the own shard stands for all
         joined, _ = self.server.push(*local)
         self._after, self._dense_after = [joined] * self.world, joined
-        self.timings["push"] += time.perf_counter() - t2
-        self._work_s = time.perf_counter() - t1
+        t3 = time.perf_counter()
+        self.timings["push"] += t3 - t2
+        self.comm_s.append(t1 - t0 + t3 - t2)
+        self._work_s = t3 - t1
         self.steps += 1
         self.step_s.append(time.perf_counter() - t0)
         return value, torch.sigmoid(logits.detach()).numpy()
@@ -282,6 +304,7 @@ class GBAModel:
         self.server.flush()
         dist.barrier(group=self.group)
 
+    flush = finish  # the online ranks' name (before a publication or a snapshot), as DistributedModel's
     @torch.no_grad()
     def predict(self, batch: SparseBatch) -> np.ndarray:
         """Probabilities for ``batch`` from the owners' current rows and the master head, nothing

@@ -99,14 +99,16 @@ async def _manifest(root: Path, examples: int, seq: int, logs, shards: int = 2) 
 # hybrid at staleness 0 (each update queued ahead of the next lookup) is checked in process, equal
 # to sync rows and all: tests/trainer/distributed/test_distributed.py; on the broker, the publication and
 # snapshot path it shares with staleness 1 is checked here
-@pytest.mark.parametrize("mode,staleness,seq_emb", [("sync", 1, False), ("hybrid", 1, False), ("sync", 1, True)],
-                         ids=["sync-sharded", "hybrid-sharded", "sync-sequential_embeddings"])
+@pytest.mark.parametrize("mode,staleness,seq_emb", [("sync", 1, False), ("hybrid", 1, False), ("sync", 1, True),
+                                                    ("gba", 1, False)],
+                         ids=["sync-sharded", "hybrid-sharded", "sync-sequential_embeddings", "gba-sharded"])
 async def test_two_ranks_train_the_stream_and_deltas_reproduce_the_union(settings, ml_examples, tmp_path, mode,
                                                                         staleness, seq_emb):
-    """Both modes; ``hybrid``'s deferred sparse updates are applied before each publication and
-    snapshot, so its deltas too reproduce the snapshot's rows exactly. With sequential embeddings
+    """Every mode; ``hybrid``'s deferred sparse updates and ``gba``'s buffers are applied before
+    each publication and snapshot, so their deltas too reproduce the snapshot's rows exactly. With sequential embeddings
     every row is rank 0's: rank 1's versions carry none."""
-    cfg = small_cfg(seq_emb)
+    # gba: no sequential model (its first-order pass is a collective of sync's steps)
+    cfg = deepfm_config(dim=8, mlp=[32], sequential=False) if mode == "gba" else small_cfg(seq_emb)
     owning = {0} if seq_emb else {0, 1}
     await produce_examples(settings, ml_examples)
     log = tmp_path / "trainer.log"

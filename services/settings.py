@@ -448,8 +448,8 @@ class TrainerSettings(BaseModel):
     # launcher, rank r owning shard r of every table and the partitions p with p % N == r.
     nproc: Count = 1
     # "sync" or "hybrid" (trainer/dist/model.py), "gba" or "async" (trainer/dist/gba_model.py:
-    # ranks not in lockstep, gradients aggregated to the global batch per token / applied on
-    # arrival). staleness (hybrid): steps of sparse updates a
+    # steps not in lockstep, gradients aggregated to the global batch per token / applied on
+    # arrival; the online ranks' rounds still are, docs/scale-out.md). staleness (hybrid): steps of sparse updates a
     # looked-up row may miss, the updates overlapping the next steps; 0: none missed (sync's
     # results), a round's update overlapping the next round's poll and decode (docs/scale-out.md).
     dist_mode: Literal["sync", "hybrid", "gba", "async"] = "sync"

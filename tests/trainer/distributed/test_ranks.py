@@ -53,13 +53,13 @@ def _env(settings, tmp: Path) -> dict:
 
 
 def _spawn(settings, tmp: Path, log: Path, snapshot_s: str = "0", idle_s: str = "4",
-           mode: str = "sync", staleness: int = 1, cfg=None) -> subprocess.Popen:
+           mode: str = "sync", staleness: int = 1, cfg=None, nproc: int = 2) -> subprocess.Popen:
     (tmp / "model.json").write_text((cfg or small_cfg()).model_dump_json())
     return subprocess.Popen([sys.executable, "-m", "trainer", "online", "--sync-interval-s", "1",
                              "--snapshot-interval-event-s", snapshot_s, "--stop-when-idle-s", idle_s,
                              "--batch-size", "512"],
                             env=dict(_env(settings, tmp), DRIFTLINE_TRAINER__DIST_MODE=mode,
-                                     DRIFTLINE_TRAINER__STALENESS=str(staleness)),
+                                     DRIFTLINE_TRAINER__STALENESS=str(staleness), DRIFTLINE_TRAINER__NPROC=str(nproc)),
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO,
                             start_new_session=True)
 
@@ -190,6 +190,27 @@ async def test_kill_9_of_one_rank_restarts_the_group_from_the_last_manifest(sett
     assert sum(r["examples_applied"] for r in _results(log).values()) == N
     assert sum(final["offsets"].values()) == records
     assert final["seq"] > first["seq"]
+
+
+async def test_a_gba_snapshot_restores_into_sync_and_into_one_process(settings, ml_examples, tmp_path):
+    """The stream in thirds: 2 GBA ranks, then 2 sync ranks on their snapshot, then the 1-process
+    trainer on theirs; every example applied once across the three."""
+    cfg = deepfm_config(dim=8, mlp=[32], sequential=False)
+    root = settings.var_dir / "snapshots" / "deepfm"
+    third = N // 3
+    records = 0
+    for k, (mode, nproc) in enumerate([("gba", 2), ("sync", 2), ("sync", 1)]):
+        part = ml_examples[k * third:(k + 1) * third] if k < 2 else ml_examples[2 * third:]
+        records += await produce_examples(settings, part, chunk=250)
+        log = tmp_path / f"trainer-{k}.log"
+        p = _spawn(settings, tmp_path, log, mode=mode, cfg=cfg, nproc=nproc)
+        assert p.wait(timeout=240) == 0, log.read_text()[-4000:]
+        text = log.read_text()
+        assert k == 0 or "restored snapshot" in text, text[-3000:]
+        man = snapshots.read_manifest(root)
+        assert man["examples_applied"] == (k + 1) * third if k < 2 else N, (k, man["examples_applied"])
+        assert int(man.get("shard_count", 0) or 0) == (2 if nproc == 2 else 0), man.get("shard_count")
+    assert sum(man["offsets"].values()) == records
 
 
 async def test_sigterm_of_the_launcher_stops_every_rank_cleanly(settings, ml_examples, tmp_path):

@@ -65,11 +65,15 @@ def _spawn(settings, tmp: Path, log: Path, snapshot_s: str = "0", idle_s: str = 
 
 
 def _results(log: Path) -> dict[int, dict]:
-    """The last result line of each rank (a restarted group prints again)."""
+    """The last result line of each rank (a restarted group prints again). Ranks print with
+    ``python -u`` (a line's text and its newline are two writes) at about the same moment (gba's
+    ranks leave RPC's shutdown together), so two results can share a line: each is decoded."""
     out = {}
+    dec = json.JSONDecoder()
     for line in log.read_text().splitlines():
-        if line.startswith("{") and '"rank"' in line:
-            r = json.loads(line)
+        i = 0
+        while line.startswith("{", i) and '"rank"' in line:
+            r, i = dec.raw_decode(line, i)
             out[r["rank"]] = r
     return out
 

@@ -401,6 +401,25 @@ class DumperSettings(BaseModel):
     dedup_min_wall_s: float = 900.0
 
 
+class GBASettings(BaseModel):
+    """``trainer.dist_mode = "gba"`` (trainer/dist/gba.py, trainer/dist/gba_model.py)."""
+
+    # Examples an owner aggregates before it applies them once (0: sync's global batch,
+    # nproc x batch_size: the same learning rates then fit both modes).
+    global_batch: int = Field(0, ge=0)
+    # Global steps a gradient may lag its owner before it is dropped (weighted 1/s from s = 2).
+    max_staleness: int = Field(8, ge=0)
+    # Before a pull, wait up to this x the rank's own step for the global batch its last push
+    # joined (fresh parameters with no straggler, as in sync; 0: the paper's free-running GBA).
+    fresh_wait: float = Field(1.5, ge=0)
+    # dist_mode "auto": a rank whose step time stays over this x the median is a straggler.
+    straggler_ratio: float = Field(2.0, gt=1)
+
+
+# "RANK:FACTOR", FACTOR >= 1, or "" (trainer/dist/straggler.py parses it)
+SlowRank = Annotated[str, Field(pattern=r"^([0-9]+:[1-9][0-9]*([.][0-9]*)?)?$")]
+
+
 class TrainerSettings(BaseModel):
     """The online trainer."""
 
@@ -430,11 +449,17 @@ class TrainerSettings(BaseModel):
     # 1 is one trainer process owning every shard; N > 1 starts N ranks through torch's elastic
     # launcher, rank r owning shard r of every table and the partitions p with p % N == r.
     nproc: Count = 1
-    # "sync" or "hybrid" (trainer/dist/model.py). staleness (hybrid): steps of sparse updates a
+    # "sync" or "hybrid" (trainer/dist/model.py), "gba" or "async" (trainer/dist/gba_model.py:
+    # steps not in lockstep, gradients aggregated to the global batch per token / applied on
+    # arrival; the online ranks' rounds still are, docs/scale-out.md). staleness (hybrid): steps of sparse updates a
     # looked-up row may miss, the updates overlapping the next steps; 0: none missed (sync's
     # results), a round's update overlapping the next round's poll and decode (docs/scale-out.md).
-    dist_mode: Literal["sync", "hybrid"] = "sync"
+    dist_mode: Literal["sync", "hybrid", "gba", "async"] = "sync"
     staleness: int = Field(1, ge=0)
+    gba: GBASettings = GBASettings()
+    # A TEST KNOB, "RANK:FACTOR" ("" none): that rank sleeps (FACTOR - 1) x its own step time after
+    # each step, a straggler on purpose (trainer/dist/straggler.py; bench/bench_gba.py).
+    debug_slow_rank: SlowRank = ""
     # Pin each rank (and its threads: gloo's, the lookup thread) to its own share of this
     # machine's cores (local rank r of N: the r-th of N equal slices): for a machine given over
     # to the ranks, where the scheduler otherwise moves ranks onto one core now and then and the

@@ -68,6 +68,16 @@ Before the rows are published and before a snapshot every rank applies what is d
 (:meth:`DistributedModel.flush`), so deltas and snapshots hold every example counted as applied.
 Polling and training still alternate within a round.
 
+**GBA** (``trainer.dist_mode = "gba"`` or ``"async"``, :mod:`trainer.dist.gba_model`): the step is
+:meth:`GBAModel.step`, not collective (a failing example is bisected on its own rank by
+:func:`trainer.isolate.train_isolating`); its ``flush`` before a publication or a snapshot is
+:meth:`GBAModel.finish`, collective: every owner applies what its buffer holds, short of a global
+batch or not, so deltas and snapshots hold every example counted as applied, and a GBA snapshot
+is a sync one (shards, rank 0's master head and Adam state): it restores into sync, hybrid and
+the 1-process trainer. The rounds themselves stay in lockstep (the round's agreement is an
+``all_gather``), so here a straggler still slows the group: what GBA's own loop gains is
+measured by bench/bench_gba.py, not yet by the online ranks.
+
 The dedup window is per rank: enough, examples are keyed by user, so a joiner duplicate lands on
 the same partition, i.e. the same rank.
 """
@@ -93,10 +103,12 @@ from .. import metrics as M
 from .. import snapshots
 from ..batch import SparseBatch
 from ..config import ModelConfig
-from ..isolate import StepResult, train_isolating_ranks
+from ..isolate import StepResult, train_isolating, train_isolating_ranks
 from ..loop import TrainerLoop
 from . import rank_snapshots
 from .input import RankInput, empty_batch, my_partitions  # noqa: F401 - the rule, named here too
+from .gba import MODES as GBA_MODES
+from .gba_model import GBAModel
 from .model import DistributedModel
 
 log = logging.getLogger(__name__)
@@ -136,7 +148,7 @@ class RankTrainer(TrainerLoop):
         self.publisher.shard, self.publisher.shard_count = self.rank, self.world
         # every collective runs on this one thread, in the same order on every rank
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"rank{self.rank}-step")
-        self.dm: DistributedModel | None = None
+        self.dm: DistributedModel | GBAModel | None = None
         self._parent = os.getppid()  # the launcher: gone when this changes
         self.regroup = False  # exit with EXIT_REGROUP: another machine's launcher is gone
         self._queued = 0  # examples queued by all ranks in this run (the dense schedule's count)
@@ -164,8 +176,12 @@ class RankTrainer(TrainerLoop):
             self.resets.watch.epoch = self.epoch
         got = rank_snapshots.load(self.root, self.cfg, self.topic, self.rank, self.world, self.epoch)
         ts = self.ts
-        self.dm = DistributedModel(self.cfg, mode=ts.dist_mode, staleness=ts.staleness,
-                                   tables=got.tables if got is not None else None)
+        restored = got.tables if got is not None else None
+        if ts.dist_mode in GBA_MODES:  # GBA's steps are not collective; the rounds' agreement still is
+            self.dm = GBAModel(self.cfg, mode=ts.dist_mode, global_batch=ts.gba.global_batch or self.world * ts.batch_size,
+                               max_staleness=ts.gba.max_staleness, fresh_wait=ts.gba.fresh_wait, tables=restored)
+        else:
+            self.dm = DistributedModel(self.cfg, mode=ts.dist_mode, staleness=ts.staleness, tables=restored)
         # this rank's shard of the tables: admissions and TTL evictions counted per rank (the shards
         # are disjoint, so the dashboards' sums over instances are the model's)
         self.learned.ps_counts = M.PSCounts(self.cfg.model_id, self.dm.tables)
@@ -173,7 +189,7 @@ class RankTrainer(TrainerLoop):
             return
         man = got.manifest
         self.dm.head.load_state_dict(got.dense["head"])
-        if "optimizer" in got.dense:
+        if "optimizer" in got.dense and self.dm.optimizer is not None:  # gba: rank 0's master alone
             self.dm.optimizer.load_state_dict(got.dense["optimizer"])
         self._from_start = got.reset
         self._restore_stream(man, reset=got.reset, offsets=got.offsets, examples_applied=got.examples_applied,
@@ -230,7 +246,10 @@ class RankTrainer(TrainerLoop):
     # ------------------------------------------------------------------ a round
     def _step(self, batch: SparseBatch) -> tuple[StepResult, float]:
         t0 = time.perf_counter()
-        res = train_isolating_ranks(self.dm, batch)
+        if isinstance(self.dm, GBAModel):  # a GBA step fails on its own rank alone: bisected there
+            res = train_isolating(self.dm.step, batch)
+        else:
+            res = train_isolating_ranks(self.dm, batch)
         return res, time.perf_counter() - t0
 
     async def _agree(self, stop: bool, idle: bool, reset: bool, examples: int, event: int, now: float) -> np.ndarray:

@@ -53,23 +53,27 @@ def _env(settings, tmp: Path) -> dict:
 
 
 def _spawn(settings, tmp: Path, log: Path, snapshot_s: str = "0", idle_s: str = "4",
-           mode: str = "sync", staleness: int = 1, cfg=None) -> subprocess.Popen:
+           mode: str = "sync", staleness: int = 1, cfg=None, nproc: int = 2) -> subprocess.Popen:
     (tmp / "model.json").write_text((cfg or small_cfg()).model_dump_json())
     return subprocess.Popen([sys.executable, "-m", "trainer", "online", "--sync-interval-s", "1",
                              "--snapshot-interval-event-s", snapshot_s, "--stop-when-idle-s", idle_s,
                              "--batch-size", "512"],
                             env=dict(_env(settings, tmp), DRIFTLINE_TRAINER__DIST_MODE=mode,
-                                     DRIFTLINE_TRAINER__STALENESS=str(staleness)),
+                                     DRIFTLINE_TRAINER__STALENESS=str(staleness), DRIFTLINE_TRAINER__NPROC=str(nproc)),
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO,
                             start_new_session=True)
 
 
 def _results(log: Path) -> dict[int, dict]:
-    """The last result line of each rank (a restarted group prints again)."""
+    """The last result line of each rank (a restarted group prints again). Ranks print with
+    ``python -u`` (a line's text and its newline are two writes) at about the same moment (gba's
+    ranks leave RPC's shutdown together), so two results can share a line: each is decoded."""
     out = {}
+    dec = json.JSONDecoder()
     for line in log.read_text().splitlines():
-        if line.startswith("{") and '"rank"' in line:
-            r = json.loads(line)
+        i = 0
+        while line.startswith("{", i) and '"rank"' in line:
+            r, i = dec.raw_decode(line, i)
             out[r["rank"]] = r
     return out
 
@@ -99,14 +103,16 @@ async def _manifest(root: Path, examples: int, seq: int, logs, shards: int = 2) 
 # hybrid at staleness 0 (each update queued ahead of the next lookup) is checked in process, equal
 # to sync rows and all: tests/trainer/distributed/test_distributed.py; on the broker, the publication and
 # snapshot path it shares with staleness 1 is checked here
-@pytest.mark.parametrize("mode,staleness,seq_emb", [("sync", 1, False), ("hybrid", 1, False), ("sync", 1, True)],
-                         ids=["sync-sharded", "hybrid-sharded", "sync-sequential_embeddings"])
+@pytest.mark.parametrize("mode,staleness,seq_emb", [("sync", 1, False), ("hybrid", 1, False), ("sync", 1, True),
+                                                    ("gba", 1, False)],
+                         ids=["sync-sharded", "hybrid-sharded", "sync-sequential_embeddings", "gba-sharded"])
 async def test_two_ranks_train_the_stream_and_deltas_reproduce_the_union(settings, ml_examples, tmp_path, mode,
                                                                         staleness, seq_emb):
-    """Both modes; ``hybrid``'s deferred sparse updates are applied before each publication and
-    snapshot, so its deltas too reproduce the snapshot's rows exactly. With sequential embeddings
+    """Every mode; ``hybrid``'s deferred sparse updates and ``gba``'s buffers are applied before
+    each publication and snapshot, so their deltas too reproduce the snapshot's rows exactly. With sequential embeddings
     every row is rank 0's: rank 1's versions carry none."""
-    cfg = small_cfg(seq_emb)
+    # gba: no sequential model (its first-order pass is a collective of sync's steps)
+    cfg = deepfm_config(dim=8, mlp=[32], sequential=False) if mode == "gba" else small_cfg(seq_emb)
     owning = {0} if seq_emb else {0, 1}
     await produce_examples(settings, ml_examples)
     log = tmp_path / "trainer.log"
@@ -151,14 +157,18 @@ async def test_two_ranks_train_the_stream_and_deltas_reproduce_the_union(setting
     assert dense_msgs and {m.shard_count for m in dense_msgs} == {0}
 
 
-async def test_kill_9_of_one_rank_restarts_the_group_from_the_last_manifest(settings, ml_examples, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "gba"])
+async def test_kill_9_of_one_rank_restarts_the_group_from_the_last_manifest(settings, ml_examples, tmp_path, mode):
+    """gba: the survivor may be waiting on the dead rank's RPC; the launcher restarts both, and the
+    examples held in an owner's buffer at the kill are read again (their offsets are past the manifest)."""
     half = N // 2
     # records of 250 examples: a batch of 512 takes 3, so a first snapshot comes mid-stream
     records = await produce_examples(settings, ml_examples[:half], chunk=250)
     root = settings.var_dir / "snapshots" / "deepfm"
     log = tmp_path / "trainer.log"
     # idle 10 s before stopping: the group is still up when the first snapshot is seen
-    p = _spawn(settings, tmp_path, log, snapshot_s="1800", idle_s="10")
+    p = _spawn(settings, tmp_path, log, snapshot_s="1800", idle_s="10", mode=mode,
+               cfg=deepfm_config(dim=8, mlp=[32], sequential=False) if mode == "gba" else None)
     deadline = time.monotonic() + 120
     first = None
     while time.monotonic() < deadline:
@@ -184,6 +194,27 @@ async def test_kill_9_of_one_rank_restarts_the_group_from_the_last_manifest(sett
     assert sum(r["examples_applied"] for r in _results(log).values()) == N
     assert sum(final["offsets"].values()) == records
     assert final["seq"] > first["seq"]
+
+
+async def test_a_gba_snapshot_restores_into_sync_and_into_one_process(settings, ml_examples, tmp_path):
+    """The stream in thirds: 2 GBA ranks, then 2 sync ranks on their snapshot, then the 1-process
+    trainer on theirs; every example applied once across the three."""
+    cfg = deepfm_config(dim=8, mlp=[32], sequential=False)
+    root = settings.var_dir / "snapshots" / "deepfm"
+    third = N // 3
+    records = 0
+    for k, (mode, nproc) in enumerate([("gba", 2), ("sync", 2), ("sync", 1)]):
+        part = ml_examples[k * third:(k + 1) * third] if k < 2 else ml_examples[2 * third:]
+        records += await produce_examples(settings, part, chunk=250)
+        log = tmp_path / f"trainer-{k}.log"
+        p = _spawn(settings, tmp_path, log, mode=mode, cfg=cfg, nproc=nproc)
+        assert p.wait(timeout=240) == 0, log.read_text()[-4000:]
+        text = log.read_text()
+        assert k == 0 or "restored snapshot" in text, text[-3000:]
+        man = snapshots.read_manifest(root)
+        assert man["examples_applied"] == (k + 1) * third if k < 2 else N, (k, man["examples_applied"])
+        assert int(man.get("shard_count", 0) or 0) == (2 if nproc == 2 else 0), man.get("shard_count")
+    assert sum(man["offsets"].values()) == records
 
 
 async def test_sigterm_of_the_launcher_stops_every_rank_cleanly(settings, ml_examples, tmp_path):

@@ -1,0 +1,117 @@
+"""trainer.dist.gba_model in real processes (2 gloo ranks plus torch.distributed.rpc, tiny DeepFM).
+
+* every rank pushes exactly one full batch per token, nothing stale (a barrier between steps):
+  GBA's tables, dense head and Adam state equal sync's (``DistributedModel``) up to float order;
+* a straggler does not stop the fast rank (a shared stream: the fast rank takes most of it), and
+  its stale gradients are decayed, or dropped past ``max_staleness``, and counted;
+* ``async`` applies every push on arrival (one release per push);
+* the fresh pull with no time limit and no straggler: free-running ranks, no gradient stale."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch.distributed as dist
+
+from tests.trainer.distributed.rank_local import run_local
+from tests.trainer.distributed.test_distributed import _cfg, _rows, _state
+from trainer.batch import SparseBatch
+from trainer.dist.gba_model import GBAModel
+from trainer.dist.model import DistributedModel
+
+B, STEPS = 12, 4
+
+
+def _batch(step: int, rank: int) -> SparseBatch:
+    rng = np.random.default_rng(7 + 100 * step + rank)
+    # one event time per step on both ranks: an inserted row's time is the pulling rank's,
+    # sync's the global batch's
+    return SparseBatch.from_slot_dicts(_rows(step, rank, B), slots=_cfg().all_slots, labels=rng.integers(0, 2, B),
+                                       event_time_ms=np.full(B, 1_000 * step))
+
+
+def _equal_worker(rank: int, world: int) -> dict:
+    sync = DistributedModel(_cfg(), mode="sync")
+    sync_losses = [sync.train_step(_batch(s, rank))[0] for s in range(STEPS)]
+    ref = _state(sync.tables, sync.head, sync.optimizer)
+    sync.close()
+    dm = GBAModel(_cfg(), mode="gba", global_batch=world * B, max_staleness=2)
+    losses = []
+    for s in range(STEPS):
+        losses.append(dm.step(_batch(s, rank))[0])
+        dm.wait()         # this rank's pushes have landed...
+        dist.barrier()    # ...and everyone's: the next pulls see every update
+    dm.finish()
+    got = {"tables": {n: t.items() for n, t in dm.tables.items()}}
+    if rank == 0:
+        got.update({k: v for k, v in _state(dm.tables, dm.head, dm.optimizer).items() if k != "tables"})
+    stats = dm.stats
+    dm.close()
+    return {"ref": ref, "got": got, "stats": stats, "losses": losses, "sync_mean": sync_losses}
+
+
+def test_gba_one_batch_per_rank_per_token_equals_sync():
+    res = run_local(_equal_worker, 2, timeout_s=60)
+    for rank, r in enumerate(res):
+        ref, got = r["ref"], r["got"]
+        for name, items in ref["tables"].items():
+            g = got["tables"][name]
+            assert g[0].tolist() == items[0].tolist(), name   # the same ids on this shard
+            np.testing.assert_allclose(g[1], items[1], rtol=1e-5, atol=1e-6, err_msg=name)
+            np.testing.assert_allclose(g[2], items[2], rtol=1e-5, atol=1e-7, err_msg=name)  # Adagrad sums
+            assert g[3].tolist() == items[3].tolist(), name
+        assert sum(len(items[0]) for items in ref["tables"].values()) > 0
+        st = r["stats"]
+        # one release per step on the shard (and on rank 0 the head): nothing stale, nothing decayed
+        assert (st.applied, st.decayed, st.dropped, st.staleness_sum) == (STEPS * (2 if rank == 0 else 1), 0, 0, 0)
+    got, ref = res[0]["got"], res[0]["ref"]
+    for k, v in ref["head"].items():
+        np.testing.assert_allclose(got["head"][k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+    assert got["adam"].keys() == ref["adam"].keys()
+    for i, s in ref["adam"].items():
+        for k, v in s.items():
+            np.testing.assert_allclose(got["adam"][i][k], v, rtol=1e-4, atol=1e-9, err_msg=f"{i}.{k}")
+
+
+N_STREAM = 40
+
+
+def _straggler_worker(rank: int, world: int, mode: str, max_staleness: int, fresh_wait: float = 1.5,
+                      delay_s: float = 0.15) -> dict:
+    dm = GBAModel(_cfg(), mode=mode, global_batch=world * B, max_staleness=max_staleness, fresh_wait=fresh_wait)
+    if rank == 1:
+        dm.push_delay_s = delay_s   # slow between pull and push: its gradients arrive stale
+    dist.barrier()
+    taken, t0 = [], time.perf_counter()
+    while (k := dm.ticket()) < N_STREAM:
+        dm.step(_batch(k, 0))
+        taken.append((k, time.perf_counter() - t0))
+    dm.finish()
+    out = {"taken": taken, "stats": dm.stats}
+    dm.close()
+    return out
+
+
+def test_a_straggler_does_not_stop_the_fast_rank_and_stale_gradients_are_decayed_or_dropped():
+    fast, slow = run_local(_straggler_worker, 2, "gba", 1000, timeout_s=60)
+    assert len(fast["taken"]) + len(slow["taken"]) == N_STREAM
+    assert len(fast["taken"]) >= 3 * len(slow["taken"]) > 0, (len(fast["taken"]), len(slow["taken"]))
+    st = fast["stats"].add(slow["stats"])
+    assert st.decayed > 0 and st.dropped == 0 and st.mean_staleness > 0   # the straggler's are stale
+    fast, slow = run_local(_straggler_worker, 2, "gba", 1, timeout_s=60)
+    st = fast["stats"].add(slow["stats"])
+    assert st.dropped > 0 and st.dropped_examples == B * st.dropped
+    fast, slow = run_local(_straggler_worker, 2, "async", 0, timeout_s=60)
+    st = fast["stats"].add(slow["stats"])
+    # every push applied on arrival: 2 owners per push (and the head on rank 0), none dropped
+    assert st.dropped == st.decayed == 0 and st.applied == 3 * N_STREAM
+
+
+def test_the_fresh_pull_without_a_straggler_leaves_no_gradient_stale():
+    """Unbounded fresh waits: a rank pulls only once the global batch its last push joined is
+    applied, so every push meets the token it pulled (no barrier, no lockstep)."""
+    fast, other = run_local(_straggler_worker, 2, "gba", 8, 1e6, 0.0, timeout_s=60)
+    st = fast["stats"].add(other["stats"])
+    assert st.staleness_sum == 0 and st.dropped == 0 and st.pushed == 3 * N_STREAM
+    assert len(fast["taken"]) + len(other["taken"]) == N_STREAM

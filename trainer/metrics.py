@@ -42,12 +42,11 @@ PS_ADMITTED = Counter("driftline_ps_admitted_total", "Ids admitted into a PS tab
                       ["model", "table"])
 PS_EVICTED = Counter("driftline_ps_evicted_total", "PS table rows removed by TTL expiry.", ["model", "table"])
 SNAPSHOTS = Counter("driftline_trainer_snapshots_total", "Snapshots written.", ["model"])
-CACHE_ROWS = Counter("driftline_trainer_cache_rows_total",
-                     "The MixCache's rows (trainer.cache_rows), by event: lookup, hit, written_back (to the host "
-                     "PS: before deltas, snapshots and evictions), admitted, evicted.", ["model", "event"])
-COPY_BYTES = Counter("driftline_trainer_device_copy_bytes_total",
-                     "Bytes copied between the host and the device (trainer.device), by direction (h2d, d2h).",
-                     ["model", "direction"])
+# the MixCache (trainer.cache_rows): written_back counts rows copied to the host PS before deltas, snapshots, evictions
+CACHE_ROWS = Counter("driftline_trainer_cache_rows_total", "MixCache rows by event: lookup, hit, written_back, admitted, evicted.",
+                     ["model", "event"])
+COPY_BYTES = Counter("driftline_trainer_device_copy_bytes_total", "Bytes copied host to device and back (trainer.device), by "
+                     "direction: h2d, d2h.", ["model", "direction"])
 STAGE_SECONDS = Counter("driftline_trainer_stage_seconds_total",
                         "Time per training stage: online poll/prepare (validate, dedup, assemble)/train/"
                         "wait_train/commit/sync/snapshot; batch lookup/forward/backward/update.",

@@ -63,15 +63,14 @@ class Located:
     segments: list[tuple[int, int, np.ndarray]]  # (cached table index, start row, ids)
 
 
-@dataclass
 class CacheStats:
     """Process-lifetime counts: rows looked up and hit, rows written back, rows admitted/evicted."""
 
-    lookups: int = 0
-    hits: int = 0
-    written_back: int = 0
-    admitted: int = 0
-    evicted: int = 0
+    def __init__(self) -> None:
+        self.lookups = self.hits = self.written_back = self.admitted = self.evicted = 0
+
+    def __repr__(self) -> str:
+        return f"CacheStats({vars(self)})"
 
     @property
     def hit_rate(self) -> float:

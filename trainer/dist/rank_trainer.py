@@ -65,7 +65,9 @@ during this round's forward and backward, and this round's update waits for the 
 with ``staleness`` 0 a round's update is queued at once and overlaps the round's bookkeeping and
 the next poll instead: ``sync``'s results).
 Before the rows are published and before a snapshot every rank applies what is deferred
-(:meth:`DistributedModel.flush`), so deltas and snapshots hold every example counted as applied.
+(:meth:`DistributedModel.flush`; it also writes back the owner cache of ``trainer.cache_rows``),
+so deltas and snapshots hold every example counted as applied. ``trainer.device``: each rank's
+head on its GPU (:mod:`trainer.dist.placement`); GBA ranks refuse it and the cache.
 Polling and training still alternate within a round.
 
 **GBA** (``trainer.dist_mode = "gba"`` or ``"async"``, :mod:`trainer.dist.gba_model`): the step is

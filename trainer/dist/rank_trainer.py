@@ -340,7 +340,8 @@ class RankTrainer(TrainerLoop):
             started, {"rank": self.rank, "world": self.world}, failed_steps=self.failed_steps, mode=self.dm.mode,
             overlapped_updates=self.dm.overlapped_updates, failed_updates=self.dm.failed_updates,
             alltoall_bytes=self.dm.alltoall_bytes, comm_s=float(sum(self.dm.comm_s)), broker_epoch=self.epoch,
-            stages=dict(self.stage), regroup=self.regroup, ps_admitted=M.ps_admitted(self.cfg.model_id))
+            stages=dict(self.stage), regroup=self.regroup, ps_admitted=M.ps_admitted(self.cfg.model_id),
+            cache=vars(self.dm.cache.stats) if getattr(self.dm, "cache", None) is not None else None)
 
     async def _write_snapshot(self) -> None:
         await self.snapshot()

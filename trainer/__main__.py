@@ -216,8 +216,15 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device or settings.trainer.device)
     except DeviceError as err:
         ap.error(str(err))
-    if args.cmd == "online" and device.type != "cpu" and _online_settings(args).trainer.nproc > 1:
-        ap.error(f"trainer.device = {str(device)!r} runs one trainer process: N ranks train on the CPU (nproc 1)")
+    if args.cmd == "online" and _online_settings(args).trainer.nproc > 1:
+        ts = _online_settings(args).trainer
+        from .dist.gba import MODES as GBA_MODES
+        if ts.dist_mode in GBA_MODES and (device.type != "cpu" or ts.cache_rows):
+            ap.error(f"trainer.dist_mode = {ts.dist_mode!r} trains on the CPU without the cache; "
+                     "sync and hybrid run N ranks on GPUs (trainer.device) and with trainer.cache_rows")
+        if device.type == "cuda" and device.index is not None:
+            ap.error(f"trainer.device = {str(device)!r} would put all {ts.nproc} ranks on one GPU (NCCL refuses "
+                     "that): \"cuda\" gives each rank its own, cuda:LOCAL_RANK")
     torch.set_num_threads(2)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rank = world = None

@@ -42,11 +42,12 @@ PS_ADMITTED = Counter("driftline_ps_admitted_total", "Ids admitted into a PS tab
                       ["model", "table"])
 PS_EVICTED = Counter("driftline_ps_evicted_total", "PS table rows removed by TTL expiry.", ["model", "table"])
 SNAPSHOTS = Counter("driftline_trainer_snapshots_total", "Snapshots written.", ["model"])
-# the MixCache (trainer.cache_rows): written_back counts rows copied to the host PS before deltas, snapshots, evictions
+# the MixCache (trainer.cache_rows): written_back counts rows copied to the host PS before deltas, snapshots,
+# evictions. Per process: rank "" for the 1-process trainer (as no label in PromQL), a rank's number on N ranks
 CACHE_ROWS = Counter("driftline_trainer_cache_rows_total", "MixCache rows by event: lookup, hit, written_back, admitted, evicted.",
-                     ["model", "event"])
+                     ["model", "rank", "event"])
 COPY_BYTES = Counter("driftline_trainer_device_copy_bytes_total", "Bytes copied host to device and back (trainer.device), by "
-                     "direction: h2d, d2h.", ["model", "direction"])
+                     "direction: h2d, d2h.", ["model", "rank", "direction"])
 STAGE_SECONDS = Counter("driftline_trainer_stage_seconds_total",
                         "Time per training stage: online poll/prepare (validate, dedup, assemble)/train/"
                         "wait_train/commit/sync/snapshot; batch lookup/forward/backward/update.",
@@ -84,10 +85,12 @@ class PSCounts:
     ``update()`` after a step or an expiry pass adds what each table counted since the last call.
     The counts are the tables' own (since their shards were built: restored tables start at 0), so
     make a new one for new tables. ``model``: its device copies and cache too (:data:`COPY_BYTES`,
-    :data:`CACHE_ROWS`)."""
+    :data:`CACHE_ROWS`; a :class:`trainer.model.SparseModel` or a rank's
+    :class:`trainer.dist.model.DistributedModel`, labelled ``rank``)."""
 
-    def __init__(self, model_id: str, tables: dict, model=None):
+    def __init__(self, model_id: str, tables: dict, model=None, rank: int | None = None):
         self.model_id = model_id
+        self.rank = "" if rank is None else str(rank)
         self._seen: dict[str, tuple[int, int]] = {}
         self._device_seen: dict[str, int] = {}
         self.tables = tables
@@ -109,8 +112,8 @@ class PSCounts:
             self._device()
 
     def _device(self) -> None:
-        io, cache = self.model.io, self.model.cache
-        counts = [(COPY_BYTES, "h2d", io.h2d_bytes), (COPY_BYTES, "d2h", io.d2h_bytes)]
+        ios, cache = self.model.transfers, self.model.cache
+        counts = [(COPY_BYTES, "h2d", sum(io.h2d_bytes for io in ios)), (COPY_BYTES, "d2h", sum(io.d2h_bytes for io in ios))]
         if cache is not None:
             st = cache.stats
             counts += [(CACHE_ROWS, event, n) for event, n in (
@@ -119,7 +122,7 @@ class PSCounts:
         for metric, label, n in counts:  # the labels differ across the two metrics
             seen = self._device_seen.get(label, 0)
             if n > seen:
-                metric.labels(self.model_id, label).inc(n - seen)
+                metric.labels(self.model_id, self.rank, label).inc(n - seen)
             self._device_seen[label] = n
 
 

@@ -136,21 +136,31 @@ class MixCache:
     # ------------------------------------------------------------------ a step
     def locate(self, pb: PackedBatch, k0: int, k1: int) -> Located:
         """Cache slots of the rows of ``pb``'s segments ``k0..k1-1`` (the block, in packed order)."""
-        start = int(pb.offsets[k0])
-        slot = np.full(int(pb.offsets[k1]) - start, -1, np.int64)
-        segments = []
-        for k in range(k0, k1):
-            part = self.parts.get(int(pb.slot_table[k]))
-            if part is None:
-                continue
-            a, b = int(pb.offsets[k]), int(pb.offsets[k + 1])
-            ids = pb.ids[a:b]
-            slot[a - start:b - start] = part.find(ids)
-            segments.append((int(pb.slot_table[k]), a - start, ids))
+        return self.locate_segments([(int(pb.slot_table[k]), pb.slot_ids(k)) for k in range(k0, k1)])
+
+    def locate_segments(self, segments: list[tuple[int, np.ndarray]], count: bool = True) -> Located:
+        """Cache slots of the rows of ``segments`` (``(table index, ids)`` each, rows concatenated in
+        that order; a table not cached reads -1). The 1-process block is one packed batch's
+        segments; an owner of :mod:`trainer.dist` locates its served tables' ids
+        (:mod:`trainer.dist.owner_cache`). ``count``: add them to :attr:`stats` (not when an
+        owner locates a step's rows again for their update)."""
+        slot = np.full(sum(ids.size for _, ids in segments), -1, np.int64)
+        found, start = [], 0
+        for ti, ids in segments:
+            part = self.parts.get(ti)
+            if part is not None:
+                slot[start:start + ids.size] = part.find(ids)
+                found.append((ti, start, ids))
+            start += ids.size
         hit = np.flatnonzero(slot >= 0)
-        self.stats.lookups += slot.size
-        self.stats.hits += hit.size
-        return Located(slot, hit, np.flatnonzero(slot < 0), segments)
+        if count:
+            self.stats.lookups += slot.size
+            self.stats.hits += hit.size
+        return Located(slot, hit, np.flatnonzero(slot < 0), found)
+
+    def read_hits(self, at: Located) -> np.ndarray:
+        """The hit rows' values on the host ``[hits, dim]`` (an owner serves them to other ranks)."""
+        return self.io.to_host(self.values[self.io.to_device(at.slot[at.hit])])
 
     def assemble(self, at: Located, rows: np.ndarray) -> torch.Tensor:
         """The block's rows on the device: misses from ``rows`` (host ``[n, dim]``), hits from the cache."""
@@ -216,6 +226,8 @@ class MixCache:
             if not hot.size:
                 continue
             hot = hot[~np.isin(hot, part.keys)]  # a key two segments share enters once
+            # a row the host has not admitted (count admission) has nothing to cache yet
+            hot = hot[part.table.contains(hot)]
             need = hot.size - len(part.free)
             if need > 0:
                 owned = part.slots

@@ -252,9 +252,16 @@ class SparseModel:
         self.ps = ParameterServer([self.tables[t.name] for t in cfg.tables], ps_slots)
         self._dims = {k: cfg.table(t).dim for k, t in ps_slots.items()}
         self.timings: dict[str, float] = defaultdict(float)
-        self.cache = self._make_cache(cache_rows, cache_admit_after) if cache_rows else None
+        self.cache = self.make_cache(cache_rows, cache_admit_after) if cache_rows else None
 
-    def _make_cache(self, rows: int, admit_after: int) -> MixCache:
+    @property
+    def transfers(self) -> tuple[Transfers, ...]:
+        """Every host/device copier of this model (the metrics count their bytes)."""
+        return (self.io,)
+
+    def make_cache(self, rows: int, admit_after: int, io: Transfers | None = None) -> MixCache:
+        """A :class:`MixCache` of this model's cacheable embedding tables (``io``: its own copier,
+        for a cache used from another thread than :attr:`io`'s: the N-rank owners)."""
         if self.cfg.sequential:
             raise ValueError("trainer.cache_rows: a sequential model steps its rows on the host, example by "
                              "example; the cache serves a model with sequential off")
@@ -265,7 +272,7 @@ class SparseModel:
         if blk is None or not cached:
             raise ValueError("trainer.cache_rows: no embedding table of this model can be cached "
                              "(SGD or Adagrad, no TTL)")
-        return MixCache(cached, blk.dim, rows, self.io, admit_after)
+        return MixCache(cached, blk.dim, rows, self.io if io is None else io, admit_after)
 
     def write_back(self) -> int:
         """Copy the cache's stepped rows to the host tables (before anything reads them); the rows."""

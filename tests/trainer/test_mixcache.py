@@ -198,7 +198,8 @@ def test_the_cache_and_the_copies_are_exported(batches):
     counts.update()
 
     def sample(event: str) -> float | None:
-        return REGISTRY.get_sample_value("driftline_trainer_cache_rows_total", {"model": "cache-metrics", "event": event})
+        return REGISTRY.get_sample_value("driftline_trainer_cache_rows_total", {"model": "cache-metrics", "rank": "",
+                                                                               "event": event})
 
     st = m.cache.stats
     assert sample("lookup") == st.lookups > sample("hit") == st.hits > 0

@@ -80,6 +80,12 @@ The online trainer's ranks (:mod:`trainer.dist.rank_trainer`, launched by :mod:`
 batch per round (:meth:`DistributedModel.step`); their snapshots and deltas name shards by
 :func:`trainer.sharding.shard_of`.
 
+**Device and cache** (issue 35): ``device`` puts each replica of the head and its optimizer on the
+rank's device, with step 7's sum on a group of its own (NCCL on CUDA: :mod:`trainer.dist.placement`);
+steps 2-5 and 8 stay on gloo with host arrays. ``cache_rows``: each owner's hot rows on its device,
+served and stepped there in steps 4 and 8 (:mod:`trainer.dist.owner_cache`), written back by
+:meth:`DistributedModel.flush` (and at the end of :meth:`DistributedModel.train`).
+
 **Not here yet** (issue #14): the dense sum waits for the whole backward (no per-layer overlap); TTL
 watermarks move only on owners that got ids of a table in a step (the 1-process PS moves a
 single-shard table's watermark every step).
@@ -102,10 +108,13 @@ import torch.nn.functional as F
 
 from ..batch import SparseBatch
 from ..config import ModelConfig
+from ..device import Transfers
 from ..model import NonFiniteStepError, SparseModel
 from ..sharding import owners, whole_tables
 from . import sequential as seq
 from .owner import Owner
+from .owner_cache import OwnerCache
+from .placement import dense_group, rank_device
 from .routing import Lookup, packed_rows, plan
 
 log = logging.getLogger(__name__)
@@ -135,10 +144,16 @@ class RankStepError(RuntimeError):
 class DistributedModel:
     """A :class:`SparseModel` whose tables are sharded over the ranks of ``group`` (the default
     process group when None). Call collectively: every rank builds one, then every rank calls
-    :meth:`train_step` (or :meth:`train`) the same number of times."""
+    :meth:`train_step` (or :meth:`train`) the same number of times.
+
+    ``device`` (``trainer.device``): where each rank's replica of the dense head and its optimizer
+    live (``"cuda"``: ``cuda:LOCAL_RANK``; the dense sum then on an NCCL group of its own:
+    :mod:`trainer.dist.placement`); the shards stay on the host. ``cache_rows``
+    (``trainer.cache_rows``): each owner's hot rows on its device (:mod:`trainer.dist.owner_cache`)."""
 
     def __init__(self, cfg: ModelConfig, *, mode: str = "sync", staleness: int = 1, group=None,
-                 tables: dict | None = None):
+                 tables: dict | None = None, device: str | torch.device = "cpu", cache_rows: int = 0,
+                 cache_admit_after: int = 2):
         if not dist.is_available() or not dist.is_initialized():
             raise DistributedError("torch.distributed is not initialized: call init_process_group first")
         if mode not in MODES:
@@ -147,15 +162,24 @@ class DistributedModel:
             raise DistributedError(f"staleness must be >= 0, got {staleness}")
         self.mode, self.staleness, self.group = mode, staleness, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        dev = rank_device(device, self.rank)
+        if dev.type != "cpu" and cfg.sequential:
+            # rank 0's first-order pass and its residuals are host arrays end to end
+            raise DistributedError(f"trainer.device = {str(device)!r}: a sequential model's ranks train on the "
+                                   "CPU (sequential off runs N ranks on GPUs)")
         # one local shard per table: this rank's rows are shard `rank` of an N-shard table
         # already, and a second split by the same hash would be lopsided (trainer.sharding)
         local = cfg.model_copy(update={"tables": [t.model_copy(update={"shards": 1}) for t in cfg.tables]})
-        self.model = SparseModel(local, tables)  # tables: this rank's restored shard
+        self.model = SparseModel(local, tables, device=dev)  # tables: this rank's restored shard
+        self.io = self.model.io
         self.cfg = cfg
         self._names = self.model.ps.table_names
         self._tables = [self.model.tables[n] for n in self._names]
         self._dims = np.array([t.dim for t in self._tables], np.int64)
-        self._owner = Owner(self._tables, self._names, self.rank, self.world, self.model.ps)
+        # the owner's cache copies on its own Transfers: in hybrid the owner runs on the lookup thread
+        self._cache = (OwnerCache(self.model.make_cache(cache_rows, cache_admit_after, Transfers(dev)))
+                       if cache_rows else None)
+        self._owner = Owner(self._tables, self._names, self.rank, self.world, self.model.ps, self._cache)
         # a sequential model's first-order tables live whole on rank 0 (trainer.dist.sequential)
         whole = whole_tables(cfg)
         self._whole = np.array([n in whole for n in self._names], bool)
@@ -166,13 +190,15 @@ class DistributedModel:
         self._counts = any(t.config.admission.min_count > 1 or t.config.admission.probability < 1.0
                            for t in self._tables)
         self._params = [p for p in self.model.head.parameters()]
+        # the dense sum's group: NCCL when every rank is on CUDA, else `group` (gloo)
+        self.dense_group = dense_group(dev, group, DistributedError)
         with torch.no_grad():  # equal replicas even if a head was built from another seed
             for p in self._params:
-                dist.broadcast(p.data, 0, group=group)
-        # lookups and sparse gradients on a group of their own, the dense all-reduce on `group`:
-        # sync sends a step's sparse gradients while its all-reduce is in flight, and hybrid runs
-        # lookups in their own thread; either way the two never interleave on one group (gloo
-        # matches collectives by issue order per group)
+                dist.broadcast(p.data, 0, group=self.dense_group)
+        # lookups and sparse gradients on a group of their own (gloo: host arrays), the dense
+        # all-reduce on `dense_group`: sync sends a step's sparse gradients while its all-reduce is
+        # in flight, and hybrid runs lookups in their own thread; either way the two never
+        # interleave on one group (gloo matches collectives by issue order per group)
         self._lookup_group = dist.new_group(backend="gloo")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dist-lookup") if mode == "hybrid" else None
         self._lock = threading.Lock()
@@ -202,6 +228,20 @@ class DistributedModel:
     @property
     def optimizer(self):
         return self.model.optimizer
+
+    @property
+    def cache(self):
+        """This owner's :class:`trainer.mixcache.MixCache` (None without ``cache_rows``)."""
+        return self._cache.cache if self._cache is not None else None
+
+    @property
+    def transfers(self) -> tuple[Transfers, ...]:
+        """The host/device copiers: the model's (rows in, gradients out) and the owner cache's."""
+        return self.model.transfers + ((self.cache.io,) if self.cache is not None else ())
+
+    def write_back(self) -> int:
+        """Copy the owner cache's stepped rows to this rank's shard; the rows (part of :meth:`flush`)."""
+        return self._cache.write_back() if self._cache is not None else 0
 
     def close(self) -> None:
         if self._pool is not None:
@@ -280,10 +320,10 @@ class DistributedModel:
         labels = lk.batch.labels if lk.batch.labels is not None else np.zeros(lk.batch.size, np.float32)
         # a sum over the local examples / the global size: summed over ranks it is the 1-process
         # mean loss of the concatenated batch (and an idle rank's empty sum is 0, not NaN)
-        loss = (F.binary_cross_entropy_with_logits(logits, torch.from_numpy(labels), reduction="sum")
+        loss = (F.binary_cross_entropy_with_logits(logits, m.io.to_device(labels), reduction="sum")
                 / max(lk.global_size, 1))
         loss.backward()
-        gs = [w.grad.numpy().reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32)
+        gs = [m.io.to_host(w.grad).reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32)
               for _, w in leaves]
         gpacked = np.concatenate(gs) if len(gs) > 1 else gs[0]
         # per unique row, the sum of its positions' gradients (float64 accumulation)
@@ -292,7 +332,7 @@ class DistributedModel:
         if not (math.isfinite(value) and np.isfinite(g_rows).all()):
             raise NonFiniteStepError(f"the step's loss ({value}) or sparse gradients are not finite on rank "
                                      f"{self.rank}; nothing applied")
-        return value, torch.sigmoid(logits.detach()).numpy(), g_rows
+        return value, m.io.to_host(torch.sigmoid(logits.detach())), g_rows
 
     def _local_sequential(self, lk: Lookup, error: Exception | None):
         """:meth:`_local` of a ``sequential`` model, ``(loss, probs, g_rows or None, error)``: the
@@ -384,13 +424,14 @@ class DistributedModel:
         return out, []
 
     def _head_grads(self) -> torch.Tensor:
-        return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in self._params])
+        return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
+                          for p in self._params])
 
     def _learn(self, lk: Lookup, sparse: str = "now"):
         """Steps 6-9 of ``lk``'s batch. ``sparse``: step 8 runs ``"now"`` (sync), is ``"queued"``
         on the lookup thread (:meth:`train`), or ``"deferred"`` until the next :meth:`step`
         queues it behind that step's lookup."""
-        m, g = self.model, self.group
+        m = self.model
         if lk.global_size == 0 and not lk.any_failed:  # every rank knows: nothing to learn, no more collectives
             return 0.0, np.zeros(0, np.float32)
         t1, f0 = time.perf_counter(), m.timings["forward"]
@@ -414,9 +455,10 @@ class DistributedModel:
         flags[self.rank] = float(error is not None)
         if lk.served_failed is not None and lk.served_failed.any():  # requesters this owner failed
             flags[torch.from_numpy(np.flatnonzero(lk.served_failed))] = 1.0
-        flat = torch.cat([head, torch.tensor([value], dtype=torch.float32), flags])
+        tail = m.io.to_device(torch.cat([torch.tensor([value], dtype=torch.float32), flags]))
+        flat = torch.cat([head, tail])  # on the device: the dense group's (NCCL's on CUDA)
         tc = time.perf_counter()
-        summed = self._start_sum(flat, g)
+        summed = self._start_sum(flat, self.dense_group)
         r_grads = None
         if self._seq_emb:  # every row learned in rank 0's pass: no step 8
             sparse = "none"
@@ -428,7 +470,7 @@ class DistributedModel:
             # what a ring all-reduce sends per rank (gloo's algorithm may differ: an estimate)
             self.allreduce_bytes += flat.numel() * 4 * 2 * (self.world - 1) // self.world
         comm = time.perf_counter() - tc
-        failed = torch.nonzero(flat[-self.world:]).reshape(-1).tolist()
+        failed = torch.nonzero(flat[-self.world:].cpu()).reshape(-1).tolist()
         if failed:
             if error is None and self.rank in failed:  # named by an owner (which logged why)
                 error = OwnerLookupError(f"an owner's lookup failed on rank {self.rank}'s ids; nothing applied")
@@ -472,7 +514,7 @@ class DistributedModel:
         if self.world != 2:
             work = dist.all_reduce(flat, group=group, async_op=True)
             return lambda: (work.wait(), flat)[1]
-        n, out = flat.numel(), torch.empty(2 * flat.numel())
+        n, out = flat.numel(), torch.empty(2 * flat.numel(), device=flat.device)
         work = dist.all_to_all_single(out, flat.repeat(2), group=group, async_op=True)
         return lambda: (work.wait(), out[:n] + out[n:])[1]
 
@@ -496,7 +538,7 @@ class DistributedModel:
         """One synchronous step (both modes): ``(global mean loss, this rank's probabilities
         before the update)``. Collective: every rank calls it, with an empty batch when idle.
         In ``hybrid`` the updates still in flight are applied first."""
-        self.flush()
+        self._drain()
         return self._learn(self._lookup(batch))
 
     def step(self, batch: SparseBatch):
@@ -520,9 +562,16 @@ class DistributedModel:
         return self._learn(lookup.result(), "deferred" if self.staleness else "queued")
 
     def flush(self) -> None:
-        """``hybrid``: apply every sparse update still deferred or queued, and wait for them: the
-        tables then hold every step learned (before a snapshot, a publication of the rows, a
-        synchronous step). Collective when anything was deferred (every rank has the same)."""
+        """Make :attr:`tables` hold every step learned, before a snapshot or a publication of the
+        rows: ``hybrid``'s deferred and queued sparse updates applied (waited for), then the owner
+        cache's stepped rows written back (:meth:`write_back`). Collective when anything was
+        deferred (every rank has the same)."""
+        self._drain()
+        self.write_back()
+
+    def _drain(self) -> None:
+        """``hybrid``: apply every sparse update still deferred or queued, and wait for them (before
+        a synchronous step; the cache keeps its rows: lookups read them there)."""
         while self._deferred:
             self._queue_update(*self._deferred.popleft())
         while self._sparse_steps:
@@ -533,7 +582,7 @@ class DistributedModel:
         """This rank's probabilities for ``batch`` from the current tables and head, nothing
         inserted or learned (evaluation). Collective: every rank calls it (an empty batch when
         it has nothing to score)."""
-        self.flush()
+        self._drain()
         lk = self._lookup(batch, insert=False)
         if lk.error is not None:
             raise lk.error
@@ -541,15 +590,18 @@ class DistributedModel:
             failed = np.flatnonzero(lk.served_failed).tolist()
             raise OwnerLookupError(f"rank {self.rank} failed to look up rows of ranks {failed}")
         logits, _ = self.model.forward_packed(lk.batch, lk.pb, lk.buf, requires_grad=False)
-        return torch.sigmoid(logits).numpy()
+        return self.io.to_host(torch.sigmoid(logits))
 
     def train(self, batches: Iterable[SparseBatch]) -> Iterator[tuple[float, np.ndarray]]:
         """:meth:`train_step` over ``batches``; in ``hybrid`` mode up to ``staleness`` lookups of
         the next batches run in the background while a batch learns. Every rank must give the
         same number of batches."""
         if self.mode == "sync":
-            for b in batches:
-                yield self.train_step(b)
+            try:
+                for b in batches:
+                    yield self.train_step(b)
+            finally:
+                self.write_back()  # the tables hold every update once train() is done
             return
         pending: deque = deque()
         it = iter(batches)

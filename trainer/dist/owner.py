@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from ps import PackedBatch, ParameterServer
 
+from .owner_cache import OwnerCache, packed_segments
 from .routing import RowMap, starts
 
 log = logging.getLogger(__name__)
@@ -44,10 +45,13 @@ class Owned:
 
 class Owner:
     """This rank's shards (``tables``: one :class:`ps.EmbeddingTable` per table, in wire order;
-    ``ps``: a :class:`ps.ParameterServer` over them whose ``table_names`` are ``names``)."""
+    ``ps``: a :class:`ps.ParameterServer` over them whose ``table_names`` are ``names``; ``cache``:
+    the shard's hot rows on the device, :mod:`trainer.dist.owner_cache`)."""
 
-    def __init__(self, tables: list, names: tuple, rank: int, world: int, ps: ParameterServer | None = None):
+    def __init__(self, tables: list, names: tuple, rank: int, world: int, ps: ParameterServer | None = None,
+                 cache: OwnerCache | None = None):
         self.tables, self.names, self.rank, self.world, self.ps = tables, names, rank, world, ps
+        self.cache = cache
         self.dims = np.array([t.dim for t in tables], np.int64)
         self.failed_updates = 0  # (table, step) updates that raised and were skipped
 
@@ -79,6 +83,8 @@ class Owner:
         np.cumsum(per_table[present], out=offsets[1:])
         pb = PackedBatch(tuple(self.names[t] for t in present.tolist()), r_ids[perm], offsets, present)
         buf = self.ps.gather_packed(pb, insert=insert, event_time=t_event)
+        if self.cache is not None:  # the rows the cache holds are newer than the host's
+            self.cache.serve(packed_segments(pb, self.dims), buf)
         pos = np.empty(perm.size, np.int64)            # wire position -> its table-major position
         pos[perm] = np.arange(perm.size)
         w_dim = self.dims[r_tab]
@@ -107,6 +113,8 @@ class Owner:
                 alone = self._serve_each(ti, sel, r_src[sel], tid, occ, t_event, insert, reply, r_start)
                 served_failed |= alone if alone.any() else np.isin(np.arange(n), r_src[sel])
             owned.append((ti, tid, elem))
+        if self.cache is not None:
+            self.cache.serve(owned, reply)
         return reply, Owned(per_table=owned), served_failed
 
     def _serve_each(self, ti, sel, src, tid, occ, t_event, insert, reply, r_start) -> np.ndarray:
@@ -135,22 +143,24 @@ class Owner:
 
     def apply(self, owned: Owned, r_grads: np.ndarray, event_time: int) -> None:
         """Step 8 on this shard: every requester's gradients of a table in one optimizer step
-        (of every table in one packed PS call, after a packed lookup)."""
+        (of every table in one packed PS call, after a packed lookup); the cached rows' on the
+        device (:mod:`trainer.dist.owner_cache`: the host steps zeros for them)."""
         if owned.packed is not None:
             g = owned.rows.put(r_grads, owned.rows.size)  # the same float count on both sides
+            segments = packed_segments(owned.packed, self.dims) if self.cache is not None else None
+            taken = self.cache.take(segments, g) if self.cache is not None else None
             try:
                 self.ps.apply_packed_gradients(owned.packed, g, event_time)
-                return
             except Exception as err:  # noqa: BLE001 - validation raises before any row changes
                 log.error("rank %d: owner's packed update failed: %r; applying table by table", self.rank, err)
-            pb, off = owned.packed, 0
-            per_table, r_grads = [], g
-            for k in range(len(pb.slots)):
-                tid, d = pb.slot_ids(k), int(self.dims[pb.slot_table[k]])
-                per_table.append((int(pb.slot_table[k]), tid, np.arange(off, off + tid.size * d)))
-                off += tid.size * d
+                self._apply_tables(segments or packed_segments(owned.packed, self.dims), g, event_time)
         else:
-            per_table = owned.per_table
+            taken = self.cache.take(owned.per_table, r_grads) if self.cache is not None else None
+            self._apply_tables(owned.per_table, r_grads, event_time)
+        if taken is not None:  # after the host's update: admission copies the host's rows
+            self.cache.finish(taken)
+
+    def _apply_tables(self, per_table, r_grads: np.ndarray, event_time: int) -> None:
         for ti, tid, elem in per_table:
             try:
                 self.tables[ti].apply_gradients(tid, r_grads[elem].reshape(tid.size, -1), event_time)

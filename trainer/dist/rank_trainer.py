@@ -65,7 +65,9 @@ during this round's forward and backward, and this round's update waits for the 
 with ``staleness`` 0 a round's update is queued at once and overlaps the round's bookkeeping and
 the next poll instead: ``sync``'s results).
 Before the rows are published and before a snapshot every rank applies what is deferred
-(:meth:`DistributedModel.flush`), so deltas and snapshots hold every example counted as applied.
+(:meth:`DistributedModel.flush`; it also writes back the owner cache of ``trainer.cache_rows``),
+so deltas and snapshots hold every example counted as applied. ``trainer.device``: each rank's
+head on its GPU (:mod:`trainer.dist.placement`); GBA ranks refuse it and the cache.
 Polling and training still alternate within a round.
 
 **GBA** (``trainer.dist_mode = "gba"`` or ``"async"``, :mod:`trainer.dist.gba_model`): the step is
@@ -134,11 +136,12 @@ class RankTrainer(TrainerLoop):
         if not dist.is_initialized():
             raise RankError("torch.distributed is not initialized (start ranks with trainer.dist.launch or torchrun)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        if settings.trainer.device != "cpu":
-            # the ranks' dense all-reduce would want NCCL and their exchange of host rows gloo
-            # (two process groups): not built yet; the one-process trainer runs on a GPU
-            raise RankError(f"trainer.device = {settings.trainer.device!r} runs one trainer process (nproc 1); "
-                            "N ranks train on the CPU")
+        ts = settings.trainer
+        if ts.dist_mode in GBA_MODES and (ts.device != "cpu" or ts.cache_rows):
+            # GBA's owners and master head step on RPC threads, host tensors end to end: not placed yet
+            raise RankError(f"trainer.dist_mode = {ts.dist_mode!r} trains on the CPU without the cache "
+                            f"(trainer.device = {ts.device!r}, trainer.cache_rows = {ts.cache_rows}); "
+                            "sync and hybrid run N ranks on GPUs and with the cache")
         super().__init__(settings, cfg, ("poll", "prepare", "train", "commit", "sync", "snapshot", "agree", "comm"),
                          rank=self.rank)
         ts = self.ts
@@ -181,10 +184,14 @@ class RankTrainer(TrainerLoop):
             self.dm = GBAModel(self.cfg, mode=ts.dist_mode, global_batch=ts.gba.global_batch or self.world * ts.batch_size,
                                max_staleness=ts.gba.max_staleness, fresh_wait=ts.gba.fresh_wait, tables=restored)
         else:
-            self.dm = DistributedModel(self.cfg, mode=ts.dist_mode, staleness=ts.staleness, tables=restored)
+            self.dm = DistributedModel(self.cfg, mode=ts.dist_mode, staleness=ts.staleness, tables=restored,
+                                       device=ts.device, cache_rows=ts.cache_rows,
+                                       cache_admit_after=ts.cache_admit_after)
         # this rank's shard of the tables: admissions and TTL evictions counted per rank (the shards
-        # are disjoint, so the dashboards' sums over instances are the model's)
-        self.learned.ps_counts = M.PSCounts(self.cfg.model_id, self.dm.tables)
+        # are disjoint, so the dashboards' sums over instances are the model's); its device copies
+        # and owner cache labelled with its rank
+        self.learned.ps_counts = M.PSCounts(self.cfg.model_id, self.dm.tables,
+                                            self.dm if isinstance(self.dm, DistributedModel) else None, self.rank)
         if got is None:
             return
         man = got.manifest
@@ -333,7 +340,8 @@ class RankTrainer(TrainerLoop):
             started, {"rank": self.rank, "world": self.world}, failed_steps=self.failed_steps, mode=self.dm.mode,
             overlapped_updates=self.dm.overlapped_updates, failed_updates=self.dm.failed_updates,
             alltoall_bytes=self.dm.alltoall_bytes, comm_s=float(sum(self.dm.comm_s)), broker_epoch=self.epoch,
-            stages=dict(self.stage), regroup=self.regroup, ps_admitted=M.ps_admitted(self.cfg.model_id))
+            stages=dict(self.stage), regroup=self.regroup, ps_admitted=M.ps_admitted(self.cfg.model_id),
+            cache=vars(self.dm.cache.stats) if getattr(self.dm, "cache", None) is not None else None)
 
     async def _write_snapshot(self) -> None:
         await self.snapshot()

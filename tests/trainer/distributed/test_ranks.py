@@ -53,13 +53,14 @@ def _env(settings, tmp: Path) -> dict:
 
 
 def _spawn(settings, tmp: Path, log: Path, snapshot_s: str = "0", idle_s: str = "4",
-           mode: str = "sync", staleness: int = 1, cfg=None, nproc: int = 2) -> subprocess.Popen:
+           mode: str = "sync", staleness: int = 1, cfg=None, nproc: int = 2, cache_rows: int = 0) -> subprocess.Popen:
     (tmp / "model.json").write_text((cfg or small_cfg()).model_dump_json())
     return subprocess.Popen([sys.executable, "-m", "trainer", "online", "--sync-interval-s", "1",
                              "--snapshot-interval-event-s", snapshot_s, "--stop-when-idle-s", idle_s,
                              "--batch-size", "512"],
                             env=dict(_env(settings, tmp), DRIFTLINE_TRAINER__DIST_MODE=mode,
-                                     DRIFTLINE_TRAINER__STALENESS=str(staleness), DRIFTLINE_TRAINER__NPROC=str(nproc)),
+                                     DRIFTLINE_TRAINER__STALENESS=str(staleness), DRIFTLINE_TRAINER__NPROC=str(nproc),
+                                     DRIFTLINE_TRAINER__CACHE_ROWS=str(cache_rows)),
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO,
                             start_new_session=True)
 
@@ -157,18 +158,21 @@ async def test_two_ranks_train_the_stream_and_deltas_reproduce_the_union(setting
     assert dense_msgs and {m.shard_count for m in dense_msgs} == {0}
 
 
-@pytest.mark.parametrize("mode", ["sync", "gba"])
+@pytest.mark.parametrize("mode", ["sync", "gba", "sync-cache"])
 async def test_kill_9_of_one_rank_restarts_the_group_from_the_last_manifest(settings, ml_examples, tmp_path, mode):
     """gba: the survivor may be waiting on the dead rank's RPC; the launcher restarts both, and the
-    examples held in an owner's buffer at the kill are read again (their offsets are past the manifest)."""
+    examples held in an owner's buffer at the kill are read again (their offsets are past the manifest).
+    sync-cache: each owner caches 64 rows a table (trainer.cache_rows; written back before every
+    snapshot): every example is applied once across the kill too."""
+    mode, cache_rows = ("sync", 64) if mode == "sync-cache" else (mode, 0)
     half = N // 2
     # records of 250 examples: a batch of 512 takes 3, so a first snapshot comes mid-stream
     records = await produce_examples(settings, ml_examples[:half], chunk=250)
     root = settings.var_dir / "snapshots" / "deepfm"
     log = tmp_path / "trainer.log"
     # idle 10 s before stopping: the group is still up when the first snapshot is seen
-    p = _spawn(settings, tmp_path, log, snapshot_s="1800", idle_s="10", mode=mode,
-               cfg=deepfm_config(dim=8, mlp=[32], sequential=False) if mode == "gba" else None)
+    p = _spawn(settings, tmp_path, log, snapshot_s="1800", idle_s="10", mode=mode, cache_rows=cache_rows,
+               cfg=deepfm_config(dim=8, mlp=[32], sequential=False) if mode == "gba" or cache_rows else None)
     deadline = time.monotonic() + 120
     first = None
     while time.monotonic() < deadline:
@@ -194,6 +198,9 @@ async def test_kill_9_of_one_rank_restarts_the_group_from_the_last_manifest(sett
     assert sum(r["examples_applied"] for r in _results(log).values()) == N
     assert sum(final["offsets"].values()) == records
     assert final["seq"] > first["seq"]
+    # the restarted ranks' owner caches served rows
+    assert all((r["cache"] is not None and r["cache"]["hits"] > 0) == bool(cache_rows)
+               for r in _results(log).values()), _results(log)
 
 
 async def test_a_gba_snapshot_restores_into_sync_and_into_one_process(settings, ml_examples, tmp_path):

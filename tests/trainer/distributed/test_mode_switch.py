@@ -4,6 +4,7 @@ straggler that comes and goes: sync -> gba -> sync in one run, every example app
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -98,5 +99,38 @@ async def test_auto_switches_sync_gba_sync_with_a_straggler_that_comes_and_goes(
     assert sum(r["examples_applied"] for r in res.values()) == N
     assert all(r["duplicates"] == 0 and r["bad"] == 0 for r in res.values())
     man = snapshots.read_manifest(settings.var_dir / "snapshots" / "deepfm")
+    assert man["shard_count"] == 2 and man["examples_applied"] == N
+    assert sum(man["offsets"].values()) == records
+
+
+async def test_a_changed_project_file_switches_the_running_group_at_a_snapshot(settings, ml_examples, tmp_path):
+    """Started in sync (the environment's mode and the file's agree); the file's ``dist_mode`` set
+    to gba after the first snapshot: the group switches at a later snapshot, and every example is
+    applied once across the switch."""
+    cfg = deepfm_config(dim=8, mlp=[32], sequential=False)
+    (tmp_path / "model.json").write_text(cfg.model_dump_json())
+    project = tmp_path / "driftline.toml"
+    head = 'name = "shop"\n[[features]]\nname = "item"\nsource = "item"\n[settings.trainer]\n'
+    project.write_text(head + 'dist_mode = "sync"\n')
+    records = await produce_examples(settings, ml_examples[:N // 2], chunk=250)
+    log = tmp_path / "trainer.log"
+    env = dict(_env(settings, tmp_path), DRIFTLINE_TRAINER__DIST_MODE="sync", DRIFTLINE_PROJECT=str(project))
+    p = subprocess.Popen([sys.executable, "-m", "trainer", "online", "--sync-interval-s", "1",
+                          "--snapshot-interval-event-s", "1800", "--stop-when-idle-s", "8", "--batch-size", "512"],
+                         env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    root = settings.var_dir / "snapshots" / "deepfm"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not ((m := snapshots.read_manifest(root)) and m.get("shard_count") == 2
+                                               and m["examples_applied"] >= 500):
+        await asyncio.sleep(0.2)
+    project.write_text(head + 'dist_mode = "gba"\n')
+    records += await produce_examples(settings, ml_examples[N // 2:], chunk=250)
+    assert p.wait(timeout=180) == 0, log.read_text()[-4000:]
+    res = _results(log)
+    assert sorted(res) == [0, 1], log.read_text()[-3000:]
+    for r in res.values():
+        assert r["mode"] == "gba" and [s["to"] for s in r["switches"]] == ["gba"], (r, log.read_text()[-3000:])
+    assert sum(r["examples_applied"] for r in res.values()) == N
+    man = snapshots.read_manifest(root)
     assert man["shard_count"] == 2 and man["examples_applied"] == N
     assert sum(man["offsets"].values()) == records

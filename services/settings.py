@@ -412,12 +412,16 @@ class GBASettings(BaseModel):
     # Before a pull, wait up to this x the rank's own step for the global batch its last push
     # joined (fresh parameters with no straggler, as in sync; 0: the paper's free-running GBA).
     fresh_wait: float = Field(1.5, ge=0)
-    # dist_mode "auto": a rank whose step time stays over this x the median is a straggler.
+    # dist_mode "auto": a rank whose work in a round (its step less its waits in collectives)
+    # is over this x the median of the other ranks' is a straggler (trainer/dist/mode_switch.py).
     straggler_ratio: float = Field(2.0, gt=1)
+    # dist_mode "auto": seconds a straggler must stay (sync -> gba), and stay gone (gba -> sync),
+    # before the group switches: a slow step or two (a GC, a snapshot) is not worth a switch.
+    switch_after_s: PositiveSeconds = 5.0
 
 
-# "RANK:FACTOR", FACTOR >= 1, or "" (trainer/dist/straggler.py parses it)
-SlowRank = Annotated[str, Field(pattern=r"^([0-9]+:[1-9][0-9]*([.][0-9]*)?)?$")]
+# "RANK:FACTOR" or "RANK:FACTOR:FROM-UNTIL", FACTOR >= 1, or "" (trainer/dist/straggler.py parses it)
+SlowRank = Annotated[str, Field(pattern=r"^([0-9]+:[1-9][0-9]*([.][0-9]*)?(:[0-9]+-[0-9]+)?)?$")]
 
 
 class TrainerSettings(BaseModel):
@@ -451,14 +455,18 @@ class TrainerSettings(BaseModel):
     nproc: Count = 1
     # "sync" or "hybrid" (trainer/dist/model.py), "gba" or "async" (trainer/dist/gba_model.py:
     # steps not in lockstep, gradients aggregated to the global batch per token / applied on
-    # arrival; the online ranks' rounds still are, docs/scale-out.md). staleness (hybrid): steps of sparse updates a
+    # arrival; the online ranks' rounds still are, docs/scale-out.md); "auto": sync, switching to
+    # gba while a rank straggles (trainer.gba.straggler_ratio, switch_after_s) and back when it
+    # recovers (trainer/dist/mode_switch.py). A running group also switches at a snapshot when the
+    # project file's dist_mode changed. staleness (hybrid): steps of sparse updates a
     # looked-up row may miss, the updates overlapping the next steps; 0: none missed (sync's
     # results), a round's update overlapping the next round's poll and decode (docs/scale-out.md).
-    dist_mode: Literal["sync", "hybrid", "gba", "async"] = "sync"
+    dist_mode: Literal["sync", "hybrid", "gba", "async", "auto"] = "sync"
     staleness: int = Field(1, ge=0)
     gba: GBASettings = GBASettings()
     # A TEST KNOB, "RANK:FACTOR" ("" none): that rank sleeps (FACTOR - 1) x its own step time after
-    # each step, a straggler on purpose (trainer/dist/straggler.py; bench/bench_gba.py).
+    # each step, a straggler on purpose (trainer/dist/straggler.py; bench/bench_gba.py, the online
+    # ranks); "RANK:FACTOR:FROM-UNTIL": only after that rank's steps FROM to UNTIL - 1.
     debug_slow_rank: SlowRank = ""
     # Pin each rank (and its threads: gloo's, the lookup thread) to its own share of this
     # machine's cores (local rank r of N: the r-th of N equal slices): for a machine given over

@@ -65,6 +65,10 @@ RANK_ALLTOALL_BYTES = Counter("driftline_trainer_rank_alltoall_bytes_total",
                               "Bytes one rank sent to other ranks through all_to_all (ids, rows, gradients).",
                               ["model", "rank"])
 
+DIST_MODE_SWITCHES = Counter("driftline_trainer_dist_mode_switches_total",
+                             "Switches of the online ranks' distributed mode (dist_mode auto, or the project file's "
+                             "dist_mode changed), by the mode switched to; counted by rank 0 (the group switches as one).", ["model", "to"])
+
 
 def rank_steps(model_id: str, rank: int, steps: int, comm_s: float, alltoall_bytes: int) -> None:
     """Count a rank's steps since the last call: how many, their seconds in collectives, bytes sent."""

@@ -81,11 +81,33 @@ from .model import DistributedError
 from .owner import Owner
 from .routing import packed_rows, plan, starts
 
-__all__ = ["GBAModel"]
+__all__ = ["GBAModel", "shutdown_rpc", "unsupported"]
 
 log = logging.getLogger(__name__)
 
 _RPC_UP = [False]   # rpc.init_rpc ran in this process (and no shutdown since)
+
+
+def unsupported(cfg: ModelConfig, device: str = "cpu", cache_rows: int = 0) -> str | None:
+    """Why ``cfg`` cannot train as gba/async (None: it can), on ``trainer.device`` with
+    ``trainer.cache_rows``."""
+    if device != "cpu" or cache_rows:
+        # the owners and the master head step on RPC threads, host tensors end to end: not placed yet
+        return (f"gba/async train on the CPU without the cache (trainer.device = {device!r}, trainer.cache_rows = "
+                f"{cache_rows}); sync and hybrid run N ranks on GPUs and with the cache")
+    if cfg.sequential:
+        return "gba/async: sequential models are not supported (use sync or hybrid)"
+    if any(t.admission.min_count > 1 or t.admission.probability < 1.0 for t in cfg.tables):
+        return "gba/async: count or probabilistic admission is not supported"
+    return None
+
+
+def shutdown_rpc() -> None:
+    """Collective (every rank): stop RPC when a :class:`GBAModel` left it up (``close(keep_rpc=True)``:
+    the online ranks switched back to sync, :mod:`trainer.dist.mode_switch`)."""
+    if _RPC_UP[0]:
+        rpc.shutdown()
+        _RPC_UP[0] = False
 
 
 class GBAModel:
@@ -99,10 +121,8 @@ class GBAModel:
             raise DistributedError("torch.distributed is not initialized: call init_process_group first")
         if mode not in MODES:
             raise DistributedError(f"mode must be one of {MODES}, got {mode!r}")
-        if cfg.sequential:
-            raise DistributedError("gba/async: sequential models are not supported (use sync or hybrid)")
-        if any(t.admission.min_count > 1 or t.admission.probability < 1.0 for t in cfg.tables):
-            raise DistributedError("gba/async: count or probabilistic admission is not supported")
+        if (why := unsupported(cfg)) is not None:
+            raise DistributedError(why)
         self.mode, self.group, self.global_batch = mode, group, global_batch
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         local = cfg.model_copy(update={"tables": [t.model_copy(update={"shards": 1}) for t in cfg.tables]})

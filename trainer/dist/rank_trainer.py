@@ -19,9 +19,11 @@ rows, named ``shard=r, shard_count=N``; dense by rank 0 only), :class:`trainer.c
 2. *agree* (one ``all_gather`` of a few int64 per rank): whether any rank was asked to stop
    (SIGTERM reaches one rank or all), whether any rank noticed a broker reset, whether every rank
    has been idle ``stop_when_idle_s``, the global max event time (snapshots are due by it), the
-   examples queued, and rank 0's clock decisions (sparse / dense sync due). Every rank then takes
-   the same decisions without another message;
-3. step (:meth:`DistributedModel.step`, collective; an empty batch on an idle rank), then
+   examples queued, rank 0's clock decisions (sparse / dense sync due) and clock, and each rank's
+   work in its last step (``dist_mode = "auto"``'s input). Every rank then takes the same
+   decisions without another message;
+3. step (:meth:`DistributedModel.step`, collective; an empty batch on an idle rank; then
+   ``trainer.debug_slow_rank``'s sleep on a straggler made on purpose, :mod:`trainer.dist.straggler`), then
    the bookkeeping of the 1-process trainer (:class:`trainer.learned.Learned`) and per-rank
    metrics (label ``rank``: examples, steps, seconds and bytes in collectives);
 4. when due: each rank publishes its shard's touched rows; rank 0 the dense weights with the
@@ -80,6 +82,20 @@ the 1-process trainer. The rounds themselves stay in lockstep (the round's agree
 ``all_gather``), so here a straggler still slows the group: what GBA's own loop gains is
 measured by bench/bench_gba.py, not yet by the online ranks.
 
+**Switching** (:mod:`trainer.dist.mode_switch`): with ``dist_mode = "auto"`` the group starts in
+sync and, from the rounds' agreed work times, switches to gba while a rank straggles and back to
+sync when it recovers; with another mode it switches at a snapshot when the project file's
+``dist_mode`` changed. The switch (:meth:`RankTrainer._switch`) is collective, in the same round
+on every rank: the engine applies everything it holds (its ``flush``), and the other engine is
+built in memory on the same table shards with rank 0's head and Adam state, as :meth:`_restore`
+builds one from a snapshot; learning rates and batch sizes stay the settings'. RPC, once up, stays
+up (:meth:`GBAModel.close` ``keep_rpc``) until the ranks end. Logged, counted
+(``driftline_trainer_dist_mode_switches_total``) and listed in the result line (``switches``).
+
+One module of about 480 lines because the round, the snapshots, the syncs and the mode switches
+all act on one rank's state through its one collectives' thread; what needs none of it lives beside
+it (:mod:`trainer.dist.input`, :mod:`trainer.dist.rank_snapshots`, :mod:`trainer.dist.mode_switch`).
+
 The dedup window is per rank: enough, examples are keyed by user, so a joiner duplicate lands on
 the same partition, i.e. the same rank.
 """
@@ -87,6 +103,7 @@ the same partition, i.e. the same rank.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import time
@@ -110,14 +127,17 @@ from ..loop import TrainerLoop
 from . import rank_snapshots
 from .input import RankInput, empty_batch, my_partitions  # noqa: F401 - the rule, named here too
 from .gba import MODES as GBA_MODES
-from .gba_model import GBAModel
+from .gba_model import GBAModel, shutdown_rpc, unsupported
+from .mode_switch import AutoSwitch, FileMode
 from .model import DistributedModel
+from .straggler import Straggler
 
 log = logging.getLogger(__name__)
 
-# the agreed-upon control vector of one round (int64 per rank)
-_STOP, _IDLE, _EXAMPLES, _EVENT, _SYNC, _DENSE, _RESET, _ORPHAN = range(8)
-_COLUMNS = _ORPHAN + 1
+# the agreed-upon control vector of one round (int64 per rank); _WORK: the rank's work in its
+# last step (µs, 0: its batch was empty), _CLOCK: rank 0's (µs since its run began): auto's inputs
+_STOP, _IDLE, _EXAMPLES, _EVENT, _SYNC, _DENSE, _RESET, _ORPHAN, _WORK, _CLOCK = range(10)
+_COLUMNS = _CLOCK + 1
 
 
 EXIT_REGROUP = 75
@@ -137,11 +157,8 @@ class RankTrainer(TrainerLoop):
             raise RankError("torch.distributed is not initialized (start ranks with trainer.dist.launch or torchrun)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         ts = settings.trainer
-        if ts.dist_mode in GBA_MODES and (ts.device != "cpu" or ts.cache_rows):
-            # GBA's owners and master head step on RPC threads, host tensors end to end: not placed yet
-            raise RankError(f"trainer.dist_mode = {ts.dist_mode!r} trains on the CPU without the cache "
-                            f"(trainer.device = {ts.device!r}, trainer.cache_rows = {ts.cache_rows}); "
-                            "sync and hybrid run N ranks on GPUs and with the cache")
+        if ts.dist_mode in GBA_MODES and (why := unsupported(cfg, ts.device, ts.cache_rows)) is not None:
+            raise RankError(why)
         super().__init__(settings, cfg, ("poll", "prepare", "train", "commit", "sync", "snapshot", "agree", "comm"),
                          rank=self.rank)
         ts = self.ts
@@ -156,6 +173,20 @@ class RankTrainer(TrainerLoop):
         self.regroup = False  # exit with EXIT_REGROUP: another machine's launcher is gone
         self._queued = 0  # examples queued by all ranks in this run (the dense schedule's count)
         self._learned_since_sync = False
+        # switching sync <-> gba (trainer.dist.mode_switch): auto's rule, the project file's mode
+        # (rank 0 reads it), this rank's last step's work, the switches made, the old models' counts
+        self.straggler = Straggler.for_rank(ts.debug_slow_rank, self.rank)
+        self.auto: AutoSwitch | None = None
+        if ts.dist_mode == "auto":
+            if (why := unsupported(cfg, ts.device, ts.cache_rows)) is None:
+                self.auto = AutoSwitch(ts.gba.straggler_ratio, ts.gba.switch_after_s)
+            else:
+                log.warning("dist_mode auto stays in sync: %s", why)
+        self._file_mode = FileMode(settings.project) if self.rank == 0 else None
+        self._work_us = 0
+        self._t0 = time.monotonic()
+        self.switches: list[dict] = []
+        self._retired = {"alltoall_bytes": 0, "comm_s": 0.0, "failed_updates": 0, "overlapped_updates": 0}
 
     @property
     def partitions(self) -> list[int]:
@@ -178,15 +209,8 @@ class RankTrainer(TrainerLoop):
         if self.resets.watch is not None:
             self.resets.watch.epoch = self.epoch
         got = rank_snapshots.load(self.root, self.cfg, self.topic, self.rank, self.world, self.epoch)
-        ts = self.ts
-        restored = got.tables if got is not None else None
-        if ts.dist_mode in GBA_MODES:  # GBA's steps are not collective; the rounds' agreement still is
-            self.dm = GBAModel(self.cfg, mode=ts.dist_mode, global_batch=ts.gba.global_batch or self.world * ts.batch_size,
-                               max_staleness=ts.gba.max_staleness, fresh_wait=ts.gba.fresh_wait, tables=restored)
-        else:
-            self.dm = DistributedModel(self.cfg, mode=ts.dist_mode, staleness=ts.staleness, tables=restored,
-                                       device=ts.device, cache_rows=ts.cache_rows,
-                                       cache_admit_after=ts.cache_admit_after)
+        self.dm = self._model("sync" if self.ts.dist_mode == "auto" else self.ts.dist_mode,
+                              got.tables if got is not None else None)
         # this rank's shard of the tables: admissions and TTL evictions counted per rank (the shards
         # are disjoint, so the dashboards' sums over instances are the model's); its device copies
         # and owner cache labelled with its rank
@@ -205,6 +229,15 @@ class RankTrainer(TrainerLoop):
         log.info("rank %d/%d restored snapshot %s (%d ranks wrote it%s): %d examples applied here",
                  self.rank, self.world, man.name, man.shards or 1,
                  ", in another broker epoch: reading from the start" if got.reset else "", self.examples_applied)
+
+    def _model(self, mode: str, tables: dict | None) -> DistributedModel | GBAModel:
+        """The engine of ``mode`` on ``tables`` (this rank's shard; None: fresh). Collective."""
+        ts = self.ts
+        if mode in GBA_MODES:  # GBA's steps are not collective; the rounds' agreement still is
+            return GBAModel(self.cfg, mode=mode, global_batch=ts.gba.global_batch or self.world * ts.batch_size,
+                            max_staleness=ts.gba.max_staleness, fresh_wait=ts.gba.fresh_wait, tables=tables)
+        return DistributedModel(self.cfg, mode=mode, staleness=ts.staleness, tables=tables, device=ts.device,
+                                cache_rows=ts.cache_rows, cache_admit_after=ts.cache_admit_after)
 
     async def snapshot(self) -> Path | None:
         """Collective: every rank writes its part, rank 0 commits the set (the manifest last)."""
@@ -252,11 +285,17 @@ class RankTrainer(TrainerLoop):
 
     # ------------------------------------------------------------------ a round
     def _step(self, batch: SparseBatch) -> tuple[StepResult, float]:
+        """The round's step, then ``debug_slow_rank``'s sleep: ``(result, seconds of both)``; the
+        rank's work (the step less its waits for others, plus the sleep) kept for the next agreement."""
         t0 = time.perf_counter()
+        steps = self.dm.steps
         if isinstance(self.dm, GBAModel):  # a GBA step fails on its own rank alone: bisected there
             res = train_isolating(self.dm.step, batch)
         else:
             res = train_isolating_ranks(self.dm, batch)
+        work = max(0.0, time.perf_counter() - t0 - float(sum(self.dm.comm_s[steps:])))
+        work += self.straggler.after(work) if batch.size else 0.0
+        self._work_us = int(1e6 * work) if batch.size else 0
         return res, time.perf_counter() - t0
 
     async def _agree(self, stop: bool, idle: bool, reset: bool, examples: int, event: int, now: float) -> np.ndarray:
@@ -264,9 +303,10 @@ class RankTrainer(TrainerLoop):
         t0 = time.perf_counter()
         mine = torch.zeros(_COLUMNS, dtype=torch.int64)
         mine[_STOP], mine[_IDLE], mine[_RESET], mine[_EXAMPLES], mine[_EVENT] = int(stop), int(idle), int(reset), examples, event
-        mine[_ORPHAN] = int(os.getppid() != self._parent)
-        if self.rank == 0:  # rank 0's clock decides the time-based syncs for everyone
+        mine[_ORPHAN], mine[_WORK] = int(os.getppid() != self._parent), self._work_us
+        if self.rank == 0:  # rank 0's clock decides the time-based syncs (and auto's timer) for everyone
             mine[_SYNC], mine[_DENSE] = (int(due) for due in self._syncs_due(now))
+            mine[_CLOCK] = int(1e6 * (now - self._t0))
         out = [torch.zeros(_COLUMNS, dtype=torch.int64) for _ in range(self.world)]
         await self._coll(dist.all_gather, out, mine)
         self._stage("agree", time.perf_counter() - t0)
@@ -287,6 +327,7 @@ class RankTrainer(TrainerLoop):
     async def _teardown(self) -> None:
         await super()._teardown()
         self.dm.close()
+        shutdown_rpc()  # a GBAModel switched away from left it up
         self._executor.shutdown(wait=True)
 
     def _examples_learned(self) -> int:
@@ -331,17 +372,79 @@ class RankTrainer(TrainerLoop):
                 await self.sync_sparse()
                 self.clock.taken(self.max_event_time)
                 await self.snapshot()
+                await self._file_mode_changed()
+            if self.auto is not None and (to := self.auto.observe(ctl[0, _CLOCK] / 1e6, self.dm.mode, ctl[:, _WORK])):
+                await self._switch(to, f"a rank's work over {self.ts.gba.straggler_ratio} x the others' median"
+                                   if to == "gba" else "no straggler")
             if ctl[:, _ORPHAN].any():
                 self._launchers_lost(ctl[:, _ORPHAN])
                 break
             if ctl[:, _STOP].any() or ctl[:, _IDLE].all() or (max_examples is not None and self._queued >= max_examples):
                 break
+        old = self._retired
         return await self._finish(
             started, {"rank": self.rank, "world": self.world}, failed_steps=self.failed_steps, mode=self.dm.mode,
-            overlapped_updates=self.dm.overlapped_updates, failed_updates=self.dm.failed_updates,
-            alltoall_bytes=self.dm.alltoall_bytes, comm_s=float(sum(self.dm.comm_s)), broker_epoch=self.epoch,
+            dist_mode=self.ts.dist_mode, mode_switches=len(self.switches), switches=self.switches,
+            overlapped_updates=old["overlapped_updates"] + self.dm.overlapped_updates,
+            failed_updates=old["failed_updates"] + self.dm.failed_updates,
+            alltoall_bytes=old["alltoall_bytes"] + self.dm.alltoall_bytes,
+            comm_s=old["comm_s"] + float(sum(self.dm.comm_s)), broker_epoch=self.epoch,
             stages=dict(self.stage), regroup=self.regroup, ps_admitted=M.ps_admitted(self.cfg.model_id),
             cache=vars(self.dm.cache.stats) if getattr(self.dm, "cache", None) is not None else None)
+
+    # ------------------------------------------------------------------ switching modes
+    async def _file_mode_changed(self) -> None:
+        """After a snapshot: rank 0 re-reads the project file's ``dist_mode`` and the group follows
+        it when it changed (:mod:`trainer.dist.mode_switch`). Collective (one broadcast)."""
+        got = [self._file_mode.changed() if self._file_mode is not None else None]
+        await self._coll(dist.broadcast_object_list, got, 0)
+        to = got[0]
+        if to is None or to not in ("sync", "hybrid", "gba", "async", "auto"):
+            if to is not None and self.rank == 0:
+                log.warning("the project file's dist_mode %r is not a mode: kept %s", to, self.dm.mode)
+            return
+        if to == "auto":  # from here on auto decides (from the current mode)
+            self.auto = AutoSwitch(self.ts.gba.straggler_ratio, self.ts.gba.switch_after_s)
+            return
+        if to in GBA_MODES and (why := unsupported(self.cfg, self.ts.device, self.ts.cache_rows)) is not None:
+            if self.rank == 0:
+                log.warning("the project file's dist_mode %s is not possible here (%s): kept %s", to, why, self.dm.mode)
+            return
+        self.auto = None
+        if to != self.dm.mode:
+            await self._switch(to, "the project file's dist_mode changed")
+
+    async def _switch(self, to: str, why: str) -> None:
+        """Collective, every rank in the same round: the current engine applies everything it
+        holds (hybrid's deferred updates, GBA's buffers: every example counted is in the tables),
+        and the engine of ``to`` is built on the same tables (rows and PS optimizer state, in
+        memory) with rank 0's head and Adam state (in GBA only its master's are current); learning
+        rates and batch sizes are the settings', unchanged. RPC, once up, stays up."""
+        t0 = time.perf_counter()
+        old = self.dm
+        await self._coll(old.flush)
+        for k in self._retired:
+            self._retired[k] += float(sum(old.comm_s)) if k == "comm_s" else getattr(old, k)
+        await self._coll(self._handover, old, to)
+        self.switches.append({"to": to, "at_s": round(time.monotonic() - self._t0, 3), "why": why})
+        if self.rank == 0:
+            M.DIST_MODE_SWITCHES.labels(self.cfg.model_id, to).inc()
+        log.info("rank %d/%d: dist_mode %s -> %s (%s), switch %d, %.2f s", self.rank, self.world, old.mode, to, why,
+                 len(self.switches), time.perf_counter() - t0)
+
+    def _handover(self, old: DistributedModel | GBAModel, to: str) -> None:
+        """:meth:`_switch`'s collectives, on the collectives' thread."""
+        dense = [copy.deepcopy({"head": old.head.state_dict(), "optimizer": old.optimizer.state_dict()})
+                 if self.rank == 0 else None]
+        dist.broadcast_object_list(dense, 0)
+        if isinstance(old, GBAModel):
+            old.close(keep_rpc=True)
+        else:
+            old.close()
+        self.dm = self._model(to, old.tables)
+        self.dm.head.load_state_dict(dense[0]["head"])
+        if self.dm.optimizer is not None:  # gba: rank 0's master alone
+            self.dm.optimizer.load_state_dict(dense[0]["optimizer"])
 
     async def _write_snapshot(self) -> None:
         await self.snapshot()

@@ -181,6 +181,9 @@ class ModelSpec(_Spec):
     #: the first-order ("<table>_w") tables' optimizer; absent: [tables.default]'s, else Adagrad at
     #: trainer.config.LINEAR_LR (initial accumulator LINEAR_ACC). A table's own [tables.<name>_w] optimizer wins.
     linear_optimizer: OptimizerConfig | None = None
+    #: meta-learned starting points for new ids of one task slot, e.g. ``{task_slot = "user"}``
+    #: (the fields of trainer.config.MetaConfig, which checks them; trainer/meta.py); absent: off
+    meta: dict[str, Any] | None = None
 
 
 # The sections of the keys in FILE_KEYS: each key typed as its setting (services/settings.py).
@@ -387,7 +390,7 @@ class Project:
             salt={f.name: f.salt for f in self.file.features if f.salt is not None and f.name in used},
             label=m.label, seed=m.seed, sequential=m.sequential and bool(lin),
             sequential_embeddings=m.sequential_embeddings and m.sequential and bool(lin) and m.kind == "deepfm",
-            **extra)
+            meta=m.meta, **extra)
 
     def settings_overrides(self) -> dict[str, dict[str, Any]]:
         """The settings this file sets, as ``{section: {field: value}}`` (for

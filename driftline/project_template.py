@@ -93,6 +93,8 @@ admission = { min_count = 1, probability = 1.0 }
 #   tables then need "sgd" or "adagrad"; false: the embeddings step once per batch)
 #   linear_optimizer: the first-order tables' optimizer (they take a larger step than embeddings;
 #   the initial accumulator keeps a new id's first Adagrad steps from swinging its weight)
+#   meta: meta-learned starting points for new ids of one feature (a new user's first steps):
+#   meta = { task_slot = "user_id" } (support, query, ... : trainer/meta.py; one trainer process)
 # ---------------------------------------------------------------------------------------------
 [model]
 kind = "deepfm"
@@ -104,6 +106,7 @@ sequential_embeddings = true
 linear_optimizer = { kind = "adagrad", lr = 0.3, initial_accumulator_value = 0.3 }
 # fields = ["device", "item_id", "position", "category"]
 # dense = ["price"]
+# meta = { task_slot = "item_id" }
 
 # Action types (POST /actions "action_type") -> the label they set. Default: click->click, like->like.
 [labels]

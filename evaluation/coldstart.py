@@ -12,10 +12,11 @@ where every number here is measured:
 * ``overall``: the AUC over the whole online part (cold-start help must not cost the warm users).
 
 Arms: ``served`` (the model ``make up`` serves: sequential first-order weights and embeddings, at
-the live trainer's batch size), ``deepfm`` (the same DeepFM stepped once per batch) and ``counts``
+the live trainer's batch size), ``meta`` (the same with new users' starting points meta-learned from
+the stream: ``ModelConfig.meta``, :mod:`trainer.meta`), ``deepfm`` (the same DeepFM stepped once per batch) and ``counts``
 (per-user and per-item click rates: a new user's first example gets the global rate). Each runs
 every seed of ``seeds``; for each learned arm the paired differences against ``served`` (same
-seed) are reported with their std, as the meta-learned and content arms will be.
+seed) are reported with their std.
 
 >>> firsts(np.array([7, 8, 7, 7, 8]), np.array([True, True, True, False, True]), (1, 2))
 {1: array([ True,  True, False, False, False]), 2: array([ True,  True,  True, False,  True])}
@@ -28,6 +29,7 @@ import time
 import numpy as np
 
 from services.settings import EvalSettings
+from trainer.config import MetaConfig
 from trainer.model import SparseModel
 
 from .baselines import count_scores
@@ -37,7 +39,7 @@ __all__ = ["ARMS", "FIRST", "firsts", "run"]
 
 #: the first-k buckets of a cold user's (item's) online examples
 FIRST = (1, 5, 10, 20)
-ARMS = ("served", "deepfm", "counts")
+ARMS = ("served", "meta", "deepfm", "counts")
 
 
 def firsts(keys: np.ndarray, cold: np.ndarray, ks: tuple[int, ...] = FIRST) -> dict[int, np.ndarray]:
@@ -72,7 +74,9 @@ def run_arm(s: EvalSettings, arm: str, seed: int) -> dict:
     if arm == "counts":
         p = count_scores(d.user_id, d.item_id, d.label, s.count_prior)
     else:
-        cfg = served_model_config(s, seed, "cold-served") if arm == "served" else model_config(s, seed, "cold-deepfm")
+        cfg = model_config(s, seed, "cold-deepfm") if arm == "deepfm" else served_model_config(s, seed, f"cold-{arm}")
+        if arm == "meta":  # the served model with new users' starting points meta-learned (trainer.meta)
+            cfg = cfg.model_copy(update={"meta": MetaConfig(task_slot="user_id")})
         model = SparseModel(cfg)
         bs = served_batch()
         p = np.empty(n, np.float32)

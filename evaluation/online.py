@@ -55,7 +55,7 @@ def _manifest(version: int, max_t: int) -> Manifest:
 
 def _save(root: Path, model: SparseModel, version: int, max_t: int) -> Path:
     return snapshots.save(root, model.cfg, model.tables,
-                          {"head": model.head.state_dict(), "optimizer": model.optimizer.state_dict()},
+                          model.dense_state(),
                           _manifest(version, max_t), keep=1)
 
 
@@ -65,8 +65,7 @@ def _restore(s: EvalSettings, seed: int, root: Path) -> tuple[SparseModel, Score
     cfg = model_config(s, seed, MODEL_ID)
     tables, dense, manifest = snapshots.load(root, cfg, serving=False)
     model = SparseModel(cfg, tables)
-    model.head.load_state_dict(dense["head"])
-    model.optimizer.load_state_dict(dense["optimizer"])
+    model.load_dense_state(dense)
     serve_tables, head_state, _ = snapshots.load_latest(root)
     return model, Scorer(cfg, serve_tables, head_state), manifest
 

@@ -131,7 +131,7 @@ def write_batch_snapshot(model: SparseModel, max_event_time_ms: int, examples: i
     if root is None:
         root = get_settings().snapshot_root
     return snapshots.save(Path(root) / cfg.model_id, cfg, model.tables,
-                          {"head": model.head.state_dict(), "optimizer": model.optimizer.state_dict()},
+                          model.dense_state(),
                           Manifest(param_deltas_offset=0, max_event_time_ms=int(max_event_time_ms), source="batch",
                                    batch_examples=int(examples), sample_rates=sample_rates.state()))
 

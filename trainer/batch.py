@@ -113,3 +113,31 @@ class SparseBatch:
 
 def _opt(a, dtype):
     return None if a is None else np.ascontiguousarray(a, dtype)
+
+
+def concat_batches(batches: Sequence[SparseBatch]) -> SparseBatch:
+    """``batches`` one after another, as one batch (their slots, labels, times, rates and dense
+    features; every batch has the same slots and the same optional arrays). Slice names are the
+    first batch's, so the batches should share them (sub-batches of one stream do).
+
+    >>> a = SparseBatch(2, {"s": np.array([1, 2, 3])}, {"s": np.array([0, 1, 3])}, np.array([1, 0], np.float32))
+    >>> b = concat_batches([a, a.select(np.array([1]))])
+    >>> b.size, b.ids["s"].tolist(), b.offsets["s"].tolist(), b.labels.tolist()
+    (3, [1, 2, 3, 2, 3], [0, 1, 3, 5], [1.0, 0.0, 0.0])
+    """
+    first = batches[0]
+    ids, offs = {}, {}
+    for s in first.ids:
+        ids[s] = np.concatenate([b.ids[s] for b in batches])
+        lens = np.concatenate([np.diff(b.offsets[s]) for b in batches])
+        offs[s] = np.zeros(lens.size + 1, np.int64)
+        np.cumsum(lens, out=offs[s][1:])
+
+    def cat(name: str) -> np.ndarray | None:
+        parts = [getattr(b, name) for b in batches]
+        return None if parts[0] is None else np.concatenate(parts)
+
+    example_ids = None if first.example_ids is None else [e for b in batches for e in (b.example_ids or [])]
+    return SparseBatch(sum(b.size for b in batches), ids, offs, cat("labels"), cat("event_time_ms"),
+                       cat("sample_rate"), cat("dense"), example_ids, slice_ids=cat("slice_ids"),
+                       slice_names=first.slice_names)

@@ -59,6 +59,27 @@ MOVIELENS_SLOTS = ("user_id", "gender", "age", "occupation", "zip", "item_id", "
 RECENT_ITEMS = "recent_items"
 
 
+class MetaConfig(BaseModel):
+    """Meta-learned starting points for new ids of one *task* slot (``ModelConfig.meta``,
+    :mod:`trainer.meta`): a task is one id of ``task_slot`` (a user, a campaign), its first
+    ``support`` examples the inner loop's, its next ``query`` ones the outer loop's."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    task_slot: str
+    support: int = Field(5, ge=1)
+    query: int = Field(5, ge=1)
+    #: tasks waiting to fill, at most (the oldest is dropped, unfilled, past it): the buffer's bound
+    max_open_tasks: int = Field(100_000, ge=1)
+    #: filled tasks per outer step
+    tasks_per_step: int = Field(16, ge=1)
+    #: Adam's rate for the starting point (the log of each Adagrad table's starting accumulator)
+    outer_lr: float = Field(0.05, gt=0)
+    #: also learn the starting values (0: the tables' own initializer only); measured worse on
+    #: ml-1m at outer_lr (docs/results.md section 5), so off unless set
+    values_lr: float = Field(0.0, ge=0)
+
+
 class ModelConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -88,6 +109,8 @@ class ModelConfig(BaseModel):
     #: from fresh rows, the MLP's slope taken at the batch's start (:mod:`ps.sequential_fm`); only
     #: the dense head steps once per batch. Every sparse table then needs SGD or Adagrad.
     sequential_embeddings: bool = False
+    #: meta-learned starting points for new ids of a task slot (:mod:`trainer.meta`); None: off
+    meta: MetaConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -122,7 +145,22 @@ class ModelConfig(BaseModel):
                 if kind not in ("sgd", "adagrad"):
                     raise ValueError(f"sequential_embeddings: table {t!r} must use sgd or adagrad, not "
                                      f"{kind} (or set sequential_embeddings = false)")
+        if self.meta is not None:
+            self._check_meta(self.meta)
         return self
+
+    def _check_meta(self, meta: MetaConfig) -> None:
+        tables = self.task_tables(meta.task_slot)
+        if not tables:
+            raise ValueError(f"meta.task_slot {meta.task_slot!r} is not a slot of the model")
+        for t in tables:
+            optimizer = self.table(t).optimizer
+            if optimizer is not None and optimizer.kind not in ("sgd", "adagrad"):
+                raise ValueError(f"meta: table {t!r} of the task slot must use sgd or adagrad, not {optimizer.kind}")
+
+    def task_tables(self, slot: str) -> list[str]:
+        """The tables ``slot`` reads: its embedding table, then its first-order table (each if any)."""
+        return [m[slot] for m in (self.slots, self.linear) if slot in m]
 
     def table(self, name: str) -> TableConfig:
         for t in self.tables:

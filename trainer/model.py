@@ -32,6 +32,7 @@ from ps import EmbeddingTable, PackedBatch, ParameterServer
 from .batch import SparseBatch
 from .config import ModelConfig
 from .device import Transfers, resolve_device
+from .meta import MetaLearner
 from .mixcache import Located, MixCache, cacheable
 from .sequential import sequential_train_step
 from .step_checks import NonFiniteStepError, finite_grads
@@ -253,11 +254,31 @@ class SparseModel:
         self._dims = {k: cfg.table(t).dim for k, t in ps_slots.items()}
         self.timings: dict[str, float] = defaultdict(float)
         self.cache = self.make_cache(cache_rows, cache_admit_after) if cache_rows else None
+        if cfg.meta is not None and train and self.cache is not None:
+            raise ValueError("model.meta reads its task rows from the host PS: run it without trainer.cache_rows")
+        # meta-learned starting points of the task slot's new ids (trainer.meta)
+        self.meta = MetaLearner(self, cfg.meta) if cfg.meta is not None and train else None
 
     @property
     def transfers(self) -> tuple[Transfers, ...]:
         """Every host/device copier of this model (the metrics count their bytes)."""
         return (self.io,)
+
+    def dense_state(self) -> dict:
+        """What a snapshot keeps of the model besides its tables: the head, its optimizer, and the
+        meta-learned starting point (``cfg.meta``) with its optimizer."""
+        out = {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict() if self.optimizer else {}}
+        if self.meta is not None:
+            out["meta"] = self.meta.state_dict()
+        return out
+
+    def load_dense_state(self, dense: dict) -> None:
+        """:meth:`dense_state` back (a snapshot's; parts it lacks stay as they are)."""
+        self.head.load_state_dict(dense["head"])
+        if dense.get("optimizer") and self.optimizer is not None:
+            self.optimizer.load_state_dict(dense["optimizer"])
+        if "meta" in dense and self.meta is not None:
+            self.meta.load_state_dict(dense["meta"])
 
     def make_cache(self, rows: int, admit_after: int, io: Transfers | None = None) -> MixCache:
         """A :class:`MixCache` of this model's cacheable embedding tables (``io``: its own copier,
@@ -384,6 +405,14 @@ class SparseModel:
         (progressive validation). A ``sequential`` LR learns the batch example by example
         (:mod:`trainer.sequential`): each probability is taken before that example is learned."""
         assert self.optimizer is not None, "not a training model"
+        if self.meta is None:
+            return self._train_step(batch)
+        self.meta.before(batch)
+        out = self._train_step(batch)
+        self.meta.after(batch)
+        return out
+
+    def _train_step(self, batch: SparseBatch):
         if self.cfg.sequential:
             return sequential_train_step(self, batch)
         t = batch.max_event_time

@@ -166,9 +166,7 @@ class OnlineTrainer(TrainerLoop):
         dense, man = got.dense, got.manifest
         self.model = SparseModel(self.cfg, got.tables, **self.placement)
         self.ps_counts = self.learned.ps_counts = M.PSCounts(self.cfg.model_id, self.model.tables, self.model)
-        self.model.head.load_state_dict(dense["head"])
-        if "optimizer" in dense:
-            self.model.optimizer.load_state_dict(dense["optimizer"])
+        self.model.load_dense_state(dense)
         self.resume_offsets, self._from_start = got.offsets, got.from_start
         self.snapshots.record_epoch(self.epoch)
         auc = (dense["auc_pos"], dense["auc_neg"]) if "auc_pos" in dense and "auc_neg" in dense else None

@@ -109,9 +109,9 @@ class SnapshotStore:
         return Restored(tables, dense, man, reset, offsets, from_start)
 
     def save(self, model: SparseModel, dense: dict, manifest: Manifest | Mapping) -> Path:
-        """Write a snapshot of ``model`` (tables, head, optimizer) with more ``dense`` state and the
+        """Write a snapshot of ``model`` (tables, :meth:`SparseModel.dense_state`) with more ``dense`` state and the
         ``manifest``'s stream state."""
-        dense = {"head": model.head.state_dict(), "optimizer": model.optimizer.state_dict(), **dense}
+        dense = {**model.dense_state(), **dense}
         path = snapshots.save(self.root, self.cfg, model.tables, dense, replace(Manifest.from_dict(manifest), source="online"))
         M.SNAPSHOTS.labels(self.cfg.model_id).inc()
         return path

@@ -159,6 +159,8 @@ class RankTrainer(TrainerLoop):
         ts = settings.trainer
         if ts.dist_mode in GBA_MODES and (why := unsupported(cfg, ts.device, ts.cache_rows)) is not None:
             raise RankError(why)
+        if cfg.meta is not None:  # its outer loop reads rows without inserting: not a collective yet
+            raise RankError("model.meta (trainer/meta.py) runs in one trainer process (nproc 1), not on N ranks yet")
         super().__init__(settings, cfg, ("poll", "prepare", "train", "commit", "sync", "snapshot", "agree", "comm"),
                          rank=self.rank)
         ts = self.ts

@@ -1,0 +1,129 @@
+"""Meta-learned starting points (trainer/meta.py, ``ModelConfig.meta``): new ids of the task slot
+start from the learned optimizer state, the task buffer stays bounded when tasks never fill, the
+outer loop learns from filled tasks, snapshots carry the starting point."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trainer import snapshots
+from trainer.batch import SparseBatch
+from trainer.config import MetaConfig, deepfm_config
+from trainer.data import MovieLensData
+from trainer.manifest import Manifest
+from trainer.meta import TaskBuffer
+from trainer.model import SparseModel
+
+
+@pytest.fixture(scope="module")
+def batches():
+    data = MovieLensData(limit=30_000)
+    return list(data.batches(1024, np.arange(30_000)))
+
+
+def _cfg(**meta):
+    return deepfm_config(dim=8, mlp=[16], recent_items=False, seed=5).model_copy(
+        update={"meta": MetaConfig(task_slot="user_id", **meta)})
+
+
+def _run(batches, **meta) -> SparseModel:
+    m = SparseModel(_cfg(**meta))
+    for b in batches:
+        m.train_step(b)
+    return m
+
+
+def test_new_ids_start_from_the_learned_optimizer_state(batches):
+    m = _run(batches[:12], tasks_per_step=4)
+    assert m.meta.outer_steps > 0 and m.meta.tasks.filled > 0
+    _, acc = m.meta.start()
+    assert not np.allclose(acc, np.exp(np.log(np.maximum(  # it moved from the tables' own
+        np.r_[np.zeros(8), [m.cfg.table("user_id_w").optimizer.initial_accumulator_value]], 1e-3))))
+    b = batches[12]
+    ids = b.ids["user_id"]
+    new = np.unique(ids[~m.tables["user_id"].contains(ids)])
+    assert new.size
+    m.meta.before(b)
+    _, state = m.tables["user_id"].read_rows(new)
+    assert np.array_equal(state, np.tile(acc[:8], (new.size, 1)))
+    _, state_w = m.tables["user_id_w"].read_rows(new)
+    assert np.array_equal(state_w[:, 0], np.full(new.size, acc[8], np.float32))
+
+
+def test_the_same_stream_learns_the_same_starting_point(batches):
+    a, b = _run(batches[:8], tasks_per_step=4), _run(batches[:8], tasks_per_step=4)
+    assert torch.equal(a.meta.log_acc, b.meta.log_acc)
+    assert a.meta.outer_steps == b.meta.outer_steps > 0
+
+
+def test_tasks_that_never_fill_stay_bounded():
+    """A stream where every example is a new task's first (support 5 + query 5 never fill): at
+    most max_open tasks wait, the rest are dropped, and the chunks hold a bounded number of rows."""
+    m = SparseModel(_cfg(max_open_tasks=300))
+    rng = np.random.default_rng(0)
+    n, held = 256, []
+    for step in range(40):
+        users = np.arange(step * n, (step + 1) * n, dtype=np.int64) + 10**9  # each user once
+        ids = {"user_id": users, "item_id": rng.integers(0, 500, n)}
+        for s in ("gender", "age", "occupation", "zip", "genres", "year"):
+            ids[s] = rng.integers(0, 5, n)
+        offs = {s: np.arange(n + 1, dtype=np.int64) for s in ids}
+        b = SparseBatch(n, ids, offs, rng.integers(0, 2, n).astype(np.float32), np.full(n, step, np.int64))
+        m.train_step(b)
+        held.append(sum(c.size for c in m.meta.chunks.values()))
+    t = m.meta.tasks
+    assert len(list(t.keys())) == 300
+    assert t.opened == 40 * n and t.dropped == 40 * n - 300 and t.filled == 0
+    assert max(held) <= 2 * 300 + 4096
+    assert sum(t.live.values()) == 300
+
+
+def test_support_then_query_in_stream_order():
+    tb = TaskBuffer(support=2, query=2, max_open=10)
+    tb.open([1, 2])
+    assert tb.add(0, [1, 2, 1]) == []
+    filled = tb.add(1, [2, 1, 1, 2])
+    assert filled == [(1, [(0, 0), (0, 2), (1, 1), (1, 2)])]
+    assert tb.add(2, [2]) == [(2, [(0, 1), (1, 0), (1, 3), (2, 0)])]
+    assert tb.filled == 2 and not list(tb.keys())
+    assert sorted(tb.release([(0, 0), (0, 2), (1, 1), (1, 2), (0, 1), (1, 0), (1, 3), (2, 0)])) == [0, 1, 2]
+
+
+def test_a_snapshot_carries_the_starting_point(batches, tmp_path):
+    m = _run(batches[:8], tasks_per_step=4)
+    path = snapshots.save(tmp_path, m.cfg, m.tables, m.dense_state(), Manifest(max_event_time_ms=1))
+    assert path.exists()
+    tables, dense, _ = snapshots.load(tmp_path, m.cfg, serving=False)
+    r = SparseModel(m.cfg, tables)
+    r.load_dense_state(dense)
+    assert torch.equal(r.meta.log_acc, m.meta.log_acc)
+    assert r.meta.outer_steps == m.meta.outer_steps
+    # new ids of the restored trainer start where the original's would (the waiting tasks are not
+    # kept: a restart opens tasks afresh, so the two learn on from different buffers)
+    assert all(np.array_equal(x, y) for x, y in zip(r.meta.start(), m.meta.start(), strict=True))
+
+
+def test_meta_refuses_the_device_cache():
+    with pytest.raises(ValueError, match="cache_rows"):
+        SparseModel(_cfg(), cache_rows=64)
+
+
+def test_the_task_slot_must_be_a_slot():
+    with pytest.raises(ValueError, match="not a slot"):
+        deepfm_config(recent_items=False).model_copy(update={"meta": None}).model_validate(
+            {**deepfm_config(recent_items=False).model_dump(), "meta": {"task_slot": "nope"}})
+
+
+def test_the_project_file_turns_it_on(tmp_path):
+    from driftline.project import load_project
+    from driftline.project_template import TEMPLATE
+
+    path = tmp_path / "p.toml"
+    path.write_text(TEMPLATE.replace('# meta = { task_slot = "item_id" }', 'meta = { task_slot = "item_id", support = 3 }'))
+    meta = load_project(path).model_config().meta
+    assert meta is not None and (meta.task_slot, meta.support, meta.query) == ("item_id", 3, 5)
+    path.write_text(TEMPLATE.replace('# meta = { task_slot = "item_id" }', 'meta = { task_slot = "user" }'))
+    with pytest.raises(ValueError, match="not a slot"):
+        load_project(path).model_config()

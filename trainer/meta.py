@@ -3,22 +3,23 @@ G-Meta's family: optimization-based meta-learning, MAML and Meta-SGD).
 
 A **task** is one id of ``meta.task_slot`` (a user): its first ``support`` examples in the stream
 are the inner loop's, its next ``query`` ones the outer loop's. What is learned is the *starting
-point* every new id of the task slot gets from the PS: for each of the slot's tables (its
-embedding table and its first-order table) the optimizer state a new row starts with (Adagrad's
-accumulator, per dimension: it sets how far the row's first steps go) and, with
-``meta.values_lr``, an offset to its initial values. Nothing else changes: the rows then learn
-online exactly as before.
+point* every new id of the task slot gets from the PS, in place of its tables' random initial row:
+for each of the slot's tables (its embedding table and its first-order table) the row's values
+(zeros unless ``meta.values_lr`` learns them too) and the optimizer state it starts with
+(Adagrad's accumulator, per dimension: it sets how far the row's first steps go, the inner
+learning rate that Meta-SGD learns). Nothing else changes: the rows then learn online exactly as
+before.
 
 **Inner loop** (:meth:`MetaLearner._meta_step`): the PS's own update of a new row, the table's
 optimizer from the starting point, one support example after another (as the sequential model
-steps a row); the other rows and the dense head are read as they are now, and stay. **Outer
-loop**: the query examples' loss at the adapted rows; its gradient reaches the starting point
-through the inner updates with their gradients held fixed (first order, as FOMAML: the second
-order would need the head's Hessian through every support step); Adam steps the starting
-accumulators in log space. Why the optimizer state and not (only) the values: on ml-1m's online
-stream the learned starting accumulators lift new users' first 10 examples by 0.0029 AUC (5
-seeds, paired std 0.0004), learned values at the same rate lowered them (docs/results.md,
-section 5: ``driftline eval coldstart``).
+steps a row), with each example's gradient taken at the starting point; the other rows and the
+dense head are read as they are now, and stay. **Outer loop**: the query examples' loss at the
+adapted rows; its gradient reaches the starting point through the inner updates with their
+gradients held fixed (first order, as FOMAML: the second order would need the head's Hessian
+through every support step); Adam steps the starting accumulators in log space. Why the optimizer state and not (also) the values: on ml-1m's online stream the learned
+starting accumulators lift new users' first 10 examples by 0.0025 AUC (5 seeds, paired std
+0.0004), learned values (at outer_lr) lowered them (docs/results.md, section 5: ``driftline eval
+coldstart``).
 
 **Meta-IO** (:class:`TaskBuffer`): no second pass over the data. A task opens when its id is
 new to the PS (:meth:`MetaLearner.before`, which also gives the new row its starting point);
@@ -55,9 +56,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-from ps.initializers import KINDS as INIT_KINDS
-from ps.initializers import init_rows
 
 from .batch import SparseBatch, concat_batches
 from .config import MetaConfig
@@ -182,7 +180,7 @@ class MetaLearner:
 
     # ------------------------------------------------------------------ the starting point
     def start(self) -> tuple[np.ndarray, np.ndarray]:
-        """The starting values offset and accumulators, float32 ``[dim]`` each (all parts)."""
+        """The starting values and accumulators, float32 ``[dim]`` each (all parts)."""
         with torch.no_grad():
             return self.values.numpy().copy(), np.exp(self.log_acc.numpy()).astype(np.float32)
 
@@ -200,8 +198,8 @@ class MetaLearner:
         for p in self.parts:
             t, keys = self.m.tables[p.table], p.keys(new)
             t.gather(keys, insert=True, event_time=batch.max_event_time)
-            rows, state = t.read_rows(keys)
-            rows += values[at:at + p.dim]
+            _, state = t.read_rows(keys)
+            rows = np.tile(values[at:at + p.dim], (keys.size, 1))
             if p.adagrad:
                 state[:, :p.dim] = acc[at:at + p.dim]
             t.write_rows(keys, rows, state)
@@ -288,11 +286,16 @@ class MetaLearner:
         lr = torch.tensor(np.concatenate([np.full(p.dim, p.lr) for p in self.parts]), dtype=torch.float32)
         eps = torch.tensor(np.concatenate([np.full(p.dim, p.eps) for p in self.parts]), dtype=torch.float32)
         ada = torch.tensor(np.concatenate([np.full(p.dim, p.adagrad) for p in self.parts]))
-        init = torch.from_numpy(self._init_rows(ex.select(base)))
-        w = init + self.values
+        w = self.values.expand(T, self.dim)
         acc = torch.exp(self.log_acc).expand(T, self.dim)
-        for j in range(s):  # the PS's steps of a new row, one support example after another
-            g = self._grads(ex.select(base + j), w)
+        # the support examples' gradients at the starting point (one pass), then the PS's steps of
+        # a new row through them one example after another: first order, the gradients held where
+        # they were taken (re-taking each at the stepped row, one pass per example, measured the
+        # same on ml-1m's coldstart stream, 0.7481/0.7487 against 0.7482/0.7488, at 3x the cost)
+        si = (base[:, None] + np.arange(s)[None, :]).reshape(-1)
+        gs = self._grads(ex.select(si), w.repeat_interleave(s, 0)).view(T, s, self.dim)
+        for j in range(s):
+            g = gs[:, j]
             acc = acc + g * g
             w = w - torch.where(ada, lr * g / (acc.sqrt() + eps), lr * g)
         qi = (base[:, None] + s + np.arange(q)[None, :]).reshape(-1)
@@ -304,16 +307,6 @@ class MetaLearner:
             self.outer_steps += 1
         else:
             self.skipped_steps += 1
-
-    def _init_rows(self, first: SparseBatch) -> np.ndarray:
-        """The tasks' rows as their tables' initializer makes them (a pure function of the id:
-        :mod:`ps.initializers`), before the starting offset, ``[T, dim]``."""
-        ids = self._task_ids(first)
-        cols = []
-        for p in self.parts:
-            init = self.m.cfg.table(p.table).initializer
-            cols.append(init_rows(p.keys(ids), p.dim, INIT_KINDS[init.kind], init.scale, init.seed))
-        return np.concatenate(cols, 1)
 
     def _compact(self) -> None:
         """Chunks holding more than twice the rows still wanted are re-cut to those rows."""

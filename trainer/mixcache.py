@@ -100,9 +100,19 @@ class _CachedTable:
         return np.where(self.keys[pos] == ids, self.slots[pos], -1)
 
     def add(self, keys: np.ndarray, slots: np.ndarray) -> None:
-        k = np.concatenate([self.keys, keys])
-        order = np.argsort(k, kind="stable")
-        self.keys, self.slots = k[order], np.concatenate([self.slots, slots])[order]
+        """Merge new ``keys`` (none cached yet) into the sorted array: O(C + n log n) at C cached
+        rows, not a sort of all C every admission."""
+        order = np.argsort(keys, kind="stable")
+        keys, slots = keys[order], slots[order]
+        # the new keys' places in the merged array: their rank among themselves plus the old keys before them
+        at = np.searchsorted(self.keys, keys) + np.arange(keys.size)
+        n = self.keys.size + keys.size
+        old = np.ones(n, np.bool_)
+        old[at] = False
+        merged_keys, merged_slots = np.empty(n, np.int64), np.empty(n, np.int64)
+        merged_keys[at], merged_slots[at] = keys, slots
+        merged_keys[old], merged_slots[old] = self.keys, self.slots
+        self.keys, self.slots = merged_keys, merged_slots
 
     def remove(self, slots: np.ndarray) -> None:
         keep = ~np.isin(self.slots, slots)

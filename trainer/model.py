@@ -21,6 +21,7 @@ import dataclasses
 import math
 import time
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from .batch import SparseBatch
 from .config import ModelConfig
 from .device import Transfers, resolve_device
 from .mixcache import Located, MixCache, cacheable
+from .prefetch import Lookahead, lookahead_refusal
 from .sequential import sequential_train_step
 from .step_checks import NonFiniteStepError, finite_grads
 
@@ -215,11 +217,13 @@ class SparseModel:
 
     ``device`` (``trainer.device``): where the head, its optimizer and the pooling run; the tables
     stay on the host (:mod:`trainer.device`). ``cache_rows`` (``trainer.cache_rows``): rows per
-    embedding table kept on the device, stepped there (:mod:`trainer.mixcache`); 0: none."""
+    embedding table kept on the device, stepped there (:mod:`trainer.mixcache`); 0: none.
+    ``lookahead`` (``trainer.lookahead``): read the next batch while this one trains
+    (:mod:`trainer.prefetch`, :meth:`train_steps`); None: on CUDA only, where the model can."""
 
     def __init__(self, cfg: ModelConfig, tables: dict[str, EmbeddingTable] | None = None,
                  head: DenseHead | None = None, train: bool = True, device: str | torch.device = "cpu",
-                 cache_rows: int = 0, cache_admit_after: int = 2):
+                 cache_rows: int = 0, cache_admit_after: int = 2, lookahead: bool | None = False):
         self.cfg = cfg
         self.io = Transfers(resolve_device(device))
         self.tables = tables if tables is not None else make_tables(cfg, serving=not train)
@@ -253,11 +257,16 @@ class SparseModel:
         self._dims = {k: cfg.table(t).dim for k, t in ps_slots.items()}
         self.timings: dict[str, float] = defaultdict(float)
         self.cache = self.make_cache(cache_rows, cache_admit_after) if cache_rows else None
+        if lookahead is None:
+            lookahead = train and self.io.cuda and lookahead_refusal(self) is None
+        self.lookahead = Lookahead(self) if lookahead else None
+        if self.lookahead is not None and self.cache is not None:
+            self.cache.on_host_write = self.lookahead.written
 
     @property
     def transfers(self) -> tuple[Transfers, ...]:
         """Every host/device copier of this model (the metrics count their bytes)."""
-        return (self.io,)
+        return (self.io,) if self.lookahead is None else (self.io, self.lookahead.io)
 
     def make_cache(self, rows: int, admit_after: int, io: Transfers | None = None) -> MixCache:
         """A :class:`MixCache` of this model's cacheable embedding tables (``io``: its own copier,
@@ -307,26 +316,36 @@ class SparseModel:
         logits, pb, leaves, _ = self._forward(batch, insert, event_time)
         return logits, (pb, leaves)
 
-    def _forward(self, batch: SparseBatch, insert: bool, event_time: int | None):
-        """:meth:`forward`, and where the cache holds the embedding block's rows (None: no cache)."""
+    def _forward(self, batch: SparseBatch, insert: bool, event_time: int | None, then: SparseBatch | None = None):
+        """:meth:`forward`, and where the cache holds the embedding block's rows (None: no cache).
+        ``then``: the next batch to train, read ahead from here on (:attr:`lookahead`)."""
         t0 = time.perf_counter()
-        batch = self.complete(batch)
-        pb = self.pack(batch)
-        buf = self.ps.gather_packed(pb, insert=insert, event_time=event_time)
+        ahead = self.lookahead
+        got = ahead.take(batch, event_time or 0) if ahead is not None and insert else None
+        dev = None
+        if got is None:
+            batch = self.complete(batch)
+            pb = self.pack(batch)
+            buf = self.ps.gather_packed(pb, insert=insert, event_time=event_time)
+        else:
+            batch, pb, buf, dev = got
+        if ahead is not None and then is not None:
+            ahead.prefetch(then)  # after this batch's inserts: the read then misses fewer rows
         at = None if self.cache is None else self.cache.locate(pb, 0, len(self._emb_block.keys))
         self.timings["lookup"] += time.perf_counter() - t0
-        logits, leaves = self.forward_packed(batch, pb, buf, requires_grad=insert, cached=at)
+        logits, leaves = self.forward_packed(batch, pb, buf, requires_grad=insert, cached=at, dev=dev)
         return logits, pb, leaves, at
 
     def forward_packed(self, batch: SparseBatch, pb: PackedBatch, buf: np.ndarray, *, requires_grad: bool,
-                       linear: bool = True, cached: Located | None = None):
+                       linear: bool = True, cached: Located | None = None, dev: torch.Tensor | None = None):
         """Logits ``[B]`` and ``[(block, leaf)]`` from an already looked-up packed buffer ``buf``
         (``pb``'s rows in :meth:`ps.ParameterServer.gather_packed`'s layout; ``batch`` completed).
         Split from :meth:`forward` so that a lookup elsewhere (the owners of
         :mod:`trainer.dist.model`) feeds the same pooling and head. ``linear=False``: ``pb`` holds
         the embedding block alone and the logits leave the first-order fields out (a sequential
         model learns those in :mod:`trainer.sequential`). ``cached``: the embedding block's rows
-        located in :attr:`cache` (its hits are read there)."""
+        located in :attr:`cache` (its hits are read there). ``dev``: ``buf`` already on the device
+        (the lookahead's copy; without a cache)."""
         t1 = time.perf_counter()
         pooled, leaves, elem, seg = [], [], 0, 0
         bags: dict[tuple, tuple] = {}  # blocks over the same slots pool the same bags (DeepFM's two)
@@ -337,7 +356,12 @@ class SparseModel:
             nf = len(blk.slots)
             n = int(pb.offsets[seg + nf] - pb.offsets[seg])
             rows = buf[elem:elem + n * blk.dim].reshape(n, blk.dim)
-            w = self.io.to_device(rows) if cached is None or blk is not self._emb_block else self.cache.assemble(cached, rows)
+            if dev is not None:
+                w = dev[elem:elem + n * blk.dim].view(n, blk.dim)
+            elif cached is None or blk is not self._emb_block:
+                w = self.io.to_device(rows)
+            else:
+                w = self.cache.assemble(cached, rows)
             elem += n * blk.dim
             seg += nf
             if requires_grad:
@@ -377,8 +401,19 @@ class SparseModel:
         return self.io.to_host(torch.sigmoid(logits))
 
     # ------------------------------------------------------------------ training
-    def train_step(self, batch: SparseBatch):
+    def train_steps(self, batches: Iterable[SparseBatch]) -> Iterator[tuple[SparseBatch, tuple[float, np.ndarray]]]:
+        """:meth:`train_step` on each of ``batches`` in turn: ``(batch, (loss, probabilities))``.
+        With :attr:`lookahead` each batch is read while the one before it trains."""
+        it = iter(batches)
+        cur = next(it, None)
+        while cur is not None:
+            nxt = next(it, None)
+            yield cur, self.train_step(cur, then=nxt)
+            cur = nxt
+
+    def train_step(self, batch: SparseBatch, then: SparseBatch | None = None):
         """One step on ``batch``: returns ``(mean loss, probabilities before the update)``.
+        ``then``: the batch the next call will train (read ahead meanwhile with :attr:`lookahead`).
 
         The probabilities come from this step's forward pass, i.e. before the batch is learned
         (progressive validation). A ``sequential`` LR learns the batch example by example
@@ -387,7 +422,7 @@ class SparseModel:
         if self.cfg.sequential:
             return sequential_train_step(self, batch)
         t = batch.max_event_time
-        logits, pb, leaves, at = self._forward(batch, True, t)
+        logits, pb, leaves, at = self._forward(batch, True, t, then)
         labels = self.io.to_device(batch.labels)
         t1 = time.perf_counter()
         loss = F.binary_cross_entropy_with_logits(logits, labels)
@@ -417,6 +452,8 @@ class SparseModel:
             else:
                 gs.append(self.io.to_host(w.grad).reshape(-1))
         self.ps.apply_packed_gradients(pb, np.concatenate(gs) if len(gs) > 1 else gs[0], t)
+        if self.lookahead is not None:
+            self.lookahead.applied(pb)
         if at is not None:
             self.cache.step(at, hits if hits is not None else torch.zeros((0, self._emb_block.dim)))
             self.cache.admit(at)

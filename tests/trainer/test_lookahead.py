@@ -5,14 +5,20 @@ consecutive batches share half their examples, with and without the MixCache, wi
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
 
+from proto import ParameterDelta
 from ps.config import AdmissionConfig
 from tests.trainer.test_mixcache import _assert_same, _cfg
-from trainer.data import MovieLensData
-from trainer.model import SparseModel
+from tests.trainer.test_online import read_topic
+from trainer.data import MovieLensData, produce_examples
+from trainer.model import SparseModel, make_tables
+from trainer.online import OnlineTrainer
+from trainer.sync import apply_delta, complete_versions
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +122,36 @@ def test_on_cuda_the_lookahead_trainer_equals_the_cuda_one(overlapping, cache_ro
     else:
         _assert_equal(plain, ahead, pa, pb)
     assert ahead.lookahead.io.h2d_bytes > 0 or cache_rows
+
+
+async def test_online_reads_the_queued_batch_ahead(settings):
+    """On the real broker, the online loop hands the training thread the batch queued behind the
+    one it trains (``max_in_flight`` 2): read ahead, every example applied once, and the deltas it
+    published rebuild its tables (the cache written back before each, the reads re-read after)."""
+    n = 6_000
+    cfg = _cfg()
+    await produce_examples(settings, MovieLensData(limit=n).examples())
+    s = settings.updated(trainer=dict(sync_interval_s=0.5, snapshot_interval_event_s=0, batch_size=512,
+                                      cache_rows=256, lookahead=True))
+    tr = OnlineTrainer(s, cfg)
+    tr.publisher.keep_last_sync_copy = True
+    res = await asyncio.wait_for(asyncio.create_task(tr.run(stop_when_idle_s=3)), 120)
+    assert res["examples_applied"] == n
+    assert tr.model.lookahead is not None  # its reads depend on the timing: a batch queued or not
+    msgs = [ParameterDelta.FromString(v) for v in await read_topic(settings, settings.topics.param_deltas)]
+    replicas = make_tables(cfg, serving=True)
+    for version in complete_versions([m for m in msgs if m.WhichOneof("payload") == "sparse"]):
+        for m in version:
+            apply_delta(replicas, m)
+    for name in tr.model.tables:
+        k, v, _, _ = tr.publisher.last_sync_tables[name]
+        rk, rv, _, _ = replicas[name].items()
+        assert np.array_equal(k, rk) and np.array_equal(v, rv), name
+    # the training thread's step reads the batch queued behind its own
+    x, y = list(MovieLensData(limit=1024).batches(512, np.arange(1024)))
+    tr._queued.extend([x, y])
+    tr._train(x)
+    assert tr.model.lookahead._next is not None and tr.model.lookahead._next[0] is y
+    reads = tr.model.lookahead.reads
+    tr._train(y)
+    assert tr.model.lookahead.reads == reads + 1 and not tr._queued

@@ -24,7 +24,7 @@ from scratch with progressive validation (score each example before learning it)
   ``base_lr_seq_batch``: within a batch each example is scored, then its weights are stepped
   before the next one is scored (River's order), in one numba pass; only the bias waits for the
   batch's end. The model-matched LR comparison is judged with it;
-* ``hashed_embedding``: the same :class:`trainer.model.DenseHead`, with every slot's ids hashed
+* ``hashed_embedding``: the same :class:`trainer.head.DenseHead`, with every slot's ids hashed
   (salted per slot) into one fixed-size ``nn.Embedding``-style weight of ``hashed_buckets`` rows
   (plus a first-order one), pooled with ``F.embedding_bag``, sparse Adagrad (same lr) for the
   embeddings, Adam for the head: the "TensorFlow-style" fixed-size table;
@@ -60,7 +60,8 @@ from ps import AdagradConfig
 from trainer.batch import SparseBatch
 from trainer.config import ModelConfig, lr_config
 from trainer.count_baseline import CountBaseline
-from trainer.model import DenseHead, SparseModel
+from trainer.head import DenseHead
+from trainer.model import SparseModel
 
 from .common import EvalSettings, auc, data, init_model_config, mean_std, model_config, pmap, served_batch, served_model_config
 

@@ -167,17 +167,21 @@ class ParameterServer:
         return self._views(pb, out, out_off, self._dims[pb.slot_table])
 
     def gather_packed(self, batch: Mapping[str, np.ndarray] | PackedBatch, *, insert: bool = False,
-                      event_time: npt.ArrayLike | None = None) -> np.ndarray:
+                      event_time: npt.ArrayLike | None = None, found: np.ndarray | None = None) -> np.ndarray:
         """:meth:`gather` as the one float32 buffer behind its views: slot ``k``'s ``[n_k, dim]``
-        rows back to back in packed order (the layout :meth:`apply_packed_gradients` takes)."""
-        return self._gather_flat(self.pack(batch), insert, event_time)[0]
+        rows back to back in packed order (the layout :meth:`apply_packed_gradients` takes).
+        ``found``: a bool array, one per packed id, set to whether the id had a row before this
+        call (local tables only; a lookahead re-reads the ids that had none)."""
+        return self._gather_flat(self.pack(batch), insert, event_time, found)[0]
 
-    def _gather_flat(self, pb: PackedBatch, insert: bool,
-                     event_time: npt.ArrayLike | None) -> tuple[np.ndarray, np.ndarray]:
+    def _gather_flat(self, pb: PackedBatch, insert: bool, event_time: npt.ArrayLike | None,
+                     found: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         t = as_event_time(event_time, pb.ids.size) if insert else None
         out_off = self._out_offsets(pb)
         out = np.empty(int(out_off[-1]), np.float32)
         if not self._local:  # remote shards: fall back to per-table calls
+            if found is not None:
+                raise InvalidInputError("gather_packed(found=...) needs local tables")
             self._gather_per_table(pb, out, out_off, insert, t)
             return out, out_off
         with self._lock_all():
@@ -186,6 +190,8 @@ class ParameterServer:
             shard_of = np.empty(pb.ids.size, np.int64)
             packed_gather_kernel(pb.ids, pb.offsets, pb.slot_table, self._tab_base, self._tab_nshards,
                                  slots_list, emb_list, out, out_off, rows, shard_of)
+            if found is not None:
+                np.greater_equal(rows, 0, out=found)
             if t is not None:  # insert
                 self._insert_missing(pb, rows, out, out_off, t)
         return out, out_off

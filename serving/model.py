@@ -34,8 +34,9 @@ from trainer.sharding import whole_tables
 if TYPE_CHECKING:
     from trainer.batch import SparseBatch
     from trainer.config import ModelConfig
+    from trainer.head import DenseHead
     from trainer.inference import Scorer
-    from trainer.model import DenseHead, SparseModel
+    from trainer.model import SparseModel
 
 Slots = Mapping[str, Sequence[int]]
 _NO_IDS = np.zeros(0, np.int64)

@@ -1,4 +1,4 @@
-"""The trainer's dense head (:class:`trainer.model.DenseHead`) applied to one ``/rank`` request with
+"""The trainer's dense head (:class:`trainer.head.DenseHead`) applied to one ``/rank`` request with
 the user's part computed once, not once per candidate, in numpy.
 
 :meth:`serving.model.TrainerModel.score` pools one batch whose row 0 holds the user's fields and
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from trainer.model import DenseHead
+from trainer.head import DenseHead
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

@@ -37,7 +37,7 @@ def run_batch(args) -> dict:
     cfg = named_config(args.model)
     ts = get_settings().trainer
     model = SparseModel(cfg, device=args.device, cache_rows=ts.cache_rows if args.cache_rows is None else args.cache_rows,
-                        cache_admit_after=ts.cache_admit_after)
+                        cache_admit_after=ts.cache_admit_after, lookahead=ts.lookahead)
     ps_counts = M.PSCounts(cfg.model_id, model.tables, model)
     files = parquet_files(Path(args.examples_dir))
     data = None if files and not args.movielens else MovieLensData(args.dataset, Path(args.data_dir), limit=args.limit)
@@ -62,8 +62,8 @@ def run_batch(args) -> dict:
         auc, losses, n, t0 = M.StreamingAUC(), [], 0, time.perf_counter()
         sample_rates = SampleRateTracker(sample_rates.half_life)
         mark, mark_n = t0, 0
-        for b in tqdm(batches, total=total, desc=f"pass {p + 1}/{args.passes}", disable=args.quiet):
-            loss, probs = model.train_step(b)
+        steps = model.train_steps(tqdm(batches, total=total, desc=f"pass {p + 1}/{args.passes}", disable=args.quiet))
+        for b, (loss, probs) in steps:
             auc.update(probs, b.labels)
             if b.sample_rate is not None:
                 sample_rates.update(b.slice_ids, b.slice_names, b.sample_rate, b.labels)

@@ -18,7 +18,8 @@ from ps import EmbeddingTable
 
 from .batch import SparseBatch
 from .config import ModelConfig
-from .model import DenseHead, SparseModel, make_tables
+from .head import DenseHead
+from .model import SparseModel, make_tables
 
 
 class Scorer:

@@ -31,6 +31,7 @@ remove a row the cache holds: those tables' rows go through the host as without 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,6 +93,7 @@ class _CachedTable:
         self.slots = np.empty(0, np.int64)  # the slot of keys[i]
         self.free = list(range(base + capacity - 1, base - 1, -1))
         self.sketch = CountMinSketch(width=sketch_width)
+        self.index = -1  # the table's index in its PS (MixCache sets it)
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         if not self.keys.size:
@@ -100,9 +102,19 @@ class _CachedTable:
         return np.where(self.keys[pos] == ids, self.slots[pos], -1)
 
     def add(self, keys: np.ndarray, slots: np.ndarray) -> None:
-        k = np.concatenate([self.keys, keys])
-        order = np.argsort(k, kind="stable")
-        self.keys, self.slots = k[order], np.concatenate([self.slots, slots])[order]
+        """Merge new ``keys`` (none cached yet) into the sorted array: O(C + n log n) at C cached
+        rows, not a sort of all C every admission."""
+        order = np.argsort(keys, kind="stable")
+        keys, slots = keys[order], slots[order]
+        # the new keys' places in the merged array: their rank among themselves plus the old keys before them
+        at = np.searchsorted(self.keys, keys) + np.arange(keys.size)
+        n = self.keys.size + keys.size
+        old = np.ones(n, np.bool_)
+        old[at] = False
+        merged_keys, merged_slots = np.empty(n, np.int64), np.empty(n, np.int64)
+        merged_keys[at], merged_slots[at] = keys, slots
+        merged_keys[old], merged_slots[old] = self.keys, self.slots
+        self.keys, self.slots = merged_keys, merged_slots
 
     def remove(self, slots: np.ndarray) -> None:
         keep = ~np.isin(self.slots, slots)
@@ -120,6 +132,10 @@ class MixCache:
         self.io, self.dim, self.admit_after = io, dim, admit_after
         self.parts = {ti: _CachedTable(t, i * capacity, capacity, sketch_width)
                       for i, (ti, t) in enumerate(sorted(tables.items()))}
+        for ti, part in self.parts.items():
+            part.index = ti
+        #: told ``(table index, ids)`` of the rows written to the host (a lookahead re-reads them)
+        self.on_host_write: Callable[[int, np.ndarray], None] | None = None
         n = capacity * len(self.parts)
         width = max((p.width for p in self.parts.values()), default=0)
         self.values = torch.zeros((n, dim), dtype=torch.float32, device=io.device)
@@ -264,6 +280,8 @@ class MixCache:
         s = self.io.to_device(slots)
         state = self.io.to_host(self.state[s, :part.width]) if part.width else np.zeros((slots.size, 0), np.float32)
         part.table.write_rows(self.key_of[slots], self.io.to_host(self.values[s]), state)
+        if self.on_host_write is not None:
+            self.on_host_write(part.index, self.key_of[slots])
         self.dirty[slots] = False
         self.stats.written_back += slots.size
         return int(slots.size)

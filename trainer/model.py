@@ -1,6 +1,6 @@
 """Models: sparse parameters in PS tables, dense parameters in torch.
 
-:class:`DenseHead` is the torch part (DeepFM or LR head) over pooled slot embeddings.
+:class:`trainer.head.DenseHead` is the torch part (DeepFM or LR head) over pooled slot embeddings.
 :class:`SparseModel` joins it with the PS tables. Per batch:
 
 * **one** :meth:`ps.ParameterServer.gather_packed` resolves every slot of every table (one packed numba
@@ -21,135 +21,29 @@ import dataclasses
 import math
 import time
 from collections import defaultdict
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ps import EmbeddingTable, PackedBatch, ParameterServer
 
 from .batch import SparseBatch
 from .config import ModelConfig
 from .device import Transfers, resolve_device
+from .head import DenseHead, HeadSlopes, make_dense_optimizer
 from .meta import MetaLearner
 from .mixcache import Located, MixCache, cacheable
+from .prefetch import Lookahead, lookahead_refusal
 from .sequential import sequential_train_step
 from .step_checks import NonFiniteStepError, finite_grads
 
 _NO_IDS = np.zeros(0, np.int64)
 
 
-class DenseHead(nn.Module):
-    """``forward(emb [B, F, D] or None, lin [B, L] or None, dense [B, K] or None) -> logits [B]``."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        torch.manual_seed(cfg.seed)
-        self.kind = cfg.kind
-        self.bias = nn.Parameter(torch.zeros(1))
-        nf, d, nd = len(cfg.slots), cfg.embed_dim, len(cfg.dense_features)
-        self.dense_linear = nn.Linear(nd, 1, bias=False) if nd else None
-        if cfg.kind == "deepfm":
-            layers: list[nn.Module] = []
-            width = nf * d + nd
-            for h in cfg.mlp:
-                layers += [nn.Linear(width, h), nn.ReLU()]
-                width = h
-            layers.append(nn.Linear(width, 1))
-            self.mlp = nn.Sequential(*layers)
-        else:
-            self.mlp = None
-
-    def forward(self, emb, lin, dense, fm: bool = True):
-        """``fm=False`` leaves the FM term out (:mod:`ps.sequential_fm` computes it from fresh rows)."""
-        out = self.bias.expand(_batch(emb, lin, dense))
-        if lin is not None:
-            out = out + lin.sum(1)
-        if dense is not None and self.dense_linear is not None:
-            out = out + self.dense_linear(dense).squeeze(1)
-        if self.mlp is not None and emb is not None:
-            x = emb.flatten(1)
-            if dense is not None:
-                x = torch.cat([x, dense], 1)
-            if fm:
-                s = emb.sum(1)
-                out = out + 0.5 * (s * s - (emb * emb).sum(1)).sum(1)
-            out = out + self.mlp(x).squeeze(1)
-        return out
-
-    def slopes(self, emb: torch.Tensor, dense: torch.Tensor | None) -> HeadSlopes:
-        """A DeepFM head without its FM term, for :mod:`ps.sequential_fm`: the logits, each example's
-        d logit / d field input, and :meth:`HeadSlopes.backward` for the head's gradients."""
-        b, nf, d = emb.shape
-        x = emb.flatten(1) if dense is None else torch.cat([emb.flatten(1), dense], 1)
-        x = x.detach().requires_grad_(True)
-        linears = [m for m in self.mlp if isinstance(m, nn.Linear)]  # Linear, ReLU, ..., Linear
-        inputs, pre = [x], []
-        for lin in linears[:-1]:
-            pre.append(F.linear(inputs[-1], lin.weight.detach(), lin.bias.detach()))
-            inputs.append(torch.relu(pre[-1]))
-        out = F.linear(inputs[-1], linears[-1].weight.detach(), linears[-1].bias.detach()).squeeze(1)
-        # logit e depends on x[e] alone: the gradient of the sum is every example's own slope
-        jac, *deltas = torch.autograd.grad(out.sum(), [x, *pre])
-        with torch.no_grad():
-            logits = out + self.bias
-            if dense is not None and self.dense_linear is not None:
-                logits = logits + self.dense_linear(dense).squeeze(1)
-        return HeadSlopes(self, logits, jac[:, :nf * d].reshape(b, nf, d).cpu().numpy(), dense,
-                          [a.detach() for a in inputs], deltas)
-
-
-@dataclasses.dataclass
-class HeadSlopes:
-    """What :meth:`DenseHead.slopes` computed: ``logits`` ``[B]`` (no graph), ``jac`` float32
-    ``[B, F, D]``, and per MLP layer its input and its pre-activation gradient at seed 1.
-
-    The backward pass is linear in its seed, so the one that gave ``jac`` gives every weight's
-    gradient for any seed too: a layer's is ``(seed * delta)^T @ input``. The MLP is not run
-    backward a second time once the residuals are known."""
-
-    head: DenseHead
-    logits: torch.Tensor
-    jac: np.ndarray
-    dense: torch.Tensor | None
-    inputs: list[torch.Tensor]
-    deltas: list[torch.Tensor]
-
-    def backward(self, seed: torch.Tensor) -> None:
-        """Set every head parameter's ``.grad`` to d sum(seed * logits) / d parameter."""
-        head, r = self.head, seed.reshape(-1, 1)
-        linears = [m for m in head.mlp if isinstance(m, nn.Linear)]
-        for lin, a, delta in zip(linears[:-1], self.inputs[:-1], self.deltas):
-            rd = delta * r
-            lin.weight.grad = rd.t() @ a
-            lin.bias.grad = rd.sum(0)
-        linears[-1].weight.grad = r.t() @ self.inputs[-1]
-        linears[-1].bias.grad = r.sum(0)
-        head.bias.grad = r.sum(0)
-        if self.dense is not None and head.dense_linear is not None:
-            head.dense_linear.weight.grad = r.t() @ self.dense
-
-
-def _batch(*xs):
-    for x in xs:
-        if x is not None:
-            return x.shape[0]
-    raise ValueError("no input")
-
-
 def make_tables(cfg: ModelConfig, serving: bool = False) -> dict[str, EmbeddingTable]:
     return {t.name: EmbeddingTable(t.serving() if serving else t) for t in cfg.tables}
-
-
-def make_dense_optimizer(cfg: ModelConfig, head: nn.Module) -> torch.optim.Optimizer:
-    """The dense optimizer; torch's fused CPU kernel where it has one (one kernel per step, not
-    one per parameter tensor: ~3x cheaper for the DeepFM head)."""
-    cls = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[cfg.dense_optimizer]
-    try:
-        return cls(head.parameters(), lr=cfg.dense_lr, fused=True)
-    except (RuntimeError, TypeError, ValueError):
-        return cls(head.parameters(), lr=cfg.dense_lr)
 
 
 class PooledBlock:
@@ -216,11 +110,13 @@ class SparseModel:
 
     ``device`` (``trainer.device``): where the head, its optimizer and the pooling run; the tables
     stay on the host (:mod:`trainer.device`). ``cache_rows`` (``trainer.cache_rows``): rows per
-    embedding table kept on the device, stepped there (:mod:`trainer.mixcache`); 0: none."""
+    embedding table kept on the device, stepped there (:mod:`trainer.mixcache`); 0: none.
+    ``lookahead`` (``trainer.lookahead``): read the next batch while this one trains
+    (:mod:`trainer.prefetch`, :meth:`train_steps`); None: on CUDA only, where the model can."""
 
     def __init__(self, cfg: ModelConfig, tables: dict[str, EmbeddingTable] | None = None,
                  head: DenseHead | None = None, train: bool = True, device: str | torch.device = "cpu",
-                 cache_rows: int = 0, cache_admit_after: int = 2):
+                 cache_rows: int = 0, cache_admit_after: int = 2, lookahead: bool | None = False):
         self.cfg = cfg
         self.io = Transfers(resolve_device(device))
         self.tables = tables if tables is not None else make_tables(cfg, serving=not train)
@@ -258,11 +154,16 @@ class SparseModel:
             raise ValueError("model.meta reads its task rows from the host PS: run it without trainer.cache_rows")
         # meta-learned starting points of the task slot's new ids (trainer.meta)
         self.meta = MetaLearner(self, cfg.meta) if cfg.meta is not None and train else None
+        if lookahead is None:
+            lookahead = train and self.io.cuda and lookahead_refusal(self) is None
+        self.lookahead = Lookahead(self) if lookahead else None
+        if self.lookahead is not None and self.cache is not None:
+            self.cache.on_host_write = self.lookahead.written
 
     @property
     def transfers(self) -> tuple[Transfers, ...]:
         """Every host/device copier of this model (the metrics count their bytes)."""
-        return (self.io,)
+        return (self.io,) if self.lookahead is None else (self.io, self.lookahead.io)
 
     def dense_state(self) -> dict:
         """What a snapshot keeps of the model besides its tables: the head, its optimizer, and the
@@ -328,26 +229,36 @@ class SparseModel:
         logits, pb, leaves, _ = self._forward(batch, insert, event_time)
         return logits, (pb, leaves)
 
-    def _forward(self, batch: SparseBatch, insert: bool, event_time: int | None):
-        """:meth:`forward`, and where the cache holds the embedding block's rows (None: no cache)."""
+    def _forward(self, batch: SparseBatch, insert: bool, event_time: int | None, then: SparseBatch | None = None):
+        """:meth:`forward`, and where the cache holds the embedding block's rows (None: no cache).
+        ``then``: the next batch to train, read ahead from here on (:attr:`lookahead`)."""
         t0 = time.perf_counter()
-        batch = self.complete(batch)
-        pb = self.pack(batch)
-        buf = self.ps.gather_packed(pb, insert=insert, event_time=event_time)
+        ahead = self.lookahead
+        got = ahead.take(batch, event_time or 0) if ahead is not None and insert else None
+        dev = None
+        if got is None:
+            batch = self.complete(batch)
+            pb = self.pack(batch)
+            buf = self.ps.gather_packed(pb, insert=insert, event_time=event_time)
+        else:
+            batch, pb, buf, dev = got
+        if ahead is not None and then is not None:
+            ahead.prefetch(then)  # after this batch's inserts: the read then misses fewer rows
         at = None if self.cache is None else self.cache.locate(pb, 0, len(self._emb_block.keys))
         self.timings["lookup"] += time.perf_counter() - t0
-        logits, leaves = self.forward_packed(batch, pb, buf, requires_grad=insert, cached=at)
+        logits, leaves = self.forward_packed(batch, pb, buf, requires_grad=insert, cached=at, dev=dev)
         return logits, pb, leaves, at
 
     def forward_packed(self, batch: SparseBatch, pb: PackedBatch, buf: np.ndarray, *, requires_grad: bool,
-                       linear: bool = True, cached: Located | None = None):
+                       linear: bool = True, cached: Located | None = None, dev: torch.Tensor | None = None):
         """Logits ``[B]`` and ``[(block, leaf)]`` from an already looked-up packed buffer ``buf``
         (``pb``'s rows in :meth:`ps.ParameterServer.gather_packed`'s layout; ``batch`` completed).
         Split from :meth:`forward` so that a lookup elsewhere (the owners of
         :mod:`trainer.dist.model`) feeds the same pooling and head. ``linear=False``: ``pb`` holds
         the embedding block alone and the logits leave the first-order fields out (a sequential
         model learns those in :mod:`trainer.sequential`). ``cached``: the embedding block's rows
-        located in :attr:`cache` (its hits are read there)."""
+        located in :attr:`cache` (its hits are read there). ``dev``: ``buf`` already on the device
+        (the lookahead's copy; without a cache)."""
         t1 = time.perf_counter()
         pooled, leaves, elem, seg = [], [], 0, 0
         bags: dict[tuple, tuple] = {}  # blocks over the same slots pool the same bags (DeepFM's two)
@@ -358,7 +269,12 @@ class SparseModel:
             nf = len(blk.slots)
             n = int(pb.offsets[seg + nf] - pb.offsets[seg])
             rows = buf[elem:elem + n * blk.dim].reshape(n, blk.dim)
-            w = self.io.to_device(rows) if cached is None or blk is not self._emb_block else self.cache.assemble(cached, rows)
+            if dev is not None:
+                w = dev[elem:elem + n * blk.dim].view(n, blk.dim)
+            elif cached is None or blk is not self._emb_block:
+                w = self.io.to_device(rows)
+            else:
+                w = self.cache.assemble(cached, rows)
             elem += n * blk.dim
             seg += nf
             if requires_grad:
@@ -398,25 +314,38 @@ class SparseModel:
         return self.io.to_host(torch.sigmoid(logits))
 
     # ------------------------------------------------------------------ training
-    def train_step(self, batch: SparseBatch):
+    def train_steps(self, batches: Iterable[SparseBatch]) -> Iterator[tuple[SparseBatch, tuple[float, np.ndarray]]]:
+        """:meth:`train_step` on each of ``batches`` in turn: ``(batch, (loss, probabilities))``.
+        With :attr:`lookahead` each batch is read while the one before it trains."""
+        it = iter(batches)
+        cur = next(it, None)
+        while cur is not None:
+            nxt = next(it, None)
+            yield cur, self.train_step(cur, then=nxt)
+            cur = nxt
+
+    def train_step(self, batch: SparseBatch, then: SparseBatch | None = None):
         """One step on ``batch``: returns ``(mean loss, probabilities before the update)``.
+        ``then``: the batch the next call will train (read ahead meanwhile with :attr:`lookahead`).
 
         The probabilities come from this step's forward pass, i.e. before the batch is learned
         (progressive validation). A ``sequential`` LR learns the batch example by example
         (:mod:`trainer.sequential`): each probability is taken before that example is learned."""
         assert self.optimizer is not None, "not a training model"
         if self.meta is None:
-            return self._train_step(batch)
+            return self._train_step(batch, then)
+        # (new ids it gives their starting point had no row when a lookahead read them: they are
+        # read again in the step, trainer.prefetch)
         self.meta.before(batch)
-        out = self._train_step(batch)
+        out = self._train_step(batch, then)
         self.meta.after(batch)
         return out
 
-    def _train_step(self, batch: SparseBatch):
+    def _train_step(self, batch: SparseBatch, then: SparseBatch | None):
         if self.cfg.sequential:
             return sequential_train_step(self, batch)
         t = batch.max_event_time
-        logits, pb, leaves, at = self._forward(batch, True, t)
+        logits, pb, leaves, at = self._forward(batch, True, t, then)
         labels = self.io.to_device(batch.labels)
         t1 = time.perf_counter()
         loss = F.binary_cross_entropy_with_logits(logits, labels)
@@ -446,6 +375,8 @@ class SparseModel:
             else:
                 gs.append(self.io.to_host(w.grad).reshape(-1))
         self.ps.apply_packed_gradients(pb, np.concatenate(gs) if len(gs) > 1 else gs[0], t)
+        if self.lookahead is not None:
+            self.lookahead.applied(pb)
         if at is not None:
             self.cache.step(at, hits if hits is not None else torch.zeros((0, self._emb_block.dim)))
             self.cache.admit(at)

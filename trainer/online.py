@@ -52,6 +52,7 @@ snapshot written, the offsets committed; exit 0, well within the supervisor's 10
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -134,7 +135,8 @@ class OnlineTrainer(TrainerLoop):
         # assembles the next batch; 2 torch threads plus the decoding thread oversubscribe two
         # cores, and OpenMP's barriers then wait on descheduled threads (10x slower steps measured).
         self.torch_threads = torch_threads
-        self.placement = {"device": ts.device, "cache_rows": ts.cache_rows, "cache_admit_after": ts.cache_admit_after}
+        self.placement = {"device": ts.device, "cache_rows": ts.cache_rows, "cache_admit_after": ts.cache_admit_after,
+                          "lookahead": ts.lookahead}
         self.model = SparseModel(cfg, **self.placement)
         self.ps_counts = self.learned.ps_counts = M.PSCounts(cfg.model_id, self.model.tables, self.model)
         self._step_end: float | None = None  # perf_counter when the training thread last finished a step
@@ -150,6 +152,10 @@ class OnlineTrainer(TrainerLoop):
         #: 2: the next batch waits on the training thread's queue while the current one trains, so
         #: the thread goes from one step to the next without waiting for the event loop
         self.max_in_flight = 2
+        # batches handed to the training thread and not yet begun there, oldest first: the step of
+        # one reads the next ahead (trainer.lookahead). Appended on the event loop, taken on the
+        # training thread (deque's append and popleft are atomic).
+        self._queued: deque[SparseBatch] = deque()
         # examples per record lately (how many records to poll for a batch): from one record at a time
         self._per_record = float(self.batch_size)
         self._executor: ThreadPoolExecutor | None = None
@@ -231,7 +237,10 @@ class OnlineTrainer(TrainerLoop):
         # stage "step_gap": the training thread idle between two steps, no batch ready (no data, or
         # the event loop late with the next one: a backlog should show ~0)
         gap = 0.0 if self._step_end is None else t0 - self._step_end
-        res = train_isolating(self.model.train_step, batch)
+        if self._queued and self._queued[0] is batch:
+            self._queued.popleft()
+        then = self._queued[0] if self._queued else None
+        res = train_isolating(functools.partial(self.model.train_step, then=then), batch)
         self._step_end = time.perf_counter()
         return res, self._step_end - t0, gap
 
@@ -265,6 +274,7 @@ class OnlineTrainer(TrainerLoop):
         if p.batch is not None:
             if self.first_batch_at is None:
                 self.first_batch_at = time.perf_counter()
+            self._queued.append(p.batch)
             step = asyncio.get_running_loop().run_in_executor(self._executor, self._train, p.batch)
         prev = self._pending[-1][0] if self._pending else None
         self._pending.append((asyncio.create_task(self._apply(p, step, prev)), p.hashes))

@@ -22,8 +22,11 @@ def test_packed_lookup_over_many_tables_equals_per_table(rng):
     for s, ids in batch.items():
         ref = ps[slots[s]].gather(ids)
         assert out[s].shape == ref.shape and (out[s] == ref).all()
-    flat = ps.gather_packed(batch)  # the same values as one buffer, in packed order
+    found = np.empty(sum(ids.size for ids in batch.values()), np.bool_)
+    flat = ps.gather_packed(batch, found=found)  # the same values as one buffer, in packed order
     assert flat.tobytes() == b"".join(out[s].tobytes() for s in batch)
+    # found: which ids had a row (what trainer.prefetch re-reads with insert)
+    assert found.tolist() == [bool(x) for s, ids in batch.items() for x in ps[slots[s]].contains(ids)]
 
 
 def test_packed_insert_equals_per_table_insert(rng):

@@ -22,6 +22,7 @@ from tests.trainer.test_online import read_topic
 from trainer import snapshots
 from trainer.config import deepfm_config
 from trainer.data import MovieLensData, produce_examples
+from trainer.mixcache import _CachedTable
 from trainer.model import SparseModel, make_tables
 from trainer.online import OnlineTrainer
 from trainer.step_checks import NonFiniteStepError
@@ -57,6 +58,20 @@ def _assert_same(a: SparseModel, b: SparseModel) -> None:
         assert all(np.array_equal(x.values, y.values) for x, y in zip(ca, cb, strict=True)), name
     for (na, pa), (nb, pb) in zip(a.head.state_dict().items(), b.head.state_dict().items(), strict=True):
         assert na == nb and torch.equal(pa, pb), na
+
+
+def test_admission_merges_keys_into_the_sorted_array():
+    """_CachedTable.add merges (no full re-sort): the keys stay sorted, each with its slot."""
+    part = _CachedTable(make_tables(_cfg())["user_id"], 0, 100, 64)
+    rng = np.random.default_rng(0)
+    want: dict[int, int] = {}
+    for _ in range(20):
+        keys = rng.choice(np.setdiff1d(np.arange(-500, 500), part.keys), 5, replace=False)
+        slots = rng.integers(0, 100, 5)
+        part.add(keys, slots)
+        want.update(zip(keys.tolist(), slots.tolist()))
+        assert np.array_equal(part.keys, np.sort(list(want)))
+        assert part.slots.tolist() == [want[k] for k in part.keys.tolist()]
 
 
 @pytest.mark.parametrize("rows", [64, 4096])

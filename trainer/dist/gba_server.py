@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from ..model import make_dense_optimizer
+from ..head import make_dense_optimizer
 from .gba import GBAStats, Release, TokenBuffer, combine
 from .model import OwnerLookupError
 from .owner import Owner

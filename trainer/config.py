@@ -75,9 +75,6 @@ class MetaConfig(BaseModel):
     tasks_per_step: int = Field(16, ge=1)
     #: Adam's rate for the starting point (the log of each Adagrad table's starting accumulator)
     outer_lr: float = Field(0.05, gt=0)
-    #: also learn the starting values (0: the tables' own initializer only); measured worse on
-    #: ml-1m at outer_lr (docs/results.md section 5), so off unless set
-    values_lr: float = Field(0.0, ge=0)
 
 
 class ModelConfig(BaseModel):

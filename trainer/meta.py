@@ -4,8 +4,9 @@ G-Meta's family: optimization-based meta-learning, MAML and Meta-SGD).
 A **task** is one id of ``meta.task_slot`` (a user): its first ``support`` examples in the stream
 are the inner loop's, its next ``query`` ones the outer loop's. What is learned is the *starting
 point* every new id of the task slot gets from the PS, in place of its tables' random initial row:
-for each of the slot's tables (its embedding table and its first-order table) the row's values
-(zeros unless ``meta.values_lr`` learns them too) and the optimizer state it starts with
+for each of the slot's tables (its embedding table and its first-order table) zeros for values
+(what serving reads for an id it has no row for: a brand-new user scores from the same start in
+serving as in training, with no path of its own) and the learned optimizer state it starts with
 (Adagrad's accumulator, per dimension: it sets how far the row's first steps go, the inner
 learning rate that Meta-SGD learns). Nothing else changes: the rows then learn online exactly as
 before.
@@ -16,10 +17,14 @@ steps a row), with each example's gradient taken at the starting point; the othe
 dense head are read as they are now, and stay. **Outer loop**: the query examples' loss at the
 adapted rows; its gradient reaches the starting point through the inner updates with their
 gradients held fixed (first order, as FOMAML: the second order would need the head's Hessian
-through every support step); Adam steps the starting accumulators in log space. Why the optimizer state and not (also) the values: on ml-1m's online stream the learned
-starting accumulators lift new users' first 10 examples by 0.0025 AUC (5 seeds, paired std
-0.0004), learned values (at outer_lr) lowered them (docs/results.md, section 5: ``driftline eval
-coldstart``).
+through every support step); Adam steps the starting accumulators in log space.
+
+Why the optimizer state and not (also) the values: on ml-1m's online stream the learned starting
+accumulators lift new users' first 10 examples by 0.0026 AUC (5 seeds, paired std 0.0004:
+docs/results.md, section 5, ``driftline eval coldstart``). Learning the starting values as well
+(a prototype, seed 0) gave 0.7457 against 0.7484 with the accumulators alone, and a starting
+vector made from the user's other features (a generator, as Meta-Embedding's) 0.7441; serving
+would need those values too.
 
 **Meta-IO** (:class:`TaskBuffer`): no second pass over the data. A task opens when its id is
 new to the PS (:meth:`MetaLearner.before`, which also gives the new row its starting point);
@@ -31,9 +36,8 @@ lives while one of its rows is wanted, and the chunks are compacted when they ho
 twice the wanted rows. A task that never fills costs its examples until it is dropped.
 
 Not here yet: the N-rank engine (the starting point would be replicated as the dense head is,
-its gradients all-reduced), the content encoder, serving (the starting accumulator is optimizer
-state: serving, which steps nothing, is the same with or without it; learned values would need
-it in serving's tables).
+its gradients all-reduced; the ranks refuse ``meta`` meanwhile). Serving needs nothing: the
+starting accumulator is optimizer state, which it does not keep.
 
 >>> tb = TaskBuffer(support=2, query=1, max_open=2)
 >>> tb.open([7, 8])
@@ -151,11 +155,7 @@ class MetaLearner:
         # log of the starting accumulators (Adagrad's parts; an SGD part keeps none): positive, and
         # Adam's steps are relative
         self.log_acc = torch.tensor(np.log(np.maximum(acc0, 1e-3)), requires_grad=True)
-        self.values = torch.zeros(self.dim, requires_grad=True)
-        groups = [{"params": [self.log_acc], "lr": meta.outer_lr}]
-        if meta.values_lr > 0:
-            groups.append({"params": [self.values], "lr": meta.values_lr})
-        self.optimizer = torch.optim.Adam(groups)
+        self.optimizer = torch.optim.Adam([self.log_acc], lr=meta.outer_lr)
         self.tasks = TaskBuffer(meta.support, meta.query, meta.max_open_tasks)
         self.chunks: dict[int, SparseBatch] = {}
         self._next_chunk = 0
@@ -179,10 +179,10 @@ class MetaLearner:
         return float(opt.initial_accumulator_value) if p.adagrad else 0.0
 
     # ------------------------------------------------------------------ the starting point
-    def start(self) -> tuple[np.ndarray, np.ndarray]:
-        """The starting values and accumulators, float32 ``[dim]`` each (all parts)."""
+    def start(self) -> np.ndarray:
+        """The starting accumulators, float32 ``[dim]`` (all parts)."""
         with torch.no_grad():
-            return self.values.numpy().copy(), np.exp(self.log_acc.numpy()).astype(np.float32)
+            return np.exp(self.log_acc.numpy()).astype(np.float32)
 
     def before(self, batch: SparseBatch) -> None:
         """Give the batch's new task ids their starting point (inserted now, as the step would) and
@@ -193,13 +193,13 @@ class MetaLearner:
         new = u[~self.m.tables[p0.table].contains(p0.keys(u))] if u.size else u
         if not new.size:
             return
-        values, acc = self.start()
+        acc = self.start()
         at = 0
         for p in self.parts:
             t, keys = self.m.tables[p.table], p.keys(new)
             t.gather(keys, insert=True, event_time=batch.max_event_time)
             _, state = t.read_rows(keys)
-            rows = np.tile(values[at:at + p.dim], (keys.size, 1))
+            rows = np.zeros((keys.size, p.dim), np.float32)
             if p.adagrad:
                 state[:, :p.dim] = acc[at:at + p.dim]
             t.write_rows(keys, rows, state)
@@ -286,7 +286,7 @@ class MetaLearner:
         lr = torch.tensor(np.concatenate([np.full(p.dim, p.lr) for p in self.parts]), dtype=torch.float32)
         eps = torch.tensor(np.concatenate([np.full(p.dim, p.eps) for p in self.parts]), dtype=torch.float32)
         ada = torch.tensor(np.concatenate([np.full(p.dim, p.adagrad) for p in self.parts]))
-        w = self.values.expand(T, self.dim)
+        w = torch.zeros(T, self.dim)
         acc = torch.exp(self.log_acc).expand(T, self.dim)
         # the support examples' gradients at the starting point (one pass), then the PS's steps of
         # a new row through them one example after another: first order, the gradients held where
@@ -302,7 +302,7 @@ class MetaLearner:
         gq = self._grads(ex.select(qi), w.repeat_interleave(q, 0)).view(T, q, self.dim).mean(1)
         self.optimizer.zero_grad()
         (w * gq).sum().div(T).backward()  # first order: d(query loss)/d(start) through the steps
-        if all(x.grad is None or bool(torch.isfinite(x.grad).all()) for x in (self.log_acc, self.values)):
+        if self.log_acc.grad is not None and bool(torch.isfinite(self.log_acc.grad).all()):
             self.optimizer.step()  # (a task's non-finite loss skips the outer step, as the PS skips the row)
             self.outer_steps += 1
         else:
@@ -333,12 +333,11 @@ class MetaLearner:
     def state_dict(self) -> dict:
         """What a snapshot keeps: the starting point and its optimizer (not the waiting tasks: a
         restart opens tasks afresh)."""
-        return {"log_acc": self.log_acc.detach().clone(), "values": self.values.detach().clone(),
-                "optimizer": self.optimizer.state_dict(), "outer_steps": self.outer_steps}
+        return {"log_acc": self.log_acc.detach().clone(), "optimizer": self.optimizer.state_dict(),
+                "outer_steps": self.outer_steps}
 
     def load_state_dict(self, state: dict) -> None:
         with torch.no_grad():
             self.log_acc.copy_(state["log_acc"])
-            self.values.copy_(state["values"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.outer_steps = int(state["outer_steps"])

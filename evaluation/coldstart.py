@@ -122,7 +122,11 @@ def markdown(st: dict, c: dict) -> list[str]:
          f"batch data, every AUC is over the {ex['overall']:,} online examples after them. A cold user (item) is one "
          "the batch part never saw; `users_first_k`: cold users' first k online examples "
          f"({_counts(ex, 'users', st['first'])} examples; cold items' {_counts(ex, 'items', st['first'])}). Mean ± std over seeds "
-         f"{st['seeds']}; for each arm its paired difference with `served` (same seed).", "",
+         f"{st['seeds']}; for each arm its paired difference with `served` (same seed). Arms: `served`, the model "
+         "`make up` serves; `meta`, the same with new users' starting points meta-learned from the stream "
+         "(`[model] meta = {task_slot = \"user_id\"}`, `trainer/meta.py`: each new user's first 5 examples as "
+         "support, the next 5 as query, the starting Adagrad accumulators of its rows learned first-order); "
+         "`deepfm`, the plain DeepFM stepped once per batch; `counts`, per-user and per-item click rates.", "",
          "| arm | " + " | ".join(buckets) + " | ex/s |", "|---|" + "---|" * (len(buckets) + 1)]
     for arm, a in c["arms"].items():
         cells = [f"{a[f'auc_{b}']['mean']:.4f} ± {a[f'auc_{b}']['std']:.4f}" for b in buckets]

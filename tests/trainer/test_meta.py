@@ -4,6 +4,8 @@ outer loop learns from filled tasks, snapshots carry the starting point."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
@@ -146,3 +148,27 @@ def test_serving_scores_a_brand_new_user_from_the_same_start(batches, tmp_path):
     acc = m.meta.start()
     _, state = m.tables["user_id"].read_rows(np.unique(b.ids["user_id"]))
     assert np.array_equal(state[0], acc[:8])
+
+
+async def test_the_online_trainer_learns_it_and_a_restart_restores_it(settings):
+    """`trainer online` with `meta` on the real broker: every example applied, outer steps taken,
+    the snapshot carries the starting point and a restarted trainer resumes from it."""
+    from trainer.data import produce_examples
+    from trainer.online import OnlineTrainer
+
+    cfg = deepfm_config(dim=8, mlp=[32]).model_copy(
+        update={"meta": MetaConfig(task_slot="user_id", tasks_per_step=4)})
+    stream = MovieLensData(limit=6_000).examples()
+    await produce_examples(settings, stream)
+    s = settings.updated(trainer=dict(sync_interval_s=1.0, snapshot_interval_event_s=0, batch_size=512))
+    tr = OnlineTrainer(s, cfg)
+    res = await asyncio.wait_for(tr.run(stop_when_idle_s=3.0), 120)
+    assert res["examples_applied"] == len(stream) and res["bad"] == 0, res
+    meta = tr.model.meta
+    assert meta.outer_steps > 0 and meta.tasks.filled >= 4 * meta.outer_steps
+    _, dense, _ = snapshots.load(settings.var_dir / "snapshots" / cfg.model_id, cfg, serving=False)
+    assert torch.equal(dense["meta"]["log_acc"], meta.log_acc.detach())
+    again = OnlineTrainer(s, cfg)
+    res2 = await asyncio.wait_for(again.run(stop_when_idle_s=2.0), 60)
+    assert res2["examples_applied"] == len(stream)  # nothing new: restored, not retrained
+    assert torch.equal(again.model.meta.log_acc, meta.log_acc) and again.model.meta.outer_steps == meta.outer_steps

@@ -11,14 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from proto import ParameterDelta
 from ps.config import AdmissionConfig
-from tests.trainer.test_mixcache import _assert_same, _cfg
-from tests.trainer.test_online import read_topic
+from tests.trainer.test_mixcache import _assert_same, _cfg, assert_deltas_rebuild
 from trainer.data import MovieLensData, produce_examples
-from trainer.model import SparseModel, make_tables
+from trainer.model import SparseModel
 from trainer.online import OnlineTrainer
-from trainer.sync import apply_delta, complete_versions
 
 
 @pytest.fixture(scope="module")
@@ -138,15 +135,7 @@ async def test_online_reads_the_queued_batch_ahead(settings):
     res = await asyncio.wait_for(asyncio.create_task(tr.run(stop_when_idle_s=3)), 120)
     assert res["examples_applied"] == n
     assert tr.model.lookahead is not None  # its reads depend on the timing: a batch queued or not
-    msgs = [ParameterDelta.FromString(v) for v in await read_topic(settings, settings.topics.param_deltas)]
-    replicas = make_tables(cfg, serving=True)
-    for version in complete_versions([m for m in msgs if m.WhichOneof("payload") == "sparse"]):
-        for m in version:
-            apply_delta(replicas, m)
-    for name in tr.model.tables:
-        k, v, _, _ = tr.publisher.last_sync_tables[name]
-        rk, rv, _, _ = replicas[name].items()
-        assert np.array_equal(k, rk) and np.array_equal(v, rv), name
+    await assert_deltas_rebuild(settings, tr, cfg)
     # the training thread's step reads the batch queued behind its own
     x, y = list(MovieLensData(limit=1024).batches(512, np.arange(1024)))
     tr._queued.extend([x, y])

@@ -29,6 +29,19 @@ from trainer.step_checks import NonFiniteStepError
 from trainer.sync import apply_delta, complete_versions
 
 
+async def assert_deltas_rebuild(settings, tr: OnlineTrainer, cfg) -> None:
+    """The sparse deltas ``tr`` published rebuild, on serving replicas, the tables it last synced."""
+    msgs = [ParameterDelta.FromString(v) for v in await read_topic(settings, settings.topics.param_deltas)]
+    replicas = make_tables(cfg, serving=True)
+    for version in complete_versions([m for m in msgs if m.WhichOneof("payload") == "sparse"]):
+        for m in version:
+            apply_delta(replicas, m)
+    for name in tr.model.tables:
+        k, v, _, _ = tr.publisher.last_sync_tables[name]
+        rk, rv, _, _ = replicas[name].items()
+        assert np.array_equal(k, rk) and np.array_equal(v, rv), name
+
+
 @pytest.fixture(scope="module")
 def batches():
     data = MovieLensData(limit=24_000)
@@ -151,15 +164,7 @@ async def test_online_with_the_cache_publishes_what_it_learned_and_resumes_after
     run = asyncio.create_task(tr.run(stop_when_idle_s=3))
     res = await asyncio.wait_for(run, 120)
     assert res["examples_applied"] == n // 2 and tr.model.cache.stats.hit_rate > 0.3, tr.model.cache.stats
-    msgs = [ParameterDelta.FromString(v) for v in await read_topic(settings, settings.topics.param_deltas)]
-    replicas = make_tables(cfg, serving=True)
-    for version in complete_versions([m for m in msgs if m.WhichOneof("payload") == "sparse"]):
-        for m in version:
-            apply_delta(replicas, m)
-    for name in tr.model.tables:
-        k, v, _, _ = tr.publisher.last_sync_tables[name]
-        rk, rv, _, _ = replicas[name].items()
-        assert np.array_equal(k, rk) and np.array_equal(v, rv), name
+    await assert_deltas_rebuild(settings, tr, cfg)
 
     # kill -9 mid-stream with the cache on, then a restart: every example applied once. The last
     # quarter is produced after the kill: the trainer cannot finish before it

@@ -75,14 +75,25 @@ def _run(rank: int, world: int, mode: str, factor: float, batches: list, hold) -
         for s in range(WARMUP):  # numba compile, allocator, optimizer state: the lockstep slices
             got[s * world + rank] = dm.step(batches[s * world + rank])[1]
         dm.wait()
-        dist.barrier()
+        # the first tickets in rank order (rank r takes r); then each rank reserves its next one
+        # while a step runs. With no straggler a global batch is then two adjacent batches, as
+        # sync's. Racing for the first ticket instead, rank 0 took 0 and reserved 1 before rank 1
+        # asked: every global batch joined batches two apart ({0, 2}, {1, 4}, ...), which let a
+        # later batch teach the model before an earlier one was scored (progressive AUC +0.0016
+        # over sync) and left the holdout 0.0014 below sync's, with no gradient stale.
+        first = 0
+        for r in range(world):
+            if r == rank:
+                first = dm.ticket()
+            dist.barrier()
         t0 = time.perf_counter()
-        nxt = dm.ticket_later()  # the next ticket travels while a step runs
-        while (k := n_warm + nxt.wait()) < len(batches):
+        k = n_warm + first
+        while k < len(batches):
             t = time.perf_counter()
-            nxt = dm.ticket_later()
+            nxt = dm.ticket_later()  # the next ticket travels while the step runs
             got[k] = dm.step(batches[k])[1]
             slow.after(time.perf_counter() - t)
+            k = n_warm + nxt.wait()
         wall = time.perf_counter() - t0
         dm.finish()
         hold_probs, stats = dm.predict(hold), dm.stats

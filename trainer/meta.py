@@ -53,6 +53,7 @@ starting accumulator is optimizer state, which it does not keep.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -61,10 +62,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import metrics as M
 from .batch import SparseBatch, concat_batches
 from .config import MetaConfig
 
 __all__ = ["MetaLearner", "TaskBuffer"]
+
+log = logging.getLogger(__name__)
 
 Ref = tuple[int, int]  # (chunk, row in the chunk)
 
@@ -161,6 +165,7 @@ class MetaLearner:
         self._next_chunk = 0
         self._ready: list[list[Ref]] = []
         self.outer_steps = self.skipped_steps = 0
+        self._published: dict[tuple[str, str], int] = {}
 
     @staticmethod
     def _parts(model, slot: str) -> list[_Part]:
@@ -217,11 +222,29 @@ class MetaLearner:
             self._ready += [refs for _, refs in self.tasks.add(c, [keys[i] for i in rows])]
         if len(self._ready) >= self.meta.tasks_per_step:
             ready, self._ready = self._ready, []
-            self._meta_step(ready)
+            try:
+                self._meta_step(ready)
+            except Exception:
+                # the training step it follows is applied already: raising would make the caller
+                # retry (and apply again) that batch; skipped and counted instead
+                self.skipped_steps += 1
+                log.exception("meta: an outer step failed on %d tasks; skipped", len(ready))
             for refs in ready:
                 for c in self.tasks.release(refs):
                     del self.chunks[c]
         self._compact()
+        self._publish()
+
+    def _publish(self) -> None:
+        """The counts since the last call, to the trainer's metrics."""
+        t, model = self.tasks, self.m.cfg.model_id
+        now = {("tasks", "opened"): t.opened, ("tasks", "filled"): t.filled, ("tasks", "dropped"): t.dropped,
+               ("steps", "taken"): self.outer_steps, ("steps", "skipped"): self.skipped_steps}
+        for (kind, event), n in now.items():
+            if n > self._published.get((kind, event), 0):
+                (M.META_TASKS if kind == "tasks" else M.META_STEPS).labels(model, event).inc(
+                    n - self._published.get((kind, event), 0))
+        self._published = now
 
     def _task_ids(self, batch: SparseBatch) -> np.ndarray:
         """Each example's task id (its first id of the task slot; -1: none), int64 ``[size]``."""

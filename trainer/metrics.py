@@ -68,6 +68,11 @@ RANK_ALLTOALL_BYTES = Counter("driftline_trainer_rank_alltoall_bytes_total",
 DIST_MODE_SWITCHES = Counter("driftline_trainer_dist_mode_switches_total",
                              "Switches of the online ranks' distributed mode (dist_mode auto, or the project file's "
                              "dist_mode changed), by the mode switched to; counted by rank 0 (the group switches as one).", ["model", "to"])
+META_TASKS = Counter("driftline_trainer_meta_tasks_total", "model.meta (trainer/meta.py): tasks (new ids of the task "
+                     "slot) opened, filled (support + query seen) and dropped unfilled past max_open_tasks.",
+                     ["model", "event"])
+META_STEPS = Counter("driftline_trainer_meta_outer_steps_total", "model.meta's outer steps, taken or skipped "
+                     "(a non-finite gradient, or the step raised).", ["model", "outcome"])
 
 
 def rank_steps(model_id: str, rank: int, steps: int, comm_s: float, alltoall_bytes: int) -> None:

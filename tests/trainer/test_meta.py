@@ -166,9 +166,28 @@ async def test_the_online_trainer_learns_it_and_a_restart_restores_it(settings):
     assert res["examples_applied"] == len(stream) and res["bad"] == 0, res
     meta = tr.model.meta
     assert meta.outer_steps > 0 and meta.tasks.filled >= 4 * meta.outer_steps
+    from prometheus_client import REGISTRY
+    labels = {"model": cfg.model_id}
+    assert REGISTRY.get_sample_value("driftline_trainer_meta_tasks_total", {**labels, "event": "filled"}) >= meta.tasks.filled
+    assert REGISTRY.get_sample_value("driftline_trainer_meta_outer_steps_total", {**labels, "outcome": "taken"}) >= meta.outer_steps
     _, dense, _ = snapshots.load(settings.var_dir / "snapshots" / cfg.model_id, cfg, serving=False)
     assert torch.equal(dense["meta"]["log_acc"], meta.log_acc.detach())
     again = OnlineTrainer(s, cfg)
     res2 = await asyncio.wait_for(again.run(stop_when_idle_s=2.0), 60)
     assert res2["examples_applied"] == len(stream)  # nothing new: restored, not retrained
     assert torch.equal(again.model.meta.log_acc, meta.log_acc) and again.model.meta.outer_steps == meta.outer_steps
+
+
+def test_a_failing_outer_step_never_fails_the_training_step(batches, monkeypatch):
+    """The outer step runs after the batch is applied: if it raised, the trainer's isolation would
+    retry (and apply again) that batch. It is skipped and counted instead."""
+    m = SparseModel(_cfg(tasks_per_step=2))
+
+    def boom(tasks):
+        raise RuntimeError("outer step")
+
+    monkeypatch.setattr(m.meta, "_meta_step", boom)
+    for b in batches[:8]:
+        m.train_step(b)
+    assert m.meta.skipped_steps > 0 and m.meta.outer_steps == 0
+    assert not m.meta.chunks or sum(m.meta.tasks.live.values()) > 0  # the failed tasks' rows let go

@@ -370,7 +370,18 @@ class RankTrainer(TrainerLoop):
             alltoall_bytes=old["alltoall_bytes"] + self.dm.alltoall_bytes,
             comm_s=old["comm_s"] + float(sum(self.dm.comm_s)), broker_epoch=self.epoch,
             stages=dict(self.stage), regroup=self.regroup, ps_admitted=M.ps_admitted(self.cfg.model_id),
-            cache=vars(self.dm.cache.stats) if getattr(self.dm, "cache", None) is not None else None)
+            cache=vars(self.dm.cache.stats) if getattr(self.dm, "cache", None) is not None else None,
+            gba=self._gba_summary())
+
+    def _gba_summary(self) -> dict | None:
+        """The GBA engine's seconds per phase and fresh waits, the agreements in flight (None in sync)."""
+        if not isinstance(self.dm, GBAModel):
+            return None
+        ag = self._agreement
+        return {"timings": {k: round(v, 3) for k, v in self.dm.timings.items()}, "steps": self.dm.steps,
+                "waits": self.dm.waits, "waits_timed_out": self.dm.waits_timed_out,
+                "agreements": ag.started if ag is not None else 0,
+                "agreement_waited_s": round(ag.waited_s, 3) if ag is not None else 0.0}
 
     # ------------------------------------------------------------------ the rounds
     def _free(self) -> bool:

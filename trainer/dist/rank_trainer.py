@@ -97,7 +97,7 @@ builds one from a snapshot; learning rates and batch sizes stay the settings'. R
 up (:meth:`GBAModel.close` ``keep_rpc``) until the ranks end. Logged, counted
 (``driftline_trainer_dist_mode_switches_total``) and listed in the result line (``switches``).
 
-One module of about 560 lines because the round, the snapshots, the syncs and the mode switches
+One module of about 575 lines because the round, the snapshots, the syncs and the mode switches
 all act on one rank's state through its one collectives' thread; what needs none of it lives beside
 it (:mod:`trainer.dist.input`, :mod:`trainer.dist.rank_snapshots`, :mod:`trainer.dist.mode_switch`,
 :mod:`trainer.dist.rounds`).

@@ -50,8 +50,8 @@ gradients, scaled by 1, as sync's owners apply them.
 
 **Not here** (issue #34): sequential models, count admission (``min_count > 1``, probabilistic
 admission: the owner would need occurrence counts), snapshots of the buffers (the online ranks
-flush them before each snapshot instead, :mod:`trainer.dist.rank_trainer`), rounds of the online
-ranks that do not wait for each other.
+flush them before each snapshot instead, :mod:`trainer.dist.rank_trainer`). The online ranks'
+rounds do not wait for each other either (:mod:`trainer.dist.rounds`).
 """
 
 from __future__ import annotations

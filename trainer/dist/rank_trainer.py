@@ -12,7 +12,7 @@ rows, named ``shard=r, shard_count=N``; dense by rank 0 only), :class:`trainer.c
 ``examples`` with ``p % N == r`` by manual assignment; offsets are committed per partition as the
 1-process trainer does.
 
-**One round**, on every rank, in lockstep:
+**One round**, on every rank, in lockstep (sync and hybrid; gba's rounds do not wait: below):
 
 1. poll until ``batch_size`` examples or ``batch_timeout_s`` passed (an idle rank gives up after
    the timeout: it delays the others by at most that);
@@ -78,9 +78,14 @@ Polling and training still alternate within a round.
 :meth:`GBAModel.finish`, collective: every owner applies what its buffer holds, short of a global
 batch or not, so deltas and snapshots hold every example counted as applied, and a GBA snapshot
 is a sync one (shards, rank 0's master head and Adam state): it restores into sync, hybrid and
-the 1-process trainer. The rounds themselves stay in lockstep (the round's agreement is an
-``all_gather``), so here a straggler still slows the group: what GBA's own loop gains is
-measured by bench/bench_gba.py, not yet by the online ranks.
+the 1-process trainer. **GBA's rounds do not wait for each other** (:mod:`trainer.dist.rounds`,
+the design and why): the agreement is an ``all_gather`` in flight on a gloo group of its own,
+started after a round and looked at, without blocking, after each of the rank's next rounds; once
+every rank contributed (the examples it stepped since its last contribution, its flags, rank 0's
+clock decisions), every rank acts on it at its next round boundary and starts the next one. A fast
+rank runs several rounds while a straggler runs one; the actions (a reset, the syncs, a snapshot,
+a switch, the stop) stay collective, each after the same n-th agreement on every rank
+(bench/bench_gba_online.py measures the group's rate with a straggler).
 
 **Switching** (:mod:`trainer.dist.mode_switch`): with ``dist_mode = "auto"`` the group starts in
 sync and, from the rounds' agreed work times, switches to gba while a rank straggles and back to
@@ -92,9 +97,10 @@ builds one from a snapshot; learning rates and batch sizes stay the settings'. R
 up (:meth:`GBAModel.close` ``keep_rpc``) until the ranks end. Logged, counted
 (``driftline_trainer_dist_mode_switches_total``) and listed in the result line (``switches``).
 
-One module of about 480 lines because the round, the snapshots, the syncs and the mode switches
+One module of about 575 lines because the round, the snapshots, the syncs and the mode switches
 all act on one rank's state through its one collectives' thread; what needs none of it lives beside
-it (:mod:`trainer.dist.input`, :mod:`trainer.dist.rank_snapshots`, :mod:`trainer.dist.mode_switch`).
+it (:mod:`trainer.dist.input`, :mod:`trainer.dist.rank_snapshots`, :mod:`trainer.dist.mode_switch`,
+:mod:`trainer.dist.rounds`).
 
 The dedup window is per rank: enough, examples are keyed by user, so a joiner duplicate lands on
 the same partition, i.e. the same rank.
@@ -108,6 +114,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -125,19 +132,15 @@ from ..config import ModelConfig
 from ..isolate import StepResult, train_isolating, train_isolating_ranks
 from ..loop import TrainerLoop
 from . import rank_snapshots
-from .input import RankInput, empty_batch, my_partitions  # noqa: F401 - the rule, named here too
 from .gba import MODES as GBA_MODES
 from .gba_model import GBAModel, shutdown_rpc, unsupported
+from .input import RankInput, empty_batch, my_partitions  # noqa: F401 - the rule, named here too
 from .mode_switch import AutoSwitch, FileMode
 from .model import DistributedModel
+from .rounds import CLOCK, DENSE, EVENT, EXAMPLES, IDLE, ORPHAN, RESET, STOP, SYNC, WORK, FreeAgreement, Tally, control_vector
 from .straggler import Straggler
 
 log = logging.getLogger(__name__)
-
-# the agreed-upon control vector of one round (int64 per rank); _WORK: the rank's work in its
-# last step (µs, 0: its batch was empty), _CLOCK: rank 0's (µs since its run began): auto's inputs
-_STOP, _IDLE, _EXAMPLES, _EVENT, _SYNC, _DENSE, _RESET, _ORPHAN, _WORK, _CLOCK = range(10)
-_COLUMNS = _CLOCK + 1
 
 
 EXIT_REGROUP = 75
@@ -187,6 +190,11 @@ class RankTrainer(TrainerLoop):
         self._file_mode = FileMode(settings.project) if self.rank == 0 else None
         self._work_us = 0
         self._t0 = time.monotonic()
+        # gba / async: the agreement in flight (its own gloo group, built in _restore) and what this
+        # rank stepped since its last contribution (trainer.dist.rounds)
+        self._agreement: FreeAgreement | None = None
+        self._tally = Tally()
+        self._last_data = time.monotonic()
         self.switches: list[dict] = []
         self._retired = {"alltoall_bytes": 0, "comm_s": 0.0, "failed_updates": 0, "overlapped_updates": 0}
 
@@ -207,6 +215,10 @@ class RankTrainer(TrainerLoop):
         torch.set_num_threads(1)
         agreed = [epoch]
         dist.broadcast_object_list(agreed, 0)
+        # the group of gba's agreements in flight (trainer.dist.rounds): built by every rank here,
+        # in the same order as every collective, whatever mode the group later switches to
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.ts.collective_timeout_s))
+        self._agreement = FreeAgreement(group, self.world)
         self.epoch = agreed[0]
         if self.resets.watch is not None:
             self.resets.watch.epoch = self.epoch
@@ -300,16 +312,22 @@ class RankTrainer(TrainerLoop):
         self._work_us = int(1e6 * work) if batch.size else 0
         return res, time.perf_counter() - t0
 
+    def _vector(self, stop: bool, idle: bool, reset: bool, examples: int, event: int, work_us: int,
+                now: float) -> torch.Tensor:
+        """This rank's control vector (:mod:`trainer.dist.rounds`); rank 0's clock decides the
+        time-based syncs (and auto's timer) for everyone."""
+        due = self._syncs_due(now) if self.rank == 0 else None
+        return control_vector(stop=stop, idle=idle, reset=reset, examples=examples, event=event,
+                              orphan=os.getppid() != self._parent, work_us=work_us, due=due,
+                              clock_us=int(1e6 * (now - self._t0)))
+
     async def _agree(self, stop: bool, idle: bool, reset: bool, examples: int, event: int, now: float) -> np.ndarray:
-        """The round's control vectors of every rank ``[world, _COLUMNS]`` (one all_gather)."""
+        """The round's control vectors of every rank ``[world, COLUMNS]`` (one all_gather, lockstep)."""
         t0 = time.perf_counter()
-        mine = torch.zeros(_COLUMNS, dtype=torch.int64)
-        mine[_STOP], mine[_IDLE], mine[_RESET], mine[_EXAMPLES], mine[_EVENT] = int(stop), int(idle), int(reset), examples, event
-        mine[_ORPHAN], mine[_WORK] = int(os.getppid() != self._parent), self._work_us
-        if self.rank == 0:  # rank 0's clock decides the time-based syncs (and auto's timer) for everyone
-            mine[_SYNC], mine[_DENSE] = (int(due) for due in self._syncs_due(now))
-            mine[_CLOCK] = int(1e6 * (now - self._t0))
-        out = [torch.zeros(_COLUMNS, dtype=torch.int64) for _ in range(self.world)]
+        # what a gba round stepped after its last free agreement (a switch to sync since) counts here
+        left, left_event, _ = self._tally.take()
+        mine = self._vector(stop, idle, reset, examples + left, max(event, left_event), self._work_us, now)
+        out = [torch.zeros_like(mine) for _ in range(self.world)]
         await self._coll(dist.all_gather, out, mine)
         self._stage("agree", time.perf_counter() - t0)
         return torch.stack(out).numpy()
@@ -340,49 +358,9 @@ class RankTrainer(TrainerLoop):
         self._schedule_start(time.monotonic())
         self._learned_since_sync = False
         await self._begin()
-        last_data, self._queued = time.monotonic(), 0
-        while True:
-            recs, decoded, polled_at = await self.input.poll_round(self.stop_event)
-            now = time.monotonic()
-            reset = await self.resets.check_when_due(now)
-            p = await self.ingest.prepare(recs, polled_at, decoded) if recs else None
-            if recs:
-                last_data = now
-            batch = p.batch if p is not None and p.batch is not None else None
-            idle = stop_when_idle_s is not None and not recs and now - last_data >= stop_when_idle_s
-            ctl = await self._agree(self.stop_event.is_set(), idle, reset, batch.size if batch is not None else 0,
-                                    batch.max_event_time if batch is not None else 0, now)
-            if ctl[:, _RESET].any():  # every rank: this round's records belong to no epoch we read on
-                await self._handle_reset()
-                last_data = time.monotonic()
-                continue
-            steps, sent = self.dm.steps, self.dm.alltoall_bytes
-            res, dt = await self._coll(self._step, batch if batch is not None else empty_batch(self.cfg))
-            self._stage("train", dt)
-            if self.dm.steps > steps:  # seconds in collectives (an all-idle step has none; a retry several)
-                comm = float(sum(self.dm.comm_s[steps:]))
-                self._stage("comm", comm)
-                M.rank_steps(self.cfg.model_id, self.rank, self.dm.steps - steps, comm, self.dm.alltoall_bytes - sent)
-            self.learned.rate(time.monotonic())
-            if p is not None:
-                await self._book(p, res)
-            self._queued += int(ctl[:, _EXAMPLES].sum())
-            self._learned_since_sync |= bool(ctl[:, _EXAMPLES].any())
-            self.max_event_time = max(self.max_event_time, int(ctl[:, _EVENT].max()))
-            await self._sync(now, bool(ctl[0, _SYNC]), bool(ctl[0, _DENSE]))  # rank 0's decisions, for all
-            if self.clock.due(self.max_event_time):  # the same global event time on every rank
-                await self.sync_sparse()
-                self.clock.taken(self.max_event_time)
-                await self.snapshot()
-                await self._file_mode_changed()
-            if self.auto is not None and (to := self.auto.observe(ctl[0, _CLOCK] / 1e6, self.dm.mode, ctl[:, _WORK])):
-                await self._switch(to, f"a rank's work over {self.ts.gba.straggler_ratio} x the others' median"
-                                   if to == "gba" else "no straggler")
-            if ctl[:, _ORPHAN].any():
-                self._launchers_lost(ctl[:, _ORPHAN])
-                break
-            if ctl[:, _STOP].any() or ctl[:, _IDLE].all() or (max_examples is not None and self._queued >= max_examples):
-                break
+        self._last_data, self._queued = time.monotonic(), 0
+        while not await (self._free_round if self._free() else self._lockstep_round)(stop_when_idle_s, max_examples):
+            pass
         old = self._retired
         return await self._finish(
             started, {"rank": self.rank, "world": self.world}, failed_steps=self.failed_steps, mode=self.dm.mode,
@@ -392,7 +370,118 @@ class RankTrainer(TrainerLoop):
             alltoall_bytes=old["alltoall_bytes"] + self.dm.alltoall_bytes,
             comm_s=old["comm_s"] + float(sum(self.dm.comm_s)), broker_epoch=self.epoch,
             stages=dict(self.stage), regroup=self.regroup, ps_admitted=M.ps_admitted(self.cfg.model_id),
-            cache=vars(self.dm.cache.stats) if getattr(self.dm, "cache", None) is not None else None)
+            cache=vars(self.dm.cache.stats) if getattr(self.dm, "cache", None) is not None else None,
+            gba=self._gba_summary())
+
+    def _gba_summary(self) -> dict | None:
+        """The GBA engine's seconds per phase and fresh waits, the agreements in flight (None in sync)."""
+        if not isinstance(self.dm, GBAModel):
+            return None
+        ag = self._agreement
+        return {"timings": {k: round(v, 3) for k, v in self.dm.timings.items()}, "steps": self.dm.steps,
+                "waits": self.dm.waits, "waits_timed_out": self.dm.waits_timed_out,
+                "agreements": ag.started if ag is not None else 0,
+                "agreement_waited_s": round(ag.waited_s, 3) if ag is not None else 0.0}
+
+    # ------------------------------------------------------------------ the rounds
+    def _free(self) -> bool:
+        """gba / async with another rank: rounds that do not wait (:mod:`trainer.dist.rounds`)."""
+        return isinstance(self.dm, GBAModel) and self.world > 1
+
+    async def _poll(self, stop_when_idle_s: float | None):
+        """One round's input: ``(prepared or None, now, idle)``."""
+        recs, decoded, polled_at = await self.input.poll_round(self.stop_event)
+        now = time.monotonic()
+        p = await self.ingest.prepare(recs, polled_at, decoded) if recs else None
+        if recs:
+            self._last_data = now
+        idle = stop_when_idle_s is not None and not recs and now - self._last_data >= stop_when_idle_s
+        return p, now, idle
+
+    async def _train(self, batch: SparseBatch) -> StepResult:
+        """The step on the collectives' thread, its stages and per-rank metrics."""
+        steps, sent = self.dm.steps, self.dm.alltoall_bytes
+        res, dt = await self._coll(self._step, batch)
+        self._stage("train", dt)
+        if self.dm.steps > steps:  # seconds in collectives (an all-idle step has none; a retry several)
+            comm = float(sum(self.dm.comm_s[steps:]))
+            self._stage("comm", comm)
+            M.rank_steps(self.cfg.model_id, self.rank, self.dm.steps - steps, comm, self.dm.alltoall_bytes - sent)
+        self.learned.rate(time.monotonic())
+        return res
+
+    async def _lockstep_round(self, stop_when_idle_s: float | None, max_examples: int | None) -> bool:
+        """sync / hybrid: poll, agree (blocking), step (collective), act. Whether to stop."""
+        p, now, idle = await self._poll(stop_when_idle_s)
+        reset = await self.resets.check_when_due(now)
+        batch = p.batch if p is not None and p.batch is not None else None
+        ctl = await self._agree(self.stop_event.is_set(), idle, reset, batch.size if batch is not None else 0,
+                                batch.max_event_time if batch is not None else 0, now)
+        if ctl[:, RESET].any():  # every rank: this round's records belong to no epoch we read on
+            await self._handle_reset()
+            self._last_data = time.monotonic()
+            return False
+        res = await self._train(batch if batch is not None else empty_batch(self.cfg))
+        if p is not None:
+            await self._book(p, res)
+        self._account(ctl)
+        return await self._act(ctl, now, max_examples)
+
+    async def _free_round(self, stop_when_idle_s: float | None, max_examples: int | None) -> bool:
+        """gba / async (:mod:`trainer.dist.rounds`): poll and step without waiting for the other
+        ranks; act on the agreement in flight once every rank contributed, then start the next
+        one with what this rank stepped since. Whether to stop."""
+        ag = self._agreement
+        assert ag is not None
+        # a rank that saw a reset steps (and polls) nothing more until the group handles it
+        reset = await self.resets.check_when_due(time.monotonic())
+        p, now, idle = (None, time.monotonic(), False) if reset else await self._poll(stop_when_idle_s)
+        batch = p.batch if p is not None and p.batch is not None else None
+        ctl = ag.ready()
+        if ctl is None and batch is None and ag.pending:  # nothing to step: wait for the others a while
+            ctl = await ag.wait(self.ts.batch_timeout_s)
+        if ctl is not None:
+            self._account(ctl)
+            if ctl[:, RESET].any():  # the batch in hand is dropped (read again from the new start)
+                await self._handle_reset()
+                self._last_data = time.monotonic()
+                return False
+        res = None
+        if batch is not None:
+            res = await self._train(batch)
+            self._tally.add(batch.size, batch.max_event_time, self._work_us / 1e6)
+        if p is not None:
+            await self._book(p, res)
+        if ctl is not None and await self._act(ctl, now, max_examples):
+            return True
+        if not ag.pending and self._free():  # (a switch to sync since: the lockstep agreement takes over)
+            examples, event, work_us = self._tally.take()
+            ag.start(self._vector(self.stop_event.is_set(), idle, reset, examples, event, work_us, time.monotonic()))
+        return False
+
+    def _account(self, ctl: np.ndarray) -> None:
+        """The agreed examples (stepped, or about to be in lockstep) and max event time."""
+        self._queued += int(ctl[:, EXAMPLES].sum())
+        self._learned_since_sync |= bool(ctl[:, EXAMPLES].any())
+        self.max_event_time = max(self.max_event_time, int(ctl[:, EVENT].max()))
+
+    async def _act(self, ctl: np.ndarray, now: float, max_examples: int | None) -> bool:
+        """What the agreement decided, taken by every rank alike (syncs, a snapshot, a switch);
+        whether to stop."""
+        await self._sync(now, bool(ctl[0, SYNC]), bool(ctl[0, DENSE]))  # rank 0's decisions, for all
+        if self.clock.due(self.max_event_time):  # the same global event time on every rank
+            await self.sync_sparse()
+            self.clock.taken(self.max_event_time)
+            await self.snapshot()
+            await self._file_mode_changed()
+        if self.auto is not None and (to := self.auto.observe(ctl[0, CLOCK] / 1e6, self.dm.mode, ctl[:, WORK])):
+            await self._switch(to, f"a rank's work over {self.ts.gba.straggler_ratio} x the others' median"
+                               if to == "gba" else "no straggler")
+        if ctl[:, ORPHAN].any():
+            self._launchers_lost(ctl[:, ORPHAN])
+            return True
+        return bool(ctl[:, STOP].any() or ctl[:, IDLE].all()
+                    or (max_examples is not None and self._queued >= max_examples))
 
     # ------------------------------------------------------------------ switching modes
     async def _file_mode_changed(self) -> None:

@@ -87,12 +87,15 @@ def _stop(p: subprocess.Popen, log: Path) -> str:
     return text
 
 
-async def test_two_ranks_follow_a_broker_reset(settings, broker, ml_examples, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "gba"])
+async def test_two_ranks_follow_a_broker_reset(settings, broker, ml_examples, tmp_path, mode):
+    """gba: the rounds do not wait (trainer.dist.rounds): the reset is handled after the agreement
+    in flight that carries it, by both ranks."""
     old, new = ml_examples[:OLD], ml_examples[OLD:OLD + NEW]
     root = settings.var_dir / "snapshots" / "deepfm"
     log = tmp_path / "trainer.log"
     records = await produce_examples(settings, old, chunk=250)
-    p = _spawn(settings, tmp_path, log, deepfm_config(dim=8, mlp=[32]))
+    p = _spawn(settings, tmp_path, log, deepfm_config(dim=8, mlp=[32], sequential=mode != "gba"), mode=mode)
     try:
         await _until_committed(settings, records, p, log)
         # the last touched rows published (sync every 1 s): a send in flight at the kill would be

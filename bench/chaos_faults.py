@@ -175,6 +175,11 @@ def nan_dense_delta(stack: LoopStack) -> dict:
         finally:
             await p.stop()
 
+    def refused() -> float:  # dense chunks serving skipped: as non-finite, or as stale (its number was taken)
+        return sum(stack.metric("serving", "driftline_serving_deltas_skipped_total", {"reason": r}) or 0.0
+                   for r in ("non_finite", "stale"))
+
+    before = refused()
     asyncio.run(publish())
     time.sleep(5)
     bad = answered = 0
@@ -184,10 +189,13 @@ def nan_dense_delta(stack: LoopStack) -> dict:
             answered += 1
             bad += sum(1 for it in body["items"] if not math.isfinite(it["score"]))
     after = stack.json("/readyz")["model_version"]
+    n_refused = refused() - before
     log(f"NaN dense delta v{version['dense_version'] + 1}: {bad} non-finite scores in {answered} answers; "
-        f"serving at dense v{after['dense_version']}")
-    return {"nan_scores_served": bad, "nan_answers_checked": answered,
-            "dense_version_kept": after["dense_version"] == version["dense_version"]}
+        f"serving at dense v{after['dense_version']}; {n_refused:.0f} chunk(s) refused (non-finite or stale)")
+    # kept: serving still at the version it had, or (the trainer may publish its own next dense
+    # version in those seconds, with the poisoned one's number) it refused the poisoned chunk
+    return {"nan_scores_served": bad, "nan_answers_checked": answered, "nan_delta_refused": n_refused >= 1,
+            "dense_version_kept": after["dense_version"] == version["dense_version"] or n_refused >= 1}
 
 
 def overload(stack: LoopStack) -> dict:

@@ -184,6 +184,9 @@ class ModelSpec(_Spec):
     #: meta-learned starting points for new ids of one task slot, e.g. ``{task_slot = "user"}``
     #: (the fields of trainer.config.MetaConfig, which checks them; trainer/meta.py); absent: off
     meta: dict[str, Any] | None = None
+    #: a content encoder over an item's content tokens, e.g. ``{slot = "item_content", item_slot = "item"}``
+    #: (the fields of trainer.config.ContentConfig, which checks them; trainer/content.py); absent: off
+    content: dict[str, Any] | None = None
 
 
 # The sections of the keys in FILE_KEYS: each key typed as its setting (services/settings.py).
@@ -390,7 +393,7 @@ class Project:
             salt={f.name: f.salt for f in self.file.features if f.salt is not None and f.name in used},
             label=m.label, seed=m.seed, sequential=m.sequential and bool(lin),
             sequential_embeddings=m.sequential_embeddings and m.sequential and bool(lin) and m.kind == "deepfm",
-            meta=m.meta, **extra)
+            meta=m.meta, content=m.content, **extra)
 
     def settings_overrides(self) -> dict[str, dict[str, Any]]:
         """The settings this file sets, as ``{section: {field: value}}`` (for

@@ -81,3 +81,13 @@ def test_missing_content_scores_as_an_empty_bag(ml):
     p = m.predict(SparseBatch.from_slot_dicts(rows[:1], slots=["user_id", "item_id"]))
     q = m.predict(SparseBatch.from_slot_dicts(rows[1:], slots=m.cfg.all_slots))
     assert p[0] == pytest.approx(q[0])
+
+
+def test_content_store_reads_items_bags_in_the_asked_order():
+    from trainer.dist.content import ContentStore
+
+    store = ContentStore({7: [1, 2], 3: [5], 9: []})
+    tokens, offsets = store.bags(np.array([9, 7, 4, 3, 7]))
+    assert tokens.tolist() == [1, 2, 5, 1, 2] and offsets.tolist() == [0, 0, 2, 2, 3, 5]
+    tokens, offsets = ContentStore({}).bags(np.array([1]))
+    assert tokens.size == 0 and offsets.tolist() == [0, 0]

@@ -47,8 +47,10 @@ class ContentStore:
 
     def bags(self, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(tokens, offsets [n + 1])`` of ``items`` (an unknown item: an empty bag)."""
-        pos = np.minimum(np.searchsorted(self.keys, items), max(self.keys.size - 1, 0))
-        known = (self.keys.size > 0) & (self.keys[pos] == items) if self.keys.size else np.zeros(items.size, bool)
+        if not self.keys.size:
+            return np.zeros(0, np.int64), np.zeros(items.size + 1, np.int64)
+        pos = np.minimum(np.searchsorted(self.keys, items), self.keys.size - 1)
+        known = self.keys[pos] == items
         lens = np.where(known, self.offsets[pos + 1] - self.offsets[pos], 0)
         offs = np.zeros(items.size + 1, np.int64)
         np.cumsum(lens, out=offs[1:])

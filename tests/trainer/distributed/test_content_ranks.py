@@ -97,3 +97,28 @@ def test_encoder_gradients_equal_one_process_and_bytes_per_example():
     per = {mode: sum(r[mode]["bytes"] for r in res) / sum(r[mode]["examples"] for r in res) for mode in res[0]}
     print(f"content all-to-all bytes per example: owners {per['owners']:.1f}, raw {per['raw']:.1f}")
     assert per["owners"] > 0 and per["raw"] > 0
+
+
+def _failing(rank: int, world: int) -> list[str]:
+    from trainer.dist.model import RankStepError
+
+    dm = DistributedModel(_cfg(), content=ContentStore(_content()))
+    out = []
+    for s in range(3):
+        b = _batch(s, rank, 8)
+        if s == 1 and rank == 1:  # an example without its item: this rank fails before the exchange
+            b = b.select(np.arange(8))
+            b.offsets["item_id"] = np.r_[0, np.arange(0, 7)].astype(np.int64)
+            b.ids["item_id"] = b.ids["item_id"][:7]
+        try:
+            dm.train_step(b)
+            out.append("ok")
+        except RankStepError as err:
+            out.append(f"failed {err.failed}")
+    dm.close()
+    return out
+
+
+def test_a_rank_failing_before_the_exchange_fails_the_step_on_every_rank_without_hanging():
+    res = run_local(_failing, 2, timeout_s=30)
+    assert res == [["ok", "failed [1]", "ok"]] * 2

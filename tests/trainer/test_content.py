@@ -91,3 +91,24 @@ def test_content_store_reads_items_bags_in_the_asked_order():
     assert tokens.tolist() == [1, 2, 5, 1, 2] and offsets.tolist() == [0, 0, 2, 2, 3, 5]
     tokens, offsets = ContentStore({}).bags(np.array([1]))
     assert tokens.size == 0 and offsets.tolist() == [0, 0]
+
+
+def test_a_dense_delta_carries_the_encoder_and_serving_scores_as_the_trainer(ml):
+    """The encoder is dense state: a dense delta brings it to a serving model, which scores a
+    request's candidates from their content (merged rows) as the trainer does."""
+    from serving.model import TrainerModel
+    from trainer.sync import decode_dense, encode_dense
+
+    cfg = _cfg(True, "item")
+    m = SparseModel(cfg)
+    for b in ml.batches(256, np.arange(512)):
+        m.train_step(b)
+    state = decode_dense(encode_dense(cfg.model_id, 1, m.head))
+    assert any(k.startswith("content.") for k in state)
+    served = TrainerModel(config=cfg)
+    served.scorer.tables.update(m.tables)
+    served.scorer.load_dense(state)
+    user = {"user_id": [int(ml.user_id[0])]}
+    items = [{"item_id": [int(i)], ITEM_CONTENT: ml.features.item_content(int(i))} for i in ml.item_id[:5]]
+    want = m.predict(SparseBatch.from_slot_dicts([{**user, **it} for it in items], slots=cfg.all_slots))
+    np.testing.assert_allclose(served.score(user, items), want, rtol=1e-5, atol=1e-7)

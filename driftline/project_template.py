@@ -96,7 +96,7 @@ admission = { min_count = 1, probability = 1.0 }
 #   meta: meta-learned starting points for new ids of one feature (a new user's first steps):
 #   meta = { task_slot = "user_id" } (support, query, ... : trainer/meta.py; one trainer process)
 #   content: a content encoder over a sparse feature holding each item's content tokens (title
-#   words, ...), whose output is one more embedding field; list fields and linear without it:
+#   words, ...), whose output joins the item's embedding (the feature is no field of its own):
 #   content = { slot = "title_words", item_slot = "item_id" } (buckets, token_dim, hidden: trainer/content.py)
 # ---------------------------------------------------------------------------------------------
 [model]

@@ -184,6 +184,9 @@ class ModelSpec(_Spec):
     #: meta-learned starting points for new ids of one task slot, e.g. ``{task_slot = "user"}``
     #: (the fields of trainer.config.MetaConfig, which checks them; trainer/meta.py); absent: off
     meta: dict[str, Any] | None = None
+    #: a content encoder over an item's content tokens, e.g. ``{slot = "item_content", item_slot = "item"}``
+    #: (the fields of trainer.config.ContentConfig, which checks them; trainer/content.py); absent: off
+    content: dict[str, Any] | None = None
 
 
 # The sections of the keys in FILE_KEYS: each key typed as its setting (services/settings.py).
@@ -290,8 +293,10 @@ class ProjectFile(_Spec):
             bad = [n for n in listed or () if kinds.get(n) != kind]
             if bad:
                 raise ValueError(f"model.{role}: {bad} are not declared {kind} features")
-        m, sparse = self.model, [n for n, k in kinds.items() if k == "sparse"]
-        read = set(m.fields if m.fields is not None else (sparse if m.kind == "deepfm" else ())) | \
+        m = self.model
+        content = {m.content["slot"]} if m.content and "slot" in m.content else set()
+        sparse = [n for n, k in kinds.items() if k == "sparse" and n not in content]
+        read = content | set(m.fields if m.fields is not None else (sparse if m.kind == "deepfm" else ())) | \
             set(m.linear if m.linear is not None else sparse) | \
             set(m.dense if m.dense is not None else [n for n, k in kinds.items() if k == "dense"])
         unread = [n for n in kinds if n not in read]
@@ -344,8 +349,10 @@ class Project:
         return next(f for f in self.file.features if f.name == name)
 
     def _roles(self) -> tuple[list[str], list[str], list[str]]:
-        sparse = [f.name for f in self.file.features if f.kind == "sparse"]
         m = self.file.model
+        content = {m.content["slot"]} if m.content and "slot" in m.content else set()
+        # the content encoder's input is no field of its own (trainer.content)
+        sparse = [f.name for f in self.file.features if f.kind == "sparse" and f.name not in content]
         fields = m.fields if m.fields is not None else (sparse if m.kind == "deepfm" else [])
         linear = m.linear if m.linear is not None else sparse
         dense = m.dense if m.dense is not None else [f.name for f in self.file.features if f.kind == "dense"]
@@ -390,7 +397,7 @@ class Project:
             salt={f.name: f.salt for f in self.file.features if f.salt is not None and f.name in used},
             label=m.label, seed=m.seed, sequential=m.sequential and bool(lin),
             sequential_embeddings=m.sequential_embeddings and m.sequential and bool(lin) and m.kind == "deepfm",
-            meta=m.meta, **extra)
+            meta=m.meta, content=m.content, **extra)
 
     def settings_overrides(self) -> dict[str, dict[str, Any]]:
         """The settings this file sets, as ``{section: {field: value}}`` (for

@@ -95,6 +95,9 @@ admission = { min_count = 1, probability = 1.0 }
 #   the initial accumulator keeps a new id's first Adagrad steps from swinging its weight)
 #   meta: meta-learned starting points for new ids of one feature (a new user's first steps):
 #   meta = { task_slot = "user_id" } (support, query, ... : trainer/meta.py; one trainer process)
+#   content: a content encoder over a sparse feature holding each item's content tokens (title
+#   words, ...), whose output joins the item's embedding (the feature is no field of its own):
+#   content = { slot = "title_words", item_slot = "item_id" } (buckets, token_dim, hidden: trainer/content.py)
 # ---------------------------------------------------------------------------------------------
 [model]
 kind = "deepfm"

@@ -13,7 +13,9 @@ where every number here is measured:
 
 Arms: ``served`` (the model ``make up`` serves: sequential first-order weights and embeddings, at
 the live trainer's batch size), ``meta`` (the same with new users' starting points meta-learned from
-the stream: ``ModelConfig.meta``, :mod:`trainer.meta`), ``deepfm`` (the same DeepFM stepped once per batch) and ``counts``
+the stream: ``ModelConfig.meta``, :mod:`trainer.meta`), ``content`` (the same with a content encoder over
+the items' title words and genres as one more embedding field: ``ModelConfig.content``,
+:mod:`trainer.content`), ``deepfm`` (the same DeepFM stepped once per batch) and ``counts``
 (per-user and per-item click rates: a new user's first example gets the global rate). Each runs
 every seed of ``seeds``; for each learned arm the paired differences against ``served`` (same
 seed) are reported with their std.
@@ -28,8 +30,9 @@ import time
 
 import numpy as np
 
+from movielens.features import ITEM_CONTENT
 from services.settings import EvalSettings
-from trainer.config import MetaConfig
+from trainer.config import ContentConfig, MetaConfig
 from trainer.model import SparseModel
 
 from .baselines import count_scores
@@ -39,7 +42,7 @@ __all__ = ["ARMS", "FIRST", "firsts", "run"]
 
 #: the first-k buckets of a cold user's (item's) online examples
 FIRST = (1, 5, 10, 20)
-ARMS = ("served", "meta", "deepfm", "counts")
+ARMS = ("served", "meta", "content", "deepfm", "counts")
 
 
 def firsts(keys: np.ndarray, cold: np.ndarray, ks: tuple[int, ...] = FIRST) -> dict[int, np.ndarray]:
@@ -53,7 +56,7 @@ def firsts(keys: np.ndarray, cold: np.ndarray, ks: tuple[int, ...] = FIRST) -> d
 
 
 def _split(s: EvalSettings):
-    d = data(s, s.base_limit)
+    d = data(s, s.base_limit, content=True)  # (only the content arm reads the items' content)
     n = d.label.size
     cut = int(n * s.cold_split)
     online = np.arange(cut, n)
@@ -77,6 +80,8 @@ def run_arm(s: EvalSettings, arm: str, seed: int) -> dict:
         cfg = model_config(s, seed, "cold-deepfm") if arm == "deepfm" else served_model_config(s, seed, f"cold-{arm}")
         if arm == "meta":  # the served model with new users' starting points meta-learned (trainer.meta)
             cfg = cfg.model_copy(update={"meta": MetaConfig(task_slot="user_id")})
+        if arm == "content":  # the served model with a content encoder over titles and genres (trainer.content)
+            cfg = cfg.model_copy(update={"content": ContentConfig(slot=ITEM_CONTENT, item_slot="item_id")})
         model = SparseModel(cfg)
         bs = served_batch()
         p = np.empty(n, np.float32)

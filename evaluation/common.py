@@ -45,12 +45,12 @@ def smoke() -> EvalSettings:
 _DATA: dict[tuple, MovieLensData] = {}
 
 
-def data(s: EvalSettings, limit: int | None = None, offset: int = 0) -> MovieLensData:
+def data(s: EvalSettings, limit: int | None = None, offset: int = 0, content: bool = False) -> MovieLensData:
     """ml-1m ratings (time order) with their features, from the dataset cache
-    (``settings.data_dir``); cached per process."""
-    key = (s.dataset, get_settings().data_dir, limit, offset)
+    (``settings.data_dir``); cached per process. ``content``: with the items' content tokens."""
+    key = (s.dataset, get_settings().data_dir, limit, offset, content)
     if key not in _DATA:
-        _DATA[key] = MovieLensData(s.dataset, Path(key[1]), limit=limit, offset=offset)
+        _DATA[key] = MovieLensData(s.dataset, Path(key[1]), limit=limit, offset=offset, content=content)
     return _DATA[key]
 
 

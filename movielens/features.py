@@ -15,12 +15,19 @@ True
 from __future__ import annotations
 
 import hashlib
+import re
 from functools import lru_cache
 
 import pyarrow as pa
 
 from proto import Candidate, FeatureLog, Features
 
+#: the item content slot (the input of a content encoder, trainer.content): title words and genres
+#: as token ids (:func:`content_tokens`); not one of :data:`SLOTS` (no PS table reads it)
+ITEM_CONTENT = "item_content"
+#: words a title's tokens leave out: articles and the like, in the languages of ml-1m's titles
+STOPWORDS = frozenset("a an and the of in on to for with at by from or is it la le les l el de du des der die das "
+                      "und il lo".split())
 USER_SLOTS: tuple[str, ...] = ("user_id", "gender", "age", "occupation", "zip")
 ITEM_SLOTS: tuple[str, ...] = ("item_id", "genres", "year")
 SLOTS: tuple[str, ...] = USER_SLOTS + ITEM_SLOTS
@@ -31,6 +38,19 @@ def stable_id(value: str) -> int:
     """A process-independent, non-negative 63-bit id for a string value."""
     digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def content_tokens(title: str | None, genres: list[str] | None) -> list[int]:
+    """An item's content tokens: its title's words (lowercased, a trailing ``(YYYY)`` and
+    :data:`STOPWORDS` left out) and its genres, each a :func:`stable_id`.
+
+    >>> content_tokens("American President, The (1995)", ["Comedy"]) == [
+    ...     stable_id("word=american"), stable_id("word=president"), stable_id("genre=Comedy")]
+    True
+    """
+    words = re.findall(r"[a-z0-9]+", re.sub(r"\(\d{4}\)\s*$", "", title or "").lower())
+    return ([stable_id(f"word={w}") for w in words if w not in STOPWORDS]
+            + [stable_id(f"genre={g}") for g in genres or []])
 
 
 def _features(slots: dict[str, list[int]]) -> Features:
@@ -60,12 +80,14 @@ class MovieLensFeatures:
                 "zip": [stable_id(f"zip={row['zip']}")],
             }
         self._items: dict[int, dict[str, list[int]]] = {}
+        self._content: dict[int, list[int]] = {}
         for row in items.to_pylist():
             self._items[int(row["item_id"])] = {
                 "item_id": [int(row["item_id"])],
                 "genres": [stable_id(f"genre={g}") for g in (row["genres"] or [])],
                 "year": [int(row["year"])] if row["year"] is not None else [],
             }
+            self._content[int(row["item_id"])] = content_tokens(row["title"], row["genres"])
         self._context_field: dict[int, bytes] = {}
         self._candidate_field: dict[int, bytes] = {}
 
@@ -84,6 +106,10 @@ class MovieLensFeatures:
     def item_slots(self, item_id: int) -> dict[str, list[int]]:
         """The item's sparse slots; an unknown item gets only its id."""
         return self._items.get(item_id) or {"item_id": [item_id]}
+
+    def item_content(self, item_id: int) -> list[int]:
+        """The item's :data:`ITEM_CONTENT` tokens (none for an unknown item)."""
+        return self._content.get(item_id, [])
 
     def user_features(self, user_id: int) -> Features:
         return _features(self.user_slots(user_id))

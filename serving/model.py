@@ -192,7 +192,8 @@ class TrainerModel(VersionedModel):
                              f"{None if dense is None else dense.shape}")
         dense = dense if n_dense else None
         item_keys: set[str] = set().union(*item_slots_list)
-        if not item_keys.isdisjoint(user_slots):
+        # a content encoder (trainer.content) is one more field the split head does not know: merged rows
+        if not item_keys.isdisjoint(user_slots) or scorer.config.content is not None:
             user = dict(user_slots)
             rows = [{**user, **item} for item in item_slots_list]
             return np.asarray(scorer.predict_slot_dicts(rows, dense), dtype=np.float64)

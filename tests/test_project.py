@@ -129,3 +129,14 @@ def test_the_movielens_demo_is_a_project_file_with_admission_and_ttl() -> None:
     assert [t.name for t in cfg.tables] == [t.name for t in demo.tables]
     assert all(t.admission.min_count == 2 and t.ttl_seconds for t in cfg.tables)
     assert project.store.movielens and project.windows.idle_advance_seconds
+
+
+def test_a_content_feature_feeds_the_encoder_not_a_field() -> None:
+    project = Project.model_validate({
+        "name": "content", "features": [
+            {"name": "item_id", "source": "candidate"}, {"name": "user_id", "source": "context"},
+            {"name": "title_words", "source": "item", "ids": "string"}],
+        "model": {"dim": 4, "content": {"slot": "title_words", "item_slot": "item_id"}}})
+    cfg = project.model_config()
+    assert set(cfg.slots) == set(cfg.linear) == {"item_id", "user_id"}
+    assert cfg.content is not None and cfg.content.slot == "title_words" and "title_words" in cfg.all_slots

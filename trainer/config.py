@@ -77,6 +77,31 @@ class MetaConfig(BaseModel):
     outer_lr: float = Field(0.05, gt=0)
 
 
+class ContentConfig(BaseModel):
+    """A content encoder (``ModelConfig.content``, :mod:`trainer.content`): each example's item
+    carries its content in ``slot`` (a bag of token ids: title words, genres, ...); a small shared
+    encoder (token embeddings, mean-pooled, then an MLP) turns it into one more embedding field.
+    ``item_slot`` names the slot whose id the content describes (the N-rank engine routes by it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    slot: str
+    item_slot: str
+    #: token ids are taken modulo this many rows of the encoder's token table (dense parameters:
+    #: every snapshot and dense delta carries buckets x token_dim floats)
+    buckets: int = Field(1 << 14, ge=1)
+    token_dim: int = Field(16, ge=1)
+    #: the encoder MLP's hidden widths (its output is the model's embedding dim); none: one linear
+    #: map of the mean token embedding (measured at least as good on ml-1m's cold items as [32]:
+    #: trainer/content.py)
+    hidden: list[int] = Field(default_factory=list)
+    #: the encoder's rate in the dense optimizer (None: ``ModelConfig.dense_lr``, the head's)
+    lr: float | None = Field(None, gt=0)
+    #: how the output joins the model: ``item``, added to ``item_slot``'s field (the item's row
+    #: plus its content's vector); ``field``, one more embedding field (measured: trainer/content.py)
+    join: Literal["field", "item"] = "item"
+
+
 class ModelConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -108,6 +133,8 @@ class ModelConfig(BaseModel):
     sequential_embeddings: bool = False
     #: meta-learned starting points for new ids of a task slot (:mod:`trainer.meta`); None: off
     meta: MetaConfig | None = None
+    #: a content encoder whose output joins the embedding fields (:mod:`trainer.content`); None: off
+    content: ContentConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -144,7 +171,17 @@ class ModelConfig(BaseModel):
                                      f"{kind} (or set sequential_embeddings = false)")
         if self.meta is not None:
             self._check_meta(self.meta)
+        if self.content is not None:
+            self._check_content(self.content)
         return self
+
+    def _check_content(self, content: ContentConfig) -> None:
+        if self.kind != "deepfm":
+            raise ValueError("content: the encoder's output is an embedding field: it needs a deepfm")
+        if content.slot in self.slots or content.slot in self.linear:
+            raise ValueError(f"content.slot {content.slot!r} is the encoder's input, not a field of its own")
+        if content.item_slot not in self.slots:
+            raise ValueError(f"content.item_slot {content.item_slot!r} is not an embedding slot of the model")
 
     def _check_meta(self, meta: MetaConfig) -> None:
         tables = self.task_tables(meta.task_slot)
@@ -167,8 +204,8 @@ class ModelConfig(BaseModel):
 
     @property
     def all_slots(self) -> list[str]:
-        """Every slot the model reads, sorted (the batch layout)."""
-        return sorted(set(self.slots) | set(self.linear))
+        """Every slot the model reads, sorted (the batch layout): the content slot too."""
+        return sorted(set(self.slots) | set(self.linear) | ({self.content.slot} if self.content else set()))
 
     @property
     def embed_dim(self) -> int:

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from movielens.data import load
-from movielens.features import MovieLensFeatures
+from movielens.features import ITEM_CONTENT, MovieLensFeatures
 from proto import Example
 
 from .batch import SparseBatch
@@ -52,7 +52,9 @@ class MovieLensData:
     """ml-1m (or ml-100k) ratings + features, ready to cut into batches."""
 
     def __init__(self, dataset: str = "ml-1m", data_dir: Path = Path("var/data"), limit: int | None = None,
-                 offset: int = 0):
+                 offset: int = 0, content: bool = False):
+        """``content``: batches carry each item's content tokens too (the slot
+        :data:`movielens.features.ITEM_CONTENT`, a content encoder's input)."""
         ml = load(dataset, data_dir)
         ratings = ml.ratings.slice(offset, limit) if (limit is not None or offset) else ml.ratings
         self.features = MovieLensFeatures(ml.users, ml.items)
@@ -68,6 +70,8 @@ class MovieLensData:
             self._csr[slot] = ("user", _CSR.build({u: d.get(slot, []) for u, d in users.items()}))
         for slot in ("item_id", "genres", "year"):
             self._csr[slot] = ("item", _CSR.build({i: d.get(slot, []) for i, d in items.items()}))
+        if content:
+            self._csr[ITEM_CONTENT] = ("item", _CSR.build({i: self.features.item_content(i) for i in items}))
 
     def __len__(self) -> int:
         return self.user_id.size

@@ -12,19 +12,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .content import ContentEncoder
 
 __all__ = ["DenseHead", "HeadSlopes", "make_dense_optimizer"]
 
 
 class DenseHead(nn.Module):
-    """``forward(emb [B, F, D] or None, lin [B, L] or None, dense [B, K] or None) -> logits [B]``."""
+    """``forward(emb [B, F, D] or None, lin [B, L] or None, dense [B, K] or None) -> logits [B]``.
+
+    With ``cfg.content`` the head holds the content encoder (``content``, :mod:`trainer.content`);
+    joined as a ``field``, ``emb``'s last field is its output (``F`` = the slots + 1)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         torch.manual_seed(cfg.seed)
         self.kind = cfg.kind
         self.bias = nn.Parameter(torch.zeros(1))
-        nf, d, nd = len(cfg.slots), cfg.embed_dim, len(cfg.dense_features)
+        field = cfg.content is not None and cfg.content.join == "field"
+        nf, d, nd = len(cfg.slots) + field, cfg.embed_dim, len(cfg.dense_features)
         self.dense_linear = nn.Linear(nd, 1, bias=False) if nd else None
         if cfg.kind == "deepfm":
             layers: list[nn.Module] = []
@@ -36,6 +41,8 @@ class DenseHead(nn.Module):
             self.mlp = nn.Sequential(*layers)
         else:
             self.mlp = None
+        # made after the MLP: a model without content draws the same initial head as before
+        self.content = ContentEncoder(cfg.content, d) if cfg.content is not None else None
 
     def forward(self, emb, lin, dense, fm: bool = True):
         """``fm=False`` leaves the FM term out (:mod:`ps.sequential_fm` computes it from fresh rows)."""
@@ -118,7 +125,13 @@ def make_dense_optimizer(cfg: ModelConfig, head: nn.Module) -> torch.optim.Optim
     """The dense optimizer; torch's fused CPU kernel where it has one (one kernel per step, not
     one per parameter tensor: ~3x cheaper for the DeepFM head)."""
     cls = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[cfg.dense_optimizer]
+    params: list = list(head.parameters())
+    content = getattr(head, "content", None)
+    if content is not None and cfg.content is not None and cfg.content.lr is not None:  # its own rate
+        own = {id(p) for p in content.parameters()}
+        params = [{"params": [p for p in params if id(p) not in own]},
+                  {"params": list(content.parameters()), "lr": cfg.content.lr}]
     try:
-        return cls(head.parameters(), lr=cfg.dense_lr, fused=True)
+        return cls(params, lr=cfg.dense_lr, fused=True)
     except (RuntimeError, TypeError, ValueError):
-        return cls(head.parameters(), lr=cfg.dense_lr)
+        return cls(params, lr=cfg.dense_lr)

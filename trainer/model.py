@@ -21,7 +21,7 @@ import dataclasses
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from ps import EmbeddingTable, PackedBatch, ParameterServer
 
 from .batch import SparseBatch
 from .config import ModelConfig
+from .content import content_field, join_content
 from .device import Transfers, resolve_device
 from .head import DenseHead, HeadSlopes, make_dense_optimizer
 from .meta import MetaLearner
@@ -145,10 +146,13 @@ class SparseModel:
             else:
                 blocks.append(None)
         self._emb_block, self._lin_block = blocks
-        self._batch_slots = tuple(dict.fromkeys(slot for _, slot, _ in self._plan))
+        content = [cfg.content.slot] if cfg.content is not None else []
+        self._batch_slots = tuple(dict.fromkeys([*(slot for _, slot, _ in self._plan), *content]))
         self.ps = ParameterServer([self.tables[t.name] for t in cfg.tables], ps_slots)
         self._dims = {k: cfg.table(t).dim for k, t in ps_slots.items()}
         self.timings: dict[str, float] = defaultdict(float)
+        # N ranks: the content encoder run by the items' owners (trainer.dist.content)
+        self.content_source: Callable[[SparseBatch], torch.Tensor] | None = None
         self.cache = self.make_cache(cache_rows, cache_admit_after) if cache_rows else None
         if cfg.meta is not None and train and self.cache is not None:
             raise ValueError("model.meta reads its task rows from the host PS: run it without trainer.cache_rows")
@@ -285,20 +289,25 @@ class SparseModel:
         emb, lin = pooled
         if lin is not None:
             lin = lin.reshape(batch.size, lin.shape[1])  # dim 1: [B, L] (also for B == 0)
+        if self.cfg.content is not None:  # the content encoder's output (trainer.content)
+            emb = join_content(self.cfg, emb, content_field(self, batch))
         logits = self.head(emb, lin, self.dense_input(batch))
         self.timings["forward"] += time.perf_counter() - t1
         return logits, leaves
 
-    def mlp_part(self, batch: SparseBatch, pe: PackedBatch, buf: np.ndarray) -> HeadSlopes:
+    def mlp_part(self, batch: SparseBatch, pe: PackedBatch, buf: np.ndarray,
+                 content: torch.Tensor | None = None) -> HeadSlopes:
         """For :mod:`ps.sequential_fm`: :meth:`DenseHead.slopes` from the embedding block's looked-up
         rows (``pe``, ``buf`` as :meth:`forward_packed` takes them): the logits leave out the FM and
-        first-order terms."""
+        first-order terms. ``content``: the content encoder's output ``[B, D]`` (:func:`join_content`)."""
         t0 = time.perf_counter()
         blk, n_ex = self._emb_block, batch.size
         nf = len(blk.slots)
         n = int(pe.offsets[nf] - pe.offsets[0])
         w = self.io.to_device(buf[:n * blk.dim].reshape(n, blk.dim))
         x = pool(w, *_bags_for({}, batch, blk, n), nf * n_ex).view(nf, n_ex, blk.dim).transpose(0, 1)
+        if content is not None:
+            x = join_content(self.cfg, x, content.detach())
         slopes = self.head.slopes(x, self.dense_input(batch))
         self.timings["forward"] += time.perf_counter() - t0
         return slopes

@@ -46,6 +46,7 @@ from ps.sequential import train_linear_sequential
 from ps.sequential_fm import train_fm_sequential
 
 from .batch import SparseBatch
+from .content import content_field, content_slopes
 from .step_checks import NonFiniteStepError, finite_grads
 
 
@@ -117,18 +118,27 @@ def _embeddings_sequential_step(model, batch: SparseBatch) -> tuple[float, np.nd
     buf = model.ps.gather_packed(full, insert=True, event_time=t)
     model.timings["forward"] += time.perf_counter() - t0  # mlp_part adds its own
     k = len(eb.keys)
-    slopes = model.mlp_part(batch, full.segments(0, k), buf)
-    fixed = slopes.logits.double()
+    c = content_field(model, batch) if model.cfg.content is not None else None
+    slopes = model.mlp_part(batch, full.segments(0, k), buf, c)
+    fixed, jac, cs = slopes.logits.double(), slopes.jac, None
+    if c is not None:  # the content field: its FM terms and slopes at the batch's start (trainer.content)
+        cs = content_slopes(model.cfg, c, slopes, len(eb.slots))
+        fixed, jac = fixed + cs.cross.double(), cs.jac
     # the kernel writes rows as it goes: nothing may enter it that is not finite
-    if not (bool(torch.isfinite(fixed).all()) and np.isfinite(slopes.jac).all()):
+    if not (bool(torch.isfinite(fixed).all()) and np.isfinite(jac).all()):
         raise NonFiniteStepError("the step's dense logits or MLP slopes are not finite; nothing applied")
     bags = np.stack([batch.offsets[s] for s in eb.slots + lb.slots])
     mean = np.array([m == "mean" for m in eb.modes + lb.modes], np.bool_)
     t1 = time.perf_counter()
-    probs, loss, resid = train_fm_sequential(model.ps, full, k, bags, mean, batch.labels, model.io.to_host(fixed), slopes.jac,
+    probs, loss, resid = train_fm_sequential(model.ps, full, k, bags, mean, batch.labels, model.io.to_host(fixed), jac,
                                              t, insert=False)
     t2 = time.perf_counter()
-    slopes.backward(model.io.to_device((resid / max(n, 1)).astype(np.float32)))
+    seed = model.io.to_device((resid / max(n, 1)).astype(np.float32))
+    slopes.backward(seed)  # sets the head's MLP gradients (the encoder's, if any, are set next)
+    if cs is not None:
+        for p in model.head.content.parameters():
+            p.grad = None
+        cs.backward(seed)
     if not finite_grads(model.head) or not math.isfinite(loss):
         raise NonFiniteStepError(f"the step's loss ({loss}) or dense gradients are not finite; "
                                  "the sparse rows were stepped, nothing else applied")

@@ -112,6 +112,7 @@ from ..device import Transfers
 from ..model import NonFiniteStepError, SparseModel
 from ..sharding import owners, whole_tables
 from . import sequential as seq
+from .content import ContentStore, OwnerEncoder
 from .owner import Owner
 from .owner_cache import OwnerCache
 from .placement import dense_group, rank_device
@@ -149,11 +150,14 @@ class DistributedModel:
     ``device`` (``trainer.device``): where each rank's replica of the dense head and its optimizer
     live (``"cuda"``: ``cuda:LOCAL_RANK``; the dense sum then on an NCCL group of its own:
     :mod:`trainer.dist.placement`); the shards stay on the host. ``cache_rows``
-    (``trainer.cache_rows``): each owner's hot rows on its device (:mod:`trainer.dist.owner_cache`)."""
+    (``trainer.cache_rows``): each owner's hot rows on its device (:mod:`trainer.dist.owner_cache`).
+    ``content`` (a model with ``cfg.content``): the items' content, for the encoder to run on each
+    item's owner (:mod:`trainer.dist.content`; ``content_mode="raw"``: the owner sends the content
+    to the requester instead); None: each rank encodes its batches' own content slot."""
 
     def __init__(self, cfg: ModelConfig, *, mode: str = "sync", staleness: int = 1, group=None,
                  tables: dict | None = None, device: str | torch.device = "cpu", cache_rows: int = 0,
-                 cache_admit_after: int = 2):
+                 cache_admit_after: int = 2, content: ContentStore | None = None, content_mode: str = "owners"):
         if not dist.is_available() or not dist.is_initialized():
             raise DistributedError("torch.distributed is not initialized: call init_process_group first")
         if mode not in MODES:
@@ -167,6 +171,9 @@ class DistributedModel:
             # rank 0's first-order pass and its residuals are host arrays end to end
             raise DistributedError(f"trainer.device = {str(device)!r}: a sequential model's ranks train on the "
                                    "CPU (sequential off runs N ranks on GPUs)")
+        if cfg.content is not None and cfg.sequential_embeddings:
+            # rank 0's pass takes the MLP's slopes without the content field (trainer.content)
+            raise DistributedError("model.content: N ranks train it with sequential_embeddings off")
         # one local shard per table: this rank's rows are shard `rank` of an N-shard table
         # already, and a second split by the same hash would be lopsided (trainer.sharding)
         local = cfg.model_copy(update={"tables": [t.model_copy(update={"shards": 1}) for t in cfg.tables]})
@@ -190,6 +197,12 @@ class DistributedModel:
         self._counts = any(t.config.admission.min_count > 1 or t.config.admission.probability < 1.0
                            for t in self._tables)
         self._params = [p for p in self.model.head.parameters()]
+        self._content = None
+        if content is not None and cfg.content is not None:
+            if dev.type != "cpu":
+                raise DistributedError("content on the owners: the ranks train on the CPU")
+            self._content = self.model.content_source = OwnerEncoder(self.model, content, self.rank, self.world,
+                                                                     content_mode)
         # the dense sum's group: NCCL when every rank is on CUDA, else `group` (gloo)
         self.dense_group = dense_group(dev, group, DistributedError)
         with torch.no_grad():  # equal replicas even if a head was built from another seed
@@ -437,6 +450,8 @@ class DistributedModel:
         t1, f0 = time.perf_counter(), m.timings["forward"]
         m.optimizer.zero_grad(set_to_none=True)
         error, value, probs, g_rows = lk.error, 0.0, np.zeros(0, np.float32), None
+        if self._content is not None:
+            self._content.begin()
         if self._seq:
             value, probs, g_rows, error = self._local_sequential(lk, error)
         elif error is None:
@@ -444,6 +459,8 @@ class DistributedModel:
                 value, probs, g_rows = self._local(lk)
             except Exception as err:  # noqa: BLE001 - one rank's failure fails the step on every rank
                 error = err
+        if self._content is not None:  # its exchanges are collective: run by every rank, failed or not
+            self._content.finish()
         head = self._head_grads()
         if error is None and not bool(torch.isfinite(head).all()):
             error = NonFiniteStepError(f"the step's dense gradients are not finite on rank {self.rank}; nothing applied")

@@ -1,0 +1,114 @@
+"""The content encoder (trainer.content): configuration, learning in the plain and the sequential
+DeepFM, and its parameters in the head's state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pydantic
+import pytest
+import torch
+
+from movielens.features import ITEM_CONTENT
+from trainer.batch import SparseBatch
+from trainer.config import ContentConfig, ModelConfig, deepfm_config
+from trainer.data import MovieLensData
+from trainer.model import SparseModel
+
+CONTENT = ContentConfig(slot=ITEM_CONTENT, item_slot="item_id", buckets=256, token_dim=4, hidden=[8])
+
+
+@pytest.fixture(scope="module")
+def ml() -> MovieLensData:
+    return MovieLensData(limit=5_000, content=True)
+
+
+def _cfg(sequential: bool, join: str = "field") -> ModelConfig:
+    cfg = deepfm_config(dim=4, mlp=[8], sequential=sequential, recent_items=False)
+    return ModelConfig.model_validate({**cfg.model_dump(), "content": {**CONTENT.model_dump(), "join": join}})
+
+
+def test_content_config_is_checked():
+    base = deepfm_config(dim=4, mlp=[8], recent_items=False).model_dump()
+    with pytest.raises(pydantic.ValidationError, match="not a field of its own"):
+        ModelConfig.model_validate({**base, "content": {"slot": "genres", "item_slot": "item_id"}})
+    with pytest.raises(pydantic.ValidationError, match="not an embedding slot"):
+        ModelConfig.model_validate({**base, "content": {"slot": "c", "item_slot": "nope"}})
+    cfg = _cfg(False)
+    assert ITEM_CONTENT in cfg.all_slots and ITEM_CONTENT not in cfg.slots
+    assert ModelConfig.model_validate_json(cfg.model_dump_json()) == cfg
+
+
+def test_items_carry_their_title_and_genre_tokens(ml):
+    b = ml.batch(np.arange(3))
+    for e in range(3):
+        toks = b.ids[ITEM_CONTENT][b.offsets[ITEM_CONTENT][e]:b.offsets[ITEM_CONTENT][e + 1]]
+        genres = b.ids["genres"][b.offsets["genres"][e]:b.offsets["genres"][e + 1]]
+        assert set(genres) <= set(toks) and len(toks) > len(genres)  # the genres, and title words
+
+
+def test_plain_deepfm_learns_the_encoder_and_keeps_it_in_the_head(ml):
+    m = SparseModel(_cfg(False))
+    before = {k: v.clone() for k, v in m.head.state_dict().items() if k.startswith("content.")}
+    assert before and m.head.mlp[0].in_features == (len(m.cfg.slots) + 1) * 4
+    for b in ml.batches(256, np.arange(1024)):
+        loss, _ = m.train_step(b)
+        assert np.isfinite(loss)
+    after = m.head.state_dict()
+    assert all(not torch.equal(before[k], after[k]) for k in before)
+    assert not any(k.startswith("content.") for k in SparseModel(deepfm_config(dim=4, mlp=[8])).head.state_dict())
+
+
+@pytest.mark.parametrize("join", ["field", "item"])
+def test_sequential_deepfm_at_batch_one_equals_plain_deepfm_with_content(ml, join):
+    """At batch 1 the content's batch-start FM terms and slopes are exact: the sequential DeepFM
+    equals the plain one, encoder included, up to float summation order."""
+    rows = np.arange(150)
+    plain, seq = SparseModel(_cfg(False, join)), SparseModel(_cfg(True, join))
+    p_plain = np.concatenate([plain.train_step(b)[1] for b in ml.batches(1, rows)])
+    p_seq = np.concatenate([seq.train_step(b)[1] for b in ml.batches(1, rows)])
+    np.testing.assert_allclose(p_seq, p_plain, rtol=1e-4, atol=1e-5)
+    for (name, a), b in zip(seq.head.named_parameters(), plain.head.parameters()):
+        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-3, atol=1e-5, err_msg=name)
+    for name, table in plain.tables.items():
+        for a, b in zip(seq.tables[name].items(), table.items()):
+            np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5, err_msg=name)
+
+
+def test_missing_content_scores_as_an_empty_bag(ml):
+    m = SparseModel(_cfg(True))
+    m.train_step(ml.batch(np.arange(64)))
+    rows = [{"user_id": [1], "item_id": [5]}, {"user_id": [1], "item_id": [5], ITEM_CONTENT: []}]
+    p = m.predict(SparseBatch.from_slot_dicts(rows[:1], slots=["user_id", "item_id"]))
+    q = m.predict(SparseBatch.from_slot_dicts(rows[1:], slots=m.cfg.all_slots))
+    assert p[0] == pytest.approx(q[0])
+
+
+def test_content_store_reads_items_bags_in_the_asked_order():
+    from trainer.dist.content import ContentStore
+
+    store = ContentStore({7: [1, 2], 3: [5], 9: []})
+    tokens, offsets = store.bags(np.array([9, 7, 4, 3, 7]))
+    assert tokens.tolist() == [1, 2, 5, 1, 2] and offsets.tolist() == [0, 0, 2, 2, 3, 5]
+    tokens, offsets = ContentStore({}).bags(np.array([1]))
+    assert tokens.size == 0 and offsets.tolist() == [0, 0]
+
+
+def test_a_dense_delta_carries_the_encoder_and_serving_scores_as_the_trainer(ml):
+    """The encoder is dense state: a dense delta brings it to a serving model, which scores a
+    request's candidates from their content (merged rows) as the trainer does."""
+    from serving.model import TrainerModel
+    from trainer.sync import decode_dense, encode_dense
+
+    cfg = _cfg(True, "item")
+    m = SparseModel(cfg)
+    for b in ml.batches(256, np.arange(512)):
+        m.train_step(b)
+    state = decode_dense(encode_dense(cfg.model_id, 1, m.head))
+    assert any(k.startswith("content.") for k in state)
+    served = TrainerModel(config=cfg)
+    served.scorer.tables.update(m.tables)
+    served.scorer.load_dense(state)
+    user = {"user_id": [int(ml.user_id[0])]}
+    items = [{"item_id": [int(i)], ITEM_CONTENT: ml.features.item_content(int(i))} for i in ml.item_id[:5]]
+    want = m.predict(SparseBatch.from_slot_dicts([{**user, **it} for it in items], slots=cfg.all_slots))
+    np.testing.assert_allclose(served.score(user, items), want, rtol=1e-5, atol=1e-7)

@@ -14,8 +14,8 @@ where every number here is measured:
 Arms: ``served`` (the model ``make up`` serves: sequential first-order weights and embeddings, at
 the live trainer's batch size), ``meta`` (the same with new users' starting points meta-learned from
 the stream: ``ModelConfig.meta``, :mod:`trainer.meta`), ``content`` (the same with a content encoder over
-the items' title words and genres as one more embedding field: ``ModelConfig.content``,
-:mod:`trainer.content`), ``deepfm`` (the same DeepFM stepped once per batch) and ``counts``
+the items' title words and genres, its output added to the item's embedding:
+``ModelConfig.content``, :mod:`trainer.content`), ``deepfm`` (the same DeepFM stepped once per batch) and ``counts``
 (per-user and per-item click rates: a new user's first example gets the global rate). Each runs
 every seed of ``seeds``; for each learned arm the paired differences against ``served`` (same
 seed) are reported with their std.
@@ -131,6 +131,8 @@ def markdown(st: dict, c: dict) -> list[str]:
          "`make up` serves; `meta`, the same with new users' starting points meta-learned from the stream "
          "(`[model] meta = {task_slot = \"user_id\"}`, `trainer/meta.py`: each new user's first 5 examples as "
          "support, the next 5 as query, the starting Adagrad accumulators of its rows learned first-order); "
+         "`content`, the served model with a content encoder over the items' title words and genres (`[model] "
+         "content`, `trainer/content.py`), its output added to the item's embedding; "
          "`deepfm`, the plain DeepFM stepped once per batch; `counts`, per-user and per-item click rates.", "",
          "| arm | " + " | ".join(buckets) + " | ex/s |", "|---|" + "---|" * (len(buckets) + 1)]
     for arm, a in c["arms"].items():

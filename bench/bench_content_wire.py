@@ -1,20 +1,23 @@
 """The content encoder's traffic on N ranks (:mod:`trainer.dist.content`): bytes per example through
-its all-to-all with the encoder on the items' owners vs the owners sending the raw content (title
-word and genre tokens, int32 rows of the encoder's token table) to the requesting rank. Last line:
-JSON.
+the all-to-all with the encoder on the items' owners (its output in the item rows they send, or in
+an exchange of its own) vs the owners sending the raw content (title word and genre tokens, int32
+rows of the encoder's token table) to the requesting rank. Last line: JSON.
 
 * stream: ml-1m's first ``LIMIT`` ratings (default 100,000) in time order, ``BATCH`` examples per
   rank and step (default 1024), 2 gloo ranks (``RANKS``); the served model's size (dim 8, MLP
   32-16) stepped once per batch (N ranks refuse ``sequential_embeddings`` with content);
-* ``content_bytes_per_example_{owners,raw}``: what the encoder's exchanges sent rank to rank
-  (counts, item ids, then rows and their gradients / token lengths and tokens), all ranks, per
-  example; ``ratio`` owners / raw; ``engine_bytes_per_example``: the engine's own all-to-all
-  (ids, rows, gradients, headers) in the owners run, for scale;
+* ``content_bytes_per_example_{row,owners,raw}``: what the encoder's own exchanges sent rank to
+  rank (``owners``: counts, item ids, then rows and their gradients; ``raw``: token lengths and
+  tokens; ``row``: nothing, its output rides in the item's row), all ranks, per example;
+* ``bytes_per_example_{row,owners,raw}``: everything through the all-to-all (the engine's ids,
+  rows, gradients and headers, plus the above); ``ratio_row_vs_raw`` and ``ratio_owners_vs_raw``
+  of those totals; ``content_ratio_owners_vs_raw`` of the encoder's own bytes;
 * ``tokens_per_item``: the mean content length of the stream's items.
 
-Both directions count for the owners (``dim`` float32 rows forward, as many gradients back); raw
+Both directions count for ``owners`` (``dim`` float32 rows forward, as many gradients back); raw
 content travels forward only. A token list shorter than ``2 * dim`` floats' worth of int32 is
-cheaper to send raw; a precomputed vector of ``V`` floats costs ``4 V`` bytes raw per item.
+cheaper to send raw than in an exchange of its own; a precomputed vector of ``V`` floats costs
+``4 V`` bytes raw per item. In the rows it costs nothing at any size.
 """
 
 from __future__ import annotations
@@ -61,15 +64,17 @@ def _rank(rank: int, world: int, mode: str) -> dict:
 
 def main() -> None:
     res = {}
-    for mode in ("owners", "raw"):
+    for mode in ("row", "owners", "raw"):
         parts = run_local(_rank, RANKS, mode, timeout_s=600)
         # (predict is never called: every encoded example is a trained one)
         res[mode] = {k: sum(p[k] for p in parts) for k in parts[0]}
     d = MovieLensData(limit=LIMIT)
     items = np.unique(d.item_id)
     out = {f"content_bytes_per_example_{m}": r["bytes"] / r["examples"] for m, r in res.items()}
-    out["ratio"] = out["content_bytes_per_example_owners"] / out["content_bytes_per_example_raw"]
-    out["engine_bytes_per_example"] = res["owners"]["engine"] / res["owners"]["examples"]
+    out.update({f"bytes_per_example_{m}": (r["bytes"] + r["engine"]) / r["examples"] for m, r in res.items()})
+    for m in ("row", "owners"):
+        out[f"ratio_{m}_vs_raw"] = out[f"bytes_per_example_{m}"] / out["bytes_per_example_raw"]
+    out["content_ratio_owners_vs_raw"] = out["content_bytes_per_example_owners"] / out["content_bytes_per_example_raw"]
     out["tokens_per_item"] = float(np.mean([len(d.features.item_content(int(i))) for i in items]))
     out.update(limit=LIMIT, batch=BATCH, ranks=RANKS)
     print(json.dumps(out))

@@ -2,8 +2,23 @@
 
 Rank ``r`` owns the items whose (salted) id of ``content.item_slot`` is in shard ``r``, the shard
 that holds the item's embedding row, and reads their content from a :class:`ContentStore` (the
-item features it is loaded with; in a deployment the item feature store). Per forward, every
-rank (collective, on a process group of its own):
+item features it is loaded with; in a deployment the item feature store).
+
+``mode="row"`` (the default; ``join = "item"``, ``sync``): the encoder's output rides in the
+item's embedding row, which crosses the engine's all-to-all anyway, so the encoder sends nothing
+of its own. In the engine's lookup (:class:`trainer.dist.model.DistributedModel`, step 4) the
+owner adds the encoder's output for each item it serves to the row it sends
+(:meth:`OwnerEncoder.add_to_rows`); the requester's forward reads the sum as the item's field,
+which is the 1-process ``join = "item"`` (the row plus the content's vector). The row's gradient
+is the output's gradient: the owner receives it in step 8 and, in ``sync``, that exchange runs
+before the dense sum, so the owner back-propagates it into the encoder
+(:meth:`OwnerEncoder.backward_rows`) and the sum carries the encoder's gradients with the head's.
+The stored row stays the row alone (snapshots and deltas as without content). Needs the item's
+embedding table to itself (another slot reading it would read the content too) and ``sync``
+(``hybrid`` steps the rows after the dense sum).
+
+``mode="owners"``: an exchange of its own; per forward, every rank (collective, on a process
+group of its own):
 
 1. deduplicates its examples' items and sends each to its owner (counts, then ids: int64);
 2. the owner runs the encoder on the content of the ids it is asked for (forward, with the
@@ -30,10 +45,11 @@ import torch
 import torch.distributed as dist
 
 from ..sharding import shard_of
+from .routing import starts
 
 __all__ = ["ContentStore", "OwnerEncoder"]
 
-MODES = ("owners", "raw")
+MODES = ("row", "owners", "raw")
 
 
 class ContentStore:
@@ -78,13 +94,23 @@ class _Exchange(torch.autograd.Function):
 class OwnerEncoder:
     """The content field of :class:`trainer.model.SparseModel` on N ranks (its ``content_source``)."""
 
-    def __init__(self, model, store: ContentStore, rank: int, world: int, mode: str = "owners"):
+    def __init__(self, model, store: ContentStore, rank: int, world: int, mode: str = "row"):
         if mode not in MODES:
             raise ValueError(f"content mode must be one of {MODES}, got {mode!r}")
         self.model, self.store, self.rank, self.world, self.mode = model, store, rank, world, mode
         cfg = model.cfg
         self.slot, self.dim = cfg.content.item_slot, cfg.embed_dim
-        self.salt = cfg.salts()[(cfg.slots[self.slot], self.slot)]
+        self.table = cfg.slots[self.slot]
+        self.salt = cfg.salts()[(self.table, self.slot)]
+        if mode == "row":
+            if cfg.content.join != "item":
+                raise ValueError("content mode 'row' adds the encoder's output to the item's row: it needs "
+                                 "content.join = 'item' (use 'owners' for 'field')")
+            others = [s for r, s in cfg.table_slots()[self.table] if (r, s) != ("emb", self.slot)]
+            if others:
+                raise ValueError(f"content mode 'row': table {self.table!r} is read by {others} too, which "
+                                 "would read the item's content with it (use 'owners')")
+        self.pending: tuple[torch.Tensor, np.ndarray] | None = None  # row mode: the last lookup's outputs
         self.group = dist.new_group(backend="gloo")  # its collectives never interleave with the lookups'
         self.bytes = 0      # sent to other ranks, every exchange of this encoder
         self.examples = 0   # examples encoded on this rank (bytes per example = bytes / examples)
@@ -99,10 +125,14 @@ class OwnerEncoder:
         return out
 
     def __call__(self, batch) -> torch.Tensor:
-        """``[B, dim]``: each example's item's encoder output (collective)."""
+        """``[B, dim]``: each example's item's encoder output (collective; ``row``: zeros, the
+        output is in the item's row already)."""
         offs = batch.offsets[self.slot]
         if batch.size and not (np.diff(offs) == 1).all():
             raise ValueError(f"content on the owners: every example needs one {self.slot!r} id")
+        if self.mode == "row":
+            self.examples += batch.size
+            return torch.zeros(batch.size, self.dim)
         keys = batch.ids[self.slot][offs[:-1]]
         keys = keys ^ self.salt if self.salt else keys
         return self._rows(keys, torch.is_grad_enabled())
@@ -138,6 +168,37 @@ class OwnerEncoder:
         starts = np.cumsum(lens) - lens
         return enc(got, torch.from_numpy(starts))
 
+    def add_to_rows(self, reply: np.ndarray, r_ids: np.ndarray, rcounts: np.ndarray, dims: np.ndarray,
+                    names: tuple, grad: bool) -> None:
+        """``row`` mode, the owner's lookup: add the encoder's output to each served row of the
+        item table in ``reply`` (the engine's wire layout: per requester, per table, ``rcounts``
+        ids of ``dims`` floats each; ``r_ids`` the ids as packed, salted), keeping the output's
+        graph for :meth:`backward_rows` when ``grad``."""
+        self.pending = None
+        n, T = rcounts.shape
+        ti = names.index(self.table)
+        r_tab = np.repeat(np.tile(np.arange(T), n), rcounts.reshape(-1))
+        sel = np.flatnonzero(r_tab == ti)
+        if not sel.size:
+            return
+        elem = (starts(dims[r_tab])[sel][:, None] + np.arange(self.dim)).reshape(-1)
+        ids = r_ids[sel] ^ self.salt if self.salt else r_ids[sel]
+        tokens, toffs = self.store.bags(ids)
+        with torch.set_grad_enabled(grad):
+            out = self.model.head.content(torch.from_numpy(tokens), torch.from_numpy(toffs[:-1]))
+        reply[elem] += out.detach().numpy().reshape(-1)
+        if grad:
+            self.pending = (out, elem)
+
+    def backward_rows(self, r_grads: np.ndarray) -> None:
+        """``row`` mode, step 8 on the owner (before the dense sum): the served item rows'
+        gradients (``r_grads``, the reply's layout) back-propagated into the encoder."""
+        if self.pending is None:
+            return
+        out, elem = self.pending
+        self.pending = None
+        out.backward(torch.from_numpy(np.ascontiguousarray(r_grads[elem], np.float32).reshape(out.shape)))
+
     def begin(self) -> None:
         """A training step starts (every rank): :meth:`finish` ends it."""
         self.forward_done, self.backward_done, self.last = False, False, None
@@ -146,6 +207,8 @@ class OwnerEncoder:
         """Take part in whatever exchange this rank's step has not run (its own part failed
         before or between them), with nothing of its own: the other ranks are not left waiting
         (this rank's gradients are dropped with its failed step)."""
+        if self.mode == "row":  # no exchange of its own
+            return
         if not self.forward_done:
             self._rows(np.zeros(0, np.int64), True)
         if not self.backward_done and self.last is not None:

@@ -152,12 +152,13 @@ class DistributedModel:
     :mod:`trainer.dist.placement`); the shards stay on the host. ``cache_rows``
     (``trainer.cache_rows``): each owner's hot rows on its device (:mod:`trainer.dist.owner_cache`).
     ``content`` (a model with ``cfg.content``): the items' content, for the encoder to run on each
-    item's owner (:mod:`trainer.dist.content`; ``content_mode="raw"``: the owner sends the content
-    to the requester instead); None: each rank encodes its batches' own content slot."""
+    item's owner (:mod:`trainer.dist.content`; ``content_mode``: ``"row"``, its output added to the
+    item rows the owner sends, ``"owners"``, sent in an exchange of its own, ``"raw"``, the owner
+    sends the content to the requester instead); None: each rank encodes its batches' own content slot."""
 
     def __init__(self, cfg: ModelConfig, *, mode: str = "sync", staleness: int = 1, group=None,
                  tables: dict | None = None, device: str | torch.device = "cpu", cache_rows: int = 0,
-                 cache_admit_after: int = 2, content: ContentStore | None = None, content_mode: str = "owners"):
+                 cache_admit_after: int = 2, content: ContentStore | None = None, content_mode: str = "row"):
         if not dist.is_available() or not dist.is_initialized():
             raise DistributedError("torch.distributed is not initialized: call init_process_group first")
         if mode not in MODES:
@@ -201,8 +202,15 @@ class DistributedModel:
         if content is not None and cfg.content is not None:
             if dev.type != "cpu":
                 raise DistributedError("content on the owners: the ranks train on the CPU")
-            self._content = self.model.content_source = OwnerEncoder(self.model, content, self.rank, self.world,
-                                                                     content_mode)
+            if content_mode == "row" and mode != "sync":
+                # the owner needs the rows' gradients before the dense sum (trainer.dist.content)
+                raise DistributedError(f"content_mode 'row' trains in sync, not {mode!r} (use 'owners')")
+            try:
+                self._content = OwnerEncoder(self.model, content, self.rank, self.world, content_mode)
+            except ValueError as err:
+                raise DistributedError(str(err)) from err
+            self.model.content_source = self._content
+        self._row_content = self._content is not None and self._content.mode == "row"
         # the dense sum's group: NCCL when every rank is on CUDA, else `group` (gloo)
         self.dense_group = dense_group(dev, group, DistributedError)
         with torch.no_grad():  # equal replicas even if a head was built from another seed
@@ -303,6 +311,8 @@ class DistributedModel:
         comm = time.perf_counter() - tc
         reply, owned, served_failed = self._owner.serve(r_ids, r_occ if self._counts else None, rcounts, t_event,
                                                         insert)
+        if self._row_content:
+            served_failed = self._content_rows(reply, r_ids, rcounts, insert, served_failed)
         back_splits = (rcounts * self._dims).sum(1)
         row_splits = (counts * self._dims).sum(1)
         tc = time.perf_counter()
@@ -314,6 +324,18 @@ class DistributedModel:
         return Lookup(batch, pb, buf, rows_map, rows.size, list(row_splits), list(back_splits), owned,
                        global_size, t_event, comm, error, bool(got[:, T + 2].any()), served_failed,
                        lin, got[:, T].tolist(), got[:, T + 3].tolist())
+
+    def _content_rows(self, reply, r_ids, rcounts, insert: bool, served_failed: np.ndarray) -> np.ndarray:
+        """Step 4's ``row`` content: the encoder's output added to the served item rows
+        (:meth:`trainer.dist.content.OwnerEncoder.add_to_rows`). If it raises, the requesters of
+        item rows are named like an owner's failed lookup: the step fails everywhere, nothing hangs."""
+        try:
+            self._content.add_to_rows(reply, r_ids, rcounts, self._dims, self._names,
+                                      insert and torch.is_grad_enabled())
+        except Exception as err:  # noqa: BLE001 - named to the requesters, isolated in lockstep
+            log.error("rank %d: the content encoder failed on its items: %r", self.rank, err)
+            served_failed = served_failed | (rcounts[:, self._names.index(self._content.table)] > 0)
+        return served_failed
 
     def _pack(self, batch: SparseBatch, seq_train: bool):
         """``(what the owners look up, the first-order ids for rank 0's pass or None)``."""
@@ -461,6 +483,16 @@ class DistributedModel:
                 error = err
         if self._content is not None:  # its exchanges are collective: run by every rank, failed or not
             self._content.finish()
+        r_grads, row_comm = None, 0.0
+        if self._row_content:  # step 8 first: the item rows' gradients are the encoder's (trainer.dist.content)
+            tc = time.perf_counter()
+            r_grads = self._a2a(g_rows if g_rows is not None else np.zeros(lk.n_rows, np.float32),
+                                lk.row_splits, lk.back_splits, self._lookup_group)
+            row_comm = time.perf_counter() - tc
+            try:
+                self._content.backward_rows(r_grads)
+            except Exception as err:  # noqa: BLE001 - one rank's failure fails the step on every rank
+                error = error or err
         head = self._head_grads()
         if error is None and not bool(torch.isfinite(head).all()):
             error = NonFiniteStepError(f"the step's dense gradients are not finite on rank {self.rank}; nothing applied")
@@ -476,17 +508,16 @@ class DistributedModel:
         flat = torch.cat([head, tail])  # on the device: the dense group's (NCCL's on CUDA)
         tc = time.perf_counter()
         summed = self._start_sum(flat, self.dense_group)
-        r_grads = None
         if self._seq_emb:  # every row learned in rank 0's pass: no step 8
             sparse = "none"
-        if sparse == "now":  # the gradients travel while the all-reduce does; applied once agreed
+        if sparse == "now" and r_grads is None:  # the gradients travel while the all-reduce does; applied once agreed
             r_grads = self._a2a(g_rows if g_rows is not None else np.zeros(lk.n_rows, np.float32),
                                 lk.row_splits, lk.back_splits, self._lookup_group)
         flat = summed()
         with self._lock:
             # what a ring all-reduce sends per rank (gloo's algorithm may differ: an estimate)
             self.allreduce_bytes += flat.numel() * 4 * 2 * (self.world - 1) // self.world
-        comm = time.perf_counter() - tc
+        comm = time.perf_counter() - tc + row_comm
         failed = torch.nonzero(flat[-self.world:].cpu()).reshape(-1).tolist()
         if failed:
             if error is None and self.rank in failed:  # named by an owner (which logged why)

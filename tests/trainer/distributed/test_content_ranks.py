@@ -1,11 +1,13 @@
 """The content encoder on the items' owners (trainer.dist.content), 2 gloo ranks: its gradients
 (and so the whole model) equal 1 process on the global batch up to summation order, with the
-owners running the encoder and with the raw content sent to the requesters; bytes through the
-all-to-all per example, both ways."""
+owners adding its output to the item rows they send, with the owners sending it in an exchange of
+its own, and with the raw content sent to the requesters; bytes through the all-to-all per
+example, each way."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from tests.trainer.distributed.rank_local import run_local
@@ -52,7 +54,7 @@ def _grads(head) -> dict:
 
 def _worker(rank: int, world: int) -> dict:
     out = {}
-    for mode in ("owners", "raw"):
+    for mode in ("row", "owners", "raw"):
         dm = DistributedModel(_cfg(), content=ContentStore(_content()), content_mode=mode)
         grads, probs = [], []
         for s, sizes in enumerate(SIZES):
@@ -64,7 +66,8 @@ def _worker(rank: int, world: int) -> dict:
             grads.append(_grads(dm.head))
         out[mode] = {"grads": grads, "probs": probs, "head": {k: v.detach().numpy().copy()
                                                               for k, v in dm.head.state_dict().items()},
-                     "bytes": dm._content.bytes, "examples": dm._content.examples}
+                     "bytes": dm._content.bytes, "examples": dm._content.examples,
+                     "engine": dm.alltoall_bytes}
         dm.close()
     return out
 
@@ -83,7 +86,7 @@ def _reference() -> tuple[list[dict], list[np.ndarray], dict]:
 def test_encoder_gradients_equal_one_process_and_bytes_per_example():
     res = run_local(_worker, 2, timeout_s=60)
     ref_grads, ref_probs, ref_head = _reference()
-    for mode in ("owners", "raw"):
+    for mode in ("row", "owners", "raw"):
         for s in range(len(SIZES)):
             got = np.concatenate([r[mode]["probs"][s] for r in res])
             np.testing.assert_allclose(got, ref_probs[s], rtol=1e-5, atol=1e-7)
@@ -95,14 +98,18 @@ def test_encoder_gradients_equal_one_process_and_bytes_per_example():
             for k, v in ref_head.items():
                 np.testing.assert_allclose(r[mode]["head"][k], v, rtol=1e-5, atol=1e-6, err_msg=f"{mode} {k}")
     per = {mode: sum(r[mode]["bytes"] for r in res) / sum(r[mode]["examples"] for r in res) for mode in res[0]}
-    print(f"content all-to-all bytes per example: owners {per['owners']:.1f}, raw {per['raw']:.1f}")
+    engine = {mode: sum(r[mode]["engine"] for r in res) for mode in res[0]}
+    print(f"content all-to-all bytes per example: row {per['row']:.1f}, owners {per['owners']:.1f}, "
+          f"raw {per['raw']:.1f}")
     assert per["owners"] > 0 and per["raw"] > 0
+    # in the rows: nothing of its own, and the engine's rows and gradients are what they are without it
+    assert per["row"] == 0 and engine["row"] == engine["owners"] == engine["raw"]
 
 
-def _failing(rank: int, world: int) -> list[str]:
+def _failing(rank: int, world: int, mode: str) -> list[str]:
     from trainer.dist.model import RankStepError
 
-    dm = DistributedModel(_cfg(), content=ContentStore(_content()))
+    dm = DistributedModel(_cfg(), content=ContentStore(_content()), content_mode=mode)
     out = []
     for s in range(3):
         b = _batch(s, rank, 8)
@@ -119,6 +126,57 @@ def _failing(rank: int, world: int) -> list[str]:
     return out
 
 
-def test_a_rank_failing_before_the_exchange_fails_the_step_on_every_rank_without_hanging():
-    res = run_local(_failing, 2, timeout_s=30)
+@pytest.mark.parametrize("mode", ["row", "owners"])
+def test_a_rank_failing_before_the_exchange_fails_the_step_on_every_rank_without_hanging(mode):
+    res = run_local(_failing, 2, mode, timeout_s=30)
     assert res == [["ok", "failed [1]", "ok"]] * 2
+
+
+def _encoder_fails_on_owner_1(rank: int, world: int) -> list[str]:
+    from trainer.dist.model import RankStepError
+
+    dm = DistributedModel(_cfg(), content=ContentStore(_content()))
+    if rank == 1:  # the owner's encoder raises on its second lookup
+        calls, add = [0], dm._content.add_to_rows
+
+        def failing(*a, **k):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise MemoryError("the encoder on rank 1")
+            return add(*a, **k)
+
+        dm._content.add_to_rows = failing
+    out = []
+    for s in range(3):
+        try:
+            dm.train_step(_batch(s, rank, 8))
+            out.append("ok")
+        except RankStepError as err:
+            out.append(f"failed {err.failed}")
+    dm.close()
+    return out
+
+
+def test_an_owner_whose_encoder_raises_names_the_requesters_and_nothing_hangs():
+    res = run_local(_encoder_fails_on_owner_1, 2, timeout_s=30)
+    # both ranks asked rank 1 for items in step 1: both are named, and the next step goes on
+    assert res == [["ok", "failed [0, 1]", "ok"]] * 2
+
+
+def _refused(rank: int, world: int) -> list[str]:
+    from trainer.dist.model import DistributedError
+
+    out = []
+    shared = _cfg().model_copy(update={"slots": {**_cfg().slots, "other_item": _cfg().slots["item_id"]}})
+    for cfg, mode in ((_cfg(), "hybrid"), (shared, "sync")):
+        try:
+            DistributedModel(cfg, mode=mode, content=ContentStore(_content())).close()
+            out.append("built")
+        except DistributedError as err:
+            out.append(str(err))
+    return out
+
+
+def test_row_content_is_refused_in_hybrid_and_for_a_shared_item_table():
+    res = run_local(_refused, 2, timeout_s=30)
+    assert "trains in sync" in res[0][0] and "is read by" in res[0][1]

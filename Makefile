@@ -31,11 +31,12 @@ up: $(STAMP)
 
 ## Install what the tests need (idempotent) and run them; the 15 slowest are listed at the end (CI keeps under 20 min).
 ## TEST_WORKERS pytest processes, each taking whole test files (their module fixtures stay one per file):
-## most tests wait on real processes, so 2 on 2 cores took the suite from 19m43s to 13m15s. Today's
-## suite keeps 2 cores busy either way (24m58s with 2; 23m56s and 23m52s with 3 on a fresh clone,
-## the second with two whole-stack tests past their timed waits): 2 stays. Files in the order
+## most tests wait on real processes, so 2 on 2 cores took the suite from 19m43s to 13m15s. Once
+## 3 gained nothing (23m56s against 24m58s, whole-stack tests past their timed waits); at 854 tests
+## the suite uses the 2 cores to 62% with 2 workers (19m51s on a fresh clone) and 73% with 3
+## (17m32s, every test passed, beside another engineer's tests): 3. Files in the order
 ## tests/conftest.py gives (the longest first).
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 

@@ -18,6 +18,10 @@ async on bench_distributed's stream and model (ml-1m in time order, DeepFM 8 slo
   push applied on arrival, as the mean over its own batch, no decay. ``MODES``, ``SLOW``: a subset.
   Each gba/async line also prints per rank (waits, timed out, ms per step in each phase).
 * ``staleness_mean_gba``, ``dropped_gradients_gba`` (and ``_slow4``): over every owner's buffer.
+* ``LR_SCALE``: every learning rate times this, in every mode (default 1). Sync's holdout AUC by
+  scale, QUICK (sync is lockstep: the same every run): 0.5 0.6811, 0.7 0.6857, 1 0.6878, 1.4
+  0.6890, 2 0.6864, 4 0.6563; async's holdout was above sync's at 1 and 1.4 (0.6897, 0.6902) and
+  below at 2 (0.6831).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ import trainer  # noqa: F401  - before torch: OMP_WAIT_POLICY=PASSIVE (see train
 # isort: split
 import numpy as np
 import torch.distributed as dist
-from bench_distributed import BATCH, HOLDOUT, LIMIT, STEPS, WARMUP, _cfg, _data
+from bench_distributed import BATCH, HOLDOUT, LIMIT, STEPS, WARMUP, _data
+from bench_distributed import _cfg as _base_cfg
 
 from tests.trainer.distributed.rank_local import run_local
 from trainer.dist.gba_model import GBAModel
@@ -50,6 +55,17 @@ FRESH_WAIT = float(os.environ.get("FRESH_WAIT", "1.5"))  # trainer.gba.fresh_wai
 # (a subset for experiments: e.g. MODES=sync,gba SLOW=1,4; the JSON then lacks the others' keys)
 SLOW = tuple(int(x) for x in os.environ.get("SLOW", "1,2,4").split(","))
 MODES = tuple(os.environ.get("MODES", "sync,hybrid,gba,async").split(","))
+#: every learning rate (the tables' Adagrad and the head's Adam) times this (every mode the same)
+LR_SCALE = float(os.environ.get("LR_SCALE", "1"))
+
+
+def _cfg():
+    cfg = _base_cfg()
+    if LR_SCALE == 1:
+        return cfg
+    tables = [t.model_copy(update={"optimizer": t.optimizer.model_copy(update={"lr": t.optimizer.lr * LR_SCALE})})
+              for t in cfg.tables]
+    return cfg.model_copy(update={"tables": tables, "dense_lr": cfg.dense_lr * LR_SCALE})
 
 
 def _run(rank: int, world: int, mode: str, factor: float, batches: list, hold) -> dict:
@@ -150,7 +166,7 @@ def main() -> None:
         if a in out and b in out:
             out[key] = round(out[a] / out[b], 3) if op == "/" else round(out[a] - out[b], 4)
     out.update({"pin_cores": PIN, "batch_per_rank": BATCH, "max_staleness": MAX_STALENESS, "fresh_wait": FRESH_WAIT,
-                "steps": STEPS,
+                "steps": STEPS, "lr_scale": LR_SCALE,
                 "quick": os.environ.get("QUICK") == "1", "wall_s": round(time.time() - t_start, 1)})
     print(json.dumps(out))
 

@@ -235,18 +235,23 @@ async def load_files(url: str, prefix: str, users: Path | None, items: Path | No
     return n, time.perf_counter() - started
 
 
-async def load_dataset(url: str, dataset: str, data_dir: Path, prefix: str = "driftline") -> tuple[int, float]:
-    """Fill the store with a MovieLens dataset's user and item features; return (keys, seconds)."""
+async def load_dataset(url: str, dataset: str, data_dir: Path, prefix: str = "driftline",
+                       content: bool = False) -> tuple[int, float]:
+    """Fill the store with a MovieLens dataset's user and item features; return (keys, seconds).
+    ``content``: each item's content tokens too, as :data:`movielens.features.ITEM_CONTENT` (a
+    content encoder's input, trainer/content.py: what serving scores and logs it from)."""
     from movielens.data import load
-    from movielens.features import MovieLensFeatures
+    from movielens.features import ITEM_CONTENT, MovieLensFeatures
 
     started = time.perf_counter()
     ml = load(dataset, data_dir)
     feats = MovieLensFeatures(ml.users, ml.items)
+    items = {i: feats.item_slots(i) for i in feats.item_ids}
+    if content:
+        items = {i: {**slots, ITEM_CONTENT: feats.item_content(i)} for i, slots in items.items()}
     store = FeatureStore(url, prefix, timeout_s=30.0)
     try:
-        n = await store.put({u: feats.user_slots(u) for u in feats.user_ids},
-                            {i: feats.item_slots(i) for i in feats.item_ids})
+        n = await store.put({u: feats.user_slots(u) for u in feats.user_ids}, items)
     finally:
         await store.close()
     return n, time.perf_counter() - started
@@ -311,8 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, dict[str, str]] = {}
     try:
         if args.movielens:
+            from movielens.features import ITEM_CONTENT
+
             source = args.dataset
-            n, seconds = asyncio.run(load_dataset(args.redis_url, args.dataset, args.data_dir, args.prefix))
+            # the items' content when the project declares it (an item feature the model's encoder reads)
+            content = ITEM_CONTENT in args.declared.get("item", ())
+            n, seconds = asyncio.run(load_dataset(args.redis_url, args.dataset, args.data_dir, args.prefix, content))
         else:
             source = " and ".join(str(p) for p in (args.users, args.items) if p is not None)
             declared = args.declared

@@ -30,6 +30,8 @@ def run_batch(args) -> dict:
     """Passes over the examples, less the last ``--test-fraction`` of them (the MovieLens ratings'
     latest, or the dumper's Parquet files' last rows in their hourly order), scored after each
     pass: ``test_auc``, ``test_log_loss`` and the mean score against the click rate."""
+    from movielens.features import ITEM_CONTENT
+
     from .data import MovieLensData, parquet_batches, parquet_files, parquet_rows, rows_of
 
     if not 0 <= args.test_fraction < 1:
@@ -40,7 +42,10 @@ def run_batch(args) -> dict:
                         cache_admit_after=ts.cache_admit_after, lookahead=ts.lookahead)
     ps_counts = M.PSCounts(cfg.model_id, model.tables, model)
     files = parquet_files(Path(args.examples_dir))
-    data = None if files and not args.movielens else MovieLensData(args.dataset, Path(args.data_dir), limit=args.limit)
+    # the items' content when the model's encoder reads MovieLens's (what the demo loads into Redis)
+    content = cfg.content is not None and cfg.content.slot == ITEM_CONTENT
+    data = (None if files and not args.movielens
+            else MovieLensData(args.dataset, Path(args.data_dir), limit=args.limit, content=content))
     if data is None:
         rows = parquet_rows(files)
         n_train = rows - int(rows * args.test_fraction)

@@ -35,9 +35,12 @@ unfilled (counted). Kept examples are bounded by ``max_open_tasks x (support + q
 lives while one of its rows is wanted, and the chunks are compacted when they hold more than
 twice the wanted rows. A task that never fills costs its examples until it is dropped.
 
-Not here yet: the N-rank engine (the starting point would be replicated as the dense head is,
-its gradients all-reduced; the ranks refuse ``meta`` meanwhile). Serving needs nothing: the
-starting accumulator is optimizer state, which it does not keep.
+**N ranks** (``sync``, :mod:`trainer.dist.meta`): the starting point is replicated like the dense
+head; the owner of a new id gives it the starting point in the engine's lookup and tells the
+requester it was new; each rank keeps its own examples' tasks; the outer step runs on every rank
+together once the ranks' filled tasks add up to ``tasks_per_step``, reading rows through the
+engine (:attr:`MetaLearner.read`) and summing the ranks' gradients (:attr:`MetaLearner.reduce`).
+Serving needs nothing: the starting accumulator is optimizer state, which it does not keep.
 
 >>> tb = TaskBuffer(support=2, query=1, max_open=2)
 >>> tb.open([7, 8])
@@ -55,7 +58,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,6 +169,12 @@ class MetaLearner:
         self._ready: list[list[Ref]] = []
         self.outer_steps = self.skipped_steps = 0
         self._published: dict[tuple[str, str], int] = {}
+        # N ranks replace these three (trainer.dist.meta): whether an outer step is due (on the
+        # count of filled tasks), how a batch's rows are read (``(completed batch, packed, rows)``)
+        # and how an outer step's gradient sum, task count and failure add up over the ranks
+        self.due: Callable[[int], bool] = lambda n: n >= self.meta.tasks_per_step
+        self.read: Callable[[SparseBatch], tuple] = self._read
+        self.reduce: Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, int, bool]] = lambda g, n, bad: (g, n, bad)
 
     @staticmethod
     def _parts(model, slot: str) -> list[_Part]:
@@ -199,17 +208,22 @@ class MetaLearner:
         if not new.size:
             return
         acc = self.start()
-        at = 0
-        for p in self.parts:
-            t, keys = self.m.tables[p.table], p.keys(new)
-            t.gather(keys, insert=True, event_time=batch.max_event_time)
-            _, state = t.read_rows(keys)
-            rows = np.zeros((keys.size, p.dim), np.float32)
-            if p.adagrad:
-                state[:, :p.dim] = acc[at:at + p.dim]
-            t.write_rows(keys, rows, state)
-            at += p.dim
+        for i, p in enumerate(self.parts):
+            self.give_start(i, self.m.tables[p.table], p.keys(new), batch.max_event_time, acc)
         self.tasks.open(new.tolist())
+
+    def give_start(self, part: int, table, keys: np.ndarray, event_time: int, acc: np.ndarray | None = None) -> None:
+        """Insert ``keys`` (new ids of part ``part``'s table, salted as stored) into ``table`` with
+        the starting point: zero values and the starting accumulators (``acc``: :meth:`start`)."""
+        p = self.parts[part]
+        acc = self.start() if acc is None else acc
+        at = sum(q.dim for q in self.parts[:part])
+        table.gather(keys, insert=True, event_time=event_time)
+        _, state = table.read_rows(keys)
+        rows = np.zeros((keys.size, p.dim), np.float32)
+        if p.adagrad:
+            state[:, :p.dim] = acc[at:at + p.dim]
+        table.write_rows(keys, rows, state)
 
     def after(self, batch: SparseBatch) -> None:
         """Keep the examples of open tasks; an outer step once ``tasks_per_step`` tasks filled."""
@@ -220,10 +234,10 @@ class MetaLearner:
             self._next_chunk += 1
             self.chunks[c] = batch.select(np.asarray(rows, np.int64))
             self._ready += [refs for _, refs in self.tasks.add(c, [keys[i] for i in rows])]
-        if len(self._ready) >= self.meta.tasks_per_step:
+        if self.due(len(self._ready)):
             ready, self._ready = self._ready, []
             try:
-                self._meta_step(ready)
+                self._meta_step(ready, batch)
             except Exception:
                 # the training step it follows is applied already: raising would make the caller
                 # retry (and apply again) that batch; skipped and counted instead
@@ -270,13 +284,20 @@ class MetaLearner:
         order = np.fromiter((where[ref] for refs in tasks for ref in refs), np.int64)
         return concat_batches(parts).select(order)
 
-    def _grads(self, batch: SparseBatch, rows: torch.Tensor) -> torch.Tensor:
-        """Each example's loss gradient at its task's rows ``rows`` [size, dim] (the other rows and
-        the head as they are), ``[size, dim]``."""
+    def _read(self, batch: SparseBatch) -> tuple:
+        """``(completed batch, packed batch, its rows)`` read from the PS, nothing inserted."""
         m = self.m
         batch = m.complete(batch)
         pb = m.pack(batch)
-        buf = m.ps.gather_packed(pb, insert=False)
+        return batch, pb, m.ps.gather_packed(pb, insert=False)
+
+    def _grads(self, looked: tuple, rows: torch.Tensor) -> torch.Tensor:
+        """Each example's loss gradient at its task's rows ``rows`` [size, dim] (the other rows and
+        the head as they are), ``[size, dim]``; ``looked``: the examples as :attr:`read` gives them."""
+        m = self.m
+        batch, pb, buf = looked
+        if batch.size == 0:
+            return torch.zeros(0, self.dim)
         blocks = [blk for blk in (m._emb_block, m._lin_block) if blk is not None]
         seg, elem, views, pos = 0, 0, [], []
         for blk in blocks:
@@ -301,35 +322,67 @@ class MetaLearner:
             q.grad = None
         return torch.cat([leaves[p.block][1].grad[torch.from_numpy(loc)] for p, loc in zip(self.parts, locs, strict=True)], 1)
 
-    def _meta_step(self, tasks: list[list[Ref]]) -> None:
-        """FOMAML over ``tasks`` (the module docstring)."""
-        s, q, T = self.meta.support, self.meta.query, len(tasks)
-        ex = self._examples(tasks)
+    def _meta_step(self, tasks: list[list[Ref]], template: SparseBatch) -> None:
+        """FOMAML over ``tasks`` (the module docstring). Reads rows twice (:attr:`read`: support,
+        then query) and sums once (:attr:`reduce`) whatever fails here, so N ranks' outer steps
+        (each over its own tasks, maybe none) stay in step; a failure skips the step everywhere."""
+        s, q = self.meta.support, self.meta.query
+        try:
+            ex = self._examples(tasks) if tasks else None
+        except Exception:  # the reads and the sum still run (N ranks wait on them)
+            log.exception("meta: the outer step's examples could not be gathered")
+            ex, tasks = None, []
+        T, failed = len(tasks), ex is None and bool(tasks)
+        empty = template.select(np.zeros(0, np.int64))
         base = np.arange(T) * (s + q)
+        si = (base[:, None] + np.arange(s)[None, :]).reshape(-1)
+        qi = (base[:, None] + s + np.arange(q)[None, :]).reshape(-1)
+        support = self.read(ex.select(si) if T else empty)
+        w = None
+        if T:
+            try:
+                w = self._inner(support, T)
+            except Exception:  # as above
+                log.exception("meta: the inner loop failed on %d tasks", T)
+                failed = True
+        query = self.read(ex.select(qi) if T and w is not None else empty)
+        g = torch.zeros(self.dim)
+        if w is not None:
+            try:
+                gq = self._grads(query, w.repeat_interleave(q, 0)).view(T, q, self.dim).mean(1)
+                self.optimizer.zero_grad()
+                (w * gq).sum().backward()  # first order: d(query loss)/d(start) through the steps
+                if self.log_acc.grad is not None:
+                    g = self.log_acc.grad.detach().clone()
+            except Exception:  # as above
+                log.exception("meta: the query gradients failed on %d tasks", T)
+                failed = True
+        g, n, failed = self.reduce(g, 0 if failed else T, failed)
+        if failed or n == 0 or not bool(torch.isfinite(g).all()):
+            self.skipped_steps += 1  # (a task's non-finite loss skips the outer step, as the PS skips the row)
+            return
+        self.log_acc.grad = g / n
+        self.optimizer.step()
+        self.outer_steps += 1
+
+    def _inner(self, support: tuple, T: int) -> torch.Tensor:
+        """The adapted rows ``[T, dim]`` (with their graph to the starting accumulators): the
+        support examples' gradients at the starting point (one pass), then the PS's steps of a new
+        row through them one example after another: first order, the gradients held where they
+        were taken (re-taking each at the stepped row, one pass per example, measured the same on
+        ml-1m's coldstart stream, 0.7481/0.7487 against 0.7482/0.7488, at 3x the cost)."""
+        s = self.meta.support
         lr = torch.tensor(np.concatenate([np.full(p.dim, p.lr) for p in self.parts]), dtype=torch.float32)
         eps = torch.tensor(np.concatenate([np.full(p.dim, p.eps) for p in self.parts]), dtype=torch.float32)
         ada = torch.tensor(np.concatenate([np.full(p.dim, p.adagrad) for p in self.parts]))
         w = torch.zeros(T, self.dim)
         acc = torch.exp(self.log_acc).expand(T, self.dim)
-        # the support examples' gradients at the starting point (one pass), then the PS's steps of
-        # a new row through them one example after another: first order, the gradients held where
-        # they were taken (re-taking each at the stepped row, one pass per example, measured the
-        # same on ml-1m's coldstart stream, 0.7481/0.7487 against 0.7482/0.7488, at 3x the cost)
-        si = (base[:, None] + np.arange(s)[None, :]).reshape(-1)
-        gs = self._grads(ex.select(si), w.repeat_interleave(s, 0)).view(T, s, self.dim)
+        gs = self._grads(support, w.repeat_interleave(s, 0)).view(T, s, self.dim)
         for j in range(s):
             g = gs[:, j]
             acc = acc + g * g
             w = w - torch.where(ada, lr * g / (acc.sqrt() + eps), lr * g)
-        qi = (base[:, None] + s + np.arange(q)[None, :]).reshape(-1)
-        gq = self._grads(ex.select(qi), w.repeat_interleave(q, 0)).view(T, q, self.dim).mean(1)
-        self.optimizer.zero_grad()
-        (w * gq).sum().div(T).backward()  # first order: d(query loss)/d(start) through the steps
-        if self.log_acc.grad is not None and bool(torch.isfinite(self.log_acc.grad).all()):
-            self.optimizer.step()  # (a task's non-finite loss skips the outer step, as the PS skips the row)
-            self.outer_steps += 1
-        else:
-            self.skipped_steps += 1
+        return w
 
     def _compact(self) -> None:
         """Chunks holding more than twice the rows still wanted are re-cut to those rows."""

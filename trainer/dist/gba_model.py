@@ -99,6 +99,8 @@ def unsupported(cfg: ModelConfig, device: str = "cpu", cache_rows: int = 0) -> s
         return "gba/async: sequential models are not supported (use sync or hybrid)"
     if any(t.admission.min_count > 1 or t.admission.probability < 1.0 for t in cfg.tables):
         return "gba/async: count or probabilistic admission is not supported"
+    if cfg.meta is not None:
+        return "gba/async: model.meta is not supported (use sync)"
     return None
 
 

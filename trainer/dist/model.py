@@ -113,6 +113,7 @@ from ..model import NonFiniteStepError, SparseModel
 from ..sharding import owners, whole_tables
 from . import sequential as seq
 from .content import ContentStore, OwnerEncoder
+from .meta import RankMeta
 from .owner import Owner
 from .owner_cache import OwnerCache
 from .placement import dense_group, rank_device
@@ -221,6 +222,15 @@ class DistributedModel:
         # in flight, and hybrid runs lookups in their own thread; either way the two never
         # interleave on one group (gloo matches collectives by issue order per group)
         self._lookup_group = dist.new_group(backend="gloo")
+        self._meta = None
+        if cfg.meta is not None:  # meta-learned starting points (trainer.dist.meta)
+            if mode != "sync" or cache_rows:
+                raise DistributedError(f"model.meta on N ranks trains in sync without the owner cache (mode {mode!r}, "
+                                       f"cache_rows {cache_rows})")
+            try:
+                self._meta = RankMeta(self, self._lookup_group)
+            except ValueError as err:
+                raise DistributedError(str(err)) from err
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dist-lookup") if mode == "hybrid" else None
         self._lock = threading.Lock()
         self.alltoall_bytes = 0   # bytes this rank sent to other ranks through all_to_all
@@ -309,10 +319,15 @@ class DistributedModel:
         if self._counts:
             r_occ = self._a2a(p.occ, counts.sum(1), rcounts.sum(1), g)
         comm = time.perf_counter() - tc
+        new_tasks, meta_failed = None, None
+        if self._meta is not None and insert:  # new task ids: their start, before they are served
+            new_tasks, meta_failed = self._meta_start(r_ids, rcounts, counts, p, t_event)
         reply, owned, served_failed = self._owner.serve(r_ids, r_occ if self._counts else None, rcounts, t_event,
                                                         insert)
         if self._row_content:
             served_failed = self._content_rows(reply, r_ids, rcounts, insert, served_failed)
+        if meta_failed is not None:
+            served_failed = served_failed | meta_failed
         back_splits = (rcounts * self._dims).sum(1)
         row_splits = (counts * self._dims).sum(1)
         tc = time.perf_counter()
@@ -323,7 +338,22 @@ class DistributedModel:
         m.timings["lookup"] += time.perf_counter() - t0 - comm
         return Lookup(batch, pb, buf, rows_map, rows.size, list(row_splits), list(back_splits), owned,
                        global_size, t_event, comm, error, bool(got[:, T + 2].any()), served_failed,
-                       lin, got[:, T].tolist(), got[:, T + 3].tolist())
+                       lin, got[:, T].tolist(), got[:, T + 3].tolist(), new_tasks)
+
+    def _meta_start(self, r_ids, rcounts, counts, p, t_event: int):
+        """Step 4's ``model.meta`` part (:mod:`trainer.dist.meta`): the owner starts the new task
+        ids, then each requester learns which of its own were new (collective). If the start
+        raises, the requesters of the task table are named like an owner's failed lookup.
+        Returns ``(this rank's new task ids, the requesters to name or None)``."""
+        m, failed = self._meta, None
+        try:
+            flags = m.start(r_ids, rcounts, t_event)
+        except Exception as err:  # noqa: BLE001 - named to the requesters, isolated in lockstep
+            log.error("rank %d: model.meta's start of new ids failed: %r", self.rank, err)
+            t0 = m.part_tables[0]
+            flags = np.zeros(int(rcounts[:, t0].sum()), bool)
+            failed = rcounts[:, t0] > 0
+        return m.new_tasks(flags, rcounts, counts, p.u_ids, p.u_tab), failed
 
     def _content_rows(self, reply, r_ids, rcounts, insert: bool, served_failed: np.ndarray) -> np.ndarray:
         """Step 4's ``row`` content: the encoder's output added to the served item rows
@@ -587,7 +617,13 @@ class DistributedModel:
         before the update)``. Collective: every rank calls it, with an empty batch when idle.
         In ``hybrid`` the updates still in flight are applied first."""
         self._drain()
-        return self._learn(self._lookup(batch))
+        lk = self._lookup(batch)
+        if self._meta is None:
+            return self._learn(lk)
+        self._meta.learner.tasks.open(lk.new_tasks.tolist())
+        out = self._learn(lk)
+        self._meta.learner.after(lk.batch)  # collective: every rank, after every step applied
+        return out
 
     def step(self, batch: SparseBatch):
         """One step for a caller that has one batch at a time (the online ranks): in ``sync``

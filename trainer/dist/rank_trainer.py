@@ -162,8 +162,8 @@ class RankTrainer(TrainerLoop):
         ts = settings.trainer
         if ts.dist_mode in GBA_MODES and (why := unsupported(cfg, ts.device, ts.cache_rows)) is not None:
             raise RankError(why)
-        if cfg.meta is not None:  # its outer loop reads rows without inserting: not a collective yet
-            raise RankError("model.meta (trainer/meta.py) runs in one trainer process (nproc 1), not on N ranks yet")
+        if cfg.meta is not None and ts.dist_mode != "sync":  # (trainer.dist.meta)
+            raise RankError(f"model.meta on N ranks trains in sync, not {ts.dist_mode!r}")
         super().__init__(settings, cfg, ("poll", "prepare", "train", "commit", "sync", "snapshot", "agree", "comm"),
                          rank=self.rank)
         ts = self.ts
@@ -236,6 +236,8 @@ class RankTrainer(TrainerLoop):
         self.dm.head.load_state_dict(got.dense["head"])
         if "optimizer" in got.dense and self.dm.optimizer is not None:  # gba: rank 0's master alone
             self.dm.optimizer.load_state_dict(got.dense["optimizer"])
+        if "meta" in got.dense and self.cfg.meta is not None:  # (sync: a DistributedModel)
+            self.dm.model.meta.load_state_dict(got.dense["meta"])
         self._from_start = got.reset
         self._restore_stream(man, reset=got.reset, offsets=got.offsets, examples_applied=got.examples_applied,
                              dedup_state=got.dedup, auc=got.auc, sample_rates=got.sample_rates, scores=got.scores,
@@ -272,6 +274,8 @@ class RankTrainer(TrainerLoop):
         if self.rank == 0:
             man, rows = rank_snapshots.manifest_of(parts, self._stream_manifest(), half_life=self.ts.sample_rate_half_life)
             dense = {"head": self.dm.head.state_dict(), "optimizer": self.dm.optimizer.state_dict()}
+            if self.cfg.meta is not None:  # the starting point, equal on every rank (trainer.dist.meta)
+                dense["meta"] = self.dm.model.meta.state_dict()
             path = await loop.run_in_executor(
                 None, lambda: snapshots.commit_ranks(self.root, self.cfg, seq, self.world, dense, man, rows))
             self.store.record_epoch(self.epoch)

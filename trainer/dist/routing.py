@@ -206,3 +206,4 @@ class Lookup:
     lin: object = None                       # sequential training: the first-order ids (ps.PackedBatch) for rank 0
     sizes: list | None = None                # every rank's batch size (from the header)
     lin_ids: list | None = None              # every rank's count of first-order ids
+    new_tasks: np.ndarray | None = None      # model.meta: this rank's task ids the owners started (trainer.dist.meta)

@@ -48,9 +48,14 @@ step pulls and pushes once per remote owner.
 tests/trainer/distributed/test_gba.py): each owner then releases one global batch of the same
 gradients, scaled by 1, as sync's owners apply them.
 
-**Not here** (issue #34): sequential models, count admission (``min_count > 1``, probabilistic
-admission: the owner would need occurrence counts), snapshots of the buffers (the online ranks
-flush them before each snapshot instead, :mod:`trainer.dist.rank_trainer`). The online ranks'
+**Count and probabilistic admission**: a pull carries each id's occurrences in the batch, and
+the owner's sketch counts them as sync's owners do (:meth:`trainer.dist.owner.Owner.serve`). An id
+that reaches its count in the same step on two ranks is admitted by whichever rank's pull comes
+first, which reads its new row while the other reads zeros (sync: the lower rank's occurrences
+count first); with a zero initializer the two agree (tests/trainer/distributed/test_gba.py).
+
+**Not here** (issue #34): sequential models, snapshots of the buffers (the online ranks flush
+them before each snapshot instead, :mod:`trainer.dist.rank_trainer`). The online ranks'
 rounds do not wait for each other either (:mod:`trainer.dist.rounds`).
 """
 
@@ -97,8 +102,6 @@ def unsupported(cfg: ModelConfig, device: str = "cpu", cache_rows: int = 0) -> s
                 f"{cache_rows}); sync and hybrid run N ranks on GPUs and with the cache")
     if cfg.sequential:
         return "gba/async: sequential models are not supported (use sync or hybrid)"
-    if any(t.admission.min_count > 1 or t.admission.probability < 1.0 for t in cfg.tables):
-        return "gba/async: count or probabilistic admission is not supported"
     if cfg.meta is not None:
         return "gba/async: model.meta is not supported (use sync)"
     return None
@@ -132,6 +135,9 @@ class GBAModel:
         self.cfg = cfg
         self._names = self.model.ps.table_names
         self._dims = np.array([self.model.tables[n].dim for n in self._names], np.int64)
+        # an admission that depends on occurrences needs each id's count in the batch (as sync's)
+        self._counts = any(self.model.tables[n].config.admission.min_count > 1
+                           or self.model.tables[n].config.admission.probability < 1.0 for n in self._names)
         self._params = list(self.model.head.parameters())
         with torch.no_grad():  # equal replicas, and the master starts from them
             for p in self._params:
@@ -231,7 +237,8 @@ class GBAModel:
         for o in range(n):
             sl = slice(int(id_off[o]), int(id_off[o] + p.counts[o].sum()))
             args = (self.rank, p.u_ids[sl], p.counts[o], t_event, insert, self._dense_token if o == 0 else -1,
-                    self._after[o] if wait_s else -1, self._dense_after if wait_s and o == 0 else -1, wait_s)
+                    self._after[o] if wait_s else -1, self._dense_after if wait_s and o == 0 else -1, wait_s,
+                    p.occ[sl] if self._counts and insert else None)
             calls.append((o, sl, args))
         futs = {o: rpc.rpc_async(f"gba{o}", srv.pull, args=args) for o, _, args in calls if o != self.rank}
         got = {self.rank: self.server.pull(*calls[self.rank][2])}

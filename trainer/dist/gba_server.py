@@ -124,9 +124,11 @@ class ShardServer:
             return self.moved.wait_for(moved, timeout=wait_s)
 
     def pull(self, requester: int, ids: np.ndarray, counts: np.ndarray, t_event: int, insert: bool,
-             dense_known: int | None, after: int = -1, dense_after: int = -1, wait_s: float = 0.0):
+             dense_known: int | None, after: int = -1, dense_after: int = -1, wait_s: float = 0.0,
+             occ: np.ndarray | None = None):
         """``(rows, token, dense parameters or None, dense token, fresh)`` for ``ids`` (per-table
-        ``counts``, wire order), after waiting up to ``wait_s`` until the global batches the
+        ``counts``, wire order; ``occ``: each id's occurrences in the batch, for count or
+        probabilistic admission), after waiting up to ``wait_s`` until the global batches the
         requester's last pushes joined (tokens ``after`` / ``dense_after``) are applied (``fresh``:
         they were)."""
         fresh = self.await_tokens(after, dense_after, wait_s)
@@ -134,7 +136,7 @@ class ShardServer:
         rcounts[requester] = counts
         with self.lock:
             token = self.buffer.token
-            reply, _, failed = self.owner.serve(ids, None, rcounts, t_event, insert)
+            reply, _, failed = self.owner.serve(ids, occ, rcounts, t_event, insert)
         if failed.any():
             raise OwnerLookupError(f"rank {self.owner.rank}: the lookup of rank {requester}'s ids failed")
         dense, dtoken = self.dense.pull(dense_known) if self.dense is not None and dense_known != -1 else (None, -1)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 import torch.distributed as dist
 
 from tests.trainer.distributed.rank_local import run_local
 from tests.trainer.distributed.test_distributed import _cfg, _rows, _state
 from trainer.batch import SparseBatch
+from trainer.config import InitializerConfig
 from trainer.dist.gba_model import GBAModel
 from trainer.dist.model import DistributedModel
 
@@ -31,12 +33,22 @@ def _batch(step: int, rank: int) -> SparseBatch:
                                        event_time_ms=np.full(B, 1_000 * step))
 
 
-def _equal_worker(rank: int, world: int) -> dict:
-    sync = DistributedModel(_cfg(), mode="sync")
+def _admitting_cfg():
+    """Count admission (``min_count`` 2) with rows starting at zero: an id admitted in a step where
+    both ranks pull it reads zeros on the rank that pulled first and its new row on the other, in
+    whichever order the pulls came (sync: rank order); with zero rows the two agree."""
+    cfg = _cfg(min_count=2)
+    return cfg.model_copy(update={"tables": [t.model_copy(update={"initializer": InitializerConfig(kind="zeros")})
+                                             for t in cfg.tables]})
+
+
+def _equal_worker(rank: int, world: int, admission: bool = False) -> dict:
+    cfg = _admitting_cfg() if admission else _cfg()
+    sync = DistributedModel(cfg, mode="sync")
     sync_losses = [sync.train_step(_batch(s, rank))[0] for s in range(STEPS)]
     ref = _state(sync.tables, sync.head, sync.optimizer)
     sync.close()
-    dm = GBAModel(_cfg(), mode="gba", global_batch=world * B, max_staleness=2)
+    dm = GBAModel(cfg, mode="gba", global_batch=world * B, max_staleness=2)
     losses = []
     for s in range(STEPS):
         losses.append(dm.step(_batch(s, rank))[0])
@@ -48,11 +60,13 @@ def _equal_worker(rank: int, world: int) -> dict:
         got.update({k: v for k, v in _state(dm.tables, dm.head, dm.optimizer).items() if k != "tables"})
     stats = dm.stats
     dm.close()
-    return {"ref": ref, "got": got, "stats": stats, "losses": losses, "sync_mean": sync_losses}
+    users = np.unique(np.concatenate([_batch(s, r).ids["user_id"] for s in range(STEPS) for r in range(world)]))
+    return {"ref": ref, "got": got, "stats": stats, "losses": losses, "sync_mean": sync_losses, "users": users.size}
 
 
-def test_gba_one_batch_per_rank_per_token_equals_sync():
-    res = run_local(_equal_worker, 2, timeout_s=60)
+@pytest.mark.parametrize("admission", [False, True], ids=["plain", "count-admission"])
+def test_gba_one_batch_per_rank_per_token_equals_sync(admission):
+    res = run_local(_equal_worker, 2, admission, timeout_s=60)
     for rank, r in enumerate(res):
         ref, got = r["ref"], r["got"]
         for name, items in ref["tables"].items():
@@ -65,6 +79,8 @@ def test_gba_one_batch_per_rank_per_token_equals_sync():
         st = r["stats"]
         # one release per step on the shard (and on rank 0 the head): nothing stale, nothing decayed
         assert (st.applied, st.decayed, st.dropped, st.staleness_sum) == (STEPS * (2 if rank == 0 else 1), 0, 0, 0)
+    if admission:  # users seen once were not admitted, in gba as in sync (the shards compared above)
+        assert sum(len(r["ref"]["tables"]["user_id"][0]) for r in res) < res[0]["users"]
     got, ref = res[0]["got"], res[0]["ref"]
     for k, v in ref["head"].items():
         np.testing.assert_allclose(got["head"][k], v, rtol=1e-5, atol=1e-7, err_msg=k)

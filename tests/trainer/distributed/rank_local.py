@@ -71,3 +71,16 @@ def run_local(fn, world: int, *args, timeout_s: float = 60.0, threads: int = 1, 
     if errors:
         raise DistributedError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def refusals(builds) -> list[str]:
+    """Each of ``builds`` (functions that build and return a model with a ``close()``, on every
+    rank) tried in turn: ``"built"`` or the :class:`DistributedError` it raised."""
+    out = []
+    for build in builds:
+        try:
+            build().close()
+            out.append("built")
+        except DistributedError as err:
+            out.append(str(err))
+    return out

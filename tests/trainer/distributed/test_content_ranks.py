@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer.distributed.rank_local import run_local
+from tests.trainer.distributed.rank_local import refusals, run_local
 from trainer.batch import SparseBatch, concat_batches
 from trainer.config import ContentConfig, ModelConfig, deepfm_config
 from trainer.dist.content import ContentStore
@@ -164,17 +164,9 @@ def test_an_owner_whose_encoder_raises_names_the_requesters_and_nothing_hangs():
 
 
 def _refused(rank: int, world: int) -> list[str]:
-    from trainer.dist.model import DistributedError
-
-    out = []
     shared = _cfg().model_copy(update={"slots": {**_cfg().slots, "other_item": _cfg().slots["item_id"]}})
-    for cfg, mode in ((_cfg(), "hybrid"), (shared, "sync")):
-        try:
-            DistributedModel(cfg, mode=mode, content=ContentStore(_content())).close()
-            out.append("built")
-        except DistributedError as err:
-            out.append(str(err))
-    return out
+    return refusals(lambda cfg=cfg, mode=mode: DistributedModel(cfg, mode=mode, content=ContentStore(_content()))
+                    for cfg, mode in ((_cfg(), "hybrid"), (shared, "sync")))
 
 
 def test_row_content_is_refused_in_hybrid_and_for_a_shared_item_table():

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.trainer.distributed.rank_local import run_local
+from tests.trainer.distributed.rank_local import refusals, run_local
 from trainer.batch import SparseBatch, concat_batches
 from trainer.config import MetaConfig, ModelConfig, deepfm_config
-from trainer.dist.model import DistributedError, DistributedModel
+from trainer.dist.model import DistributedModel
 from trainer.model import SparseModel
 
 META = MetaConfig(task_slot="user_id", support=2, query=2, tasks_per_step=3, outer_lr=0.1)
@@ -81,17 +81,14 @@ def test_two_ranks_equal_one_process_when_each_users_examples_stay_on_one_rank()
         assert times.tolist() == items[3].tolist(), name
 
 
+def _meta_cfg(**kw) -> ModelConfig:
+    cfg = deepfm_config(dim=4, mlp=[8], slots=("user_id", "item_id"), **{"sequential": False, **kw})
+    return ModelConfig.model_validate({**cfg.model_dump(), "meta": META.model_dump()})
+
+
 def _refused(rank: int, world: int) -> list[str]:
-    out = []
-    for kw, mode in (({}, "hybrid"), ({"sequential": True}, "sync")):
-        cfg = deepfm_config(dim=4, mlp=[8], slots=("user_id", "item_id"), **{"sequential": False, **kw})
-        cfg = ModelConfig.model_validate({**cfg.model_dump(), "meta": META.model_dump()})
-        try:
-            DistributedModel(cfg, mode=mode).close()
-            out.append("built")
-        except DistributedError as err:
-            out.append(str(err))
-    return out
+    return refusals(lambda kw=kw, mode=mode: DistributedModel(_meta_cfg(**kw), mode=mode)
+                    for kw, mode in (({}, "hybrid"), ({"sequential": True}, "sync")))
 
 
 def test_the_ranks_refuse_meta_in_hybrid_and_with_a_sequential_model():

@@ -12,7 +12,9 @@ rows of the encoder's token table) to the requesting rank. Last line: JSON.
 * ``bytes_per_example_{row,owners,raw}``: everything through the all-to-all (the engine's ids,
   rows, gradients and headers, plus the above); ``ratio_row_vs_raw`` and ``ratio_owners_vs_raw``
   of those totals; ``content_ratio_owners_vs_raw`` of the encoder's own bytes;
-* ``tokens_per_item``: the mean content length of the stream's items.
+* ``tokens_per_item``: the mean content length of the stream's items;
+* ``ex_per_s_{row,owners,raw}``: examples of both ranks per second, after a first step (``row``
+  gives up overlapping the rows' gradients with the dense sum: step 8 runs before it).
 
 Both directions count for ``owners`` (``dim`` float32 rows forward, as many gradients back); raw
 content travels forward only. A token list shorter than ``2 * dim`` floats' worth of int32 is
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,6 +36,7 @@ import trainer  # noqa: F401  - before torch: OMP_WAIT_POLICY=PASSIVE (see train
 
 # isort: split
 import numpy as np
+import torch.distributed as dist
 
 from movielens.features import ITEM_CONTENT
 from tests.trainer.distributed.rank_local import run_local
@@ -55,9 +59,14 @@ def _rank(rank: int, world: int, mode: str) -> dict:
     store = ContentStore({i: d.features.item_content(i) for i in d.features.item_ids})
     dm = DistributedModel(_cfg(), content=store, content_mode=mode)
     step = BATCH * world
-    for a in range(0, len(d) - step + 1, step):
-        dm.train_step(d.batch(np.arange(a + rank * BATCH, a + (rank + 1) * BATCH)))
-    out = {"bytes": dm._content.bytes, "examples": dm._content.examples, "engine": dm.alltoall_bytes}
+    batches = [d.batch(np.arange(a + rank * BATCH, a + (rank + 1) * BATCH)) for a in range(0, len(d) - step + 1, step)]
+    dm.train_step(batches[0])  # kernels and allocator outside the timing
+    dist.barrier()
+    t0 = time.perf_counter()
+    for b in batches[1:]:
+        dm.train_step(b)
+    out = {"bytes": dm._content.bytes, "examples": dm._content.examples, "engine": dm.alltoall_bytes,
+           "seconds": time.perf_counter() - t0, "timed": sum(b.size for b in batches[1:])}
     dm.close()
     return out
 
@@ -71,6 +80,8 @@ def main() -> None:
     d = MovieLensData(limit=LIMIT)
     items = np.unique(d.item_id)
     out = {f"content_bytes_per_example_{m}": r["bytes"] / r["examples"] for m, r in res.items()}
+    # examples of both ranks over the slower rank's seconds (the ranks step together)
+    out.update({f"ex_per_s_{m}": round(r["timed"] / (r["seconds"] / RANKS)) for m, r in res.items()})
     out.update({f"bytes_per_example_{m}": (r["bytes"] + r["engine"]) / r["examples"] for m, r in res.items()})
     for m in ("row", "owners"):
         out[f"ratio_{m}_vs_raw"] = out[f"bytes_per_example_{m}"] / out["bytes_per_example_raw"]

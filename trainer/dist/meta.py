@@ -22,10 +22,14 @@ changes is where rows live:
   ``all_reduce`` of the gradient sums, the task counts and a failure flag (:meth:`RankMeta.reduce`),
   so each replica takes the same Adam step. A failure anywhere skips the step everywhere.
 
+A ``sequential`` model's first-order rows live whole on rank 0 and skip the lookups when
+training (:mod:`trainer.dist.sequential`): rank 0 gives the task slot's new ones their start at
+the top of its pass (:meth:`RankMeta.start_pass`); its embedding rows (sharded, or whole on rank 0
+with ``sequential_embeddings``) start in the lookups as above.
+
 With each task's examples on one rank this equals 1 process on the concatenated batches, up to
-float summation order (tests/trainer/distributed/test_meta_ranks.py). Needs the task slot's tables
-to itself (the owner tells new ids apart by table) and a model without ``sequential`` (its
-first-order rows live whole on rank 0 and learn in rank 0's pass).
+float summation order, sequential models included (tests/trainer/distributed/test_meta_ranks.py).
+Needs the task slot's tables to itself (the owner tells new ids apart by table).
 """
 
 from __future__ import annotations
@@ -46,9 +50,9 @@ class RankMeta:
         self.engine, self.group = engine, group
         self.learner = learner = engine.model.meta
         cfg = engine.cfg
-        if cfg.sequential:
-            raise ValueError("model.meta on N ranks: a sequential model's first-order rows learn in rank 0's "
-                             "pass; run it with sequential off (or in 1 process)")
+        if cfg.sequential and learner.parts[0].block != 0:
+            raise ValueError("model.meta on N ranks with a sequential model needs the task slot's embedding "
+                             "(its new ids are told apart in the lookups, which its first-order rows skip)")
         uses = cfg.table_slots()
         for p in learner.parts:
             other = [s for _, s in uses[p.table] if s != cfg.meta.task_slot]
@@ -57,6 +61,10 @@ class RankMeta:
                                  "tells the task slot's new ids apart by table")
         names = list(engine.model.ps.table_names)
         self.part_tables = [names.index(p.table) for p in learner.parts]
+        # a sequential model's first-order rows live whole on rank 0 and skip the lookups when
+        # training: rank 0 starts them in its pass (start_pass)
+        self.pass_parts = [(i, f"l:{cfg.meta.task_slot}") for i, p in enumerate(learner.parts)
+                           if cfg.sequential and p.block == 1]
         learner.due, learner.read, learner.reduce = self.due, self.read, self.reduce
 
     def start(self, r_ids: np.ndarray, rcounts: np.ndarray, t_event: int) -> np.ndarray:
@@ -76,6 +84,18 @@ class RankMeta:
                 self.learner.give_start(i, table, np.unique(keys[new]), t_event, acc)
         assert flags is not None
         return flags
+
+    def start_pass(self, slots: tuple, parts: list, t_event: int) -> None:
+        """Rank 0, a sequential model's pass (:mod:`trainer.dist.sequential`), before it runs: give
+        the task slot's new first-order ids in the ranks' ``parts`` (over ``slots``) the starting
+        point, as the lookups do for the embedding rows."""
+        for i, key in self.pass_parts:
+            j = slots.index(key)
+            keys = np.concatenate([np.split(p.ids, np.cumsum(p.lens.sum(1))[:-1])[j] for p in parts])
+            table = self.engine.model.tables[self.learner.parts[i].table]
+            new = np.unique(keys[~table.contains(keys)]) if keys.size else keys
+            if new.size:
+                self.learner.give_start(i, table, new, t_event)
 
     def new_tasks(self, flags: np.ndarray, rcounts: np.ndarray, counts: np.ndarray, u_ids: np.ndarray,
                   u_tab: np.ndarray) -> np.ndarray:

@@ -444,6 +444,8 @@ class DistributedModel:
             if any(p.failed for p in parts):
                 return seq.SKIPPED, None
             try:
+                if self._meta is not None:  # the task slot's new first-order rows (trainer.dist.meta)
+                    self._meta.start_pass(pass_slots, parts, lk.event_time)
                 return seq.OK, seq.run_pass(m.ps, pass_slots, pass_tables, mean, parts, lk.event_time, n_emb)
             except Exception as err:  # noqa: BLE001 - every rank is told; none is left waiting
                 log.error("rank 0: the first-order pass failed: %r", err)

@@ -1,15 +1,17 @@
 """Meta-learned starting points on 2 gloo ranks (trainer.dist.meta): with each user's examples on
 one rank, the ranks equal 1 process on the concatenated batches up to float summation order
-(the starting point, its outer steps, the tables with their optimizer state, the head); an idle
-rank takes part in every outer step; what the ranks refuse."""
+(the starting point, its outer steps, the tables with their optimizer state, the head), plain and
+sequential models; an idle rank takes part in every outer step; what the ranks refuse; the
+online ranks on the broker."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests.trainer.distributed.rank_local import refusals, run_local
 from trainer.batch import SparseBatch, concat_batches
-from trainer.config import MetaConfig, ModelConfig, deepfm_config
+from trainer.config import MetaConfig, ModelConfig, deepfm_config, lr_config
 from trainer.dist.model import DistributedModel
 from trainer.model import SparseModel
 
@@ -18,8 +20,11 @@ META = MetaConfig(task_slot="user_id", support=2, query=2, tasks_per_step=3, out
 SIZES = [(10, 10), (10, 10), (10, 10), (10, 0), (10, 10), (10, 10), (10, 10), (10, 10)]
 
 
-def _cfg(**kw) -> ModelConfig:
-    cfg = deepfm_config(dim=4, mlp=[8], slots=("user_id", "genres", "item_id"), sequential=False, **kw)
+def _cfg(sequential: str = "") -> ModelConfig:
+    # sequential "linear": the first-order tables whole on rank 0, learned in its pass; "all": the
+    # embedding tables too (sequential_embeddings)
+    cfg = deepfm_config(dim=4, mlp=[8], slots=("user_id", "genres", "item_id"), sequential=bool(sequential),
+                        sequential_embeddings=sequential == "all")
     return ModelConfig.model_validate({**cfg.model_dump(), "meta": META.model_dump()})
 
 
@@ -41,25 +46,26 @@ def _state(model) -> dict:
             "steps": (model.meta.outer_steps, model.meta.skipped_steps, model.meta.tasks.opened, model.meta.tasks.filled)}
 
 
-def _worker(rank: int, world: int) -> dict:
-    dm = DistributedModel(_cfg())
+def _worker(rank: int, world: int, sequential: str) -> dict:
+    dm = DistributedModel(_cfg(sequential))
     losses = [dm.train_step(_batch(s, rank, sizes[rank]))[0] for s, sizes in enumerate(SIZES)]
     out = {"losses": losses, **_state(dm.model)}
     dm.close()
     return out
 
 
-def _reference():
-    m = SparseModel(_cfg())
+def _reference(sequential: str):
+    m = SparseModel(_cfg(sequential))
     losses = []
     for s, sizes in enumerate(SIZES):
         losses.append(m.train_step(concat_batches([_batch(s, r, n) for r, n in enumerate(sizes) if n]))[0])
     return losses, _state(m)
 
 
-def test_two_ranks_equal_one_process_when_each_users_examples_stay_on_one_rank():
-    res = run_local(_worker, 2, timeout_s=90)
-    ref_losses, ref = _reference()
+@pytest.mark.parametrize("sequential", ["", "linear", "all"], ids=["plain", "sequential", "sequential_embeddings"])
+def test_two_ranks_equal_one_process_when_each_users_examples_stay_on_one_rank(sequential):
+    res = run_local(_worker, 2, sequential, timeout_s=90)
+    ref_losses, ref = _reference(sequential)
     outer, skipped, opened, filled = ref["steps"]
     assert outer >= 3 and skipped == 0, ref["steps"]
     for r in res:
@@ -87,26 +93,29 @@ def _meta_cfg(**kw) -> ModelConfig:
 
 
 def _refused(rank: int, world: int) -> list[str]:
-    return refusals(lambda kw=kw, mode=mode: DistributedModel(_meta_cfg(**kw), mode=mode)
-                    for kw, mode in (({}, "hybrid"), ({"sequential": True}, "sync")))
+    lr = lr_config(slots=("user_id",), recent_items=False, sequential=True)
+    lr = ModelConfig.model_validate({**lr.model_dump(), "meta": META.model_dump()})
+    return refusals(lambda cfg=cfg, mode=mode: DistributedModel(cfg, mode=mode)
+                    for cfg, mode in ((_meta_cfg(), "hybrid"), (lr, "sync")))
 
 
-def test_the_ranks_refuse_meta_in_hybrid_and_with_a_sequential_model():
+def test_the_ranks_refuse_meta_in_hybrid_and_a_sequential_model_without_the_task_slots_embedding():
     res = run_local(_refused, 2, timeout_s=60)
-    assert "trains in sync" in res[0][0] and "sequential" in res[0][1]
+    assert "trains in sync" in res[0][0] and "needs the task slot's embedding" in res[0][1]
 
 
 async def test_two_online_ranks_learn_it_and_one_process_resumes_from_their_snapshot(settings, ml_examples, tmp_path):
-    """`trainer online --nproc 2` with `model.meta` on the real broker: every example of the first
-    half applied once, outer steps taken, the starting point in the ranks' snapshot; the 1-process
-    trainer restores it and goes on with the second half."""
+    """`trainer online --nproc 2` with `model.meta` on the real broker (the served model, whose
+    rows all learn in rank 0's pass): every example of the first half applied once, outer steps
+    taken, the starting point in the ranks' snapshot; the 1-process trainer restores it and goes
+    on with the second half."""
     import torch
 
     from tests.trainer.distributed.test_ranks import N, _spawn
     from trainer import snapshots
     from trainer.data import produce_examples
 
-    cfg = deepfm_config(dim=8, mlp=[32], sequential=False)
+    cfg = deepfm_config(dim=8, mlp=[32])  # the served model: sequential, its embeddings too
     cfg = ModelConfig.model_validate({**cfg.model_dump(),
                                       "meta": MetaConfig(task_slot="user_id", tasks_per_step=8).model_dump()})
     root = settings.var_dir / "snapshots" / cfg.model_id

@@ -12,9 +12,9 @@ changes is where rows live:
   step); then one more ``all_to_all`` tells each requester which of its task ids were new
   (:meth:`RankMeta.new_tasks`), and the requester opens a task for each.
 * **Tasks** are per rank: a rank keeps the examples of the tasks it opened, from its own batches.
-  A user whose examples reach two ranks opens a task on each (each fills from its own examples):
-  the online ranks split the stream by partition, so a user's examples stay on one rank when the
-  producer keys them by user.
+  A user whose examples reach two ranks opens a task on each (each fills from its own examples);
+  the joiner keys the examples topic by user id (``joiner/kafka_io.py``) and the online ranks
+  split it by partition, so a user's examples stay on one rank.
 * **The outer step** is collective: after each step the ranks sum their counts of filled tasks
   (:meth:`RankMeta.due`, a one-number ``all_reduce``) and, when the sum reaches
   ``tasks_per_step``, every rank runs it over its own filled tasks (maybe none): two reads of the

@@ -32,8 +32,11 @@ trainer.dist.straggler.SlowRankError: debug_slow_rank must be "RANK:FACTOR" or "
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import NamedTuple
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SlowRankError", "SlowRankSpec", "Straggler", "parse_slow_rank"]
 
@@ -93,4 +96,6 @@ class Straggler:
         pause = (self.factor - 1.0) * step_s
         if pause > 0:
             time.sleep(pause)
+        if self.until is not None and k == self.until - 1 and self.factor > 1.0:
+            log.info("debug_slow_rank: the slowed steps are over (step %d)", k)
         return max(pause, 0.0)

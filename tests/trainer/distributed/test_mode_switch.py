@@ -78,20 +78,29 @@ def _spawn_auto(settings, tmp: Path, log: Path, slow: str, after_s: float) -> su
 
 
 async def test_auto_switches_sync_gba_sync_with_a_straggler_that_comes_and_goes(settings, ml_examples, tmp_path):
-    """Rank 0 slowed 5x in its steps 10-24 (batches of 32, records of 16; rank 0 has about 100
-    batches of the stream, rank 1 about 150): the group switches to gba while it straggles and
-    back to sync after, both ranks in the same round; every example is applied exactly once (the
-    ranks' counts, no duplicate, the final manifest's count and offsets). In gba the rounds do not
-    wait (trainer.dist.rounds): the fast rank runs ahead, and must still have batches once the
-    straggler recovers (an idle rank is no evidence for going back): so the straggler is rank 0
-    (the fast rank has the larger half) and its window ends early and is mild: slowed 20x in its
-    steps 15-29 under a fresh-clone run's load, rank 0 left rank 1 too few batches after it
-    recovered, and the group stayed in gba; with rank 1 slowed in its steps 15-49 (the lockstep
-    rounds' test) rank 0 had drained its partitions by rank 1's step 50."""
-    records = await produce_examples(settings, ml_examples, chunk=16)
+    """Rank 0 slowed 5x in its steps 10-24 (batches of 32, records of 16): the group switches to
+    gba while it straggles and back to sync after, both ranks in the same round; every example is
+    applied exactly once (the ranks' counts, no duplicate, the final manifest's count and offsets).
+    In gba the rounds do not wait (trainer.dist.rounds): the fast rank runs ahead, and must still
+    have batches once the straggler recovers (an idle rank is no evidence for going back). So half
+    the stream is there at the start and the other half is produced once the group is in gba and
+    the straggler's slowed steps are over: with the whole stream at the start, a fresh-clone run's
+    load twice let the fast rank drain its partitions before the straggler recovered."""
+    first = N // 2
+    records = await produce_examples(settings, ml_examples[:first], chunk=16)
     log = tmp_path / "trainer.log"
     t0 = time.monotonic()
     p = _spawn_auto(settings, tmp_path, log, "0:5:10-25", 0.2)
+    # the rest arrives once the group is in gba and the straggler has recovered, so both ranks
+    # have batches then, however far the other ran ahead meanwhile (a fresh-clone run's load
+    # twice left it none, and the group stayed in gba: an idle rank is no evidence)
+    deadline = time.monotonic() + 150
+    while p.poll() is None and time.monotonic() < deadline:
+        text = log.read_text()
+        if "dist_mode sync -> gba" in text and "the slowed steps are over" in text:
+            break
+        await asyncio.sleep(0.05)
+    records += await produce_examples(settings, ml_examples[first:], chunk=16)
     assert p.wait(timeout=180) == 0, log.read_text()[-4000:]
     print(f"ran in {time.monotonic() - t0:.1f} s")
     res = _results(log)

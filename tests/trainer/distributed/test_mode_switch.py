@@ -72,8 +72,10 @@ def _spawn_auto(settings, tmp: Path, log: Path, slow: str, after_s: float) -> su
                DRIFTLINE_TRAINER__GBA__SWITCH_AFTER_S=str(after_s), DRIFTLINE_TRAINER__GBA__STRAGGLER_RATIO="2.0",
                # a rank out of examples waits this long for them each round: the other one's last rounds
                DRIFTLINE_TRAINER__BATCH_TIMEOUT_S="0.05")
+    # idle for 10 s before stopping: the second half of the stream is produced while the ranks
+    # wait for it (a fresh-clone run's load once made that take over 3 s, and the group stopped)
     return subprocess.Popen([sys.executable, "-m", "trainer", "online", "--sync-interval-s", "1",
-                             "--snapshot-interval-event-s", "0", "--stop-when-idle-s", "3", "--batch-size", "32"],
+                             "--snapshot-interval-event-s", "0", "--stop-when-idle-s", "10", "--batch-size", "32"],
                             env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
 
 

@@ -109,10 +109,14 @@ async def test_auto_switches_sync_gba_sync_with_a_straggler_that_comes_and_goes(
     assert sorted(res) == [0, 1], log.read_text()[-3000:]
     for r in res.values():
         assert r["dist_mode"] == "auto" and r["mode"] == "sync", r
-        assert [s["to"] for s in r["switches"]] == ["gba", "sync"], (r["switches"], log.read_text()[-3000:])
+        # to gba and back; more round trips are the rule at work too: with the cores oversubscribed
+        # (two busy loops beside the test) a rank's work read 2x the other's for 0.2 s once more
+        tos = [s["to"] for s in r["switches"]]
+        assert tos and tos == ["gba", "sync"] * (len(tos) // 2), (r["switches"], log.read_text()[-3000:])
     assert res[0]["switches"] == [dict(s, at_s=res[0]["switches"][i]["at_s"]) for i, s in enumerate(res[1]["switches"])]
     text = log.read_text()
-    assert text.count("dist_mode sync -> gba") == 2 and text.count("dist_mode gba -> sync") == 2, text[-3000:]
+    trips = len(res[0]["switches"]) // 2  # (each rank logs each switch)
+    assert text.count("dist_mode sync -> gba") == text.count("dist_mode gba -> sync") == 2 * trips, text[-3000:]
     assert sum(r["examples_applied"] for r in res.values()) == N
     assert all(r["duplicates"] == 0 and r["bad"] == 0 for r in res.values())
     man = snapshots.read_manifest(settings.var_dir / "snapshots" / "deepfm")

@@ -108,15 +108,18 @@ async def test_auto_switches_sync_gba_sync_with_a_straggler_that_comes_and_goes(
     res = _results(log)
     assert sorted(res) == [0, 1], log.read_text()[-3000:]
     for r in res.values():
-        assert r["dist_mode"] == "auto" and r["mode"] == "sync", r
-        # to gba and back; more round trips are the rule at work too: with the cores oversubscribed
-        # (two busy loops beside the test) a rank's work read 2x the other's for 0.2 s once more
+        # to gba while it straggles and back after; later switches are the rule at work too: with
+        # the cores oversubscribed (a fresh-clone run, two busy loops beside the test) a rank's work
+        # read 2x the other's for the 0.2 s window once more, and the group may end in either mode
         tos = [s["to"] for s in r["switches"]]
-        assert tos and tos == ["gba", "sync"] * (len(tos) // 2), (r["switches"], log.read_text()[-3000:])
+        assert tos[:2] == ["gba", "sync"] and all(a != b for a, b in zip(tos, tos[1:])), \
+            (r["switches"], log.read_text()[-3000:])
+        assert r["dist_mode"] == "auto" and r["mode"] == tos[-1], r
     assert res[0]["switches"] == [dict(s, at_s=res[0]["switches"][i]["at_s"]) for i, s in enumerate(res[1]["switches"])]
     text = log.read_text()
-    trips = len(res[0]["switches"]) // 2  # (each rank logs each switch)
-    assert text.count("dist_mode sync -> gba") == text.count("dist_mode gba -> sync") == 2 * trips, text[-3000:]
+    tos = [s["to"] for s in res[0]["switches"]]  # (each rank logs each switch)
+    assert text.count("dist_mode sync -> gba") == 2 * tos.count("gba"), text[-3000:]
+    assert text.count("dist_mode gba -> sync") == 2 * tos.count("sync"), text[-3000:]
     assert sum(r["examples_applied"] for r in res.values()) == N
     assert all(r["duplicates"] == 0 and r["bad"] == 0 for r in res.values())
     man = snapshots.read_manifest(settings.var_dir / "snapshots" / "deepfm")

@@ -168,16 +168,14 @@ class OwnerEncoder:
         starts = np.cumsum(lens) - lens
         return enc(got, torch.from_numpy(starts))
 
-    def add_to_rows(self, reply: np.ndarray, r_ids: np.ndarray, rcounts: np.ndarray, dims: np.ndarray,
+    def add_to_rows(self, reply: np.ndarray, r_ids: np.ndarray, r_tab: np.ndarray, dims: np.ndarray,
                     names: tuple, grad: bool) -> None:
         """``row`` mode, the owner's lookup: add the encoder's output to each served row of the
-        item table in ``reply`` (the engine's wire layout: per requester, per table, ``rcounts``
-        ids of ``dims`` floats each; ``r_ids`` the ids as packed, salted), keeping the output's
+        item table in ``reply`` (the engine's wire layout: ``r_ids`` the ids as packed, salted,
+        ``r_tab`` their tables (:func:`~trainer.dist.routing.wire_tables`), ``dims`` floats each), keeping the output's
         graph for :meth:`backward_rows` when ``grad``."""
         self.pending = None
-        n, T = rcounts.shape
         ti = names.index(self.table)
-        r_tab = np.repeat(np.tile(np.arange(T), n), rcounts.reshape(-1))
         sel = np.flatnonzero(r_tab == ti)
         if not sel.size:
             return

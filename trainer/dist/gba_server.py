@@ -20,7 +20,7 @@ from ..head import make_dense_optimizer
 from .gba import GBAStats, Release, TokenBuffer, combine
 from .model import OwnerLookupError
 from .owner import Owner
-from .routing import starts
+from .routing import starts, wire_tables
 
 __all__ = ["DenseOwner", "ShardServer", "current", "install", "pull", "push", "reset_tickets", "ticket"]
 
@@ -136,7 +136,7 @@ class ShardServer:
         rcounts[requester] = counts
         with self.lock:
             token = self.buffer.token
-            reply, _, failed = self.owner.serve(ids, occ, rcounts, t_event, insert)
+            reply, _, failed = self.owner.serve(ids, occ, rcounts, wire_tables(rcounts), t_event, insert)
         if failed.any():
             raise OwnerLookupError(f"rank {self.owner.rank}: the lookup of rank {requester}'s ids failed")
         dense, dtoken = self.dense.pull(dense_known) if self.dense is not None and dense_known != -1 else (None, -1)

@@ -67,12 +67,10 @@ class RankMeta:
                            if cfg.sequential and p.block == 1]
         learner.due, learner.read, learner.reduce = self.due, self.read, self.reduce
 
-    def start(self, r_ids: np.ndarray, rcounts: np.ndarray, t_event: int) -> np.ndarray:
+    def start(self, r_ids: np.ndarray, r_tab: np.ndarray, t_event: int) -> np.ndarray:
         """The owner's side (lookup, inserting): give the requested ids of the task slot's tables
         that this shard lacks the starting point; returns, for each requested id of the first part's
         table (wire order), whether it was new."""
-        n, T = rcounts.shape
-        r_tab = np.repeat(np.tile(np.arange(T), n), rcounts.reshape(-1))
         acc, flags = self.learner.start(), None
         for i, ti in enumerate(self.part_tables):
             table = self.engine.model.tables[self.learner.parts[i].table]

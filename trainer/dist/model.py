@@ -117,7 +117,7 @@ from .meta import RankMeta
 from .owner import Owner
 from .owner_cache import OwnerCache
 from .placement import dense_group, rank_device
-from .routing import Lookup, packed_rows, plan
+from .routing import Lookup, packed_rows, plan, wire_tables
 
 log = logging.getLogger(__name__)
 
@@ -319,13 +319,14 @@ class DistributedModel:
         if self._counts:
             r_occ = self._a2a(p.occ, counts.sum(1), rcounts.sum(1), g)
         comm = time.perf_counter() - tc
+        r_tab = wire_tables(rcounts)
         new_tasks, meta_failed = None, None
         if self._meta is not None and insert:  # new task ids: their start, before they are served
-            new_tasks, meta_failed = self._meta_start(r_ids, rcounts, counts, p, t_event)
-        reply, owned, served_failed = self._owner.serve(r_ids, r_occ if self._counts else None, rcounts, t_event,
-                                                        insert)
+            new_tasks, meta_failed = self._meta_start(r_ids, rcounts, r_tab, counts, p, t_event)
+        reply, owned, served_failed = self._owner.serve(r_ids, r_occ if self._counts else None, rcounts, r_tab,
+                                                        t_event, insert)
         if self._row_content:
-            served_failed = self._content_rows(reply, r_ids, rcounts, insert, served_failed)
+            served_failed = self._content_rows(reply, r_ids, rcounts, r_tab, insert, served_failed)
         if meta_failed is not None:
             served_failed = served_failed | meta_failed
         back_splits = (rcounts * self._dims).sum(1)
@@ -340,14 +341,14 @@ class DistributedModel:
                        global_size, t_event, comm, error, bool(got[:, T + 2].any()), served_failed,
                        lin, got[:, T].tolist(), got[:, T + 3].tolist(), new_tasks)
 
-    def _meta_start(self, r_ids, rcounts, counts, p, t_event: int):
+    def _meta_start(self, r_ids, rcounts, r_tab, counts, p, t_event: int):
         """Step 4's ``model.meta`` part (:mod:`trainer.dist.meta`): the owner starts the new task
         ids, then each requester learns which of its own were new (collective). If the start
         raises, the requesters of the task table are named like an owner's failed lookup.
         Returns ``(this rank's new task ids, the requesters to name or None)``."""
         m, failed = self._meta, None
         try:
-            flags = m.start(r_ids, rcounts, t_event)
+            flags = m.start(r_ids, r_tab, t_event)
         except Exception as err:  # noqa: BLE001 - named to the requesters, isolated in lockstep
             log.error("rank %d: model.meta's start of new ids failed: %r", self.rank, err)
             t0 = m.part_tables[0]
@@ -355,12 +356,12 @@ class DistributedModel:
             failed = rcounts[:, t0] > 0
         return m.new_tasks(flags, rcounts, counts, p.u_ids, p.u_tab), failed
 
-    def _content_rows(self, reply, r_ids, rcounts, insert: bool, served_failed: np.ndarray) -> np.ndarray:
+    def _content_rows(self, reply, r_ids, rcounts, r_tab, insert: bool, served_failed: np.ndarray) -> np.ndarray:
         """Step 4's ``row`` content: the encoder's output added to the served item rows
         (:meth:`trainer.dist.content.OwnerEncoder.add_to_rows`). If it raises, the requesters of
         item rows are named like an owner's failed lookup: the step fails everywhere, nothing hangs."""
         try:
-            self._content.add_to_rows(reply, r_ids, rcounts, self._dims, self._names,
+            self._content.add_to_rows(reply, r_ids, r_tab, self._dims, self._names,
                                       insert and torch.is_grad_enabled())
         except Exception as err:  # noqa: BLE001 - named to the requesters, isolated in lockstep
             log.error("rank %d: the content encoder failed on its items: %r", self.rank, err)

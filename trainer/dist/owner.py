@@ -55,7 +55,7 @@ class Owner:
         self.dims = np.array([t.dim for t in tables], np.int64)
         self.failed_updates = 0  # (table, step) updates that raised and were skipped
 
-    def serve(self, r_ids, r_occ, rcounts, t_event: int, insert: bool):
+    def serve(self, r_ids, r_occ, rcounts, r_tab, t_event: int, insert: bool):
         """Step 4, the owner's side: every requester's ids (in arrival order) looked up, in one
         packed PS call for all tables (:meth:`ps.ParameterServer.gather_packed`: what the
         1-process model calls) when no admission counts occurrences. Returns ``(reply, owned,
@@ -67,14 +67,13 @@ class Owner:
         requester fails alone, all of that table's requesters are named."""
         if r_occ is None and self.ps is not None:
             try:
-                return self._serve_packed(r_ids, rcounts, t_event, insert)
+                return self._serve_packed(r_ids, rcounts, r_tab, t_event, insert)
             except Exception as err:  # noqa: BLE001 - found table by table below
                 log.error("rank %d: owner's packed lookup failed: %r; retrying table by table", self.rank, err)
-        return self._serve_tables(r_ids, r_occ, rcounts, t_event, insert)
+        return self._serve_tables(r_ids, r_occ, rcounts, r_tab, t_event, insert)
 
-    def _serve_packed(self, r_ids, rcounts, t_event: int, insert: bool):
+    def _serve_packed(self, r_ids, rcounts, r_tab, t_event: int, insert: bool):
         n, T = self.world, len(self.names)
-        r_tab = np.repeat(np.tile(np.arange(T), n), rcounts.reshape(-1))
         # wire order (requester, table) -> table-major; small ints sort stably by radix
         perm = np.argsort(r_tab.astype(np.int16) if T < 2 ** 15 else r_tab, kind="stable")
         per_table = rcounts.sum(0)
@@ -91,9 +90,8 @@ class Owner:
         rows = RowMap(starts(self.dims[r_tab[perm]])[pos], starts(w_dim), w_dim, int(w_dim.sum()))
         return rows.take(buf, rows.size), Owned(packed=pb, rows=rows), np.zeros(n, bool)
 
-    def _serve_tables(self, r_ids, r_occ, rcounts, t_event: int, insert: bool):
+    def _serve_tables(self, r_ids, r_occ, rcounts, r_tab, t_event: int, insert: bool):
         n, T = self.world, len(self.names)
-        r_tab = np.repeat(np.tile(np.arange(T), n), rcounts.reshape(-1))
         r_src = np.repeat(np.repeat(np.arange(n), T), rcounts.reshape(-1))
         r_dim = self.dims[r_tab]
         r_start = starts(r_dim)

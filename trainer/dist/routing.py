@@ -42,6 +42,16 @@ def starts(lengths: np.ndarray) -> np.ndarray:
     return (np.cumsum(lengths) - lengths).astype(np.int64)
 
 
+def wire_tables(rcounts: np.ndarray) -> np.ndarray:
+    """Each received id's table in the wire layout: per requester, per table, ``rcounts[src, t]`` ids.
+
+    >>> wire_tables(np.array([[2, 0, 1], [0, 1, 1]])).tolist()
+    [0, 0, 2, 1, 2]
+    """
+    n, t = rcounts.shape
+    return np.repeat(np.tile(np.arange(t), n), rcounts.reshape(-1))
+
+
 @dataclass
 class Plan:
     """A batch's unique ``(table, id)`` pairs in wire order (owner, table, id)."""

@@ -14,8 +14,10 @@ from trainer.dist.launch import pin_to_cores
 from trainer.dist.model import DistributedError
 
 
-def _rank_main(fn, rank: int, world: int, port: int, args: tuple, timeout_s: float, threads: int, pin: bool,
-               q) -> None:
+def _rank_main(rank: int, world: int, port: int, timeout_s: float, threads: int, pin: bool, jobs, results) -> None:
+    """A rank of a :class:`RankPool`: joins the group, then runs ``(fn, args)`` jobs until ``None``.
+    A job that raises ends the rank (its group destroyed, so a peer waiting in a collective fails
+    at once instead of at the timeout)."""
     import traceback
     from datetime import timedelta
     if pin:
@@ -26,51 +28,93 @@ def _rank_main(fn, rank: int, world: int, port: int, args: tuple, timeout_s: flo
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
         try:
-            q.put((rank, True, fn(rank, world, *args)))
+            while (job := jobs.get()) is not None:
+                fn, args = job
+                results.put((rank, True, fn(rank, world, *args)))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        q.put((rank, False, traceback.format_exc()))
+        results.put((rank, False, traceback.format_exc()))
 
 
-def run_local(fn, world: int, *args, timeout_s: float = 60.0, threads: int = 1, pin: bool = False) -> list:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by a gloo process
-    group on 127.0.0.1 (each pinned to its share of the cores with ``pin``: :func:`trainer.dist.launch.pin_to_cores`);
-    returns their results by rank. ``fn`` must be importable (module level).
-    Raises :class:`DistributedError` with the failing rank's traceback, or when ranks do not all
-    finish within ``2 * timeout_s`` (the processes are then killed)."""
-    import multiprocessing as mp
-    import queue
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, args, timeout_s, threads, pin, q), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, object] = {}
-    errors = []
-    deadline = time.monotonic() + 2 * timeout_s
-    try:
-        while len(results) + len(errors) < world:
-            try:
-                rank, ok, val = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise DistributedError(f"ranks {sorted(set(range(world)) - set(results))} did not finish "
-                                       f"in {2 * timeout_s:.0f} s") from None
-            if ok:
-                results[rank] = val
-            else:
-                errors.append(f"rank {rank}:\n{val}")
-    finally:
-        for p in procs:
+class RankPool:
+    """``world`` spawned processes joined by a gloo process group on 127.0.0.1 that stay up between
+    calls: :meth:`run` runs ``fn(rank, world, *args)`` on every rank and returns their results by
+    rank (``fn`` importable: module level). A spawn imports torch and loads the kernels, most of a
+    small test's time on the suite's busy cores, so a test file's calls share one pool (the
+    ``rank_pool`` fixture); a call leaves the process group as it found it (models it builds are
+    closed), which every caller here does. A call that fails or times out closes the pool (a rank
+    may be stuck in a collective); the next call starts new ranks. ``pin``: each rank on its share
+    of the cores (:func:`trainer.dist.launch.pin_to_cores`); ``timeout_s`` bounds each collective."""
+
+    def __init__(self, world: int, timeout_s: float = 60.0, threads: int = 1, pin: bool = False):
+        self.world, self.timeout_s, self.threads, self.pin = world, timeout_s, threads, pin
+        self._procs: list = []
+
+    def _start(self) -> None:
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._jobs = [ctx.Queue() for _ in range(self.world)]
+        port = free_port()
+        self._procs = [ctx.Process(target=_rank_main, args=(r, self.world, port, self.timeout_s, self.threads,
+                                                            self.pin, self._jobs[r], self._results), daemon=True)
+                       for r in range(self.world)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, *args, timeout_s: float | None = None) -> list:
+        """``fn(rank, world, *args)`` on every rank; their results by rank. Raises
+        :class:`DistributedError` with the failing ranks' tracebacks, or when the ranks do not all
+        finish within ``2 * timeout_s`` (default: the pool's)."""
+        import queue
+        if not self._procs:
+            self._start()
+        for q in self._jobs:
+            q.put((fn, args))
+        results: dict[int, object] = {}
+        errors = []
+        wait_s = 2 * (timeout_s or self.timeout_s)
+        deadline = time.monotonic() + wait_s
+        try:
+            while len(results) + len(errors) < self.world:
+                try:
+                    rank, ok, val = self._results.get(timeout=max(0.1, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise DistributedError(f"ranks {sorted(set(range(self.world)) - set(results))} did not "
+                                           f"finish in {wait_s:.0f} s") from None
+                if ok:
+                    results[rank] = val
+                else:
+                    errors.append(f"rank {rank}:\n{val}")
+        except BaseException:
+            self.close()
+            raise
+        if errors:
+            self.close()
+            raise DistributedError("\n".join(errors))
+        return [results[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        """Stop the ranks (killed if they do not stop within 5 s)."""
+        for q in self._jobs if self._procs else ():
+            q.put(None)
+        for p in self._procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
                 p.join()
-    if errors:
-        raise DistributedError("\n".join(errors))
-    return [results[r] for r in range(world)]
+        self._procs = []
+
+
+def run_local(fn, world: int, *args, timeout_s: float = 60.0, threads: int = 1, pin: bool = False) -> list:
+    """:meth:`RankPool.run` on a pool of its own: fresh ranks (a benchmark's measurements start
+    clean), stopped after."""
+    pool = RankPool(world, timeout_s, threads, pin)
+    try:
+        return pool.run(fn, *args)
+    finally:
+        pool.close()
 
 
 def refusals(builds) -> list[str]:

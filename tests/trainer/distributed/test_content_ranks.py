@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer.distributed.rank_local import refusals, run_local
+from tests.trainer.distributed.rank_local import refusals
 from trainer.batch import SparseBatch, concat_batches
 from trainer.config import ContentConfig, ModelConfig, deepfm_config
 from trainer.dist.content import ContentStore
@@ -83,8 +83,8 @@ def _reference() -> tuple[list[dict], list[np.ndarray], dict]:
     return grads, probs, {k: v.detach().numpy() for k, v in m.head.state_dict().items()}
 
 
-def test_encoder_gradients_equal_one_process_and_bytes_per_example():
-    res = run_local(_worker, 2, timeout_s=60)
+def test_encoder_gradients_equal_one_process_and_bytes_per_example(rank_pool):
+    res = rank_pool.run(_worker, timeout_s=60)
     ref_grads, ref_probs, ref_head = _reference()
     for mode in ("row", "owners", "raw"):
         for s in range(len(SIZES)):
@@ -127,8 +127,8 @@ def _failing(rank: int, world: int, mode: str) -> list[str]:
 
 
 @pytest.mark.parametrize("mode", ["row", "owners"])
-def test_a_rank_failing_before_the_exchange_fails_the_step_on_every_rank_without_hanging(mode):
-    res = run_local(_failing, 2, mode, timeout_s=30)
+def test_a_rank_failing_before_the_exchange_fails_the_step_on_every_rank_without_hanging(mode, rank_pool):
+    res = rank_pool.run(_failing, mode, timeout_s=30)
     assert res == [["ok", "failed [1]", "ok"]] * 2
 
 
@@ -157,8 +157,8 @@ def _encoder_fails_on_owner_1(rank: int, world: int) -> list[str]:
     return out
 
 
-def test_an_owner_whose_encoder_raises_names_the_requesters_and_nothing_hangs():
-    res = run_local(_encoder_fails_on_owner_1, 2, timeout_s=30)
+def test_an_owner_whose_encoder_raises_names_the_requesters_and_nothing_hangs(rank_pool):
+    res = rank_pool.run(_encoder_fails_on_owner_1, timeout_s=30)
     # both ranks asked rank 1 for items in step 1: both are named, and the next step goes on
     assert res == [["ok", "failed [0, 1]", "ok"]] * 2
 
@@ -169,6 +169,6 @@ def _refused(rank: int, world: int) -> list[str]:
                     for cfg, mode in ((_cfg(), "hybrid"), (shared, "sync")))
 
 
-def test_row_content_is_refused_in_hybrid_and_for_a_shared_item_table():
-    res = run_local(_refused, 2, timeout_s=30)
+def test_row_content_is_refused_in_hybrid_and_for_a_shared_item_table(rank_pool):
+    res = rank_pool.run(_refused, timeout_s=30)
     assert "trains in sync" in res[0][0] and "is read by" in res[0][1]

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer.distributed.rank_local import run_local
 from trainer.batch import SparseBatch
 from trainer.config import ModelConfig, deepfm_config
 from trainer.dist.model import DistributedError, DistributedModel
@@ -131,8 +130,8 @@ def _merged(parts: list[dict], name: str):
 
 
 @pytest.mark.parametrize("sequential", ["", "linear", "all"], ids=["plain", "sequential", "sequential_embeddings"])
-def test_sync_two_ranks_equal_one_process_on_the_global_batch(sequential):
-    both = run_local(_worker, 2, "sync", sequential, timeout_s=60)
+def test_sync_two_ranks_equal_one_process_on_the_global_batch(sequential, rank_pool):
+    both = rank_pool.run(_worker, "sync", sequential, timeout_s=60)
     res = [r[0] for r in both]
     ref_losses, ref = _reference(sequential=sequential)
     # an all-idle step is skipped by every rank together (loss 0.0, no probabilities)
@@ -168,8 +167,8 @@ def test_sync_two_ranks_equal_one_process_on_the_global_batch(sequential):
 
 
 @pytest.mark.parametrize("sequential", ["", "all"], ids=["plain", "sequential_embeddings"])
-def test_hybrid_finishes_and_keeps_replicas_equal(sequential):
-    res = [r[0] for r in run_local(_worker, 2, "hybrid", sequential, timeout_s=60)]
+def test_hybrid_finishes_and_keeps_replicas_equal(sequential, rank_pool):
+    res = [r[0] for r in rank_pool.run(_worker, "hybrid", sequential, timeout_s=60)]
     a, b = res
     assert [len(p) for p in a["probs"]] == [12, 12, 0, 6]
     assert all(np.isfinite(a["losses"])) and a["losses"] == b["losses"]
@@ -181,10 +180,10 @@ def test_hybrid_finishes_and_keeps_replicas_equal(sequential):
         assert _merged(res, name)[0].tolist() == items[0].tolist(), name
 
 
-def test_hybrid_staleness_1_equals_updates_applied_one_step_late_and_0_equals_sync():
+def test_hybrid_staleness_1_equals_updates_applied_one_step_late_and_0_equals_sync(rank_pool):
     ref_losses, ref = _reference_one_step_late()
     sync_losses, sync = _reference()
-    *late, fresh = zip(*run_local(_hybrid_worker, 2, timeout_s=60))
+    *late, fresh = zip(*rank_pool.run(_hybrid_worker, timeout_s=60))
     # staleness 0 (step(): each update queued ahead of the next lookup) is sync, rows and all
     for r in fresh:
         got = [v for v, (a, b) in zip(r["losses"], SIZES) if a + b]
@@ -239,12 +238,12 @@ def _poisoned(rank: int, world: int, bad_rows: list[list[int]], mode: str) -> di
 
 
 @pytest.mark.parametrize("mode", ["sync", "hybrid"])
-def test_a_failing_example_on_one_rank_is_isolated_in_lockstep(mode):
+def test_a_failing_example_on_one_rank_is_isolated_in_lockstep(mode, rank_pool):
     """Rank 1's row 5 and rank 0's rows 0 and 11 make the step non-finite: every rank raises
     together, each halves its own batch to the failing rows while the other retries, and every
     other row is learned once; the replicas stay equal and the group goes on stepping (hybrid:
     the retries' sparse updates deferred and overlapped like any step's)."""
-    a, b = run_local(_poisoned, 2, [[0, 11], [5]], mode, timeout_s=60)
+    a, b = rank_pool.run(_poisoned, [[0, 11], [5]], mode, timeout_s=60)
     assert (a["overlapped"] > 0) == (mode == "hybrid")
     assert b["failed"] == [(5, "NonFiniteStepError")] and b["applied"] == [r for r in range(12) if r != 5]
     assert a["failed"] == [(0, "NonFiniteStepError"), (11, "NonFiniteStepError")]
@@ -299,13 +298,13 @@ def _owner_fails(rank: int, world: int, mode: str) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["sync", "hybrid"])
-def test_an_owner_lookup_failing_on_one_ranks_ids_is_isolated_in_lockstep(mode):
+def test_an_owner_lookup_failing_on_one_ranks_ids_is_isolated_in_lockstep(mode, rank_pool):
     """The owner of the poisoned id raises inside its lookup: it names the requester whose ids
     failed (retrying requester by requester), every rank fails the step together, only rank 0
     bisects, its row 3 alone is failed, and nobody waits in a collective. An owner's update that
     raises (after the step is agreed) is skipped and counted: its two tables (user_id and its
     first-order weight), once."""
-    a, b = run_local(_owner_fails, 2, mode, timeout_s=60)
+    a, b = rank_pool.run(_owner_fails, mode, timeout_s=60)
     assert a["failed_updates"] + b["failed_updates"] == 2 and a["steps"] == b["steps"]
     assert a["failed"] == [(3, "OwnerLookupError")] and a["applied"] == [0, 1, 2, 4, 5, 6, 7]
     assert b["failed"] == [] and b["applied"] == list(range(8))

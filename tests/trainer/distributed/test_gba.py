@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from tests.trainer.distributed.rank_local import run_local
 from tests.trainer.distributed.test_distributed import _cfg, _rows, _state
 from trainer.batch import SparseBatch
 from trainer.config import InitializerConfig
@@ -65,8 +64,8 @@ def _equal_worker(rank: int, world: int, admission: bool = False) -> dict:
 
 
 @pytest.mark.parametrize("admission", [False, True], ids=["plain", "count-admission"])
-def test_gba_one_batch_per_rank_per_token_equals_sync(admission):
-    res = run_local(_equal_worker, 2, admission, timeout_s=60)
+def test_gba_one_batch_per_rank_per_token_equals_sync(admission, rank_pool):
+    res = rank_pool.run(_equal_worker, admission, timeout_s=60)
     for rank, r in enumerate(res):
         ref, got = r["ref"], r["got"]
         for name, items in ref["tables"].items():
@@ -109,28 +108,28 @@ def _straggler_worker(rank: int, world: int, mode: str, max_staleness: int, fres
     return out
 
 
-def test_a_straggler_does_not_stop_the_fast_rank_and_stale_gradients_are_decayed_or_dropped():
-    fast, slow = run_local(_straggler_worker, 2, "gba", 1000, timeout_s=60)
+def test_a_straggler_does_not_stop_the_fast_rank_and_stale_gradients_are_decayed_or_dropped(rank_pool):
+    fast, slow = rank_pool.run(_straggler_worker, "gba", 1000, timeout_s=60)
     assert len(fast["taken"]) + len(slow["taken"]) == N_STREAM
     assert len(fast["taken"]) >= 3 * len(slow["taken"]) > 0, (len(fast["taken"]), len(slow["taken"]))
     st = fast["stats"].add(slow["stats"])
     assert st.decayed > 0 and st.dropped == 0 and st.mean_staleness > 0   # the straggler's are stale
-    fast, slow = run_local(_straggler_worker, 2, "gba", 1, timeout_s=60)
+    fast, slow = rank_pool.run(_straggler_worker, "gba", 1, timeout_s=60)
     st = fast["stats"].add(slow["stats"])
     assert st.dropped > 0 and st.dropped_examples == B * st.dropped
-    fast, slow = run_local(_straggler_worker, 2, "async", 0, timeout_s=60)
+    fast, slow = rank_pool.run(_straggler_worker, "async", 0, timeout_s=60)
     st = fast["stats"].add(slow["stats"])
     # every push applied on arrival: 2 owners per push (and the head on rank 0), none dropped
     assert st.dropped == st.decayed == 0 and st.applied == 3 * N_STREAM
 
 
-def test_the_fresh_pull_without_a_straggler_leaves_no_gradient_stale():
+def test_the_fresh_pull_without_a_straggler_leaves_no_gradient_stale(rank_pool):
     """Long fresh waits (200 steps): a rank pulls only once the global batch its last push joined
     is applied, so every push meets the token it pulled (no barrier, no lockstep). At the stream's
     end that global batch may never fill (the other rank took the last ticket and went on to
     finish): that one wait times out, and its push (one per owner and the head) may be one step
     stale. Unbounded, the wait hung there (CI, the suite's other worker on the cores)."""
-    fast, other = run_local(_straggler_worker, 2, "gba", 8, 200.0, 0.0, timeout_s=90)
+    fast, other = rank_pool.run(_straggler_worker, "gba", 8, 200.0, 0.0, timeout_s=90)
     st = fast["stats"].add(other["stats"])
     assert st.staleness_sum <= 3 and st.dropped == 0 and st.pushed == 3 * N_STREAM, st
     assert len(fast["taken"]) + len(other["taken"]) == N_STREAM

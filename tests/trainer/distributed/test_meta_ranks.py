@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.trainer.distributed.rank_local import refusals, run_local
+from tests.trainer.distributed.rank_local import refusals
 from trainer.batch import SparseBatch, concat_batches
 from trainer.config import MetaConfig, ModelConfig, deepfm_config, lr_config
 from trainer.dist.model import DistributedModel
@@ -63,8 +63,8 @@ def _reference(sequential: str):
 
 
 @pytest.mark.parametrize("sequential", ["", "linear", "all"], ids=["plain", "sequential", "sequential_embeddings"])
-def test_two_ranks_equal_one_process_when_each_users_examples_stay_on_one_rank(sequential):
-    res = run_local(_worker, 2, sequential, timeout_s=90)
+def test_two_ranks_equal_one_process_when_each_users_examples_stay_on_one_rank(sequential, rank_pool):
+    res = rank_pool.run(_worker, sequential, timeout_s=90)
     ref_losses, ref = _reference(sequential)
     outer, skipped, opened, filled = ref["steps"]
     assert outer >= 3 and skipped == 0, ref["steps"]
@@ -99,8 +99,8 @@ def _refused(rank: int, world: int) -> list[str]:
                     for cfg, mode in ((_meta_cfg(), "hybrid"), (lr, "sync")))
 
 
-def test_the_ranks_refuse_meta_in_hybrid_and_a_sequential_model_without_the_task_slots_embedding():
-    res = run_local(_refused, 2, timeout_s=60)
+def test_the_ranks_refuse_meta_in_hybrid_and_a_sequential_model_without_the_task_slots_embedding(rank_pool):
+    res = rank_pool.run(_refused, timeout_s=60)
     assert "trains in sync" in res[0][0] and "needs the task slot's embedding" in res[0][1]
 
 

@@ -59,6 +59,7 @@ def _fetch_loop_for(inputs: frozenset[str], handler: Handler) -> Callable[..., A
                         log.warning("seek after a suspended fetch failed: %r", err)
                     await _unread(self, {tp: recs for tp, recs in records.items() if tp.topic in inputs})
                     continue
+                records = await _both_inputs(self, records, active, inputs)
                 batch: list[Any] = []
                 for tp, recs in records.items():
                     if not recs:
@@ -93,6 +94,24 @@ def _fetch_loop_for(inputs: frozenset[str], handler: Handler) -> Callable[..., A
             raise
 
     return _drain_messages
+
+
+async def _both_inputs(consumer: Any, records: dict, active: Any, inputs: frozenset[str]) -> dict:
+    """``records`` of a fetch, with what the fetch buffer already holds of the other input topic
+    (no wait) when they hold records of one input only. aiokafka hands out its buffered partitions
+    in the order their fetch results came in, so during a backlog a fetch can serve one input's
+    partitions for many batches before the other's: every impression then waits in the state
+    across a batch and is written to the changelog whole, where in a batch with its actions it is
+    joined and closed before the commit (about 210 bytes per impression against 29 on the joiner
+    bench). The join's results do not depend on the batches (:mod:`joiner.core`)."""
+    topics = {tp.topic for tp, recs in records.items() if recs and tp.topic in inputs}
+    if len(topics) != 1 or active is None:
+        return records
+    others = {tp for tp in active if tp.topic in inputs and tp.topic not in topics}
+    if not others:
+        return records
+    more = await consumer._getmany(active_partitions=others, timeout=0)
+    return {**records, **{tp: recs for tp, recs in more.items() if recs}}
 
 
 async def _unread(consumer: Any, dropped: Mapping[TP, list[Any]]) -> None:

@@ -298,15 +298,9 @@ class MetaLearner:
         batch, pb, buf = looked
         if batch.size == 0:
             return torch.zeros(0, self.dim)
-        blocks = [blk for blk in (m._emb_block, m._lin_block) if blk is not None]
-        seg, elem, views, pos = 0, 0, [], []
-        for blk in blocks:
-            nf = len(blk.slots)
-            n = int(pb.offsets[seg + nf] - pb.offsets[seg])
-            views.append(buf[elem:elem + n * blk.dim].reshape(n, blk.dim))
-            pos.append(pb.offsets[seg:seg + nf + 1] - pb.offsets[seg])
-            elem += n * blk.dim
-            seg += nf
+        spans = [s for s in m.block_spans(pb) if s is not None]
+        views = [buf[elem:elem + n * blk.dim].reshape(n, blk.dim) for blk, elem, n, _ in spans]
+        pos = [offsets for *_, offsets in spans]
         vals = rows.detach().numpy()
         at = 0
         locs = []

@@ -253,6 +253,22 @@ class SparseModel:
         logits, leaves = self.forward_packed(batch, pb, buf, requires_grad=insert, cached=at, dev=dev)
         return logits, pb, leaves, at
 
+    def block_spans(self, pb: PackedBatch, linear: bool = True) -> Iterator[tuple]:
+        """Per block of ``pb`` (the embedding block, then the first-order one unless ``linear`` is
+        False; None where the model has none): ``(block, where its rows start in the packed
+        buffer, its row count, its fields' row offsets from its first row)``, or None."""
+        elem = seg = 0
+        for blk in (self._emb_block, self._lin_block if linear else None):
+            if blk is None:
+                yield None
+                continue
+            nf = len(blk.slots)
+            offsets = pb.offsets[seg:seg + nf + 1] - pb.offsets[seg]
+            n = int(offsets[-1])
+            yield blk, elem, n, offsets
+            elem += n * blk.dim
+            seg += nf
+
     def forward_packed(self, batch: SparseBatch, pb: PackedBatch, buf: np.ndarray, *, requires_grad: bool,
                        linear: bool = True, cached: Located | None = None, dev: torch.Tensor | None = None):
         """Logits ``[B]`` and ``[(block, leaf)]`` from an already looked-up packed buffer ``buf``
@@ -264,14 +280,14 @@ class SparseModel:
         located in :attr:`cache` (its hits are read there). ``dev``: ``buf`` already on the device
         (the lookahead's copy; without a cache)."""
         t1 = time.perf_counter()
-        pooled, leaves, elem, seg = [], [], 0, 0
+        pooled, leaves = [], []
         bags: dict[tuple, tuple] = {}  # blocks over the same slots pool the same bags (DeepFM's two)
-        for blk in (self._emb_block, self._lin_block if linear else None):
-            if blk is None:
+        for span in self.block_spans(pb, linear):
+            if span is None:
                 pooled.append(None)
                 continue
+            blk, elem, n, _ = span
             nf = len(blk.slots)
-            n = int(pb.offsets[seg + nf] - pb.offsets[seg])
             rows = buf[elem:elem + n * blk.dim].reshape(n, blk.dim)
             if dev is not None:
                 w = dev[elem:elem + n * blk.dim].view(n, blk.dim)
@@ -279,8 +295,6 @@ class SparseModel:
                 w = self.io.to_device(rows)
             else:
                 w = self.cache.assemble(cached, rows)
-            elem += n * blk.dim
-            seg += nf
             if requires_grad:
                 w.requires_grad_(True)
             leaves.append((blk, w))

@@ -56,7 +56,7 @@ def firsts(keys: np.ndarray, cold: np.ndarray, ks: tuple[int, ...] = FIRST) -> d
 
 
 def _split(s: EvalSettings):
-    d = data(s, s.base_limit, content=True)  # (only the content arm reads the items' content)
+    d = data(s, s.base_limit, s.base_offset, content=True)  # (only the content arm reads the items' content)
     n = d.label.size
     cut = int(n * s.cold_split)
     online = np.arange(cut, n)
@@ -116,7 +116,8 @@ def run(s: EvalSettings) -> dict:
                               for k in keys}
         arms[arm] = a
     _, cut, masks = _split(s)
-    return {"setup": {"ratings": int(cut + masks["overall"].size), "batch_part": cut, "cold_split": s.cold_split,
+    return {"setup": {"ratings": int(cut + masks["overall"].size), "offset": s.base_offset, "batch_part": cut,
+                      "cold_split": s.cold_split,
                       "first": list(FIRST), "batch_size": served_batch(), "seeds": list(s.seeds),
                       "examples": {name: int(m.sum()) for name, m in masks.items()}},
             "arms": arms, "runs": runs}

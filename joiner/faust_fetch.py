@@ -98,7 +98,9 @@ def _fetch_loop_for(inputs: frozenset[str], handler: Handler) -> Callable[..., A
 
 async def _both_inputs(consumer: Any, records: dict, active: Any, inputs: frozenset[str]) -> dict:
     """``records`` of a fetch, with what the fetch buffer already holds of the other input topic
-    (no wait) when they hold records of one input only. aiokafka hands out its buffered partitions
+    (no wait) when they hold records of one input only and the other has records on the broker
+    past its read position (live, where most fetches are of one input and the other has nothing
+    waiting, the loop asks nothing more of the consumer's thread). aiokafka hands out its buffered partitions
     in the order their fetch results came in, so during a backlog a fetch can serve one input's
     partitions for many batches before the other's: every impression then waits in the state
     across a batch and is written to the changelog whole, where in a batch with its actions it is
@@ -107,11 +109,17 @@ async def _both_inputs(consumer: Any, records: dict, active: Any, inputs: frozen
     topics = {tp.topic for tp, recs in records.items() if recs and tp.topic in inputs}
     if len(topics) != 1 or active is None:
         return records
-    others = {tp for tp in active if tp.topic in inputs and tp.topic not in topics}
+    others = {tp for tp in active if tp.topic in inputs and tp.topic not in topics and _behind(consumer, tp)}
     if not others:
         return records
     more = await consumer._getmany(active_partitions=others, timeout=0)
     return {**records, **{tp: recs for tp, recs in more.items() if recs}}
+
+
+def _behind(consumer: Any, tp: TP) -> bool:
+    """Whether the broker holds records of ``tp`` past the last one the loop read."""
+    hw, last = consumer.highwater(tp), consumer._read_offset[tp]
+    return hw is not None and (last is None or last + 1 < hw)
 
 
 async def _unread(consumer: Any, dropped: Mapping[TP, list[Any]]) -> None:

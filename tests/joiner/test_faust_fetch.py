@@ -51,6 +51,7 @@ class _Fetching:
         self.fetches, self.assigned, self.seeks = fetches, assigned, []
         self.buffered: dict = {}  # (aiokafka's fetch buffer: what _getmany hands out without waiting)
         self.asked: list = []
+        self.highwaters: dict = {}
         self._read_offset: dict = defaultdict(lambda: None)  # (as Faust's)
         self._buffered_partitions: set = set()
         self._stopped, self.flow_active, self.should_stop = asyncio.Event(), True, False
@@ -62,6 +63,9 @@ class _Fetching:
             return {}, None
         records, active, self.flow_active = self.fetches.pop(0)
         return records, active
+
+    def highwater(self, tp) -> int | None:
+        return self.highwaters.get(tp)
 
     async def _getmany(self, active_partitions: set, timeout: float) -> dict:
         self.asked.append((active_partitions, timeout))
@@ -111,7 +115,8 @@ async def test_a_fetch_of_one_input_gets_what_the_buffer_holds_of_the_other() ->
     """A fetch that served only features partitions takes the actions the fetch buffer already
     holds (no wait), so the batch can join them: read apart, every impression waits across a batch
     (the joiner bench's changelog bytes per impression); a fetch with both, or of changelog
-    records, is left as it is."""
+    records, is left as it is, and so is one whose other input has nothing on the broker past
+    what was read (live: nothing more is asked of the consumer)."""
     from faust.types import TP
 
     from joiner.faust_fetch import _fetch_loop_for
@@ -123,10 +128,12 @@ async def test_a_fetch_of_one_input_gets_what_the_buffer_holds_of_the_other() ->
         got.append([(r.topic, r.partition, r.offset) for r in batch])
 
     fetches = [({f0: _records("features", 0, range(0, 2))}, {f0, a0, a1}, True),
-               ({f0: _records("features", 0, range(2, 3)), a1: _records("actions", 1, range(0, 1))}, {f0, a0, a1}, True)]
+               ({f0: _records("features", 0, range(2, 3)), a1: _records("actions", 1, range(0, 1))}, {f0, a0, a1}, True),
+               ({f0: _records("features", 0, range(3, 4))}, {f0, a0, a1}, True)]  # a0 read to its end, a1 too
     consumer = _Fetching(fetches, {f0, a0, a1, log0})
+    consumer.highwaters = {a0: 2, a1: 1}
     consumer.buffered = {a0: _records("actions", 0, range(0, 2)), log0: _records("changelog", 0, range(0, 1))}
     await _fetch_loop_for(frozenset({"features", "actions"}), handler)(consumer, mode.Service())
     assert got == [[("features", 0, 0), ("features", 0, 1), ("actions", 0, 0), ("actions", 0, 1)],
-                   [("features", 0, 2), ("actions", 1, 0)]]
+                   [("features", 0, 2), ("actions", 1, 0)], [("features", 0, 3)]]
     assert consumer.asked == [({a0, a1}, 0)], "asked once, for the other input, without waiting"

@@ -8,9 +8,12 @@ rank's *work* in the round (its step less its seconds waiting in collectives or 
 numbers and takes the same decision in the same round, with no message of its own. A round is a
 straggler's (:func:`straggling`) when its slowest rank worked over ``trainer.gba.straggler_ratio``
 x the median of the *other* ranks' work (the median of all, with 2 ranks the mean, would need the
-slow rank over 2 x itself halfway: never at ratio 2). A round where some rank had no examples
-(its work is sent as 0) tells nothing (the busy rank would look a straggler) and leaves the timer
-as it is. Once the group has been in its mode for ``trainer.gba.switch_after_s`` of rank 0's
+slow rank over 2 x itself halfway: never at ratio 2). A rank that stepped no example in a round
+sends its speed as it last measured it in this mode: waiting for examples does not change it, and
+in gba the fast rank drains its partitions first, so rounds with every rank stepping can be too
+few to judge a recovery by (a fresh-clone run stayed in gba so). A round where no rank stepped is
+not fed (nothing new), and one where some rank has not stepped since the switch (its work is
+sent as 0: a gba step costs less than a sync one) tells nothing and leaves the timer as it is. Once the group has been in its mode for ``trainer.gba.switch_after_s`` of rank 0's
 clock (and at least 3 rounds), every round looks at the rounds of the last ``switch_after_s``: it
 goes to gba when each rank's *median* work over them makes a straggler, back to sync when it no
 longer does. Medians, so that the straggler must have been slow in most of those rounds and one
@@ -72,7 +75,7 @@ class AutoSwitch:
         self._start: float | None = None  # the first round with evidence in this mode
 
     def observe(self, now_s: float, mode: str, work_us) -> str | None:
-        """``mode``: the group's now; ``work_us``: each rank's work in its last step (0: none)."""
+        """``mode``: the group's now; ``work_us``: each rank's work per step (0: none yet)."""
         w = np.asarray(work_us, np.float64)
         if straggling(w, self.ratio) is None:
             return None

@@ -312,8 +312,8 @@ class RankTrainer(TrainerLoop):
         else:
             res = train_isolating_ranks(self.dm, batch)
         work = max(0.0, time.perf_counter() - t0 - float(sum(self.dm.comm_s[steps:])))
-        work += self.straggler.after(work) if batch.size else 0.0
-        self._work_us = int(1e6 * work) if batch.size else 0
+        if batch.size:  # a rank waiting for examples is as fast as it was: its speed is kept
+            self._work_us = int(1e6 * (work + self.straggler.after(work)))
         return res, time.perf_counter() - t0
 
     def _vector(self, stop: bool, idle: bool, reset: bool, examples: int, event: int, work_us: int,
@@ -460,7 +460,8 @@ class RankTrainer(TrainerLoop):
             return True
         if not ag.pending and self._free():  # (a switch to sync since: the lockstep agreement takes over)
             examples, event, work_us = self._tally.take()
-            ag.start(self._vector(self.stop_event.is_set(), idle, reset, examples, event, work_us, time.monotonic()))
+            ag.start(self._vector(self.stop_event.is_set(), idle, reset, examples, event, work_us or self._work_us,
+                                  time.monotonic()))
         return False
 
     def _account(self, ctl: np.ndarray) -> None:
@@ -478,7 +479,9 @@ class RankTrainer(TrainerLoop):
             self.clock.taken(self.max_event_time)
             await self.snapshot()
             await self._file_mode_changed()
-        if self.auto is not None and (to := self.auto.observe(ctl[0, CLOCK] / 1e6, self.dm.mode, ctl[:, WORK])):
+        # a round where no rank stepped tells nothing new (the ranks' speeds are the last round's)
+        if self.auto is not None and ctl[:, EXAMPLES].any() and \
+                (to := self.auto.observe(ctl[0, CLOCK] / 1e6, self.dm.mode, ctl[:, WORK])):
             await self._switch(to, f"a rank's work over {self.ts.gba.straggler_ratio} x the others' median"
                                if to == "gba" else "no straggler")
         if ctl[:, ORPHAN].any():
@@ -521,6 +524,7 @@ class RankTrainer(TrainerLoop):
         for k in self._retired:
             self._retired[k] += float(sum(old.comm_s)) if k == "comm_s" else getattr(old, k)
         await self._coll(self._handover, old, to)
+        self._work_us = 0  # the new mode's steps cost what they cost: its speed is measured afresh
         self.switches.append({"to": to, "at_s": round(time.monotonic() - self._t0, 3), "why": why})
         if self.rank == 0:
             M.DIST_MODE_SWITCHES.labels(self.cfg.model_id, to).inc()

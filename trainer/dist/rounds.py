@@ -61,8 +61,9 @@ import torch.distributed as dist
 
 __all__ = ["COLUMNS", "FreeAgreement", "Tally", "control_vector"]
 
-# the agreed-upon control vector (int64 per rank); WORK: the rank's work per step (µs, 0: it
-# stepped no example), CLOCK: rank 0's (µs since its run began): auto's inputs
+# the agreed-upon control vector (int64 per rank); WORK: the rank's work per step (µs, its last
+# measured when it stepped nothing since; 0: no step in this mode yet), CLOCK: rank 0's (µs since
+# its run began): auto's inputs
 STOP, IDLE, EXAMPLES, EVENT, SYNC, DENSE, RESET, ORPHAN, WORK, CLOCK = range(10)
 COLUMNS = CLOCK + 1
 

@@ -18,6 +18,9 @@ async on bench_distributed's stream and model (ml-1m in time order, DeepFM 8 slo
   push applied on arrival, as the mean over its own batch, no decay. ``MODES``, ``SLOW``: a subset.
   Each gba/async line also prints per rank (waits, timed out, ms per step in each phase).
 * ``staleness_mean_gba``, ``dropped_gradients_gba`` (and ``_slow4``): over every owner's buffer.
+* ``RANKS`` (default 2): more ranks over the same stream and global batch (each rank's batch
+  ``2 x BATCH / RANKS``), unpinned unless ``PIN=1``: the paper's regime, where async's pushes
+  are several steps stale (on 2 cores the rates then say nothing; the AUCs do).
 * ``LR_SCALE``: every learning rate times this, in every mode (default 1). Sync's holdout AUC by
   scale, QUICK (sync is lockstep: the same every run): 0.5 0.6811, 0.7 0.6857, 1 0.6878, 1.4
   0.6890, 2 0.6864, 4 0.6563; async's holdout was above sync's at 1 and 1.4 (0.6897, 0.6902) and
@@ -49,7 +52,9 @@ from trainer.dist.model import DistributedModel
 from trainer.dist.straggler import Straggler
 from trainer.metrics import auc
 
-PIN = os.environ.get("PIN", "1") == "1"
+RANKS = int(os.environ.get("RANKS", "2"))
+PIN = os.environ.get("PIN", "1" if RANKS == 2 else "0") == "1"
+RANK_BATCH = 2 * BATCH // RANKS  # the same global batch and stream as 2 ranks of BATCH
 MAX_STALENESS = int(os.environ.get("MAX_STALENESS", "8"))
 FRESH_WAIT = float(os.environ.get("FRESH_WAIT", "1.5"))  # trainer.gba.fresh_wait (0: free-running GBA)
 # (a subset for experiments: e.g. MODES=sync,gba SLOW=1,4; the JSON then lacks the others' keys)
@@ -86,7 +91,7 @@ def _run(rank: int, world: int, mode: str, factor: float, batches: list, hold) -
         wall = time.perf_counter() - t0
         hold_probs, stats, waits = dm.predict(hold), None, (0, 0)
     else:
-        dm = GBAModel(_cfg(), mode=mode, global_batch=world * BATCH, max_staleness=MAX_STALENESS,
+        dm = GBAModel(_cfg(), mode=mode, global_batch=world * RANK_BATCH, max_staleness=MAX_STALENESS,
                       fresh_wait=FRESH_WAIT)
         for s in range(WARMUP):  # numba compile, allocator, optimizer state: the lockstep slices
             got[s * world + rank] = dm.step(batches[s * world + rank])[1]
@@ -122,7 +127,7 @@ def _run(rank: int, world: int, mode: str, factor: float, batches: list, hold) -
 
 def _rank(rank: int, world: int) -> dict:
     data = _data()
-    batches = [data.batch(np.arange(k * BATCH, (k + 1) * BATCH)) for k in range((WARMUP + STEPS) * world)]
+    batches = [data.batch(np.arange(k * RANK_BATCH, (k + 1) * RANK_BATCH)) for k in range((WARMUP + STEPS) * world)]
     share = HOLDOUT // world
     hold = data.batch(np.arange(LIMIT + rank * share, LIMIT + (rank + 1) * share))
     out = {"hold_labels": hold.labels, "labels": [b.labels for b in batches]}
@@ -134,7 +139,7 @@ def _rank(rank: int, world: int) -> dict:
 
 def main() -> None:
     t_start = time.time()
-    res = run_local(_rank, 2, timeout_s=300, pin=PIN)
+    res = run_local(_rank, RANKS, timeout_s=300, pin=PIN)
     labels, hold_labels = res[0]["labels"], np.concatenate([r["hold_labels"] for r in res])
     out: dict = {}
     for factor in SLOW:
@@ -149,10 +154,12 @@ def main() -> None:
             out[f"ex_per_s_{mode}{sfx}"] = round(rate)
             if factor in (1, 4):
                 out[f"auc_{mode}{sfx}"], out[f"auc_holdout_{mode}{sfx}"] = round(a, 4), round(h, 4)
-            taken = [sum(1 for k in p["probs"] if k >= WARMUP * 2) for p in parts]
+            taken = [sum(1 for k in p["probs"] if k >= WARMUP * RANKS) for p in parts]
             line = f"{mode:6s} rank 1 x{factor}: {rate:9,.0f} ex/s  auc {a:.4f}  holdout {h:.4f}  batches/rank {taken}"
             if parts[0]["stats"] is not None:
-                st = parts[0]["stats"].add(parts[1]["stats"])
+                st = parts[0]["stats"]
+                for q in parts[1:]:
+                    st = st.add(q["stats"])
                 line += (f"  applied {st.applied} decayed {st.decayed} dropped {st.dropped} "
                          f"staleness {st.mean_staleness:.2f}  waits/timed out {[p['waits'] for p in parts]}")
                 if mode == "gba" and factor in (1, 4):
@@ -165,8 +172,8 @@ def main() -> None:
                           ("auc_holdout_gap_gba_async", "auc_holdout_gba", "auc_holdout_async", "-")):
         if a in out and b in out:
             out[key] = round(out[a] / out[b], 3) if op == "/" else round(out[a] - out[b], 4)
-    out.update({"pin_cores": PIN, "batch_per_rank": BATCH, "max_staleness": MAX_STALENESS, "fresh_wait": FRESH_WAIT,
-                "steps": STEPS, "lr_scale": LR_SCALE,
+    out.update({"pin_cores": PIN, "ranks": RANKS, "batch_per_rank": RANK_BATCH, "max_staleness": MAX_STALENESS,
+                "fresh_wait": FRESH_WAIT, "steps": STEPS, "lr_scale": LR_SCALE,
                 "quick": os.environ.get("QUICK") == "1", "wall_s": round(time.time() - t_start, 1)})
     print(json.dumps(out))
 

@@ -42,6 +42,8 @@ PS_ADMITTED = Counter("driftline_ps_admitted_total", "Ids admitted into a PS tab
                       ["model", "table"])
 PS_EVICTED = Counter("driftline_ps_evicted_total", "PS table rows removed by TTL expiry.", ["model", "table"])
 SNAPSHOTS = Counter("driftline_trainer_snapshots_total", "Snapshots written.", ["model"])
+SNAPSHOTS_UNREADABLE = Counter("driftline_trainer_snapshots_unreadable_total",
+                               "Snapshots a restore found damaged and skipped for an older one.", ["model"])
 # the MixCache (trainer.cache_rows): written_back counts rows copied to the host PS before deltas, snapshots,
 # evictions. Per process: rank "" for the 1-process trainer (as no label in PromQL), a rank's number on N ranks
 CACHE_ROWS = Counter("driftline_trainer_cache_rows_total", "MixCache rows by event: lookup, hit, written_back, admitted, evicted.",

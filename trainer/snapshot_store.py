@@ -83,15 +83,15 @@ class SnapshotStore:
         self.root, self.cfg, self.topic = root, cfg, topic
 
     def load(self, epoch: str | None) -> Restored | None:
-        """The newest snapshot, whatever broker epoch it was written in (its state lives outside the
+        """The newest readable snapshot (:func:`trainer.snapshots.newest_readable`: a damaged one is
+        skipped for the one before it), whatever broker epoch it was written in (its state lives outside the
         broker). Its offsets only count on the broker data they were read from: after a broker reset
         (``epoch`` differs from the snapshot's) every partition is read from its start instead."""
-        got = snapshots.load(self.root, self.cfg, serving=False)
+        skipped = M.SNAPSHOTS_UNREADABLE.labels(self.cfg.model_id)
+        got = snapshots.newest_readable(self.root, self._read, lambda _name, _err: skipped.inc())
         if got is None:
             return None
         tables, dense, man = got
-        if man.shards:
-            dense = dict(dense, **_ranks_stream_state(self.root / man.name, man.shards))
         # snapshots written before manifests named their epoch: the marker beside them
         marker = self.root / EPOCH_MARKER
         snap_epoch = man.broker_epoch or (marker.read_text().strip() if marker.exists() else None)
@@ -107,6 +107,13 @@ class SnapshotStore:
         else:
             offsets, from_start = man.offsets_for(self.topic), man.from_start
         return Restored(tables, dense, man, reset, offsets, from_start)
+
+    def _read(self, name: str):
+        """Snapshot ``name`` as this process keeps it: N ranks' stream state merged."""
+        tables, dense, man = snapshots.load_named(self.root, name, self.cfg, serving=False)
+        if man.shards:
+            dense = dict(dense, **_ranks_stream_state(self.root / name, man.shards))
+        return tables, dense, man
 
     def save(self, model: SparseModel, dense: dict, manifest: Manifest | Mapping) -> Path:
         """Write a snapshot of ``model`` (tables, :meth:`SparseModel.dense_state`) with more ``dense`` state and the

@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
+import pickle
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -45,6 +48,12 @@ from .config import ModelConfig
 from .manifest import Manifest
 
 FORMAT = "driftline-trainer-snapshot/2"
+#: what reading a damaged snapshot raises (a table's checksum, a truncated torch file or manifest, a
+#: file gone): :func:`newest_readable` then tries the one before it
+UNREADABLE = (SnapshotError, OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, KeyError, TypeError)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EventClock:
@@ -119,9 +128,53 @@ def _staging(root: Path, seq: int) -> Path:
 
 
 def next_seq(root: Path) -> int:
-    """The sequence number of the next snapshot under ``root`` (rank 0 decides it for all ranks)."""
-    prev = latest(root)
-    return (prev.seq + 1) if prev else 1
+    """The sequence number of the next snapshot under ``root`` (rank 0 decides it for all ranks):
+    past every snapshot directory, so neither one that a crash left unpointed-at (moved into place,
+    ``LATEST`` not yet replaced) nor a damaged newest that a restore skipped is written over."""
+    seqs = [int(p.name[5:]) for p in Path(root).glob("snap-*") if p.is_dir() and p.name[5:].isdigit()]
+    return max(seqs, default=0) + 1
+
+
+def candidates(root: Path) -> list[str]:
+    """The snapshots to restore from, newest first: the one ``LATEST`` names, then the older ones
+    still kept (those newer than it were never pointed at); [] when there is none."""
+    pointer = Path(root) / "LATEST"
+    if not pointer.exists():
+        return []
+    head = pointer.read_text().strip()
+    return [head, *sorted((p.name for p in Path(root).glob("snap-*") if p.is_dir() and p.name < head), reverse=True)]
+
+
+def manifest_of(root: Path, name: str) -> Manifest:
+    """Snapshot ``name``'s manifest."""
+    return Manifest.from_dict(json.loads((Path(root) / name / "manifest.json").read_text()))
+
+
+def newest_readable(root: Path, read: Callable[[str], T],
+                    on_unreadable: Callable[[str, BaseException], None] | None = None) -> T | None:
+    """``read(name)`` of the newest snapshot it does not fail on (:data:`UNREADABLE`), each failure
+    logged; None when there is no snapshot. A damaged newest snapshot (a disk's error, a file cut
+    short outside the atomic write) so restores the one before it, whose offsets are where the
+    stream is read again from, instead of failing every restart; when none is readable, raises
+    :class:`ps.SnapshotError` naming each one's error. ``on_unreadable(name, error)``: told of each
+    (a metric)."""
+    errors = []
+    for name in candidates(root):
+        try:
+            got = read(name)
+        except UNREADABLE as err:
+            log.error("snapshot %s under %s is unreadable (%s: %s): trying the one before it", name, root,
+                      type(err).__name__, err)
+            errors.append(f"{name}: {type(err).__name__}: {err}")
+            if on_unreadable is not None:
+                on_unreadable(name, err)
+            continue
+        if errors:
+            log.warning("restoring snapshot %s under %s: the newer %s unreadable", name, root, errors)
+        return got
+    if errors:
+        raise SnapshotError(f"no snapshot under {root} is readable: " + "; ".join(errors))
+    return None
 
 
 def local_config(t):
@@ -199,21 +252,19 @@ def _union(parts: list[EmbeddingTable], t, serving: bool, keep=None) -> Embeddin
     return out
 
 
-def load_rank(root: Path, config: ModelConfig, rank: int, world: int):
-    """Rank ``rank`` of ``world``'s part of the latest snapshot: ``(tables, dense, manifest, state)``
+def load_rank(root: Path, config: ModelConfig, rank: int, world: int, name: str):
+    """Rank ``rank`` of ``world``'s part of snapshot ``name`` (:func:`candidates`; the ranks agree on
+    one every rank can read: :mod:`trainer.dist.rank_snapshots`): ``(tables, dense, manifest, state)``
     with ``tables`` its shard in one local shard per table (:func:`local_config`), ``state`` its
     own :func:`save_rank` state when the snapshot was written by ``world`` ranks (else None: the
-    caller splits the manifest's global state), or None when there is no snapshot. Any snapshot
-    restores into any number of ranks: rows move to the rank :func:`trainer.sharding.shard_of`
+    caller splits the manifest's global state). Any snapshot restores into any number of ranks: rows move to the rank :func:`trainer.sharding.shard_of`
     names, a table of :func:`trainer.sharding.whole_tables` wholly to rank 0 (an admission
     sketch's counts of ids not admitted yet are not moved)."""
     from .sharding import shard_of, whole_tables
 
     root = Path(root)
-    manifest = latest(root)
-    if manifest is None:
-        return None
-    snap = root / manifest.name
+    manifest = manifest_of(root, name)
+    snap = root / name
     if manifest.format != FORMAT:
         raise SnapshotError(f"{snap}: snapshot format {manifest.format!r} is not {FORMAT!r}")
     n = manifest.shards
@@ -271,17 +322,20 @@ def _replica(table: EmbeddingTable, config) -> EmbeddingTable:
     return out
 
 
-def load(root: Path, config: ModelConfig | None = None, *, serving: bool = True):
-    """``(tables, dense, manifest)`` of the latest snapshot, or None when there is none; the tables
-    hold every row (of every rank's shard when N ranks wrote it).
+def load(root: Path, config: ModelConfig | None = None, *, serving: bool = True,
+         on_unreadable: Callable[[str, BaseException], None] | None = None):
+    """``(tables, dense, manifest)`` of the newest readable snapshot (:func:`newest_readable`), or
+    None when there is none; the tables hold every row (of every rank's shard when N ranks wrote it).
 
     ``dense`` is the saved dict (``dense["head"]`` is the head's state_dict)."""
-    root = Path(root)
-    manifest = latest(root)
-    if manifest is None:
-        return None
+    return newest_readable(Path(root), lambda name: load_named(Path(root), name, config, serving=serving), on_unreadable)
+
+
+def load_named(root: Path, name: str, config: ModelConfig | None = None, *, serving: bool = True):
+    """:func:`load` of snapshot ``name`` (:func:`candidates`); raises what a damaged one does."""
+    manifest = manifest_of(root, name)
     config = config or ModelConfig.model_validate(manifest.config)
-    snap = root / manifest.name
+    snap = root / name
     if manifest.format != FORMAT:
         raise SnapshotError(f"{snap}: snapshot format {manifest.format!r} is not {FORMAT!r} "
                             "(written before tables were PS snapshots); delete it or train again")

@@ -22,17 +22,23 @@ whole but its offsets are not used: every partition is read from its start (``re
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+from ps import SnapshotError
 
 from .. import metrics as M
 from .. import snapshots
 from ..config import ModelConfig
 from ..manifest import Manifest
 from ..sample_rates import SampleRateTracker
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,26 +83,56 @@ def merged_rates(states: list[dict], half_life: float) -> SampleRateTracker:
     return out
 
 
-def _rank_states(root: Path, man: Manifest) -> list[dict]:
+def _rank_states(root: Path, name: str, shards: int) -> list[dict]:
     """Every rank's own state of an N-rank snapshot ([] for a 1-process one)."""
-    snap = Path(root) / man.name
-    return [torch.load(snap / f"rank-{r}" / "state.pt", weights_only=False, map_location="cpu") for r in range(man.shards)]
+    snap = Path(root) / name
+    return [torch.load(snap / f"rank-{r}" / "state.pt", weights_only=False, map_location="cpu") for r in range(shards)]
 
 
-def load(root: Path, cfg: ModelConfig, topic: str, rank: int, world: int, epoch: str | None = None) -> RankRestored | None:
-    """Rank ``rank`` of ``world``'s state from the latest complete snapshot, or None if none
-    (``epoch``: the broker's now, None: unknown)."""
-    got = snapshots.load_rank(root, cfg, rank, world)
-    if got is None:
-        return None
-    out = _load(root, topic, rank, got)
+def load(root: Path, cfg: ModelConfig, topic: str, rank: int, world: int, name: str,
+         epoch: str | None = None) -> RankRestored:
+    """Rank ``rank`` of ``world``'s state from snapshot ``name`` (``epoch``: the broker's now, None:
+    unknown); raises what a damaged one does (:data:`trainer.snapshots.UNREADABLE`)."""
+    got = snapshots.load_rank(root, cfg, rank, world, name)
+    out = _load(root, name, topic, rank, got)
     snap_epoch = out.manifest.broker_epoch
     if epoch is not None and snap_epoch is not None and snap_epoch != epoch:
         out.offsets, out.reset = {}, True
     return out
 
 
-def _load(root: Path, topic: str, rank: int, got: tuple) -> RankRestored:
+def newest_every_rank_reads(root: Path, cfg: ModelConfig, topic: str, rank: int, world: int,
+                            epoch: str | None) -> RankRestored | None:
+    """Rank ``rank``'s state from the newest snapshot every rank reads its part of
+    (:func:`trainer.snapshots.newest_readable`'s rule, agreed: a part damaged on one rank makes
+    every rank take the one before it), or None when there is none. Collective (rank 0's list of
+    snapshots, then one gather of the ranks' errors per snapshot tried)."""
+    names: list = [snapshots.candidates(root) if rank == 0 else None]
+    dist.broadcast_object_list(names, 0)
+    errors: list[str] = []
+    for name in names[0]:
+        got, err = None, None
+        try:
+            got = load(root, cfg, topic, rank, world, name, epoch)
+        except snapshots.UNREADABLE as e:
+            err = f"rank {rank}: {type(e).__name__}: {e}"
+        every: list = [None] * world
+        dist.all_gather_object(every, err)
+        failed = [e for e in every if e is not None]
+        if not failed:
+            if errors and rank == 0:
+                log.warning("restoring snapshot %s: the newer ones were unreadable: %s", name, errors)
+            return got
+        if rank == 0:
+            M.SNAPSHOTS_UNREADABLE.labels(cfg.model_id).inc()
+            log.error("snapshot %s under %s is unreadable (%s): trying the one before it", name, root, failed)
+        errors += [f"{name}: {e}" for e in failed]
+    if errors:
+        raise SnapshotError(f"no snapshot under {root} is readable by every rank: " + "; ".join(errors))
+    return None
+
+
+def _load(root: Path, name: str, topic: str, rank: int, got: tuple) -> RankRestored:
     tables, dense, man, state = got
     versions = dict(man.sparse_versions or {})
     same_topic = (man.topic or topic) == topic
@@ -105,7 +141,7 @@ def _load(root: Path, topic: str, rank: int, got: tuple) -> RankRestored:
                             versions.get(rank, 0), state["dedup"], (state["auc_pos"], state["auc_neg"]),
                             state["sample_rates"], int(state["examples_applied"]), scores=state.get("scores"))
     offsets = man.offsets_for(topic)
-    parts = _rank_states(root, man)
+    parts = _rank_states(root, name, man.shards)
     # every rank's window (bounded by the window's size when loaded): a partition may have moved here
     windows = [p["dedup"] for p in parts] if parts else [dense.get("dedup", [])]
     arrays = [w.reshape(-1, 2) for w in windows if isinstance(w, np.ndarray)]

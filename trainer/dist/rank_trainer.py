@@ -222,7 +222,7 @@ class RankTrainer(TrainerLoop):
         self.epoch = agreed[0]
         if self.resets.watch is not None:
             self.resets.watch.epoch = self.epoch
-        got = rank_snapshots.load(self.root, self.cfg, self.topic, self.rank, self.world, self.epoch)
+        got = rank_snapshots.newest_every_rank_reads(self.root, self.cfg, self.topic, self.rank, self.world, self.epoch)
         self.dm = self._model("sync" if self.ts.dist_mode == "auto" else self.ts.dist_mode,
                               got.tables if got is not None else None)
         # this rank's shard of the tables: admissions and TTL evictions counted per rank (the shards

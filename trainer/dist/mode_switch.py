@@ -3,17 +3,19 @@ retuning"): the decisions, pure and the same on every rank. The switch itself (t
 over in memory) is :meth:`trainer.dist.rank_trainer.RankTrainer._switch`.
 
 **Auto** (``trainer.dist_mode = "auto"``: starts in sync). Every round's agreement carries each
-rank's *work* in the round (its step less its seconds waiting in collectives or RPCs, plus any
-``debug_slow_rank`` sleep) and rank 0's clock, so every rank feeds :class:`AutoSwitch` the same
+rank's *work* per step (its last full batch's step less its seconds waiting in collectives or
+RPCs, plus any ``debug_slow_rank`` sleep) and rank 0's clock, so every rank feeds :class:`AutoSwitch` the same
 numbers and takes the same decision in the same round, with no message of its own. A round is a
 straggler's (:func:`straggling`) when its slowest rank worked over ``trainer.gba.straggler_ratio``
 x the median of the *other* ranks' work (the median of all, with 2 ranks the mean, would need the
 slow rank over 2 x itself halfway: never at ratio 2). A rank that stepped no example in a round
-sends its speed as it last measured it in this mode: waiting for examples does not change it, and
-in gba the fast rank drains its partitions first, so rounds with every rank stepping can be too
-few to judge a recovery by (a fresh-clone run stayed in gba so). A round where no rank stepped is
-not fed (nothing new), and one where some rank has not stepped since the switch (its work is
-sent as 0: a gba step costs less than a sync one) tells nothing and leaves the timer as it is. Once the group has been in its mode for ``trainer.gba.switch_after_s`` of rank 0's
+sends its work as it last measured it in this mode: waiting for examples does not change its
+speed, and in gba the fast rank drains its partitions first, so rounds with every rank stepping
+can be too few to judge a recovery by (a fresh-clone run stayed in gba so). A partial batch's step
+counts only until a full one was measured (a drained rank's last, small batch would make it look
+fast). A round where no rank stepped is not fed (nothing new), and one where some rank has not
+stepped since the switch (its work is sent as 0: a gba step costs less than a sync one) tells
+nothing and leaves the timer as it is. Once the group has been in its mode for ``trainer.gba.switch_after_s`` of rank 0's
 clock (and at least 3 rounds), every round looks at the rounds of the last ``switch_after_s``: it
 goes to gba when each rank's *median* work over them makes a straggler, back to sync when it no
 longer does. Medians, so that the straggler must have been slow in most of those rounds and one
@@ -49,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["AutoSwitch", "FileMode", "straggling"]
+__all__ = ["AutoSwitch", "FileMode", "Speed", "straggling"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,37 @@ def straggling(work_us, ratio: float) -> bool | None:
         return None
     slow = int(np.argmax(w))
     return bool(w[slow] > ratio * max(float(np.median(np.delete(w, slow))), 1.0))
+
+
+class Speed:
+    """A rank's work per step as it goes into the rounds' agreement (module docstring): a full
+    batch's step always counts, a partial one's only until a full one was measured since the last
+    :meth:`reset` (a switch); a rank that waits for examples keeps its speed.
+
+    >>> s = Speed(batch_size=32)
+    >>> s.stepped(32, 0.002); s.us
+    2000
+    >>> s.stepped(3, 0.0003); s.us   # a drained rank's last, small batch: not its speed
+    2000
+    >>> s.reset(); s.us              # the new mode's steps cost what they cost
+    0
+    >>> s.stepped(3, 0.0003); s.us   # partial batches only, so far: the best measure there is
+    300
+    >>> s.stepped(32, 0.0025); s.stepped(5, 0.0004); s.us
+    2500
+    """
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+        self.us, self._full = 0, False
+
+    def stepped(self, examples: int, work_s: float) -> None:
+        full = examples >= self.batch_size
+        if examples and (full or not self._full):
+            self.us, self._full = int(1e6 * work_s), full
+
+    def reset(self) -> None:
+        self.us, self._full = 0, False
 
 
 class AutoSwitch:

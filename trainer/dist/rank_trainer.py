@@ -135,7 +135,7 @@ from . import rank_snapshots
 from .gba import MODES as GBA_MODES
 from .gba_model import GBAModel, shutdown_rpc, unsupported
 from .input import RankInput, empty_batch, my_partitions  # noqa: F401 - the rule, named here too
-from .mode_switch import AutoSwitch, FileMode
+from .mode_switch import AutoSwitch, FileMode, Speed
 from .model import DistributedModel
 from .rounds import CLOCK, DENSE, EVENT, EXAMPLES, IDLE, ORPHAN, RESET, STOP, SYNC, WORK, FreeAgreement, Tally, control_vector
 from .straggler import Straggler
@@ -188,7 +188,7 @@ class RankTrainer(TrainerLoop):
             else:
                 log.warning("dist_mode auto stays in sync: %s", why)
         self._file_mode = FileMode(settings.project) if self.rank == 0 else None
-        self._work_us = 0
+        self.speed = Speed(ts.batch_size)
         self._t0 = time.monotonic()
         # gba / async: the agreement in flight (its own gloo group, built in _restore) and what this
         # rank stepped since its last contribution (trainer.dist.rounds)
@@ -304,7 +304,8 @@ class RankTrainer(TrainerLoop):
     # ------------------------------------------------------------------ a round
     def _step(self, batch: SparseBatch) -> tuple[StepResult, float]:
         """The round's step, then ``debug_slow_rank``'s sleep: ``(result, seconds of both)``; the
-        rank's work (the step less its waits for others, plus the sleep) kept for the next agreement."""
+        rank's work (the step less its waits for others, plus the sleep) goes into its speed for the
+        next agreements (:class:`trainer.dist.mode_switch.Speed`)."""
         t0 = time.perf_counter()
         steps = self.dm.steps
         if isinstance(self.dm, GBAModel):  # a GBA step fails on its own rank alone: bisected there
@@ -312,8 +313,8 @@ class RankTrainer(TrainerLoop):
         else:
             res = train_isolating_ranks(self.dm, batch)
         work = max(0.0, time.perf_counter() - t0 - float(sum(self.dm.comm_s[steps:])))
-        if batch.size:  # a rank waiting for examples is as fast as it was: its speed is kept
-            self._work_us = int(1e6 * (work + self.straggler.after(work)))
+        if batch.size:
+            self.speed.stepped(batch.size, work + self.straggler.after(work))
         return res, time.perf_counter() - t0
 
     def _vector(self, stop: bool, idle: bool, reset: bool, examples: int, event: int, work_us: int,
@@ -329,8 +330,8 @@ class RankTrainer(TrainerLoop):
         """The round's control vectors of every rank ``[world, COLUMNS]`` (one all_gather, lockstep)."""
         t0 = time.perf_counter()
         # what a gba round stepped after its last free agreement (a switch to sync since) counts here
-        left, left_event, _ = self._tally.take()
-        mine = self._vector(stop, idle, reset, examples + left, max(event, left_event), self._work_us, now)
+        left, left_event = self._tally.take()
+        mine = self._vector(stop, idle, reset, examples + left, max(event, left_event), self.speed.us, now)
         out = [torch.zeros_like(mine) for _ in range(self.world)]
         await self._coll(dist.all_gather, out, mine)
         self._stage("agree", time.perf_counter() - t0)
@@ -453,15 +454,14 @@ class RankTrainer(TrainerLoop):
         res = None
         if batch is not None:
             res = await self._train(batch)
-            self._tally.add(batch.size, batch.max_event_time, self._work_us / 1e6)
+            self._tally.add(batch.size, batch.max_event_time)
         if p is not None:
             await self._book(p, res)
         if ctl is not None and await self._act(ctl, now, max_examples):
             return True
         if not ag.pending and self._free():  # (a switch to sync since: the lockstep agreement takes over)
-            examples, event, work_us = self._tally.take()
-            ag.start(self._vector(self.stop_event.is_set(), idle, reset, examples, event, work_us or self._work_us,
-                                  time.monotonic()))
+            examples, event = self._tally.take()
+            ag.start(self._vector(self.stop_event.is_set(), idle, reset, examples, event, self.speed.us, time.monotonic()))
         return False
 
     def _account(self, ctl: np.ndarray) -> None:
@@ -524,7 +524,7 @@ class RankTrainer(TrainerLoop):
         for k in self._retired:
             self._retired[k] += float(sum(old.comm_s)) if k == "comm_s" else getattr(old, k)
         await self._coll(self._handover, old, to)
-        self._work_us = 0  # the new mode's steps cost what they cost: its speed is measured afresh
+        self.speed.reset()
         self.switches.append({"to": to, "at_s": round(time.monotonic() - self._t0, 3), "why": why})
         if self.rank == 0:
             M.DIST_MODE_SWITCHES.labels(self.cfg.model_id, to).inc()

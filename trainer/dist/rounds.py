@@ -61,8 +61,8 @@ import torch.distributed as dist
 
 __all__ = ["COLUMNS", "FreeAgreement", "Tally", "control_vector"]
 
-# the agreed-upon control vector (int64 per rank); WORK: the rank's work per step (µs, its last
-# measured when it stepped nothing since; 0: no step in this mode yet), CLOCK: rank 0's (µs since
+# the agreed-upon control vector (int64 per rank); WORK: the rank's speed, its work per step (µs,
+# trainer.dist.rank_trainer's _step; 0: not measured in this mode yet), CLOCK: rank 0's (µs since
 # its run began): auto's inputs
 STOP, IDLE, EXAMPLES, EVENT, SYNC, DENSE, RESET, ORPHAN, WORK, CLOCK = range(10)
 COLUMNS = CLOCK + 1
@@ -86,19 +86,15 @@ class Tally:
 
     examples: int = 0
     event: int = 0
-    work_s: float = 0.0
-    steps: int = 0
 
-    def add(self, examples: int, event: int, work_s: float) -> None:
+    def add(self, examples: int, event: int) -> None:
         self.examples += examples
         self.event = max(self.event, event)
-        self.work_s += work_s
-        self.steps += 1
 
-    def take(self) -> tuple[int, int, int]:
-        """``(examples, max event time, mean work per step in µs)``, and start again from zero."""
-        got = (self.examples, self.event, int(1e6 * self.work_s / self.steps) if self.steps else 0)
-        self.examples, self.event, self.work_s, self.steps = 0, 0, 0.0, 0
+    def take(self) -> tuple[int, int]:
+        """``(examples, max event time)``, and start again from zero."""
+        got = (self.examples, self.event)
+        self.examples, self.event = 0, 0
         return got
 
 

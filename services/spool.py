@@ -19,7 +19,12 @@ Layout (RocksDB through ``rocksdict``, no file format of our own):
 Durability: a put goes to RocksDB's write-ahead log in the OS page cache, which survives a kill
 of the process but not a crash of the machine (power loss, kernel panic): the last unsynced
 writes can be lost then. ``sync=True`` (``serving.spool_sync``) fsyncs every append, which
-survives that too at a few milliseconds per request instead of tens of microseconds.
+survives that too at a few milliseconds per request instead of tens of microseconds. Damage to
+the files (a block failing its checksum: a disk's error) is found at start, where every entry is
+read once, and then the readable unshipped entries go on in a fresh spool and the damaged one is
+moved aside (:meth:`Spool._recover`: the entries in the damaged blocks are lost, and logged); a
+read that meets damage later raises :class:`SpoolDamaged` rather than end early (the shipper
+retries and logs it; a restart recovers).
 
 Shipped entries are kept ``retention_s`` (the joiner's window) and then deleted with one
 ``delete_range``: after a broker reset the shipper re-ships them (they may have lived only in the
@@ -59,7 +64,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rocksdict import Options, Rdict, WriteOptions
+from rocksdict import Options, Rdict, RdictIter, WriteOptions
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +78,12 @@ class SpoolError(RuntimeError):
 
 class SpoolLocked(SpoolError):
     """Another process has the spool open: two replicas must not share one spool directory."""
+
+
+class SpoolDamaged(SpoolError):
+    """RocksDB found the spool's files damaged (a block's checksum, a file cut short): a read
+    raises it rather than end early; at start the spool is set aside and what is readable of its
+    unshipped entries goes on in a fresh one (:meth:`Spool._recover`)."""
 
 
 class SpoolFull(SpoolError):
@@ -116,23 +127,41 @@ class Spool:
         self.path, self.name, self.knobs = Path(path), name, knobs
         self.max_bytes = max_bytes
         self.retention_s = retention_s
+        self._write = WriteOptions()
+        self._write.sync = sync
+        self._warned = -1e9
+        self._closed = False
+        self._open()
+        damage = None
+        try:
+            self._load()
+        except SpoolDamaged as err:  # (recovered outside: its traceback holds the database's iterators)
+            damage = str(err)
+        if damage is not None:
+            self._recover(damage)
+
+    def _open(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         try:
             self._db = Rdict(str(self.path), _options(), column_families={_META: _options()})
         except Exception as err:  # noqa: BLE001 - rocksdict raises a bare Exception carrying RocksDB's message
             if "lock" in str(err).lower():
                 raise SpoolLocked(
-                    f"{name} {self.path} is in use by another process (two processes with one "
-                    f"{knobs}_dir?): {err}") from None
-            raise SpoolError(f"cannot open the {name} {self.path}: {err}") from None
+                    f"{self.name} {self.path} is in use by another process (two processes with one "
+                    f"{self.knobs}_dir?): {err}") from None
+            raise SpoolError(f"cannot open the {self.name} {self.path}: {err}") from None
         self._meta = self._db.get_column_family(_META)
-        self._write = WriteOptions()
-        self._write.sync = sync
+
+    def _load(self) -> None:
+        """Where the entries start and end, what was shipped; every entry's key read once (the
+        unshipped ones' count), so damage shows at start (:class:`SpoolDamaged`) rather than when
+        a broker reset has the retained ones shipped again."""
         it = self._db.iter()
         it.seek_to_first()
         first = int.from_bytes(it.key()[:_POS], "big") if it.valid() else None
         it.seek_to_last()
         end = (int.from_bytes(it.key()[:_POS], "big") + len(it.key()) + len(it.value())) if it.valid() else None
+        self._check(it)
         del it
         shipped_raw = self._meta.get(b"shipped")
         shipped = int.from_bytes(shipped_raw, "big") if shipped_raw else 0
@@ -140,12 +169,58 @@ class Spool:
         self.low = first if first is not None else shipped
         self.end = end if end is not None else self.low
         self.shipped = min(max(shipped, self.low), self.end)
+        for _ in self._keys(self.low, self.shipped):
+            pass
         self.pending = sum(1 for _ in self._keys(self.shipped, self.end))
         # (position, monotonic time): everything below position was shipped by then. What was
         # shipped before this start counts as shipped now (kept a little longer, never shorter).
         self._marks: deque[tuple[int, float]] = deque([(self.shipped, time.monotonic())])
-        self._warned = -1e9
-        self._closed = False
+
+    def _check(self, it: RdictIter) -> None:
+        """Raise :class:`SpoolDamaged` when ``it`` stopped on an error, not at the end."""
+        try:
+            it.status()
+        except Exception as err:  # noqa: BLE001 - rocksdict raises a bare Exception carrying RocksDB's message
+            raise SpoolDamaged(f"{self.name} {self.path} is damaged: {err}") from None
+
+    def _recover(self, damage: str) -> None:
+        """A damaged spool at start: its readable unshipped entries (forward from the shipped
+        cursor to the damage, backward from the last entry to it) are kept, the directory is moved
+        aside (``<dir>.damaged-<unix time>``, for a post-mortem) and they are appended, in order,
+        to a fresh spool. What lay in the damaged blocks is lost, and logged; refusing to start
+        instead would stop /rank (or the joiner) on every restart until someone deleted it."""
+        try:
+            raw = self._meta.get(b"shipped")
+            shipped = int.from_bytes(raw, "big") if raw else 0
+        except Exception:  # noqa: BLE001 - the cursor's own block damaged: everything readable is shipped again
+            shipped = 0
+        head: list[Entry] = []
+        it = self._db.iter()
+        it.seek(_pos(shipped))
+        while it.valid():
+            head.append(Entry(int.from_bytes(it.key()[:_POS], "big"), it.key()[_POS:], it.value()))
+            it.next()
+        tail: list[Entry] = []
+        after = head[-1].position if head else shipped - 1
+        it.seek_to_last()
+        while it.valid() and int.from_bytes(it.key()[:_POS], "big") > after:
+            tail.append(Entry(int.from_bytes(it.key()[:_POS], "big"), it.key()[_POS:], it.value()))
+            it.prev()
+        del it
+        kept = head + tail[::-1]
+        lost_from = head[-1].end if head else shipped
+        lost_to = tail[-1].position if tail else None
+        del self._meta
+        self._db.close()
+        aside = self.path.with_name(f"{self.path.name}.damaged-{int(time.time())}")
+        self.path.rename(aside)
+        log.error("%s; moved to %s and started afresh with its %d readable unshipped entries: the entries "
+                  "from position %d to %s are lost", damage, aside, len(kept), lost_from,
+                  lost_to if lost_to is not None else "its end")
+        self._open()
+        self._load()
+        for e in kept:
+            self.append(e.key, e.value)
 
     # ------------------------------------------------------------------ state
     @property
@@ -237,6 +312,8 @@ class Spool:
                 break
             out.append(Entry(int.from_bytes(key[:_POS], "big"), key[_POS:], value))
             it.next()
+        if not it.valid():  # the end, or damage (raised: ending early would leave entries unshipped)
+            self._check(it)
         return out
 
     def _keys(self, start: int, end: int) -> Iterator[builtins.bytes]:
@@ -245,6 +322,8 @@ class Spool:
         while it.valid() and int.from_bytes(it.key()[:_POS], "big") < end:
             yield it.key()
             it.next()
+        if not it.valid():
+            self._check(it)
 
     def close(self) -> None:
         if self._closed:

@@ -89,3 +89,54 @@ def test_same_process_second_open_is_refused_too(tmp_path: Path) -> None:
     with pytest.raises(SpoolLocked):
         spool_at(tmp_path / "s")
     spool.close()
+
+
+def _flip_a_block(spool_dir: Path) -> None:
+    """A bit flipped in the middle of the spool's table file (a disk's error): that block fails
+    its checksum."""
+    sst = max(spool_dir.glob("*.sst"), key=lambda p: p.stat().st_size)
+    b = bytearray(sst.read_bytes())
+    b[len(b) // 3] ^= 0xFF
+    sst.write_bytes(bytes(b))
+
+
+def test_a_damaged_spool_goes_on_with_its_readable_unshipped_entries(tmp_path: Path, caplog) -> None:
+    """Before: the spool opened and its reads ended at the damaged block without a word (the
+    entries after it never shipped, their bytes counted as unshipped for ever). Now the
+    damage is found at start: the readable unshipped entries, before and after the damaged block,
+    go on in order in a fresh spool, the damaged directory is kept aside, and the loss is logged."""
+    import os
+
+    spool = spool_at(tmp_path / "s", sync=True)
+    for i in range(100):
+        spool.append(f"r{i:03d}".encode(), os.urandom(100))  # (random: RocksDB cannot compress them into one block)
+    spool.mark_shipped(spool.read(spool.shipped, 10, 1 << 20))
+    spool.close()
+    _flip_a_block(tmp_path / "s")
+    with caplog.at_level("ERROR", "services.spool"):
+        again = spool_at(tmp_path / "s")
+    assert "is damaged: Corruption" in caplog.text and "readable unshipped entries" in caplog.text
+    kept = [e.key for e in again.read(again.shipped, 1000, 1 << 30)]
+    assert again.pending == len(kept) and 10 < len(kept) < 90, kept
+    numbers = [int(k[1:]) for k in kept]
+    assert numbers == sorted(numbers) and numbers[0] == 10 and numbers[-1] == 99  # the head and the tail
+    assert [p.name.split("-")[0] for p in tmp_path.glob("s.damaged-*")] == ["s.damaged"]
+    _fill(again, 1, start=100)
+    again.close()
+    assert spool_at(tmp_path / "s").pending == len(kept) + 1  # a fresh spool, reopened as any
+
+
+def test_a_read_that_meets_damage_raises_instead_of_ending_early(tmp_path: Path) -> None:
+    from services.spool import SpoolDamaged
+
+    spool = spool_at(tmp_path / "s", sync=True)
+    _fill(spool, 300, size=100)
+    spool._db.flush()  # (into a table file, as a long-running spool's entries are)
+    b = max((tmp_path / "s").glob("*.sst"), key=lambda p: p.stat().st_size)
+    data = bytearray(b.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    b.write_bytes(bytes(data))
+    with pytest.raises(SpoolDamaged, match="is damaged"):
+        while spool.read(spool.shipped, 1000, 1 << 30):  # (the block cache may have the first blocks)
+            spool.mark_shipped(spool.read(spool.shipped, 1000, 1 << 30))
+    spool.close()

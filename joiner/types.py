@@ -12,6 +12,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 
+class StoreDamaged(RuntimeError):
+    """A durable store's files are damaged (a block failing its checksum: a disk's error): a scan
+    raises it rather than end early, which would drop the keys after the damage without a word."""
+
+
 @runtime_checkable
 class KVStore(Protocol):
     """An ordered bytes -> bytes map with atomic batched writes."""
@@ -23,7 +28,7 @@ class KVStore(Protocol):
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
 
     def scan(self, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
-        """Items with ``lo <= key < hi`` in key order."""
+        """Items with ``lo <= key < hi`` in key order (:class:`StoreDamaged` if it cannot read them all)."""
         ...
 
     def write(self, changes: Mapping[bytes, bytes | None]) -> None:

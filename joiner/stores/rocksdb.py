@@ -24,6 +24,8 @@ from pathlib import Path
 
 from rocksdict import BlockBasedOptions, Options, Rdict, ReadOptions, WriteBatch
 
+from joiner.types import StoreDamaged
+
 
 class RdictKV:
     """Get, scan and atomic batched writes over ``db`` (raw bytes)."""
@@ -46,6 +48,10 @@ class RdictKV:
         while it.valid():
             yield it.key(), it.value()
             it.next()
+        try:  # the end, or damage: never a silent early end
+            it.status()
+        except Exception as err:  # noqa: BLE001 - rocksdict raises a bare Exception carrying RocksDB's message
+            raise StoreDamaged(f"{self.url}: {err}") from None
 
     @staticmethod
     def batch(changes: Mapping[bytes, bytes | None]) -> WriteBatch:

@@ -185,3 +185,27 @@ async def test_a_flush_that_crashed_before_its_commit_is_adopted_not_deleted(set
     table = dumper.read_examples(root)
     assert table.num_rows == 300 == pc.count_distinct(table["example_id"]).as_py()
     assert files <= {p.name for p in root.glob("dt=*/hour=*/part-*.parquet")}
+
+
+def test_a_scan_that_meets_damage_raises_instead_of_ending_early(tmp_path):
+    """A bit flipped in the store's table file (a disk's error): a scan over it raises
+    ``StoreDamaged`` rather than end at the damaged block, which would drop the keys after it (the
+    dumper's and the joiner's windows and indexes are scans) without a word."""
+    import os
+
+    import pytest
+
+    from joiner.types import StoreDamaged
+
+    store = RocksDBStore(f"rocksdb://{tmp_path / 'state'}")
+    store.write({f"k{i:05d}".encode(): os.urandom(100) for i in range(2000)})
+    store.db.flush()
+    store.close()
+    sst = max((tmp_path / "state").glob("*.sst"), key=lambda p: p.stat().st_size)
+    data = bytearray(sst.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    sst.write_bytes(bytes(data))
+    store = RocksDBStore(f"rocksdb://{tmp_path / 'state'}")
+    with pytest.raises(StoreDamaged, match="Corruption"):
+        list(store.scan(b"k", b"l"))
+    store.close()

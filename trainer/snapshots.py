@@ -257,9 +257,10 @@ def load_rank(root: Path, config: ModelConfig, rank: int, world: int, name: str)
     one every rank can read: :mod:`trainer.dist.rank_snapshots`): ``(tables, dense, manifest, state)``
     with ``tables`` its shard in one local shard per table (:func:`local_config`), ``state`` its
     own :func:`save_rank` state when the snapshot was written by ``world`` ranks (else None: the
-    caller splits the manifest's global state). Any snapshot restores into any number of ranks: rows move to the rank :func:`trainer.sharding.shard_of`
-    names, a table of :func:`trainer.sharding.whole_tables` wholly to rank 0 (an admission
-    sketch's counts of ids not admitted yet are not moved)."""
+    caller splits the manifest's global state). Any snapshot restores into any number of ranks:
+    rows move to the rank :func:`trainer.sharding.shard_of` names, a table of
+    :func:`trainer.sharding.whole_tables` wholly to rank 0 (an admission sketch's counts of ids
+    not admitted yet are not moved)."""
     from .sharding import shard_of, whole_tables
 
     root = Path(root)
@@ -322,13 +323,12 @@ def _replica(table: EmbeddingTable, config) -> EmbeddingTable:
     return out
 
 
-def load(root: Path, config: ModelConfig | None = None, *, serving: bool = True,
-         on_unreadable: Callable[[str, BaseException], None] | None = None):
+def load(root: Path, config: ModelConfig | None = None, *, serving: bool = True):
     """``(tables, dense, manifest)`` of the newest readable snapshot (:func:`newest_readable`), or
     None when there is none; the tables hold every row (of every rank's shard when N ranks wrote it).
 
     ``dense`` is the saved dict (``dense["head"]`` is the head's state_dict)."""
-    return newest_readable(Path(root), lambda name: load_named(Path(root), name, config, serving=serving), on_unreadable)
+    return newest_readable(Path(root), lambda name: load_named(Path(root), name, config, serving=serving))
 
 
 def load_named(root: Path, name: str, config: ModelConfig | None = None, *, serving: bool = True):

@@ -65,10 +65,15 @@ def test_a_damaged_newest_snapshot_restores_the_one_before_it(tmp_path, caplog, 
     assert snapshots.candidates(tmp_path) == ["snap-000000003", "snap-000000002", "snap-000000001"]
     damage(tmp_path / "snap-000000003", how)
     skipped = []
+
+    def read(name: str):
+        return snapshots.load_named(tmp_path, name, cfg, serving=False)
+
     with caplog.at_level(logging.ERROR, "trainer.snapshots"):
-        tables, dense, man = snapshots.load(tmp_path, cfg, serving=False, on_unreadable=lambda n, e: skipped.append(n))
+        tables, dense, man = snapshots.newest_readable(tmp_path, read, lambda name, err: skipped.append(name))
     assert man.seq == 2 and man.offsets == {0: 2000} and man.examples_applied == 2000
     assert skipped == ["snap-000000003"] and "snap-000000003" in caplog.text and "unreadable" in caplog.text
+    assert snapshots.load(tmp_path, cfg, serving=False)[2].seq == 2
     assert len(tables["item_id"]) > 0 and "head" in dense
     _, _, served = snapshots.load_latest(tmp_path)  # serving's catch-up takes the same one
     assert served.seq == 2

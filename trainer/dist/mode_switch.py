@@ -4,8 +4,9 @@ over in memory) is :meth:`trainer.dist.rank_trainer.RankTrainer._switch`.
 
 **Auto** (``trainer.dist_mode = "auto"``: starts in sync). Every round's agreement carries each
 rank's *work* per step (its last full batch's step less its seconds waiting in collectives or
-RPCs, plus any ``debug_slow_rank`` sleep) and rank 0's clock, so every rank feeds :class:`AutoSwitch` the same
-numbers and takes the same decision in the same round, with no message of its own. A round is a
+RPCs, plus any ``debug_slow_rank`` sleep: :class:`Speed`) and rank 0's clock, so every rank feeds
+:class:`AutoSwitch` the same numbers and takes the same decision in the same round, with no
+message of its own. A round is a
 straggler's (:func:`straggling`) when its slowest rank worked over ``trainer.gba.straggler_ratio``
 x the median of the *other* ranks' work (the median of all, with 2 ranks the mean, would need the
 slow rank over 2 x itself halfway: never at ratio 2). A rank that stepped no example in a round
@@ -15,10 +16,10 @@ can be too few to judge a recovery by (a fresh-clone run stayed in gba so). A pa
 counts only until a full one was measured (a drained rank's last, small batch would make it look
 fast). A round where no rank stepped is not fed (nothing new), and one where some rank has not
 stepped since the switch (its work is sent as 0: a gba step costs less than a sync one) tells
-nothing and leaves the timer as it is. Once the group has been in its mode for ``trainer.gba.switch_after_s`` of rank 0's
-clock (and at least 3 rounds), every round looks at the rounds of the last ``switch_after_s``: it
-goes to gba when each rank's *median* work over them makes a straggler, back to sync when it no
-longer does. Medians, so that the straggler must have been slow in most of those rounds and one
+nothing and leaves the timer as it is. Once the group has been in its mode for
+``trainer.gba.switch_after_s`` of rank 0's clock (and at least 3 rounds), every round looks at
+the rounds of the last ``switch_after_s``: it goes to gba when each rank's *median* work over them
+makes a straggler, back to sync when it no longer does. Medians, so that the straggler must have been slow in most of those rounds and one
 slow round (a GC, a busy core on a shared machine) flips nothing; the window starts again after a
 switch, so the new mode is judged on its own rounds and the group cannot flap faster than that.
 

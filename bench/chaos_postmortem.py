@@ -71,6 +71,25 @@ def offsets_with_two_records(topic_log: list[tuple]) -> int:
     return sum(1 for v in ids.values() if len(v) > 1)
 
 
+def at_two_record_offsets(topic_log: list[tuple], eids: set[str]) -> set[str]:
+    """The example ids among ``eids`` whose feature log or action the capture first read at an
+    offset where it also read another record (tansu quirk 8): a reader that tracks offsets, as the
+    joiner does, got one of the two, so the broker lost the other for it.
+
+    >>> log = [("f", 1, 0, 3, "r", 10, ""), ("a", 1, 0, 4, "r/7", 12, "click"), ("a", 1, 0, 4, "q/2", 9, "click"),
+    ...        ("f", 1, 0, 5, "s", 11, ""), ("a", 1, 0, 6, "s/1", 13, "click")]
+    >>> sorted(at_two_record_offsets(log, {"r/7", "s/1"}))
+    ['r/7']
+    """
+    ids: dict[tuple, set] = defaultdict(set)
+    first: dict[tuple, tuple] = {}
+    for row in topic_log:
+        ids[row[:4]].add(row[4:6])
+        first.setdefault((row[0], row[4]), row[:4])
+    two = {k for k, v in ids.items() if len(v) > 1}
+    return {e for e in eids if first.get(("f", e.rsplit("/", 1)[0])) in two or first.get(("a", e)) in two}
+
+
 def missing_detail(capture: Any, ref: dict, missing: set[str], t_of: dict) -> dict[str, dict]:
     """Per missing example id: the reference's labels, where its feature log and actions came
     from (broker epochs) and their event times; the run's work dir keeps it (chaos-missing.json)."""

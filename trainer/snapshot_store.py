@@ -69,9 +69,8 @@ def _ranks_stream_state(snap: Path, n: int) -> dict:
     partitions; the window keeps its newest ``dedup_window`` ids). A 1-process trainer resuming
     from it (N -> 1) then loses neither; the sample rates are the manifest's, merged by rank 0."""
     import numpy as np
-    import torch
 
-    parts = [torch.load(snap / f"rank-{r}" / "state.pt", weights_only=False, map_location="cpu") for r in range(n)]
+    parts = [snapshots.rank_state(snap, r) for r in range(n)]
     return {"auc_pos": sum(p["auc_pos"] for p in parts), "auc_neg": sum(p["auc_neg"] for p in parts),
             "dedup": np.concatenate([np.asarray(p["dedup"], np.uint64).reshape(-1, 2) for p in parts])}
 

@@ -198,6 +198,11 @@ def save_rank(root: Path, seq: int, rank: int, tables: dict[str, EmbeddingTable]
     fsync_path(d)
 
 
+def rank_state(snap: Path, rank: int) -> dict:
+    """Rank ``rank``'s own part (:func:`save_rank`'s ``state``) of the N-rank snapshot at ``snap``."""
+    return torch.load(Path(snap) / f"rank-{rank}" / "state.pt", weights_only=False, map_location="cpu")
+
+
 def commit_ranks(root: Path, config: ModelConfig, seq: int, shard_count: int, dense: dict, manifest: Manifest | Mapping,
                  rows: dict[str, int], keep: int = 3) -> Path:
     """Rank 0, once every rank's :func:`save_rank` returned (a barrier): write ``dense.pt`` and the
@@ -284,7 +289,7 @@ def load_rank(root: Path, config: ModelConfig, rank: int, world: int, name: str)
             parts = _shard_parts(snap, t, n) if n else [restore_table(snap / "tables", t)]
             tables[t.name] = _union(parts, lt, False, keep=lambda k: shard_of(k, world) == rank)
     if n == world:
-        state = torch.load(snap / f"rank-{rank}" / "state.pt", weights_only=False, map_location="cpu")
+        state = rank_state(snap, rank)
     dense = torch.load(snap / "dense.pt", weights_only=False, map_location="cpu")
     return tables, dense, manifest, state
 

@@ -85,8 +85,7 @@ def merged_rates(states: list[dict], half_life: float) -> SampleRateTracker:
 
 def _rank_states(root: Path, name: str, shards: int) -> list[dict]:
     """Every rank's own state of an N-rank snapshot ([] for a 1-process one)."""
-    snap = Path(root) / name
-    return [torch.load(snap / f"rank-{r}" / "state.pt", weights_only=False, map_location="cpu") for r in range(shards)]
+    return [snapshots.rank_state(Path(root) / name, r) for r in range(shards)]
 
 
 def load(root: Path, cfg: ModelConfig, topic: str, rank: int, world: int, name: str,

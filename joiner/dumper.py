@@ -80,7 +80,8 @@ import pyarrow.parquet as pq
 from aiokafka import TopicPartition
 
 from joiner.offsets import LEGACY_MARKER, OffsetBook
-from joiner.stores.rocksdb import RocksDBStore
+from joiner.stores.rocksdb import RocksDBStore, is_damage, set_aside_if_damaged
+from joiner.types import STORE_DAMAGED_EXIT, StoreDamaged
 from joiner.watermark import Watermark
 from proto import Example
 from services import broker_reset, example_batch, metrics, tansu_quirks
@@ -94,6 +95,7 @@ from services.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 SERVICE = "joiner-dumper"
+CHECK_MARKER = "_state.damaged"  # (in the output root: the store was found damaged; read it in full at start)
 _I64 = struct.Struct("<q")
 
 
@@ -318,8 +320,8 @@ class _Dumper:
                     await self.take(r)
                 except MalformedMessage as err:
                     await (await self.consumer.dead_letter(r, err))
-                except (MemoryError, OSError):
-                    raise  # the machine's fault, not the record's
+                except (MemoryError, OSError, StoreDamaged):
+                    raise  # the machine's fault or the disk's, not the record's
                 except Exception as err:  # noqa: BLE001 - a record this path fails on is dead-lettered, never a crash loop
                     self.totals["failed"] += 1
                     await (await self.consumer.dead_letter(r, processing_failed(err)))
@@ -396,13 +398,24 @@ async def run(
     """Dump until ``stop`` (or ``until_idle_s`` of no input), then flush (``settings.dumper``:
     when and how much). Written ids are remembered for ``settings.dumper.dedup_horizon_s`` of
     event time behind the dedup clock (None: :func:`default_dedup_horizon_s`); older ones are
-    pruned at each flush."""
-    stop = stop or asyncio.Event()
+    pruned at each flush. A damaged store (:func:`joiner.stores.rocksdb.is_damage`) stops it,
+    marked: the next start sets it aside and rebuilds it from the Parquet files (every id in
+    them adopted, the topic read again from its start: what was not flushed is read again, what
+    was is a duplicate)."""
+    root = out_dir or settings.var_dir / "examples"
+    try:
+        return await _run(settings, root, stop or asyncio.Event(), until_idle_s)
+    except Exception as err:
+        if is_damage(err):
+            (root / CHECK_MARKER).write_text(f"{err}\n")
+        raise
+
+
+async def _run(settings: Settings, root: Path, stop: asyncio.Event, until_idle_s: float | None) -> dict[str, int]:
     ds = settings.dumper
     flush_rows, flush_interval_s = ds.flush_rows, ds.flush_interval_s
     horizon_s = default_dedup_horizon_s(settings) if ds.dedup_horizon_s is None else ds.dedup_horizon_s
     horizon_ms = int(horizon_s * 1000)
-    root = out_dir or settings.var_dir / "examples"
     root.mkdir(parents=True, exist_ok=True)
     tansu_quirks.install()
     await create_topics(settings)
@@ -411,6 +424,10 @@ async def run(
         watch = broker_reset.EpochWatch(settings, SERVICE)
         resources.push_async_callback(watch.stop)
         epoch = await watch.start()
+        marker = root / CHECK_MARKER
+        if set_aside_if_damaged(state_path, read_all=marker.exists()) is not None:
+            log.error("the dedup ids are rebuilt from the Parquet files and the examples topic is read from its start")
+        marker.unlink(missing_ok=True)
         store = RocksDBStore(f"rocksdb://{state_path}")
         resources.callback(store.close)
         consumer = TypedConsumer(settings, SERVICE, Example, [], None)
@@ -481,6 +498,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokerUnavailable as err:
         log.error("%s", err)
         return 2
+    except Exception as err:
+        if not is_damage(err):
+            raise
+        log.error("the dumper's store is damaged (%r): exiting; the next start sets it aside and rebuilds it", err)
+        return STORE_DAMAGED_EXIT
     log.info("dumper stopped: %s", totals)
     return 0
 

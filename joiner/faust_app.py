@@ -38,8 +38,11 @@ import faust
 from faust.types import TP
 
 from joiner import faust_fetch, faust_quirks, faust_reset, faust_store
+from joiner import metrics as jm
 from joiner.kafka_io import SERVICE, BatchedSender
 from joiner.output_spool import OutputSpool
+from joiner.stores.rocksdb import is_damage
+from joiner.types import STORE_DAMAGED_EXIT
 from joiner.worker import Worker
 from services import broker_reset, metrics, tansu_quirks
 from services.disk import DiskGuard
@@ -143,8 +146,11 @@ class JoinerApp:
         return {tp.partition for tp in self.app.assignor.assigned_actives() if tp.topic == self.settings.topics.features}
 
     async def start(self) -> None:
-        """Everything but Faust's own start (:meth:`start_faust`): topics, producer, broker epoch."""
+        """Everything but Faust's own start (:meth:`start_faust`): damaged stores set aside,
+        topics, producer, broker epoch."""
         s = self.settings
+        moved = faust_store.set_aside_damaged(state_dir(s), Path(self.app.conf.tabledir), TABLE)
+        jm.STORES_SET_ASIDE.inc(len(moved))
         await create_topics(s)
         self.prod = producer(s)
         await start_client(self.prod, s)
@@ -316,9 +322,20 @@ async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_id
     """Run one worker until ``stop`` is set or (``until_idle_s``) its partitions are drained; the
     totals of its counters. ``timings`` (benchmarks) receives ``perf_counter`` marks as
     ``loop_start`` (first batch), ``last_batch_end``, ``drain_s``. Raises :class:`BrokerReset`
-    (the broker's data was reset) and :class:`JoinTimeout` (no group assignment for
-    ``joiner.join_timeout_s``, also at start: Faust's start waits for the first one)."""
-    stop = stop or asyncio.Event()
+    (the broker's data was reset), :class:`JoinTimeout` (no group assignment for
+    ``joiner.join_timeout_s``, also at start: Faust's start waits for the first one), and what a
+    damaged store raised (:func:`joiner.stores.rocksdb.is_damage`: marked for the next start, which
+    sets the store aside and rebuilds it from the changelog)."""
+    try:
+        return await _run(settings, stop or asyncio.Event(), until_idle_s, timings)
+    except Exception as err:
+        if is_damage(err):
+            faust_store.mark_damaged(state_dir(settings), err)
+        raise
+
+
+async def _run(settings: Settings, stop: asyncio.Event, until_idle_s: float | None,
+               timings: dict[str, float] | None) -> dict[str, int]:
     japp = JoinerApp(settings, await broker_reset.ensure_broker_epoch(settings), until_idle_s)
     await japp.start()
     metrics.SERVICE_UP.labels(SERVICE).set(1)
@@ -337,7 +354,7 @@ async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_id
                     raise BrokerReset(f"the broker's data was reset (new epoch {japp.reset_to}): restart the worker")
                 if crashed:
                     # (a crashed Faust service stops itself: exit non-zero, to be restarted)
-                    raise RuntimeError(f"the Faust app stopped: {japp.app.crash_reason!r}")
+                    raise RuntimeError(f"the Faust app stopped: {japp.app.crash_reason!r}") from japp.app.crash_reason
                 if starting.done() and not starting.cancelled() and starting.exception() is not None:
                     raise starting.exception()  # type: ignore[misc]
                 if japp.unassigned_for() > join_timeout_s:
@@ -392,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     except JoinTimeout as err:
         log.error("%s", err)
         return 4
+    except Exception as err:
+        if not is_damage(err):
+            raise
+        log.error("a partition store is damaged (%r): exiting; the next start sets it aside and rebuilds it "
+                  "from the changelog", err)
+        return STORE_DAMAGED_EXIT
     log.info("joiner stopped: %s", dict(sorted(totals.items())))
     return 0
 

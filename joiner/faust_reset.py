@@ -38,7 +38,7 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from rocksdict import Options, Rdict
 
-from joiner.faust_store import MARKER, OFFSET_KEY, PartitionKV
+from joiner.faust_store import MARKER, OFFSET_KEY, PartitionKV, partition_stores
 from joiner.offsets import OffsetBook
 from joiner.worker import offset_book, send_changelog
 from services.aiokafka_quirks import stop_consumer
@@ -46,22 +46,6 @@ from services.kafka_security import security_options
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
-
-
-def partition_stores(tabledir: Path, table: str) -> dict[int, Path]:
-    """The local RocksDB of each partition of ``table`` (Faust's ``<table>-<p>.db``).
-
-    >>> import tempfile
-    >>> d = Path(tempfile.mkdtemp()); (d / "state-3.db").mkdir(); (d / "other-1.db").mkdir()
-    >>> {p: path.name for p, path in partition_stores(d, "state").items()}
-    {3: 'state-3.db'}
-    """
-    out = {}
-    for path in tabledir.glob(f"{table}-*.db"):
-        number = path.name[len(table) + 1:-3]
-        if number.isdigit():
-            out[int(number)] = path
-    return dict(sorted(out.items()))
 
 
 async def reseed(settings: Settings, prod: object, tabledir: Path, table: str, changelog: str,
@@ -84,12 +68,14 @@ async def reseed(settings: Settings, prod: object, tabledir: Path, table: str, c
             book: OffsetBook = offset_book(settings, p)
             changes, lost = book.reset(kv.get, epoch)
             kv.write(changes)  # (before reading it back: the snapshot holds the new epoch, no offsets)
-            strays = {k for k, _ in found if k != MARKER and db.get(k) is None}
+            strays = {k for k, _ in found if k != MARKER and kv.get(k) is None}
             if found:
                 log.warning("broker reset: changelog partition %d holds %d records of no committed re-seed "
                             "(one cut short): their %d keys the local state lacks are deleted",
                             p, len(found), len(strays))
-            items = itertools.chain(((k, v) for k, v in db.items() if k != OFFSET_KEY),
+            # (a checked scan: rocksdict's items() ends at a damaged block without a word, which
+            # would re-seed part of the state as all of it; StoreDamaged stops the worker instead)
+            items = itertools.chain(((k, v) for k, v in kv.scan(b"") if k != OFFSET_KEY),
                                     ((k, None) for k in sorted(strays)))
             n = 0
 

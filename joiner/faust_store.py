@@ -9,6 +9,12 @@ a takeover, a restart and standby replicas) holds a partition's records back unt
 comes and then writes them and the marker's offset in one WriteBatch, so a store is always the
 state after some committed batch, never half of one.
 
+A partition store a disk damaged (a block failing its checksum, a garbled ``CURRENT``) is set
+aside and rebuilt from the changelog like a takeover's (:func:`set_aside_damaged`): a read of it
+raises :class:`joiner.types.StoreDamaged` (never a record's fault: :mod:`joiner.worker` does not
+dead-letter for it), the worker stops and marks its stores for a full check
+(:func:`mark_damaged`), and its next start moves every store that does not read aside.
+
 Records after the last marker are a batch whose writer died before committing it (its input is
 replayed from the offsets of the last committed batch, which live in the state). They stay in
 :attr:`JoinStore.tail` and :meth:`JoinStore.repair` writes, for each of their keys, the committed
@@ -27,7 +33,9 @@ recovery, even from a compacted changelog, then ends with the committed values.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from faust.stores import STORES
@@ -35,24 +43,26 @@ from faust.stores import rocksdb as faust_rocksdb
 from faust.types import TP, EventT
 from rocksdict import DbClosedError
 
-from joiner.stores.rocksdb import RdictKV
+from joiner.stores.rocksdb import RdictKV, set_aside_if_damaged
+
+log = logging.getLogger(__name__)
 
 MARKER = b"\x00commit"  # (sorts before every state key: joiner.core's keys start with a letter)
 OFFSET_KEY = faust_rocksdb.Store.offset_key
+#: in the worker's state directory: a store was found damaged, read every store in full at start
+CHECK_MARKER = "stores-damaged"
 
 
 class PartitionKV(RdictKV):
     """One partition's RocksDB as a :class:`joiner.types.KVStore`, with Faust's persisted
     changelog offset written in the same batch as the state."""
 
-    url = "driftline://"
-
     def write(self, changes: Mapping[bytes, bytes | None], changelog_offset: int | None = None) -> None:
         """Apply puts and deletes (None) atomically, with the changelog offset they reach."""
         wb = self.batch(changes)
         if changelog_offset is not None:
             wb.put(OFFSET_KEY, str(changelog_offset).encode())
-        self.db.write(wb)
+        self._write(wb)
 
     def persisted_offset(self) -> int | None:
         raw = self.db.get(OFFSET_KEY)
@@ -112,3 +122,45 @@ class JoinStore(faust_rocksdb.Store):
 def register() -> None:
     """Make ``driftline://`` name :class:`JoinStore` for Faust."""
     STORES.aliases.setdefault("driftline", f"{__name__}:JoinStore")
+
+
+def partition_stores(tabledir: Path, table: str) -> dict[int, Path]:
+    """The local RocksDB of each partition of ``table`` (Faust's ``<table>-<p>.db``).
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp()); (d / "state-3.db").mkdir(); (d / "other-1.db").mkdir()
+    >>> (d / "state-4.db.damaged-1700000000").mkdir()
+    >>> {p: path.name for p, path in partition_stores(d, "state").items()}
+    {3: 'state-3.db'}
+    """
+    out = {}
+    for path in tabledir.glob(f"{table}-*.db"):
+        number = path.name[len(table) + 1:-3]
+        if number.isdigit():
+            out[int(number)] = path
+    return dict(sorted(out.items()))
+
+
+def mark_damaged(state_dir: Path, err: BaseException) -> None:
+    """Have the next start read every store in full (:func:`set_aside_damaged`): which one ``err``
+    came from is not always known (Faust's own reads name no path)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / CHECK_MARKER).write_text(f"{err}\n")
+
+
+def set_aside_damaged(state_dir: Path, tabledir: Path, table: str) -> list[Path]:
+    """Move the partition stores of ``table`` that do not read aside (``<store>.damaged-<unix
+    time>``); the moved directories. Every store is opened; after :func:`mark_damaged`, every
+    item of every store is read as well (:func:`joiner.stores.rocksdb.set_aside_if_damaged`).
+    Faust then rebuilds each moved partition from the changelog, as for a worker that never held
+    it: nothing is lost that the changelog holds, which is every committed batch."""
+    marker = state_dir / CHECK_MARKER
+    read_all = marker.exists()
+    moved = []
+    for p, path in partition_stores(tabledir, table).items():
+        aside = set_aside_if_damaged(path, read_all=read_all)
+        if aside is not None:
+            moved.append(aside)
+            log.error("partition %d is rebuilt from the changelog", p)
+    marker.unlink(missing_ok=True)
+    return moved

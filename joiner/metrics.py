@@ -35,6 +35,8 @@ CHANGELOG_BYTES = Counter("driftline_joiner_changelog_bytes_total",
                           "Key + value bytes written to the state changelog (uncompressed, acknowledged).")
 OUTPUT_SPOOL_BYTES = Gauge("driftline_joiner_output_spool_bytes",
                            "Bytes of produced example records kept to produce again after a broker reset.")
+STORES_SET_ASIDE = Counter("driftline_joiner_stores_set_aside_total",
+                           "Partition stores found damaged at start, moved aside and rebuilt from the changelog.")
 OUTPUT_RESENT = Counter("driftline_joiner_output_resent_total",
                         "Example records produced again into a broker whose data was reset.")
 

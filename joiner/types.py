@@ -11,10 +11,18 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
+#: the exit code of a service that stopped on a damaged store (its restart sets the store aside)
+STORE_DAMAGED_EXIT = 5
+
 
 class StoreDamaged(RuntimeError):
-    """A durable store's files are damaged (a block failing its checksum: a disk's error): a scan
-    raises it rather than end early, which would drop the keys after the damage without a word."""
+    """A durable store's files are damaged (a block failing its checksum, a file cut short: a
+    disk's error, not the input's): reads raise it, and a scan raises it rather than end early,
+    which would drop the keys after the damage without a word."""
+
+    def __init__(self, path: str, damage: str) -> None:
+        super().__init__(f"{path}: {damage}")
+        self.path = path
 
 
 @runtime_checkable

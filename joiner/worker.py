@@ -40,6 +40,7 @@ from joiner.kafka_io import BatchedSender, InputConsumer
 from joiner.offsets import OffsetBook
 from joiner.partitioning import murmur2_partitions
 from joiner.tiered import TieredState
+from joiner.types import StoreDamaged
 from services import metrics
 from services.codecs import MalformedMessage, processing_failed
 from services.settings import Settings
@@ -250,8 +251,8 @@ class Worker:
                     core.on_features(p, value, ts)
                 else:
                     core.on_action(p, value, ts)
-        except (MemoryError, OSError):
-            raise  # the machine's fault, not the record's
+        except (MemoryError, OSError, StoreDamaged):
+            raise  # the machine's fault or the disk's, not the record's
         except Exception as err:  # noqa: BLE001 - handed back: the record the batch failed on is dead-lettered
             return i, err
         core.advance(part.p)

@@ -19,6 +19,8 @@ same batch. Point lookups use a bloom filter, so the common "is this key waiting
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -26,32 +28,128 @@ from rocksdict import BlockBasedOptions, Options, Rdict, ReadOptions, WriteBatch
 
 from joiner.types import StoreDamaged
 
+log = logging.getLogger(__name__)
+
+
+def as_fault(err: Exception, path: str) -> Exception:
+    """What a RocksDB error is: rocksdict raises a bare ``Exception`` carrying RocksDB's status,
+    so ``Corruption`` (the files are damaged) becomes :class:`StoreDamaged` and ``IO error`` (a
+    full or failing disk) ``OSError``: callers that set a poison record aside must not take either
+    for the record's fault. Anything else is returned as it is.
+
+    >>> as_fault(Exception("Corruption: block checksum mismatch"), "/s")
+    StoreDamaged('/s: Corruption: block checksum mismatch')
+    >>> as_fault(Exception("IO error: No space left on device"), "/s")
+    OSError('/s: IO error: No space left on device')
+    >>> as_fault(KeyError("k"), "/s")
+    KeyError('k')
+    """
+    if type(err) is Exception and err.args and isinstance(err.args[0], str):
+        status = err.args[0]
+        if status.startswith("Corruption"):
+            return StoreDamaged(path, status)
+        if status.startswith("IO error"):
+            return OSError(f"{path}: {status}")
+    return err
+
+
+def is_damage(err: BaseException | None) -> bool:
+    """Whether ``err`` (or what it was raised from) is RocksDB finding its files damaged.
+
+    >>> is_damage(RuntimeError("the Faust app stopped"))
+    False
+    >>> try:
+    ...     raise RuntimeError("the Faust app stopped") from Exception("Corruption: bad block")
+    ... except RuntimeError as err:
+    ...     is_damage(err)
+    True
+    """
+    for _ in range(10):  # (a cause chain, not a cycle)
+        if err is None:
+            break
+        if isinstance(err, Exception) and isinstance(as_fault(err, ""), StoreDamaged):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def set_aside_if_damaged(path: Path, *, read_all: bool) -> Path | None:
+    """Open the RocksDB at ``path`` (a garbled ``CURRENT`` or manifest fails there) and, with
+    ``read_all``, read every item (each block's checksum); if RocksDB finds it damaged, move it
+    aside (``<path>.damaged-<unix time>``, kept for a post-mortem) and return where to. None when
+    it reads (or is not there).
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp()) / "db"
+    >>> RocksDBStore(f"rocksdb://{d}").close()
+    >>> (d / "CURRENT").write_text("garbage")
+    7
+    >>> set_aside_if_damaged(d, read_all=False).name.startswith("db.damaged-"), d.exists()
+    (True, False)
+    """
+    if not path.exists():
+        return None
+    try:
+        db = Rdict(str(path), Options(raw_mode=True))
+        try:
+            if read_all:
+                RdictKV(db).check()
+        finally:
+            db.close()
+    except Exception as err:  # (rocksdict raises a bare Exception carrying RocksDB's status)
+        if not is_damage(err):
+            raise
+        aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
+        path.rename(aside)
+        log.error("the store %s is damaged (%s): moved to %s", path, as_fault(err, str(path)), aside)
+        return aside
+    return None
+
 
 class RdictKV:
-    """Get, scan and atomic batched writes over ``db`` (raw bytes)."""
+    """Get, scan and atomic batched writes over ``db`` (raw bytes); RocksDB's errors raised as
+    :func:`as_fault` names them."""
 
     def __init__(self, db: Rdict) -> None:
         self.db = db
-        self.get = db.get  # type: ignore[method-assign]  # hot path: no wrapper call
+        self.dir = db.path()  # (what a fault names)
+        self.url = f"rocksdb://{self.dir}"
 
     def get(self, key: bytes) -> bytes | None:
-        return self.db.get(key)
+        try:
+            return self.db.get(key)
+        except Exception as err:  # noqa: BLE001 - rocksdict raises a bare Exception carrying RocksDB's status
+            raise as_fault(err, self.dir) from None
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return self.db.get(list(keys)) if keys else []
+        try:
+            return self.db.get(list(keys)) if keys else []
+        except Exception as err:  # noqa: BLE001 - as in get
+            raise as_fault(err, self.dir) from None
 
-    def scan(self, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
+    def scan(self, lo: bytes, hi: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """Items with ``lo <= key < hi`` (``hi`` None: to the end) in key order."""
         ro = ReadOptions()
-        ro.set_iterate_upper_bound(hi)
+        if hi is not None:
+            ro.set_iterate_upper_bound(hi)
         it = self.db.iter(ro)
-        it.seek(lo)
-        while it.valid():
-            yield it.key(), it.value()
-            it.next()
-        try:  # the end, or damage: never a silent early end
-            it.status()
-        except Exception as err:  # noqa: BLE001 - rocksdict raises a bare Exception carrying RocksDB's message
-            raise StoreDamaged(f"{self.url}: {err}") from None
+        fault = None
+        try:
+            it.seek(lo)
+            while it.valid():
+                yield it.key(), it.value()
+                it.next()
+            it.status()  # the end, or damage: never a silent early end
+        except Exception as err:  # noqa: BLE001 - as in get
+            fault = as_fault(err, self.dir)
+        del it  # (raised from here, the traceback does not keep the database open)
+        if fault is not None:
+            raise fault
+
+    def check(self) -> int:
+        """Read every item once (RocksDB verifies each block's checksum on the way); the number
+        of items, or :class:`StoreDamaged`."""
+        return sum(1 for _ in self.scan(b""))
 
     @staticmethod
     def batch(changes: Mapping[bytes, bytes | None]) -> WriteBatch:
@@ -66,14 +164,19 @@ class RdictKV:
 
     def write(self, changes: Mapping[bytes, bytes | None]) -> None:
         if changes:
-            self.db.write(self.batch(changes))
+            self._write(self.batch(changes))
+
+    def _write(self, wb: WriteBatch) -> None:
+        try:
+            self.db.write(wb)
+        except Exception as err:  # noqa: BLE001 - as in get
+            raise as_fault(err, self.dir) from None
 
 
 class RocksDBStore(RdictKV):
     """A database of its own at ``rocksdb://rel/path`` or ``rocksdb:///abs/path``."""
 
     def __init__(self, url: str) -> None:
-        self.url = url
         self.path = Path(url.split("://", 1)[1])
         self.path.parent.mkdir(parents=True, exist_ok=True)
         opts = Options(raw_mode=True)
@@ -83,6 +186,7 @@ class RocksDBStore(RdictKV):
         opts.set_block_based_table_factory(table)
         opts.increase_parallelism(2)
         super().__init__(Rdict(str(self.path), opts))
+        self.url = url
 
     def close(self) -> None:
         self.db.close()

@@ -126,7 +126,7 @@ async def test_joiner_keeps_its_state_across_a_broker_reset(settings: Settings, 
     counts = await run_joiner(s, until_idle_s=1.0)  # re-seeds the changelog, then drains
     if stray is not None:
         from joiner.faust_app import state_dir
-        from joiner.faust_reset import partition_stores
+        from joiner.faust_store import partition_stores
 
         stores = partition_stores(state_dir(s) / "v1" / "tables", "state")
         assert stores, "the local state was kept, not dropped for a re-seed nobody made"

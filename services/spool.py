@@ -22,9 +22,9 @@ writes can be lost then. ``sync=True`` (``serving.spool_sync``) fsyncs every app
 survives that too at a few milliseconds per request instead of tens of microseconds. Damage to
 the files (a block failing its checksum: a disk's error) is found at start, where every entry is
 read once, and then the readable unshipped entries go on in a fresh spool and the damaged one is
-moved aside (:meth:`Spool._recover`: the entries in the damaged blocks are lost, and logged); a
-read that meets damage later raises :class:`SpoolDamaged` rather than end early (the shipper
-retries and logs it; a restart recovers).
+moved aside (:meth:`Spool.recover`: the entries in the damaged blocks are lost, and logged); a
+read that meets damage later raises :class:`SpoolDamaged` rather than end early, and its reader
+has the spool recover the same way while running (serving's shipper does: no restart needed).
 
 Shipped entries are kept ``retention_s`` (the joiner's window) and then deleted with one
 ``delete_range``: after a broker reset the shipper re-ships them (they may have lived only in the
@@ -83,7 +83,7 @@ class SpoolLocked(SpoolError):
 class SpoolDamaged(SpoolError):
     """RocksDB found the spool's files damaged (a block's checksum, a file cut short): a read
     raises it rather than end early; at start the spool is set aside and what is readable of its
-    unshipped entries goes on in a fresh one (:meth:`Spool._recover`)."""
+    unshipped entries goes on in a fresh one (:meth:`Spool.recover`)."""
 
 
 class SpoolFull(SpoolError):
@@ -131,6 +131,7 @@ class Spool:
         self._write.sync = sync
         self._warned = -1e9
         self._closed = False
+        self.recoveries = 0  # (times this process found it damaged and went on in a fresh one)
         self._open()
         damage = None
         try:
@@ -138,7 +139,7 @@ class Spool:
         except SpoolDamaged as err:  # (recovered outside: its traceback holds the database's iterators)
             damage = str(err)
         if damage is not None:
-            self._recover(damage)
+            self.recover(damage)
 
     def _open(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -183,12 +184,15 @@ class Spool:
         except Exception as err:  # noqa: BLE001 - rocksdict raises a bare Exception carrying RocksDB's message
             raise SpoolDamaged(f"{self.name} {self.path} is damaged: {err}") from None
 
-    def _recover(self, damage: str) -> None:
-        """A damaged spool at start: its readable unshipped entries (forward from the shipped
-        cursor to the damage, backward from the last entry to it) are kept, the directory is moved
-        aside (``<dir>.damaged-<unix time>``, for a post-mortem) and they are appended, in order,
-        to a fresh spool. What lay in the damaged blocks is lost, and logged; refusing to start
-        instead would stop /rank (or the joiner) on every restart until someone deleted it."""
+    def recover(self, damage: str) -> None:
+        """Go on from a damaged spool (found at start, or by a read: ``damage`` says how): its
+        readable unshipped entries (forward from the shipped cursor to the damage, backward from
+        the last entry to it) are kept, the directory is moved aside (``<dir>.damaged-<unix
+        time>``, for a post-mortem) and they are appended, in order, to a fresh spool, whose
+        positions start at 0 again (a reader goes on from :attr:`shipped`). What lay in the
+        damaged blocks is lost, and logged, as are the shipped entries kept for a broker reset;
+        refusing to go on instead would stop /rank (or the joiner) until someone deleted it.
+        Call it with no exception in flight: a traceback keeps the database's iterators open."""
         try:
             raw = self._meta.get(b"shipped")
             shipped = int.from_bytes(raw, "big") if raw else 0
@@ -208,6 +212,7 @@ class Spool:
             it.prev()
         del it
         kept = head + tail[::-1]
+        self.recoveries += 1
         lost_from = head[-1].end if head else shipped
         lost_to = tail[-1].position if tail else None
         del self._meta

@@ -35,7 +35,7 @@ from services.aiokafka_quirks import set_lz4_level
 from services.disk import DiskGuard
 from services.kafka import BrokerUnavailable, producer, start_client
 from services.settings import Settings
-from services.spool import Entry, Spool, SpoolDiskFull
+from services.spool import Entry, Spool, SpoolDamaged, SpoolDiskFull
 from serving import metrics
 from serving.background import cancel_and_wait, raise_if_cancelled
 from serving.broker_epoch import SharedEpoch
@@ -175,6 +175,7 @@ class FeatureLogger:
         self._reship_epoch: str | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        metrics.FEATURE_LOG_SPOOL_RECOVERIES.inc(self.spool.recoveries)
         if self.spool.pending:
             log.info("feature-log spool %s: %d entries left unshipped by the last run; shipping them first",
                      self.spool.path, self.spool.pending)
@@ -266,6 +267,7 @@ class FeatureLogger:
     async def _run(self) -> None:
         backoff = _MIN_BACKOFF_S
         while True:
+            damage = None
             try:
                 if self.producer is None:
                     self.producer = await self._connect()
@@ -282,6 +284,8 @@ class FeatureLogger:
                 backoff = _MIN_BACKOFF_S
             except asyncio.CancelledError:
                 raise
+            except SpoolDamaged as err:  # (recovered below: its traceback holds the spool's iterators)
+                damage = str(err)
             except Exception as err:  # noqa: BLE001 - shipping retries whatever failed; the entries stay in the spool
                 metrics.FEATURE_LOG_SEND_ERRORS.inc()
                 log.warning("feature log: shipping failed (%r); retrying in %.1fs, the entries stay "
@@ -289,6 +293,18 @@ class FeatureLogger:
                 raise_if_cancelled()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, max(self.retry_s, _MIN_BACKOFF_S))
+            if damage is not None:
+                self._recover_spool(damage)
+
+    def _recover_spool(self, damage: str) -> None:
+        """The spool's files were damaged while running: go on in a fresh spool with its readable
+        unshipped entries (:meth:`services.spool.Spool.recover`; /rank's appends run on this
+        event loop, so none lands in between), shipping from its start."""
+        self.spool.recover(damage)
+        self._cursor = self.spool.shipped
+        self._reship_until = 0
+        metrics.FEATURE_LOG_SPOOL_RECOVERIES.inc()
+        self._gauges()
 
     async def _follow_epoch(self) -> None:
         """After a broker reset, send the retained (already shipped) entries again: they may have

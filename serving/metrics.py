@@ -101,6 +101,11 @@ FEATURE_LOG_REFUSED = Counter(
     "/rank requests refused because their FeatureLog could not be kept, by reason (too_large: "
     "over serving.feature_log_max_bytes, 413; SpoolFull; SpoolError: 503).", ["reason"],
 )
+FEATURE_LOG_SPOOL_RECOVERIES = Counter(
+    "driftline_serving_feature_log_spool_recoveries_total",
+    "Times the feature-log spool was found damaged (at start or by the shipper) and went on in a fresh one "
+    "with its readable unshipped entries (services.spool; the loss is logged).",
+)
 FEATURE_LOG_SEND_ERRORS = Counter(
     "driftline_serving_feature_log_send_errors_total",
     "Failed attempts to ship spooled FeatureLogs to Kafka (each is retried).",

@@ -3,14 +3,20 @@ the size bound, and the lock that keeps two processes off one spool."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
-from services.settings import ServingSettings
-from services.spool import Spool, SpoolFull, SpoolLocked
+from services.kafka import create_topics
+from services.settings import ServingSettings, Settings
+from services.spool import Spool, SpoolDamaged, SpoolFull, SpoolLocked
+from serving.broker_epoch import SharedEpoch
+from serving.feature_log import FeatureLogger
 
 
 def spool_at(path: Path, max_bytes: int = 1 << 20, **overrides: object) -> Spool:
@@ -140,3 +146,63 @@ def test_a_read_that_meets_damage_raises_instead_of_ending_early(tmp_path: Path)
         while spool.read(spool.shipped, 1000, 1 << 30):  # (the block cache may have the first blocks)
             spool.mark_shipped(spool.read(spool.shipped, 1000, 1 << 30))
     spool.close()
+
+
+def test_a_spool_damaged_while_running_goes_on_with_its_readable_unshipped_entries(tmp_path: Path) -> None:
+    """The read that meets the damage raises; :meth:`Spool.recover` (what its reader calls then)
+    goes on in a fresh spool with the readable unshipped entries, in order, from position 0, and
+    takes appends as any."""
+    spool = spool_at(tmp_path / "s", sync=True)
+    _fill(spool, 300, size=100)
+    spool._db.flush()
+    _flip_a_block(tmp_path / "s")
+    damage, shipped = None, 0
+    try:
+        while batch := spool.read(spool.shipped, 20, 1 << 30):
+            spool.mark_shipped(batch)
+            shipped += len(batch)
+    except SpoolDamaged as err:
+        damage = str(err)
+    assert damage is not None and 0 < shipped
+    spool.recover(damage)
+    kept = [e.key for e in spool.read(spool.shipped, 1000, 1 << 30)]
+    numbers = [int(k[1:]) for k in kept]
+    assert spool.shipped == 0 and spool.pending == len(kept) and numbers == sorted(numbers) and numbers[-1] == 299
+    assert numbers[0] == shipped and len(kept) < 300 - shipped  # (the damaged block's entries are gone)
+    assert spool.recoveries == 1
+    assert [p.name.split("-")[0] for p in tmp_path.glob("s.damaged-*")] == ["s.damaged"]
+    _fill(spool, 1, start=300)
+    assert spool.read(spool.shipped, 1000, 1 << 30)[-1].key == b"r300"
+    spool.close()
+
+
+async def test_the_shipper_recovers_a_spool_damaged_while_running(settings: Settings) -> None:
+    """Serving's shipper, on the real broker, meets the damage in its spool: it goes on in a
+    fresh spool (counted) and ships the readable entries and the ones /rank appends after, with no
+    restart."""
+    from serving_helpers import read_keys  # (here: a test above imports this module in a subprocess)
+
+    def recoveries() -> float:
+        return REGISTRY.get_sample_value("driftline_serving_feature_log_spool_recoveries_total") or 0.0
+
+    await create_topics(settings)
+    epochs = SharedEpoch(settings)
+    log = FeatureLogger(settings, epochs)
+    before = recoveries()
+    for i in range(300):  # (not shipped yet: the shipper starts below)
+        log.submit(f"r{i}", bytes([i % 256]) * 100)
+    log.spool._db.flush()
+    _flip_a_block(log.spool.path)
+    log.start()
+    try:
+        deadline = time.monotonic() + 30
+        while log.spool.pending or recoveries() == before:
+            assert time.monotonic() < deadline, (log.spool.pending, recoveries() - before)
+            await asyncio.sleep(0.05)
+        log.submit("after", b"x")
+        seen = await read_keys(settings, settings.topics.features, {"r0", "r299", "after"})
+    finally:
+        await log.stop()
+        await epochs.stop()
+    assert recoveries() - before == 1
+    assert {"r0", "r299", "after"} <= seen and 10 < len(seen - {"after"}) < 300

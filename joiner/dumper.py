@@ -80,8 +80,7 @@ import pyarrow.parquet as pq
 from aiokafka import TopicPartition
 
 from joiner.offsets import LEGACY_MARKER, OffsetBook
-from joiner.stores.rocksdb import RocksDBStore, is_damage, set_aside_if_damaged
-from joiner.types import STORE_DAMAGED_EXIT, StoreDamaged
+from joiner.stores.rocksdb import RocksDBStore
 from joiner.watermark import Watermark
 from proto import Example
 from services import broker_reset, example_batch, metrics, tansu_quirks
@@ -91,6 +90,7 @@ from services.disk import DiskGuard
 from services.example_batch import BadExampleBatch, ExampleColumns, take
 from services.kafka import BrokerUnavailable, TypedConsumer, create_topics
 from services.log import setup_logging
+from services.rocksdb_faults import STORE_DAMAGED_EXIT, StoreDamaged, is_damage, set_aside_if_damaged
 from services.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -398,7 +398,7 @@ async def run(
     """Dump until ``stop`` (or ``until_idle_s`` of no input), then flush (``settings.dumper``:
     when and how much). Written ids are remembered for ``settings.dumper.dedup_horizon_s`` of
     event time behind the dedup clock (None: :func:`default_dedup_horizon_s`); older ones are
-    pruned at each flush. A damaged store (:func:`joiner.stores.rocksdb.is_damage`) stops it,
+    pruned at each flush. A damaged store (:func:`services.rocksdb_faults.is_damage`) stops it,
     marked: the next start sets it aside and rebuilds it from the Parquet files (every id in
     them adopted, the topic read again from its start: what was not flushed is read again, what
     was is a duplicate)."""

@@ -41,14 +41,13 @@ from joiner import faust_fetch, faust_quirks, faust_reset, faust_store
 from joiner import metrics as jm
 from joiner.kafka_io import SERVICE, BatchedSender
 from joiner.output_spool import OutputSpool
-from joiner.stores.rocksdb import is_damage
-from joiner.types import STORE_DAMAGED_EXIT
 from joiner.worker import Worker
 from services import broker_reset, metrics, tansu_quirks
 from services.disk import DiskGuard
 from services.kafka import BrokerUnavailable, create_topics, producer, start_client
 from services.kafka_security import faust_credentials
 from services.log import setup_logging
+from services.rocksdb_faults import STORE_DAMAGED_EXIT, is_damage
 from services.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -324,7 +323,7 @@ async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_id
     ``loop_start`` (first batch), ``last_batch_end``, ``drain_s``. Raises :class:`BrokerReset`
     (the broker's data was reset), :class:`JoinTimeout` (no group assignment for
     ``joiner.join_timeout_s``, also at start: Faust's start waits for the first one), and what a
-    damaged store raised (:func:`joiner.stores.rocksdb.is_damage`: marked for the next start, which
+    damaged store raised (:func:`services.rocksdb_faults.is_damage`: marked for the next start, which
     sets the store aside and rebuilds it from the changelog)."""
     try:
         return await _run(settings, stop or asyncio.Event(), until_idle_s, timings)

@@ -11,7 +11,7 @@ state after some committed batch, never half of one.
 
 A partition store a disk damaged (a block failing its checksum, a garbled ``CURRENT``) is set
 aside and rebuilt from the changelog like a takeover's (:func:`set_aside_damaged`): a read of it
-raises :class:`joiner.types.StoreDamaged` (never a record's fault: :mod:`joiner.worker` does not
+raises :class:`services.rocksdb_faults.StoreDamaged` (never a record's fault: :mod:`joiner.worker` does not
 dead-letter for it), the worker stops and marks its stores for a full check
 (:func:`mark_damaged`), and its next start moves every store that does not read aside.
 
@@ -43,7 +43,8 @@ from faust.stores import rocksdb as faust_rocksdb
 from faust.types import TP, EventT
 from rocksdict import DbClosedError
 
-from joiner.stores.rocksdb import RdictKV, set_aside_if_damaged
+from joiner.stores.rocksdb import RdictKV
+from services.rocksdb_faults import set_aside_if_damaged
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ def mark_damaged(state_dir: Path, err: BaseException) -> None:
 def set_aside_damaged(state_dir: Path, tabledir: Path, table: str) -> list[Path]:
     """Move the partition stores of ``table`` that do not read aside (``<store>.damaged-<unix
     time>``); the moved directories. Every store is opened; after :func:`mark_damaged`, every
-    item of every store is read as well (:func:`joiner.stores.rocksdb.set_aside_if_damaged`).
+    item of every store is read as well (:func:`services.rocksdb_faults.set_aside_if_damaged`).
     Faust then rebuilds each moved partition from the changelog, as for a worker that never held
     it: nothing is lost that the changelog holds, which is every committed batch."""
     marker = state_dir / CHECK_MARKER

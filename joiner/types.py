@@ -11,19 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
-#: the exit code of a service that stopped on a damaged store (its restart sets the store aside)
-STORE_DAMAGED_EXIT = 5
-
-
-class StoreDamaged(RuntimeError):
-    """A durable store's files are damaged (a block failing its checksum, a file cut short: a
-    disk's error, not the input's): reads raise it, and a scan raises it rather than end early,
-    which would drop the keys after the damage without a word."""
-
-    def __init__(self, path: str, damage: str) -> None:
-        super().__init__(f"{path}: {damage}")
-        self.path = path
-
 
 @runtime_checkable
 class KVStore(Protocol):
@@ -36,7 +23,7 @@ class KVStore(Protocol):
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
 
     def scan(self, lo: bytes, hi: bytes) -> Iterator[tuple[bytes, bytes]]:
-        """Items with ``lo <= key < hi`` in key order (:class:`StoreDamaged` if it cannot read them all)."""
+        """Items with ``lo <= key < hi`` in key order (:class:`services.rocksdb_faults.StoreDamaged` if it cannot read them all)."""
         ...
 
     def write(self, changes: Mapping[bytes, bytes | None]) -> None:

@@ -40,9 +40,9 @@ from joiner.kafka_io import BatchedSender, InputConsumer
 from joiner.offsets import OffsetBook
 from joiner.partitioning import murmur2_partitions
 from joiner.tiered import TieredState
-from joiner.types import StoreDamaged
 from services import metrics
 from services.codecs import MalformedMessage, processing_failed
+from services.rocksdb_faults import StoreDamaged
 from services.settings import Settings
 
 log = logging.getLogger(__name__)

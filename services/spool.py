@@ -25,6 +25,8 @@ read once, and then the readable unshipped entries go on in a fresh spool and th
 moved aside (:meth:`Spool.recover`: the entries in the damaged blocks are lost, and logged); a
 read that meets damage later raises :class:`SpoolDamaged` rather than end early, and its reader
 has the spool recover the same way while running (serving's shipper does: no restart needed).
+A spool that does not open at all (a garbled ``CURRENT`` or manifest) is kept aside and a copy
+repaired by RocksDB (:meth:`Spool._repair`), which keeps its entries.
 
 Shipped entries are kept ``retention_s`` (the joiner's window) and then deleted with one
 ``delete_range``: after a broker reset the shipper re-ships them (they may have lived only in the
@@ -58,6 +60,7 @@ from __future__ import annotations
 
 import builtins
 import logging
+import shutil
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -65,6 +68,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rocksdict import Options, Rdict, RdictIter, WriteOptions
+
+from services.rocksdb_faults import is_damage, set_aside
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +137,10 @@ class Spool:
         self._warned = -1e9
         self._closed = False
         self.recoveries = 0  # (times this process found it damaged and went on in a fresh one)
-        self._open()
+        try:
+            self._open()
+        except SpoolDamaged as err:
+            self._repair(str(err))
         damage = None
         try:
             self._load()
@@ -150,8 +158,31 @@ class Spool:
                 raise SpoolLocked(
                     f"{self.name} {self.path} is in use by another process (two processes with one "
                     f"{self.knobs}_dir?): {err}") from None
+            if is_damage(err):
+                raise SpoolDamaged(f"{self.name} {self.path} is damaged: {err}") from None
             raise SpoolError(f"cannot open the {self.name} {self.path}: {err}") from None
         self._meta = self._db.get_column_family(_META)
+
+    def _repair(self, damage: str) -> None:
+        """A spool that does not open (a garbled ``CURRENT`` or manifest): the damaged directory
+        is kept aside and a copy of it goes through RocksDB's repair, which rebuilds the manifest
+        from the table files and the log, so the entries survive; if even that fails, the spool
+        starts empty and says what was lost. (Refusing to open would stop /rank on every start.)"""
+        aside = set_aside(self.path)
+        shutil.copytree(aside, self.path)
+        try:
+            Rdict.repair(str(self.path), _options())
+            self._open()
+        except SpoolError as err:
+            raise err from None  # (locked by another process meanwhile: not damage)
+        except Exception as err:  # noqa: BLE001 - rocksdict raises a bare Exception carrying RocksDB's message
+            shutil.rmtree(self.path)  # (the copy: the damaged original stays aside)
+            self._open()
+            log.error("%s; kept at %s; RocksDB's repair failed (%s): started empty, its unshipped entries are "
+                      "lost", damage, aside, err)
+            return
+        log.error("%s; kept at %s; a repaired copy goes on (RocksDB's repair: what its table files and log held)",
+                  damage, aside)
 
     def _load(self) -> None:
         """Where the entries start and end, what was shipped; every entry's key read once (the
@@ -217,8 +248,7 @@ class Spool:
         lost_to = tail[-1].position if tail else None
         del self._meta
         self._db.close()
-        aside = self.path.with_name(f"{self.path.name}.damaged-{int(time.time())}")
-        self.path.rename(aside)
+        aside = set_aside(self.path)
         log.error("%s; moved to %s and started afresh with its %d readable unshipped entries: the entries "
                   "from position %d to %s are lost", damage, aside, len(kept), lost_from,
                   lost_to if lost_to is not None else "its end")

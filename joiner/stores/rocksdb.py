@@ -19,96 +19,17 @@ same batch. Point lookups use a bloom filter, so the common "is this key waiting
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from rocksdict import BlockBasedOptions, Options, Rdict, ReadOptions, WriteBatch
 
-from joiner.types import StoreDamaged
-
-log = logging.getLogger(__name__)
-
-
-def as_fault(err: Exception, path: str) -> Exception:
-    """What a RocksDB error is: rocksdict raises a bare ``Exception`` carrying RocksDB's status,
-    so ``Corruption`` (the files are damaged) becomes :class:`StoreDamaged` and ``IO error`` (a
-    full or failing disk) ``OSError``: callers that set a poison record aside must not take either
-    for the record's fault. Anything else is returned as it is.
-
-    >>> as_fault(Exception("Corruption: block checksum mismatch"), "/s")
-    StoreDamaged('/s: Corruption: block checksum mismatch')
-    >>> as_fault(Exception("IO error: No space left on device"), "/s")
-    OSError('/s: IO error: No space left on device')
-    >>> as_fault(KeyError("k"), "/s")
-    KeyError('k')
-    """
-    if type(err) is Exception and err.args and isinstance(err.args[0], str):
-        status = err.args[0]
-        if status.startswith("Corruption"):
-            return StoreDamaged(path, status)
-        if status.startswith("IO error"):
-            return OSError(f"{path}: {status}")
-    return err
-
-
-def is_damage(err: BaseException | None) -> bool:
-    """Whether ``err`` (or what it was raised from) is RocksDB finding its files damaged.
-
-    >>> is_damage(RuntimeError("the Faust app stopped"))
-    False
-    >>> try:
-    ...     raise RuntimeError("the Faust app stopped") from Exception("Corruption: bad block")
-    ... except RuntimeError as err:
-    ...     is_damage(err)
-    True
-    """
-    for _ in range(10):  # (a cause chain, not a cycle)
-        if err is None:
-            break
-        if isinstance(err, Exception) and isinstance(as_fault(err, ""), StoreDamaged):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
-def set_aside_if_damaged(path: Path, *, read_all: bool) -> Path | None:
-    """Open the RocksDB at ``path`` (a garbled ``CURRENT`` or manifest fails there) and, with
-    ``read_all``, read every item (each block's checksum); if RocksDB finds it damaged, move it
-    aside (``<path>.damaged-<unix time>``, kept for a post-mortem) and return where to. None when
-    it reads (or is not there).
-
-    >>> import tempfile
-    >>> d = Path(tempfile.mkdtemp()) / "db"
-    >>> RocksDBStore(f"rocksdb://{d}").close()
-    >>> (d / "CURRENT").write_text("garbage")
-    7
-    >>> set_aside_if_damaged(d, read_all=False).name.startswith("db.damaged-"), d.exists()
-    (True, False)
-    """
-    if not path.exists():
-        return None
-    try:
-        db = Rdict(str(path), Options(raw_mode=True))
-        try:
-            if read_all:
-                RdictKV(db).check()
-        finally:
-            db.close()
-    except Exception as err:  # (rocksdict raises a bare Exception carrying RocksDB's status)
-        if not is_damage(err):
-            raise
-        aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
-        path.rename(aside)
-        log.error("the store %s is damaged (%s): moved to %s", path, as_fault(err, str(path)), aside)
-        return aside
-    return None
+from services.rocksdb_faults import as_fault
 
 
 class RdictKV:
     """Get, scan and atomic batched writes over ``db`` (raw bytes); RocksDB's errors raised as
-    :func:`as_fault` names them."""
+    :func:`services.rocksdb_faults.as_fault` names them."""
 
     def __init__(self, db: Rdict) -> None:
         self.db = db
@@ -145,11 +66,6 @@ class RdictKV:
         del it  # (raised from here, the traceback does not keep the database open)
         if fault is not None:
             raise fault
-
-    def check(self) -> int:
-        """Read every item once (RocksDB verifies each block's checksum on the way); the number
-        of items, or :class:`StoreDamaged`."""
-        return sum(1 for _ in self.scan(b""))
 
     @staticmethod
     def batch(changes: Mapping[bytes, bytes | None]) -> WriteBatch:

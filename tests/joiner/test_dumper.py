@@ -195,7 +195,7 @@ def test_a_scan_that_meets_damage_raises_instead_of_ending_early(tmp_path):
 
     import pytest
 
-    from joiner.types import StoreDamaged
+    from services.rocksdb_faults import StoreDamaged
 
     store = RocksDBStore(f"rocksdb://{tmp_path / 'state'}")
     store.write({f"k{i:05d}".encode(): os.urandom(100) for i in range(2000)})

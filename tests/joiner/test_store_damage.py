@@ -16,8 +16,8 @@ from joiner import dumper
 from joiner.faust_app import run as run_joiner
 from joiner.faust_app import state_dir
 from joiner.faust_store import CHECK_MARKER, partition_stores
-from joiner.stores.rocksdb import is_damage
 from services.kafka import create_topics
+from services.rocksdb_faults import is_damage
 from services.settings import Settings
 from tests.joiner.helpers import JOINER, as_map, join_config, produce, read_examples, read_topic, ref_as_map, run_until_consumed
 from tests.joiner.reference import offline_join

@@ -206,3 +206,23 @@ async def test_the_shipper_recovers_a_spool_damaged_while_running(settings: Sett
         await epochs.stop()
     assert recoveries() - before == 1
     assert {"r0", "r299", "after"} <= seen and 10 < len(seen - {"after"}) < 300
+
+
+def test_a_spool_that_does_not_open_is_repaired_with_its_entries(tmp_path: Path, caplog) -> None:
+    """A garbled ``CURRENT`` (the spool would not open: serving could not start, again on every
+    restart): the damaged directory is kept aside and RocksDB's repair of a copy goes on with the
+    entries and the shipped cursor."""
+    spool = spool_at(tmp_path / "s", sync=True)
+    _fill(spool, 50)
+    spool.mark_shipped(spool.read(spool.shipped, 10, 1 << 20))
+    spool._db.flush()
+    _fill(spool, 10, start=50)  # (these only in the log)
+    spool.close()
+    (tmp_path / "s" / "CURRENT").write_text("garbage\n")
+    with caplog.at_level("ERROR", "services.spool"):
+        again = spool_at(tmp_path / "s")
+    assert "CURRENT file corrupted" in caplog.text and "a repaired copy goes on" in caplog.text
+    assert again.pending == 50 and [e.key for e in again.read(again.shipped, 100, 1 << 20)] == \
+        [f"r{i}".encode() for i in range(10, 60)]
+    assert [p.name.split("-")[0] for p in tmp_path.glob("s.damaged-*")] == ["s.damaged"]
+    again.close()

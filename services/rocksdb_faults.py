@@ -1,0 +1,134 @@
+"""RocksDB's errors, named: rocksdict raises a bare ``Exception`` carrying RocksDB's status, which
+every store here (the joiner's, the dumper's, the spools) must tell apart from its callers' own
+errors. Damage (a block failing its checksum, a garbled ``CURRENT`` or manifest: a disk's doing)
+is :class:`StoreDamaged`, never a record's fault; a damaged store is moved aside, kept for a
+post-mortem, and rebuilt from where its data also lives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from rocksdict import Options, Rdict
+
+log = logging.getLogger(__name__)
+
+#: the exit code of a service that stopped on a damaged store (its restart sets the store aside)
+STORE_DAMAGED_EXIT = 5
+
+
+class StoreDamaged(RuntimeError):
+    """A durable store's files are damaged (a block failing its checksum, a file cut short: a
+    disk's error, not the input's): reads raise it, and a scan raises it rather than end early,
+    which would drop the keys after the damage without a word."""
+
+    def __init__(self, path: str, damage: str) -> None:
+        super().__init__(f"{path}: {damage}")
+        self.path = path
+
+
+def as_fault(err: Exception, path: str) -> Exception:
+    """What a RocksDB error is: rocksdict raises a bare ``Exception`` carrying RocksDB's status,
+    so ``Corruption`` (the files are damaged) becomes :class:`StoreDamaged` and ``IO error`` (a
+    full or failing disk) ``OSError``: callers that set a poison record aside must not take either
+    for the record's fault. Anything else is returned as it is.
+
+    >>> as_fault(Exception("Corruption: block checksum mismatch"), "/s")
+    StoreDamaged('/s: Corruption: block checksum mismatch')
+    >>> as_fault(Exception("IO error: No space left on device"), "/s")
+    OSError('/s: IO error: No space left on device')
+    >>> as_fault(KeyError("k"), "/s")
+    KeyError('k')
+    """
+    if type(err) is Exception and err.args and isinstance(err.args[0], str):
+        status = err.args[0]
+        if status.startswith("Corruption"):
+            return StoreDamaged(path, status)
+        if status.startswith("IO error"):
+            return OSError(f"{path}: {status}")
+    return err
+
+
+def is_damage(err: BaseException | None) -> bool:
+    """Whether ``err`` (or what it was raised from) is RocksDB finding its files damaged.
+
+    >>> is_damage(RuntimeError("the Faust app stopped"))
+    False
+    >>> try:
+    ...     raise RuntimeError("the Faust app stopped") from Exception("Corruption: bad block")
+    ... except RuntimeError as err:
+    ...     is_damage(err)
+    True
+    """
+    for _ in range(10):  # (a cause chain, not a cycle)
+        if err is None:
+            break
+        if isinstance(err, Exception) and isinstance(as_fault(err, ""), StoreDamaged):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def set_aside_if_damaged(path: Path, *, read_all: bool) -> Path | None:
+    """Open the RocksDB at ``path`` (a garbled ``CURRENT`` or manifest fails there) and, with
+    ``read_all``, read every item (each block's checksum); if RocksDB finds it damaged, move it
+    aside (``<path>.damaged-<unix time>``, kept for a post-mortem) and return where to. None when
+    it reads (or is not there).
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp()) / "db"
+    >>> Rdict(str(d)).close()
+    >>> _ = (d / "CURRENT").write_text("garbage")
+    >>> set_aside_if_damaged(d, read_all=False).name.startswith("db.damaged-"), d.exists()
+    (True, False)
+    """
+    if not path.exists():
+        return None
+    try:
+        db = Rdict(str(path), Options(raw_mode=True))
+        try:
+            if read_all:
+                count_items(db)
+        finally:
+            db.close()
+    except Exception as err:  # (rocksdict raises a bare Exception carrying RocksDB's status)
+        if not is_damage(err):
+            raise
+        aside = set_aside(path)
+        log.error("the store %s is damaged (%s): moved to %s", path, as_fault(err, str(path)), aside)
+        return aside
+    return None
+
+
+def set_aside(path: Path) -> Path:
+    """Move a damaged store out of the way, kept for a post-mortem (never deleted by us): to
+    ``<path>.damaged-<unix time>``, which no reader of ``path`` globs; where it went."""
+    stamp = int(time.time())
+    aside = path.with_name(f"{path.name}.damaged-{stamp}")
+    n = 1
+    while aside.exists():  # (a second damage within the second: both kept)
+        aside, n = path.with_name(f"{path.name}.damaged-{stamp}-{n}"), n + 1
+    path.rename(aside)
+    return aside
+
+
+def count_items(db: Rdict) -> int:
+    """Read every item of ``db`` once (RocksDB verifies each block's checksum on the way); how
+    many, or what :func:`as_fault` makes of the error (rocksdict's own iteration ends at a
+    damaged block without a word)."""
+    it = db.iter()
+    n, fault = 0, None
+    try:
+        it.seek_to_first()
+        while it.valid():
+            n += 1
+            it.next()
+        it.status()
+    except Exception as err:  # noqa: BLE001 - rocksdict raises a bare Exception carrying RocksDB's status
+        fault = as_fault(err, db.path())
+    del it  # (raised from here, the traceback does not keep the database open)
+    if fault is not None:
+        raise fault
+    return n

@@ -56,7 +56,7 @@ chaos: $(DEV_STAMP)
 	$(BIN)/python bench/chaos.py
 
 ## the faults chaos does not rehearse (disk full, Redis kill -9, a NaN delta, 500 concurrent /rank,
-## another client's partitioner, wall-clock requests, a hung trainer): one JSON line (QUICK=1: < 6 min).
+## another client's partitioner, wall-clock requests, a hung trainer, damaged stores): one JSON line (QUICK=1: < 6 min).
 chaos-faults: $(DEV_STAMP)
 	$(BIN)/python bench/chaos_faults.py
 

@@ -21,7 +21,12 @@ replay runs:
    ``stack_survived_disk_full``: ``up`` still runs, nothing crash-looped, and afterwards the joiner,
    the dumper and the trainer make progress again by themselves (serving answers ``/rank`` 503
    while its spool's disk is full: ``rank_codes_while_full``, ``disk_paused_while_full``);
-7. once the replay is done (its event time, hours per wall second, would close a click's window
+7. **damaged stores**: ``CURRENT`` garbled (RocksDB cannot open them) in the joiner's partition
+   stores, the dumper's store and serving's feature-log spool, then kill -9 of the three;
+   ``stores_rebuilt_after_damage``: each restart set its store aside and went on by itself (the
+   joiner's partitions rebuilt from the changelog, the dumper's ids from Parquet, the spool
+   repaired), nothing crash-looped, and new traffic reaches Parquet with no example written twice;
+8. once the replay is done (its event time, hours per wall second, would close a click's window
    before it arrives), **another Kafka client's partitioner**: impressions through ``/rank``, their
    clicks produced straight to ``actions`` on the partition librdkafka's default partitioner
    (``consistent_random``: CRC32 of the key) picks, as confluent-kafka would;
@@ -253,6 +258,47 @@ def hung_trainer(stack: LoopStack) -> dict:
     return {"hung_service_restarted": bool(restarted and trains and with_stopped_gone)}
 
 
+def damaged_stores(stack: LoopStack, killed: set[int]) -> dict:
+    from joiner.faust_app import state_dir
+    from joiner.faust_store import partition_stores
+
+    settings = stack.settings()
+    stores = {"joiner": list(partition_stores(state_dir(settings) / "v1" / "tables", "state").values()),
+              "dumper": [stack.var_dir / "examples" / "_state"],
+              "serving": [p for p in (stack.var_dir / "serving").glob("spool-*") if ".damaged-" not in p.name]}
+    before_state = _supervisor_state(stack)
+    produced = _metric(stack, "joiner", "driftline_joiner_examples_produced_total")
+    for paths in stores.values():
+        for path in paths:
+            (path / "CURRENT").write_text("garbage\n")  # (read at the next open only)
+    for name in stores:
+        _kill(stack, name, killed)
+    log(f"damaged stores: CURRENT garbled in {sum(map(len, stores.values()))} stores, their services killed")
+    joiner_back = _wait(stack, "the joiner rebuilt its partitions", lambda: _metric(
+        stack, "joiner", "driftline_joiner_stores_set_aside_total") >= len(stores["joiner"]), 180)
+    serving_back = _wait(stack, "serving repaired its spool", lambda: _metric(
+        stack, "serving", "driftline_serving_feature_log_spool_recoveries_total") >= 1, 120)
+    for i in range(30):  # new traffic through the restarted services
+        _post(stack, "/rank", {"user_id": 1 + i, "candidates": [{"item_id": 60 + i}], "request_id": f"after-damage-{i}"})
+        _post(stack, "/actions", {"actions": [{"request_id": f"after-damage-{i}", "item_id": 60 + i,
+                                               "action_type": "click", "user_id": 1 + i}]})
+    flows = _wait(stack, "examples after the damage reach Parquet", lambda: any(
+        e.startswith("after-damage-") for e in _parquet_ids(stack)), 180)
+    ids = _parquet_ids(stack)
+    twice = sum(1 for rows in ids.values() if len(rows) > 1)
+    set_aside = {name: sorted(p.name for path in paths for p in path.parent.glob(f"{path.name}.damaged-*"))
+                 for name, paths in stores.items()}
+    after_state = _supervisor_state(stack)
+    crash_loops = sum(v.get("crash_loops", 0) for v in after_state.values()) - sum(
+        v.get("crash_loops", 0) for v in before_state.values())
+    ok = bool(joiner_back and serving_back and flows and all(set_aside.values()) and twice == 0 and crash_loops == 0)
+    log(f"damaged stores: set aside {set_aside}; joiner back {joiner_back}, serving back {serving_back}, new "
+        f"examples in Parquet {flows}, written twice {twice}, crash loops {crash_loops}")
+    return {"stores_rebuilt_after_damage": ok, "damaged_stores_set_aside": {k: len(v) for k, v in set_aside.items()},
+            "parquet_examples_written_twice": twice, "joiner_produced_before_damage": produced,
+            "crash_loops_after_damage": crash_loops}
+
+
 def disk_full(stack: LoopStack, mount: Path | None, hold_s: float) -> dict:
     if mount is None:
         return {"stack_survived_disk_full": None, "disk_full": "skipped: no tmpfs (needs root to mount one)"}
@@ -329,6 +375,7 @@ def run(work: Path, quick: bool) -> dict:
         result.update(redis_restart(stack, killed))
         result.update(hung_trainer(stack))
         result.update(disk_full(stack, mount, 10.0 if quick else 30.0))
+        result.update(damaged_stores(stack, killed))
         # Last, once the replay is done: its event time runs hours per wall second (a click a second
         # after its impression would find the window long closed); frozen, it leaves the join alone.
         _wait(stack, "the replay done", lambda: '"requests"' in (stack.log_dir / "replay.log").read_text(), 600)
@@ -346,7 +393,8 @@ def run(work: Path, quick: bool) -> dict:
             subprocess.run(["umount", "-l", str(mount)], check=False)
     result.update(stop_exit_code=code, seconds=round(time.monotonic() - started, 1), quick=quick)
     keys = ("stack_survived_disk_full", "features_restored_after_redis_restart", "unmarked_degraded_answers",
-            "nan_scores_served", "orphaned_by_partitioner", "watermark_moved_by_wall_clock", "hung_service_restarted")
+            "nan_scores_served", "orphaned_by_partitioner", "watermark_moved_by_wall_clock", "hung_service_restarted",
+            "stores_rebuilt_after_damage")
     return {k: result.get(k) for k in keys} | {k: v for k, v in result.items() if k not in keys}
 
 

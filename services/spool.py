@@ -136,7 +136,7 @@ class Spool:
         self._write.sync = sync
         self._warned = -1e9
         self._closed = False
-        self.recoveries = 0  # (times this process found it damaged and went on in a fresh one)
+        self.recoveries = 0  # (times this process found it damaged and went on: repaired or afresh)
         try:
             self._open()
         except SpoolDamaged as err:
@@ -178,9 +178,11 @@ class Spool:
         except Exception as err:  # noqa: BLE001 - rocksdict raises a bare Exception carrying RocksDB's message
             shutil.rmtree(self.path)  # (the copy: the damaged original stays aside)
             self._open()
+            self.recoveries += 1
             log.error("%s; kept at %s; RocksDB's repair failed (%s): started empty, its unshipped entries are "
                       "lost", damage, aside, err)
             return
+        self.recoveries += 1
         log.error("%s; kept at %s; a repaired copy goes on (RocksDB's repair: what its table files and log held)",
                   damage, aside)
 

@@ -22,6 +22,18 @@ their admission counts (an id seen in a failed step counts once more towards ``m
 >>> r = train_isolating(step, b)
 >>> r.applied.tolist(), [(row, str(err)) for row, err in r.failed], r.probs.tolist(), r.loss
 ([0, 1, 2, 4], [(3, 'id 3')], [0.25, 0.25, 0.25, 0.25], 0.5)
+
+Out of memory on every record alone is the machine's fault, not the records': it is raised (the
+trainer stops, to be restarted from its snapshot) rather than every record dead-lettered and its
+offset committed. One record that runs out of memory while the others train (ids by the million)
+is that record's fault, and dead-lettered like any other.
+
+>>> def starved(batch):
+...     raise MemoryError("no memory")
+>>> train_isolating(starved, b)
+Traceback (most recent call last):
+...
+MemoryError: no memory
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from .batch import SparseBatch
 
@@ -67,6 +80,8 @@ def train_isolating(step: Step, batch: SparseBatch) -> StepResult:
     failed: list[tuple[int, Exception]] = []
     _bisect(step, batch, np.arange(batch.size, dtype=np.int64), first, done, failed)
     if batch.size > 1 and len(failed) == batch.size:
+        if all(out_of_memory(e) for _, e in failed):
+            raise failed[0][1]
         log.error("every one of %d examples failed its training step on its own (%r): a broken "
                   "trainer rather than poison records?", batch.size, first)
     if not done:
@@ -75,6 +90,20 @@ def train_isolating(step: Step, batch: SparseBatch) -> StepResult:
     n = int(rows.size)
     loss = sum(part_loss * r.size for r, part_loss, _ in done) / n
     return StepResult(float(loss), np.concatenate([p for _, _, p in done]), rows, failed)
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation that failed (numpy's ``MemoryError``, torch's CPU allocator,
+    which raises a plain ``RuntimeError``, or its ``OutOfMemoryError`` on a GPU).
+
+    >>> out_of_memory(RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory: you tried"))
+    True
+    >>> out_of_memory(ValueError("id 3"))
+    False
+    """
+    if isinstance(err, MemoryError | torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
 
 
 def _bisect(step: Step, batch: SparseBatch, rows: np.ndarray, err: Exception,
@@ -148,6 +177,8 @@ def train_isolating_lockstep(step: Step, batch: SparseBatch, own_error: Callable
         else:
             if piece.size:
                 done.append((piece, loss, probs))
+    if batch.size > 1 and len(failed) == batch.size and all(out_of_memory(e) for _, e in failed):
+        raise failed[0][1]  # (the machine's fault, as in train_isolating: the group restarts from its manifest)
     if failed:
         log.warning("%d example(s) failed their training step on their own: %s", len(failed),
                     "; ".join(f"row {r}: {e!r}" for r, e in failed[:3]))

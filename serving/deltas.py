@@ -63,6 +63,7 @@ from serving.broker_epoch import SharedEpoch
 from serving.model import ServingModel
 from serving.refused_deltas import RefusedDeltas
 from serving.versions import Bootstrap, DeltaRejected
+from trainer.isolate import out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +299,11 @@ class DeltaFeed(BackgroundLoop):
                       msg.version, msg.chunk_index, err)
             await self._dead_letter_once(consumer, record, MalformedMessage("refused", str(err)[:500]))
             return
-        except Exception as err:  # noqa: BLE001 - a delta this replica fails on is skipped and dead-lettered
+        except Exception as err:
+            if out_of_memory(err):
+                # (the machine's fault, not the delta's: skipping it would leave this replica apart
+                # from the others for good; the feed reconnects after retry_s and applies it again)
+                raise
             self.skipped += 1
             self.failed += 1
             metrics.DELTAS_SKIPPED.labels("failed").inc()

@@ -42,6 +42,35 @@ async def test_a_delta_that_fails_to_apply_is_dead_lettered(settings: Settings) 
     assert letter.reason.startswith("failed: ValueError") and letter.value == poison.SerializeToString()
 
 
+async def test_a_delta_that_runs_out_of_memory_is_applied_again_not_dead_lettered(settings: Settings,
+                                                                                   monkeypatch) -> None:
+    """Out of memory is the machine's fault, not the delta's: skipping it would leave the replica
+    apart from the others for good. The feed stops, reconnects and applies it again."""
+    model = FMModel(dim=4)
+    real, starved = model.apply_delta, [1]
+
+    def apply_delta(msg: ParameterDelta) -> None:  # (a machine out of memory once, then not)
+        if starved:
+            starved.pop()
+            raise MemoryError("no memory")
+        real(msg)
+
+    monkeypatch.setattr(model, "apply_delta", apply_delta)
+    feed = DeltaFeed(settings, model, retry_s=0.2)
+    feed.start()
+    try:
+        await publish(settings, [sparse_delta("item_id", np.array([5], np.int64), np.ones((1, 5), np.float32),
+                                              version=1), dense_delta(0.5, version=2)])
+        deadline = time.monotonic() + 20
+        while not (model.sparse.version == 1 and model.dense.version == 2):
+            assert time.monotonic() < deadline, (model.sparse.version, model.dense.version)
+            await asyncio.sleep(0.05)
+        assert feed.failed == 0 and feed.skipped == 0 and not starved
+    finally:
+        await feed.stop()
+    assert await dead_letters(settings, 1, timeout=2.0) == []
+
+
 async def _produce(settings: Settings, actions: list[Action]) -> None:
     p = producer(settings)
     await start_client(p, settings)

@@ -95,7 +95,7 @@ from services.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 SERVICE = "joiner-dumper"
-CHECK_MARKER = "_state.damaged"  # (in the output root: the store was found damaged; read it in full at start)
+CHECK_MARKER = "_state.check"  # (in the output root: the store was found damaged; read it in full at start)
 _I64 = struct.Struct("<q")
 
 

@@ -9,12 +9,16 @@ message is one actionable line.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
 from services.ports import port_is_open
+from services.rocksdb_faults import set_aside
+
+log = logging.getLogger(__name__)
 
 
 class StackError(RuntimeError):
@@ -81,6 +85,35 @@ def redis_command(host: str, port: int, data_dir: Path) -> list[str]:
         "--appendfsync", "everysec",
         "--protected-mode", "no",
     ]
+
+
+def repair_redis_aof(data_dir: Path) -> Path | None:
+    """Before the embedded Redis starts: if its append-only file does not read to the end (a disk
+    damaged it; Redis would refuse to start, every restart again: "Bad file format reading the
+    append only file"), keep it aside (``appendonly.aof.damaged-<unix time>``) and cut a copy at
+    the first bad command, as ``redis-check-aof --fix`` does (it is the redis-server binary under
+    that name). What came after the damage is lost; if it held the end of a features load, the
+    load's marker is gone with it and serving says the store was emptied until the next load
+    (:mod:`serving.store_watch`), so nothing is scored on missing features unmarked. Where the
+    damaged file was kept, or None when the file reads (or there is none)."""
+    aof = data_dir / "appendonly.aof"
+    if not aof.exists():
+        return None
+    check = [str(redis_binary())]
+
+    def run(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
+        return subprocess.run(["redis-check-aof", *args, str(aof)], executable=check[0], input=stdin,
+                              capture_output=True, timeout=600)
+
+    if run().returncode == 0:
+        return None
+    aside = set_aside(aof)
+    shutil.copy2(aside, aof)
+    fixed = run("--fix", stdin=b"y\n")
+    said = " ".join(fixed.stdout.decode(errors="replace").split())[-300:]
+    log.error("the embedded Redis's append-only file is damaged: kept at %s; cut at the first bad command "
+              "(%s)", aside, said)
+    return aside
 
 
 def wait_for_port(host: str, port: int, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:

@@ -21,6 +21,7 @@ adding a :class:`AppService` to :data:`APP_SERVICES`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import shutil
 import signal
@@ -30,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from driftline.embedded import redis_command, tansu_command, wait_for_port
+from driftline.embedded import redis_command, repair_redis_aof, tansu_command, wait_for_port
 from driftline.supervisor import ServiceSpec, Supervisor
 from services.broker_reset import ensure_broker_epoch
 from services.kafka import create_topics
@@ -285,7 +286,7 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
             supervisor.start(ServiceSpec(
                 "redis", redis_command(e.host, e.redis_port, settings.var_dir / "redis"),
                 ready=lambda: port_is_open(e.host, e.redis_port), ready_timeout_s=e.start_timeout_s,
-                infra=True,
+                infra=True, prestart=functools.partial(repair_redis_aof, settings.var_dir / "redis"),
             ))
         infra.append(("redis", redacted(settings.redis)))
 

@@ -68,6 +68,9 @@ class ServiceSpec:
     infra: bool = False
     # Runs (in a thread) once a *restarted* process is ready: e.g. recreate a fresh broker's topics.
     on_restart: Callable[[], None] | None = None
+    # Runs before every start of the process, the first and each restart: e.g. repair a damaged file
+    # the process would refuse to start on (a failure is logged; the process starts anyway).
+    prestart: Callable[[], object] | None = None
     # Liveness: True while the process does its work (answers HTTP within a bound, say; an open
     # port is no proof: a stopped process's kernel still accepts connections). A process whose
     # check has not passed for liveness_timeout_s since its start or its last pass is killed (-9)
@@ -126,6 +129,11 @@ class Supervisor:
                 out = None
             log.warning("cannot write %s (%s): %s writes to this terminal until its next start", path, err, spec.name)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
+        if spec.prestart is not None:
+            try:
+                spec.prestart()
+            except Exception as err:  # noqa: BLE001 - logged: the process starts and says what is wrong itself
+                log.error("%s: its pre-start step failed (%r); starting it anyway", spec.name, err)
         try:
             return subprocess.Popen(
                 list(spec.argv), stdout=out if out is not None else sys.stderr, stderr=subprocess.STDOUT,

@@ -81,6 +81,27 @@ def test_crash_loop_is_counted_and_written(tmp_path: Path) -> None:
     assert state["crasher"]["crash_loops"] == 1 and state["crasher"]["restarts"] >= 3
 
 
+def test_the_pre_start_step_runs_before_every_start_and_its_failure_does_not_stop_one(tmp_path: Path) -> None:
+    """``prestart`` (the embedded Redis's: repair a damaged append-only file) runs before the first
+    start and before each restart; one that raises is logged and the process starts anyway."""
+    calls: list[float] = []
+
+    def prestart() -> None:
+        calls.append(time.monotonic())
+        if len(calls) == 2:
+            raise OSError("cannot repair")
+
+    sup = Supervisor(tmp_path / "log", max_backoff_s=0.05)
+    sup.start(ServiceSpec("crasher", [sys.executable, "-c", "import time; time.sleep(0.1); raise SystemExit(1)"],
+                          prestart=prestart))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and sup.restarts.get("crasher", 0) < 3:
+        sup.poll_once()
+        time.sleep(0.05)
+    sup.stop_all(grace_s=5)
+    assert sup.restarts["crasher"] >= 3 and len(calls) >= 4  # (the one that raised did not stop the restarts)
+
+
 def test_a_restart_asked_for_after_a_broker_reset_is_no_crash(tmp_path: Path) -> None:
     """Exits with RESET_EXIT_CODE (the joiner following a broker reset) are restarted and
     counted as restarts, never as a crash loop."""

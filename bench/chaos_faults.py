@@ -22,10 +22,12 @@ replay runs:
    the dumper and the trainer make progress again by themselves (serving answers ``/rank`` 503
    while its spool's disk is full: ``rank_codes_while_full``, ``disk_paused_while_full``);
 7. **damaged stores**: ``CURRENT`` garbled (RocksDB cannot open them) in the joiner's partition
-   stores, the dumper's store and serving's feature-log spool, then kill -9 of the three;
-   ``stores_rebuilt_after_damage``: each restart set its store aside and went on by itself (the
-   joiner's partitions rebuilt from the changelog, the dumper's ids from Parquet, the spool
-   repaired), nothing crash-looped, and new traffic reaches Parquet with no example written twice;
+   stores, the dumper's store and serving's feature-log spools, and bytes garbled in the middle of
+   Redis's append-only file, then kill -9 of the four; ``stores_rebuilt_after_damage``: each
+   restart set its store aside and went on by itself (the joiner's partitions rebuilt from the
+   changelog, the dumper's ids from Parquet, the spool repaired, Redis's file cut at the damage
+   and the features loaded again if that lost them: ``/rank`` knows users, unmarked), nothing
+   crash-looped, and new traffic reaches Parquet with no example written twice;
 8. once the replay is done (its event time, hours per wall second, would close a click's window
    before it arrives), **another Kafka client's partitioner**: impressions through ``/rank``, their
    clicks produced straight to ``actions`` on the partition librdkafka's default partitioner
@@ -271,13 +273,30 @@ def damaged_stores(stack: LoopStack, killed: set[int]) -> dict:
     for paths in stores.values():
         for path in paths:
             (path / "CURRENT").write_text("garbage\n")  # (read at the next open only)
-    for name in stores:
+    aof = stack.var_dir / "redis" / "appendonly.aof"
+    raw = bytearray(aof.read_bytes())
+    raw[len(raw) // 2:len(raw) // 2 + 16] = b"#" * 16  # (Redis would refuse to start on it)
+    aof.write_bytes(bytes(raw))
+    for name in [*stores, "redis"]:
         _kill(stack, name, killed)
-    log(f"damaged stores: CURRENT garbled in {sum(map(len, stores.values()))} stores, their services killed")
+    log(f"damaged stores: CURRENT garbled in {sum(map(len, stores.values()))} stores, Redis's append-only file "
+        f"in its middle ({len(raw)} bytes); their services killed")
     joiner_back = _wait(stack, "the joiner rebuilt its partitions", lambda: _metric(
         stack, "joiner", "driftline_joiner_stores_set_aside_total") >= len(stores["joiner"]), 180)
     serving_back = _wait(stack, "serving repaired its spool", lambda: _metric(
         stack, "serving", "driftline_serving_feature_log_spool_recoveries_total") >= 1, 120)
+
+    def features_back() -> bool:  # (Redis started, its features whole or loaded again)
+        import httpx
+
+        try:
+            code, headers, body = _post(stack, "/rank", {"user_id": 7, "candidates": [{"item_id": 1}]})
+        except httpx.HTTPError:
+            return False  # (serving restarting)
+        return code == 200 and bool(body.get("user_known")) and "x-driftline-degraded" not in {
+            k.lower() for k in headers}
+
+    features = _wait(stack, "Redis back with its features", features_back, 180)
     for i in range(30):  # new traffic through the restarted services
         _post(stack, "/rank", {"user_id": 1 + i, "candidates": [{"item_id": 60 + i}], "request_id": f"after-damage-{i}"})
         _post(stack, "/actions", {"actions": [{"request_id": f"after-damage-{i}", "item_id": 60 + i,
@@ -291,10 +310,17 @@ def damaged_stores(stack: LoopStack, killed: set[int]) -> dict:
     after_state = _supervisor_state(stack)
     crash_loops = sum(v.get("crash_loops", 0) for v in after_state.values()) - sum(
         v.get("crash_loops", 0) for v in before_state.values())
-    ok = bool(joiner_back and serving_back and flows and all(set_aside.values()) and twice == 0 and crash_loops == 0)
-    log(f"damaged stores: set aside {set_aside}; joiner back {joiner_back}, serving back {serving_back}, new "
-        f"examples in Parquet {flows}, written twice {twice}, crash loops {crash_loops}")
-    return {"stores_rebuilt_after_damage": ok, "damaged_stores_set_aside": {k: len(v) for k, v in set_aside.items()},
+    redis_aside = sorted(p.name for p in aof.parent.glob("appendonly.aof.damaged-*"))
+    ok = bool(joiner_back and serving_back and features and flows and all(set_aside.values()) and redis_aside
+              and twice == 0 and crash_loops == 0)
+    log(f"damaged stores: set aside {set_aside} and {redis_aside}; joiner back {joiner_back}, serving back "
+        f"{serving_back}, Redis's features {features}, new examples in Parquet {flows}, written twice {twice}, "
+        f"crash loops {crash_loops}")
+    return {"stores_rebuilt_after_damage": ok,
+            "damaged_stores_set_aside": {**{k: len(v) for k, v in set_aside.items()}, "redis": len(redis_aside)},
+            "redis_features_after_aof_damage": features,
+            # (whether the cut lost the load's marker, so up loaded the features again)
+            "redis_features_reloaded": "lost the features loaded into it" in stack.text(),
             "parquet_examples_written_twice": twice, "joiner_produced_before_damage": produced,
             "crash_loops_after_damage": crash_loops}
 

@@ -116,6 +116,28 @@ def repair_redis_aof(data_dir: Path) -> Path | None:
     return aside
 
 
+def features_lost(url: str, prefix: str, timeout_s: float) -> bool:
+    """Whether the Redis at ``url`` lacks the marker every features load writes last
+    (:data:`serving.feature_store.LOADED_MARKER`): a restarted one that lost the features loaded
+    into it. Waits while it loads its append-only file (up to ``timeout_s``)."""
+    import redis
+
+    from serving.feature_store import LOADED_MARKER, marker_key
+
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                return client.get(marker_key(prefix, LOADED_MARKER)) is None
+            except (redis.BusyLoadingError, redis.ConnectionError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    finally:
+        client.close()
+
+
 def wait_for_port(host: str, port: int, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
     """Wait until something accepts connections on the port, or fail with one line."""
     deadline = time.monotonic() + timeout_s

@@ -21,6 +21,7 @@ adding a :class:`AppService` to :data:`APP_SERVICES`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import shutil
@@ -31,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from driftline.embedded import redis_command, repair_redis_aof, tansu_command, wait_for_port
+from driftline.embedded import features_lost, redis_command, repair_redis_aof, tansu_command, wait_for_port
 from driftline.supervisor import ServiceSpec, Supervisor
 from services.broker_reset import ensure_broker_epoch
 from services.kafka import create_topics
@@ -92,9 +93,11 @@ def _metrics(service: str) -> Callable[[Settings], int]:
     return lambda s: s.embedded.metrics_port(service)
 
 
+FEATURES_LOAD = "features-load"  # (the load a restarted Redis that lost it gets again: reload_lost_features)
+
 # In start order. Each long-running service exports /metrics on its own port.
 APP_SERVICES: list[AppService] = [
-    AppService("features-load", ("features", "load", "--movielens"), blocking=True, demo=True),
+    AppService(FEATURES_LOAD, ("features", "load", "--movielens"), blocking=True, demo=True),
     # live traffic, demo or not: sparse clicks leave an actions partition idle, and its watermark
     # must still advance for windows to close
     # (a project file says so itself: [windows] idle_advance_seconds)
@@ -215,8 +218,21 @@ def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external
     return None
 
 
+def reload_lost_features(settings: Settings, supervisor: Supervisor, loads: list[ServiceSpec]) -> bool:
+    """After the embedded Redis restarted: if it lost the features ``up`` loaded (its append-only
+    file was cut at damage: :func:`driftline.embedded.repair_redis_aof`), run those loads again,
+    not waited for. Serving marks its answers degraded until the marker is back
+    (:mod:`serving.store_watch`). Whether it did."""
+    if not loads or not features_lost(settings.redis, settings.serving.redis_prefix, settings.embedded.start_timeout_s):
+        return False
+    log.warning("the restarted Redis lost the features loaded into it: loading them again")
+    for spec in loads:
+        supervisor.start(dataclasses.replace(spec, blocking=False))
+    return True
+
+
 def _project_start(settings: Settings, supervisor: Supervisor, project: Project, epoch: str,
-                   external_broker: bool) -> list[tuple[str, str]]:
+                   external_broker: bool, feature_loads: list[ServiceSpec]) -> list[tuple[str, str]]:
     """What a project file asks of ``up`` before the services: the MovieLens demo's features
     (``[store] movielens``) and its warm start (``[warm_start]``: ``trainer batch`` on the user's
     Parquet examples, written as the snapshot the online trainer and serving start from)."""
@@ -225,8 +241,10 @@ def _project_start(settings: Settings, supervisor: Supervisor, project: Project,
         from movielens.data import fetch
 
         fetch(settings.replay.dataset, settings.data_dir, progress=True)
-        supervisor.start(ServiceSpec("features-load", _driftline("features", "load", "--movielens"),
-                                     oneshot=True, blocking=True, ready_timeout_s=60.0))
+        spec = ServiceSpec(FEATURES_LOAD, _driftline("features", "load", "--movielens"),
+                           oneshot=True, blocking=True, ready_timeout_s=60.0)
+        feature_loads.append(spec)
+        supervisor.start(spec)
     ws = project.warm_start
     if ws.kind == "examples":
         path = ws.examples_dir if ws.examples_dir.is_absolute() else project.path.parent / ws.examples_dir
@@ -282,11 +300,13 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
             ))
             wait_for_port(e.host, e.broker_port, e.start_timeout_s, "broker")
         infra.append(("kafka", settings.bootstrap_servers))
+        feature_loads: list[ServiceSpec] = []  # (the loads up runs: again if a restarted Redis lost them)
         if settings.redis_url is None:
             supervisor.start(ServiceSpec(
                 "redis", redis_command(e.host, e.redis_port, settings.var_dir / "redis"),
                 ready=lambda: port_is_open(e.host, e.redis_port), ready_timeout_s=e.start_timeout_s,
                 infra=True, prestart=functools.partial(repair_redis_aof, settings.var_dir / "redis"),
+                on_restart=functools.partial(reload_lost_features, settings, supervisor, feature_loads),
             ))
         infra.append(("redis", redacted(settings.redis)))
 
@@ -303,7 +323,8 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
                 replay_start = _warm_start(settings, supervisor, epoch, settings.kafka_bootstrap_servers is not None,
                                            warm_start_fraction)
         if project is not None:
-            rows += _project_start(settings, supervisor, project, epoch, settings.kafka_bootstrap_servers is not None)
+            rows += _project_start(settings, supervisor, project, epoch, settings.kafka_bootstrap_servers is not None,
+                                   feature_loads)
         rows.append(("model", settings.trainer.model + ("" if demo else " (no MovieLens demo: send your own traffic)")))
 
         metrics: list[str] = []
@@ -323,14 +344,17 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
             if service.metrics_url is not None:
                 metrics.insert(0, f"{service.metrics_url(settings)} ({service.name})")
             alive = _alive_url(service, settings)
-            supervisor.start(ServiceSpec(
+            spec = ServiceSpec(
                 service.name, _driftline(*service.args), env=env,
                 ready=(lambda r=ready: r(settings)) if ready else None,
                 oneshot=service.blocking, blocking=service.blocking, ready_timeout_s=service.timeout_s,
                 alive=(lambda u=alive: http_answers(u)) if alive else None,
                 liveness_timeout_s=settings.embedded.liveness_timeout_s,
                 **({"stop_timeout_s": service.stop_timeout_s(settings)} if service.stop_timeout_s else {}),
-            ))
+            )
+            if service.name == FEATURES_LOAD:
+                feature_loads.append(spec)
+            supervisor.start(spec)
             rows += list(service.urls(settings).items())
         if demo:
             port = settings.embedded.metrics_port("traffic")

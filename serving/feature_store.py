@@ -54,6 +54,15 @@ Slots = dict[str, list[int]]
 LOADED_MARKER = "features-loaded"
 
 
+def marker_key(prefix: str, name: str) -> str:
+    """Where the store keeps the small named value ``name`` (:meth:`FeatureStore.get_marker`).
+
+    >>> marker_key("driftline", LOADED_MARKER)
+    'driftline:meta:features-loaded'
+    """
+    return f"{prefix}:meta:{name}"
+
+
 def encode_slots(slots: Mapping[str, Sequence[int]], dense: Mapping[str, float] | None = None) -> bytes:
     parts = [f"{k}={','.join(map(str, v))}" for k, v in slots.items()]
     parts += [f"{k}:{float(v)!r}" for k, v in (dense or {}).items()]
@@ -265,7 +274,7 @@ class FeatureStore:
         return refused
 
     def marker_key(self, name: str) -> str:
-        return f"{self.prefix}:meta:{name}"
+        return marker_key(self.prefix, name)
 
     async def get_marker(self, name: str) -> str | None:
         """A small named value kept beside the features (e.g. the broker epoch they were read in)."""

@@ -86,3 +86,36 @@ def test_a_damaged_append_only_file_is_cut_at_the_damage_and_redis_starts(tmp_pa
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_restarted_redis_that_lost_the_features_gets_them_loaded_again(tmp_path: Path) -> None:
+    """``up`` runs its features loads again when the restarted Redis lacks their marker (what a
+    load writes last: cut off with the damage), and not when it has it."""
+    import sys
+
+    from driftline.stack import reload_lost_features
+    from driftline.supervisor import ServiceSpec, Supervisor
+    from services.settings import Settings
+    from serving.feature_store import LOADED_MARKER, marker_key
+
+    port = free_port()
+    proc = subprocess.Popen(redis_command("127.0.0.1", port, tmp_path / "redis"), stdout=subprocess.DEVNULL)
+    sup = Supervisor(tmp_path / "log")
+    try:
+        wait_for_port("127.0.0.1", port, 20, "redis", proc)
+        settings = Settings(var_dir=tmp_path / "var", redis_url=f"redis://127.0.0.1:{port}/0")
+        key = marker_key(settings.serving.redis_prefix, LOADED_MARKER)
+        load = ServiceSpec("features-load", [sys.executable, "-c", (
+            f"import redis; redis.Redis(port={port}).set({key!r}, 'reloaded')")], oneshot=True, blocking=True)
+        client = redis.Redis(port=port)
+        assert reload_lost_features(settings, sup, [load])
+        deadline = time.monotonic() + 20
+        while client.get(key) != b"reloaded":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert not reload_lost_features(settings, sup, [load])  # (marker present: nothing run)
+        assert not reload_lost_features(settings, sup, [])  # (no load at start: none to redo)
+    finally:
+        sup.stop_all(grace_s=5)
+        proc.kill()
+        proc.wait()

@@ -44,7 +44,7 @@ from joiner.output_spool import OutputSpool
 from joiner.worker import Worker
 from services import broker_reset, metrics, tansu_quirks
 from services.disk import DiskGuard
-from services.kafka import BrokerUnavailable, create_topics, producer, start_client
+from services.kafka import BrokerUnavailable, create_topics, partition_counts, producer, start_client
 from services.kafka_security import faust_credentials
 from services.log import setup_logging
 from services.rocksdb_faults import STORE_DAMAGED_EXIT, is_damage
@@ -62,6 +62,10 @@ class BrokerReset(RuntimeError):
     """The broker's data was reset under a running worker: it stops, to re-seed on restart."""
 
 
+class TopicLayoutError(RuntimeError):
+    """The input topics are not co-partitioned as the join needs (:func:`check_copartitioned`)."""
+
+
 class JoinTimeout(RuntimeError):
     """No group assignment for ``joiner.join_timeout_s``: the worker exits to be restarted."""
 
@@ -70,6 +74,23 @@ def state_dir(settings: Settings) -> Path:
     """Where this worker keeps its RocksDB files (Faust's datadir): one per worker process."""
     url = settings.joiner.store_url
     return Path(url.split("://", 1)[1]) if url else settings.var_dir / "joiner" / "faust"
+
+
+async def check_copartitioned(settings: Settings) -> None:
+    """Refuse to start unless ``features`` and ``actions`` both have ``topics.partitions``
+    partitions: one request's feature log and actions must land on the same partition number
+    (and the state table has that many). A topic another client created first, with the broker's
+    own default (Kafka's ``num.partitions``, often 1), puts them apart; without this check the
+    worker crashed forwarding a record to its home partition (aiokafka's "Unrecognized
+    partition"), on every restart, with no word of why."""
+    t = settings.topics
+    counts = await partition_counts(settings, [t.features, t.actions])
+    if set(counts.values()) != {t.partitions}:
+        raise TopicLayoutError(
+            f"the join needs {t.features} and {t.actions} with topics.partitions = {t.partitions} partitions "
+            f"each; the broker has {counts} (created by another client with its own default?): recreate "
+            f"them with {t.partitions} partitions, or set DRIFTLINE_TOPICS__PARTITIONS to their count if "
+            "both have the same, for every service")
 
 
 def changelog_topic(settings: Settings, epoch: str) -> str:
@@ -151,6 +172,7 @@ class JoinerApp:
         moved = faust_store.set_aside_damaged(state_dir(s), Path(self.app.conf.tabledir), TABLE)
         jm.STORES_SET_ASIDE.inc(len(moved))
         await create_topics(s)
+        await check_copartitioned(s)
         self.prod = producer(s)
         await start_client(self.prod, s)
         await self._check_broker_epoch()
@@ -408,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     except JoinTimeout as err:
         log.error("%s", err)
         return 4
+    except TopicLayoutError as err:
+        log.error("%s", err)
+        return 2
     except Exception as err:
         if not is_damage(err):
             raise

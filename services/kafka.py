@@ -118,6 +118,20 @@ async def create_topics(settings: Settings, topics: Mapping[str, int] | None = N
         await admin.close()
 
 
+async def partition_counts(settings: Settings, topics: Sequence[str]) -> dict[str, int]:
+    """Each existing topic's partition count on the broker (describe only topics that exist: a
+    broker that creates topics on a metadata request would create the others)."""
+    admin = admin_client(settings)
+    try:
+        await asyncio.wait_for(admin.start(), timeout=settings.kafka.connect_timeout_s)
+    except (TimeoutError, KafkaConnectionError, OSError):
+        raise _unreachable(settings) from None
+    try:
+        return {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(list(topics))}
+    finally:
+        await admin.close()
+
+
 @dataclass(frozen=True, slots=True)
 class Record(Generic[M]):
     """One decoded record and where it came from."""

@@ -10,7 +10,7 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from joiner.faust_app import run
+from joiner.faust_app import TopicLayoutError, run
 from proto import Action, DeadLetter, FeatureLog
 from services.kafka import create_topics
 from services.settings import Settings
@@ -227,3 +227,13 @@ async def test_actions_from_confluent_kafka(settings: Settings, partitioner: str
     else:
         assert counts.get("rerouted", 0) == 0
         assert len(positives) > 50 and joined == positives, f"{len(joined)} of {len(positives)}: {dict(counts)}"
+
+
+async def test_inputs_another_client_created_with_other_partition_counts_are_refused(settings: Settings) -> None:
+    """``actions`` created first by another client with the broker's default (Kafka's
+    ``num.partitions``, often 1): a request's clicks land away from its impression. The joiner
+    refuses to start and says what to do (it crash-looped on aiokafka's "Unrecognized partition")."""
+    t = settings.topics
+    await create_topics(settings, {t.actions: 1})
+    with pytest.raises(TopicLayoutError, match=rf"{t.actions}': 1.*recreate them with {t.partitions} partitions"):
+        await run(settings.updated(joiner=JOINER), until_idle_s=0.5)

@@ -22,8 +22,8 @@ replay runs:
    the dumper and the trainer make progress again by themselves (serving answers ``/rank`` 503
    while its spool's disk is full: ``rank_codes_while_full``, ``disk_paused_while_full``);
 7. **damaged stores**: ``CURRENT`` garbled (RocksDB cannot open them) in the joiner's partition
-   stores, the dumper's store and serving's feature-log spools, and bytes garbled in the middle of
-   Redis's append-only file, then kill -9 of the four; ``stores_rebuilt_after_damage``: each
+   stores, the dumper's store and serving's feature-log spools, and bytes garbled early in Redis's
+   append-only file (inside the features load), then kill -9 of the four; ``stores_rebuilt_after_damage``: each
    restart set its store aside and went on by itself (the joiner's partitions rebuilt from the
    changelog, the dumper's ids from Parquet, the spool repaired, Redis's file cut at the damage
    and the features loaded again if that lost them: ``/rank`` knows users, unmarked), nothing
@@ -275,12 +275,16 @@ def damaged_stores(stack: LoopStack, killed: set[int]) -> dict:
             (path / "CURRENT").write_text("garbage\n")  # (read at the next open only)
     aof = stack.var_dir / "redis" / "appendonly.aof"
     raw = bytearray(aof.read_bytes())
-    raw[len(raw) // 2:len(raw) // 2 + 16] = b"#" * 16  # (Redis would refuse to start on it)
+    # An argument's length header early in the file (inside the features load's first MSET, which
+    # comes first: the cut loses the load's marker); Redis would refuse to start on it. (Bytes
+    # inside a value it would load unnoticed: the file has no checksums.)
+    at = raw.index(b"\r\n$", len(raw) // 100) + 2
+    raw[at:at + 16] = b"#" * 16
     aof.write_bytes(bytes(raw))
     for name in [*stores, "redis"]:
         _kill(stack, name, killed)
     log(f"damaged stores: CURRENT garbled in {sum(map(len, stores.values()))} stores, Redis's append-only file "
-        f"in its middle ({len(raw)} bytes); their services killed")
+        f"at byte {at} of {len(raw)}; their services killed")
     joiner_back = _wait(stack, "the joiner rebuilt its partitions", lambda: _metric(
         stack, "joiner", "driftline_joiner_stores_set_aside_total") >= len(stores["joiner"]), 180)
     serving_back = _wait(stack, "serving repaired its spool", lambda: _metric(

@@ -21,7 +21,6 @@ adding a :class:`AppService` to :data:`APP_SERVICES`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import shutil
@@ -227,7 +226,7 @@ def reload_lost_features(settings: Settings, supervisor: Supervisor, loads: list
         return False
     log.warning("the restarted Redis lost the features loaded into it: loading them again")
     for spec in loads:
-        supervisor.start(dataclasses.replace(spec, blocking=False))
+        supervisor.start_later(spec)  # (this runs in the restart hook's thread)
     return True
 
 

@@ -92,6 +92,7 @@ def test_a_restarted_redis_that_lost_the_features_gets_them_loaded_again(tmp_pat
     """``up`` runs its features loads again when the restarted Redis lacks their marker (what a
     load writes last: cut off with the damage), and not when it has it."""
     import sys
+    import threading
 
     from driftline.stack import reload_lost_features
     from driftline.supervisor import ServiceSpec, Supervisor
@@ -108,10 +109,15 @@ def test_a_restarted_redis_that_lost_the_features_gets_them_loaded_again(tmp_pat
         load = ServiceSpec("features-load", [sys.executable, "-c", (
             f"import redis; redis.Redis(port={port}).set({key!r}, 'reloaded')")], oneshot=True, blocking=True)
         client = redis.Redis(port=port)
-        assert reload_lost_features(settings, sup, [load])
+        hook: list[bool] = []  # (run as the supervisor runs a restart hook: in a thread that ends)
+        thread = threading.Thread(target=lambda: hook.append(reload_lost_features(settings, sup, [load])))
+        thread.start()
+        thread.join()
+        assert hook == [True]
         deadline = time.monotonic() + 20
-        while client.get(key) != b"reloaded":
+        while client.get(key) != b"reloaded":  # (a child of the ended thread would have died with it)
             assert time.monotonic() < deadline
+            sup.poll_once()
             time.sleep(0.1)
         assert not reload_lost_features(settings, sup, [load])  # (marker present: nothing run)
         assert not reload_lost_features(settings, sup, [])  # (no load at start: none to redo)

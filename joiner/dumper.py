@@ -90,7 +90,7 @@ from services.disk import DiskGuard
 from services.example_batch import BadExampleBatch, ExampleColumns, take
 from services.kafka import BrokerUnavailable, TypedConsumer, create_topics
 from services.log import setup_logging
-from services.rocksdb_faults import STORE_DAMAGED_EXIT, StoreDamaged, is_damage, set_aside_if_damaged
+from services.rocksdb_faults import StoreDamaged, exit_on_damage, is_damage, set_aside_if_damaged
 from services.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -498,11 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokerUnavailable as err:
         log.error("%s", err)
         return 2
-    except Exception as err:
-        if not is_damage(err):
-            raise
-        log.error("the dumper's store is damaged (%r): exiting; the next start sets it aside and rebuilds it", err)
-        return STORE_DAMAGED_EXIT
+    except Exception as err:  # noqa: BLE001 - re-raised unless a store is damaged
+        return exit_on_damage(err, "the Parquet files")
     log.info("dumper stopped: %s", totals)
     return 0
 

@@ -47,7 +47,7 @@ from services.disk import DiskGuard
 from services.kafka import BrokerUnavailable, create_topics, partition_counts, producer, start_client
 from services.kafka_security import faust_credentials
 from services.log import setup_logging
-from services.rocksdb_faults import STORE_DAMAGED_EXIT, is_damage
+from services.rocksdb_faults import exit_on_damage, is_damage
 from services.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -433,12 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     except TopicLayoutError as err:
         log.error("%s", err)
         return 2
-    except Exception as err:
-        if not is_damage(err):
-            raise
-        log.error("a partition store is damaged (%r): exiting; the next start sets it aside and rebuilds it "
-                  "from the changelog", err)
-        return STORE_DAMAGED_EXIT
+    except Exception as err:  # noqa: BLE001 - re-raised unless a store is damaged
+        return exit_on_damage(err, "the changelog")
     log.info("joiner stopped: %s", dict(sorted(totals.items())))
     return 0
 

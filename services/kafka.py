@@ -10,6 +10,7 @@ them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -92,17 +93,26 @@ def admin_client(settings: Settings) -> AIOKafkaAdminClient:
     return AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers, **security_options(settings))
 
 
-async def create_topics(settings: Settings, topics: Mapping[str, int] | None = None,
-                        configs: Mapping[str, Mapping[str, str]] | None = None) -> list[str]:
-    """Create the topics (name -> partitions) that do not exist yet, with their ``configs``
-    (name -> topic configuration) if any; return the ones created."""
-    wanted = dict(topics if topics is not None else settings.topics.all())
+@contextlib.asynccontextmanager
+async def connected_admin(settings: Settings) -> AsyncIterator[AIOKafkaAdminClient]:
+    """:func:`admin_client`, started (:class:`BrokerUnavailable` when it cannot be), closed after."""
     admin = admin_client(settings)
     try:
         await asyncio.wait_for(admin.start(), timeout=settings.kafka.connect_timeout_s)
     except (TimeoutError, KafkaConnectionError, OSError):
         raise _unreachable(settings) from None
     try:
+        yield admin
+    finally:
+        await admin.close()
+
+
+async def create_topics(settings: Settings, topics: Mapping[str, int] | None = None,
+                        configs: Mapping[str, Mapping[str, str]] | None = None) -> list[str]:
+    """Create the topics (name -> partitions) that do not exist yet, with their ``configs``
+    (name -> topic configuration) if any; return the ones created."""
+    wanted = dict(topics if topics is not None else settings.topics.all())
+    async with connected_admin(settings) as admin:
         existing = set(await admin.list_topics())
         missing = [name for name in wanted if name not in existing]
         if missing:
@@ -114,22 +124,13 @@ async def create_topics(settings: Settings, topics: Mapping[str, int] | None = N
             except TopicAlreadyExistsError:
                 pass  # another process raced us: the topic is there, which is all we want
         return missing
-    finally:
-        await admin.close()
 
 
 async def partition_counts(settings: Settings, topics: Sequence[str]) -> dict[str, int]:
     """Each existing topic's partition count on the broker (describe only topics that exist: a
     broker that creates topics on a metadata request would create the others)."""
-    admin = admin_client(settings)
-    try:
-        await asyncio.wait_for(admin.start(), timeout=settings.kafka.connect_timeout_s)
-    except (TimeoutError, KafkaConnectionError, OSError):
-        raise _unreachable(settings) from None
-    try:
+    async with connected_admin(settings) as admin:
         return {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(list(topics))}
-    finally:
-        await admin.close()
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,6 +71,23 @@ def is_damage(err: BaseException | None) -> bool:
     return False
 
 
+def exit_on_damage(err: Exception, what: str) -> int:
+    """A service's ``main`` after ``err`` stopped it: :data:`STORE_DAMAGED_EXIT` when it is damage
+    (logged, naming ``what`` the restart rebuilds it from), else ``err`` raised again.
+
+    >>> exit_on_damage(RuntimeError("the Faust app stopped"), "the changelog")
+    Traceback (most recent call last):
+    ...
+    RuntimeError: the Faust app stopped
+    >>> exit_on_damage(StoreDamaged("/s", "Corruption: bad block"), "the changelog") == STORE_DAMAGED_EXIT
+    True
+    """
+    if not is_damage(err):
+        raise err
+    log.error("a store is damaged (%r): exiting; the next start sets it aside and rebuilds it from %s", err, what)
+    return STORE_DAMAGED_EXIT
+
+
 def set_aside_if_damaged(path: Path, *, read_all: bool) -> Path | None:
     """Open the RocksDB at ``path`` (a garbled ``CURRENT`` or manifest fails there) and, with
     ``read_all``, read every item (each block's checksum); if RocksDB finds it damaged, move it

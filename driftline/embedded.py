@@ -93,16 +93,16 @@ def repair_redis_aof(data_dir: Path) -> Path | None:
     append only file"), keep it aside (``appendonly.aof.damaged-<unix time>``) and cut a copy at
     the first bad command, as ``redis-check-aof --fix`` does (it is the redis-server binary under
     that name). What came after the damage is lost; if it held the end of a features load, the
-    load's marker is gone with it and serving says the store was emptied until the next load
-    (:mod:`serving.store_watch`), so nothing is scored on missing features unmarked. Where the
+    load's marker is gone with it: serving marks its answers (:mod:`serving.store_watch`) and
+    ``up`` loads the features again (:func:`driftline.stack.reload_lost_features`). Where the
     damaged file was kept, or None when the file reads (or there is none)."""
     aof = data_dir / "appendonly.aof"
     if not aof.exists():
         return None
-    check = [str(redis_binary())]
+    binary = str(redis_binary())
 
     def run(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
-        return subprocess.run(["redis-check-aof", *args, str(aof)], executable=check[0], input=stdin,
+        return subprocess.run(["redis-check-aof", *args, str(aof)], executable=binary, input=stdin,
                               capture_output=True, timeout=600)
 
     if run().returncode == 0:

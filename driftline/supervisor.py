@@ -68,7 +68,7 @@ class ServiceSpec:
     # Infrastructure the services drain into on a stop (broker, Redis): stopped after them.
     infra: bool = False
     # Runs (in a thread) once a *restarted* process is ready: e.g. recreate a fresh broker's topics.
-    on_restart: Callable[[], None] | None = None
+    on_restart: Callable[[], object] | None = None
     # Runs before every start of the process, the first and each restart: e.g. repair a damaged file
     # the process would refuse to start on (a failure is logged; the process starts anyway).
     prestart: Callable[[], object] | None = None

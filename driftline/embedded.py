@@ -8,6 +8,7 @@ message is one actionable line.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 import shutil
@@ -120,22 +121,23 @@ def features_lost(url: str, prefix: str, timeout_s: float) -> bool:
     """Whether the Redis at ``url`` lacks the marker every features load writes last
     (:data:`serving.feature_store.LOADED_MARKER`): a restarted one that lost the features loaded
     into it. Waits while it loads its append-only file (up to ``timeout_s``)."""
-    import redis
+    from serving.feature_store import LOADED_MARKER, FeatureStore, FeatureStoreError
 
-    from serving.feature_store import LOADED_MARKER, marker_key
+    async def check() -> bool:
+        store = FeatureStore(url, prefix, timeout_s=5.0)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    return await store.get_marker(LOADED_MARKER) is None
+                except FeatureStoreError:  # (loading its file, or not yet listening)
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.2)
+        finally:
+            await store.close()
 
-    client = redis.Redis.from_url(url, socket_timeout=5)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            try:
-                return client.get(marker_key(prefix, LOADED_MARKER)) is None
-            except (redis.BusyLoadingError, redis.ConnectionError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-    finally:
-        client.close()
+    return asyncio.run(check())
 
 
 def wait_for_port(host: str, port: int, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:

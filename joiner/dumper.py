@@ -90,7 +90,7 @@ from services.disk import DiskGuard
 from services.example_batch import BadExampleBatch, ExampleColumns, take
 from services.kafka import BrokerUnavailable, TypedConsumer, create_topics
 from services.log import setup_logging
-from services.rocksdb_faults import StoreDamaged, exit_on_damage, is_damage, set_aside_if_damaged
+from services.rocksdb_faults import StoreDamaged, exit_on_damage, is_damage, mark_for_check, set_aside_damaged
 from services.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -407,7 +407,7 @@ async def run(
         return await _run(settings, root, stop or asyncio.Event(), until_idle_s)
     except Exception as err:
         if is_damage(err):
-            (root / CHECK_MARKER).write_text(f"{err}\n")
+            mark_for_check(root / CHECK_MARKER, err)
         raise
 
 
@@ -424,10 +424,8 @@ async def _run(settings: Settings, root: Path, stop: asyncio.Event, until_idle_s
         watch = broker_reset.EpochWatch(settings, SERVICE)
         resources.push_async_callback(watch.stop)
         epoch = await watch.start()
-        marker = root / CHECK_MARKER
-        if set_aside_if_damaged(state_path, read_all=marker.exists()) is not None:
+        if set_aside_damaged([state_path], root / CHECK_MARKER):
             log.error("the dedup ids are rebuilt from the Parquet files and the examples topic is read from its start")
-        marker.unlink(missing_ok=True)
         store = RocksDBStore(f"rocksdb://{state_path}")
         resources.callback(store.close)
         consumer = TypedConsumer(settings, SERVICE, Example, [], None)

@@ -47,7 +47,7 @@ from services.disk import DiskGuard
 from services.kafka import BrokerUnavailable, create_topics, partition_counts, producer, start_client
 from services.kafka_security import faust_credentials
 from services.log import setup_logging
-from services.rocksdb_faults import exit_on_damage, is_damage
+from services.rocksdb_faults import exit_on_damage, is_damage, mark_for_check, set_aside_damaged
 from services.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,10 @@ class JoinerApp:
         """Everything but Faust's own start (:meth:`start_faust`): damaged stores set aside,
         topics, producer, broker epoch."""
         s = self.settings
-        moved = faust_store.set_aside_damaged(state_dir(s), Path(self.app.conf.tabledir), TABLE)
+        stores = faust_store.partition_stores(Path(self.app.conf.tabledir), TABLE).values()
+        moved = set_aside_damaged(stores, state_dir(s) / faust_store.CHECK_MARKER)
+        if moved:  # (Faust recovers them from the changelog, as for a takeover)
+            log.error("%d partition store(s) set aside: rebuilt from the changelog", len(moved))
         jm.STORES_SET_ASIDE.inc(len(moved))
         await create_topics(s)
         await check_copartitioned(s)
@@ -351,7 +354,7 @@ async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_id
         return await _run(settings, stop or asyncio.Event(), until_idle_s, timings)
     except Exception as err:
         if is_damage(err):
-            faust_store.mark_damaged(state_dir(settings), err)
+            mark_for_check(state_dir(settings) / faust_store.CHECK_MARKER, err)
         raise
 
 

@@ -10,10 +10,11 @@ comes and then writes them and the marker's offset in one WriteBatch, so a store
 state after some committed batch, never half of one.
 
 A partition store a disk damaged (a block failing its checksum, a garbled ``CURRENT``) is set
-aside and rebuilt from the changelog like a takeover's (:func:`set_aside_damaged`): a read of it
+aside and rebuilt from the changelog like a takeover's: a read of it
 raises :class:`services.rocksdb_faults.StoreDamaged` (never a record's fault: :mod:`joiner.worker` does not
 dead-letter for it), the worker stops and marks its stores for a full check
-(:func:`mark_damaged`), and its next start moves every store that does not read aside.
+(:data:`CHECK_MARKER`, :func:`services.rocksdb_faults.mark_for_check`), and its next start moves
+every store that does not read aside (:func:`services.rocksdb_faults.set_aside_damaged`).
 
 Records after the last marker are a batch whose writer died before committing it (its input is
 replayed from the offsets of the last committed batch, which live in the state). They stay in
@@ -33,7 +34,6 @@ recovery, even from a compacted changelog, then ends with the committed values.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,9 +44,6 @@ from faust.types import TP, EventT
 from rocksdict import DbClosedError
 
 from joiner.stores.rocksdb import RdictKV
-from services.rocksdb_faults import set_aside_if_damaged
-
-log = logging.getLogger(__name__)
 
 MARKER = b"\x00commit"  # (sorts before every state key: joiner.core's keys start with a letter)
 OFFSET_KEY = faust_rocksdb.Store.offset_key
@@ -140,28 +137,3 @@ def partition_stores(tabledir: Path, table: str) -> dict[int, Path]:
         if number.isdigit():
             out[int(number)] = path
     return dict(sorted(out.items()))
-
-
-def mark_damaged(state_dir: Path, err: BaseException) -> None:
-    """Have the next start read every store in full (:func:`set_aside_damaged`): which one ``err``
-    came from is not always known (Faust's own reads name no path)."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    (state_dir / CHECK_MARKER).write_text(f"{err}\n")
-
-
-def set_aside_damaged(state_dir: Path, tabledir: Path, table: str) -> list[Path]:
-    """Move the partition stores of ``table`` that do not read aside (``<store>.damaged-<unix
-    time>``); the moved directories. Every store is opened; after :func:`mark_damaged`, every
-    item of every store is read as well (:func:`services.rocksdb_faults.set_aside_if_damaged`).
-    Faust then rebuilds each moved partition from the changelog, as for a worker that never held
-    it: nothing is lost that the changelog holds, which is every committed batch."""
-    marker = state_dir / CHECK_MARKER
-    read_all = marker.exists()
-    moved = []
-    for p, path in partition_stores(tabledir, table).items():
-        aside = set_aside_if_damaged(path, read_all=read_all)
-        if aside is not None:
-            moved.append(aside)
-            log.error("partition %d is rebuilt from the changelog", p)
-    marker.unlink(missing_ok=True)
-    return moved

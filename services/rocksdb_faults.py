@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from rocksdict import Options, Rdict
@@ -117,6 +118,32 @@ def set_aside_if_damaged(path: Path, *, read_all: bool) -> Path | None:
         log.error("the store %s is damaged (%s): moved to %s", path, as_fault(err, str(path)), aside)
         return aside
     return None
+
+
+def mark_for_check(marker: Path, err: BaseException) -> None:
+    """Have the next start read its stores in full (:func:`set_aside_damaged`): which store
+    ``err`` came from is not always known (Faust's own reads name no path)."""
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"{err}\n")
+
+
+def set_aside_damaged(stores: Iterable[Path], marker: Path) -> list[Path]:
+    """At start: each of ``stores`` that does not read moved aside (:func:`set_aside_if_damaged`;
+    read in full when :func:`mark_for_check` left ``marker``, which is then removed); where they
+    went. The caller rebuilds them from where their data also lives.
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> Rdict(str(d / "a")).close(); Rdict(str(d / "b")).close()
+    >>> _ = (d / "b" / "CURRENT").write_text("garbage")
+    >>> mark_for_check(d / "check", StoreDamaged("?", "Corruption: bad block"))
+    >>> [p.name.split("-")[0] for p in set_aside_damaged([d / "a", d / "b"], d / "check")], (d / "check").exists()
+    (['b.damaged'], False)
+    """
+    read_all = marker.exists()
+    moved = [aside for path in stores if (aside := set_aside_if_damaged(path, read_all=read_all)) is not None]
+    marker.unlink(missing_ok=True)
+    return moved
 
 
 def set_aside(path: Path) -> Path:

@@ -2,12 +2,14 @@
 every store here (the joiner's, the dumper's, the spools) must tell apart from its callers' own
 errors. Damage (a block failing its checksum, a garbled ``CURRENT`` or manifest: a disk's doing)
 is :class:`StoreDamaged`, never a record's fault; a damaged store is moved aside, kept for a
-post-mortem, and rebuilt from where its data also lives.
+post-mortem (its newest :data:`KEEP_SET_ASIDE` copies), and rebuilt from where its data also lives.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import shutil
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,6 +20,9 @@ log = logging.getLogger(__name__)
 
 #: the exit code of a service that stopped on a damaged store (its restart sets the store aside)
 STORE_DAMAGED_EXIT = 5
+#: damaged copies of one store kept for a post-mortem (:func:`set_aside`)
+KEEP_SET_ASIDE = 3
+_STAMP = re.compile(r"\d+(-\d+)?")
 
 
 class StoreDamaged(RuntimeError):
@@ -146,16 +151,41 @@ def set_aside_damaged(stores: Iterable[Path], marker: Path) -> list[Path]:
     return moved
 
 
-def set_aside(path: Path) -> Path:
-    """Move a damaged store out of the way, kept for a post-mortem (never deleted by us): to
-    ``<path>.damaged-<unix time>``, which no reader of ``path`` globs; where it went."""
+def set_aside(path: Path, keep: int = KEEP_SET_ASIDE) -> Path:
+    """Move a damaged store (a directory or a file) out of the way, kept for a post-mortem: to
+    ``<path>.damaged-<unix time>``, which no reader of ``path`` globs; where it went. Only the
+    ``keep`` newest copies of ``path`` are kept (a disk that keeps damaging it would otherwise
+    fill up with them, one per restart): older ones are deleted, each logged.
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> for _ in range(4):
+    ...     _ = (d / "spool").write_text("x")
+    ...     _ = set_aside(d / "spool", keep=2)
+    >>> [p.name.rsplit("-", 1)[1] for p in set_aside_copies(d / "spool")]  # (all in the same second)
+    ['2', '3']
+    """
     stamp = int(time.time())
-    aside = path.with_name(f"{path.name}.damaged-{stamp}")
-    n = 1
-    while aside.exists():  # (a second damage within the second: both kept)
-        aside, n = path.with_name(f"{path.name}.damaged-{stamp}-{n}"), n + 1
+    taken = [_order(p) for p in set_aside_copies(path)]
+    # (a second damage within the second: after the last of that second, both kept)
+    n = max((o[1] if len(o) > 1 else 0 for o in taken if o[0] == stamp), default=-1) + 1
+    aside = path.with_name(f"{path.name}.damaged-{stamp}" + (f"-{n}" if n else ""))
     path.rename(aside)
+    for old in set_aside_copies(path)[:-keep]:
+        log.warning("deleting %s: the %d newer copies set aside are kept", old, keep)
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
     return aside
+
+
+def set_aside_copies(path: Path) -> list[Path]:
+    """The copies of ``path`` that :func:`set_aside` keeps, oldest first."""
+    copies = path.parent.glob(f"{path.name}.damaged-*")
+    return sorted((p for p in copies if _STAMP.fullmatch(p.name.rsplit(".damaged-", 1)[1])), key=_order)
+
+
+def _order(copy: Path) -> tuple[int, ...]:
+    """(unix time, n) of ``<path>.damaged-<unix time>[-n]``."""
+    return tuple(int(x) for x in copy.name.rsplit(".damaged-", 1)[1].split("-"))
 
 
 def count_items(db: Rdict) -> int:

@@ -26,8 +26,9 @@ replay runs:
    append-only file (inside the features load), then kill -9 of the four; ``stores_rebuilt_after_damage``: each
    restart set its store aside and went on by itself (the joiner's partitions rebuilt from the
    changelog, the dumper's ids from Parquet, the spool repaired, Redis's file cut at the damage
-   and the features loaded again if that lost them: ``/rank`` knows users, unmarked), nothing
-   crash-looped, and new traffic reaches Parquet with no example written twice;
+   and the features loaded again by the feature keeper if that lost them: ``/rank`` knows
+   users, unmarked), nothing crash-looped, and new traffic reaches Parquet with no example
+   written twice;
 8. once the replay is done (its event time, hours per wall second, would close a click's window
    before it arrives), **another Kafka client's partitioner**: impressions through ``/rank``, their
    clicks produced straight to ``actions`` on the partition librdkafka's default partitioner
@@ -323,8 +324,9 @@ def damaged_stores(stack: LoopStack, killed: set[int]) -> dict:
     return {"stores_rebuilt_after_damage": ok,
             "damaged_stores_set_aside": {**{k: len(v) for k, v in set_aside.items()}, "redis": len(redis_aside)},
             "redis_features_after_aof_damage": features,
-            # (whether the cut lost the load's marker, so up loaded the features again)
-            "redis_features_reloaded": "lost the features loaded into it" in stack.text(),
+            # (whether the cut lost the load's marker, so the feature keeper loaded them again)
+            "redis_features_reloaded": _metric(stack, "feature-keeper", "driftline_serving_feature_loads_total",
+                                               {"reason": "lost"}) >= 1,
             "parquet_examples_written_twice": twice, "joiner_produced_before_damage": produced,
             "crash_loops_after_damage": crash_loops}
 

@@ -8,7 +8,6 @@ message is one actionable line.
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import logging
 import shutil
@@ -95,7 +94,7 @@ def repair_redis_aof(data_dir: Path) -> Path | None:
     the first bad command, as ``redis-check-aof --fix`` does (it is the redis-server binary under
     that name). What came after the damage is lost; if it held the end of a features load, the
     load's marker is gone with it: serving marks its answers (:mod:`serving.store_watch`) and
-    ``up`` loads the features again (:func:`driftline.stack.reload_lost_features`). Where the
+    the features' keeper loads them again (:mod:`serving.feature_keeper`). Where the
     damaged file was kept, or None when the file reads (or there is none)."""
     aof = data_dir / "appendonly.aof"
     if not aof.exists():
@@ -115,29 +114,6 @@ def repair_redis_aof(data_dir: Path) -> Path | None:
     log.error("the embedded Redis's append-only file is damaged: kept at %s; cut at the first bad command "
               "(%s)", aside, said)
     return aside
-
-
-def features_lost(url: str, prefix: str, timeout_s: float) -> bool:
-    """Whether the Redis at ``url`` lacks the marker every features load writes last
-    (:data:`serving.feature_store.LOADED_MARKER`): a restarted one that lost the features loaded
-    into it. Waits while it loads its append-only file (up to ``timeout_s``)."""
-    from serving.feature_store import LOADED_MARKER, FeatureStore, FeatureStoreError
-
-    async def check() -> bool:
-        store = FeatureStore(url, prefix, timeout_s=5.0)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                try:
-                    return await store.get_marker(LOADED_MARKER) is None
-                except FeatureStoreError:  # (loading its file, or not yet listening)
-                    if time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(0.2)
-        finally:
-            await store.close()
-
-    return asyncio.run(check())
 
 
 def wait_for_port(host: str, port: int, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from driftline.embedded import features_lost, redis_command, repair_redis_aof, tansu_command, wait_for_port
+from driftline.embedded import redis_command, repair_redis_aof, tansu_command, wait_for_port
 from driftline.supervisor import ServiceSpec, Supervisor
 from services.broker_reset import ensure_broker_epoch
 from services.kafka import create_topics
@@ -61,8 +61,8 @@ class AppService:
     metrics_url: Callable[[Settings], str] | None = None  # /metrics served on the service's own port
     #: settings the service must see as this process resolved them (its environment, by name)
     settings_env: Callable[[Settings], dict[str, str]] = lambda s: {}
-    #: part of the MovieLens demo only (not run for your own model)
-    demo: bool = False
+    #: runs where ``up`` loads the MovieLens features (the demo, or a project file's ``[store] movielens``)
+    movielens_features: bool = False
     #: what the supervisor's liveness check GETs (None: the service's /metrics where it has a port)
     alive_url: Callable[[Settings], str] | None = None
     #: environment for the demo and ``--model`` runs only: with a project file (``up --config``)
@@ -92,11 +92,14 @@ def _metrics(service: str) -> Callable[[Settings], int]:
     return lambda s: s.embedded.metrics_port(service)
 
 
-FEATURES_LOAD = "features-load"  # (the load a restarted Redis that lost it gets again: reload_lost_features)
-
 # In start order. Each long-running service exports /metrics on its own port.
 APP_SERVICES: list[AppService] = [
-    AppService(FEATURES_LOAD, ("features", "load", "--movielens"), blocking=True, demo=True),
+    AppService("features-load", ("features", "load", "--movielens"), blocking=True, movielens_features=True),
+    # ... and whenever Redis loses them (serving/feature_keeper.py): restarted without its data (its
+    # append-only file cut at damage: driftline.embedded.repair_redis_aof), flushed, or an external
+    # Redis (REDIS_URL) restarted; serving marks its answers degraded until they are back
+    AppService("feature-keeper", ("features", "load", "--movielens", "--watch"),
+               metrics_port=_metrics("feature-keeper"), movielens_features=True),
     # live traffic, demo or not: sparse clicks leave an actions partition idle, and its watermark
     # must still advance for windows to close
     # (a project file says so itself: [windows] idle_advance_seconds)
@@ -217,33 +220,17 @@ def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external
     return None
 
 
-def reload_lost_features(settings: Settings, supervisor: Supervisor, loads: list[ServiceSpec]) -> bool:
-    """After the embedded Redis restarted: if it lost the features ``up`` loaded (its append-only
-    file was cut at damage: :func:`driftline.embedded.repair_redis_aof`), run those loads again,
-    not waited for. Serving marks its answers degraded until the marker is back
-    (:mod:`serving.store_watch`). Whether it did."""
-    if not loads or not features_lost(settings.redis, settings.serving.redis_prefix, settings.embedded.start_timeout_s):
-        return False
-    log.warning("the restarted Redis lost the features loaded into it: loading them again")
-    for spec in loads:
-        supervisor.start_later(spec)  # (this runs in the restart hook's thread)
-    return True
-
-
 def _project_start(settings: Settings, supervisor: Supervisor, project: Project, epoch: str,
-                   external_broker: bool, feature_loads: list[ServiceSpec]) -> list[tuple[str, str]]:
-    """What a project file asks of ``up`` before the services: the MovieLens demo's features
-    (``[store] movielens``) and its warm start (``[warm_start]``: ``trainer batch`` on the user's
-    Parquet examples, written as the snapshot the online trainer and serving start from)."""
+                   external_broker: bool) -> list[tuple[str, str]]:
+    """What a project file asks of ``up`` before the services: the MovieLens dataset its features
+    come from (``[store] movielens``: the services marked ``movielens_features`` load them) and its
+    warm start (``[warm_start]``: ``trainer batch`` on the user's Parquet examples, written as the
+    snapshot the online trainer and serving start from)."""
     rows = [("project", str(project.path))]
     if project.store.movielens and project.demo is None:  # (the demo loads them itself)
         from movielens.data import fetch
 
         fetch(settings.replay.dataset, settings.data_dir, progress=True)
-        spec = ServiceSpec(FEATURES_LOAD, _driftline("features", "load", "--movielens"),
-                           oneshot=True, blocking=True, ready_timeout_s=60.0)
-        feature_loads.append(spec)
-        supervisor.start(spec)
     ws = project.warm_start
     if ws.kind == "examples":
         path = ws.examples_dir if ws.examples_dir.is_absolute() else project.path.parent / ws.examples_dir
@@ -274,6 +261,7 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
     only if the file says ``demo = "movielens"`` (``examples/movielens/driftline.toml``, ``make up``).
     """
     demo = demo or (project is not None and project.demo == "movielens")
+    movielens_features = demo or (project is not None and project.store.movielens)
     supervisor = Supervisor(settings.log_dir)
     e = settings.embedded
 
@@ -286,7 +274,7 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
     rows: list[tuple[str, str]] = []
     infra: list[tuple[str, str]] = []
     try:
-        check_ports_free(stack_ports(settings, demo))  # before anything starts
+        check_ports_free(stack_ports(settings, demo, movielens_features))  # before anything starts
         if settings.kafka_bootstrap_servers is None:
             supervisor.start(ServiceSpec(
                 "broker", tansu_command(e.host, e.broker_port),
@@ -299,13 +287,11 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
             ))
             wait_for_port(e.host, e.broker_port, e.start_timeout_s, "broker")
         infra.append(("kafka", settings.bootstrap_servers))
-        feature_loads: list[ServiceSpec] = []  # (the loads up runs: again if a restarted Redis lost them)
         if settings.redis_url is None:
             supervisor.start(ServiceSpec(
                 "redis", redis_command(e.host, e.redis_port, settings.var_dir / "redis"),
                 ready=lambda: port_is_open(e.host, e.redis_port), ready_timeout_s=e.start_timeout_s,
                 infra=True, prestart=functools.partial(repair_redis_aof, settings.var_dir / "redis"),
-                on_restart=functools.partial(reload_lost_features, settings, supervisor, feature_loads),
             ))
         infra.append(("redis", redacted(settings.redis)))
 
@@ -322,13 +308,12 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
                 replay_start = _warm_start(settings, supervisor, epoch, settings.kafka_bootstrap_servers is not None,
                                            warm_start_fraction)
         if project is not None:
-            rows += _project_start(settings, supervisor, project, epoch, settings.kafka_bootstrap_servers is not None,
-                                   feature_loads)
+            rows += _project_start(settings, supervisor, project, epoch, settings.kafka_bootstrap_servers is not None)
         rows.append(("model", settings.trainer.model + ("" if demo else " (no MovieLens demo: send your own traffic)")))
 
         metrics: list[str] = []
         for service in APP_SERVICES:
-            if service.demo and not demo:
+            if service.movielens_features and not movielens_features:
                 continue
             ready = service.ready
             legacy = service.legacy_env if project is None else {}
@@ -351,8 +336,6 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
                 liveness_timeout_s=settings.embedded.liveness_timeout_s,
                 **({"stop_timeout_s": service.stop_timeout_s(settings)} if service.stop_timeout_s else {}),
             )
-            if service.name == FEATURES_LOAD:
-                feature_loads.append(spec)
             supervisor.start(spec)
             rows += list(service.urls(settings).items())
         if demo:
@@ -380,11 +363,13 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
     return 0 if not failed else 1
 
 
-def stack_ports(settings: Settings, demo: bool) -> list[Listen]:
-    """Every port ``up`` will listen on, each with the setting that moves it.
+def stack_ports(settings: Settings, demo: bool, movielens_features: bool | None = None) -> list[Listen]:
+    """Every port ``up`` will listen on, each with the setting that moves it (``movielens_features``:
+    whether it loads them, by default with the demo).
 
-    >>> [(p.port, p.what) for p in stack_ports(Settings(), demo=True)][:3]
-    [(9092, 'the embedded broker'), (6379, 'the embedded Redis'), (9101, "the joiner's /metrics")]
+    >>> [(p.port, p.what) for p in stack_ports(Settings(), demo=True)][:4]  # doctest: +NORMALIZE_WHITESPACE
+    [(9092, 'the embedded broker'), (6379, 'the embedded Redis'), (9105, "the feature-keeper's /metrics"),
+     (9101, "the joiner's /metrics")]
     """
     e, mhost = settings.embedded, settings.metrics_host
     ports = []
@@ -393,7 +378,7 @@ def stack_ports(settings: Settings, demo: bool) -> list[Listen]:
     if settings.redis_url is None:
         ports.append(Listen(e.host, e.redis_port, "the embedded Redis", "embedded.redis_port"))
     for service in APP_SERVICES:
-        if service.demo and not demo:
+        if service.movielens_features and not (demo if movielens_features is None else movielens_features):
             continue
         if service.metrics_port is not None:
             port = service.metrics_port(settings)
@@ -414,7 +399,7 @@ def status_targets(settings: Settings) -> list[Target]:
     ``driftline status`` scrapes when no target is configured."""
     targets = []
     for service in APP_SERVICES:
-        if service.name == "status":
+        if service.name in ("status", "feature-keeper"):  # (the keeper of the demo's features: no pipeline stage)
             continue
         metrics_url = getattr(service, "metrics_url", None)  # /metrics on the service's own port
         if service.metrics_port is not None:

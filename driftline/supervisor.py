@@ -20,7 +20,6 @@ follow a broker reset, does not count): logged as such, counted, and written wit
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import json
 import logging
 import os
@@ -110,7 +109,6 @@ class Supervisor:
         #: services that exited with PORT_IN_USE_EXIT: their one-line reason; the stack stops
         self.cannot_listen: dict[str, str] = {}
         self.state_path = log_dir.parent / "run" / "supervisor.json"
-        self._later: list[ServiceSpec] = []  # (start_later's, for the next poll)
 
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
@@ -184,21 +182,8 @@ class Supervisor:
                 )
             time.sleep(0.1)
 
-    def start_later(self, spec: ServiceSpec) -> None:
-        """Have the supervising thread start ``spec`` (not waited for) at its next poll: from a
-        restart hook's thread a child would die with that thread (the kernel's parent-death
-        signal follows the thread that forked it, not the process)."""
-        with self._lock:
-            self._later.append(spec)
-
     def poll_once(self) -> None:
-        """Start what :meth:`start_later` asked for; restart long-running services that exited;
-        forget finished one-shot jobs."""
-        with self._lock:
-            later, self._later = self._later, []
-        for spec in later:
-            if not self._stopping.is_set():
-                self.start(dataclasses.replace(spec, blocking=False))
+        """Restart long-running services that exited; forget finished one-shot jobs."""
         with self._lock:
             items = list(self.running.items())
         for name, r in items:

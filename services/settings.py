@@ -237,7 +237,7 @@ class EventTimeSettings(BaseModel):
 
 
 #: the /metrics port of each service ``make up`` starts: ``embedded.metrics_port_base`` + this
-LOCAL_METRICS_OFFSETS = {"joiner": 0, "dumper": 1, "trainer": 2, "traffic": 3}
+LOCAL_METRICS_OFFSETS = {"joiner": 0, "dumper": 1, "trainer": 2, "traffic": 3, "feature-keeper": 4}
 
 
 class EmbeddedSettings(BaseModel):

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -59,6 +60,7 @@ import pyarrow.types as pat
 
 from services.hashing import string_id, string_ids, string_key
 from services.redis_client import redacted, without_password
+from serving.feature_keeper import Load
 from serving.feature_store import FeatureStore, FeatureStoreError
 
 Slots = dict[str, list[int]]
@@ -276,6 +278,49 @@ def _apply_project(args: argparse.Namespace) -> None:
     args.user_key, args.item_key = args.user_key or "user_id", args.item_key or "item_id"
 
 
+def _load(args: argparse.Namespace, skipped: dict[str, dict[str, str]]) -> tuple[str, Load]:
+    """What the command line asks to load, and the load itself (run once, or by the watch each time
+    the store loses it: it reads the files again)."""
+    if args.movielens:
+        from movielens.features import ITEM_CONTENT
+
+        # the items' content when the project declares it (an item feature the model's encoder reads)
+        content = ITEM_CONTENT in args.declared.get("item", ())
+        return args.dataset, lambda: load_dataset(args.redis_url, args.dataset, args.data_dir, args.prefix, content)
+    declared = args.declared
+    return " and ".join(str(p) for p in (args.users, args.items) if p is not None), lambda: load_files(
+        args.redis_url, args.prefix, args.users, args.items, user_key=args.user_key, item_key=args.item_key,
+        separator=args.separator, strings=[c for c in args.strings.split(",") if c],
+        user_features=declared.get("user"), item_features=declared.get("item"),
+        user_dense=args.dense.get("user", ()), item_dense=args.dense.get("item", ()), skipped=skipped)
+
+
+def _watch(args: argparse.Namespace, load: Load) -> int:
+    """``--watch``: keep the store loaded until stopped (:mod:`serving.feature_keeper`)."""
+    from services.log import setup_logging
+    from services.metrics import serve_metrics
+    from services.settings import get_settings
+    from serving.feature_keeper import FeatureKeeper
+
+    settings = get_settings()
+    setup_logging("feature-keeper", settings.log_level)
+    if settings.metrics_port:
+        serve_metrics(settings.metrics_port)
+
+    async def keep() -> None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        store = FeatureStore(args.redis_url, args.prefix, timeout_s=5.0)
+        try:
+            await FeatureKeeper(store, load, settings.serving.feature_store_check_s).run(stop)
+        finally:
+            await store.close()
+
+    asyncio.run(keep())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from services.settings import get_settings
 
@@ -301,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     p_load.add_argument("--data-dir", type=Path, default=settings.data_dir)
     p_load.add_argument("--redis-url", default=settings.redis)
     p_load.add_argument("--prefix", default=settings.serving.redis_prefix)
+    p_load.add_argument("--watch", action="store_true",
+                        help="keep the store loaded: stay running, and load again whenever Redis has lost the "
+                             "features (restarted without them, or flushed), this start included "
+                             "(serving/feature_keeper.py)")
     p_load.set_defaults(declared={}, dense={})  # source -> its declared sparse / dense features (a project file's)
     args = parser.parse_args(argv)
     try:
@@ -314,24 +363,11 @@ def main(argv: list[str] | None = None) -> int:
               "not both", file=sys.stderr)
         return 2
     skipped: dict[str, dict[str, str]] = {}
+    source, load = _load(args, skipped)
+    if args.watch:
+        return _watch(args, load)
     try:
-        if args.movielens:
-            from movielens.features import ITEM_CONTENT
-
-            source = args.dataset
-            # the items' content when the project declares it (an item feature the model's encoder reads)
-            content = ITEM_CONTENT in args.declared.get("item", ())
-            n, seconds = asyncio.run(load_dataset(args.redis_url, args.dataset, args.data_dir, args.prefix, content))
-        else:
-            source = " and ".join(str(p) for p in (args.users, args.items) if p is not None)
-            declared = args.declared
-            n, seconds = asyncio.run(load_files(args.redis_url, args.prefix, args.users, args.items,
-                                                user_key=args.user_key, item_key=args.item_key,
-                                                separator=args.separator,
-                                                strings=[c for c in args.strings.split(",") if c],
-                                                user_features=declared.get("user"), item_features=declared.get("item"),
-                                                user_dense=args.dense.get("user", ()),
-                                                item_dense=args.dense.get("item", ()), skipped=skipped))
+        n, seconds = asyncio.run(load())
     except FeatureFileError as err:
         print(f"driftline features load: {err}", file=sys.stderr)
         return 2

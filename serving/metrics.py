@@ -141,6 +141,20 @@ FEATURE_STORE_EMPTIED = Gauge(
     "flushed: serving.store_watch); /rank answers are then marked degraded.",
     multiprocess_mode="livemax",
 )
+FEATURE_LOADS = Counter(
+    "driftline_serving_feature_loads_total",
+    "Features loads a watching load command (driftline features load --watch) ran, by reason: absent at "
+    "its start, or lost (Redis restarted without them, or was flushed: serving.feature_keeper).", ["reason"],
+)
+FEATURE_LOAD_FAILURES = Counter(
+    "driftline_serving_feature_load_failures_total",
+    "Features loads of a watching load command that failed (tried again at its next read of the marker).",
+)
+FEATURES_LOADED = Gauge(
+    "driftline_serving_features_loaded",
+    "1 while a watching load command reads the features' load marker in the store, 0 while it is gone.",
+    multiprocess_mode="livemax",
+)
 SCORE_ONLY = Counter(
     "driftline_serving_score_only_total",
     "/rank answers asked for with \"log\": false: scored, no feature log written.",

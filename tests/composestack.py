@@ -332,12 +332,27 @@ class ComposeProcesses:
 
         logs = self.tmp / "logs"
         self._infra.append(_start(tansu_command("127.0.0.1", self.broker_port), logs / "kafka.log"))
-        redis_args = [str(a) for a in (self.compose["services"]["redis"].get("command") or ["redis-server"])[1:]]
-        (self.tmp / "redis").mkdir(exist_ok=True)
-        self._infra.append(_start([str(redis_binary()), *redis_args, "--bind", "127.0.0.1", "--port",
-                                   str(self.redis_port), "--dir", str(self.tmp / "redis"), "--protected-mode", "no"],
-                                  logs / "redis.log"))
+        self._infra.append(_start(self._redis_argv(), logs / "redis.log"))
         wait_for_port("127.0.0.1", self.broker_port, 30, "broker", self._infra[0])
+        wait_for_port("127.0.0.1", self.redis_port, 30, "redis", self._infra[1])
+
+    def _redis_argv(self) -> list[str]:
+        """redis-server with the compose service's flags, its working directory (the image's
+        ``/data``) on the service's volume there."""
+        spec = self.compose["services"]["redis"]
+        data = self._volumes(spec).get("/data", self.tmp / "redis")
+        data.mkdir(parents=True, exist_ok=True)
+        return [str(redis_binary()), *[str(a) for a in (spec.get("command") or ["redis-server"])[1:]],
+                "--bind", "127.0.0.1", "--port", str(self.redis_port), "--dir", str(data), "--protected-mode", "no"]
+
+    def kill_redis(self) -> None:
+        """kill -9 of the Redis container and its restart (``restart: always`` or ``docker compose
+        up``): the same flags and volume."""
+        from tests.conftest import _start
+
+        self._infra[1].kill()
+        self._infra[1].wait()
+        self._infra[1] = _start(self._redis_argv(), self.tmp / "logs" / "redis.log")
         wait_for_port("127.0.0.1", self.redis_port, 30, "redis", self._infra[1])
 
     def stop_infra(self) -> None:

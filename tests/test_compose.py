@@ -139,6 +139,8 @@ def test_services_start_after_what_they_need(repo_root: Path) -> None:
         assert services[name]["depends_on"]["warm-start"]["condition"] == "service_completed_successfully", name
     for name in ("serving-0", "serving-1"):
         assert services[name]["depends_on"]["features-load"]["condition"] == "service_completed_successfully", name
+    assert services["feature-keeper"]["depends_on"]["features-load"]["condition"] == "service_completed_successfully"
+    assert services["feature-keeper"]["restart"] == "unless-stopped" and "--watch" in services["feature-keeper"]["command"]
     assert "serving-0" in services["traffic"]["depends_on"]
 
 

@@ -295,6 +295,42 @@ def test_host_clients_on_the_published_ports(stack: ComposeProcesses, repo_root:
     _mark("host clients")
 
 
+@pytest.mark.timeout(300)
+def test_redis_killed_keeps_its_features_and_flushed_gets_them_back(stack: ComposeProcesses) -> None:
+    """kill -9 of Redis and its restart: compose's flags (an append-only file on its volume) bring
+    the features back as they were, no load needed; FLUSHALL: the ``features`` service loads them
+    again. After each, both replicas know the user and call the store whole."""
+    import redis
+
+    servings = _serving_ports(stack)
+
+    def lost_loads() -> float:
+        value = metric(stack.url("feature-keeper", 9100, "/metrics"), "driftline_serving_feature_loads_total", {"reason": "lost"})
+        return value or 0.0
+
+    def whole() -> bool:
+        for name, port in servings:
+            ready = _readyz(stack, name, port)
+            status, answer = _rank(stack.url(name, port), stack.api_key(name))
+            if not (ready and ready["feature_store"] and not ready["feature_store_emptied"]
+                    and status == 200 and answer["user_known"]):
+                return False
+        return True
+
+    wait_for(stack, "the feature keeper reads the store whole",
+             lambda: metric(stack.url("feature-keeper", 9100, "/metrics"), "driftline_serving_features_loaded") == 1.0, 60)
+    before = lost_loads()
+    stack.kill_redis()
+    wait_for(stack, "Redis back after kill -9 with its features", whole, 120)
+    time.sleep(3)  # (the feature keeper reads the marker every second)
+    assert lost_loads() == before, "the restarted Redis had lost the features: compose's Redis does not persist"
+
+    redis.Redis(port=stack.redis_port).flushall()
+    wait_for(stack, "the feature keeper loads the flushed features again", lambda: lost_loads() > before, 60)
+    wait_for(stack, "both replicas know the users again", whole, 60)
+    assert not stack.exited().keys() & set(long_running(stack)), stack.exited()
+
+
 @pytest.mark.timeout(600)
 def test_a_restart_goes_on_from_what_the_trainer_learned(stack: ComposeProcesses) -> None:
     """``docker compose stop`` then ``up`` on the same volume: every service stops cleanly on

@@ -183,7 +183,7 @@ def test_own_data_end_to_end(tmp_path: Path, repo_root: Path) -> None:
     assert code == 0, stack.text()
     assert not data.exists()  # no MovieLens download
     logs = {p.name for p in stack.log_dir.glob("*.log")}
-    assert not logs & {"warm-start.log", "features-load.log", "replay.log"}, logs
+    assert not logs & {"warm-start.log", "features-load.log", "feature-keeper.log", "replay.log"}, logs
     _the_stored_dense_feature_was_trained_on(stack.var_dir / "examples")
     _warm_start_from_the_dumped_examples(tmp_path, repo_root, config, stack.var_dir / "examples")
 

@@ -201,7 +201,7 @@ def test_up_with_your_own_model_leaves_movielens_out(tmp_path: Path, repo_root: 
     assert not data.exists()  # nothing downloaded
     logs = {p.name for p in stack.log_dir.glob("*.log")}
     assert {"trainer.log", "serving.log", "joiner.log"} <= logs
-    assert not logs & {"warm-start.log", "features-load.log", "replay.log"}, logs
+    assert not logs & {"warm-start.log", "features-load.log", "feature-keeper.log", "replay.log"}, logs
 
 
 def test_up_with_a_bad_model_file_is_one_actionable_line(tmp_path: Path, repo_root: Path) -> None:

@@ -216,7 +216,7 @@ def test_targets_default_to_every_service_of_the_stack() -> None:
     assert targets["dumper"] == "http://127.0.0.1:9301/metrics"
     assert targets["trainer"] == "http://127.0.0.1:9302/metrics"
     assert targets["serving"] == "http://127.0.0.1:8123/metrics"
-    assert "features-load" not in targets
+    assert "features-load" not in targets and "feature-keeper" not in targets
     assert not any(name.startswith("trainer-rank") for name in targets)
     ranks = {t.name: t.url for t in status_targets(settings.updated(trainer={"nproc": 3}))}
     assert ranks["trainer-rank-1"] == "http://127.0.0.1:9402/metrics"  # the trainer's port + r * 100

@@ -41,7 +41,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import hiredis
-from redis.exceptions import AuthenticationError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    ClusterDownError,
+    MasterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 
 from services.redis_client import RedisCluster, connect, redacted, without_password
 from services.settings import RedisClientSettings
@@ -107,6 +118,27 @@ class RankFeatures:
 
 class FeatureStoreError(RuntimeError):
     """Redis failed or timed out."""
+
+
+#: what Redis answers a write it takes from nobody for now: full at its ``maxmemory`` under
+#: ``noeviction`` (OOM), a replica (READONLY), loading its file, a cluster slot moving or down
+_REFUSES_ALL = (OutOfMemoryError, ReadOnlyError, BusyLoadingError, TryAgainError, ClusterDownError, MasterDownError)
+
+
+def refuses_all_writes(err: Exception) -> bool:
+    """Whether a write's error is the store's state rather than the write's: Redis would refuse
+    any write now (see ``_REFUSES_ALL``; and ``MISCONF``: it cannot persist, its disk full;
+    ``BUSY``: a script runs; ``NOREPLICAS``). Such a write is tried again later, never set aside
+    as the record's fault.
+
+    >>> refuses_all_writes(OutOfMemoryError("command not allowed when used memory > 'maxmemory'."))
+    True
+    >>> refuses_all_writes(ResponseError("MISCONF Errors writing to the AOF file: No space left on device"))
+    True
+    >>> refuses_all_writes(ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"))
+    False
+    """
+    return isinstance(err, _REFUSES_ALL) or str(err).startswith(("MISCONF", "BUSY ", "NOREPLICAS"))
 
 
 async def _no_refresh() -> bool:
@@ -249,8 +281,9 @@ class FeatureStore:
         """Push (user_id, item_id) clicks, oldest first, keeping the last K per user.
 
         Returns the clicks Redis refused, as (index, error): a user's key holding another type,
-        say. Raises :class:`FeatureStoreError` when Redis cannot be reached (nothing to blame on
-        the clicks: retry).
+        say, or Redis taking no writes for now (:func:`refuses_all_writes`: the caller tries those
+        again). Raises :class:`FeatureStoreError` when Redis cannot be reached (nothing to blame
+        on the clicks: retry).
         """
         if not clicks:
             return []

@@ -126,6 +126,11 @@ ACTIONS_PRODUCED = Counter(
 REALTIME_UPDATES = Counter(
     "driftline_serving_realtime_updates_total", "Actions folded into real-time user features."
 )
+REALTIME_WAITS = Counter(
+    "driftline_serving_realtime_store_refusals_total",
+    "Times the recent-clicks reader found Redis taking no writes (full at maxmemory under noeviction, a "
+    "replica, unable to persist) and waited to record its clicks again.",
+)
 UNKNOWN_FEATURES = Counter(
     "driftline_serving_unknown_features_total",
     "Features a /rank named that the model does not read, dropped (serving.unknown_features = "

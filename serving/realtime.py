@@ -10,8 +10,10 @@ were last recorded is kept in Redis beside the clicks. Actions that were on the 
 read yet are lost with it, counted in ``driftline_broker_reset_lost_total{service="serving"}``.
 
 A click that decodes but cannot be recorded (Redis refuses it, e.g. the user's key holds another
-type; Redis being down is retried instead) is written to ``dead-letters`` with the reason and
-skipped: one record never stops the reader.
+type) is written to ``dead-letters`` with the reason and skipped: one record never stops the
+reader. Redis down, or refusing every write for now (full at its ``maxmemory`` under
+``noeviction``, turned into a replica, unable to persist), is no record's fault: the reader waits
+and records the clicks once it takes writes again.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -31,7 +34,7 @@ from services.settings import Settings
 from serving import metrics
 from serving.background import BackgroundLoop, raise_if_cancelled
 from serving.broker_epoch import SharedEpoch
-from serving.feature_store import FeatureStore, FeatureStoreError
+from serving.feature_store import FeatureStore, FeatureStoreError, refuses_all_writes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -139,7 +142,23 @@ class RecentClicks(BackgroundLoop):
         return letters
 
     async def _with_retry(self, clicks: list[tuple[int, int]]) -> list[tuple[int, Exception]]:
-        return await self._until_stored(lambda: self.store.record_clicks(clicks))
+        """Record ``clicks``; the ones Redis refused for their own sake, as (index, error). Redis
+        down, or taking no writes for now (full, a replica: :func:`refuses_all_writes`), is
+        waited out: those clicks are recorded once it takes writes again."""
+        todo = list(range(len(clicks)))
+        refused: list[tuple[int, Exception]] = []
+        while todo:
+            answered = await self._until_stored(functools.partial(self.store.record_clicks, [clicks[i] for i in todo]))
+            refused += [(todo[i], err) for i, err in answered if not refuses_all_writes(err)]
+            waiting = [(todo[i], err) for i, err in answered if refuses_all_writes(err)]
+            if waiting:
+                metrics.REALTIME_WAITS.inc()
+                log.warning("recent clicks: Redis takes no writes for now (%s); %d clicks wait for it",
+                            waiting[0][1], len(waiting))
+                raise_if_cancelled()
+                await asyncio.sleep(self.retry_s)
+            todo = [i for i, _ in waiting]
+        return sorted(refused, key=lambda r: r[0])
 
     async def _until_stored(self, call: Callable[[], Awaitable[T]]) -> T:
         """``await call()`` until the store answers (Redis down is waited out, never an error)."""

@@ -4,14 +4,20 @@ dead-lettered with the reason, counted, and the reader moves on (real broker, re
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
+import pytest
+import redis
 from serving_helpers import dead_letters, dense_delta, publish, sparse_delta
 
+from driftline.embedded import redis_binary, wait_for_port
 from proto import Action, ParameterDelta
 from proto.parameter_delta_pb2 import DenseParameters, Tensor
 from services.kafka import create_topics, producer, start_client
+from services.ports import free_port
 from services.settings import Settings
 from serving.deltas import DeltaFeed
 from serving.feature_store import FeatureStore
@@ -109,3 +115,57 @@ async def test_a_click_redis_refuses_is_dead_lettered(serving_settings: Settings
         await store.close()
     [letter] = await dead_letters(settings, 1)
     assert letter.key == b"poison" and "WRONGTYPE" in letter.reason and letter.reason.startswith("failed:")
+
+
+@pytest.mark.parametrize("fault", ["full", "read-only"])
+async def test_clicks_a_full_or_read_only_redis_refuses_wait_for_it_and_are_not_dead_lettered(
+        serving_settings: Settings, tmp_path: Path, fault: str) -> None:
+    """Redis at its ``maxmemory`` with ``noeviction`` (OOM), or turned into a replica (READONLY),
+    refuses every write: the store's state, not the click's. The reader waits and records them once
+    Redis takes writes again; none is dead-lettered."""
+    settings = serving_settings
+    settings.kafka.session_timeout_ms = 6_000
+    settings.kafka.heartbeat_interval_ms = 1_000
+    port = free_port()
+    server = subprocess.Popen([str(redis_binary()), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--dir", str(tmp_path), "--maxmemory", "4mb",
+                               "--maxmemory-policy", "noeviction"], stdout=subprocess.DEVNULL)
+    wait_for_port("127.0.0.1", port, 20, "redis", server)
+    store = FeatureStore(f"redis://127.0.0.1:{port}/0", "p")
+    reader = RecentClicks(settings, store, ("click",), group_id=f"g{time.time_ns()}", retry_s=0.2)
+    try:
+        if fault == "full":
+            for size in (10_000, 10):  # (until Redis refuses even a small write: OOM command not allowed)
+                for i in range(100_000):
+                    try:
+                        await store.redis.set(f"filler:{size}:{i}", "x" * size)
+                    except redis.exceptions.OutOfMemoryError:
+                        break
+                else:
+                    raise AssertionError("Redis never filled up")
+        else:
+            await store.redis.replicaof("127.0.0.1", free_port())  # (a master that is not there)
+        await create_topics(settings, {settings.topics.actions: 1})
+        now = int(time.time() * 1000)
+        await _produce(settings, [Action(request_id=f"r{i}", item_id=i, action_type="click", user_id=7,
+                                         event_time_ms=now) for i in range(1, 4)])
+        reader.from_beginning = True
+        reader.start()
+        await asyncio.sleep(4)
+        assert reader.recorded == 0 and reader.failed == 0
+        if fault == "full":
+            await store.redis.flushdb()  # (deletes are allowed at maxmemory)
+        else:
+            await store.redis.replicaof("NO", "ONE")
+        deadline = time.monotonic() + 30
+        while reader.recorded < 3:
+            assert time.monotonic() < deadline, reader.recorded
+            await asyncio.sleep(0.1)
+        assert [int(x) for x in await store.redis.lrange(store.clicks_key(7), 0, -1)] == [3, 2, 1]
+        assert reader.failed == 0
+    finally:
+        await reader.stop()
+        await store.close()
+        server.kill()
+        server.wait()
+    assert await dead_letters(settings, 1, timeout=2) == []

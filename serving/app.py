@@ -11,7 +11,8 @@ answer scored on default features would be a wrong one. A request with ``allow_d
 gets that answer instead, with the ``X-Driftline-Degraded: feature-store`` header, and its feature
 log is not written (those features are not what the user saw: not training data). A store that
 lost its loaded features (:mod:`serving.store_watch`) answers 200 marked
-``X-Driftline-Degraded: feature-store-emptied``, its feature logs withheld the same way. Bad input is a 422 with the offending field;
+``X-Driftline-Degraded: feature-store-emptied`` (``feature-store-evicted``: Redis evicted keys since
+the load), its feature logs withheld the same way. Bad input is a 422 with the offending field;
 an event time outside ``[now - event_time.max_past_s, now + event_time.max_future_s]`` is bad input.
 When ``serving.api_keys`` (or ``serving.api_keys_file``) is set, ``/rank`` and ``/actions`` ask
 for a key (:mod:`serving.auth`: 401 without one, 403 with a wrong one); ``/healthz`` and

@@ -35,6 +35,7 @@ b'user_id=7;genres=1,2'
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from redis.exceptions import (
     BusyLoadingError,
     ClusterDownError,
     MasterDownError,
+    NoPermissionError,
     OutOfMemoryError,
     ReadOnlyError,
     RedisClusterException,
@@ -63,6 +65,59 @@ Slots = dict[str, list[int]]
 
 #: the marker every load writes (``P:meta:features-loaded``; :mod:`serving.store_watch` reads it)
 LOADED_MARKER = "features-loaded"
+
+
+@dataclass(frozen=True)
+class Evictions:
+    """What Redis says of evicting keys (``INFO``): its policy, its memory bound, the keys it
+    evicted since it started, and which start that is (``run_id``; a Cluster: every master's).
+
+    >>> Evictions("allkeys-lru", 1 << 30, 5, "r1").may_evict_features
+    True
+    >>> Evictions("volatile-lru", 1 << 30, 5, "r1").may_evict_features  # (features have no TTL)
+    False
+    >>> Evictions.since("12 keys at 99; evicted 3 on r1", Evictions("allkeys-lru", 1, 5, "r1"))
+    2
+    >>> Evictions.since("12 keys at 99; evicted 3 on r0", Evictions("allkeys-lru", 1, 5, "r1"))  # (restarted)
+    5
+    >>> Evictions.since("12 keys at 99", Evictions("allkeys-lru", 1, 5, "r1")) is None
+    True
+    """
+
+    policy: str
+    maxmemory: int
+    evicted: int
+    run_id: str
+
+    @property
+    def may_evict_features(self) -> bool:
+        """Whether Redis may evict any key, features included (``allkeys-*`` with a memory bound;
+        ``volatile-*`` evicts only keys with a TTL, which features have not)."""
+        return self.maxmemory > 0 and self.policy.startswith("allkeys-")
+
+    def stamp(self) -> str:
+        """What a load's marker records of them (:meth:`since` reads it back)."""
+        return f"evicted {self.evicted} on {self.run_id}"
+
+    @staticmethod
+    def since(marker: str, now: Evictions) -> int | None:
+        """Keys evicted since the load that wrote ``marker`` (None: the marker does not say)."""
+        m = _STAMPED.search(marker)
+        if m is None:
+            return None
+        return now.evicted - (int(m.group(1)) if m.group(2) == now.run_id else 0)
+
+    @classmethod
+    def of(cls, infos: Sequence[Mapping[str, Any]]) -> Evictions:
+        """From the ``INFO`` of each master."""
+        evicting = [i for i in infos if str(i.get("maxmemory_policy", "")).startswith("allkeys-")]
+        return cls(str((evicting or infos)[0].get("maxmemory_policy", "noeviction")),
+                   max(int(i.get("maxmemory", 0)) for i in (evicting or infos)),
+                   sum(int(i.get("evicted_keys", 0)) for i in infos),
+                   ",".join(sorted(str(i.get("run_id", "?")) for i in infos)))
+
+
+_STAMPED = re.compile(r"; evicted (\d+) on (\S+)$")
 
 
 def marker_key(prefix: str, name: str) -> str:
@@ -325,11 +380,28 @@ class FeatureStore:
             await self._refresh()
             raise self.error("update", err) from err
 
+    async def evictions(self) -> Evictions | None:
+        """What Redis says of evicting keys (None: its ACL denies this login ``INFO``). Raises
+        :class:`FeatureStoreError` when Redis cannot be reached."""
+        try:
+            if self.cluster:
+                by_node = await self.redis.info(target_nodes=RedisCluster.PRIMARIES)
+                infos = list(by_node.values()) if "run_id" not in by_node else [by_node]
+            else:
+                infos = [await self.redis.info()]
+        except NoPermissionError:
+            return None
+        except Exception as err:
+            await self._refresh()
+            raise self.error("read", err) from err
+        return Evictions.of(infos)
+
     async def put(self, users: Mapping[int, Slots], items: Mapping[int, Slots], batch: int = 10_000, *,
                   users_dense: Mapping[int, Mapping[str, float]] | None = None,
                   items_dense: Mapping[int, Mapping[str, float]] | None = None) -> int:
         """Write user and item features (pipelined MSETs of ``batch`` keys), then the load marker
-        (:data:`LOADED_MARKER`: the number of keys and the time); return keys written. ``*_dense``:
+        (:data:`LOADED_MARKER`: the number of keys, the time, and Redis's evictions before the load:
+        :class:`Evictions`); return keys written. ``*_dense``:
         the dense values of some of the same keys. In a cluster, one SET per key in one pipeline
         (redis-py's splits it by node). Raises :class:`FeatureStoreError` when Redis cannot take
         them (unreachable, refused the login)."""
@@ -343,7 +415,12 @@ class FeatureStore:
         else:
             for start in range(0, len(pairs), batch):
                 pipe.mset(dict(pairs[start:start + batch]))
-        pipe.set(self.marker_key(LOADED_MARKER), f"{len(pairs)} keys at {int(time.time() * 1000)}")
+        try:
+            before = await self.evictions()  # (keys the load itself evicts count as evicted since it)
+        except FeatureStoreError as err:
+            raise self.error("load", err.__cause__ or err) from err.__cause__
+        stamp = f"; {before.stamp()}" if before is not None else ""
+        pipe.set(self.marker_key(LOADED_MARKER), f"{len(pairs)} keys at {int(time.time() * 1000)}{stamp}")
         try:
             await pipe.execute()
         except (RedisError, RedisClusterException, OSError) as err:

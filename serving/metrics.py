@@ -160,6 +160,12 @@ FEATURES_LOADED = Gauge(
     "1 while a watching load command reads the features' load marker in the store, 0 while it is gone.",
     multiprocess_mode="livemax",
 )
+FEATURE_STORE_EVICTED = Gauge(
+    "driftline_serving_feature_store_evicted",
+    "1 while Redis has evicted keys since the features were loaded (maxmemory with an allkeys-* policy: "
+    "serving.store_watch); /rank answers are then marked degraded.",
+    multiprocess_mode="livemax",
+)
 SCORE_ONLY = Counter(
     "driftline_serving_score_only_total",
     "/rank answers asked for with \"log\": false: scored, no feature log written.",
@@ -167,7 +173,8 @@ SCORE_ONLY = Counter(
 FEATURE_LOGS_WITHHELD = Counter(
     "driftline_serving_feature_logs_withheld_total",
     "/rank answers whose feature log was not written because their features were defaults, by reason "
-    "(feature-store: unreachable and the request allowed defaults; feature-store-emptied).", ["reason"],
+    "(feature-store: unreachable and the request allowed defaults; feature-store-emptied; "
+    "feature-store-evicted).", ["reason"],
 )
 UNKNOWN_USERS = Counter(
     "driftline_serving_unknown_users_total", "/rank requests for users absent from the feature store."

@@ -153,6 +153,8 @@ class Readiness(BaseModel):
     feature_store: bool = Field(description="The feature store answers and holds its loaded features.")
     feature_store_emptied: bool = Field(description="The store lost the features loaded into it (Redis "
                                                     "restarted empty or was flushed): answers are marked degraded.")
+    feature_store_evicted: bool = Field(description="Redis evicted keys since the features were loaded (maxmemory "
+                                                    "with an allkeys-* policy): answers are marked degraded.")
     model_version: ModelVersionOut
     deltas_behind_s: float = Field(description="Seconds deltas published on param-deltas have waited unapplied "
                                                "(a worker of a serving PS: or the PS's silence); past "

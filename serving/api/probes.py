@@ -33,8 +33,9 @@ async def readyz(s: Serving = Depends(serving_of)) -> JSONResponse:
     body = Readiness(
         ready=s.deltas.loaded and behind_s <= s.options.ready_max_behind_s and not s.feature_log.disk_full(),
         model_loaded=s.deltas.loaded,
-        deltas_behind_s=round(behind_s, 3), feature_store=store_ok and not s.store_watch.emptied,
-        feature_store_emptied=s.store_watch.emptied,
+        deltas_behind_s=round(behind_s, 3),
+        feature_store=store_ok and not s.store_watch.emptied and not s.store_watch.evicted,
+        feature_store_emptied=s.store_watch.emptied, feature_store_evicted=s.store_watch.evicted,
         model_version=s.version(),
         sparse_staleness_s=s.model.sparse.staleness_s(), dense_staleness_s=s.model.dense.staleness_s(),
         feature_log_connected=s.feature_log.connected, feature_log_buffered=s.feature_log.buffered,

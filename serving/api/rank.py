@@ -44,7 +44,8 @@ async def rank(body: RankRequest, s: Serving = Depends(serving_of)) -> Response:
     if not s.deltas.loaded:
         raise HTTPException(503, "no model loaded yet: waiting for a snapshot or the delta topic")
     request_id = body.request_id or uuid.uuid4().hex
-    degraded = "feature-store-emptied" if s.store_watch.emptied else None
+    degraded = "feature-store-emptied" if s.store_watch.emptied else \
+        "feature-store-evicted" if s.store_watch.evicted else None
     item_ids = [c.item_id for c in cands]
     try:
         feats = await s.store.fetch(body.user_id, item_ids)

@@ -286,6 +286,19 @@ def test_a_score_only_request_writes_no_feature_log_and_moves_no_clock(filled_st
     assert logs["curl"].event_time_ms == year_2000  # the probe's wall-clock time moved nothing
 
 
+def _ranked(base: str, request_id: str) -> httpx.Response:
+    r = httpx.post(f"{base}/rank", json=rank_body(request_id=request_id), timeout=10)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _until(check, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
 def test_an_emptied_feature_store_marks_answers_and_withholds_their_feature_logs(
         serving_settings: Settings, filled_store: Settings) -> None:
     """The store loses its loaded features (what a Redis restart without persistence does): answers
@@ -300,26 +313,15 @@ def test_an_emptied_feature_store_marks_answers_and_withholds_their_feature_logs
     prefix = fast.serving.redis_prefix
     client = redis.Redis.from_url(fast.redis)
 
-    def ranked(request_id: str) -> httpx.Response:
-        r = httpx.post(f"{base}/rank", json=rank_body(request_id=request_id), timeout=10)
-        assert r.status_code == 200, r.text
-        return r
-
-    def until(check, what: str) -> None:
-        deadline = time.monotonic() + 10
-        while not check():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.05)
-
     with running(create_app(fast)) as base:
         wait_ready(base)
-        r = ranked("whole")
+        r = _ranked(base, "whole")
         assert r.json()["user_known"] and "X-Driftline-Degraded" not in r.headers
         client.delete(*client.keys(f"{prefix}:*"))  # the restart without persistence
-        until(lambda: httpx.get(f"{base}/readyz").json()["feature_store_emptied"], "emptied not seen")
+        _until(lambda: httpx.get(f"{base}/readyz").json()["feature_store_emptied"], "emptied not seen")
         ready = httpx.get(f"{base}/readyz").json()
         assert ready["feature_store"] is False and ready["ready"] is True
-        r = ranked("emptied")
+        r = _ranked(base, "emptied")
         assert r.headers["X-Driftline-Degraded"] == "feature-store-emptied" and not r.json()["user_known"]
         metrics_text = httpx.get(f"{base}/metrics").text
         assert "driftline_serving_feature_store_emptied 1.0" in metrics_text
@@ -327,7 +329,7 @@ def test_an_emptied_feature_store_marks_answers_and_withholds_their_feature_logs
 
     with running(create_app(fast)) as base:  # a restart while the store is still empty
         wait_ready(base)
-        assert ranked("emptied-after-restart").headers["X-Driftline-Degraded"] == "feature-store-emptied"
+        assert _ranked(base, "emptied-after-restart").headers["X-Driftline-Degraded"] == "feature-store-emptied"
 
         async def reload() -> None:
             store = FeatureStore(fast.redis, prefix)
@@ -335,8 +337,68 @@ def test_an_emptied_feature_store_marks_answers_and_withholds_their_feature_logs
             await store.close()
 
         asyncio.run(reload())
-        until(lambda: not httpx.get(f"{base}/readyz").json()["feature_store_emptied"], "reload not seen")
-        r = ranked("reloaded")
+        _until(lambda: not httpx.get(f"{base}/readyz").json()["feature_store_emptied"], "reload not seen")
+        r = _ranked(base, "reloaded")
         assert r.json()["user_known"] and "X-Driftline-Degraded" not in r.headers
+    logs = asyncio.run(read_feature_logs(serving_settings, 3, timeout=10))
+    assert sorted(fl.request_id for fl in logs) == ["reloaded", "whole"]
+
+
+def test_a_redis_that_evicts_keys_marks_answers_and_withholds_their_feature_logs(
+        serving_settings: Settings, options: Settings, tmp_path) -> None:
+    """Redis as a cache (``maxmemory`` with ``allkeys-lru``) evicts keys once it is full: any user or
+    item may then have lost its features without a word. Once Redis evicted keys since the load,
+    answers are marked, /readyz says so and their feature logs are withheld; a load after the fix
+    (no memory bound) ends it."""
+    import subprocess
+
+    import redis
+    from serving_helpers import ITEMS, USERS
+
+    from driftline.embedded import redis_binary, wait_for_port
+    from services.ports import free_port
+    from serving.feature_store import FeatureStore
+
+    port = free_port()
+    server = subprocess.Popen([str(redis_binary()), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--dir", str(tmp_path), "--maxmemory", "8mb",
+                               "--maxmemory-policy", "allkeys-lru"], stdout=subprocess.DEVNULL)
+    wait_for_port("127.0.0.1", port, 20, "redis", server)
+    fast = options.model_copy(update={"redis_url": f"redis://127.0.0.1:{port}/0"}).updated(
+        serving=dict(feature_store_check_s=0.1))
+    client = redis.Redis(port=port)
+
+    async def load() -> None:
+        store = FeatureStore(fast.redis, fast.serving.redis_prefix)
+        await store.put(USERS, ITEMS)
+        await store.close()
+
+    try:
+        asyncio.run(load())
+        with running(create_app(fast)) as base:
+            wait_ready(base)
+            r = _ranked(base, "whole")
+            assert r.json()["user_known"] and "X-Driftline-Degraded" not in r.headers
+            assert httpx.get(f"{base}/readyz").json()["feature_store_evicted"] is False
+            i = 0
+            while client.info("stats")["evicted_keys"] == 0:  # (another writer fills it up)
+                client.set(f"cache:{i}", "x" * 10_000)
+                i += 1
+            _until(lambda: httpx.get(f"{base}/readyz").json()["feature_store_evicted"], "evictions not seen")
+            ready = httpx.get(f"{base}/readyz").json()
+            assert ready["feature_store"] is False and ready["feature_store_emptied"] is False
+            assert _ranked(base, "evicted").headers["X-Driftline-Degraded"] == "feature-store-evicted"
+            metrics_text = httpx.get(f"{base}/metrics").text
+            assert "driftline_serving_feature_store_evicted 1.0" in metrics_text
+            assert 'driftline_serving_feature_logs_withheld_total{reason="feature-store-evicted"} 1.0' in metrics_text
+
+            client.config_set("maxmemory", 0)  # the fix, then the load again
+            asyncio.run(load())
+            _until(lambda: not httpx.get(f"{base}/readyz").json()["feature_store_evicted"], "reload not seen")
+            r = _ranked(base, "reloaded")
+            assert r.json()["user_known"] and "X-Driftline-Degraded" not in r.headers
+    finally:
+        server.kill()
+        server.wait()
     logs = asyncio.run(read_feature_logs(serving_settings, 3, timeout=10))
     assert sorted(fl.request_id for fl in logs) == ["reloaded", "whole"]

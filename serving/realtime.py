@@ -125,12 +125,16 @@ class RecentClicks(BackgroundLoop):
         clicks = [(r.value.user_id, r.value.item_id) for r in owners]
         try:
             refused = await self._with_retry(clicks)
+        except MemoryError:
+            raise  # the process's, not the clicks': the loop reconnects and reads them again
         except Exception as err:  # noqa: BLE001 - retried click by click below
             log.warning("recent clicks: a batch failed (%r); recording its clicks one by one", err)
             refused = []
             for i, click in enumerate(clicks):
                 try:
                     refused += [(i, e) for _, e in await self._with_retry([click])]
+                except MemoryError:
+                    raise
                 except Exception as one:  # noqa: BLE001 - this click is dead-lettered with its error
                     refused.append((i, one))
         letters = []

@@ -64,6 +64,7 @@ from . import metrics as M
 from .batch import SparseBatch
 from .config import ModelConfig
 from .dedup import DedupWindow, duplicates
+from .isolate import out_of_memory
 
 __all__ = ["KINDS", "Decoded", "Ingest", "Prepared", "detail", "positions", "refusals", "take"]
 
@@ -186,7 +187,11 @@ class Ingest:
     async def decode_records(self, recs, out: Decoded) -> None:
         """Decode records into ``out``; a record that does not decode is dead-lettered whole with its
         reason (``undecodable``/``invalid``, or ``failed`` when decoding raised something else: a
-        bug must not stop the trainer)."""
+        bug must not stop the trainer). Out of memory is the record's only when others decoded
+        (:func:`trainer.isolate.out_of_memory`, the step's rule): when every record of the poll
+        ran out of memory, the process is starved and the error is raised (nothing committed: the
+        restart reads them again)."""
+        starved: list[tuple[object, bytes, BaseException]] = []
         for rec, raw in zip(recs, map(_RAW, recs)):
             try:
                 c = self.decode(raw)
@@ -194,12 +199,19 @@ class Ingest:
                 out.letters.append(await self.dead_letter(rec, raw, MalformedMessage(err.kind, err.detail)))
                 continue
             except Exception as err:  # noqa: BLE001 - a record this path fails on must not stop the trainer
-                out.letters.append(await self.dead_letter(rec, raw, processing_failed(err)))
+                if out_of_memory(err):
+                    starved.append((rec, raw, err))
+                else:
+                    out.letters.append(await self.dead_letter(rec, raw, processing_failed(err)))
                 continue
             if c.size:
                 out.parts.append(c)
                 out.records.append(rec)
                 out.examples += c.size
+        if starved and len(starved) == len(recs):
+            raise starved[0][2]
+        for rec, raw, err in starved:
+            out.letters.append(await self.dead_letter(rec, raw, processing_failed(err)))
 
     async def prepare(self, recs, polled_at_ms: int | None = None, decoded: Decoded | None = None,
                       inflight: Sequence[np.ndarray] = ()) -> Prepared:

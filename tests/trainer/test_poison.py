@@ -135,3 +135,28 @@ async def test_the_publisher_refuses_non_finite_parameters(tmp_path) -> None:
     await publisher.sync_dense(head, 0, {"global": 1.0, "slices": {}})
     assert publisher.dense_version == 0
     assert M.NON_FINITE_DELTAS.labels("m", "dense")._value.get() == before + 1
+
+
+async def test_a_trainer_out_of_memory_in_decoding_stops_and_its_restart_learns_everything(settings):
+    """Every record of a poll running out of memory while decoding is the process starved, not
+    the records: the trainer stops (nothing dead-lettered, nothing committed) and its restart
+    learns them all. (One record alone out of memory, among others that decode, is dead-lettered:
+    the step's rule, trainer.isolate.)"""
+    cfg = dense_cfg()
+    examples = MovieLensData(limit=600).examples()
+    for e in examples:
+        e.features.dense["x"] = 0.0
+    await produce_examples(settings, examples)
+    s = settings.updated(trainer=dict(sync_interval_s=0.5, snapshot_interval_event_s=3600, batch_size=256))
+    starved = OnlineTrainer(s, cfg)
+
+    def no_memory(raw):
+        raise MemoryError("starved")
+
+    starved.ingest.decode = no_memory
+    with pytest.raises(MemoryError):
+        await asyncio.wait_for(starved.run(stop_when_idle_s=2.0), 120)
+    assert starved.ingest.bad == 0
+    res = await asyncio.wait_for(OnlineTrainer(s, cfg).run(stop_when_idle_s=2.0), 120)
+    assert res["examples_applied"] == 600 and res["bad"] == 0, res
+    assert await read_topic(settings, settings.topics.dead_letters, timeout_s=1.0) == []

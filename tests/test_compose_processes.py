@@ -44,7 +44,7 @@ FAILURE_COUNTERS = {
     "driftline_joiner_input_gaps_total", "driftline_joiner_input_offsets_unread_total",
     "driftline_trainer_bad_examples_total", "driftline_trainer_duplicate_examples_total", "driftline_dead_letters_total",
     "driftline_serving_feature_log_refused_total", "driftline_serving_feature_store_errors_total",
-    "driftline_serving_deltas_skipped_total",
+    "driftline_serving_deltas_skipped_total", "driftline_serving_feature_loads_total",
 }
 # ... and of features the demo leaves off: the device cache (trainer.cache_rows), the N-rank mode
 # switches (trainer.nproc > 1, dist_mode auto) and model.meta's tasks. Each must still be declared.

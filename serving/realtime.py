@@ -34,7 +34,8 @@ from services.settings import Settings
 from serving import metrics
 from serving.background import BackgroundLoop, raise_if_cancelled
 from serving.broker_epoch import SharedEpoch
-from serving.feature_store import FeatureStore, FeatureStoreError, refuses_all_writes
+from serving.feature_store import FeatureStore, FeatureStoreError
+from serving.redis_state import refuses_all_writes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -62,7 +62,8 @@ from pathlib import Path
 
 from serving import metrics
 from serving.background import BackgroundLoop
-from serving.feature_store import LOADED_MARKER, Evictions, FeatureStore, FeatureStoreError
+from serving.feature_store import LOADED_MARKER, FeatureStore, FeatureStoreError
+from serving.redis_state import Evictions
 
 log = logging.getLogger(__name__)
 

@@ -55,7 +55,7 @@ $(BENCHES): bench-%: $(DEV_STAMP)
 chaos: $(DEV_STAMP)
 	$(BIN)/python bench/chaos.py
 
-## the faults chaos does not rehearse (disk full, Redis kill -9, a NaN delta, 500 concurrent /rank,
+## the faults chaos does not rehearse (disk full, Redis kill -9, Redis as a full or evicting cache, a NaN delta, 500 concurrent /rank,
 ## another client's partitioner, wall-clock requests, a hung trainer, damaged stores): one JSON line (QUICK=1: < 6 min).
 chaos-faults: $(DEV_STAMP)
 	$(BIN)/python bench/chaos_faults.py

@@ -15,13 +15,20 @@ replay runs:
 4. **kill -9 of Redis**; ``features_restored_after_redis_restart``: the restarted one holds the
    loaded features (its key count within 1% of before, a known user present) and ``/rank`` knows
    the users again, without the degraded header;
-5. **SIGSTOP of the trainer** past the liveness bound; ``hung_service_restarted``: the supervisor
+5. **Redis as a cache**: a memory bound just above what it holds, ``allkeys-lru``, another writer
+   filling it until it evicts; ``unmarked_answers_while_evicting`` counts ``/rank`` answers for
+   unknown users without the degraded header (every ml-1m user is loaded); then ``noeviction``,
+   full: ``clicks_dead_lettered_while_full`` counts the clicks dead-lettered while Redis refuses
+   every write (they wait); then the fix (no bound, the load's marker deleted):
+   ``redis_cache_fixed_and_reloaded``: the recent-clicks reader waited, and the feature keeper
+   loaded the features again (``/rank`` whole);
+6. **SIGSTOP of the trainer** past the liveness bound; ``hung_service_restarted``: the supervisor
    killed and restarted it (``hung`` in supervisor.json) and the new one trains;
-6. **disk full**: the var dir's tmpfs filled to below the pause threshold for 30 s, then freed;
+7. **disk full**: the var dir's tmpfs filled to below the pause threshold for 30 s, then freed;
    ``stack_survived_disk_full``: ``up`` still runs, nothing crash-looped, and afterwards the joiner,
    the dumper and the trainer make progress again by themselves (serving answers ``/rank`` 503
    while its spool's disk is full: ``rank_codes_while_full``, ``disk_paused_while_full``);
-7. **damaged stores**: ``CURRENT`` garbled (RocksDB cannot open them) in the joiner's partition
+8. **damaged stores**: ``CURRENT`` garbled (RocksDB cannot open them) in the joiner's partition
    stores, the dumper's store and serving's feature-log spools, and bytes garbled early in Redis's
    append-only file (inside the features load), then kill -9 of the four; ``stores_rebuilt_after_damage``: each
    restart set its store aside and went on by itself (the joiner's partitions rebuilt from the
@@ -29,7 +36,7 @@ replay runs:
    and the features loaded again by the feature keeper if that lost them: ``/rank`` knows
    users, unmarked), nothing crash-looped, and new traffic reaches Parquet with no example
    written twice;
-8. once the replay is done (its event time, hours per wall second, would close a click's window
+9. once the replay is done (its event time, hours per wall second, would close a click's window
    before it arrives), **another Kafka client's partitioner**: impressions through ``/rank``, their
    clicks produced straight to ``actions`` on the partition librdkafka's default partitioner
    (``consistent_random``: CRC32 of the key) picks, as confluent-kafka would;
@@ -246,6 +253,66 @@ def redis_restart(stack: LoopStack, killed: set[int]) -> dict:
             "redis_503s_after_restart": sum(1 for a in answers if a[0] == 503)}
 
 
+def redis_as_a_cache(stack: LoopStack) -> dict:
+    """Redis given a memory bound just above what it holds, as an operator sets up a cache: first
+    ``allkeys-lru`` while another writer fills it (it evicts), then ``noeviction`` (full: every
+    write refused), then the fix (no bound, the fillers gone, the load's marker deleted so the
+    feature keeper loads the features again)."""
+    import redis
+
+    from serving.feature_store import LOADED_MARKER, marker_key
+
+    client = redis.Redis(host="127.0.0.1", port=stack.redis_port, socket_timeout=5)
+    policy = client.config_get("maxmemory-policy")["maxmemory-policy"]
+    client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + (4 << 20))
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    evicted, i = int(client.info("stats")["evicted_keys"]), 0
+    while int(client.info("stats")["evicted_keys"]) == evicted:  # (another writer fills it up)
+        client.set(f"chaos:cache:{i}", "x" * 10_000)
+        i += 1
+
+    def marked(answer: tuple[int, dict, dict]) -> bool:
+        return any(k.lower() == "x-driftline-degraded" and v.startswith("feature-store-") for k, v in answer[1].items())
+
+    _wait(stack, "answers marked once Redis evicted", lambda: marked(
+        _post(stack, "/rank", {"user_id": 1, "candidates": [{"item_id": 1}]})), 30)
+    answers = [_post(stack, "/rank", {"user_id": 1 + u, "candidates": [{"item_id": 1}, {"item_id": 2}]})
+               for u in range(20)]
+    unmarked = sum(1 for a in answers if a[0] == 200 and not a[2].get("user_known") and not marked(a))
+    letters = _metric_sum(stack, "serving", "driftline_dead_letters_total")
+    refusals = _metric(stack, "serving", "driftline_serving_realtime_store_refusals_total")
+    client.config_set("maxmemory-policy", "noeviction")
+    while True:  # (full: until Redis refuses a write)
+        try:
+            client.set(f"chaos:cache:{i}", "x" * 10_000)
+            i += 1
+        except redis.exceptions.OutOfMemoryError:
+            break
+    for u in range(10):  # clicks the recent-clicks reader cannot record while Redis is full
+        _post(stack, "/actions", {"actions": [{"request_id": f"full-{u}", "item_id": 1, "action_type": "click",
+                                               "user_id": 1 + u}]})
+    waited = _wait(stack, "the recent-clicks reader waits for Redis", lambda: _metric(
+        stack, "serving", "driftline_serving_realtime_store_refusals_total") > refusals, 60)
+    lettered = _metric_sum(stack, "serving", "driftline_dead_letters_total") - letters
+    client.config_set("maxmemory", 0)  # the fix: no bound, the cache's keys gone, the features loaded again
+    client.config_set("maxmemory-policy", policy)
+    for keys in iter(lambda: client.keys("chaos:cache:*")[:10_000], []):
+        client.delete(*keys)
+    client.delete(marker_key(stack.settings().serving.redis_prefix, LOADED_MARKER))
+
+    def whole() -> bool:
+        code, headers, body = _post(stack, "/rank", {"user_id": 7, "candidates": [{"item_id": 1}]})
+        return code == 200 and bool(body.get("user_known")) and "x-driftline-degraded" not in {k.lower() for k in headers}
+
+    back = _wait(stack, "the features loaded again after the fix", whole, 120)
+    log(f"redis as a cache: {i} filler keys; {sum(marked(a) for a in answers)}/20 answers marked while it "
+        f"evicted, {unmarked} unknown users unmarked; full: the clicks' reader waited {waited}, {lettered:.0f} "
+        f"dead letters; features whole after the fix {back}")
+    return {"unmarked_answers_while_evicting": unmarked, "clicks_dead_lettered_while_full": int(lettered),
+            "redis_cache_fixed_and_reloaded": bool(waited and back),
+            "answers_marked_while_evicting": sum(marked(a) for a in answers)}
+
+
 def hung_trainer(stack: LoopStack) -> dict:
     pid = _supervisor_state(stack).get("trainer", {}).get("pid")
     trained = _metric_sum(stack, "trainer", "driftline_trainer_examples_total")
@@ -405,6 +472,7 @@ def run(work: Path, quick: bool) -> dict:
         result.update(nan_dense_delta(stack))
         result.update(overload(stack))
         result.update(redis_restart(stack, killed))
+        result.update(redis_as_a_cache(stack))
         result.update(hung_trainer(stack))
         result.update(disk_full(stack, mount, 10.0 if quick else 30.0))
         result.update(damaged_stores(stack, killed))
@@ -426,7 +494,8 @@ def run(work: Path, quick: bool) -> dict:
     result.update(stop_exit_code=code, seconds=round(time.monotonic() - started, 1), quick=quick)
     keys = ("stack_survived_disk_full", "features_restored_after_redis_restart", "unmarked_degraded_answers",
             "nan_scores_served", "orphaned_by_partitioner", "watermark_moved_by_wall_clock", "hung_service_restarted",
-            "stores_rebuilt_after_damage")
+            "stores_rebuilt_after_damage", "unmarked_answers_while_evicting", "clicks_dead_lettered_while_full",
+            "redis_cache_fixed_and_reloaded")
     return {k: result.get(k) for k in keys} | {k: v for k, v in result.items() if k not in keys}
 
 

@@ -357,7 +357,7 @@ def test_a_redis_that_evicts_keys_marks_answers_and_withholds_their_feature_logs
 
     from driftline.embedded import redis_binary, wait_for_port
     from services.ports import free_port
-    from serving.feature_store import FeatureStore
+    from serving.feature_store import LOADED_MARKER, FeatureStore, marker_key
 
     port = free_port()
     server = subprocess.Popen([str(redis_binary()), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
@@ -380,9 +380,11 @@ def test_a_redis_that_evicts_keys_marks_answers_and_withholds_their_feature_logs
             r = _ranked(base, "whole")
             assert r.json()["user_known"] and "X-Driftline-Degraded" not in r.headers
             assert httpx.get(f"{base}/readyz").json()["feature_store_evicted"] is False
+            loaded = marker_key(fast.serving.redis_prefix, LOADED_MARKER)
             i = 0
             while client.info("stats")["evicted_keys"] == 0:  # (another writer fills it up)
                 client.set(f"cache:{i}", "x" * 10_000)
+                client.get(loaded)  # (kept recently used: LRU evicts the features, not the marker)
                 i += 1
             _until(lambda: httpx.get(f"{base}/readyz").json()["feature_store_evicted"], "evictions not seen")
             ready = httpx.get(f"{base}/readyz").json()

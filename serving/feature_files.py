@@ -26,7 +26,9 @@ declaration disagree). Column names must be slot names (letters, digits, ``_.-``
 written as :mod:`serving.feature_store` lays them out (``<prefix>:u:<user_id>`` and
 ``<prefix>:i:<item_id>``, each ``slot=id,id;slot=id;name:value``), replacing what a key held.
 
->>> import pyarrow as pa
+>>> from typing import TYPE_CHECKING
+
+import pyarrow as pa
 >>> t = pa.table({"id": [1, 2], "genre": ["a|b", None], "year": [1990, 2001]})
 >>> rows = table_slots(t, "id", separator="|")
 >>> rows[2]
@@ -53,6 +55,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -62,6 +65,9 @@ from services.hashing import string_id, string_ids, string_key
 from services.redis_client import redacted, without_password
 from serving.feature_keeper import Load
 from serving.feature_store import FeatureStore, FeatureStoreError
+
+if TYPE_CHECKING:
+    from services.settings import Settings
 
 Slots = dict[str, list[int]]
 _SLOT = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -295,14 +301,12 @@ def _load(args: argparse.Namespace, skipped: dict[str, dict[str, str]]) -> tuple
         user_dense=args.dense.get("user", ()), item_dense=args.dense.get("item", ()), skipped=skipped)
 
 
-def _watch(args: argparse.Namespace, load: Load) -> int:
+def _watch(args: argparse.Namespace, load: Load, settings: Settings) -> int:
     """``--watch``: keep the store loaded until stopped (:mod:`serving.feature_keeper`)."""
     from services.log import setup_logging
     from services.metrics import serve_metrics
-    from services.settings import get_settings
     from serving.feature_keeper import FeatureKeeper
 
-    settings = get_settings()
     setup_logging("feature-keeper", settings.log_level)
     if settings.metrics_port:
         serve_metrics(settings.metrics_port)
@@ -365,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, dict[str, str]] = {}
     source, load = _load(args, skipped)
     if args.watch:
-        return _watch(args, load)
+        return _watch(args, load, settings)
     try:
         n, seconds = asyncio.run(load())
     except FeatureFileError as err:

@@ -133,10 +133,12 @@ class StoreWatchLoop(BackgroundLoop):
             marker = await self.store.get_marker(LOADED_MARKER)
         except FeatureStoreError:
             return
-        try:
-            evictions = await self.store.evictions()
-        except FeatureStoreError:  # (a Cluster's master down: its marker may still be read)
-            evictions = None
+        evictions = None  # (no load's marker: nothing evictions could take from it, no INFO read)
+        if marker is not None:
+            try:
+                evictions = await self.store.evictions()
+            except FeatureStoreError:  # (a Cluster's master down: its marker may still be read)
+                pass
         if evictions is not None and evictions.may_evict_features and not self._warned:
             self._warned = True
             log.warning("Redis may evict any key, features included (maxmemory-policy %s, maxmemory %d): set "

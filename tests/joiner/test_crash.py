@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from joiner import dumper
 from proto import Example
 from services import example_batch, tansu_quirks
 from services.kafka import create_topics
+from services.ports import free_port
 from services.settings import Settings
 from tests.joiner.helpers import as_map, join_config, produce, read_examples, ref_as_map
 from tests.joiner.reference import offline_join
@@ -61,6 +63,22 @@ def _joiner(env: dict[str, str], log: Path, *args: str, module: str = "joiner") 
 
 def _dumper(env: dict[str, str], log: Path, *args: str) -> subprocess.Popen:
     return _joiner(env, log, *args, module="joiner.dumper")
+
+
+def _until_consumed(proc: subprocess.Popen, port: int, topic: str, n: int, log: Path) -> None:
+    """Wait until the dumper's /metrics says it read ``n`` records of ``topic`` (its signal handlers
+    are installed before it reads: a signal sent after this cannot meet its imports)."""
+    line = f'driftline_messages_consumed_total{{service="{dumper.SERVICE}",topic="{topic}"}} {float(n)}'
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-2000:]
+        try:
+            if line in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode():
+                return
+        except OSError:
+            pass  # not listening yet
+        time.sleep(0.1)
+    raise AssertionError(f"the dumper did not read {n} records within 90 s: " + log.read_text()[-2000:])
 
 
 async def _until_output(settings: Settings, proc: subprocess.Popen, timeout: float, above: int = 0) -> None:
@@ -207,8 +225,9 @@ async def test_dumper_signal_flushes_and_exits_0(settings: Settings, sig: signal
     env = _env(settings)
     settings.var_dir.mkdir(parents=True, exist_ok=True)
     log = settings.var_dir.parent / "dumper-term.log"
-    proc = _dumper(env, log, "--flush-rows", "1000000", "--flush-interval", "3600")
-    time.sleep(3.0)
+    port = free_port()
+    proc = _dumper(env, log, "--flush-rows", "1000000", "--flush-interval", "3600", "--metrics-port", str(port))
+    _until_consumed(proc, port, settings.topics.examples, 500, log)
     assert not list((settings.var_dir / "examples").glob("dt=*")), "nothing flushed before the signal"
     proc.send_signal(sig)
     assert proc.wait(timeout=30) == 0, log.read_text()[-2000:]

@@ -97,7 +97,7 @@ def repair_redis_aof(data_dir: Path) -> Path | None:
     the features' keeper loads them again (:mod:`serving.feature_keeper`). Where the
     damaged file was kept, or None when the file reads (or there is none)."""
     aof = data_dir / "appendonly.aof"
-    if not aof.exists():
+    if not aof.exists() or aof.stat().st_size == 0:  # (a start on nothing leaves it empty: redis-check-aof says "Empty file")
         return None
     binary = str(redis_binary())
 

@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -332,27 +333,44 @@ class ComposeProcesses:
 
         logs = self.tmp / "logs"
         self._infra.append(_start(tansu_command("127.0.0.1", self.broker_port), logs / "kafka.log"))
-        self._infra.append(_start(self._redis_argv(), logs / "redis.log"))
+        self._infra.append(_start(self.redis_argv(), logs / "redis.log", self.redis_env()))
         wait_for_port("127.0.0.1", self.broker_port, 30, "broker", self._infra[0])
         wait_for_port("127.0.0.1", self.redis_port, 30, "redis", self._infra[1])
 
-    def _redis_argv(self) -> list[str]:
-        """redis-server with the compose service's flags, its working directory (the image's
-        ``/data``) on the service's volume there."""
-        spec = self.compose["services"]["redis"]
-        data = self._volumes(spec).get("/data", self.tmp / "redis")
-        data.mkdir(parents=True, exist_ok=True)
-        return [str(redis_binary()), *[str(a) for a in (spec.get("command") or ["redis-server"])[1:]],
-                "--bind", "127.0.0.1", "--port", str(self.redis_port), "--dir", str(data), "--protected-mode", "no"]
+    def redis_data(self) -> Path:
+        """The Redis container's working directory (the image's ``/data``): its volume here."""
+        return self._volumes(self.compose["services"]["redis"]).get("/data", self.tmp / "redis")
 
-    def kill_redis(self) -> None:
+    def redis_argv(self) -> list[str]:
+        """The compose service's command (its start script, mounted from the repository, with
+        redis-server's flags), listening here and working in its volume (:meth:`redis_data`)."""
+        spec = self.compose["services"]["redis"]
+        volumes = {target: str(path) for target, path in self._volumes(spec).items()}
+        self.redis_data().mkdir(parents=True, exist_ok=True)
+        return [volumes.get(str(a), str(a)) for a in spec.get("command") or ["redis-server"]] + [
+            "--bind", "127.0.0.1", "--port", str(self.redis_port), "--dir", str(self.redis_data()),
+            "--protected-mode", "no"]
+
+    def redis_env(self) -> dict[str, str]:
+        """The image's ``redis-server`` and ``redis-check-aof`` on the PATH: the embedded binary
+        under both names (it acts as the name it is run by)."""
+        bin_dir = self.tmp / "redis-bin"
+        bin_dir.mkdir(exist_ok=True)
+        for name in ("redis-server", "redis-check-aof"):
+            if not (bin_dir / name).exists():
+                (bin_dir / name).symlink_to(redis_binary())
+        return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+    def kill_redis(self, before_start: Callable[[Path], None] | None = None) -> None:
         """kill -9 of the Redis container and its restart (``restart: always`` or ``docker compose
-        up``): the same flags and volume."""
+        up``): the same command and volume; ``before_start`` is given the volume in between."""
         from tests.conftest import _start
 
         self._infra[1].kill()
         self._infra[1].wait()
-        self._infra[1] = _start(self._redis_argv(), self.tmp / "logs" / "redis.log")
+        if before_start is not None:
+            before_start(self.redis_data())
+        self._infra[1] = _start(self.redis_argv(), self.tmp / "logs" / "redis.log", self.redis_env())
         wait_for_port("127.0.0.1", self.redis_port, 30, "redis", self._infra[1])
 
     def stop_infra(self) -> None:

@@ -20,9 +20,9 @@ from services.ports import free_port
 from services.settings import Settings
 
 
-def _start(argv: list[str], log_path: Path) -> subprocess.Popen:
+def _start(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     out = open(log_path, "ab")
-    return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def _stop(proc: subprocess.Popen) -> None:

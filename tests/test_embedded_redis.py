@@ -86,3 +86,11 @@ def test_a_damaged_append_only_file_is_cut_at_the_damage_and_redis_starts(tmp_pa
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_an_empty_append_only_file_is_left_alone(tmp_path: Path) -> None:
+    """Redis started on nothing and killed leaves an empty file, which redis-check-aof calls
+    "Empty file" and Redis reads: not a damage."""
+    (tmp_path / "appendonly.aof").write_bytes(b"")
+    assert repair_redis_aof(tmp_path) is None
+    assert [p.name for p in tmp_path.iterdir()] == ["appendonly.aof"]

@@ -37,6 +37,9 @@ EVENT_FRESHNESS = Histogram("driftline_trainer_event_freshness_seconds",
                             ["model"], buckets=_DELAY_BUCKETS)
 EVENT_TIME = Gauge("driftline_trainer_event_time_ms",
                    "Event time (ms since the epoch) of the newest example applied to the model.", ["model"])
+GROUP_ELSEWHERE = Gauge("driftline_trainer_group_partitions_elsewhere",
+                        "Partitions of the examples topic that another member of the one-process trainer's "
+                        "consumer group holds: above 0, it trains and publishes nothing (one trainer per group).")
 TABLE_SIZE = Gauge("driftline_trainer_table_rows", "Rows per PS table.", ["model", "table"])
 PS_ADMITTED = Counter("driftline_ps_admitted_total", "Ids admitted into a PS table (rows created by training).",
                       ["model", "table"])

@@ -74,6 +74,7 @@ from . import dedup
 from . import metrics as M
 from .batch import SparseBatch
 from .config import ModelConfig
+from .group_share import GroupShare
 from .ingest import NO_HASHES, Decoded, Prepared
 from .isolate import train_isolating
 from .loop import TrainerLoop
@@ -104,6 +105,7 @@ class _Seek(ConsumerRebalanceListener):
             if self.t._from_start:
                 await self.t.consumer.consumer.seek_to_beginning(tp)
             self.t.unknown_start.add(tp.partition)
+        self.t.group_share.check(self.t.consumer.consumer, assigned)
         self.t.ready.set()
 
 
@@ -131,6 +133,7 @@ class OnlineTrainer(TrainerLoop):
         self.batch_timeout_s = ts.batch_timeout_s
         self.disk = DiskGuard.from_settings("trainer", self.snapshot_root, settings)
         self.group_id = ts.group_id
+        self.group_share = GroupShare(ts.group_id, self.topic)
         # torch intra-op threads of the training thread. 1 by default: the other core decodes and
         # assembles the next batch; 2 torch threads plus the decoding thread oversubscribe two
         # cores, and OpenMP's barriers then wait on descheduled threads (10x slower steps measured).
@@ -201,13 +204,17 @@ class OnlineTrainer(TrainerLoop):
 
     # ------------------------------------------------------------------ sync
     async def sync_sparse(self) -> int:
-        """Publish the touched rows as one version (call with no batch in flight)."""
+        """Publish the touched rows as one version (call with no batch in flight); nothing while
+        another member of the group holds partitions (:mod:`trainer.group_share`)."""
+        if self.group_share.sharing:
+            return 0
         self.model.write_back()
         return await self.publisher.sync_sparse(self.model.tables, self.max_event_time)
 
     async def sync_dense(self) -> None:
-        """Publish the dense params as one version."""
-        await self.publisher.sync_dense(self.model.head, self.max_event_time, self.sample_rates.rates())
+        """Publish the dense params as one version (not while the group is shared)."""
+        if not self.group_share.sharing:
+            await self.publisher.sync_dense(self.model.head, self.max_event_time, self.sample_rates.rates())
 
     # ------------------------------------------------------------------ training
     def _warm_up(self) -> None:
@@ -386,10 +393,13 @@ class OnlineTrainer(TrainerLoop):
         started = time.time()
         self._schedule_start(time.monotonic())
         last_data = time.monotonic()
-        await self._begin()
+        begun = False
         nxt = _NextBatch()
         queued = self.examples_applied
         while not self.stop_event.is_set():
+            if not begun and not self.group_share.sharing:  # (its first publish: as the group's only trainer)
+                await self._begin()
+                begun = True
             now = time.monotonic()
             if await self.resets.check_when_due(now):
                 nxt = _NextBatch()  # fetched from the old topic or at its positions: lost / read again

@@ -20,7 +20,7 @@ from trainer.online import OnlineTrainer
 from .test_online import read_topic
 
 
-async def _until(what: str, ok: Callable[[], bool], timeout_s: float = 60.0) -> None:
+async def _until(what: str, ok: Callable[[], bool], timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not ok():
         assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}"

@@ -26,9 +26,7 @@ declaration disagree). Column names must be slot names (letters, digits, ``_.-``
 written as :mod:`serving.feature_store` lays them out (``<prefix>:u:<user_id>`` and
 ``<prefix>:i:<item_id>``, each ``slot=id,id;slot=id;name:value``), replacing what a key held.
 
->>> from typing import TYPE_CHECKING
-
-import pyarrow as pa
+>>> import pyarrow as pa
 >>> t = pa.table({"id": [1, 2], "genre": ["a|b", None], "year": [1990, 2001]})
 >>> rows = table_slots(t, "id", separator="|")
 >>> rows[2]

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
-from numba.typed import List
 
+from ._jit import typed_list
 from ._validate import as_event_time, as_grads, as_ids
 from .config import TableConfig
 from .errors import InvalidGradientError, InvalidInputError, NonFiniteGradientError, ReadOnlyTableError, UnknownTableError
@@ -141,9 +141,9 @@ class ParameterServer:
     def _lists(self) -> tuple[Sequence[np.ndarray], Sequence[np.ndarray]]:
         key = tuple(s.version for s in self._shards)
         if key != self._cache_key:
-            self._slots_list = List([s._slots for s in self._shards])
-            self._emb_list = List([s._emb for s in self._shards])
-            self._row_lists = tuple(List([getattr(s, a) for s in self._shards])
+            self._slots_list = typed_list([s._slots for s in self._shards])
+            self._emb_list = typed_list([s._emb for s in self._shards])
+            self._row_lists = tuple(typed_list([getattr(s, a) for s in self._shards])
                                     for a in ("_state", "_times", "_flags", "_dirty", "meta"))
             self._cache_key = key
         return self._slots_list, self._emb_list

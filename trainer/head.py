@@ -13,6 +13,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .content import ContentEncoder
+from .torch_quirks import optimizer_class
 
 __all__ = ["DenseHead", "HeadSlopes", "make_dense_optimizer"]
 
@@ -124,7 +125,8 @@ def _batch(*xs):
 def make_dense_optimizer(cfg: ModelConfig, head: nn.Module) -> torch.optim.Optimizer:
     """The dense optimizer; torch's fused CPU kernel where it has one (one kernel per step, not
     one per parameter tensor: ~3x cheaper for the DeepFM head)."""
-    cls = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[cfg.dense_optimizer]
+    cls = optimizer_class({"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad,
+                           "sgd": torch.optim.SGD}[cfg.dense_optimizer])
     params: list = list(head.parameters())
     content = getattr(head, "content", None)
     if content is not None and cfg.content is not None and cfg.content.lr is not None:  # its own rate

@@ -68,6 +68,7 @@ import torch.nn.functional as F
 from . import metrics as M
 from .batch import SparseBatch, concat_batches
 from .config import MetaConfig
+from .torch_quirks import optimizer_class
 
 __all__ = ["MetaLearner", "TaskBuffer"]
 
@@ -162,7 +163,7 @@ class MetaLearner:
         # log of the starting accumulators (Adagrad's parts; an SGD part keeps none): positive, and
         # Adam's steps are relative
         self.log_acc = torch.tensor(np.log(np.maximum(acc0, 1e-3)), requires_grad=True)
-        self.optimizer = torch.optim.Adam([self.log_acc], lr=meta.outer_lr)
+        self.optimizer = optimizer_class(torch.optim.Adam)([self.log_acc], lr=meta.outer_lr)
         self.tasks = TaskBuffer(meta.support, meta.query, meta.max_open_tasks)
         self.chunks: dict[int, SparseBatch] = {}
         self._next_chunk = 0

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from .config import ContentConfig
+from .torch_quirks import backward
 
 __all__ = ["ContentEncoder", "ContentSlopes", "content_slopes", "content_field", "join_content"]
 
@@ -111,7 +112,7 @@ class ContentSlopes:
 
     def backward(self, seed: torch.Tensor) -> None:
         if self.c.requires_grad:
-            self.c.backward(seed.reshape(-1, 1) * self.slope)
+            backward(self.c, seed.reshape(-1, 1) * self.slope)
 
 
 def content_slopes(cfg, c: torch.Tensor, slopes, nf: int) -> ContentSlopes:

@@ -48,6 +48,7 @@ from ps.sequential_fm import train_fm_sequential
 from .batch import SparseBatch
 from .content import content_field, content_slopes
 from .step_checks import NonFiniteStepError, finite_grads
+from .torch_quirks import backward
 
 
 def sequential_train_step(model, batch: SparseBatch) -> tuple[float, np.ndarray]:
@@ -88,7 +89,7 @@ def sequential_train_step(model, batch: SparseBatch) -> tuple[float, np.ndarray]
     r = model.io.to_device(resid.astype(np.float32))
     model.optimizer.zero_grad(set_to_none=True)
     if deep:
-        logits.backward(r / max(n, 1))
+        backward(logits, r / max(n, 1))
         if not finite_grads(head) or not math.isfinite(loss):
             raise NonFiniteStepError(f"the step's loss ({loss}) or dense gradients are not finite; "
                                      "the first-order rows were stepped, nothing else applied")

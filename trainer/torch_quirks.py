@@ -14,6 +14,13 @@
    (tests/trainer/test_torch_quirks.py, which also fails when a torch upgrade brings the
    import back). Where torch's internals differ (another version), the marks are skipped and
    the optimizer is torch's own: slower to start, same results.
+2. **A backward pass from a given gradient imports sympy.** ``t.backward(grad)`` (and
+   ``torch.autograd.backward(t, grad)``) checks the gradient's shape with
+   ``torch.fx.experimental.symbolic_shapes``, imported on the first call: sympy and torch.fx,
+   ~0.9 s of CPU in every trainer process (py-spy, a rank of the same run as quirk 1), for a
+   check of symbolic shapes that eager tensors never have. :func:`backward` steps back from
+   ``sum(t * grad)`` instead (no explicit gradient: ``t`` receives ``1 * grad``, bit for bit
+   ``grad``).
 
 >>> Adam = optimizer_class(torch.optim.Adam)
 >>> issubclass(Adam, torch.optim.Adam), Adam.__name__
@@ -36,7 +43,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import Optimizer
 
-__all__ = ["optimizer_class"]
+__all__ = ["backward", "optimizer_class"]
 
 # torch._compile._disable_dynamo's per-function cache: set, it calls the function as it is
 _DISABLED = "__dynamo_disable"
@@ -80,3 +87,15 @@ def optimizer_class(base: type[Optimizer]) -> type[Optimizer]:
 
     WithoutTracer.__name__ = WithoutTracer.__qualname__ = base.__name__
     return WithoutTracer
+
+
+def backward(out: torch.Tensor, grad: torch.Tensor) -> None:
+    """``out.backward(grad)`` (``grad`` of ``out``'s shape) without quirk 2's import.
+
+    >>> x = torch.tensor([1.0, 2.0], requires_grad=True)
+    >>> backward(x * 3, torch.tensor([0.5, -1.0])); x.grad.tolist()
+    [1.5, -3.0]
+    """
+    if grad.shape != out.shape:
+        raise ValueError(f"a gradient of shape {tuple(grad.shape)} for an output of shape {tuple(out.shape)}")
+    (out * grad).sum().backward()

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ..sharding import shard_of
+from ..torch_quirks import backward
 from .routing import starts
 
 __all__ = ["ContentStore", "OwnerEncoder"]
@@ -195,7 +196,7 @@ class OwnerEncoder:
             return
         out, elem = self.pending
         self.pending = None
-        out.backward(torch.from_numpy(np.ascontiguousarray(r_grads[elem], np.float32).reshape(out.shape)))
+        backward(out, torch.from_numpy(np.ascontiguousarray(r_grads[elem], np.float32).reshape(out.shape)))
 
     def begin(self) -> None:
         """A training step starts (every rank): :meth:`finish` ends it."""
@@ -210,5 +211,5 @@ class OwnerEncoder:
         if not self.forward_done:
             self._rows(np.zeros(0, np.int64), True)
         if not self.backward_done and self.last is not None:
-            torch.autograd.backward(self.last, torch.zeros_like(self.last))
+            backward(self.last, torch.zeros_like(self.last))
         self.forward_done, self.backward_done, self.last = True, True, None

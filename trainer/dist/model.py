@@ -111,6 +111,7 @@ from ..config import ModelConfig
 from ..device import Transfers
 from ..model import NonFiniteStepError, SparseModel
 from ..sharding import owners, whole_tables
+from ..torch_quirks import backward
 from . import sequential as seq
 from .content import ContentStore, OwnerEncoder
 from .meta import RankMeta
@@ -464,7 +465,8 @@ class DistributedModel:
             return 0.0, np.zeros(0, np.float32), None, error
         deep_part, leaves = fwd  # a HeadSlopes or the logits' graph: either steps back from the seed
         try:
-            deep_part.backward(torch.from_numpy((resid / max(lk.global_size, 1)).astype(np.float32)))
+            seed = torch.from_numpy((resid / max(lk.global_size, 1)).astype(np.float32))
+            backward(deep_part, seed) if isinstance(deep_part, torch.Tensor) else deep_part.backward(seed)
             if leaves:
                 w = leaves[0][1]
                 g = w.grad.numpy().reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32)

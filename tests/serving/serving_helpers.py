@@ -67,9 +67,13 @@ def serving_settings(settings: Settings, redis_url: str) -> Settings:
 
 @pytest.fixture
 def options(serving_settings: Settings, tmp_path: Path) -> Settings:
-    """The serving settings of a test replica: the built-in FM, its own Redis prefix."""
+    """The serving settings of a test replica: the built-in FM, its own Redis prefix and its own
+    realtime consumer group (the tests of one worker share a broker: a replica that an earlier test
+    left in the shared group held every later join for 90 s and more)."""
+    prefix = f"t{time.time_ns()}"
     return serving_settings.updated(
-        serving=dict(model="fm", redis_prefix=f"t{time.time_ns()}", kafka_retry_s=0.5, embedding_dim=4),
+        serving=dict(model="fm", redis_prefix=prefix, realtime_group_id=f"realtime-{prefix}", kafka_retry_s=0.5,
+                     embedding_dim=4),
         trainer=dict(snapshot_dir=tmp_path / "snapshots"))
 
 

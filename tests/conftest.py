@@ -221,7 +221,27 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     return result
 
 
+def _one_httpx_ssl_context() -> None:
+    """httpx (0.28.1, pinned) parses certifi's CA bundle into a new SSL context for every client it
+    builds, ~28 ms of CPU, so every ``httpx.get``/``post`` pays it: the tests' polls and request
+    loops made thousands (py-spy: 11 s of CPU in one serving test's request loop). Every test talks
+    plain http; the default context is built once per test process and shared (one SSLContext
+    serves any number of connections). Other arguments still get their own."""
+    from httpx._transports import default
+
+    build = default.create_ssl_context
+    shared = build()
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):  # type: ignore[no-untyped-def]
+        if verify is True and cert is None and trust_env:
+            return shared
+        return build(verify=verify, cert=cert, trust_env=trust_env)
+
+    default.create_ssl_context = create_ssl_context
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _one_httpx_ssl_context()
     # Numba caches compiled kernels next to the sources; keep test runs from fighting over it.
     os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(__file__).resolve().parent.parent / "var" / "numba-cache"))
     # Tests move var_dir into their tmp_path, which would move the dataset cache with it (and

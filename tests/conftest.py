@@ -232,7 +232,7 @@ def _one_httpx_ssl_context() -> None:
     build = default.create_ssl_context
     shared = build()
 
-    def create_ssl_context(verify=True, cert=None, trust_env=True):  # type: ignore[no-untyped-def]
+    def create_ssl_context(verify: object = True, cert: object = None, trust_env: bool = True) -> object:
         if verify is True and cert is None and trust_env:
             return shared
         return build(verify=verify, cert=cert, trust_env=trust_env)

@@ -9,7 +9,7 @@
    costs ~2.5 s of CPU in every process that builds an optimizer: measured with py-spy on a
    rank of ``trainer online --nproc 2``, 2.6 s of its 9 s start, and a rank group restarts all
    its ranks after a failure. :func:`optimizer_class` returns the torch class with ``step``'s
-   own body (under ``torch.no_grad``, as torch runs it when not differentiable), and the
+   own body (gradients off unless ``differentiable``, as torch's wrapper sets them), and the
    disable-marks counted as already made. Bit-for-bit the same updates and state
    (tests/trainer/test_torch_quirks.py, which also fails when a torch upgrade brings the
    import back). Where torch's internals differ (another version), the marks are skipped and
@@ -80,10 +80,10 @@ def optimizer_class(base: type[Optimizer]) -> type[Optimizer]:
     if not _marked or base.__name__ not in _FUNCTIONAL or raw_step is base.step:
         return base
 
-    class WithoutTracer(base):  # type: ignore[valid-type, misc]
-        @torch.no_grad()
-        def step(self, closure=None):  # type: ignore[no-untyped-def]
-            return raw_step(self, closure)
+    class WithoutTracer(base):
+        def step(self, closure: Callable[[], float] | None = None) -> Any:
+            with torch.set_grad_enabled(self.defaults["differentiable"]):  # as torch's step does
+                return raw_step(self, closure)
 
     WithoutTracer.__name__ = WithoutTracer.__qualname__ = base.__name__
     return WithoutTracer

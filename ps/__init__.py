@@ -13,6 +13,9 @@ admitted ids read as zeros. Typical trainer step::
     ps.apply_gradients(batch, grads, event_time=t)         # dict slot -> float32 grads
 """
 
+from importlib import import_module
+from typing import TYPE_CHECKING
+
 from .config import AdagradConfig, AdamConfig, AdmissionConfig, FtrlConfig, InitializerConfig, SGDConfig, TableConfig
 from .errors import (
     InvalidEventTimeError,
@@ -27,12 +30,36 @@ from .errors import (
     SnapshotNotFoundError,
     UnknownTableError,
 )
-from .server import PackedBatch, ParameterServer
-from .shard import TableShard
-from .sharding import ShardRouter
-from .snapshot import load_shard, restore_table, save_shard, save_table
-from .sync import SyncChunk
-from .table import EmbeddingTable
+
+if TYPE_CHECKING:
+    from .server import PackedBatch, ParameterServer
+    from .shard import TableShard
+    from .sharding import ShardRouter
+    from .snapshot import load_shard, restore_table, save_shard, save_table
+    from .sync import SyncChunk
+    from .table import EmbeddingTable
+
+# The tables and the server load numba and its compiled kernels (~0.5 s of CPU per process): they
+# are imported on first use, so a process that only reads configuration (a project file, the
+# client package, the joiner) does not pay for them.
+_MODULE_OF = {
+    "PackedBatch": "server", "ParameterServer": "server", "TableShard": "shard", "ShardRouter": "sharding",
+    "load_shard": "snapshot", "restore_table": "snapshot", "save_shard": "snapshot", "save_table": "snapshot",
+    "SyncChunk": "sync", "EmbeddingTable": "table",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{_MODULE_OF[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "AdagradConfig", "AdamConfig", "AdmissionConfig", "FtrlConfig", "InitializerConfig", "SGDConfig",

@@ -308,10 +308,10 @@ def after_learned(settings, dataset: str) -> int | None:  # type: ignore[no-unty
     no snapshot it learned into): where a restarted replay resumes (``up``, ``--after-learned``)."""
     from driftline.project import named_config
     from movielens.data import first_rating_after
-    from trainer import snapshots
+    from trainer.manifest import learned_online
 
     root = settings.model_snapshots(named_config(settings.trainer.model).model_id)
-    learned = snapshots.learned_online(root)
+    learned = learned_online(root)
     if learned is None:
         return None
     start = first_rating_after(dataset, settings.data_dir, learned.max_event_time_ms)

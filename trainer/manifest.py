@@ -28,8 +28,10 @@ as that JSON, for tools and tests that look at the file as written.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 #: the fields written even when None (every stream writer recorded them, null or not)
@@ -123,3 +125,26 @@ class Manifest(Mapping):
 
     def __len__(self) -> int:
         return len(self.to_dict())
+
+
+def learned_online(root: Path) -> Manifest | None:
+    """The manifest of the newest snapshot under ``root`` when the online trainer learned into it
+    (``examples_applied`` > 0; a warm start's batch snapshot has 0), else None. Such a snapshot is
+    never replaced by a warm start (``driftline up``, ``trainer batch --unless-learned``)."""
+    manifest = latest(root)
+    return manifest if manifest is not None and manifest.examples_applied > 0 else None
+
+
+def read_manifest(root: Path) -> dict | None:
+    """The newest snapshot's manifest as the JSON written (for tools and tests reading the file;
+    code reads :func:`latest`'s typed one)."""
+    pointer = Path(root) / "LATEST"
+    if not pointer.exists():
+        return None
+    return json.loads((Path(root) / pointer.read_text().strip() / "manifest.json").read_text())
+
+
+def latest(root: Path) -> Manifest | None:
+    """The newest snapshot's manifest under ``root``, or None when there is none."""
+    raw = read_manifest(root)
+    return None if raw is None else Manifest.from_dict(raw)

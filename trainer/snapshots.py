@@ -45,7 +45,12 @@ from ps import EmbeddingTable, SnapshotError, SyncChunk, restore_table, save_tab
 from services.atomic import fsync_path, write_bytes_atomic
 
 from .config import ModelConfig
+
+# the store's manifest readers live beside the class, where a process without torch reads them
 from .manifest import Manifest
+from .manifest import latest as latest
+from .manifest import learned_online as learned_online
+from .manifest import read_manifest as read_manifest
 
 FORMAT = "driftline-trainer-snapshot/2"
 #: what reading a damaged snapshot raises (a table's checksum, a truncated torch file or manifest, a
@@ -292,29 +297,6 @@ def load_rank(root: Path, config: ModelConfig, rank: int, world: int, name: str)
         state = rank_state(snap, rank)
     dense = torch.load(snap / "dense.pt", weights_only=False, map_location="cpu")
     return tables, dense, manifest, state
-
-
-def learned_online(root: Path) -> Manifest | None:
-    """The manifest of the newest snapshot under ``root`` when the online trainer learned into it
-    (``examples_applied`` > 0; a warm start's batch snapshot has 0), else None. Such a snapshot is
-    never replaced by a warm start (``driftline up``, ``trainer batch --unless-learned``)."""
-    manifest = latest(root)
-    return manifest if manifest is not None and manifest.examples_applied > 0 else None
-
-
-def read_manifest(root: Path) -> dict | None:
-    """The newest snapshot's manifest as the JSON written (for tools and tests reading the file;
-    code reads :func:`latest`'s typed one)."""
-    pointer = Path(root) / "LATEST"
-    if not pointer.exists():
-        return None
-    return json.loads((Path(root) / pointer.read_text().strip() / "manifest.json").read_text())
-
-
-def latest(root: Path) -> Manifest | None:
-    """The newest snapshot's manifest under ``root``, or None when there is none."""
-    raw = read_manifest(root)
-    return None if raw is None else Manifest.from_dict(raw)
 
 
 def _replica(table: EmbeddingTable, config) -> EmbeddingTable:

@@ -1,4 +1,10 @@
-"""An async request must not try to import anything: httpcore imports ``sniffio`` inside every
+"""What the client side pays for imports.
+
+The client package, the project file and the services that only read configuration (the joiner,
+the dumper, the status page, the replay) must not load torch or numba (~2.5 s of CPU per process):
+``ps`` imports its tables on first use, the manifest readers live in ``trainer.manifest``.
+
+An async request must not try to import anything: httpcore imports ``sniffio`` inside every
 async request, and where it is missing (anyio >= 4.11 no longer brings it) Python searches the
 whole path again each time (encode/httpcore#1103), doubling the client's CPU per request
 (pyproject.toml pins sniffio for it). The async client is the traffic replay's and
@@ -8,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.abc
+import subprocess
 import sys
 
 import httpx
@@ -51,3 +58,10 @@ async def _requests(n: int) -> list[str]:
 
 def test_an_async_request_tries_no_import() -> None:
     assert asyncio.run(_requests(20)) == []
+
+
+def test_the_client_and_the_configuration_load_neither_torch_nor_numba() -> None:
+    code = ("import sys, driftline.client, driftline.project, producers.traffic, status.app, joiner.worker, joiner.dumper, "
+            "trainer.manifest; print(sorted({'torch', 'numba'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

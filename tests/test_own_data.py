@@ -109,7 +109,7 @@ def _traffic(stack: LoopStack, client: RankClient, config: Path) -> tuple[float 
     settings = stack.settings()
     logs = Blocking(FeatureLogProducer(load_project(config).features, settings, model_id="shop"))
     actions = Blocking(ActionProducer(settings=settings, action_types=["click"]))
-    auc, trained, sent = None, 0.0, 0
+    sent = 0
     with logs, actions:
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline:
@@ -128,11 +128,17 @@ def _traffic(stack: LoopStack, client: RankClient, config: Path) -> tuple[float 
                     client.actions([{"request_id": ranking.request_id, "item_id": sku, "action_type": "click"}
                                     for sku in clicks])
             sent += 1
-            auc = stack.metric("trainer", "driftline_trainer_auc", {"model": "shop"})
-            trained = stack.metric("trainer", "driftline_trainer_examples_total", {"model": "shop"}) or 0
-            if sent % 50 == 0 and trained > 2000 and auc is not None and auc > 0.6:
-                break
-    return auc, trained
+            if sent % 50 == 0:  # the trainer's whole /metrics page per look: not on every request
+                auc, trained = _learned(stack)
+                if trained > 2000 and auc is not None and auc > 0.6:
+                    break
+    return _learned(stack)
+
+
+def _learned(stack: LoopStack) -> tuple[float | None, float]:
+    """The trainer's AUC and examples learned, from its /metrics."""
+    return (stack.metric("trainer", "driftline_trainer_auc", {"model": "shop"}),
+            stack.metric("trainer", "driftline_trainer_examples_total", {"model": "shop"}) or 0)
 
 
 def _scores(r: Ranking) -> dict[str, float]:

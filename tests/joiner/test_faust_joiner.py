@@ -34,6 +34,15 @@ def _worker(env: dict[str, str], log: Path, store: Path, *args: str) -> subproce
                             cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
 
 
+async def _until_logged(log: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Wait until ``proc`` wrote ``text`` to ``log`` (a worker that joined slowly on a loaded machine
+    found all the traffic consumed before it had partitions, and opened none)."""
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+        await asyncio.sleep(0.1)
+
+
 def _partitions_opened(log: Path) -> set[int]:
     return {int(m) for m in re.findall(r"partition (\d+) opened", log.read_text())}
 
@@ -103,6 +112,8 @@ async def test_a_worker_added_while_traffic_flows_takes_partitions_without_loss(
         await _until_output(settings, a, timeout=90)  # a alone has all partitions, mid-stream
         b = _worker(env, b_log, settings.var_dir / "joiner-b")
         for i in range(3, 10):
+            if i == 9:  # the last tenth once b holds partitions: b has traffic to take, however slowly it joined
+                await _until_logged(b_log, "Worker ready", b, timeout=90)
             await produce(settings, events[i * step:(i + 1) * step if i < 9 else None])
             await asyncio.sleep(1.0)
         await consumed_all(settings, [a, b], timeout=120)

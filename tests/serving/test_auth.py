@@ -20,7 +20,7 @@ import httpx
 import pytest
 from fastapi.routing import iter_route_contexts
 from prometheus_client.parser import text_string_to_metric_families
-from serving_helpers import running
+from serving_helpers import replica_settings, running
 from starlette.routing import Route
 
 from services.api_keys import configured_keys
@@ -69,9 +69,8 @@ def _protected(config: str, path: str) -> bool:
 def module_settings(broker, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Settings:
     """Settings of this module's replicas: the built-in FM on the session broker and Redis."""
     tmp = tmp_path_factory.mktemp("auth")
-    return Settings(kafka_bootstrap_servers=broker.bootstrap, redis_url=redis_url, var_dir=tmp / "var").updated(
-        serving=dict(model="fm", redis_prefix=f"auth{time.time_ns()}", kafka_retry_s=0.5, embedding_dim=4),
-        trainer=dict(snapshot_dir=tmp / "snapshots"))
+    return replica_settings(Settings(kafka_bootstrap_servers=broker.bootstrap, redis_url=redis_url, var_dir=tmp / "var"),
+                            f"auth{time.time_ns()}", tmp / "snapshots")
 
 
 def _replica(settings: Settings, name: str, **serving: object) -> Settings:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving_helpers import running, wait_ready
+from serving_helpers import replica_settings, running, wait_ready
 
 from driftline.embedded import redis_binary, redis_command, wait_for_port
 from services.ports import free_port
@@ -57,8 +57,7 @@ def _files(tmp_path: Path) -> list[str]:
 
 
 def _options(settings: Settings, tmp_path: Path, url: str, prefix: str, **client: object) -> Settings:
-    options = settings.updated(serving=dict(model="fm", redis_prefix=prefix, kafka_retry_s=0.5, embedding_dim=4),
-                               trainer=dict(snapshot_dir=tmp_path / "snapshots"), redis_client=client)
+    options = replica_settings(settings, prefix, tmp_path / "snapshots").updated(redis_client=client)
     return options.model_copy(update={"redis_url": url})
 
 

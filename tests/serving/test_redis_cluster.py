@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving_helpers import running, wait_ready
+from serving_helpers import replica_settings, running, wait_ready
 
 from services.settings import RedisClientSettings, Settings, get_settings
 from serving.app import create_app
@@ -47,8 +47,7 @@ def _load(tmp_path: Path, url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
 
 
 def _options(settings: Settings, tmp_path: Path, url: str, prefix: str) -> Settings:
-    options = settings.updated(serving=dict(model="fm", redis_prefix=prefix, kafka_retry_s=0.5, embedding_dim=4),
-                               trainer=dict(snapshot_dir=tmp_path / "snapshots"), redis_client=dict(cluster=True))
+    options = replica_settings(settings, prefix, tmp_path / "snapshots").updated(redis_client=dict(cluster=True))
     return options.model_copy(update={"redis_url": url})
 
 

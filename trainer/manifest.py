@@ -16,6 +16,10 @@ and ``sparse_versions`` of N ranks, ``batch_examples`` of a warm start, the file
 ``name``, ``rows``, ``config`` ...) only when set. As a read-only mapping (``man["seq"]``) it reads
 as that JSON, for tools and tests that look at the file as written.
 
+The newest snapshot's manifest under a snapshot root is read here too (:func:`latest`,
+:func:`read_manifest`, :func:`learned_online`), with no torch: ``driftline up`` asks whether the
+online trainer learned (then the warm start is skipped and the replay resumes after it).
+
 >>> m = Manifest.from_dict({"offsets": {"0": 5}, "sparse_version": 3, "source": "online", "future_key": 1})
 >>> m.offsets, m.sparse_version, m.dense_version, m.param_deltas_offset, m.extra
 ({0: 5}, 3, 0, None, {'future_key': 1})

@@ -34,15 +34,6 @@ def _worker(env: dict[str, str], log: Path, store: Path, *args: str) -> subproce
                             cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
 
 
-async def _until_logged(log: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
-    """Wait until ``proc`` wrote ``text`` to ``log`` (a worker that joined slowly on a loaded machine
-    found all the traffic consumed before it had partitions, and opened none)."""
-    deadline = time.monotonic() + timeout
-    while text not in log.read_text():
-        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
-        await asyncio.sleep(0.1)
-
-
 def _partitions_opened(log: Path) -> set[int]:
     return {int(m) for m in re.findall(r"partition (\d+) opened", log.read_text())}
 
@@ -113,7 +104,7 @@ async def test_a_worker_added_while_traffic_flows_takes_partitions_without_loss(
         b = _worker(env, b_log, settings.var_dir / "joiner-b")
         for i in range(3, 10):
             if i == 9:  # the last tenth once b holds partitions: b has traffic to take, however slowly it joined
-                await _until_logged(b_log, "Worker ready", b, timeout=90)
+                _wait_for(b_log, "Worker ready", b, timeout=90)
             await produce(settings, events[i * step:(i + 1) * step if i < 9 else None])
             await asyncio.sleep(1.0)
         await consumed_all(settings, [a, b], timeout=120)
@@ -145,10 +136,7 @@ async def test_a_worker_without_an_assignment_exits_to_be_restarted_and_stops_on
     termed = _worker(env | {"DRIFTLINE_JOINER__GROUP_ID": settings.joiner.group_id + "-term"}, logs[1],
                      settings.var_dir / "joiner-b")
     try:
-        deadline = time.monotonic() + 60
-        while "Recovery]: Starting" not in logs[1].read_text():  # (Faust started; it joins next)
-            assert time.monotonic() < deadline and termed.poll() is None, logs[1].read_text()[-3000:]
-            time.sleep(0.05)
+        _wait_for(logs[1], "Recovery]: Starting", termed, timeout=60)  # (Faust started; it joins next)
         termed.send_signal(signal.SIGTERM)
         assert "Executing _on_partitions_assigned" not in logs[1].read_text()
         assert impatient.wait(timeout=60) == 4, logs[0].read_text()[-3000:]

@@ -7,13 +7,15 @@ are also kept in the *cache*, an insertion-ordered dict bounded by ``cache_size`
 ("spilled") oldest-first when it overflows and when its entries have waited longer than
 ``spill_after`` (event time). Spilling costs nothing because the record is already durable.
 
-Read path: dirty overlay -> cache -> durable store. Cache and disk hits are counted.
+Read path: dirty overlay -> cache -> durable store. Each counted lookup adds one to
+:attr:`TieredState.lookups` under its tier (``cache``: the overlay or the cache, ``disk``, ``miss``):
+the worker moves them into ``driftline_joiner_lookups_total{tier}``.
 """
 
 from __future__ import annotations
 
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from joiner.types import KVStore
 
@@ -30,10 +32,7 @@ class TieredState:
         # Dirty keys of the ordered indexes by their 3-byte prefix (kind + partition), so a scan
         # merges the store's range with only its own partition's few dirty keys.
         self._dirty_index: dict[bytes, dict[bytes, bytes | None]] = {}
-        self.cache_hits = 0
-        self.disk_hits = 0
-        self.misses = 0
-        self.spilled = 0
+        self.lookups: Counter[str] = Counter()
 
     # -- reads ---------------------------------------------------------------------------------
     def get(self, key: bytes) -> bytes | None:
@@ -42,18 +41,12 @@ class TieredState:
         if v is _MISSING:
             v = self.cache.get(key)
             if v is not None:
-                self.cache_hits += 1
+                self.lookups["cache"] += 1
                 return v
             v = self.store.get(key)
-            if v is None:
-                self.misses += 1
-            else:
-                self.disk_hits += 1
+            self.lookups["miss" if v is None else "disk"] += 1
             return v
-        if v is None:
-            self.misses += 1
-        else:
-            self.cache_hits += 1
+        self.lookups["miss" if v is None else "cache"] += 1
         return v  # type: ignore[return-value]
 
     def peek(self, key: bytes) -> bytes | None:
@@ -141,5 +134,4 @@ class TieredState:
                     break
                 del cache[key]
                 n += 1
-        self.spilled += n
         return n

@@ -71,6 +71,7 @@ class Part:
     next: dict[TopicPartition, int] = field(default_factory=dict)
     last_action: float = field(default_factory=time.monotonic)
     published: Counter[str] = field(default_factory=Counter)  # counts already in the metrics
+    published_lookups: Counter[str] = field(default_factory=Counter)  # state lookups, the same
 
     def actions_idle(self, now: float, idle_s: float, unread: int | None) -> bool:
         """Whether the actions input has been idle ``idle_s`` seconds at ``now``: nothing read
@@ -100,6 +101,10 @@ class Part:
         counts = self.core.counts
         jm.publish({k: n - self.published[k] for k, n in counts.items() if n > self.published[k]})
         self.published = Counter(counts)
+        for tier, n in self.state.lookups.items():
+            if n > self.published_lookups[tier]:
+                jm.LOOKUPS.labels(tier).inc(n - self.published_lookups[tier])
+        self.published_lookups = Counter(self.state.lookups)
         p = str(self.p)
         for stream, wm in (("features", self.core.wf[self.p]), ("actions", self.core.wa[self.p])):
             if wm > 0:

@@ -155,7 +155,7 @@ def test_crashes_replay_to_the_same_examples(events, seed):
 def test_tiny_cache_serves_from_disk_with_identical_results(events):
     examples, _, state = simulate(events, seed=4, cache_size=20)
     assert as_map(examples) == ref_map(events)
-    assert state.disk_hits > state.cache_hits > 0
+    assert state.lookups["disk"] > state.lookups["cache"] > 0
 
 
 def test_duplicate_and_early_actions():

@@ -31,6 +31,7 @@ async def test_e2e_matches_offline_reference(settings: Settings) -> None:
     await produce(settings, events)
     before = {n: _sample(f"driftline_joiner_{n}_total") for n in ("impressions", "positives", "duplicate_actions")}
     late_before = _sample("driftline_joiner_late_actions_total", {"reason": "late"})
+    lookups_before = _lookups()
     started = time.perf_counter()
     counts = await run(settings.updated(joiner=JOINER), until_idle_s=1.0)
     elapsed = time.perf_counter() - started
@@ -47,7 +48,13 @@ async def test_e2e_matches_offline_reference(settings: Settings) -> None:
     assert _sample("driftline_joiner_impressions_total") - before["impressions"] == n_imp
     assert _sample("driftline_joiner_positives_total") - before["positives"] == n_pos
     assert _sample("driftline_joiner_late_actions_total", {"reason": "late"}) - late_before == counts["late_late"]
+    lookups = {tier: n - lookups_before[tier] for tier, n in _lookups().items()}
+    assert lookups["cache"] > n_pos and lookups["miss"] > 0, lookups  # (each join reads its impression)
     print(f"e2e: {counts['impressions'] / elapsed:.0f} impressions/s including start-up and drain")
+
+
+def _lookups() -> dict[str, float]:
+    return {tier: _sample("driftline_joiner_lookups_total", {"tier": tier}) for tier in ("cache", "disk", "miss")}
 
 
 async def test_restart_resumes_from_state_without_reemitting(settings: Settings) -> None:
@@ -59,7 +66,9 @@ async def test_restart_resumes_from_state_without_reemitting(settings: Settings)
     await run_until_consumed(s)  # stopped as by SIGTERM, without draining: windows stay open
     first = await read_examples(settings)
     await produce(settings, events[half:])
+    disk_before = _lookups()["disk"]
     await run(s, until_idle_s=1.0)
+    assert _lookups()["disk"] > disk_before, "the restarted worker read the waiting impressions from disk"
     examples = await read_examples(settings)
     assert len(examples) == len({e.example_id for e in examples}), "a clean stop re-emits nothing"
     assert len(first) > 0

@@ -733,7 +733,6 @@ class Settings(BaseSettings):
     metrics_port: Port = 0
     # 0.0.0.0 in containers, so Prometheus can scrape from another host.
     metrics_host: str = "127.0.0.1"
-    service_name: str = "driftline"
 
     kafka: KafkaClientSettings = KafkaClientSettings()
     redis_client: RedisClientSettings = RedisClientSettings()

@@ -4,8 +4,9 @@ Endpoints:
 
 - ``GET /``: the page (plain HTML + JS, uPlot vendored under ``/static``; works offline). It polls
   ``/api/series`` every scrape interval and redraws.
-- ``GET /api/series[?since=<unix s>]``: per-target badges, the time axis ``t`` (unix seconds) and
-  one column per key series (see :mod:`status.series`); ``null`` is a gap.
+- ``GET /api/series[?since=<unix s>]``: per-target badges, what is wrong now (``problems``, see
+  :mod:`status.problems`), the time axis ``t`` (unix seconds) and one column per key series (see
+  :mod:`status.series`); ``null`` is a gap.
 - ``GET /metrics``: the page's own scrape counters (``driftline_status_*``).
 - ``GET /healthz``: ``{"ok": true}``.
 

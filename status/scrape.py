@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from status.metrics import StatusMetrics
 from status.options import StatusSettings, Target
+from status.problems import problems
 from status.series import derive
 from status.targets import Samples, TargetState
 
@@ -59,6 +60,7 @@ class Scraper:
         self.times: deque[float] = deque(maxlen=opts.history_points)
         self.points: deque[dict[str, float | None]] = deque(maxlen=opts.history_points)
         self.meta: dict[str, str] = {}
+        self.problems: list[dict[str, str]] = []  # what is wrong as of the last round (status.problems)
         # Raw samples are kept long enough for the slowest window (sync delay: 3x the rate window).
         self.keep_s = 3 * opts.rate_window_s + 2 * opts.scrape_interval_s
 
@@ -114,6 +116,7 @@ class Scraper:
         await asyncio.gather(*(self._fetch(s, now) for s in self.states))
         try:
             point, meta = derive(self.states, now, self.opts.rate_window_s)
+            self.problems = problems(self.states, now, self.opts.rate_window_s)
         except Exception:
             log.exception("deriving the status series failed")
             point, meta = {}, {}
@@ -137,7 +140,7 @@ class Scraper:
                 await asyncio.sleep(max(0.05, self.opts.scrape_interval_s - (time.monotonic() - started)))
 
     def snapshot(self, since: float | None = None) -> dict:
-        """The JSON of ``GET /api/series``: badges, the time axis and one column per series."""
+        """The JSON of ``GET /api/series``: badges, what is wrong now, the time axis and one column per series."""
         idx = [i for i, t in enumerate(self.times) if since is None or t > since]
         keys = sorted({k for i in idx for k in self.points[i]})
         return {
@@ -146,6 +149,7 @@ class Scraper:
             "rate_window_s": self.opts.rate_window_s,
             "meta": dict(self.meta),
             "targets": [s.badge() for s in self.states],
+            "problems": self.problems,
             "t": [round(self.times[i], 3) for i in idx],
             "series": {k: [self.points[i].get(k) for i in idx] for k in keys},
         }

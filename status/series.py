@@ -68,7 +68,7 @@ def _baseline(state: TargetState, now: float, window_s: float) -> tuple[float, S
     return None
 
 
-def _deltas(states: Iterable[TargetState], now: float, window_s: float, name: str,
+def increases(states: Iterable[TargetState], now: float, window_s: float, name: str,
             match: Match = _all, key: Callable[[Labels], str] = lambda _: "") -> tuple[dict[str, float], float] | None:
     """Increase of counter ``name`` per ``key(labels)``, summed over targets, and the longest span
     it covers. None when no target has two scrapes in the window. A counter that went down (a
@@ -127,7 +127,7 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
 
 def _window_quantiles(states: Sequence[TargetState], now: float, window_s: float, name: str,
                       match: Match, qs: Sequence[float]) -> list[float | None]:
-    got = _deltas(states, now, window_s, f"{name}_bucket", match, key=lambda lab: lab.get("le", ""))
+    got = increases(states, now, window_s, f"{name}_bucket", match, key=lambda lab: lab.get("le", ""))
     if got is None:
         return [None] * len(qs)
     buckets = {float(le): v for le, v in got[0].items() if le}
@@ -136,7 +136,7 @@ def _window_quantiles(states: Sequence[TargetState], now: float, window_s: float
 
 def _rate(states: Sequence[TargetState], now: float, window_s: float, name: str, match: Match = _all,
           key: Callable[[Labels], str] = lambda _: "") -> dict[str, float] | None:
-    got = _deltas(states, now, window_s, name, match, key)
+    got = increases(states, now, window_s, name, match, key)
     if got is None:
         return None
     deltas, span = got

@@ -198,6 +198,21 @@ function renderBadges(api) {
   }
 }
 
+// The services' fault flags (status/problems.py), one line each; hidden when there are none.
+function renderProblems(api) {
+  const box = document.getElementById("problems");
+  const list = box.querySelector("ul");
+  list.textContent = "";
+  for (const p of api.problems || []) {
+    const li = document.createElement("li");
+    const who = document.createElement("strong");
+    who.textContent = p.target + ": ";
+    li.append(who, p.problem);
+    list.appendChild(li);
+  }
+  box.hidden = list.children.length === 0;
+}
+
 async function poll() {
   let delay = 2000;
   try {
@@ -206,6 +221,7 @@ async function poll() {
     const api = await resp.json();
     delay = Math.max(500, (api.interval_s || 2) * 1000);
     renderBadges(api);
+    renderProblems(api);
     renderTiles(api);
     for (const chart of CHARTS) renderChart(chart, api);
     state.updates++;

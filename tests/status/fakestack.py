@@ -108,6 +108,7 @@ class FakeStack:
         self.t_rank_examples = Counter("driftline_trainer_rank_examples_total", "Examples.", ["model", "rank"], registry=r)
         self.t_rank_steps = Counter("driftline_trainer_rank_steps_total", "Steps.", ["model", "rank"], registry=r)
         self.t_rank_comm = Counter("driftline_trainer_rank_comm_seconds_total", "Comm.", ["model", "rank"], registry=r)
+        self.t_elsewhere = Gauge("driftline_trainer_group_partitions_elsewhere", "Partitions.", registry=r)
 
     def _build_serving(self) -> None:
         r = self.serving = CollectorRegistry()
@@ -117,6 +118,13 @@ class FakeStack:
                                    registry=r)
         self.s_version = Gauge("driftline_serving_model_version", "Version.", ["model_id", "kind"], registry=r)
         self.s_stale = Gauge("driftline_serving_model_staleness_seconds", "Staleness.", ["model_id", "kind"], registry=r)
+        self.s_emptied = Gauge("driftline_serving_feature_store_emptied", "Emptied.", registry=r)
+
+    def faults(self, on: bool) -> None:
+        """Raise (or clear) two fault flags: another consumer in the trainer's group, serving's
+        feature store emptied."""
+        self.t_elsewhere.set(2 if on else 0)
+        self.s_emptied.set(1 if on else 0)
 
     def _step(self, elapsed: float) -> None:
         rng = self.rng

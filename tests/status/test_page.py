@@ -58,6 +58,7 @@ def test_endpoints_over_http_with_one_service_down(fake_stack, status_server) ->
         assert 'driftline_status_scrape_errors_total{kind="connect",target="dumper"}' in own
         assert 'driftline_status_target_up{target="dumper"} 0.0' in own
         assert client.get("/healthz").json() == {"ok": True}
+        assert api["problems"] == []  # (the dumper is down: its badge says so)
 
 
 def test_page_in_headless_chromium_has_live_charts_and_no_console_errors(fake_stack, status_server,
@@ -91,7 +92,17 @@ def test_page_in_headless_chromium_has_live_charts_and_no_console_errors(fake_st
     assert 0.5 < auc < 1
     assert page.text_content("#tile-version").strip() != "– / –"
     assert page.text_content("#tile-event-time").startswith("2000-12")
+    # What is wrong now: hidden while nothing is, a line per fault flag while it is up.
+    assert page.locator("#problems").is_hidden()
+    fake_stack.faults(True)
+    page.wait_for_function("document.querySelectorAll('#problems li').length === 2", timeout=10_000)
+    assert page.locator("#problems").is_visible()
+    lines = page.locator("#problems li").all_text_contents()
+    assert lines[0].startswith("trainer: another consumer in the trainer's group holds 2 partitions"), lines
+    assert lines[1].startswith("serving: the feature store lost the loaded features"), lines
     shot = Path(os.environ.get("DRIFTLINE_STATUS_SCREENSHOT", tmp_path / "status.png"))
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000
+    fake_stack.faults(False)
+    page.wait_for_function("document.getElementById('problems').hidden", timeout=10_000)
     assert browser_page.errors == []

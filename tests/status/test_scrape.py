@@ -147,6 +147,45 @@ async def test_per_rank_rates_and_communication_per_step(servers) -> None:
     assert second["rank_comm_ms:0"] == pytest.approx(10.0) and second["rank_comm_ms:1"] == pytest.approx(5.0)
 
 
+def faults_text(disk_paused: int, elsewhere: int, emptied: int, refused: dict[str, int], unavailable: int) -> str:
+    """The fault flags of one service's /metrics (every target exports its own; one here)."""
+    return "\n".join([
+        f'driftline_disk_paused{{service="trainer"}} {disk_paused}',
+        f"driftline_trainer_group_partitions_elsewhere {elsewhere}",
+        f"driftline_serving_feature_store_emptied {emptied}",
+        "driftline_serving_feature_store_evicted 0",
+        *(f'driftline_serving_deltas_skipped_total{{reason="{r}"}} {n}' for r, n in refused.items()),
+        f"driftline_serving_feature_store_unavailable_total {unavailable}",
+    ]) + "\n"
+
+
+async def test_problems_are_the_flags_up_and_the_counters_that_grew_in_the_window(servers) -> None:
+    """A gauge flag is a problem while it is up; a counter, while it grew within the rate window
+    (stale and other-model deltas are routine: not problems). A target that is down has its badge."""
+    quiet = {"stale": 5, "other_model": 1, "non_finite": 0, "bad_shape": 0}
+    svc = servers(faults_text(0, 0, 0, quiet, 3))
+    down = Target("dumper", f"http://127.0.0.1:{free_port()}/metrics")
+    async with Scraper([Target("svc", svc.url), down], OPTS) as scraper:
+        await scraper.scrape_once(now=1000.0)
+        assert scraper.snapshot()["problems"] == []
+        svc.text = faults_text(1, 3, 1, quiet | {"stale": 9, "non_finite": 2, "bad_shape": 1}, 5)
+        await scraper.scrape_once(now=1002.0)
+        problems = scraper.snapshot()["problems"]
+        assert {p["target"] for p in problems} == {"svc"}
+        text = "\n".join(p["problem"] for p in problems)
+        assert len(problems) == 5, text
+        assert "the disk under trainer's data is nearly full" in text
+        assert "another consumer in the trainer's group holds 3 partitions" in text
+        assert "the feature store lost the loaded features" in text
+        assert "3 parameter-delta chunks refused in the last 10 s (bad_shape, non_finite)" in text
+        assert "2 /rank requests answered 503 in the last 10 s" in text
+        # the flags cleared, the counters still: the increases leave the window
+        svc.text = faults_text(0, 0, 0, quiet | {"stale": 9, "non_finite": 2, "bad_shape": 1}, 5)
+        await scraper.scrape_once(now=1013.0)
+        await scraper.scrape_once(now=1024.0)
+        assert scraper.snapshot()["problems"] == []
+
+
 async def test_a_service_down_leaves_a_gap_and_a_red_badge_never_an_exception(servers) -> None:
     serving = servers(serving_text(0, 0, LE0, 1))
     trainer = servers(trainer_text(0.6, 0, 10))
@@ -224,3 +263,18 @@ def test_targets_default_to_every_service_of_the_stack() -> None:
     configured = resolve_targets(StatusSettings(targets=["a=http://h:1/metrics", "http://h:2/metrics"]))
     assert configured == [Target("a", "http://h:1/metrics"), Target("h:2", "http://h:2/metrics")]
     assert parse_target(" x = http://h:3/metrics ") == Target("x", "http://h:3/metrics")
+
+
+def test_every_problem_reads_a_metric_a_service_exports() -> None:
+    """The problems' metric names are the services' own (a renamed metric would silence its flag)."""
+    import importlib
+
+    from prometheus_client import REGISTRY
+
+    from status.problems import FLAGS, SURGES
+
+    for module in ("services.disk", "trainer.metrics", "serving.metrics"):  # (each registers its metrics)
+        importlib.import_module(module)
+    families = list(REGISTRY.collect())
+    exported = {f.name + ("_total" if f.type == "counter" else "") for f in families}
+    assert [rule.metric for rule in (*FLAGS, *SURGES) if rule.metric not in exported] == []

@@ -1,0 +1,101 @@
+"""What is wrong now, in words: the fault flags the services export, for the top of the status page.
+
+Each service says in a metric when it stopped doing its job or does it worse: a disk nearly full
+pauses its input (:mod:`services.disk`), another consumer in the trainer's group pauses the trainer
+(:mod:`trainer.group_share`), a feature store that lost its features or evicts keys makes serving
+mark its answers degraded (:mod:`serving.store_watch`), a parameter delta with NaNs is refused
+(:mod:`serving.refused_deltas`). A chart does not show any of it: a flat line looks the same whether
+its service is idle or stuck. :func:`problems` reads the latest scrape of every target (the
+gauges) and the rate window (the counters' increase) and returns one line per problem and target;
+``/api/series`` carries them and the page lists them above its charts.
+
+>>> from status.options import Target
+>>> trainer = TargetState(Target("trainer", "http://t/metrics"), up=True)
+>>> trainer.history.append((10.0, {"driftline_trainer_group_partitions_elsewhere": [({}, 2.0)],
+...                                "driftline_disk_paused": [({"service": "trainer"}, 0.0)]}))
+>>> for p in problems([trainer], now=10.0, window_s=30.0):
+...     print(p["target"], "|", p["problem"])
+trainer | another consumer in the trainer's group holds 2 partitions of the examples: the trainer learns and publishes nothing until it leaves
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from status.series import Labels, Match, increases
+from status.targets import TargetState
+
+__all__ = ["problems"]
+
+
+def _all(_: Labels) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A gauge that means trouble while ``bad(value)``; ``text`` is formatted with the sample's
+    labels and ``n``, its value."""
+
+    metric: str
+    text: str
+    bad: Callable[[float], bool] = lambda v: v > 0
+
+
+@dataclass(frozen=True)
+class Surge:
+    """A counter whose increase over the rate window means trouble; ``text`` is formatted with
+    ``n`` (the increase), ``window`` (seconds) and ``what`` (``key`` of the labels that grew)."""
+
+    metric: str
+    text: str
+    match: Match = _all
+    key: Callable[[Labels], str] = lambda _: ""
+
+
+FLAGS = (
+    Flag("driftline_disk_paused", "the disk under {service}'s data is nearly full: it takes no input until "
+         "space is freed"),
+    Flag("driftline_trainer_group_partitions_elsewhere", "another consumer in the trainer's group holds {n:.0f} "
+         "partitions of the examples: the trainer learns and publishes nothing until it leaves"),
+    Flag("driftline_serving_feature_store_emptied", "the feature store lost the loaded features (Redis "
+         "restarted empty or was flushed): answers are marked degraded and not logged for training"),
+    Flag("driftline_serving_feature_store_evicted", "Redis evicted keys since the features were loaded: "
+         "answers are marked degraded and not logged for training"),
+)
+SURGES = (
+    Surge("driftline_serving_deltas_skipped_total", "{n:.0f} parameter-delta chunks refused in the last "
+          "{window:.0f} s ({what}): dead-lettered, the served model keeps its last good version",
+          match=lambda lab: lab.get("reason") not in ("stale", "other_model"), key=lambda lab: lab.get("reason", "")),
+    Surge("driftline_serving_feature_store_unavailable_total", "{n:.0f} /rank requests answered 503 in the "
+          "last {window:.0f} s: the feature store did not answer in time"),
+)
+
+
+class _Fill(dict):
+    """Labels for a sentence; one the sample lacks reads ``?`` (a service of another version)."""
+
+    def __missing__(self, key: str) -> str:
+        return "?"
+
+
+def problems(states: Sequence[TargetState], now: float, window_s: float) -> list[dict[str, str]]:
+    """``[{"target": name, "problem": sentence}]`` for every flag up and every surge in the window,
+    target by target (a target that is down has its badge; its flags are not read)."""
+    out = []
+    for st in states:
+        cur = st.current
+        if cur is None:
+            continue
+        for flag in FLAGS:
+            for labels, v in cur.get(flag.metric, ()):
+                if flag.bad(v):
+                    out.append({"target": st.target.name, "problem": flag.text.format_map(_Fill(labels, n=v))})
+        for surge in SURGES:
+            got = increases([st], now, window_s, surge.metric, surge.match, surge.key)
+            grown = {k: n for k, n in (got[0] if got else {}).items() if n > 0}
+            if grown:
+                text = surge.text.format(n=sum(grown.values()), window=window_s, what=", ".join(sorted(grown)))
+                out.append({"target": st.target.name, "problem": text})
+    return out

@@ -11,8 +11,11 @@ import time
 import uuid
 from collections.abc import Callable
 
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, generate_latest
 
+from status.options import StatusSettings, Target
+from status.scrape import Scraper
+from tests.status.fakestack import MetricsServer
 from trainer.config import deepfm_config
 from trainer.data import MovieLensData, produce_examples
 from trainer.online import OnlineTrainer
@@ -25,6 +28,13 @@ async def _until(what: str, ok: Callable[[], bool], timeout_s: float = 120.0) ->
     while not ok():
         assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}"
         await asyncio.sleep(0.1)
+
+
+async def _shown_on_the_status_page(url: str) -> bool:
+    """Whether the status page, scraping ``url``, says the trainer's group is shared."""
+    async with Scraper([Target("trainer", url)], StatusSettings()) as scraper:
+        await scraper.scrape_once()
+    return any("another consumer in the trainer's group" in p["problem"] for p in scraper.problems)
 
 
 async def test_a_second_trainer_in_the_group_makes_both_wait_and_publish_nothing(settings, tmp_path) -> None:
@@ -43,6 +53,8 @@ async def test_a_second_trainer_in_the_group_makes_both_wait_and_publish_nothing
     await _until("both see the group shared", lambda: first.group_share.sharing and second.group_share.sharing)
     published = len(await read_topic(settings, settings.topics.param_deltas, timeout_s=1.0))
     assert REGISTRY.get_sample_value("driftline_trainer_group_partitions_elsewhere") > 0
+    metrics = MetricsServer(render=lambda: generate_latest(REGISTRY))  # (this process's /metrics: both trainers')
+    assert await _shown_on_the_status_page(metrics.url)
     await produce_examples(settings, examples[1_000:])
     await asyncio.sleep(4.0)
     assert (first.examples_applied, second.examples_applied) == (1_000, 0)
@@ -58,3 +70,5 @@ async def test_a_second_trainer_in_the_group_makes_both_wait_and_publish_nothing
     assert result["examples_applied"] == 2_000 and result["duplicates"] == 0, result
     assert len(await read_topic(settings, settings.topics.param_deltas, timeout_s=1.0)) > published
     assert REGISTRY.get_sample_value("driftline_trainer_group_partitions_elsewhere") == 0
+    assert not await _shown_on_the_status_page(metrics.url)
+    metrics.stop()

@@ -9,7 +9,8 @@ replay runs:
    ``/actions`` without ``event_time_ms``); ``watermark_moved_by_wall_clock`` counts the joiner's
    features partitions whose watermark then lies within a year of now (the data is from 2000-2003);
 2. **a NaN dense delta** (the served model's own head, one value NaN) on ``param-deltas``;
-   ``nan_scores_served`` counts non-finite scores of the ``/rank`` answers after it;
+   ``nan_scores_served`` counts non-finite scores of the ``/rank`` answers after it (and
+   ``status_page_after_nan_delta``: what the status page lists then);
 3. **500 concurrent ``/rank``** for 3 s; ``unmarked_degraded_answers`` counts 200s scored on default
    features (``user_known: false``: every ml-1m user is in the store) without the degraded header;
 4. **kill -9 of Redis**; ``features_restored_after_redis_restart``: the restarted one holds the
@@ -27,7 +28,9 @@ replay runs:
 7. **disk full**: the var dir's tmpfs filled to below the pause threshold for 30 s, then freed;
    ``stack_survived_disk_full``: ``up`` still runs, nothing crash-looped, and afterwards the joiner,
    the dumper and the trainer make progress again by themselves (serving answers ``/rank`` 503
-   while its spool's disk is full: ``rank_codes_while_full``, ``disk_paused_while_full``);
+   while its spool's disk is full: ``rank_codes_while_full``, ``disk_paused_while_full``; the
+   status page's "what is wrong now" at that moment: ``status_page_while_full``, and the paused
+   services it does not name: ``disk_full_paused_but_not_on_status_page``);
 8. **damaged stores**: ``CURRENT`` garbled (RocksDB cannot open them) in the joiner's partition
    stores, the dumper's store and serving's feature-log spools, and bytes garbled early in Redis's
    append-only file (inside the features load), then kill -9 of the four; ``stores_rebuilt_after_damage``: each
@@ -84,6 +87,14 @@ def _post(stack: LoopStack, path: str, body: dict, timeout: float = 10.0) -> tup
     except ValueError:
         data = {}
     return r.status_code, dict(r.headers), data
+
+
+def _status_problems(stack: LoopStack) -> list[str]:
+    """What the stack's status page lists as wrong now (``status.problems``), one "target: problem" each."""
+    import json
+
+    code, body = stack.get(f"http://127.0.0.1:{stack.status_port}/api/series?since={time.time()}")
+    return [f"{p['target']}: {p['problem']}" for p in json.loads(body)["problems"]] if code == 200 else [f"HTTP {code}"]
 
 
 def _watermarks(stack: LoopStack, stream: str) -> dict[int, int]:
@@ -205,12 +216,14 @@ def nan_dense_delta(stack: LoopStack) -> dict:
             bad += sum(1 for it in body["items"] if not math.isfinite(it["score"]))
     after = stack.json("/readyz")["model_version"]
     n_refused = refused() - before
+    shown = _status_problems(stack)
     log(f"NaN dense delta v{version['dense_version'] + 1}: {bad} non-finite scores in {answered} answers; "
         f"serving at dense v{after['dense_version']}; {n_refused:.0f} chunk(s) refused (non-finite or stale)")
     # kept: serving still at the version it had, or (the trainer may publish its own next dense
     # version in those seconds, with the poisoned one's number) it refused the poisoned chunk
     return {"nan_scores_served": bad, "nan_answers_checked": answered, "nan_delta_refused": n_refused >= 1,
-            "dense_version_kept": after["dense_version"] == version["dense_version"] or n_refused >= 1}
+            "dense_version_kept": after["dense_version"] == version["dense_version"] or n_refused >= 1,
+            "status_page_after_nan_delta": shown}
 
 
 def overload(stack: LoopStack) -> dict:
@@ -417,6 +430,7 @@ def disk_full(stack: LoopStack, mount: Path | None, hold_s: float) -> dict:
     label = {"joiner": "joiner", "dumper": DUMPER, "trainer": "trainer", "serving": "serving"}
     paused = {s: _metric(stack, s, "driftline_disk_paused", {"service": label[s]}) for s in label}
     codes = [_post(stack, "/rank", {"user_id": 5, "candidates": [{"item_id": 1}]})[0] for _ in range(5)]
+    shown = _status_problems(stack)
     alive_while_full = stack.proc.poll() is None
     at_freeing = {name: f() for name, f in progress.items()}
     fill.unlink()
@@ -437,7 +451,9 @@ def disk_full(stack: LoopStack, mount: Path | None, hold_s: float) -> dict:
     restarts = {k: v.get("restarts", 0) - before_state.get(k, {}).get("restarts", 0) for k, v in after_state.items()}
     survived = alive_while_full and stack.proc.poll() is None and all(resumed.values()) and crash_loops == 0
     log(f"disk full: resumed {resumed} within {time.monotonic() - freed_at:.0f} s; restarts {restarts}")
+    named = [s for s in label if paused[s] and not any(p.startswith(f"{s}: the disk under ") for p in shown)]
     return {"stack_survived_disk_full": survived, "disk_paused_while_full": paused, "rank_codes_while_full": codes,
+            "disk_full_paused_but_not_on_status_page": named, "status_page_while_full": shown,
             "resumed_after_freeing": resumed, "restarts_during_disk_full": restarts,
             "crash_loops_during_disk_full": crash_loops}
 

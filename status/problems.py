@@ -4,7 +4,8 @@ Each service says in a metric when it stopped doing its job or does it worse: a 
 pauses its input (:mod:`services.disk`), another consumer in the trainer's group pauses the trainer
 (:mod:`trainer.group_share`), a feature store that lost its features or evicts keys makes serving
 mark its answers degraded (:mod:`serving.store_watch`), a parameter delta with NaNs is refused
-(:mod:`serving.refused_deltas`). A chart does not show any of it: a flat line looks the same whether
+(:mod:`serving.refused_deltas`), a record is dead-lettered, the broker's data was reset
+(:mod:`services.broker_reset`). A chart does not show any of it: a flat line looks the same whether
 its service is idle or stuck. :func:`problems` reads the latest scrape of every target (the
 gauges) and the rate window (the counters' increase) and returns one line per problem and target;
 ``/api/series`` carries them and the page lists them above its charts.
@@ -65,11 +66,21 @@ FLAGS = (
          "answers are marked degraded and not logged for training"),
 )
 SURGES = (
-    Surge("driftline_serving_deltas_skipped_total", "{n:.0f} parameter-delta chunks refused in the last "
-          "{window:.0f} s ({what}): dead-lettered, the served model keeps its last good version",
+    Surge("driftline_serving_deltas_skipped_total", "parameter-delta chunks refused in the last {window:.0f} s: "
+          "{n:.0f} ({what}), dead-lettered; the served model keeps its last good version",
           match=lambda lab: lab.get("reason") not in ("stale", "other_model"), key=lambda lab: lab.get("reason", "")),
-    Surge("driftline_serving_feature_store_unavailable_total", "{n:.0f} /rank requests answered 503 in the "
-          "last {window:.0f} s: the feature store did not answer in time"),
+    Surge("driftline_serving_feature_store_unavailable_total", "/rank requests answered 503 in the last {window:.0f} s "
+          "because the feature store did not answer in time: {n:.0f}"),
+    Surge("driftline_trainer_non_finite_deltas_total", "parameter versions not published in the last {window:.0f} s "
+          "because a value was NaN or infinite: {n:.0f}"),
+    Surge("driftline_trainer_snapshots_unreadable_total", "damaged snapshots a restore skipped for older ones in the "
+          "last {window:.0f} s: {n:.0f}"),
+    Surge("driftline_dead_letters_total", "records dead-lettered in the last {window:.0f} s: {n:.0f} ({what})",
+          key=lambda lab: f"{lab.get('topic', '?')}: {lab.get('kind', '?')}"),
+    Surge("driftline_broker_resets_total", "the broker's data was reset (a new epoch): the services follow it"),
+    Surge("driftline_broker_reset_lost_total", "records that lived only in the broker when it was reset: "
+          "{n:.0f} ({what})",
+          key=lambda lab: lab.get("topic", "?")),
 )
 
 

@@ -156,6 +156,7 @@ def faults_text(disk_paused: int, elsewhere: int, emptied: int, refused: dict[st
         "driftline_serving_feature_store_evicted 0",
         *(f'driftline_serving_deltas_skipped_total{{reason="{r}"}} {n}' for r, n in refused.items()),
         f"driftline_serving_feature_store_unavailable_total {unavailable}",
+        f'driftline_dead_letters_total{{service="joiner",topic="features",kind="decode"}} {unavailable // 2}',
     ]) + "\n"
 
 
@@ -173,12 +174,13 @@ async def test_problems_are_the_flags_up_and_the_counters_that_grew_in_the_windo
         problems = scraper.snapshot()["problems"]
         assert {p["target"] for p in problems} == {"svc"}
         text = "\n".join(p["problem"] for p in problems)
-        assert len(problems) == 5, text
+        assert len(problems) == 6, text
         assert "the disk under trainer's data is nearly full" in text
         assert "another consumer in the trainer's group holds 3 partitions" in text
         assert "the feature store lost the loaded features" in text
-        assert "3 parameter-delta chunks refused in the last 10 s (bad_shape, non_finite)" in text
-        assert "2 /rank requests answered 503 in the last 10 s" in text
+        assert "parameter-delta chunks refused in the last 10 s: 3 (bad_shape, non_finite)" in text
+        assert "/rank requests answered 503 in the last 10 s because the feature store did not answer in time: 2" in text
+        assert "records dead-lettered in the last 10 s: 1 (features: decode)" in text
         # the flags cleared, the counters still: the increases leave the window
         svc.text = faults_text(0, 0, 0, quiet | {"stale": 9, "non_finite": 2, "bad_shape": 1}, 5)
         await scraper.scrape_once(now=1013.0)
@@ -273,7 +275,7 @@ def test_every_problem_reads_a_metric_a_service_exports() -> None:
 
     from status.problems import FLAGS, SURGES
 
-    for module in ("services.disk", "trainer.metrics", "serving.metrics"):  # (each registers its metrics)
+    for module in ("services.disk", "services.metrics", "trainer.metrics", "serving.metrics"):  # (each registers its metrics)
         importlib.import_module(module)
     families = list(REGISTRY.collect())
     exported = {f.name + ("_total" if f.type == "counter" else "") for f in families}

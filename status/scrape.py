@@ -116,10 +116,13 @@ class Scraper:
         await asyncio.gather(*(self._fetch(s, now) for s in self.states))
         try:
             point, meta = derive(self.states, now, self.opts.rate_window_s)
-            self.problems = problems(self.states, now, self.opts.rate_window_s)
         except Exception:
             log.exception("deriving the status series failed")
             point, meta = {}, {}
+        try:
+            self.problems = problems(self.states, now, self.opts.rate_window_s)
+        except Exception:
+            log.exception("reading the services' fault flags failed")
         point = {k: _finite(v) for k, v in point.items()}
         self.times.append(now)
         self.points.append(point)

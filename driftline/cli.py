@@ -43,6 +43,9 @@ def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         except ValueError as err:
             raise StackError(f"--config {args.config}: {str(err).splitlines()[0]}: "
                              f"{str(err).splitlines()[-1].strip()}") from None
+        for path in project.feature_files:  # (the features load would fail in its log, after the broker started)
+            if path is not None and not path.is_file():
+                raise StackError(f"--config {args.config}: [store] names {path}, which is not a file")
         return up(settings, replay_limit=args.replay_limit, speed=args.speed, demo=False, project=project)
     if args.model is not None:
         settings = settings.updated(trainer={"model": _model_arg(args.model)})

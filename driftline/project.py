@@ -214,13 +214,25 @@ class SyncSpec(_Spec):
 
 
 class StoreSpec(_Spec):
-    """``driftline features load --config``: the key columns of the users/items files."""
+    """``driftline features load --config``: the key columns of the users/items files, and the
+    files ``up`` keeps loaded."""
 
     user_key: str | None = None
     item_key: str | None = None
     separator: str | None = None
     #: ``up`` loads the MovieLens demo's features into Redis (the demo's file only)
     movielens: bool = False
+    #: the users / items files (Parquet or CSV) ``up`` loads into Redis at its start and again
+    #: whenever Redis loses them (``features load --watch``), and ``features load --config``
+    #: loads when given no file; a relative path is the project file's folder's
+    users_file: Path | None = None
+    items_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> StoreSpec:
+        if self.movielens and (self.users_file or self.items_file):
+            raise ValueError("store: movielens = true loads the demo's features; leave out users_file and items_file")
+        return self
 
 
 class WarmStartSpec(_Spec):
@@ -344,6 +356,17 @@ class Project:
 
     def model_copy(self, update: dict[str, Any]) -> Project:
         return Project(self.file.model_copy(update=update), self.path)
+
+    def resolve(self, path: Path) -> Path:
+        """A path the file names, as the file means it: a relative one is the file's folder's."""
+        return path if path.is_absolute() or self.path is None else self.path.parent / path
+
+    @property
+    def feature_files(self) -> tuple[Path | None, Path | None]:
+        """``[store]``'s users and items files, each resolved (:meth:`resolve`); (None, None) when it names none."""
+        store = self.file.store
+        return (None if store.users_file is None else self.resolve(store.users_file),
+                None if store.items_file is None else self.resolve(store.items_file))
 
     def feature(self, name: str) -> FeatureSpec:
         return next(f for f in self.file.features if f.name == name)

@@ -138,6 +138,8 @@ user_key = "user_id"
 item_key = "item_id"
 # separator = "|"      # split string cells into bags of ids
 movielens = false      # true loads the MovieLens demo's features (the demo's file only)
+# users_file = "users.parquet"   # `up` loads these into Redis, and again whenever Redis loses them
+# items_file = "items.csv"       # (relative to this file; `features load --config` loads them too)
 
 # Start from a model trained on your history: Parquet examples in the dumper's layout.
 [warm_start]

@@ -61,8 +61,10 @@ class AppService:
     metrics_url: Callable[[Settings], str] | None = None  # /metrics served on the service's own port
     #: settings the service must see as this process resolved them (its environment, by name)
     settings_env: Callable[[Settings], dict[str, str]] = lambda s: {}
-    #: runs where ``up`` loads the MovieLens features (the demo, or a project file's ``[store] movielens``)
-    movielens_features: bool = False
+    #: runs where ``up`` keeps a feature store loaded: the MovieLens features (the demo, or a project
+    #: file's ``[store] movielens``: ``--movielens`` is added to its arguments) or the project file's
+    #: ``[store] users_file`` / ``items_file`` (``features load`` reads them from the project file)
+    store_features: bool = False
     #: what the supervisor's liveness check GETs (None: the service's /metrics where it has a port)
     alive_url: Callable[[Settings], str] | None = None
     #: environment for the demo and ``--model`` runs only: with a project file (``up --config``)
@@ -94,12 +96,12 @@ def _metrics(service: str) -> Callable[[Settings], int]:
 
 # In start order. Each long-running service exports /metrics on its own port.
 APP_SERVICES: list[AppService] = [
-    AppService("features-load", ("features", "load", "--movielens"), blocking=True, movielens_features=True),
+    AppService("features-load", ("features", "load"), blocking=True, store_features=True),
     # ... and whenever Redis loses them (serving/feature_keeper.py): restarted without its data (its
     # append-only file cut at damage: driftline.embedded.repair_redis_aof), flushed, or an external
     # Redis (REDIS_URL) restarted; serving marks its answers degraded until they are back
-    AppService("feature-keeper", ("features", "load", "--movielens", "--watch"),
-               metrics_port=_metrics("feature-keeper"), movielens_features=True),
+    AppService("feature-keeper", ("features", "load", "--watch"),
+               metrics_port=_metrics("feature-keeper"), store_features=True),
     # live traffic, demo or not: sparse clicks leave an actions partition idle, and its watermark
     # must still advance for windows to close
     # (a project file says so itself: [windows] idle_advance_seconds)
@@ -223,17 +225,20 @@ def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external
 def _project_start(settings: Settings, supervisor: Supervisor, project: Project, epoch: str,
                    external_broker: bool) -> list[tuple[str, str]]:
     """What a project file asks of ``up`` before the services: the MovieLens dataset its features
-    come from (``[store] movielens``: the services marked ``movielens_features`` load them) and its
+    come from (``[store] movielens``: the services marked ``store_features`` load them) and its
     warm start (``[warm_start]``: ``trainer batch`` on the user's Parquet examples, written as the
     snapshot the online trainer and serving start from)."""
     rows = [("project", str(project.path))]
+    files = [p for p in project.feature_files if p is not None]  # (``driftline up`` checked they are files)
+    if files:  # (the services marked store_features load them, and again whenever Redis loses them)
+        rows.append(("features", " and ".join(map(str, files)) + " (kept loaded)"))
     if project.store.movielens and project.demo is None:  # (the demo loads them itself)
         from movielens.data import fetch
 
         fetch(settings.replay.dataset, settings.data_dir, progress=True)
     ws = project.warm_start
     if ws.kind == "examples":
-        path = ws.examples_dir if ws.examples_dir.is_absolute() else project.path.parent / ws.examples_dir
+        path = project.resolve(ws.examples_dir)
         snap = settings.model_snapshots(project.name)
         marker = snap / "broker-epoch"
         if external_broker and (snap / "LATEST").exists() and marker.exists() and marker.read_text().strip() == epoch:
@@ -262,6 +267,7 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
     """
     demo = demo or (project is not None and project.demo == "movielens")
     movielens_features = demo or (project is not None and project.store.movielens)
+    store_features = movielens_features or (project is not None and project.feature_files != (None, None))
     supervisor = Supervisor(settings.log_dir)
     e = settings.embedded
 
@@ -274,7 +280,7 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
     rows: list[tuple[str, str]] = []
     infra: list[tuple[str, str]] = []
     try:
-        check_ports_free(stack_ports(settings, demo, movielens_features))  # before anything starts
+        check_ports_free(stack_ports(settings, demo, store_features))  # before anything starts
         if settings.kafka_bootstrap_servers is None:
             supervisor.start(ServiceSpec(
                 "broker", tansu_command(e.host, e.broker_port),
@@ -313,7 +319,7 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
 
         metrics: list[str] = []
         for service in APP_SERVICES:
-            if service.movielens_features and not movielens_features:
+            if service.store_features and not store_features:
                 continue
             ready = service.ready
             legacy = service.legacy_env if project is None else {}
@@ -328,8 +334,9 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
             if service.metrics_url is not None:
                 metrics.insert(0, f"{service.metrics_url(settings)} ({service.name})")
             alive = _alive_url(service, settings)
+            args = (*service.args, "--movielens") if service.store_features and movielens_features else service.args
             spec = ServiceSpec(
-                service.name, _driftline(*service.args), env=env,
+                service.name, _driftline(*args), env=env,
                 ready=(lambda r=ready: r(settings)) if ready else None,
                 oneshot=service.blocking, blocking=service.blocking, ready_timeout_s=service.timeout_s,
                 alive=(lambda u=alive: http_answers(u)) if alive else None,
@@ -363,9 +370,9 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
     return 0 if not failed else 1
 
 
-def stack_ports(settings: Settings, demo: bool, movielens_features: bool | None = None) -> list[Listen]:
-    """Every port ``up`` will listen on, each with the setting that moves it (``movielens_features``:
-    whether it loads them, by default with the demo).
+def stack_ports(settings: Settings, demo: bool, store_features: bool | None = None) -> list[Listen]:
+    """Every port ``up`` will listen on, each with the setting that moves it (``store_features``:
+    whether it keeps a feature store loaded, by default with the demo).
 
     >>> [(p.port, p.what) for p in stack_ports(Settings(), demo=True)][:4]  # doctest: +NORMALIZE_WHITESPACE
     [(9092, 'the embedded broker'), (6379, 'the embedded Redis'), (9105, "the feature-keeper's /metrics"),
@@ -378,7 +385,7 @@ def stack_ports(settings: Settings, demo: bool, movielens_features: bool | None 
     if settings.redis_url is None:
         ports.append(Listen(e.host, e.redis_port, "the embedded Redis", "embedded.redis_port"))
     for service in APP_SERVICES:
-        if service.movielens_features and not (demo if movielens_features is None else movielens_features):
+        if service.store_features and not (demo if store_features is None else store_features):
             continue
         if service.metrics_port is not None:
             port = service.metrics_port(settings)

@@ -279,6 +279,8 @@ def _apply_project(args: argparse.Namespace) -> None:
                          for source in ("user", "item")}
         args.dense = {source: [f.name for f in project.features if f.source == source and f.kind == "dense"]
                       for source in ("user", "item")}
+        if args.users is None and args.items is None and not args.movielens:
+            args.users, args.items = project.feature_files
     args.user_key, args.item_key = args.user_key or "user_id", args.item_key or "item_id"
 
 
@@ -336,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     p_load.add_argument("--users", type=Path, help="users file (.parquet, .pq or .csv): one row per user")
     p_load.add_argument("--items", type=Path, help="items file (.parquet, .pq or .csv): one row per item")
     p_load.add_argument("--config", type=Path, default=settings.project,
-                        help="a project file (driftline.toml): its [store] key columns and separator, and its "
-                             "string features hashed as strings (default: $DRIFTLINE_PROJECT)")
+                        help="a project file (driftline.toml): its [store] key columns and separator, its files "
+                             "when --users/--items are not given, and its string features hashed as strings "
+                             "(default: $DRIFTLINE_PROJECT)")
     p_load.add_argument("--user-key", default=None, help="the users file's id column (default user_id)")
     p_load.add_argument("--item-key", default=None, help="the items file's id column (default item_id)")
     p_load.add_argument("--separator", help="split string cells on this into bags of ids (e.g. '|')")
@@ -361,8 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     files = args.users is not None or args.items is not None
     if files == args.movielens:
-        print("driftline features load: give --users FILE and/or --items FILE, or --movielens (the demo), "
-              "not both", file=sys.stderr)
+        print("driftline features load: give --users FILE and/or --items FILE (or a project file whose [store] "
+              "names them), or --movielens (the demo), not both", file=sys.stderr)
         return 2
     skipped: dict[str, dict[str, str]] = {}
     source, load = _load(args, skipped)

@@ -140,3 +140,18 @@ def test_a_content_feature_feeds_the_encoder_not_a_field() -> None:
     cfg = project.model_config()
     assert set(cfg.slots) == set(cfg.linear) == {"item_id", "user_id"}
     assert cfg.content is not None and cfg.content.slot == "title_words" and "title_words" in cfg.all_slots
+
+
+def test_the_store_files_are_the_project_files_folders_and_not_beside_movielens(tmp_path: Path) -> None:
+    """``[store] users_file`` / ``items_file``: relative to the project file; with ``movielens = true``
+    they are refused (the demo's features are the store's)."""
+    config = tmp_path / "shop" / "driftline.toml"
+    config.parent.mkdir()
+    head = 'name = "shop"\n[[features]]\nname = "item_id"\nsource = "candidate"\n'
+    config.write_text(head + '[store]\nitems_file = "items.csv"\nusers_file = "/srv/users.parquet"\n')
+    assert load_project(config).feature_files == (Path("/srv/users.parquet"), config.parent / "items.csv")
+    config.write_text(head)
+    assert load_project(config).feature_files == (None, None)
+    config.write_text(head + '[store]\nmovielens = true\nitems_file = "items.csv"\n')
+    with pytest.raises(ProjectError, match="movielens = true loads the demo's features; leave out users_file"):
+        load_project(config)

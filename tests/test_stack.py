@@ -204,6 +204,44 @@ def test_up_with_your_own_model_leaves_movielens_out(tmp_path: Path, repo_root: 
     assert not logs & {"warm-start.log", "features-load.log", "feature-keeper.log", "replay.log"}, logs
 
 
+@pytest.mark.timeout(300)
+def test_up_with_a_project_file_keeps_its_feature_files_loaded(tmp_path: Path, repo_root: Path) -> None:
+    """``[store] items_file``: ``up --config`` loads it into Redis, and again after Redis lost it (the
+    feature keeper; a FLUSHALL here); a file that is not there is one line before anything starts."""
+    from driftline.project_template import write_template
+
+    config = tmp_path / "project" / "driftline.toml"
+    config.parent.mkdir()
+    write_template(config)
+    config.write_text(config.read_text().replace("movielens = false", 'movielens = false\nitems_file = "items.csv"', 1))
+    env = _env(tmp_path, repo_root, free_port(), free_port())
+    done = subprocess.run([sys.executable, "-m", "driftline.cli", "up", "--config", str(config)],
+                          env=env, capture_output=True, text=True, timeout=60, cwd=repo_root)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith(f"[store] names {config.parent / 'items.csv'}, which is not a file")
+
+    (config.parent / "items.csv").write_text("item_id,category\n1,shoes\n2,hats\n3,shoes\n")
+    stack = LoopStack.start(tmp_path, repo_root, "--config", str(config), env={"DRIFTLINE_DATA_DIR": str(tmp_path / "data")})
+
+    def keys() -> int:
+        with socket.create_connection(("127.0.0.1", stack.redis_port)) as s:
+            s.sendall(b"DBSIZE\r\n")
+            return int(s.recv(64)[1:].split(b"\r\n")[0])
+
+    try:
+        assert "items.csv (kept loaded)" in stack.text(), stack.text()
+        loaded = stack.wait_for("the items in Redis", lambda: keys() >= 3 and keys(), 120)
+        with socket.create_connection(("127.0.0.1", stack.redis_port)) as s:
+            s.sendall(b"FLUSHALL\r\n")
+            assert s.recv(64).startswith(b"+OK")
+        stack.wait_for("the feature keeper loading them again", lambda: keys() >= loaded, 60)
+    finally:
+        code = stack.stop()
+    assert code == 0, stack.text()
+    assert {"features-load.log", "feature-keeper.log"} <= {p.name for p in stack.log_dir.glob("*.log")}
+    assert "lost" in (stack.log_dir / "feature-keeper.log").read_text()
+
+
 def test_up_with_a_bad_model_file_is_one_actionable_line(tmp_path: Path, repo_root: Path) -> None:
     env = _env(tmp_path, repo_root, free_port(), free_port())
     bad = tmp_path / "model.json"

@@ -96,6 +96,31 @@ def test_the_project_file_names_the_keys_and_the_string_features(redis_url: str,
     assert "column 'brand' is string: a dense feature takes numbers" in capsys.readouterr().err
 
 
+def test_the_project_files_load_when_the_command_names_none(redis_url: str, tmp_path: Path, capsys) -> None:
+    """``[store] items_file`` (relative to the project file): what ``features load --config`` loads
+    without ``--items`` (``up --config`` keeps it loaded); a file on the command line wins."""
+    from services.hashing import string_key
+
+    (tmp_path / "data").mkdir()
+    config = tmp_path / "driftline.toml"
+    config.write_text('name = "shop"\n[store]\nitem_key = "sku"\nitems_file = "data/items.csv"\n'
+                      '[[features]]\nname = "band"\nsource = "item"\n')
+    (tmp_path / "data" / "items.csv").write_text("sku,band\nSKU-1,2\n")
+    other = tmp_path / "other.csv"
+    other.write_text("sku,band\nSKU-1,5\n")
+    prefix = f"projfiles{time.time_ns()}"
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        assert main(["load", "--config", str(config), "--redis-url", redis_url, "--prefix", prefix]) == 0
+        assert raw.get(f"{prefix}:i:{string_key('SKU-1')}").decode() == "band=2"
+        assert "data/items.csv" in capsys.readouterr().out
+        assert main(["load", "--config", str(config), "--items", str(other), "--redis-url", redis_url,
+                     "--prefix", prefix]) == 0
+        assert raw.get(f"{prefix}:i:{string_key('SKU-1')}").decode() == "band=5"
+    finally:
+        raw.close()
+
+
 def test_only_declared_sparse_features_load_and_the_rest_is_named(redis_url: str, tmp_path: Path, capsys) -> None:
     """A users file with more columns than the project declares: the declared sparse features
     load, every other column is skipped and named with the reason (a float column too); without a

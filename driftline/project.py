@@ -2,7 +2,7 @@
 sampling, windows and sync intervals (``driftline.toml``, or the same keys in YAML), validated by
 pydantic. ``driftline init`` writes a commented one (:mod:`driftline.project_template`).
 
-(Near 500 lines: the file's schema, its one mapping onto the settings (:data:`FILE_KEYS`) and onto
+(Over 500 lines: the file's schema, its one mapping onto the settings (:data:`FILE_KEYS`) and onto
 the model config, and their checks are one contract with the user's file.)
 
 A project maps onto two things the rest of driftline already reads:

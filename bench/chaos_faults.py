@@ -1,4 +1,6 @@
 """`make chaos-faults`: the faults an operator meets that `make chaos` does not rehearse (issue 30).
+(Over 500 lines, one module: nine faults on one running stack, each a function with its own
+checks, in the order :func:`run` applies them; the helpers they share come from ``chaos.py``.)
 
 It runs ``driftline up --replay-limit N --speed 0`` (``tests.loopstack``) with its var dir on a
 tmpfs of its own (so the disk can be filled; without the right to mount one, that fault is

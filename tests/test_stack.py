@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from proto import Action, FeatureLog
 from services.kafka import TypedConsumer
@@ -223,19 +224,18 @@ def test_up_with_a_project_file_keeps_its_feature_files_loaded(tmp_path: Path, r
     (config.parent / "items.csv").write_text("item_id,category\n1,shoes\n2,hats\n3,shoes\n")
     stack = LoopStack.start(tmp_path, repo_root, "--config", str(config), env={"DRIFTLINE_DATA_DIR": str(tmp_path / "data")})
 
-    def keys() -> int:
-        with socket.create_connection(("127.0.0.1", stack.redis_port)) as s:
-            s.sendall(b"DBSIZE\r\n")
-            return int(s.recv(64)[1:].split(b"\r\n")[0])
+    client = redis.Redis(host="127.0.0.1", port=stack.redis_port, socket_timeout=5)
+
+    def items() -> int:  # the three items' keys (serving writes keys of its own too)
+        return len(client.keys(f"{Settings().serving.redis_prefix}:i:*"))
 
     try:
         assert "items.csv (kept loaded)" in stack.text(), stack.text()
-        loaded = stack.wait_for("the items in Redis", lambda: keys() >= 3 and keys(), 120)
-        with socket.create_connection(("127.0.0.1", stack.redis_port)) as s:
-            s.sendall(b"FLUSHALL\r\n")
-            assert s.recv(64).startswith(b"+OK")
-        stack.wait_for("the feature keeper loading them again", lambda: keys() >= loaded, 60)
+        stack.wait_for("the items in Redis", lambda: items() == 3, 120)
+        assert client.flushall()
+        stack.wait_for("the feature keeper loading them again", lambda: items() == 3, 60)
     finally:
+        client.close()
         code = stack.stop()
     assert code == 0, stack.text()
     assert {"features-load.log", "feature-keeper.log"} <= {p.name for p in stack.log_dir.glob("*.log")}

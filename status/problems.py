@@ -7,7 +7,8 @@ mark its answers degraded (:mod:`serving.store_watch`), a parameter delta with N
 (:mod:`serving.refused_deltas`), a record is dead-lettered, the broker's data was reset
 (:mod:`services.broker_reset`). A chart does not show any of it: a flat line looks the same whether
 its service is idle or stuck. :func:`problems` reads the latest scrape of every target (the
-gauges) and the rate window (the counters' increase) and returns one line per problem and target;
+gauges) and the rate window (the counters' increase) and returns one line per problem and target,
+and one for a target that answered before and stopped (one that never answered is starting);
 ``/api/series`` carries them and the page lists them above its charts.
 
 >>> from status.options import Target
@@ -93,11 +94,15 @@ class _Fill(dict):
 
 def problems(states: Sequence[TargetState], now: float, window_s: float) -> list[dict[str, str]]:
     """``[{"target": name, "problem": sentence}]`` for every flag up and every surge in the window,
-    target by target (a target that is down has its badge; its flags are not read)."""
+    target by target; a target that answered before and does not now is one line (its flags are
+    not read)."""
     out = []
     for st in states:
         cur = st.current
         if cur is None:
+            if st.up is False and st.last_ok is not None:  # (one that never answered yet is starting: its badge)
+                out.append({"target": st.target.name, "problem": f"stopped answering {now - st.last_ok:.0f} s ago "
+                                                                  f"({st.last_error})"})
             continue
         for flag in FLAGS:
             for labels, v in cur.get(flag.metric, ()):

@@ -215,6 +215,9 @@ async def test_a_service_down_leaves_a_gap_and_a_red_badge_never_an_exception(se
     assert snap["series"]["auc:deepfm"] == [pytest.approx(0.6), None]
     assert snap["series"]["model_version:sparse"] == [1, 2]
     assert snap["series"]["rank_rps"][-1] == pytest.approx(10)
+    # what is wrong now: the trainer, which answered before, stopped; the others never answered (their badges)
+    assert [(p["target"], p["problem"].split(" (")[0]) for p in snap["problems"]] == [
+        ("trainer", "stopped answering 2 s ago")]
 
 
 async def test_restarted_service_counter_reset_counts_from_zero(servers) -> None:

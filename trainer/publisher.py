@@ -55,6 +55,8 @@ class Publisher:
         #: published (:data:`M.EVENT_FRESHNESS`), a sample of each sync's examples
         self.delays: deque[float] = deque(maxlen=100_000)
         self.event_delays: deque[float] = deque(maxlen=100_000)
+        for kind in ("sparse", "dense"):  # exported at 0 from the start: an increase is seen from its first
+            M.NON_FINITE_DELTAS.labels(model_id, kind)
         # (event times, arrival times) in ms of the examples applied since the last sparse sync
         self._unsynced_times: list[tuple[np.ndarray, np.ndarray]] = []
         #: with keep_last_sync_copy, every table's items as of the last sparse sync (for tests)

@@ -69,7 +69,7 @@ def _baseline(state: TargetState, now: float, window_s: float) -> tuple[float, S
 
 
 def increases(states: Iterable[TargetState], now: float, window_s: float, name: str,
-            match: Match = _all, key: Callable[[Labels], str] = lambda _: "") -> tuple[dict[str, float], float] | None:
+              match: Match = _all, key: Callable[[Labels], str] = lambda _: "") -> tuple[dict[str, float], float] | None:
     """Increase of counter ``name`` per ``key(labels)``, summed over targets, and the longest span
     it covers. None when no target has two scrapes in the window. A counter that went down (a
     restarted service) counts from zero."""

@@ -7,7 +7,8 @@ per-record delivery took about two thirds of the worker's time, more than the jo
 
 :func:`install` replaces the fetch loop of one app's consumer by one that hands each fetch's
 records of the ``inputs`` topics, as aiokafka ``ConsumerRecord`` lists, to one coroutine call
-per fetch. Every other record (the table's changelog: recovery and standby replicas) still goes
+per fetch. The table's changelog records (recovery and standby replicas) are applied a fetch at a
+time too (:mod:`joiner.faust_restore`), or, for a partition Faust's recovery does not track,
 record by record through Faust's callback, run inline unless it has to wait (:func:`_deliver`). The records of an input partition keep
 their order; the interleaving of partitions does not matter to the join (see
 :mod:`joiner.core`).
@@ -28,6 +29,8 @@ from typing import Any
 
 from faust.types import TP
 
+from joiner import faust_restore
+
 log = logging.getLogger(__name__)
 Handler = Callable[[list[Any]], Awaitable[None]]
 
@@ -45,6 +48,7 @@ def _fetch_loop_for(inputs: frozenset[str], handler: Handler) -> Callable[..., A
         # per-record work for the input topics; Fetcher runs it as a background task.
         callback, to_message = self.callback, self._to_message
         read_offset = self._read_offset
+        recovery = self.app.tables.recovery
         stopped, fetcher_stopped = self._stopped.is_set, fetcher._stopped.is_set
         try:
             while not (stopped() or fetcher_stopped()):
@@ -75,7 +79,7 @@ def _fetch_loop_for(inputs: frozenset[str], handler: Handler) -> Callable[..., A
                             continue
                     if tp.topic in inputs:
                         batch.extend(recs)
-                    else:
+                    elif not faust_restore.apply(recovery, tp, recs):
                         for r in recs:
                             await _deliver(self, callback(to_message(tp, r)))
                     read_offset[tp] = recs[-1].offset

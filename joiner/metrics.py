@@ -35,6 +35,9 @@ CHANGELOG_BYTES = Counter("driftline_joiner_changelog_bytes_total",
                           "Key + value bytes written to the state changelog (uncompressed, acknowledged).")
 OUTPUT_SPOOL_BYTES = Gauge("driftline_joiner_output_spool_bytes",
                            "Bytes of produced example records kept to produce again after a broker reset.")
+CHANGELOG_RESTORED = Counter("driftline_joiner_changelog_restored_total",
+                             "State changelog records applied to the local stores: rebuilding a partition "
+                             "(active: a takeover, a lost disk) or following one as its standby.", ["kind"])
 STORES_SET_ASIDE = Counter("driftline_joiner_stores_set_aside_total",
                            "Partition stores found damaged at start, moved aside and rebuilt from the changelog.")
 OUTPUT_RESENT = Counter("driftline_joiner_output_resent_total",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from types import SimpleNamespace
 
 import mode
 
@@ -56,6 +57,7 @@ class _Fetching:
         self._buffered_partitions: set = set()
         self._stopped, self.flow_active, self.should_stop = asyncio.Event(), True, False
         self.callback = self._to_message = None
+        self.app = SimpleNamespace(tables=SimpleNamespace(recovery=None))  # (no changelog record reaches it)
 
     async def _wait_next_records(self, timeout: float):
         if not self.fetches:

@@ -295,6 +295,8 @@ class JoinerApp:
         return not app.rebalancing and app.tables.recovery.completed.is_set() and not app.tables.recovery.in_recovery
 
     async def _tick(self) -> None:
+        if not self.app.tables.recovery.in_recovery:  # (also when Faust's own path ended the rebuild)
+            jm.REBUILD_REMAINING.set(0)
         js, w = self.settings.joiner, self.worker
         if w is None or not self._ready() or self.reset_to is not None:
             return

@@ -17,6 +17,9 @@ partition's records is kept), advance the partition's offset, and end the recove
 standbys ready) when no partition has records left. A partition recovery does not track goes
 back to Faust's way (:func:`joiner.faust_fetch._deliver`), as does a table with an
 ``on_changelog_event`` hook (it is called per event; the joiner's table has none).
+
+``driftline_joiner_changelog_rebuild_remaining`` says how many records a rebuild has left (the
+status page lists a rebuild under "What is wrong now": its partitions join nothing meanwhile).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any, NamedTuple
 
 from faust.types import TP
 
-from joiner.metrics import CHANGELOG_RESTORED
+from joiner.metrics import CHANGELOG_RESTORED, REBUILD_REMAINING
 
 __all__ = ["apply"]
 
@@ -72,6 +75,7 @@ def _maybe_done(recovery: Any) -> None:
         recovery.flush_buffers()
         recovery._set_recovery_ended()
         recovery.signal_recovery_end.set()
+    REBUILD_REMAINING.set(max(recovery.active_remaining_total(), 0) if recovery.in_recovery else 0)
     tables = recovery.tables
     if not tables.standbys_ready and not recovery.standby_remaining_total():
         tables.on_standbys_ready()

@@ -38,6 +38,9 @@ OUTPUT_SPOOL_BYTES = Gauge("driftline_joiner_output_spool_bytes",
 CHANGELOG_RESTORED = Counter("driftline_joiner_changelog_restored_total",
                              "State changelog records applied to the local stores: rebuilding a partition "
                              "(active: a takeover, a lost disk) or following one as its standby.", ["kind"])
+REBUILD_REMAINING = Gauge("driftline_joiner_changelog_rebuild_remaining",
+                         "State changelog records left to apply before the partitions this worker took "
+                         "(a takeover, a lost disk) are rebuilt and join again; 0 when none is rebuilding.")
 STORES_SET_ASIDE = Counter("driftline_joiner_stores_set_aside_total",
                            "Partition stores found damaged at start, moved aside and rebuilt from the changelog.")
 OUTPUT_RESENT = Counter("driftline_joiner_output_resent_total",

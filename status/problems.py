@@ -3,7 +3,8 @@
 Each service says in a metric when it stopped doing its job or does it worse: a disk nearly full
 pauses its input (:mod:`services.disk`), another consumer in the trainer's group pauses the trainer
 (:mod:`trainer.group_share`), a feature store that lost its features or evicts keys makes serving
-mark its answers degraded (:mod:`serving.store_watch`), a parameter delta with NaNs is refused
+mark its answers degraded (:mod:`serving.store_watch`), a joiner worker that took partitions over
+rebuilds their state before it joins them (:mod:`joiner.faust_restore`), a parameter delta with NaNs is refused
 (:mod:`serving.refused_deltas`), a record is dead-lettered, the broker's data was reset
 (:mod:`services.broker_reset`). A chart does not show any of it: a flat line looks the same whether
 its service is idle or stuck. :func:`problems` reads the latest scrape of every target (the
@@ -65,6 +66,8 @@ FLAGS = (
          "restarted empty or was flushed): answers are marked degraded and not logged for training"),
     Flag("driftline_serving_feature_store_evicted", "Redis evicted keys since the features were loaded: "
          "answers are marked degraded and not logged for training"),
+    Flag("driftline_joiner_changelog_rebuild_remaining", "rebuilding the join state of partitions it took over "
+         "from the changelog: {n:.0f} records left; those partitions join nothing until it is done"),
 )
 SURGES = (
     Surge("driftline_serving_deltas_skipped_total", "parameter-delta chunks refused in the last {window:.0f} s: "

@@ -1,6 +1,7 @@
 """joiner.faust_restore: a fetch's changelog records applied in one call, with Faust's recovery
-bookkeeping (applied offsets, the end of recovery, standbys ready); records Faust's own buffer
-holds go first; an untracked partition or a table with a per-event hook is left to Faust.
+bookkeeping (applied offsets, the end of recovery, standbys ready, the records left: a metric);
+records Faust's own buffer holds go first; an untracked partition or a table with a per-event
+hook is left to Faust.
 The rebuild on the real broker: test_store_damage.py, test_faust_joiner.py (a drain on an empty
 disk; a takeover by the worker holding the partitions as standby)."""
 
@@ -11,6 +12,7 @@ from collections import Counter
 
 from aiokafka.structs import ConsumerRecord
 from faust.types import TP
+from prometheus_client import REGISTRY
 
 from joiner.faust_restore import apply
 
@@ -49,7 +51,10 @@ class _Recovery:
         self.ended = 0
 
     def need_recovery(self) -> bool:
-        return any(h - self.active_offsets[tp] > 0 for tp, h in self.active_highwaters.items())
+        return self.active_remaining_total() > 0
+
+    def active_remaining_total(self) -> int:
+        return sum(h - self.active_offsets[tp] for tp, h in self.active_highwaters.items())
 
     def standby_remaining_total(self) -> int:
         return sum(max(h - self.standby_offsets[tp], 0) for tp, h in self.standby_highwaters.items())
@@ -79,8 +84,10 @@ def test_a_fetch_is_applied_once_in_order_and_the_recovery_ends_at_the_highwater
     assert apply(rec, t0, _recs(0, range(0, 3)))  # offset 0 again (a re-fetch): skipped
     assert table.applied == [[(b"k0", 0)], [(b"k1", 1), (b"k2", 2)]] and rec.active_offsets[t0] == 2
     assert rec.in_recovery and not rec.signal_recovery_end.is_set()
+    assert REGISTRY.get_sample_value("driftline_joiner_changelog_rebuild_remaining") == 3  # (the status page's line)
     assert apply(rec, t0, _recs(0, range(3, 6)))
     assert rec.active_offsets[t0] == 5 and not rec.in_recovery and rec.signal_recovery_end.is_set()
+    assert REGISTRY.get_sample_value("driftline_joiner_changelog_rebuild_remaining") == 0
     assert not rec.tables.standbys_ready  # the standby still has records to read
     assert apply(rec, t1, _recs(1, range(0, 3)))
     assert rec.standby_offsets[t1] == 2 and rec.tables.standbys_ready and rec.ended == 1

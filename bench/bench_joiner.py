@@ -29,6 +29,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -169,7 +170,8 @@ async def takeover_bench(bootstrap: str, var: Path, n_waiting: int) -> dict:
     killed (-9); a fresh worker (empty disk) is started and one action for a waiting impression
     produced: the seconds from that start to the first example on ``examples``. That includes
     the process start, the group join (which waits out the dead member's session timeout), the
-    rebuild from the changelog and the join."""
+    rebuild from the changelog and the join. ``takeover_rebuild_s`` / ``_records`` / ``_records_per_s``:
+    the rebuild alone, as the fresh worker logs it (:mod:`joiner.faust_restore`)."""
     names = {f"DRIFTLINE_TOPICS__{k.upper()}": f"tk-{k}" for k in ("features", "actions", "examples", "dead_letters")}
     env = {**os.environ, **names, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "DRIFTLINE_VAR_DIR": str(var),
            "DRIFTLINE_TOPICS__PARTITIONS": "1", "DRIFTLINE_JOINER__GROUP_ID": "bench-takeover",
@@ -188,9 +190,9 @@ async def takeover_bench(bootstrap: str, var: Path, n_waiting: int) -> dict:
     var.mkdir(parents=True, exist_ok=True)
     log = open(var / "takeover.log", "ab")
 
-    def worker(name: str) -> subprocess.Popen:
+    def worker(name: str, level: str = "WARNING") -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "joiner", "--store", f"rocksdb://{var / name}"],
-                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                                cwd=ROOT, env={**env, "DRIFTLINE_LOG_LEVEL": level}, stdout=log, stderr=subprocess.STDOUT)
 
     tps = [TopicPartition(settings.topics.features, 0)]
     end = (await tansu_quirks.log_end_offsets(settings, tps))[tps[0]]
@@ -201,7 +203,7 @@ async def takeover_bench(bootstrap: str, var: Path, n_waiting: int) -> dict:
     a.kill()
     a.wait()
     started = time.perf_counter()
-    b = worker("takeover-b")
+    b = worker("takeover-b", "INFO")  # (its rebuild's line: joiner.faust_restore)
     action = Action(request_id="tk0", item_id=1, action_type="click", event_time_ms=t0_ms + 1000)
     await produce(settings, [("actions", b"tk0", action.SerializeToString())])
     out = [TopicPartition(settings.topics.examples, p) for p in range(settings.topics.partitions)]
@@ -213,9 +215,14 @@ async def takeover_bench(bootstrap: str, var: Path, n_waiting: int) -> dict:
     finally:
         b.terminate()
         b.wait(timeout=30)
+    log.close()
+    rebuilt = re.findall(r"rebuilt partitions from (\d+) changelog records in ([\d.]+) s", (var / "takeover.log").read_text())
+    records, rebuild_s = (int(rebuilt[-1][0]), float(rebuilt[-1][1])) if rebuilt else (0, None)
     print(f"takeover: a fresh worker took over a partition with {n_waiting:,} waiting impressions "
-          f"and emitted its first example in {took:.1f} s")
-    return {"takeover_s": round(took, 1), "takeover_waiting": n_waiting}
+          f"and emitted its first example in {took:.1f} s (its rebuild: {records:,} changelog records in {rebuild_s} s)")
+    return {"takeover_s": round(took, 1), "takeover_waiting": n_waiting, "takeover_rebuild_s": rebuild_s,
+            "takeover_rebuild_records": records,
+            "takeover_rebuild_records_per_s": round(records / rebuild_s) if rebuild_s else None}
 
 
 def memory_and_spill_bench(var: Path, target: int, cache_size: int) -> dict:

@@ -48,7 +48,7 @@ def _fetch_loop_for(inputs: frozenset[str], handler: Handler) -> Callable[..., A
         # per-record work for the input topics; Fetcher runs it as a background task.
         callback, to_message = self.callback, self._to_message
         read_offset = self._read_offset
-        recovery = self.app.tables.recovery
+        restore = faust_restore.Restorer(self.app.tables.recovery)
         stopped, fetcher_stopped = self._stopped.is_set, fetcher._stopped.is_set
         try:
             while not (stopped() or fetcher_stopped()):
@@ -79,7 +79,7 @@ def _fetch_loop_for(inputs: frozenset[str], handler: Handler) -> Callable[..., A
                             continue
                     if tp.topic in inputs:
                         batch.extend(recs)
-                    elif not faust_restore.apply(recovery, tp, recs):
+                    elif not restore.apply(tp, recs):
                         for r in recs:
                             await _deliver(self, callback(to_message(tp, r)))
                     read_offset[tp] = recs[-1].offset

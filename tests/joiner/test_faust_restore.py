@@ -14,7 +14,7 @@ from aiokafka.structs import ConsumerRecord
 from faust.types import TP
 from prometheus_client import REGISTRY
 
-from joiner.faust_restore import apply
+from joiner.faust_restore import Restorer
 
 
 class _Table:
@@ -74,29 +74,33 @@ def _recs(p: int, offsets) -> list:
     return [ConsumerRecord("log", p, o, 0, 0, f"k{o}".encode(), b"v", None, 2, 1, ()) for o in offsets]
 
 
-def test_a_fetch_is_applied_once_in_order_and_the_recovery_ends_at_the_highwater() -> None:
+def test_a_fetch_is_applied_once_in_order_and_the_recovery_ends_at_the_highwater(caplog) -> None:
     table = _Table()
     t0, t1 = TP("log", 0), TP("log", 1)
     rec = _Recovery(table, active={t0}, standby={t1}, highwaters={t0: 5, t1: 2})
+    restore = Restorer(rec)
     held = type("Event", (), {"message": _recs(0, [0])[0]})()
     rec.buffers[table].append(held)  # (taken Faust's way before: applied first)
     rec.active_offsets[t0] = 0
-    assert apply(rec, t0, _recs(0, range(0, 3)))  # offset 0 again (a re-fetch): skipped
+    assert restore.apply(t0, _recs(0, range(0, 3)))  # offset 0 again (a re-fetch): skipped
     assert table.applied == [[(b"k0", 0)], [(b"k1", 1), (b"k2", 2)]] and rec.active_offsets[t0] == 2
     assert rec.in_recovery and not rec.signal_recovery_end.is_set()
     assert REGISTRY.get_sample_value("driftline_joiner_changelog_rebuild_remaining") == 3  # (the status page's line)
-    assert apply(rec, t0, _recs(0, range(3, 6)))
+    with caplog.at_level("INFO", "joiner.faust_restore"):
+        assert restore.apply(t0, _recs(0, range(3, 6)))
+    assert "rebuilt partitions from 5 changelog records in" in caplog.text  # (2 + 3: not the re-fetched one)
     assert rec.active_offsets[t0] == 5 and not rec.in_recovery and rec.signal_recovery_end.is_set()
     assert REGISTRY.get_sample_value("driftline_joiner_changelog_rebuild_remaining") == 0
     assert not rec.tables.standbys_ready  # the standby still has records to read
-    assert apply(rec, t1, _recs(1, range(0, 3)))
+    assert restore.apply(t1, _recs(1, range(0, 3)))
     assert rec.standby_offsets[t1] == 2 and rec.tables.standbys_ready and rec.ended == 1
 
 
 def test_what_recovery_does_not_track_is_left_to_faust() -> None:
     table = _Table()
     rec = _Recovery(table, active={TP("log", 0)}, standby=set(), highwaters={TP("log", 0): 3})
-    assert not apply(rec, TP("log", 7), _recs(7, [0]))
+    restore = Restorer(rec)
+    assert not restore.apply(TP("log", 7), _recs(7, [0]))
     table._on_changelog_event = object()  # (Faust calls such a hook per event)
-    assert not apply(rec, TP("log", 0), _recs(0, [0]))
+    assert not restore.apply(TP("log", 0), _recs(0, [0]))
     assert table.applied == [] and rec.active_offsets[TP("log", 0)] == -1

@@ -80,6 +80,8 @@ async def test_kill_9_of_one_of_two_workers_the_other_takes_over(settings: Setti
                 p.send_signal(signal.SIGTERM)
     assert b.wait(timeout=60) == 0, b_log.read_text()[-3000:]
     _drain(env, log, c_dir)  # a machine lost with its disk: its replacement starts empty
+    rebuilt = re.findall(r"rebuilt partitions from (\d+) changelog records", log.read_text())
+    assert rebuilt and int(rebuilt[-1]) > 0, "the rebuild took the changelog a fetch at a time (joiner.faust_restore)"
     examples = await read_examples(settings)
     cfg = join_config({"window_seconds": 120, "negative_sample_rate": 0.3})  # as crash_env sets
     expected = ref_as_map(offline_join(events, cfg, settings.topics.partitions))

@@ -4,8 +4,8 @@ Each service says in a metric when it stopped doing its job or does it worse: a 
 pauses its input (:mod:`services.disk`), another consumer in the trainer's group pauses the trainer
 (:mod:`trainer.group_share`), a feature store that lost its features or evicts keys makes serving
 mark its answers degraded (:mod:`serving.store_watch`), a joiner worker that took partitions over
-rebuilds their state before it joins them (:mod:`joiner.faust_restore`), a parameter delta with NaNs is refused
-(:mod:`serving.refused_deltas`), a record is dead-lettered, the broker's data was reset
+rebuilds their state before it joins them (:mod:`joiner.faust_restore`), a parameter delta with
+NaNs is refused (:mod:`serving.refused_deltas`), a record is dead-lettered, the broker's data was reset
 (:mod:`services.broker_reset`). A chart does not show any of it: a flat line looks the same whether
 its service is idle or stuck. :func:`problems` reads the latest scrape of every target (the
 gauges) and the rate window (the counters' increase) and returns one line per problem and target,

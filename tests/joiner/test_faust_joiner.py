@@ -40,10 +40,10 @@ def _partitions_opened(log: Path) -> set[int]:
 
 def _drain(env: dict[str, str], log: Path, store: Path) -> None:
     """A worker on ``store`` restores every partition and drains. On an empty disk it rebuilds them
-    from the whole changelog (~104k records for the 12k requests here: about a second alone; 17-23 s
-    when Faust took them one at a time, before joiner.faust_restore: the bound is not a speed); on a stopped worker's
-    disk it reads only the changelog past what that worker stored (its active partitions and its
-    standby copies of the others)."""
+    from the whole changelog (~104k records for the 12k requests here: about a second alone, a
+    fetch at a time: joiner.faust_restore; the bound is not a speed); on a stopped worker's disk it
+    reads only the changelog past what that worker stored (its active partitions and its standby
+    copies of the others)."""
     c = _worker(env, log, store, "--until-idle", "1")
     try:
         try:

@@ -29,6 +29,7 @@ import logging
 from collections.abc import Iterable
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from prometheus_client import Gauge
 
 from .metrics import GROUP_ELSEWHERE
 
@@ -40,10 +41,10 @@ log = logging.getLogger(__name__)
 class GroupShare:
     """Whether the last assignment left partitions of ``topic`` to another member of ``group``."""
 
-    def __init__(self, group: str, topic: str) -> None:
-        self.group, self.topic = group, topic
+    def __init__(self, group: str, topic: str, gauge: Gauge = GROUP_ELSEWHERE) -> None:
+        self.group, self.topic, self.gauge = group, topic, gauge
         self.elsewhere: list[int] = []
-        GROUP_ELSEWHERE.set(0)
+        gauge.set(0)
 
     @property
     def sharing(self) -> bool:
@@ -54,14 +55,14 @@ class GroupShare:
         partitions another member holds."""
         mine, whole = set(mine), set(whole)
         was, self.elsewhere = self.elsewhere, sorted(whole - mine)
-        GROUP_ELSEWHERE.set(len(self.elsewhere))
+        self.gauge.set(len(self.elsewhere))
         if self.elsewhere and not was:
-            log.error("another consumer joined the trainer's group %r and holds partitions %s of %s: this trainer "
-                      "trains and publishes nothing until it leaves (one online trainer per group: two would "
-                      "each learn part of the stream and publish over each other; several trainers are "
-                      "`driftline trainer online --nproc N`)", self.group, self.elsewhere, self.topic)
+            log.error("another member of the group %r holds partitions %s of %s: this trainer trains and publishes "
+                      "nothing until it leaves (one online trainer per topic and group: two would each learn part "
+                      "of the stream, or all of it twice, and publish over each other; a trainer of several "
+                      "processes is one `driftline trainer online --nproc N`)", self.group, self.elsewhere, self.topic)
         elif was and not self.elsewhere:
-            log.warning("the trainer's group %r is its own again (all %d partitions of %s): training goes on",
+            log.warning("the group %r is this trainer's own again (all %d partitions of %s): training goes on",
                         self.group, len(whole), self.topic)
         return self.elsewhere
 

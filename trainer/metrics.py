@@ -40,6 +40,10 @@ EVENT_TIME = Gauge("driftline_trainer_event_time_ms",
 GROUP_ELSEWHERE = Gauge("driftline_trainer_group_partitions_elsewhere",
                         "Partitions of the examples topic that another member of the one-process trainer's "
                         "consumer group holds: above 0, it trains and publishes nothing (one trainer per group).")
+CLAIM_ELSEWHERE = Gauge("driftline_trainer_claim_partitions_elsewhere",
+                        "Partitions of the examples topic that another trainer (a one-process trainer, or rank 0 "
+                        "of another set of ranks) with the same trainer.group_id holds in the trainers' claim group "
+                        "<group_id>.claim.<topic>: above 0, this trainer trains and publishes nothing (trainer.claim).")
 TABLE_SIZE = Gauge("driftline_trainer_table_rows", "Rows per PS table.", ["model", "table"])
 PS_ADMITTED = Counter("driftline_ps_admitted_total", "Ids admitted into a PS table (rows created by training).",
                       ["model", "table"])

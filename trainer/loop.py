@@ -38,6 +38,7 @@ from services.settings import Settings
 
 from . import dedup
 from . import metrics as M
+from .claim import ALONE, Claim
 from .commits import Committer
 from .config import ModelConfig
 from .count_baseline import CountBaseline
@@ -80,6 +81,8 @@ class TrainerLoop(LearnedFields):
         self.store = SnapshotStore(self.snapshot_root, cfg, self.topic)
         self.clock = EventClock(int(1000 * ts.snapshot_interval_event_s))
         self.commits: Committer | None = None
+        #: whether another trainer reads the same examples under the same group (rank 0's, in run())
+        self.claim: Claim | None = None
         #: the broker epoch the offsets belong to (None: an external Kafka without one)
         self.epoch: str | None = None
         self.resets = ResetWatch(ts.epoch_check_interval_s, lambda: (self.ingest.highwater, self.applied_offsets))
@@ -212,17 +215,27 @@ class TrainerLoop(LearnedFields):
         and the committer are set up here for every engine, and closed here."""
         if self.rank == 0:
             await self._create_topics()
-        epoch = await self.resets.start(self.settings)
-        await self._restore_at_start(epoch)
-        await self._start_producer()
-        # (a kill -9'd predecessor stays a group member until its session times out: start() waits)
-        self.consumer = self.ingest.consumer = self._consumer()
-        self._start_commits()
+            self.claim = Claim(self.settings, self.topic, self.ts.group_id)
+            await self.claim.start()  # (it joins while the model is restored)
         try:
-            await self._start_input()
-            return await self._loop(stop_when_idle_s, max_examples)
+            epoch = await self.resets.start(self.settings)
+            await self._restore_at_start(epoch)
+            await self._start_producer()
+            # (a kill -9'd predecessor stays a group member until its session times out: start() waits)
+            self.consumer = self.ingest.consumer = self._consumer()
+            self._start_commits()
+            try:
+                await self._start_input()
+                return await self._loop(stop_when_idle_s, max_examples)
+            finally:
+                await self._teardown()
         finally:
-            await self._teardown()
+            if self.claim is not None:
+                await self.claim.stop()
+
+    def _claim_state(self) -> int:
+        """This process' claim (:mod:`trainer.claim`; a trainer not running, or a rank but 0: alone)."""
+        return self.claim.state if self.claim is not None else ALONE
 
     async def _teardown(self) -> None:
         """Stopping (cleanly or not): commit nothing more, close the clients and the epoch watch."""

@@ -76,6 +76,7 @@ from services.settings import Settings
 from . import dedup
 from . import metrics as M
 from .batch import SparseBatch
+from .claim import ALONE
 from .config import ModelConfig
 from .group_share import GroupShare
 from .ingest import NO_HASHES, Decoded, Prepared
@@ -109,6 +110,9 @@ class _Seek(ConsumerRebalanceListener):
                 await self.t.consumer.consumer.seek_to_beginning(tp)
             self.t.unknown_start.add(tp.partition)
         self.t.group_share.check(self.t.consumer.consumer, assigned)
+        if self.t._claim_state() != ALONE:  # (a new assignment starts unpaused)
+            self.t.consumer.consumer.pause(*[tp for tp in assigned if tp.topic == self.t.topic])
+            self.t._claim_paused = True
         self.t.ready.set()
 
 
@@ -137,6 +141,7 @@ class OnlineTrainer(TrainerLoop):
         self.disk = DiskGuard.from_settings("trainer", self.snapshot_root, settings)
         self.group_id = ts.group_id
         self.group_share = GroupShare(ts.group_id, self.topic)
+        self._claim_paused = False  # its partitions paused while the claim says it is not alone
         # torch intra-op threads of the training thread. 1 by default: the other core decodes and
         # assembles the next batch; 2 torch threads plus the decoding thread oversubscribe two
         # cores, and OpenMP's barriers then wait on descheduled threads (10x slower steps measured).
@@ -208,16 +213,36 @@ class OnlineTrainer(TrainerLoop):
     # ------------------------------------------------------------------ sync
     async def sync_sparse(self) -> int:
         """Publish the touched rows as one version (call with no batch in flight); nothing while
-        another member of the group holds partitions (:mod:`trainer.group_share`)."""
-        if self.group_share.sharing:
+        another trainer shares the stream (:meth:`_held`)."""
+        if self._held():
             return 0
         self.model.write_back()
         return await self.publisher.sync_sparse(self.model.tables, self.max_event_time)
 
     async def sync_dense(self) -> None:
-        """Publish the dense params as one version (not while the group is shared)."""
-        if not self.group_share.sharing:
+        """Publish the dense params as one version (not while another trainer shares the stream)."""
+        if not self._held():
             await self.publisher.sync_dense(self.model.head, self.max_event_time, self.sample_rates.rates())
+
+    def _held(self) -> bool:
+        """Whether another trainer shares the stream: another member of this trainer's group holds
+        partitions (:mod:`trainer.group_share`), or another trainer claims the examples under the
+        same group, or the claim is not known yet (:mod:`trainer.claim`)."""
+        return self.group_share.sharing or self._claim_state() != ALONE
+
+    def _follow_claim(self) -> None:
+        """This trainer's partitions paused while its claim says it is not alone, resumed when it
+        is (unless its group is shared: that rebalance's check resumes them)."""
+        held = self._claim_state() != ALONE
+        if held == self._claim_paused:
+            return
+        c = self.consumer.consumer
+        ours = [tp for tp in c.assignment() if tp.topic == self.topic]
+        if held:
+            c.pause(*ours)
+        elif not self.group_share.sharing:
+            c.resume(*ours)
+        self._claim_paused = held
 
     # ------------------------------------------------------------------ training
     def _warm_up(self) -> None:
@@ -400,7 +425,8 @@ class OnlineTrainer(TrainerLoop):
         nxt = _NextBatch()
         queued = self.examples_applied
         while not self.stop_event.is_set():
-            if not begun and not self.group_share.sharing:  # (its first publish: as the group's only trainer)
+            self._follow_claim()
+            if not begun and not self._held():  # (its first publish: as the only trainer)
                 await self._begin()
                 begun = True
             now = time.monotonic()
@@ -423,6 +449,8 @@ class OnlineTrainer(TrainerLoop):
                 if max_examples is not None and queued >= max_examples:
                     break
             now = time.monotonic()
+            if self._held():  # (waiting for another trainer to leave is not being idle)
+                last_data = now
             self.learned.rate(now)
             await self._sync_when_due(now)
             if stop_when_idle_s is not None and not nxt.records and now - last_data >= stop_when_idle_s:
@@ -443,7 +471,7 @@ class OnlineTrainer(TrainerLoop):
         want = max(1, int((self.batch_size - nxt.decoded.examples) / self._per_record))
         recs = await self.consumer.poll(timeout_ms=int(wait * 1000), max_records=want)
         self._stage("poll", time.perf_counter() - t0)
-        if self.unknown_start:
+        if self.unknown_start and not self._claim_paused:  # (recorded once it reads: after its first publish)
             await self._note_starts(recs)
         return recs
 

@@ -19,8 +19,8 @@ rows, named ``shard=r, shard_count=N``; dense by rank 0 only), :class:`trainer.c
 2. *agree* (one ``all_gather`` of a few int64 per rank): whether any rank was asked to stop
    (SIGTERM reaches one rank or all), whether any rank noticed a broker reset, whether every rank
    has been idle ``stop_when_idle_s``, the global max event time (snapshots are due by it), the
-   examples queued, rank 0's clock decisions (sparse / dense sync due) and clock, and each rank's
-   work in its last step (``dist_mode = "auto"``'s input). Every rank then takes the same
+   examples queued, rank 0's clock decisions (sparse / dense sync due), clock and claim, and each
+   rank's work in its last step (``dist_mode = "auto"``'s input). Every rank then takes the same
    decisions without another message;
 3. step (:meth:`DistributedModel.step`, collective; an empty batch on an idle rank; then
    ``trainer.debug_slow_rank``'s sleep on a straggler made on purpose, :mod:`trainer.dist.straggler`), then
@@ -29,6 +29,14 @@ rows, named ``shard=r, shard_count=N``; dense by rank 0 only), :class:`trainer.c
 4. when due: each rank publishes its shard's touched rows; rank 0 the dense weights with the
    sample rates of *all* ranks (their trackers' sums, gathered); every rank snapshots its shard
    (:meth:`RankTrainer.snapshot`).
+
+**One trainer per topic and group** (:mod:`trainer.claim`): the ranks are no members of the
+trainer's group, so rank 0 joins the trainers' claim group and puts what it says into the rounds'
+agreement. While another trainer claims the same examples (a one-process trainer, another set), or
+before rank 0's first claim assignment, no rank polls, and nothing is published: the first
+publication (:meth:`_begin`) waits for the first agreement that says the set is alone, the syncs
+keep their rows touched for later. A batch polled before the agreement that says otherwise is
+trained and booked as usual.
 
 **A failing example** (its loss or gradients not finite, or the step raising on it) fails the
 step on every rank together: the engine's per-rank failure flags (:class:`trainer.dist.model.RankStepError`)
@@ -97,7 +105,7 @@ builds one from a snapshot; learning rates and batch sizes stay the settings'. R
 up (:meth:`GBAModel.close` ``keep_rpc``) until the ranks end. Logged, counted
 (``driftline_trainer_dist_mode_switches_total``) and listed in the result line (``switches``).
 
-One module of about 575 lines because the round, the snapshots, the syncs and the mode switches
+One module of about 610 lines because the round, the snapshots, the syncs and the mode switches
 all act on one rank's state through its one collectives' thread; what needs none of it lives beside
 it (:mod:`trainer.dist.input`, :mod:`trainer.dist.rank_snapshots`, :mod:`trainer.dist.mode_switch`,
 :mod:`trainer.dist.rounds`).
@@ -109,6 +117,7 @@ the same partition, i.e. the same rank.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import os
@@ -128,6 +137,7 @@ from services.settings import Settings
 from .. import metrics as M
 from .. import snapshots
 from ..batch import SparseBatch
+from ..claim import ALONE, UNKNOWN
 from ..config import ModelConfig
 from ..isolate import StepResult, train_isolating, train_isolating_ranks
 from ..loop import TrainerLoop
@@ -137,7 +147,8 @@ from .gba_model import GBAModel, shutdown_rpc, unsupported
 from .input import RankInput, empty_batch, my_partitions  # noqa: F401 - the rule, named here too
 from .mode_switch import AutoSwitch, FileMode, Speed
 from .model import DistributedModel
-from .rounds import CLOCK, DENSE, EVENT, EXAMPLES, IDLE, ORPHAN, RESET, STOP, SYNC, WORK, FreeAgreement, Tally, control_vector
+from .rounds import (CLAIM, CLOCK, DENSE, EVENT, EXAMPLES, IDLE, ORPHAN, RESET, STOP, SYNC, WORK, FreeAgreement, Tally,
+                     control_vector)
 from .straggler import Straggler
 
 log = logging.getLogger(__name__)
@@ -178,6 +189,10 @@ class RankTrainer(TrainerLoop):
         self.regroup = False  # exit with EXIT_REGROUP: another machine's launcher is gone
         self._queued = 0  # examples queued by all ranks in this run (the dense schedule's count)
         self._learned_since_sync = False
+        # rank 0's claim (trainer.claim) as last agreed: the set polls, trains and publishes only
+        # while it is the only trainer of its examples and group; its first publication waits for it
+        self._claim = UNKNOWN
+        self._begun = False
         # switching sync <-> gba (trainer.dist.mode_switch): auto's rule, the project file's mode
         # (rank 0 reads it), this rank's last step's work, the switches made, the old models' counts
         self.straggler = Straggler.for_rank(ts.debug_slow_rank, self.rank)
@@ -288,16 +303,19 @@ class RankTrainer(TrainerLoop):
         """Collective in ``hybrid`` (the deferred sparse updates are applied first: every rank
         publishes rows that hold every round it counts as applied)."""
         await self._coll(self.dm.flush)
+        if self._claim != ALONE:  # (another trainer shares the stream, or not known yet: the rows stay touched)
+            return
         # the group learned since the last sync: every shard makes a version, rows or not (a rank
         # may own none: sequential_embeddings), so serving's per-shard versions all move
         await self.publisher.sync_sparse(self.dm.tables, self.max_event_time, confirm=self._learned_since_sync)
         self._learned_since_sync = False
 
     async def sync_dense(self) -> None:
-        """Collective (the ranks' sample-rate sums are gathered); rank 0 publishes."""
+        """Collective (the ranks' sample-rate sums are gathered); rank 0 publishes (only while the
+        set is the only trainer, as :meth:`sync_sparse`)."""
         states: list = [None] * self.world
         await self._coll(dist.all_gather_object, states, self.sample_rates.state())
-        if self.rank == 0:
+        if self.rank == 0 and self._claim == ALONE:
             rates = rank_snapshots.merged_rates(states, self.ts.sample_rate_half_life).rates()
             await self.publisher.sync_dense(self.dm.head, self.max_event_time, rates)
 
@@ -324,7 +342,7 @@ class RankTrainer(TrainerLoop):
         due = self._syncs_due(now) if self.rank == 0 else None
         return control_vector(stop=stop, idle=idle, reset=reset, examples=examples, event=event,
                               orphan=os.getppid() != self._parent, work_us=work_us, due=due,
-                              clock_us=int(1e6 * (now - self._t0)))
+                              clock_us=int(1e6 * (now - self._t0)), claim=self._claim_state())
 
     async def _agree(self, stop: bool, idle: bool, reset: bool, examples: int, event: int, now: float) -> np.ndarray:
         """The round's control vectors of every rank ``[world, COLUMNS]`` (one all_gather, lockstep)."""
@@ -362,7 +380,6 @@ class RankTrainer(TrainerLoop):
         started = time.time()
         self._schedule_start(time.monotonic())
         self._learned_since_sync = False
-        await self._begin()
         self._last_data, self._queued = time.monotonic(), 0
         while not await (self._free_round if self._free() else self._lockstep_round)(stop_when_idle_s, max_examples):
             pass
@@ -394,7 +411,13 @@ class RankTrainer(TrainerLoop):
         return isinstance(self.dm, GBAModel) and self.world > 1
 
     async def _poll(self, stop_when_idle_s: float | None):
-        """One round's input: ``(prepared or None, now, idle)``."""
+        """One round's input: ``(prepared or None, now, idle)``; none while the set is not the only
+        trainer (the last agreed claim): a batch's time spent waiting, not idle."""
+        if self._claim != ALONE:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop_event.wait(), self.ts.batch_timeout_s)
+            self._last_data = time.monotonic()
+            return None, self._last_data, False
         recs, decoded, polled_at = await self.input.poll_round(self.stop_event)
         now = time.monotonic()
         p = await self.ingest.prepare(recs, polled_at, decoded) if recs else None
@@ -466,6 +489,7 @@ class RankTrainer(TrainerLoop):
 
     def _account(self, ctl: np.ndarray) -> None:
         """The agreed examples (stepped, or about to be in lockstep) and max event time."""
+        self._claim = int(ctl[0, CLAIM])
         self._queued += int(ctl[:, EXAMPLES].sum())
         self._learned_since_sync |= bool(ctl[:, EXAMPLES].any())
         self.max_event_time = max(self.max_event_time, int(ctl[:, EVENT].max()))
@@ -473,6 +497,9 @@ class RankTrainer(TrainerLoop):
     async def _act(self, ctl: np.ndarray, now: float, max_examples: int | None) -> bool:
         """What the agreement decided, taken by every rank alike (syncs, a snapshot, a switch);
         whether to stop."""
+        if not self._begun and self._claim == ALONE:  # (before the first batch: polled after this agreement)
+            await self._begin()
+            self._begun = True
         await self._sync(now, bool(ctl[0, SYNC]), bool(ctl[0, DENSE]))  # rank 0's decisions, for all
         if self.clock.due(self.max_event_time):  # the same global event time on every rank
             await self.sync_sparse()

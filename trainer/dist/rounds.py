@@ -5,7 +5,8 @@ straggler.
 **The vector** (:func:`control_vector`, int64 per rank): whether the rank was asked to stop, is
 idle, saw a broker reset, its launcher is gone; the examples it learned and their max event time;
 its work per step (auto's input, :mod:`trainer.dist.mode_switch`); on rank 0 the time-based sync
-decisions (sparse, dense) and its clock. Every rank takes the same decisions from the gathered
+decisions (sparse, dense), its clock and its claim (:mod:`trainer.claim`: whether the set is
+the only trainer of its examples and group). Every rank takes the same decisions from the gathered
 matrix, with no further message.
 
 **sync / hybrid**: one blocking ``all_gather`` per round (their steps are collectives anyway, so
@@ -63,20 +64,23 @@ __all__ = ["COLUMNS", "FreeAgreement", "Tally", "control_vector"]
 
 # the agreed-upon control vector (int64 per rank); WORK: the rank's speed, its work per step (µs,
 # trainer.dist.rank_trainer's _step; 0: not measured in this mode yet), CLOCK: rank 0's (µs since
-# its run began): auto's inputs
-STOP, IDLE, EXAMPLES, EVENT, SYNC, DENSE, RESET, ORPHAN, WORK, CLOCK = range(10)
-COLUMNS = CLOCK + 1
+# its run began): auto's inputs; CLAIM: rank 0's trainer.claim state (whether the set is the only
+# trainer of its examples and group)
+STOP, IDLE, EXAMPLES, EVENT, SYNC, DENSE, RESET, ORPHAN, WORK, CLOCK, CLAIM = range(11)
+COLUMNS = CLAIM + 1
 
 
 def control_vector(*, stop: bool, idle: bool, reset: bool, examples: int, event: int, orphan: bool,
-                   work_us: int, due: tuple[bool, bool] | None = None, clock_us: int = 0) -> torch.Tensor:
-    """One rank's vector; ``due``: rank 0's (sparse, dense) sync decisions (None elsewhere)."""
+                   work_us: int, due: tuple[bool, bool] | None = None, clock_us: int = 0,
+                   claim: int = 0) -> torch.Tensor:
+    """One rank's vector; ``due``: rank 0's (sparse, dense) sync decisions (None elsewhere), with
+    its clock and claim."""
     v = torch.zeros(COLUMNS, dtype=torch.int64)
     v[STOP], v[IDLE], v[RESET], v[EXAMPLES], v[EVENT] = int(stop), int(idle), int(reset), examples, event
     v[ORPHAN], v[WORK] = int(orphan), work_us
     if due is not None:
         v[SYNC], v[DENSE] = int(due[0]), int(due[1])
-        v[CLOCK] = clock_us
+        v[CLOCK], v[CLAIM] = clock_us, claim
     return v
 
 

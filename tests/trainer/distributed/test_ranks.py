@@ -53,14 +53,15 @@ def _env(settings, tmp: Path) -> dict:
 
 
 def _spawn(settings, tmp: Path, log: Path, snapshot_s: str = "0", idle_s: str = "4",
-           mode: str = "sync", staleness: int = 1, cfg=None, nproc: int = 2, cache_rows: int = 0) -> subprocess.Popen:
+           mode: str = "sync", staleness: int = 1, cfg=None, nproc: int = 2, cache_rows: int = 0,
+           env: dict | None = None) -> subprocess.Popen:
     (tmp / "model.json").write_text((cfg or small_cfg()).model_dump_json())
     return subprocess.Popen([sys.executable, "-m", "trainer", "online", "--sync-interval-s", "1",
                              "--snapshot-interval-event-s", snapshot_s, "--stop-when-idle-s", idle_s,
                              "--batch-size", "512"],
                             env=dict(_env(settings, tmp), DRIFTLINE_TRAINER__DIST_MODE=mode,
                                      DRIFTLINE_TRAINER__STALENESS=str(staleness), DRIFTLINE_TRAINER__NPROC=str(nproc),
-                                     DRIFTLINE_TRAINER__CACHE_ROWS=str(cache_rows)),
+                                     DRIFTLINE_TRAINER__CACHE_ROWS=str(cache_rows), **(env or {})),
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO,
                             start_new_session=True)
 

@@ -62,6 +62,9 @@ FLAGS = (
          "space is freed"),
     Flag("driftline_trainer_group_partitions_elsewhere", "another consumer in the trainer's group holds {n:.0f} "
          "partitions of the examples: the trainer learns and publishes nothing until it leaves"),
+    Flag("driftline_trainer_claim_partitions_elsewhere", "another trainer reads the same examples under the "
+         "same trainer group (a one-process trainer beside a set of ranks, or two sets) and claims {n:.0f} "
+         "partitions: both learn and publish nothing until one leaves"),
     Flag("driftline_serving_feature_store_emptied", "the feature store lost the loaded features (Redis "
          "restarted empty or was flushed): answers are marked degraded and not logged for training"),
     Flag("driftline_serving_feature_store_evicted", "Redis evicted keys since the features were loaded: "

@@ -23,12 +23,16 @@ publishes nothing yet (:data:`UNKNOWN`): one started beside a running one must l
 the stream, nor publish its untrained weights, before it knows. The claim group's session is
 :data:`SESSION_TIMEOUT_MS`, Kafka's smallest by default (``group.min.session.timeout.ms``): a
 first join on tansu waits half of it (tansu quirk 3), and a predecessor killed -9 is expelled
-after it. A claim still unknown after :data:`GIVE_UP_S` (a stuck group coordinator) counts as
-alone, with a warning: the claim guards against a mistake, it must not stop training for good.
+after it. A claim still unknown after :data:`GIVE_UP_S` (a stuck group coordinator, such as tansu
+quirk 6's leader that never assigns) counts as alone, with a warning: the claim guards against a
+mistake, it must not stop training for good.
 
 >>> c = Claim.__new__(Claim)  # (what the states mean; a real one is started on a broker)
->>> c.share, c.known, c._started = GroupShare("g.claim.examples", "examples"), False, None
+>>> c.share, c.known, c._started = GroupShare("g.claim.examples", "examples"), False, time.monotonic()
 >>> c.state == UNKNOWN
+True
+>>> c._started -= GIVE_UP_S  # no assignment for that long: counted as alone
+>>> c.state == ALONE
 True
 >>> _ = c.share.assigned({0, 1, 2, 3}, {0, 1, 2, 3}); c.known = True
 >>> c.state == ALONE

@@ -1,9 +1,9 @@
 """Online training from the ``examples`` topic (Monolith's streaming trainer): the run loop.
 What it shares with a rank of N (restoring, the sync schedule, broker resets, a batch's bookkeeping,
 the clean stop) is :class:`trainer.loop.TrainerLoop`'s; here is the pipelined loop and its step.
-(About 460 lines: the loop, its consumer's rebalance hooks and its two threads' hand-over share
+(About 490 lines: the loop, its consumer's rebalance hooks and its two threads' hand-over share
 one batch in flight and read best together; what stands alone is apart: :mod:`trainer.ingest`,
-:mod:`trainer.publisher`, :mod:`trainer.commits`, :mod:`trainer.group_share`.)
+:mod:`trainer.publisher`, :mod:`trainer.commits`, :mod:`trainer.group_share`, :mod:`trainer.claim`.)
 
 Fetching: this process' consumer fetches, on the event loop. (A loader subprocess fetched while
 each record carried one example: it hid aiokafka's per-record Python. With ~1000 examples per

@@ -19,7 +19,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
+from aiokafka.errors import CommitFailedError, KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 from google.protobuf.message import Message
 
 from proto import DeadLetter
@@ -348,7 +348,9 @@ class TypedConsumer(Generic[M]):
             await self.consumer.commit(dict(offsets) if offsets is not None else None)
         except KafkaError as err:
             # A rebalance took our partitions: the records will be re-delivered to their new owner.
-            log.warning("offset commit failed (%s); uncommitted records will be re-delivered", err)
+            # (A consumer that is no member is refused while the group has one: its caller says so.)
+            if self._join_topics or not isinstance(err, CommitFailedError):
+                log.warning("offset commit failed (%s); uncommitted records will be re-delivered", err)
             raise
         finally:
             metrics.COMMIT_SECONDS.labels(self.service).observe(time.perf_counter() - started)

@@ -79,6 +79,14 @@ Each workaround is also correct on Apache Kafka, so the same code runs against b
    settings are tested against it by the failure of each client's SASL handshake
    (tests/test_kafka_security.py) and end to end over mutual TLS through a TLS front before it
    (tests/kafka_tls.py).
+10. A member that goes without a LeaveGroup (killed -9, or another client at generation 0 without
+    quirk 2's patch) stays in its group until the group's next rebalance, however long ago its
+    session ended (a commit 28 s after a 6 s session was still refused). A commit with no
+    generation, which a manually assigned consumer sends (the trainer's ranks), is accepted only
+    while the group has no member (Kafka's rule too), so it is refused for as long (UNKNOWN_MEMBER_ID,
+    aiokafka's ``CommitFailedError``). Kafka expels the member when its session ends.
+    :func:`expel_departed_members` joins the group once and leaves it: the rebalance that the join
+    starts drops the members that do not rejoin. On Kafka it is a rebalance of the live members.
 """
 
 from __future__ import annotations
@@ -160,6 +168,23 @@ async def true_end_offsets(
                 for tp in tps:
                     result.setdefault(tp, approx[tp])
         return result
+    finally:
+        await stop_consumer(consumer)
+
+
+async def expel_departed_members(settings: Settings, group_id: str, topic: str, timeout_s: float) -> bool:
+    """Quirk 10: join ``group_id`` subscribed to ``topic`` (no record read, nothing committed) and
+    leave again; whether the join completed within ``timeout_s``."""
+    install()  # (its leave: quirk 2)
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers, group_id=group_id, enable_auto_commit=False,
+                                session_timeout_ms=6_000, heartbeat_interval_ms=1_000, **security_options(settings))
+    await consumer.start()
+    try:
+        consumer.subscribe([topic])
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not consumer.assignment() and asyncio.get_running_loop().time() < deadline:
+            await consumer.getmany(timeout_ms=200, max_records=1)  # (records fetched here are not used)
+        return bool(consumer.assignment())
     finally:
         await stop_consumer(consumer)
 

@@ -8,16 +8,34 @@ batch to the training thread: awaited there, it left the thread idle between ste
 The committed offsets only matter without a snapshot (a restart seeks to its snapshot's offsets,
 which the committed ones are ahead of). Offsets read from a broker whose data was reset are never
 committed into the new broker's group: every commit first asks whether a reset happened.
+
+**A consumer that is no member** (the ranks read by manual assignment) commits with no generation,
+which the broker accepts only while the group has no member. A member there (another team's
+consumer with the trainer's group id, a debugging session, or a one-process trainer killed -9 that
+the broker still lists: tansu quirk 10) makes every commit fail, for as long as it stays. That is
+not this trainer's failure and retrying soon does not help: the commits are retried in the
+background every :data:`REFUSED_RETRY_S` while training goes on (the snapshots hold the offsets),
+said once and shown (``driftline_trainer_offset_commits_refused``); now and then (``expel``, rank
+0's) the departed members are expelled by a join (quirk 10's workaround), and a clean stop waits at
+most ``timeout_s`` for the last commit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
 from aiokafka import TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import CommitFailedError, KafkaError
+
+from .metrics import COMMITS_REFUSED
+
+log = logging.getLogger(__name__)
+
+REFUSED_RETRY_S = 2.0  # between tries of a commit the group refuses (a consumer that is no member)
+EXPEL_EVERY_S = 30.0  # between two expulsions of departed members while refused (each a rebalance)
 
 
 class Committer:
@@ -27,11 +45,19 @@ class Committer:
 
     def __init__(self, consumer, topic: str, offsets: Callable[[], dict[int, int]],
                  reset_noticed: Callable[[], Awaitable[bool]], timeout_s: float,
-                 stage: Callable[[str, float], None]):
+                 stage: Callable[[str, float], None], *, member: bool = True,
+                 expel: Callable[[], Awaitable[object]] | None = None):
+        """``member``: whether ``consumer`` is a member of its group (False: manually assigned);
+        ``expel``: for a consumer that is none, what expels the group's departed members."""
         self.consumer, self.topic, self._offsets = consumer, topic, offsets
         self._reset_noticed, self.timeout_s, self._stage = reset_noticed, timeout_s, stage
+        self.member, self._expel = member, expel
         self._task: asyncio.Task | None = None
         self._wanted = False
+        self.refused_since: float | None = None  # (monotonic) the group refuses this non-member's commits
+        self._expelled_at: float | None = None
+        self._stopping_at: float | None = None  # (monotonic) the clean stop's flush began
+        COMMITS_REFUSED.set(0)
 
     def request(self) -> None:
         """Commit the applied offsets in the background, one commit in flight at a time (the next
@@ -58,18 +84,57 @@ class Committer:
                 try:
                     await self.consumer.commit({TopicPartition(self.topic, q): o for q, o in self._offsets().items()})
                     break
-                except KafkaError:
+                except KafkaError as err:
                     # the group is gone with the broker's data (a reset), or rejoining (after one, or
                     # a rebalance): the member keeps its partitions, so the next try commits
                     if await self._reset_noticed():
                         return
+                    if not self.member and isinstance(err, CommitFailedError):
+                        if await self._refused():
+                            return
+                        continue
                     if time.monotonic() >= deadline:
                         raise
                     await asyncio.sleep(0.5)
+            self._accepted()
             self._stage("commit", time.perf_counter() - t0)
 
+    async def _refused(self) -> bool:
+        """The group refused a commit of this non-member: said once, waited out a while, the
+        departed members expelled now and then. Whether to give the commit up (a stop waited
+        ``timeout_s`` for it)."""
+        now = time.monotonic()
+        if self.refused_since is None:
+            self.refused_since = now
+            COMMITS_REFUSED.set(1)
+            log.warning("the broker refuses the offset commits of %s: group %r has a member (a consumer that is no "
+                        "trainer, or one gone without leaving); training goes on, the snapshots hold the offsets, "
+                        "and the commits are retried", self.topic, self.consumer.group_id)
+        if self._stopping_at is not None and now - self._stopping_at >= self.timeout_s:
+            log.error("stopping with the offsets of %s not committed: group %r still has a member; the last snapshot "
+                      "holds them", self.topic, self.consumer.group_id)
+            return True
+        if self._expel is not None and now - self.refused_since >= self.timeout_s and \
+                (self._expelled_at is None or now - self._expelled_at >= EXPEL_EVERY_S):
+            self._expelled_at = now
+            try:
+                await self._expel()
+            except KafkaError as err:
+                log.warning("expelling the departed members of group %r failed: %r", self.consumer.group_id, err)
+        await asyncio.sleep(REFUSED_RETRY_S)
+        return False
+
+    def _accepted(self) -> None:
+        if self.refused_since is not None:
+            log.warning("the broker accepts the offset commits of %s again (refused for %.0f s)", self.topic,
+                        time.monotonic() - self.refused_since)
+            self.refused_since, self._expelled_at = None, None
+            COMMITS_REFUSED.set(0)
+
     async def flush(self) -> None:
-        """Wait until every requested commit is done (raises a failed commit)."""
+        """Wait until every requested commit is done (raises a failed commit; one the group refuses
+        is given up after ``timeout_s``)."""
+        self._stopping_at = time.monotonic()
         if self._task is not None:  # it loops while commits were requested meanwhile
             await self._task
 

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from aiokafka.errors import KafkaError
 
 from services import metrics as service_metrics
+from services import tansu_quirks
 from services.codecs import processing_failed
 from services.kafka import TypedConsumer, create_topics, producer, start_client
 from services.settings import Settings
@@ -60,6 +61,8 @@ class TrainerLoop(LearnedFields):
     the 1-process trainer). Every knob is a field of ``settings.trainer``."""
 
     rank, world = 0, 1
+    #: whether the consumer of ``examples`` is a member of the trainer's group (the ranks: manually assigned)
+    GROUP_MEMBER = True
 
     def __init__(self, settings: Settings, cfg: ModelConfig, stages: tuple[str, ...], *, rank: int | None = None):
         ts = settings.trainer
@@ -251,10 +254,19 @@ class TrainerLoop(LearnedFields):
         await start_client(self._producer, self.settings)
 
     def _start_commits(self) -> None:
-        """The group's offsets, once the consumer exists: every batch done asks for a commit."""
+        """The group's offsets, once the consumer exists: every batch done asks for a commit. A
+        consumer that is no group member (:attr:`GROUP_MEMBER`) has the group's departed members
+        expelled by rank 0 while the group refuses its commits (:mod:`trainer.commits`)."""
+        member = self.GROUP_MEMBER
         self.commits = Committer(self.consumer, self.topic, lambda: self.applied_offsets, self.resets.noticed,
-                                 self.settings.kafka.connect_timeout_s, self._stage)
+                                 self.settings.kafka.connect_timeout_s, self._stage, member=member,
+                                 expel=self._expel_departed if not member and self.rank == 0 else None)
         self.learned.commit = self.commits.request
+
+    async def _expel_departed(self) -> None:
+        s = self.settings
+        log.warning("expelling the departed members of group %r (tansu quirk 10): one join and leave", self.ts.group_id)
+        await tansu_quirks.expel_departed_members(s, self.ts.group_id, self.topic, 3 * s.kafka.session_timeout_ms / 1000)
 
     async def _close_clients(self) -> None:
         self.commits.cancel()

@@ -148,12 +148,13 @@ async def test_per_rank_rates_and_communication_per_step(servers) -> None:
 
 
 def faults_text(disk_paused: int, elsewhere: int, emptied: int, refused: dict[str, int], unavailable: int,
-                rebuilding: int = 0, claimed: int = 0) -> str:
+                rebuilding: int = 0, claimed: int = 0, refused_commits: int = 0) -> str:
     """The fault flags of one service's /metrics (every target exports its own; one here)."""
     return "\n".join([
         f'driftline_disk_paused{{service="trainer"}} {disk_paused}',
         f"driftline_trainer_group_partitions_elsewhere {elsewhere}",
         f"driftline_trainer_claim_partitions_elsewhere {claimed}",
+        f"driftline_trainer_offset_commits_refused {refused_commits}",
         f"driftline_joiner_changelog_rebuild_remaining {rebuilding}",
         f"driftline_serving_feature_store_emptied {emptied}",
         "driftline_serving_feature_store_evicted 0",
@@ -173,17 +174,18 @@ async def test_problems_are_the_flags_up_and_the_counters_that_grew_in_the_windo
         await scraper.scrape_once(now=1000.0)
         assert scraper.snapshot()["problems"] == []
         svc.text = faults_text(1, 3, 1, quiet | {"stale": 9, "non_finite": 2, "bad_shape": 1}, 5, rebuilding=41_000,
-                               claimed=2)
+                               claimed=2, refused_commits=1)
         await scraper.scrape_once(now=1002.0)
         problems = scraper.snapshot()["problems"]
         assert {p["target"] for p in problems} == {"svc"}
         text = "\n".join(p["problem"] for p in problems)
-        assert len(problems) == 8, text
+        assert len(problems) == 9, text
         assert "rebuilding the join state of partitions it took over from the changelog: 41000 records left" in text
         assert "the disk under trainer's data is nearly full" in text
         assert "another consumer in the trainer's group holds 3 partitions" in text
         assert "another trainer reads the same examples under the same trainer group" in text
         assert "claims 2 partitions" in text
+        assert "the broker refuses the trainer ranks' offset commits" in text
         assert "the feature store lost the loaded features" in text
         assert "parameter-delta chunks refused in the last 10 s: 3 (bad_shape, non_finite)" in text
         assert "/rank requests answered 503 in the last 10 s because the feature store did not answer in time: 2" in text

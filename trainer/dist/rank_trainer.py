@@ -166,6 +166,8 @@ class RankError(RuntimeError):
 class RankTrainer(TrainerLoop):
     """Rank ``dist.get_rank()`` of the online trainer; every knob is a field of ``settings.trainer``."""
 
+    GROUP_MEMBER = False  # (its input is assigned by hand: trainer.dist.input)
+
     def __init__(self, settings: Settings, cfg: ModelConfig):
         if not dist.is_initialized():
             raise RankError("torch.distributed is not initialized (start ranks with trainer.dist.launch or torchrun)")

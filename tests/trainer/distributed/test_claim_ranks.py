@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -146,3 +148,62 @@ async def test_a_set_of_ranks_beside_a_one_process_trainer_publishes_nothing(set
     result = await asyncio.wait_for(running, 60)
     assert result["examples_applied"] == N and result["duplicates"] == 0, result
     assert await _deltas(settings) > published
+
+
+async def test_another_kafka_client_in_the_ranks_group_neither_stops_nor_stalls_them(settings, ml_examples, tmp_path) -> None:
+    """A consumer that is no trainer (a debugging session's console consumer, another team's job)
+    subscribes to the examples in the ranks' group, and is then killed -9. It takes nothing from
+    the ranks (they read by manual assignment), but while the group lists a member the broker refuses
+    their commits (they commit with no generation), and tansu lists a member killed -9 until the
+    group's next rebalance (tansu quirk 10): the ranks go on learning (their snapshots hold their
+    offsets), say so, expel the departed member and commit again; nothing stops or restarts."""
+    group = f"driftline-trainer-{uuid.uuid4().hex[:8]}"
+    tps = [TopicPartition(settings.topics.examples, p) for p in range(settings.topics.partitions)]
+
+    def committed(records: int) -> Callable[[], Awaitable[bool]]:
+        async def ok() -> bool:
+            return sum(max(0, o) for o in (await committed_offsets(settings, group, tps)).values()) == records
+        return ok
+
+    half = await produce_examples(settings, ml_examples[:N // 2])
+    with _ranks(settings, tmp_path, group) as ranks:
+        await _until("the ranks learned the first half", committed(half), ranks.logs)
+        other = subprocess.Popen([sys.executable, "-c", OTHER_CONSUMER, settings.bootstrap_servers, group,
+                                  settings.topics.examples], stdout=subprocess.PIPE, text=True)
+        try:
+            assert other.stdout is not None and other.stdout.readline().strip() == "assigned"
+            rest = await produce_examples(settings, ml_examples[N // 2:])
+            await _until("the ranks say their commits are refused",
+                         _logged(ranks, "the broker refuses the offset commits"), ranks.logs)
+        finally:
+            other.kill()  # (-9: it stays listed in the group)
+            other.wait()
+        await _until("the ranks expelled it and committed what they learned", committed(half + rest), ranks.logs)
+        assert "the broker accepts the offset commits of" in ranks.logs()
+        res = ranks.stopped()
+    assert "exited with" not in ranks.logs(), ranks.logs()[-3000:]  # (the launcher restarted nothing)
+    assert sum(r["examples_applied"] for r in res.values()) == N and sum(r["duplicates"] for r in res.values()) == 0
+
+
+def _logged(ranks: _Ranks, text: str) -> Callable[[], Awaitable[bool]]:
+    async def ok() -> bool:
+        return text in ranks.logs()
+    return ok
+
+
+# another client's consumer in the group: says "assigned" once it holds partitions, then reads on
+OTHER_CONSUMER = """
+import asyncio, sys
+from aiokafka import AIOKafkaConsumer
+async def main(bootstrap, group, topic):
+    c = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=group, session_timeout_ms=6000,
+                         heartbeat_interval_ms=1000, enable_auto_commit=False)
+    await c.start()
+    said = False
+    while True:
+        await c.getmany(timeout_ms=200)
+        if c.assignment() and not said:
+            print("assigned", flush=True)
+            said = True
+asyncio.run(main(*sys.argv[1:]))
+"""

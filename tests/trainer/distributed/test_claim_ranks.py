@@ -50,6 +50,14 @@ class _Ranks:
     def logs(self) -> str:
         return self.log.read_text()
 
+    def committed(self, records: int) -> Callable[[], Awaitable[bool]]:
+        """Whether the ranks' offsets in their group (what they learned) sum to ``records``."""
+        tps = [TopicPartition(self.settings.topics.examples, p) for p in range(self.settings.topics.partitions)]
+
+        async def ok() -> bool:
+            return sum(max(0, o) for o in (await committed_offsets(self.settings, self.group, tps)).values()) == records
+        return ok
+
     def claimed_twice(self, trainer: OnlineTrainer) -> Callable[[], Awaitable[bool]]:
         """Whether the one-process trainer and the ranks (their log) both see the examples claimed twice."""
         async def ok() -> bool:
@@ -83,16 +91,9 @@ def _trainer(settings, group: str) -> OnlineTrainer:
 
 async def test_a_one_process_trainer_beside_a_set_of_ranks_makes_both_wait(settings, ml_examples, tmp_path) -> None:
     group = f"driftline-trainer-{uuid.uuid4().hex[:8]}"
-    tps = [TopicPartition(settings.topics.examples, p) for p in range(settings.topics.partitions)]
-
-    def committed(records: int) -> Callable[[], Awaitable[bool]]:  # the ranks' offsets in the group: what they learned
-        async def ok() -> bool:
-            return sum(max(0, o) for o in (await committed_offsets(settings, group, tps)).values()) == records
-        return ok
-
     half = await produce_examples(settings, ml_examples[:N // 2])
     with _ranks(settings, tmp_path, group) as ranks:
-        await _until("the ranks learned the first half", committed(half), ranks.logs)
+        await _until("the ranks learned the first half", ranks.committed(half), ranks.logs)
         await asyncio.sleep(1.5)  # (their sync of it)
 
         newcomer = _trainer(settings.model_copy(update={"var_dir": tmp_path / "another-machine"}), group)
@@ -102,7 +103,7 @@ async def test_a_one_process_trainer_beside_a_set_of_ranks_makes_both_wait(setti
         published = await _deltas(settings)
         rest = await produce_examples(settings, ml_examples[N // 2:])
         await asyncio.sleep(5.0)
-        assert await committed(half)(), "the ranks went on learning beside another trainer"
+        assert await ranks.committed(half)(), "the ranks went on learning beside another trainer"
         assert newcomer.examples_applied == 0
 
         newcomer.stop_event.set()  # (its clean stop publishes nothing either)
@@ -110,7 +111,7 @@ async def test_a_one_process_trainer_beside_a_set_of_ranks_makes_both_wait(setti
         assert result["examples_applied"] == 0, result
         assert await _deltas(settings) == published
 
-        await _until("the ranks, alone again, learned the rest", committed(half + rest), ranks.logs)
+        await _until("the ranks, alone again, learned the rest", ranks.committed(half + rest), ranks.logs)
         res = ranks.stopped()
     assert sum(r["examples_applied"] for r in res.values()) == N and sum(r["duplicates"] for r in res.values()) == 0
     assert await _deltas(settings) > published
@@ -158,16 +159,9 @@ async def test_another_kafka_client_in_the_ranks_group_neither_stops_nor_stalls_
     group's next rebalance (tansu quirk 10): the ranks go on learning (their snapshots hold their
     offsets), say so, expel the departed member and commit again; nothing stops or restarts."""
     group = f"driftline-trainer-{uuid.uuid4().hex[:8]}"
-    tps = [TopicPartition(settings.topics.examples, p) for p in range(settings.topics.partitions)]
-
-    def committed(records: int) -> Callable[[], Awaitable[bool]]:
-        async def ok() -> bool:
-            return sum(max(0, o) for o in (await committed_offsets(settings, group, tps)).values()) == records
-        return ok
-
     half = await produce_examples(settings, ml_examples[:N // 2])
     with _ranks(settings, tmp_path, group) as ranks:
-        await _until("the ranks learned the first half", committed(half), ranks.logs)
+        await _until("the ranks learned the first half", ranks.committed(half), ranks.logs)
         other = subprocess.Popen([sys.executable, "-c", OTHER_CONSUMER, settings.bootstrap_servers, group,
                                   settings.topics.examples], stdout=subprocess.PIPE, text=True)
         try:
@@ -178,7 +172,7 @@ async def test_another_kafka_client_in_the_ranks_group_neither_stops_nor_stalls_
         finally:
             other.kill()  # (-9: it stays listed in the group)
             other.wait()
-        await _until("the ranks expelled it and committed what they learned", committed(half + rest), ranks.logs)
+        await _until("the ranks expelled it and committed what they learned", ranks.committed(half + rest), ranks.logs)
         assert "the broker accepts the offset commits of" in ranks.logs()
         res = ranks.stopped()
     assert "exited with" not in ranks.logs(), ranks.logs()[-3000:]  # (the launcher restarted nothing)

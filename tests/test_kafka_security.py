@@ -94,10 +94,11 @@ def test_every_kafka_client_in_the_code_takes_the_security_options() -> None:
     found = [c for path in _project_modules() for c in kafka_clients(path.read_text(), str(path.relative_to(ROOT)))]
     assert [c for c in found if not c[2]] == [], "Kafka clients made without services.kafka_security's options"
     # the walk sees them all: services.kafka (producer, admin, typed consumer), the quirks' readers
-    # and admin, the broker epoch's readers, the joiner's re-seed reader and its Faust app
+    # and admin, the broker epoch's readers, the joiner's re-seed reader and its Faust app, the
+    # trainers' claim
     where = sorted({c[0].split(":")[0] for c in found})
     assert where == ["joiner/faust_app.py", "joiner/faust_reset.py", "services/broker_reset.py", "services/kafka.py",
-                     "services/tansu_quirks.py"]
+                     "services/tansu_quirks.py", "trainer/claim.py"]
     assert len(found) >= 9
 
 

@@ -80,8 +80,10 @@ Each workaround is also correct on Apache Kafka, so the same code runs against b
    (tests/test_kafka_security.py) and end to end over mutual TLS through a TLS front before it
    (tests/kafka_tls.py).
 10. A member that goes without a LeaveGroup (killed -9, or another client at generation 0 without
-    quirk 2's patch) stays in its group until the group's next rebalance, however long ago its
-    session ended (a commit 28 s after a 6 s session was still refused). A commit with no
+    quirk 2's patch) stays in its group after its session ended, until the group's next rebalance
+    (a commit 28 s after a 6 s session ended was still refused; longer was not tried). A live
+    member's heartbeat starts one after the session (a claim's peer killed -9 was gone 9.5 s later,
+    tests/trainer/test_claim.py); a group with no live member has none. A commit with no
     generation, which a manually assigned consumer sends (the trainer's ranks), is accepted only
     while the group has no member (Kafka's rule too), so it is refused for as long (UNKNOWN_MEMBER_ID,
     aiokafka's ``CommitFailedError``). Kafka expels the member when its session ends.

@@ -48,8 +48,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Iterable
 
-from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaError
 
 from services import tansu_quirks
@@ -70,15 +71,15 @@ SESSION_TIMEOUT_MS = 6_000
 GIVE_UP_S = 60.0
 
 
-class _Pause(ConsumerRebalanceListener):  # type: ignore[misc]  # aiokafka has no type information
+class _Pause(ConsumerRebalanceListener):
     def __init__(self, claim: Claim) -> None:
         self.claim = claim
 
-    async def on_partitions_revoked(self, revoked: object) -> None:
+    async def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
         pass
 
-    async def on_partitions_assigned(self, assigned: object) -> None:
-        self.claim.assigned(list(assigned))  # type: ignore[call-overload]
+    async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        self.claim.assigned(list(assigned))
 
 
 class Claim:
@@ -101,7 +102,7 @@ class Claim:
             return ALONE
         return UNKNOWN
 
-    def assigned(self, tps: list) -> None:
+    def assigned(self, tps: list[TopicPartition]) -> None:
         """An assignment: paused (never read), and what it leaves to another trainer noted."""
         assert self._consumer is not None
         mine = [tp for tp in tps if tp.topic == self.topic]

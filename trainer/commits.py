@@ -114,7 +114,7 @@ class Committer:
             log.error("stopping with the offsets of %s not committed: group %r still has a member; the last snapshot "
                       "holds them", self.topic, self.consumer.group_id)
             return True
-        if self._expel is not None and now - self.refused_since >= self.timeout_s and \
+        if self._expel is not None and self._stopping_at is None and now - self.refused_since >= self.timeout_s and \
                 (self._expelled_at is None or now - self._expelled_at >= EXPEL_EVERY_S):
             self._expelled_at = now
             try:

@@ -2,7 +2,7 @@
 (by hand, on another machine: its own directory). The ranks read by manual assignment, so their
 group shows no member, and only the trainers' claim group (trainer.claim) tells. Both wait and
 publish nothing while both exist (a newcomer not even its untrained weights); when one leaves, the
-other learns the rest, every example once."""
+other learns the rest, every example once. And another Kafka client in the ranks' group."""
 
 from __future__ import annotations
 
@@ -89,11 +89,34 @@ def _trainer(settings, group: str) -> OnlineTrainer:
     return OnlineTrainer(s, deepfm_config(dim=8, mlp=[32]))
 
 
-async def test_a_one_process_trainer_beside_a_set_of_ranks_makes_both_wait(settings, ml_examples, tmp_path) -> None:
+async def test_running_ranks_beside_another_client_and_then_a_one_process_trainer(settings, ml_examples,
+                                                                                  tmp_path) -> None:
+    """Ranks running; first **another Kafka client** (a consumer that is no trainer: a debugging
+    session's console consumer, another team's job) subscribes to the examples in their group and
+    is killed -9. It takes nothing from the ranks (they read by manual assignment), but while the
+    group lists a member the broker refuses their commits (they commit with no generation), and
+    tansu lists one killed -9 until the group's next rebalance (tansu quirk 10): the ranks go on
+    learning (their snapshots hold their offsets), say so, expel it and commit again; nothing
+    stops or restarts. Then **a one-process trainer with the same group** starts beside them (by
+    hand, on another machine: its own directory): both wait and publish nothing while both exist;
+    when it leaves, the ranks learn the rest, every example once."""
     group = f"driftline-trainer-{uuid.uuid4().hex[:8]}"
-    half = await produce_examples(settings, ml_examples[:N // 2])
+    third = N // 3
+    first = await produce_examples(settings, ml_examples[:third])
     with _ranks(settings, tmp_path, group) as ranks:
-        await _until("the ranks learned the first half", ranks.committed(half), ranks.logs)
+        await _until("the ranks learned the first third", ranks.committed(first), ranks.logs)
+        other = subprocess.Popen([sys.executable, "-c", OTHER_CONSUMER, settings.bootstrap_servers, group,
+                                  settings.topics.examples], stdout=subprocess.PIPE, text=True)
+        try:
+            assert other.stdout is not None and (await asyncio.to_thread(other.stdout.readline)).strip() == "assigned"
+            second = first + await produce_examples(settings, ml_examples[third:2 * third])
+            await _until("the ranks say their commits are refused",
+                         _logged(ranks, "the broker refuses the offset commits"), ranks.logs)
+        finally:
+            other.kill()  # (-9: it stays listed in the group)
+            other.wait()
+        await _until("the ranks expelled it and committed what they learned", ranks.committed(second), ranks.logs)
+        assert "the broker accepts the offset commits of" in ranks.logs()
         await asyncio.sleep(1.5)  # (their sync of it)
 
         newcomer = _trainer(settings.model_copy(update={"var_dir": tmp_path / "another-machine"}), group)
@@ -101,9 +124,9 @@ async def test_a_one_process_trainer_beside_a_set_of_ranks_makes_both_wait(setti
         await _until("the newcomer and the ranks see the examples claimed twice", ranks.claimed_twice(newcomer),
                      ranks.logs)
         published = await _deltas(settings)
-        rest = await produce_examples(settings, ml_examples[N // 2:])
-        await asyncio.sleep(5.0)
-        assert await ranks.committed(half)(), "the ranks went on learning beside another trainer"
+        every = second + await produce_examples(settings, ml_examples[2 * third:])
+        await asyncio.sleep(3.0)
+        assert await ranks.committed(second)(), "the ranks went on learning beside another trainer"
         assert newcomer.examples_applied == 0
 
         newcomer.stop_event.set()  # (its clean stop publishes nothing either)
@@ -111,8 +134,9 @@ async def test_a_one_process_trainer_beside_a_set_of_ranks_makes_both_wait(setti
         assert result["examples_applied"] == 0, result
         assert await _deltas(settings) == published
 
-        await _until("the ranks, alone again, learned the rest", ranks.committed(half + rest), ranks.logs)
+        await _until("the ranks, alone again, learned the rest", ranks.committed(every), ranks.logs)
         res = ranks.stopped()
+    assert "exited with" not in ranks.logs(), ranks.logs()[-3000:]  # (the launcher restarted nothing)
     assert sum(r["examples_applied"] for r in res.values()) == N and sum(r["duplicates"] for r in res.values()) == 0
     assert await _deltas(settings) > published
 
@@ -138,7 +162,7 @@ async def test_a_set_of_ranks_beside_a_one_process_trainer_publishes_nothing(set
                      ranks.logs)
         published = await _deltas(settings)
         await produce_examples(settings, ml_examples[N // 2:])
-        await asyncio.sleep(5.0)
+        await asyncio.sleep(3.0)
         assert first.examples_applied == N // 2
         res = ranks.stopped()
     assert sum(r["examples_applied"] for r in res.values()) == 0, res
@@ -149,34 +173,6 @@ async def test_a_set_of_ranks_beside_a_one_process_trainer_publishes_nothing(set
     result = await asyncio.wait_for(running, 60)
     assert result["examples_applied"] == N and result["duplicates"] == 0, result
     assert await _deltas(settings) > published
-
-
-async def test_another_kafka_client_in_the_ranks_group_neither_stops_nor_stalls_them(settings, ml_examples, tmp_path) -> None:
-    """A consumer that is no trainer (a debugging session's console consumer, another team's job)
-    subscribes to the examples in the ranks' group, and is then killed -9. It takes nothing from
-    the ranks (they read by manual assignment), but while the group lists a member the broker refuses
-    their commits (they commit with no generation), and tansu lists a member killed -9 until the
-    group's next rebalance (tansu quirk 10): the ranks go on learning (their snapshots hold their
-    offsets), say so, expel the departed member and commit again; nothing stops or restarts."""
-    group = f"driftline-trainer-{uuid.uuid4().hex[:8]}"
-    half = await produce_examples(settings, ml_examples[:N // 2])
-    with _ranks(settings, tmp_path, group) as ranks:
-        await _until("the ranks learned the first half", ranks.committed(half), ranks.logs)
-        other = subprocess.Popen([sys.executable, "-c", OTHER_CONSUMER, settings.bootstrap_servers, group,
-                                  settings.topics.examples], stdout=subprocess.PIPE, text=True)
-        try:
-            assert other.stdout is not None and other.stdout.readline().strip() == "assigned"
-            rest = await produce_examples(settings, ml_examples[N // 2:])
-            await _until("the ranks say their commits are refused",
-                         _logged(ranks, "the broker refuses the offset commits"), ranks.logs)
-        finally:
-            other.kill()  # (-9: it stays listed in the group)
-            other.wait()
-        await _until("the ranks expelled it and committed what they learned", ranks.committed(half + rest), ranks.logs)
-        assert "the broker accepts the offset commits of" in ranks.logs()
-        res = ranks.stopped()
-    assert "exited with" not in ranks.logs(), ranks.logs()[-3000:]  # (the launcher restarted nothing)
-    assert sum(r["examples_applied"] for r in res.values()) == N and sum(r["duplicates"] for r in res.values()) == 0
 
 
 def _logged(ranks: _Ranks, text: str) -> Callable[[], Awaitable[bool]]:

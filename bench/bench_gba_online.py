@@ -6,7 +6,8 @@ every rank the whole time, the group's rate is its capacity (each rank reads hal
 so a drained stream would end at the straggler's pace in any mode).
 
 ``ex_per_s_{mode}``: the examples both ranks applied over the longer rank's ``elapsed_s`` (the
-loop, the final syncs and snapshot included; process start-up, RPC and the restore not);
+loop, the final syncs and snapshot included; process start-up, RPC, the restore and the wait for the
+trainers' claim not);
 ``fast_share_{mode}``: rank 0's share of them. ``MODES``: the modes (default ``sync,gba``);
 ``BATCH``: examples per rank and step (default 64). Last line: JSON.
 """

@@ -427,6 +427,7 @@ class OnlineTrainer(TrainerLoop):
         while not self.stop_event.is_set():
             self._follow_claim()
             if not begun and not self._held():  # (its first publish: as the only trainer)
+                started = time.time()  # (the result's elapsed_s: from here, a wait for the claim left out)
                 await self._begin()
                 begun = True
             now = time.monotonic()

@@ -195,6 +195,7 @@ class RankTrainer(TrainerLoop):
         # while it is the only trainer of its examples and group; its first publication waits for it
         self._claim = UNKNOWN
         self._begun = False
+        self._began_at: float | None = None  # (the result's elapsed_s: from here, a wait for the claim left out)
         # switching sync <-> gba (trainer.dist.mode_switch): auto's rule, the project file's mode
         # (rank 0 reads it), this rank's last step's work, the switches made, the old models' counts
         self.straggler = Straggler.for_rank(ts.debug_slow_rank, self.rank)
@@ -387,7 +388,7 @@ class RankTrainer(TrainerLoop):
             pass
         old = self._retired
         return await self._finish(
-            started, {"rank": self.rank, "world": self.world}, failed_steps=self.failed_steps, mode=self.dm.mode,
+            self._began_at or started, {"rank": self.rank, "world": self.world}, failed_steps=self.failed_steps, mode=self.dm.mode,
             dist_mode=self.ts.dist_mode, mode_switches=len(self.switches), switches=self.switches,
             overlapped_updates=old["overlapped_updates"] + self.dm.overlapped_updates,
             failed_updates=old["failed_updates"] + self.dm.failed_updates,
@@ -500,6 +501,7 @@ class RankTrainer(TrainerLoop):
         """What the agreement decided, taken by every rank alike (syncs, a snapshot, a switch);
         whether to stop."""
         if not self._begun and self._claim == ALONE:  # (before the first batch: polled after this agreement)
+            self._began_at = time.time()
             await self._begin()
             self._begun = True
         await self._sync(now, bool(ctl[0, SYNC]), bool(ctl[0, DENSE]))  # rank 0's decisions, for all

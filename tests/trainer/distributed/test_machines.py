@@ -107,7 +107,11 @@ async def test_a_machine_lost_and_started_again_resumes_the_group_from_the_last_
         assert _processes(b.pid)[1:], "machine b's rank runs under its agent"
         os.kill(b.pid, signal.SIGKILL)  # the agent alone: its rank lives on, orphaned
         b.wait(timeout=10)
-        regrouped = await _manifest(root, 0, first["seq"], logs)  # the group's last snapshot
+        # the group's last snapshot: written before a's rank exits for its agent to restart it (any
+        # manifest after the first could be one of the group's own, written before it noticed)
+        await _logged(tmp_path / "a.log", "(exitcode: 75)", logs)
+        regrouped = snapshots.read_manifest(root)
+        assert regrouped["seq"] > first["seq"], logs()
         b = _machine(settings, tmp_path, "b", endpoint, host=False)
         records += await produce_examples(settings, ml_examples[third:2 * third], chunk=250)
         second = await _manifest(root, regrouped["examples_applied"] + 500, regrouped["seq"], logs)

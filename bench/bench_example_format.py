@@ -144,7 +144,7 @@ def pb_decode_arrays(raws: list[bytes]) -> dict:
                 raise ValueError("bad offsets")
             sparse[s.name] = ids, o
         parts.append(eb.ExampleColumns(range(n), range(n), col(m.item_id, "<i8"), col(m.user_id, "<i8"), t, rate,
-                                       range(n), labels={c.name: col(c.values, "<f4") for c in m.labels},
+                                       [""] * n, labels={c.name: col(c.values, "<f4") for c in m.labels},
                                        sparse=sparse, dense={c.name: col(c.values, "<f4") for c in m.dense},
                                        id_hash=col(m.id_hash, "<u8", 2 * n).reshape(n, 2)))
     return eb.to_sparse_batch_arrays(parts, SLOTS, LABEL, DENSE)

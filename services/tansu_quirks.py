@@ -89,6 +89,17 @@ Each workaround is also correct on Apache Kafka, so the same code runs against b
     aiokafka's ``CommitFailedError``). Kafka expels the member when its session ends.
     :func:`expel_departed_members` joins the group once and leaves it: the rebalance that the join
     starts drops the members that do not rejoin. On Kafka it is a rebalance of the live members.
+11. A topic deleted (DeleteTopics) while clients use it leaves a ghost: it is gone from the metadata
+    and its records with it, but produces to its partitions are taken (at offsets from 0 again)
+    and fetched, and every offset commit for it is answered UnknownTopicOrPartition, which aiokafka
+    retries for ever inside one ``commit()`` (measured; Kafka deletes the topic and refuses its
+    produces instead). A consumer whose position lies past the ghost's new records waits there
+    and skips them. Creating the topic again is accepted but can leave it unreadable: with a
+    trainer reading and committing on the ghost, a new consumer then read nothing from offset 0
+    while the end offsets said 1 per partition (a plain client that produced to the ghost and
+    created it again did read its records: not understood). So nothing here creates it again: the
+    trainer bounds each commit (:mod:`trainer.commits`), goes on training on the ghost, says so,
+    and stops cleanly (tests/trainer/test_topic_deleted.py).
 """
 
 from __future__ import annotations

@@ -65,9 +65,9 @@ FLAGS = (
     Flag("driftline_trainer_claim_partitions_elsewhere", "another trainer reads the same examples under the "
          "same trainer group (a one-process trainer beside a set of ranks, or two sets) and claims {n:.0f} "
          "partitions: both learn and publish nothing until one leaves"),
-    Flag("driftline_trainer_offset_commits_refused", "the broker refuses the trainer ranks' offset commits: their "
-         "group has a member (a consumer that is no trainer, or one gone without leaving); training goes on, the "
-         "snapshots hold the offsets"),
+    Flag("driftline_trainer_offset_commits_refused", "the broker refuses the trainer's offset commits: the "
+         "ranks' group has a member (a consumer that is no trainer, or one gone without leaving), or the broker "
+         "does not answer them; training goes on, the snapshots hold the offsets"),
     Flag("driftline_serving_feature_store_emptied", "the feature store lost the loaded features (Redis "
          "restarted empty or was flushed): answers are marked degraded and not logged for training"),
     Flag("driftline_serving_feature_store_evicted", "Redis evicted keys since the features were loaded: "

@@ -18,6 +18,12 @@ background every :data:`REFUSED_RETRY_S` while training goes on (the snapshots h
 said once and shown (``driftline_trainer_offset_commits_refused``); now and then (``expel``, rank
 0's) the departed members are expelled by a join (quirk 10's workaround), and a clean stop waits at
 most ``timeout_s`` for the last commit.
+
+**A commit that does not come back**: aiokafka retries a commit for ever while the broker answers
+with a retriable error, and it does when the examples topic was deleted under the trainer
+(UnknownTopicOrPartition: tansu quirk 11). Each try is bounded by ``timeout_s``; one that timed out
+is retried in the background as a refused one is, shown the same way, so neither training nor a
+clean stop waits for it.
 """
 
 from __future__ import annotations
@@ -82,15 +88,16 @@ class Committer:
             deadline = time.monotonic() + self.timeout_s
             while True:
                 try:
-                    await self.consumer.commit({TopicPartition(self.topic, q): o for q, o in self._offsets().items()})
+                    commit = self.consumer.commit({TopicPartition(self.topic, q): o for q, o in self._offsets().items()})
+                    await asyncio.wait_for(commit, self.timeout_s)
                     break
-                except KafkaError as err:
+                except (KafkaError, TimeoutError) as err:
                     # the group is gone with the broker's data (a reset), or rejoining (after one, or
                     # a rebalance): the member keeps its partitions, so the next try commits
                     if await self._reset_noticed():
                         return
-                    if not self.member and isinstance(err, CommitFailedError):
-                        if await self._refused():
+                    if isinstance(err, TimeoutError) or (not self.member and isinstance(err, CommitFailedError)):
+                        if await self._refused(timed_out=isinstance(err, TimeoutError)):
                             return
                         continue
                     if time.monotonic() >= deadline:
@@ -99,22 +106,24 @@ class Committer:
             self._accepted()
             self._stage("commit", time.perf_counter() - t0)
 
-    async def _refused(self) -> bool:
-        """The group refused a commit of this non-member: said once, waited out a while, the
-        departed members expelled now and then. Whether to give the commit up (a stop waited
-        ``timeout_s`` for it)."""
+    async def _refused(self, timed_out: bool = False) -> bool:
+        """The group refused a commit of this non-member (or a commit ``timed_out``): said once,
+        waited out a while, the departed members expelled now and then. Whether to give the commit
+        up (a stop waited ``timeout_s`` for it)."""
         now = time.monotonic()
+        why = "the broker does not answer them (it is unreachable, or the topic was deleted under the trainer: tansu " \
+            "quirk 11)" if timed_out else \
+            f"group {self.consumer.group_id!r} has a member (a consumer that is no trainer, or one gone without leaving)"
         if self.refused_since is None:
             self.refused_since = now
             COMMITS_REFUSED.set(1)
-            log.warning("the broker refuses the offset commits of %s: group %r has a member (a consumer that is no "
-                        "trainer, or one gone without leaving); training goes on, the snapshots hold the offsets, "
-                        "and the commits are retried", self.topic, self.consumer.group_id)
+            log.warning("the broker refuses the offset commits of %s: %s; training goes on, the snapshots hold the "
+                        "offsets, and the commits are retried", self.topic, why)
         if self._stopping_at is not None and now - self._stopping_at >= self.timeout_s:
-            log.error("stopping with the offsets of %s not committed: group %r still has a member; the last snapshot "
-                      "holds them", self.topic, self.consumer.group_id)
+            log.error("stopping with the offsets of %s not committed (%s); the last snapshot holds them", self.topic, why)
             return True
-        if self._expel is not None and self._stopping_at is None and now - self.refused_since >= self.timeout_s and \
+        if not timed_out and self._expel is not None and self._stopping_at is None and \
+                now - self.refused_since >= self.timeout_s and \
                 (self._expelled_at is None or now - self._expelled_at >= EXPEL_EVERY_S):
             self._expelled_at = now
             try:

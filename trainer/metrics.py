@@ -41,9 +41,11 @@ GROUP_ELSEWHERE = Gauge("driftline_trainer_group_partitions_elsewhere",
                         "Partitions of the examples topic that another member of the one-process trainer's "
                         "consumer group holds: above 0, it trains and publishes nothing (one trainer per group).")
 COMMITS_REFUSED = Gauge("driftline_trainer_offset_commits_refused",
-                        "1 while the broker refuses a rank's offset commits: the ranks commit as no member of the "
-                        "trainer's group, which is accepted only while the group has no member (another consumer "
-                        "in it, or one gone without leaving); training goes on, the snapshots hold the offsets.")
+                        "1 while the broker refuses the trainer's offset commits: the ranks commit as no member of "
+                        "the trainer's group, which is accepted only while the group has no member (another consumer "
+                        "in it, or one gone without leaving), or a commit did not come back (the examples topic "
+                        "deleted under the trainer, or the broker unreachable); "
+                        "training goes on, the snapshots hold the offsets.")
 CLAIM_ELSEWHERE = Gauge("driftline_trainer_claim_partitions_elsewhere",
                         "Partitions of the examples topic that another trainer (a one-process trainer, or rank 0 "
                         "of another set of ranks) with the same trainer.group_id holds in the trainers' claim group "

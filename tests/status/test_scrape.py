@@ -185,7 +185,7 @@ async def test_problems_are_the_flags_up_and_the_counters_that_grew_in_the_windo
         assert "another consumer in the trainer's group holds 3 partitions" in text
         assert "another trainer reads the same examples under the same trainer group" in text
         assert "claims 2 partitions" in text
-        assert "the broker refuses the trainer ranks' offset commits" in text
+        assert "the broker refuses the trainer's offset commits" in text
         assert "the feature store lost the loaded features" in text
         assert "parameter-delta chunks refused in the last 10 s: 3 (bad_shape, non_finite)" in text
         assert "/rank requests answered 503 in the last 10 s because the feature store did not answer in time: 2" in text

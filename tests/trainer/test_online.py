@@ -144,15 +144,15 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
     assert np.array_equal(v, tr.model.tables["item_id"].items()[1])
 
 
-def _spawn(settings, tmp: Path, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=settings.bootstrap_servers,
+def _spawn(settings, tmp: Path, log: Path, idle_s: str = "4", **env_vars: str) -> subprocess.Popen:
+    env = dict(os.environ, **env_vars, KAFKA_BOOTSTRAP_SERVERS=settings.bootstrap_servers,
                DRIFTLINE_VAR_DIR=str(settings.var_dir),
                DRIFTLINE_TOPICS__EXAMPLES=settings.topics.examples,
                DRIFTLINE_TOPICS__PARAM_DELTAS=settings.topics.param_deltas,
                DRIFTLINE_TOPICS__DEAD_LETTERS=settings.topics.dead_letters,
                DRIFTLINE_TRAINER__MODEL=str(tmp / "model.json"))
     return subprocess.Popen([sys.executable, "-m", "trainer", "online", "--sync-interval-s", "1",
-                             "--snapshot-interval-event-s", "1800", "--stop-when-idle-s", "4", "--batch-size", "512"],
+                             "--snapshot-interval-event-s", "1800", "--stop-when-idle-s", idle_s, "--batch-size", "512"],
                             env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
 
 

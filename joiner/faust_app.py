@@ -49,6 +49,7 @@ from services.kafka_security import faust_credentials
 from services.log import setup_logging
 from services.rocksdb_faults import exit_on_damage, is_damage, mark_for_check, set_aside_damaged
 from services.settings import Settings, get_settings
+from services.unanswered_commits import UnansweredCommits
 
 log = logging.getLogger(__name__)
 TABLE = "state"
@@ -153,6 +154,7 @@ class JoinerApp:
         self.disk = DiskGuard.from_settings(SERVICE, state_dir(settings), settings)
         self.reset_to: str | None = None  # the new broker epoch, once a reset was seen while running
         self.committed: dict[TP, int] = {}  # input offsets this worker committed last
+        self.commits = UnansweredCommits(SERVICE, settings.kafka.connect_timeout_s)
         self.lock = asyncio.Lock()
         self.done = asyncio.Event()
         # (the join watchdog, run(): since when this worker has waited for an assignment)
@@ -274,8 +276,9 @@ class JoinerApp:
         offsets = {TP(tp.topic, tp.partition): n for p, part in w.parts.items()
                    if partitions is None or p in partitions for tp, n in part.next.items()
                    if n > self.committed.get(tp, -1)}
-        await faust_fetch.commit(self.app, offsets)
-        self.committed.update(offsets)
+        # (bounded: one the broker never answers would hold the lock, and the join with it, for ever)
+        if await self.commits.commit(lambda: faust_fetch.commit(self.app, offsets)):
+            self.committed.update(offsets)
 
     async def _on_revoked(self, app: faust.App, revoked: set[TP], **_: object) -> None:
         self.unassigned_since = time.monotonic()  # (a rebalance begins: the next join is watched)

@@ -97,9 +97,11 @@ Each workaround is also correct on Apache Kafka, so the same code runs against b
     and skips them. Creating the topic again is accepted but can leave it unreadable: with a
     trainer reading and committing on the ghost, a new consumer then read nothing from offset 0
     while the end offsets said 1 per partition (a plain client that produced to the ghost and
-    created it again did read its records: not understood). So nothing here creates it again: the
-    trainer bounds each commit (:mod:`trainer.commits`), goes on training on the ghost, says so,
-    and stops cleanly (tests/trainer/test_topic_deleted.py).
+    created it again did read its records: not understood). So nothing here creates it again:
+    every consumer that commits bounds each commit and goes on without it, says so and stops
+    cleanly: the trainer (:mod:`trainer.commits`), the joiner and serving's recent-clicks reader
+    (:mod:`services.unanswered_commits`); tests/*/test_topic_deleted.py delete their topics. What
+    the deletion took, and the ghost's records before a consumer's position, are lost.
 """
 
 from __future__ import annotations

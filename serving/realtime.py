@@ -31,6 +31,7 @@ from services import metrics as shared_metrics
 from services.codecs import processing_failed
 from services.kafka import Record, TypedConsumer
 from services.settings import Settings
+from services.unanswered_commits import UnansweredCommits
 from serving import metrics
 from serving.background import BackgroundLoop, raise_if_cancelled
 from serving.broker_epoch import SharedEpoch
@@ -64,6 +65,7 @@ class RecentClicks(BackgroundLoop):
         #: a broker reset was seen: a partition without committed offsets starts at the beginning
         self.from_beginning = False
         self._lag: dict[int, int] = {}
+        self.commits = UnansweredCommits(service, settings.kafka.connect_timeout_s)
         self._task: asyncio.Task[None] | None = None
 
     async def stop(self) -> None:
@@ -100,7 +102,9 @@ class RecentClicks(BackgroundLoop):
                 letters = await self._record(consumer, batch)
                 if letters:
                     await asyncio.gather(*letters)
-                await consumer.commit()
+                # (bounded: one the broker never answers would stop the reader for ever)
+                if not await self.commits.commit(consumer.commit):
+                    continue  # the clicks are recorded; a later commit carries these offsets
                 if epoch is not None and marker != epoch and await self._set_marker(epoch):
                     marker = epoch
         finally:

@@ -68,6 +68,8 @@ FLAGS = (
     Flag("driftline_trainer_offset_commits_refused", "the broker refuses the trainer's offset commits: the "
          "ranks' group has a member (a consumer that is no trainer, or one gone without leaving), or the broker "
          "does not answer them; training goes on, the snapshots hold the offsets"),
+    Flag("driftline_offset_commits_unanswered", "{service}'s offset commits get no answer from the broker (a "
+         "topic it reads deleted under it, or the broker unreachable): it goes on without them"),
     Flag("driftline_serving_feature_store_emptied", "the feature store lost the loaded features (Redis "
          "restarted empty or was flushed): answers are marked degraded and not logged for training"),
     Flag("driftline_serving_feature_store_evicted", "Redis evicted keys since the features were loaded: "

@@ -148,13 +148,14 @@ async def test_per_rank_rates_and_communication_per_step(servers) -> None:
 
 
 def faults_text(disk_paused: int, elsewhere: int, emptied: int, refused: dict[str, int], unavailable: int,
-                rebuilding: int = 0, claimed: int = 0, refused_commits: int = 0) -> str:
+                rebuilding: int = 0, claimed: int = 0, refused_commits: int = 0, unanswered: int = 0) -> str:
     """The fault flags of one service's /metrics (every target exports its own; one here)."""
     return "\n".join([
         f'driftline_disk_paused{{service="trainer"}} {disk_paused}',
         f"driftline_trainer_group_partitions_elsewhere {elsewhere}",
         f"driftline_trainer_claim_partitions_elsewhere {claimed}",
         f"driftline_trainer_offset_commits_refused {refused_commits}",
+        f'driftline_offset_commits_unanswered{{service="joiner"}} {unanswered}',
         f"driftline_joiner_changelog_rebuild_remaining {rebuilding}",
         f"driftline_serving_feature_store_emptied {emptied}",
         "driftline_serving_feature_store_evicted 0",
@@ -174,12 +175,13 @@ async def test_problems_are_the_flags_up_and_the_counters_that_grew_in_the_windo
         await scraper.scrape_once(now=1000.0)
         assert scraper.snapshot()["problems"] == []
         svc.text = faults_text(1, 3, 1, quiet | {"stale": 9, "non_finite": 2, "bad_shape": 1}, 5, rebuilding=41_000,
-                               claimed=2, refused_commits=1)
+                               claimed=2, refused_commits=1, unanswered=1)
         await scraper.scrape_once(now=1002.0)
         problems = scraper.snapshot()["problems"]
         assert {p["target"] for p in problems} == {"svc"}
         text = "\n".join(p["problem"] for p in problems)
-        assert len(problems) == 9, text
+        assert len(problems) == 10, text
+        assert "joiner's offset commits get no answer from the broker" in text
         assert "rebuilding the join state of partitions it took over from the changelog: 41000 records left" in text
         assert "the disk under trainer's data is nearly full" in text
         assert "another consumer in the trainer's group holds 3 partitions" in text
@@ -287,7 +289,8 @@ def test_every_problem_reads_a_metric_a_service_exports() -> None:
 
     from status.problems import FLAGS, SURGES
 
-    for module in ("services.disk", "services.metrics", "trainer.metrics", "serving.metrics", "joiner.metrics"):  # (each registers its metrics)
+    for module in ("services.disk", "services.metrics", "services.unanswered_commits", "trainer.metrics", "serving.metrics",
+                   "joiner.metrics"):  # (each registers its metrics)
         importlib.import_module(module)
     families = list(REGISTRY.collect())
     exported = {f.name + ("_total" if f.type == "counter" else "") for f in families}

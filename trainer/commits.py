@@ -111,13 +111,14 @@ class Committer:
         waited out a while, the departed members expelled now and then. Whether to give the commit
         up (a stop waited ``timeout_s`` for it)."""
         now = time.monotonic()
-        why = "the broker does not answer them (it is unreachable, or the topic was deleted under the trainer: tansu " \
-            "quirk 11)" if timed_out else \
-            f"group {self.consumer.group_id!r} has a member (a consumer that is no trainer, or one gone without leaving)"
+        why = "the broker does not answer them: it is unreachable, or the topic was deleted under the trainer " \
+            "(tansu quirk 11)" if timed_out else \
+            f"the broker refuses them: group {self.consumer.group_id!r} has a member (a consumer that is no trainer, " \
+            "or one gone without leaving)"
         if self.refused_since is None:
             self.refused_since = now
             COMMITS_REFUSED.set(1)
-            log.warning("the broker refuses the offset commits of %s: %s; training goes on, the snapshots hold the "
+            log.warning("the offset commits of %s are not taken, %s; training goes on, the snapshots hold the "
                         "offsets, and the commits are retried", self.topic, why)
         if self._stopping_at is not None and now - self._stopping_at >= self.timeout_s:
             log.error("stopping with the offsets of %s not committed (%s); the last snapshot holds them", self.topic, why)

@@ -111,7 +111,7 @@ async def test_running_ranks_beside_another_client_and_then_a_one_process_traine
             assert other.stdout is not None and (await asyncio.to_thread(other.stdout.readline)).strip() == "assigned"
             second = first + await produce_examples(settings, ml_examples[third:2 * third])
             await _until("the ranks say their commits are refused",
-                         _logged(ranks, "the broker refuses the offset commits"), ranks.logs)
+                         _logged(ranks, "are not taken, the broker refuses them"), ranks.logs)
         finally:
             other.kill()  # (-9: it stays listed in the group)
             other.wait()

@@ -21,7 +21,7 @@ from tests.trainer.test_online import _spawn, small_cfg
 from trainer import snapshots
 from trainer.data import MovieLensData, example_records, produce_examples
 
-N = 8_000
+N = 4_000
 
 
 def _metric(port: int, name: str) -> float:
@@ -41,7 +41,8 @@ async def test_a_trainer_whose_topic_is_deleted_goes_on_says_so_and_stops_cleanl
     tps = [TopicPartition(topic, p) for p in range(settings.topics.partitions)]
     first = await produce_examples(settings, examples[:N // 2], chunk=250)
     log, port = tmp_path / "trainer.log", free_port()
-    p = _spawn(settings, tmp_path, log, idle_s="600", DRIFTLINE_METRICS_PORT=str(port))
+    p = _spawn(settings, tmp_path, log, idle_s="600", DRIFTLINE_METRICS_PORT=str(port),
+               DRIFTLINE_KAFKA__CONNECT_TIMEOUT_S="3")  # (each commit's bound, and a stop's wait for one)
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and sum(
@@ -75,7 +76,7 @@ async def test_a_trainer_whose_topic_is_deleted_goes_on_says_so_and_stops_cleanl
     finally:
         if p.poll() is None:
             p.kill()
-    assert stopped_s < 40, stopped_s
+    assert stopped_s < 20, stopped_s
     assert "stopping with the offsets of" in log.read_text()
     final = snapshots.read_manifest(settings.var_dir / "snapshots" / "deepfm")
     assert final["examples_applied"] == learned  # the last snapshot holds what it learned

@@ -162,31 +162,12 @@ LOOP_STACK_FILES = ("tests/test_loop.py", "tests/test_dashboards.py", "tests/sta
 # Run on the same worker right after them (one scheduling unit): two whole demo stacks at once on
 # 2 cores (~20 processes) pushed timed waits in both past their bounds.
 AFTER_LOOP_STACK = ("tests/test_compose_processes.py",)
-# The longest files, longest first (seconds per file, the loop-stack files counted as their one unit,
-# from a fresh clone's full run on a 2-core machine with 3 workers): each worker takes the next unit
-# as it runs out, so the longest start first and the workers finish together instead of one running
-# a long file alone at the end (the order that was there before left a 47 s tail).
+# The longest files (a full run's durations on a 2-core machine: each 2-7 min of many processes),
+# started first so the two workers finish together instead of one running them alone at the end.
 LONGEST_FILES = (
-    "tests/trainer/distributed/test_ranks.py",  # 387
-    *LOOP_STACK_FILES, *AFTER_LOOP_STACK,  # 242
-    "tests/trainer/distributed/test_rank_failures.py",  # 149
-    "tests/test_own_data.py",  # 125
-    "tests/trainer/distributed/test_claim_ranks.py",  # 121
-    "tests/trainer/distributed/test_machines.py",  # 112
-    "tests/joiner/test_crash.py",  # 105
-    "tests/trainer/distributed/test_gba_rounds.py",  # 96
-    "tests/test_stack.py",  # 94
-    "tests/trainer/distributed/test_mode_switch.py",  # 91
-    "tests/joiner/test_faust_joiner.py",  # 88
-    "tests/joiner/test_joiner_broker.py",  # 86
-    "tests/joiner/test_broker_reset.py",  # 78
-    "tests/trainer/test_online.py",  # 76
-    "tests/serving/test_rank.py",  # 69
-    "tests/joiner/test_store_damage.py",  # 58
-    "tests/test_ml100k_example.py",  # 57
-    "tests/trainer/test_mixcache.py",  # 54
-    "tests/trainer/distributed/test_meta_ranks.py",  # 51
-    "tests/trainer/test_snapshot_damage.py",  # 45
+    "tests/joiner/test_faust_joiner.py", "tests/trainer/distributed/test_machines.py", "tests/trainer/distributed/test_rank_failures.py",
+    *LOOP_STACK_FILES, *AFTER_LOOP_STACK, "tests/trainer/distributed/test_ranks.py", "tests/test_own_data.py", "tests/trainer/test_online.py",
+    "tests/joiner/test_crash.py", "tests/test_stack.py", "tests/serving/test_process.py",
 )
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-import urllib.request
 
 from aiokafka import TopicPartition
-from prometheus_client.parser import text_string_to_metric_families
 
 from services import tansu_quirks
 from services.kafka import connected_admin, producer, start_client
 from services.ports import free_port
+from tests.composestack import metric
 from tests.trainer.test_online import _spawn, small_cfg
 from trainer import snapshots
 from trainer.data import MovieLensData, example_records, produce_examples
@@ -25,13 +24,8 @@ N = 4_000
 
 
 def _metric(port: int, name: str) -> float:
-    """A sample's sum on the trainer's /metrics (0 while it does not answer)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            body = r.read().decode()
-    except OSError:
-        return 0.0
-    return sum(s.value for f in text_string_to_metric_families(body) for s in f.samples if s.name == name)
+    """A sample of the trainer's /metrics (0 while it does not answer)."""
+    return metric(f"http://127.0.0.1:{port}/metrics", name) or 0.0
 
 
 async def test_a_trainer_whose_topic_is_deleted_goes_on_says_so_and_stops_cleanly(settings, tmp_path):

@@ -194,8 +194,8 @@ class RankTrainer(TrainerLoop):
         # rank 0's claim (trainer.claim) as last agreed: the set polls, trains and publishes only
         # while it is the only trainer of its examples and group; its first publication waits for it
         self._claim = UNKNOWN
-        self._begun = False
-        self._began_at: float | None = None  # (the result's elapsed_s: from here, a wait for the claim left out)
+        # its first publication's time (None: not yet); the result's elapsed_s counts from it, the claim's wait left out
+        self._began_at: float | None = None
         # switching sync <-> gba (trainer.dist.mode_switch): auto's rule, the project file's mode
         # (rank 0 reads it), this rank's last step's work, the switches made, the old models' counts
         self.straggler = Straggler.for_rank(ts.debug_slow_rank, self.rank)
@@ -500,10 +500,9 @@ class RankTrainer(TrainerLoop):
     async def _act(self, ctl: np.ndarray, now: float, max_examples: int | None) -> bool:
         """What the agreement decided, taken by every rank alike (syncs, a snapshot, a switch);
         whether to stop."""
-        if not self._begun and self._claim == ALONE:  # (before the first batch: polled after this agreement)
+        if self._began_at is None and self._claim == ALONE:  # (before the first batch: polled after this agreement)
             self._began_at = time.time()
             await self._begin()
-            self._begun = True
         await self._sync(now, bool(ctl[0, SYNC]), bool(ctl[0, DENSE]))  # rank 0's decisions, for all
         if self.clock.due(self.max_event_time):  # the same global event time on every rank
             await self.sync_sparse()

@@ -33,10 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 #: the fields written even when None (every stream writer recorded them, null or not)
 _ALWAYS = ("offsets", "topic", "broker_epoch", "from_start", "sparse_version", "dense_version", "param_deltas_offset",
@@ -148,7 +151,29 @@ def read_manifest(root: Path) -> dict | None:
     return json.loads((Path(root) / pointer.read_text().strip() / "manifest.json").read_text())
 
 
+def candidates(root: Path) -> list[str]:
+    """The snapshots to restore from, newest first: the one ``LATEST`` names, then the older ones
+    still kept (those newer than it were never pointed at); [] when there is none."""
+    pointer = Path(root) / "LATEST"
+    if not pointer.exists():
+        return []
+    head = pointer.read_text().strip()
+    return [head, *sorted((p.name for p in Path(root).glob("snap-*") if p.is_dir() and p.name < head), reverse=True)]
+
+
+def manifest_of(root: Path, name: str) -> Manifest:
+    """Snapshot ``name``'s manifest."""
+    return Manifest.from_dict(json.loads((Path(root) / name / "manifest.json").read_text()))
+
+
 def latest(root: Path) -> Manifest | None:
-    """The newest snapshot's manifest under ``root``, or None when there is none."""
-    raw = read_manifest(root)
-    return None if raw is None else Manifest.from_dict(raw)
+    """The manifest of the newest snapshot under ``root`` whose manifest reads, or None when there
+    is none. A newest one whose manifest is damaged or gone is skipped for the one before, as the
+    trainer's restore skips it (:func:`trainer.snapshots.newest_readable`): ``driftline up`` must
+    neither stop on it nor take a root the online trainer learned into for a warm start's."""
+    for name in candidates(root):
+        try:
+            return manifest_of(root, name)
+        except (OSError, ValueError) as err:
+            log.warning("snapshot %s under %s has no readable manifest (%s): looking at the one before", name, root, err)
+    return None

@@ -48,8 +48,10 @@ from .config import ModelConfig
 
 # the store's manifest readers live beside the class, where a process without torch reads them
 from .manifest import Manifest
+from .manifest import candidates as candidates
 from .manifest import latest as latest
 from .manifest import learned_online as learned_online
+from .manifest import manifest_of as manifest_of
 from .manifest import read_manifest as read_manifest
 
 FORMAT = "driftline-trainer-snapshot/2"
@@ -138,21 +140,6 @@ def next_seq(root: Path) -> int:
     ``LATEST`` not yet replaced) nor a damaged newest that a restore skipped is written over."""
     seqs = [int(p.name[5:]) for p in Path(root).glob("snap-*") if p.is_dir() and p.name[5:].isdigit()]
     return max(seqs, default=0) + 1
-
-
-def candidates(root: Path) -> list[str]:
-    """The snapshots to restore from, newest first: the one ``LATEST`` names, then the older ones
-    still kept (those newer than it were never pointed at); [] when there is none."""
-    pointer = Path(root) / "LATEST"
-    if not pointer.exists():
-        return []
-    head = pointer.read_text().strip()
-    return [head, *sorted((p.name for p in Path(root).glob("snap-*") if p.is_dir() and p.name < head), reverse=True)]
-
-
-def manifest_of(root: Path, name: str) -> Manifest:
-    """Snapshot ``name``'s manifest."""
-    return Manifest.from_dict(json.loads((Path(root) / name / "manifest.json").read_text()))
 
 
 def newest_readable(root: Path, read: Callable[[str], T],

@@ -79,6 +79,17 @@ def test_a_damaged_newest_snapshot_restores_the_one_before_it(tmp_path, caplog, 
     assert served.seq == 2
 
 
+@pytest.mark.parametrize("how", ["manifest_garbage", "gone"])
+def test_what_up_asks_of_a_root_skips_a_newest_snapshot_without_a_manifest(tmp_path, how):
+    """``driftline up`` asks, with no torch, whether the online trainer learned into the root
+    (then it keeps it instead of a warm start): a newest snapshot whose manifest is damaged or gone
+    is passed over for the one before, as a restore does. It used to stop ``up`` with a traceback."""
+    _three_snapshots(tmp_path)
+    damage(tmp_path / "snap-000000003", how)
+    learned = snapshots.learned_online(tmp_path)
+    assert learned is not None and learned.seq == 2 and learned.examples_applied == 2000
+
+
 def test_every_snapshot_damaged_raises_naming_each(tmp_path):
     cfg = _three_snapshots(tmp_path)
     for seq, how in ((3, "table_bit"), (2, "dense_cut"), (1, "manifest_garbage")):

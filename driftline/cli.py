@@ -20,8 +20,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from services.in_use import IN_USE_EXIT, InUse
 from services.log import setup_logging
-from services.ports import PORT_IN_USE_EXIT, PortInUse
 from services.settings import PROJECT_VAR, Settings, get_settings
 
 
@@ -328,9 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(f"driftline-{args.command}", settings.log_level)
     try:
         return int(args.func(args, settings) or 0)
-    except PortInUse as err:  # a restart cannot help: the supervisor does not restart this exit
+    except InUse as err:  # a port or a state directory taken: a restart cannot help: the supervisor does not restart this exit
         print(f"driftline: {err}", file=sys.stderr)
-        return PORT_IN_USE_EXIT
+        return IN_USE_EXIT
     except Exception as err:
         # the supervisor's start-up failures (plain RuntimeErrors) are one-liners too
         if isinstance(err, _user_errors()) or type(err) is RuntimeError:

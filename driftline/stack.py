@@ -34,11 +34,13 @@ from typing import TYPE_CHECKING
 from driftline.embedded import redis_command, repair_redis_aof, tansu_command, wait_for_port
 from driftline.supervisor import ServiceSpec, Supervisor
 from services.broker_reset import ensure_broker_epoch
+from services.in_use import InUse, own_dir
 from services.kafka import create_topics
-from services.ports import Listen, PortInUse, check_ports_free, http_answers, port_is_open
+from services.ports import Listen, check_ports_free, http_answers, port_is_open
 from services.redis_client import redacted
 from services.settings import Settings
 from status.options import Target
+from trainer.manifest import own_snapshots
 
 if TYPE_CHECKING:
     from driftline.project import Project
@@ -209,7 +211,8 @@ def _warm_start(settings: Settings, supervisor: Supervisor, epoch: str, external
     if external_broker and (snap / "LATEST").exists() and marker.exists() and marker.read_text().strip() == epoch:
         log.info("warm start skipped: %s holds a snapshot of this broker's data", snap)
         return None
-    shutil.rmtree(snap, ignore_errors=True)  # nothing learned online in it: the warm start's own
+    with own_snapshots(snap):  # (not while a trainer started by hand writes there)
+        shutil.rmtree(snap, ignore_errors=True)  # nothing learned online in it: the warm start's own
     _trained, start = warm_start_cut(settings, fraction)  # trainer batch holds out the same rows
     supervisor.start(ServiceSpec(
         "warm-start",
@@ -244,7 +247,8 @@ def _project_start(settings: Settings, supervisor: Supervisor, project: Project,
         if external_broker and (snap / "LATEST").exists() and marker.exists() and marker.read_text().strip() == epoch:
             log.info("warm start skipped: %s holds a snapshot of this broker's data", snap)
         else:
-            shutil.rmtree(snap, ignore_errors=True)  # a snapshot of another broker's offsets
+            with own_snapshots(snap):  # (not while a trainer started by hand writes there)
+                shutil.rmtree(snap, ignore_errors=True)  # a snapshot of another broker's offsets
             supervisor.start(ServiceSpec(
                 "warm-start", _driftline("trainer", "batch", "--model", settings.trainer.model,
                                          "--examples-dir", str(path), "--test-fraction", "0", "--snapshot", "--quiet"),
@@ -265,6 +269,15 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
     features and warm start (:func:`_project_start`), the services see only its settings; the demo
     only if the file says ``demo = "movielens"`` (``examples/movielens/driftline.toml``, ``make up``).
     """
+    # One stack per var dir, before anything in it is touched: a second one (other ports, the same
+    # directory) would run a second Redis on the same append-only file and a second trainer in the
+    # same snapshots, and write its supervisor state over this one's.
+    with own_dir(settings.var_dir, "the var dir", "var_dir"):
+        return _up(settings, replay_limit, speed, demo, warm_start_fraction, project)
+
+
+def _up(settings: Settings, replay_limit: int | None, speed: float | None, demo: bool,
+        warm_start_fraction: float, project: Project | None) -> int:
     demo = demo or (project is not None and project.demo == "movielens")
     movielens_features = demo or (project is not None and project.store.movielens)
     store_features = movielens_features or (project is not None and project.feature_files != (None, None))
@@ -365,8 +378,8 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
         print("driftline stopped." if not failed else
               "driftline stopped; not cleanly: " + ", ".join(f"{n} (exit {c})" for n, c in failed.items())
               + f"; see {settings.log_dir}/", flush=True)
-    if supervisor.cannot_listen:
-        raise PortInUse("; ".join(f"{name}: {why}" for name, why in supervisor.cannot_listen.items()))
+    if supervisor.cannot_start:
+        raise InUse("; ".join(f"{name}: {why}" for name, why in supervisor.cannot_start.items()))
     return 0 if not failed else 1
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.broker_reset import RESET_EXIT_CODE
-from services.ports import PORT_IN_USE_EXIT, PortInUse
+from services.in_use import IN_USE_EXIT, InUse
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +106,8 @@ class Supervisor:
         self.restarts: dict[str, int] = {}  # every restart, by service
         self.crash_loops: dict[str, int] = {}  # times a service reached CRASH_LOOP_EXITS quick exits
         self.hung: dict[str, int] = {}  # times a service was killed for failing its liveness check
-        #: services that exited with PORT_IN_USE_EXIT: their one-line reason; the stack stops
-        self.cannot_listen: dict[str, str] = {}
+        #: services that exited with IN_USE_EXIT: their one-line reason; the stack stops
+        self.cannot_start: dict[str, str] = {}
         self.state_path = log_dir.parent / "run" / "supervisor.json"
 
     def log_path(self, name: str) -> Path:
@@ -159,8 +159,8 @@ class Supervisor:
                 raise RuntimeError(
                     f"{spec.name} did not finish within {spec.ready_timeout_s:.0f} s; see {self.log_path(spec.name)}"
                 ) from None
-            if code == PORT_IN_USE_EXIT:
-                raise PortInUse(f"{spec.name}: {self._reason(spec.name)}")
+            if code == IN_USE_EXIT:
+                raise InUse(f"{spec.name}: {self._reason(spec.name)}")
             if code != 0:
                 raise RuntimeError(f"{spec.name} failed with code {code}; see {self.log_path(spec.name)}")
             return
@@ -169,8 +169,8 @@ class Supervisor:
         deadline = time.monotonic() + spec.ready_timeout_s
         while not spec.ready():
             if proc.poll() is not None and not spec.oneshot:
-                if proc.returncode == PORT_IN_USE_EXIT:
-                    raise PortInUse(f"{spec.name}: {self._reason(spec.name)}")
+                if proc.returncode == IN_USE_EXIT:
+                    raise InUse(f"{spec.name}: {self._reason(spec.name)}")
                 raise RuntimeError(
                     f"{spec.name} exited with code {proc.returncode} while starting; "
                     f"see {self.log_path(spec.name)}"
@@ -197,9 +197,9 @@ class Supervisor:
                 with self._lock:
                     self.running.pop(name, None)
                 continue
-            if code == PORT_IN_USE_EXIT:  # a restart cannot help (it used to crash-loop)
-                self.cannot_listen[name] = self._reason(name)
-                log.error("%s cannot listen: %s; stopping", name, self.cannot_listen[name])
+            if code == IN_USE_EXIT:  # a restart cannot help (it used to crash-loop)
+                self.cannot_start[name] = self._reason(name)
+                log.error("%s cannot start: %s; stopping", name, self.cannot_start[name])
                 self.request_stop()
                 return
             # Back off exponentially, but forget old crashes after a quiet minute.

@@ -88,6 +88,7 @@ from services.atomic import write_parquet_atomic
 from services.codecs import MalformedMessage, processing_failed
 from services.disk import DiskGuard
 from services.example_batch import BadExampleBatch, ExampleColumns, take
+from services.in_use import IN_USE_EXIT, DirInUse, own_dir
 from services.kafka import BrokerUnavailable, TypedConsumer, create_topics
 from services.log import setup_logging
 from services.rocksdb_faults import StoreDamaged, exit_on_damage, is_damage, mark_for_check, set_aside_damaged
@@ -401,14 +402,16 @@ async def run(
     pruned at each flush. A damaged store (:func:`services.rocksdb_faults.is_damage`) stops it,
     marked: the next start sets it aside and rebuilds it from the Parquet files (every id in
     them adopted, the topic read again from its start: what was not flushed is read again, what
-    was is a duplicate)."""
+    was is a duplicate). An output root another dumper holds raises
+    :class:`services.in_use.DirInUse` before anything in it is touched."""
     root = out_dir or settings.var_dir / "examples"
-    try:
-        return await _run(settings, root, stop or asyncio.Event(), until_idle_s)
-    except Exception as err:
-        if is_damage(err):
-            mark_for_check(root / CHECK_MARKER, err)
-        raise
+    with own_dir(root, "the dumper's output root", "var_dir"):
+        try:
+            return await _run(settings, root, stop or asyncio.Event(), until_idle_s)
+        except Exception as err:
+            if is_damage(err):
+                mark_for_check(root / CHECK_MARKER, err)
+            raise
 
 
 async def _run(settings: Settings, root: Path, stop: asyncio.Event, until_idle_s: float | None) -> dict[str, int]:
@@ -496,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokerUnavailable as err:
         log.error("%s", err)
         return 2
+    except DirInUse as err:  # (another dumper's output root: a restart cannot help)
+        log.error("%s", err)
+        return IN_USE_EXIT
     except Exception as err:  # noqa: BLE001 - re-raised unless a store is damaged
         return exit_on_damage(err, "the Parquet files")
     log.info("dumper stopped: %s", totals)

@@ -44,6 +44,7 @@ from joiner.output_spool import OutputSpool
 from joiner.worker import Worker
 from services import broker_reset, metrics, tansu_quirks
 from services.disk import DiskGuard
+from services.in_use import IN_USE_EXIT, DirInUse, own_dir
 from services.kafka import BrokerUnavailable, create_topics, partition_counts, producer, start_client
 from services.kafka_security import faust_credentials
 from services.log import setup_logging
@@ -354,13 +355,15 @@ async def run(settings: Settings, *, stop: asyncio.Event | None = None, until_id
     (the broker's data was reset), :class:`JoinTimeout` (no group assignment for
     ``joiner.join_timeout_s``, also at start: Faust's start waits for the first one), and what a
     damaged store raised (:func:`services.rocksdb_faults.is_damage`: marked for the next start, which
-    sets the store aside and rebuilds it from the changelog)."""
-    try:
-        return await _run(settings, stop or asyncio.Event(), until_idle_s, timings)
-    except Exception as err:
-        if is_damage(err):
-            mark_for_check(state_dir(settings) / faust_store.CHECK_MARKER, err)
-        raise
+    sets the store aside and rebuilds it from the changelog). A state directory another worker
+    holds raises :class:`services.in_use.DirInUse` before anything in it is touched."""
+    with own_dir(state_dir(settings), "the joiner worker's state directory", "joiner.store_url"):
+        try:
+            return await _run(settings, stop or asyncio.Event(), until_idle_s, timings)
+        except Exception as err:
+            if is_damage(err):
+                mark_for_check(state_dir(settings) / faust_store.CHECK_MARKER, err)
+            raise
 
 
 async def _run(settings: Settings, stop: asyncio.Event, until_idle_s: float | None,
@@ -432,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokerUnavailable as err:
         log.error("%s", err)
         return 2
+    except DirInUse as err:  # (another worker's directory: a restart cannot help)
+        log.error("%s", err)
+        return IN_USE_EXIT
     except BrokerReset as err:
         log.warning("%s", err)
         return broker_reset.RESET_EXIT_CODE

@@ -63,7 +63,7 @@ def serve_metrics(port: int, host: str | None = None) -> int:
 
     The host defaults to ``settings.metrics_host``. Returns the bound port. A taken port is a
     :class:`~services.ports.PortInUse` (one line; the ``driftline`` command exits with
-    ``PORT_IN_USE_EXIT``, which the supervisor does not restart).
+    ``IN_USE_EXIT``, which the supervisor does not restart).
     """
     if host is None:
         from services.settings import get_settings

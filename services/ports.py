@@ -22,14 +22,12 @@ import socket
 from collections.abc import Iterable
 from typing import NamedTuple
 
-__all__ = ["PORT_IN_USE_EXIT", "Listen", "PortInUse", "check_ports_free", "free_port", "port_is_open", "port_taken"]
+from services.in_use import InUse
 
-#: a service's exit status when a port it must listen on is taken (sysexits' EX_CONFIG): the
-#: supervisor does not restart it, since a restart cannot help (it used to crash-loop every 30 s)
-PORT_IN_USE_EXIT = 78
+__all__ = ["Listen", "PortInUse", "check_ports_free", "free_port", "port_is_open", "port_taken"]
 
 
-class PortInUse(RuntimeError):
+class PortInUse(InUse):
     """A port something must listen on is taken. The message is one line: the port, what wanted
     it, and the setting that moves it."""
 

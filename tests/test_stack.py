@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,8 +18,9 @@ import pytest
 import redis
 
 from proto import Action, FeatureLog
+from services.in_use import IN_USE_EXIT, OWNER_FILE
 from services.kafka import TypedConsumer
-from services.ports import PORT_IN_USE_EXIT, free_port, port_is_open
+from services.ports import free_port, port_is_open
 from services.settings import Settings
 from tests.loopstack import LoopStack, alive, descendants, free_port_block
 
@@ -61,6 +63,7 @@ def test_up_runs_broker_redis_and_replay_then_stops_cleanly(tmp_path: Path, repo
             banner += line
         assert "driftline is up" in banner, banner
         assert port_is_open("127.0.0.1", broker_port) and port_is_open("127.0.0.1", redis_port)
+        _a_second_up_on_the_var_dir_is_refused(tmp_path, repo_root, config, up.pid)
         with socket.create_connection(("127.0.0.1", redis_port)) as s:
             s.sendall(b"PING\r\n")
             assert s.recv(16).startswith(b"+PONG")
@@ -104,6 +107,29 @@ def test_up_runs_broker_redis_and_replay_then_stops_cleanly(tmp_path: Path, repo
             up.kill()
 
 
+def _a_second_up_on_the_var_dir_is_refused(tmp_path: Path, repo_root: Path, config: list[str], first: int) -> None:
+    """The same command again with other ports, the same var dir (two project files side by side,
+    say): it used to start a second stack there, a second Redis on the first's append-only file, a
+    trainer that restored the first's snapshot and wrote its own beside it, and a joiner and a
+    dumper crash-looping on RocksDB's locks. Now one line, and nothing of the first's touched."""
+    var = tmp_path / "var"
+
+    def starts() -> dict[str, int]:  # the supervisor's "--- <time> starting <command>" line, per log
+        return {p.name: len(re.findall(r"^--- \S+ \S+ starting ", p.read_text(errors="replace"), re.M))
+                for p in (var / "log").iterdir()}
+    state, logs = (var / "run" / "supervisor.json").read_text(), starts()
+    done = subprocess.run([sys.executable, "-m", "driftline.cli", "up", *config, "--replay-limit", "20000"],
+                          env=_env(tmp_path, repo_root, free_port(), free_port()), capture_output=True, text=True,
+                          timeout=60, cwd=repo_root)
+    assert done.returncode == IN_USE_EXIT, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"driftline: the var dir {var} is in use by pid {first} (") and last.endswith(
+        "stop that process, or give this one its own with var_dir (DRIFTLINE_VAR_DIR)"), last
+    assert "Traceback" not in done.stderr
+    assert (var / "run" / "supervisor.json").read_text() == state
+    assert starts() == logs
+
+
 def test_port_in_use_is_one_actionable_line(tmp_path: Path, repo_root: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -114,7 +140,7 @@ def test_port_in_use_is_one_actionable_line(tmp_path: Path, repo_root: Path) -> 
             [sys.executable, "-m", "driftline.cli", "up", "--no-replay"],
             env=env, capture_output=True, text=True, timeout=60, cwd=repo_root,
         )
-    assert done.returncode == PORT_IN_USE_EXIT
+    assert done.returncode == IN_USE_EXIT
     err = done.stderr.strip().splitlines()
     assert err[-1].startswith("driftline: port 127.0.0.1:") and "DRIFTLINE_EMBEDDED__BROKER_PORT" in err[-1]
     assert "Traceback" not in done.stderr
@@ -130,7 +156,7 @@ def test_a_taken_metrics_port_is_one_line_before_anything_starts(tmp_path: Path,
         busy.listen()
         done = subprocess.run([sys.executable, "-m", "driftline.cli", "up", "--no-replay"],
                               env=env, capture_output=True, text=True, timeout=60, cwd=repo_root)
-    assert done.returncode == PORT_IN_USE_EXIT, done.stderr
+    assert done.returncode == IN_USE_EXIT, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"driftline: port 127.0.0.1:{joiner_metrics} (the joiner's /metrics) is in use: stop what listens "
         "there, or move it with embedded.metrics_port_base (DRIFTLINE_EMBEDDED__METRICS_PORT_BASE)")
@@ -140,7 +166,7 @@ def test_a_taken_metrics_port_is_one_line_before_anything_starts(tmp_path: Path,
 
 def test_a_service_on_a_taken_port_exits_once_with_one_line(tmp_path: Path, repo_root: Path) -> None:
     """Run alone (as compose runs it), a service whose /metrics port is taken says so in one line
-    and exits PORT_IN_USE_EXIT, which neither the supervisor nor a restart policy should loop on."""
+    and exits IN_USE_EXIT, which neither the supervisor nor a restart policy should loop on."""
     env = _env(tmp_path, repo_root, free_port(), free_port())
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -148,7 +174,7 @@ def test_a_service_on_a_taken_port_exits_once_with_one_line(tmp_path: Path, repo
         env["DRIFTLINE_METRICS_PORT"] = str(busy.getsockname()[1])
         done = subprocess.run([sys.executable, "-m", "driftline.cli", "dumper"],
                               env=env, capture_output=True, text=True, timeout=60, cwd=repo_root)
-    assert done.returncode == PORT_IN_USE_EXIT, done.stderr
+    assert done.returncode == IN_USE_EXIT, done.stderr
     assert done.stderr.strip().splitlines()[-1].endswith("move it with metrics_port (DRIFTLINE_METRICS_PORT)")
     assert "Traceback" not in done.stderr
 
@@ -307,6 +333,6 @@ def test_a_warm_start_on_every_start_keeps_what_the_online_trainer_learned(tmp_p
                            "--snapshot", "--unless-learned", "--quiet"], capture_output=True, text=True, env=env,
                           cwd=repo_root, timeout=180)
     assert done.returncode == 0 and '"skipped"' in done.stdout, done.stdout + done.stderr[-2000:]
-    assert sorted(p.name for p in snap.iterdir()) == before
+    assert sorted(p.name for p in snap.iterdir() if p.name != OWNER_FILE) == before  # (its lock file aside)
     assert after_learned(settings, settings.replay.dataset) == first_rating_after(
         settings.replay.dataset, settings.data_dir, 975_000_000_000)

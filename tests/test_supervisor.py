@@ -213,19 +213,19 @@ def test_each_service_gets_its_own_stop_timeout(tmp_path: Path) -> None:
     assert time.monotonic() - started < 7.0
 
 
-def test_a_service_that_cannot_listen_is_not_restarted_and_stops_the_stack(tmp_path: Path) -> None:
-    """PORT_IN_USE_EXIT (a taken port: a restart cannot help) stops the stack with the service's
+def test_a_service_that_cannot_start_is_not_restarted_and_stops_the_stack(tmp_path: Path) -> None:
+    """IN_USE_EXIT (a taken port: a restart cannot help) stops the stack with the service's
     own one-line reason, instead of a restart every 30 s."""
-    from services.ports import PORT_IN_USE_EXIT
+    from services.in_use import IN_USE_EXIT
 
     sup = Supervisor(tmp_path / "log", max_backoff_s=0.05)
     line = "driftline: port 127.0.0.1:9101 (this service's /metrics) is in use: move it"
     sup.start(ServiceSpec("joiner", [sys.executable, "-c",
-                                     f"import sys, time; time.sleep(0.3); print({line!r}); sys.exit({PORT_IN_USE_EXIT})"]))
+                                     f"import sys, time; time.sleep(0.3); print({line!r}); sys.exit({IN_USE_EXIT})"]))
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not sup.cannot_listen:
+    while time.monotonic() < deadline and not sup.cannot_start:
         sup.poll_once()
         time.sleep(0.05)
-    assert sup.cannot_listen == {"joiner": line.removeprefix("driftline: ")}
+    assert sup.cannot_start == {"joiner": line.removeprefix("driftline: ")}
     assert sup._stopping.is_set() and not sup.restarts
     sup.stop_all(grace_s=5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -258,13 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     service_metrics.SERVICE_UP.labels("trainer").set(1)
     if args.cmd == "batch":
         from . import snapshots
+        from .manifest import own_snapshots
 
         root = settings.model_snapshots(named_config(args.model).model_id)
         if args.unless_learned and (learned := snapshots.learned_online(root)) is not None:
             print(json.dumps({"skipped": f"{root} holds the online trainer's model "
                                          f"({learned.examples_applied} examples learned): kept"}), flush=True)
-            return 0
-        run_batch(args)
+            return 0  # (before the lock: compose runs this on every `up`, its online trainer running)
+        with own_snapshots(root) if args.snapshot else contextlib.nullcontext():
+            run_batch(args)
     else:
         args.model = args.model or settings.trainer.model
         try:

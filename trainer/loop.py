@@ -25,6 +25,7 @@ has none) and its result line's extra fields.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -46,7 +47,7 @@ from .count_baseline import CountBaseline
 from .ingest import Ingest, Prepared
 from .isolate import StepResult
 from .learned import Learned, LearnedFields
-from .manifest import Manifest
+from .manifest import Manifest, own_snapshots
 from .publisher import DenseSchedule, Publisher
 from .resets import ResetWatch
 from .sample_rates import SampleRateTracker
@@ -215,7 +216,12 @@ class TrainerLoop(LearnedFields):
     async def run(self, stop_when_idle_s: float | None = None, max_examples: int | None = None) -> dict:
         """Train until stopped (``stop_event``), idle ``stop_when_idle_s`` or ``max_examples`` queued;
         the result line. The topics (rank 0), the broker epoch, the restore, the producer, the consumer
-        and the committer are set up here for every engine, and closed here."""
+        and the committer are set up here for every engine, and closed here. The one-process trainer
+        holds its snapshot root alone (:func:`trainer.manifest.own_snapshots`)."""
+        with own_snapshots(self.snapshot_root) if self.world == 1 else contextlib.nullcontext():
+            return await self._run(stop_when_idle_s, max_examples)
+
+    async def _run(self, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
         if self.rank == 0:
             await self._create_topics()
             self.claim = Claim(self.settings, self.topic, self.ts.group_id)

@@ -18,7 +18,8 @@ as that JSON, for tools and tests that look at the file as written.
 
 The newest snapshot's manifest under a snapshot root is read here too (:func:`latest`,
 :func:`read_manifest`, :func:`learned_online`), with no torch: ``driftline up`` asks whether the
-online trainer learned (then the warm start is skipped and the replay resumes after it).
+online trainer learned (then the warm start is skipped and the replay resumes after it), and a
+root is held for one writer (:func:`own_snapshots`).
 
 >>> m = Manifest.from_dict({"offsets": {"0": 5}, "sparse_version": 3, "source": "online", "future_key": 1})
 >>> m.offsets, m.sparse_version, m.dense_version, m.param_deltas_offset, m.extra
@@ -38,6 +39,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from services.in_use import OwnedDir, own_dir
 
 log = logging.getLogger(__name__)
 
@@ -177,3 +180,11 @@ def latest(root: Path) -> Manifest | None:
         except (OSError, ValueError) as err:
             log.warning("snapshot %s under %s has no readable manifest (%s): looking at the one before", name, root, err)
     return None
+
+
+def own_snapshots(root: Path) -> OwnedDir:
+    """Hold a model's snapshot root for this process alone (:func:`services.in_use.own_dir`):
+    snapshots have one writer, the one-process trainer or ``trainer batch --snapshot``, and ``up``
+    clears a root only while it holds it. (A set of ranks writes its shards from every rank, on
+    every machine of a shared root: not held.)"""
+    return own_dir(root, "the trainer's snapshot directory", "trainer.snapshot_dir")

@@ -328,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(f"driftline-{args.command}", settings.log_level)
     try:
         return int(args.func(args, settings) or 0)
-    except InUse as err:  # a port or a state directory taken: a restart cannot help: the supervisor does not restart this exit
+    except InUse as err:  # a port or a state directory taken: the supervisor does not restart this exit
         print(f"driftline: {err}", file=sys.stderr)
         return IN_USE_EXIT
     except Exception as err:

@@ -14,6 +14,7 @@ import pytest
 
 from services.in_use import IN_USE_EXIT, DirInUse, own_dir
 from services.ports import free_port
+from tests.loopstack import free_port_block
 
 HOLDER = ("import sys, time; from pathlib import Path; from services.in_use import own_dir; "
           "own_dir(Path(sys.argv[1]), 'a directory', 'var_dir'); print('held', flush=True); time.sleep(600)")
@@ -62,14 +63,18 @@ def test_up_does_not_clear_a_snapshot_directory_a_trainer_started_by_hand_holds(
     """``up``'s demo clears the model's snapshot root for its warm start (nothing learned online in
     it); a trainer started by hand on the same var dir holds it: ``up`` stops with one line and its
     files stay."""
-    from tests.test_stack import _env
-
     var = tmp_path / "var"
     snap = var / "snapshots" / "deepfm"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DRIFTLINE_") and k not in ("KAFKA_BOOTSTRAP_SERVERS",
+                                                                                                  "REDIS_URL")}
+    env.update(DRIFTLINE_VAR_DIR=str(var), DRIFTLINE_DATA_DIR=str(repo_root / "var" / "data"),
+               DRIFTLINE_EMBEDDED__BROKER_PORT=str(free_port()), DRIFTLINE_EMBEDDED__REDIS_PORT=str(free_port()),
+               DRIFTLINE_SERVING__PORT=str(free_port()), DRIFTLINE_STATUS__PORT=str(free_port()),
+               DRIFTLINE_EMBEDDED__METRICS_PORT_BASE=str(free_port_block(8)))
     with own_dir(snap, "a directory", "var_dir"):
         (snap / "LATEST").write_text("snap-000000007\n")
-        done = subprocess.run([sys.executable, "-m", "driftline.cli", "up"], env=_env(tmp_path, repo_root, free_port(),
-                              free_port()), capture_output=True, text=True, timeout=120, cwd=repo_root)
+        done = subprocess.run([sys.executable, "-m", "driftline.cli", "up"], env=env, capture_output=True, text=True,
+                              timeout=120, cwd=repo_root)
     assert done.returncode == IN_USE_EXIT, done.stdout[-2000:] + done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
     assert f"the trainer's snapshot directory {snap} is in use by pid {os.getpid()} (" in last, last

@@ -171,8 +171,12 @@ class JoinCore:
             item = c.item_id
             eid = rid_b + b"/" + str(item).encode()
             ikey = b"I" + eid
-            if get(ikey) is not None:
-                counts["duplicate_impressions"] += 1
+            seen = get(ikey)
+            if seen is not None:
+                # Another user's impression under this request id is a client reusing request
+                # ids, not a re-sent feature log: said apart (dropped all the same).
+                same = HEADER.unpack_from(seen, 0)[1] == user_id
+                counts["duplicate_impressions" if same else "reused_request_ids"] += 1
                 continue
             if head is None:
                 head = batches.payload(model_id, fl.context.SerializeToString(), b"")

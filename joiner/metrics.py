@@ -58,6 +58,9 @@ REROUTED, INPUT_GAPS, INPUT_UNREAD = (Counter(f"driftline_joiner_{name}_total", 
 _COUNTERS = {name: Counter(metric, doc) for name, metric, doc in (
     ("impressions", "driftline_joiner_impressions_total", "Impressions (candidates of feature logs) consumed."),
     ("duplicate_impressions", "driftline_joiner_duplicate_impressions_total", "Impressions seen again and ignored."),
+    ("reused_request_ids", "driftline_joiner_reused_request_ids_total",
+     "Impressions under a request id and item another user's feature log already used (a client reusing "
+     "request ids in /rank): dropped, and a click on one joins the first user's impression."),
     ("expired_impressions", "driftline_joiner_expired_impressions_total",
      "Impressions refused: the features watermark had passed them by more than W + L + R, so their "
      "tombstone may be gone and they cannot be told from a repeat (a re-sent or re-read feature log)."),

@@ -50,7 +50,8 @@ class RankRequest(_Strict):
     Features are those the served model declares: a context or candidate feature it does not
     know is a 422 naming it."""
 
-    request_id: RequestId | None = Field(None, description="Echoed back; generated when absent.")
+    request_id: RequestId | None = Field(None, description="Echoed back; generated when absent. One per request: "
+                                         "the joiner drops an impression whose request id another user's used.")
     user_id: Id = Field(0, description="0 = no user (traffic without users). Serving adds a user_id "
                                        "slot for a user the store does not know only if the model reads one.")
     event_time_ms: Annotated[int, Field(gt=0, le=INT64_MAX)] | None = Field(

@@ -89,6 +89,9 @@ SURGES = (
           "last {window:.0f} s: {n:.0f}"),
     Surge("driftline_dead_letters_total", "records dead-lettered in the last {window:.0f} s: {n:.0f} ({what})",
           key=lambda lab: f"{lab.get('topic', '?')}: {lab.get('kind', '?')}"),
+    Surge("driftline_joiner_reused_request_ids_total", "impressions under request ids another user's /rank already "
+          "used, in the last {window:.0f} s: {n:.0f}; they are dropped and a click on one joins the first user's "
+          "features: leave request_id out of /rank (serving names each request) or make it unique"),
     Surge("driftline_broker_resets_total", "the broker's data was reset (a new epoch): the services follow it"),
     Surge("driftline_broker_reset_lost_total", "records that lived only in the broker when it was reset: "
           "{n:.0f} ({what})",

@@ -184,6 +184,28 @@ def test_duplicate_and_early_actions():
     assert core.take() == [] and core.counts["late_late"] == 1
 
 
+def test_a_request_id_another_user_used_is_told_from_a_re_sent_feature_log():
+    """A client reusing request ids in /rank (a counter per app launch, say): another user's
+    impression under the same request id and item is no re-sent feature log. It is dropped as one
+    is (the first user's stays as it was, so no example id gets a second content), but counted
+    apart (the status page says it), also once the first one's window has closed."""
+    core = JoinCore(TieredState(MemoryStore(), 100), MAX_WM)
+    core.load(0)
+
+    def fl(user: int, t: int, *items: int) -> FeatureLog:
+        return FeatureLog(request_id="r-1", event_time_ms=t, user_id=user, candidates=[Candidate(item_id=i) for i in items])
+    core.on_features(0, fl(7, 5_000, 1, 2))
+    core.on_features(0, fl(7, 5_000, 1, 2))  # re-sent (at least once)
+    core.on_features(0, fl(8, 9_000, 2, 3))  # another user, the same request id: item 2 taken, item 3 new
+    assert (core.counts["duplicate_impressions"], core.counts["reused_request_ids"]) == (2, 1)
+    core.on_action(0, Action(request_id="x", item_id=0, action_type="click", event_time_ms=140_000))
+    core.advance(0)  # (the windows close: tombstones)
+    core.on_features(0, fl(9, 9_500, 1))
+    assert (core.counts["duplicate_impressions"], core.counts["reused_request_ids"]) == (2, 2)
+    assert sorted(e.user_id for e in take_examples(core)) == sorted(
+        u for u, eid in ((7, "r-1/1"), (7, "r-1/2"), (8, "r-1/3")) if sampling.keep(eid, CFG.negative_sample_rate, CFG.seed))
+
+
 def test_late_policy_correction_emits_a_correction():
     cfg = join_config(window_ms=1000, lateness_ms=0, late_policy="correction", negative_sample_rate=1.0,
                       watermark_outliers=0)

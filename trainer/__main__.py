@@ -250,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
                 check_ports_free([Listen(settings.metrics_host, settings.metrics_port + r * stride,
                                          f"trainer rank {r}'s /metrics", "metrics_port" if r == 0 else
                                          "trainer.rank_metrics_port_stride") for r in range(nproc)])
+            from .snapshot_store import check_same_model  # (each rank would fail on it, and be restarted)
+
+            cfg = named_config(args.model or settings.trainer.model)
+            check_same_model(settings.model_snapshots(cfg.model_id), cfg)
             launch.launch(nproc, [a for a in _without_nproc(argv)], settings.trainer)
             return 0
     if settings.metrics_port:

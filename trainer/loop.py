@@ -51,7 +51,7 @@ from .manifest import Manifest, own_snapshots
 from .publisher import DenseSchedule, Publisher
 from .resets import ResetWatch
 from .sample_rates import SampleRateTracker
-from .snapshot_store import SnapshotStore
+from .snapshot_store import SnapshotStore, check_same_model
 from .snapshots import EventClock
 
 log = logging.getLogger(__name__)
@@ -222,6 +222,7 @@ class TrainerLoop(LearnedFields):
             return await self._run(stop_when_idle_s, max_examples)
 
     async def _run(self, stop_when_idle_s: float | None, max_examples: int | None) -> dict:
+        check_same_model(self.snapshot_root, self.cfg)  # (before the broker: a person must act on it)
         if self.rank == 0:
             await self._create_topics()
             self.claim = Claim(self.settings, self.topic, self.ts.group_id)

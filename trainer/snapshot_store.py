@@ -38,16 +38,69 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
 from services.atomic import write_bytes_atomic
+from services.in_use import DirInUse
 
 from . import metrics as M
 from . import snapshots
 from .config import ModelConfig
+from .head import DenseHead
 from .manifest import Manifest
 from .model import SparseModel
 
 log = logging.getLogger(__name__)
 EPOCH_MARKER = "broker-epoch"  # broker_reset.state_matches_broker's marker file
+
+
+class SnapshotsOfAnotherModel(DirInUse):
+    """The newest snapshot under a root was written by a configuration of the model this one cannot
+    restore (:func:`check_same_model`). Not damage: skipping to older snapshots would find the same,
+    and training on would lose what they learned; a person decides (the trainer exits with
+    :data:`services.in_use.IN_USE_EXIT`, not restarted)."""
+
+
+def restore_blockers(saved: ModelConfig, cfg: ModelConfig) -> list[str]:
+    """What keeps a snapshot written by ``saved`` from restoring into ``cfg`` ([]: nothing): an
+    embedding table both have, of another width, or a dense head of other layers or optimizer. A
+    table added since starts empty and one removed is left out, as a restore does."""
+    out = []
+    before = {t.name: t for t in saved.tables}
+    for t in cfg.tables:
+        o = before.get(t.name)
+        if o is not None and (o.dim, o.slot_width, o.shards) != (t.dim, t.slot_width, t.shards):
+            out.append(f"table {t.name}: dim/slot width/shards {o.dim}/{o.slot_width}/{o.shards}, now "
+                       f"{t.dim}/{t.slot_width}/{t.shards}")
+    if _head_shapes(saved) != _head_shapes(cfg):
+        out.append("the dense head's layers (its slots, dense features, MLP or content encoder changed)")
+    if saved.dense_optimizer != cfg.dense_optimizer:
+        out.append(f"dense optimizer {saved.dense_optimizer}, now {cfg.dense_optimizer}")
+    return out
+
+
+def _head_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    with torch.random.fork_rng(devices=[]):  # (the head seeds torch's generator as it is built)
+        return {k: tuple(v.shape) for k, v in DenseHead(cfg).state_dict().items()}
+
+
+def check_same_model(root: Path, cfg: ModelConfig) -> None:
+    """Raise :class:`SnapshotsOfAnotherModel` when the newest snapshot under ``root`` (its manifest)
+    cannot restore into ``cfg`` (:func:`restore_blockers`): a project file whose model changed
+    under the same name used to crash-loop the trainer, its snapshots counted as damaged."""
+    manifest = snapshots.latest(root)
+    if manifest is None or not manifest.config:
+        return
+    try:
+        saved = ModelConfig.model_validate(manifest.config)
+    except ValueError:
+        return  # (a writer of another version: the restore itself says what it cannot read)
+    blockers = restore_blockers(saved, cfg)
+    if blockers:
+        raise SnapshotsOfAnotherModel(
+            f"the trainer's snapshot directory {root} holds snapshots of another configuration of model "
+            f"{cfg.model_id!r} ({'; '.join(blockers)}): put that configuration back, or move them aside to "
+            "start this one from scratch, or give it its own with trainer.snapshot_dir (DRIFTLINE_TRAINER__SNAPSHOT_DIR)")
 
 
 @dataclass

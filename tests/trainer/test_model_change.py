@@ -1,0 +1,56 @@
+"""A model whose configuration changed under the same name (a project file edited: a wider
+embedding, another MLP) meets the old configuration's snapshots. Not damage: the trainer says what
+differs and how to go on, in one line, and exits ``IN_USE_EXIT`` (not restarted) with the snapshots
+untouched. It used to count each as damaged, find none readable and crash-loop."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.in_use import IN_USE_EXIT
+from services.ports import free_port
+from trainer import snapshots
+from trainer.config import deepfm_config
+from trainer.model import SparseModel
+from trainer.snapshot_store import restore_blockers
+
+SAVED = deepfm_config(dim=8, mlp=[32])
+
+
+def test_what_keeps_a_snapshot_from_restoring_into_another_configuration() -> None:
+    assert restore_blockers(SAVED, deepfm_config(dim=8, mlp=[32])) == []
+    wider = restore_blockers(SAVED, deepfm_config(dim=16, mlp=[32]))
+    assert wider[0].startswith("table user_id: dim/slot width/shards 8/") and ", now 16/" in wider[0]
+    assert wider[-1].startswith("the dense head's layers")  # (its input is slots x dim)
+    assert restore_blockers(SAVED, deepfm_config(dim=8, mlp=[64])) == [
+        "the dense head's layers (its slots, dense features, MLP or content encoder changed)"]
+
+
+@pytest.mark.parametrize("nproc", ["1", "2"], ids=["one-process", "launcher"])
+def test_the_trainer_refuses_the_snapshots_of_another_configuration_once(nproc: str, tmp_path: Path,
+                                                                         repo_root: Path) -> None:
+    """No broker answers here: a trainer that got past the check would fail on Kafka with another
+    exit status (and a launcher would first start its ranks)."""
+    var = tmp_path / "var"
+    root = var / "snapshots" / SAVED.model_id
+    m = SparseModel(SAVED)
+    snapshots.save(root, SAVED, m.tables, m.dense_state(), {"examples_applied": 500, "source": "online"})
+    before = sorted(p.name for p in root.iterdir())
+    changed = tmp_path / "model.json"
+    changed.write_text(deepfm_config(dim=8, mlp=[64]).model_dump_json())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DRIFTLINE_")}
+    env.update(DRIFTLINE_VAR_DIR=str(var), KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{free_port()}",
+               DRIFTLINE_METRICS_PORT=str(free_port()), DRIFTLINE_KAFKA__CONNECT_TIMEOUT_S="3")
+    done = subprocess.run([sys.executable, "-m", "driftline.cli", "trainer", "online", "--model", str(changed),
+                           "--nproc", nproc], env=env, capture_output=True, text=True, timeout=120, cwd=repo_root)
+    assert done.returncode == IN_USE_EXIT, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"driftline: the trainer's snapshot directory {root} holds snapshots of another "
+                           f"configuration of model '{SAVED.model_id}' (the dense head's layers"), last
+    assert "Traceback" not in done.stderr and "unreadable" not in done.stderr
+    assert sorted(p.name for p in root.iterdir() if p.name != ".owner") == before

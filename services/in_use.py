@@ -2,15 +2,15 @@
 
 A state directory has one writer: ``up``'s var dir (its Redis append-only file, the supervisor's
 state, every service's logs), a joiner worker's RocksDB, the dumper's Parquet root, the one-process
-trainer's snapshots. A second writer damages the first's files, or crash-loops on RocksDB's lock
-with a traceback that names neither the holder nor the fix (found by starting a second ``up`` on
-the same var dir with other ports: its trainer restored the first's snapshot, took it for a broker
-reset and wrote its own snapshots beside the first's). :func:`own_dir` takes an exclusive
-``flock`` on ``<dir>/.owner`` for the life of the process, before anything in the directory is
-touched, and a second process gets :class:`DirInUse` naming the holder and the setting that gives
-it a directory of its own. The kernel drops the lock when its process dies, kill -9 included, so
-a crash leaves nothing to clean up. Both refusals exit with :data:`IN_USE_EXIT`, which the
-supervisor does not restart: a restart cannot help.
+trainer's snapshots. A second writer damages the first's files (a second ``up`` with other ports on
+the same var dir: its trainer restores the first's snapshot, takes it for a broker reset and writes
+its own beside it), or crash-loops on RocksDB's lock with a traceback that names neither the holder
+nor the fix. :func:`own_dir` takes an exclusive ``flock`` on ``<dir>/.owner`` for the life of
+the process, before anything in the directory is touched, and a second process gets
+:class:`DirInUse` naming the holder and the setting that gives it a directory of its own. The
+kernel drops the lock when its process dies, kill -9 included, so a crash leaves nothing to clean
+up. Both refusals exit with :data:`IN_USE_EXIT`, which the supervisor does not restart: a restart
+cannot help.
 
 >>> import tempfile
 >>> d = Path(tempfile.mkdtemp())

@@ -87,7 +87,8 @@ def _head_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def check_same_model(root: Path, cfg: ModelConfig) -> None:
     """Raise :class:`SnapshotsOfAnotherModel` when the newest snapshot under ``root`` (its manifest)
     cannot restore into ``cfg`` (:func:`restore_blockers`): a project file whose model changed
-    under the same name used to crash-loop the trainer, its snapshots counted as damaged."""
+    under the same name. Asked before anything else, since neither a restart nor the snapshots
+    before it can help (they are no damage)."""
     manifest = snapshots.latest(root)
     if manifest is None or not manifest.config:
         return

@@ -97,8 +97,11 @@ def own_dir(directory: Path, what: str, setting: str) -> OwnedDir:
         env = "DRIFTLINE_" + setting.upper().replace(".", "__")
         raise DirInUse(f"{what} {directory} is in use by {holder}: stop that process, or give this one its "
                        f"own with {setting} ({env})") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n{time.strftime('%Y-%m-%d %H:%M:%S')}\n{' '.join(sys.argv)}\n".encode())
+    try:  # who holds it, for a second process's message; a full disk only loses that
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n{time.strftime('%Y-%m-%d %H:%M:%S')}\n{' '.join(sys.argv)}\n".encode())
+    except OSError as err:
+        log.warning("%s %s: who holds it is not written (%s); it is held all the same", what, directory, err)
     return OwnedDir(directory, fd)
 
 

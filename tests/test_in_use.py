@@ -14,6 +14,7 @@ import pytest
 
 from services.in_use import IN_USE_EXIT, DirInUse, own_dir
 from services.ports import free_port
+from tests.conftest import fill_disk
 from tests.loopstack import free_port_block
 
 HOLDER = ("import sys, time; from pathlib import Path; from services.in_use import own_dir; "
@@ -79,3 +80,17 @@ def test_up_does_not_clear_a_snapshot_directory_a_trainer_started_by_hand_holds(
     last = done.stderr.strip().splitlines()[-1]
     assert f"the trainer's snapshot directory {snap} is in use by pid {os.getpid()} (" in last, last
     assert (snap / "LATEST").read_text() == "snap-000000007\n"
+
+
+def test_a_full_disk_does_not_stop_a_process_taking_its_directory(small_disk: Path) -> None:
+    """A service restarted while its disk is full pauses (README: a full disk pauses, it does not
+    tear down): taking its directory must not be what stops it. Who holds it goes unwritten."""
+    (small_disk / "state").mkdir()
+    fill = fill_disk(small_disk, 0)
+    try:
+        held = own_dir(small_disk / "state", "a directory", "var_dir")
+        with pytest.raises(DirInUse, match="is in use by another process"):
+            own_dir(small_disk / "state", "a directory", "var_dir")
+        held.release()
+    finally:
+        fill.unlink()

@@ -5,11 +5,15 @@ straggler that comes and goes: sync -> gba -> sync in one run, every example app
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from aiokafka import TopicPartition
+
+from services.tansu_quirks import committed_offsets
 from trainer import snapshots
 from trainer.config import deepfm_config
 from trainer.data import produce_examples
@@ -72,10 +76,11 @@ def _spawn_auto(settings, tmp: Path, log: Path, slow: str, after_s: float) -> su
                DRIFTLINE_TRAINER__GBA__SWITCH_AFTER_S=str(after_s), DRIFTLINE_TRAINER__GBA__STRAGGLER_RATIO="2.0",
                # a rank out of examples waits this long for them each round: the other one's last rounds
                DRIFTLINE_TRAINER__BATCH_TIMEOUT_S="0.05")
-    # idle for 10 s before stopping: the second half of the stream is produced while the ranks
-    # wait for it (a fresh-clone run's load once made that take over 3 s, and the group stopped)
+    # never stopped by idleness: the test stops it once it learned every record (the second half of
+    # the stream is produced while the ranks wait for it; under a fresh-clone run's load that took
+    # over 3 s, and once over 9 s: a group stopping after 10 idle seconds had learned half)
     return subprocess.Popen([sys.executable, "-m", "trainer", "online", "--sync-interval-s", "1",
-                             "--snapshot-interval-event-s", "0", "--stop-when-idle-s", "10", "--batch-size", "32"],
+                             "--snapshot-interval-event-s", "0", "--stop-when-idle-s", "600", "--batch-size", "32"],
                             env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
 
 
@@ -102,7 +107,13 @@ async def test_auto_switches_sync_gba_sync_with_a_straggler_that_comes_and_goes(
             break
         await asyncio.sleep(0.05)
     records += await produce_examples(settings, ml_examples[first:], chunk=16)
-    assert p.wait(timeout=180) == 0, log.read_text()[-4000:]
+    tps = [TopicPartition(settings.topics.examples, i) for i in range(settings.topics.partitions)]
+    deadline = time.monotonic() + 180
+    while sum(max(0, o) for o in (await committed_offsets(settings, settings.trainer.group_id, tps)).values()) < records:
+        assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        await asyncio.sleep(0.5)
+    p.send_signal(signal.SIGTERM)  # (learned and committed: a clean stop writes the last manifest)
+    assert p.wait(timeout=120) == 0, log.read_text()[-4000:]
     print(f"ran in {time.monotonic() - t0:.1f} s")
     res = _results(log)
     assert sorted(res) == [0, 1], log.read_text()[-3000:]

@@ -57,8 +57,7 @@ class DirInUse(InUse):
 class OwnedDir:
     """An exclusive lock on a directory, held until :meth:`release` or the process ends."""
 
-    def __init__(self, directory: Path, fd: int | None) -> None:
-        self.directory = directory
+    def __init__(self, fd: int | None) -> None:
         self._fd = fd
 
     def release(self) -> None:
@@ -91,7 +90,7 @@ def own_dir(directory: Path, what: str, setting: str) -> OwnedDir:
             os.close(fd)
             log.warning("%s %s cannot be locked (%s): a second process on it would not be stopped", what,
                         directory, err)
-            return OwnedDir(directory, None)
+            return OwnedDir(None)
         holder = _holder(fd)
         os.close(fd)
         env = "DRIFTLINE_" + setting.upper().replace(".", "__")
@@ -102,7 +101,7 @@ def own_dir(directory: Path, what: str, setting: str) -> OwnedDir:
         os.write(fd, f"{os.getpid()}\n{time.strftime('%Y-%m-%d %H:%M:%S')}\n{' '.join(sys.argv)}\n".encode())
     except OSError as err:
         log.warning("%s %s: who holds it is not written (%s); it is held all the same", what, directory, err)
-    return OwnedDir(directory, fd)
+    return OwnedDir(fd)
 
 
 def _holder(fd: int) -> str:

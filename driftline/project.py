@@ -167,6 +167,10 @@ class ModelSpec(_Spec):
     dense: list[str] | None = None
     dense_optimizer: Literal["adam", "adagrad", "sgd"] | None = None
     dense_lr: float | None = Field(None, gt=0)
+    #: how the dense inputs are put on one scale (trainer/dense_scaling.py): ``log`` (signed log1p,
+    #: then standardized by the stream's running statistics: any unit, heavy tails), ``standard``
+    #: (standardized only), ``none`` (as they come)
+    dense_scaling: Literal["log", "standard", "none"] = "log"
     #: the label the model learns (one of the ``[labels]`` values)
     label: str = "click"
     seed: int = 0
@@ -418,7 +422,7 @@ class Project:
             model_id=self.file.name, kind=m.kind, slots=emb, linear=lin, tables=tables, dense_features=dense,
             pooling={f.name: f.pooling for f in self.file.features if f.pooling and f.name in used},
             salt={f.name: f.salt for f in self.file.features if f.salt is not None and f.name in used},
-            label=m.label, seed=m.seed, sequential=m.sequential and bool(lin),
+            label=m.label, seed=m.seed, sequential=m.sequential and bool(lin), dense_scaling=m.dense_scaling,
             sequential_embeddings=m.sequential_embeddings and m.sequential and bool(lin) and m.kind == "deepfm",
             meta=m.meta, content=m.content, **extra)
 

@@ -87,6 +87,9 @@ admission = { min_count = 1, probability = 1.0 }
 # The model: "deepfm" (linear + FM + MLP) or "lr" (logistic regression).
 #   fields / linear / dense: which features feed the embedding fields, the first-order terms and
 #   the dense inputs; left out: every sparse feature (fields, linear), every dense one (dense).
+#   dense_scaling: how the dense inputs are put on one scale, so their unit does not matter (cents or
+#   dollars): "log" (signed log1p, then standardized by the stream's running statistics; for
+#   prices, counts, durations), "standard" (standardized only), "none" (as they come)
 #   sequential: the first-order weights learn example by example inside each mini-batch, so a
 #   user's or item's burst is scored with what its earlier examples taught (false: once per batch)
 #   sequential_embeddings: with sequential, a deepfm's embedding rows learn that way too (its
@@ -109,6 +112,7 @@ sequential_embeddings = true
 linear_optimizer = { kind = "adagrad", lr = 0.3, initial_accumulator_value = 0.3 }
 # fields = ["device", "item_id", "position", "category"]
 # dense = ["price"]
+dense_scaling = "log"
 # meta = { task_slot = "item_id" }
 
 # Action types (POST /actions "action_type") -> the label they set. Default: click->click, like->like.

@@ -27,10 +27,13 @@ order): relative differences of ~1e-7, checked against the trainer's ``predict``
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 from torch import nn
 
+from trainer.dense_scaling import scale_numpy
 from trainer.head import DenseHead
 
 
@@ -50,6 +53,8 @@ class SplitHead:
     def __init__(self, head: DenseHead, fields: list[str], user_fields: frozenset[str], dim: int) -> None:
         self.bias = float(head.bias.detach()[0])
         self.dense_w = None if head.dense_linear is None else torch.from_numpy(_np(head.dense_linear.weight).T.copy())
+        # the dense features' scale as of this dense version (trainer.dense_scaling): a copy, as the weights
+        self.scaler = copy.deepcopy(head.scaler) if head.scaler is not None else None
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.user_w: torch.Tensor | None = None
         self.item_w: torch.Tensor | None = None
@@ -77,6 +82,8 @@ class SplitHead:
         ``lin [n+1, L]`` (row 0: the user's fields), ``dense [n, K]``."""
         n = (emb if emb is not None else lin).shape[0] - 1 if emb is not None or lin is not None else len(dense)
         out = np.full(n, self.bias, np.float32)
+        if dense is not None and self.scaler is not None:
+            dense = scale_numpy(self.scaler, dense)
         if lin is not None:
             out += lin[1:].sum(1)
             out += lin[0].sum()

@@ -121,6 +121,10 @@ class ModelConfig(BaseModel):
     salt: dict[str, bool] = Field(default_factory=dict)
     #: names of dense (float) features, in input order; an example missing one is rejected
     dense_features: list[str] = Field(default_factory=list)
+    #: how dense features are put on one scale before the head (:mod:`trainer.dense_scaling`):
+    #: ``log``: signed log1p, then standardized by running statistics; ``standard``: standardized
+    #: only; ``none``: as they come
+    dense_scaling: Literal["log", "standard", "none"] = "log"
     mlp: list[int] = Field(default_factory=lambda: list(SERVED_MLP))
     dense_optimizer: Literal["adam", "adagrad", "sgd"] = "adam"
     dense_lr: float = Field(1e-3, gt=0)

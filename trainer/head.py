@@ -13,6 +13,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .content import ContentEncoder
+from .dense_scaling import DenseScaler, merge_moments_before_step
 from .torch_quirks import optimizer_class
 
 __all__ = ["DenseHead", "HeadSlopes", "make_dense_optimizer"]
@@ -44,6 +45,17 @@ class DenseHead(nn.Module):
             self.mlp = None
         # made after the MLP: a model without content draws the same initial head as before
         self.content = ContentEncoder(cfg.content, d) if cfg.content is not None else None
+        self.scaler = DenseScaler(nd, cfg.dense_scaling) if nd and cfg.dense_scaling != "none" else None
+
+    def scale_dense(self, dense: torch.Tensor | None) -> torch.Tensor | None:
+        """The raw dense features ``[B, K]`` as the head takes them (:mod:`trainer.dense_scaling`)."""
+        return dense if dense is None or self.scaler is None else self.scaler(dense)
+
+    def stage_moments(self) -> None:
+        """The last training forward's dense-feature moments as the scaler's gradients: every engine
+        calls it before it reads or reduces the head's gradients (:mod:`trainer.dense_scaling`)."""
+        if self.scaler is not None:
+            self.scaler.stage()
 
     def forward(self, emb, lin, dense, fm: bool = True):
         """``fm=False`` leaves the FM term out (:mod:`ps.sequential_fm` computes it from fresh rows)."""
@@ -124,7 +136,8 @@ def _batch(*xs):
 
 def make_dense_optimizer(cfg: ModelConfig, head: nn.Module) -> torch.optim.Optimizer:
     """The dense optimizer; torch's fused CPU kernel where it has one (one kernel per step, not
-    one per parameter tensor: ~3x cheaper for the DeepFM head)."""
+    one per parameter tensor: ~3x cheaper for the DeepFM head). Its step merges the dense scaler's
+    moments first (:mod:`trainer.dense_scaling`)."""
     cls = optimizer_class({"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad,
                            "sgd": torch.optim.SGD}[cfg.dense_optimizer])
     params: list = list(head.parameters())
@@ -134,6 +147,8 @@ def make_dense_optimizer(cfg: ModelConfig, head: nn.Module) -> torch.optim.Optim
         params = [{"params": [p for p in params if id(p) not in own]},
                   {"params": list(content.parameters()), "lr": cfg.content.lr}]
     try:
-        return cls(params, lr=cfg.dense_lr, fused=True)
+        opt = cls(params, lr=cfg.dense_lr, fused=True)
     except (RuntimeError, TypeError, ValueError):
-        return cls(params, lr=cfg.dense_lr)
+        opt = cls(params, lr=cfg.dense_lr)
+    opt.register_step_pre_hook(merge_moments_before_step(head))  # the dense scaler's statistics
+    return opt

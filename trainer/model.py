@@ -327,8 +327,11 @@ class SparseModel:
         return slopes
 
     def dense_input(self, batch: SparseBatch) -> torch.Tensor | None:
-        """The batch's dense features on the device (None when the model reads none)."""
-        return self.io.to_device(batch.dense) if batch.dense is not None and self.cfg.dense_features else None
+        """The batch's dense features on the device, scaled as the head takes them (None when the
+        model reads none; a training forward records their moments: :mod:`trainer.dense_scaling`)."""
+        if batch.dense is None or not self.cfg.dense_features:
+            return None
+        return self.head.scale_dense(self.io.to_device(batch.dense))
 
     @torch.no_grad()
     def predict(self, batch: SparseBatch) -> np.ndarray:
@@ -374,6 +377,7 @@ class SparseModel:
         loss = F.binary_cross_entropy_with_logits(logits, labels)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        self.head.stage_moments()
         value = float(loss.detach())
         # copied back now, while the device waits anyway: the updates queued below then run on
         # the device while the caller prepares the next batch (CUDA kernels run asynchronously)

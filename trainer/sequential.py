@@ -100,6 +100,7 @@ def sequential_train_step(model, batch: SparseBatch) -> tuple[float, np.ndarray]
         head.bias.grad = r.mean().reshape(1)
         if dense is not None:
             head.dense_linear.weight.grad = (r.unsqueeze(1) * dense).mean(0, keepdim=True)
+    head.stage_moments()
     model.optimizer.step()
     model.timings["forward"] += t1 - t0
     model.timings["update"] += t2 - t1
@@ -140,6 +141,7 @@ def _embeddings_sequential_step(model, batch: SparseBatch) -> tuple[float, np.nd
         for p in model.head.content.parameters():
             p.grad = None
         cs.backward(seed)
+    model.head.stage_moments()
     if not finite_grads(model.head) or not math.isfinite(loss):
         raise NonFiniteStepError(f"the step's loss ({loss}) or dense gradients are not finite; "
                                  "the sparse rows were stepped, nothing else applied")

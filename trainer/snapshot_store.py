@@ -76,6 +76,8 @@ def restore_blockers(saved: ModelConfig, cfg: ModelConfig) -> list[str]:
         out.append("the dense head's layers (its slots, dense features, MLP or content encoder changed)")
     if saved.dense_optimizer != cfg.dense_optimizer:
         out.append(f"dense optimizer {saved.dense_optimizer}, now {cfg.dense_optimizer}")
+    if saved.dense_features and saved.dense_scaling != cfg.dense_scaling:  # (log and standard: equal shapes)
+        out.append(f"dense scaling {saved.dense_scaling}, now {cfg.dense_scaling} ([model] dense_scaling)")
     return out
 
 
@@ -92,8 +94,9 @@ def check_same_model(root: Path, cfg: ModelConfig) -> None:
     manifest = snapshots.latest(root)
     if manifest is None or not manifest.config:
         return
+    # written before dense scaling existed: its dense inputs were raw
     try:
-        saved = ModelConfig.model_validate(manifest.config)
+        saved = ModelConfig.model_validate({"dense_scaling": "none", **manifest.config})
     except ValueError:
         return  # (a writer of another version: the restore itself says what it cannot read)
     blockers = restore_blockers(saved, cfg)

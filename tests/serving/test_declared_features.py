@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Literal
 
 import httpx
 import numpy as np
+import pytest
 import torch
 from serving_helpers import publish, running, wait_ready
 
@@ -23,10 +25,12 @@ from trainer.model import DenseHead
 from trainer.sync import encode_dense
 
 
-def lr_model(model_id: str, slots: list[str], dense: list[str] | None = None) -> ModelConfig:
+def lr_model(model_id: str, slots: list[str], dense: list[str] | None = None,
+             scaling: Literal["log", "standard", "none"] = "none") -> ModelConfig:
+    """An LR; its dense inputs raw unless ``scaling`` says otherwise (trainer.dense_scaling)."""
     table = TableConfig(name="w", dim=1, optimizer=AdagradConfig(lr=0.05), initializer=InitializerConfig(kind="zeros"))
     return ModelConfig(model_id=model_id, kind="lr", linear={s: "w" for s in slots}, tables=[table], mlp=[],
-                       dense_features=dense or [])
+                       dense_features=dense or [], dense_scaling=scaling)
 
 
 async def read_logs(settings: Settings, want: set[str], timeout: float = 20.0) -> dict[str, FeatureLog]:
@@ -96,11 +100,17 @@ def _scores(r: httpx.Response) -> dict[int, float]:
     return {i["item_id"]: i["raw_score"] for i in r.json()["items"]}
 
 
-def _with_dense_weights(settings: Settings, base: str, cfg: ModelConfig, weights: list[float]) -> None:
-    """Publish an LR head whose dense weights are ``weights``; wait until serving applied them."""
+def _with_dense_weights(settings: Settings, base: str, cfg: ModelConfig, weights: list[float],
+                        scale: tuple[list[float], list[float]] | None = None) -> None:
+    """Publish an LR head whose dense weights are ``weights`` (and its dense scaler's mean and
+    variance ``scale``); wait until serving applied them."""
     head = DenseHead(cfg)
     with torch.no_grad():
         head.dense_linear.weight.copy_(torch.tensor([weights]))
+        if scale is not None:
+            head.scaler.count.fill_(100.0)
+            head.scaler.mean.copy_(torch.tensor(scale[0]))
+            head.scaler.var.copy_(torch.tensor(scale[1]))
     asyncio.run(publish(settings, [encode_dense(cfg.model_id, 1, head)]))
     deadline = time.monotonic() + 20
     while httpx.get(f"{base}/readyz").json()["model_version"]["dense_version"] < 1:
@@ -108,19 +118,25 @@ def _with_dense_weights(settings: Settings, base: str, cfg: ModelConfig, weights
         time.sleep(0.05)
 
 
-def test_dense_features_reach_the_scorer(filled_store: Settings) -> None:
+@pytest.mark.parametrize("scaling", ["none", "log"])
+def test_dense_features_reach_the_scorer(filled_store: Settings, scaling: str) -> None:
     """An LR with dense weights published: a candidate's dense value (over the context's) moves its
-    score by exactly its weight; a dense feature missing is a 422 naming it."""
-    cfg = lr_model("dense", ["item_id"], dense=["hour", "price"])
+    score by exactly its weight (``log``: times its value scaled by the published statistics,
+    trainer.dense_scaling); a dense feature missing is a 422 naming it."""
+    cfg = lr_model(f"dense-{scaling}", ["item_id"], dense=["hour", "price"], scaling=scaling)
+    mean, var = [0.5, 1.0], [4.0, 0.25]
     with running(create_app(filled_store, TrainerModel(config=cfg))) as base:
         wait_ready(base)
-        _with_dense_weights(filled_store, base, cfg, [1.0, -0.5])
+        _with_dense_weights(filled_store, base, cfg, [1.0, -0.5], (mean, var) if scaling == "log" else None)
         post = lambda body: httpx.post(f"{base}/rank", json=body, timeout=30)  # noqa: E731
-        scores = _scores(post({"request_id": "dense", "context": {"dense": {"hour": 0.0, "price": 2.0}},
+        scores = _scores(post({"request_id": f"dense-{scaling}", "context": {"dense": {"hour": 0.0, "price": 2.0}},
                                "candidates": [{"item_id": 1}, {"item_id": 2, "features": {"dense": {"hour": 3.0}}},
                                               {"item_id": 3, "features": {"dense": {"hour": 3.0, "price": 0.0}}}]}))
         sigmoid = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
-        np.testing.assert_allclose([scores[1], scores[2], scores[3]], sigmoid(np.array([-1.0, 2.0, 3.0])), rtol=1e-6)
+        x = np.array([[0.0, 2.0], [3.0, 2.0], [3.0, 0.0]])
+        if scaling == "log":
+            x = (np.log1p(x) - mean) / np.sqrt(var)
+        np.testing.assert_allclose([scores[1], scores[2], scores[3]], sigmoid(x @ [1.0, -0.5]), rtol=1e-6)
 
         r = post({"context": {"dense": {"hour": 1.0}}, "candidates": [{"item_id": 1, "features": {"dense": {"price": 1.0}}},
                                                                       {"item_id": 2}]})
@@ -128,7 +144,8 @@ def test_dense_features_reach_the_scorer(filled_store: Settings) -> None:
         # extreme float32 values are scored, not a 5xx
         assert post({"context": {"dense": {"hour": 3.4e38, "price": -3.4e38}}, "candidates": [{"item_id": 1}]}).status_code == 200
 
-    log = asyncio.run(read_logs(filled_store, {"dense"}))["dense"]
+    # logged as given: the trainer scales them as serving does
+    log = asyncio.run(read_logs(filled_store, {f"dense-{scaling}"}))[f"dense-{scaling}"]
     assert dict(log.context.dense) == {"hour": 0.0, "price": 2.0}
     assert [dict(c.features.dense) for c in log.candidates] == [{}, {"hour": 3.0}, {"hour": 3.0, "price": 0.0}]
 

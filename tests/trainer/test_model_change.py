@@ -5,6 +5,7 @@ untouched. It used to count each as damaged, find none readable and crash-loop."
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from services.ports import free_port
 from trainer import snapshots
 from trainer.config import deepfm_config
 from trainer.model import SparseModel
-from trainer.snapshot_store import restore_blockers
+from trainer.snapshot_store import SnapshotsOfAnotherModel, SnapshotStore, check_same_model, restore_blockers
 
 SAVED = deepfm_config(dim=8, mlp=[32])
 
@@ -29,6 +30,28 @@ def test_what_keeps_a_snapshot_from_restoring_into_another_configuration() -> No
     assert wider[-1].startswith("the dense head's layers")  # (its input is slots x dim)
     assert restore_blockers(SAVED, deepfm_config(dim=8, mlp=[64])) == [
         "the dense head's layers (its slots, dense features, MLP or content encoder changed)"]
+    # dense statistics of another space (log and standard: one shape); a snapshot written before
+    # dense scaling existed (its config without the key) fed its dense inputs raw
+    priced = SAVED.model_copy(update={"dense_features": ["price"]})
+    assert restore_blockers(priced, priced.model_copy(update={"dense_scaling": "standard"})) == [
+        "dense scaling log, now standard ([model] dense_scaling)"]
+    assert restore_blockers(priced.model_copy(update={"dense_scaling": "none"}), priced)[-1] == \
+        "dense scaling none, now log ([model] dense_scaling)"
+    assert restore_blockers(SAVED, SAVED.model_copy(update={"dense_scaling": "none"})) == []  # (no dense input)
+
+
+def test_a_snapshot_from_before_dense_scaling_is_of_another_configuration(tmp_path: Path) -> None:
+    priced = SAVED.model_copy(update={"dense_features": ["price"]})
+    old = priced.model_copy(update={"dense_scaling": "none"})
+    SnapshotStore(tmp_path, old, "examples").save(SparseModel(old), {}, {"topic": "examples", "offsets": {},
+                                                                        "examples_applied": 0})
+    man = tmp_path / snapshots.latest(tmp_path).name / "manifest.json"
+    data = json.loads(man.read_text())
+    del data["config"]["dense_scaling"]  # as such a snapshot was written
+    man.write_text(json.dumps(data))
+    with pytest.raises(SnapshotsOfAnotherModel, match="dense scaling none, now log"):
+        check_same_model(tmp_path, priced)
+    check_same_model(tmp_path, old)  # the old configuration restores it
 
 
 @pytest.mark.parametrize("nproc", ["1", "2"], ids=["one-process", "launcher"])

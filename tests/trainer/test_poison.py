@@ -27,7 +27,9 @@ HUGE = 3e38  # a finite float32: the decoder accepts it
 
 
 def dense_cfg() -> ModelConfig:
-    return ModelConfig.model_validate({**deepfm_config(dim=8, mlp=[32]).model_dump(), "dense_features": ["x"]})
+    """Raw dense inputs (``dense_scaling = "none"``): a scaled ``x`` could not overflow the logit."""
+    return ModelConfig.model_validate({**deepfm_config(dim=8, mlp=[32]).model_dump(), "dense_features": ["x"],
+                                       "dense_scaling": "none"})
 
 
 def _overflowing(model: SparseModel) -> None:

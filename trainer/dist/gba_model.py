@@ -280,6 +280,7 @@ class GBAModel:
             q.grad = None
         loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(labels), reduction="sum") / self.global_batch
         loss.backward()
+        self.model.head.stage_moments()  # (the dense scaler's moments travel with the head's gradients)
         gs = [w.grad.numpy().reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32) for _, w in leaves]
         g_rows = rows_map.sum_back(np.concatenate(gs) if len(gs) > 1 else gs[0], n_rows)
         head = torch.cat([q.grad.reshape(-1) if q.grad is not None else torch.zeros(q.numel()) for q in self._params])

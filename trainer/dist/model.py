@@ -489,8 +489,9 @@ class DistributedModel:
             return m.forward_packed(lk.batch, lk.pb, lk.buf, requires_grad=True, linear=False)
         head, b = m.head, lk.batch
         out = head.bias.expand(b.size)
-        if b.dense is not None and m.cfg.dense_features and head.dense_linear is not None:
-            out = out + head.dense_linear(torch.from_numpy(b.dense)).squeeze(1)
+        dense = m.dense_input(b) if head.dense_linear is not None else None
+        if dense is not None:
+            out = out + head.dense_linear(dense).squeeze(1)
         return out, []
 
     def _head_grads(self) -> torch.Tensor:
@@ -528,6 +529,7 @@ class DistributedModel:
                 self._content.backward_rows(r_grads)
             except Exception as err:  # noqa: BLE001 - one rank's failure fails the step on every rank
                 error = error or err
+        self.model.head.stage_moments()  # (the dense scaler's moments: summed with the gradients)
         head = self._head_grads()
         if error is None and not bool(torch.isfinite(head).all()):
             error = NonFiniteStepError(f"the step's dense gradients are not finite on rank {self.rank}; nothing applied")

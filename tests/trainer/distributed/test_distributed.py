@@ -28,9 +28,12 @@ def _cfg(min_count: int = 1, sequential: str = "") -> ModelConfig:
     # recent_items shares the item table unsalted: one row per (table, id) across slots.
     # min_count 2: the owners must count occurrences as the 1-process PS does.
     # sequential "linear": the first-order tables live whole on rank 0, which runs their
-    # per-example pass; "all": the embedding tables too (sequential_embeddings)
+    # per-example pass; "all": the embedding tables too (sequential_embeddings).
+    # A dense "amount" in cents: the dense scaler's statistics are summed over the ranks
+    # (trainer.dense_scaling), equal to one process' on the global batch.
     return deepfm_config(dim=4, mlp=[8], min_count=min_count, slots=("user_id", "genres", "item_id"),
-                         sequential=bool(sequential), sequential_embeddings=sequential == "all")
+                         sequential=bool(sequential), sequential_embeddings=sequential == "all"
+                         ).model_copy(update={"dense_features": ["amount"]})
 
 
 def _rows(step: int, rank: int, n: int) -> list[dict]:
@@ -40,10 +43,14 @@ def _rows(step: int, rank: int, n: int) -> list[dict]:
              "recent_items": rng.integers(0, 8, int(rng.integers(0, 3))).tolist()} for _ in range(n)]
 
 
+def _amounts(rng: np.random.Generator, n: int) -> np.ndarray:
+    return (100 * rng.lognormal(3, 1, (n, 1))).astype(np.float32)
+
+
 def _batch(rows: list[dict], step: int, rank: int) -> SparseBatch:
     rng = np.random.default_rng(7 + 100 * step + rank)
     n = len(rows)
-    return SparseBatch.from_slot_dicts(rows, slots=_cfg().all_slots, labels=rng.integers(0, 2, n),
+    return SparseBatch.from_slot_dicts(rows, _amounts(rng, n), slots=_cfg().all_slots, labels=rng.integers(0, 2, n),
                                        event_time_ms=1_000 * step + rng.integers(0, 500, n))
 
 
@@ -81,7 +88,8 @@ def _global_batch(s: int, sizes: tuple[int, int] | None = None) -> SparseBatch |
     if not rows:
         return None
     b = [_batch(_rows(s, rank, sizes[rank]), s, rank) for rank in range(2)]
-    return SparseBatch.from_slot_dicts(rows, slots=_cfg().all_slots, labels=np.concatenate([x.labels for x in b]),
+    return SparseBatch.from_slot_dicts(rows, np.concatenate([x.dense for x in b]), slots=_cfg().all_slots,
+                                       labels=np.concatenate([x.labels for x in b]),
                                        event_time_ms=np.concatenate([x.event_time_ms for x in b]))
 
 
@@ -111,6 +119,7 @@ def _reference_one_step_late() -> tuple[list, dict]:
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.from_numpy(b.labels))
         m.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        m.head.stage_moments()
         late = (pb, np.concatenate([w.grad.numpy().reshape(-1) for _, w in leaves]), b.max_event_time)
         m.optimizer.step()
         losses.append(float(loss.detach()))
@@ -148,6 +157,7 @@ def test_sync_two_ranks_equal_one_process_on_the_global_batch(sequential, rank_p
     # both shards hold rows: the ids really are split over the owners (sequential embeddings:
     # every table is rank 0's)
     assert all(len(r["tables"]["item_id"][0]) for r in res) == (sequential != "all")
+    assert ref["head"]["scaler.count"].tolist() == [sum(map(sum, SIZES))]  # every example's dense amount, once
     for r in res:
         for k, v in ref["head"].items():
             np.testing.assert_allclose(r["head"][k], v, rtol=1e-5, atol=1e-7, err_msg=k)
@@ -219,7 +229,8 @@ HUGE = 3e38  # a finite float32: with a dense weight of 2 the logit overflows
 
 def _poisoned(rank: int, world: int, bad_rows: list[list[int]], mode: str) -> dict:
     """Rank ``rank`` steps a batch of 12 whose rows ``bad_rows[rank]`` overflow, isolating in lockstep."""
-    cfg = ModelConfig.model_validate({**_cfg().model_dump(), "dense_features": ["x"]})
+    # raw dense inputs: a scaled x could not overflow (trainer.dense_scaling)
+    cfg = ModelConfig.model_validate({**_cfg().model_dump(), "dense_features": ["x"], "dense_scaling": "none"})
     dm = DistributedModel(cfg, mode=mode)
     with torch.no_grad():
         dm.head.dense_linear.weight.fill_(2.0)

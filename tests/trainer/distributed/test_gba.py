@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from tests.trainer.distributed.test_distributed import _cfg, _rows, _state
+from tests.trainer.distributed.test_distributed import _amounts, _cfg, _rows, _state
 from trainer.batch import SparseBatch
 from trainer.config import InitializerConfig
 from trainer.dist.gba_model import GBAModel
@@ -28,8 +28,8 @@ def _batch(step: int, rank: int) -> SparseBatch:
     rng = np.random.default_rng(7 + 100 * step + rank)
     # one event time per step on both ranks: an inserted row's time is the pulling rank's,
     # sync's the global batch's
-    return SparseBatch.from_slot_dicts(_rows(step, rank, B), slots=_cfg().all_slots, labels=rng.integers(0, 2, B),
-                                       event_time_ms=np.full(B, 1_000 * step))
+    return SparseBatch.from_slot_dicts(_rows(step, rank, B), _amounts(rng, B), slots=_cfg().all_slots,
+                                       labels=rng.integers(0, 2, B), event_time_ms=np.full(B, 1_000 * step))
 
 
 def _admitting_cfg():
@@ -81,6 +81,7 @@ def test_gba_one_batch_per_rank_per_token_equals_sync(admission, rank_pool):
     if admission:  # users seen once were not admitted, in gba as in sync (the shards compared above)
         assert sum(len(r["ref"]["tables"]["user_id"][0]) for r in res) < res[0]["users"]
     got, ref = res[0]["got"], res[0]["ref"]
+    assert ref["head"]["scaler.count"].tolist() == [STEPS * 2 * B]  # every example's dense amount, once
     for k, v in ref["head"].items():
         np.testing.assert_allclose(got["head"][k], v, rtol=1e-5, atol=1e-7, err_msg=k)
     assert got["adam"].keys() == ref["adam"].keys()

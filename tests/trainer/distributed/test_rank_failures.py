@@ -167,8 +167,9 @@ def _overflowing_warm_start(root: Path, cfg: ModelConfig, topic: str) -> None:
 @pytest.mark.parametrize("mode", ["sync", "hybrid", "gba"])
 async def test_a_failing_example_on_one_rank_is_dead_lettered_and_the_group_goes_on(settings, ml_examples, tmp_path, mode):
     # gba: its own rank bisects (no lockstep), on a model that is not sequential (gba refuses one)
+    # raw dense inputs: a scaled x could not overflow (trainer.dense_scaling)
     cfg = ModelConfig.model_validate({**deepfm_config(dim=8, mlp=[32], sequential=mode != "gba").model_dump(),
-                                      "dense_features": ["x"]})
+                                      "dense_features": ["x"], "dense_scaling": "none"})
     examples = [Example.FromString(e.SerializeToString()) for e in ml_examples[:N // 2]]
     for e in examples:
         e.features.dense["x"] = 0.0

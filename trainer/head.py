@@ -20,7 +20,8 @@ __all__ = ["DenseHead", "HeadSlopes", "make_dense_optimizer"]
 
 
 class DenseHead(nn.Module):
-    """``forward(emb [B, F, D] or None, lin [B, L] or None, dense [B, K] or None) -> logits [B]``.
+    """``forward(emb [B, F, D] or None, lin [B, L] or None, dense [B, K] or None) -> logits [B]``;
+    ``dense`` as :meth:`scale_dense` returns it (:meth:`trainer.model.SparseModel.dense_input`).
 
     With ``cfg.content`` the head holds the content encoder (``content``, :mod:`trainer.content`);
     joined as a ``field``, ``emb``'s last field is its output (``F`` = the slots + 1)."""

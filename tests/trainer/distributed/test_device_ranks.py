@@ -146,7 +146,8 @@ def _global(s: int) -> SparseBatch | None:
     rows = [x for r in range(2) for x in _rows(s, r, SIZES[s][r])]
     if not rows:
         return None
-    return SparseBatch.from_slot_dicts(rows, slots=_cfg().all_slots, labels=np.concatenate([p.labels for p in parts]),
+    return SparseBatch.from_slot_dicts(rows, np.concatenate([p.dense for p in parts]), slots=_cfg().all_slots,
+                                       labels=np.concatenate([p.labels for p in parts]),
                                        event_time_ms=np.concatenate([p.event_time_ms for p in parts]))
 
 

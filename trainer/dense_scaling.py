@@ -66,19 +66,20 @@ class DenseScaler(nn.Module):
         self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = torch.sign(x) * torch.log1p(x.abs()) if self.log else x
+        t = torch.log1p(x.abs()).copysign_(x) if self.log else x
         if self.training and torch.is_grad_enabled():  # a training forward: its batch's moments
-            t64 = t.detach().double()
-            self._pending = (torch.tensor([float(t.shape[0])], device=x.device),
-                             t64.sum(0).float(), (t64 * t64).sum(0).float())
-        z = (t - self.mean.detach()) / torch.sqrt(self.var.detach() + _EPS)
-        return z.clamp(-CLIP, CLIP)
+            d = t.detach()
+            self._pending = (t.shape[0], d.sum(0), (d * d).sum(0))
+        z = (t - self.mean.detach()).mul_(torch.rsqrt(self.var.detach() + _EPS))
+        return z.clamp_(-CLIP, CLIP)
 
     def stage(self) -> None:
         """The last training forward's moments as the parameters' gradients (count, sums, sums of
         squares), for the engine to reduce with the head's own; nothing when there was none."""
         if self._pending is not None:
-            self.count.grad, self.mean.grad, self.var.grad = self._pending
+            n, total, squares = self._pending
+            self.count.grad = torch.full((1,), float(n), device=total.device)
+            self.mean.grad, self.var.grad = total, squares
             self._pending = None
 
 
@@ -87,21 +88,23 @@ def merge(s: DenseScaler) -> None:
     clear them (Chan et al.'s pairwise update; the old part weighs at most ``WINDOW - n``)."""
     if s.count.grad is None:
         return
-    n, total, squares = (g.double() for g in (s.count.grad, s.mean.grad, s.var.grad))
+    # in numpy, float64: a handful of numbers, where torch's per-op overhead would cost a tenth of a step
+    n, total, squares = (g.detach().cpu().numpy().astype(np.float64) for g in (s.count.grad, s.mean.grad, s.var.grad))
     s.count.grad = s.mean.grad = s.var.grad = None
-    if float(n) <= 0:
+    n = float(n[0])
+    if n <= 0:
         return
-    old = torch.clamp(s.count.detach().double(), max=max(WINDOW - float(n), 0.0))
-    mean, var = s.mean.detach().double(), s.var.detach().double()
+    old = min(float(s.count.detach()[0]), max(WINDOW - n, 0.0))
+    mean, var = (p.detach().cpu().numpy().astype(np.float64) for p in (s.mean, s.var))
     b_mean = total / n
-    b_var = torch.clamp(squares / n - b_mean * b_mean, min=0.0)
+    b_var = np.maximum(squares / n - b_mean * b_mean, 0.0)
     both = old + n
     new_mean = (old * mean + n * b_mean) / both
     new_var = (old * (var + (mean - new_mean) ** 2) + n * (b_var + (b_mean - new_mean) ** 2)) / both
     with torch.no_grad():
-        s.count.copy_(both.float())
-        s.mean.copy_(new_mean.float())
-        s.var.copy_(new_var.float())
+        s.count.fill_(both)
+        s.mean.copy_(torch.from_numpy(new_mean.astype(np.float32)))
+        s.var.copy_(torch.from_numpy(new_var.astype(np.float32)))
 
 
 def merge_moments_before_step(head: nn.Module):

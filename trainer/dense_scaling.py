@@ -63,7 +63,7 @@ class DenseScaler(nn.Module):
         self.count = nn.Parameter(torch.zeros(1), requires_grad=False)
         self.mean = nn.Parameter(torch.zeros(features), requires_grad=False)
         self.var = nn.Parameter(torch.ones(features), requires_grad=False)
-        self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._pending: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = torch.log1p(x.abs()).copysign_(x) if self.log else x

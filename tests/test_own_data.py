@@ -184,6 +184,9 @@ def test_own_data_end_to_end(tmp_path: Path, repo_root: Path) -> None:
             "sparse": {"colour": [1]}, "dense": {"price": 1.0}}}]}, timeout=30)
         assert r.status_code == 422 and "colour" in r.json()["message"]  # and so does serving
         assert not (stack.metric("trainer", "driftline_trainer_bad_examples_total", {"model": "shop"}) or 0)
+        # the price reached the head scaled by statistics the trainer published (trainer.dense_scaling)
+        assert (stack.metric("trainer", "driftline_trainer_dense_input",
+                             {"model": "shop", "feature": "price", "stat": "examples"}) or 0) > 0, stack.logs_tail()
     finally:
         code = stack.stop()
     assert code == 0, stack.text()

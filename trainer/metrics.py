@@ -88,6 +88,21 @@ META_TASKS = Counter("driftline_trainer_meta_tasks_total", "model.meta (trainer/
                      ["model", "event"])
 META_STEPS = Counter("driftline_trainer_meta_outer_steps_total", "model.meta's outer steps, taken or skipped "
                      "(a non-finite gradient, or the step raised).", ["model", "outcome"])
+DENSE_INPUT = Gauge("driftline_trainer_dense_input", "The dense inputs' running statistics as published (after the "
+                    "model's dense_scaling transform: trainer.dense_scaling): mean, std and the examples they weigh; a "
+                    "feature whose mean moves is a stream whose unit or traffic changed.", ["model", "feature", "stat"])
+
+
+def dense_input(model_id: str, features: list[str], head: object) -> None:
+    """Export the head's dense scaler statistics (:data:`DENSE_INPUT`; nothing without a scaler)."""
+    s = getattr(head, "scaler", None)
+    if s is None:
+        return
+    count = float(s.count.detach()[0])
+    for name, mean, var in zip(features, s.mean.detach().cpu().tolist(), s.var.detach().cpu().tolist(), strict=True):
+        DENSE_INPUT.labels(model_id, name, "mean").set(mean)
+        DENSE_INPUT.labels(model_id, name, "std").set(var ** 0.5)
+        DENSE_INPUT.labels(model_id, name, "examples").set(count)
 
 
 def rank_steps(model_id: str, rank: int, steps: int, comm_s: float, alltoall_bytes: int) -> None:

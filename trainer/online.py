@@ -223,6 +223,7 @@ class OnlineTrainer(TrainerLoop):
         """Publish the dense params as one version (not while another trainer shares the stream)."""
         if not self._held():
             await self.publisher.sync_dense(self.model.head, self.max_event_time, self.sample_rates.rates())
+            M.dense_input(self.cfg.model_id, self.cfg.dense_features, self.model.head)
 
     def _held(self) -> bool:
         """Whether another trainer shares the stream: another member of this trainer's group holds

@@ -90,3 +90,22 @@ def test_scoring_records_nothing() -> None:
     model.predict(arrow_batch(t.slice(0, 512), list(cfg.all_slots), "click", cfg.dense_features))
     model.train_step(arrow_batch(t.slice(0, 100), list(cfg.all_slots), "click", cfg.dense_features))
     assert model.head.scaler.count.item() == 100
+
+
+def test_the_statistics_are_exported() -> None:
+    """``driftline_trainer_dense_input{feature, stat}``: what serving scales by, as published."""
+    from prometheus_client import REGISTRY
+
+    from trainer import metrics as M
+
+    t, _ = _click_log()
+    cfg = deepfm_config(model_id="exported", slots=("user_id", "item_id"), recent_items=False).model_copy(
+        update={"dense_features": ["amount", "rate"]})
+    model = SparseModel(cfg)
+    model.train_step(arrow_batch(t.slice(0, 1000), list(cfg.all_slots), "click", cfg.dense_features))
+    M.dense_input(cfg.model_id, cfg.dense_features, model.head)
+    got = {(f, s): REGISTRY.get_sample_value("driftline_trainer_dense_input", {"model": "exported", "feature": f, "stat": s})
+           for f in cfg.dense_features for s in ("mean", "std", "examples")}
+    rate = np.log1p(t["dense_rate"].to_numpy()[:1000])
+    assert got["rate", "examples"] == got["amount", "examples"] == 1000
+    assert abs(got["rate", "mean"] - rate.mean()) < 1e-5 and abs(got["rate", "std"] - rate.std()) < 1e-4, got

@@ -321,6 +321,7 @@ class RankTrainer(TrainerLoop):
         if self.rank == 0 and self._claim == ALONE:
             rates = rank_snapshots.merged_rates(states, self.ts.sample_rate_half_life).rates()
             await self.publisher.sync_dense(self.dm.head, self.max_event_time, rates)
+            M.dense_input(self.cfg.model_id, self.cfg.dense_features, self.dm.head)
 
     # ------------------------------------------------------------------ a round
     def _step(self, batch: SparseBatch) -> tuple[StepResult, float]:

@@ -8,7 +8,9 @@ Layout (``P`` = the key prefix, ``serving.redis_prefix``: ``driftline`` by defau
   item's price, a user's click rate). ``/rank`` reads only the features the served model declares
   (:mod:`serving.request_features`);
 * ``P:clicks:<user_id>``: a list of the user's last K clicked item ids, newest first, updated
-  from the ``actions`` topic (:func:`record_clicks`), served as the ``recent_items`` slot;
+  from the ``actions`` topic (:func:`record_clicks`), served as the ``recent_items`` slot; beside
+  it ``{P:clicks:<user_id>}:seen``, the same clicks' identities (:func:`click_tag`; the braces put
+  it on the list's cluster slot), so a click delivered twice is recorded once;
 * ``P:meta:<name>``: small values of the readers that fill it (the broker epoch whose actions the
   clicks were last read from; ``features-loaded``, written by every load: its absence after a load
   tells serving the store was emptied, :mod:`serving.store_watch`).
@@ -35,10 +37,11 @@ b'user_id=7;genres=1,2'
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import hiredis
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException, RedisError, ResponseError
@@ -89,6 +92,56 @@ def decode_dense(raw: bytes | str) -> dict[str, float] | None:
     if ":" not in text:
         return None
     return {name: float(value) for name, colon, value in (p.partition(":") for p in text.split(";")) if colon}
+
+
+def click_tag(request_id: str, item_id: int, action_type: str) -> bytes:
+    """An action's identity among a user's recent clicks: its request, item and type (8 bytes).
+
+    >>> click_tag("r1", 7, "click") == click_tag("r1", 7, "click") != click_tag("r1", 7, "like")
+    True
+    """
+    return hashlib.blake2b(f"{request_id}\x1f{item_id}\x1f{action_type}".encode(), digest_size=8).digest()
+
+
+class Click(NamedTuple):
+    """A click to record: the user, the item, and the action's :func:`click_tag`."""
+
+    user_id: int
+    item_id: int
+    tag: bytes
+
+
+#: Push one user's clicks (oldest first) onto both lists, each unless its tag is among the user's
+#: last K already; keep K of each. KEYS: the clicks list, its tags list; ARGV: K, then item id and
+#: tag per click. Atomic per user, so a call that timed out after Redis ran it can be made again.
+#: Errors are returned as they are (pcall), so the client sees Redis's own (OOM, READONLY,
+#: WRONGTYPE: :func:`serving.redis_state.refuses_all_writes`), not a script failure; Redis refuses
+#: a full store's write at the script's first write, before anything changed.
+_RECORD_CLICKS = """
+local function failed(r)  -- Redis 6 prefixes a script's errors with the line: strip it
+  return type(r) == 'table' and r.err and redis.error_reply((string.gsub(r.err, '^@user_script:%s*%d+:%s*%-', '')))
+end
+local k = tonumber(ARGV[1])
+local tags = redis.pcall('LRANGE', KEYS[2], 0, k - 1)
+if failed(tags) then return failed(tags) end
+local seen = {}
+for _, tag in ipairs(tags) do seen[tag] = true end
+for i = 2, #ARGV, 2 do
+  local tag = ARGV[i + 1]
+  if not seen[tag] then
+    seen[tag] = true
+    for j, value in ipairs({ARGV[i], tag}) do
+      local r = redis.pcall('LPUSH', KEYS[j], value)
+      if failed(r) then return failed(r) end
+    end
+  end
+end
+for j = 1, 2 do
+  local r = redis.pcall('LTRIM', KEYS[j], 0, k - 1)
+  if failed(r) then return failed(r) end
+end
+return 0
+"""
 
 
 @dataclass(frozen=True)
@@ -147,6 +200,10 @@ class FeatureStore:
 
     def clicks_key(self, user_id: int) -> str:
         return f"{self.prefix}:clicks:{user_id}"
+
+    def click_tags_key(self, user_id: int) -> str:
+        """The tags of the clicks in :meth:`clicks_key` (its name in braces: the same cluster slot)."""
+        return f"{{{self.clicks_key(user_id)}}}:seen"
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -246,23 +303,31 @@ class FeatureStore:
         finally:
             await pool.release(conn)
 
-    async def record_clicks(self, clicks: Sequence[tuple[int, int]]) -> list[tuple[int, Exception]]:
-        """Push (user_id, item_id) clicks, oldest first, keeping the last K per user.
+    async def record_clicks(self, clicks: Sequence[Click]) -> list[tuple[int, Exception]]:
+        """Push clicks, oldest first, keeping the last K per user; a click whose tag is among its
+        user's last K already is not pushed again. Its reader reads ``actions`` at least once (what
+        it recorded before a crash comes again), a client retries an ``/actions`` whose 503 hid a
+        late write, and a call that timed out may have been carried out: none of them repeats an
+        item in ``recent_items``. (One a user's K newer clicks have pushed out is recorded again.)
 
         Returns the clicks Redis refused, as (index, error): a user's key holding another type,
         say, or Redis taking no writes for now (:func:`serving.redis_state.refuses_all_writes`: the caller tries those
         again). Raises :class:`FeatureStoreError` when Redis cannot be reached (nothing to blame
         on the clicks: retry).
         """
-        if not clicks:
+        if not clicks or self.recent_clicks == 0:
             return []
         started = time.perf_counter()
+        by_user: dict[int, list[int]] = {}
+        for i, click in enumerate(clicks):
+            by_user.setdefault(click.user_id, []).append(i)
         try:
             pipe = self.redis.pipeline(transaction=False)
-            for user_id, item_id in clicks:
-                pipe.lpush(self.clicks_key(user_id), item_id)
-            for user_id in {u for u, _ in clicks}:
-                pipe.ltrim(self.clicks_key(user_id), 0, self.recent_clicks - 1)
+            for user_id, indices in by_user.items():
+                args: list[Any] = [self.recent_clicks]
+                for i in indices:
+                    args += [clicks[i].item_id, clicks[i].tag]
+                pipe.eval(_RECORD_CLICKS, 2, self.clicks_key(user_id), self.click_tags_key(user_id), *args)
             results = await pipe.execute(raise_on_error=False)
         except Exception as err:
             metrics.FEATURE_STORE_ERRORS.labels("record_clicks").inc()
@@ -270,7 +335,8 @@ class FeatureStore:
             raise self.error("update", err) from err
         finally:
             metrics.FEATURE_STORE_SECONDS.labels("record_clicks").observe(time.perf_counter() - started)
-        refused = [(i, r) for i, r in enumerate(results[:len(clicks)]) if isinstance(r, Exception)]
+        refused = sorted(((i, r) for indices, r in zip(by_user.values(), results, strict=True)
+                          if isinstance(r, Exception) for i in indices), key=lambda refusal: refusal[0])
         if refused:
             metrics.FEATURE_STORE_ERRORS.labels("record_clicks").inc()
         return refused

@@ -1,6 +1,8 @@
 """Real-time user features: a consumer of ``actions`` that records each user's recent clicks.
 
-One consumer group for all replicas (Redis is shared), committing after each batch is in Redis.
+One consumer group for all replicas (Redis is shared), committing after each batch is in Redis:
+at least once, so a batch read again after a crash, or an action a client sent twice, is handed to
+the store again, which records each action once (:meth:`FeatureStore.record_clicks`).
 A group without committed offsets starts at the end of the topic (old clicks are not "recent"),
 except after a broker reset: the reset took the group's offsets with it, and every action on the
 new topic is new, so the reader then starts at the new topic's beginning. A reset is seen live
@@ -35,7 +37,7 @@ from services.unanswered_commits import UnansweredCommits
 from serving import metrics
 from serving.background import BackgroundLoop, raise_if_cancelled
 from serving.broker_epoch import SharedEpoch
-from serving.feature_store import FeatureStore, FeatureStoreError
+from serving.feature_store import Click, FeatureStore, FeatureStoreError, click_tag
 from serving.redis_state import refuses_all_writes
 
 log = logging.getLogger(__name__)
@@ -127,7 +129,8 @@ class RecentClicks(BackgroundLoop):
         """Record the batch's clicks; return the dead letters of the records that failed (to await
         before committing). Redis being down is retried until it is back, never dead-lettered."""
         owners = [r for r in batch if r.value.user_id and r.value.action_type in self.click_actions]
-        clicks = [(r.value.user_id, r.value.item_id) for r in owners]
+        clicks = [Click(a.user_id, a.item_id, click_tag(a.request_id, a.item_id, a.action_type))
+                  for a in (r.value for r in owners)]
         try:
             refused = await self._with_retry(clicks)
         except MemoryError:
@@ -150,7 +153,7 @@ class RecentClicks(BackgroundLoop):
         self._count(len(clicks) - len(refused))
         return letters
 
-    async def _with_retry(self, clicks: list[tuple[int, int]]) -> list[tuple[int, Exception]]:
+    async def _with_retry(self, clicks: list[Click]) -> list[tuple[int, Exception]]:
         """Record ``clicks``; the ones Redis refused for their own sake, as (index, error). Redis
         down, or taking no writes for now (full, a replica: :func:`refuses_all_writes`), is
         waited out: those clicks are recorded once it takes writes again."""

@@ -1,5 +1,6 @@
 """``POST /actions``: users' actions (clicks, likes, ...) onto the actions topic; a 202 means Kafka
-acknowledged every one of them."""
+acknowledged every one of them. A 503 may hide an action the producer still writes once Kafka
+answers: sending it again is safe (the joiner and the recent clicks count an action once)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ async def actions(body: ActionsRequest, s: Serving = Depends(serving_of)) -> Act
                 producer.send(s.settings.topics.actions, msg.SerializeToString(), key=a.request_id.encode()),
                 s.options.feature_log_send_timeout_s))
         await asyncio.wait_for(asyncio.gather(*futures), s.options.feature_log_send_timeout_s)
+    except TimeoutError:
+        # (the producer may still deliver what it took: repeated, an action is recorded once)
+        raise HTTPException(503, f"Kafka unavailable: no acknowledgement within {s.options.feature_log_send_timeout_s:g} s; "
+                                 "some of the actions may still be written, and sending them again is safe") from None
     except Exception as err:  # noqa: BLE001 - any failure to send: a 503, never a 500
         raise HTTPException(503, f"Kafka unavailable: {type(err).__name__}: {err}"[:300]) from None
     metrics.ACTIONS_PRODUCED.inc(len(body.actions))

@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from proto import DeadLetter, ParameterDelta
+from proto import Action, DeadLetter, ParameterDelta
 from proto.parameter_delta_pb2 import DenseParameters, SampleRates, SparseRows, Tensor
 from services.kafka import TypedConsumer, create_topics, producer, start_client
 from services.ports import free_port
@@ -134,6 +134,17 @@ async def publish(settings: Settings, messages: list[ParameterDelta]) -> int:
     finally:
         await p.stop()
     return max(md.offset for md in metas) + 1
+
+
+async def produce_actions(settings: Settings, actions: list[Action]) -> None:
+    """Write ``actions`` to the actions topic, keyed by request id."""
+    p = producer(settings)
+    await start_client(p, settings)
+    try:
+        for a in actions:
+            await p.send_and_wait(settings.topics.actions, a.SerializeToString(), key=a.request_id.encode())
+    finally:
+        await p.stop()
 
 
 async def read_keys(settings: Settings, topic: str, want: set[str], timeout: float = 20.0) -> set[str]:

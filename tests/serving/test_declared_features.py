@@ -18,7 +18,7 @@ from ps import AdagradConfig, InitializerConfig, TableConfig
 from services.kafka import TypedConsumer
 from services.settings import Settings
 from serving.app import create_app
-from serving.feature_store import FeatureStore
+from serving.feature_store import Click, FeatureStore
 from serving.model import TrainerModel
 from trainer.config import ModelConfig, deepfm_config
 from trainer.model import DenseHead
@@ -48,7 +48,7 @@ def test_a_model_without_users_gets_only_its_features(filled_store: Settings) ->
     ``item_id`` and a per-candidate ``pos`` only: that is all it is given, and all that is logged."""
     async def click() -> None:
         store = FeatureStore(filled_store.redis, filled_store.serving.redis_prefix)
-        await store.record_clicks([(1, 5), (1, 6)])
+        await store.record_clicks([Click(1, 5, b"a"), Click(1, 6, b"b")])
         await store.close()
 
     asyncio.run(click())
@@ -81,7 +81,7 @@ def test_a_model_without_users_gets_only_its_features(filled_store: Settings) ->
 def test_a_model_with_users_gets_user_id_and_recent_clicks(filled_store: Settings) -> None:
     async def click() -> None:
         store = FeatureStore(filled_store.redis, filled_store.serving.redis_prefix)
-        await store.record_clicks([(77, 5)])
+        await store.record_clicks([Click(77, 5, b"a")])
         await store.close()
 
     asyncio.run(click())

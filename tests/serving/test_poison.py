@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from serving_helpers import dead_letters, dense_delta, publish, sparse_delta
+from serving_helpers import dead_letters, dense_delta, produce_actions, publish, sparse_delta
 
 from driftline.embedded import redis_binary, wait_for_port
 from proto import Action, ParameterDelta
 from proto.parameter_delta_pb2 import DenseParameters, Tensor
-from services.kafka import create_topics, producer, start_client
+from services.kafka import create_topics
 from services.ports import free_port
 from services.settings import Settings
 from serving.deltas import DeltaFeed
@@ -77,17 +77,6 @@ async def test_a_delta_that_runs_out_of_memory_is_applied_again_not_dead_lettere
     assert await dead_letters(settings, 1, timeout=2.0) == []
 
 
-async def _produce(settings: Settings, actions: list[Action]) -> None:
-    p = producer(settings)
-    await start_client(p, settings)
-    try:
-        for a in actions:
-            await p.send_and_wait(settings.topics.actions, a.SerializeToString(), key=a.request_id.encode(),
-                                  partition=0)
-    finally:
-        await p.stop()
-
-
 async def test_a_click_redis_refuses_is_dead_lettered(serving_settings: Settings) -> None:
     settings = serving_settings
     settings.kafka.session_timeout_ms = 6_000  # tansu's first join waits about half of it
@@ -96,7 +85,7 @@ async def test_a_click_redis_refuses_is_dead_lettered(serving_settings: Settings
     await store.redis.set(store.clicks_key(9), "not a list")  # user 9's clicks cannot be pushed
     await create_topics(settings, {settings.topics.actions: 1})
     now = int(time.time() * 1000)
-    await _produce(settings, [
+    await produce_actions(settings, [
         Action(request_id="r1", item_id=11, action_type="click", user_id=10, event_time_ms=now),
         Action(request_id="poison", item_id=12, action_type="click", user_id=9, event_time_ms=now),
         Action(request_id="r3", item_id=13, action_type="click", user_id=10, event_time_ms=now)])
@@ -147,7 +136,7 @@ async def test_clicks_a_full_or_read_only_redis_refuses_wait_for_it_and_are_not_
             await store.redis.replicaof("127.0.0.1", free_port())  # (a master that is not there)
         await create_topics(settings, {settings.topics.actions: 1})
         now = int(time.time() * 1000)
-        await _produce(settings, [Action(request_id=f"r{i}", item_id=i, action_type="click", user_id=7,
+        await produce_actions(settings, [Action(request_id=f"r{i}", item_id=i, action_type="click", user_id=7,
                                          event_time_ms=now) for i in range(1, 4)])
         reader.from_beginning = True
         reader.start()

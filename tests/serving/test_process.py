@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving_helpers import read_keys
+from serving_helpers import read_keys, read_records
 
 from services.ports import free_port
 from services.settings import Settings
@@ -146,5 +146,60 @@ def test_broker_down_answers_are_spooled_and_shipped_after_kill_9(
         assert want <= seen, sorted(want - seen)[:10]
         assert _unshipped_at_start(replica.log) == 30
     finally:
+        replica.stop()
+        own.stop()
+
+
+def test_a_hung_broker_answers_actions_503_in_time_and_an_action_sent_again_counts_once(
+        settings: Settings, redis_url: str, tmp_path: Path) -> None:
+    """A broker that stops answering (SIGSTOP: a long pause, a network that drops packets) but
+    keeps its connections: ``/actions`` is a 503 within its send timeout that says sending again is
+    safe, ``/rank`` is answered from the spool. The producer still writes the action it took once
+    the broker answers; the client's second send of it is one more copy on ``actions``, and the
+    user's recent clicks hold the item once."""
+    import redis
+
+    own = Broker(tmp_path)  # this test stops its broker: not the session's
+    settings = settings.model_copy(update={"kafka_bootstrap_servers": own.bootstrap})
+    prefix = f"p{time.time_ns()}"
+    replica = ServingProcess(settings, redis_url, prefix, tmp_path / "serving.log")
+    store = redis.Redis.from_url(redis_url)
+    post = lambda path, body: httpx.post(f"{replica.url}{path}", json=body, timeout=15)  # noqa: E731
+    click = lambda item: {"actions": [{"request_id": f"r{item}", "item_id": item, "action_type": "click",  # noqa: E731
+                                       "user_id": 3}]}
+    clicks = lambda: [int(x) for x in store.lrange(f"{prefix}:clicks:3", 0, -1)]  # noqa: E731
+    try:
+        replica.start()
+        deadline = time.monotonic() + 30
+        while clicks() != [1]:  # (the recent-clicks reader joined: a new group starts at the end)
+            assert post("/actions", click(1)).status_code == 202
+            assert time.monotonic() < deadline, clicks()
+            time.sleep(0.5)
+        assert own.proc is not None
+        own.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            r = post("/actions", click(2))
+            assert r.status_code == 503 and "sending them again is safe" in r.json()["message"], r.text
+            assert time.monotonic() - started < 5
+            replica.rank(["during-the-hang"])
+        finally:
+            own.proc.send_signal(signal.SIGCONT)
+        assert post("/actions", click(2)).status_code == 202  # the client's second send
+        deadline = time.monotonic() + 30
+        while clicks() != [2, 1]:
+            assert time.monotonic() < deadline, clicks()
+            time.sleep(0.2)
+        from proto import Action
+
+        copies = lambda: sum(a.request_id == "r2" for a in asyncio.run(  # noqa: E731
+            read_records(settings, settings.topics.actions, Action, 1000, timeout=3)))
+        deadline = time.monotonic() + 30
+        while copies() < 2:  # the one the 503 answered, written once the broker answered, and the resend
+            assert time.monotonic() < deadline
+        assert clicks() == [2, 1]
+        assert "during-the-hang" in asyncio.run(read_keys(settings, settings.topics.features, {"during-the-hang"}))
+    finally:
+        store.close()
         replica.stop()
         own.stop()

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serving_helpers import parameters, publish, read_keys
+from serving_helpers import parameters, produce_actions, publish, read_keys
 
 from proto import Action
 from services.broker_reset import read_broker_epoch
-from services.kafka import create_topics, producer, start_client
+from services.kafka import create_topics
 from services.settings import Settings
 from serving.broker_epoch import SharedEpoch
 from serving.deltas import DeltaFeed
@@ -150,16 +150,6 @@ async def _end_offset(settings: Settings) -> int:
     return (await log_end_offsets(settings, [tp]))[tp]
 
 
-async def _produce_actions(settings: Settings, actions: list[Action]) -> None:
-    p = producer(settings)
-    await start_client(p, settings)
-    try:
-        for a in actions:
-            await p.send_and_wait(settings.topics.actions, a.SerializeToString(), key=a.request_id.encode())
-    finally:
-        await p.stop()
-
-
 async def test_recent_clicks_read_the_new_actions_topic_from_its_start(
         serving_settings: Settings, broker: Broker) -> None:
     settings = serving_settings
@@ -175,14 +165,14 @@ async def test_recent_clicks_read_the_new_actions_topic_from_its_start(
         n = 0
         while not await store.redis.lrange(store.clicks_key(7), 0, -1):  # the group's first join
             n += 1
-            await _produce_actions(settings, [Action(request_id=f"a{n}", item_id=100 + n, action_type="click",
+            await produce_actions(settings, [Action(request_id=f"a{n}", item_id=100 + n, action_type="click",
                                                      user_id=7, event_time_ms=now)])
             await asyncio.sleep(0.3)
             assert n < 100, "the reader never recorded a click"
         broker.restart()
         await create_topics(settings, {settings.topics.actions: 2})
         # Produced before the reader has rejoined on the new broker: "latest" would skip them.
-        await _produce_actions(settings, [Action(request_id=f"b{i}", item_id=500 + i, action_type="click",
+        await produce_actions(settings, [Action(request_id=f"b{i}", item_id=500 + i, action_type="click",
                                                  user_id=8, event_time_ms=now) for i in range(5)])
         deadline = time.monotonic() + 40
         while len(clicks := [int(x) for x in await store.redis.lrange(store.clicks_key(8), 0, -1)]) < 5:

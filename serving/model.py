@@ -257,7 +257,6 @@ class TrainerModel(VersionedModel):
         self.sample_rates = rates
 
     def bootstrap(self, root: Path | None) -> Bootstrap | None:
-        from trainer.config import ModelConfig
         from trainer.inference import Scorer
         from trainer.snapshots import load_latest
 
@@ -268,7 +267,7 @@ class TrainerModel(VersionedModel):
             tables, dense_state, manifest = load_latest(path)
         except FileNotFoundError:
             return None
-        self.config = ModelConfig.model_validate(manifest.config)
+        self.config = manifest.model_config()
         rates = manifest_sample_rates(manifest.sample_rates)  # a bad one fails before the swap
         self.scorer = Scorer(self.config, tables, dense_state)
         self.sample_rates = rates

@@ -38,9 +38,12 @@ import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.in_use import OwnedDir, own_dir
+
+if TYPE_CHECKING:
+    from trainer.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +124,17 @@ class Manifest(Mapping):
     def shards(self) -> int:
         """How many ranks wrote the snapshot (0: one process)."""
         return int(self.shard_count or 0)
+
+    def model_config(self) -> ModelConfig:
+        """The model the snapshot was written with (``config``), read as its writer meant it: one
+        written before dense scaling existed fed its dense inputs raw (``dense_scaling`` "none").
+
+        >>> Manifest(config={"model_id": "m", "dense_features": ["price"]}).model_config().dense_scaling
+        'none'
+        """
+        from trainer.config import ModelConfig  # (lazy: reading a manifest needs no model)
+
+        return ModelConfig.model_validate({"dense_scaling": "none", **(self.config or {})})
 
     def offsets_for(self, topic: str) -> dict[int, int]:
         """The offsets to resume ``topic`` at ({} when the snapshot read another topic)."""

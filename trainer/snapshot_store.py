@@ -94,9 +94,8 @@ def check_same_model(root: Path, cfg: ModelConfig) -> None:
     manifest = snapshots.latest(root)
     if manifest is None or not manifest.config:
         return
-    # written before dense scaling existed: its dense inputs were raw
     try:
-        saved = ModelConfig.model_validate({"dense_scaling": "none", **manifest.config})
+        saved = manifest.model_config()
     except ValueError:
         return  # (a writer of another version: the restore itself says what it cannot read)
     blockers = restore_blockers(saved, cfg)

@@ -308,7 +308,7 @@ def load(root: Path, config: ModelConfig | None = None, *, serving: bool = True)
 def load_named(root: Path, name: str, config: ModelConfig | None = None, *, serving: bool = True):
     """:func:`load` of snapshot ``name`` (:func:`candidates`); raises what a damaged one does."""
     manifest = manifest_of(root, name)
-    config = config or ModelConfig.model_validate(manifest.config)
+    config = config or manifest.model_config()
     snap = root / name
     if manifest.format != FORMAT:
         raise SnapshotError(f"{snap}: snapshot format {manifest.format!r} is not {FORMAT!r} "

@@ -11,10 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from services.in_use import IN_USE_EXIT
 from services.ports import free_port
+from serving.model import TrainerModel
 from trainer import snapshots
 from trainer.config import deepfm_config
 from trainer.model import SparseModel
@@ -43,15 +45,20 @@ def test_what_keeps_a_snapshot_from_restoring_into_another_configuration() -> No
 def test_a_snapshot_from_before_dense_scaling_is_of_another_configuration(tmp_path: Path) -> None:
     priced = SAVED.model_copy(update={"dense_features": ["price"]})
     old = priced.model_copy(update={"dense_scaling": "none"})
-    SnapshotStore(tmp_path, old, "examples").save(SparseModel(old), {}, {"topic": "examples", "offsets": {},
-                                                                        "examples_applied": 0})
-    man = tmp_path / snapshots.latest(tmp_path).name / "manifest.json"
+    root = tmp_path / old.model_id
+    SnapshotStore(root, old, "examples").save(SparseModel(old), {}, {"topic": "examples", "offsets": {}, "examples_applied": 0})
+    man = root / snapshots.latest(root).name / "manifest.json"
     data = json.loads(man.read_text())
     del data["config"]["dense_scaling"]  # as such a snapshot was written
     man.write_text(json.dumps(data))
     with pytest.raises(SnapshotsOfAnotherModel, match="dense scaling none, now log"):
-        check_same_model(tmp_path, priced)
-    check_same_model(tmp_path, old)  # the old configuration restores it
+        check_same_model(root, priced)
+    check_same_model(root, old)  # the old configuration restores it
+    # serving reads the snapshot's own configuration as it was meant: raw dense inputs, no scaler
+    served = TrainerModel(config=priced)
+    assert served.bootstrap(tmp_path) is not None and served.config.dense_scaling == "none"
+    assert served.scorer.head.scaler is None
+    assert np.isfinite(served.score({}, [{s: [1] for s in old.all_slots}], np.array([[12.5]], np.float32))).all()
 
 
 @pytest.mark.parametrize("nproc", ["1", "2"], ids=["one-process", "launcher"])

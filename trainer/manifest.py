@@ -129,8 +129,10 @@ class Manifest(Mapping):
         """The model the snapshot was written with (``config``), read as its writer meant it: one
         written before dense scaling existed fed its dense inputs raw (``dense_scaling`` "none").
 
-        >>> Manifest(config={"model_id": "m", "dense_features": ["price"]}).model_config().dense_scaling
-        'none'
+        >>> from trainer.config import deepfm_config
+        >>> old = deepfm_config().model_dump(exclude={"dense_scaling"})  # (a writer without the key)
+        >>> Manifest(config=old).model_config().dense_scaling, Manifest(config=deepfm_config().model_dump()).model_config().dense_scaling
+        ('none', 'log')
         """
         from trainer.config import ModelConfig  # (lazy: reading a manifest needs no model)
 

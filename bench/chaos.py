@@ -20,7 +20,10 @@ worker lost of what the broker served) and ``broker_reset_recovered`` (every ser
 progress on the new broker on its own), plus the numbers behind them: among them
 ``offsets_with_two_records`` (offsets of the new broker's topics the capture read two different
 records at: tansu quirk 8; a run with none has had no miss since the joiner fixes of issue 15) and
-``joiner_counts_since_last_start`` (the joiner's verdict counters after the reset), and
+``joiner_counts_since_last_start`` (the joiner's verdict counters after the reset),
+``recent_clicks_repeated`` (items a user's recent clicks in Redis hold twice: an action recorded
+twice, as the reader re-reads after its kill; a run before the store recorded each action once had
+16), and
 ``missing_at_two_record_offsets`` / ``label_mismatch_at_two_record_offsets``: how many of the
 missing and relabelled examples had their feature log or an action first read at such an offset
 (one run with 538 such offsets: 69 of 69 missing and 11 of 12 relabelled). ``QUICK=1``
@@ -200,6 +203,19 @@ def _parquet_ids(stack: LoopStack) -> dict[str, list[tuple]]:
     return out
 
 
+def recent_clicks_repeated(stack: LoopStack) -> int:
+    """Entries of the users' recent-clicks lists in Redis that repeat an item of the same list."""
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=stack.redis_port, socket_timeout=10)
+    prefix = stack.settings().serving.redis_prefix
+    try:
+        lists = [client.lrange(key, 0, -1) for key in client.scan_iter(f"{prefix}:clicks:*", count=1000)]
+    finally:
+        client.close()
+    return sum(len(items) - len(set(items)) for items in lists)
+
+
 def _wait(stack: LoopStack, what: str, check, timeout_s: float) -> bool:
     try:
         stack.wait_for(what, check, timeout_s)
@@ -292,6 +308,7 @@ def run_chaos(work: Path, quick: bool) -> dict:
             "late_actions", "orphan_actions", "idle_advances", "positives", "examples_produced")}
         lost_reported = {svc: _metric_sum(stack, svc, "driftline_broker_reset_lost_total")
                          for svc in ("joiner", "dumper", "trainer", "serving")}
+        repeated_clicks = recent_clicks_repeated(stack)
     finally:
         code = stack.stop(timeout_s=90)
         capture.stop.set()
@@ -387,6 +404,9 @@ def run_chaos(work: Path, quick: bool) -> dict:
         # served another record under (tansu quirk 8: lost for the joiner, not by it)
         "missing_at_two_record_offsets": len(at_two_record_offsets(capture.topic_log, missing)),
         "label_mismatch_at_two_record_offsets": len(at_two_record_offsets(capture.topic_log, mismatched)),
+        # items a user's recent clicks hold more than once: the replay clicks each (user, item)
+        # once at most (ml-1m rates each pair once), so each is an action recorded twice
+        "recent_clicks_repeated": repeated_clicks,
         "broker_epochs": capture.epochs + 1,
         "reset_lost_reported": lost_reported,
         "joiner_counts_since_last_start": verdicts,

@@ -553,7 +553,7 @@ class ServingSettings(BaseModel):
     # A /rank naming a feature the model does not read: "reject" (a 422 naming it) or "ignore"
     # (dropped before scoring and logging, counted in driftline_serving_unknown_features_total).
     unknown_features: UnknownFeatures = "reject"
-    # How many recent clicks per user the real-time feature keeps, and which actions count.
+    # How many recent clicks per user the real-time feature keeps (0: none), and which actions count.
     recent_clicks: int = Field(20, ge=0)
     click_actions: tuple[str, ...] = ("click", "like")
     # The consumer group of the real-time reader (one for all replicas: Redis is shared).

@@ -256,7 +256,8 @@ class FeatureStore:
                     if (d := decode_dense(v)) is not None:
                         dense[v] = d
         items_dense = list(map(dense.get, raws)) if dense else None  # a store without dense values: no pass
-        return RankFeatures(user, [int(c) for c in clicks], items, raws, user_dense, items_dense)
+        recent = [int(c) for c in clicks] if self.recent_clicks else []  # (LRANGE 0 -1 is the whole list)
+        return RankFeatures(user, recent, items, raws, user_dense, items_dense)
 
     async def _fetch_cluster(self, keys: list[str], clicks_key: str) -> tuple[list[Any], list[Any]]:
         """A cluster's :meth:`fetch`: the keys' slots differ (one MGET would be CROSSSLOT), so each

@@ -126,6 +126,11 @@ ACTIONS_PRODUCED = Counter(
 REALTIME_UPDATES = Counter(
     "driftline_serving_realtime_updates_total", "Actions folded into real-time user features."
 )
+REALTIME_WITHOUT_USER = Counter(
+    "driftline_serving_realtime_clicks_without_user_total",
+    "Clicks read from actions without a user_id: they label their impression, but cannot be among any "
+    "user's recent clicks (recent_items). Traffic without users has only these; otherwise send user_id.",
+)
 REALTIME_WAITS = Counter(
     "driftline_serving_realtime_store_refusals_total",
     "Times the recent-clicks reader found Redis taking no writes (full at maxmemory under noeviction, a "

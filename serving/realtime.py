@@ -128,7 +128,10 @@ class RecentClicks(BackgroundLoop):
     async def _record(self, consumer: TypedConsumer[Action], batch: list[Record[Action]]) -> list[asyncio.Future]:
         """Record the batch's clicks; return the dead letters of the records that failed (to await
         before committing). Redis being down is retried until it is back, never dead-lettered."""
-        owners = [r for r in batch if r.value.user_id and r.value.action_type in self.click_actions]
+        clicked = [r for r in batch if r.value.action_type in self.click_actions]
+        owners = [r for r in clicked if r.value.user_id]
+        if len(owners) < len(clicked):
+            metrics.REALTIME_WITHOUT_USER.inc(len(clicked) - len(owners))
         clicks = [Click(a.user_id, a.item_id, click_tag(a.request_id, a.item_id, a.action_type))
                   for a in (r.value for r in owners)]
         try:

@@ -116,7 +116,10 @@ class ActionIn(_Strict):
     request_id: RequestId
     item_id: Id
     action_type: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
-    user_id: Id = Field(0, description="0 = unknown.")
+    user_id: Id = Field(0, description="The user who acted; 0 = unknown: the action still labels its impression, "
+                                       "but a click without a user cannot be among the user's recent clicks "
+                                       "(the recent_items feature; counted in "
+                                       "driftline_serving_realtime_clicks_without_user_total).")
     event_time_ms: Annotated[int, Field(gt=0, le=INT64_MAX)] | None = Field(
         None, description="Unix milliseconds. When absent: the newest event time recent requests carried "
                           "(serving.event_clock_s), else now. Outside [now - event_time.max_past_s, "

@@ -140,7 +140,8 @@ class Requests:
 
     def action_bodies(self, actions: Iterable[Mapping[str, Any]]) -> list[dict]:
         """``/actions`` bodies (at most :data:`ACTIONS_PER_CALL` each) from dicts with
-        ``request_id``, ``item_id``, ``action_type`` and optionally ``user_id``, ``event_time_ms``."""
+        ``request_id``, ``item_id``, ``action_type`` and optionally ``user_id`` (the user's recent
+        clicks, the ``recent_items`` feature, hold only clicks that name their user), ``event_time_ms``."""
         out = []
         for i, a in enumerate(actions):
             where = f"actions[{i}]"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from prometheus_client import REGISTRY
 from serving_helpers import produce_actions
 
 from proto import Action
@@ -16,15 +17,20 @@ from serving.feature_store import Click, FeatureStore, click_tag
 from serving.realtime import RecentClicks
 
 
-async def _read_all(settings: Settings, store: FeatureStore, n: int) -> None:
-    """A reader of its own group from the topic's start, until it recorded ``n`` clicks."""
+def _without_user() -> float:
+    return REGISTRY.get_sample_value("driftline_serving_realtime_clicks_without_user_total") or 0
+
+
+async def _read_all(settings: Settings, store: FeatureStore, n: int, without_user: float) -> None:
+    """A reader of its own group from the topic's start, until it recorded ``n`` clicks and counted
+    ``without_user`` clicks without a user in all."""
     reader = RecentClicks(settings, store, ("click", "like"), group_id=f"g{time.time_ns()}", retry_s=0.2)
     reader.from_beginning = True  # (a new group would start at the end)
     reader.start()
     try:
         deadline = time.monotonic() + 30
-        while reader.recorded < n:
-            assert time.monotonic() < deadline, reader.recorded
+        while reader.recorded < n or _without_user() < without_user:
+            assert time.monotonic() < deadline, (reader.recorded, _without_user())
             await asyncio.sleep(0.1)
     finally:
         await reader.stop()
@@ -40,13 +46,15 @@ async def test_an_action_delivered_twice_is_one_recent_click(serving_settings: S
     act = lambda rid, item, kind="click": Action(request_id=rid, item_id=item, action_type=kind,  # noqa: E731
                                                  user_id=7, event_time_ms=now)
     await produce_actions(settings, [act("r1", 1), act("r2", 2), act("r1", 1),  # r1's click again: a client's retry
-                              act("r3", 2), act("r1", 1, "like")])  # item 2 again and a like: new actions
+                              act("r3", 2), act("r1", 1, "like"),  # item 2 again and a like: new actions
+                              Action(request_id="r4", item_id=4, action_type="click", event_time_ms=now)])  # no user
+    before = _without_user()
     try:
-        await _read_all(settings, store, 5)
+        await _read_all(settings, store, 5, before + 1)  # (the click without a user is counted, not recorded)
         clicks = [int(x) for x in await store.redis.lrange(store.clicks_key(7), 0, -1)]
         assert sorted(clicks) == [1, 1, 2, 2] and len(await store.redis.lrange(store.click_tags_key(7), 0, -1)) == 4
         # A reader that reads them all again (one killed before its commit) records nothing new.
-        await _read_all(settings, store, 5)
+        await _read_all(settings, store, 5, before + 2)
         assert [int(x) for x in await store.redis.lrange(store.clicks_key(7), 0, -1)] == clicks
     finally:
         await store.close()
@@ -66,6 +74,7 @@ async def test_a_store_call_made_twice_records_once_and_keeps_k(redis_url: str) 
         assert (await store.fetch(5, [1])).recent_items == [4, 3, 2]
         none = FeatureStore(redis_url, store.prefix, recent_clicks=0)
         assert await none.record_clicks([Click(6, 1, b"t")]) == [] and not await store.redis.exists(store.clicks_key(6))
+        assert (await none.fetch(5, [1])).recent_items == []
         await none.close()
     finally:
         await store.close()

@@ -222,6 +222,56 @@ def test_feature_store_down_is_a_503_unless_defaults_are_asked_for(filled_store:
     assert not asyncio.run(read_feature_logs(serving_settings, 1, timeout=3))
 
 
+def test_a_hung_feature_store_is_a_503_in_time_and_answers_come_back_with_it(filled_store: Settings,
+                                                                             tmp_path) -> None:
+    """Redis that keeps its connections and stops answering (SIGSTOP: a fork for a large save, a
+    network that drops packets): each /rank is a 503 with Retry-After within the store's timeout,
+    none hangs and none is scored on default features; once Redis answers again, so does /rank."""
+    import signal
+    import subprocess
+
+    from serving_helpers import ITEMS, USERS
+
+    from driftline.embedded import redis_binary, wait_for_port
+    from services.ports import free_port
+    from serving.feature_store import FeatureStore
+
+    port = free_port()
+    server = subprocess.Popen([str(redis_binary()), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    try:
+        wait_for_port("127.0.0.1", port, 20, "redis", server)
+        own = filled_store.model_copy(update={"redis_url": f"redis://127.0.0.1:{port}/0"})
+
+        async def fill() -> None:
+            store = FeatureStore(own.redis, own.serving.redis_prefix)
+            await store.put(USERS, ITEMS)
+            await store.close()
+
+        asyncio.run(fill())
+        with running(create_app(own)) as base:
+            wait_ready(base)
+            post = lambda: httpx.post(f"{base}/rank", json=rank_body(), timeout=10)  # noqa: E731
+            assert post().json()["user_known"]
+            server.send_signal(signal.SIGSTOP)
+            try:
+                for _ in range(3):
+                    started = time.monotonic()
+                    r = post()
+                    assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1, r.text
+                    assert time.monotonic() - started < 3.0
+            finally:
+                server.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + 15
+            while (r := post()).status_code != 200:
+                assert time.monotonic() < deadline, r.text
+                time.sleep(0.2)
+            assert r.json()["user_known"] and "X-Driftline-Degraded" not in r.headers
+    finally:
+        server.kill()
+        server.wait()
+
+
 def test_overload_is_503s_never_answers_on_default_features(filled_store: Settings) -> None:
     """500 concurrent /rank on a pool of 4 Redis connections: each answer is a 200 scored with the
     user's stored features or a 503 with Retry-After; none on default features."""

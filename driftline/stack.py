@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from driftline.embedded import redis_command, repair_redis_aof, tansu_command, wait_for_port
 from driftline.supervisor import ServiceSpec, Supervisor
-from services.broker_reset import ensure_broker_epoch
+from services.broker_reset import ensure_broker_epoch, keep_epoch_record
 from services.in_use import InUse, own_dir
 from services.kafka import create_topics
 from services.ports import Listen, check_ports_free, http_answers, port_is_open
@@ -456,6 +456,7 @@ def traffic_command(settings: Settings, limit: int | None, speed: float | None,
 async def _prepare_broker_epoch(settings: Settings) -> tuple[list[str], str]:
     created = await create_topics(settings)
     epoch = await ensure_broker_epoch(settings)
+    await keep_epoch_record(settings)
     return created, epoch
 
 

@@ -92,6 +92,36 @@ async def test_broker_restart_is_detected_by_epoch(broker, settings: Settings, t
     assert not broker_reset.state_matches_broker(state, fresh)
 
 
+async def test_the_epoch_marker_keeps_its_record_for_ever(settings: Settings, tmp_path: Path, caplog) -> None:
+    """On Kafka a record older than the topic's retention (7 days by default) is deleted, and an
+    empty marker reads as a broker that lost its data: the marker topic is created to keep it, and
+    one created without that is given it, or a warning says how (the embedded broker cannot alter
+    a topic's configuration; its memory storage never keeps a topic that old)."""
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    from services.kafka import connected_admin
+    from tests.conftest import Broker
+
+    async def retention(s: Settings) -> dict[str, str]:
+        async with connected_admin(s) as admin:
+            [d] = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, broker_reset.EPOCH_TOPIC)])
+        return {e[0]: e[1] for res in d.resources for e in res[4] if e[0].startswith("retention.")}
+
+    await broker_reset.ensure_broker_epoch(settings)
+    assert await retention(settings) == broker_reset.EPOCH_TOPIC_CONFIG
+    assert await broker_reset.keep_epoch_record(settings)
+    old = Broker(tmp_path)  # (a broker of its own: its marker topic is made as an older version did)
+    try:
+        older = settings.model_copy(update={"kafka_bootstrap_servers": old.bootstrap})
+        await create_topics(older, {broker_reset.EPOCH_TOPIC: 1})
+        await broker_reset.ensure_broker_epoch(older)
+        assert await retention(older) == {}
+        assert not await broker_reset.keep_epoch_record(older)
+        assert "kafka-configs.sh" in caplog.text and "retention.ms=-1,retention.bytes=-1" in caplog.text
+    finally:
+        old.stop()
+
+
 async def test_every_consumer_waits_the_configured_fetch_time(settings: Settings) -> None:
     """Quirk 7: tansu answers a fetch only once its wait is over, so that wait is a consumer's
     latency; the services' consumers and Faust's (whose 1500 ms is not a setting) take the

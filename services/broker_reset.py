@@ -192,8 +192,7 @@ class EpochWatch:
             self.epoch, self._at = await _ensure(self.settings, None)
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=self.settings.bootstrap_servers, enable_auto_commit=False, group_id=None,
-            fetch_max_wait_ms=self.settings.kafka.fetch_max_wait_ms,
-            **security_options(self.settings),
+            fetch_max_wait_ms=self.settings.kafka.fetch_max_wait_ms, **security_options(self.settings),
         )
         await self._consumer.start()
         return self.epoch

@@ -66,8 +66,12 @@ async def _read_marker(settings: Settings, timeout_s: float) -> tuple[str | None
             return None, None
         tp = TopicPartition(EPOCH_TOPIC, 0)
         consumer.assign([tp])
-        start = (await consumer.beginning_offsets([tp]))[tp]
-        consumer.seek(tp, start)
+        start: int | None = None
+        try:  # (bounded: without a leader yet, a broker just restarted, it waits the request timeout)
+            start = (await asyncio.wait_for(consumer.beginning_offsets([tp]), timeout_s))[tp]
+            consumer.seek(tp, start)
+        except (TimeoutError, KafkaError):
+            await consumer.seek_to_beginning(tp)  # (the log start unknown: taken for a new broker's)
         batch = await consumer.getmany(tp, timeout_ms=int(timeout_s * 1000), max_records=1)
         records = batch.get(tp, [])
         return (records[0].value.decode() if records else None), start

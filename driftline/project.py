@@ -20,14 +20,14 @@ A project maps onto two things the rest of driftline already reads:
 >>> from services.settings import Settings
 >>> p = Project.model_validate({"name": "shop", "features": [
 ...     {"name": "item_category", "source": "item", "ids": "string"},
-...     {"name": "position", "source": "candidate"},
+...     {"name": "position", "source": "position"},
 ...     {"name": "price", "source": "candidate", "kind": "dense"}],
 ...     "model": {"dim": 4, "mlp": [8]}, "tables": {"default": {"ttl_seconds": 3600}}})
 >>> cfg = p.model_config()
->>> cfg.model_id, sorted(cfg.slots), cfg.dense_features, cfg.table("position").ttl_seconds
-('shop', ['item_category', 'position'], ['price'], 3600.0)
->>> cfg.linear["position"], cfg.table("position_w").dim
-('position_w', 1)
+>>> cfg.model_id, sorted(cfg.slots), cfg.dense_features, cfg.table("item_category").ttl_seconds
+('shop', ['item_category'], ['price'], 3600.0)
+>>> cfg.linear["position"], cfg.table("position_w").dim, cfg.position_slot  # a first-order term only
+('position_w', 1, 'position')
 >>> p.model_copy(update={"windows": WindowSpec(idle_advance_seconds=30)}).settings_overrides()["joiner"]
 {'idle_advance_seconds': 30.0}
 >>> p.labels == Settings().joiner.label_map  # no [labels]: the setting's
@@ -119,8 +119,11 @@ class FeatureSpec(_Spec):
     name: str = Field(pattern=_NAME)
     #: context: the request (``/rank`` ``context``); candidate: per candidate in the request;
     #: user / item: the online feature store (Redis), filled by ``driftline features load`` (ids
-    #: and dense values alike; a request's own value of the feature overrides the store's)
-    source: Literal["context", "candidate", "user", "item"]
+    #: and dense values alike; a request's own value of the feature overrides the store's);
+    #: position: the place a candidate is shown at (0 = first), one sparse feature at most:
+    #: serving scores every candidate at 0 and logs the place it answered each at, unless the
+    #: candidate gives its own (a replayed log's, a client that places items itself)
+    source: Literal["context", "candidate", "user", "item", "position"]
     kind: Literal["sparse", "dense"] = "sparse"
     #: sparse only: "string" values are hashed to int64 ids with services.hashing.string_id
     ids: Literal["int", "string"] = "int"
@@ -159,7 +162,7 @@ class ModelSpec(_Spec):
     #: the embedding dim of every field table (deepfm needs one dim); a table's own dim wins for lr
     dim: int = Field(8, ge=1)
     mlp: list[int] | None = None
-    #: embedding fields (deepfm); absent: every sparse feature
+    #: embedding fields (deepfm); absent: every sparse feature but a position (a first-order term only)
     fields: list[str] | None = None
     #: first-order terms; absent: every sparse feature
     linear: list[str] | None = None
@@ -304,6 +307,11 @@ class ProjectFile(_Spec):
         if dupes:
             raise ValueError(f"features declared twice: {dupes}")
         kinds = {f.name: f.kind for f in self.features}
+        positions = [f for f in self.features if f.source == "position"]
+        if len(positions) > 1:
+            raise ValueError(f"features {[f.name for f in positions]}: one feature at most has source 'position'")
+        if positions and (positions[0].kind != "sparse" or positions[0].ids != "int"):
+            raise ValueError(f"feature {positions[0].name!r}: a position is a sparse feature of int ids (0 = first)")
         for role, listed, kind in (("fields", self.model.fields, "sparse"), ("linear", self.model.linear, "sparse"),
                                    ("dense", self.model.dense, "dense")):
             bad = [n for n in listed or () if kinds.get(n) != kind]
@@ -312,7 +320,9 @@ class ProjectFile(_Spec):
         m = self.model
         content = {m.content["slot"]} if m.content and "slot" in m.content else set()
         sparse = [n for n, k in kinds.items() if k == "sparse" and n not in content]
-        read = content | set(m.fields if m.fields is not None else (sparse if m.kind == "deepfm" else ())) | \
+        placed = {f.name for f in positions}
+        read = content | set(m.fields if m.fields is not None else
+                             ([n for n in sparse if n not in placed] if m.kind == "deepfm" else ())) | \
             set(m.linear if m.linear is not None else sparse) | \
             set(m.dense if m.dense is not None else [n for n, k in kinds.items() if k == "dense"])
         unread = [n for n in kinds if n not in read]
@@ -380,7 +390,11 @@ class Project:
         content = {m.content["slot"]} if m.content and "slot" in m.content else set()
         # the content encoder's input is no field of its own (trainer.content)
         sparse = [f.name for f in self.file.features if f.kind == "sparse" and f.name not in content]
-        fields = m.fields if m.fields is not None else (sparse if m.kind == "deepfm" else [])
+        # a position is a first-order term unless named a field: crossed with the items, scoring every
+        # candidate at the first place moves them apart (bench/bench_position.py: CTR +0.0355 as a
+        # term alone against +0.0203 as a field too, over a model without it)
+        placed = {f.name for f in self.file.features if f.source == "position"}
+        fields = m.fields if m.fields is not None else ([n for n in sparse if n not in placed] if m.kind == "deepfm" else [])
         linear = m.linear if m.linear is not None else sparse
         dense = m.dense if m.dense is not None else [f.name for f in self.file.features if f.kind == "dense"]
         return list(fields), list(linear), list(dense)
@@ -424,7 +438,8 @@ class Project:
             salt={f.name: f.salt for f in self.file.features if f.salt is not None and f.name in used},
             label=m.label, seed=m.seed, sequential=m.sequential and bool(lin), dense_scaling=m.dense_scaling,
             sequential_embeddings=m.sequential_embeddings and m.sequential and bool(lin) and m.kind == "deepfm",
-            meta=m.meta, content=m.content, **extra)
+            meta=m.meta, content=m.content, **extra,
+            position_slot=next((f.name for f in self.file.features if f.source == "position"), None))
 
     def settings_overrides(self) -> dict[str, dict[str, Any]]:
         """The settings this file sets, as ``{section: {field: value}}`` (for

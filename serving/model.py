@@ -167,7 +167,8 @@ class TrainerModel(VersionedModel):
         config = self.config
         cached = self._declared
         if cached is None or cached[0] is not config:
-            cached = self._declared = (config, Declared.of(config.all_slots, config.dense_features))  # type: ignore[attr-defined]
+            cached = self._declared = (config, Declared.of(config.all_slots, config.dense_features,
+                                                         config.position_slot))  # type: ignore[attr-defined]
         return cached[1]
 
     def score(self, user_slots: Slots, item_slots_list: Sequence[Slots], dense: np.ndarray | None = None) -> np.ndarray:

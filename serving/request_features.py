@@ -56,17 +56,19 @@ class Declared:
     """The features a model reads: sparse slot names and dense feature names (in input order).
 
     ``token`` names the declaration in cache keys: an item's stored value with slots left out
-    encodes differently under another declaration."""
+    encodes differently under another declaration. ``position``: the slot of the place a
+    candidate is shown at (:mod:`serving.positions`), if the model reads one."""
 
     slots: frozenset[str]
     dense: tuple[str, ...]
     token: bytes
+    position: str | None = None
 
     @classmethod
-    def of(cls, slots: Iterable[str], dense: Sequence[str] = ()) -> Declared:
+    def of(cls, slots: Iterable[str], dense: Sequence[str] = (), position: str | None = None) -> Declared:
         slots, dense = frozenset(slots), tuple(dense)
-        token = hashlib.blake2b(repr((sorted(slots), dense)).encode(), digest_size=8).digest()
-        return cls(slots, dense, token)
+        token = hashlib.blake2b(repr((sorted(slots), dense, position)).encode(), digest_size=8).digest()
+        return cls(slots, dense, token, position)
 
 
 def drop_unknown(declared: Declared, names: dict, dense: bool = False) -> int:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from driftline.cli import main
 from driftline.project import PROJECT_VAR, Project, ProjectError, apply_to_environ, load_project, named_config
@@ -140,6 +141,23 @@ def test_a_content_feature_feeds_the_encoder_not_a_field() -> None:
     cfg = project.model_config()
     assert set(cfg.slots) == set(cfg.linear) == {"item_id", "user_id"}
     assert cfg.content is not None and cfg.content.slot == "title_words" and "title_words" in cfg.all_slots
+
+
+def test_a_position_is_one_sparse_int_feature_the_model_knows_as_its_position_slot() -> None:
+    def project(*features: dict, model: dict | None = None) -> Project:
+        return Project.model_validate({"name": "placed", "features": [{"name": "item_id", "source": "candidate"},
+                                                                       *features], "model": model or {"dim": 4}})
+
+    cfg = project({"name": "slot", "source": "position"}).model_config()
+    assert cfg.position_slot == "slot" and "slot" in cfg.linear and "slot" not in cfg.slots  # a term, unless named a field
+    cfg = project({"name": "slot", "source": "position"}, model={"dim": 4, "fields": ["item_id", "slot"]}).model_config()
+    assert cfg.position_slot == "slot" and "slot" in cfg.linear and "slot" in cfg.slots
+    with pytest.raises(ValidationError, match="one feature at most has source 'position'"):
+        project({"name": "a", "source": "position"}, {"name": "b", "source": "position"})
+    for bad in ({"kind": "dense"}, {"ids": "string"}):
+        with pytest.raises(ValidationError, match="'slot': a position is a sparse feature of int ids"):
+            project({"name": "slot", "source": "position", **bad})
+    assert project({"name": "pos", "source": "candidate"}).model_config().position_slot is None
 
 
 def test_the_store_files_are_the_project_files_folders_and_not_beside_movielens(tmp_path: Path) -> None:

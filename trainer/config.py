@@ -141,6 +141,10 @@ class ModelConfig(BaseModel):
     meta: MetaConfig | None = None
     #: a content encoder whose output joins the embedding fields (:mod:`trainer.content`); None: off
     content: ContentConfig | None = None
+    #: the slot that holds each example's display position (0 = first): serving scores every
+    #: candidate at position 0 and logs the place it answered each at, unless the request gives
+    #: one (:mod:`serving.positions`); None: the model reads no position
+    position_slot: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -179,6 +183,8 @@ class ModelConfig(BaseModel):
             self._check_meta(self.meta)
         if self.content is not None:
             self._check_content(self.content)
+        if self.position_slot is not None and self.position_slot not in (*self.slots, *self.linear):
+            raise ValueError(f"position_slot {self.position_slot!r} is not a slot of the model")
         return self
 
     def _check_content(self, content: ContentConfig) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, HTTPException, Response
 
 from proto import ModelVersion
-from serving import metrics
+from serving import metrics, positions
 from serving.correction import correct
 from serving.feature_log import features_message
 from serving.feature_store import FeatureStoreError, RankFeatures
@@ -68,8 +68,12 @@ async def rank(body: RankRequest, s: Serving = Depends(serving_of)) -> Response:
     for i in featured:  # a new row: the stored one is shared (slots_for)
         item_slots[i] = {**item_slots[i], **cands[i].features.sparse}
         keys[i] = None  # its feature log is its own, not the stored item's
+    scored_user, scored_items, given = user_slots, item_slots, []
+    if declared.position is not None:  # every candidate at the first place, but those that give theirs
+        given = positions.given_by(declared.position, item_slots, featured)
+        scored_user, scored_items = positions.scored_at_first(declared.position, user_slots, item_slots, given)
     version = s.version()  # read before scoring: the served version is at least this one
-    raw = s.model.score(user_slots, item_slots, dense)
+    raw = s.model.score(scored_user, scored_items, dense)
     # the rate the served parameters were trained under, for the slice this replica serves
     rate, _source = s.model.sample_rates.rate_for(s.model.model_id)
     scores = correct(raw, rate)
@@ -77,6 +81,9 @@ async def rank(body: RankRequest, s: Serving = Depends(serving_of)) -> Response:
     metrics.CANDIDATES.observe(n)
 
     if body.log:
+        if declared.position is not None:  # each candidate at the place it is answered at
+            item_slots, keys = positions.logged_at_answer(declared.position, item_slots, keys, order, given)
+            user_slots = {k: v for k, v in user_slots.items() if k != declared.position}  # (per candidate)
         context = features_message(user_slots, context_dense)
         mv = ModelVersion(model_id=version.model_id, sparse_version=version.sparse_version,
                           dense_version=version.dense_version)
@@ -111,6 +118,8 @@ def check_features(declared: Declared, body: RankRequest, unknown: str = "reject
     try:
         if body.context is not None:
             check_names(declared, "context.sparse", body.context.sparse)
+            if declared.position is not None:
+                positions.check_context(declared.position, body.context.sparse)
             check_names(declared, "context.dense", body.context.dense, dense=True)
         for i in featured:
             f = cands[i].features

@@ -10,9 +10,11 @@ no serving to check it).
 
 Where a feature may be given follows its ``source``: request-wide values (``context`` and
 ``user`` features: a ``user`` value overrides the store's, as serving does) in the context,
-per-candidate values (``candidate`` and ``item``) in a candidate's features. Every dense feature
-of a ``context`` or ``candidate`` source must be given (the scorer has no default for it); a dense
-``user`` or ``item`` feature comes from the store unless the request gives it.
+per-candidate values (``candidate``, ``item`` and ``position``) in a candidate's features. Every
+dense feature of a ``context`` or ``candidate`` source must be given (the scorer has no default for
+it); a dense ``user`` or ``item`` feature comes from the store unless the request gives it, and a
+``position`` is the place serving answers the candidate at unless given (a feature log written
+straight to Kafka has no serving to place its candidates: each must give it).
 
 >>> from driftline.project import FeatureSpec
 >>> enc = FeatureEncoder([FeatureSpec(name="device", source="context", ids="string"),
@@ -67,7 +69,7 @@ Dense = dict[str, float]
 
 #: where a value of each source is given: request-wide or per candidate
 _CONTEXT_SOURCES = frozenset({"context", "user"})
-_CANDIDATE_SOURCES = frozenset({"candidate", "item"})
+_CANDIDATE_SOURCES = frozenset({"candidate", "item", "position"})
 
 
 class InvalidInput(ValueError):
@@ -158,6 +160,7 @@ class FeatureEncoder:
         context, candidate = ({"context"}, {"candidate"}) if store else (_CONTEXT_SOURCES, _CANDIDATE_SOURCES)
         self._dense_context = [f.name for f in features if f.kind == "dense" and f.source in context]
         self._dense_candidate = [f.name for f in features if f.kind == "dense" and f.source in candidate]
+        self._position = None if store else next((f.name for f in features if f.source == "position"), None)
 
     def _encode(self, values: Mapping[str, Any] | None, where: str, sources: frozenset[str]) -> tuple[Slots, Dense]:
         sparse: Slots = {}
@@ -193,6 +196,9 @@ class FeatureEncoder:
         for name in self._dense_candidate:
             if name not in dense:
                 raise MissingFeature(f"{where}: dense feature {name!r} missing (the model reads it for every candidate)")
+        if self._position is not None and self._position not in sparse:
+            raise MissingFeature(f"{where}: position {self._position!r} missing (no serving places the candidates "
+                                 "of a feature log written to Kafka: give the place each was shown at, 0 = first)")
         return sparse, dense
 
     def action_type(self, action_type: str, where: str = "action") -> str:

@@ -16,8 +16,10 @@ from driftline.client import (
     ActionProducer,
     AsyncRankClient,
     Blocking,
+    FeatureEncoder,
     FeatureLogProducer,
     InvalidInput,
+    MissingFeature,
     RankClient,
     Rejected,
     ServingError,
@@ -107,6 +109,20 @@ def test_bad_input_is_refused_before_any_network_call() -> None:
     client.close()
     with RankClient(FEATURES, client.url, retries=1) as retrying, pytest.raises(ServingError, match="/rank: ConnectError"):
         retrying.rank(candidates=[item])  # valid input: tried twice, then the transport error, typed
+
+
+def test_a_position_is_optional_per_candidate_but_required_in_a_feature_log_written_to_kafka() -> None:
+    """Serving places candidates that give no position; the Kafka producers have no serving to."""
+    placed = [FeatureSpec(name="item_id", source="candidate"), FeatureSpec(name="slot", source="position")]
+    http = FeatureEncoder(placed)
+    assert http.candidate({"item_id": 3}, 0) == ({"item_id": [3]}, {})
+    assert http.candidate({"item_id": 3, "slot": 2}, 0) == ({"item_id": [3], "slot": [2]}, {})
+    with pytest.raises(UnknownFeature, match="'slot' is a position feature: give it in each candidate's features"):
+        http.context({"slot": 1})
+    kafka = FeatureEncoder(placed, store=False)
+    assert kafka.candidate({"item_id": 3, "slot": 0}, 0) == ({"item_id": [3], "slot": [0]}, {})
+    with pytest.raises(MissingFeature, match=r"candidates\[1\]: position 'slot' missing \(no serving places"):
+        kafka.candidate({"item_id": 3}, 1)
 
 
 def test_the_producers_write_the_contracts_keyed_by_request_id(settings: Settings) -> None:

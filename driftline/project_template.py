@@ -38,6 +38,9 @@ unknown_features = "reject"
 #            "candidate"  sent per candidate:            {"candidates": [{"item_id": 7, "features": ...}]}
 #            "user"/"item" looked up in the feature store (Redis) by the request's user_id / item_id,
 #                         filled by `driftline features load --config driftline.toml --users/--items FILE`
+#            "position"   where a candidate is shown (0 = first; one feature at most): serving scores
+#                         every candidate at 0, answers them ranked, and logs each at the place it
+#                         answered it at; a candidate that gives its own (a replayed log) keeps it
 #   kind   = "sparse" (ids, embedded) or "dense" (a float, fed to the MLP / linear head)
 #   ids    = "int" (int64 ids as they are) or "string" (hashed: services/hashing.py string_id)
 #   table  = share an embedding table with other features (default: a table of its own)
@@ -55,7 +58,7 @@ source = "candidate"
 
 [[features]]
 name = "position"
-source = "candidate"
+source = "position"
 
 [[features]]
 name = "category"
@@ -86,7 +89,8 @@ admission = { min_count = 1, probability = 1.0 }
 # ---------------------------------------------------------------------------------------------
 # The model: "deepfm" (linear + FM + MLP) or "lr" (logistic regression).
 #   fields / linear / dense: which features feed the embedding fields, the first-order terms and
-#   the dense inputs; left out: every sparse feature (fields, linear), every dense one (dense).
+#   the dense inputs; left out: every sparse feature (fields, linear; a position: linear only),
+#   every dense one (dense).
 #   dense_scaling: how the dense inputs are put on one scale, so their unit does not matter (cents or
 #   dollars): "log" (signed log1p, then standardized by the stream's running statistics; for
 #   prices, counts, durations), "standard" (standardized only), "none" (as they come)
@@ -110,7 +114,7 @@ label = "click"
 sequential = true
 sequential_embeddings = true
 linear_optimizer = { kind = "adagrad", lr = 0.3, initial_accumulator_value = 0.3 }
-# fields = ["device", "item_id", "position", "category"]
+# fields = ["device", "item_id", "category"]     (a position is a first-order term unless listed here)
 # dense = ["price"]
 dense_scaling = "log"
 # meta = { task_slot = "item_id" }

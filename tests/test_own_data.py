@@ -1,5 +1,5 @@
 """Issue 16's acceptance, for a schema that is not MovieLens: ``driftline init``, an edited project
-file (string user and item features, a position, a dense feature, a dense item feature kept in
+file (string user and item features, the place each item is shown at, a dense feature, a dense item feature kept in
 the feature store, no user ids), ``up --config``,
 the user's item features through ``features load --config``, traffic with a planted signal through
 the client package (``driftline.client.RankClient.from_project``: ``/rank`` and ``/actions``) and,
@@ -45,7 +45,7 @@ ids = "string"
 
 [[features]]
 name = "position"
-source = "candidate"
+source = "position"
 
 [[features]]
 name = "price"
@@ -91,10 +91,9 @@ def _rating(sku: str) -> float:
 
 
 def _request(rng: random.Random, price: float | None = None) -> tuple[list[dict], list[str]]:
-    """Four candidates: the user's own string SKUs, their positions and prices (plain values)."""
+    """Four candidates: the user's own string SKUs and their prices (plain values); serving places them."""
     skus = rng.sample(SKUS, 4)
-    return [{"item_id": sku, "features": {"position": pos, "price": rng.random() if price is None else price}}
-            for pos, sku in enumerate(skus)], skus
+    return [{"item_id": sku, "features": {"price": rng.random() if price is None else price}} for sku in skus], skus
 
 
 def _clicked(rng: random.Random, segment: str, skus: list[str]) -> list[str]:
@@ -116,14 +115,14 @@ def _traffic(stack: LoopStack, client: RankClient, config: Path) -> tuple[float 
             segment = rng.choice(SEGMENTS)
             candidates, skus = _request(rng)
             if sent % 4 == 3:
-                for c, sku in zip(candidates, skus):
-                    c["features"].update(brand=_brand(sku), rating=_rating(sku))
+                for pos, (c, sku) in enumerate(zip(candidates, skus)):  # shown in this order
+                    c["features"].update(brand=_brand(sku), rating=_rating(sku), position=pos)
                 rid = logs.send(None, candidates, context={"segment": segment})
                 for sku in _clicked(rng, segment, skus):
                     actions.send(rid, sku, "click")
             else:
                 ranking = client.rank(candidates=candidates, context={"segment": segment})
-                clicks = _clicked(rng, segment, skus)
+                clicks = _clicked(rng, segment, [str(i.item) for i in ranking.items])  # shown as answered
                 if clicks:
                     client.actions([{"request_id": ranking.request_id, "item_id": sku, "action_type": "click"}
                                     for sku in clicks])
@@ -198,7 +197,8 @@ def test_own_data_end_to_end(tmp_path: Path, repo_root: Path) -> None:
 
 
 def _the_stored_dense_feature_was_trained_on(examples: Path) -> None:
-    """Every example carries its item's ``rating`` (serving's from the store, the producers' own)."""
+    """Every example carries its item's ``rating`` (serving's from the store, the producers' own)
+    and the place it was shown at (serving's answer's, the producers' own), all four used."""
     from joiner.dumper import read_examples
     from services.hashing import string_key
 
@@ -206,6 +206,8 @@ def _the_stored_dense_feature_was_trained_on(examples: Path) -> None:
     want = {string_key(s): _rating(s) for s in SKUS}
     wrong = [(i, v) for i, v in zip(t["item_id"].to_pylist(), t["dense_rating"].to_pylist()) if v != want[i]]
     assert t.num_rows and not wrong, wrong[:5]
+    places = t["sparse_position"].to_pylist()
+    assert all(len(p) == 1 for p in places) and {p[0] for p in places} == {0, 1, 2, 3}, places[:10]
 
 
 def _warm_start_from_the_dumped_examples(tmp_path: Path, repo_root: Path, config: Path, examples: Path) -> None:

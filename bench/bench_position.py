@@ -22,6 +22,9 @@ as it stood before them (serving a few deltas behind):
 * ``random`` and ``oracle`` (ranked by the true relevance): the floor and the ceiling.
 
 Keys: ``ctr_<arm>`` (clicks per request over the second half of the requests),
+``progressive_auc_counts_<arm>`` (the trainer's live baseline on the same impressions: click
+rates per user and item, and per place where the model reads a position;
+``..._counts_without_places_<arm>``: without the places, as it was),
 ``relevance_auc_<arm>`` (at the end, for every user, 20 items of their pool: the AUC of the
 model's score, at the first place, against the true relevance, each item a positive of weight
 ``r`` and a negative of weight ``1 - r``, averaged over users: how well the model orders a user's
@@ -51,6 +54,7 @@ from services.settings import get_settings
 from serving.positions import logged_at_answer, scored_at_first
 from trainer.batch import SparseBatch
 from trainer.config import ModelConfig, deepfm_config
+from trainer.count_baseline import CountBaseline
 from trainer.metrics import auc
 from trainer.model import SparseModel
 
@@ -125,10 +129,15 @@ def _per_user_auc(scores: np.ndarray, rel: np.ndarray) -> float:
 def run_arm(shop: Shop, arm: str, seed: int) -> dict:
     torch.manual_seed(seed)
     model = None if arm in ("random", "oracle") else SparseModel(_config(arm, seed))
+    prior = get_settings().eval.count_prior
+    # the trainer's live baseline, scored on the same impressions (with the places when the model reads them)
+    counts = {"counts": CountBaseline(prior, None if model is None else model.cfg.position_slot),
+              "counts_without_places": CountBaseline(prior)}
     batch_size = get_settings().trainer.batch_size
     clicks = np.zeros(REQUESTS)
     pending: list[tuple[dict, float]] = []
     progressive: list[tuple[float, float]] = []
+    baseline: dict[str, list[np.ndarray]] = {name: [] for name in counts}
     t0 = time.perf_counter()
     for a in range(0, REQUESTS, BLOCK):
         block = range(a, min(a + BLOCK, REQUESTS))
@@ -167,6 +176,8 @@ def run_arm(shop: Shop, arm: str, seed: int) -> dict:
                                                 labels=np.array([y for _, y in take], np.float32))
             _, p = model.train_step(batch)
             progressive += list(zip(p.tolist(), batch.labels.tolist()))
+            for name, c in counts.items():
+                baseline[name].append(c.score_batch(batch))
     seconds = time.perf_counter() - t0
     out = {"ctr": float(clicks[REQUESTS // 2:].mean()), "seconds": seconds}
     rel = shop.relevance(shop.probe_users, shop.probe_items)
@@ -176,8 +187,11 @@ def run_arm(shop: Shop, arm: str, seed: int) -> dict:
             probe = [{**row, POSITION: [0]} for row in probe]  # the first place, as serving scores
         s = model.predict(SparseBatch.from_slot_dicts(probe, slots=model.cfg.all_slots))
         out["relevance_auc"] = _per_user_auc(s.astype(np.float64), rel)
-        half = progressive[len(progressive) // 2:]
-        out["progressive_auc"] = auc(np.array([p for p, _ in half], np.float32), np.array([y for _, y in half]))
+        half = len(progressive) // 2
+        y = np.array([y for _, y in progressive[half:]])
+        out["progressive_auc"] = auc(np.array([p for p, _ in progressive[half:]], np.float32), y)
+        for name, scores in baseline.items():
+            out[f"progressive_auc_{name}"] = auc(np.concatenate(scores)[half:], y)
     elif arm == "oracle":
         out["relevance_auc"] = _per_user_auc(rel, rel)
     return out
@@ -188,7 +202,8 @@ def main() -> None:
     res = {(arm, seed): run_arm(Shop(seed), arm, seed) for seed in SEEDS for arm in ARMS}
     out: dict = {"seeds": list(SEEDS), "requests": REQUESTS, "candidates": K}
     for arm in ARMS:
-        for key in ("ctr", "relevance_auc", "progressive_auc"):
+        for key in ("ctr", "relevance_auc", "progressive_auc", "progressive_auc_counts",
+                    "progressive_auc_counts_without_places"):
             vals = [res[(arm, s)][key] for s in SEEDS if key in res[(arm, s)]]
             if vals:
                 out[f"{key}_{arm}"] = round(float(np.median(vals)), 4)

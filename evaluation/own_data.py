@@ -14,7 +14,8 @@ leaves that window's positives without their negatives. On the same split, in th
   the ``eval.base_lr_seq_lr`` tuned on ml-1m; dense features are not read);
 * ``counts_user_item``: per-user + per-item click-rate counts (:class:`trainer.count_baseline.CountBaseline`,
   the online trainer's live baseline; keys: each example's ``user_id`` and ``item_id``);
-* ``counts_item``: per-item click-rate counts alone;
+* ``counts_item``: per-item click-rate counts alone (both count the places too when the model
+  reads a position, as the trainer's does);
 * ``base_rate``: the click rate so far (on the holdout: the training part's).
 
 Negative sampling is undone before judging: each score is corrected to the population as serving
@@ -82,16 +83,19 @@ def _examples(root: Path):
 
 
 class _Counts:
-    def __init__(self, prior: float, users: bool) -> None:
+    """Click rates per item (and user), and per place where the model reads one (as the trainer's)."""
+
+    def __init__(self, prior: float, users: bool, position_slot: str | None) -> None:
         from trainer.count_baseline import CountBaseline
 
-        self.counts, self.users = CountBaseline(prior), users
+        self.counts, self.users = CountBaseline(prior, position_slot), users
 
     def learn(self, b, users, items) -> np.ndarray:
-        return self.counts.score_and_count(users if self.users else None, items, b.labels.astype(np.float64))
+        return self.counts.score_and_count(users if self.users else None, items, b.labels.astype(np.float64),
+                                           self.counts.positions_of(b))
 
     def score(self, b, users, items) -> np.ndarray:
-        return self.counts.score(users if self.users else None, items)
+        return self.counts.score(users if self.users else None, items, self.counts.positions_of(b))
 
 
 class _BaseRate:
@@ -131,7 +135,8 @@ def _scorers(project, settings) -> dict[str, tuple[object, int]]:
     batch = settings.trainer.batch_size
     prior = settings.eval.count_prior
     return {"model": (_Learned(cfg), batch), "lr": (_Learned(lr), settings.eval.base_lr_seq_batch),
-            "counts_user_item": (_Counts(prior, True), batch), "counts_item": (_Counts(prior, False), batch),
+            "counts_user_item": (_Counts(prior, True, cfg.position_slot), batch),
+            "counts_item": (_Counts(prior, False, cfg.position_slot), batch),
             "base_rate": (_BaseRate(), batch)}
 
 

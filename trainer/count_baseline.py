@@ -9,7 +9,9 @@ exports both scores' AUC and log loss (``driftline_trainer_baseline_auc``,
 The score is ``logit(user rate) + logit(item rate) - logit(global rate)``, each key's rate smoothed
 toward the global rate so far by ``prior`` examples (``(clicks + prior * global) / (seen +
 prior)``; the trainer's is ``eval.count_prior``, tuned by ``driftline eval tune``); a model without
-a ``user_id`` slot counts items alone. The keys are the first id of the ``item_id`` and ``user_id``
+a ``user_id`` slot counts items alone. A model that reads where items were shown (its
+``position_slot``) has ``+ logit(position rate) - logit(global rate)`` counted beside: its scores
+know the places, and a baseline that did not would lose to it by the places alone. The keys are the first id of the ``item_id`` and ``user_id``
 slots: the ids ``/rank`` carries for every project, not a data set's features. Counts are exact
 (:class:`ps.hashmap.HashIndex`, one row per key: about 40 bytes per user and item, next to the
 model's own rows for them) and saved in the trainer's snapshots.
@@ -123,9 +125,11 @@ def _logit(p: np.ndarray) -> np.ndarray:
 class CountBaseline:
     """Progressive per-user + per-item click-rate counts; ``auc`` and ``log_loss`` of their scores."""
 
-    def __init__(self, prior: float) -> None:
+    def __init__(self, prior: float, position_slot: str | None = None) -> None:
         self.prior = prior
+        self.position_slot = position_slot
         self.users, self.items = _KeyCounts(), _KeyCounts()
+        self.positions = _KeyCounts() if position_slot is not None else None
         self.clicks = 0.0
         self.examples = 0
         self.auc = StreamingAUC()
@@ -135,9 +139,17 @@ class CountBaseline:
     def log_loss(self) -> float:
         return self.loss_sum / self.examples if self.examples else float("nan")
 
-    def score_and_count(self, users: np.ndarray | None, items: np.ndarray, labels: np.ndarray) -> np.ndarray:
-        """Score each example from the counts before it, then count it; ``users`` None: items alone.
-        Labels that are NaN (unknown) are scored but neither counted nor judged."""
+    def score_and_count(self, users: np.ndarray | None, items: np.ndarray, labels: np.ndarray,
+                        positions: np.ndarray | None = None) -> np.ndarray:
+        """Score each example from the counts before it, then count it; ``users`` None: items alone;
+        ``positions``: each example's place (counted only with a ``position_slot``). Labels that are
+        NaN (unknown) are scored but neither counted nor judged.
+
+        >>> c = CountBaseline(prior=1.0, position_slot="pos")
+        >>> _ = c.score_and_count(None, np.array([7, 8, 7, 8]), np.array([1.0, 0.0, 1.0, 0.0]), np.array([0, 1, 0, 1]))
+        >>> [round(float(x), 3) for x in c.score(None, np.array([7, 7]), np.array([0, 1]))]  # one item, two places
+        [0.962, 0.5]
+        """
         known = ~np.isnan(labels)
         y = np.where(known, labels, 0.0).astype(np.float64)
         k = known.astype(np.float64)
@@ -145,6 +157,8 @@ class CountBaseline:
         z = _logit(self.items.rates(items, y, k, g, self.prior))
         if users is not None:
             z += _logit(self.users.rates(users, y, k, g, self.prior)) - _logit(g)
+        if positions is not None and self.positions is not None:
+            z += _logit(self.positions.rates(positions, y, k, g, self.prior)) - _logit(g)
         p = 1.0 / (1.0 + np.exp(-z))
         self.clicks += float(y.sum())
         self.examples += int(known.sum())
@@ -153,7 +167,7 @@ class CountBaseline:
         self.loss_sum -= float((y[known] * np.log(q) + (1 - y[known]) * np.log1p(-q)).sum())
         return p.astype(np.float32)
 
-    def score(self, users: np.ndarray | None, items: np.ndarray) -> np.ndarray:
+    def score(self, users: np.ndarray | None, items: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
         """Scores from the counts so far, counting nothing (a held-out set scored by frozen counts).
 
         >>> c = CountBaseline(prior=1.0)
@@ -165,21 +179,36 @@ class CountBaseline:
         z = _logit(self.items.frozen_rates(items, g, self.prior))
         if users is not None:
             z += _logit(self.users.frozen_rates(users, g, self.prior)) - _logit(np.float64(g))
+        if positions is not None and self.positions is not None:
+            z += _logit(self.positions.frozen_rates(positions, g, self.prior)) - _logit(np.float64(g))
         return (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
+
+    def positions_of(self, batch) -> np.ndarray | None:
+        """The batch's first ``position_slot`` ids (None: no such slot, or none in the batch)."""
+        if self.position_slot is None or self.position_slot not in batch.ids:
+            return None
+        return first_ids(*batch.bag(self.position_slot))
 
     def score_batch(self, batch) -> np.ndarray | None:
         """:meth:`score_and_count` on a :class:`trainer.batch.SparseBatch` (None: no ``item_id`` slot)."""
         if ITEM_SLOT not in batch.ids or batch.labels is None:
             return None
         users = first_ids(*batch.bag(USER_SLOT)) if USER_SLOT in batch.ids else None
-        return self.score_and_count(users, first_ids(*batch.bag(ITEM_SLOT)), batch.labels.astype(np.float64))
+        return self.score_and_count(users, first_ids(*batch.bag(ITEM_SLOT)), batch.labels.astype(np.float64),
+                                    self.positions_of(batch))
 
     def state(self) -> dict:
-        return {"prior": self.prior, "users": self.users.state(), "items": self.items.state(), "clicks": self.clicks,
-                "examples": self.examples, "auc_pos": self.auc.pos, "auc_neg": self.auc.neg, "loss_sum": self.loss_sum}
+        state = {"prior": self.prior, "users": self.users.state(), "items": self.items.state(), "clicks": self.clicks,
+                 "examples": self.examples, "auc_pos": self.auc.pos, "auc_neg": self.auc.neg, "loss_sum": self.loss_sum}
+        if self.positions is not None:
+            state["positions"] = self.positions.state()
+        return state
 
     def load(self, state: dict) -> None:
+        """A saved state (one without places, saved before the model read them: places counted from now)."""
         self.users, self.items = _KeyCounts.loaded(state["users"]), _KeyCounts.loaded(state["items"])
+        if self.positions is not None:
+            self.positions = _KeyCounts.loaded(state["positions"]) if "positions" in state else _KeyCounts()
         self.clicks, self.examples = float(state["clicks"]), int(state["examples"])
         self.auc.load(state["auc_pos"], state["auc_neg"])
         self.loss_sum = float(state["loss_sum"])

@@ -10,8 +10,8 @@ candidate, the place serving answered it at (0 = the top of the answer), which i
 that shows the answer in order shows it: the trainer learns from the places the clicks came at.
 
 A candidate that gives its own position (a replayed log's, or a client that places items itself
-and says where) is scored and logged as given. A request-wide position is refused
-(:func:`check_context`): it is per candidate.
+and says where) is scored and logged as given: one place, 0 or more (:func:`check_given`). A
+request-wide position is refused (:func:`check_context`): it is per candidate.
 
 >>> user, items = scored_at_first("pos", {"user_id": [7]}, [{"item_id": [1]}, {"item_id": [2], "pos": [4]}],
 ...                               given=[1])
@@ -25,13 +25,13 @@ and says where) is scored and logged as given. A request-wide position is refuse
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from serving.request_features import BadFeatures, Slots
 
-__all__ = ["check_context", "given_by", "logged_at_answer", "scored_at_first"]
+__all__ = ["check_context", "check_given", "given_by", "logged_at_answer", "scored_at_first"]
 
 
 def check_context(position: str, context_slots: Iterable[str]) -> None:
@@ -39,6 +39,20 @@ def check_context(position: str, context_slots: Iterable[str]) -> None:
     if position in context_slots:
         raise BadFeatures(f"context.sparse: {position!r} is the position a candidate is shown at: give it in a "
                           "candidate's features, or leave it out (serving logs the place it answers each candidate at)")
+
+
+def check_given(position: str, where: str, slots: Mapping[str, Sequence[int]]) -> None:
+    """:class:`BadFeatures` unless a candidate's own position, if it gives one, is one place >= 0.
+
+    >>> check_given("pos", "candidates[2].features.sparse", {"pos": [1, 2]})
+    Traceback (most recent call last):
+    ...
+    serving.request_features.BadFeatures: candidates[2].features.sparse: 'pos' is the place the candidate is shown at: one id, 0 or more (0 = first), got [1, 2]
+    """
+    ids = slots.get(position)
+    if ids is not None and (len(ids) != 1 or ids[0] < 0):
+        raise BadFeatures(f"{where}: {position!r} is the place the candidate is shown at: one id, 0 or more "
+                          f"(0 = first), got {list(ids)}")
 
 
 def given_by(position: str, item_slots: Sequence[Slots], featured: Iterable[int]) -> list[int]:

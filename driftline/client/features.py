@@ -178,7 +178,10 @@ class FeatureEncoder:
             if spec.kind == "dense":
                 dense[name] = _dense_value(spec, f"{where}.{name}", value)
             else:
-                sparse[name] = _sparse_ids(spec, f"{where}.{name}", value)
+                sparse[name] = ids = _sparse_ids(spec, f"{where}.{name}", value)
+                if spec.source == "position" and (len(ids) != 1 or ids[0] < 0):
+                    raise WrongValue(f"{where}.{name}: a position is the one place the item is shown at, 0 or more "
+                                     f"(0 = first), got {value!r}")
         return sparse, dense
 
     def context(self, values: Mapping[str, Any] | None) -> tuple[Slots, Dense]:

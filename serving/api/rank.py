@@ -125,6 +125,8 @@ def check_features(declared: Declared, body: RankRequest, unknown: str = "reject
             f = cands[i].features
             check_names(declared, f"candidates[{i}].features.sparse", f.sparse)
             check_names(declared, f"candidates[{i}].features.dense", f.dense, dense=True)
+            if declared.position is not None:
+                positions.check_given(declared.position, f"candidates[{i}].features.sparse", f.sparse)
     except BadFeatures as err:
         raise HTTPException(422, str(err)) from None
 

@@ -119,6 +119,9 @@ def test_a_position_is_optional_per_candidate_but_required_in_a_feature_log_writ
     assert http.candidate({"item_id": 3, "slot": 2}, 0) == ({"item_id": [3], "slot": [2]}, {})
     with pytest.raises(UnknownFeature, match="'slot' is a position feature: give it in each candidate's features"):
         http.context({"slot": 1})
+    for bad in (-1, [1, 2]):
+        with pytest.raises(WrongValue, match=r"candidates\[0\].slot: a position is the one place the item is shown at"):
+            http.candidate({"item_id": 3, "slot": bad}, 0)
     kafka = FeatureEncoder(placed, store=False)
     assert kafka.candidate({"item_id": 3, "slot": 0}, 0) == ({"item_id": [3], "slot": [0]}, {})
     with pytest.raises(MissingFeature, match=r"candidates\[1\]: position 'slot' missing \(no serving places"):

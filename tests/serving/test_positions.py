@@ -66,6 +66,11 @@ def test_candidates_are_scored_at_the_first_place_and_logged_where_they_were_ans
         r = post({"context": {"sparse": {"pos": [1]}}, "candidates": [{"item_id": 1}]})
         assert r.status_code == 422, r.text
         assert "'pos' is the position a candidate is shown at: give it in a candidate's features" in r.json()["message"]
+        for bad in ([-1], [1, 2], []):
+            r = post({"candidates": [{"item_id": 1}, {"item_id": 2, "features": {"sparse": {"pos": bad}}}]})
+            assert r.status_code == 422, r.text
+            assert f"candidates[1].features.sparse: 'pos' is the place the candidate is shown at: one id, 0 or more " \
+                   f"(0 = first), got {bad}" == r.json()["message"]
 
     logs = asyncio.run(read_logs(filled_store, {"placed-1", "placed-2", "placed-3"}))
     placed = {rid: {c.item_id: list(c.features.sparse["pos"].ids) for c in log.candidates} for rid, log in logs.items()}

@@ -130,7 +130,7 @@ class FeatureSpec(_Spec):
     #: sparse only: the embedding table (default: one of its own, named like the feature); features
     #: naming the same table share it (their ids are salted apart unless ``salt`` is false)
     table: str | None = Field(None, pattern=_NAME)
-    #: sparse only: how a bag of several ids pools (absent: the model's default, sum)
+    #: sparse only: how a bag of several ids pools (absent: ``[model] pooling``, else sum)
     pooling: Literal["sum", "mean"] | None = None
     #: sparse only, shared tables: false reads the shared table with raw ids (absent: salted)
     salt: bool | None = None
@@ -168,6 +168,11 @@ class ModelSpec(_Spec):
     linear: list[str] | None = None
     #: dense inputs in order; absent: every dense feature
     dense: list[str] | None = None
+    #: how a bag of several ids pools for a feature that names no ``pooling`` of its own; absent:
+    #: sum (a file written before this key keeps the model its snapshots hold). The template says
+    #: mean: on bags of 1-300 tags, AUC 0.606 against sum's 0.562 where clicks follow the tags' mean
+    #: effect, 0.589 against 0.596 where they follow their sum
+    pooling: Literal["sum", "mean"] | None = None
     dense_optimizer: Literal["adam", "adagrad", "sgd"] | None = None
     dense_lr: float | None = Field(None, gt=0)
     #: how the dense inputs are put on one scale (trainer/dense_scaling.py): ``log`` (signed log1p,
@@ -434,12 +439,21 @@ class Project:
             extra["mlp"] = []
         return ModelConfig(
             model_id=self.file.name, kind=m.kind, slots=emb, linear=lin, tables=tables, dense_features=dense,
-            pooling={f.name: f.pooling for f in self.file.features if f.pooling and f.name in used},
+            pooling=self._pooling(used),
             salt={f.name: f.salt for f in self.file.features if f.salt is not None and f.name in used},
             label=m.label, seed=m.seed, sequential=m.sequential and bool(lin), dense_scaling=m.dense_scaling,
             sequential_embeddings=m.sequential_embeddings and m.sequential and bool(lin) and m.kind == "deepfm",
             meta=m.meta, content=m.content, **extra,
             position_slot=next((f.name for f in self.file.features if f.source == "position"), None))
+
+    def _pooling(self, used: set[str]) -> dict[str, Literal["sum", "mean"]]:
+        """Each read sparse feature's pooling: its own, else ``[model] pooling`` (none: the model's sum)."""
+        out: dict[str, Literal["sum", "mean"]] = {}
+        for f in self.file.features:
+            mode = f.pooling or self.file.model.pooling
+            if mode is not None and f.kind == "sparse" and f.name in used:
+                out[f.name] = mode
+        return out
 
     def settings_overrides(self) -> dict[str, dict[str, Any]]:
         """The settings this file sets, as ``{section: {field: value}}`` (for

@@ -44,7 +44,7 @@ unknown_features = "reject"
 #   kind   = "sparse" (ids, embedded) or "dense" (a float, fed to the MLP / linear head)
 #   ids    = "int" (int64 ids as they are) or "string" (hashed: services/hashing.py string_id)
 #   table  = share an embedding table with other features (default: a table of its own)
-#   pooling = "sum" or "mean" over a bag of several ids
+#   pooling = "sum" or "mean" over a bag of several ids (default: [model] pooling)
 # Serving adds user_id / item_id / recent_items only when declared here (source "context"/"candidate").
 # ---------------------------------------------------------------------------------------------
 [[features]]
@@ -91,6 +91,10 @@ admission = { min_count = 1, probability = 1.0 }
 #   fields / linear / dense: which features feed the embedding fields, the first-order terms and
 #   the dense inputs; left out: every sparse feature (fields, linear; a position: linear only),
 #   every dense one (dense).
+#   pooling: how a feature's bag of several ids (tags, recent items) pools when the feature names no
+#   pooling of its own: "mean" (safer: measured on bags of 1-300 tags, AUC 0.606 against 0.562
+#   where clicks follow the tags' mean effect, 0.589 against 0.596 where they follow their sum) or
+#   "sum"; left out: "sum"
 #   dense_scaling: how the dense inputs are put on one scale, so their unit does not matter (cents or
 #   dollars): "log" (signed log1p, then standardized by the stream's running statistics; for
 #   prices, counts, durations), "standard" (standardized only), "none" (as they come)
@@ -116,6 +120,7 @@ sequential_embeddings = true
 linear_optimizer = { kind = "adagrad", lr = 0.3, initial_accumulator_value = 0.3 }
 # fields = ["device", "item_id", "category"]     (a position is a first-order term unless listed here)
 # dense = ["price"]
+pooling = "mean"
 dense_scaling = "log"
 # meta = { task_slot = "item_id" }
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -39,8 +40,6 @@ def test_schema_is_printed_for_editors(capsys) -> None:
 
 def test_yaml_reads_like_toml(tmp_path: Path) -> None:
     yaml = pytest.importorskip("yaml")
-    import tomllib
-
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(tomllib.loads(TEMPLATE)))
     (tmp_path / "p.toml").write_text(TEMPLATE)
     assert load_project(tmp_path / "p.yaml").model_config() == load_project(tmp_path / "p.toml").model_config()
@@ -141,6 +140,16 @@ def test_a_content_feature_feeds_the_encoder_not_a_field() -> None:
     cfg = project.model_config()
     assert set(cfg.slots) == set(cfg.linear) == {"item_id", "user_id"}
     assert cfg.content is not None and cfg.content.slot == "title_words" and "title_words" in cfg.all_slots
+
+
+def test_model_pooling_is_the_default_of_features_that_name_none_and_absent_it_is_sum() -> None:
+    features = [{"name": "item_id", "source": "candidate"}, {"name": "tags", "source": "item"},
+                {"name": "brand", "source": "item", "pooling": "sum"}, {"name": "price", "source": "candidate", "kind": "dense"}]
+    cfg = Project.model_validate({"name": "bags", "features": features, "model": {"pooling": "mean"}}).model_config()
+    assert cfg.pooling == {"item_id": "mean", "tags": "mean", "brand": "sum"}
+    older = Project.model_validate({"name": "bags", "features": features}).model_config()  # a file without the key
+    assert older.pooling == {"brand": "sum"}  # the rest: the model's own default, sum, as its snapshots have it
+    assert Project.model_validate(tomllib.loads(TEMPLATE)).model_config().pooling["category"] == "mean"
 
 
 def test_a_position_is_one_sparse_int_feature_the_model_knows_as_its_position_slot() -> None:

@@ -51,6 +51,7 @@ FAILURE_COUNTERS = {
 OFF_BY_DEFAULT = {
     "driftline_trainer_cache_rows_total", "driftline_trainer_dist_mode_switches_total",
     "driftline_trainer_meta_tasks_total", "driftline_trainer_meta_outer_steps_total",
+    "driftline_trainer_place_click_ratio",  # a model with a position feature
 }
 
 ONE_SHOTS_TIMEOUT_S = 300.0

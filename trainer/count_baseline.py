@@ -35,6 +35,8 @@ from .metrics import StreamingAUC
 __all__ = ["ITEM_SLOT", "USER_SLOT", "CountBaseline", "first_ids"]
 
 ITEM_SLOT, USER_SLOT = "item_id", "user_id"
+#: the places :meth:`CountBaseline.place_ratios` reports by default (the first page of most lists)
+PLACES_SHOWN = 20
 
 
 def first_ids(ids: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -182,6 +184,27 @@ class CountBaseline:
         if positions is not None and self.positions is not None:
             z += _logit(self.positions.frozen_rates(positions, g, self.prior)) - _logit(np.float64(g))
         return (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
+
+    def place_ratios(self, places: int = PLACES_SHOWN) -> dict[int, float]:
+        """The click rate at each of the first ``places`` places counted so far over the first
+        place's (empty without places, or before the first place has a click): how much less an
+        item is clicked further down. A ratio, so negative sampling (the same rate at every
+        place) does not change it.
+
+        >>> c = CountBaseline(prior=1.0, position_slot="pos")
+        >>> _ = c.score_and_count(None, np.arange(6), np.array([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), np.array([0, 0, 1, 1, 2, 2]))
+        >>> c.place_ratios()
+        {0: 1.0, 1: 0.5, 2: 0.0}
+        """
+        if self.positions is None:
+            return {}
+        keys = np.arange(places, dtype=np.int64)
+        rows = self.positions.index.lookup(keys)
+        seen = rows >= 0
+        if not seen[0] or self.positions.clicks[rows[0]] == 0:
+            return {}
+        rates = self.positions.clicks[rows[seen]] / self.positions.seen[rows[seen]]
+        return {int(k): float(r / rates[0]) for k, r in zip(keys[seen], rates)}
 
     def positions_of(self, batch) -> np.ndarray | None:
         """The batch's first ``position_slot`` ids (None: no such slot, or none in the batch)."""

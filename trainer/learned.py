@@ -13,7 +13,18 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .metrics import AUC, BASELINE_AUC, EXAMPLES, EXAMPLES_PER_S, LOG_LOSS, LOSS, RANK_EXAMPLES, PSCounts, StreamingAUC
+from .metrics import (
+    AUC,
+    BASELINE_AUC,
+    EXAMPLES,
+    EXAMPLES_PER_S,
+    LOG_LOSS,
+    LOSS,
+    PLACE_CLICK_RATIO,
+    RANK_EXAMPLES,
+    PSCounts,
+    StreamingAUC,
+)
 
 
 class Learned:
@@ -79,6 +90,8 @@ class Learned:
         if self.baseline is not None and self.baseline.score_batch(batch) is not None and self.baseline.examples:
             BASELINE_AUC.labels(self.model_id, "counts").set(self.baseline.auc.value())
             LOG_LOSS.labels(self.model_id, "counts").set(self.baseline.log_loss)
+            for place, ratio in self.baseline.place_ratios().items():
+                PLACE_CLICK_RATIO.labels(self.model_id, str(place)).set(ratio)
 
     def scores(self) -> dict:
         """The model's progressive log loss beside the baseline's AUC and log loss (a result line's)."""

@@ -17,6 +17,10 @@ BASELINE_AUC = Gauge("driftline_trainer_baseline_auc", "Progressive AUC of a nai
                      "learns, in the same order: per-user + per-item click-rate counts (baseline=counts, "
                      "trainer/count_baseline.py). A model below it has not learned its features yet.",
                      ["model", "baseline"])
+PLACE_CLICK_RATIO = Gauge("driftline_trainer_place_click_ratio", "For a model with a position feature: the click "
+                          "rate of the examples shown at each place (0 = first; the first 20 places) over that of "
+                          "the first place, since the stream began (trainer/count_baseline.py): how much less an item "
+                          "is clicked further down the list.", ["model", "place"])
 BAD_EXAMPLES = Counter("driftline_trainer_bad_examples_total", "Examples rejected and dead-lettered.", ["model", "reason"])
 DUPLICATES = Counter("driftline_trainer_duplicate_examples_total", "Examples skipped as duplicates.", ["model"])
 SYNC_BYTES = Histogram("driftline_trainer_sync_bytes", "Bytes per parameter sync.", ["model", "kind"],

@@ -4,10 +4,11 @@ Where an item is shown changes whether it is clicked (the first place is looked 
 model that learns from clicks learns the places too: a project may declare one feature with
 ``source = "position"`` (:attr:`trainer.config.ModelConfig.position_slot`). A request cannot know
 the places yet (the ranking decides them), so serving scores every candidate at the first place
-(0), the same for all: the ranking is then by what the model learned of the items, users and
-context, not by where items happened to be shown before. The feature log carries, for each
-candidate, the place serving answered it at (0 = the top of the answer), which is where a client
-that shows the answer in order shows it: the trainer learns from the places the clicks came at.
+(0, or the request's ``first_position`` for a later page), the same for all: the ranking is then
+by what the model learned of the items, users and context, not by where items happened to be
+shown before. The feature log carries, for each candidate, the place serving answered it at
+(``first_position`` + its place in the answer), which is where a client that shows the answer in
+order shows it: the trainer learns from the places the clicks came at.
 
 A candidate that gives its own position (a replayed log's, or a client that places items itself
 and says where) is scored and logged as given: one place, 0 or more (:func:`check_given`). A
@@ -21,6 +22,11 @@ request-wide position is refused (:func:`check_context`): it is per candidate.
 ...                               order=[1, 0], given=[1])
 >>> rows, keys
 ([{'item_id': [1], 'pos': [1]}, {'item_id': [2], 'pos': [4]}], [b'k1\\x00@1', None])
+
+The second page of a list of 20 starts at place 20 (``/rank``'s ``first_position``):
+
+>>> logged_at_answer("pos", [{"item_id": [1]}, {"item_id": [2]}], [None, None], order=[1, 0], given=[], first=20)[0]
+[{'item_id': [1], 'pos': [21]}, {'item_id': [2], 'pos': [20]}]
 """
 
 from __future__ import annotations
@@ -61,26 +67,29 @@ def given_by(position: str, item_slots: Sequence[Slots], featured: Iterable[int]
 
 
 def scored_at_first(position: str, user_slots: Slots, item_slots: Sequence[Slots],
-                    given: Sequence[int]) -> tuple[Slots, list[Slots]]:
-    """The slots to score: every candidate at position 0 but those that gave theirs (``given``).
-    With none given the position joins the user's slots (scored once per request, and the rows,
-    which may be the store's shared ones, are not copied); ``user_slots`` is left as it is."""
+                    given: Sequence[int], first: int = 0) -> tuple[Slots, list[Slots]]:
+    """The slots to score: every candidate at the answer's first place (``first``: 0, or where a
+    later page starts) but those that gave theirs (``given``). With none given the position joins
+    the user's slots (scored once per request, and the rows, which may be the store's shared
+    ones, are not copied); ``user_slots`` is left as it is."""
     user = {k: v for k, v in user_slots.items() if k != position}
     if not given:
-        user[position] = [0]
+        user[position] = [first]
         return user, list(item_slots)
     own = set(given)
-    return user, [row if i in own else {**row, position: [0]} for i, row in enumerate(item_slots)]
+    return user, [row if i in own else {**row, position: [first]} for i, row in enumerate(item_slots)]
 
 
 def logged_at_answer(position: str, item_slots: Sequence[Slots], keys: Sequence[bytes | None],
-                     order: Sequence[int] | np.ndarray, given: Sequence[int]) -> tuple[list[Slots], list[bytes | None]]:
+                     order: Sequence[int] | np.ndarray, given: Sequence[int],
+                     first: int = 0) -> tuple[list[Slots], list[bytes | None]]:
     """Each candidate's logged slots and feature-log cache key with the place it was answered at
-    (``order``: the answer's candidate indexes, best first), but those that gave theirs. A key
-    names the candidate's whole logged features, so the place is part of it."""
+    (``order``: the answer's candidate indexes, best first; ``first``: the place of the answer's
+    first item), but those that gave theirs. A key names the candidate's whole logged features,
+    so the place is part of it."""
     n = len(item_slots)
     place = np.empty(n, np.int64)
-    place[np.asarray(order, np.int64)] = np.arange(n)
+    place[np.asarray(order, np.int64)] = np.arange(first, first + n)
     places = place.tolist()
     own = set(given)
     rows: list[Slots] = []

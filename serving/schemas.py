@@ -11,6 +11,8 @@ INT64_MAX = 2**63 - 1
 SCHEMA_MAX_CANDIDATES = 10_000
 
 Id = Annotated[int, Field(ge=0, le=INT64_MAX)]
+#: a place in a list (``first_position``): far past any page a person scrolls to
+MAX_POSITION = 1_000_000
 FeatureId = Annotated[int, Field(ge=-(2**63), le=INT64_MAX)]
 SlotName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 RequestId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")]
@@ -71,6 +73,11 @@ class RankRequest(_Strict):
         ..., min_length=1, max_length=SCHEMA_MAX_CANDIDATES,
         description="Items to rank (at most the configured max_candidates, 1000 by default).",
     )
+    first_position: Annotated[int, Field(ge=0, le=MAX_POSITION)] = Field(
+        0, description="Where the answer's first item is shown: 0 for the top of a list, 20 for its second page of "
+                       "20. A model with a position feature scores every candidate at this place and logs each at it "
+                       "plus the candidate's place in the answer (a candidate that gives its own position keeps "
+                       "it); other models ignore it.")
 
     model_config = ConfigDict(
         extra="forbid", allow_inf_nan=False,

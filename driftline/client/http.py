@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from driftline.client.features import FeatureEncoder, InvalidInput, item_id_of
+from driftline.client.features import FeatureEncoder, InvalidInput, WrongValue, item_id_of
 from driftline.project import FeatureSpec
 
 __all__ = ["AsyncRankClient", "RankClient", "Ranking", "Rejected", "Requests", "ScoredItem", "ServingError"]
@@ -102,11 +102,16 @@ class Requests:
 
     def rank_body(self, candidates: Sequence[Any], user_id: Item | None = None,
                   context: Mapping[str, Any] | None = None, request_id: str | None = None,
-                  event_time_ms: int | None = None, log: bool = True) -> tuple[dict, dict[int, Item]]:
+                  event_time_ms: int | None = None, log: bool = True,
+                  first_position: int = 0) -> tuple[dict, dict[int, Item]]:
         """The JSON body and id -> the caller's item. ``candidates``: items (str or int) or dicts
-        ``{"item_id": ..., "features": {...}}``. ``log=False``: score only (no feature log)."""
+        ``{"item_id": ..., "features": {...}}``. ``log=False``: score only (no feature log).
+        ``first_position``: where the answer's first item is shown (a later page: 20, 40...)."""
         if not candidates:
             raise InvalidInput("candidates: at least one is needed")
+        if isinstance(first_position, bool) or not isinstance(first_position, int) or first_position < 0:
+            raise WrongValue(f"first_position: the place the answer's first item is shown at, 0 or more, "
+                             f"got {first_position!r}")
         sparse, dense = self.encoder.context(context)
         body: dict[str, Any] = {"candidates": []}
         if sparse or dense:
@@ -129,6 +134,8 @@ class Requests:
             body["event_time_ms"] = int(event_time_ms)
         if not log:
             body["log"] = False
+        if first_position:
+            body["first_position"] = first_position
         return body, items
 
     @staticmethod
@@ -272,9 +279,12 @@ class RankClient(_Base):
             time.sleep(_READY_POLL_S)
 
     def rank(self, user_id: Item | None = None, candidates: Sequence[Any] = (), context: Mapping[str, Any] | None = None,
-             request_id: str | None = None, event_time_ms: int | None = None, log: bool = True) -> Ranking:
-        """``log=False``: score only; nothing is trained on it and no action can join it."""
-        body, items = self.requests.rank_body(candidates, user_id, context, request_id, event_time_ms, log)
+             request_id: str | None = None, event_time_ms: int | None = None, log: bool = True,
+             first_position: int = 0) -> Ranking:
+        """``log=False``: score only; nothing is trained on it and no action can join it.
+        ``first_position``: where the answer's first item is shown (a position feature's places)."""
+        body, items = self.requests.rank_body(candidates, user_id, context, request_id, event_time_ms, log,
+                                              first_position)
         return self.requests.ranking(self._post("/rank", body), items)
 
     def actions(self, actions: Iterable[Mapping[str, Any]]) -> int:
@@ -331,8 +341,9 @@ class AsyncRankClient(_Base):
 
     async def rank(self, user_id: Item | None = None, candidates: Sequence[Any] = (),
                    context: Mapping[str, Any] | None = None, request_id: str | None = None,
-                   event_time_ms: int | None = None, log: bool = True) -> Ranking:
-        body, items = self.requests.rank_body(candidates, user_id, context, request_id, event_time_ms, log)
+                   event_time_ms: int | None = None, log: bool = True, first_position: int = 0) -> Ranking:
+        body, items = self.requests.rank_body(candidates, user_id, context, request_id, event_time_ms, log,
+                                              first_position)
         return self.requests.ranking(await self._post("/rank", body), items)
 
     async def actions(self, actions: Iterable[Mapping[str, Any]]) -> int:

@@ -71,7 +71,8 @@ async def rank(body: RankRequest, s: Serving = Depends(serving_of)) -> Response:
     scored_user, scored_items, given = user_slots, item_slots, []
     if declared.position is not None:  # every candidate at the first place, but those that give theirs
         given = positions.given_by(declared.position, item_slots, featured)
-        scored_user, scored_items = positions.scored_at_first(declared.position, user_slots, item_slots, given)
+        scored_user, scored_items = positions.scored_at_first(declared.position, user_slots, item_slots, given,
+                                                              body.first_position)
     version = s.version()  # read before scoring: the served version is at least this one
     raw = s.model.score(scored_user, scored_items, dense)
     # the rate the served parameters were trained under, for the slice this replica serves
@@ -82,7 +83,8 @@ async def rank(body: RankRequest, s: Serving = Depends(serving_of)) -> Response:
 
     if body.log:
         if declared.position is not None:  # each candidate at the place it is answered at
-            item_slots, keys = positions.logged_at_answer(declared.position, item_slots, keys, order, given)
+            item_slots, keys = positions.logged_at_answer(declared.position, item_slots, keys, order, given,
+                                                          body.first_position)
             user_slots = {k: v for k, v in user_slots.items() if k != declared.position}  # (per candidate)
         context = features_message(user_slots, context_dense)
         mv = ModelVersion(model_id=version.model_id, sparse_version=version.sparse_version,

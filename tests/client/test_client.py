@@ -28,6 +28,7 @@ from driftline.client import (
     WrongValue,
     item_id_of,
 )
+from driftline.client.http import Requests
 from driftline.project import FeatureSpec
 from proto import Action, FeatureLog
 from services.hashing import string_id
@@ -122,6 +123,11 @@ def test_a_position_is_optional_per_candidate_but_required_in_a_feature_log_writ
     for bad in (-1, [1, 2]):
         with pytest.raises(WrongValue, match=r"candidates\[0\].slot: a position is the one place the item is shown at"):
             http.candidate({"item_id": 3, "slot": bad}, 0)
+    requests = Requests(http)  # a later page of the list: where its first item is shown
+    assert requests.rank_body([{"item_id": 3}], first_position=20)[0]["first_position"] == 20
+    assert "first_position" not in requests.rank_body([{"item_id": 3}])[0]
+    with pytest.raises(WrongValue, match="first_position: the place the answer's first item is shown at, 0 or more"):
+        requests.rank_body([{"item_id": 3}], first_position=-1)
     kafka = FeatureEncoder(placed, store=False)
     assert kafka.candidate({"item_id": 3, "slot": 0}, 0) == ({"item_id": [3], "slot": [0]}, {})
     with pytest.raises(MissingFeature, match=r"candidates\[1\]: position 'slot' missing \(no serving places"):

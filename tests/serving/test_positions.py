@@ -45,7 +45,8 @@ def test_candidates_are_scored_at_the_first_place_and_logged_where_they_were_ans
     """Three candidates without a position are each scored at place 0 (their order is the items'
     own), and logged at the place they were answered at; one that gives its place is scored and
     logged at it; the same items in another order are logged at their new places (the feature
-    log's cached encodings name the place); a request-wide position is a 422."""
+    log's cached encodings name the place); a later page (``first_position``) is scored at its first
+    place and logged from it on; a request-wide position is a 422."""
     sigmoid = lambda z: 1 / (1 + np.exp(-np.asarray(z)))  # noqa: E731
     with running(create_app(filled_store, TrainerModel(config=_model()))) as base:
         wait_ready(base)
@@ -62,6 +63,10 @@ def test_candidates_are_scored_at_the_first_place_and_logged_where_they_were_ans
         assert [i["item_id"] for i in r.json()["items"]] == [1, 3]
         r = post({"request_id": "placed-3", "candidates": [{"item_id": 3}]})  # 3 answered first now
         assert r.status_code == 200, r.text
+        # the second page of a list of 2: scored at its first place, logged from there on
+        r = post({"request_id": "placed-page-2", "first_position": 2, "candidates": [{"item_id": 1}, {"item_id": 2}]})
+        np.testing.assert_allclose([i["raw_score"] for i in r.json()["items"]], sigmoid([2.0, 1.0]), rtol=1e-6)
+        assert post({"first_position": -1, "candidates": [{"item_id": 1}]}).status_code == 422
 
         r = post({"context": {"sparse": {"pos": [1]}}, "candidates": [{"item_id": 1}]})
         assert r.status_code == 422, r.text
@@ -72,8 +77,9 @@ def test_candidates_are_scored_at_the_first_place_and_logged_where_they_were_ans
             assert f"candidates[1].features.sparse: 'pos' is the place the candidate is shown at: one id, 0 or more " \
                    f"(0 = first), got {bad}" == r.json()["message"]
 
-    logs = asyncio.run(read_logs(filled_store, {"placed-1", "placed-2", "placed-3"}))
+    logs = asyncio.run(read_logs(filled_store, {"placed-1", "placed-2", "placed-3", "placed-page-2"}))
     placed = {rid: {c.item_id: list(c.features.sparse["pos"].ids) for c in log.candidates} for rid, log in logs.items()}
-    assert placed == {"placed-1": {2: [0], 1: [1], 3: [2], 4: [5]}, "placed-2": {1: [0], 3: [1]}, "placed-3": {3: [0]}}
+    assert placed == {"placed-1": {2: [0], 1: [1], 3: [2], 4: [5]}, "placed-2": {1: [0], 3: [1]}, "placed-3": {3: [0]},
+                      "placed-page-2": {2: [2], 1: [3]}}
     assert "pos" not in logs["placed-1"].context.sparse
     assert [c.item_id for c in logs["placed-1"].candidates] == [1, 3, 4, 2]  # the request's order, as ever

@@ -11,8 +11,9 @@ toward the global rate so far by ``prior`` examples (``(clicks + prior * global)
 prior)``; the trainer's is ``eval.count_prior``, tuned by ``driftline eval tune``); a model without
 a ``user_id`` slot counts items alone. A model that reads where items were shown (its
 ``position_slot``) has ``+ logit(position rate) - logit(global rate)`` counted beside: its scores
-know the places, and a baseline that did not would lose to it by the places alone. The keys are the first id of the ``item_id`` and ``user_id``
-slots: the ids ``/rank`` carries for every project, not a data set's features. Counts are exact
+know the places, and a baseline that did not would lose to it by the places alone. The keys are
+the first id of the ``item_id``, ``user_id`` (and position) slots: the ids ``/rank`` carries for
+every project, not a data set's features. Counts are exact
 (:class:`ps.hashmap.HashIndex`, one row per key: about 40 bytes per user and item, next to the
 model's own rows for them) and saved in the trainer's snapshots.
 ``evaluation.baselines`` scores its ``counts`` baseline with this class too.

@@ -14,7 +14,8 @@ LOG_LOSS = Gauge("driftline_trainer_log_loss", "Progressive mean log loss since 
                  "before it learned each example (scorer=model), and the counting baseline's on the same examples "
                  "(scorer=counts).", ["model", "scorer"])
 BASELINE_AUC = Gauge("driftline_trainer_baseline_auc", "Progressive AUC of a naive baseline on the examples the model "
-                     "learns, in the same order: per-user + per-item click-rate counts (baseline=counts, "
+                     "learns, in the same order: per-user + per-item click-rate counts, and per place for a model "
+                     "with a position feature (baseline=counts, "
                      "trainer/count_baseline.py). A model below it has not learned its features yet.",
                      ["model", "baseline"])
 PLACE_CLICK_RATIO = Gauge("driftline_trainer_place_click_ratio", "For a model with a position feature: the click "

@@ -46,18 +46,19 @@ def _own_environ():
     get_settings.cache_clear()
 
 
-def _dump(root, n=12_000, seed=0) -> float:
+def _dump(root, n=12_000, seed=0, places: bool = False) -> float:
     """Examples of 40 users x 80 items in 4 categories: an item's appeal, a user's appetite and
     +2 in log-odds for the category the user likes; negatives kept at KEEP. Returns the population
-    click rate."""
+    click rate. ``places``: each example shown at a place 0-4 (feature ``pos``), -1 in log-odds
+    per place."""
     rng = np.random.default_rng(seed)
     likes, appetite = rng.integers(0, 4, 40), rng.normal(0, 0.5, 40)
     cat, appeal = rng.integers(0, 4, 80), rng.normal(0, 1, 80)
     out, clicks = [], 0
     t0 = 1_700_000_000_000
     for i in range(n):
-        u, it = int(rng.integers(40)), int(rng.integers(80))
-        z = appeal[it] + appetite[u] + 2.0 * (cat[it] == likes[u]) - 2.5
+        u, it, place = int(rng.integers(40)), int(rng.integers(80)), int(rng.integers(5))
+        z = appeal[it] + appetite[u] + 2.0 * (cat[it] == likes[u]) - 2.5 - (place if places else 0)
         y = float(rng.random() < 1 / (1 + np.exp(-z)))
         clicks += y
         if not y and rng.random() >= KEEP:
@@ -68,6 +69,8 @@ def _dump(root, n=12_000, seed=0) -> float:
         e.features.sparse["user_id"].ids.append(u)
         e.features.sparse["item_id"].ids.append(it)
         e.features.sparse["cat"].ids.append(int(cat[it]))
+        if places:
+            e.features.sparse["pos"].ids.append(place)
         out.append(e)
     # two files in two hours, the later hour written first: the split follows event time, not disk order
     half = len(out) // 2
@@ -100,6 +103,23 @@ def test_eval_data_judges_the_project_model_against_naive_baselines(tmp_path, ca
     # corrected for the sampled negatives: the base rate's score is the population's click rate
     assert abs(s["base_rate"]["mean_score"] - rate) < 0.03 and abs(s["base_rate"]["click_rate"] - rate) < 0.03
     assert s["model"]["calibration_error"] < 0.05, s["model"]
+
+
+@pytest.mark.parametrize("source", ["position", "candidate"])
+def test_the_counts_know_the_places_when_the_model_does(tmp_path, capsys, source):
+    """A log whose clicks fall with the place: with a position feature the counting baselines
+    count the places too (as the trainer's does), so the model's lead over them is its own."""
+    (tmp_path / "driftline.toml").write_text(PROJECT + f'\n[[features]]\nname = "pos"\nsource = "{source}"\n')
+    _dump(tmp_path / "examples", places=True)
+    out = tmp_path / "eval"
+    assert own_data.main(["--project", str(tmp_path / "driftline.toml"), "--examples-dir", str(tmp_path / "examples"),
+                          "--test-fraction", "0.25", "--out", str(out)]) == 0
+    capsys.readouterr()
+    s = {k: v["holdout"]["auc"] for k, v in json.loads((out / "eval-data.json").read_text())["scorers"].items()}
+    if source == "position":
+        assert s["counts_user_item"] > s["model"] - 0.03, s
+    else:  # the same column as a plain candidate feature: the counts do not see the places
+        assert s["counts_user_item"] < s["model"] - 0.05, s
 
 
 def test_eval_data_refuses_what_it_cannot_judge(tmp_path, capsys):

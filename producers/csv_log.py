@@ -14,6 +14,7 @@ The map file (TOML) says which column is what::
     event_time = "ts"          # optional (absent: serving stamps now); its unit:
     event_time_unit = "s"      # "ms" (the default), "s", or "iso" (ISO 8601, e.g. 2026-11-20T10:00:00Z)
     action_time = "click_ts"   # optional: when the actions happened (absent: the request's time)
+    position_base = 1          # optional: the log's first place is 1 (a position feature counts from 0)
 
     [actions]                  # action type = column: 1, true, yes or a positive number means it happened
     click = "clicked"
@@ -22,7 +23,10 @@ The map file (TOML) says which column is what::
     device = "device_type"
     # ... or given here, for a log replayed without a project file (column: the feature's name
     # when left out)
-    pos = { column = "position", source = "candidate", kind = "sparse", ids = "int" }
+    pos = { column = "position", source = "position", kind = "sparse", ids = "int" }
+
+A position feature (``source = "position"``) is sent as the log gives it: where the item was shown
+when the log was written (serving scores and logs it as given).
 
 Features whose columns carry their own names can be listed instead of mapped one by one (their
 specs from the project file): ``features = ["device", "pos"]`` at the top of the file.
@@ -83,13 +87,16 @@ class Columns(_Strict):
     event_time: str | None = None
     event_time_unit: Literal["ms", "s", "iso"] = "ms"
     action_time: str | None = None
+    #: the number the log gives its first place: a position feature counts from 0 (the top), so a
+    #: log that counts from 1 says 1 and its positions are sent one lower
+    position_base: Literal[0, 1] = 0
 
 
 class InlineFeature(_Strict):
     """A feature declared in the map file itself: a :class:`FeatureSpec` plus its column."""
 
     column: str | None = None  # None: the feature's own name
-    source: Literal["context", "candidate", "user", "item"]
+    source: Literal["context", "candidate", "user", "item", "position"]
     kind: Literal["sparse", "dense"] = "sparse"
     ids: Literal["int", "string"] = "int"
 
@@ -184,6 +191,15 @@ def _value(spec: FeatureSpec, text: str, separator: str | None, line: int) -> An
                            + ("a number" if spec.kind == "dense" else "an int (declare ids = \"string\" to hash it)")) from None
 
 
+def _shifted(value: Any, base: int) -> Any:
+    """A position (one id, or ids of a split cell) counted from ``base``, counted from 0.
+
+    >>> _shifted(1, 1), _shifted([3, 4], 1)
+    (0, [2, 3])
+    """
+    return [v - base for v in value] if isinstance(value, list) else value - base
+
+
 def _happened(text: str) -> bool:
     if text.lower() in _TRUE:
         return True
@@ -221,7 +237,8 @@ def requests_of(rows: Iterable[Mapping[str, str]], spec: MapFile,
     cols = spec.columns
     by_key: dict[str, Request] = {}
     context_specs = [(f, c) for f, c in features if f.source in ("context", "user")]
-    candidate_specs = [(f, c) for f, c in features if f.source in ("candidate", "item")]
+    # (a position is the log's: where the item was shown then, sent as given)
+    candidate_specs = [(f, c) for f, c in features if f.source in ("candidate", "item", "position")]
     sep = spec.csv.list_separator
     for line, row in enumerate(rows, start=2):  # line 1 is the header
         key = _cell(row, cols.request, line) if cols.request else str(line)
@@ -233,8 +250,11 @@ def requests_of(rows: Iterable[Mapping[str, str]], spec: MapFile,
                 key, when, _id(user, cols.user_ids, "user", line) if user else None,
                 {f.name: _value(f, _cell(row, c, line), sep, line) for f, c in context_specs})
         item = _id(_cell(row, cols.item, line), cols.item_ids, "item", line)
-        request.candidates.append({"item_id": item, "features": {
-            f.name: _value(f, _cell(row, c, line), sep, line) for f, c in candidate_specs}})
+        values = {f.name: _value(f, _cell(row, c, line), sep, line) for f, c in candidate_specs}
+        for f, _c in candidate_specs:
+            if f.source == "position" and cols.position_base and values[f.name] is not None:
+                values[f.name] = _shifted(values[f.name], cols.position_base)
+        request.candidates.append({"item_id": item, "features": values})
         acted = cols.action_time and _time(_cell(row, cols.action_time, line), cols.event_time_unit, line)
         request.actions += [(item, kind, acted or None) for kind, column in spec.actions.items()
                             if _happened(_cell(row, column, line))]

@@ -17,9 +17,12 @@ from driftline.cli import main as cli_main
 from driftline.client import InvalidInput, item_id_of
 from producers.csv_log import MapFile, load_map, requests_of
 from proto import Action, FeatureLog
+from ps import AdagradConfig, InitializerConfig, TableConfig
 from services.hashing import string_id
 from services.settings import Settings
 from serving.app import create_app
+from serving.model import TrainerModel
+from trainer.config import ModelConfig
 
 MAP = """
 [columns]
@@ -87,6 +90,31 @@ def test_a_csv_log_replays_through_serving(options: Settings, tmp_path: Path, ca
     # rebased: the spacing of the log kept, its last request now
     times = sorted(m.event_time_ms for m in by_id.values())
     assert times[-1] - times[0] == 30_000 * (n_requests - 1)
+
+
+def test_a_logs_positions_are_replayed_as_the_log_gives_them(options: Settings, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    """A model with a position feature: the log's places (counted from 1 here) reach serving as given
+    and are logged as such, not re-placed by serving's ranking of the replayed request."""
+    log, map_file = tmp_path / "log.csv", tmp_path / "map.toml"
+    # (rows not in the places' order: serving's own placing of equal scores would be the rows')
+    log.write_text("impression,item,position,clicked\n" + "".join(
+        f"imp-{r},{item},{place},{int(place == 1)}\n" for r in range(3) for place, item in ((3, 7), (1, 8), (2, 9))))
+    map_file.write_text('[columns]\nrequest = "impression"\nitem = "item"\nposition_base = 1\n\n'
+                        '[actions]\nclick = "clicked"\n\n[features]\npos = { column = "position", source = "position" }\n')
+    table = TableConfig(name="w", dim=1, optimizer=AdagradConfig(lr=0.05), initializer=InitializerConfig(kind="zeros"))
+    model = TrainerModel(config=ModelConfig(model_id="client", kind="lr", linear={"item_id": "w", "pos": "w"},
+                                            tables=[table], mlp=[], position_slot="pos"))
+    with running(create_app(options, model)) as base:
+        wait_ready(base)
+        code = cli_main(["traffic", "--csv", str(log), "--map", str(map_file), "--url", base, "--speed", "0",
+                         "--no-join-report", "--no-progress"])
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and stats["rank_errors"] == stats["action_errors"] == 0 and stats["requests"] == 3, stats
+    logs = [m for _, _, m in asyncio.run(read_topic(options, options.topics.features, FeatureLog, 100, timeout=5))]
+    placed = [{c.item_id: list(c.features.sparse["pos"].ids) for c in m.candidates} for m in logs
+              if {c.item_id for c in m.candidates} == {7, 8, 9}]
+    assert placed and all(p == {7: [2], 8: [0], 9: [1]} for p in placed), placed
 
 
 def test_a_map_that_does_not_fit_the_log_names_the_culprit(tmp_path: Path) -> None:

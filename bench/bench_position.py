@@ -19,7 +19,11 @@ as it stood before them (serving a few deltas behind):
 * ``request_order``: the position declared a ``candidate`` feature, as the project template had
   it: the client gives each candidate its index in the request (it cannot know the answer's), so
   the model scores and learns places nobody saw the items at;
-* ``random`` and ``oracle`` (ranked by the true relevance): the floor and the ceiling.
+* ``random`` and ``oracle`` (ranked by the true relevance): the floor and the ceiling;
+* with ``CANDIDATES=30 SHOWN=10`` (30 candidates ranked, the first 10 shown: what is not shown is
+  not clicked), ``none_logs_all`` and ``answered_logs_all``: the same models logging every
+  candidate answered, where the others log the shown ones only (``/rank``'s ``shown``,
+  :mod:`serving.shown`).
 
 Keys: ``ctr_<arm>`` (clicks per request over the second half of the requests),
 ``progressive_auc_counts_<arm>`` (the trainer's live baseline on the same impressions: click
@@ -52,6 +56,7 @@ import torch
 
 from services.settings import get_settings
 from serving.positions import logged_at_answer, scored_at_first
+from serving.shown import logged_of, take
 from trainer.batch import SparseBatch
 from trainer.config import ModelConfig, deepfm_config
 from trainer.count_baseline import CountBaseline
@@ -61,9 +66,13 @@ from trainer.model import SparseModel
 QUICK = os.environ.get("QUICK") == "1"
 SEEDS = tuple(int(x) for x in os.environ.get("SEEDS", "0" if QUICK else "0,1,2").split(","))
 REQUESTS = int(os.environ.get("REQUESTS", 8_000 if QUICK else 40_000))
-USERS, ITEMS, K, DIM, BLOCK, PROBE_ITEMS = int(os.environ.get("USERS", 500)), 1_000, 10, 8, 32, 20
-POOL = int(os.environ.get("POOL", 20))
-ARMS = ("none", "answered", "request_order", "random", "oracle")
+USERS, ITEMS, DIM, BLOCK, PROBE_ITEMS = int(os.environ.get("USERS", 500)), 1_000, 8, 32, 20
+K = int(os.environ.get("CANDIDATES", 10))
+SHOWN = int(os.environ.get("SHOWN", K))
+POOL = int(os.environ.get("POOL", max(20, 2 * K)))
+# with SHOWN < K: the same models logging every candidate answered, shown or not
+ARMS = ("none", "answered", "request_order", "random", "oracle") + \
+    (("none_logs_all", "answered_logs_all") if SHOWN < K else ())
 POSITION = "position"
 
 
@@ -91,6 +100,7 @@ class Shop:
 
 
 def _config(arm: str, seed: int) -> ModelConfig:
+    arm = arm.removesuffix("_logs_all")
     slots = ("user_id", "item_id") if arm == "none" else ("user_id", "item_id", POSITION)
     cfg = deepfm_config(f"position-{arm}", slots=slots, recent_items=False, seed=seed)
     if arm == "none":
@@ -146,7 +156,7 @@ def run_arm(shop: Shop, arm: str, seed: int) -> dict:
             rows = [[{**row, POSITION: [k]} for k, row in enumerate(req)] for req in rows]
         if model is not None:
             scored = rows
-            if arm == "answered":  # serving's user/candidate split, merged into rows for the trainer's scorer
+            if arm.startswith("answered"):  # serving's user/candidate split, merged into rows for the trainer's scorer
                 scored = []
                 for req in rows:
                     user, items = scored_at_first(POSITION, {}, req, given=[])
@@ -162,18 +172,21 @@ def run_arm(shop: Shop, arm: str, seed: int) -> dict:
             rel = shop.relevance(np.full(K, shop.users[r]), shop.candidates[r])
             place = np.empty(K, np.int64)
             place[order] = np.arange(K)
-            clicked = shop.coins[r] < rel / (1 + place)
+            clicked = (shop.coins[r] < rel / (1 + place)) & (place < SHOWN)  # what is not shown is not seen
             clicks[r] = clicked.sum()
             if model is None:
                 continue
             logged = rows[j]
-            if arm == "answered":
+            if arm.startswith("answered"):
                 logged, _ = logged_at_answer(POSITION, rows[j], [None] * K, order, given=[])
-            pending += list(zip(logged, clicked.astype(np.float32)))
+            labels = clicked.astype(np.float32).tolist()
+            if (kept := logged_of(order, None if arm.endswith("_logs_all") else SHOWN)) is not None:
+                logged, labels = take(kept, logged, labels)
+            pending += list(zip(logged, labels))
         while model is not None and len(pending) >= batch_size:
-            take, pending = pending[:batch_size], pending[batch_size:]
-            batch = SparseBatch.from_slot_dicts([row for row, _ in take], slots=model.cfg.all_slots,
-                                                labels=np.array([y for _, y in take], np.float32))
+            step, pending = pending[:batch_size], pending[batch_size:]
+            batch = SparseBatch.from_slot_dicts([row for row, _ in step], slots=model.cfg.all_slots,
+                                                labels=np.array([y for _, y in step], np.float32))
             _, p = model.train_step(batch)
             progressive += list(zip(p.tolist(), batch.labels.tolist()))
             for name, c in counts.items():
@@ -183,7 +196,7 @@ def run_arm(shop: Shop, arm: str, seed: int) -> dict:
     rel = shop.relevance(shop.probe_users, shop.probe_items)
     if model is not None:
         probe = [{"user_id": [int(u)], "item_id": [int(i)]} for u, i in zip(shop.probe_users, shop.probe_items)]
-        if arm != "none":
+        if not arm.startswith("none"):
             probe = [{**row, POSITION: [0]} for row in probe]  # the first place, as serving scores
         s = model.predict(SparseBatch.from_slot_dicts(probe, slots=model.cfg.all_slots))
         out["relevance_auc"] = _per_user_auc(s.astype(np.float64), rel)
@@ -200,18 +213,21 @@ def run_arm(shop: Shop, arm: str, seed: int) -> dict:
 def main() -> None:
     torch.set_num_threads(1)
     res = {(arm, seed): run_arm(Shop(seed), arm, seed) for seed in SEEDS for arm in ARMS}
-    out: dict = {"seeds": list(SEEDS), "requests": REQUESTS, "candidates": K}
+    out: dict = {"seeds": list(SEEDS), "requests": REQUESTS, "candidates": K, "shown": SHOWN}
     for arm in ARMS:
         for key in ("ctr", "relevance_auc", "progressive_auc", "progressive_auc_counts",
                     "progressive_auc_counts_without_places"):
             vals = [res[(arm, s)][key] for s in SEEDS if key in res[(arm, s)]]
             if vals:
                 out[f"{key}_{arm}"] = round(float(np.median(vals)), 4)
+    pairs = [("answered", "none"), ("answered", "request_order")]
+    if SHOWN < K:
+        pairs += [("none", "none_logs_all"), ("answered", "answered_logs_all")]
     for key in ("ctr", "relevance_auc"):
-        for other in ("none", "request_order"):
-            gains = [res[("answered", s)][key] - res[(other, s)][key] for s in SEEDS]
-            out[f"gain_{key}_answered_vs_{other}"] = round(float(np.mean(gains)), 4)
-            out[f"gain_{key}_answered_vs_{other}_std"] = round(float(np.std(gains, ddof=1)), 4) if len(gains) > 1 else None
+        for arm, other in pairs:
+            gains = [res[(arm, s)][key] - res[(other, s)][key] for s in SEEDS]
+            out[f"gain_{key}_{arm}_vs_{other}"] = round(float(np.mean(gains)), 4)
+            out[f"gain_{key}_{arm}_vs_{other}_std"] = round(float(np.std(gains, ddof=1)), 4) if len(gains) > 1 else None
     out["seconds"] = round(sum(r["seconds"] for r in res.values()), 1)
     print(json.dumps(out))
 

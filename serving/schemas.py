@@ -73,6 +73,10 @@ class RankRequest(_Strict):
         ..., min_length=1, max_length=SCHEMA_MAX_CANDIDATES,
         description="Items to rank (at most the configured max_candidates, 1000 by default).",
     )
+    shown: Annotated[int, Field(ge=1, le=SCHEMA_MAX_CANDIDATES)] | None = Field(
+        None, description="How many of the answer's first items the client shows (it ranks 500 candidates, shows "
+                          "10): only they are logged as impressions, so the rest, never seen, are not learned as "
+                          "passed over; the answer still has every candidate, scored. Absent: all are shown.")
     first_position: Annotated[int, Field(ge=0, le=MAX_POSITION)] = Field(
         0, description="Where the answer's first item is shown: 0 for the top of a list, 20 for its second page of "
                        "20. A model with a position feature scores every candidate at this place and logs each at it "

@@ -103,10 +103,11 @@ class Requests:
     def rank_body(self, candidates: Sequence[Any], user_id: Item | None = None,
                   context: Mapping[str, Any] | None = None, request_id: str | None = None,
                   event_time_ms: int | None = None, log: bool = True,
-                  first_position: int = 0) -> tuple[dict, dict[int, Item]]:
+                  first_position: int = 0, shown: int | None = None) -> tuple[dict, dict[int, Item]]:
         """The JSON body and id -> the caller's item. ``candidates``: items (str or int) or dicts
         ``{"item_id": ..., "features": {...}}``. ``log=False``: score only (no feature log).
-        ``first_position``: where the answer's first item is shown (a later page: 20, 40...)."""
+        ``first_position``: where the answer's first item is shown (a later page: 20, 40...);
+        ``shown``: how many of the answer's first items are shown (only they are impressions)."""
         if not candidates:
             raise InvalidInput("candidates: at least one is needed")
         if isinstance(first_position, bool) or not isinstance(first_position, int) or first_position < 0:
@@ -136,6 +137,10 @@ class Requests:
             body["log"] = False
         if first_position:
             body["first_position"] = first_position
+        if shown is not None:
+            if isinstance(shown, bool) or not isinstance(shown, int) or shown < 1:
+                raise WrongValue(f"shown: how many of the answer's first items are shown, 1 or more, got {shown!r}")
+            body["shown"] = shown
         return body, items
 
     @staticmethod
@@ -280,11 +285,12 @@ class RankClient(_Base):
 
     def rank(self, user_id: Item | None = None, candidates: Sequence[Any] = (), context: Mapping[str, Any] | None = None,
              request_id: str | None = None, event_time_ms: int | None = None, log: bool = True,
-             first_position: int = 0) -> Ranking:
+             first_position: int = 0, shown: int | None = None) -> Ranking:
         """``log=False``: score only; nothing is trained on it and no action can join it.
-        ``first_position``: where the answer's first item is shown (a position feature's places)."""
+        ``first_position``: where the answer's first item is shown (a position feature's places);
+        ``shown``: how many of the answer's first items are shown (only they are learned from)."""
         body, items = self.requests.rank_body(candidates, user_id, context, request_id, event_time_ms, log,
-                                              first_position)
+                                              first_position, shown)
         return self.requests.ranking(self._post("/rank", body), items)
 
     def actions(self, actions: Iterable[Mapping[str, Any]]) -> int:
@@ -341,9 +347,10 @@ class AsyncRankClient(_Base):
 
     async def rank(self, user_id: Item | None = None, candidates: Sequence[Any] = (),
                    context: Mapping[str, Any] | None = None, request_id: str | None = None,
-                   event_time_ms: int | None = None, log: bool = True, first_position: int = 0) -> Ranking:
+                   event_time_ms: int | None = None, log: bool = True, first_position: int = 0,
+                   shown: int | None = None) -> Ranking:
         body, items = self.requests.rank_body(candidates, user_id, context, request_id, event_time_ms, log,
-                                              first_position)
+                                              first_position, shown)
         return self.requests.ranking(await self._post("/rank", body), items)
 
     async def actions(self, actions: Iterable[Mapping[str, Any]]) -> int:

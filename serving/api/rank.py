@@ -10,7 +10,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, HTTPException, Response
 
 from proto import ModelVersion
-from serving import metrics, positions
+from serving import metrics, positions, shown
 from serving.correction import correct
 from serving.feature_log import features_message
 from serving.feature_store import FeatureStoreError, RankFeatures
@@ -86,11 +86,13 @@ async def rank(body: RankRequest, s: Serving = Depends(serving_of)) -> Response:
             item_slots, keys = positions.logged_at_answer(declared.position, item_slots, keys, order, given,
                                                           body.first_position)
             user_slots = {k: v for k, v in user_slots.items() if k != declared.position}  # (per candidate)
+        columns: tuple = (item_ids, keys, item_slots, scores.tolist(), logged)
+        if (kept := shown.logged_of(order, body.shown)) is not None:  # the impressions: what the client shows
+            columns = shown.take(kept, *columns)
         context = features_message(user_slots, context_dense)
         mv = ModelVersion(model_id=version.model_id, sparse_version=version.sparse_version,
                           dense_version=version.dense_version)
-        encoded = s.log_encoder.encode(request_id, event_time_ms, body.user_id, context, mv, item_ids, keys,
-                                       item_slots, scores.tolist(), logged)
+        encoded = s.log_encoder.encode(request_id, event_time_ms, body.user_id, context, mv, *columns)
         s.log_impression(request_id, encoded, degraded)
     else:  # score only: no impression to learn from or join
         metrics.SCORE_ONLY.inc()

@@ -128,6 +128,9 @@ def test_a_position_is_optional_per_candidate_but_required_in_a_feature_log_writ
     assert "first_position" not in requests.rank_body([{"item_id": 3}])[0]
     with pytest.raises(WrongValue, match="first_position: the place the answer's first item is shown at, 0 or more"):
         requests.rank_body([{"item_id": 3}], first_position=-1)
+    assert requests.rank_body([{"item_id": 3}], shown=10)[0]["shown"] == 10  # of many ranked, the first 10 shown
+    with pytest.raises(WrongValue, match="shown: how many of the answer's first items are shown, 1 or more"):
+        requests.rank_body([{"item_id": 3}], shown=0)
     kafka = FeatureEncoder(placed, store=False)
     assert kafka.candidate({"item_id": 3, "slot": 0}, 0) == ({"item_id": [3], "slot": [0]}, {})
     with pytest.raises(MissingFeature, match=r"candidates\[1\]: position 'slot' missing \(no serving places"):

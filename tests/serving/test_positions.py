@@ -46,7 +46,8 @@ def test_candidates_are_scored_at_the_first_place_and_logged_where_they_were_ans
     own), and logged at the place they were answered at; one that gives its place is scored and
     logged at it; the same items in another order are logged at their new places (the feature
     log's cached encodings name the place); a later page (``first_position``) is scored at its first
-    place and logged from it on; a request-wide position is a 422."""
+    place and logged from it on; of a request whose client shows two (``shown``) only those two are
+    logged; a request-wide position is a 422."""
     sigmoid = lambda z: 1 / (1 + np.exp(-np.asarray(z)))  # noqa: E731
     with running(create_app(filled_store, TrainerModel(config=_model()))) as base:
         wait_ready(base)
@@ -67,6 +68,11 @@ def test_candidates_are_scored_at_the_first_place_and_logged_where_they_were_ans
         r = post({"request_id": "placed-page-2", "first_position": 2, "candidates": [{"item_id": 1}, {"item_id": 2}]})
         np.testing.assert_allclose([i["raw_score"] for i in r.json()["items"]], sigmoid([2.0, 1.0]), rtol=1e-6)
         assert post({"first_position": -1, "candidates": [{"item_id": 1}]}).status_code == 422
+        # four ranked, two shown: the answer has all four, the feature log the two shown
+        r = post({"request_id": "placed-shown", "shown": 2,
+                  "candidates": [{"item_id": 3}, {"item_id": 1}, {"item_id": 4}, {"item_id": 2}]})
+        assert [i["item_id"] for i in r.json()["items"]] == [2, 1, 3, 4], r.text
+        assert post({"shown": 0, "candidates": [{"item_id": 1}]}).status_code == 422
 
         r = post({"context": {"sparse": {"pos": [1]}}, "candidates": [{"item_id": 1}]})
         assert r.status_code == 422, r.text
@@ -77,9 +83,12 @@ def test_candidates_are_scored_at_the_first_place_and_logged_where_they_were_ans
             assert f"candidates[1].features.sparse: 'pos' is the place the candidate is shown at: one id, 0 or more " \
                    f"(0 = first), got {bad}" == r.json()["message"]
 
-    logs = asyncio.run(read_logs(filled_store, {"placed-1", "placed-2", "placed-3", "placed-page-2"}))
+    logs = asyncio.run(read_logs(filled_store, {"placed-1", "placed-2", "placed-3", "placed-page-2", "placed-shown"}))
     placed = {rid: {c.item_id: list(c.features.sparse["pos"].ids) for c in log.candidates} for rid, log in logs.items()}
     assert placed == {"placed-1": {2: [0], 1: [1], 3: [2], 4: [5]}, "placed-2": {1: [0], 3: [1]}, "placed-3": {3: [0]},
-                      "placed-page-2": {2: [2], 1: [3]}}
+                      "placed-page-2": {2: [2], 1: [3]}, "placed-shown": {1: [1], 2: [0]}}
+    assert [c.item_id for c in logs["placed-shown"].candidates] == [1, 2]  # the request's order
+    assert [round(c.score, 4) for c in logs["placed-shown"].candidates] == [round(1 / (1 + np.exp(-3.0)), 4),
+                                                                            round(1 / (1 + np.exp(-4.0)), 4)]
     assert "pos" not in logs["placed-1"].context.sparse
     assert [c.item_id for c in logs["placed-1"].candidates] == [1, 3, 4, 2]  # the request's order, as ever

@@ -86,6 +86,13 @@ class Ranking:
         return [(s.item, s.score) for s in self.items]
 
 
+def _at_least(low: int, value: Any, what: str) -> int:
+    """``value`` if it is an int of at least ``low``; :class:`WrongValue` saying ``what`` it is."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise WrongValue(f"{what}, {low} or more, got {value!r}")
+    return value
+
+
 def _candidate(value: Any) -> tuple[Item, Mapping[str, Any] | None]:
     if isinstance(value, Mapping):
         if "item_id" not in value:
@@ -110,9 +117,7 @@ class Requests:
         ``shown``: how many of the answer's first items are shown (only they are impressions)."""
         if not candidates:
             raise InvalidInput("candidates: at least one is needed")
-        if isinstance(first_position, bool) or not isinstance(first_position, int) or first_position < 0:
-            raise WrongValue(f"first_position: the place the answer's first item is shown at, 0 or more, "
-                             f"got {first_position!r}")
+        _at_least(0, first_position, "first_position: the place the answer's first item is shown at")
         sparse, dense = self.encoder.context(context)
         body: dict[str, Any] = {"candidates": []}
         if sparse or dense:
@@ -138,9 +143,7 @@ class Requests:
         if first_position:
             body["first_position"] = first_position
         if shown is not None:
-            if isinstance(shown, bool) or not isinstance(shown, int) or shown < 1:
-                raise WrongValue(f"shown: how many of the answer's first items are shown, 1 or more, got {shown!r}")
-            body["shown"] = shown
+            body["shown"] = _at_least(1, shown, "shown: how many of the answer's first items are shown")
         return body, items
 
     @staticmethod

@@ -74,7 +74,7 @@ class JoinConfig:
         values: dict[str, Any] = dict(
             window_ms=int(s.window_seconds * 1000),
             lateness_ms=int(s.allowed_lateness_seconds * 1000),
-            orphan_grace_ms=int(s.orphan_grace_seconds * 1000),
+            orphan_grace_ms=int(s.orphan_after_seconds * 1000),
             retention_ms=int(s.retention_seconds * 1000),
             negative_sample_rate=s.negative_sample_rate,
             slice_sample_rates=dict(s.slice_sample_rates),
@@ -86,3 +86,19 @@ class JoinConfig:
         )
         values.update(overrides)
         return cls(**values)
+
+
+def short_grace_warning(s: JoinerSettings) -> str | None:
+    """What an orphan grace shorter than the refusal distance costs (the joiner logs it at start).
+
+    >>> short_grace_warning(JoinerSettings()) is None  # the default waits the refusal distance
+    True
+    >>> print(short_grace_warning(JoinerSettings(orphan_grace_seconds=300)))  # doctest: +ELLIPSIS
+    joiner.orphan_grace_seconds (300 s) is shorter than window + lateness + retention (1805 s): ...
+    """
+    if s.orphan_after_seconds >= s.refused_after_seconds:
+        return None
+    return (f"joiner.orphan_grace_seconds ({s.orphan_after_seconds:g} s) is shorter than window + lateness + "
+            f"retention ({s.refused_after_seconds:g} s): a feature log that reaches the joiner between the two "
+            "behind its partition (a serving replica's spool shipping late) has its clicks dropped as orphans "
+            "and is emitted as a negative; leave the setting out to wait as long as a feature log can be joined")

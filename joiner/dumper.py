@@ -117,7 +117,7 @@ def default_dedup_horizon_s(settings: Settings) -> float:
     the action stream may lag more than that.
     """
     js = settings.joiner
-    return js.window_seconds + js.allowed_lateness_seconds + js.retention_seconds + js.orphan_grace_seconds + 3600.0
+    return js.refused_after_seconds + js.orphan_after_seconds + 3600.0
 
 
 def flatten(c: ExampleColumns, labels: list[str]) -> pa.Table:

@@ -39,6 +39,7 @@ from faust.types import TP
 
 from joiner import faust_fetch, faust_quirks, faust_reset, faust_store
 from joiner import metrics as jm
+from joiner.config import short_grace_warning
 from joiner.kafka_io import SERVICE, BatchedSender
 from joiner.output_spool import OutputSpool
 from joiner.worker import Worker
@@ -422,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("metrics on http://127.0.0.1:%d/metrics", port)
     if args.store:
         settings = settings.updated(joiner={"store_url": args.store})
+    if (warning := short_grace_warning(settings.joiner)) is not None:
+        log.warning("%s", warning)
 
     async def _main() -> dict[str, int]:
         stop = asyncio.Event()

@@ -327,8 +327,9 @@ class JoinerSettings(BaseModel):
     window_seconds: PositiveSeconds = 900.0
     # How far behind the action watermark an action may be and still count as on time.
     allowed_lateness_seconds: Seconds = 5.0
-    # How long an action waits for its features before it is counted as an orphan.
-    orphan_grace_seconds: Seconds = 300.0
+    # How long (event time) an action waits for its feature log before it is dropped as an orphan
+    # (None: window + lateness + retention, see `orphan_after_seconds`).
+    orphan_grace_seconds: Seconds | None = None
     # How long a closed impression is remembered to recognise late actions (None: the window).
     late_retention_seconds: Seconds | None = None
     negative_sample_rate: SampleRate = 0.25
@@ -383,6 +384,34 @@ class JoinerSettings(BaseModel):
         60.0
         """
         return self.window_seconds if self.late_retention_seconds is None else self.late_retention_seconds
+
+    @property
+    def refused_after_seconds(self) -> float:
+        """How far behind its partition's features a feature log is refused (``expired_impressions``):
+        window + lateness + retention.
+
+        >>> JoinerSettings(window_seconds=60, allowed_lateness_seconds=5).refused_after_seconds
+        125.0
+        """
+        return self.window_seconds + self.allowed_lateness_seconds + self.retention_seconds
+
+    @property
+    def orphan_after_seconds(self) -> float:
+        """How long an action waits for its feature log: ``orphan_grace_seconds``, else
+        :attr:`refused_after_seconds`.
+
+        Waiting that long means a click is never dropped while its feature log can still be
+        joined: a feature log that comes later than the grace but within the refusal distance (one
+        serving replica's spool shipping minutes behind the others') would otherwise be joined
+        without its click and emitted as a negative. Past the refusal distance the feature log is
+        refused and its clicks are orphans: counted, nothing emitted with a wrong label.
+
+        >>> JoinerSettings(window_seconds=60, allowed_lateness_seconds=5).orphan_after_seconds
+        125.0
+        >>> JoinerSettings(orphan_grace_seconds=300).orphan_after_seconds
+        300.0
+        """
+        return self.refused_after_seconds if self.orphan_grace_seconds is None else self.orphan_grace_seconds
 
 
 class DumperSettings(BaseModel):

@@ -29,7 +29,7 @@ A project maps onto two things the rest of driftline already reads:
 >>> cfg.linear["position"], cfg.table("position_w").dim, cfg.position_slot  # a first-order term only
 ('position_w', 1, 'position')
 >>> p.model_copy(update={"windows": WindowSpec(idle_advance_seconds=30)}).settings_overrides()["joiner"]
-{'idle_advance_seconds': 30.0}
+{'idle_advance_seconds': 30.0, 'immediate_label': 'click'}
 >>> p.labels == Settings().joiner.label_map  # no [labels]: the setting's
 True
 >>> FeatureSpec(name="device", source="context", kind="sparse", ids="string").hashed
@@ -459,7 +459,9 @@ class Project:
         """The settings this file sets, as ``{section: {field: value}}`` (for
         :meth:`services.settings.Settings.updated`); keys the file leaves out are absent:
         ``[settings.<section>]``, then each key of :data:`FILE_KEYS` the file sets, then
-        ``trainer.model``, the file itself when read from one (the model is declared in it)."""
+        ``joiner.immediate_label``, the label ``[model]`` learns (the joiner emits an impression when
+        that label joins it), and ``trainer.model``, the file itself when read from one (the model
+        is declared in it)."""
         out: dict[str, dict[str, Any]] = {s: dict(v) for s, v in self.file.settings.items()}
         for keys, (section, field) in FILE_KEYS.items():
             value: Any = self.file
@@ -467,6 +469,7 @@ class Project:
                 value = getattr(value, key)
             if value is not None:
                 out.setdefault(section, {})[field] = value
+        out.setdefault("joiner", {}).setdefault("immediate_label", self.file.model.label)
         if self.path is not None:
             out.setdefault("trainer", {})["model"] = str(self.path)
         return {k: v for k, v in out.items() if v}

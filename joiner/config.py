@@ -56,6 +56,8 @@ class JoinConfig:
     label_map: Mapping[str, str]
     late_policy: LatePolicy
     positive_emit: PositiveEmit
+    # with "immediate": the label whose join emits an impression at once (None: any label's)
+    immediate_label: str | None
     watermark_outliers: int
 
     @property
@@ -82,6 +84,7 @@ class JoinConfig:
             label_map=dict(s.label_map),
             late_policy=s.late_policy,
             positive_emit=s.positive_emit,
+            immediate_label=s.immediate_label,
             watermark_outliers=s.watermark_outliers,
         )
         values.update(overrides)

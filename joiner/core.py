@@ -84,6 +84,9 @@ class JoinCore:
         self.G, self.R = config.orphan_grace_ms, config.retention_ms
         self.correction = config.late_policy == "correction"
         self.immediate = config.positive_emit == "immediate"
+        # the label bits whose join emits an impression at once (immediate): the learned label's, or all
+        self.emit_mask = (-1 if config.immediate_label is None
+                          else 1 << self.labels.index(config.immediate_label))
         self.k = config.watermark_outliers
         # The watermark values (read on every record) and the Watermarks that compute them.
         self.wf: dict[int, int] = {}
@@ -186,7 +189,7 @@ class JoinCore:
             pend = get(b"A" + eid) if pending else None
             if pend is not None:
                 mask, corrected = self._join_pending(p, eid, t_i, wf_before, user_id, base, pend, ts_ms)
-                if mask and self.immediate:
+                if mask & self.emit_mask and self.immediate:
                     self._emit(user_id, t_i, eid, base, mask, 1.0, ts_ms)
                     counts["positives"] += 1
                     st = POSITIVE
@@ -261,12 +264,13 @@ class JoinCore:
         self.counts["joins"] += 1
         mask |= 1 << li
         if self.immediate:
-            if st == WAITING:
+            if st == POSITIVE:
+                self.counts["extra_labels"] += 1  # a second action type after the positive went out
+            elif mask & self.emit_mask:
                 st = POSITIVE
                 self._emit(user_id, t_i, eid, record[HEADER.size:], mask, 1.0, ts_ms)
                 self.counts["positives"] += 1
-            else:
-                self.counts["extra_labels"] += 1  # a second action type after the positive went out
+            # (otherwise it waits, with this label, for the learned one or its window's close)
         state.put(ikey, HEADER.pack(t_i, user_id, wf_before_i, rate, st, mask, corrected)
                   + record[HEADER.size:], cache=True)
 

@@ -338,6 +338,12 @@ class JoinerSettings(BaseModel):
     seed: int = 7
     # "immediate": a positive is emitted as soon as it joins; "window_close": when its window closes.
     positive_emit: PositiveEmit = "immediate"
+    # With "immediate": the label (a label_map value) whose join emits the impression at once, the
+    # one the model learns (a project file sets it to its [model] label); the other labels join it
+    # until then, and an impression without it is emitted when its window closes, with every label
+    # it has. None: any label's join. (A purchase model whose purchases follow clicks would
+    # otherwise get each clicked impression at the click, purchase = 0, and the purchase dropped.)
+    immediate_label: str | None = None
     cache_size: Count = 200_000
     spill_after_seconds: Seconds = 120.0
     late_policy: LatePolicy = "drop"
@@ -375,6 +381,13 @@ class JoinerSettings(BaseModel):
     output_retention_s: float = 600.0
     # Bytes that spool may hold; when full, the oldest examples go before their retention ends.
     output_spool_max_bytes: int = 256 << 20
+
+    @model_validator(mode="after")
+    def _immediate_label_is_a_label(self) -> JoinerSettings:
+        if self.immediate_label is not None and self.immediate_label not in self.label_map.values():
+            raise ValueError(f"immediate_label {self.immediate_label!r} is no label_map value "
+                             f"({sorted(set(self.label_map.values()))})")
+        return self
 
     @property
     def retention_seconds(self) -> float:

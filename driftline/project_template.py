@@ -125,8 +125,12 @@ dense_scaling = "log"
 # meta = { task_slot = "item_id" }
 
 # Action types (POST /actions "action_type") -> the label they set. Default: click->click, like->like.
+# An impression goes to the trainer when [model] label joins it (the other labels it has by then
+# ride along; without it, at its window's close): with purchase = "purchase" and label =
+# "purchase", a purchase after the click is in the example.
 [labels]
 click = "click"
+# purchase = "purchase"
 
 # The joiner keeps this share of negatives (impressions without a click); the trainer corrects.
 [sampling]

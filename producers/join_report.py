@@ -6,9 +6,10 @@ answers; ~36k event-seconds a second on one user's log), and the joiner's limits
 time: an action whose feature log is more than ``joiner.orphan_grace_seconds`` behind it is an
 orphan, one behind the action watermark by more than ``joiner.allowed_lateness_seconds`` is late,
 and a feature log whose window, lateness and retention the watermark has passed is refused
-(expired). A fraction of a wall second between serving's feature log and the actions is then
-minutes of event time, and clicks are lost while every request answered 200. The report counts
-them and warns, naming the settings, when they pass ``WARN_FRACTION`` of the actions sent.
+(expired; the actions on it then wait for nothing and become orphans). A fraction of a wall second
+between serving's feature log and the actions is then minutes of event time, and clicks are lost
+while every request answered 200. The report counts the lost actions (orphans and late ones) and
+warns, naming the settings, when they pass ``WARN_FRACTION`` of the actions sent.
 
 The counters are the joiner workers' ``/metrics`` (summed over workers): by default the one the
 local stack runs (``driftline up``), else each ``--joiner-metrics URL``. After the replay the report
@@ -40,7 +41,7 @@ __all__ = ["WARN_FRACTION", "JoinReport", "report_arguments", "default_urls", "r
 
 log = logging.getLogger(__name__)
 
-#: lost actions (orphans, late, expired impressions) above this fraction of those sent: a warning
+#: lost actions (orphans, late) above this fraction of those sent: a warning
 WARN_FRACTION = 0.001
 
 #: report key -> the joiner's counter (summed over its labels and workers)
@@ -52,7 +53,8 @@ COUNTERS = {
     "expired_impressions": "driftline_joiner_expired_impressions_total",
 }
 PENDING = "driftline_joiner_pending_actions"
-LOST = ("orphan_actions", "late_actions", "expired_impressions")
+# (an expired impression's actions are among the orphans: they wait for features that were refused)
+LOST = ("orphan_actions", "late_actions")
 
 
 def default_urls(settings: Settings) -> list[str]:
@@ -102,11 +104,12 @@ class JoinReport:
             return None
         return (f"the joiner lost {self.lost()} of the {actions_sent} actions sent "
                 f"({100 * self.lost() / actions_sent:.2f}%, over {100 * WARN_FRACTION:.1f}%): "
-                f"{c['orphan_actions']} orphans (their feature log came later than joiner.orphan_grace_seconds in "
-                f"event time), {c['late_actions']} late (behind the action watermark by more than "
-                f"joiner.allowed_lateness_seconds), {c['expired_impressions']} feature logs refused as expired "
-                "(past joiner.window_seconds + allowed_lateness_seconds + late_retention_seconds). A replay runs "
-                "event time faster than the wall clock: replay slower (--speed) or widen those settings.")
+                f"{c['orphan_actions']} orphans (their feature log came more than joiner.orphan_grace_seconds "
+                f"after them in event time, or was refused: {c['expired_impressions']} impressions came past "
+                "joiner.window_seconds + allowed_lateness_seconds + late_retention_seconds behind their partition), "
+                f"{c['late_actions']} late (behind the action watermark by more than "
+                "joiner.allowed_lateness_seconds). A replay runs event time faster than the wall clock: replay "
+                "slower (--speed) or widen those settings.")
 
 
 async def report_after(client: httpx.AsyncClient, urls: Sequence[str], before: dict[str, float] | None,

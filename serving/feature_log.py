@@ -23,6 +23,7 @@ import contextlib
 import logging
 import struct
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 
 from aiokafka import AIOKafkaProducer
@@ -175,6 +176,12 @@ class FeatureLogger:
         self._reship_epoch: str | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # (position, monotonic time): the entries from that position on were spooled at or after
+        # that time; one mark a second at most, so a long outage keeps a short list. The oldest
+        # unshipped entry's age, past the joiner's orphan grace, means its clicks are lost.
+        self._spooled_at: deque[tuple[int, float]] = deque([(self.spool.shipped, time.monotonic())])
+        self._late_after_s = settings.joiner.orphan_after_seconds
+        self._warned_late = False
         metrics.FEATURE_LOG_SPOOL_RECOVERIES.inc(self.spool.recoveries)
         if self.spool.pending:
             log.info("feature-log spool %s: %d entries left unshipped by the last run; shipping them first",
@@ -207,10 +214,13 @@ class FeatureLogger:
             raise SpoolDiskFull(f"the disk under the feature-log spool {self.spool.path} is nearly full "
                                 f"(below disk.pause_below_bytes)")
         try:
-            self.spool.append(raw_key, value)
+            position = self.spool.append(raw_key, value)
         except Exception as err:
             metrics.FEATURE_LOG_REFUSED.labels(type(err).__name__).inc()
             raise
+        now = time.monotonic()
+        if now - self._spooled_at[-1][1] >= 1.0:
+            self._spooled_at.append((position, now))
         metrics.FEATURE_LOG_SPOOLED.inc()
         self._gauges()
         self._wake.set()
@@ -222,9 +232,24 @@ class FeatureLogger:
             self._disk_checked, self._disk_full = now, self.disk.full()
         return self._disk_full
 
+    def unshipped_age_s(self) -> float:
+        """Wall seconds the oldest entry not yet shipped has waited (to within a second; 0: none).
+        An entry left by the last run counts from this run's start."""
+        marks, shipped = self._spooled_at, self.spool.shipped
+        while len(marks) > 1 and marks[1][0] <= shipped:
+            marks.popleft()
+        return time.monotonic() - marks[0][1] if self.spool.pending else 0.0
+
     def _gauges(self) -> None:
         metrics.FEATURE_LOG_PENDING.set(self.spool.pending)
         metrics.FEATURE_LOG_SPOOL_BYTES.set(self.spool.bytes)
+        age = self.unshipped_age_s()
+        metrics.FEATURE_LOG_UNSHIPPED_AGE.set(age)
+        if age > self._late_after_s and not self._warned_late:
+            log.warning("feature log: the oldest of %d unshipped feature logs has waited %.0f s, past the joiner's "
+                        "orphan grace (%.0f s): the clicks on those that ship this late are lost "
+                        "(driftline_joiner_orphan_actions_total)", self.spool.pending, age, self._late_after_s)
+        self._warned_late = age > self._late_after_s
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="feature-log")
@@ -261,6 +286,7 @@ class FeatureLogger:
                 raise
             except BrokerUnavailable as err:
                 log.warning("feature log: %s; retrying in %.1fs (spooling meanwhile)", err, self.retry_s)
+                self._gauges()
                 raise_if_cancelled()
                 await asyncio.sleep(self.retry_s)
 
@@ -290,6 +316,7 @@ class FeatureLogger:
                 metrics.FEATURE_LOG_SEND_ERRORS.inc()
                 log.warning("feature log: shipping failed (%r); retrying in %.1fs, the entries stay "
                             "in the spool", err, backoff)
+                self._gauges()
                 raise_if_cancelled()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, max(self.retry_s, _MIN_BACKOFF_S))
@@ -302,6 +329,7 @@ class FeatureLogger:
         event loop, so none lands in between), shipping from its start."""
         self.spool.recover(damage)
         self._cursor = self.spool.shipped
+        self._spooled_at = deque([(self.spool.shipped, time.monotonic())])  # (ages count from here)
         self._reship_until = 0
         metrics.FEATURE_LOG_SPOOL_RECOVERIES.inc()
         self._gauges()

@@ -91,6 +91,12 @@ FEATURE_LOG_RESHIPPED = Counter(
 FEATURE_LOG_PENDING = Gauge(
     "driftline_serving_feature_log_pending", "FeatureLogs spooled and not yet acknowledged by Kafka.", multiprocess_mode="livesum"
 )
+FEATURE_LOG_UNSHIPPED_AGE = Gauge(
+    "driftline_serving_feature_log_unshipped_age_seconds",
+    "Wall seconds the oldest FeatureLog not yet acknowledged by Kafka has waited (0: none waits). "
+    "Past the joiner's orphan grace (joiner.orphan_grace_seconds) it comes too late: its clicks are lost.",
+    multiprocess_mode="max",
+)
 FEATURE_LOG_SPOOL_BYTES = Gauge(
     "driftline_serving_feature_log_spool_bytes",
     "Bytes (keys + values) in the feature-log spool: unshipped and retained entries.",

@@ -226,3 +226,33 @@ def test_a_spool_that_does_not_open_is_repaired_with_its_entries(tmp_path: Path,
         [f"r{i}".encode() for i in range(10, 60)]
     assert [p.name.split("-")[0] for p in tmp_path.glob("s.damaged-*")] == ["s.damaged"]
     again.close()
+
+
+async def test_the_age_of_the_oldest_unshipped_feature_log_is_measured_and_warned_past_the_grace(
+        settings: Settings, caplog) -> None:
+    """Serving's shipper held back (as a replica cut off from the broker is): the oldest unshipped
+    feature log's age grows, past the joiner's orphan grace a warning says its clicks are lost,
+    and once the real broker has them the age is 0."""
+    def age() -> float:
+        return REGISTRY.get_sample_value("driftline_serving_feature_log_unshipped_age_seconds") or 0.0
+
+    await create_topics(settings)
+    settings = settings.updated(joiner={"orphan_grace_seconds": 1.0})
+    epochs = SharedEpoch(settings)
+    log = FeatureLogger(settings, epochs)
+    try:
+        log.submit("first", b"x")
+        assert age() < 0.5
+        await asyncio.sleep(1.2)
+        log.submit("second", b"y")  # (a submit updates the gauges)
+        assert 1.0 <= age() < 3.0 and "past the joiner's orphan grace (1 s)" in caplog.text
+        log.start()
+        deadline = time.monotonic() + 30
+        while log.spool.pending:
+            assert time.monotonic() < deadline, log.spool.pending
+            await asyncio.sleep(0.05)
+        log.submit("third", b"z")
+        assert age() < 0.5
+    finally:
+        await log.stop()
+        await epochs.stop()

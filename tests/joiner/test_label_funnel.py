@@ -2,7 +2,7 @@
 ``positive_emit = "immediate"`` an impression is emitted when the learned label joins it
 (``joiner.immediate_label``, which a project sets to its ``[model] label``), not at the first
 action of any type, which would give every clicked-then-bought impression ``purchase = 0``.
-In the pure core (no broker); the project's wiring at the end."""
+In the pure core, then the Faust worker on the real broker; the project's wiring at the end."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from joiner.core import JoinCore
 from joiner.stores.memory import MemoryStore
 from joiner.tiered import TieredState
 from proto import Action, Candidate, FeatureLog
-from services.settings import JoinerSettings
-from tests.joiner.helpers import emitted_examples, join_config
+from services.kafka import create_topics
+from services.settings import JoinerSettings, Settings
+from tests.joiner.helpers import emitted_examples, join_config, produce, read_examples, run_until_consumed
 
 T0 = 1_000_000_000_000
 FUNNEL = {"click": "click", "purchase": "purchase"}
@@ -83,6 +84,28 @@ def test_without_it_the_first_action_emits_and_the_purchase_is_dropped() -> None
     assert s.action("r", "click", 5) == [("r/1", {"click": 1.0, "purchase": 0.0}, 1.0)]
     assert s.action("r", "purchase", 60) == []
     assert s.core.counts["extra_labels"] == 1
+
+
+async def test_the_worker_on_the_real_broker_emits_the_purchase_with_the_click(settings: Settings) -> None:
+    """40 requests; every item 1 clicked, every other one then bought: the bought ones reach the
+    examples topic with both labels (the windows stay open: nothing else is emitted yet)."""
+    s = settings.updated(joiner={"label_map": FUNNEL, "immediate_label": "purchase", "window_seconds": 600})
+    events: list[tuple[str, bytes, bytes]] = []
+    for n in range(40):
+        rid, t = f"r{n}", T0 + n * 1000
+        fl = FeatureLog(request_id=rid, event_time_ms=t, user_id=n,
+                        candidates=[Candidate(item_id=1), Candidate(item_id=2)])
+        events.append(("features", rid.encode(), fl.SerializeToString()))
+        kinds = ("click", "purchase") if n % 2 else ("click",)
+        for i, kind in enumerate(kinds):
+            a = Action(request_id=rid, item_id=1, action_type=kind, event_time_ms=t + 5_000 + i * 30_000)
+            events.append(("actions", rid.encode(), a.SerializeToString()))
+    await create_topics(settings)
+    await produce(settings, events)
+    counts = await run_until_consumed(s)
+    got = {e.example_id: dict(e.labels) for e in await read_examples(settings)}
+    assert got == {f"r{n}/1": {"click": 1.0, "purchase": 1.0} for n in range(1, 40, 2)}, counts
+    assert not counts.get("extra_labels"), counts
 
 
 def test_the_immediate_label_must_be_a_label() -> None:

@@ -13,6 +13,8 @@ key                    source
 auc:<model>            driftline_trainer_auc{mode="online"}
 baseline_auc:<model>   driftline_trainer_baseline_auc{baseline="counts"}: counting clicks, same examples
 loss:<model>           driftline_trainer_loss{mode="online"}
+place_ratio:<place>    driftline_trainer_place_click_ratio, places 0-4 (a model with a position
+                       feature: each place's click rate over the first place's; max over models)
 event_time_s           driftline_trainer_event_time_ms (max), else the joiner's
                        driftline_joiner_watermark_ms{stream="actions"} (max over partitions)
 train_rate:<model>     rate(driftline_trainer_examples_total{mode="online"})
@@ -44,6 +46,8 @@ Labels = dict[str, str]
 Match = Callable[[Labels], bool]
 
 RANK = "/rank"
+#: the places the page draws (the first five: where most of the clicks are)
+PLACES_DRAWN = ("0", "1", "2", "3", "4")
 
 
 def _all(_: Labels) -> bool:
@@ -174,6 +178,8 @@ def derive(states: Sequence[TargetState], now: float, window_s: float) -> tuple[
     put("auc", _by(cur, "driftline_trainer_auc", model, max, _online))
     put("baseline_auc", _by(cur, "driftline_trainer_baseline_auc", model, max, lambda lab: lab.get("baseline") == "counts"))
     put("loss", _by(cur, "driftline_trainer_loss", model, max, _online))
+    put("place_ratio", _by(cur, "driftline_trainer_place_click_ratio", lambda lab: lab.get("place", ""), max,
+                           lambda lab: lab.get("place", "") in PLACES_DRAWN))
 
     # Event time: the trainer's own progress when it exports it, else the joiner's action watermark.
     trainer_et = _by(cur, "driftline_trainer_event_time_ms", lambda _: "", max)

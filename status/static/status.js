@@ -66,6 +66,7 @@ const CHARTS = [
   { id: "rank-comm", prefix: "rank_comm_ms", prefixLabel: (r) => `rank ${r}`, fmt: fmtNumber },
   { id: "lag", prefix: "consumer_lag", fmt: fmtNumber },
   { id: "wm-lag", prefix: "watermark_lag_s", prefixLabel: (s) => `${s} watermark`, fmt: fmtDuration },
+  { id: "places", prefix: "place_ratio", prefixLabel: (p) => `place ${p}`, fmt: fmtAuc },
 ];
 
 // The lines of a chart present in this response: [{key, label}].

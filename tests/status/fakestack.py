@@ -109,6 +109,7 @@ class FakeStack:
         self.t_rank_steps = Counter("driftline_trainer_rank_steps_total", "Steps.", ["model", "rank"], registry=r)
         self.t_rank_comm = Counter("driftline_trainer_rank_comm_seconds_total", "Comm.", ["model", "rank"], registry=r)
         self.t_elsewhere = Gauge("driftline_trainer_group_partitions_elsewhere", "Partitions.", registry=r)
+        self.t_places = Gauge("driftline_trainer_place_click_ratio", "Ratio.", ["model", "place"], registry=r)
 
     def _build_serving(self) -> None:
         r = self.serving = CollectorRegistry()
@@ -149,6 +150,8 @@ class FakeStack:
         self.t_auc.labels("deepfm", "online").set(auc)
         self.t_base_auc.labels("deepfm", "counts").set(0.5 + 0.22 * (1 - math.exp(-elapsed / 5)) + rng.gauss(0, 0.004))
         self.t_loss.labels("deepfm", "online").set(0.69 - 0.15 * (1 - math.exp(-elapsed / 8)))
+        for place in range(8):  # (the page draws the first five)
+            self.t_places.labels("deepfm", str(place)).set(1 / (1 + place) + rng.gauss(0, 0.01) * (place > 0))
         version = int(elapsed / 2)
         if version != getattr(self, "_version", -1):  # one sync per fake version
             self._version = version

@@ -14,7 +14,7 @@ from tests.status.conftest import BrowserPage
 from tests.status.fakestack import FakeStack
 
 CHART_IDS = ["auc", "rps", "latency", "sync", "tables", "version", "examples", "rank-rate", "rank-comm", "lag",
-             "wm-lag"]
+             "wm-lag", "places"]
 
 
 @pytest.fixture

@@ -137,8 +137,11 @@ click = "click"
 negative_rate = 0.25
 # per_model = { "my-model" = 0.5 }
 
-# Join windows (seconds). Live traffic with sparse clicks leaves partitions idle: idle_advance_seconds
-# moves their watermark on after that many wall seconds so windows close and examples flow.
+# Join windows (seconds). An action counts for an impression up to window_seconds after it (a later
+# one is late: dropped, counted); a label that comes long after the impression (a purchase hours
+# after the click) needs a window that long, at the cost of examples reaching the trainer that much
+# later when that label never comes. Live traffic with sparse clicks leaves partitions idle:
+# idle_advance_seconds moves their watermark on after that many wall seconds so windows close.
 [windows]
 window_seconds = 900
 allowed_lateness_seconds = 5

@@ -385,8 +385,9 @@ class JoinerSettings(BaseModel):
     @model_validator(mode="after")
     def _immediate_label_is_a_label(self) -> JoinerSettings:
         if self.immediate_label is not None and self.immediate_label not in self.label_map.values():
-            raise ValueError(f"immediate_label {self.immediate_label!r} is no label_map value "
-                             f"({sorted(set(self.label_map.values()))})")
+            raise ValueError(f"immediate_label {self.immediate_label!r} (a project file's [model] label) is no "
+                             f"label_map value ({sorted(set(self.label_map.values()))}): map an action type to "
+                             "it ([labels])")
         return self
 
     @property

@@ -109,7 +109,7 @@ async def test_the_worker_on_the_real_broker_emits_the_purchase_with_the_click(s
 
 
 def test_the_immediate_label_must_be_a_label() -> None:
-    with pytest.raises(ValidationError, match="immediate_label 'buy' is no label_map value"):
+    with pytest.raises(ValidationError, match=r"immediate_label 'buy' \(a project file's \[model\] label\) is no label_map value"):
         JoinerSettings(label_map=FUNNEL, immediate_label="buy")
 
 

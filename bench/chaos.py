@@ -26,7 +26,13 @@ twice, as the reader re-reads after its kill; a run before the store recorded ea
 16), and
 ``missing_at_two_record_offsets`` / ``label_mismatch_at_two_record_offsets``: how many of the
 missing and relabelled examples had their feature log or an action first read at such an offset
-(one run with 538 such offsets: 69 of 69 missing and 11 of 12 relabelled). ``QUICK=1``
+(one run with 538 such offsets: 69 of 69 missing and 11 of 12 relabelled). The capture's other
+blind spot: it tails the topics about a second behind, so what the killed broker served the joiner
+and not yet the capture is gone from the reference. A run can then show clicks the reference never
+saw (relabelled ``negative f0 a[]``: ours positive, no captured action) and feature logs the joiner
+refused by a watermark those unseen records had moved (one run: 37 missing, 29 relabelled, none at
+two-record offsets; the joiner's restored watermarks, which it logs when it reopens a partition
+after the reset, were 2,000-3,800 event-seconds past the capture's). ``QUICK=1``
 runs a smaller replay with shorter pauses (under 5 minutes); the full run stays under 15.
 
 ``CHAOS_KEEP=<dir>`` keeps the run's directory with, for a post-mortem, ``chaos-missing.json``

@@ -250,6 +250,7 @@ class FeatureLogger:
                         "orphan grace (%.0f s): the clicks on those that ship this late are lost "
                         "(driftline_joiner_orphan_actions_total)", self.spool.pending, age, self._late_after_s)
         self._warned_late = age > self._late_after_s
+        metrics.FEATURE_LOG_LATE.set(int(self._warned_late))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="feature-log")

@@ -97,6 +97,12 @@ FEATURE_LOG_UNSHIPPED_AGE = Gauge(
     "Past the joiner's orphan grace (joiner.orphan_grace_seconds) it comes too late: its clicks are lost.",
     multiprocess_mode="max",
 )
+FEATURE_LOG_LATE = Gauge(
+    "driftline_serving_feature_log_late",
+    "1 while the oldest FeatureLog waiting to ship has waited past the joiner's orphan grace (the clicks on "
+    "the feature logs that ship that late are lost), else 0 (the status page lists it).",
+    multiprocess_mode="max",
+)
 FEATURE_LOG_SPOOL_BYTES = Gauge(
     "driftline_serving_feature_log_spool_bytes",
     "Bytes (keys + values) in the feature-log spool: unshipped and retained entries.",

@@ -3,7 +3,8 @@
 Each service says in a metric when it stopped doing its job or does it worse: a disk nearly full
 pauses its input (:mod:`services.disk`), another consumer in the trainer's group pauses the trainer
 (:mod:`trainer.group_share`), a feature store that lost its features or evicts keys makes serving
-mark its answers degraded (:mod:`serving.store_watch`), a joiner worker that took partitions over
+mark its answers degraded (:mod:`serving.store_watch`), serving's feature logs wait to ship past
+the joiner's orphan grace (:mod:`serving.feature_log`), a joiner worker that took partitions over
 rebuilds their state before it joins them (:mod:`joiner.faust_restore`), a parameter delta with
 NaNs is refused (:mod:`serving.refused_deltas`), a record is dead-lettered, the broker's data was reset
 (:mod:`services.broker_reset`). A chart does not show any of it: a flat line looks the same whether
@@ -74,6 +75,8 @@ FLAGS = (
          "restarted empty or was flushed): answers are marked degraded and not logged for training"),
     Flag("driftline_serving_feature_store_evicted", "Redis evicted keys since the features were loaded: "
          "answers are marked degraded and not logged for training"),
+    Flag("driftline_serving_feature_log_late", "feature logs have waited to ship past the joiner's orphan grace "
+         "(Kafka unreachable from a serving replica, or too slow): the clicks on those that ship that late are lost"),
     Flag("driftline_joiner_changelog_rebuild_remaining", "rebuilding the join state of partitions it took over "
          "from the changelog: {n:.0f} records left; those partitions join nothing until it is done"),
 )

@@ -246,13 +246,14 @@ async def test_the_age_of_the_oldest_unshipped_feature_log_is_measured_and_warne
         await asyncio.sleep(1.2)
         log.submit("second", b"y")  # (a submit updates the gauges)
         assert 1.0 <= age() < 3.0 and "past the joiner's orphan grace (1 s)" in caplog.text
+        assert REGISTRY.get_sample_value("driftline_serving_feature_log_late") == 1.0  # (the status page's flag)
         log.start()
         deadline = time.monotonic() + 30
         while log.spool.pending:
             assert time.monotonic() < deadline, log.spool.pending
             await asyncio.sleep(0.05)
         log.submit("third", b"z")
-        assert age() < 0.5
+        assert age() < 0.5 and REGISTRY.get_sample_value("driftline_serving_feature_log_late") == 0.0
     finally:
         await log.stop()
         await epochs.stop()

@@ -189,7 +189,8 @@ class JoinerApp:
                                self.worker_labels(), spool=self.output)
         await self.output.resend(sender, self.epoch)  # (a reset since the last run: the dumper may lack them)
         self.worker = Worker(s, self.table.data, self.changelog, self.prod, sender,
-                             highwater=lambda tp: self.app.consumer.highwater(TP(tp.topic, tp.partition)))
+                             highwater=lambda tp: self.app.consumer.highwater(TP(tp.topic, tp.partition)),
+                             highwater_and_age=lambda tp: faust_quirks.highwater_and_age(self.app, tp))
         self.watch = broker_reset.EpochWatch(s, SERVICE, self.epoch)
         await self.watch.start()
 
@@ -317,7 +318,7 @@ class JoinerApp:
                 return
             owned = sorted(self.owned())
             parts = [await w.part(p) for p in owned]
-            if not owned or not self._caught_up(parts):
+            if not owned or not self._caught_up(parts, w.last_event + self.until_idle_s):
                 return
             started = time.perf_counter()
             await w.advance(parts, drain=True)
@@ -325,12 +326,13 @@ class JoinerApp:
             log.info("input idle for %.1f s and fully consumed: drained partitions %s", self.until_idle_s, owned)
             self.done.set()
 
-    def _caught_up(self, parts: list) -> bool:
-        consumer = self.app.consumer
+    def _caught_up(self, parts: list, after: float) -> bool:
+        """Whether every input partition of ``parts`` was read to the high watermark of a fetch
+        made after ``after`` (``time.monotonic()``): a hung broker's last answer does not count."""
         for part in parts:
             for tp in part.book.tps:
-                hw = consumer.highwater(TP(tp.topic, tp.partition))
-                if hw is None or part.next.get(tp, 0) < hw:
+                seen = faust_quirks.highwater_and_age(self.app, TP(tp.topic, tp.partition))
+                if seen is None or part.next.get(tp, 0) < seen[0] or time.monotonic() - seen[1] < after:
                     return False
         return True
 

@@ -74,25 +74,32 @@ class Part:
     published_lookups: Counter[str] = field(default_factory=Counter)  # state lookups, the same
 
     def actions_idle(self, now: float, idle_s: float, unread: int | None) -> bool:
-        """Whether the actions input has been idle ``idle_s`` seconds at ``now``: nothing read
-        for that long, and nothing waiting on the broker (``unread``: the records past the read
-        position, by the consumer's high watermark; None while not known). An input that lags
-        (a backlog after a restart or a broker reset, a fetch that served the features first)
-        is not idle and its clock starts again: raising its watermark would close the windows
-        whose actions are already on the broker, and turn their clicks into late actions.
+        """Whether the actions input had been idle ``idle_s`` seconds at ``now`` (the time of the
+        broker's last answer about it): nothing read for that long, and nothing waiting on the
+        broker (``unread``: the records past the read position, by the consumer's high
+        watermark; None while not known). An input that lags (a backlog after a restart or a
+        broker reset, a fetch that served the features first) is not idle and its clock starts
+        again: raising its watermark would close the windows whose actions are already on the
+        broker, and turn their clicks into late actions.
 
         >>> part = Part(0, None, None, None, None, last_action=100.0)
         >>> part.actions_idle(200.0, 30, unread=5)    # a backlog: not idle, the clock restarts
         False
         >>> part.actions_idle(220.0, 30, unread=0)    # caught up, 20 s since the clock restarted
         False
+        >>> part.actions_idle(220.0, 30, unread=0)    # the broker has not answered since 220.0
+        False
         >>> part.actions_idle(231.0, 30, unread=0)
         True
         >>> part.actions_idle(232.0, 30, unread=None)  # no high watermark yet: not known idle
         False
+        >>> part.actions_idle(210.0, 30, unread=3)    # an older answer never winds the clock back
+        False
+        >>> part.last_action
+        232.0
         """
         if unread is None or unread > 0:
-            self.last_action = now
+            self.last_action = max(self.last_action, now)
             return False
         return now - self.last_action >= idle_s
 
@@ -116,11 +123,16 @@ class Worker:
     """The join over Faust's events; the caller serialises calls (one batch at a time)."""
 
     def __init__(self, settings: Settings, store: JoinStore, changelog: str, prod: AIOKafkaProducer,
-                 sender: BatchedSender, highwater: Callable[[TopicPartition], int | None] = lambda tp: None) -> None:
+                 sender: BatchedSender, highwater: Callable[[TopicPartition], int | None] = lambda tp: None,
+                 highwater_and_age: Callable[[TopicPartition], tuple[int, float] | None] = lambda tp: None) -> None:
         self.settings, self.store, self.changelog, self.prod, self.sender = settings, store, changelog, prod, sender
         # the consumer's last high watermark of an input partition: stored at each commit, so a
         # broker reset can count what it took before this worker read it (faust_reset.py)
         self.highwater = highwater
+        # the same with the seconds since a fetch renewed it: the idle advance judges "all read"
+        # as of that fetch (a hung broker's last answer says nothing of what came since: quirk 3
+        # of joiner.faust_quirks)
+        self.highwater_and_age = highwater_and_age
         self.cfg = JoinConfig.from_settings(settings.joiner)
         t = settings.topics
         self.features, self.actions = t.features, t.actions
@@ -287,15 +299,17 @@ class Worker:
 
     async def idle_advance(self, idle_s: float, margin_ms: int) -> None:
         """Raise the action watermark of partitions whose actions were idle ``idle_s`` wall
-        seconds (:meth:`Part.actions_idle`); the raised watermark is committed before the
+        seconds (:meth:`Part.actions_idle`) as of the last fetch that renewed their high
+        watermark: while the broker does not answer, its last answer says nothing of the actions
+        produced since, so the clock stops there. The raised watermark is committed before the
         windows it closes."""
         now = time.monotonic()
         bumped = []
         for part in self.parts.values():
             tp = TopicPartition(self.actions, part.p)
-            hw = self.highwater(tp)
-            unread = None if hw is None else hw - part.next.get(tp, 0)
-            if part.actions_idle(now, idle_s, unread) and part.core.idle_advance(part.p, margin_ms):
+            seen = self.highwater_and_age(tp)
+            unread, as_of = (None, now) if seen is None else (seen[0] - part.next.get(tp, 0), now - seen[1])
+            if part.actions_idle(as_of, idle_s, unread) and part.core.idle_advance(part.p, margin_ms):
                 log.info("partition %d: no actions for %.0f s with all read (offset %d): action watermark raised "
                          "to %d (features watermark - %d ms)", part.p, now - part.last_action, part.next.get(tp, 0),
                          part.core.wa[part.p], margin_ms)

@@ -1,19 +1,23 @@
 """The joiner (one Faust worker) against the real (tansu) broker: ml-1m traffic with delayed,
 out-of-order, duplicated actions must give exactly the offline reference; malformed input is
-dead-lettered; a restart resumes from the state; idle advance. Several workers in one group:
-``test_faust_joiner.py``."""
+dead-lettered; a restart resumes from the state; idle advance, and a hung broker not taken for idle
+actions. Several workers in one group: ``test_faust_joiner.py``."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
 
 from joiner.faust_app import TopicLayoutError, run
 from proto import Action, DeadLetter, FeatureLog
-from services.kafka import create_topics
+from services.kafka import create_topics, producer, start_client
 from services.settings import Settings
+from tests.conftest import Broker
 from tests.joiner.helpers import JOINER, as_map, join_config, produce, read_examples, read_topic, ref_as_map, run_until_consumed
 from tests.joiner.reference import offline_join
 from tests.joiner.synth import ml_events
@@ -122,6 +126,61 @@ async def test_idle_action_partitions_close_windows_with_idle_advance(settings: 
 
 async def test_without_idle_advance_idle_action_partitions_keep_windows_open(settings: Settings) -> None:
     assert await _features_only_run(settings, idle_advance_s=None) == []
+
+
+async def test_a_hung_broker_is_not_taken_for_idle_actions(settings: Settings, tmp_path: Path) -> None:
+    """A broker that stops answering (SIGSTOP: a long pause, a network that drops packets) stops
+    the idle advance's clock: the actions produced before the hang that the worker has not read
+    yet are on the broker, so its last high watermark says nothing about them. Before, a worker
+    that had read up to it took the partitions for idle and closed their windows after
+    ``idle_advance_seconds`` (in ``make chaos`` with a 60 s hang: clicks emitted as negatives or
+    sampled out). Once the broker answers again the clock runs, and idle partitions advance."""
+    own = Broker(tmp_path)  # this test stops its broker: not the session's
+    settings = settings.model_copy(update={"kafka_bootstrap_servers": own.bootstrap}).updated(
+        joiner={"window_seconds": 60, "negative_sample_rate": 1.0, "idle_advance_seconds": 4.0,
+                "idle_advance_margin_seconds": 100.0},
+        kafka={"connect_timeout_s": 3.0})  # (the tick's offset commit gives up on the hung broker soon)
+    await create_topics(settings)
+    fls = []
+    for i in range(60):
+        fl = FeatureLog(request_id=f"hang{i}", event_time_ms=1_700_000_000_000 + i * 10_000, user_id=i)
+        fl.candidates.add(item_id=1)
+        fls.append(("features", fl.request_id.encode(), fl.SerializeToString()))
+    await produce(settings, fls)
+    impressions, advances = _sample("driftline_joiner_impressions_total"), _sample("driftline_joiner_idle_advances_total")
+    stop = asyncio.Event()
+    task = asyncio.create_task(run(settings, stop=stop))
+    prod = producer(settings)
+    await start_client(prod, settings)
+    assert own.proc is not None
+    try:
+        # actions keep coming on every partition (for requests never logged) until the hang
+        deadline = time.monotonic() + 90
+        while _sample("driftline_joiner_impressions_total") - impressions < 60:
+            assert time.monotonic() < deadline and not task.done()
+            for p in range(settings.topics.partitions):
+                a = Action(request_id=f"unlogged-{p}", item_id=1, action_type="click",
+                           event_time_ms=1_700_000_000_000, user_id=1)
+                await prod.send_and_wait(settings.topics.actions, a.SerializeToString(), partition=p)
+            await asyncio.sleep(0.5)
+        assert _sample("driftline_joiner_idle_advances_total") == advances
+        own.proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(11)  # idle_advance_seconds and the tick's commit timeout, twice over
+            during = _sample("driftline_joiner_idle_advances_total") - advances
+        finally:
+            own.proc.send_signal(signal.SIGCONT)
+        assert during == 0
+        deadline = time.monotonic() + 60
+        while _sample("driftline_joiner_idle_advances_total") == advances:  # the clock runs again
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.5)
+    finally:
+        own.proc.send_signal(signal.SIGCONT)
+        stop.set()
+        await prod.stop()
+        await task
+        own.stop()
 
 
 def test_batched_sender_partitions_like_the_default_partitioner() -> None:

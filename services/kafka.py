@@ -13,13 +13,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import CommitFailedError, KafkaConnectionError, KafkaError, TopicAlreadyExistsError
+from aiokafka.errors import CommitFailedError, KafkaConnectionError, KafkaError, KafkaTimeoutError, TopicAlreadyExistsError
 from google.protobuf.message import Message
 
 from proto import DeadLetter
@@ -32,6 +32,7 @@ from services.settings import Settings
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 
 
 class BrokerUnavailable(RuntimeError):
@@ -59,6 +60,59 @@ def _unreachable(settings: Settings) -> BrokerUnavailable:
     knobs = ", ".join(["kafka.security_protocol"] + ["kafka.sasl_*"] * sasl + ["kafka.ssl_*"] * tls)
     return BrokerUnavailable(f"cannot reach Kafka at {settings.bootstrap_servers} over {k.security_protocol}{who}: "
                              f"check the broker address and {knobs} (the client log above says why)")
+
+
+def unanswered(err: BaseException) -> bool:
+    """Whether a Kafka client's error says the broker did not answer (hung, cut off, restarting,
+    no leader yet: aiokafka's retriable errors, and a batch that expired unsent), not that it
+    refused the request: sending the same again later can succeed.
+
+    >>> from aiokafka.errors import KafkaTimeoutError, MessageSizeTooLargeError, RequestTimedOutError
+    >>> unanswered(RequestTimedOutError()), unanswered(KafkaTimeoutError()), unanswered(MessageSizeTooLargeError())
+    (True, True, False)
+    """
+    return isinstance(err, KafkaTimeoutError) or (isinstance(err, KafkaError) and bool(err.retriable))
+
+
+async def send_until_answered(send: Callable[[], Awaitable[T]], what: str,
+                              give_up: Callable[[KafkaError, float], Awaitable[bool]],
+                              waiting: Callable[[float], None] = lambda s: None) -> T:
+    """``await send()`` again after each :class:`KafkaError` until it succeeds, or until
+    ``give_up(error, seconds since the first try)`` says to raise it: for a send whose copy is
+    harmless (a version serving skips, an example the readers drop by id), so that a broker that
+    does not answer for a while (hung, cut off, restarting) is waited out instead of ending the
+    process. A warning every 30 s says for how long; ``waiting`` gets the seconds waited after
+    each failure and 0 when done.
+
+    >>> import asyncio
+    >>> from aiokafka.errors import RequestTimedOutError
+    >>> tries = []
+    >>> async def send():
+    ...     tries.append(1)
+    ...     if len(tries) < 3:
+    ...         raise RequestTimedOutError()
+    ...     return "sent"
+    >>> async def never(err, waited): return False
+    >>> asyncio.run(send_until_answered(send, "a record", never)), len(tries)
+    ('sent', 3)
+    """
+    started, warned = time.monotonic(), -1.0
+    while True:
+        try:
+            result = await send()
+            waiting(0.0)
+            return result
+        except KafkaError as err:
+            waited = time.monotonic() - started
+            if await give_up(err, waited):
+                waiting(0.0)
+                raise
+            waiting(waited)
+            if warned < 0 or waited - warned >= 30:
+                warned = waited
+                log.warning("sending %s failed (%r) %.0f s after the first try; sending again until the broker "
+                            "answers", what, err, waited)
+            await asyncio.sleep(min(1.0, 0.1 + waited / 10))
 
 
 def producer(settings: Settings, **overrides: object) -> AIOKafkaProducer:

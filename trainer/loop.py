@@ -258,6 +258,7 @@ class TrainerLoop(LearnedFields):
 
     async def _start_producer(self) -> None:
         self._producer = self.publisher.producer = producer(self.settings)
+        self.publisher.stopping = self.stop_event.is_set
         await start_client(self._producer, self.settings)
 
     def _start_commits(self) -> None:

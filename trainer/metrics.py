@@ -27,6 +27,9 @@ DUPLICATES = Counter("driftline_trainer_duplicate_examples_total", "Examples ski
 SYNC_BYTES = Histogram("driftline_trainer_sync_bytes", "Bytes per parameter sync.", ["model", "kind"],
                        buckets=(1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9))
 SYNC_SECONDS = Histogram("driftline_trainer_sync_seconds", "Duration of a parameter sync.", ["model", "kind"])
+PUBLISH_WAITING = Gauge("driftline_trainer_publish_waiting_seconds",
+                        "How long the parameter deltas being published have waited for the broker to answer "
+                        "(0 when not waiting).", ["model"])
 NON_FINITE_DELTAS = Counter("driftline_trainer_non_finite_deltas_total",
                             "Parameter versions not published because a value was NaN or infinite.", ["model", "kind"])
 _DELAY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60, 300)

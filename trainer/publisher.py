@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from aiokafka.errors import KafkaError
 
+from services.kafka import send_until_answered, unanswered
 from services.settings import Settings
 
 from . import metrics as M
@@ -44,6 +45,9 @@ class Publisher:
     def __init__(self, settings: Settings, model_id: str, stage: Callable[[str, float], None]):
         self.settings, self.model_id, self._stage = settings, model_id, stage
         self.producer = None
+        #: whether the trainer is stopping (set by the trainer): a stopping trainer waits for an
+        #: unanswering broker only ``kafka.connect_timeout_s``
+        self.stopping: Callable[[], bool] = lambda: False
         #: the shard this publisher's sparse rows are (rank r of N ranks: r and N; 0 and 0 for one
         #: trainer process): serving applies each shard's versions independently
         self.shard, self.shard_count = 0, 0
@@ -57,6 +61,7 @@ class Publisher:
         self.event_delays: deque[float] = deque(maxlen=100_000)
         for kind in ("sparse", "dense"):  # exported at 0 from the start: an increase is seen from its first
             M.NON_FINITE_DELTAS.labels(model_id, kind)
+        M.PUBLISH_WAITING.labels(model_id).set(0)
         # (event times, arrival times) in ms of the examples applied since the last sparse sync
         self._unsynced_times: list[tuple[np.ndarray, np.ndarray]] = []
         #: with keep_last_sync_copy, every table's items as of the last sparse sync (for tests)
@@ -152,21 +157,26 @@ class Publisher:
 
     async def _publish(self, records: list[tuple[bytes, bytes]]) -> int:
         """Send ``(key, value)`` records to ``param-deltas`` (partition 0, in order); the offset
-        after the last. A refused send is retried for up to ``kafka.connect_timeout_s`` (tansu
-        refuses produce requests for a moment after a reset, while the topics are recreated); a
-        version sent twice is harmless (serving upserts rows, and skips versions it holds)."""
-        deadline = time.monotonic() + self.settings.kafka.connect_timeout_s
-        while True:
-            try:
-                futs = [await self.producer.send(self.settings.topics.param_deltas, value, key=key, partition=0)
-                        for key, value in records]
-                metas = await asyncio.gather(*futs)
-                return max(md.offset for md in metas) + 1
-            except KafkaError as err:
-                if time.monotonic() >= deadline:
-                    raise
-                log.warning("publishing %d parameter deltas failed (%r); retrying", len(records), err)
-                await asyncio.sleep(0.2)
+        after the last. A version sent twice is harmless (serving upserts rows, and skips versions
+        it holds), so a failed send is sent again (:func:`services.kafka.send_until_answered`):
+
+        * while the broker does not answer (:func:`services.kafka.unanswered`: hung, cut off,
+          restarting), until it does (the wait in ``driftline_trainer_publish_waiting_seconds``).
+          A trainer that exited instead would restart from its last snapshot and train again what
+          it had applied since, and a broker away for longer than a restart's own connect timeout
+          would make it crash-loop;
+        * otherwise (tansu refuses produce requests for a moment after a reset, while the topics
+          are recreated), and once the trainer is stopping, for up to ``kafka.connect_timeout_s``."""
+        async def send() -> int:
+            futs = [await self.producer.send(self.settings.topics.param_deltas, value, key=key, partition=0)
+                    for key, value in records]
+            return max(md.offset for md in await asyncio.gather(*futs)) + 1
+
+        async def give_up(err: KafkaError, waited: float) -> bool:
+            return waited >= self.settings.kafka.connect_timeout_s and (self.stopping() or not unanswered(err))
+
+        return await send_until_answered(send, f"{len(records)} parameter deltas", give_up,
+                                         M.PUBLISH_WAITING.labels(self.model_id).set)
 
 
 class DenseSchedule:

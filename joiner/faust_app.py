@@ -18,8 +18,13 @@
   more and :func:`run` raises :class:`BrokerReset` (``main``: exit 3, to be restarted); at
   start-up a new epoch makes the worker re-seed the new epoch's changelog from its local stores
   (:mod:`joiner.faust_reset`).
+* **A broker that does not answer** (hung, cut off): the worker's output is sent again until it
+  answers (:meth:`joiner.worker.Worker.commit`), and the idle advance's clock stops at its last
+  answer (:mod:`joiner.faust_quirks`, quirk 3); nothing ends the worker but a reset or a stop.
 
-The delivery guarantee and the crash cases are in :mod:`joiner.worker`.
+The delivery guarantee and the crash cases are in :mod:`joiner.worker`. (Over 450 lines, one
+module: the app's start, fetch hand-off, timer, rebalance hooks, stop and :func:`run`'s watchdog
+share the app's state.)
 """
 
 from __future__ import annotations
@@ -155,6 +160,7 @@ class JoinerApp:
         self.output: OutputSpool | None = None  # the examples produced, kept for a broker reset
         self.disk = DiskGuard.from_settings(SERVICE, state_dir(settings), settings)
         self.reset_to: str | None = None  # the new broker epoch, once a reset was seen while running
+        self.stopping = False  # (set before the stop waits for the batch in flight)
         self.committed: dict[TP, int] = {}  # input offsets this worker committed last
         self.commits = UnansweredCommits(SERVICE, settings.kafka.connect_timeout_s)
         self.lock = asyncio.Lock()
@@ -190,9 +196,17 @@ class JoinerApp:
         await self.output.resend(sender, self.epoch)  # (a reset since the last run: the dumper may lack them)
         self.worker = Worker(s, self.table.data, self.changelog, self.prod, sender,
                              highwater=lambda tp: self.app.consumer.highwater(TP(tp.topic, tp.partition)),
-                             highwater_and_age=lambda tp: faust_quirks.highwater_and_age(self.app, tp))
+                             highwater_and_age=lambda tp: faust_quirks.highwater_and_age(self.app, tp),
+                             keep_sending=self._keep_sending)
         self.watch = broker_reset.EpochWatch(s, SERVICE, self.epoch)
         await self.watch.start()
+
+    async def _keep_sending(self) -> bool:
+        """Whether the worker's output, unanswered by the broker, is sent again: not once it
+        stops, nor after a broker reset (the restart re-seeds the new changelog first)."""
+        if not self.stopping and self.reset_to is None:
+            self.reset_to = await self.watch.check()
+        return not self.stopping and self.reset_to is None
 
     def start_faust(self) -> asyncio.Future:
         """Faust's start, as a task: it returns only once the first assignment is recovered, so
@@ -403,6 +417,7 @@ async def _run(settings: Settings, stop: asyncio.Event, until_idle_s: float | No
                 w.cancel()
     finally:
         metrics.SERVICE_UP.labels(SERVICE).set(0)
+        japp.stopping = True
         async with japp.lock:
             await japp.stop()
     if japp.worker is None:

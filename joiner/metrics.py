@@ -33,6 +33,9 @@ BAD_EXAMPLES = Counter("driftline_joiner_bad_examples_total",
                        ["reason"])
 CHANGELOG_BYTES = Counter("driftline_joiner_changelog_bytes_total",
                           "Key + value bytes written to the state changelog (uncompressed, acknowledged).")
+SEND_WAITING = Gauge("driftline_joiner_send_waiting_seconds",
+                     "How long the examples or state changes being sent have waited for the broker to answer "
+                     "(0 when not waiting).")
 OUTPUT_SPOOL_BYTES = Gauge("driftline_joiner_output_spool_bytes",
                            "Bytes of produced example records kept to produce again after a broker reset.")
 CHANGELOG_RESTORED = Counter("driftline_joiner_changelog_restored_total",

@@ -27,10 +27,12 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from aiokafka import AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.errors import KafkaError
 
 from joiner import metrics as jm
 from joiner.config import JoinConfig
@@ -42,9 +44,11 @@ from joiner.partitioning import murmur2_partitions
 from joiner.tiered import TieredState
 from services import metrics
 from services.codecs import MalformedMessage, processing_failed
+from services.kafka import send_until_answered, unanswered
 from services.rocksdb_faults import StoreDamaged
 from services.settings import Settings
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 STATE_FORMAT = b"faust-1"
 
@@ -119,12 +123,17 @@ class Part:
                 jm.WATERMARK_LAG.labels(stream, p).set(time.time() - wm / 1000)
 
 
+async def _never() -> bool:
+    return False
+
+
 class Worker:
     """The join over Faust's events; the caller serialises calls (one batch at a time)."""
 
     def __init__(self, settings: Settings, store: JoinStore, changelog: str, prod: AIOKafkaProducer,
                  sender: BatchedSender, highwater: Callable[[TopicPartition], int | None] = lambda tp: None,
-                 highwater_and_age: Callable[[TopicPartition], tuple[int, float] | None] = lambda tp: None) -> None:
+                 highwater_and_age: Callable[[TopicPartition], tuple[int, float] | None] = lambda tp: None,
+                 keep_sending: Callable[[], Awaitable[bool]] = _never) -> None:
         self.settings, self.store, self.changelog, self.prod, self.sender = settings, store, changelog, prod, sender
         # the consumer's last high watermark of an input partition: stored at each commit, so a
         # broker reset can count what it took before this worker read it (faust_reset.py)
@@ -133,6 +142,9 @@ class Worker:
         # as of that fetch (a hung broker's last answer says nothing of what came since: quirk 3
         # of joiner.faust_quirks)
         self.highwater_and_age = highwater_and_age
+        # whether an output send the broker did not answer is sent again (not after a broker reset,
+        # whose new changelog must be re-seeded first, nor once the worker stops)
+        self.keep_sending = keep_sending
         self.cfg = JoinConfig.from_settings(settings.joiner)
         t = settings.topics
         self.features, self.actions = t.features, t.actions
@@ -323,7 +335,7 @@ class Worker:
     async def commit(self, parts: Sequence[Part], started: float) -> None:
         out = [e for part in parts for e in part.core.take()]
         if out:
-            n_records, bad = await self.sender.send_all(out)
+            n_records, bad = await self._until_answered(lambda: self.sender.send_all(out), f"{len(out)} examples")
             now_ms = time.time() * 1000
             for e in out:
                 if e[6]:
@@ -339,7 +351,8 @@ class Worker:
             hws = {tp: hw for tp in part.next if (hw := self.highwater(tp)) is not None}
             for key, value in part.book.commit(part.next, hws).items():
                 part.state.put(key, value)  # type: ignore[arg-type]
-        offsets = await asyncio.gather(*(self._send_changelog(part.p, part.state.dirty) for part in parts))
+        offsets = await self._until_answered(lambda: asyncio.gather(
+            *(self._send_changelog(part.p, part.state.dirty) for part in parts)), "the join state's changes")
         for part, off in zip(parts, offsets):
             part.state.commit(changelog_offset=off)
             jm.SPILLED.inc(part.state.evict(part.core.wf[part.p] - self.spill_after_ms))
@@ -349,6 +362,15 @@ class Worker:
         jm.WAITING.labels("disk").set(max(0, sum(part.core.waiting[part.p] - len(part.state.cache) for part in parts_now)))
         jm.PENDING.set(sum(part.core.pending[part.p] for part in parts_now))
         jm.BATCH_SECONDS.observe(time.perf_counter() - started)
+
+    async def _until_answered(self, send: Callable[[], Awaitable[T]], what: str) -> T:
+        """``send()``, sent again while the broker does not answer (a copy of either send is
+        harmless: the readers drop an example they have by id, and the changelog's records are
+        puts), so a hung broker is waited out instead of ending the worker."""
+        async def give_up(err: KafkaError, waited: float) -> bool:
+            return not unanswered(err) or not await self.keep_sending()
+
+        return await send_until_answered(send, what, give_up, jm.SEND_WAITING.set)
 
     async def _send_changelog(self, p: int, changes: dict[bytes, bytes | None]) -> int:
         """Write ``changes`` and a commit marker to changelog partition ``p``; the marker's offset."""

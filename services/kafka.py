@@ -104,10 +104,10 @@ async def send_until_answered(send: Callable[[], Awaitable[T]], what: str,
             return result
         except KafkaError as err:
             waited = time.monotonic() - started
+            waiting(waited)
             if await give_up(err, waited):
                 waiting(0.0)
                 raise
-            waiting(waited)
             if warned < 0 or waited - warned >= 30:
                 warned = waited
                 log.warning("sending %s failed (%r) %.0f s after the first try; sending again until the broker "

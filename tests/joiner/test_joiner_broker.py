@@ -14,11 +14,21 @@ import pytest
 from prometheus_client import REGISTRY
 
 from joiner.faust_app import TopicLayoutError, run
+from joiner.kafka_io import BatchedSender
 from proto import Action, DeadLetter, FeatureLog
 from services.kafka import create_topics, producer, start_client
 from services.settings import Settings
 from tests.conftest import Broker
-from tests.joiner.helpers import JOINER, as_map, join_config, produce, read_examples, read_topic, ref_as_map, run_until_consumed
+from tests.joiner.helpers import (
+    JOINER,
+    as_map,
+    join_config,
+    produce,
+    read_examples,
+    read_topic,
+    ref_as_map,
+    run_until_consumed,
+)
 from tests.joiner.reference import offline_join
 from tests.joiner.synth import ml_events
 
@@ -181,6 +191,45 @@ async def test_a_hung_broker_is_not_taken_for_idle_actions(settings: Settings, t
         await prod.stop()
         await task
         own.stop()
+
+
+async def test_a_hung_broker_is_waited_out_and_the_join_loses_nothing(
+        settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broker that stops answering as the worker sends its examples (SIGSTOP as the second send
+    begins, SIGCONT 14 s later): the sends are retried until it answers again, the worker does not
+    exit (before: the first send the broker did not answer within ``kafka.request_timeout_ms``
+    crashed it), and the output is the offline reference's, each example once."""
+    own = Broker(tmp_path)
+    assert own.proc is not None
+    settings = settings.model_copy(update={"kafka_bootstrap_servers": own.bootstrap}).updated(
+        kafka={"request_timeout_ms": 8_000, "session_timeout_ms": 4_000, "heartbeat_interval_ms": 1_000})
+    events = ml_events(3000, start=20_000, seed=5)
+    await create_topics(settings)
+    await produce(settings, events)
+    sends, waited, send_raw = [], [0.0], BatchedSender.send_raw
+
+    async def hang_at_the_second_send(self: BatchedSender, records: object) -> None:
+        sends.append(time.monotonic())
+        if len(sends) == 2:
+            own.proc.send_signal(signal.SIGSTOP)
+            for _ in range(140):  # (resumed 14 s later, from the event loop the send waits in)
+                asyncio.get_running_loop().call_later(
+                    _ / 10, lambda: waited.append(_sample("driftline_joiner_send_waiting_seconds")))
+            asyncio.get_running_loop().call_later(14, own.proc.send_signal, signal.SIGCONT)
+        await send_raw(self, records)
+
+    monkeypatch.setattr(BatchedSender, "send_raw", hang_at_the_second_send)
+    try:
+        counts = await asyncio.wait_for(run(settings.updated(joiner=JOINER), until_idle_s=2.0), 180)
+        examples = await read_examples(settings)
+    finally:
+        own.proc.send_signal(signal.SIGCONT)
+        own.stop()
+    assert len(sends) > 2 and max(waited) > 8, (len(sends), max(waited))
+    # (a send the broker took before the hang and answered after it is on the topic twice: the
+    # readers drop the copy by its id)
+    assert as_map(examples) == ref_as_map(offline_join(events, CFG, settings.topics.partitions))
+    assert counts["impressions"] > 0 and _sample("driftline_joiner_send_waiting_seconds") == 0
 
 
 def test_batched_sender_partitions_like_the_default_partitioner() -> None:

@@ -51,7 +51,7 @@ bench: $(BENCHES)
 $(BENCHES): bench-%: $(DEV_STAMP)
 	$(BIN)/python bench/bench_$*.py
 
-## kill -9 every service, then the broker, under load; print what was lost as one JSON line (QUICK=1: < 5 min).
+## hang the broker 60 s, kill -9 every service, then the broker, under load; print what was lost as one JSON line (QUICK=1: < 6 min).
 chaos: $(DEV_STAMP)
 	$(BIN)/python bench/chaos.py
 

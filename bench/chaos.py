@@ -1,15 +1,18 @@
-"""`make chaos`: kill -9 every service and then the broker under load; count what was lost.
+"""`make chaos`: hang the broker, then kill -9 every service and the broker under load; count what was lost.
 
 It runs ``driftline up --replay-limit N --speed 0`` on free ports (``tests.loopstack``), with
 the traffic driver writing every request id it got a 200 for (``replay.answered_log``), and a
 capture that tails ``features``, ``actions`` and ``examples`` from their start, across broker
-resets (:class:`services.broker_reset.EpochWatch`). Once the loop has closed it kill -9s the
+resets (:class:`services.broker_reset.EpochWatch`). Once the loop has closed it stops the broker
+for ``CHAOS_HANG_S`` (60) seconds (SIGSTOP: its data kept; :func:`hang_broker`), then kill -9s the
 joiner twice, the dumper, the trainer and serving (the supervisor restarts each), then the
 broker (tansu, memory storage: every topic is gone). Nobody touches anything after that: the
 run waits for the traffic to end and the pipeline to drain, stops the stack with Ctrl-C and
 compares.
 
-The last line printed is one JSON object: ``answered_feature_logs_lost`` (request ids answered
+The last line printed is one JSON object: ``restarted_by_broker_hang`` (services the hang made
+exit; ``idle_advances_during_broker_hang``, ``broker_hang_recovered`` beside it),
+``answered_feature_logs_lost`` (request ids answered
 200 that never reached ``features``), ``conflicting_duplicates`` (example ids with two different
 contents, on the topic or in Parquet), ``parquet_rows_deleted`` (example ids in Parquet before the
 broker reset and not after), ``crash_loops`` (services the supervisor saw crash-looping),
@@ -247,6 +250,41 @@ def _metric_sum(stack: LoopStack, service: str, name: str) -> float:
                if s.name == name or s.name == name + "_total")
 
 
+def hang_broker(stack: LoopStack, seconds: float) -> dict:
+    """SIGSTOP the broker for ``seconds`` (a long pause, a network that drops packets: its data
+    kept, its connections open), then SIGCONT. Every service waits it out, none exits (the
+    supervisor restarts nothing), and the joiner does not take the silence for idle actions
+    (its idle advance would close windows whose clicks wait on the hung broker); the losses it
+    would cause show in the run's comparison with the reference like any other."""
+    state = _supervisor_state(stack)
+    before = {name: s.get("restarts", 0) for name, s in state.items()}
+    idle_before = _metric_sum(stack, "joiner", "driftline_joiner_idle_advances")
+    produced = _metric_sum(stack, "joiner", "driftline_joiner_examples_produced")
+    trained = _metric_sum(stack, "trainer", "driftline_trainer_examples")
+    pid = state["broker"]["pid"]
+    log(f"SIGSTOP broker (pid {pid}) for {seconds:.0f} s")
+    os.killpg(pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+        idle_during = _metric_sum(stack, "joiner", "driftline_joiner_idle_advances") - idle_before
+    finally:
+        os.killpg(pid, signal.SIGCONT)
+    log("SIGCONT broker")
+    recovered = {
+        "joiner": _wait(stack, "the joiner emits after the hang", lambda: _metric_sum(
+            stack, "joiner", "driftline_joiner_examples_produced") > produced, 180),
+        "trainer": _wait(stack, "the trainer trains after the hang", lambda: _metric_sum(
+            stack, "trainer", "driftline_trainer_examples") > trained, 180),
+    }
+    time.sleep(15)  # (an exit the hang caused can come a little after it: a send given up on)
+    after = _supervisor_state(stack)
+    restarted = {name: s.get("restarts", 0) - before.get(name, 0) for name, s in after.items()
+                 if s.get("restarts", 0) > before.get(name, 0)}
+    log(f"after the hang: restarted {restarted}, idle advances during it {idle_during:.0f}, recovered {recovered}")
+    return {"restarted_by_broker_hang": restarted, "idle_advances_during_broker_hang": idle_during,
+            "broker_hang_recovered": all(recovered.values()), "broker_hang_s": seconds}
+
+
 def run_chaos(work: Path, quick: bool) -> dict:
     limit = int(os.environ.get("CHAOS_LIMIT", 60_000 if quick else 150_000))
     speed = os.environ.get("CHAOS_SPEED", "0")  # event-time speed-up of the traffic; 0: as fast as it goes
@@ -262,6 +300,7 @@ def run_chaos(work: Path, quick: bool) -> dict:
     try:
         started = time.monotonic()
         _wait(stack, "examples flowing", lambda: _metric(stack, "joiner", "driftline_joiner_examples_produced_total") > 500, 180)
+        hang = hang_broker(stack, float(os.environ.get("CHAOS_HANG_S", 60)))
         killed: set[int] = set()
         for name in KILLED:
             time.sleep(pause)
@@ -375,6 +414,8 @@ def run_chaos(work: Path, quick: bool) -> dict:
     (work / "chaos-mismatch.json").write_text(json.dumps(differ, indent=1))
     result = {
         "answered_feature_logs_lost": len(lost),
+        # services the broker's hang (before the kills) made exit: the supervisor restarted them
+        "restarted_by_broker_hang": sum(hang["restarted_by_broker_hang"].values()),
         "conflicting_duplicates": parquet_conflicts + len(capture.example_conflicts),
         "parquet_rows_deleted": deleted,
         "crash_loops": sum(v.get("crash_loops", 0) for v in state.values()),
@@ -423,6 +464,8 @@ def run_chaos(work: Path, quick: bool) -> dict:
         "seconds": round(time.monotonic() - started, 1),
         "quick": quick,
     }
+    result.update({k: v for k, v in hang.items() if k != "restarted_by_broker_hang"},
+                  restarted_by_broker_hang_by_service=hang["restarted_by_broker_hang"])
     return result
 
 

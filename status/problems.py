@@ -4,7 +4,8 @@ Each service says in a metric when it stopped doing its job or does it worse: a 
 pauses its input (:mod:`services.disk`), another consumer in the trainer's group pauses the trainer
 (:mod:`trainer.group_share`), a feature store that lost its features or evicts keys makes serving
 mark its answers degraded (:mod:`serving.store_watch`), serving's feature logs wait to ship past
-the joiner's orphan grace (:mod:`serving.feature_log`), a joiner worker that took partitions over
+the joiner's orphan grace (:mod:`serving.feature_log`), the joiner's or the trainer's output waits
+for a broker that does not answer (:func:`services.kafka.send_until_answered`), a joiner worker that took partitions over
 rebuilds their state before it joins them (:mod:`joiner.faust_restore`), a parameter delta with
 NaNs is refused (:mod:`serving.refused_deltas`), a record is dead-lettered, the broker's data was reset
 (:mod:`services.broker_reset`). A chart does not show any of it: a flat line looks the same whether
@@ -77,6 +78,11 @@ FLAGS = (
          "answers are marked degraded and not logged for training"),
     Flag("driftline_serving_feature_log_late", "feature logs have waited to ship past the joiner's orphan grace "
          "(Kafka unreachable from a serving replica, or too slow): the clicks on those that ship that late are lost"),
+    Flag("driftline_joiner_send_waiting_seconds", "examples and join state have waited {n:.0f} s for the broker to "
+         "answer (hung, or unreachable from the joiner): they are sent again until it does",
+         bad=lambda v: v >= 5),
+    Flag("driftline_trainer_publish_waiting_seconds", "parameter deltas have waited {n:.0f} s for the broker to "
+         "answer (hung, or unreachable from the trainer): serving gets them once it does", bad=lambda v: v >= 5),
     Flag("driftline_joiner_changelog_rebuild_remaining", "rebuilding the join state of partitions it took over "
          "from the changelog: {n:.0f} records left; those partitions join nothing until it is done"),
 )

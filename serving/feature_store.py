@@ -361,6 +361,17 @@ class FeatureStore:
             await self._refresh()
             raise self.error("update", err) from err
 
+    async def server_time(self) -> float:
+        """Redis's clock (``TIME``; one node's in a Redis Cluster), in seconds. Raises
+        :class:`FeatureStoreError` when Redis cannot be reached."""
+        try:
+            got = await self.redis.time()
+        except Exception as err:
+            await self._refresh()
+            raise self.error("read", err) from err
+        sec, usec = next(iter(got.values())) if isinstance(got, dict) else got
+        return int(sec) + int(usec) / 1e6
+
     async def evictions(self) -> Evictions | None:
         """What Redis says of evicting keys (None: its ACL denies this login ``INFO``). Raises
         :class:`FeatureStoreError` when Redis cannot be reached."""

@@ -97,6 +97,13 @@ FEATURE_LOG_UNSHIPPED_AGE = Gauge(
     "Past the joiner's orphan grace (joiner.orphan_grace_seconds) it comes too late: its clicks are lost.",
     multiprocess_mode="max",
 )
+CLOCK_OFFSET = Gauge(
+    "driftline_serving_clock_offset_seconds",
+    "This replica's clock minus the feature store's (Redis TIME), in seconds: the event times serving stamps "
+    "come from it, and a replica whose clock runs ahead closes the other replicas' join windows that much "
+    "early (serving.clock_offset).",
+    multiprocess_mode="mostrecent",
+)
 FEATURE_LOG_LATE = Gauge(
     "driftline_serving_feature_log_late",
     "1 while the oldest FeatureLog waiting to ship has waited past the joiner's orphan grace (the clicks on "

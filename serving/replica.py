@@ -18,6 +18,7 @@ from services.settings import Settings
 from services.spool import SpoolError, SpoolFull
 from serving import metrics
 from serving.broker_epoch import SharedEpoch
+from serving.clock_offset import ClockOffsetLoop
 from serving.deltas import DeltaFeed
 from serving.event_clock import EventClock
 from serving.feature_log import FeatureLogEncoder, FeatureLogger, FeatureLogTooLarge
@@ -78,6 +79,7 @@ class Serving:
                                      retry_s=options.kafka_retry_s, epochs=self.epochs)
         self.store_watch = StoreWatchLoop(self.store, settings.var_dir / "serving" / f"features-loaded-{options.redis_prefix}",
                                           options.feature_store_check_s)
+        self.clock_offset = ClockOffsetLoop(self.store, options.feature_store_check_s)
 
     def sample_rate(self) -> SampleRateOut:
         """The log-odds correction's rate now: the served model's rate for its slice."""
@@ -96,6 +98,7 @@ class Serving:
         gc.freeze()
         await self.store_watch.check()  # an emptied store is told from the first request on
         self.store_watch.start()
+        self.clock_offset.start()
         self.feature_log.start()
         self.deltas.start()
         self.realtime.start()
@@ -105,7 +108,7 @@ class Serving:
         other, a loaded machine's stop outlasted the supervisor's wait), then what they share."""
         started = time.monotonic()
         await asyncio.gather(self.realtime.stop(), self.deltas.stop(), self.feature_log.stop(),
-                             self.store_watch.stop())
+                             self.store_watch.stop(), self.clock_offset.stop())
         await self.epochs.stop()
         await self.store.close()
         log.info("serving stopped its consumers and feature log in %.1f s", time.monotonic() - started)

@@ -5,7 +5,8 @@ pauses its input (:mod:`services.disk`), another consumer in the trainer's group
 (:mod:`trainer.group_share`), a feature store that lost its features or evicts keys makes serving
 mark its answers degraded (:mod:`serving.store_watch`), serving's feature logs wait to ship past
 the joiner's orphan grace (:mod:`serving.feature_log`), the joiner's or the trainer's output waits
-for a broker that does not answer (:func:`services.kafka.send_until_answered`), a joiner worker that took partitions over
+for a broker that does not answer (:func:`services.kafka.send_until_answered`), a serving replica's
+clock is off the others' (:mod:`serving.clock_offset`), a joiner worker that took partitions over
 rebuilds their state before it joins them (:mod:`joiner.faust_restore`), a parameter delta with
 NaNs is refused (:mod:`serving.refused_deltas`), a record is dead-lettered, the broker's data was reset
 (:mod:`services.broker_reset`). A chart does not show any of it: a flat line looks the same whether
@@ -83,6 +84,10 @@ FLAGS = (
          bad=lambda v: v >= 5),
     Flag("driftline_trainer_publish_waiting_seconds", "parameter deltas have waited {n:.0f} s for the broker to "
          "answer (hung, or unreachable from the trainer): serving gets them once it does", bad=lambda v: v >= 5),
+    Flag("driftline_serving_clock_offset_seconds", "this replica's clock is {n:.0f} s off the feature store's "
+         "(ahead: it closes the other replicas' join windows that much early, their later clicks learned as "
+         "negatives; behind: its own impressions come late for the join): set the clocks right (NTP)",
+         bad=lambda v: abs(v) >= 60),
     Flag("driftline_joiner_changelog_rebuild_remaining", "rebuilding the join state of partitions it took over "
          "from the changelog: {n:.0f} records left; those partitions join nothing until it is done"),
 )

@@ -258,18 +258,24 @@ def test_host_clients_on_the_published_ports(stack: ComposeProcesses, repo_root:
     # its freezer does) holds the stream still; the click is stamped at the joiners' frontier.
     traffic = stack.containers["traffic"].proc
     assert traffic is not None and traffic.poll() is None
+
+    def frontier() -> float | None:
+        return max([v for j in ("joiner-0", "joiner-1") for n, lab, v in samples(get(stack.url(j, 9100, "/metrics"))[1])
+                    if n == "driftline_joiner_watermark_ms" and lab["stream"] == "features"], default=None)
+
+    # (under load the traffic can be this test's to start: the joiners export a watermark once they joined some)
+    wait_for(stack, "the joiners' features watermarks", frontier, 120)
     traffic.send_signal(signal.SIGSTOP)
     try:
         time.sleep(3)  # the joiners read what the traffic sent before the pause
-        frontier = max(v for j in ("joiner-0", "joiner-1")
-                       for n, lab, v in samples(get(stack.url(j, 9100, "/metrics"))[1])
-                       if n == "driftline_joiner_watermark_ms" and lab["stream"] == "features")
+        newest = frontier()
+        assert newest is not None
         rid = f"host-client-{time.time_ns()}"
 
         async def produce() -> None:
             async with FeatureLogProducer(project.features, settings) as logs, ActionProducer(settings=settings) as acts:
-                await logs.send(rid, [{"item_id": 1193}, {"item_id": 661}], user_id=42, event_time_ms=int(frontier) + 1000)
-                await acts.send(rid, 1193, "click", user_id=42, event_time_ms=int(frontier) + 2000)
+                await logs.send(rid, [{"item_id": 1193}, {"item_id": 661}], user_id=42, event_time_ms=int(newest) + 1000)
+                await acts.send(rid, 1193, "click", user_id=42, event_time_ms=int(newest) + 2000)
 
         asyncio.run(produce())
         joined = wait_for(stack, "the host producer's click joined into an example", lambda: [

@@ -1,12 +1,14 @@
 """The online trainer across a broker reset (tansu's memory storage wiped by a restart), on a broker
 of this module's own: the snapshots are kept, the new ``examples`` topic is read from its start
 (none of its examples skipped, the ones learned before dropped by the dedup window), a snapshot of
-the new epoch is written at once and the deltas go to the new ``param-deltas`` topic."""
+the new epoch is written at once and the deltas go to the new ``param-deltas`` topic. And across a
+broker that stops answering and answers again (its data kept): the trainer waits, it does not exit."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -197,3 +199,41 @@ async def test_trainer_restarted_after_a_reset_keeps_its_snapshot(settings, own_
     final = mans[-1]
     assert final["broker_epoch"] == tr2.epoch and sum(final["offsets"].values()) == records
     assert (tr2.snapshot_root / "broker-epoch").read_text() == tr2.epoch
+
+
+def _waiting(model_id: str) -> float:
+    return REGISTRY.get_sample_value("driftline_trainer_publish_waiting_seconds", {"model": model_id}) or 0.0
+
+
+async def test_the_trainer_waits_out_a_hung_broker(settings, own_broker, ml_examples):
+    """SIGSTOP of the broker while the trainer trains and publishes, SIGCONT 14 s later. Before, a
+    parameter delta the hung broker did not take within ``kafka.connect_timeout_s`` made the
+    trainer exit (a 60 s hang in ``make chaos``: a restart from the last snapshot, training again
+    what it had applied since; a longer one: a crash loop)."""
+    # a request the broker does not answer fails after 8 s (tansu's group joins take some seconds),
+    # and used to be given up for good then (2 s after the first try)
+    settings = settings.updated(kafka={"connect_timeout_s": 2.0, "request_timeout_ms": 8_000},
+                                trainer={"sync_interval_s": 0.3, "snapshot_interval_event_s": 0, "batch_size": 128})
+    await produce_examples(settings, ml_examples)
+    tr = OnlineTrainer(settings, small_cfg())
+    run = asyncio.create_task(tr.run())
+    waited = 0.0
+    try:
+        await _until(lambda: tr.publisher.sparse_version > 0, "training and publishing", run)
+        own_broker.proc.send_signal(signal.SIGSTOP)
+        try:
+            for _ in range(140):  # 14 s: past the request timeout and the connect timeout
+                await asyncio.sleep(0.1)
+                waited = max(waited, _waiting(tr.publisher.model_id))
+                assert not run.done(), run.exception()
+        finally:
+            own_broker.proc.send_signal(signal.SIGCONT)
+        await _until(lambda: tr.examples_applied == N, "every example", run, timeout_s=90)
+        await asyncio.sleep(1.0)  # nothing more: none applied twice
+    finally:
+        own_broker.proc.send_signal(signal.SIGCONT)
+        tr.stop_event.set()
+    res = await asyncio.wait_for(run, 60)
+    assert waited > 2.0, "no publish waited past the connect timeout: the test proves nothing"
+    assert res["examples_applied"] == N, res
+    assert _waiting(tr.publisher.model_id) == 0

@@ -43,6 +43,9 @@ runs a smaller replay with shorter pauses (under 5 minutes); the full run stays 
 ``chaos-mismatch.json`` (the same for a label that differs), ``chaos-topics.csv`` (every input
 record the capture read: topic, epoch, partition, offset, id, event time) and
 ``chaos-topics.pickle`` (the same with each feature log's first copy: enough to replay the join).
+
+(Over 450 lines, one module: the capture, the faults and the comparison share one run's state;
+the post-mortem's replay and offset checks live in ``chaos_postmortem.py``.)
 """
 
 from __future__ import annotations

@@ -195,7 +195,6 @@ class JoinerApp:
                                self.worker_labels(), spool=self.output)
         await self.output.resend(sender, self.epoch)  # (a reset since the last run: the dumper may lack them)
         self.worker = Worker(s, self.table.data, self.changelog, self.prod, sender,
-                             highwater=lambda tp: self.app.consumer.highwater(TP(tp.topic, tp.partition)),
                              highwater_and_age=lambda tp: faust_quirks.highwater_and_age(self.app, tp),
                              keep_sending=self._keep_sending)
         self.watch = broker_reset.EpochWatch(s, SERVICE, self.epoch)

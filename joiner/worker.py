@@ -131,16 +131,14 @@ class Worker:
     """The join over Faust's events; the caller serialises calls (one batch at a time)."""
 
     def __init__(self, settings: Settings, store: JoinStore, changelog: str, prod: AIOKafkaProducer,
-                 sender: BatchedSender, highwater: Callable[[TopicPartition], int | None] = lambda tp: None,
+                 sender: BatchedSender,
                  highwater_and_age: Callable[[TopicPartition], tuple[int, float] | None] = lambda tp: None,
                  keep_sending: Callable[[], Awaitable[bool]] = _never) -> None:
         self.settings, self.store, self.changelog, self.prod, self.sender = settings, store, changelog, prod, sender
-        # the consumer's last high watermark of an input partition: stored at each commit, so a
-        # broker reset can count what it took before this worker read it (faust_reset.py)
-        self.highwater = highwater
-        # the same with the seconds since a fetch renewed it: the idle advance judges "all read"
-        # as of that fetch (a hung broker's last answer says nothing of what came since: quirk 3
-        # of joiner.faust_quirks)
+        # the consumer's last high watermark of an input partition and the seconds since a fetch
+        # renewed it: stored at each commit, so a broker reset can count what it took before this
+        # worker read it (faust_reset.py); the idle advance judges "all read" as of that fetch (a
+        # hung broker's last answer says nothing of what came since: quirk 3 of joiner.faust_quirks)
         self.highwater_and_age = highwater_and_age
         # whether an output send the broker did not answer is sent again (not after a broker reset,
         # whose new changelog must be re-seeded first, nor once the worker stops)
@@ -348,7 +346,7 @@ class Worker:
             jm.EXAMPLES.inc(len(out) - sum(bad.values()))
             metrics.MESSAGES_PRODUCED.labels("joiner", self.settings.topics.examples).inc(n_records)
         for part in parts:
-            hws = {tp: hw for tp in part.next if (hw := self.highwater(tp)) is not None}
+            hws = {tp: seen[0] for tp in part.next if (seen := self.highwater_and_age(tp)) is not None}
             for key, value in part.book.commit(part.next, hws).items():
                 part.state.put(key, value)  # type: ignore[arg-type]
         offsets = await self._until_answered(lambda: asyncio.gather(

@@ -1,7 +1,12 @@
 """numba plumbing shared by the kernels: ``njit`` with a safe cache, and the id hashes.
 
 Caching is on only when numba can write its cache (beside the sources, or in
-``NUMBA_CACHE_DIR``); a read-only checkout still works, it just compiles each run.
+``NUMBA_CACHE_DIR``); a read-only checkout still works, it just compiles each run. numba trusts a
+cached kernel while its own source file is unchanged, but a kernel compiles in the kernels it calls
+from other files (every PS kernel steps through :mod:`ps.optimizers`): after a change there (a
+``git pull``) it would go on running the old code. So a cache folder is trusted only for the
+sources it was written from, those of ``ps/`` and of the kernels' own folder
+(:func:`drop_stale_kernels`), and emptied otherwise.
 
 >>> int(mix64(np.int64(-1))) == int(mix64(np.int64(-1)))  # any int64 is a valid id
 True
@@ -9,6 +14,8 @@ True
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -52,6 +59,56 @@ def _cache_writable() -> bool:
 
 
 CACHE = _cache_writable()
+_PS_DIR = os.path.dirname(os.path.abspath(__file__))
+#: cache folders this process has checked (:func:`drop_stale_kernels`)
+_CHECKED: set[str] = set()
+STAMP = "numba-sources.sha256"
+
+
+def _sources_digest(dirs: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for d in dict.fromkeys(dirs):
+        for name in sorted(os.listdir(d)):
+            if name.endswith(".py"):
+                with open(os.path.join(d, name), "rb") as f:
+                    h.update(name.encode() + b"\0" + f.read())
+    return h.hexdigest()
+
+
+def drop_stale_kernels(cache_dir: str, source_dir: str) -> bool:
+    """Empty numba's cache folder ``cache_dir`` of kernels compiled from other sources than those of
+    ``ps/`` and ``source_dir`` now (its stamp file says which); True when it did. Once per folder and
+    process. Processes starting together may each empty it: they then compile again, no more.
+
+    >>> d = tempfile.mkdtemp()
+    >>> open(os.path.join(d, "k.f-1.py311.nbi"), "w").close()
+    >>> drop_stale_kernels(d, _PS_DIR), os.listdir(d) == [STAMP]
+    (True, True)
+    >>> _CHECKED.discard(d); drop_stale_kernels(d, _PS_DIR)  # the same sources: kept
+    False
+    """
+    if cache_dir in _CHECKED:
+        return False
+    _CHECKED.add(cache_dir)
+    digest = _sources_digest([_PS_DIR, source_dir])
+    stamp = os.path.join(cache_dir, STAMP)
+    try:
+        with open(stamp) as f:
+            if f.read() == digest:
+                return False
+    except OSError:
+        pass
+    try:
+        for name in os.listdir(cache_dir):
+            if name.endswith((".nbi", ".nbc")):
+                with contextlib.suppress(FileNotFoundError):  # (another process emptying it too)
+                    os.unlink(os.path.join(cache_dir, name))
+        with tempfile.NamedTemporaryFile("w", dir=cache_dir, delete=False) as f:
+            f.write(digest)
+        os.replace(f.name, stamp)
+    except OSError:
+        return False  # (numba writes there too: it would fail the same way, and compile each run)
+    return True
 
 
 def njit(fn: _F) -> Dispatcher[_F]:
@@ -64,7 +121,10 @@ def njit(fn: _F) -> Dispatcher[_F]:
     sqrt and division, 8 weights per instruction with it), and no kernel divides by a value that
     may be zero without testing it first.
     """
-    return numba.njit(cache=CACHE, nogil=True, error_model="numpy")(fn)
+    kernel = numba.njit(cache=CACHE, nogil=True, error_model="numpy")(fn)
+    if CACHE:  # (numba reads the cache at the first call, after this)
+        drop_stale_kernels(kernel._cache._cache_path, os.path.dirname(os.path.abspath(fn.__code__.co_filename)))
+    return kernel
 
 
 @njit

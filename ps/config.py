@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Frozen(BaseModel):
@@ -33,12 +33,38 @@ class SGDConfig(_Frozen):
 
 
 class AdagradConfig(_Frozen):
-    """Adagrad exactly as ``torch.optim.Adagrad`` (no lr decay): one accumulator per weight."""
+    """Adagrad exactly as ``torch.optim.Adagrad`` (no lr decay): one accumulator per weight.
+
+    ``max_accumulator`` caps each accumulator (its sum of squared gradients): a weight's step
+    size then never falls below ``lr / sqrt(max_accumulator)``. Plain Adagrad's steps shrink with
+    every gradient a row ever took, so a row seen a million times has all but stopped learning: an
+    online model whose items' appeal changes (a season, a price, the news) would follow the change
+    at the pace of its rarest rows' history, not its traffic. The cap keeps the step of a busy row
+    where its first ``max_accumulator / g**2`` gradients left it; rows below it are plain Adagrad.
+    ``None``: no cap.
+
+    >>> AdagradConfig(max_accumulator=10.0).max_accumulator
+    10.0
+    >>> from pydantic import ValidationError
+    >>> try:
+    ...     AdagradConfig(initial_accumulator_value=1.0, max_accumulator=0.5)
+    ... except ValidationError as e:
+    ...     print(e.errors()[0]["msg"])
+    Value error, max_accumulator 0.5 is below initial_accumulator_value 1: every row would start capped
+    """
 
     kind: Literal["adagrad"] = "adagrad"
     lr: float = Field(0.01, gt=0)
     initial_accumulator_value: float = Field(0.0, ge=0)
     eps: float = Field(1e-10, gt=0)
+    max_accumulator: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _cap_above_start(self) -> AdagradConfig:
+        if self.max_accumulator is not None and self.max_accumulator < self.initial_accumulator_value:
+            raise ValueError(f"max_accumulator {self.max_accumulator:g} is below initial_accumulator_value "
+                             f"{self.initial_accumulator_value:g}: every row would start capped")
+        return self
 
 
 class AdamConfig(_Frozen):

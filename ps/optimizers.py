@@ -34,7 +34,8 @@ def encode(cfg: TableConfig) -> tuple[int, np.ndarray]:
         h = [o.lr]
         code = OPT_SGD
     elif isinstance(o, AdagradConfig):
-        h, code = [o.lr, o.initial_accumulator_value, o.eps], OPT_ADAGRAD
+        cap = math.inf if o.max_accumulator is None else o.max_accumulator
+        h, code = [o.lr, o.initial_accumulator_value, o.eps, cap], OPT_ADAGRAD
     elif isinstance(o, AdamConfig):
         h, code = [o.lr, o.beta1, o.beta2, o.eps], OPT_ADAM
     elif isinstance(o, FtrlConfig):
@@ -212,10 +213,11 @@ def apply_updates(kind: IntLike, hyper: F64Array, emb: F32Array, state: F32Array
 
 
 @njit
-def adagrad_elem(lr: float, eps: float, w: float, a: float, g: float) -> tuple[np.float64, np.float64]:
-    """:func:`step_elem`'s Adagrad step, ``(w, accumulator)``: a loop over a row's weights that
-    reads ``lr`` and ``eps`` once, outside it, compiles to vector instructions."""
-    acc = np.float32(a + g * g)
+def adagrad_elem(lr: float, eps: float, cap: float, w: float, a: float, g: float) -> tuple[np.float64, np.float64]:
+    """:func:`step_elem`'s Adagrad step, ``(w, accumulator)``, the accumulator at most ``cap``
+    (:class:`ps.AdagradConfig`'s ``max_accumulator``; ``inf``: none): a loop over a row's weights
+    that reads ``lr``, ``eps`` and ``cap`` once, outside it, compiles to vector instructions."""
+    acc = np.float32(min(a + g * g, cap))
     return np.float64(np.float32(w - lr * g / (math.sqrt(np.float64(acc)) + eps))), np.float64(acc)
 
 
@@ -234,7 +236,7 @@ def step_elem(kind: IntLike, hyper: F64Array, w: float, a: float, b: float, g: f
     if kind == OPT_SGD:
         return np.float64(np.float32(w - lr * g)), a, b
     if kind == OPT_ADAGRAD:
-        w, a = adagrad_elem(lr, hyper[2], w, a, g)
+        w, a = adagrad_elem(lr, hyper[2], hyper[3], w, a, g)
         return w, a, b
     if kind == OPT_ADAM:
         b1, b2, eps = hyper[1], hyper[2], hyper[3]

@@ -180,9 +180,9 @@ def sequential_fm_kernel(
                 continue
             qk = q - k
             if kind == OPT_ADAGRAD:
-                lr, eps = hyper[0], hyper[2]  # read before the loop: it then compiles to vector instructions
+                lr, eps, cap = hyper[0], hyper[2], hyper[3]  # read before the loop: it then compiles to vector instructions
                 for j in range(D):
-                    nw, sa = adagrad_elem(lr, eps, np.float64(W[u, j]), np.float64(ST[u, j]),
+                    nw, sa = adagrad_elem(lr, eps, cap, np.float64(W[u, j]), np.float64(ST[u, j]),
                                           np.float64(np.float32(g * vg[qk, j])))
                     W[u, j] = nw
                     ST[u, j] = sa

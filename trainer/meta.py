@@ -145,6 +145,7 @@ class _Part:
     eps: float
     adagrad: bool
     salt: int       # the slot's ids are salted in this table (``ModelConfig.salts``)
+    cap: float      # Adagrad's ``max_accumulator`` (inf: none)
 
     def keys(self, ids: np.ndarray) -> np.ndarray:
         return ids ^ self.salt if self.salt else ids
@@ -185,8 +186,10 @@ class MetaLearner:
                 continue
             t = cfg.table(mapping[slot])
             opt = t.optimizer
+            cap = getattr(opt, "max_accumulator", None)
             out.append(_Part(t.name, b, blk.keys.index(f"{'el'[b]}:{slot}"), blk.dim, float(opt.lr),
-                             float(getattr(opt, "eps", 0.0)), opt.kind == "adagrad", salts[(t.name, slot)]))
+                             float(getattr(opt, "eps", 0.0)), opt.kind == "adagrad", salts[(t.name, slot)],
+                             float("inf") if cap is None else float(cap)))
         return out
 
     def _acc0(self, p: _Part) -> float:
@@ -370,12 +373,13 @@ class MetaLearner:
         lr = torch.tensor(np.concatenate([np.full(p.dim, p.lr) for p in self.parts]), dtype=torch.float32)
         eps = torch.tensor(np.concatenate([np.full(p.dim, p.eps) for p in self.parts]), dtype=torch.float32)
         ada = torch.tensor(np.concatenate([np.full(p.dim, p.adagrad) for p in self.parts]))
+        cap = torch.tensor(np.concatenate([np.full(p.dim, p.cap) for p in self.parts]), dtype=torch.float32)
         w = torch.zeros(T, self.dim)
         acc = torch.exp(self.log_acc).expand(T, self.dim)
         gs = self._grads(support, w.repeat_interleave(s, 0)).view(T, s, self.dim)
         for j in range(s):
             g = gs[:, j]
-            acc = acc + g * g
+            acc = torch.minimum(acc + g * g, cap)
             w = w - torch.where(ada, lr * g / (acc.sqrt() + eps), lr * g)
         return w
 

@@ -88,6 +88,8 @@ class _CachedTable:
         self.adagrad = isinstance(opt, AdagradConfig)
         self.lr = float(opt.lr)
         self.eps = float(opt.eps) if isinstance(opt, AdagradConfig) else 0.0
+        cap = opt.max_accumulator if isinstance(opt, AdagradConfig) else None
+        self.cap = float("inf") if cap is None else float(cap)
         self.width = table.config.slot_width
         self.keys = np.empty(0, np.int64)  # sorted
         self.slots = np.empty(0, np.int64)  # the slot of keys[i]
@@ -222,7 +224,7 @@ class MixCache:
             g64 = g[sel].double()
             w = self.values[rows].double()
             if part.adagrad:
-                acc = (self.state[rows, :part.width].double() + g64 * g64).float()
+                acc = (self.state[rows, :part.width].double() + g64 * g64).clamp(max=part.cap).float()
                 self.values[rows] = (w - part.lr * g64 / (acc.double().sqrt() + part.eps)).float()
                 self.state[rows, :part.width] = acc
             else:

@@ -104,3 +104,23 @@ def test_initializers_seeded_and_scaled():
         assert (mk(1).gather(ids[::-1], insert=True, event_time=0) == a[::-1]).all()
         if kind != "zeros":
             assert not (mk(2).gather(ids, insert=True, event_time=0) == a).all()
+
+
+def test_max_accumulator_keeps_a_busy_rows_step_from_shrinking(rng):
+    """Capped Adagrad is Adagrad until a weight's accumulator reaches the cap, then a constant step
+    ``lr / sqrt(cap)``: a row with a long history still moves with its newest gradients."""
+    cap = 2.0
+    grads = [rng.normal(size=(IDS.size, DIM)).astype(np.float32) for _ in range(40)]
+    w0, ours = run_ps(AdagradConfig(lr=0.1, initial_accumulator_value=0.1, max_accumulator=cap), 40, grads)
+    uniq, first = np.unique(IDS, return_index=True)
+    inv = np.searchsorted(uniq, IDS)
+    w, acc = w0[first].astype(np.float64), np.full((uniq.size, DIM), 0.1)
+    for g_ex in grads:
+        g = np.zeros((uniq.size, DIM))
+        np.add.at(g, inv, g_ex.astype(np.float64))
+        acc = np.minimum(acc + g * g, cap).astype(np.float32).astype(np.float64)
+        w = (w - 0.1 * g / (np.sqrt(acc) + 1e-10)).astype(np.float32).astype(np.float64)
+    np.testing.assert_allclose(ours, w[inv], rtol=2e-5, atol=2e-6)
+    assert (acc == np.float32(cap)).all()  # every weight reached the cap: the last steps were lr/sqrt(cap)
+    _, plain = run_ps(AdagradConfig(lr=0.1, initial_accumulator_value=0.1), 40, grads)
+    assert np.abs(ours - w0).sum() > np.abs(plain - w0).sum()  # the capped rows moved further

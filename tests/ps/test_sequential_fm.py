@@ -22,14 +22,14 @@ from ps.sequential_fm import train_fm_sequential
 D = 3
 
 
-def _server(admission: int = 1, emb_opt=None) -> ParameterServer:
+def _server(admission: int = 1, emb_opt=None, cap: float | None = None) -> ParameterServer:
     adm = AdmissionConfig(min_count=admission)
     return ParameterServer([
-        TableConfig(name="v", dim=D, optimizer=emb_opt or AdagradConfig(lr=0.2),
+        TableConfig(name="v", dim=D, optimizer=emb_opt or AdagradConfig(lr=0.2, max_accumulator=cap),
                     initializer=InitializerConfig(kind="normal", scale=0.3, seed=3), admission=adm, shards=2),
         TableConfig(name="u", dim=D, optimizer=SGDConfig(lr=0.1), initializer=InitializerConfig(kind="normal", scale=0.3,
                                                                                                seed=4)),
-        TableConfig(name="w", dim=1, optimizer=AdagradConfig(lr=0.5), initializer=InitializerConfig(kind="zeros"),
+        TableConfig(name="w", dim=1, optimizer=AdagradConfig(lr=0.5, max_accumulator=cap), initializer=InitializerConfig(kind="zeros"),
                     admission=adm)],
         {"a": "v", "b": "v", "c": "u", "wa": "w", "wc": "w"})
 
@@ -46,7 +46,7 @@ def _batch(rng, n: int):
     return slots, bags, offs, ids
 
 
-def _reference(server: ParameterServer, slots, bags, labels, offset, jac, mean):
+def _reference(server: ParameterServer, slots, bags, labels, offset, jac, mean, cap: float = math.inf):
     """Example by example, straight from the docstring, on dict copies of the rows."""
     names = {"a": "v", "b": "v", "c": "u", "wa": "w", "wc": "w"}
     rows, acc = {}, {}
@@ -91,15 +91,16 @@ def _reference(server: ParameterServer, slots, bags, labels, offset, jac, mean):
             if key[0] == "u":
                 rows[key] = rows[key] - lr["u"] * gr
             else:
-                acc[key] = acc[key] + gr * gr
+                acc[key] = np.minimum(acc[key] + gr * gr, cap)
                 rows[key] = rows[key] - lr[key[0]] * gr / (np.sqrt(acc[key]) + 1e-10)
     return np.array(probs), rows
 
 
-@pytest.mark.parametrize("admission", [1, 2])
-def test_the_kernel_learns_example_by_example_as_the_docstring_says(admission):
+@pytest.mark.parametrize("admission,cap", [(1, None), (2, None), (1, 0.05)])
+def test_the_kernel_learns_example_by_example_as_the_docstring_says(admission, cap):
+    """(``cap``: Adagrad's ``max_accumulator``, low enough that rows reach it within the batches)"""
     rng = np.random.default_rng(0)
-    server = _server(admission)
+    server = _server(admission, cap=cap)
     mean = np.array([False, True, False, False, False])
     for step in range(3):
         n = 16
@@ -109,7 +110,7 @@ def test_the_kernel_learns_example_by_example_as_the_docstring_says(admission):
         labels = rng.integers(0, 2, n).astype(np.float64)
         offset = rng.normal(0, 0.3, n)
         jac = rng.normal(0, 0.2, (n, 3, D)).astype(np.float32)
-        want_p, want_rows = _reference(server, slots, bags, labels, offset, jac, mean)
+        want_p, want_rows = _reference(server, slots, bags, labels, offset, jac, mean, math.inf if cap is None else cap)
         p, loss, resid = train_fm_sequential(server, pb, 3, offs, mean, labels, offset, jac, step, insert=False)
         np.testing.assert_allclose(p, want_p, rtol=1e-5)
         np.testing.assert_allclose(resid, p.astype(np.float64) - labels, atol=1e-6)

@@ -118,6 +118,23 @@ def test_sgd_tables_cache_too_and_equal(batches):
     _assert_same(plain, cached)
 
 
+def test_capped_adagrad_tables_cache_too_and_equal(batches):
+    """Adagrad's ``max_accumulator`` is applied in the cache as on the host, bit for bit."""
+    def cfg():
+        c = _cfg()
+        tables = [t.model_copy(update={"optimizer": t.optimizer.model_copy(update={"max_accumulator": 0.002})})
+                  for t in c.tables]
+        return c.model_copy(update={"tables": tables})
+
+    plain, cached = SparseModel(cfg()), SparseModel(cfg(), cache_rows=256)
+    _train(plain, batches[:20])
+    _train(cached, batches[:20])
+    assert cached.cache.stats.hits
+    _assert_same(plain, cached)
+    acc = plain.tables["gender"].items()[2]
+    assert (acc == np.float32(0.002)).all()  # the cap was reached, and held
+
+
 def test_a_non_finite_cached_gradient_applies_nothing(batches):
     m = SparseModel(_cfg(), cache_rows=4096)
     _train(m, batches[:10])

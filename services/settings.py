@@ -492,6 +492,15 @@ class TrainerSettings(BaseModel):
     # follows a changed joiner setting. ~25 batches of negatives: about as fast as the model's own
     # bias moves to the new mix; under a constant setting the rate is exact whatever the value.
     sample_rate_half_life: float = Field(50_000.0, gt=0)
+    # Half-life, in examples, of the trainer's *recent* scores (trainer/learned.py): the progressive
+    # AUC of the model and of its counting baselines over the recent examples
+    # (driftline_trainer_recent_auc), and of the baseline that counts recent clicks alone
+    # (scorer="recent_counts"). The lifetime AUC (driftline_trainer_auc) hardly moves once the
+    # stream is long; this one shows a change in the traffic within about a half-life. 20,000:
+    # `make bench-drift` flags the served model behind counting recent clicks after its shop's
+    # change and never before it (10,000: false alarms before; 50,000: counting that slowly trails
+    # the model too), and on ml-1m's million ratings it never does (20,000 or 50,000).
+    recent_half_life: float = Field(20_000.0, ge=1_000)
     # Ranks of distributed training on this machine (trainer/dist/rank_trainer.py, docs/scale-out.md):
     # 1 is one trainer process owning every shard; N > 1 starts N ranks through torch's elastic
     # launcher, rank r owning shard r of every table and the partitions p with p % N == r.

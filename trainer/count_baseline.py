@@ -54,12 +54,16 @@ def first_ids(ids: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 
 
 class _KeyCounts:
-    """Clicks and examples per key (exact: one row per key)."""
+    """Clicks and examples per key (exact: one row per key); with ``half_life``, each count's weight
+    halves every ``half_life`` examples counted after it (by any key): kept per key as the counts at
+    the clock of its last batch (``at``), decayed when the key is read again."""
 
-    def __init__(self, capacity: int = 1024) -> None:
+    def __init__(self, capacity: int = 1024, half_life: float | None = None) -> None:
         self.index = HashIndex(capacity)
+        self.half_life = half_life
         self.clicks = np.zeros(capacity, np.float64)
         self.seen = np.zeros(capacity, np.float64)
+        self.at = np.zeros(capacity, np.float64)
         self.keys = np.zeros(capacity, np.int64)
         self.n = 0
 
@@ -71,8 +75,9 @@ class _KeyCounts:
             new = uniq[missing]
             if self.n + new.size > self.clicks.size:
                 size = max(2 * self.clicks.size, self.n + new.size)
-                self.clicks, self.seen, self.keys = (np.resize(a, size) for a in (self.clicks, self.seen, self.keys))
-                self.clicks[self.n:] = self.seen[self.n:] = 0
+                self.clicks, self.seen, self.at, self.keys = (np.resize(a, size) for a in
+                                                              (self.clicks, self.seen, self.at, self.keys))
+                self.clicks[self.n:] = self.seen[self.n:] = self.at[self.n:] = 0
             fresh = np.arange(self.n, self.n + new.size, dtype=np.int64)
             self.index.reserve(self.n + new.size)
             self.index.insert(new, fresh)
@@ -81,9 +86,16 @@ class _KeyCounts:
             rows[missing] = fresh
         return rows
 
-    def rates(self, keys: np.ndarray, y: np.ndarray, known: np.ndarray, g: np.ndarray, prior: float) -> np.ndarray:
+    def _decayed(self, rows: np.ndarray, clock: float) -> tuple[np.ndarray, np.ndarray]:
+        if self.half_life is None:
+            return self.clicks[rows], self.seen[rows]
+        keep = 0.5 ** ((clock - self.at[rows]) / self.half_life)
+        return self.clicks[rows] * keep, self.seen[rows] * keep
+
+    def rates(self, keys: np.ndarray, y: np.ndarray, known: np.ndarray, g: np.ndarray, prior: float,
+              clock: float = 0.0) -> np.ndarray:
         """Each example's smoothed rate from its key's counts before it (earlier batches and earlier
-        in this one), then the batch counted."""
+        in this one), then the batch counted; ``clock``: the examples counted before this batch."""
         uniq, inv = np.unique(keys, return_inverse=True)
         rows = self.rows(uniq)
         o = np.argsort(inv, kind="stable")
@@ -94,30 +106,35 @@ class _KeyCounts:
         run = np.cumsum(both, 0) - both
         before = np.empty_like(both)
         before[o] = run - run[start]
-        clicks = self.clicks[rows][inv] + before[:, 0]
-        seen = self.seen[rows][inv] + before[:, 1]
-        self.clicks[rows] += np.bincount(inv, weights=y, minlength=uniq.size)
-        self.seen[rows] += np.bincount(inv, weights=known, minlength=uniq.size)
+        old_clicks, old_seen = self._decayed(rows, clock)
+        clicks = old_clicks[inv] + before[:, 0]
+        seen = old_seen[inv] + before[:, 1]
+        self.clicks[rows] = old_clicks + np.bincount(inv, weights=y, minlength=uniq.size)
+        self.seen[rows] = old_seen + np.bincount(inv, weights=known, minlength=uniq.size)
+        self.at[rows] = clock
         return (clicks + prior * g) / (seen + prior)
 
-    def frozen_rates(self, keys: np.ndarray, g: float, prior: float) -> np.ndarray:
+    def frozen_rates(self, keys: np.ndarray, g: float, prior: float, clock: float = 0.0) -> np.ndarray:
         """Each key's smoothed rate from the counts so far, counting nothing (an unseen key: ``g``)."""
         rows = self.index.lookup(np.asarray(keys, np.int64))
         seen = rows >= 0
-        r = np.where(seen, rows, 0)
-        return (np.where(seen, self.clicks[r], 0.0) + prior * g) / (np.where(seen, self.seen[r], 0.0) + prior)
+        clicks, n = self._decayed(np.where(seen, rows, 0), clock)
+        return (np.where(seen, clicks, 0.0) + prior * g) / (np.where(seen, n, 0.0) + prior)
 
     def state(self) -> dict[str, np.ndarray]:
         n = self.n
-        return {"keys": self.keys[:n].copy(), "clicks": self.clicks[:n].copy(), "seen": self.seen[:n].copy()}
+        return {"keys": self.keys[:n].copy(), "clicks": self.clicks[:n].copy(), "seen": self.seen[:n].copy(),
+                "at": self.at[:n].copy()}
 
     @classmethod
-    def loaded(cls, state: dict[str, np.ndarray]) -> _KeyCounts:
+    def loaded(cls, state: dict[str, np.ndarray], half_life: float | None = None) -> _KeyCounts:
         keys = np.asarray(state["keys"], np.int64)
-        counts = cls(max(1024, keys.size))
+        counts = cls(max(1024, keys.size), half_life)
         rows = counts.rows(keys)
         counts.clicks[rows] = state["clicks"]
         counts.seen[rows] = state["seen"]
+        if "at" in state:  # (a state saved before it had them: no decay is owed)
+            counts.at[rows] = state["at"]
         return counts
 
 
@@ -126,21 +143,45 @@ def _logit(p: np.ndarray) -> np.ndarray:
 
 
 class CountBaseline:
-    """Progressive per-user + per-item click-rate counts; ``auc`` and ``log_loss`` of their scores."""
+    """Progressive per-user + per-item click-rate counts; ``auc`` and ``log_loss`` of their scores.
 
-    def __init__(self, prior: float, position_slot: str | None = None) -> None:
+    ``half_life`` (examples; None: every example counts alike) makes it a count of *recent* clicks:
+    each example's weight in every rate halves every ``half_life`` examples counted after it. It
+    follows a change in the traffic (an item whose appeal changed) where lifetime counts take as
+    long as the item's history to; a model that cannot keep up with it is slow to follow changes.
+
+    >>> now, ever = CountBaseline(prior=1.0, half_life=10), CountBaseline(prior=1.0)
+    >>> for c in (now, ever):  # item 7 clicked 20 times, then not 8 times
+    ...     _ = c.score_and_count(None, np.full(20, 7), np.ones(20))
+    ...     for _ in range(8):
+    ...         _ = c.score_and_count(None, np.array([7]), np.zeros(1))
+    >>> round(float(now.score(None, np.array([7]))[0]), 2), round(float(ever.score(None, np.array([7]))[0]), 2)
+    (0.33, 0.71)
+    """
+
+    def __init__(self, prior: float, position_slot: str | None = None, half_life: float | None = None) -> None:
         self.prior = prior
         self.position_slot = position_slot
-        self.users, self.items = _KeyCounts(), _KeyCounts()
-        self.positions = _KeyCounts() if position_slot is not None else None
-        self.clicks = 0.0
-        self.examples = 0
+        self.half_life = half_life
+        self.users, self.items = _KeyCounts(half_life=half_life), _KeyCounts(half_life=half_life)
+        self.positions = _KeyCounts(half_life=half_life) if position_slot is not None else None
+        self.clicks = 0.0  # the global rate's counts (decayed with half_life) ...
+        self.seen = 0.0
+        self.at = 0.0  # ... as of this clock
+        self.examples = 0  # labelled examples counted: the clock of the decay
         self.auc = StreamingAUC()
         self.loss_sum = 0.0
 
     @property
     def log_loss(self) -> float:
         return self.loss_sum / self.examples if self.examples else float("nan")
+
+    def _global(self) -> tuple[float, float]:
+        """The global counts (clicks, seen) as of now."""
+        if self.half_life is None:
+            return self.clicks, self.seen
+        keep = 0.5 ** ((self.examples - self.at) / self.half_life)
+        return self.clicks * keep, self.seen * keep
 
     def score_and_count(self, users: np.ndarray | None, items: np.ndarray, labels: np.ndarray,
                         positions: np.ndarray | None = None) -> np.ndarray:
@@ -156,14 +197,16 @@ class CountBaseline:
         known = ~np.isnan(labels)
         y = np.where(known, labels, 0.0).astype(np.float64)
         k = known.astype(np.float64)
-        g = (self.clicks + np.cumsum(y) - y + 1.0) / (self.examples + np.cumsum(k) - k + 2.0)  # global rate so far
-        z = _logit(self.items.rates(items, y, k, g, self.prior))
+        clicks, seen = self._global()
+        clock = float(self.examples)
+        g = (clicks + np.cumsum(y) - y + 1.0) / (seen + np.cumsum(k) - k + 2.0)  # global rate so far
+        z = _logit(self.items.rates(items, y, k, g, self.prior, clock))
         if users is not None:
-            z += _logit(self.users.rates(users, y, k, g, self.prior)) - _logit(g)
+            z += _logit(self.users.rates(users, y, k, g, self.prior, clock)) - _logit(g)
         if positions is not None and self.positions is not None:
-            z += _logit(self.positions.rates(positions, y, k, g, self.prior)) - _logit(g)
+            z += _logit(self.positions.rates(positions, y, k, g, self.prior, clock)) - _logit(g)
         p = 1.0 / (1.0 + np.exp(-z))
-        self.clicks += float(y.sum())
+        self.clicks, self.seen, self.at = clicks + float(y.sum()), seen + float(k.sum()), clock
         self.examples += int(known.sum())
         self.auc.update(p[known], y[known])
         q = np.clip(p[known], 1e-7, 1 - 1e-7)
@@ -178,12 +221,14 @@ class CountBaseline:
         >>> [round(float(x), 3) for x in c.score(None, np.array([7, 9]))]  # 9: unseen, the global rate
         [0.867, 0.6]
         """
-        g = (self.clicks + 1.0) / (self.examples + 2.0)
-        z = _logit(self.items.frozen_rates(items, g, self.prior))
+        clicks, seen = self._global()
+        g = (clicks + 1.0) / (seen + 2.0)
+        clock = float(self.examples)
+        z = _logit(self.items.frozen_rates(items, g, self.prior, clock))
         if users is not None:
-            z += _logit(self.users.frozen_rates(users, g, self.prior)) - _logit(np.float64(g))
+            z += _logit(self.users.frozen_rates(users, g, self.prior, clock)) - _logit(np.float64(g))
         if positions is not None and self.positions is not None:
-            z += _logit(self.positions.frozen_rates(positions, g, self.prior)) - _logit(np.float64(g))
+            z += _logit(self.positions.frozen_rates(positions, g, self.prior, clock)) - _logit(np.float64(g))
         return (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
 
     def place_ratios(self, places: int = PLACES_SHOWN) -> dict[int, float]:
@@ -223,16 +268,20 @@ class CountBaseline:
 
     def state(self) -> dict:
         state = {"prior": self.prior, "users": self.users.state(), "items": self.items.state(), "clicks": self.clicks,
-                 "examples": self.examples, "auc_pos": self.auc.pos, "auc_neg": self.auc.neg, "loss_sum": self.loss_sum}
+                 "seen": self.seen, "at": self.at, "examples": self.examples, "auc_pos": self.auc.pos,
+                 "auc_neg": self.auc.neg, "loss_sum": self.loss_sum}
         if self.positions is not None:
             state["positions"] = self.positions.state()
         return state
 
     def load(self, state: dict) -> None:
         """A saved state (one without places, saved before the model read them: places counted from now)."""
-        self.users, self.items = _KeyCounts.loaded(state["users"]), _KeyCounts.loaded(state["items"])
+        h = self.half_life
+        self.users, self.items = _KeyCounts.loaded(state["users"], h), _KeyCounts.loaded(state["items"], h)
         if self.positions is not None:
-            self.positions = _KeyCounts.loaded(state["positions"]) if "positions" in state else _KeyCounts()
+            self.positions = _KeyCounts.loaded(state["positions"], h) if "positions" in state else _KeyCounts(half_life=h)
         self.clicks, self.examples = float(state["clicks"]), int(state["examples"])
+        # (a state saved before the global counts had their own: every example counted, none decayed)
+        self.seen, self.at = float(state.get("seen", self.examples)), float(state.get("at", self.examples))
         self.auc.load(state["auc_pos"], state["auc_neg"])
         self.loss_sum = float(state["loss_sum"])

@@ -22,6 +22,8 @@ from .metrics import (
     LOSS,
     PLACE_CLICK_RATIO,
     RANK_EXAMPLES,
+    RECENT_AUC,
+    TRAILS_RECENT_COUNTS,
     PSCounts,
     StreamingAUC,
 )
@@ -34,6 +36,13 @@ class Learned:
     ids into the dedup window, its partitions' next offsets and a commit request. ``auc``,
     ``sample_rates``, ``dedup``, ``published`` (the publisher's ``applied``) belong to the trainer;
     ``commit`` is set once its committer exists; ``rank``: a rank's examples are also counted by rank.
+
+    With ``recent_baseline`` (a :class:`trainer.count_baseline.CountBaseline` with a half-life) the
+    model, ``baseline`` and it are also judged on the recent examples (:attr:`recent`: AUCs whose
+    examples' weights halve every ``recent_baseline.half_life`` examples): the lifetime AUC of a long
+    stream hardly moves when the traffic changes, these do, and a model whose recent AUC is below
+    that of counting recent clicks follows the change slower than counting does
+    (``driftline_trainer_trails_recent_counts``, once two half-lives of examples were judged).
 
     >>> from trainer.sample_rates import SampleRateTracker
     >>> from trainer.batch import SparseBatch
@@ -48,10 +57,16 @@ class Learned:
 
     def __init__(self, model_id: str, auc: StreamingAUC, sample_rates, dedup=None,
                  published: Callable[[np.ndarray, np.ndarray], None] | None = None, ps_counts: PSCounts | None = None,
-                 rank: int | None = None, baseline=None):
+                 rank: int | None = None, baseline=None, recent_baseline=None):
         self.model_id, self.auc, self.sample_rates, self.dedup = model_id, auc, sample_rates, dedup
         #: a :class:`trainer.count_baseline.CountBaseline` scored beside the model (None: none)
         self.baseline = baseline
+        self.recent_baseline = recent_baseline
+        half_life = None if recent_baseline is None else recent_baseline.half_life
+        #: scorer -> its AUC on the recent examples ({}: none kept)
+        self.recent: dict[str, StreamingAUC] = {} if half_life is None else {
+            name: StreamingAUC(1024, half_life) for name in ("model", "counts", "recent_counts")}
+        self.recent_examples = 0  # labelled examples the recent AUCs have judged
         self.log_loss_sum, self.log_loss_n = 0.0, 0  # the model's progressive log loss
         self.published, self.ps_counts = published, ps_counts
         self.by_rank = None if rank is None else RANK_EXAMPLES.labels(model_id, str(rank))
@@ -87,23 +102,45 @@ class Learned:
         self.log_loss_n += int(y.size)
         if self.log_loss_n:
             LOG_LOSS.labels(self.model_id, "model").set(self.log_loss_sum / self.log_loss_n)
-        if self.baseline is not None and self.baseline.score_batch(batch) is not None and self.baseline.examples:
+        counted = self.baseline.score_batch(batch) if self.baseline is not None else None
+        if counted is not None and self.baseline.examples:
             BASELINE_AUC.labels(self.model_id, "counts").set(self.baseline.auc.value())
             LOG_LOSS.labels(self.model_id, "counts").set(self.baseline.log_loss)
             for place, ratio in self.baseline.place_ratios().items():
                 PLACE_CLICK_RATIO.labels(self.model_id, str(place)).set(ratio)
+        if self.recent:
+            self._recent(batch, probs, counted)
+
+    def _recent(self, batch, probs: np.ndarray, counted: np.ndarray | None) -> None:
+        recent = self.recent_baseline.score_batch(batch)
+        self.recent["model"].update(probs, batch.labels)
+        self.recent_examples += int((~np.isnan(batch.labels)).sum())
+        for name, p in (("counts", counted), ("recent_counts", recent)):
+            if p is not None:
+                self.recent[name].update(p, batch.labels)
+        values = {name: a.value() for name, a in self.recent.items()}
+        for name, v in values.items():
+            if not math.isnan(v):
+                RECENT_AUC.labels(self.model_id, name).set(v)
+        gap = values["recent_counts"] - values["model"]
+        judged = self.recent_examples >= 2 * self.recent_baseline.half_life
+        TRAILS_RECENT_COUNTS.labels(self.model_id).set(gap if judged and gap > 0 else 0.0)
 
     def scores(self) -> dict:
         """The model's progressive log loss beside the baseline's AUC and log loss (a result line's)."""
         b = self.baseline
         return {"log_loss": self.log_loss_sum / self.log_loss_n if self.log_loss_n else None,
                 "baseline_auc": b.auc.value() if b is not None and b.examples else None,
-                "baseline_log_loss": b.log_loss if b is not None and b.examples else None}
+                "baseline_log_loss": b.log_loss if b is not None and b.examples else None,
+                "recent_auc": {name: _or_none(a.value()) for name, a in self.recent.items()}}
 
     def scores_state(self) -> dict:
         """The model's log loss sums and the baseline's state, for a snapshot."""
         return {"log_loss": [self.log_loss_sum, self.log_loss_n],
-                "count_baseline": None if self.baseline is None else self.baseline.state()}
+                "count_baseline": None if self.baseline is None else self.baseline.state(),
+                "recent_counts": None if self.recent_baseline is None else self.recent_baseline.state(),
+                "recent_auc": {name: [a.pos, a.neg] for name, a in self.recent.items()},
+                "recent_examples": self.recent_examples}
 
     def load_scores(self, state: dict | None) -> None:
         """Continue from :meth:`scores_state` (None, or a snapshot written before it existed: afresh)."""
@@ -112,6 +149,14 @@ class Learned:
         self.log_loss_sum, self.log_loss_n = float(state["log_loss"][0]), int(state["log_loss"][1])
         if self.baseline is not None and state.get("count_baseline"):
             self.baseline.load(state["count_baseline"])
+        if self.recent_baseline is not None and state.get("recent_counts"):
+            self.recent_baseline.load(state["recent_counts"])
+        saved = state.get("recent_auc") or {}
+        if self.recent and set(saved) == set(self.recent):  # (else: judged afresh from here)
+            for name, (pos, neg) in saved.items():
+                if len(pos) == self.recent[name].bins:
+                    self.recent[name].load(pos, neg)
+            self.recent_examples = int(state.get("recent_examples", 0))
 
     def done(self, hashes: np.ndarray | None, offsets: dict[int, int]) -> None:
         """A polled batch is done (learned, dead-lettered or dropped as duplicates): its ids enter
@@ -130,6 +175,10 @@ class Learned:
         if now - t >= 1.0:
             EXAMPLES_PER_S.labels(self.model_id, "online").set((self.examples - n) / (now - t))
             self._rate_mark = (now, self.examples)
+
+
+def _or_none(x: float) -> float | None:
+    return None if math.isnan(x) else x
 
 
 class LearnedFields:

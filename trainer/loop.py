@@ -81,7 +81,9 @@ class TrainerLoop(LearnedFields):
         self.publisher = Publisher(settings, cfg.model_id, self._stage)
         # (each rank's baseline counts the users and items of its own partitions)
         self.learned = Learned(cfg.model_id, self.auc, self.sample_rates, self.dedup, self.publisher.applied,
-                               rank=rank, baseline=CountBaseline(settings.eval.count_prior, cfg.position_slot))
+                               rank=rank, baseline=CountBaseline(settings.eval.count_prior, cfg.position_slot),
+                               recent_baseline=CountBaseline(settings.eval.count_prior, cfg.position_slot,
+                                                             half_life=ts.recent_half_life))
         self.store = SnapshotStore(self.snapshot_root, cfg, self.topic)
         self.clock = EventClock(int(1000 * ts.snapshot_interval_event_s))
         self.commits: Committer | None = None

@@ -18,6 +18,16 @@ BASELINE_AUC = Gauge("driftline_trainer_baseline_auc", "Progressive AUC of a nai
                      "with a position feature (baseline=counts, "
                      "trainer/count_baseline.py). A model below it has not learned its features yet.",
                      ["model", "baseline"])
+RECENT_AUC = Gauge("driftline_trainer_recent_auc", "Progressive AUC over the recent examples: each example's weight "
+                   "halves every trainer.recent_half_life examples after it (driftline_trainer_auc counts every "
+                   "example alike, and hardly moves once the stream is long). scorer=model: the model; counts: the "
+                   "lifetime click-rate counts (driftline_trainer_baseline_auc's); recent_counts: click rates "
+                   "counted with the same half-life, a baseline that follows a change in the traffic at once.",
+                   ["model", "scorer"])
+TRAILS_RECENT_COUNTS = Gauge("driftline_trainer_trails_recent_counts", "How far the model's recent AUC is below that "
+                             "of counting recent clicks (0 when it is not, or before two half-lives of examples): the "
+                             "model follows a change in the traffic slower than counting does (trainer/learned.py).",
+                             ["model"])
 PLACE_CLICK_RATIO = Gauge("driftline_trainer_place_click_ratio", "For a model with a position feature: the click "
                           "rate of the examples shown at each place (0 = first; the first 20 places) over that of "
                           "the first place, since the stream began (trainer/count_baseline.py): how much less an item "
@@ -175,20 +185,34 @@ class PSCounts:
 
 class StreamingAUC:
     """AUC from fixed-bin histograms of scores (exact up to the bin width): O(1) memory, mergeable,
-    snapshot-able. ``decay`` < 1 weights recent batches more (per update)."""
+    snapshot-able. ``half_life`` (examples; None: every example counts alike) weighs recent examples
+    more: each example's weight halves every ``half_life`` labelled examples that come after it
+    (per batch: a batch's examples share one weight).
 
-    def __init__(self, bins: int = 4096, decay: float = 1.0):
+    >>> recent, always = StreamingAUC(half_life=50), StreamingAUC()
+    >>> for a in (recent, always):  # a model that ranked 1,000 examples well, then 200 badly
+    ...     a.update(np.array([0.9, 0.1] * 500), np.array([1.0, 0.0] * 500))
+    ...     a.update(np.array([0.1, 0.9] * 100), np.array([1.0, 0.0] * 100))
+    >>> round(always.value(), 3), round(recent.value(), 3)
+    (0.833, 0.238)
+    """
+
+    def __init__(self, bins: int = 4096, half_life: float | None = None):
         self.bins = bins
-        self.decay = decay
+        self.half_life = half_life
         self.pos = np.zeros(bins, np.float64)
         self.neg = np.zeros(bins, np.float64)
 
     def update(self, scores: np.ndarray, labels: np.ndarray) -> None:
-        b = np.clip((np.asarray(scores, np.float64) * self.bins).astype(np.int64), 0, self.bins - 1)
-        y = np.asarray(labels) > 0.5
-        if self.decay < 1:
-            self.pos *= self.decay
-            self.neg *= self.decay
+        """Count a batch (NaN labels: not counted)."""
+        labels = np.asarray(labels, np.float64)
+        known = ~np.isnan(labels)
+        b = np.clip((np.asarray(scores, np.float64)[known] * self.bins).astype(np.int64), 0, self.bins - 1)
+        y = labels[known] > 0.5
+        if self.half_life is not None:
+            keep = 0.5 ** (b.size / self.half_life)
+            self.pos *= keep
+            self.neg *= keep
         self.pos += np.bincount(b[y], minlength=self.bins)
         self.neg += np.bincount(b[~y], minlength=self.bins)
 

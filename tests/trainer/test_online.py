@@ -102,6 +102,13 @@ async def test_online_auc_deltas_and_dead_letters(settings, ml_examples):
     assert REGISTRY.get_sample_value("driftline_trainer_baseline_auc", {**model, "baseline": "counts"}) == res["baseline_auc"]
     assert REGISTRY.get_sample_value("driftline_trainer_log_loss", {**model, "scorer": "counts"}) == res["baseline_log_loss"]
     assert REGISTRY.get_sample_value("driftline_trainer_log_loss", {**model, "scorer": "model"}) == res["log_loss"] > 0
+    # and on the recent examples, beside the baseline that counts recent clicks (N is below two
+    # half-lives: the model is not judged against it yet)
+    assert tr.learned.recent_examples == tr.learned.recent_baseline.examples == N
+    for scorer in ("model", "counts", "recent_counts"):
+        got = REGISTRY.get_sample_value("driftline_trainer_recent_auc", {**model, "scorer": scorer})
+        assert 0.5 < got == res["recent_auc"][scorer] < 1, (scorer, res)
+    assert REGISTRY.get_sample_value("driftline_trainer_trails_recent_counts", model) == 0
 
     # deltas applied in order to empty tables reproduce the trainer's tables at the last sync
     msgs = [ParameterDelta.FromString(v) for v in await read_topic(settings, settings.topics.param_deltas)]
@@ -193,6 +200,7 @@ async def test_kill_9_resume(settings, ml_examples, tmp_path):
     # the counting baseline went on from the snapshot too: it counted each example once
     scores = torch.load(root / final["name"] / "dense.pt", weights_only=False)["scores"]
     assert scores["count_baseline"]["examples"] == N and scores["log_loss"][1] == N, scores["log_loss"]
+    assert scores["recent_counts"]["examples"] == scores["recent_examples"] == N
     total = sum(final["offsets"].values())
     assert total == records  # next offsets of all partitions: every record consumed
     assert "resuming" in log.read_text() or "restored snapshot" in log.read_text()

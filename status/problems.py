@@ -6,7 +6,8 @@ pauses its input (:mod:`services.disk`), another consumer in the trainer's group
 mark its answers degraded (:mod:`serving.store_watch`), serving's feature logs wait to ship past
 the joiner's orphan grace (:mod:`serving.feature_log`), the joiner's or the trainer's output waits
 for a broker that does not answer (:func:`services.kafka.send_until_answered`), a serving replica's
-clock is off the others' (:mod:`serving.clock_offset`), a joiner worker that took partitions over
+clock is off the others' (:mod:`serving.clock_offset`), the model follows a change in the traffic
+slower than counting recent clicks does (:mod:`trainer.learned`), a joiner worker that took partitions over
 rebuilds their state before it joins them (:mod:`joiner.faust_restore`), a parameter delta with
 NaNs is refused (:mod:`serving.refused_deltas`), a record is dead-lettered, the broker's data was reset
 (:mod:`services.broker_reset`). A chart does not show any of it: a flat line looks the same whether
@@ -88,6 +89,10 @@ FLAGS = (
          "(ahead: it closes the other replicas' join windows that much early, their later clicks learned as "
          "negatives; behind: its own impressions come late for the join): set the clocks right (NTP)",
          bad=lambda v: abs(v) >= 60),
+    Flag("driftline_trainer_trails_recent_counts", "the model's AUC on the recent examples is {n:.3f} below that "
+         "of counting their recent clicks ({model}): it follows the change in the traffic slower than counting "
+         "does; a cap on its tables' Adagrad accumulators (optimizer max_accumulator) makes it follow faster",
+         bad=lambda v: v >= 0.01),
     Flag("driftline_joiner_changelog_rebuild_remaining", "rebuilding the join state of partitions it took over "
          "from the changelog: {n:.0f} records left; those partitions join nothing until it is done"),
 )

@@ -12,6 +12,8 @@ key                    source
 =====================  =====================================================================
 auc:<model>            driftline_trainer_auc{mode="online"}
 baseline_auc:<model>   driftline_trainer_baseline_auc{baseline="counts"}: counting clicks, same examples
+recent_auc:<model>     driftline_trainer_recent_auc{scorer="model"}: the same AUC over the recent examples
+recent_counts_auc:<model>  driftline_trainer_recent_auc{scorer="recent_counts"}: counting recent clicks, there
 loss:<model>           driftline_trainer_loss{mode="online"}
 place_ratio:<place>    driftline_trainer_place_click_ratio, places 0-4 (a model with a position
                        feature: each place's click rate over the first place's; max over models)
@@ -177,6 +179,9 @@ def derive(states: Sequence[TargetState], now: float, window_s: float) -> tuple[
     model = lambda lab: lab.get("model", "")  # noqa: E731
     put("auc", _by(cur, "driftline_trainer_auc", model, max, _online))
     put("baseline_auc", _by(cur, "driftline_trainer_baseline_auc", model, max, lambda lab: lab.get("baseline") == "counts"))
+    put("recent_auc", _by(cur, "driftline_trainer_recent_auc", model, max, lambda lab: lab.get("scorer") == "model"))
+    put("recent_counts_auc", _by(cur, "driftline_trainer_recent_auc", model, max,
+                                 lambda lab: lab.get("scorer") == "recent_counts"))
     put("loss", _by(cur, "driftline_trainer_loss", model, max, _online))
     put("place_ratio", _by(cur, "driftline_trainer_place_click_ratio", lambda lab: lab.get("place", ""), max,
                            lambda lab: lab.get("place", "") in PLACES_DRAWN))

@@ -56,6 +56,9 @@ const CHARTS = [
   // the model's AUC per model, and beside it the counting baseline's on the same examples
   { id: "auc", x: "event_time_s", prefix: "auc", fmt: fmtAuc,
     also: [["baseline_auc", (m) => `${m}: counting clicks`]] },
+  // the same over the recent examples, beside counting recent clicks: what moves when the traffic changes
+  { id: "recent-auc", x: "event_time_s", prefix: "recent_auc", fmt: fmtAuc,
+    also: [["recent_counts_auc", (m) => `${m}: counting recent clicks`]] },
   { id: "rps", keys: [["rank_rps", "requests/s"], ["rank_error_rps", "5xx/s"]], fmt: fmtNumber },
   { id: "latency", keys: [["rank_p50_ms", "p50"], ["rank_p99_ms", "p99"]], fmt: fmtNumber },
   { id: "sync", keys: [["sync_delay_p50_s", "median"], ["sync_delay_p99_s", "p99"]], fmt: fmtDuration },

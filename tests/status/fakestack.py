@@ -96,6 +96,7 @@ class FakeStack:
         r = self.trainer = CollectorRegistry()
         self.t_auc = Gauge("driftline_trainer_auc", "AUC.", ["model", "mode"], registry=r)
         self.t_base_auc = Gauge("driftline_trainer_baseline_auc", "AUC.", ["model", "baseline"], registry=r)
+        self.t_recent_auc = Gauge("driftline_trainer_recent_auc", "AUC.", ["model", "scorer"], registry=r)
         self.t_loss = Gauge("driftline_trainer_loss", "Loss.", ["model", "mode"], registry=r)
         self.t_examples = Counter("driftline_trainer_examples_total", "Examples.", ["model", "mode"], registry=r)
         self.t_delay = Histogram("driftline_trainer_sync_delay_seconds", "Delay.", ["model"],
@@ -149,6 +150,8 @@ class FakeStack:
         auc = 0.5 + 0.26 * (1 - math.exp(-elapsed / 8)) + rng.gauss(0, 0.004)
         self.t_auc.labels("deepfm", "online").set(auc)
         self.t_base_auc.labels("deepfm", "counts").set(0.5 + 0.22 * (1 - math.exp(-elapsed / 5)) + rng.gauss(0, 0.004))
+        self.t_recent_auc.labels("deepfm", "model").set(auc + 0.01 + rng.gauss(0, 0.006))
+        self.t_recent_auc.labels("deepfm", "recent_counts").set(0.5 + 0.2 * (1 - math.exp(-elapsed / 5)) + rng.gauss(0, 0.006))
         self.t_loss.labels("deepfm", "online").set(0.69 - 0.15 * (1 - math.exp(-elapsed / 8)))
         for place in range(8):  # (the page draws the first five)
             self.t_places.labels("deepfm", str(place)).set(1 / (1 + place) + rng.gauss(0, 0.01) * (place > 0))

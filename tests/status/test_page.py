@@ -13,7 +13,7 @@ from services.ports import free_port
 from tests.status.conftest import BrowserPage
 from tests.status.fakestack import FakeStack
 
-CHART_IDS = ["auc", "rps", "latency", "sync", "tables", "version", "examples", "rank-rate", "rank-comm", "lag",
+CHART_IDS = ["auc", "recent-auc", "rps", "latency", "sync", "tables", "version", "examples", "rank-rate", "rank-comm", "lag",
              "wm-lag", "places"]
 
 
@@ -86,6 +86,8 @@ def test_page_in_headless_chromium_has_live_charts_and_no_console_errors(fake_st
     assert len(counts["auc"]["y"]) == 2 and min(counts["auc"]["y"]) >= 5, counts["auc"]
     labels = page.evaluate("() => window.driftline.plots['auc'].series.slice(1).map(s => s.label)")
     assert labels == ["deepfm", "deepfm: counting clicks"], labels
+    labels = page.evaluate("() => window.driftline.plots['recent-auc'].series.slice(1).map(s => s.label)")
+    assert labels == ["deepfm", "deepfm: counting recent clicks"], labels
     assert page.locator("canvas").count() >= len(CHART_IDS)
     assert page.locator(".badge.up").count() == 3
     auc = float(page.text_content("#tile-auc"))

@@ -74,7 +74,10 @@ kind = "dense"
 # Tables: [tables.default] applies to every table; [tables.<name>] overrides one (a feature's
 # embedding table is named like the feature, its first-order table "<name>_w").
 #   dim          embedding size (deepfm: one dim for all fields, from [model] dim)
-#   optimizer    {kind = "adagrad"|"adam"|"sgd"|"ftrl", lr = ...}
+#   optimizer    {kind = "adagrad"|"adam"|"sgd"|"ftrl", lr = ...}; an adagrad's max_accumulator = 30
+#                keeps a busy row's step from shrinking for ever: the model follows traffic whose
+#                appeal changes faster, at a small cost where nothing changes (make bench-drift; the
+#                status page says when the model trails counting recent clicks)
 #   admission    an unseen id gets a row on its min_count-th occurrence, with this probability
 #   ttl_seconds  rows not seen for this long (event time) are dropped
 # ---------------------------------------------------------------------------------------------
@@ -103,7 +106,8 @@ admission = { min_count = 1, probability = 1.0 }
 #   sequential_embeddings: with sequential, a deepfm's embedding rows learn that way too (its
 #   tables then need "sgd" or "adagrad"; false: the embeddings step once per batch)
 #   linear_optimizer: the first-order tables' optimizer (they take a larger step than embeddings;
-#   the initial accumulator keeps a new id's first Adagrad steps from swinging its weight)
+#   the initial accumulator keeps a new id's first Adagrad steps from swinging its weight;
+#   max_accumulator = 30 here too, where a busy item's accumulator grows fastest)
 #   meta: meta-learned starting points for new ids of one feature (a new user's first steps):
 #   meta = { task_slot = "user_id" } (support, query, ... : trainer/meta.py; one trainer process)
 #   content: a content encoder over a sparse feature holding each item's content tokens (title

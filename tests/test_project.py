@@ -182,3 +182,18 @@ def test_the_store_files_are_the_project_files_folders_and_not_beside_movielens(
     config.write_text(head + '[store]\nmovielens = true\nitems_file = "items.csv"\n')
     with pytest.raises(ProjectError, match="movielens = true loads the demo's features; leave out users_file"):
         load_project(config)
+
+
+def test_an_adagrad_cap_reaches_every_table_that_names_it(tmp_path: Path) -> None:
+    """``max_accumulator`` in ``[tables.default]`` and ``[model] linear_optimizer`` (the template's
+    comments) caps the embedding and the first-order tables; below the initial accumulator it is a
+    one-line error."""
+    path = tmp_path / "capped.toml"
+    path.write_text(TEMPLATE.replace('optimizer = { kind = "adagrad", lr = 0.05 }',
+                                     'optimizer = { kind = "adagrad", lr = 0.05, max_accumulator = 30 }')
+                    .replace("initial_accumulator_value = 0.3 }", "initial_accumulator_value = 0.3, max_accumulator = 30 }"))
+    cfg = load_project(path).model_config()
+    assert {t.optimizer.max_accumulator for t in cfg.tables} == {30.0}, cfg.tables
+    path.write_text(TEMPLATE.replace("initial_accumulator_value = 0.3 }", "initial_accumulator_value = 0.3, max_accumulator = 0.1 }"))
+    with pytest.raises(ProjectError, match="max_accumulator 0.1 is below initial_accumulator_value 0.3"):
+        load_project(path)

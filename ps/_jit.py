@@ -93,8 +93,8 @@ def drop_stale_kernels(cache_dir: str, source_dir: str) -> bool:
     digest = _sources_digest([_PS_DIR, source_dir])
     stamp = os.path.join(cache_dir, STAMP)
     try:
-        with open(stamp) as f:
-            if f.read() == digest:
+        with open(stamp) as old:
+            if old.read() == digest:
                 return False
     except OSError:
         pass
@@ -123,7 +123,9 @@ def njit(fn: _F) -> Dispatcher[_F]:
     """
     kernel = numba.njit(cache=CACHE, nogil=True, error_model="numpy")(fn)
     if CACHE:  # (numba reads the cache at the first call, after this)
-        drop_stale_kernels(kernel._cache._cache_path, os.path.dirname(os.path.abspath(fn.__code__.co_filename)))
+        # (the folder numba's own locator chose: beside the source, or under NUMBA_CACHE_DIR)
+        cache_dir = kernel._cache._cache_path  # type: ignore[attr-defined]  # numba's, not in its stubs
+        drop_stale_kernels(cache_dir, os.path.dirname(os.path.abspath(fn.__code__.co_filename)))
     return kernel
 
 

@@ -16,6 +16,8 @@ leaves that window's positives without their negatives. On the same split, in th
   the online trainer's live baseline; keys: each example's ``user_id`` and ``item_id``);
 * ``counts_item``: per-item click-rate counts alone (both count the places too when the model
   reads a position, as the trainer's does);
+* ``counts_recent``: ``counts_user_item`` counted with the half-life ``trainer.recent_half_life``
+  (the trainer's live baseline of recent clicks): traffic whose click rates change favours it;
 * ``base_rate``: the click rate so far (on the holdout: the training part's).
 
 Negative sampling is undone before judging: each score is corrected to the population as serving
@@ -47,7 +49,7 @@ import numpy as np
 
 __all__ = ["judged", "negative_rates", "run", "table_lines", "plot", "main"]
 
-SCORERS = ("model", "lr", "counts_user_item", "counts_item", "base_rate")
+SCORERS = ("model", "lr", "counts_user_item", "counts_item", "counts_recent", "base_rate")
 
 
 def judged(p: np.ndarray, y: np.ndarray, w: np.ndarray) -> dict:
@@ -85,10 +87,10 @@ def _examples(root: Path):
 class _Counts:
     """Click rates per item (and user), and per place where the model reads one (as the trainer's)."""
 
-    def __init__(self, prior: float, users: bool, position_slot: str | None) -> None:
+    def __init__(self, prior: float, users: bool, position_slot: str | None, half_life: float | None = None) -> None:
         from trainer.count_baseline import CountBaseline
 
-        self.counts, self.users = CountBaseline(prior, position_slot), users
+        self.counts, self.users = CountBaseline(prior, position_slot, half_life), users
 
     def learn(self, b, users, items) -> np.ndarray:
         return self.counts.score_and_count(users if self.users else None, items, b.labels.astype(np.float64),
@@ -137,6 +139,7 @@ def _scorers(project, settings) -> dict[str, tuple[object, int]]:
     return {"model": (_Learned(cfg), batch), "lr": (_Learned(lr), settings.eval.base_lr_seq_batch),
             "counts_user_item": (_Counts(prior, True, cfg.position_slot), batch),
             "counts_item": (_Counts(prior, False, cfg.position_slot), batch),
+            "counts_recent": (_Counts(prior, True, cfg.position_slot, settings.trainer.recent_half_life), batch),
             "base_rate": (_BaseRate(), batch)}
 
 

@@ -89,7 +89,7 @@ def test_eval_data_judges_the_project_model_against_naive_baselines(tmp_path, ca
     assert own_data.main(["--project", str(tmp_path / "driftline.toml"), "--examples-dir", str(tmp_path / "examples"),
                           "--test-fraction", "0.25", "--out", str(out)]) == 0
     table = capsys.readouterr().out
-    assert "| model |" in table and "| counts_user_item |" in table and "| base_rate |" in table
+    assert "| model |" in table and "| counts_user_item |" in table and "| counts_recent |" in table and "| base_rate |" in table
     r = json.loads((out / "eval-data.json").read_text())
     assert (out / "eval-data.png").stat().st_size > 10_000
     assert r["train_examples"] + r["test_examples"] == r["examples"] and r["sampled_negatives"]

@@ -127,7 +127,8 @@ class Learned:
         TRAILS_RECENT_COUNTS.labels(self.model_id).set(gap if judged and gap > 0 else 0.0)
 
     def scores(self) -> dict:
-        """The model's progressive log loss beside the baseline's AUC and log loss (a result line's)."""
+        """The model's progressive log loss beside the baseline's AUC and log loss, and every scorer's
+        recent AUC (a result line's)."""
         b = self.baseline
         return {"log_loss": self.log_loss_sum / self.log_loss_n if self.log_loss_n else None,
                 "baseline_auc": b.auc.value() if b is not None and b.examples else None,
@@ -135,7 +136,7 @@ class Learned:
                 "recent_auc": {name: _or_none(a.value()) for name, a in self.recent.items()}}
 
     def scores_state(self) -> dict:
-        """The model's log loss sums and the baseline's state, for a snapshot."""
+        """The model's log loss sums, both baselines' states and the recent AUCs, for a snapshot."""
         return {"log_loss": [self.log_loss_sum, self.log_loss_n],
                 "count_baseline": None if self.baseline is None else self.baseline.state(),
                 "recent_counts": None if self.recent_baseline is None else self.recent_baseline.state(),

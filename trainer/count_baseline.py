@@ -15,7 +15,8 @@ know the places, and a baseline that did not would lose to it by the places alon
 the first id of the ``item_id``, ``user_id`` (and position) slots: the ids ``/rank`` carries for
 every project, not a data set's features. Counts are exact
 (:class:`ps.hashmap.HashIndex`, one row per key: about 40 bytes per user and item, next to the
-model's own rows for them) and saved in the trainer's snapshots.
+model's own rows for them; counts with a half-life 8 more: the trainer keeps both, the lifetime
+counts and the recent ones) and saved in the trainer's snapshots.
 ``evaluation.baselines`` scores its ``counts`` baseline with this class too.
 
 >>> import numpy as np
@@ -63,7 +64,7 @@ class _KeyCounts:
         self.half_life = half_life
         self.clicks = np.zeros(capacity, np.float64)
         self.seen = np.zeros(capacity, np.float64)
-        self.at = np.zeros(capacity, np.float64)
+        self.at = np.zeros(capacity if half_life is not None else 0, np.float64)
         self.keys = np.zeros(capacity, np.int64)
         self.n = 0
 
@@ -75,9 +76,11 @@ class _KeyCounts:
             new = uniq[missing]
             if self.n + new.size > self.clicks.size:
                 size = max(2 * self.clicks.size, self.n + new.size)
-                self.clicks, self.seen, self.at, self.keys = (np.resize(a, size) for a in
-                                                              (self.clicks, self.seen, self.at, self.keys))
-                self.clicks[self.n:] = self.seen[self.n:] = self.at[self.n:] = 0
+                self.clicks, self.seen, self.keys = (np.resize(a, size) for a in (self.clicks, self.seen, self.keys))
+                self.clicks[self.n:] = self.seen[self.n:] = 0
+                if self.half_life is not None:
+                    self.at = np.resize(self.at, size)
+                    self.at[self.n:] = 0
             fresh = np.arange(self.n, self.n + new.size, dtype=np.int64)
             self.index.reserve(self.n + new.size)
             self.index.insert(new, fresh)
@@ -111,7 +114,8 @@ class _KeyCounts:
         seen = old_seen[inv] + before[:, 1]
         self.clicks[rows] = old_clicks + np.bincount(inv, weights=y, minlength=uniq.size)
         self.seen[rows] = old_seen + np.bincount(inv, weights=known, minlength=uniq.size)
-        self.at[rows] = clock
+        if self.half_life is not None:
+            self.at[rows] = clock
         return (clicks + prior * g) / (seen + prior)
 
     def frozen_rates(self, keys: np.ndarray, g: float, prior: float, clock: float = 0.0) -> np.ndarray:
@@ -123,8 +127,10 @@ class _KeyCounts:
 
     def state(self) -> dict[str, np.ndarray]:
         n = self.n
-        return {"keys": self.keys[:n].copy(), "clicks": self.clicks[:n].copy(), "seen": self.seen[:n].copy(),
-                "at": self.at[:n].copy()}
+        state = {"keys": self.keys[:n].copy(), "clicks": self.clicks[:n].copy(), "seen": self.seen[:n].copy()}
+        if self.half_life is not None:
+            state["at"] = self.at[:n].copy()
+        return state
 
     @classmethod
     def loaded(cls, state: dict[str, np.ndarray], half_life: float | None = None) -> _KeyCounts:
@@ -133,7 +139,7 @@ class _KeyCounts:
         rows = counts.rows(keys)
         counts.clicks[rows] = state["clicks"]
         counts.seen[rows] = state["seen"]
-        if "at" in state:  # (a state saved before it had them: no decay is owed)
+        if half_life is not None and "at" in state:  # (counts saved without a half-life: no decay owed)
             counts.at[rows] = state["at"]
         return counts
 

@@ -15,6 +15,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import tempfile
@@ -65,13 +66,15 @@ _CHECKED: set[str] = set()
 STAMP = "numba-sources.sha256"
 
 
-def _sources_digest(dirs: Sequence[str]) -> str:
+@functools.cache
+def _folder_digest(folder: str) -> str:
+    """A digest of the ``.py`` sources of ``folder`` (read once per process: every kernel folder's
+    check includes ``ps/``)."""
     h = hashlib.sha256()
-    for d in dict.fromkeys(dirs):
-        for name in sorted(os.listdir(d)):
-            if name.endswith(".py"):
-                with open(os.path.join(d, name), "rb") as f:
-                    h.update(name.encode() + b"\0" + f.read())
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(name.encode() + b"\0" + f.read())
     return h.hexdigest()
 
 
@@ -90,7 +93,7 @@ def drop_stale_kernels(cache_dir: str, source_dir: str) -> bool:
     if cache_dir in _CHECKED:
         return False
     _CHECKED.add(cache_dir)
-    digest = _sources_digest([_PS_DIR, source_dir])
+    digest = " ".join(_folder_digest(d) for d in dict.fromkeys([_PS_DIR, source_dir]))
     stamp = os.path.join(cache_dir, STAMP)
     try:
         with open(stamp) as old:

@@ -79,6 +79,7 @@ def run(steps: int, late: bool, seed: int | None) -> dict:
             pending.append((pb, grads, b.max_event_time))
         if not late:
             m.ps.apply_packed_gradients(*pending.popleft())
+        m.head.start_bias(float(b.labels.sum()), b.size)
         m.optimizer.step()
         probs.append(torch.sigmoid(logits.detach()).numpy())
         labels.append(b.labels)

@@ -5,6 +5,7 @@ first-order terms and dense features), its slopes for the sequential kernels
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import torch
@@ -47,6 +48,51 @@ class DenseHead(nn.Module):
         # made after the MLP: a model without content draws the same initial head as before
         self.content = ContentEncoder(cfg.content, d) if cfg.content is not None else None
         self.scaler = DenseScaler(nd, cfg.dense_scaling) if nd and cfg.dense_scaling != "none" else None
+        # labels (clicks, examples) seen before the bias started; None once it has (start_bias)
+        self._unstarted: list[float] | None = [0.0, 0.0]
+        self.register_load_state_dict_post_hook(_ask_again)
+
+    def start_bias(self, clicks: float, examples: float) -> None:
+        """Start a head that never learned at the log-odds of the labels: every engine calls this
+        before its optimizer step with the step's global label sum and example count.
+
+        Why: the bias starts at 0 (a click rate of one half) and the dense optimizer moves it about
+        ``dense_lr`` per step (Adam's step hardly depends on the gradient's size), so on a stream
+        whose clicks are rare it takes thousands of steps to get there, and meanwhile the
+        first-order weights of the ids seen first absorb the offset, a wrong one for the ids seen
+        later: the served model then ranked below counting clicks (``docs/own-data.md``, section 6).
+
+        A head counts as never learned while its bias is exactly 0 (as built, or loaded so): its
+        bias then waits at 0 (no gradient) until it has seen a click and a non-click, and starts at
+        the smoothed log-odds of everything seen so far, ``(clicks + 1/2) / (examples + 1)``. One
+        whose bias is not 0 (restored, or learned) is left alone. Replicas fed the same global sums
+        start equal.
+
+        >>> from trainer.config import deepfm_config
+        >>> h = DenseHead(deepfm_config("m", slots=("u",)))
+        >>> h.start_bias(0, 1000); h.bias.item(), h.bias.grad    # no click yet: it waits
+        (0.0, None)
+        >>> h.start_bias(3, 1000); round(h.bias.item(), 3)       # logit(3.5 / 2001)
+        -6.347
+        >>> _ = h.bias.data.fill_(0.25); h.load_state_dict(h.state_dict())   # a restored bias
+        <All keys matched successfully>
+        >>> h.start_bias(500, 1000); h.bias.item()
+        0.25
+        """
+        seen = self._unstarted
+        if seen is None:
+            return
+        if float(self.bias.detach()[0]) != 0.0:  # learned or restored
+            self._unstarted = None
+            return
+        seen[0] += float(clicks)
+        seen[1] += float(examples)
+        self.bias.grad = None  # (computed at 0: waiting, or about to start elsewhere)
+        if 0.0 < seen[0] < seen[1]:
+            p = (seen[0] + 0.5) / (seen[1] + 1.0)
+            with torch.no_grad():
+                self.bias.fill_(math.log(p / (1.0 - p)))
+            self._unstarted = None
 
     def scale_dense(self, dense: torch.Tensor | None) -> torch.Tensor | None:
         """The raw dense features ``[B, K]`` as the head takes them (:mod:`trainer.dense_scaling`)."""
@@ -126,6 +172,11 @@ class HeadSlopes:
         head.bias.grad = r.sum(0)
         if self.dense is not None and head.dense_linear is not None:
             head.dense_linear.weight.grad = r.t() @ self.dense
+
+
+def _ask_again(head: DenseHead, incompatible) -> None:
+    """After a load: whether the bias starts is decided again from what was loaded."""
+    head._unstarted = [0.0, 0.0]
 
 
 def _batch(*xs):

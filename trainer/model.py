@@ -408,6 +408,7 @@ class SparseModel:
             self.cache.step(at, hits if hits is not None else torch.zeros((0, self._emb_block.dim)))
             self.cache.admit(at)
         t3 = time.perf_counter()
+        self.head.start_bias(float(batch.labels.sum()), batch.size)
         self.optimizer.step()
         self.timings["backward"] += t2 - t1 + time.perf_counter() - t3
         self.timings["update"] += t3 - t2

@@ -97,6 +97,35 @@ def test_model_learns(ml, make):
         assert list(m.tables) == ["weights"] and len(m.tables["weights"]) > 1000
 
 
+def _rare_clicks(rng: np.random.Generator, n: int, clicks: int) -> SparseBatch:
+    off = np.arange(n + 1, dtype=np.int64)
+    labels = np.zeros(n, np.float32)
+    labels[rng.choice(n, clicks, replace=False)] = 1.0
+    return SparseBatch(n, {"user_id": rng.integers(0, 10**6, n), "item_id": rng.integers(0, 10**6, n)},
+                       {"user_id": off, "item_id": off}, labels=labels)
+
+
+def test_a_fresh_head_starts_its_bias_at_the_labels_log_odds_and_a_restored_one_keeps_its_own():
+    """Clicks are rare (1 in 500): the bias waits at 0 until a click and a non-click were seen, then
+    starts at the smoothed log-odds of every label seen, and the next batch's scores are near the
+    click rate (a head left at 0 scores them near 1/2 and its first-order rows take the offset)."""
+    rng = np.random.default_rng(0)
+    cfg = deepfm_config("m", slots=("user_id", "item_id"), recent_items=False)
+    m = SparseModel(cfg)
+    m.train_step(_rare_clicks(rng, 1000, 0))
+    assert m.head.bias.item() == 0.0
+    m.train_step(_rare_clicks(rng, 1000, 4))
+    assert m.head.bias.item() == pytest.approx(np.log(4.5 / 1996.5), abs=1e-3)  # logit(4.5 / 2001)
+    _, probs = m.train_step(_rare_clicks(rng, 1000, 2))
+    assert probs.mean() < 0.01, probs.mean()
+    restored = SparseModel(cfg)
+    head = {k: v.clone() for k, v in m.head.state_dict().items()}
+    head["bias"].fill_(-1.5)
+    restored.head.load_state_dict(head)
+    restored.train_step(_rare_clicks(rng, 1000, 4))
+    assert restored.head.bias.item() == pytest.approx(-1.5, abs=2e-3)  # one Adam step
+
+
 def test_snapshot_round_trip_is_exact(ml, tmp_path):
     """Tables come back with optimizer state and admission sketches: training on continues identically."""
     cfg = deepfm_config(dim=8, mlp=[16], min_count=2)  # admission: sketches matter

@@ -47,8 +47,9 @@ def test_a_failing_step_changes_nothing_and_its_record_is_isolated():
     rows = [{s: [i + 1] for s in cfg.all_slots} for i in range(n)]
     dense = np.zeros((n, 1), np.float32)
     dense[5, 0] = HUGE
-    batch = SparseBatch.from_slot_dicts(rows, dense, slots=cfg.all_slots, labels=[0.0] * n, event_time_ms=[1] * n)
-    model.train_step(batch.select(np.arange(4)))  # some rows exist before
+    batch = SparseBatch.from_slot_dicts(rows, dense, slots=cfg.all_slots, labels=[1.0] + [0.0] * (n - 1),
+                                         event_time_ms=[1] * n)
+    model.train_step(batch.select(np.arange(4)))  # some rows exist before (and the bias started)
     head = {k: v.clone() for k, v in model.head.state_dict().items()}
     tables = {name: t.items()[:2] for name, t in model.tables.items()}
     with pytest.raises(NonFiniteStepError):

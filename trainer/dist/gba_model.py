@@ -283,7 +283,9 @@ class GBAModel:
         self.model.head.stage_moments()  # (the dense scaler's moments travel with the head's gradients)
         gs = [w.grad.numpy().reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32) for _, w in leaves]
         g_rows = rows_map.sum_back(np.concatenate(gs) if len(gs) > 1 else gs[0], n_rows)
-        head = torch.cat([q.grad.reshape(-1) if q.grad is not None else torch.zeros(q.numel()) for q in self._params])
+        # the head's gradients, then the labels' sum and count (DenseHead.start_bias on the master)
+        head = torch.cat([q.grad.reshape(-1) if q.grad is not None else torch.zeros(q.numel()) for q in self._params]
+                         + [torch.tensor([float(labels.sum()), float(batch.size)])])
         value = float(loss.detach()) * self.global_batch / batch.size
         if not (math.isfinite(value) and np.isfinite(g_rows).all() and bool(torch.isfinite(head).all())):
             raise NonFiniteStepError(f"rank {self.rank}: the loss ({value}) or a gradient is not finite; nothing pushed")

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from ..head import make_dense_optimizer
+from ..head import DenseHead, make_dense_optimizer
 from .gba import GBAStats, Release, TokenBuffer, combine
 from .model import OwnerLookupError
 from .owner import Owner
@@ -66,7 +66,7 @@ def reset_tickets() -> None:
 class DenseOwner:
     """Rank 0's master head and its optimizer behind a token buffer of its own."""
 
-    def __init__(self, head: torch.nn.Module, cfg: ModelConfig, buffer: TokenBuffer):
+    def __init__(self, head: DenseHead, cfg: ModelConfig, buffer: TokenBuffer):
         self.head = head
         self.params = list(head.parameters())
         self.optimizer = make_dense_optimizer(cfg, head)
@@ -95,6 +95,7 @@ class DenseOwner:
         for p in self.params:
             p.grad = flat[off:off + p.numel()].view_as(p)
             off += p.numel()
+        self.head.start_bias(*flat[off:off + 2].tolist())  # (the pushes' label sums follow the gradients)
         self.optimizer.step()
 
 

@@ -121,6 +121,7 @@ def _reference_one_step_late() -> tuple[list, dict]:
         loss.backward()
         m.head.stage_moments()
         late = (pb, np.concatenate([w.grad.numpy().reshape(-1) for _, w in leaves]), b.max_event_time)
+        m.head.start_bias(float(b.labels.sum()), b.size)
         m.optimizer.step()
         losses.append(float(loss.detach()))
     m.ps.apply_packed_gradients(*late)

@@ -52,15 +52,17 @@ class DenseHead(nn.Module):
         self._unstarted: list[float] | None = [0.0, 0.0]
         self.register_load_state_dict_post_hook(_ask_again)
 
-    def start_bias(self, clicks: float, examples: float) -> None:
+    def start_bias(self, clicks: float | torch.Tensor, examples: float | torch.Tensor) -> None:
         """Start a head that never learned at the log-odds of the labels: every engine calls this
-        before its optimizer step with the step's global label sum and example count.
+        before its optimizer step with the step's global label sum and example count (numbers, or
+        one-element tensors: read only while the bias waits to start).
 
         Why: the bias starts at 0 (a click rate of one half) and the dense optimizer moves it about
         ``dense_lr`` per step (Adam's step hardly depends on the gradient's size), so on a stream
         whose clicks are rare it takes thousands of steps to get there, and meanwhile the
         first-order weights of the ids seen first absorb the offset, a wrong one for the ids seen
-        later: the served model then ranked below counting clicks (``docs/own-data.md``, section 6).
+        later: the served model then ranked below counting clicks (``make bench-worlds``,
+        ``docs/own-data.md`` section 6).
 
         A head counts as never learned while its bias is exactly 0 (as built, or loaded so): its
         bias then waits at 0 (no gradient) until it has seen a click and a non-click, and starts at
@@ -87,7 +89,7 @@ class DenseHead(nn.Module):
             return
         seen[0] += float(clicks)
         seen[1] += float(examples)
-        self.bias.grad = None  # (computed at 0: waiting, or about to start elsewhere)
+        self.bias.grad = None  # (no step while it waits; the start replaces this step's)
         if 0.0 < seen[0] < seen[1]:
             p = (seen[0] + 0.5) / (seen[1] + 1.0)
             with torch.no_grad():

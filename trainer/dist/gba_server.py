@@ -95,7 +95,7 @@ class DenseOwner:
         for p in self.params:
             p.grad = flat[off:off + p.numel()].view_as(p)
             off += p.numel()
-        self.head.start_bias(*flat[off:off + 2].tolist())  # (the pushes' label sums follow the gradients)
+        self.head.start_bias(flat[off], flat[off + 1])  # (the pushes' label sums follow the gradients)
         self.optimizer.step()
 
 

@@ -584,7 +584,7 @@ class DistributedModel:
         for p in self._params:
             p.grad = flat[off:off + p.numel()].view_as(p)  # flat is this step's own sum: views suffice
             off += p.numel()
-        m.head.start_bias(*flat[off:off + 2].tolist())
+        m.head.start_bias(flat[off], flat[off + 1])  # (read only while the bias waits to start)
         m.optimizer.step()
         with self._lock:
             m.timings["backward"] += t2 - t1 - comm - (m.timings["forward"] - f0)

@@ -9,7 +9,11 @@ plus per-item click rates (:class:`trainer.count_baseline.CountBaseline`)? Progr
 
 Each impression is a user and an item (uniform, or Zipf with exponent ``a``), clicked with
 probability ``sigmoid(user_bias + item_appeal + <p_user, q_item>)``: biases ~ N(0, 0.7), appeal ~
-N(``mean``, 1), 8-dim vectors ~ N(0, ``inter``). :data:`WORLDS` names each shape.
+N(``mean``, 1), 8-dim vectors ~ N(0, ``inter``). :data:`WORLDS` names each shape. In
+``noise_feature`` every impression also has a feature ``noise`` that says nothing, one of 10,000
+values drawn at random (as a zip code or a device model may say nothing of what a user clicks):
+the model reads it, as it would read every feature a project declares; counting does not. Its
+impressions and clicks are ``uniform``'s (the feature is drawn last): that row is the model without it.
 
 Arms: ``model`` (the served model), ``counts``, and ``unstarted``: the served model with its head's
 bias set to 1e-12 before training, so it learns from (almost) 0 with the dense optimizer as every
@@ -50,21 +54,23 @@ SEEDS = tuple(int(x) for x in os.environ.get("SEEDS", "0" if QUICK else "0,1,2")
 IMPRESSIONS = int(os.environ.get("IMPRESSIONS", 200_000 if QUICK else 400_000))
 ARMS = ("model", "unstarted", "counts")
 
-#: name -> (users, items, Zipf exponent of users, of items (0: uniform), appeal mean, interaction scale)
-WORLDS: dict[str, tuple[int, int, float, float, float, float]] = {
-    "uniform": (2_000, 200, 0.0, 0.0, -2.0, 0.5),
-    "one_time_users": (200_000, 50_000, 0.0, 1.1, -2.0, 0.5),   # Zipf items, most users seen twice
-    "rare_clicks": (5_000, 1_000, 0.8, 0.8, -5.0, 0.5),         # ~1.7% clicked
-    "very_rare_clicks": (5_000, 1_000, 0.8, 0.8, -6.5, 0.5),    # ~0.4%
-    "strong_interactions": (2_000, 500, 0.0, 0.0, -2.0, 1.0),
-    "additive": (5_000, 1_000, 0.8, 0.8, -2.0, 0.0),            # no user x item term at all
-    "heavy_users": (300, 5_000, 1.2, 0.5, -2.0, 0.5),
+#: name -> (users, items, Zipf exponent of users, of items (0: uniform), appeal mean, interaction
+#: scale, values of a feature that says nothing (0: none))
+WORLDS: dict[str, tuple[int, int, float, float, float, float, int]] = {
+    "uniform": (2_000, 200, 0.0, 0.0, -2.0, 0.5, 0),
+    "one_time_users": (200_000, 50_000, 0.0, 1.1, -2.0, 0.5, 0),   # Zipf items, most users seen twice
+    "rare_clicks": (5_000, 1_000, 0.8, 0.8, -5.0, 0.5, 0),         # ~1.7% clicked
+    "very_rare_clicks": (5_000, 1_000, 0.8, 0.8, -6.5, 0.5, 0),    # ~0.4%
+    "strong_interactions": (2_000, 500, 0.0, 0.0, -2.0, 1.0, 0),
+    "additive": (5_000, 1_000, 0.8, 0.8, -2.0, 0.0, 0),            # no user x item term at all
+    "heavy_users": (300, 5_000, 1.2, 0.5, -2.0, 0.5, 0),
+    "noise_feature": (2_000, 200, 0.0, 0.0, -2.0, 0.5, 10_000),    # uniform, and a feature that says nothing
 }
 
 
-def draw(name: str, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(users, items, labels)`` of world ``name``."""
-    n_users, n_items, zu, zi, mean, inter = WORLDS[name]
+def draw(name: str, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """``({slot: ids}, labels)`` of world ``name``."""
+    n_users, n_items, zu, zi, mean, inter, noise = WORLDS[name]
     rng = np.random.default_rng(seed)
 
     def ids(k: int, a: float) -> np.ndarray:
@@ -76,17 +82,21 @@ def draw(name: str, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     users, items = ids(n_users, zu), ids(n_items, zi)
     p, q = rng.normal(0, inter, (n_users, 8)), rng.normal(0, inter, (n_items, 8))
     z = rng.normal(0, 0.7, n_users)[users] + rng.normal(mean, 1, n_items)[items] + np.einsum("nd,nd->n", p[users], q[items])
-    return users, items, (rng.random(IMPRESSIONS) < 1 / (1 + np.exp(-z))).astype(np.float32)
+    labels = (rng.random(IMPRESSIONS) < 1 / (1 + np.exp(-z))).astype(np.float32)
+    ids = {"user_id": users, "item_id": items}
+    if noise:
+        ids["noise"] = rng.integers(0, noise, IMPRESSIONS)
+    return ids, labels
 
 
-def scores(arm: str, users: np.ndarray, items: np.ndarray, labels: np.ndarray, seed: int) -> np.ndarray:
+def scores(arm: str, ids: dict[str, np.ndarray], labels: np.ndarray, seed: int) -> np.ndarray:
     """``arm``'s progressive scores of every impression."""
     torch.manual_seed(seed)
     bs = get_settings().trainer.batch_size
     if arm == "counts":
         scorer = CountBaseline(get_settings().eval.count_prior)
     else:
-        scorer = SparseModel(deepfm_config("worlds", slots=("user_id", "item_id"), recent_items=False, seed=seed))
+        scorer = SparseModel(deepfm_config("worlds", slots=tuple(ids), recent_items=False, seed=seed))
         if arm == "unstarted":
             with torch.no_grad():
                 scorer.head.bias.fill_(1e-12)
@@ -94,16 +104,15 @@ def scores(arm: str, users: np.ndarray, items: np.ndarray, labels: np.ndarray, s
     for lo in range(0, labels.size, bs):
         hi = min(lo + bs, labels.size)
         off = np.arange(hi - lo + 1, dtype=np.int64)
-        b = SparseBatch(hi - lo, {"user_id": users[lo:hi], "item_id": items[lo:hi]},
-                        {"user_id": off, "item_id": off}, labels=labels[lo:hi])
+        b = SparseBatch(hi - lo, {s: v[lo:hi] for s, v in ids.items()}, {s: off for s in ids}, labels=labels[lo:hi])
         out[lo:hi] = scorer.score_batch(b) if isinstance(scorer, CountBaseline) else scorer.train_step(b)[1]
     return out
 
 
 def run_world(name: str, seed: int) -> dict[str, float]:
-    users, items, y = draw(name, seed)
+    ids, y = draw(name, seed)
     half = y.size // 2
-    out = {f"auc_{arm}": float(auc(scores(arm, users, items, y, seed)[half:], y[half:])) for arm in ARMS}
+    out = {f"auc_{arm}": float(auc(scores(arm, ids, y, seed)[half:], y[half:])) for arm in ARMS}
     out["ctr"] = float(y.mean())
     return out
 

@@ -47,9 +47,11 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["judged", "negative_rates", "run", "table_lines", "plot", "main"]
+__all__ = ["judged", "negative_rates", "run", "table_lines", "plot", "main", "without"]
 
 SCORERS = ("model", "lr", "counts_user_item", "counts_item", "counts_recent", "base_rate")
+#: the name of the model without a feature is this and the feature's (``--each-feature``)
+LEFT_OUT = "model_without_"
 
 
 def judged(p: np.ndarray, y: np.ndarray, w: np.ndarray) -> dict:
@@ -127,8 +129,39 @@ class _Learned:
         return self.model.predict(b)
 
 
-def _scorers(project, settings) -> dict[str, tuple[object, int]]:
-    """Each scorer and the batch it learns in."""
+def without(cfg, slot: str):
+    """The model ``cfg`` with the sparse feature ``slot`` left out (its field, its first-order
+    term, and the tables no other slot reads); None when the model cannot be without it (its only
+    field, the content encoder's item slot, the meta-learning task slot).
+
+    >>> from trainer.config import deepfm_config
+    >>> cfg = deepfm_config("m", slots=("user_id", "item_id", "zip"), recent_items=False)
+    >>> sorted(without(cfg, "zip").slots), [t.name for t in without(cfg, "zip").tables]
+    (['item_id', 'user_id'], ['user_id', 'item_id', 'user_id_w', 'item_id_w'])
+    >>> without(deepfm_config("m", slots=("user_id",), recent_items=False), "user_id") is None
+    True
+    """
+    from trainer.config import ModelConfig
+
+    slots = {k: v for k, v in cfg.slots.items() if k != slot}
+    linear = {k: v for k, v in cfg.linear.items() if k != slot}
+    used = {*slots.values(), *linear.values()}
+    d = cfg.model_dump()
+    d.update(slots=slots, linear=linear, tables=[t for t in d["tables"] if t["name"] in used],
+             pooling={k: v for k, v in cfg.pooling.items() if k != slot},
+             salt={k: v for k, v in cfg.salt.items() if k != slot},
+             position_slot=None if cfg.position_slot == slot else cfg.position_slot,
+             sequential=cfg.sequential and bool(linear),
+             sequential_embeddings=cfg.sequential_embeddings and bool(linear))
+    try:
+        return ModelConfig.model_validate(d)
+    except ValueError:
+        return None
+
+
+def _scorers(project, settings, each_slot: bool = False) -> dict[str, tuple[object, int]]:
+    """Each scorer and the batch it learns in; with ``each_slot`` the project's model again
+    without each of its sparse features in turn (``model_without_<slot>``)."""
     from trainer.config import lr_config
 
     cfg = project.model_config()
@@ -136,11 +169,17 @@ def _scorers(project, settings) -> dict[str, tuple[object, int]]:
                    sequential=True).model_copy(update={"pooling": dict(cfg.pooling), "label": cfg.label})
     batch = settings.trainer.batch_size
     prior = settings.eval.count_prior
-    return {"model": (_Learned(cfg), batch), "lr": (_Learned(lr), settings.eval.base_lr_seq_batch),
-            "counts_user_item": (_Counts(prior, True, cfg.position_slot), batch),
-            "counts_item": (_Counts(prior, False, cfg.position_slot), batch),
-            "counts_recent": (_Counts(prior, True, cfg.position_slot, settings.trainer.recent_half_life), batch),
-            "base_rate": (_BaseRate(), batch)}
+    out: dict[str, tuple[object, int]] = {
+        "model": (_Learned(cfg), batch), "lr": (_Learned(lr), settings.eval.base_lr_seq_batch),
+        "counts_user_item": (_Counts(prior, True, cfg.position_slot), batch),
+        "counts_item": (_Counts(prior, False, cfg.position_slot), batch),
+        "counts_recent": (_Counts(prior, True, cfg.position_slot, settings.trainer.recent_half_life), batch),
+        "base_rate": (_BaseRate(), batch)}
+    for slot in dict.fromkeys([*cfg.slots, *cfg.linear]) if each_slot else ():
+        less = without(cfg, slot)
+        if less is not None:
+            out[f"{LEFT_OUT}{slot}"] = (_Learned(less), batch)
+    return out
 
 
 def _corrected(p: np.ndarray, rate: np.ndarray) -> np.ndarray:
@@ -177,9 +216,10 @@ def _windows(t_ms: np.ndarray, p: np.ndarray, y: np.ndarray, n: int) -> list[dic
 
 
 def run(project, root: Path, test_fraction: float, open_window_s: float,
-        progress: Callable[[str], None] = lambda _: None) -> dict:
+        progress: Callable[[str], None] = lambda _: None, each_slot: bool = False) -> dict:
     """Every scorer on the split of ``root``'s examples (see the module docstring), less the
-    examples of the last ``open_window_s`` of event time."""
+    examples of the last ``open_window_s`` of event time; ``each_slot``: the model without each
+    of its sparse features too, and under ``left_out`` what leaving each out moved the AUCs by."""
     from services.settings import get_settings
     from trainer.data import arrow_batch
 
@@ -216,7 +256,7 @@ def run(project, root: Path, test_fraction: float, open_window_s: float,
     out: dict = {"examples": n, "open_window_dropped": dropped, "train_examples": cut, "test_examples": n - cut, "test_fraction": test_fraction,
                  "model_id": cfg.model_id, "first_event_ms": int(t_ms[0]), "last_event_ms": int(t_ms[-1]),
                  "sampled_negatives": bool((rate < 1).any()), "scorers": {}}
-    for name, (scorer, bs) in _scorers(project, settings).items():
+    for name, (scorer, bs) in _scorers(project, settings, each_slot).items():
         t0 = time.perf_counter()
         p = np.empty(n, np.float64)
         for lo, hi, learn in [(a, min(a + bs, cut), True) for a in range(0, cut, bs)] + \
@@ -230,7 +270,15 @@ def run(project, root: Path, test_fraction: float, open_window_s: float,
                                 "reliability": _reliability(q[cut:], y[cut:], w[cut:]),
                                 "seconds": time.perf_counter() - t0}
         progress(f"{name}: {time.perf_counter() - t0:.1f} s")
+    full = out["scorers"]["model"]
+    out["left_out"] = {name[len(LEFT_OUT):]: {part: _change(s[part].get("auc"), full[part].get("auc"))
+                                              for part in ("progressive", "holdout")}
+                       for name, s in out["scorers"].items() if name.startswith(LEFT_OUT)}
     return out
+
+
+def _change(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or math.isnan(a) or math.isnan(b) else a - b
 
 
 def _reliability(p: np.ndarray, y: np.ndarray, w: np.ndarray, bins: int = 10) -> list[list[float]]:
@@ -258,7 +306,15 @@ def table_lines(r: dict) -> list[str]:
         a, h = s["progressive"], s["holdout"]
         lines.append(f"| {name} | {_f(a.get('auc'))} | {_f(a.get('log_loss'))} | {_f(a.get('calibration_error'))} "
                      f"| {_f(h.get('auc'))} | {_f(h.get('log_loss'))} | {_f(h.get('calibration_error'))} |")
+    if r.get("left_out"):
+        lines += ["", "Each feature left out (the AUC without it minus the model's; above 0: the model is better "
+                  "without it):", "", "| feature | AUC change | holdout AUC change |", "|---|---|---|"]
+        lines += [f"| {slot} | {_signed(c['progressive'])} | {_signed(c['holdout'])} |" for slot, c in r["left_out"].items()]
     return lines
+
+
+def _signed(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.4f}"
 
 
 def plot(r: dict, path: Path) -> None:
@@ -273,6 +329,8 @@ def plot(r: dict, path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     top = 0.0
     for name, s in r["scorers"].items():
+        if name.startswith(LEFT_OUT):  # (the table says what each feature is worth)
+            continue
         pts = s["auc_over_time"]
         if pts:
             a.plot([dt.datetime.fromtimestamp(p["t_ms"] / 1000, dt.UTC) for p in pts],
@@ -302,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="leave out the examples of the last this many seconds of event time: their negatives may "
                          "still wait in the joiner's windows (default joiner.window_seconds; 0 keeps all)")
     ap.add_argument("--out", default=None, help="where eval-data.json and eval-data.png go (default <var>/eval)")
+    ap.add_argument("--each-feature", action="store_true",
+                    help="also learn the model once without each of its sparse features, and say what each is worth "
+                         "(a feature the model is better without hurts it; one pass of the model per feature)")
     ap.add_argument("--no-plot", action="store_true")
     return ap
 
@@ -329,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.examples_dir) if args.examples_dir else var / "examples"
     out = Path(args.out) if args.out else var / "eval"
     try:
-        r = run(project, root, args.test_fraction, open_window_s, lambda line: print(line, file=sys.stderr, flush=True))
+        r = run(project, root, args.test_fraction, open_window_s, lambda line: print(line, file=sys.stderr, flush=True),
+                each_slot=args.each_feature)
     except ValueError as err:
         print(f"driftline eval data: {err}", file=sys.stderr)
         return 2

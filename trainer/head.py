@@ -5,6 +5,7 @@ first-order terms and dense features), its slopes for the sequential kernels
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import numpy as np
@@ -18,6 +19,8 @@ from .dense_scaling import DenseScaler, merge_moments_before_step
 from .torch_quirks import optimizer_class
 
 __all__ = ["DenseHead", "HeadSlopes", "make_dense_optimizer"]
+
+log = logging.getLogger(__name__)
 
 
 class DenseHead(nn.Module):
@@ -95,6 +98,8 @@ class DenseHead(nn.Module):
             with torch.no_grad():
                 self.bias.fill_(math.log(p / (1.0 - p)))
             self._unstarted = None
+            log.info("the dense head's bias starts at %.4f: the log-odds of %g clicks in %g examples",
+                     float(self.bias.detach()[0]), seen[0], seen[1])
 
     def scale_dense(self, dense: torch.Tensor | None) -> torch.Tensor | None:
         """The raw dense features ``[B, K]`` as the head takes them (:mod:`trainer.dense_scaling`)."""

@@ -289,8 +289,8 @@ def _reliability(p: np.ndarray, y: np.ndarray, w: np.ndarray, bins: int = 10) ->
             for b in parts if b.size]
 
 
-def _f(x: float | None) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
+def _f(x: float | None, fmt: str = ".4f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
 def table_lines(r: dict) -> list[str]:
@@ -309,12 +309,9 @@ def table_lines(r: dict) -> list[str]:
     if r.get("left_out"):
         lines += ["", "Each feature left out (the AUC without it minus the model's; above 0: the model is better "
                   "without it):", "", "| feature | AUC change | holdout AUC change |", "|---|---|---|"]
-        lines += [f"| {slot} | {_signed(c['progressive'])} | {_signed(c['holdout'])} |" for slot, c in r["left_out"].items()]
+        lines += [f"| {slot} | {_f(c['progressive'], '+.4f')} | {_f(c['holdout'], '+.4f')} |"
+                  for slot, c in r["left_out"].items()]
     return lines
-
-
-def _signed(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:+.4f}"
 
 
 def plot(r: dict, path: Path) -> None:

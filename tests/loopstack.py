@@ -29,9 +29,15 @@ from services.settings import LOCAL_METRICS_OFFSETS, Settings
 
 def free_port_block(n: int) -> int:
     """A base port with ``n`` consecutive free ports, below the ephemeral range (where outgoing
-    connections would otherwise take them before the services bind)."""
+    connections would otherwise take them before the services bind). Each xdist worker draws from
+    its own slice of the range: two workers checking the same block at once both found it free, and
+    the later stack's service could not bind (a trainer's /metrics, exit 78)."""
     import random
     import socket
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    lo = 20000 + (index % 8) * 1500
 
     def free(port: int) -> bool:
         with socket.socket() as s:
@@ -43,7 +49,7 @@ def free_port_block(n: int) -> int:
 
     rng = random.Random()
     for _ in range(500):
-        base = rng.randrange(20000, 32000 - n)
+        base = rng.randrange(lo, lo + 1500 - n)
         if all(free(base + i) for i in range(n)):
             return base
     raise RuntimeError("no block of free ports")

@@ -195,25 +195,32 @@ def seen_at(keys: I64Array, k: IntLike, key: IntLike) -> IntLike:
 
 @njit
 def first_order_sum(logit: float, e: IntLike, s_lo: IntLike, s_hi: IntLike, seg_off: I64Array, bags: I64Array,
-                    seg_mean: BoolArray, u_of: I64Array, w: F32Array, eu: I64Array, ewgt: F64Array) -> tuple[float, int]:
+                    seg_mean: BoolArray, u_of: I64Array, w: F32Array, eu: I64Array, ewgt: F64Array,
+                    scale: F64Array, pooled: F64Array) -> tuple[float, int]:
     """``logit`` plus example ``e``'s first-order terms over segments ``s_lo..s_hi-1`` (row ``u``'s
-    weight ``w[u]``, ``u_of`` each id's row, -1 absent), and the rows it read with their summed pool
-    weights in ``eu``, ``ewgt`` (first-seen order): ``(logit, how many rows)``."""
+    weight ``w[u]``, ``u_of`` each id's row, -1 absent; segment ``s``'s pooled sum times
+    ``scale[s]``), each segment's pooled sum in ``pooled[e, s]``, and the rows it read with their
+    summed weights in the logit in ``eu``, ``ewgt`` (first-seen order): ``(logit, how many rows)``."""
     k = 0
     for s in range(s_lo, s_hi):
         a, b, wgt = bag_span(s, e, seg_off, bags, seg_mean)
+        c = wgt * scale[s]
+        v = 0.0
         for i in range(a, b):
             u = u_of[i]
             if u < 0:
                 continue
-            logit += wgt * np.float64(w[u])
+            x = wgt * np.float64(w[u])
+            v += x
+            logit += scale[s] * x  # (scale 1: the same sum, in the same order, as without it)
             q = seen_at(eu, k, u)
             if q == k:
                 eu[k] = u
-                ewgt[k] = wgt
+                ewgt[k] = c
                 k += 1
             else:
-                ewgt[q] += wgt
+                ewgt[q] += c
+        pooled[e, s] = v
     return logit, k
 
 
@@ -232,7 +239,7 @@ def scored(e: IntLike, logit: float, labels: F64Array, probs: F32Array, resid: F
 def sequential_linear_kernel(
         ids: I64Array, seg_off: I64Array, seg_table: I64Array, bags: I64Array, seg_mean: BoolArray, labels: F64Array,
         offset: F64Array, t: IntLike, tables: TableArrays, shards: ShardArrays, probs: F32Array, resid: F64Array,
-        shard_n: I64Array) -> float:
+        shard_n: I64Array, scale: F64Array, pooled: F64Array) -> float:
     """Learn ``labels.size`` examples in order (see the module docstring); returns the summed log loss.
 
     ``bags[s]`` are segment ``s``'s per-example offsets (relative to ``seg_off[s]``); every table
@@ -275,7 +282,8 @@ def sequential_linear_kernel(
     ewgt = np.empty(n, np.float64)
     loss = 0.0
     for e in range(labels.size):
-        logit, k = first_order_sum(np.float64(offset[e]), e, 0, nseg, seg_off, bags, seg_mean, u_of, w, eu, ewgt)
+        logit, k = first_order_sum(np.float64(offset[e]), e, 0, nseg, seg_off, bags, seg_mean, u_of, w, eu, ewgt,
+                                   scale, pooled)
         g, ll = scored(e, logit, labels, probs, resid)
         loss += ll
         for q in range(k):
@@ -306,7 +314,7 @@ def sequential_linear_kernel(
 def write_through_kernel(
         ids: I64Array, seg_off: I64Array, seg_table: I64Array, bags: I64Array, seg_mean: BoolArray, labels: F64Array,
         offset: F64Array, t: IntLike, tables: TableArrays, shards: ShardArrays, probs: F32Array, resid: F64Array,
-        shard_n: I64Array) -> float:
+        shard_n: I64Array, scale: F64Array, pooled: F64Array) -> float:
     """:func:`sequential_linear_kernel`'s results, each step written straight into the tables.
 
     Faster when the batch's ids all fall in one shard (one shared table, an LR's: nothing to copy
@@ -340,22 +348,27 @@ def write_through_kernel(
         k = 0
         for s in range(nseg):
             a, b, wgt = bag_span(s, e, seg_off, bags, seg_mean)
+            c = wgt * scale[s]
+            v = 0.0
             for i in range(a, b):
                 r = rows[i]
                 if r < 0:
                     continue
                 sh = shard_of[i]
-                logit += wgt * np.float64(emb_list[sh][r, 0] if sh != cur else emb[r, 0])
+                x = wgt * np.float64(emb_list[sh][r, 0] if sh != cur else emb[r, 0])
+                v += x
+                logit += scale[s] * x
                 q = 0
                 while q < k and (urow[q] != r or ush[q] != sh):
                     q += 1
                 if q == k:
                     ush[k] = sh
                     urow[k] = r
-                    uwgt[k] = wgt
+                    uwgt[k] = c
                     k += 1
                 else:
-                    uwgt[q] += wgt
+                    uwgt[q] += c
+            pooled[e, s] = v
         g, ll = scored(e, logit, labels, probs, resid)
         loss += ll
         for q in range(k):
@@ -401,14 +414,18 @@ def write_through_kernel(
 
 
 def train_linear_sequential(server: ParameterServer, pb: PackedBatch, bags: np.ndarray, mean: np.ndarray,
-                            labels: np.ndarray, offset: np.ndarray, event_time: int,
-                            insert: bool = True) -> tuple[np.ndarray, float, np.ndarray]:
+                            labels: np.ndarray, offset: np.ndarray, event_time: int, insert: bool = True,
+                            scale: np.ndarray | None = None,
+                            pooled: np.ndarray | None = None) -> tuple[np.ndarray, float, np.ndarray]:
     """Learn a batch of a linear model example by example: ``(probs float32, mean loss, residuals)``.
 
     Ids are looked up (and inserted through admission) once for the batch by the packed gather
     (``insert=False``: the caller's own gather of a batch holding these ids already did);
     ``bags`` int64 ``[n_segments, B + 1]`` are each packed segment's per-example offsets, ``mean``
     which segments mean-pool; ``offset`` float64 ``[B]`` is each example's fixed logit part.
+    ``scale`` (float64 ``[n_segments]``, default ones) multiplies each segment's pooled sum in the
+    logit (and so its rows' gradients); ``pooled``, if given (float64 ``[B, n_segments]``), gets
+    each example's pooled sums before its update (the gradient of a learned ``scale``).
     """
     local_shards(server)
     dims = server._dims[pb.slot_table]
@@ -426,7 +443,8 @@ def train_linear_sequential(server: ParameterServer, pb: PackedBatch, bags: np.n
         loss = kernel(
             pb.ids, pb.offsets, pb.slot_table, bags, np.ascontiguousarray(mean, np.bool_),
             np.ascontiguousarray(labels, np.float64), np.ascontiguousarray(offset, np.float64), t,
-            kernel_tables(server), (slots_list, emb_list, *server._row_lists), probs, resid, shard_n)
+            kernel_tables(server), (slots_list, emb_list, *server._row_lists), probs, resid, shard_n,
+            *scaled(scale, pooled, len(pb.slots), n_ex))
         expire_touched(server, present, shard_n)
     return probs, loss / max(n_ex, 1), resid
 
@@ -445,6 +463,17 @@ def checked_bags(pb: PackedBatch, bags: np.ndarray, n_ex: int) -> I64Array:
     if ((out[:, -1] != np.diff(pb.offsets)) | (out[:, 0] != 0)).any() or (np.diff(out, axis=1) < 0).any():
         raise InvalidInputError("bags must be per-segment offsets covering each segment's ids")
     return out
+
+
+def scaled(scale: np.ndarray | None, pooled: np.ndarray | None, n_seg: int, n_ex: int) -> tuple[F64Array, F64Array]:
+    """The kernels' ``scale`` (ones by default) and ``pooled`` (scratch when not asked for), checked."""
+    sc = np.ones(n_seg) if scale is None else np.ascontiguousarray(scale, np.float64)
+    out = np.empty((n_ex, n_seg)) if pooled is None else pooled
+    if sc.shape != (n_seg,) or out.shape != (n_ex, n_seg) or out.dtype != np.float64 or not out.flags.c_contiguous:
+        raise InvalidInputError(f"scale must be [{n_seg}] and pooled a C-contiguous float64 [{n_ex}, {n_seg}]")
+    if not np.isfinite(sc).all():
+        raise InvalidInputError("scale must be finite")
+    return sc, out
 
 
 def learning_tables(server: ParameterServer, pb: PackedBatch) -> BoolArray:

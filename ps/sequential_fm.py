@@ -57,6 +57,7 @@ from .sequential import (
     learning_tables,
     local_shards,
     prepare_batch,
+    scaled,
     scored,
     seen_at,
     started,
@@ -88,7 +89,7 @@ def _pooled(f: IntLike, e: IntLike, seg_off: I64Array, bags: I64Array, seg_mean:
 def sequential_fm_kernel(
         ids: I64Array, seg_off: I64Array, seg_table: I64Array, n_emb: IntLike, bags: I64Array, seg_mean: BoolArray,
         labels: F64Array, offset: F64Array, jac: F32Array, t: IntLike, tables: TableArrays, shards: ShardArrays,
-        probs: F32Array, resid: F64Array, shard_n: I64Array) -> float:
+        probs: F32Array, resid: F64Array, shard_n: I64Array, scale: F64Array, pooled: F64Array) -> float:
     """Learn ``labels.size`` examples in order (see the module docstring); returns the summed log
     loss and fills ``probs`` (pre-update) and ``resid`` (``p - y``). Segments ``0..n_emb-1`` are
     the embedding fields (one dim), the rest first-order fields (dim 1)."""
@@ -145,7 +146,8 @@ def sequential_fm_kernel(
         for j in range(D):
             ss += S[j] * S[j]
         logit += 0.5 * (ss - sq)
-        logit, k = first_order_sum(logit, e, F, nseg, seg_off, bags, seg_mean, u_of, W[:, 0], lu, lwgt)
+        logit, k = first_order_sum(logit, e, F, nseg, seg_off, bags, seg_mean, u_of, W[:, 0], lu, lwgt,
+                                   scale, pooled)
         g, ll = scored(e, logit, labels, probs, resid)
         loss += ll
         # the embedding rows' directions, from the values this example was scored with
@@ -197,7 +199,8 @@ def sequential_fm_kernel(
 
 def train_fm_sequential(server: ParameterServer, pb: PackedBatch, n_emb: int, bags: np.ndarray, mean: np.ndarray,
                         labels: np.ndarray, offset: np.ndarray, jac: np.ndarray, event_time: int,
-                        insert: bool = True) -> tuple[np.ndarray, float, np.ndarray]:
+                        insert: bool = True, scale: np.ndarray | None = None,
+                        pooled: np.ndarray | None = None) -> tuple[np.ndarray, float, np.ndarray]:
     """Learn a batch of a DeepFM's sparse rows example by example: ``(probs float32, mean loss,
     residuals float64)``.
 
@@ -207,6 +210,8 @@ def train_fm_sequential(server: ParameterServer, pb: PackedBatch, n_emb: int, ba
     example's fixed logit; ``jac`` float32 ``[B, n_emb, dim]`` the MLP's input gradient per example (as torch computes it).
     Ids are inserted (through admission) once by a packed gather first, unless ``insert=False``
     (the caller's gather of these ids already did). Every table read must be SGD or Adagrad.
+    ``scale`` and ``pooled``: the first-order segments' factors and pooled sums, as
+    :func:`ps.sequential.train_linear_sequential` takes them (the embedding segments' are unused).
     """
     local_shards(server)
     n_seg, n_ex = len(pb.slots), int(labels.size)
@@ -227,6 +232,7 @@ def train_fm_sequential(server: ParameterServer, pb: PackedBatch, n_emb: int, ba
         loss = sequential_fm_kernel(
             pb.ids, pb.offsets, pb.slot_table, n_emb, bags, np.ascontiguousarray(mean, np.bool_),
             np.ascontiguousarray(labels, np.float64), np.ascontiguousarray(offset, np.float64), jac, t,
-            kernel_tables(server), (slots_list, emb_list, *server._row_lists), probs, resid, shard_n)
+            kernel_tables(server), (slots_list, emb_list, *server._row_lists), probs, resid, shard_n,
+            *scaled(scale, pooled, n_seg, n_ex))
         expire_touched(server, present, shard_n)
     return probs, loss / max(n_ex, 1), resid

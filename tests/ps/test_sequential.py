@@ -39,8 +39,11 @@ def make_batch(rng, n):
     return ids, offs
 
 
-def reference(server, ids, offs, mean, labels, offset):
-    """Per-example loop in plain Python over copies of the tables' rows (after insertion)."""
+def reference(server, ids, offs, mean, labels, offset, scale=None):
+    """Per-example loop in plain Python over copies of the tables' rows (after insertion); each
+    slot's pooled sum times ``scale[slot]`` (default 1). Also returns each example's pooled sums."""
+    scale = scale or {slot: 1.0 for slot in ids}
+    pooled = {slot: np.zeros(labels.size) for slot in ids}
     rows = {}  # (table, id) -> [w float32[1], state float32[width]]
     for name, table in server.tables.items():
         k, v, s, _ = table.items()
@@ -55,8 +58,9 @@ def reference(server, ids, offs, mean, labels, offset):
             wgt = 1.0 / bag.size if mean[slot] and bag.size else 1.0
             for i in bag.tolist():
                 key = (server.slots[slot], i)
-                logit += wgt * float(rows[key][0][0])
-                grads[key] = grads.get(key, 0.0) + wgt
+                logit += scale[slot] * wgt * float(rows[key][0][0])
+                pooled[slot][e] += wgt * float(rows[key][0][0])
+                grads[key] = grads.get(key, 0.0) + wgt * scale[slot]
         p = 1.0 / (1.0 + math.exp(-logit))
         probs.append(p)
         resid.append(p - labels[e])
@@ -72,12 +76,14 @@ def reference(server, ids, offs, mean, labels, offset):
             g = float(np.float32((p - labels[e]) * wsum))
             w[0], a, b = step_elem.py_func(kind, hyper, float(w[0]), a, b, g, bc1, bc2)
             st[:2] = [a, b][:min(2, st.size)]
-    return np.array(probs), np.array(resid), rows
+    return np.array(probs), np.array(resid), rows, pooled
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["", "scaled"])
 @pytest.mark.parametrize("one_table", [False, True], ids=["scratch", "write_through"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_equals_per_example_reference(seed, one_table):
+def test_equals_per_example_reference(seed, one_table, scaled):
+    """``scaled``: each segment's pooled sum times a factor (0 for one: its rows read and stay)."""
     rng = np.random.default_rng(seed)
     server = make_server(one_table)
     n = 40
@@ -87,10 +93,15 @@ def test_equals_per_example_reference(seed, one_table):
     offset = rng.normal(0, 0.2, n)
     pb = server.pack(ids)
     server.gather_packed(pb, insert=True, event_time=5)  # rows exist, as the kernel's gather makes them
-    want_p, want_r, want_rows = reference(server, ids, offs, mean, labels, offset)
+    scale = dict(zip(ids, [0.5, 0.0, 2.0, 1.0, 1.5, 0.25])) if scaled else None
+    want_p, want_r, want_rows, want_pooled = reference(server, ids, offs, mean, labels, offset, scale)
     bags = np.stack([offs[s] - offs[s][0] for s in pb.slots])
+    pooled = np.zeros((n, len(pb.slots)))
     p, loss, r = train_linear_sequential(server, pb, bags, np.array([mean[s] for s in pb.slots]), labels,
-                                         offset, event_time=7)
+                                         offset, event_time=7, pooled=pooled,
+                                         scale=None if scale is None else np.array([scale[s] for s in pb.slots]))
+    for j, slot in enumerate(pb.slots):
+        np.testing.assert_allclose(pooled[:, j], want_pooled[slot], rtol=1e-6, atol=1e-7, err_msg=slot)
     np.testing.assert_allclose(p, want_p, rtol=1e-6)
     np.testing.assert_allclose(r, want_r, rtol=1e-5, atol=1e-7)
     lg = np.log(want_p / (1 - want_p))

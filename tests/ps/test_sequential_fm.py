@@ -46,8 +46,10 @@ def _batch(rng, n: int):
     return slots, bags, offs, ids
 
 
-def _reference(server: ParameterServer, slots, bags, labels, offset, jac, mean, cap: float = math.inf):
-    """Example by example, straight from the docstring, on dict copies of the rows."""
+def _reference(server: ParameterServer, slots, bags, labels, offset, jac, mean, cap: float = math.inf,
+               scale=(1.0, 1.0)):
+    """Example by example, straight from the docstring, on dict copies of the rows (the first-order
+    fields ``wa``, ``wc`` times ``scale``); also each example's first-order pooled sums."""
     names = {"a": "v", "b": "v", "c": "u", "wa": "w", "wc": "w"}
     rows, acc = {}, {}
     for s in slots:
@@ -62,7 +64,7 @@ def _reference(server: ParameterServer, slots, bags, labels, offset, jac, mean, 
     present = {(names[s], i) for s in slots for bag in bags[s] for i in bag
                if np.flatnonzero(server.tables[names[s]].items()[0] == i).size}
     lr = {"v": 0.2, "u": 0.1, "w": 0.5}
-    probs = []
+    probs, pooled = [], np.zeros((labels.size, 2))
     for e in range(labels.size):
         xs = []
         for f, s in enumerate(("a", "b", "c")):
@@ -72,11 +74,12 @@ def _reference(server: ParameterServer, slots, bags, labels, offset, jac, mean, 
         S = sum(xs)
         logit = offset[e] + 0.5 * (S @ S - sum(x @ x for x in xs))
         grads: dict = {}
-        for s in ("wa", "wc"):
+        for j, s in enumerate(("wa", "wc")):
             for i in bags[s][e]:
                 if ("w", i) in present:
-                    logit += rows[("w", i)][0]
-                    grads[("w", i)] = grads.get(("w", i), 0.0) + 1.0
+                    logit += scale[j] * rows[("w", i)][0]
+                    pooled[e, j] += rows[("w", i)][0]
+                    grads[("w", i)] = grads.get(("w", i), 0.0) + scale[j]
         p = 1 / (1 + math.exp(-logit))
         probs.append(p)
         g = p - labels[e]
@@ -93,12 +96,14 @@ def _reference(server: ParameterServer, slots, bags, labels, offset, jac, mean, 
             else:
                 acc[key] = np.minimum(acc[key] + gr * gr, cap)
                 rows[key] = rows[key] - lr[key[0]] * gr / (np.sqrt(acc[key]) + 1e-10)
-    return np.array(probs), rows
+    return np.array(probs), rows, pooled
 
 
-@pytest.mark.parametrize("admission,cap", [(1, None), (2, None), (1, 0.05)])
-def test_the_kernel_learns_example_by_example_as_the_docstring_says(admission, cap):
-    """(``cap``: Adagrad's ``max_accumulator``, low enough that rows reach it within the batches)"""
+@pytest.mark.parametrize("admission,cap,scale", [(1, None, None), (2, None, None), (1, 0.05, None),
+                                                 (1, None, (0.0, 2.5))])
+def test_the_kernel_learns_example_by_example_as_the_docstring_says(admission, cap, scale):
+    """(``cap``: Adagrad's ``max_accumulator``, low enough that rows reach it within the batches;
+    ``scale``: the first-order fields' factors, one 0)"""
     rng = np.random.default_rng(0)
     server = _server(admission, cap=cap)
     mean = np.array([False, True, False, False, False])
@@ -110,8 +115,13 @@ def test_the_kernel_learns_example_by_example_as_the_docstring_says(admission, c
         labels = rng.integers(0, 2, n).astype(np.float64)
         offset = rng.normal(0, 0.3, n)
         jac = rng.normal(0, 0.2, (n, 3, D)).astype(np.float32)
-        want_p, want_rows = _reference(server, slots, bags, labels, offset, jac, mean, math.inf if cap is None else cap)
-        p, loss, resid = train_fm_sequential(server, pb, 3, offs, mean, labels, offset, jac, step, insert=False)
+        want_p, want_rows, want_pooled = _reference(server, slots, bags, labels, offset, jac, mean,
+                                                    math.inf if cap is None else cap, scale or (1.0, 1.0))
+        pooled = np.zeros((n, 5))
+        p, loss, resid = train_fm_sequential(server, pb, 3, offs, mean, labels, offset, jac, step, insert=False,
+                                             scale=None if scale is None else np.array([1.0, 1.0, 1.0, *scale]),
+                                             pooled=pooled)
+        np.testing.assert_allclose(pooled[:, 3:], want_pooled, rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(p, want_p, rtol=1e-5)
         np.testing.assert_allclose(resid, p.astype(np.float64) - labels, atol=1e-6)
         for (table, i), row in want_rows.items():

@@ -175,6 +175,11 @@ class ModelSpec(_Spec):
     pooling: Literal["sum", "mean"] | None = None
     dense_optimizer: Literal["adam", "adagrad", "sgd"] | None = None
     dense_lr: float | None = Field(None, gt=0)
+    #: a deepfm learns a factor on each first-order field (trainer.head.DenseHead.linear_scale: a
+    #: feature that says nothing is shrunk toward 0), at trainer.config.LINEAR_SCALE_LR; false: every
+    #: first-order field counts 1. Ignored by an lr (its first-order terms are the whole model:
+    #: there the factors cost AUC on MovieLens)
+    linear_scale: bool = True
     #: how the dense inputs are put on one scale (trainer/dense_scaling.py): ``log`` (signed log1p,
     #: then standardized by the stream's running statistics: any unit, heavy tails), ``standard``
     #: (standardized only), ``none`` (as they come)
@@ -422,7 +427,7 @@ class Project:
     def model_config(self) -> ModelConfig:
         """The trainer's model for this project: each sparse feature's embedding table (its own
         unless ``table`` names a shared one) and first-order table ``<table>_w`` (dim 1)."""
-        from trainer.config import ModelConfig
+        from trainer.config import LINEAR_SCALE_LR, ModelConfig
 
         fields, linear, dense = self._roles()
         emb = {n: self.feature(n).table or n for n in fields}
@@ -437,6 +442,8 @@ class Project:
                  if v is not None}
         if m.kind == "lr" and m.mlp is None:
             extra["mlp"] = []
+        if m.linear_scale and m.kind == "deepfm":
+            extra["linear_scale_lr"] = LINEAR_SCALE_LR
         return ModelConfig(
             model_id=self.file.name, kind=m.kind, slots=emb, linear=lin, tables=tables, dense_features=dense,
             pooling=self._pooling(used),

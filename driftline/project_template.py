@@ -105,6 +105,9 @@ admission = { min_count = 1, probability = 1.0 }
 #   user's or item's burst is scored with what its earlier examples taught (false: once per batch)
 #   sequential_embeddings: with sequential, a deepfm's embedding rows learn that way too (its
 #   tables then need "sgd" or "adagrad"; false: the embeddings step once per batch)
+#   linear_scale: a deepfm learns a factor on each first-order field, so a feature whose values say
+#   nothing of the label (a zip code, a device model, drawn at random) is shrunk toward 0 instead of
+#   adding noise (false: every first-order field counts 1)
 #   linear_optimizer: the first-order tables' optimizer (they take a larger step than embeddings;
 #   the initial accumulator keeps a new id's first Adagrad steps from swinging its weight;
 #   max_accumulator = 30 here too, where a busy item's accumulator grows fastest)
@@ -121,6 +124,7 @@ mlp = [32, 16]
 label = "click"
 sequential = true
 sequential_embeddings = true
+linear_scale = true
 linear_optimizer = { kind = "adagrad", lr = 0.3, initial_accumulator_value = 0.3 }
 # fields = ["device", "item_id", "category"]     (a position is a first-order term unless listed here)
 # dense = ["price"]

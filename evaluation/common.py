@@ -59,10 +59,12 @@ def model_config(s: EvalSettings, seed: int, model_id: str = "eval") -> ModelCon
     initializer (the trainer's default fixes the table seed to 1), on the 8 MovieLens slots: the
     real-time ``recent_items`` slot is absent from ml-1m, so it stays out of the experiments. The
     paper's experiments compare tables, not update orders: every table steps once per batch at
-    ``sparse_lr``, plain Adagrad (the served model's sequential first-order part, with its initial
-    accumulator, is :func:`served_model_config`)."""
+    ``sparse_lr``, plain Adagrad, and every first-order field counts 1 (the served model's
+    sequential first-order part, with its initial accumulator and learned factors, is
+    :func:`served_model_config`)."""
     return deepfm_config(model_id=model_id, dim=s.dim, mlp=list(s.mlp), lr=s.sparse_lr, seed=seed,
-                         recent_items=False, sequential=False, linear_lr=s.sparse_lr, linear_acc=0.0)
+                         recent_items=False, sequential=False, linear_lr=s.sparse_lr, linear_acc=0.0,
+                         linear_scale_lr=None)
 
 
 def served_model_config(s: EvalSettings, seed: int, model_id: str = "served", size: tuple | None = None) -> ModelConfig:
@@ -92,7 +94,8 @@ def init_model_config(seed: int, model_id: str = "init") -> ModelConfig:
     t = tomllib.loads(TEMPLATE)
     m, default = ModelSpec.model_validate(t["model"]), t["tables"]["default"]["optimizer"]
     d = deepfm_config(model_id=model_id, dim=m.dim, mlp=m.mlp, seed=seed, recent_items=False,
-                      sequential=m.sequential, sequential_embeddings=m.sequential_embeddings).model_dump()
+                      sequential=m.sequential, sequential_embeddings=m.sequential_embeddings,
+                      **({} if m.linear_scale else {"linear_scale_lr": None})).model_dump()
     linear = m.linear_optimizer.model_dump() if m.linear_optimizer is not None else default
     for tab in d["tables"]:
         tab["optimizer"] = dict(linear if tab["dim"] == 1 else default)
@@ -104,7 +107,8 @@ def coll_model_config(s: EvalSettings, seed: int, model_id: str = "coll") -> Mod
     ``coll_*`` hyper-parameters (Adagrad ``initial_accumulator_value`` and the dense lr are not
     arguments of ``deepfm_config``, so they are set on its validated dump)."""
     cfg = deepfm_config(model_id=model_id, dim=s.coll_dim, mlp=list(s.coll_mlp), lr=s.coll_sparse_lr, seed=seed,
-                        slots=tuple(s.coll_slots), recent_items=False, sequential=False, linear_lr=s.coll_sparse_lr)
+                        slots=tuple(s.coll_slots), recent_items=False, sequential=False, linear_lr=s.coll_sparse_lr,
+                        linear_scale_lr=None)
     d = cfg.model_dump()
     for t in d["tables"]:
         t["optimizer"]["initial_accumulator_value"] = s.coll_init_acc

@@ -6,7 +6,8 @@ whose rows 1..n hold the candidates' (each field belongs to one side: the other 
 empty and pools to zero). The head's input for candidate ``i`` is ``row 0 + row i``, and every
 term of the head but the MLP's hidden layers is a sum over fields, so it splits:
 
-* first order: ``sum(lin[0]) + sum(lin[i])``;
+* first order: ``sum(a * lin[0]) + sum(a * lin[i])`` (``a`` the head's learned factor per
+  first-order field, :attr:`trainer.head.DenseHead.linear_scale`; 1 without);
 * FM: with ``s = sum_f e_f`` and ``q = sum_f e_f * e_f``, a field is zero on one side, so
   ``s_i' = s_0 + s_i`` and ``q_i' = q_0 + q_i``;
 * MLP first layer: ``W x' + b = (W_user x_0 + b) + W_items x_i``: the user's columns once per
@@ -53,6 +54,7 @@ class SplitHead:
     def __init__(self, head: DenseHead, fields: list[str], user_fields: frozenset[str], dim: int) -> None:
         self.bias = float(head.bias.detach()[0])
         self.dense_w = None if head.dense_linear is None else torch.from_numpy(_np(head.dense_linear.weight).T.copy())
+        self.lin_scale = None if head.linear_scale is None else _np(head.linear_scale)
         # the dense features' scale as of this dense version (trainer.dense_scaling): a copy, as the weights
         self.scaler = copy.deepcopy(head.scaler) if head.scaler is not None else None
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -85,6 +87,8 @@ class SplitHead:
         if dense is not None and self.scaler is not None:
             dense = scale_numpy(self.scaler, dense)
         if lin is not None:
+            if self.lin_scale is not None:
+                lin = lin * self.lin_scale
             out += lin[1:].sum(1)
             out += lin[0].sum()
         if dense is not None and self.dense_w is not None:

@@ -152,6 +152,20 @@ def test_model_pooling_is_the_default_of_features_that_name_none_and_absent_it_i
     assert Project.model_validate(tomllib.loads(TEMPLATE)).model_config().pooling["category"] == "mean"
 
 
+def test_a_deepfm_learns_its_first_order_factors_unless_told_not_to_and_an_lr_does_not() -> None:
+    from trainer.config import LINEAR_SCALE_LR
+
+    features = [{"name": "item_id", "source": "candidate"}, {"name": "user_id", "source": "user"}]
+
+    def cfg(**model):
+        return Project.model_validate({"name": "f", "features": features, "model": model}).model_config()
+
+    assert cfg().linear_scale_lr == LINEAR_SCALE_LR
+    assert cfg(linear_scale=False).linear_scale_lr is None
+    assert cfg(kind="lr").linear_scale_lr is None
+    assert Project.model_validate(tomllib.loads(TEMPLATE)).model_config().linear_scale_lr == LINEAR_SCALE_LR
+
+
 def test_a_position_is_one_sparse_int_feature_the_model_knows_as_its_position_slot() -> None:
     def project(*features: dict, model: dict | None = None) -> Project:
         return Project.model_validate({"name": "placed", "features": [{"name": "item_id", "source": "candidate"},

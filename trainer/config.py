@@ -48,6 +48,14 @@ SPARSE_LR, LINEAR_LR = 0.05, 0.3
 #: and 1: 0.7875/0.7871 at 0, 0.7878/0.7875 at 0.3), where it also lifts new users' first 10
 #: examples from 0.7279/0.7278 to 0.7356/0.7332 (driftline eval coldstart: docs/results.md section 5)
 LINEAR_ACC = 0.3
+#: the served model's rate for the learned factor on each first-order field
+#: (:attr:`ModelConfig.linear_scale_lr`). Chosen on ``make bench-worlds`` (3 seeds, 8 worlds; 0.003,
+#: 0.01, 0.03): 0.003 recovers only two thirds of what a feature that says nothing costs, 0.01 and
+#: 0.03 all of it, neither below the model without factors in any world; on MovieLens (seed 0)
+#: ml-1m 0.7809 / 0.7810 / 0.7812 and ml-100k 0.7667 / 0.7664 / 0.7660 against 0.7805 / 0.7666
+#: without. Not for the LR (:func:`lr_config`): there the first-order terms are the whole model, and
+#: the factors cost 0.0001-0.0009 on ml-1m and 0.0004-0.0027 on ml-100k at these rates.
+LINEAR_SCALE_LR = 0.01
 #: the served model's size: the best validation AUC among the sequential DeepFMs 1.1x as fast as the
 #: plain DeepFM at batch 1024 (docs/results.md, "How settings were chosen"); dim 16 with MLP 128-64
 #: learns a little better (+0.002 AUC) at two thirds of that speed
@@ -128,6 +136,10 @@ class ModelConfig(BaseModel):
     mlp: list[int] = Field(default_factory=lambda: list(SERVED_MLP))
     dense_optimizer: Literal["adam", "adagrad", "sgd"] = "adam"
     dense_lr: float = Field(1e-3, gt=0)
+    #: each first-order field's pooled sum times a learned factor (starting at 1), at this rate in
+    #: the dense optimizer (:attr:`trainer.head.DenseHead.linear_scale`); None: no factors (the
+    #: served model's: :data:`LINEAR_SCALE_LR`)
+    linear_scale_lr: float | None = Field(None, gt=0)
     label: str = "click"
     seed: int = 0
     #: per-example updates of the first-order (linear) weights inside each mini-batch; embedding
@@ -251,13 +263,14 @@ def deepfm_config(model_id: str = "deepfm", dim: int = SERVED_DIM, mlp: list[int
                   slots: tuple[str, ...] = MOVIELENS_SLOTS, ttl_seconds: float | None = None,
                   min_count: int = 1, shards: int = 1, recent_items: bool = True,
                   seed: int | None = None, sequential: bool = True, linear_lr: float = LINEAR_LR,
-                  sequential_embeddings: bool = True, linear_acc: float = LINEAR_ACC) -> ModelConfig:
+                  sequential_embeddings: bool = True, linear_acc: float = LINEAR_ACC,
+                  linear_scale_lr: float | None = LINEAR_SCALE_LR) -> ModelConfig:
     """DeepFM over the MovieLens slots: one embedding + one first-order table per slot.
 
     The defaults are the served model (``driftline eval baselines``, ``docs/results.md`` section 4,
     chose them): dim :data:`SERVED_DIM`, MLP :data:`SERVED_MLP`, ``sequential`` first-order weights and ``sequential_embeddings``
     (per-example steps inside a batch) at Adagrad ``linear_lr`` (initial accumulator ``linear_acc``), the
-    embeddings at ``lr``.
+    embeddings at ``lr``, a learned factor on each first-order field at ``linear_scale_lr``.
     ``sequential=False`` steps everything once per batch (``linear_lr`` then still applies to the
     first-order tables).
 
@@ -289,7 +302,7 @@ def deepfm_config(model_id: str = "deepfm", dim: int = SERVED_DIM, mlp: list[int
     return ModelConfig(model_id=model_id, kind="deepfm", slots=fields,
                        linear={s: f"{s}_w" for s in slots}, tables=tables, pooling=pooling, salt=salt,
                        seed=0 if seed is None else seed, sequential=sequential,
-                       sequential_embeddings=sequential and sequential_embeddings,
+                       sequential_embeddings=sequential and sequential_embeddings, linear_scale_lr=linear_scale_lr,
                        **({} if mlp is None else {"mlp": list(mlp)}))
 
 

@@ -18,9 +18,12 @@ from .content import ContentEncoder
 from .dense_scaling import DenseScaler, merge_moments_before_step
 from .torch_quirks import optimizer_class
 
-__all__ = ["DenseHead", "HeadSlopes", "make_dense_optimizer"]
+__all__ = ["DenseHead", "HeadSlopes", "load_dense_optimizer", "make_dense_optimizer"]
 
 log = logging.getLogger(__name__)
+
+#: the name of :func:`make_dense_optimizer`'s parameter group of the first-order factors
+FACTORS = "linear_scale"
 
 
 class DenseHead(nn.Module):
@@ -38,6 +41,18 @@ class DenseHead(nn.Module):
         field = cfg.content is not None and cfg.content.join == "field"
         nf, d, nd = len(cfg.slots) + field, cfg.embed_dim, len(cfg.dense_features)
         self.dense_linear = nn.Linear(nd, 1, bias=False) if nd else None
+        #: a factor on each first-order field's pooled sum (``cfg.linear`` order; None without
+        #: first-order fields), learned with ``cfg.linear_scale_lr`` (else held where it is: 1 in a
+        #: new head). Why: a first-order weight per id fits whatever its few examples say; where a
+        #: feature says nothing (thousands of values, each seen tens of times) those weights are
+        #: noise and the served model ranked below counting clicks. The factor's gradient comes
+        #: from examples scored *before* their ids' weights learned from them (progressive, in the
+        #: sequential kernels), so it learns how far each field's weights hold on new examples and
+        #: shrinks a field that says nothing (``make bench-worlds``, ``noise_feature``). Every head
+        #: with first-order fields holds it, learned or not, so a trainer and a serving replica
+        #: whose configurations differ in this still score alike.
+        self.linear_scale = (nn.Parameter(torch.ones(len(cfg.linear)), requires_grad=cfg.linear_scale_lr is not None)
+                             if cfg.linear else None)
         if cfg.kind == "deepfm":
             layers: list[nn.Module] = []
             width = nf * d + nd
@@ -54,6 +69,7 @@ class DenseHead(nn.Module):
         # labels (clicks, examples) seen before the bias started; None once it has (start_bias)
         self._unstarted: list[float] | None = [0.0, 0.0]
         self.register_load_state_dict_post_hook(_ask_again)
+        self.register_load_state_dict_pre_hook(_factors_as_built)
 
     def start_bias(self, clicks: float | torch.Tensor, examples: float | torch.Tensor) -> None:
         """Start a head that never learned at the log-odds of the labels: every engine calls this
@@ -115,7 +131,7 @@ class DenseHead(nn.Module):
         """``fm=False`` leaves the FM term out (:mod:`ps.sequential_fm` computes it from fresh rows)."""
         out = self.bias.expand(_batch(emb, lin, dense))
         if lin is not None:
-            out = out + lin.sum(1)
+            out = out + (lin if self.linear_scale is None else lin * self.linear_scale).sum(1)
         if dense is not None and self.dense_linear is not None:
             out = out + self.dense_linear(dense).squeeze(1)
         if self.mlp is not None and emb is not None:
@@ -186,6 +202,18 @@ def _ask_again(head: DenseHead, incompatible) -> None:
     head._unstarted = [0.0, 0.0]
 
 
+def _factors_as_built(head: DenseHead, state: dict, prefix: str, *args) -> None:
+    """A state saved before heads held first-order factors, or with other first-order fields: the
+    factors start at 1 (a state that has them where the head has no first-order field: left out)."""
+    key = prefix + "linear_scale"
+    if head.linear_scale is None:
+        state.pop(key, None)
+    elif key not in state or state[key].shape != head.linear_scale.shape:
+        if key in state:
+            log.warning("the first-order fields changed since this head was saved: their factors start at 1")
+        state[key] = torch.ones_like(head.linear_scale.detach())
+
+
 def _batch(*xs):
     for x in xs:
         if x is not None:
@@ -200,14 +228,49 @@ def make_dense_optimizer(cfg: ModelConfig, head: nn.Module) -> torch.optim.Optim
     cls = optimizer_class({"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad,
                            "sgd": torch.optim.SGD}[cfg.dense_optimizer])
     params: list = list(head.parameters())
+    groups = []  # parameters at their own rate
     content = getattr(head, "content", None)
-    if content is not None and cfg.content is not None and cfg.content.lr is not None:  # its own rate
-        own = {id(p) for p in content.parameters()}
-        params = [{"params": [p for p in params if id(p) not in own]},
-                  {"params": list(content.parameters()), "lr": cfg.content.lr}]
+    if content is not None and cfg.content is not None and cfg.content.lr is not None:
+        groups.append({"params": list(content.parameters()), "lr": cfg.content.lr})
+    if getattr(head, "linear_scale", None) is not None:  # rate 0 without one: held, whatever gradient the N-rank sum sets
+        groups.append({"params": [head.linear_scale], "lr": cfg.linear_scale_lr or 0.0, "name": FACTORS})
+    if groups:
+        own = {id(p) for g in groups for p in g["params"]}
+        params = [{"params": [p for p in params if id(p) not in own]}, *groups]
     try:
         opt = cls(params, lr=cfg.dense_lr, fused=True)
     except (RuntimeError, TypeError, ValueError):
         opt = cls(params, lr=cfg.dense_lr)
     opt.register_step_pre_hook(merge_moments_before_step(head))  # the dense scaler's statistics
     return opt
+
+
+def load_dense_optimizer(opt: torch.optim.Optimizer, saved: dict) -> None:
+    """``opt.load_state_dict(saved)`` for a saved state from before heads held first-order factors
+    (:attr:`DenseHead.linear_scale`, the last parameter group of :func:`make_dense_optimizer`), or
+    with other first-order fields: the factors' group then starts fresh. Its rate stays the one
+    ``opt`` was made with (the configuration's, learned or not).
+
+    >>> from trainer.config import deepfm_config
+    >>> cfg = deepfm_config("m", slots=("u",))
+    >>> opt = make_dense_optimizer(cfg, DenseHead(cfg))
+    >>> older = {**opt.state_dict(), "param_groups": opt.state_dict()["param_groups"][:1]}
+    >>> load_dense_optimizer(opt, older); [g["lr"] for g in opt.param_groups]
+    [0.001, 0.01]
+    """
+    groups, have = saved.get("param_groups", []), opt.param_groups
+    factors = have[-1] if have and have[-1].get("name") == FACTORS else None
+    if factors is None:
+        opt.load_state_dict(saved)
+        return
+    state = saved.get("state", {})
+    if len(groups) == len(have) - 1:  # saved before the factors: their group as made, no state
+        first = sum(len(g["params"]) for g in groups)
+        groups = [*groups, {**{k: v for k, v in factors.items() if k != "params"}, "params": [first]}]
+    else:
+        (i,) = groups[-1]["params"]
+        shape = factors["params"][0].shape
+        if any(torch.is_tensor(v) and v.dim() and v.shape != shape for v in state.get(i, {}).values()):
+            state = {k: v for k, v in state.items() if k != i}  # other first-order fields: start fresh
+        groups = [*groups[:-1], {**groups[-1], "lr": factors["lr"]}]
+    opt.load_state_dict({**saved, "state": state, "param_groups": groups})

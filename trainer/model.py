@@ -33,7 +33,7 @@ from .batch import SparseBatch
 from .config import ModelConfig
 from .content import content_field, join_content
 from .device import Transfers, resolve_device
-from .head import DenseHead, HeadSlopes, make_dense_optimizer
+from .head import DenseHead, HeadSlopes, load_dense_optimizer, make_dense_optimizer
 from .meta import MetaLearner
 from .mixcache import Located, MixCache, cacheable
 from .prefetch import Lookahead, lookahead_refusal
@@ -181,7 +181,7 @@ class SparseModel:
         """:meth:`dense_state` back (a snapshot's; parts it lacks stay as they are)."""
         self.head.load_state_dict(dense["head"])
         if dense.get("optimizer") and self.optimizer is not None:
-            self.optimizer.load_state_dict(dense["optimizer"])
+            load_dense_optimizer(self.optimizer, dense["optimizer"])
         if "meta" in dense and self.meta is not None:
             self.meta.load_state_dict(dense["meta"])
 

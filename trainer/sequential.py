@@ -83,8 +83,10 @@ def sequential_train_step(model, batch: SparseBatch) -> tuple[float, np.ndarray]
     if not bool(torch.isfinite(fixed).all()):
         raise NonFiniteStepError("the step's dense logits are not finite; nothing applied")
     t1 = time.perf_counter()
+    scale, pooled = _scale(head, n, len(pb.slots), 0)
     probs, loss, resid = train_linear_sequential(model.ps, pb, bags, mean, batch.labels,
-                                                 model.io.to_host(fixed), t, insert=not deep)
+                                                 model.io.to_host(fixed), t, insert=not deep,
+                                                 scale=scale, pooled=pooled)
     t2 = time.perf_counter()
     r = model.io.to_device(resid.astype(np.float32))
     model.optimizer.zero_grad(set_to_none=True)
@@ -100,6 +102,7 @@ def sequential_train_step(model, batch: SparseBatch) -> tuple[float, np.ndarray]
         head.bias.grad = r.mean().reshape(1)
         if dense is not None:
             head.dense_linear.weight.grad = (r.unsqueeze(1) * dense).mean(0, keepdim=True)
+    _scale_grad(model, resid, pooled, 0)
     head.stage_moments()
     head.start_bias(float(batch.labels.sum()), n)
     model.optimizer.step()
@@ -133,8 +136,9 @@ def _embeddings_sequential_step(model, batch: SparseBatch) -> tuple[float, np.nd
     bags = np.stack([batch.offsets[s] for s in eb.slots + lb.slots])
     mean = np.array([m == "mean" for m in eb.modes + lb.modes], np.bool_)
     t1 = time.perf_counter()
+    scale, pooled = _scale(model.head, n, len(full.slots), k)
     probs, loss, resid = train_fm_sequential(model.ps, full, k, bags, mean, batch.labels, model.io.to_host(fixed), jac,
-                                             t, insert=False)
+                                             t, insert=False, scale=scale, pooled=pooled)
     t2 = time.perf_counter()
     seed = model.io.to_device((resid / max(n, 1)).astype(np.float32))
     slopes.backward(seed)  # sets the head's MLP gradients (the encoder's, if any, are set next)
@@ -142,6 +146,7 @@ def _embeddings_sequential_step(model, batch: SparseBatch) -> tuple[float, np.nd
         for p in model.head.content.parameters():
             p.grad = None
         cs.backward(seed)
+    _scale_grad(model, resid, pooled, k)
     model.head.stage_moments()
     if not finite_grads(model.head) or not math.isfinite(loss):
         raise NonFiniteStepError(f"the step's loss ({loss}) or dense gradients are not finite; "
@@ -151,3 +156,22 @@ def _embeddings_sequential_step(model, batch: SparseBatch) -> tuple[float, np.nd
     model.timings["update"] += t2 - t1
     model.timings["backward"] += time.perf_counter() - t2
     return float(loss), probs
+
+
+def _scale(head, n: int, n_seg: int, k: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The kernel's per-segment factors (the head's :attr:`DenseHead.linear_scale`; the first ``k``
+    segments, embeddings, unscaled) and a buffer for the pooled first-order sums."""
+    if head.linear_scale is None:
+        return None, None
+    scale = np.ones(n_seg)
+    scale[k:] = head.linear_scale.detach().cpu().double().numpy()
+    return scale, np.empty((n, n_seg))
+
+
+def _scale_grad(model, resid: np.ndarray, pooled: np.ndarray | None, k: int) -> None:
+    """``linear_scale``'s gradient of the mean log loss: each field's pooled sums (as each example
+    was scored with them) times the residuals."""
+    if pooled is None or not model.head.linear_scale.requires_grad:  # (held where it is)
+        return
+    g = resid @ pooled[:, k:] / max(resid.size, 1)
+    model.head.linear_scale.grad = model.io.to_device(g.astype(np.float32))

@@ -82,8 +82,10 @@ def restore_blockers(saved: ModelConfig, cfg: ModelConfig) -> list[str]:
 
 
 def _head_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The head's parameter shapes, but for the first-order factors (a head restores whether they
+    were on or not: :class:`trainer.head.DenseHead` starts missing ones at 1)."""
     with torch.random.fork_rng(devices=[]):  # (the head seeds torch's generator as it is built)
-        return {k: tuple(v.shape) for k, v in DenseHead(cfg).state_dict().items()}
+        return {k: tuple(v.shape) for k, v in DenseHead(cfg).state_dict().items() if k != "linear_scale"}
 
 
 def check_same_model(root: Path, cfg: ModelConfig) -> None:

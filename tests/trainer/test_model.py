@@ -126,6 +126,53 @@ def test_a_fresh_head_starts_its_bias_at_the_labels_log_odds_and_a_restored_one_
     assert restored.head.bias.item() == pytest.approx(-1.5, abs=2e-3)  # one Adam step
 
 
+def _noise_batch(rng: np.random.Generator, n: int) -> SparseBatch:
+    """``user_id`` (200 users) tells the click; ``noise`` (5,000 values) says nothing."""
+    off = np.arange(n + 1, dtype=np.int64)
+    users = rng.integers(0, 200, n)
+    labels = (rng.random(n) < 1 / (1 + np.exp(-(users % 7 - 3.0)))).astype(np.float32)
+    return SparseBatch(n, {"user_id": users, "noise": rng.integers(0, 5000, n)}, {"user_id": off, "noise": off},
+                       labels=labels)
+
+
+def test_the_first_order_factors_shrink_a_feature_that_says_nothing_and_restore_across_versions():
+    """Each first-order field's learned factor (DenseHead.linear_scale) starts at 1 and learns from
+    the examples' progressive scores: a feature that says nothing falls well below the one that
+    tells the click. A head without a rate holds its factors where they are (1 when new, a
+    restored head's own), so a trainer and a serving replica that differ in the setting score
+    alike; neither blocks a restore. A state saved before heads held factors (no key, no optimizer
+    group) restores with factors at 1 and a fresh group, as does one with other first-order fields."""
+    from trainer.snapshot_store import restore_blockers
+
+    rng = np.random.default_rng(0)
+    cfg = deepfm_config("m", slots=("user_id", "noise"), recent_items=False)
+    m = SparseModel(cfg)
+    for _ in range(60):
+        m.train_step(_noise_batch(rng, 1000))
+    user, noise = m.head.linear_scale.tolist()
+    assert noise < 0.75 < 1.0 < user, (user, noise)
+    off = cfg.model_copy(update={"linear_scale_lr": None})
+    assert restore_blockers(off, cfg) == [] and restore_blockers(cfg, off) == []
+    held = SparseModel(off)
+    held.train_step(_noise_batch(rng, 100))
+    assert held.head.linear_scale.tolist() == [1.0, 1.0]
+    held.load_dense_state(m.dense_state())
+    held.train_step(_noise_batch(rng, 100))
+    assert held.head.linear_scale.tolist() == [user, noise]  # restored, and held there
+    older = m.dense_state()
+    older["head"] = {k: v for k, v in older["head"].items() if k != "linear_scale"}
+    older["optimizer"] = {**older["optimizer"], "param_groups": older["optimizer"]["param_groups"][:-1]}
+    older["optimizer"]["state"] = {k: v for k, v in older["optimizer"]["state"].items()
+                                   if k < len(older["optimizer"]["param_groups"][0]["params"])}
+    for state in (older, SparseModel(cfg.model_copy(update={"linear": {"user_id": "user_id_w"}})).dense_state()):
+        fresh = SparseModel(cfg)
+        fresh.load_dense_state(state)
+        assert fresh.head.linear_scale.tolist() == [1.0, 1.0]
+        assert [g["lr"] for g in fresh.optimizer.param_groups] == [cfg.dense_lr, cfg.linear_scale_lr]
+        fresh.train_step(_noise_batch(rng, 100))
+        assert fresh.head.linear_scale.tolist() != [1.0, 1.0]
+
+
 def test_snapshot_round_trip_is_exact(ml, tmp_path):
     """Tables come back with optimizer state and admission sketches: training on continues identically."""
     cfg = deepfm_config(dim=8, mlp=[16], min_count=2)  # admission: sketches matter
@@ -174,8 +221,9 @@ def test_head_slopes_equal_autograd():
     np.testing.assert_allclose(slopes.jac, jac.numpy(), rtol=1e-5, atol=1e-6)
     head.zero_grad(set_to_none=True)
     want.backward(seed)
-    # (the dense scaler's statistics are no learned parameters: trainer.dense_scaling)
-    learned = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
+    # (the dense scaler's statistics are no learned parameters: trainer.dense_scaling; the
+    # first-order factors are not in the slopes' logits: the kernel's pooled sums give theirs)
+    learned = [(n, p) for n, p in head.named_parameters() if p.requires_grad and n != "linear_scale"]
     expected = {n: p.grad.clone() for n, p in learned}
     head.zero_grad(set_to_none=True)
     slopes.backward(seed)

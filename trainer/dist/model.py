@@ -441,6 +441,10 @@ class DistributedModel:
         pass_slots = tuple(s for p in pbs for s in p.slots)
         pass_tables = np.concatenate([p.slot_table for p in pbs])
 
+        factors = m.head.linear_scale  # the first-order fields' learned factors (DenseHead), if any
+        scale = factors.detach().double().numpy() if factors is not None else None
+        n_scale = 0 if factors is None else factors.numel()
+
         def run(msgs):  # rank 0
             parts = [seq.decode(x, n_slots, b, k) for x, b, k in zip(msgs, lk.sizes, lk.lin_ids)]
             if any(p.failed for p in parts):
@@ -448,14 +452,15 @@ class DistributedModel:
             try:
                 if self._meta is not None:  # the task slot's new first-order rows (trainer.dist.meta)
                     self._meta.start_pass(pass_slots, parts, lk.event_time)
-                return seq.OK, seq.run_pass(m.ps, pass_slots, pass_tables, mean, parts, lk.event_time, n_emb)
+                return seq.OK, seq.run_pass(m.ps, pass_slots, pass_tables, mean, parts, lk.event_time, n_emb,
+                                            scale)
             except Exception as err:  # noqa: BLE001 - every rank is told; none is left waiting
                 log.error("rank 0: the first-order pass failed: %r", err)
                 return seq.FAILED, None
 
         tc = time.perf_counter()
-        status, resid, probs, loss_sum, sent = seq.exchange(self.group, self.rank, self.world, msg, sizes,
-                                                            lk.sizes, run)
+        status, resid, probs, loss_sum, g_scale, sent = seq.exchange(self.group, self.rank, self.world, msg, sizes,
+                                                                     lk.sizes, run, n_scale)
         with self._lock:
             self.alltoall_bytes += sent
             m.timings["update"] += time.perf_counter() - tc
@@ -467,6 +472,8 @@ class DistributedModel:
         try:
             seed = torch.from_numpy((resid / max(lk.global_size, 1)).astype(np.float32))
             backward(deep_part, seed) if isinstance(deep_part, torch.Tensor) else deep_part.backward(seed)
+            if factors is not None and factors.requires_grad:  # this rank's share of the global mean's gradient
+                factors.grad = torch.from_numpy((g_scale / max(lk.global_size, 1)).astype(np.float32))
             if leaves:
                 w = leaves[0][1]
                 g = w.grad.numpy().reshape(-1) if w.grad is not None else np.zeros(w.numel(), np.float32)

@@ -89,10 +89,13 @@ def decode(msg: np.ndarray, n_slots: int, n_examples: int, n_ids: int) -> Part:
 
 
 def run_pass(ps, slots: tuple, table_of_slot: np.ndarray, mean: np.ndarray, parts: list[Part], event_time: int,
-             n_emb: int = 0):
+             n_emb: int = 0, linear_scale: np.ndarray | None = None):
     """Rank 0: the kernel over the ranks' parts concatenated in rank order (the first ``n_emb``
     slots embedding fields: :func:`ps.sequential_fm.train_fm_sequential`; none: the first-order
-    pass). Returns per rank ``(residuals, probabilities, loss sum)``."""
+    pass). ``linear_scale``: the head's learned factors of the first-order fields (or None).
+    Returns per rank ``(residuals, probabilities, loss sum, the residuals times each first-order
+    field's pooled sums, summed over its examples: float64 [first-order fields], empty without
+    factors)``."""
     n_slots = len(slots)
     lens = np.concatenate([p.lens for p in parts], axis=1)
     per_rank = [np.split(p.ids, np.cumsum(p.lens.sum(1))[:-1]) for p in parts]
@@ -105,31 +108,38 @@ def run_pass(ps, slots: tuple, table_of_slot: np.ndarray, mean: np.ndarray, part
     np.cumsum(lens, axis=1, out=bags[:, 1:])
     labels = np.concatenate([p.labels for p in parts])
     offset = np.concatenate([p.offset for p in parts])
+    scale = pooled = None
+    if linear_scale is not None:
+        scale = np.concatenate([np.ones(n_emb), linear_scale])
+        pooled = np.empty((labels.size, n_slots))
     if n_emb:
         # the owners' lookups inserted the embedding ids already (rank 0 owns their tables)
         ps.gather_packed(pb.segments(n_emb, n_slots), insert=True, event_time=event_time)
         jac = np.concatenate([p.jac for p in parts]).reshape(labels.size, n_emb, -1)
         probs, _, resid = train_fm_sequential(ps, pb, n_emb, bags, mean, labels, offset, jac, event_time,
-                                              insert=False)
+                                              insert=False, scale=scale, pooled=pooled)
     else:
-        probs, _, resid = train_linear_sequential(ps, pb, bags, mean, labels, offset, event_time)
+        probs, _, resid = train_linear_sequential(ps, pb, bags, mean, labels, offset, event_time,
+                                                  scale=scale, pooled=pooled)
     p64 = resid + labels  # the kernel's float64 probabilities (``probs`` is their float32)
     with np.errstate(divide="ignore"):
         ll = -(labels * np.log(p64) + (1 - labels) * np.log1p(-p64))
     out, a = [], 0
     for p in parts:
         b = a + p.labels.size
-        out.append((resid[a:b], probs[a:b], float(ll[a:b].sum())))
+        g = resid[a:b] @ pooled[a:b, n_emb:] if pooled is not None else np.zeros(0)
+        out.append((resid[a:b], probs[a:b], float(ll[a:b].sum()), g))
         a = b
     return out
 
 
 def exchange(group, rank: int, world: int, msg: np.ndarray, sizes: list[int], n_examples: list[int],
-             run) -> tuple[float, np.ndarray, np.ndarray, float, int]:
+             run, n_scale: int = 0) -> tuple[float, np.ndarray, np.ndarray, float, np.ndarray, int]:
     """Steps 1-3 (collective on ``group``): ``msg`` this rank's message, ``sizes`` / ``n_examples``
     every rank's message size and batch size; ``run(messages)`` is rank 0's pass (returning
-    ``(status, [(resid, probs, loss sum)] per rank)``). Returns this rank's ``(status, residuals,
-    probabilities, loss sum, bytes sent to other ranks)``."""
+    ``(status, [(resid, probs, loss sum, scale gradient)] per rank)`` as :func:`run_pass`;
+    ``n_scale`` the scale gradient's size). Returns this rank's ``(status, residuals,
+    probabilities, loss sum, scale gradient, bytes sent to other ranks)``."""
     send = [msg.size if r == 0 else 0 for r in range(world)]
     recv = sizes if rank == 0 else [0] * world
     got = torch.empty(sum(recv), dtype=torch.int64)
@@ -143,15 +153,15 @@ def exchange(group, rank: int, world: int, msg: np.ndarray, sizes: list[int], n_
         for r in range(world):
             b = n_examples[r]
             if status == OK:
-                resid, probs, loss = res[r]
-                reply[r] = np.concatenate([[status, loss], resid, probs.astype(np.float64)])
+                resid, probs, loss, g = res[r]
+                reply[r] = np.concatenate([[status, loss], g, resid, probs.astype(np.float64)])
             else:
-                reply[r] = np.concatenate([[status, 0.0], np.zeros(2 * b)])
+                reply[r] = np.concatenate([[status, 0.0], np.zeros(n_scale + 2 * b)])
         sent += sum(x.size * 8 for x in reply[1:])
-    mine = torch.empty(2 + 2 * n_examples[rank], dtype=torch.float64)
+    mine = torch.empty(2 + n_scale + 2 * n_examples[rank], dtype=torch.float64)
     back_send = [x.size for x in reply] if rank == 0 else [0] * world
     back_recv = [mine.numel() if r == 0 else 0 for r in range(world)]
     dist.all_to_all_single(mine, torch.from_numpy(np.concatenate(reply)), back_recv, back_send, group=group)
     m = mine.numpy()
-    b = n_examples[rank]
-    return float(m[0]), m[2:2 + b], m[2 + b:].astype(np.float32), float(m[1]), sent
+    b, c = n_examples[rank], 2 + n_scale
+    return float(m[0]), m[c:c + b], m[c + b:].astype(np.float32), float(m[1]), m[2:c], sent

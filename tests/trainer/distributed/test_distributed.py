@@ -159,6 +159,7 @@ def test_sync_two_ranks_equal_one_process_on_the_global_batch(sequential, rank_p
     # every table is rank 0's)
     assert all(len(r["tables"]["item_id"][0]) for r in res) == (sequential != "all")
     assert ref["head"]["scaler.count"].tolist() == [sum(map(sum, SIZES))]  # every example's dense amount, once
+    assert (ref["head"]["linear_scale"] != 1.0).all()  # the first-order factors learned (rank 0's pass sums theirs)
     for r in res:
         for k, v in ref["head"].items():
             np.testing.assert_allclose(r["head"][k], v, rtol=1e-5, atol=1e-7, err_msg=k)

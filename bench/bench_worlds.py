@@ -15,14 +15,16 @@ values drawn at random (as a zip code or a device model may say nothing of what 
 the model reads it, as it would read every feature a project declares; counting does not. Its
 impressions and clicks are ``uniform``'s (the feature is drawn last): that row is the model without it.
 
-Arms: ``model`` (the served model), ``counts``, and ``unstarted``: the served model with its head's
+Arms: ``model`` (the served model), ``counts``, ``unstarted``: the served model with its head's
 bias set to 1e-12 before training, so it learns from (almost) 0 with the dense optimizer as every
 head did before :meth:`trainer.head.DenseHead.start_bias` (which leaves a bias that is not 0
-alone): what starting the bias at the labels' log-odds buys, in the same run.
+alone): what starting the bias at the labels' log-odds buys, in the same run; and ``unscaled``:
+the served model without its learned factor on each first-order field
+(:attr:`trainer.head.DenseHead.linear_scale`): what the factors buy.
 
 Keys (medians over ``SEEDS``, 0,1,2; ``QUICK=1``: seed 0, 200,000 impressions a world):
 ``auc_<arm>_<world>``, ``ctr_<world>``, ``gap_<world>`` (model - counts),
-``gain_started_<world>`` (model - unstarted), and ``behind``: the worlds where the median gap is
+``gain_started_<world>`` (model - unstarted), ``gain_scaled_<world>`` (model - unscaled), and ``behind``: the worlds where the median gap is
 below -0.002 (the served model ranking below counting clicks).
 """
 
@@ -52,7 +54,7 @@ from trainer.model import SparseModel
 QUICK = os.environ.get("QUICK") == "1"
 SEEDS = tuple(int(x) for x in os.environ.get("SEEDS", "0" if QUICK else "0,1,2").split(","))
 IMPRESSIONS = int(os.environ.get("IMPRESSIONS", 200_000 if QUICK else 400_000))
-ARMS = ("model", "unstarted", "counts")
+ARMS = ("model", "unstarted", "unscaled", "counts")
 
 #: name -> (users, items, Zipf exponent of users, of items (0: uniform), appeal mean, interaction
 #: scale, values of a feature that says nothing (0: none))
@@ -96,7 +98,8 @@ def scores(arm: str, ids: dict[str, np.ndarray], labels: np.ndarray, seed: int) 
     if arm == "counts":
         scorer = CountBaseline(get_settings().eval.count_prior)
     else:
-        scorer = SparseModel(deepfm_config("worlds", slots=tuple(ids), recent_items=False, seed=seed))
+        cfg = deepfm_config("worlds", slots=tuple(ids), recent_items=False, seed=seed)
+        scorer = SparseModel(cfg.model_copy(update={"linear_scale_lr": None}) if arm == "unscaled" else cfg)
         if arm == "unstarted":
             with torch.no_grad():
                 scorer.head.bias.fill_(1e-12)
@@ -109,10 +112,10 @@ def scores(arm: str, ids: dict[str, np.ndarray], labels: np.ndarray, seed: int) 
     return out
 
 
-def run_world(name: str, seed: int) -> dict[str, float]:
+def run_world(name: str, seed: int, arms: tuple[str, ...] = ARMS) -> dict[str, float]:
     ids, y = draw(name, seed)
     half = y.size // 2
-    out = {f"auc_{arm}": float(auc(scores(arm, ids, y, seed)[half:], y[half:])) for arm in ARMS}
+    out = {f"auc_{arm}": float(auc(scores(arm, ids, y, seed)[half:], y[half:])) for arm in arms}
     out["ctr"] = float(y.mean())
     return out
 
@@ -127,7 +130,8 @@ def main() -> None:
             out[f"{key}_{name}"] = round(float(np.median([r[key] for r in runs])), 4)
         gap = float(np.median([r["auc_model"] - r["auc_counts"] for r in runs]))
         out[f"gap_{name}"] = round(gap, 4)
-        out[f"gain_started_{name}"] = round(float(np.median([r["auc_model"] - r["auc_unstarted"] for r in runs])), 4)
+        for arm, key in (("unstarted", "started"), ("unscaled", "scaled")):
+            out[f"gain_{key}_{name}"] = round(float(np.median([r["auc_model"] - r[f"auc_{arm}"] for r in runs])), 4)
         if gap < -0.002:
             out["behind"].append(name)
         print(name, {k: round(v, 4) for k, v in runs[-1].items()}, file=sys.stderr, flush=True)

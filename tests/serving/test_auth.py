@@ -128,8 +128,12 @@ def test_each_outcome_is_counted(servers: dict[str, str], module_settings: Setti
     # no key configured: every request passes, counted as anonymous
     with running(create_app(_replica(module_settings, "open"))) as open_base:
         start = _auth_counts(open_base).get("anonymous", 0)
-        assert httpx.post(open_base + "/actions", json=BODIES["/actions"], timeout=30).status_code == 202
-        assert _auth_counts(open_base)["anonymous"] - start == 1
+        # (a 503 asks to retry: the broker did not acknowledge in time, as on a loaded machine)
+        codes = [httpx.post(open_base + "/actions", json=BODIES["/actions"], timeout=30).status_code]
+        while codes[-1] == 503 and len(codes) < 5:
+            codes.append(httpx.post(open_base + "/actions", json=BODIES["/actions"], timeout=30).status_code)
+        assert codes[-1] == 202, codes
+        assert _auth_counts(open_base)["anonymous"] - start == len(codes)
 
 
 def test_no_key_in_the_logs(servers: dict[str, str], caplog: pytest.LogCaptureFixture,

@@ -200,11 +200,11 @@ def first_order_sum(logit: float, e: IntLike, s_lo: IntLike, s_hi: IntLike, seg_
     """``logit`` plus example ``e``'s first-order terms over segments ``s_lo..s_hi-1`` (row ``u``'s
     weight ``w[u]``, ``u_of`` each id's row, -1 absent; segment ``s``'s pooled sum times
     ``scale[s]``), each segment's pooled sum in ``pooled[e, s]``, and the rows it read with their
-    summed weights in the logit in ``eu``, ``ewgt`` (first-seen order): ``(logit, how many rows)``."""
+    summed pool weights in ``eu``, ``ewgt`` (first-seen order; unscaled: see
+    :func:`train_linear_sequential`): ``(logit, how many rows)``."""
     k = 0
     for s in range(s_lo, s_hi):
         a, b, wgt = bag_span(s, e, seg_off, bags, seg_mean)
-        c = wgt * scale[s]
         v = 0.0
         for i in range(a, b):
             u = u_of[i]
@@ -216,10 +216,10 @@ def first_order_sum(logit: float, e: IntLike, s_lo: IntLike, s_hi: IntLike, seg_
             q = seen_at(eu, k, u)
             if q == k:
                 eu[k] = u
-                ewgt[k] = c
+                ewgt[k] = wgt
                 k += 1
             else:
-                ewgt[q] += c
+                ewgt[q] += wgt
         pooled[e, s] = v
     return logit, k
 
@@ -348,7 +348,6 @@ def write_through_kernel(
         k = 0
         for s in range(nseg):
             a, b, wgt = bag_span(s, e, seg_off, bags, seg_mean)
-            c = wgt * scale[s]
             v = 0.0
             for i in range(a, b):
                 r = rows[i]
@@ -364,10 +363,10 @@ def write_through_kernel(
                 if q == k:
                     ush[k] = sh
                     urow[k] = r
-                    uwgt[k] = c
+                    uwgt[k] = wgt
                     k += 1
                 else:
-                    uwgt[q] += c
+                    uwgt[q] += wgt
             pooled[e, s] = v
         g, ll = scored(e, logit, labels, probs, resid)
         loss += ll
@@ -424,8 +423,11 @@ def train_linear_sequential(server: ParameterServer, pb: PackedBatch, bags: np.n
     ``bags`` int64 ``[n_segments, B + 1]`` are each packed segment's per-example offsets, ``mean``
     which segments mean-pool; ``offset`` float64 ``[B]`` is each example's fixed logit part.
     ``scale`` (float64 ``[n_segments]``, default ones) multiplies each segment's pooled sum in the
-    logit (and so its rows' gradients); ``pooled``, if given (float64 ``[B, n_segments]``), gets
-    each example's pooled sums before its update (the gradient of a learned ``scale``).
+    logit; its rows still step on ``g`` times their pool weight, unscaled (a positive factor per
+    row on the gradient: still a descent direction, and a segment whose factor is small relearns
+    at its table's own rate: ``make bench-drift``). ``pooled``, if given (float64
+    ``[B, n_segments]``), gets each example's pooled sums before its update (the gradient of a
+    learned ``scale``).
     """
     local_shards(server)
     dims = server._dims[pb.slot_table]

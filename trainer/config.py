@@ -51,10 +51,12 @@ LINEAR_ACC = 0.3
 #: the served model's rate for the learned factor on each first-order field
 #: (:attr:`ModelConfig.linear_scale_lr`). Chosen on ``make bench-worlds`` (3 seeds, 8 worlds; 0.003,
 #: 0.01, 0.03): 0.003 recovers only two thirds of what a feature that says nothing costs, 0.01 and
-#: 0.03 all of it, neither below the model without factors in any world; on MovieLens (seed 0)
-#: ml-1m 0.7809 / 0.7810 / 0.7812 and ml-100k 0.7667 / 0.7664 / 0.7660 against 0.7805 / 0.7666
-#: without. Not for the LR (:func:`lr_config`): there the first-order terms are the whole model, and
-#: the factors cost 0.0001-0.0009 on ml-1m and 0.0004-0.0027 on ml-100k at these rates.
+#: 0.03 all of it, neither below the model without factors in any world. The price is after a
+#: change of every item's appeal at once (``make bench-drift``: the first 60,000 impressions after
+#: it 0.6028 / 0.5967 / 0.5855 at 0.003 / 0.01 / 0.03 against 0.6059 without): a higher rate
+#: lowers the item field's factor faster there. Not for the LR (:func:`lr_config`): there the
+#: first-order terms are the whole model, and the factors cost it 0.0005 on ml-1m and 0.0012 on
+#: ml-100k (the eval's sequential LR, seed 0).
 LINEAR_SCALE_LR = 0.01
 #: the served model's size: the best validation AUC among the sequential DeepFMs 1.1x as fast as the
 #: plain DeepFM at batch 1024 (docs/results.md, "How settings were chosen"); dim 16 with MLP 128-64

@@ -48,7 +48,9 @@ class DenseHead(nn.Module):
         #: noise and the served model ranked below counting clicks. The factor's gradient comes
         #: from examples scored *before* their ids' weights learned from them (progressive, in the
         #: sequential kernels), so it learns how far each field's weights hold on new examples and
-        #: shrinks a field that says nothing (``make bench-worlds``, ``noise_feature``). Every head
+        #: shrinks a field that says nothing (``make bench-worlds``, ``noise_feature``). It scales
+        #: the field's term in the logit, not its rows' steps: a field whose factor fell (after a
+        #: drift, say) relearns at its tables' own rate (``make bench-drift``). Every head
         #: with first-order fields holds it, learned or not, so a trainer and a serving replica
         #: whose configurations differ in this still score alike.
         self.linear_scale = (nn.Parameter(torch.ones(len(cfg.linear)), requires_grad=cfg.linear_scale_lr is not None)
@@ -131,7 +133,9 @@ class DenseHead(nn.Module):
         """``fm=False`` leaves the FM term out (:mod:`ps.sequential_fm` computes it from fresh rows)."""
         out = self.bias.expand(_batch(emb, lin, dense))
         if lin is not None:
-            out = out + (lin if self.linear_scale is None else lin * self.linear_scale).sum(1)
+            out = out + lin.sum(1)
+            if self.linear_scale is not None:  # the factors' value, the first-order rows' gradient unscaled (ps.sequential)
+                out = out + (lin.detach() * (self.linear_scale - 1.0)).sum(1)
         if dense is not None and self.dense_linear is not None:
             out = out + self.dense_linear(dense).squeeze(1)
         if self.mlp is not None and emb is not None:

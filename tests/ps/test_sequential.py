@@ -60,7 +60,7 @@ def reference(server, ids, offs, mean, labels, offset, scale=None):
                 key = (server.slots[slot], i)
                 logit += scale[slot] * wgt * float(rows[key][0][0])
                 pooled[slot][e] += wgt * float(rows[key][0][0])
-                grads[key] = grads.get(key, 0.0) + wgt * scale[slot]
+                grads[key] = grads.get(key, 0.0) + wgt  # (the factor scales the logit, not the rows' steps)
         p = 1.0 / (1.0 + math.exp(-logit))
         probs.append(p)
         resid.append(p - labels[e])
@@ -83,7 +83,8 @@ def reference(server, ids, offs, mean, labels, offset, scale=None):
 @pytest.mark.parametrize("one_table", [False, True], ids=["scratch", "write_through"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_equals_per_example_reference(seed, one_table, scaled):
-    """``scaled``: each segment's pooled sum times a factor (0 for one: its rows read and stay)."""
+    """``scaled``: each segment's pooled sum times a factor in the logit (0 for one: its rows add
+    nothing there, and still learn)."""
     rng = np.random.default_rng(seed)
     server = make_server(one_table)
     n = 40

@@ -79,7 +79,7 @@ def _reference(server: ParameterServer, slots, bags, labels, offset, jac, mean, 
                 if ("w", i) in present:
                     logit += scale[j] * rows[("w", i)][0]
                     pooled[e, j] += rows[("w", i)][0]
-                    grads[("w", i)] = grads.get(("w", i), 0.0) + scale[j]
+                    grads[("w", i)] = grads.get(("w", i), 0.0) + 1.0  # (unscaled: ps.sequential)
         p = 1 / (1 + math.exp(-logit))
         probs.append(p)
         g = p - labels[e]

@@ -22,7 +22,7 @@ through every support step); Adam steps the starting accumulators in log space.
 Why the optimizer state and not (also) the values: on ml-1m's online stream the learned starting
 accumulators lifted new users' first 10 examples by 0.0031 AUC (5 seeds, paired std 0.0004:
 docs/results.md, section 5, ``driftline eval coldstart``), before the served model learned a
-factor on each first-order field; with those factors the lift is 0.0007 ± 0.0005
+factor on each first-order field; with those factors the lift is 0.0011 ± 0.0006
 (docs/cold-start.md, section 5). Learning the starting values as well
 (a prototype, seed 0) gave 0.7457 against 0.7484 with the accumulators alone, and a starting
 vector made from the user's other features (a generator, as Meta-Embedding's) 0.7441; serving

@@ -159,12 +159,19 @@ def _embeddings_sequential_step(model, batch: SparseBatch) -> tuple[float, np.nd
 
 
 def _scale(head, n: int, n_seg: int, k: int) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """The kernel's per-segment factors (the head's :attr:`DenseHead.linear_scale`; the first ``k``
-    segments, embeddings, unscaled) and a buffer for the pooled first-order sums."""
-    if head.linear_scale is None:
+    """:func:`factor_buffers` of the head's :attr:`DenseHead.linear_scale`."""
+    f = head.linear_scale
+    return factor_buffers(None if f is None else f.detach().cpu().double().numpy(), n, n_seg, k)
+
+
+def factor_buffers(factors: np.ndarray | None, n: int, n_seg: int, k: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The sequential kernels' per-segment ``scale`` (the first ``k`` segments, embeddings, 1; the
+    first-order ones ``factors``) and a ``pooled`` buffer for ``n`` examples; ``(None, None)``
+    without factors. The factors' gradient is then ``resid @ pooled[:, k:]`` over the examples."""
+    if factors is None:
         return None, None
     scale = np.ones(n_seg)
-    scale[k:] = head.linear_scale.detach().cpu().double().numpy()
+    scale[k:] = factors
     return scale, np.empty((n, n_seg))
 
 

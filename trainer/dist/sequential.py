@@ -50,6 +50,8 @@ from ps import PackedBatch
 from ps.sequential import train_linear_sequential
 from ps.sequential_fm import train_fm_sequential
 
+from ..sequential import factor_buffers
+
 log = logging.getLogger(__name__)
 
 OK, SKIPPED, FAILED = 0.0, 1.0, 2.0
@@ -108,10 +110,7 @@ def run_pass(ps, slots: tuple, table_of_slot: np.ndarray, mean: np.ndarray, part
     np.cumsum(lens, axis=1, out=bags[:, 1:])
     labels = np.concatenate([p.labels for p in parts])
     offset = np.concatenate([p.offset for p in parts])
-    scale = pooled = None
-    if linear_scale is not None:
-        scale = np.concatenate([np.ones(n_emb), linear_scale])
-        pooled = np.empty((labels.size, n_slots))
+    scale, pooled = factor_buffers(linear_scale, labels.size, n_slots, n_emb)
     if n_emb:
         # the owners' lookups inserted the embedding ids already (rank 0 owns their tables)
         ps.gather_packed(pb.segments(n_emb, n_slots), insert=True, event_time=event_time)

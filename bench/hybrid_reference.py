@@ -62,6 +62,7 @@ def run(steps: int, late: bool, seed: int | None) -> dict:
     probs, labels = [], []
     for s in range(steps):
         b = data.batch(np.arange(s * GLOBAL, (s + 1) * GLOBAL))
+        m.head.start_bias(float(b.labels.sum()), b.size)  # (before the batch is scored, as the engines)
         logits, (pb, leaves) = m.forward(b, insert=True, event_time=b.max_event_time)
         while pending:  # the previous step's update lands after this step's lookup
             m.ps.apply_packed_gradients(*pending.popleft())
@@ -79,7 +80,7 @@ def run(steps: int, late: bool, seed: int | None) -> dict:
             pending.append((pb, grads, b.max_event_time))
         if not late:
             m.ps.apply_packed_gradients(*pending.popleft())
-        m.head.start_bias(float(b.labels.sum()), b.size)
+        m.head.hold_bias()
         m.optimizer.step()
         probs.append(torch.sigmoid(logits.detach()).numpy())
         labels.append(b.labels)

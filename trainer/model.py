@@ -358,6 +358,8 @@ class SparseModel:
         (progressive validation). A ``sequential`` LR learns the batch example by example
         (:mod:`trainer.sequential`): each probability is taken before that example is learned."""
         assert self.optimizer is not None, "not a training model"
+        if batch.labels is not None:  # (before the batch is scored: DenseHead.start_bias says why)
+            self.head.start_bias(float(batch.labels.sum()), batch.size)
         if self.meta is None:
             return self._train_step(batch, then)
         # (new ids it gives their starting point had no row when a lookahead read them: they are
@@ -408,7 +410,7 @@ class SparseModel:
             self.cache.step(at, hits if hits is not None else torch.zeros((0, self._emb_block.dim)))
             self.cache.admit(at)
         t3 = time.perf_counter()
-        self.head.start_bias(float(batch.labels.sum()), batch.size)
+        self.head.hold_bias()
         self.optimizer.step()
         self.timings["backward"] += t2 - t1 + time.perf_counter() - t3
         self.timings["update"] += t3 - t2

@@ -104,7 +104,7 @@ def sequential_train_step(model, batch: SparseBatch) -> tuple[float, np.ndarray]
             head.dense_linear.weight.grad = (r.unsqueeze(1) * dense).mean(0, keepdim=True)
     _scale_grad(model, resid, pooled, 0)
     head.stage_moments()
-    head.start_bias(float(batch.labels.sum()), n)
+    head.hold_bias()
     model.optimizer.step()
     model.timings["forward"] += t1 - t0
     model.timings["update"] += t2 - t1
@@ -151,7 +151,7 @@ def _embeddings_sequential_step(model, batch: SparseBatch) -> tuple[float, np.nd
     if not finite_grads(model.head) or not math.isfinite(loss):
         raise NonFiniteStepError(f"the step's loss ({loss}) or dense gradients are not finite; "
                                  "the sparse rows were stepped, nothing else applied")
-    model.head.start_bias(float(batch.labels.sum()), n)
+    model.head.hold_bias()
     model.optimizer.step()
     model.timings["update"] += t2 - t1
     model.timings["backward"] += time.perf_counter() - t2

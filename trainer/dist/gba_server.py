@@ -95,7 +95,12 @@ class DenseOwner:
         for p in self.params:
             p.grad = flat[off:off + p.numel()].view_as(p)
             off += p.numel()
-        self.head.start_bias(flat[off], flat[off + 1])  # (the pushes' label sums follow the gradients)
+        # the pushes' label sums follow the gradients: GBA's ranks do not step together, so the
+        # bias starts here, after the ranks scored their first batches at 0; those batches'
+        # gradient of it is dropped (the start replaces it)
+        if self.head.start_bias(flat[off], flat[off + 1]):
+            self.head.bias.grad = None
+        self.head.hold_bias()
         self.optimizer.step()
 
 

@@ -515,6 +515,12 @@ class DistributedModel:
         t1, f0 = time.perf_counter(), m.timings["forward"]
         m.optimizer.zero_grad(set_to_none=True)
         error, value, probs, g_rows = lk.error, 0.0, np.zeros(0, np.float32), None
+        labels = lk.batch.labels
+        seen = [float(labels.sum()), float(labels.size)] if error is None and labels is not None else [0.0, 0.0]
+        if m.head.bias_waits:  # the step's global label sums, before it is scored (DenseHead.start_bias)
+            sums = m.io.to_device(torch.tensor(seen, dtype=torch.float64))
+            dist.all_reduce(sums, group=self.dense_group)
+            m.head.start_bias(sums[0], sums[1])
         if self._content is not None:
             self._content.begin()
         if self._seq:
@@ -542,16 +548,13 @@ class DistributedModel:
             error = NonFiniteStepError(f"the step's dense gradients are not finite on rank {self.rank}; nothing applied")
         if error is not None:  # this rank's part is left out of the sums (nothing is applied anyway)
             head, value = torch.zeros_like(head), 0.0
-        # the head's gradients, the labels' sum and count (DenseHead.start_bias), the loss and one
-        # failure flag per rank: every rank learns which ranks' batches failed and all take the
-        # same decision
+        # the head's gradients, the loss and one failure flag per rank: every rank learns which
+        # ranks' batches failed and all take the same decision
         flags = torch.zeros(self.world)
         flags[self.rank] = float(error is not None)
         if lk.served_failed is not None and lk.served_failed.any():  # requesters this owner failed
             flags[torch.from_numpy(np.flatnonzero(lk.served_failed))] = 1.0
-        labels = lk.batch.labels
-        seen = [float(labels.sum()), float(labels.size)] if error is None and labels is not None else [0.0, 0.0]
-        tail = m.io.to_device(torch.cat([torch.tensor([*seen, value], dtype=torch.float32), flags]))
+        tail = m.io.to_device(torch.cat([torch.tensor([value], dtype=torch.float32), flags]))
         flat = torch.cat([head, tail])  # on the device: the dense group's (NCCL's on CUDA)
         tc = time.perf_counter()
         summed = self._start_sum(flat, self.dense_group)
@@ -591,7 +594,7 @@ class DistributedModel:
         for p in self._params:
             p.grad = flat[off:off + p.numel()].view_as(p)  # flat is this step's own sum: views suffice
             off += p.numel()
-        m.head.start_bias(flat[off], flat[off + 1])  # (read only while the bias waits to start)
+        m.head.hold_bias()
         m.optimizer.step()
         with self._lock:
             m.timings["backward"] += t2 - t1 - comm - (m.timings["forward"] - f0)

@@ -142,8 +142,9 @@ class FeatureSpec(_Spec):
 
 class TableSpec(_Spec):
     """The tables behind the features; an absent key keeps ``[tables.default]``'s, then the served
-    model's (an optimizer: Adagrad at :data:`trainer.config.SPARSE_LR`, first-order tables at
-    :data:`trainer.config.LINEAR_LR`, initial accumulator :data:`trainer.config.LINEAR_ACC`), then ps's
+    model's (an optimizer: Adagrad at :data:`trainer.config.SPARSE_LR`, initial accumulator
+    :data:`trainer.config.SPARSE_ACC`; first-order tables at :data:`trainer.config.LINEAR_LR`,
+    initial accumulator :data:`trainer.config.LINEAR_ACC`), then ps's
     own default (:class:`ps.TableConfig`)."""
 
     dim: int | None = Field(None, ge=1)
@@ -410,7 +411,7 @@ class Project:
         return list(fields), list(linear), list(dense)
 
     def _table(self, name: str, dim: int, index: int, first_order: bool = False) -> TableConfig:
-        from trainer.config import LINEAR_ACC, LINEAR_LR, SPARSE_LR
+        from trainer.config import LINEAR_ACC, LINEAR_LR, SPARSE_ACC, SPARSE_LR
 
         default, own = self.file.tables.get("default", TableSpec()), self.file.tables.get(name, TableSpec())
         linear = ({"optimizer": self.file.model.linear_optimizer.model_dump()}
@@ -418,7 +419,7 @@ class Project:
         merged = {**default.model_dump(exclude_unset=True), **linear, **own.model_dump(exclude_unset=True)}
         merged = {k: v for k, v in merged.items() if v is not None}
         merged.setdefault("optimizer", {"kind": "adagrad", "lr": LINEAR_LR, "initial_accumulator_value": LINEAR_ACC}
-                          if first_order else {"kind": "adagrad", "lr": SPARSE_LR})
+                          if first_order else {"kind": "adagrad", "lr": SPARSE_LR, "initial_accumulator_value": SPARSE_ACC})
         merged.setdefault("initializer", {"kind": "normal", "scale": 0.01, "seed": 1 + 1000 * self.file.model.seed + index}
                           if dim > 1 else {"kind": "zeros"})
         merged["dim"] = dim if dim == 1 else merged.get("dim", dim)

@@ -59,12 +59,12 @@ def model_config(s: EvalSettings, seed: int, model_id: str = "eval") -> ModelCon
     initializer (the trainer's default fixes the table seed to 1), on the 8 MovieLens slots: the
     real-time ``recent_items`` slot is absent from ml-1m, so it stays out of the experiments. The
     paper's experiments compare tables, not update orders: every table steps once per batch at
-    ``sparse_lr``, plain Adagrad, and every first-order field counts 1 (the served model's
-    sequential first-order part, with its initial accumulator and learned factors, is
-    :func:`served_model_config`)."""
+    ``sparse_lr``, plain Adagrad (no initial accumulator), and every first-order field counts 1 (the
+    served model's sequential first-order part, with its initial accumulators and learned factors,
+    is :func:`served_model_config`)."""
     return deepfm_config(model_id=model_id, dim=s.dim, mlp=list(s.mlp), lr=s.sparse_lr, seed=seed,
                          recent_items=False, sequential=False, linear_lr=s.sparse_lr, linear_acc=0.0,
-                         linear_scale_lr=None)
+                         linear_scale_lr=None, acc=0.0)
 
 
 def served_model_config(s: EvalSettings, seed: int, model_id: str = "served", size: tuple | None = None) -> ModelConfig:

@@ -203,8 +203,8 @@ def test_an_adagrad_cap_reaches_every_table_that_names_it(tmp_path: Path) -> Non
     comments) caps the embedding and the first-order tables; below the initial accumulator it is a
     one-line error."""
     path = tmp_path / "capped.toml"
-    path.write_text(TEMPLATE.replace('optimizer = { kind = "adagrad", lr = 0.05 }',
-                                     'optimizer = { kind = "adagrad", lr = 0.05, max_accumulator = 30 }')
+    path.write_text(TEMPLATE.replace('initial_accumulator_value = 0.001 }',
+                                     'initial_accumulator_value = 0.001, max_accumulator = 30 }')
                     .replace("initial_accumulator_value = 0.3 }", "initial_accumulator_value = 0.3, max_accumulator = 30 }"))
     cfg = load_project(path).model_config()
     assert {t.optimizer.max_accumulator for t in cfg.tables} == {30.0}, cfg.tables

@@ -42,6 +42,15 @@ from ps import AdagradConfig, InitializerConfig, TableConfig
 #: stream; docs/results.md section 4): embeddings, and first-order weights (a larger step: each is
 #: one number, and ``sequential`` steps it example by example). A project's tables default to them.
 SPARSE_LR, LINEAR_LR = 0.05, 0.3
+#: Adagrad's initial accumulator of the served model's embeddings. At 0 Adagrad is blind to a
+#: gradient's size until a row has a history: a new row's first steps move every coordinate by the
+#: whole rate, so where clicks are rare the non-clicks (gradients ~1/300 of a click's) shake the
+#: new rows as hard as clicks do. This floor is a gradient's scale here (an example's ``(p - y) *
+#: v``, ``v`` the other fields' ~0.01-0.1 embeddings). ``make bench-worlds``' 0.4% clicks, second
+#: half of 400,000 impressions (with the head's bias started before the first batch is scored):
+#: 0.7279 at 0, 0.7346 at 1e-5, 0.7438 at 1e-4, 0.7448 at 1e-3; ml-1m's tuning stream 0.7880 /
+#: 0.7882 at 0 and 0.7880 / 0.7880 at 1e-3 (seeds 0 and 1): nothing lost where clicks are common.
+SPARSE_ACC = 1e-3
 #: Adagrad's initial accumulator of the served model's first-order weights. At 0 a new id's first
 #: step moves its weight by the whole rate whatever its gradient (Adagrad normalises it): a new
 #: user's next scores swing. Chosen on ml-1m's tuning stream by its AUC (0, 0.3, 1, 3; seeds 0
@@ -266,13 +275,13 @@ def deepfm_config(model_id: str = "deepfm", dim: int = SERVED_DIM, mlp: list[int
                   min_count: int = 1, shards: int = 1, recent_items: bool = True,
                   seed: int | None = None, sequential: bool = True, linear_lr: float = LINEAR_LR,
                   sequential_embeddings: bool = True, linear_acc: float = LINEAR_ACC,
-                  linear_scale_lr: float | None = LINEAR_SCALE_LR) -> ModelConfig:
+                  linear_scale_lr: float | None = LINEAR_SCALE_LR, acc: float = SPARSE_ACC) -> ModelConfig:
     """DeepFM over the MovieLens slots: one embedding + one first-order table per slot.
 
     The defaults are the served model (``driftline eval baselines``, ``docs/results.md`` section 4,
     chose them): dim :data:`SERVED_DIM`, MLP :data:`SERVED_MLP`, ``sequential`` first-order weights and ``sequential_embeddings``
     (per-example steps inside a batch) at Adagrad ``linear_lr`` (initial accumulator ``linear_acc``), the
-    embeddings at ``lr``, a learned factor on each first-order field at ``linear_scale_lr``.
+    embeddings at ``lr`` (initial accumulator ``acc``), a learned factor on each first-order field at ``linear_scale_lr``.
     ``sequential=False`` steps everything once per batch (``linear_lr`` then still applies to the
     first-order tables).
 
@@ -289,7 +298,7 @@ def deepfm_config(model_id: str = "deepfm", dim: int = SERVED_DIM, mlp: list[int
         return InitializerConfig(kind="zeros", **({} if seed is None else {"seed": 1 + 1000 * seed + i}))
 
     adm = {"min_count": min_count}
-    tables = [TableConfig(name=f"{s}", dim=dim, optimizer=AdagradConfig(lr=lr), initializer=init(i),
+    tables = [TableConfig(name=f"{s}", dim=dim, optimizer=AdagradConfig(lr=lr, initial_accumulator_value=acc), initializer=init(i),
                           admission=adm, ttl_seconds=ttl_seconds, shards=shards) for i, s in enumerate(slots)]
     tables += [TableConfig(name=f"{s}_w", dim=1, optimizer=AdagradConfig(lr=linear_lr, initial_accumulator_value=linear_acc),
                            initializer=zeros(len(slots) + i), admission=adm,

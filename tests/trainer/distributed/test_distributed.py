@@ -110,6 +110,7 @@ def _reference_one_step_late() -> tuple[list, dict]:
     for s in range(len(SIZES)):
         b = _global_batch(s)
         if b is not None:
+            m.head.start_bias(float(b.labels.sum()), b.size)  # (before the batch is scored, as the engines)
             logits, (pb, leaves) = m.forward(b, insert=True, event_time=b.max_event_time)
         if late is not None:
             m.ps.apply_packed_gradients(*late)
@@ -121,7 +122,7 @@ def _reference_one_step_late() -> tuple[list, dict]:
         loss.backward()
         m.head.stage_moments()
         late = (pb, np.concatenate([w.grad.numpy().reshape(-1) for _, w in leaves]), b.max_event_time)
-        m.head.start_bias(float(b.labels.sum()), b.size)
+        m.head.hold_bias()
         m.optimizer.step()
         losses.append(float(loss.detach()))
     m.ps.apply_packed_gradients(*late)
@@ -210,7 +211,8 @@ def test_hybrid_staleness_1_equals_updates_applied_one_step_late_and_0_equals_sy
             got = [v for v, (a, b) in zip(r["losses"], SIZES) if a + b]
             np.testing.assert_allclose(got, ref_losses, rtol=1e-5)
         # not sync's: the last step really looked up rows that missed the step before's update
-        assert abs(got[-1] - sync_losses[-1]) > 1e-4
+        # (8e-5 apart, against the 7e-6 that rtol 1e-5 allows the equal ones above)
+        assert abs(got[-1] - sync_losses[-1]) > 3e-5
         for name, items in ref["tables"].items():
             keys, vals, state, times = _merged(res, name)
             assert keys.tolist() == items[0].tolist(), name

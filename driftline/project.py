@@ -143,8 +143,9 @@ class FeatureSpec(_Spec):
 class TableSpec(_Spec):
     """The tables behind the features; an absent key keeps ``[tables.default]``'s, then the served
     model's (an optimizer: Adagrad at :data:`trainer.config.SPARSE_LR`, initial accumulator
-    :data:`trainer.config.SPARSE_ACC`; first-order tables at :data:`trainer.config.LINEAR_LR`,
-    initial accumulator :data:`trainer.config.LINEAR_ACC`), then ps's
+    :data:`trainer.config.SPARSE_ACC` where the embeddings learn example by example; first-order
+    tables at :data:`trainer.config.LINEAR_LR`, initial accumulator
+    :data:`trainer.config.LINEAR_ACC`), then ps's
     own default (:class:`ps.TableConfig`)."""
 
     dim: int | None = Field(None, ge=1)
@@ -410,8 +411,11 @@ class Project:
         dense = m.dense if m.dense is not None else [f.name for f in self.file.features if f.kind == "dense"]
         return list(fields), list(linear), list(dense)
 
-    def _table(self, name: str, dim: int, index: int, first_order: bool = False) -> TableConfig:
-        from trainer.config import LINEAR_ACC, LINEAR_LR, SPARSE_ACC, SPARSE_LR
+    def _table(self, name: str, dim: int, index: int, first_order: bool = False,
+               example_steps: bool = False) -> TableConfig:
+        """``example_steps``: the embeddings learn example by example (``sequential_embeddings``;
+        :func:`trainer.config.floored`)."""
+        from trainer.config import LINEAR_ACC, LINEAR_LR, SPARSE_LR, floored
 
         default, own = self.file.tables.get("default", TableSpec()), self.file.tables.get(name, TableSpec())
         linear = ({"optimizer": self.file.model.linear_optimizer.model_dump()}
@@ -419,7 +423,9 @@ class Project:
         merged = {**default.model_dump(exclude_unset=True), **linear, **own.model_dump(exclude_unset=True)}
         merged = {k: v for k, v in merged.items() if v is not None}
         merged.setdefault("optimizer", {"kind": "adagrad", "lr": LINEAR_LR, "initial_accumulator_value": LINEAR_ACC}
-                          if first_order else {"kind": "adagrad", "lr": SPARSE_LR, "initial_accumulator_value": SPARSE_ACC})
+                          if first_order else {"kind": "adagrad", "lr": SPARSE_LR})
+        if not first_order:
+            merged["optimizer"] = floored(merged["optimizer"], example_steps)
         merged.setdefault("initializer", {"kind": "normal", "scale": 0.01, "seed": 1 + 1000 * self.file.model.seed + index}
                           if dim > 1 else {"kind": "zeros"})
         merged["dim"] = dim if dim == 1 else merged.get("dim", dim)
@@ -435,10 +441,11 @@ class Project:
         lin = {n: f"{self.feature(n).table or n}_w" for n in linear}
         names = list(dict.fromkeys([*emb.values(), *lin.values()]))
         first_order = {t for t in lin.values() if t not in emb.values()}
-        tables = [self._table(t, 1 if t in first_order else self.file.model.dim, i, t in first_order)
+        m = self.file.model
+        example_steps = m.sequential_embeddings and m.sequential and bool(lin) and m.kind == "deepfm"
+        tables = [self._table(t, 1 if t in first_order else m.dim, i, t in first_order, example_steps)
                   for i, t in enumerate(names)]
         used = {*fields, *linear}
-        m = self.file.model
         extra = {k: v for k, v in (("mlp", m.mlp), ("dense_optimizer", m.dense_optimizer), ("dense_lr", m.dense_lr))
                  if v is not None}
         if m.kind == "lr" and m.mlp is None:
@@ -450,7 +457,7 @@ class Project:
             pooling=self._pooling(used),
             salt={f.name: f.salt for f in self.file.features if f.salt is not None and f.name in used},
             label=m.label, seed=m.seed, sequential=m.sequential and bool(lin), dense_scaling=m.dense_scaling,
-            sequential_embeddings=m.sequential_embeddings and m.sequential and bool(lin) and m.kind == "deepfm",
+            sequential_embeddings=example_steps,
             meta=m.meta, content=m.content, **extra,
             position_slot=next((f.name for f in self.file.features if f.source == "position"), None))
 

@@ -77,14 +77,15 @@ kind = "dense"
 #   optimizer    {kind = "adagrad"|"adam"|"sgd"|"ftrl", lr = ...}; an adagrad's max_accumulator = 30
 #                keeps a busy row's step from shrinking for ever: the model follows traffic whose
 #                appeal changes faster, at a small cost where nothing changes (make bench-drift; the
-#                status page says when the model trails counting recent clicks); its
-#                initial_accumulator_value keeps a new row's first steps in proportion to their
-#                gradients, so rare clicks' many non-clicks do not shake it (make bench-worlds)
+#                status page says when the model trails counting recent clicks). Its
+#                initial_accumulator_value, left out, is 0.001 for embeddings that learn example by
+#                example (the default): a new row's first steps then keep to their gradients' size,
+#                so rare clicks' many non-clicks do not shake it (make bench-worlds); else 0
 #   admission    an unseen id gets a row on its min_count-th occurrence, with this probability
 #   ttl_seconds  rows not seen for this long (event time) are dropped
 # ---------------------------------------------------------------------------------------------
 [tables.default]
-optimizer = { kind = "adagrad", lr = 0.05, initial_accumulator_value = 0.001 }
+optimizer = { kind = "adagrad", lr = 0.05 }
 admission = { min_count = 1, probability = 1.0 }
 # ttl_seconds = 604800
 

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from services.settings import EvalSettings, get_settings
 from trainer.batch import SparseBatch
-from trainer.config import ModelConfig, deepfm_config
+from trainer.config import ModelConfig, deepfm_config, floored
 from trainer.data import MovieLensData
 from trainer.metrics import auc as _auc
 from trainer.model import SparseModel
@@ -98,7 +98,7 @@ def init_model_config(seed: int, model_id: str = "init") -> ModelConfig:
                       **({} if m.linear_scale else {"linear_scale_lr": None})).model_dump()
     linear = m.linear_optimizer.model_dump() if m.linear_optimizer is not None else default
     for tab in d["tables"]:
-        tab["optimizer"] = dict(linear if tab["dim"] == 1 else default)
+        tab["optimizer"] = dict(linear) if tab["dim"] == 1 else floored(default, d["sequential_embeddings"])
     return ModelConfig.model_validate(d)
 
 

@@ -198,13 +198,30 @@ def test_the_store_files_are_the_project_files_folders_and_not_beside_movielens(
         load_project(config)
 
 
+def test_embeddings_that_learn_example_by_example_start_their_adagrad_at_the_served_floor(tmp_path: Path) -> None:
+    """The template's embedding tables (Adagrad, no initial accumulator named) start at
+    ``trainer.config.SPARSE_ACC`` while they learn example by example, at 0 when they learn once per
+    batch (a batch's mean gradient is far smaller); first-order tables and a named value keep theirs."""
+    from trainer.config import LINEAR_ACC, SPARSE_ACC
+
+    path = tmp_path / "p.toml"
+    path.write_text(TEMPLATE)
+    accs = {t.name: (t.dim, t.optimizer.initial_accumulator_value) for t in load_project(path).model_config().tables}
+    assert {a for d, a in accs.values() if d > 1} == {SPARSE_ACC} and {a for d, a in accs.values() if d == 1} == {LINEAR_ACC}
+    path.write_text(TEMPLATE.replace("sequential_embeddings = true", "sequential_embeddings = false"))
+    assert {t.optimizer.initial_accumulator_value for t in load_project(path).model_config().tables if t.dim > 1} == {0.0}
+    path.write_text(TEMPLATE.replace('optimizer = { kind = "adagrad", lr = 0.05 }',
+                                     'optimizer = { kind = "adagrad", lr = 0.05, initial_accumulator_value = 0.1 }'))
+    assert {t.optimizer.initial_accumulator_value for t in load_project(path).model_config().tables if t.dim > 1} == {0.1}
+
+
 def test_an_adagrad_cap_reaches_every_table_that_names_it(tmp_path: Path) -> None:
     """``max_accumulator`` in ``[tables.default]`` and ``[model] linear_optimizer`` (the template's
     comments) caps the embedding and the first-order tables; below the initial accumulator it is a
     one-line error."""
     path = tmp_path / "capped.toml"
-    path.write_text(TEMPLATE.replace('initial_accumulator_value = 0.001 }',
-                                     'initial_accumulator_value = 0.001, max_accumulator = 30 }')
+    path.write_text(TEMPLATE.replace('optimizer = { kind = "adagrad", lr = 0.05 }',
+                                     'optimizer = { kind = "adagrad", lr = 0.05, max_accumulator = 30 }')
                     .replace("initial_accumulator_value = 0.3 }", "initial_accumulator_value = 0.3, max_accumulator = 30 }"))
     cfg = load_project(path).model_config()
     assert {t.optimizer.max_accumulator for t in cfg.tables} == {30.0}, cfg.tables

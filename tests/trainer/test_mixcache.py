@@ -112,8 +112,7 @@ def test_other_optimizers_cache_too_and_equal(batches, optimizer):
     def opt(t):
         if optimizer == "sgd":
             return SGDConfig(lr=0.05) if t.dim > 1 else t.optimizer
-        # (from 0: the served embeddings' initial 0.001 leaves most of them short of the cap here)
-        return t.optimizer.model_copy(update={"max_accumulator": 0.002, "initial_accumulator_value": 0.0})
+        return t.optimizer.model_copy(update={"max_accumulator": 0.001})
 
     def cfg():
         c = _cfg()
@@ -125,7 +124,7 @@ def test_other_optimizers_cache_too_and_equal(batches, optimizer):
     assert cached.cache.stats.hits
     _assert_same(plain, cached)
     if optimizer == "capped_adagrad":
-        assert (plain.tables["gender"].items()[2] == np.float32(0.002)).all()  # the cap was reached, and held
+        assert (plain.tables["gender"].items()[2] == np.float32(0.001)).all()  # the cap was reached, and held
 
 
 def test_a_non_finite_cached_gradient_applies_nothing(batches):

@@ -8,7 +8,7 @@ import pydantic
 import pytest
 import torch
 
-from trainer.config import ModelConfig, deepfm_config, lr_config
+from trainer.config import SPARSE_ACC, ModelConfig, deepfm_config, lr_config
 from trainer.data import MovieLensData
 from trainer.model import NonFiniteStepError, SparseModel
 
@@ -86,7 +86,8 @@ def test_deepfm_later_examples_see_earlier_embedding_steps(ml):
 
 
 def _deepfm(sequential: bool, seed: int = 0) -> ModelConfig:
-    return deepfm_config(dim=4, mlp=[8], sequential=sequential, seed=seed)
+    # one embedding accumulator for both (deepfm_config's default differs by engine: SPARSE_ACC)
+    return deepfm_config(dim=4, mlp=[8], sequential=sequential, seed=seed, acc=SPARSE_ACC)
 
 
 def test_deepfm_batch_size_one_equals_plain_deepfm(ml):

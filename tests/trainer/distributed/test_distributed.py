@@ -211,8 +211,7 @@ def test_hybrid_staleness_1_equals_updates_applied_one_step_late_and_0_equals_sy
             got = [v for v, (a, b) in zip(r["losses"], SIZES) if a + b]
             np.testing.assert_allclose(got, ref_losses, rtol=1e-5)
         # not sync's: the last step really looked up rows that missed the step before's update
-        # (8e-5 apart, against the 7e-6 that rtol 1e-5 allows the equal ones above)
-        assert abs(got[-1] - sync_losses[-1]) > 3e-5
+        assert abs(got[-1] - sync_losses[-1]) > 1e-4
         for name, items in ref["tables"].items():
             keys, vals, state, times = _merged(res, name)
             assert keys.tolist() == items[0].tolist(), name

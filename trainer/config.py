@@ -299,7 +299,8 @@ def deepfm_config(model_id: str = "deepfm", dim: int = SERVED_DIM, mlp: list[int
     chose them): dim :data:`SERVED_DIM`, MLP :data:`SERVED_MLP`, ``sequential`` first-order weights and ``sequential_embeddings``
     (per-example steps inside a batch) at Adagrad ``linear_lr`` (initial accumulator ``linear_acc``), the
     embeddings at ``lr`` (initial accumulator ``acc``; None: :data:`SPARSE_ACC` where they learn
-    example by example, else 0: a batch's mean gradient is ~1/batch of an example's), a learned factor on each first-order field at ``linear_scale_lr``.
+    example by example, else 0: a batch's mean gradient is ~1/batch of an example's), a learned
+    factor on each first-order field at ``linear_scale_lr``.
     ``sequential=False`` steps everything once per batch (``linear_lr`` then still applies to the
     first-order tables).
 

@@ -10,7 +10,7 @@ import torch
 
 from movielens.features import ITEM_CONTENT
 from trainer.batch import SparseBatch
-from trainer.config import ContentConfig, ModelConfig, deepfm_config
+from trainer.config import SPARSE_ACC, ContentConfig, ModelConfig, deepfm_config
 from trainer.data import MovieLensData
 from trainer.model import SparseModel
 
@@ -23,7 +23,8 @@ def ml() -> MovieLensData:
 
 
 def _cfg(sequential: bool, join: str = "field") -> ModelConfig:
-    cfg = deepfm_config(dim=4, mlp=[8], sequential=sequential, recent_items=False)
+    # one embedding accumulator for both engines (deepfm_config's default differs: SPARSE_ACC)
+    cfg = deepfm_config(dim=4, mlp=[8], sequential=sequential, recent_items=False, acc=SPARSE_ACC)
     return ModelConfig.model_validate({**cfg.model_dump(), "content": {**CONTENT.model_dump(), "join": join}})
 
 

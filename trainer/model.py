@@ -358,7 +358,7 @@ class SparseModel:
         (progressive validation). A ``sequential`` LR learns the batch example by example
         (:mod:`trainer.sequential`): each probability is taken before that example is learned."""
         assert self.optimizer is not None, "not a training model"
-        if batch.labels is not None:  # (before the batch is scored: DenseHead.start_bias says why)
+        if self.head.bias_waits and batch.labels is not None:  # (before it is scored: DenseHead.start_bias)
             self.head.start_bias(float(batch.labels.sum()), batch.size)
         if self.meta is None:
             return self._train_step(batch, then)

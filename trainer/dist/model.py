@@ -515,9 +515,9 @@ class DistributedModel:
         t1, f0 = time.perf_counter(), m.timings["forward"]
         m.optimizer.zero_grad(set_to_none=True)
         error, value, probs, g_rows = lk.error, 0.0, np.zeros(0, np.float32), None
-        labels = lk.batch.labels
-        seen = [float(labels.sum()), float(labels.size)] if error is None and labels is not None else [0.0, 0.0]
         if m.head.bias_waits:  # the step's global label sums, before it is scored (DenseHead.start_bias)
+            labels = lk.batch.labels
+            seen = [float(labels.sum()), float(labels.size)] if error is None and labels is not None else [0.0, 0.0]
             sums = m.io.to_device(torch.tensor(seen, dtype=torch.float64))
             dist.all_reduce(sums, group=self.dense_group)
             m.head.start_bias(sums[0], sums[1])

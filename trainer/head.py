@@ -18,7 +18,7 @@ from .content import ContentEncoder
 from .dense_scaling import DenseScaler, merge_moments_before_step
 from .torch_quirks import optimizer_class
 
-__all__ = ["DenseHead", "HeadSlopes", "load_dense_optimizer", "make_dense_optimizer"]
+__all__ = ["DenseHead", "HeadSlopes", "load_dense_optimizer", "load_optimizer_state", "make_dense_optimizer"]
 
 log = logging.getLogger(__name__)
 
@@ -271,32 +271,64 @@ def make_dense_optimizer(cfg: ModelConfig, head: nn.Module) -> torch.optim.Optim
     return opt
 
 
-def load_dense_optimizer(opt: torch.optim.Optimizer, saved: dict) -> None:
-    """``opt.load_state_dict(saved)`` for a saved state from before heads held first-order factors
-    (:attr:`DenseHead.linear_scale`, the last parameter group of :func:`make_dense_optimizer`), or
-    with other first-order fields: the factors' group then starts fresh. Its rate stays the one
-    ``opt`` was made with (the configuration's, learned or not).
+def load_dense_optimizer(opt: torch.optim.Optimizer, saved: dict, head: DenseHead) -> None:
+    """Load a saved state of :func:`make_dense_optimizer`'s optimizer of ``head`` into ``opt``,
+    parameter by parameter, keeping ``opt``'s own groups and settings.
+
+    The saved state (Adam's moments and step counts) comes back; every group's rate and other
+    settings stay the ones ``opt`` was made with, the configuration's (torch's ``load_state_dict``
+    would put the saved ones back, so a ``dense_lr`` changed in the project file would be ignored
+    at every restart; the tables' optimizers follow the configuration too:
+    :func:`ps.snapshot.load_shard`). The groups may differ from the saved ones: a content encoder's
+    own rate (``content.lr``) set or unset since, or first-order factors
+    (:attr:`DenseHead.linear_scale`) the saved head did not have (they start fresh, as a parameter
+    whose saved state has another shape does). A saved state whose parameters cannot be matched
+    (another head: :func:`trainer.snapshot_store.restore_blockers` refuses those before) leaves
+    the optimizer fresh, with a warning.
 
     >>> from trainer.config import deepfm_config
     >>> cfg = deepfm_config("m", slots=("u",))
-    >>> opt = make_dense_optimizer(cfg, DenseHead(cfg))
+    >>> head = DenseHead(cfg)
+    >>> opt = make_dense_optimizer(cfg, head)
     >>> older = {**opt.state_dict(), "param_groups": opt.state_dict()["param_groups"][:1]}
-    >>> load_dense_optimizer(opt, older); [g["lr"] for g in opt.param_groups]
+    >>> load_dense_optimizer(opt, older, head); [g["lr"] for g in opt.param_groups]
     [0.001, 0.01]
+    >>> faster = make_dense_optimizer(cfg.model_copy(update={"dense_lr": 0.005}), head)
+    >>> load_dense_optimizer(faster, opt.state_dict(), head); [g["lr"] for g in faster.param_groups]
+    [0.005, 0.01]
     """
-    groups, have = saved.get("param_groups", []), opt.param_groups
-    factors = have[-1] if have and have[-1].get("name") == FACTORS else None
-    if factors is None:
-        opt.load_state_dict(saved)
+    groups, state = saved.get("param_groups", []), saved.get("state", {})
+    factors = [head.linear_scale] if head.linear_scale is not None else []
+    content = list(head.content.parameters()) if head.content is not None else []
+    had_factors = bool(groups) and groups[-1].get("name") == FACTORS
+    had_content = len(groups) - had_factors == 2
+    own = {id(p) for p in [*factors, *(content if had_content else [])]}
+    # the saved indices' parameters, in make_dense_optimizer's order for the saved configuration
+    order: list = [p for p in head.parameters() if id(p) not in own]
+    order += (content if had_content else []) + (factors or [None] if had_factors else [])
+    if len(order) != sum(len(g["params"]) for g in groups):
+        log.warning("the dense optimizer's saved state does not fit this head (%d parameters saved, %d now): "
+                    "it starts fresh", sum(len(g["params"]) for g in groups), len(order))
         return
-    state = saved.get("state", {})
-    if len(groups) == len(have) - 1:  # saved before the factors: their group as made, no state
-        first = sum(len(g["params"]) for g in groups)
-        groups = [*groups, {**{k: v for k, v in factors.items() if k != "params"}, "params": [first]}]
-    else:
-        (i,) = groups[-1]["params"]
-        shape = factors["params"][0].shape
-        if any(torch.is_tensor(v) and v.dim() and v.shape != shape for v in state.get(i, {}).values()):
-            state = {k: v for k, v in state.items() if k != i}  # other first-order fields: start fresh
-        groups = [*groups[:-1], {**groups[-1], "lr": factors["lr"]}]
-    opt.load_state_dict({**saved, "state": state, "param_groups": groups})
+    by_param = {}
+    for i, p in enumerate(order):
+        got = state.get(i)
+        if p is None or got is None:
+            continue
+        if any(torch.is_tensor(v) and v.dim() and v.shape != p.shape for v in got.values()):
+            log.warning("the first-order fields changed since this head was saved: their optimizer state starts fresh")
+            continue
+        by_param[id(p)] = got
+    now = opt.state_dict()
+    flat = [p for g in opt.param_groups for p in g["params"]]
+    opt.load_state_dict({"state": {i: by_param[id(p)] for i, p in enumerate(flat) if id(p) in by_param},
+                         "param_groups": now["param_groups"]})
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict) -> None:
+    """``opt.load_state_dict(saved)`` with every group's settings (rate, betas, ...) kept as ``opt``
+    was made: a snapshot brings back what was learned, the configuration says how to learn on."""
+    made = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    opt.load_state_dict(saved)
+    for g, settings in zip(opt.param_groups, made):
+        g.update(settings)

@@ -70,6 +70,7 @@ import torch.nn.functional as F
 from . import metrics as M
 from .batch import SparseBatch, concat_batches
 from .config import MetaConfig
+from .head import load_optimizer_state
 from .torch_quirks import optimizer_class
 
 __all__ = ["MetaLearner", "TaskBuffer"]
@@ -416,5 +417,5 @@ class MetaLearner:
     def load_state_dict(self, state: dict) -> None:
         with torch.no_grad():
             self.log_acc.copy_(state["log_acc"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])  # (outer_lr: the configuration's)
         self.outer_steps = int(state["outer_steps"])

@@ -181,7 +181,7 @@ class SparseModel:
         """:meth:`dense_state` back (a snapshot's; parts it lacks stay as they are)."""
         self.head.load_state_dict(dense["head"])
         if dense.get("optimizer") and self.optimizer is not None:
-            load_dense_optimizer(self.optimizer, dense["optimizer"])
+            load_dense_optimizer(self.optimizer, dense["optimizer"], self.head)
         if "meta" in dense and self.meta is not None:
             self.meta.load_state_dict(dense["meta"])
 

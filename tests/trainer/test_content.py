@@ -59,6 +59,27 @@ def test_plain_deepfm_learns_the_encoder_and_keeps_it_in_the_head(ml):
     assert not any(k.startswith("content.") for k in SparseModel(deepfm_config(dim=4, mlp=[8])).head.state_dict())
 
 
+def test_the_encoders_own_rate_set_or_unset_since_a_snapshot_restores_every_moment(ml):
+    """``content.lr`` puts the encoder in a group of its own: a restart after it was set (or unset)
+    in the project file brings back every parameter's Adam state at the new grouping and rates
+    (torch's ``load_state_dict`` refused the other number of groups: a restore that failed at
+    every restart)."""
+    own = _cfg(False).model_copy(update={"content": _cfg(False).content.model_copy(update={"lr": 0.003})})
+    for before, after in ((_cfg(False), own), (own, _cfg(False))):
+        m = SparseModel(before)
+        for b in ml.batches(256, np.arange(512)):
+            m.train_step(b)
+        r = SparseModel(after)
+        r.load_dense_state(m.dense_state())
+        assert len(r.optimizer.param_groups) == 2 + (after.content.lr is not None)  # (the factors: the last)
+        assert r.optimizer.param_groups[0]["lr"] == after.dense_lr
+        saved = {n: m.optimizer.state[p] for n, p in m.head.named_parameters()}
+        for n, p in r.head.named_parameters():
+            for k, v in saved[n].items():
+                assert torch.equal(r.optimizer.state[p][k], v), (n, k)
+        r.train_step(ml.batch(np.arange(512, 768)))
+
+
 @pytest.mark.parametrize("join", ["field", "item"])
 def test_sequential_deepfm_at_batch_one_equals_plain_deepfm_with_content(ml, join):
     """At batch 1 the content's batch-start FM terms and slopes are exact: the sequential DeepFM

@@ -105,6 +105,11 @@ def test_a_snapshot_carries_the_starting_point(batches, tmp_path):
     # new ids of the restored trainer start where the original's would (the waiting tasks are not
     # kept: a restart opens tasks afresh, so the two learn on from different buffers)
     assert np.array_equal(r.meta.start(), m.meta.start())
+    # the starting point's optimizer learns on at the configuration's rate, not the saved one
+    slower = m.cfg.model_copy(update={"meta": m.cfg.meta.model_copy(update={"outer_lr": 0.05})})
+    r = SparseModel(slower, snapshots.load(tmp_path, slower, serving=False)[0])
+    r.load_dense_state(dense)
+    assert [g["lr"] for g in r.meta.optimizer.param_groups] == [0.05] != [m.cfg.meta.outer_lr]
 
 
 def test_meta_refuses_the_device_cache():

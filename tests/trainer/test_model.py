@@ -207,6 +207,29 @@ def test_snapshot_round_trip_is_exact(ml, tmp_path):
     assert st["item_id"].config.optimizer is None
 
 
+def test_a_restart_from_a_snapshot_learns_on_at_the_configurations_rates(ml, tmp_path):
+    """A snapshot brings back what was learned (Adam's moments and steps, the tables' accumulators),
+    and the configuration says how to learn on: a ``dense_lr`` or table rate changed in the project
+    file holds after the restart (torch's ``load_state_dict`` alone would put the saved rate back)."""
+    from trainer.manifest import Manifest
+
+    cfg = deepfm_config(dim=8, mlp=[16])
+    m = SparseModel(cfg)
+    for b in ml.batches(512, np.arange(3 * 512)):
+        m.train_step(b)
+    snapshots.save(tmp_path, cfg, m.tables, m.dense_state(), Manifest(max_event_time_ms=1))
+    faster = cfg.model_copy(update={"dense_lr": 0.004, "tables": [
+        t.model_copy(update={"optimizer": t.optimizer.model_copy(update={"lr": 0.2})}) for t in cfg.tables]})
+    tables, dense, _ = snapshots.load(tmp_path, faster, serving=False)
+    r = SparseModel(faster, tables)
+    r.load_dense_state(dense)
+    assert [g["lr"] for g in r.optimizer.param_groups] == [0.004, faster.linear_scale_lr]
+    assert [g["lr"] for g in m.optimizer.param_groups] == [cfg.dense_lr, cfg.linear_scale_lr]
+    steps = {int(s["step"]) for s in r.optimizer.state.values()}
+    assert steps == {int(s["step"]) for s in m.optimizer.state.values()} == {3}  # the moments came back
+    assert {t.config.optimizer.lr for t in r.tables.values()} == {0.2}
+
+
 def test_head_slopes_equal_autograd():
     """DenseHead.slopes: each example's input gradient and, from any seed, the head's gradients
     are what autograd gives the same head (one backward pass instead of two)."""

@@ -40,6 +40,9 @@ def test_what_keeps_a_snapshot_from_restoring_into_another_configuration() -> No
     assert restore_blockers(priced.model_copy(update={"dense_scaling": "none"}), priced)[-1] == \
         "dense scaling none, now log ([model] dense_scaling)"
     assert restore_blockers(SAVED, SAVED.model_copy(update={"dense_scaling": "none"})) == []  # (no dense input)
+    # rates are how to learn on, not what was learned: a restore takes the configuration's
+    # (tests/trainer/test_model.py, test_content.py)
+    assert restore_blockers(SAVED, SAVED.model_copy(update={"dense_lr": 0.01, "linear_scale_lr": None})) == []
 
 
 def test_a_snapshot_from_before_dense_scaling_is_of_another_configuration(tmp_path: Path) -> None:

@@ -254,7 +254,7 @@ class RankTrainer(TrainerLoop):
         man = got.manifest
         self.dm.head.load_state_dict(got.dense["head"])
         if "optimizer" in got.dense and self.dm.optimizer is not None:  # gba: rank 0's master alone
-            load_dense_optimizer(self.dm.optimizer, got.dense["optimizer"])
+            load_dense_optimizer(self.dm.optimizer, got.dense["optimizer"], self.dm.head)
         if "meta" in got.dense and self.cfg.meta is not None:  # (sync: a DistributedModel)
             self.dm.model.meta.load_state_dict(got.dense["meta"])
         self._from_start = got.reset
@@ -575,7 +575,7 @@ class RankTrainer(TrainerLoop):
         self.dm = self._model(to, old.tables)
         self.dm.head.load_state_dict(dense[0]["head"])
         if self.dm.optimizer is not None:  # gba: rank 0's master alone
-            load_dense_optimizer(self.dm.optimizer, dense[0]["optimizer"])
+            load_dense_optimizer(self.dm.optimizer, dense[0]["optimizer"], self.dm.head)
 
     async def _write_snapshot(self) -> None:
         await self.snapshot()

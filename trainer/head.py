@@ -320,6 +320,9 @@ def load_dense_optimizer(opt: torch.optim.Optimizer, saved: dict, head: DenseHea
             continue
         by_param[id(p)] = got
     now = opt.state_dict()
+    rates, saved_rates = [g["lr"] for g in now["param_groups"]], [g.get("lr") for g in groups]
+    if rates != saved_rates:  # (an operator who edited a rate sees it taken)
+        log.info("the dense optimizer learns on at the configuration's rates %s (the snapshot's: %s)", rates, saved_rates)
     flat = [p for g in opt.param_groups for p in g["params"]]
     opt.load_state_dict({"state": {i: by_param[id(p)] for i, p in enumerate(flat) if id(p) in by_param},
                          "param_groups": now["param_groups"]})

@@ -208,8 +208,8 @@ async def test_kill_9_resume(settings, ml_examples, tmp_path):
 
 async def test_online_resumes_from_batch_warm_start(settings, ml_examples, tmp_path):
     """`trainer batch --snapshot` (what `make up` runs first) writes a snapshot that `trainer online`
-    resumes from: tables, head and optimizer restored, stream state (offsets, streaming AUC, dedup)
-    started fresh. Examples carrying serving's real-time `recent_items` slot train (no dead letter)
+    resumes from: tables, head and optimizer restored (at the configuration's rate, edited since),
+    stream state (offsets, streaming AUC, dedup) started fresh. Examples carrying serving's real-time `recent_items` slot train (no dead letter)
     on the item rows; the sync delay counts from the examples' arrival, not their (year 2000) event time."""
     cfg = small_cfg()
     (tmp_path / "model.json").write_text(cfg.model_dump_json())
@@ -230,11 +230,18 @@ async def test_online_resumes_from_batch_warm_start(settings, ml_examples, tmp_p
     for i, e in enumerate(stream[::3]):  # after a first click serving logs the user's recent clicks
         e.features.sparse["recent_items"].ids.extend([int(batch_items[i % batch_items.size]), 10_000_000 + i])
     records = await produce_examples(settings, stream)
-    tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=0.5, snapshot_interval_event_s=0)), cfg)
+    # the project file's dense rate edited since the warm start: the online trainer learns on at it
+    online = cfg.model_copy(update={"dense_lr": 2 * cfg.dense_lr})
+    tr = OnlineTrainer(settings.updated(trainer=dict(sync_interval_s=0.5, snapshot_interval_event_s=0)), online)
     labels = {"model": cfg.model_id, "table": "item_id"}
     admitted = REGISTRY.get_sample_value("driftline_ps_admitted_total", labels) or 0.0
     res = await asyncio.wait_for(tr.run(stop_when_idle_s=3.0), 120)
     assert res["examples_applied"] == len(stream) and res["bad"] == 0, res
+    assert tr.model.optimizer.param_groups[0]["lr"] == online.dense_lr
+    warm_steps = {int(st["step"]) for st in torch.load(root / man["name"] / "dense.pt", weights_only=False)[
+        "optimizer"]["state"].values()}
+    online_steps = {int(st["step"]) for st in tr.model.optimizer.state.values()}
+    assert min(online_steps) > max(warm_steps) > 0  # the warm start's moments came back and went on
     # the online model continued the batch one: every batch-trained item row is still there
     items = tr.model.tables["item_id"].items()[0]
     assert np.isin(batch_items, items).all()

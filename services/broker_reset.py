@@ -57,7 +57,7 @@ async def _read_marker(settings: Settings, timeout_s: float) -> tuple[str | None
         fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms, **security_options(settings),
     )
     try:
-        await consumer.start()
+        await start_client(consumer, settings)  # (no broker: BrokerUnavailable, one line)
         partitions = consumer.partitions_for_topic(EPOCH_TOPIC)
         if not partitions:
             await consumer._client.force_metadata_update()

@@ -48,10 +48,12 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The types settings share with the project file's keys (driftline/project.py): one declaration
@@ -124,17 +126,17 @@ class KafkaClientSettings(BaseModel):
     """aiokafka client tuning shared by all services."""
 
     # tansu makes a consumer's first join wait about half the session timeout: keep it short.
-    session_timeout_ms: int = 10_000
-    heartbeat_interval_ms: int = 3_000
-    request_timeout_ms: int = 30_000
-    linger_ms: int = 5
-    max_batch_size: int = 1_048_576
+    session_timeout_ms: int = Field(10_000, ge=1)
+    heartbeat_interval_ms: int = Field(3_000, ge=1)
+    request_timeout_ms: int = Field(30_000, ge=1)
+    linger_ms: int = Field(5, ge=0)
+    max_batch_size: int = Field(1_048_576, ge=1)
     compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = "lz4"
-    max_poll_records: int = 2_000
+    max_poll_records: int = Field(2_000, ge=1)
     # tansu answers a fetch only when this wait is over, even with records waiting (quirk 7): it
     # is every consumer's latency. Apache Kafka answers as soon as a record is there.
-    fetch_max_wait_ms: int = 100
-    connect_timeout_s: float = 10.0
+    fetch_max_wait_ms: int = Field(100, ge=0)
+    connect_timeout_s: PositiveSeconds = 10.0
 
     # Connection security, the same for every client (services/kafka_security.py turns it into
     # their options). SASL_* authenticates with sasl_username and the password; *SSL encrypts,
@@ -231,9 +233,9 @@ class EventTimeSettings(BaseModel):
     """
 
     # A week: actions may follow their impression by days; older is a replay (raise it) or a bug.
-    max_past_s: float = 7 * 86_400.0
+    max_past_s: Seconds = 7 * 86_400.0
     # Clock skew between a client and us.
-    max_future_s: float = 300.0
+    max_future_s: Seconds = 300.0
 
 
 #: the /metrics port of each service ``make up`` starts: ``embedded.metrics_port_base`` + this
@@ -249,7 +251,7 @@ class EmbeddedSettings(BaseModel):
     redis_port: Port = 6379
     # Services started by `make up` export /metrics on consecutive ports from here.
     metrics_port_base: Port = 9101
-    start_timeout_s: float = 20.0
+    start_timeout_s: PositiveSeconds = 20.0
     # A service whose liveness check (its /metrics or /healthz answering a GET within 2 s, every
     # 5 s) has not passed for this long is killed and restarted: a hung process is not left in place.
     liveness_timeout_s: float = Field(default=120.0, gt=0)
@@ -308,13 +310,13 @@ class ReplaySettings(BaseModel):
 
     dataset: str = "ml-1m"
     # Event-time speed-up: 600 means ten minutes of data per second. 0 means as fast as possible.
-    speed: float = 600.0
+    speed: float = Field(600.0, ge=0)
     # Actions follow their impression after a log-normal delay (seconds): median ~20 s, long tail
     # to minutes, so some actions arrive after later impressions.
-    action_delay_median_s: float = 20.0
-    action_delay_sigma: float = 1.2
-    action_delay_max_s: float = 900.0
-    seed: int = 7
+    action_delay_median_s: PositiveSeconds = 20.0
+    action_delay_sigma: float = Field(1.2, ge=0)
+    action_delay_max_s: Seconds = 900.0
+    seed: int = Field(7, ge=0)
     limit: int | None = None
     # The traffic driver appends the request id of every /rank answered 200 here, one per line
     # (unset: nowhere): what `make chaos` checks against the features topic.
@@ -335,7 +337,7 @@ class JoinerSettings(BaseModel):
     negative_sample_rate: SampleRate = 0.25
     # Per-slice negative rates, the slice being the serving model_id; others use the default.
     slice_sample_rates: dict[str, SampleRate] = Field(default_factory=dict)
-    seed: int = 7
+    seed: int = Field(7, ge=0)
     # "immediate": a positive is emitted as soon as it joins; "window_close": when its window closes.
     positive_emit: PositiveEmit = "immediate"
     # With "immediate": the label (a label_map value) whose join emits the impression at once, the
@@ -360,8 +362,8 @@ class JoinerSettings(BaseModel):
     # The Faust joiner's group liveness: a killed worker's partitions move after its session
     # times out (the takeover waits that out). Shorter than kafka.session_timeout_ms: Faust
     # heartbeats from its consumer thread, so a long batch does not miss heartbeats.
-    session_timeout_ms: int = 6_000
-    heartbeat_interval_ms: int = 1_000
+    session_timeout_ms: int = Field(6_000, ge=1)
+    heartbeat_interval_ms: int = Field(1_000, ge=1)
     # A worker that has waited this long for a group assignment (at start or after a rebalance
     # began) exits with code 4 to be restarted: a join that never completes was seen on tansu
     # (joiner/README.md). Well above a normal join (session timeout + tansu's slow first join).
@@ -378,9 +380,9 @@ class JoinerSettings(BaseModel):
     # beside its state store) to be produced again into a broker whose data was reset: the dumper
     # and the trainer may not have read them. Within dumper.dedup_min_wall_s, so the dumper
     # recognises the copies it has; the trainer's dedup window does too.
-    output_retention_s: float = 600.0
+    output_retention_s: Seconds = 600.0
     # Bytes that spool may hold; when full, the oldest examples go before their retention ends.
-    output_spool_max_bytes: int = 256 << 20
+    output_spool_max_bytes: int = Field(256 << 20, ge=0)
 
     @model_validator(mode="after")
     def _immediate_label_is_a_label(self) -> JoinerSettings:
@@ -441,7 +443,7 @@ class DumperSettings(BaseModel):
     # retries, restarts, serving's re-ship after a broker reset: serving.spool_retention_s) are
     # bounded in wall time, not in event time, and a fast replay crosses the event-time horizon
     # in well under a second.
-    dedup_min_wall_s: float = 900.0
+    dedup_min_wall_s: Seconds = 900.0
 
 
 class GBASettings(BaseModel):
@@ -479,14 +481,14 @@ class TrainerSettings(BaseModel):
     # Seconds between sparse deltas (rows), and between dense ones (the head's weights).
     sync_interval_s: PositiveSeconds = 10.0
     dense_sync_interval_s: PositiveSeconds = 3600.0
-    snapshot_interval_event_s: float = 86_400.0
+    snapshot_interval_event_s: Seconds = 86_400.0
     # Snapshots live under <var_dir>/snapshots/<model_id> unless set.
     snapshot_dir: Path | None = None
     # example_ids remembered for de-duplication (the joiner delivers at least once).
-    dedup_window: int = 200_000
+    dedup_window: int = Field(200_000, ge=0)
     # Seconds between broker-epoch checks (a reset of the broker's data) while no offsets are
     # committed; a busy trainer also checks before every commit (~1 ms each).
-    epoch_check_interval_s: float = 0.5
+    epoch_check_interval_s: PositiveSeconds = 0.5
     # Half-life, in negative examples (per slice, and over all slices for the global rate), of the
     # sample rates the trainer records (trainer/sample_rates.py): how fast the recorded rate
     # follows a changed joiner setting. ~25 batches of negatives: about as fast as the model's own
@@ -533,7 +535,7 @@ class TrainerSettings(BaseModel):
     collective_timeout_s: PositiveSeconds = 120.0
     # Rank r > 0 exports its /metrics on metrics_port + r * rank_metrics_port_stride (rank 0 on
     # metrics_port): ports next to the trainer's belong to other services under `driftline up`.
-    rank_metrics_port_stride: int = 100
+    rank_metrics_port_stride: int = Field(100, ge=1)
     # Where the dense head, its optimizer and the pooling run (trainer/device.py): "cpu", or
     # "cuda" / "cuda:N" where torch sees that GPU. The PS tables stay on the host either way.
     device: TorchDevice = "cpu"
@@ -559,34 +561,34 @@ class ServingSettings(BaseModel):
     # Largest FeatureLog (encoded, + its request-id key) /rank logs; a larger one is a 413. A bit
     # under Kafka's default message.max.bytes (1,048,588), so a logged request always fits the
     # topic; the feature-log producer's max_request_size follows it.
-    feature_log_max_bytes: int = 1_000_000
+    feature_log_max_bytes: int = Field(1_000_000, ge=1)
     # The lz4 level of the serving process's producer batches (services.aiokafka_quirks.set_lz4_level (quirk 2); aiokafka
     # uses 9): 1 costs ~0.01 ms per /rank's feature log on the event loop instead of ~0.07 ms
     # (0.2-0.3 ms for a 6 KB log alone), for batches ~15% larger. None: aiokafka's.
     feature_log_lz4_level: int | None = 1
     # Seconds a feature-log send may wait for the broker before it is retried.
-    feature_log_send_timeout_s: float = 2.0
+    feature_log_send_timeout_s: PositiveSeconds = 2.0
     # The feature-log spool (services/spool.py): None means <var_dir>/serving/spool-<port>, stable
     # across restarts so a restarted replica ships what it left.
     spool_dir: Path | None = None
     # Bytes of FeatureLogs the spool may hold; when unshipped ones fill it, /rank answers 503.
-    spool_max_bytes: int = 1 << 30
+    spool_max_bytes: int = Field(1 << 30, ge=0)
     # Shipped FeatureLogs are kept this long to re-ship after a broker reset (the joiner's window).
-    spool_retention_s: float = 900.0
+    spool_retention_s: Seconds = 900.0
     # fsync every spooled FeatureLog: survives a machine crash, not only a process kill, at a few
     # ms per /rank instead of ~10-30 us.
     spool_sync: bool = False
     # A clean stop ships the spool this long at most; what is left ships at the next start.
-    spool_drain_timeout_s: float = 5.0
+    spool_drain_timeout_s: Seconds = 5.0
     # Seconds between reconnect attempts of the feature-log producer while Kafka is down.
-    kafka_retry_s: float = 2.0
+    kafka_retry_s: PositiveSeconds = 2.0
     # "fm" (built-in FM), a trainer model name ("deepfm", "lr") or a ModelConfig JSON path;
     # None means the trainer's model (Settings.serving_model). The newest snapshot under
     # Settings.snapshot_root bootstraps it.
     model: str | None = None
     model_id: str = "deepfm"
     # Embedding dimension of the built-in FM model.
-    embedding_dim: int = 8
+    embedding_dim: int = Field(8, ge=1)
     redis_prefix: str = "driftline"
     # The feature store's connection pool, per process: at most feature_store_connections
     # connections; a /rank that finds none free waits up to feature_store_wait_s for one. A /rank
@@ -619,10 +621,10 @@ class ServingSettings(BaseModel):
     # disk write-back) where /dev/shm exists, else <var_dir>/serving/ps-<port>.
     ps_dir: Path | None = None
     # Room in the PS's control file: (table, shard) entries, and bytes of its JSON state.
-    ps_max_shards: int = 256
-    ps_state_bytes: int = 1 << 20
+    ps_max_shards: int = Field(256, ge=1)
+    ps_state_bytes: int = Field(1 << 20, ge=1)
     # Seconds between the PS's state publications when no delta arrives (readiness, staleness).
-    ps_state_interval_s: float = 0.5
+    ps_state_interval_s: PositiveSeconds = 0.5
     # /readyz turns unready (503) while deltas published on param-deltas have waited unapplied
     # for longer than this (serving fell behind its trainer), or, in a worker of a serving PS,
     # the PS has published no state for this long (it hangs: its rows no longer move).
@@ -663,13 +665,13 @@ class StatusSettings(BaseModel):
 
     host: str = "127.0.0.1"
     port: Port = 8500
-    scrape_interval_s: float = 2.0
+    scrape_interval_s: PositiveSeconds = 2.0
     # Per-target timeout of one scrape; a slower target counts as down for that round.
-    scrape_timeout_s: float = 1.5
+    scrape_timeout_s: PositiveSeconds = 1.5
     # Points kept per series (900 at 2 s: the last 30 minutes).
-    history_points: int = 900
+    history_points: int = Field(900, ge=2)
     # Rates and latency quantiles are computed over this much wall time of counter history.
-    rate_window_s: float = 10.0
+    rate_window_s: PositiveSeconds = 10.0
     # "name=url" or "url" entries; empty means every service `make up` runs (driftline.stack).
     targets: list[str] = Field(default_factory=list)
 
@@ -863,14 +865,33 @@ class Settings(BaseSettings):
         >>> Settings().updated(trainer={"batch_size": 0})
         Traceback (most recent call last):
         ...
-        pydantic_core._pydantic_core.ValidationError: 1 validation error for TrainerSettings
-        batch_size
+        pydantic_core._pydantic_core.ValidationError: 1 validation error for Settings
+        trainer.batch_size
           Input should be greater than or equal to 1 [type=greater_than_equal, input_value=0, input_type=int]
         ...
         """
-        return self.model_copy(update={
-            name: type(section).model_validate({**section.model_dump(), **fields})
-            for name, fields in sections.items() for section in [getattr(self, name)]})
+        out = {}
+        for name, fields in sections.items():
+            section = getattr(self, name)
+            try:
+                out[name] = type(section).model_validate({**section.model_dump(), **fields})
+            except ValidationError as err:  # located from the top, as the environment's: trainer.batch_size
+                raise _from_the_top(name, err) from None
+        return self.model_copy(update=out)
+
+
+def _from_the_top(section: str, err: ValidationError) -> ValidationError:
+    """``err`` of one section's model as the :class:`Settings`' own (its locations start at ``section``)."""
+    details: list[InitErrorDetails] = []
+    for e in err.errors():
+        d: InitErrorDetails = {"type": e["type"], "loc": (section, *e["loc"]), "input": e["input"]}
+        if "ctx" in e:
+            d["ctx"] = e["ctx"]
+        details.append(d)
+    try:
+        return ValidationError.from_exception_data("Settings", details)
+    except (KeyError, TypeError, ValueError):  # an error type pydantic cannot rebuild: the section's own
+        return err
 
 
 @lru_cache(maxsize=1)

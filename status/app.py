@@ -95,7 +95,8 @@ def main(argv: Sequence[str] | None = None, default_targets: Sequence[Target] = 
                              "status) every service of `make up`")
     args = parser.parse_args(argv)
     setup_logging("status", settings.log_level)
-    opts = opts.model_copy(update={"host": args.host, "port": args.port, "scrape_interval_s": args.interval})
+    # (validated as the environment's settings are: a flag is an edge too)
+    opts = settings.updated(status={"host": args.host, "port": args.port, "scrape_interval_s": args.interval}).status
     targets = [parse_target(t) for t in args.target] if args.target else resolve_targets(opts, default_targets)
     if not targets:
         parser.error("no /metrics to scrape: give --target [NAME=]URL or set status.targets")

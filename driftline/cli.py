@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from services.cli_args import at_least
 from services.in_use import IN_USE_EXIT, InUse
 from services.log import setup_logging
 from services.settings import PROJECT_VAR, Settings, get_settings
@@ -86,16 +87,13 @@ def _init(path: str | None, schema: bool, check: bool, force: bool) -> int:
 def _model_arg(model: str) -> str:
     """A built-in model name, or a ModelConfig JSON path made absolute (the services run it), checked
     now: a bad file is one line here, not a crash loop of the trainer and serving."""
-    from pydantic import ValidationError
-
     from driftline.embedded import StackError
-    from driftline.project import named_config
+    from driftline.project import ProjectError, named_config
 
     try:
         named_config(model)
-    except (OSError, ValueError, ValidationError) as err:
-        raise StackError(f"--model {model}: not a model name (deepfm, lr) nor a ModelConfig JSON: "
-                         f"{str(err).splitlines()[0]}") from None
+    except ProjectError as err:
+        raise StackError(f"--{err}") from None
     return model if model in ("deepfm", "lr") else str(Path(model).resolve())
 
 
@@ -139,8 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run the whole stack locally (broker, Redis, services; the MovieLens demo "
                                    "unless --config, --model or --no-replay)")
-    up.add_argument("--replay-limit", type=int, default=None, help="replay only the first N ratings")
-    up.add_argument("--speed", type=float, default=None, help="replay speed-up over event time (0: max)")
+    up.add_argument("--replay-limit", type=at_least(1), default=None, help="replay only the first N ratings")
+    up.add_argument("--speed", type=at_least(0, float), default=None, help="replay speed-up over event time (0: max)")
     up.add_argument("--no-replay", action="store_true",
                     help="start the stack without the MovieLens demo: no download, warm start, demo features or traffic")
     up.add_argument("--model", default=None,
@@ -166,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay = sub.add_parser("replay", help="replay a dataset to Kafka in event-time order")
     replay.add_argument("--dataset", choices=["ml-1m", "ml-100k"], default=None)
-    replay.add_argument("--speed", type=float, default=None, help="event-time speed-up; 0 = as fast as possible")
-    replay.add_argument("--limit", type=int, default=None, help="replay only the first N ratings")
+    replay.add_argument("--speed", type=at_least(0, float), default=None, help="event-time speed-up; 0 = as fast as possible")
+    replay.add_argument("--limit", type=at_least(1), default=None, help="replay only the first N ratings")
     replay.add_argument("--no-progress", action="store_true")
     replay.set_defaults(func=_cmd_replay)
 
@@ -301,11 +299,12 @@ def _user_errors() -> tuple[type[Exception], ...]:
     command runs: ``serve`` must set up its replica's metrics before anything imports
     prometheus_client (services.kafka does; see serving.replica_metrics)."""
     from driftline.embedded import StackError
+    from driftline.project import ProjectError
     from movielens.data import DataError
     from services.kafka import BrokerUnavailable
     from services.kafka_security import KafkaSecurityError
 
-    return StackError, BrokerUnavailable, DataError, KafkaSecurityError
+    return StackError, BrokerUnavailable, DataError, KafkaSecurityError, ProjectError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -335,6 +334,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the supervisor's start-up failures (plain RuntimeErrors) are one-liners too
         if isinstance(err, _user_errors()) or type(err) is RuntimeError:
             print(f"driftline: {err}", file=sys.stderr)
+            return 2
+        from pydantic import ValidationError
+
+        if isinstance(err, ValidationError) and err.title == "Settings":  # a flag refused (Settings.updated)
+            print(f"driftline: {settings_error(err)}", file=sys.stderr)
             return 2
         raise
     except KeyboardInterrupt:

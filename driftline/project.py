@@ -109,6 +109,20 @@ class ProjectError(ValueError):
     """A project file that cannot be read or is invalid (one line for the CLI)."""
 
 
+def _first_error(err: ValidationError) -> str:
+    """A validation error's first complaint as ``where: why`` (one line).
+
+    >>> try:
+    ...     FeatureSpec(name="x", source="nowhere")
+    ... except ValidationError as err:
+    ...     print(_first_error(err))
+    source: Input should be 'context', 'candidate', 'user', 'item' or 'position'
+    """
+    first = err.errors()[0]
+    where = ".".join(str(x) for x in first["loc"]) or "(top)"
+    return f"{where}: {first['msg'].removeprefix('Value error, ')}"
+
+
 class _Spec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -307,9 +321,7 @@ class ProjectFile(_Spec):
             try:
                 kind.model_validate(fields, context={"section_only": True})
             except ValidationError as err:  # its own location would lose the section's name
-                first = err.errors()[0]
-                where = ".".join(str(x) for x in first["loc"])
-                raise ValueError(f"[settings.{section}] {where}: {first['msg'].removeprefix('Value error, ')}") from None
+                raise ValueError(f"[settings.{section}] {_first_error(err)}") from None
         return value
 
     @model_validator(mode="after")
@@ -546,10 +558,7 @@ def load_project(path: str | Path) -> Project:
             data = tomllib.loads(text)
         project = ProjectFile.model_validate(data)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "(top)"
-        msg = first["msg"].removeprefix("Value error, ")
-        raise ProjectError(f"{path}: {where}: {msg} ({err.error_count()} error(s))") from None
+        raise ProjectError(f"{path}: {_first_error(err)} ({err.error_count()} error(s))") from None
     except Exception as err:  # noqa: BLE001 - a TOML/YAML syntax error: its own message says where
         raise ProjectError(f"{path}: {err}") from None
     return Project(project, path)
@@ -565,7 +574,8 @@ PROJECT_SUFFIXES = (".toml", ".yaml", ".yml")
 
 def named_config(name: str) -> ModelConfig:
     """A built-in model config by name ("deepfm", "lr"), a path to a JSON ModelConfig, or a path to
-    a project file (``driftline.toml``/``.yaml``: its model, :meth:`Project.model_config`)."""
+    a project file (``driftline.toml``/``.yaml``: its model, :meth:`Project.model_config`);
+    :class:`ProjectError` with one line for a file that cannot be read or is invalid."""
     from trainer.config import ModelConfig, deepfm_config, lr_config
 
     if name == "deepfm":
@@ -574,4 +584,10 @@ def named_config(name: str) -> ModelConfig:
         return lr_config()
     if Path(name).suffix in PROJECT_SUFFIXES:
         return load_project(name).model_config()
-    return ModelConfig.model_validate_json(Path(name).read_text())
+    try:
+        return ModelConfig.model_validate_json(Path(name).read_text())
+    except OSError as err:
+        raise ProjectError(f"model {name}: not a model name (deepfm, lr), a ModelConfig JSON nor a project file "
+                           f"({', '.join(PROJECT_SUFFIXES)}): {err.strerror or err}") from None
+    except ValidationError as err:
+        raise ProjectError(f"model {name}: {_first_error(err)} ({err.error_count()} error(s))") from None

@@ -85,6 +85,7 @@ from joiner.watermark import Watermark
 from proto import Example
 from services import broker_reset, example_batch, metrics, tansu_quirks
 from services.atomic import write_parquet_atomic
+from services.cli_args import at_least
 from services.codecs import MalformedMessage, processing_failed
 from services.disk import DiskGuard
 from services.example_batch import BadExampleBatch, ExampleColumns, take
@@ -472,7 +473,7 @@ async def _run(settings: Settings, root: Path, stop: asyncio.Event, until_idle_s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m joiner.dumper", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="output root (default <var>/examples)")
-    parser.add_argument("--until-idle", type=float, default=None, metavar="S", help="flush and exit after S idle seconds")
+    parser.add_argument("--until-idle", type=at_least(0, float), default=None, metavar="S", help="flush and exit after S idle seconds")
     parser.add_argument("--flush-rows", type=int, default=None, help="(default: dumper.flush_rows)")
     parser.add_argument("--flush-interval", type=float, default=None, metavar="S",
                         help="(default: dumper.flush_interval_s)")

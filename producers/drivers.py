@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass, field
 
 from producers.join_report import report_arguments
+from services.cli_args import at_least
 from services.settings import Settings
 
 __all__ = ["ReplayStats", "add_arguments", "driver_settings"]
@@ -36,8 +37,8 @@ class ReplayStats:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags both traffic drivers take: how they reach serving, and the join report's."""
     p.add_argument("--url", default=None, help="serving base URL (default: settings.serving host and port)")
-    p.add_argument("--concurrency", type=int, default=16, help="HTTP calls in flight at most")
-    p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for serving's /readyz")
+    p.add_argument("--concurrency", type=at_least(1), default=16, help="HTTP calls in flight at most")
+    p.add_argument("--ready-timeout", type=at_least(0, float), default=180.0, help="seconds to wait for serving's /readyz")
     p.add_argument("--no-progress", action="store_true")
     report_arguments(p)
 

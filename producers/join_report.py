@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.cli_args import at_least
 from services.settings import Settings
 
 __all__ = ["WARN_FRACTION", "JoinReport", "report_arguments", "default_urls", "read_counts", "report_after",
@@ -164,6 +165,6 @@ def report_arguments(p: argparse.ArgumentParser) -> None:
     """The report's flags (every traffic driver takes them: :func:`producers.drivers.add_arguments`)."""
     p.add_argument("--joiner-metrics", action="append", default=None, metavar="URL",
                    help="a joiner worker's /metrics, once per worker (default: the joiner `driftline up` runs)")
-    p.add_argument("--join-settle-s", type=float, default=60.0,
+    p.add_argument("--join-settle-s", type=at_least(0, float), default=60.0,
                    help="after the replay, wait at most this long for the joiner to read its actions")
     p.add_argument("--no-join-report", action="store_true", help="do not read the joiner's counts")

@@ -42,6 +42,7 @@ from producers.drivers import ReplayStats, add_arguments, driver_settings
 from producers.join_report import default_urls, with_join_report
 from producers.replay import ReplayPlan, make_plan
 from services.api_keys import client_headers
+from services.cli_args import at_least, fraction
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -342,11 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="driftline traffic", description="Replay MovieLens through serving: "
                                 "POST /rank per request, then POST /actions for the clicks the data has.")
     p.add_argument("--dataset", choices=["ml-1m", "ml-100k"], default=None)
-    p.add_argument("--speed", type=float, default=None, help="event-time speed-up; 0 = as fast as serving answers")
-    p.add_argument("--limit", type=int, default=None, help="replay at most N ratings (after --start-fraction)")
-    p.add_argument("--start-fraction", type=float, default=0.0,
+    p.add_argument("--speed", type=at_least(0, float), default=None, help="event-time speed-up; 0 = as fast as serving answers")
+    p.add_argument("--limit", type=at_least(1), default=None, help="replay at most N ratings (after --start-fraction)")
+    p.add_argument("--start-fraction", type=fraction, default=0.0,
                    help="skip the first fraction of ratings (the warm-start's training data)")
-    p.add_argument("--start-rating", type=int, default=None, help="skip the first N ratings (overrides --start-fraction)")
+    p.add_argument("--start-rating", type=at_least(0), default=None, help="skip the first N ratings (overrides --start-fraction)")
     p.add_argument("--after-learned", action="store_true",
                    help="start after the newest event time the online trainer's snapshot learned, when there is "
                         "one (a replay restarted with the stack: docker compose); else at --start-rating")

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from driftline.project import named_config
 from services import metrics as service_metrics
+from services.cli_args import at_least
 from services.settings import get_settings
 
 from . import metrics as M
@@ -186,15 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m trainer")
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("batch", help="train from Parquet example dumps (or MovieLens directly)")
-    b.add_argument("--passes", type=int, default=1)
+    b.add_argument("--passes", type=at_least(1), default=1)
     b.add_argument("--model", default=settings.trainer.model,
                    help="deepfm | lr | a ModelConfig JSON or project file (default: trainer.model)")
-    b.add_argument("--batch-size", type=int, default=settings.trainer.batch_size)
+    b.add_argument("--batch-size", type=at_least(1), default=settings.trainer.batch_size)
     b.add_argument("--examples-dir", default=str(settings.var_dir / "examples"))
     b.add_argument("--movielens", action="store_true", help="use MovieLens even if Parquet dumps exist")
     b.add_argument("--dataset", default="ml-1m")
     b.add_argument("--data-dir", default=str(settings.data_dir))
-    b.add_argument("--limit", type=int, default=None)
+    b.add_argument("--limit", type=at_least(1), default=None)
     b.add_argument("--test-fraction", type=float, default=0.1,
                    help="hold out the last fraction of the examples (in time order) and score the model on them")
     b.add_argument("--snapshot", action="store_true", help="write a snapshot at the end")
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quiet", action="store_true")
     b.add_argument("--device", default=settings.trainer.device,
                    help="where the dense head trains: cpu, cuda or cuda:N (trainer.device); the PS stays on the host")
-    b.add_argument("--cache-rows", type=int, default=None,
+    b.add_argument("--cache-rows", type=at_least(0), default=None,
                    help="rows per embedding table cached on the device (trainer.cache_rows; 0: none)")
     o = sub.add_parser("online", help="train from the examples topic")
     o.add_argument("--model", default=None)
@@ -212,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--device", default=None, help="cpu, cuda or cuda:N (trainer.device)")
     o.add_argument("--sync-interval-s", type=float, default=None)
     o.add_argument("--snapshot-interval-event-s", type=float, default=None)
-    o.add_argument("--stop-when-idle-s", type=float, default=None)
-    o.add_argument("--max-examples", type=int, default=None)
+    o.add_argument("--stop-when-idle-s", type=at_least(0, float), default=None)
+    o.add_argument("--max-examples", type=at_least(1), default=None)
     o.add_argument("--nproc", type=int, default=None,
                    help="ranks on this machine (default trainer.nproc); > 1 starts them through torch's elastic launcher")
     argv = sys.argv[1:] if argv is None else argv

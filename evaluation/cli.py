@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.cli_args import at_least
 from services.settings import get_settings
 
 from .common import EvalSettings, full, set_threads, smoke
@@ -39,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "or `data`: your project's dumped examples against naive baselines (`data --help`)")
     ap.add_argument("--smoke", action="store_true", help="tiny settings (seconds; what the tests run)")
     ap.add_argument("--out", default="docs", help="where results.json, results.md and the plots go (default docs)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="override the seeds")
-    ap.add_argument("--workers", type=int, default=None, help="processes (default 2, 1 with --smoke)")
+    ap.add_argument("--seeds", type=at_least(0), nargs="+", default=None, help="override the seeds")
+    ap.add_argument("--workers", type=at_least(1), default=None, help="processes (default 2, 1 with --smoke)")
     ap.add_argument("--data-dir", default=None, help="MovieLens cache (as DRIFTLINE_DATA_DIR; default <var>/data)")
     ap.add_argument("--work-dir", default="var/eval", help="scratch space for snapshots (removed after)")
     ap.add_argument("--no-plots", action="store_true")

@@ -47,6 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
+from services.cli_args import at_least
+
 __all__ = ["judged", "negative_rates", "run", "table_lines", "plot", "main", "without"]
 
 SCORERS = ("model", "lr", "counts_user_item", "counts_item", "counts_recent", "base_rate")
@@ -353,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the project file (default $DRIFTLINE_PROJECT, else ./driftline.toml)")
     ap.add_argument("--examples-dir", default=None, help="the dumped examples (default <var>/examples)")
     ap.add_argument("--test-fraction", type=float, default=0.2, help="the last part held out (default 0.2)")
-    ap.add_argument("--open-window-s", type=float, default=None,
+    ap.add_argument("--open-window-s", type=at_least(0, float), default=None,
                     help="leave out the examples of the last this many seconds of event time: their negatives may "
                          "still wait in the joiner's windows (default joiner.window_seconds; 0 keeps all)")
     ap.add_argument("--out", default=None, help="where eval-data.json and eval-data.png go (default <var>/eval)")

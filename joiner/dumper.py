@@ -85,7 +85,7 @@ from joiner.watermark import Watermark
 from proto import Example
 from services import broker_reset, example_batch, metrics, tansu_quirks
 from services.atomic import write_parquet_atomic
-from services.cli_args import at_least
+from services.cli_args import at_least, tcp_port
 from services.codecs import MalformedMessage, processing_failed
 from services.disk import DiskGuard
 from services.example_batch import BadExampleBatch, ExampleColumns, take
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dedup-horizon", type=float, default=None, metavar="S",
                         help="event-time seconds to remember written ids (default: dumper.dedup_horizon_s, "
                              "else from the joiner's windows)")
-    parser.add_argument("--metrics-port", type=int, default=None)
+    parser.add_argument("--metrics-port", type=tcp_port, default=None)
     args = parser.parse_args(argv)
     flags = {"flush_rows": args.flush_rows, "flush_interval_s": args.flush_interval,
              "dedup_horizon_s": args.dedup_horizon}

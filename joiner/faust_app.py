@@ -49,7 +49,7 @@ from joiner.kafka_io import SERVICE, BatchedSender
 from joiner.output_spool import OutputSpool
 from joiner.worker import Worker
 from services import broker_reset, metrics, tansu_quirks
-from services.cli_args import at_least
+from services.cli_args import at_least, tcp_port
 from services.disk import DiskGuard
 from services.in_use import IN_USE_EXIT, DirInUse, own_dir
 from services.kafka import BrokerUnavailable, create_topics, partition_counts, producer, start_client
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--until-idle", type=at_least(0, float), default=None, metavar="S",
                         help="drain and exit once this worker's input has been idle S seconds (replays, tests)")
     parser.add_argument("--store", default=None, help="this worker's state directory URL (default rocksdb://<var>/joiner/faust)")
-    parser.add_argument("--metrics-port", type=int, default=None)
+    parser.add_argument("--metrics-port", type=tcp_port, default=None)
     args = parser.parse_args(argv)
     settings = get_settings()
     setup_logging(SERVICE, settings.log_level)

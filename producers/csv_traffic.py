@@ -31,6 +31,7 @@ from driftline.project import FeatureSpec, load_project
 from producers.csv_log import Request, load_map, parquet_rows, rebase, requests_of, too_old
 from producers.drivers import ReplayStats, add_arguments, driver_settings
 from producers.join_report import default_urls, with_join_report
+from services.cli_args import at_least
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -152,9 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     log_file.add_argument("--parquet", type=Path, help="the same log as a Parquet file (typed cells)")
     p.add_argument("--map", type=Path, required=True, help="TOML naming the log's columns (see producers/csv_log.py)")
     p.add_argument("--config", type=Path, default=None, help="the project file (driftline.toml): the features' specs")
-    p.add_argument("--speed", type=float, default=None,
+    p.add_argument("--speed", type=at_least(0, float), default=None,
                    help="event-time speed-up; 0 = as fast as serving answers (default: settings.replay.speed)")
-    p.add_argument("--limit", type=int, default=None, help="replay at most the first N requests")
+    p.add_argument("--limit", type=at_least(1), default=None, help="replay at most the first N requests")
     p.add_argument("--rebase", action="store_true", help="shift event times so the log's last event is now")
     add_arguments(p)
     return p

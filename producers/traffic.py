@@ -42,7 +42,7 @@ from producers.drivers import ReplayStats, add_arguments, driver_settings
 from producers.join_report import default_urls, with_join_report
 from producers.replay import ReplayPlan, make_plan
 from services.api_keys import client_headers
-from services.cli_args import at_least, fraction
+from services.cli_args import at_least, fraction, tcp_port
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -351,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--after-learned", action="store_true",
                    help="start after the newest event time the online trainer's snapshot learned, when there is "
                         "one (a replay restarted with the stack: docker compose); else at --start-rating")
-    p.add_argument("--metrics-port", type=int, default=None, help="/metrics port (default: settings.metrics_port)")
+    p.add_argument("--metrics-port", type=tcp_port, default=None, help="/metrics port (default: settings.metrics_port)")
     p.add_argument("--stay", action="store_true",
                    help="after the replay, keep /metrics up until stopped (so its totals stay scrapeable)")
     add_arguments(p)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-__all__ = ["at_least", "fraction"]
+__all__ = ["at_least", "fraction", "tcp_port"]
 
 
 def at_least(low: float, kind: type[int] | type[float] = int) -> Callable[[str], float]:
@@ -44,4 +44,12 @@ def fraction(text: str) -> float:
     value = float(text)
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def tcp_port(text: str) -> int:
+    """A TCP port number (0: any free one)."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {text}")
     return value

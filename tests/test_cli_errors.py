@@ -63,6 +63,7 @@ def test_a_broken_project_file_named_as_the_model_is_one_line(repo_root: Path, t
     (["replay", "--speed", "-1"], "argument --speed: must be at least 0, got -1"),
     (["joiner", "--until-idle", "-3"], "argument --until-idle: must be at least 0, got -3"),
     (["eval", "--seeds", "-1", "--smoke", "baselines"], "argument --seeds: must be at least 0, got -1"),
+    (["dumper", "--metrics-port", "70000"], "argument --metrics-port: must be a port in [0, 65535], got 70000"),
 ]])
 def test_a_flag_out_of_its_range_is_a_usage_error(repo_root: Path, tmp_path: Path, args: list[str], line: str) -> None:
     assert _one_line(_driftline(repo_root, tmp_path, *args)).endswith(f"error: {line}")

@@ -233,7 +233,7 @@ class EpochWatch:
                 current, self._at = await asyncio.wait_for(
                     _ensure(self.settings, self.epoch), self.settings.kafka.connect_timeout_s
                 )
-        except (TimeoutError, KafkaError, OSError) as err:
+        except (TimeoutError, KafkaError, OSError, BrokerUnavailable) as err:
             log.debug("epoch check failed (%r); the broker is unreachable", err)
             return None
         if current == self.epoch:

@@ -123,3 +123,19 @@ async def test_a_join_longer_than_the_connect_timeout_is_waited_for(
 def test_every_codec_round_trips() -> None:
     raw = _action(3)
     assert codec_for(Action).decode(raw).SerializeToString() == raw
+
+
+async def test_an_epoch_check_while_the_broker_is_down_is_no_reset() -> None:
+    """The epoch marker's reader turns "no broker" into BrokerUnavailable (one line for a service
+    that starts without one: tests/test_cli_errors.py), and a running service's watch takes it as
+    "no reset known": its own Kafka calls fail then, and the next check sees a reset once the
+    broker is back (bench/chaos.py's kill -9 of the broker stopped its capture on it once)."""
+    from services.broker_reset import EpochWatch, read_broker_epoch
+    from services.kafka import BrokerUnavailable
+    from services.ports import free_port
+
+    down = Settings().model_copy(update={"kafka_bootstrap_servers": f"127.0.0.1:{free_port()}"}).updated(
+        kafka={"connect_timeout_s": 1.0})
+    assert await EpochWatch(down, "test", epoch="e1").check() is None
+    with pytest.raises(BrokerUnavailable, match="cannot reach Kafka at 127.0.0.1:"):
+        await read_broker_epoch(down)

@@ -306,9 +306,10 @@ def load_dense_optimizer(opt: torch.optim.Optimizer, saved: dict, head: DenseHea
     # the saved indices' parameters, in make_dense_optimizer's order for the saved configuration
     order: list = [p for p in head.parameters() if id(p) not in own]
     order += (content if had_content else []) + (factors or [None] if had_factors else [])
-    if len(order) != sum(len(g["params"]) for g in groups):
+    saved_n = sum(len(g["params"]) for g in groups)
+    if len(order) != saved_n:
         log.warning("the dense optimizer's saved state does not fit this head (%d parameters saved, %d now): "
-                    "it starts fresh", sum(len(g["params"]) for g in groups), len(order))
+                    "it starts fresh", saved_n, len(order))
         return
     by_param = {}
     for i, p in enumerate(order):

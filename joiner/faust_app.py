@@ -36,7 +36,7 @@ import logging
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import faust
@@ -409,7 +409,7 @@ async def _run(settings: Settings, stop: asyncio.Event, until_idle_s: float | No
                 if japp.unassigned_for() > join_timeout_s:
                     # (a group join that never completed: seen on tansu after two workers left
                     # at once; a new process joins as a new member. joiner/README.md)
-                    raise JoinTimeout(f"no group assignment for {join_timeout_s:.0f} s: exiting, to be restarted")
+                    raise JoinTimeout(f"no group assignment for {join_timeout_s:g} s: exiting, to be restarted")
                 await asyncio.wait(waits + ([] if starting.done() else [starting]), timeout=0.5,
                                    return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -451,7 +451,19 @@ def main(argv: list[str] | None = None) -> int:
         return await run(settings, stop=stop, until_idle_s=args.until_idle)
 
     try:
-        totals = asyncio.run(_main())
+        code = _exit_code(lambda: asyncio.run(_main()))
+    except Exception:  # (logged with its traceback, as an uncaught one would be)
+        log.exception("the joiner worker stopped on an error")
+        code = 1
+    faust_quirks.exit_past_stuck_threads(code)
+    return code
+
+
+def _exit_code(serve: Callable[[], dict[str, int]]) -> int:
+    """Run the worker (``serve``): its process's exit code, each known fault logged in a line;
+    another error is raised."""
+    try:
+        totals = serve()
     except BrokerUnavailable as err:
         log.error("%s", err)
         return 2

@@ -17,14 +17,28 @@ here only, numbered like :mod:`services.tansu_quirks` and :mod:`services.aiokafk
    waiting on the hung broker (a 60 s hang in a ``make chaos`` run: 9 clicked impressions never
    emitted, 3 emitted as negatives). :func:`highwater_and_age` gives the high watermark with how
    long ago a fetch renewed it: "idle" is then judged as of that fetch, not as of now.
+4. That consumer thread is not a daemon, and a stop bounded by quirk 1 leaves it running where it
+   was: in a broker call such as a group join, which tansu holds for half the session timeout
+   (:mod:`services.tansu_quirks` quirk 3) or, for a join that never completes, for ever. The
+   interpreter's exit waits for every thread that is not a daemon, so a worker that had logged its
+   exit (the join watchdog's code 4, a SIGTERM's 0) lived on until the broker answered: the join
+   watchdog could not restart the very worker it is for (a fresh-clone CI run: no exit in 60 s).
+   :func:`exit_past_stuck_threads` ends the process with its code instead; its offsets were
+   committed before the stop, so nothing waits on the thread.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+import threading
 import time
 from typing import Any
 
-__all__ = ["CONSUMER_THREAD_STOP_S", "bound_consumer_thread_stop", "highwater_and_age"]
+__all__ = ["CONSUMER_THREAD_STOP_S", "bound_consumer_thread_stop", "exit_past_stuck_threads", "highwater_and_age"]
+
+log = logging.getLogger(__name__)
 
 #: quirk 1: how long a stopping consumer thread may take (mode's default: 60 s)
 CONSUMER_THREAD_STOP_S = 5.0
@@ -67,3 +81,24 @@ def highwater_and_age(app: Any, tp: Any, now: float | None = None) -> tuple[int,
     if stamped_ms is None or hw is None:
         return None
     return int(hw), max(0.0, (time.time() if now is None else now) - stamped_ms / 1000)
+
+
+def exit_past_stuck_threads(code: int, grace_s: float = 1.0) -> None:
+    """Quirk 4: end the process with ``code`` at once if threads that are not daemons are still
+    running ``grace_s`` seconds from now (a Faust consumer thread in a broker call); return when
+    there are none. Only for a process's last step: nothing after it runs.
+
+    >>> exit_past_stuck_threads(0)  # (no thread but this one: nothing to wait past)
+    """
+    stuck = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    deadline = time.monotonic() + grace_s
+    for t in stuck:
+        t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t for t in stuck if t.is_alive()]
+    if not stuck:
+        return
+    log.warning("exiting past %d thread(s) still in a broker call (%s)", len(stuck), ", ".join(t.name for t in stuck))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

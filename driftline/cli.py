@@ -23,7 +23,7 @@ from pathlib import Path
 from services.cli_args import at_least
 from services.in_use import IN_USE_EXIT, InUse
 from services.log import setup_logging
-from services.settings import PROJECT_VAR, Settings, get_settings
+from services.settings import PROJECT_VAR, Settings, get_settings, refused_setting
 
 
 def _cmd_up(args: argparse.Namespace, settings: Settings) -> int:
@@ -270,30 +270,6 @@ def _apply_project(config: str | None) -> str | None:
     return None
 
 
-def settings_error(err: ValueError) -> str:
-    """A refused setting as one line: where, and why.
-
-    >>> try:
-    ...     Settings(kafka={"session_timeout_ms": "soon"})
-    ... except ValueError as err:
-    ...     print(settings_error(err))
-    settings: kafka.session_timeout_ms: Input should be a valid integer, unable to parse string as an integer
-    >>> try:
-    ...     Settings(embedded={"host": "0.0.0.0"})
-    ... except ValueError as err:
-    ...     print(settings_error(err)[:71])
-    settings: embedded.host 0.0.0.0 is not a loopback address: the embedded
-    """
-    errors = getattr(err, "errors", None)
-    if errors is None:
-        return f"settings: {err}"
-    first = errors()[0]
-    where = ".".join(str(x) for x in first["loc"])
-    msg = first["msg"].removeprefix("Value error, ")
-    named = not where or msg.startswith(where.split(".")[0] + ".")  # (the message names the setting)
-    return f"settings: {msg if named else where + ': ' + msg}"
-
-
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors a user can fix, printed as one line. Imported once one is raised, not before the
     command runs: ``serve`` must set up its replica's metrics before anything imports
@@ -322,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = get_settings()
     except ValueError as err:  # pydantic's ValidationError: a setting refused (never with its input)
-        print(f"driftline: {settings_error(err)}", file=sys.stderr)
+        print(f"driftline: {refused_setting(err)}", file=sys.stderr)
         return 2
     setup_logging(f"driftline-{args.command}", settings.log_level)
     try:
@@ -338,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pydantic import ValidationError
 
         if isinstance(err, ValidationError) and err.title == "Settings":  # a flag refused (Settings.updated)
-            print(f"driftline: {settings_error(err)}", file=sys.stderr)
+            print(f"driftline: {refused_setting(err)}", file=sys.stderr)
             return 2
         raise
     except KeyboardInterrupt:

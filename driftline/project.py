@@ -63,6 +63,7 @@ from services.settings import (
     Seconds,
     Settings,
     UnknownFeatures,
+    first_error,
 )
 
 if TYPE_CHECKING:
@@ -107,20 +108,6 @@ _NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 
 class ProjectError(ValueError):
     """A project file that cannot be read or is invalid (one line for the CLI)."""
-
-
-def _first_error(err: ValidationError) -> str:
-    """A validation error's first complaint as ``where: why`` (one line).
-
-    >>> try:
-    ...     FeatureSpec(name="x", source="nowhere")
-    ... except ValidationError as err:
-    ...     print(_first_error(err))
-    source: Input should be 'context', 'candidate', 'user', 'item' or 'position'
-    """
-    first = err.errors()[0]
-    where = ".".join(str(x) for x in first["loc"]) or "(top)"
-    return f"{where}: {first['msg'].removeprefix('Value error, ')}"
 
 
 class _Spec(BaseModel):
@@ -321,7 +308,7 @@ class ProjectFile(_Spec):
             try:
                 kind.model_validate(fields, context={"section_only": True})
             except ValidationError as err:  # its own location would lose the section's name
-                raise ValueError(f"[settings.{section}] {_first_error(err)}") from None
+                raise ValueError(f"[settings.{section}] {first_error(err)}") from None
         return value
 
     @model_validator(mode="after")
@@ -558,7 +545,7 @@ def load_project(path: str | Path) -> Project:
             data = tomllib.loads(text)
         project = ProjectFile.model_validate(data)
     except ValidationError as err:
-        raise ProjectError(f"{path}: {_first_error(err)} ({err.error_count()} error(s))") from None
+        raise ProjectError(f"{path}: {first_error(err)} ({err.error_count()} error(s))") from None
     except Exception as err:  # noqa: BLE001 - a TOML/YAML syntax error: its own message says where
         raise ProjectError(f"{path}: {err}") from None
     return Project(project, path)
@@ -590,4 +577,4 @@ def named_config(name: str) -> ModelConfig:
         raise ProjectError(f"model {name}: not a model name (deepfm, lr), a ModelConfig JSON nor a project file "
                            f"({', '.join(PROJECT_SUFFIXES)}): {err.strerror or err}") from None
     except ValidationError as err:
-        raise ProjectError(f"model {name}: {_first_error(err)} ({err.error_count()} error(s))") from None
+        raise ProjectError(f"model {name}: {first_error(err)} ({err.error_count()} error(s))") from None

@@ -2,6 +2,8 @@
 
 import sys
 
+from services.cli_args import run_main
+
 from .cli import main
 
-sys.exit(main())
+sys.exit(run_main(main, "python -m evaluation"))

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.cli_args import at_least
+from services.cli_args import at_least, run_main
 from services.settings import get_settings
 
 from .common import EvalSettings, full, set_threads, smoke
@@ -144,4 +144,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, "python -m evaluation"))

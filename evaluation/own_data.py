@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.cli_args import at_least
+from services.cli_args import at_least, run_main
 
 __all__ = ["judged", "negative_rates", "run", "table_lines", "plot", "main", "without"]
 
@@ -405,4 +405,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, "python -m evaluation.own_data"))

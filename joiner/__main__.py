@@ -1,5 +1,6 @@
 import sys
 
 from joiner.faust_app import main
+from services.cli_args import run_main
 
-sys.exit(main())
+sys.exit(run_main(main, "python -m joiner"))

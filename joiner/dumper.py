@@ -85,7 +85,7 @@ from joiner.watermark import Watermark
 from proto import Example
 from services import broker_reset, example_batch, metrics, tansu_quirks
 from services.atomic import write_parquet_atomic
-from services.cli_args import at_least, tcp_port
+from services.cli_args import at_least, run_main, tcp_port
 from services.codecs import MalformedMessage, processing_failed
 from services.disk import DiskGuard
 from services.example_batch import BadExampleBatch, ExampleColumns, take
@@ -510,4 +510,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main, "python -m joiner.dumper"))

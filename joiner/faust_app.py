@@ -49,7 +49,7 @@ from joiner.kafka_io import SERVICE, BatchedSender
 from joiner.output_spool import OutputSpool
 from joiner.worker import Worker
 from services import broker_reset, metrics, tansu_quirks
-from services.cli_args import at_least, tcp_port
+from services.cli_args import at_least, run_main, tcp_port
 from services.disk import DiskGuard
 from services.in_use import IN_USE_EXIT, DirInUse, own_dir
 from services.kafka import BrokerUnavailable, create_topics, partition_counts, producer, start_client
@@ -486,4 +486,4 @@ def _exit_code(serve: Callable[[], dict[str, int]]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main, "python -m joiner"))

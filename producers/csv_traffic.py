@@ -31,7 +31,7 @@ from driftline.project import FeatureSpec, load_project
 from producers.csv_log import Request, load_map, parquet_rows, rebase, requests_of, too_old
 from producers.drivers import ReplayStats, add_arguments, driver_settings
 from producers.join_report import default_urls, with_join_report
-from services.cli_args import at_least
+from services.cli_args import at_least, run_main
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -183,4 +183,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, "python -m producers.csv_traffic"))

@@ -42,7 +42,7 @@ from producers.drivers import ReplayStats, add_arguments, driver_settings
 from producers.join_report import default_urls, with_join_report
 from producers.replay import ReplayPlan, make_plan
 from services.api_keys import client_headers
-from services.cli_args import at_least, fraction, tcp_port
+from services.cli_args import at_least, fraction, run_main, tcp_port
 from services.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -406,4 +406,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, "python -m producers.traffic"))

@@ -23,9 +23,14 @@ argument --fraction: must be in [0, 1), got 1
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 
-__all__ = ["at_least", "fraction", "tcp_port"]
+from pydantic import ValidationError
+
+from services.settings import refused_setting
+
+__all__ = ["at_least", "fraction", "run_main", "tcp_port"]
 
 
 def at_least(low: float, kind: type[int] | type[float] = int) -> Callable[[str], float]:
@@ -53,3 +58,21 @@ def tcp_port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {text}")
     return value
+
+
+def run_main(main: Callable[[], int | None], prog: str) -> int:
+    """A service's ``main`` run as ``python -m``: its exit code, and a refused setting (from the
+    environment, or a flag applied as one) one line on stderr and exit code 2, as ``driftline``
+    prints it, not pydantic's traceback.
+
+    >>> from services.settings import Settings
+    >>> run_main(lambda: Settings().updated(trainer={"batch_size": 0}) and 0, "python -m trainer")
+    2
+    """
+    try:
+        return int(main() or 0)
+    except ValidationError as err:
+        if err.title != "Settings":
+            raise
+        print(f"{prog}: {refused_setting(err)}", file=sys.stderr)
+        return 2

@@ -47,6 +47,10 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
     SecretStr,
     ValidationError,
     ValidationInfo,
@@ -676,78 +680,82 @@ class StatusSettings(BaseModel):
     targets: list[str] = Field(default_factory=list)
 
 
+#: a share strictly between nothing and everything (a split, a fraction held out)
+OpenFraction = Annotated[float, Field(gt=0, lt=1)]
+#: a collision rate: a share of ids, 0 for none
+Rate = Annotated[float, Field(ge=0, lt=1)]
+
+
 class EvalSettings(BaseModel):
     """``driftline eval``: everything an experiment reads (``evaluation/``). These defaults are
     what docs/results.* come from; ``evaluation.common.smoke()`` shrinks them for the tests."""
 
     model_config = ConfigDict(frozen=True)
 
-    """Everything an experiment reads; ``full()`` is what docs/results.* come from."""
-
     name: str = "full"
     dataset: str = "ml-1m"
-    seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
-    workers: int = 2
+    seeds: tuple[int, ...] = Field((0, 1, 2, 3, 4), min_length=1)
+    workers: int = Field(2, ge=1)
     # model (one DeepFM for every experiment)
-    dim: int = 16
-    mlp: tuple[int, ...] = (128, 64)
-    sparse_lr: float = 0.05
-    batch_size: int = 1024
+    dim: PositiveInt = 16
+    mlp: tuple[PositiveInt, ...] = (128, 64)
+    sparse_lr: PositiveFloat = 0.05
+    batch_size: PositiveInt = 1024
     # collisions
-    coll_limit: int | None = None          # first N ratings in time order (None: all)
-    coll_test_fraction: float = 0.1
-    coll_epochs: int = 10
-    coll_user_rate: float = 0.0773         # the paper's ml-25m rates
-    coll_item_rate: float = 0.0286
-    coll_harsh_factor: float = 4.0         # harsher arm: this many times the paper's rates
+    coll_limit: PositiveInt | None = None  # first N ratings in time order (None: all)
+    coll_test_fraction: OpenFraction = 0.1
+    coll_epochs: PositiveInt = 10
+    coll_user_rate: Rate = 0.0773  # the paper's ml-25m rates
+    coll_item_rate: Rate = 0.0286
+    coll_harsh_factor: PositiveFloat = 4.0  # harsher arm: this many times the paper's rates
     #: seeds of the collisions runs (None: ``seeds``); ten because a run is cheap (ids only) and the
     #: effect at the paper's rates is small next to seed noise, so its std needs a firmer estimate
-    coll_seeds: tuple[int, ...] | None = tuple(range(10))
+    coll_seeds: tuple[int, ...] | None = Field(tuple(range(10)), min_length=1)
     # the collisions DeepFM (its own model: see collisions.py for why it differs from the others)
-    coll_slots: tuple[str, ...] = ("user_id", "item_id")
-    coll_dim: int = 16
-    coll_mlp: tuple[int, ...] = (128, 64)
-    coll_sparse_lr: float = 0.005
-    coll_init_acc: float = 0.0             # Adagrad initial_accumulator_value of the sparse tables
-    coll_dense_lr: float = 1e-3
-    coll_val_fraction: float = 0.1         # tuning: the last share of the train part is the validation set
+    coll_slots: tuple[str, ...] = Field(("user_id", "item_id"), min_length=1)
+    coll_dim: PositiveInt = 16
+    coll_mlp: tuple[PositiveInt, ...] = (128, 64)
+    coll_sparse_lr: PositiveFloat = 0.005
+    coll_init_acc: NonNegativeFloat = 0.0  # Adagrad initial_accumulator_value of the sparse tables
+    coll_dense_lr: PositiveFloat = 1e-3
+    coll_val_fraction: OpenFraction = 0.1  # tuning: the last share of the train part is the validation set
     # online (Algorithm 1)
-    online_limit: int | None = None
-    online_batch_fraction: float = 0.7
-    online_batch_epochs: int = 1
-    online_shards: tuple[int, ...] = (10, 50, 100)
+    online_limit: PositiveInt | None = None
+    online_batch_fraction: OpenFraction = 0.7
+    online_batch_epochs: PositiveInt = 1
+    online_shards: tuple[PositiveInt, ...] = Field((10, 50, 100), min_length=1)
     # staleness
-    stale_shards: int = 50
-    stale_k: tuple[int, ...] = (0, 1, 5, 10)  # k = 0: restore only (control)
+    stale_shards: PositiveInt = 50
+    stale_k: tuple[NonNegativeInt, ...] = Field((0, 1, 5, 10), min_length=1)  # k = 0: restore only (control)
     # baselines
-    base_limit: int | None = 300_000
+    base_limit: PositiveInt | None = 300_000
     # cold start (evaluation/coldstart.py, the same stream): the share of it that stands for the
     # batch data; cold users and items are those it never saw
-    cold_split: float = Field(0.5, gt=0, lt=1)
-    base_offset: int = 0
-    base_batch_size: int = 64              # online mini-batch for the from-scratch stream
-    base_sparse_lr: float = 0.05           # DeepFM's sparse Adagrad lr on the stream (tuned: evaluation/tune.py)
-    river_lr: float = 0.1                  # River LR's SGD lr (tuned)
-    base_lr_lr: float = 0.3                # driftline LR's Adagrad lr (tuned)
-    base_lr_batch: int = 32                # driftline LR's mini-batch in the model-matched comparison
+    cold_split: OpenFraction = 0.5
+    base_offset: NonNegativeInt = 0
+    base_batch_size: PositiveInt = 64  # online mini-batch for the from-scratch stream
+    base_sparse_lr: PositiveFloat = 0.05  # DeepFM's sparse Adagrad lr on the stream (tuned: evaluation/tune.py)
+    river_lr: PositiveFloat = 0.1  # River LR's SGD lr (tuned)
+    base_lr_lr: PositiveFloat = 0.3  # driftline LR's Adagrad lr (tuned)
+    base_lr_batch: PositiveInt = 32  # driftline LR's mini-batch in the model-matched comparison
     #: driftline LR's speed/quality curve: (mini-batch, Adagrad lr tuned for it)
-    base_lr_curve: tuple[tuple[int, float], ...] = ((32, 0.3), (64, 0.3), (128, 0.3), (256, 0.3), (1024, 0.2), (4096, 0.3))
+    base_lr_curve: tuple[tuple[PositiveInt, PositiveFloat], ...] = ((32, 0.3), (64, 0.3), (128, 0.3), (256, 0.3), (1024, 0.2), (4096, 0.3))
     #: driftline's sequential LR (ModelConfig.sequential: per-example updates inside each mini-batch)
-    base_lr_seq_batch: int = 1024
-    base_lr_seq_lr: float = 0.3            # its Adagrad lr (tuned)
+    base_lr_seq_batch: PositiveInt = 1024
+    base_lr_seq_lr: PositiveFloat = 0.3  # its Adagrad lr (tuned)
     #: the served model's first-order Adagrad lr (trainer.config.deepfm_config's defaults: DeepFM
     #: with sequential first-order weights and embeddings, at the live trainer.batch_size; tuned;
     #: its embeddings take base_sparse_lr)
-    base_linear_lr: float = 0.3
+    base_linear_lr: PositiveFloat = 0.3
     #: the counting baseline's smoothing: a user's (item's) click rate is (clicks + m * global rate)
     #: / (examples + m), m = count_prior (tuned); the online trainer's live baseline takes it too
-    count_prior: float = 10.0
+    count_prior: NonNegativeFloat = 10.0
     #: data sets the baselines also run on, each whole, with the settings tuned on ml-1m: the served
     #: model, the DeepFM at batch_size, the sequential LR and the counts
     base_other_datasets: tuple[str, ...] = ("ml-100k",)
-    base_other_limit: int | None = None    # their first N ratings (None: all)
-    tune_base_limit: int = 100_000         # the tuning stream: this many ratings right after the reported one
-    hashed_buckets: int = 1 << 13
+    base_other_limit: PositiveInt | None = None  # their first N ratings (None: all)
+    tune_base_limit: PositiveInt = 100_000  # the tuning stream: this many ratings right after the reported one
+    hashed_buckets: PositiveInt = 1 << 13
 
 
 #: the environment variable naming the project file (Settings.project) every ``driftline``
@@ -898,3 +906,40 @@ def _from_the_top(section: str, err: ValidationError) -> ValidationError:
 def get_settings() -> Settings:
     """The process-wide settings, read from the environment once."""
     return Settings()
+
+
+def first_error(err: ValidationError) -> str:
+    """A validation error's first complaint as ``where: why``, on one line (``(top)`` for the
+    whole input).
+
+    >>> try:
+    ...     TrainerSettings(batch_size=0)
+    ... except ValidationError as err:
+    ...     print(first_error(err))
+    batch_size: Input should be greater than or equal to 1
+    """
+    first = err.errors()[0]
+    where = ".".join(str(x) for x in first["loc"]) or "(top)"
+    return f"{where}: {first['msg'].removeprefix('Value error, ')}"
+
+
+def refused_setting(err: ValueError) -> str:
+    """A refused setting as one line: where, and why (a message that names the setting itself is
+    not prefixed with it again).
+
+    >>> try:
+    ...     Settings(kafka={"session_timeout_ms": "soon"})
+    ... except ValueError as err:
+    ...     print(refused_setting(err))
+    settings: kafka.session_timeout_ms: Input should be a valid integer, unable to parse string as an integer
+    >>> try:
+    ...     Settings(embedded={"host": "0.0.0.0"})
+    ... except ValueError as err:
+    ...     print(refused_setting(err)[:71])
+    settings: embedded.host 0.0.0.0 is not a loopback address: the embedded
+    """
+    if not isinstance(err, ValidationError):
+        return f"settings: {err}"
+    where, _, msg = first_error(err).partition(": ")
+    named = where == "(top)" or msg.startswith(where.split(".")[0] + ".")  # (the message names the setting)
+    return f"settings: {msg if named else where + ': ' + msg}"

@@ -20,6 +20,7 @@ import argparse
 import sys
 
 from services.api_keys import startup_refusal
+from services.cli_args import at_least, run_main, tcp_port
 from services.log import setup_logging
 from services.settings import get_settings
 
@@ -28,12 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     settings = get_settings()
     parser = argparse.ArgumentParser(prog="python -m serving", description=__doc__)
     parser.add_argument("--host", default=settings.serving.host)
-    parser.add_argument("--port", type=int, default=settings.serving.port)
-    parser.add_argument("--workers", type=int, default=settings.serving.workers)
+    parser.add_argument("--port", type=tcp_port, default=settings.serving.port)
+    parser.add_argument("--workers", type=at_least(1), default=settings.serving.workers)
     parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ps-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    settings = settings.updated(serving={"host": args.host, "port": args.port, "workers": max(1, args.workers)})
+    settings = settings.updated(serving={"host": args.host, "port": args.port, "workers": args.workers})
     refusal = startup_refusal(settings.serving)
     if refusal is not None:  # before anything starts: no PS, no worker, no port
         print(f"driftline serve: {refusal}", file=sys.stderr)
@@ -78,4 +79,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main, "python -m serving"))

@@ -59,6 +59,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.types as pat
 
+from services.cli_args import run_main
 from services.hashing import string_id, string_ids, string_key
 from services.redis_client import redacted, without_password
 from serving.feature_keeper import Load
@@ -388,4 +389,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main, "python -m serving.feature_files"))

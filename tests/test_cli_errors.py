@@ -64,6 +64,7 @@ def test_a_broken_project_file_named_as_the_model_is_one_line(repo_root: Path, t
     (["joiner", "--until-idle", "-3"], "argument --until-idle: must be at least 0, got -3"),
     (["eval", "--seeds", "-1", "--smoke", "baselines"], "argument --seeds: must be at least 0, got -1"),
     (["dumper", "--metrics-port", "70000"], "argument --metrics-port: must be a port in [0, 65535], got 70000"),
+    (["serve", "--workers", "0"], "argument --workers: must be at least 1, got 0"),  # (was taken as 1)
 ]])
 def test_a_flag_out_of_its_range_is_a_usage_error(repo_root: Path, tmp_path: Path, args: list[str], line: str) -> None:
     assert _one_line(_driftline(repo_root, tmp_path, *args)).endswith(f"error: {line}")
@@ -75,7 +76,9 @@ def test_a_flag_out_of_its_range_is_a_usage_error(repo_root: Path, tmp_path: Pat
     (["status", "--interval", "0"], {}, "driftline: settings: status.scrape_interval_s: Input should be greater than 0"),
     (["topics", "create"], {"DRIFTLINE_KAFKA__CONNECT_TIMEOUT_S": "-1"},
      "driftline: settings: kafka.connect_timeout_s: Input should be greater than 0"),
-], ids=["flag", "status-flag", "environment"])
+    (["eval", "--smoke", "baselines"], {"DRIFTLINE_EVAL__COLL_TEST_FRACTION": "1"},
+     "driftline: settings: eval.coll_test_fraction: Input should be less than 1"),
+], ids=["flag", "status-flag", "environment", "eval"])
 def test_a_setting_refused_is_one_line_naming_it(repo_root: Path, tmp_path: Path, args: list[str],
                                                  env: dict[str, str], line: str) -> None:
     assert _one_line(_driftline(repo_root, tmp_path, *args, **env)) == line
@@ -85,3 +88,17 @@ def test_the_joiner_without_a_broker_says_so_in_one_line(repo_root: Path, tmp_pa
     done = _driftline(repo_root, tmp_path, "joiner")
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "cannot reach Kafka at 127.0.0.1:" in done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("module, args", [("joiner", []), ("joiner.dumper", []), ("serving", []), ("status", []),
+                                          ("trainer", ["online"]), ("producers.traffic", []), ("evaluation", ["baselines"])])
+def test_a_service_run_as_python_m_says_a_refused_setting_in_one_line(tmp_path: Path, module: str,
+                                                                      args: list[str]) -> None:
+    """The services' own entry points (``python -m joiner``, as a user's own supervisor may run
+    them) print a refused setting as ``driftline`` does, not as pydantic's traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DRIFTLINE_")}
+    env.update(DRIFTLINE_VAR_DIR=str(tmp_path / "var"), DRIFTLINE_KAFKA__SESSION_TIMEOUT_MS="soon")
+    done = subprocess.run([sys.executable, "-m", module, *args], env=env, cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=120)
+    assert _one_line(done) == (f"python -m {module}: settings: kafka.session_timeout_ms: Input should be a valid "
+                               "integer, unable to parse string as an integer")

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from driftline.project import named_config
 from services import metrics as service_metrics
-from services.cli_args import at_least
+from services.cli_args import at_least, run_main
 from services.settings import get_settings
 
 from . import metrics as M
@@ -289,4 +289,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, "python -m trainer"))

@@ -79,16 +79,18 @@ def test_gba_one_batch_per_rank_per_token_equals_sync(admission, rank_pool):
     res = rank_pool.run(_equal_worker, admission, timeout_s=60)
     for rank, r in enumerate(res):
         ref, got = r["ref"], r["got"]
-        for name, items in ref["tables"].items():
-            g = got["tables"][name]
-            assert g[0].tolist() == items[0].tolist(), name   # the same ids on this shard
-            np.testing.assert_allclose(g[1], items[1], rtol=1e-5, atol=1e-6, err_msg=name)
-            np.testing.assert_allclose(g[2], items[2], rtol=1e-5, atol=1e-7, err_msg=name)  # Adagrad sums
-            assert g[3].tolist() == items[3].tolist(), name
-        assert sum(len(items[0]) for items in ref["tables"].values()) > 0
         st = r["stats"]
         # one release per step on the shard (and on rank 0 the head): nothing stale, nothing decayed
-        assert (st.applied, st.decayed, st.dropped, st.staleness_sum) == (STEPS * (2 if rank == 0 else 1), 0, 0, 0)
+        # (checked first: a push seen as stale would also make the rows below differ)
+        assert (st.applied, st.decayed, st.dropped, st.staleness_sum) == (STEPS * (2 if rank == 0 else 1), 0, 0, 0), \
+            (rank, st, r["losses"], r["sync_mean"])
+        for name, items in ref["tables"].items():
+            g, at = got["tables"][name], f"rank {rank}'s shard of {name}; losses {r['losses']} vs sync {r['sync_mean']}"
+            assert g[0].tolist() == items[0].tolist(), at   # the same ids on this shard
+            np.testing.assert_allclose(g[1], items[1], rtol=1e-5, atol=1e-6, err_msg=at)
+            np.testing.assert_allclose(g[2], items[2], rtol=1e-5, atol=1e-7, err_msg=at)  # Adagrad sums
+            assert g[3].tolist() == items[3].tolist(), at
+        assert sum(len(items[0]) for items in ref["tables"].values()) > 0
     if admission:  # users seen once were not admitted, in gba as in sync (the shards compared above)
         assert sum(len(r["ref"]["tables"]["user_id"][0]) for r in res) < res[0]["users"]
     got, ref = res[0]["got"], res[0]["ref"]

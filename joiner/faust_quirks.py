@@ -21,8 +21,9 @@ here only, numbered like :mod:`services.tansu_quirks` and :mod:`services.aiokafk
    was: in a broker call such as a group join, which tansu holds for half the session timeout
    (:mod:`services.tansu_quirks` quirk 3) or, for a join that never completes, for ever. The
    interpreter's exit waits for every thread that is not a daemon, so a worker that had logged its
-   exit (the join watchdog's code 4, a SIGTERM's 0) lived on until the broker answered: the join
-   watchdog could not restart the very worker it is for (a fresh-clone CI run: no exit in 60 s).
+   exit (the join watchdog's code 4, a SIGTERM's 0) lived on until the broker answered, so the
+   join watchdog could not restart the very worker it is for (its test, with the join held 30 s:
+   the worker logged its code 4 at 5.5 s and had not exited 20 s later).
    :func:`exit_past_stuck_threads` ends the process with its code instead; its offsets were
    committed before the stop, so nothing waits on the thread.
 """

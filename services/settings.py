@@ -682,8 +682,8 @@ class StatusSettings(BaseModel):
 
 #: a share strictly between nothing and everything (a split, a fraction held out)
 OpenFraction = Annotated[float, Field(gt=0, lt=1)]
-#: a collision rate: a share of ids, 0 for none
-Rate = Annotated[float, Field(ge=0, lt=1)]
+#: a collision rate: the share of ids that share a row, 0 for none
+CollisionRate = Annotated[float, Field(ge=0, lt=1)]
 
 
 class EvalSettings(BaseModel):
@@ -695,7 +695,7 @@ class EvalSettings(BaseModel):
     name: str = "full"
     dataset: str = "ml-1m"
     seeds: tuple[int, ...] = Field((0, 1, 2, 3, 4), min_length=1)
-    workers: int = Field(2, ge=1)
+    workers: PositiveInt = 2
     # model (one DeepFM for every experiment)
     dim: PositiveInt = 16
     mlp: tuple[PositiveInt, ...] = (128, 64)
@@ -705,8 +705,8 @@ class EvalSettings(BaseModel):
     coll_limit: PositiveInt | None = None  # first N ratings in time order (None: all)
     coll_test_fraction: OpenFraction = 0.1
     coll_epochs: PositiveInt = 10
-    coll_user_rate: Rate = 0.0773  # the paper's ml-25m rates
-    coll_item_rate: Rate = 0.0286
+    coll_user_rate: CollisionRate = 0.0773  # the paper's ml-25m rates
+    coll_item_rate: CollisionRate = 0.0286
     coll_harsh_factor: PositiveFloat = 4.0  # harsher arm: this many times the paper's rates
     #: seeds of the collisions runs (None: ``seeds``); ten because a run is cheap (ids only) and the
     #: effect at the paper's rates is small next to seed noise, so its std needs a firmer estimate

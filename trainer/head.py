@@ -282,9 +282,11 @@ def load_dense_optimizer(opt: torch.optim.Optimizer, saved: dict, head: DenseHea
     :func:`ps.snapshot.load_shard`). The groups may differ from the saved ones: a content encoder's
     own rate (``content.lr``) set or unset since, or first-order factors
     (:attr:`DenseHead.linear_scale`) the saved head did not have (they start fresh, as a parameter
-    whose saved state has another shape does). A saved state whose parameters cannot be matched
-    (another head: :func:`trainer.snapshot_store.restore_blockers` refuses those before) leaves
-    the optimizer fresh, with a warning.
+    whose saved state has another shape does). The state of another kind of optimizer
+    (``dense_optimizer`` changed since: Adam's moments mean nothing to Adagrad) or one whose
+    parameters cannot be matched (another head: :func:`trainer.snapshot_store.restore_blockers`
+    refuses those before) leaves the optimizer fresh, with a warning; the head's weights and the
+    tables are restored all the same.
 
     >>> from trainer.config import deepfm_config
     >>> cfg = deepfm_config("m", slots=("u",))
@@ -296,8 +298,16 @@ def load_dense_optimizer(opt: torch.optim.Optimizer, saved: dict, head: DenseHea
     >>> faster = make_dense_optimizer(cfg.model_copy(update={"dense_lr": 0.005}), head)
     >>> load_dense_optimizer(faster, opt.state_dict(), head); [g["lr"] for g in faster.param_groups]
     [0.005, 0.01]
+    >>> adagrad = make_dense_optimizer(cfg.model_copy(update={"dense_optimizer": "adagrad"}), head)
+    >>> load_dense_optimizer(adagrad, opt.state_dict(), head); sorted(adagrad.state_dict()["state"][0])
+    ['step', 'sum']
     """
     groups, state = saved.get("param_groups", []), saved.get("state", {})
+    now = opt.state_dict()
+    if groups and _optimizer_kind(groups[0]) != _optimizer_kind(now["param_groups"][0]):
+        log.warning("the dense optimizer is %s, the snapshot's was %s: it starts fresh (the head's weights and "
+                    "the tables are restored)", _optimizer_kind(now["param_groups"][0]), _optimizer_kind(groups[0]))
+        return
     factors = [head.linear_scale] if head.linear_scale is not None else []
     content = list(head.content.parameters()) if head.content is not None else []
     had_factors = bool(groups) and groups[-1].get("name") == FACTORS
@@ -320,13 +330,21 @@ def load_dense_optimizer(opt: torch.optim.Optimizer, saved: dict, head: DenseHea
             log.warning("the first-order fields changed since this head was saved: their optimizer state starts fresh")
             continue
         by_param[id(p)] = got
-    now = opt.state_dict()
     rates, saved_rates = [g["lr"] for g in now["param_groups"]], [g.get("lr") for g in groups]
     if rates != saved_rates:  # (an operator who edited a rate sees it taken)
         log.info("the dense optimizer learns on at the configuration's rates %s (the snapshot's: %s)", rates, saved_rates)
     flat = [p for g in opt.param_groups for p in g["params"]]
     opt.load_state_dict({"state": {i: by_param[id(p)] for i, p in enumerate(flat) if id(p) in by_param},
                          "param_groups": now["param_groups"]})
+
+
+#: a setting only one kind of dense optimizer's parameter groups hold: which kind saved a state
+_KIND_BY_GROUP_KEY = {"betas": "adam", "lr_decay": "adagrad", "dampening": "sgd"}
+
+
+def _optimizer_kind(group: dict) -> str | None:
+    """The ``dense_optimizer`` a parameter group (a state dict's) belongs to; None if none of ours."""
+    return next((kind for key, kind in _KIND_BY_GROUP_KEY.items() if key in group), None)
 
 
 def load_optimizer_state(opt: torch.optim.Optimizer, saved: dict) -> None:

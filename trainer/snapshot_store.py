@@ -63,8 +63,9 @@ class SnapshotsOfAnotherModel(DirInUse):
 
 def restore_blockers(saved: ModelConfig, cfg: ModelConfig) -> list[str]:
     """What keeps a snapshot written by ``saved`` from restoring into ``cfg`` ([]: nothing): an
-    embedding table both have, of another width, or a dense head of other layers or optimizer. A
-    table added since starts empty and one removed is left out, as a restore does."""
+    embedding table both have, of another width, or a dense head of other layers. A table added
+    since starts empty and one removed is left out, as a restore does; another dense optimizer
+    starts fresh (:func:`trainer.head.load_dense_optimizer`)."""
     out = []
     before = {t.name: t for t in saved.tables}
     for t in cfg.tables:
@@ -74,8 +75,6 @@ def restore_blockers(saved: ModelConfig, cfg: ModelConfig) -> list[str]:
                        f"{t.dim}/{t.slot_width}/{t.shards}")
     if _head_shapes(saved) != _head_shapes(cfg):
         out.append("the dense head's layers (its slots, dense features, MLP or content encoder changed)")
-    if saved.dense_optimizer != cfg.dense_optimizer:
-        out.append(f"dense optimizer {saved.dense_optimizer}, now {cfg.dense_optimizer}")
     if saved.dense_features and saved.dense_scaling != cfg.dense_scaling:  # (log and standard: equal shapes)
         out.append(f"dense scaling {saved.dense_scaling}, now {cfg.dense_scaling} ([model] dense_scaling)")
     return out

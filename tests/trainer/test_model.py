@@ -230,6 +230,34 @@ def test_a_restart_from_a_snapshot_learns_on_at_the_configurations_rates(ml, tmp
     assert {t.config.optimizer.lr for t in r.tables.values()} == {0.2}
 
 
+@pytest.mark.parametrize("kind", ["adagrad", "sgd"])
+def test_a_dense_optimizer_changed_since_the_snapshot_starts_fresh_and_the_rest_restores(ml, tmp_path, kind):
+    """``dense_optimizer`` edited in the project file: the snapshot's head weights and tables come
+    back, the new optimizer starts fresh (Adam's moments mean nothing to it) and learns on. Before,
+    the restart was refused (exit 78) until the snapshots were moved aside, losing every table."""
+    from trainer.manifest import Manifest
+    from trainer.snapshot_store import restore_blockers
+
+    cfg = deepfm_config(dim=8, mlp=[16])
+    m = SparseModel(cfg)
+    batches = list(ml.batches(512, np.arange(4 * 512)))
+    for b in batches[:3]:
+        m.train_step(b)
+    snapshots.save(tmp_path, cfg, m.tables, m.dense_state(), Manifest(max_event_time_ms=1))
+    other = cfg.model_copy(update={"dense_optimizer": kind})
+    assert restore_blockers(cfg, other) == []
+    tables, dense, _ = snapshots.load(tmp_path, other, serving=False)
+    r = SparseModel(other, tables)
+    r.load_dense_state(dense)
+    assert type(r.optimizer).__name__.lower() == kind
+    for a, b in zip(r.head.state_dict().values(), m.head.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b)  # the weights came back
+    assert all(int(s.get("step", 0)) == 0 for s in r.optimizer.state.values())  # the optimizer is fresh
+    before = {k: v.clone() for k, v in r.head.state_dict().items()}
+    assert np.isfinite(r.train_step(batches[3])[0])  # and learns on
+    assert any(not torch.equal(before[k], v) for k, v in r.head.state_dict().items())
+
+
 def test_head_slopes_equal_autograd():
     """DenseHead.slopes: each example's input gradient and, from any seed, the head's gradients
     are what autograd gives the same head (one backward pass instead of two)."""

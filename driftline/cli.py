@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from services.cli_args import at_least
+from services.cli_args import at_least, run_main
 from services.in_use import IN_USE_EXIT, InUse
 from services.log import setup_logging
 from services.settings import PROJECT_VAR, Settings, get_settings, refused_setting
@@ -302,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     setup_logging(f"driftline-{args.command}", settings.log_level)
     try:
-        return int(args.func(args, settings) or 0)
+        return run_main(lambda: args.func(args, settings), "driftline")  # (a flag refused as a setting: one line)
     except InUse as err:  # a port or a state directory taken: the supervisor does not restart this exit
         print(f"driftline: {err}", file=sys.stderr)
         return IN_USE_EXIT
@@ -310,11 +310,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the supervisor's start-up failures (plain RuntimeErrors) are one-liners too
         if isinstance(err, _user_errors()) or type(err) is RuntimeError:
             print(f"driftline: {err}", file=sys.stderr)
-            return 2
-        from pydantic import ValidationError
-
-        if isinstance(err, ValidationError) and err.title == "Settings":  # a flag refused (Settings.updated)
-            print(f"driftline: {refused_setting(err)}", file=sys.stderr)
             return 2
         raise
     except KeyboardInterrupt:

@@ -304,9 +304,10 @@ def load_dense_optimizer(opt: torch.optim.Optimizer, saved: dict, head: DenseHea
     """
     groups, state = saved.get("param_groups", []), saved.get("state", {})
     now = opt.state_dict()
-    if groups and _optimizer_kind(groups[0]) != _optimizer_kind(now["param_groups"][0]):
+    kind, saved_kind = _optimizer_kind(now["param_groups"][0]), _optimizer_kind(groups[0]) if groups else None
+    if groups and saved_kind != kind:
         log.warning("the dense optimizer is %s, the snapshot's was %s: it starts fresh (the head's weights and "
-                    "the tables are restored)", _optimizer_kind(now["param_groups"][0]), _optimizer_kind(groups[0]))
+                    "the tables are restored)", kind, saved_kind)
         return
     factors = [head.linear_scale] if head.linear_scale is not None else []
     content = list(head.content.parameters()) if head.content is not None else []

@@ -1,12 +1,5 @@
-"""numba plumbing shared by the kernels: ``njit`` with a safe cache, and the id hashes.
-
-Caching is on only when numba can write its cache (beside the sources, or in
-``NUMBA_CACHE_DIR``); a read-only checkout still works, it just compiles each run. numba trusts a
-cached kernel while its own source file is unchanged, but a kernel compiles in the kernels it calls
-from other files (every PS kernel steps through :mod:`ps.optimizers`): after a change there (a
-``git pull``) it would go on running the old code. So a cache folder is trusted only for the
-sources it was written from, those of ``ps/`` and of the kernels' own folder
-(:func:`drop_stale_kernels`), and emptied otherwise.
+"""numba plumbing shared by the kernels: ``njit`` with a safe cache (:mod:`ps._kernel_cache`),
+and the id hashes.
 
 >>> int(mix64(np.int64(-1))) == int(mix64(np.int64(-1)))  # any int64 is a valid id
 True
@@ -14,11 +7,6 @@ True
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import hashlib
-import os
-import tempfile
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 
@@ -29,6 +17,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 from numba.typed import List
+
+from ._kernel_cache import CACHE, cached
 
 if TYPE_CHECKING:
     from numba.core.dispatcher import Dispatcher
@@ -49,71 +39,6 @@ BoolLike: TypeAlias = bool | np.bool_
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _cache_writable() -> bool:
-    target = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(os.path.dirname(__file__), "__pycache__")
-    try:
-        os.makedirs(target, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=target):
-            return True
-    except OSError:
-        return False
-
-
-CACHE = _cache_writable()
-_PS_DIR = os.path.dirname(os.path.abspath(__file__))
-#: cache folders this process has checked (:func:`drop_stale_kernels`)
-_CHECKED: set[str] = set()
-STAMP = "numba-sources.sha256"
-
-
-@functools.cache
-def _folder_digest(folder: str) -> str:
-    """A digest of the ``.py`` sources of ``folder`` (read once per process: every kernel folder's
-    check includes ``ps/``)."""
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name), "rb") as f:
-                h.update(name.encode() + b"\0" + f.read())
-    return h.hexdigest()
-
-
-def drop_stale_kernels(cache_dir: str, source_dir: str) -> bool:
-    """Empty numba's cache folder ``cache_dir`` of kernels compiled from other sources than those of
-    ``ps/`` and ``source_dir`` now (its stamp file says which); True when it did. Once per folder and
-    process. Processes starting together may each empty it: they then compile again, no more.
-
-    >>> d = tempfile.mkdtemp()
-    >>> open(os.path.join(d, "k.f-1.py311.nbi"), "w").close()
-    >>> drop_stale_kernels(d, _PS_DIR), os.listdir(d) == [STAMP]
-    (True, True)
-    >>> _CHECKED.discard(d); drop_stale_kernels(d, _PS_DIR)  # the same sources: kept
-    False
-    """
-    if cache_dir in _CHECKED:
-        return False
-    _CHECKED.add(cache_dir)
-    digest = " ".join(_folder_digest(d) for d in dict.fromkeys([_PS_DIR, source_dir]))
-    stamp = os.path.join(cache_dir, STAMP)
-    try:
-        with open(stamp) as old:
-            if old.read() == digest:
-                return False
-    except OSError:
-        pass
-    try:
-        for name in os.listdir(cache_dir):
-            if name.endswith((".nbi", ".nbc")):
-                with contextlib.suppress(FileNotFoundError):  # (another process emptying it too)
-                    os.unlink(os.path.join(cache_dir, name))
-        with tempfile.NamedTemporaryFile("w", dir=cache_dir, delete=False) as f:
-            f.write(digest)
-        os.replace(f.name, stamp)
-    except OSError:
-        return False  # (numba writes there too: it would fail the same way, and compile each run)
-    return True
-
-
 def njit(fn: _F) -> Dispatcher[_F]:
     """``numba.njit(cache=..., nogil=True, error_model="numpy")``: kernels release the GIL while they run.
 
@@ -125,11 +50,7 @@ def njit(fn: _F) -> Dispatcher[_F]:
     may be zero without testing it first.
     """
     kernel = numba.njit(cache=CACHE, nogil=True, error_model="numpy")(fn)
-    if CACHE:  # (numba reads the cache at the first call, after this)
-        # (the folder numba's own locator chose: beside the source, or under NUMBA_CACHE_DIR)
-        cache_dir = kernel._cache._cache_path  # type: ignore[attr-defined]  # numba's, not in its stubs
-        drop_stale_kernels(cache_dir, os.path.dirname(os.path.abspath(fn.__code__.co_filename)))
-    return kernel
+    return cached(kernel) if CACHE else kernel
 
 
 @njit
@@ -176,7 +97,7 @@ def aligned_zeros(shape: IntLike | tuple[IntLike, ...], dtype: npt.DTypeLike, al
     nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
     buf = np.zeros(nbytes + align, np.uint8)
     off = (-buf.ctypes.data) % align
-    out: np.ndarray = buf[off:off + nbytes].view(dt).reshape(dims)
+    out: np.ndarray = buf[off : off + nbytes].view(dt).reshape(dims)
     return out
 
 
@@ -201,8 +122,7 @@ def _prefetch(typingctx: object, arr: types.Type, idx: types.Type) -> tuple[Sign
         ary = context.make_array(aryty)(context, builder, args[0])
         i = context.cast(builder, args[1], idxty, types.intp)
         zero = context.get_constant(types.intp, 0)
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [i] + [zero] * (aryty.ndim - 1),
-                                       wraparound=False)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [i] + [zero] * (aryty.ndim - 1), wraparound=False)
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])

@@ -85,7 +85,8 @@ class DenseHead(nn.Module):
         """Start a head that never learned at the log-odds of the labels: every engine calls this
         once per step with the step's global label sum and example count (numbers, or one-element
         tensors: read only while the bias waits to start), *before* the batch is scored where the
-        engine knows them then (one process, the N-rank sync and hybrid steps), and calls
+        engine knows them then (one process, the N-rank sync and hybrid steps; GBA's master at
+        its first global batch, its ranks' replicas before then at their own labels), and calls
         :meth:`hold_bias` before its optimizer step. Returns whether the bias started in this call.
 
         Why: the bias starts at 0 (a click rate of one half) and the dense optimizer moves it about

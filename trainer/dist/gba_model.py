@@ -274,6 +274,12 @@ class GBAModel:
             return 0.0, np.zeros(0, np.float32)
         pb, p, rows_map, buf, n_rows, tokens, t_event = self._lookup(batch, True)
         t1 = time.perf_counter()
+        # a replica whose master has not started its bias yet (it starts at the first global batch
+        # it applies) scores at the log-odds of this rank's own labels so far, not at 0: the
+        # gradients it pushes then come from probabilities near the truth (DenseHead.start_bias);
+        # the next pull after the master's start replaces it
+        if m.head.bias_waits and batch.labels is not None:
+            m.head.start_bias(float(batch.labels.sum()), batch.size)
         logits, leaves = m.forward_packed(batch, pb, buf, requires_grad=True)
         labels = batch.labels if batch.labels is not None else np.zeros(batch.size, np.float32)
         for q in self._params:

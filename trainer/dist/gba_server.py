@@ -96,8 +96,9 @@ class DenseOwner:
             p.grad = flat[off:off + p.numel()].view_as(p)
             off += p.numel()
         # the pushes' label sums follow the gradients: GBA's ranks do not step together, so the
-        # bias starts here, after the ranks scored their first batches at 0; those batches'
-        # gradient of it is dropped (the start replaces it)
+        # bias starts here, at the first global batch's labels, after the ranks scored their first
+        # batches at their own (GBAModel.step); those batches' gradient of it is dropped (the start
+        # replaces it)
         if self.head.start_bias(flat[off], flat[off + 1]):
             self.head.bias.grad = None
         self.head.hold_bias()

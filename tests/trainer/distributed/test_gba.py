@@ -137,6 +137,34 @@ def test_a_straggler_does_not_stop_the_fast_rank_and_stale_gradients_are_decayed
     assert st.dropped == st.decayed == 0 and st.applied == 3 * N_STREAM
 
 
+def _first_batch_worker(rank: int, world: int) -> dict:
+    dm = GBAModel(_cfg(), mode="gba", global_batch=world * B, max_staleness=2)
+    labels = np.zeros(B, np.float32)
+    labels[:1 + rank] = 1   # rare clicks: 1 of 12 on rank 0, 2 of 12 on rank 1
+    batch = SparseBatch.from_slot_dicts(_rows(0, rank, B), _amounts(np.random.default_rng(rank), B),
+                                        slots=_cfg().all_slots, labels=labels, event_time_ms=np.zeros(B))
+    _, probs = dm.step(batch)
+    replica = float(dm.model.head.bias.detach()[0])
+    dm.finish()
+    out = {"probs": probs, "replica_bias": replica,
+           "master_bias": float(dm.head.bias.detach()[0]) if rank == 0 else None}
+    dm.close()
+    return out
+
+
+def test_a_fresh_head_scores_a_ranks_first_batch_at_its_labels_log_odds_and_the_master_starts_at_the_global_ones(
+        rank_pool):
+    """GBA's master starts its bias at its first global batch (DenseHead.start_bias), after the
+    ranks scored their first batches; a rank's replica starts at its own labels' log-odds meanwhile,
+    so its first gradients come from probabilities near the click rate, not from one half."""
+    res = rank_pool.run(_first_batch_worker, timeout_s=60)
+    logit = lambda p: float(np.log(p / (1 - p)))  # noqa: E731
+    for rank, r in enumerate(res):
+        assert r["replica_bias"] == pytest.approx(logit((1 + rank + 0.5) / (B + 1)), abs=1e-6)
+        assert float(np.median(r["probs"])) < 0.3, r["probs"]   # unstarted: about one half
+    assert res[0]["master_bias"] == pytest.approx(logit((3 + 0.5) / (2 * B + 1)), abs=1e-6)
+
+
 def test_the_fresh_pull_without_a_straggler_leaves_no_gradient_stale(rank_pool):
     """Long fresh waits (200 steps): a rank pulls only once the global batch its last push joined
     is applied, so every push meets the token it pulled (no barrier, no lockstep). At the stream's

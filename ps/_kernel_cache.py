@@ -115,7 +115,11 @@ class LockedCacheFile(IndexDataCacheFile):
 
     @contextlib.contextmanager
     def _locked(self, how: int) -> Iterator[None]:
-        fd = os.open(self._index_path + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fd = os.open(self._index_path + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:  # (a full disk, a folder not ours): unlocked, as numba; SafeCache still checks
+            yield
+            return
         try:
             fcntl.flock(fd, how)
             yield

@@ -133,4 +133,11 @@ def test_the_lock_file_sits_beside_the_index(tmp_path: Path) -> None:
     assert sys.platform != "win32"  # (flock: the stack runs on Linux and macOS)
 
 
+def test_a_lock_file_that_cannot_be_opened_leaves_the_cache_working_unlocked(tmp_path: Path) -> None:
+    (tmp_path / "k.f-1.py311.nbi.lock").mkdir()  # (as a full disk or a folder not ours would refuse it)
+    f = LockedCacheFile(str(tmp_path), "k.f-1.py311", "stamp")
+    f.save("key", b"code")
+    assert f.load("key") == b"code"
+
+
 pytestmark = pytest.mark.filterwarnings("ignore::numba.NumbaWarning")

@@ -31,6 +31,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import logging
 import os
 import tempfile
 from collections.abc import Iterator
@@ -40,6 +41,8 @@ from numba.core import sigutils
 from numba.core.caching import FunctionCache, IndexDataCacheFile
 
 __all__ = ["CACHE", "STAMP", "LockedCacheFile", "SafeCache", "cached", "drop_stale_kernels"]
+
+log = logging.getLogger(__name__)
 
 
 def _cache_writable() -> bool:
@@ -137,7 +140,9 @@ class LockedCacheFile(IndexDataCacheFile):
 
 class SafeCache(FunctionCache):
     """numba's per-kernel cache on :class:`LockedCacheFile`, which returns a loaded overload only
-    when its signature is the one asked for (else a miss: numba compiles it and saves it over)."""
+    when its signature is the one asked for (else a miss: numba compiles it and saves it over),
+    and whose save failing (a full disk) is a warning: the kernel runs compiled in memory (numba
+    would raise out of the kernel's first call, which ran nothing)."""
 
     def __init__(self, py_func: Any):
         super().__init__(py_func)
@@ -149,6 +154,12 @@ class SafeCache(FunctionCache):
         if cres is not None and tuple(cres.signature.args) != tuple(sigutils.normalize_signature(sig)[0]):
             return None
         return cres
+
+    def save_overload(self, sig: Any, data: Any) -> None:
+        try:
+            super().save_overload(sig, data)
+        except OSError as err:
+            log.warning("numba kernel %s compiled but not cached (%s): the next process compiles it again", self._name, err)
 
 
 def cached(kernel: Any) -> Any:

@@ -8,6 +8,7 @@ saves overlap), and directly (an index with two entries swapped)."""
 
 from __future__ import annotations
 
+import errno
 import importlib
 import multiprocessing as mp
 import pickle
@@ -123,6 +124,18 @@ def test_an_index_naming_another_overloads_code_is_a_miss_not_wrong_numbers(tmp_
     assert safe(F_ORDER, 2.5) == WANT and safe.stats.cache_misses  # compiled afresh, saved over
     again = cached(numba.njit(cache=True)(mod.weighted))
     assert again(F_ORDER, 2.5) == WANT and not again.stats.cache_misses and again.stats.cache_hits
+
+
+def test_a_kernel_whose_cache_cannot_be_written_runs(tmp_path: Path, monkeypatch, caplog) -> None:
+    mod = _module(tmp_path, "kernels_disk_full")
+
+    def full(self, *args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(LockedCacheFile, "_save_data", full)  # (numba writes the code through it)
+    kernel = cached(numba.njit(cache=True)(mod.weighted))
+    assert kernel(C_ORDER, 2.5) == WANT  # numba's own cache raises OSError here
+    assert "compiled but not cached" in caplog.text
 
 
 def test_the_lock_file_sits_beside_the_index(tmp_path: Path) -> None:

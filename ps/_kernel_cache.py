@@ -119,15 +119,16 @@ class LockedCacheFile(IndexDataCacheFile):
     @contextlib.contextmanager
     def _locked(self, how: int) -> Iterator[None]:
         try:
-            fd = os.open(self._index_path + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
+            fd: int | None = os.open(self._index_path + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
         except OSError:  # (a full disk, a folder not ours): unlocked, as numba; SafeCache still checks
-            yield
-            return
+            fd = None
         try:
-            fcntl.flock(fd, how)
+            if fd is not None:
+                fcntl.flock(fd, how)
             yield
         finally:
-            os.close(fd)  # (closing releases the lock)
+            if fd is not None:
+                os.close(fd)  # (closing releases the lock)
 
     def save(self, key: Any, data: Any) -> None:
         with self._locked(fcntl.LOCK_EX):
@@ -140,8 +141,8 @@ class LockedCacheFile(IndexDataCacheFile):
 
 class SafeCache(FunctionCache):
     """numba's per-kernel cache on :class:`LockedCacheFile`, which returns a loaded overload only
-    when its signature is the one asked for (else a miss: numba compiles it and saves it over),
-    and whose save failing (a full disk) is a warning: the kernel runs compiled in memory (numba
+    when its signature is the one asked for and it could be read (else a miss: numba compiles it and
+    saves it over), and whose save failing (a full disk) is a warning: the kernel runs compiled in memory (numba
     would raise out of the kernel's first call, which ran nothing)."""
 
     def __init__(self, py_func: Any):
@@ -150,7 +151,11 @@ class SafeCache(FunctionCache):
         self._cache_file = LockedCacheFile(f._cache_path, f._index_name[: -len(".nbi")], f._source_stamp)
 
     def _load_overload(self, sig: Any, target_context: Any) -> Any:
-        cres = super()._load_overload(sig, target_context)
+        try:
+            cres = super()._load_overload(sig, target_context)
+        except Exception as err:  # noqa: BLE001 - a damaged file (a crash mid-write): compiled again
+            log.warning("numba kernel %s: its cached code could not be read (%r): compiled again", self._name, err)
+            return None
         if cres is not None and tuple(cres.signature.args) != tuple(sigutils.normalize_signature(sig)[0]):
             return None
         return cres

@@ -138,6 +138,17 @@ def test_a_kernel_whose_cache_cannot_be_written_runs(tmp_path: Path, monkeypatch
     assert "compiled but not cached" in caplog.text
 
 
+def test_a_damaged_code_file_is_compiled_again(tmp_path: Path) -> None:
+    mod = _module(tmp_path, "kernels_damaged")
+    first = numba.njit(cache=True)(mod.weighted)
+    assert first(C_ORDER, 2.5) == WANT
+    (code,) = Path(first._cache._cache_path).glob("kernels_damaged.weighted-*.nbc")
+    code.write_bytes(code.read_bytes()[:100])  # (a crash mid-write)
+    with pytest.raises(Exception):  # noqa: B017 - numba's own cache: whatever unpickling raises
+        numba.njit(cache=True)(mod.weighted)(C_ORDER, 2.5)
+    assert cached(numba.njit(cache=True)(mod.weighted))(C_ORDER, 2.5) == WANT
+
+
 def test_the_lock_file_sits_beside_the_index(tmp_path: Path) -> None:
     f = LockedCacheFile(str(tmp_path), "k.f-1.py311", "stamp")
     f.save("key", b"code")

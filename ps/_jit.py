@@ -97,7 +97,7 @@ def aligned_zeros(shape: IntLike | tuple[IntLike, ...], dtype: npt.DTypeLike, al
     nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
     buf = np.zeros(nbytes + align, np.uint8)
     off = (-buf.ctypes.data) % align
-    out: np.ndarray = buf[off : off + nbytes].view(dt).reshape(dims)
+    out: np.ndarray = buf[off:off + nbytes].view(dt).reshape(dims)
     return out
 
 
@@ -122,7 +122,8 @@ def _prefetch(typingctx: object, arr: types.Type, idx: types.Type) -> tuple[Sign
         ary = context.make_array(aryty)(context, builder, args[0])
         i = context.cast(builder, args[1], idxty, types.intp)
         zero = context.get_constant(types.intp, 0)
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [i] + [zero] * (aryty.ndim - 1), wraparound=False)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [i] + [zero] * (aryty.ndim - 1),
+                                       wraparound=False)
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])

@@ -148,7 +148,7 @@ class SafeCache(FunctionCache):
     def __init__(self, py_func: Any):
         super().__init__(py_func)
         f = self._cache_file
-        self._cache_file = LockedCacheFile(f._cache_path, f._index_name[: -len(".nbi")], f._source_stamp)
+        self._cache_file = LockedCacheFile(f._cache_path, f._index_name[:-len(".nbi")], f._source_stamp)
 
     def _load_overload(self, sig: Any, target_context: Any) -> Any:
         try:

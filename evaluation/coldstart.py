@@ -15,7 +15,9 @@ Arms: ``served`` (the model ``make up`` serves: sequential first-order weights a
 the live trainer's batch size), ``meta`` (the same with new users' starting points meta-learned from
 the stream: ``ModelConfig.meta``, :mod:`trainer.meta`), ``content`` (the same with a content encoder over
 the items' title words and genres, its output added to the item's embedding:
-``ModelConfig.content``, :mod:`trainer.content`), ``deepfm`` (the same DeepFM stepped once per batch) and ``counts``
+``ModelConfig.content``, :mod:`trainer.content`), ``both`` (the served model with the meta-learned
+starts and the content encoder together), ``deepfm`` (the collisions experiment's plain DeepFM:
+every table stepped once per batch, plain Adagrad, no first-order factors) and ``counts``
 (per-user and per-item click rates: a new user's first example gets the global rate). Each runs
 every seed of ``seeds``; for each learned arm the paired differences against ``served`` (same
 seed) are reported with their std.
@@ -42,7 +44,7 @@ __all__ = ["ARMS", "FIRST", "firsts", "run"]
 
 #: the first-k buckets of a cold user's (item's) online examples
 FIRST = (1, 5, 10, 20)
-ARMS = ("served", "meta", "content", "deepfm", "counts")
+ARMS = ("served", "meta", "content", "both", "deepfm", "counts")
 
 
 def firsts(keys: np.ndarray, cold: np.ndarray, ks: tuple[int, ...] = FIRST) -> dict[int, np.ndarray]:
@@ -78,9 +80,9 @@ def run_arm(s: EvalSettings, arm: str, seed: int) -> dict:
         p = count_scores(d.user_id, d.item_id, d.label, s.count_prior)
     else:
         cfg = model_config(s, seed, "cold-deepfm") if arm == "deepfm" else served_model_config(s, seed, f"cold-{arm}")
-        if arm == "meta":  # the served model with new users' starting points meta-learned (trainer.meta)
+        if arm in ("meta", "both"):  # the served model with new users' starting points meta-learned (trainer.meta)
             cfg = cfg.model_copy(update={"meta": MetaConfig(task_slot="user_id")})
-        if arm == "content":  # the served model with a content encoder over titles and genres (trainer.content)
+        if arm in ("content", "both"):  # ... with a content encoder over titles and genres (trainer.content)
             cfg = cfg.model_copy(update={"content": ContentConfig(slot=ITEM_CONTENT, item_slot="item_id")})
         bs = served_batch()
         # a kernel's first call in a process loads (or compiles) it: a fixed cost, paid outside the
@@ -137,8 +139,10 @@ def markdown(st: dict, c: dict) -> list[str]:
          "(`[model] meta = {task_slot = \"user_id\"}`, `trainer/meta.py`: each new user's first 5 examples as "
          "support, the next 5 as query, the starting Adagrad accumulators of its rows learned first-order); "
          "`content`, the served model with a content encoder over the items' title words and genres (`[model] "
-         "content`, `trainer/content.py`), its output added to the item's embedding; "
-         "`deepfm`, the plain DeepFM stepped once per batch; `counts`, per-user and per-item click rates.", "",
+         "content`, `trainer/content.py`), its output added to the item's embedding; `both`, the served model "
+         "with the meta-learned starts and the content encoder together; `deepfm`, the collisions experiment's "
+         "plain DeepFM (every table stepped once per batch, plain Adagrad, no first-order factors); `counts`, "
+         "per-user and per-item click rates.", "",
          "| arm | " + " | ".join(buckets) + " | ex/s |", "|---|" + "---|" * (len(buckets) + 1)]
     for arm, a in c["arms"].items():
         cells = [f"{a[f'auc_{b}']['mean']:.4f} ± {a[f'auc_{b}']['std']:.4f}" for b in buckets]

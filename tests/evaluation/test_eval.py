@@ -123,6 +123,7 @@ def test_coldstart_measures_cold_users_and_items_beside_counting_clicks(smoke_ou
     c = json.loads((smoke_out / "results.json").read_text())["coldstart"]
     st = c["setup"]
     assert st["examples"]["users_first_1"] <= st["examples"]["users_first_10"] <= st["examples"]["overall"]
+    assert list(c["arms"]) == ["served", "meta", "content", "both", "deepfm", "counts"]
     for arm in ("served", "deepfm", "counts"):
         a = c["arms"][arm]
         assert 0.5 < a["auc_overall"]["mean"] < 1 and a["ex_per_s"] > 0

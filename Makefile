@@ -34,9 +34,10 @@ up: $(STAMP)
 ## most tests wait on real processes, so 2 on 2 cores took the suite from 19m43s to 13m15s. Once
 ## 3 gained nothing (23m56s against 24m58s, whole-stack tests past their timed waits); at 854 tests
 ## the suite uses the 2 cores to 62% with 2 workers (19m51s on a fresh clone) and 73% with 3
-## (17m32s, every test passed, beside another engineer's tests): 3. Files in the order
-## tests/conftest.py gives (the longest first).
-TEST_WORKERS ?= 3
+## (17m32s, every test passed, beside another engineer's tests): 3. At 1,059 tests on a warm
+## checkout, the same hour: 3 workers 20m13s (the cores 76% busy), 4 workers 18m18s (87%): 4. Files
+## in the order tests/conftest.py gives (the longest first).
+TEST_WORKERS ?= 4
 test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 

@@ -304,6 +304,23 @@ def dedup_window():  # every online trainer's duplicate check
 
 
 @part
+def tables():  # a model stepped once per batch (packed), GBA's owners, admission, TTL, a table that grows
+    from ps import AdmissionConfig, EmbeddingTable
+    cfg = deepfm_config(dim=4, mlp=[8], sequential=False)
+    rows = [{s: [i % 3] for s in cfg.all_slots} for i in range(8)]
+    b = SparseBatch.from_slot_dicts(rows, slots=cfg.all_slots, labels=np.arange(8) % 2,
+                                    event_time_ms=np.full(8, 1_000))
+    SparseModel(cfg).train_step(b)
+    for t in (models[0].cfg.tables[0], models[0].cfg.tables[-1]):
+        tab = EmbeddingTable(t.model_copy(update={"admission": AdmissionConfig(min_count=2), "ttl_seconds": 1.0}))
+        ids = np.arange(5000, dtype=np.int64)
+        for _ in range(2):
+            tab.gather(ids, insert=True, event_time=np.full(ids.size, 1_000))
+        tab.apply_gradients(ids, np.ones((ids.size, t.dim), np.float32), np.full(ids.size, 1_000))
+        tab.expire(now=10**9)
+
+
+@part
 def ranks():  # a distributed trainer's owners and wire
     from trainer.dist.routing import packed_rows, plan
     from trainer.sharding import shard_of

@@ -336,8 +336,9 @@ def ranks():  # a distributed trainer's owners and wire
 
 
 def _warm_numba_cache() -> None:
-    """Compile the kernels of the served model's training, its syncs and snapshots, the dedup window
-    and the ranks' wire into the shared cache before the tests run: on a fresh clone the cache is
+    """Compile the kernels of the served model's training, its syncs and snapshots, the dedup window,
+    a model and tables stepped once per batch (GBA's owners, admission, TTL, growth) and the ranks'
+    wire into the shared cache before the tests run: on a fresh clone the cache is
     empty, and every process that first needs a kernel compiles it, several at once inside timed
     waits (the sequential pass alone takes ~20 s; the rank tests ran 15-30 s longer there)."""
     subprocess.run([sys.executable, "-c", _WARM], cwd=Path(__file__).resolve().parent.parent, check=False,

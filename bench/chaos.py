@@ -18,8 +18,9 @@ contents, on the topic or in Parquet), ``parquet_rows_deleted`` (example ids in 
 broker reset and not after), ``crash_loops`` (services the supervisor saw crash-looping),
 ``missing_vs_reference`` (examples the offline reference join of the captured topics has, windows
 still open excluded, that Parquet lacks), ``missing_vs_join_rules`` (the same for the examples
-:class:`joiner.core.JoinCore` gives when the captured topics are replayed through it: what the
-worker lost of what the broker served) and ``broker_reset_recovered`` (every service made
+:class:`joiner.core.JoinCore` gives when the captured topics are replayed through it, each new
+broker epoch starting from the watermarks the worker restored at the reset: what the worker lost
+of what the broker served) and ``broker_reset_recovered`` (every service made
 progress on the new broker on its own), plus the numbers behind them: among them
 ``offsets_with_two_records`` (offsets of the new broker's topics the capture read two different
 records at: tansu quirk 8; a run with none has had no miss since the joiner fixes of issue 15) and
@@ -30,12 +31,21 @@ twice, as the reader re-reads after its kill; a run before the store recorded ea
 ``missing_at_two_record_offsets`` / ``label_mismatch_at_two_record_offsets``: how many of the
 missing and relabelled examples had their feature log or an action first read at such an offset
 (one run with 538 such offsets: 69 of 69 missing and 11 of 12 relabelled). The capture's other
-blind spot: it tails the topics about a second behind, so what the killed broker served the joiner
-and not yet the capture is gone from the reference. A run can then show clicks the reference never
-saw (relabelled ``negative f0 a[]``: ours positive, no captured action) and feature logs the joiner
-refused by a watermark those unseen records had moved (one run: 37 missing, 29 relabelled, none at
-two-record offsets; the joiner's restored watermarks, which it logs when it reopens a partition
-after the reset, were 2,000-3,800 event-seconds past the capture's). ``QUICK=1``
+blind spot: it tails the topics a little behind, so what the killed broker served the joiner and
+not yet the capture is gone from the reference. The run kills the broker just after the capture
+has read every input record the broker reported (``capture_caught_up_at_broker_kill``; it waits
+up to 30 s), which narrows that to what is produced in the last moment; on a slow machine the
+moment can still be a second of records. A run can then show clicks the reference never saw
+(relabelled ``negative f0 a[]``: ours positive, no captured action), and clicks and feature logs
+judged late or expired by a watermark those unseen records had moved: at full replay speed a
+client's retry (the traffic driver backs off up to 4 s after serving's kill) lands its clicks
+minutes of event time behind the ones sent meanwhile. The replay behind ``missing_vs_join_rules``
+therefore starts the new epoch from the watermarks the worker restored (it logs them when it
+reopens a partition: ``restored_watermarks`` in the JSON line);
+``missing_vs_join_rules_on_captured_watermarks`` is the replay on the capture's view alone. (Two
+runs before the replay did: 157 and 172 missing against the reference, 157 and 56 against the
+capture's rules, 0 and 0 from the restored watermarks; the workers' action watermarks were 20-65
+event-seconds past the capture's.) ``QUICK=1``
 runs a smaller replay with shorter pauses (under 5 minutes); the full run stays under 15.
 
 ``CHAOS_KEEP=<dir>`` keeps the run's directory with, for a post-mortem, ``chaos-missing.json``
@@ -67,7 +77,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from chaos_postmortem import at_two_record_offsets, missing_detail, offsets_with_two_records, replay_join
+from chaos_postmortem import at_two_record_offsets, missing_detail, offsets_with_two_records, replay_join, restored_watermarks
 
 from joiner.config import JoinConfig
 from joiner.dumper import read_examples
@@ -105,6 +115,8 @@ class Capture:
     # every input record read, copies too: (topic "f"/"a", epoch, partition, offset, request id
     # (an action: request/item), event time, and an action's type)
     topic_log: list[tuple] = field(default_factory=list)
+    # when the capture last had every input record the broker had reported (monotonic clock)
+    caught_up_at: float = 0.0
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
@@ -141,9 +153,33 @@ class Capture:
                     for tp, records in fetched.items():
                         for r in records:
                             self._add(tp.topic, r.key, r.value, tp.partition, r.offset)
+                    if await self._read_all(c, [tp for tp in tps if tp.topic != t.examples]):
+                        self.caught_up_at = time.monotonic()
         finally:
             await stop_consumer(c)  # the broker may be gone: aiokafka quirk 1
             await watch.stop()
+
+    @staticmethod
+    async def _read_all(c: AIOKafkaConsumer, tps: list[TopicPartition]) -> bool:
+        """Whether the capture's position is at the high watermark of every partition in ``tps``,
+        as the broker's last fetch responses gave it."""
+        for tp in tps:
+            hw = c.highwater(tp)
+            if hw is None or await c.position(tp) < hw:
+                return False
+        return True
+
+    def wait_caught_up(self, timeout_s: float) -> bool:
+        """Block until the capture has just read every input record the broker reported (or
+        ``timeout_s`` passed): killed then, the broker takes with it at most what was produced
+        in the last moment, not a second of records the joiner read and the capture did not
+        (their watermarks and clicks would be missing from the reference)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if time.monotonic() - self.caught_up_at < 0.05:
+                return True
+            time.sleep(0.005)
+        return False
 
     def _add(self, topic: str, key: bytes, value: bytes, partition: int, offset: int) -> None:
         t = self.settings.topics
@@ -316,6 +352,7 @@ def run_chaos(work: Path, quick: bool) -> dict:
         before = _parquet_ids(stack)
         version_before = stack.json("/readyz")["model_version"]["sparse_version"]
         examples_before = len(capture.examples)
+        caught_up = capture.wait_caught_up(30)
         _kill(stack, "broker", killed)
         reset_at = time.monotonic()
         _wait(stack, "the reset seen", lambda: capture.epochs >= 1, 120)
@@ -395,10 +432,17 @@ def run_chaos(work: Path, quick: bool) -> dict:
 
     expected = {eid for eid, (labels, _, _) in ref.items() if closed(eid, labels)}
     missing = expected - set(after)
-    # what the join's own rules give on what the broker served (JoinCore over the captured topics)
-    replayed = replay_join(capture, cfg)
-    missing_vs_rules = {eid for eid, positive in replayed.items()
-                        if closed(eid, {"any": positive}) and eid not in after}
+
+    def missing_in_replay(restored: dict) -> set[str]:
+        """What the join's own rules give on what the broker served (JoinCore over the captured
+        topics) that Parquet lacks."""
+        replayed = replay_join(capture, cfg, restored)
+        return {eid for eid, positive in replayed.items() if closed(eid, {"any": positive}) and eid not in after}
+
+    joiner_log = stack.log_dir / "joiner.log"
+    restored = restored_watermarks(joiner_log.read_text(errors="replace") if joiner_log.exists() else "")
+    missing_vs_rules = missing_in_replay(restored)
+    missing_vs_captured_rules = missing_in_replay({})
     mismatched = {eid for eid in expected & set(after)
                   if tuple(ref[eid][0][k] for k in sorted(ref[eid][0])) != after[eid][0][1:]}
     wrong_label = len(mismatched)
@@ -424,6 +468,12 @@ def run_chaos(work: Path, quick: bool) -> dict:
         "crash_loops": sum(v.get("crash_loops", 0) for v in state.values()),
         "missing_vs_reference": len(missing),
         "missing_vs_join_rules": len(missing_vs_rules),
+        # the same replay without the watermarks the worker restored at the reset (the capture's
+        # view alone): the difference is what the killed broker served the joiner and not the capture
+        "missing_vs_join_rules_on_captured_watermarks": len(missing_vs_captured_rules),
+        "capture_caught_up_at_broker_kill": caught_up,
+        "restored_watermarks": {str(ep): {str(p): list(m) for p, m in parts.items()}
+                                for ep, parts in restored.items()},
         "missing_sample": sorted(missing)[:20],  # example ids to look up in a kept work dir
         # by the broker epoch they reached the topic in (0: the first broker); those of epoch 0 that
         # the dumper never read lived only in the killed broker (docs/broker-reset.md)

@@ -14,6 +14,7 @@ time)), ``actions``, ``feature_epoch``, ``action_epoch`` and ``epochs``.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -21,17 +22,52 @@ from joiner.config import JoinConfig
 from joiner.core import JoinCore
 from joiner.stores.memory import MemoryStore
 from joiner.tiered import TieredState
+from joiner.worker import OPENED
 from proto import Action, FeatureLog
 
+_OPENED = re.compile(re.escape(OPENED).replace("%d", r"(-?\d+)").replace("%s", r"(\{.*?\})"))
 
-def replay_join(capture: Any, cfg: JoinConfig) -> dict[str, bool]:
+
+def restored_watermarks(joiner_log: str) -> dict[int, dict[int, tuple[int, int]]]:
+    """``epoch -> partition -> (features, actions)``: the event-time watermarks a joiner worker
+    restored at each broker reset, from the lines it logs when it opens a partition
+    (:data:`joiner.worker.OPENED`). Per partition, the distinct watermarks of the opens with no
+    input offsets (a state that has read nothing from the broker it runs on), in order: the first
+    is the empty state of the stack's first start, the (n+1)-th what the worker re-seeded at the
+    n-th reset. Those include what the worker read from the killed broker and the capture never
+    did: a replay that starts the new epoch from them judges lateness as the worker could.
+
+    >>> text = "\\n".join([OPENED % (0, {}, -9, -9), OPENED % (0, {"features": 9}, 50, 40),
+    ...                     OPENED % (0, {}, 70, 60), OPENED % (0, {}, 70, 60), OPENED % (1, {}, -9, -9)])
+    >>> restored_watermarks(text)
+    {1: {0: (70, 60)}}
+    """
+    seen: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for m in _OPENED.finditer(joiner_log):
+        p, offsets, wf, wa = int(m[1]), m[2], int(m[3]), int(m[4])
+        if offsets == "{}" and (wf, wa) not in seen[p]:
+            seen[p].append((wf, wa))
+    out: dict[int, dict[int, tuple[int, int]]] = defaultdict(dict)
+    for p, marks in seen.items():
+        for epoch, mark in enumerate(marks[1:], start=1):
+            out[epoch][p] = mark
+    return dict(out)
+
+
+def replay_join(capture: Any, cfg: JoinConfig,
+                restored: dict[int, dict[int, tuple[int, int]]] | None = None) -> dict[str, bool]:
     """``example id -> positive`` for every example :class:`joiner.core.JoinCore` emits when the
     captured input topics are replayed through it: per partition, the first broker's records then
     the new one's, each topic in offset order (the first record read at an offset), the two
     topics in alternating chunks (the join's decisions do not depend on that interleaving), every
     window drained at the end. Unlike the reference (``offline_join``: each record's first copy
     only), it sees every copy, as the worker does, so it tells the worker's losses apart from the
-    broker's (tansu quirk 8)."""
+    broker's (tansu quirk 8).
+
+    ``restored`` (:func:`restored_watermarks`) raises the watermarks at the start of each new
+    epoch to those the worker restored: the capture tails the topics a little behind, and what
+    the killed broker served the worker and not yet the capture moved the worker's watermarks
+    (its clicks then judged late, its feature logs expired) without reaching the replay."""
     streams: dict[tuple, dict[int, object]] = defaultdict(dict)
     for row in capture.topic_log:
         topic, epoch, p, offset, rid_item = row[:5]
@@ -43,11 +79,18 @@ def replay_join(capture: Any, cfg: JoinConfig) -> dict[str, bool]:
             rid, item = rid_item.rsplit("/", 1)
             value = Action(request_id=rid, item_id=int(item), action_type=row[6], event_time_ms=row[5])
         streams[(epoch, p, topic)][offset] = value
+    marks = {(epoch, p): mark for epoch, parts in (restored or {}).items() for p, mark in parts.items()}
     out: dict[str, bool] = {}
     for p in sorted({key[1] for key in streams}):
         core = JoinCore(TieredState(MemoryStore(), 1 << 30), cfg)
         core.load(p)
         for epoch in range(capture.epochs + 1):
+            if (epoch, p) in marks:
+                wf, wa = marks[(epoch, p)]
+                core.wmf[p].raise_to(wf)
+                core.wma[p].raise_to(wa)
+                core.wf[p], core.wa[p] = core.wmf[p].value, core.wma[p].value
+                core.advance(p)
             fls = [v for _, v in sorted(streams.get((epoch, p, "f"), {}).items())]
             acts = [v for _, v in sorted(streams.get((epoch, p, "a"), {}).items())]
             for i in range(0, max(len(fls), len(acts)), 50):

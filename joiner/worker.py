@@ -51,6 +51,9 @@ from services.settings import Settings
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 STATE_FORMAT = b"faust-1"
+# (logged when a partition opens; ``make chaos`` reads the watermarks a worker restored after a
+# broker reset from it: bench/chaos_postmortem.py, restored_watermarks)
+OPENED = "partition %d opened: inputs resume at %s; event-time watermarks: features %d, actions %d"
 
 
 def _offset_key(tp: TopicPartition) -> bytes:
@@ -180,8 +183,7 @@ class Worker:
             state.commit(changelog_offset=await self._send_changelog(p, repair))
         part.next = part.book.positions(state.peek)
         part.core.load(p)
-        log.info("partition %d opened: inputs resume at %s; event-time watermarks: features %d, actions %d", p,
-                 {tp.topic: n for tp, n in part.next.items()}, part.core.wf[p], part.core.wa[p])
+        log.info(OPENED, p, {tp.topic: n for tp, n in part.next.items()}, part.core.wf[p], part.core.wa[p])
         self.parts[p] = part
         return part
 

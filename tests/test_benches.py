@@ -14,15 +14,20 @@ from pathlib import Path
 SCRIPTS = {"demo_status_shot.py"}
 
 
-def test_every_bench_module_imports(repo_root: Path) -> None:
+def test_every_bench_module_imports_and_its_examples_hold(repo_root: Path) -> None:
+    """(bench/ is no installed package, so tests/test_doctests.py's walk does not reach it.)"""
     names = sorted(p.name for p in (repo_root / "bench").glob("*.py") if p.name not in SCRIPTS)
-    code = ("import importlib.util, sys\n"
+    code = ("import doctest, importlib.util, sys\n"
+            "sys.path.insert(0, 'bench')  # (as running a bench puts its folder first)\n"
+            "failed = 0\n"
             "for name in sys.argv[1:]:\n"
             "    spec = importlib.util.spec_from_file_location('bench_' + name[:-3], 'bench/' + name)\n"
             "    sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)  # (dataclasses look it up)\n"
-            "    spec.loader.exec_module(module)\n")
+            "    spec.loader.exec_module(module)\n"
+            "    failed += doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed\n"
+            "sys.exit(1 if failed else 0)\n")
     r = subprocess.run([sys.executable, "-c", code, *names], cwd=repo_root, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
 
 
 def test_the_example_format_bench_prints_its_json_line(repo_root: Path) -> None:

@@ -276,13 +276,73 @@ def up(settings: Settings, replay_limit: int | None, speed: float | None, demo: 
         return _up(settings, replay_limit, speed, demo, warm_start_fraction, project)
 
 
+def _start_infra(settings: Settings, supervisor: Supervisor) -> list[tuple[str, str]]:
+    """The embedded broker and Redis, unless external ones are configured; their table rows."""
+    e = settings.embedded
+    infra: list[tuple[str, str]] = []
+    if settings.kafka_bootstrap_servers is None:
+        supervisor.start(ServiceSpec(
+            "broker", tansu_command(e.host, e.broker_port),
+            ready=lambda: port_is_open(e.host, e.broker_port), ready_timeout_s=e.start_timeout_s,
+            infra=True,
+            # A restarted tansu has lost every topic (memory storage): recreate them with their
+            # partition counts before a producer's auto-creation picks its own, and write the
+            # new epoch the running services compare against (broker_reset.EpochWatch).
+            on_restart=lambda: asyncio.run(_prepare_broker_epoch(settings)),
+        ))
+        wait_for_port(e.host, e.broker_port, e.start_timeout_s, "broker")
+    infra.append(("kafka", settings.bootstrap_servers))
+    if settings.redis_url is None:
+        supervisor.start(ServiceSpec(
+            "redis", redis_command(e.host, e.redis_port, settings.var_dir / "redis"),
+            ready=lambda: port_is_open(e.host, e.redis_port), ready_timeout_s=e.start_timeout_s,
+            infra=True, prestart=functools.partial(repair_redis_aof, settings.var_dir / "redis"),
+        ))
+    infra.append(("redis", redacted(settings.redis)))
+    return infra
+
+
+def _start_services(settings: Settings, supervisor: Supervisor, common_env: dict[str, str], store_features: bool,
+                    movielens_features: bool, from_project: bool) -> tuple[list[tuple[str, str]], list[str]]:
+    """Every service of :data:`APP_SERVICES` the stack runs; their table rows and metrics ports."""
+    rows: list[tuple[str, str]] = []
+    metrics: list[str] = []
+    for service in APP_SERVICES:
+        if service.store_features and not store_features:
+            continue
+        ready = service.ready
+        legacy = {} if from_project else service.legacy_env
+        env = {**common_env, **service.env, **legacy, **service.settings_env(settings)}
+        if service.metrics_port is not None:
+            port = service.metrics_port(settings)
+            env["DRIFTLINE_METRICS_PORT"] = str(port)
+            metrics.append(f":{port} {service.name}")
+            if service.name == "trainer" and settings.trainer.nproc > 1:
+                stride = settings.trainer.rank_metrics_port_stride
+                metrics += [f":{port + r * stride} trainer rank {r}" for r in range(1, settings.trainer.nproc)]
+        if service.metrics_url is not None:
+            metrics.insert(0, f"{service.metrics_url(settings)} ({service.name})")
+        alive = _alive_url(service, settings)
+        args = (*service.args, "--movielens") if service.store_features and movielens_features else service.args
+        spec = ServiceSpec(
+            service.name, _driftline(*args), env=env,
+            ready=(lambda r=ready: r(settings)) if ready else None,
+            oneshot=service.blocking, blocking=service.blocking, ready_timeout_s=service.timeout_s,
+            alive=(lambda u=alive: http_answers(u)) if alive else None,
+            liveness_timeout_s=settings.embedded.liveness_timeout_s,
+            **({"stop_timeout_s": service.stop_timeout_s(settings)} if service.stop_timeout_s else {}),
+        )
+        supervisor.start(spec)
+        rows += list(service.urls(settings).items())
+    return rows, metrics
+
+
 def _up(settings: Settings, replay_limit: int | None, speed: float | None, demo: bool,
         warm_start_fraction: float, project: Project | None) -> int:
     demo = demo or (project is not None and project.demo == "movielens")
     movielens_features = demo or (project is not None and project.store.movielens)
     store_features = movielens_features or (project is not None and project.feature_files != (None, None))
     supervisor = Supervisor(settings.log_dir)
-    e = settings.embedded
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("stopping (signal %d)", signum)
@@ -294,26 +354,7 @@ def _up(settings: Settings, replay_limit: int | None, speed: float | None, demo:
     infra: list[tuple[str, str]] = []
     try:
         check_ports_free(stack_ports(settings, demo, store_features))  # before anything starts
-        if settings.kafka_bootstrap_servers is None:
-            supervisor.start(ServiceSpec(
-                "broker", tansu_command(e.host, e.broker_port),
-                ready=lambda: port_is_open(e.host, e.broker_port), ready_timeout_s=e.start_timeout_s,
-                infra=True,
-                # A restarted tansu has lost every topic (memory storage): recreate them with their
-                # partition counts before a producer's auto-creation picks its own, and write the
-                # new epoch the running services compare against (broker_reset.EpochWatch).
-                on_restart=lambda: asyncio.run(_prepare_broker_epoch(settings)),
-            ))
-            wait_for_port(e.host, e.broker_port, e.start_timeout_s, "broker")
-        infra.append(("kafka", settings.bootstrap_servers))
-        if settings.redis_url is None:
-            supervisor.start(ServiceSpec(
-                "redis", redis_command(e.host, e.redis_port, settings.var_dir / "redis"),
-                ready=lambda: port_is_open(e.host, e.redis_port), ready_timeout_s=e.start_timeout_s,
-                infra=True, prestart=functools.partial(repair_redis_aof, settings.var_dir / "redis"),
-            ))
-        infra.append(("redis", redacted(settings.redis)))
-
+        infra = _start_infra(settings, supervisor)
         created, epoch = asyncio.run(_prepare_broker_epoch(settings))
         log.info("topics ready (created: %s)", ", ".join(created) or "none")
         common_env = {"DRIFTLINE_TRAINER__MODEL": settings.trainer.model}
@@ -330,34 +371,9 @@ def _up(settings: Settings, replay_limit: int | None, speed: float | None, demo:
             rows += _project_start(settings, supervisor, project, epoch, settings.kafka_bootstrap_servers is not None)
         rows.append(("model", settings.trainer.model + ("" if demo else " (no MovieLens demo: send your own traffic)")))
 
-        metrics: list[str] = []
-        for service in APP_SERVICES:
-            if service.store_features and not store_features:
-                continue
-            ready = service.ready
-            legacy = service.legacy_env if project is None else {}
-            env = {**common_env, **service.env, **legacy, **service.settings_env(settings)}
-            if service.metrics_port is not None:
-                port = service.metrics_port(settings)
-                env["DRIFTLINE_METRICS_PORT"] = str(port)
-                metrics.append(f":{port} {service.name}")
-                if service.name == "trainer" and settings.trainer.nproc > 1:
-                    stride = settings.trainer.rank_metrics_port_stride
-                    metrics += [f":{port + r * stride} trainer rank {r}" for r in range(1, settings.trainer.nproc)]
-            if service.metrics_url is not None:
-                metrics.insert(0, f"{service.metrics_url(settings)} ({service.name})")
-            alive = _alive_url(service, settings)
-            args = (*service.args, "--movielens") if service.store_features and movielens_features else service.args
-            spec = ServiceSpec(
-                service.name, _driftline(*args), env=env,
-                ready=(lambda r=ready: r(settings)) if ready else None,
-                oneshot=service.blocking, blocking=service.blocking, ready_timeout_s=service.timeout_s,
-                alive=(lambda u=alive: http_answers(u)) if alive else None,
-                liveness_timeout_s=settings.embedded.liveness_timeout_s,
-                **({"stop_timeout_s": service.stop_timeout_s(settings)} if service.stop_timeout_s else {}),
-            )
-            supervisor.start(spec)
-            rows += list(service.urls(settings).items())
+        service_rows, metrics = _start_services(settings, supervisor, common_env, store_features,
+                                                movielens_features, project is not None)
+        rows += service_rows
         if demo:
             port = settings.embedded.metrics_port("traffic")
             metrics.append(f":{port} traffic")

@@ -16,6 +16,9 @@ replaced: the replay then resumes after it), every service in :data:`APP_SERVICE
 replays the rest of ml-1m *through serving* (``POST /rank``, then ``POST /actions`` for the
 clicks), so the loop closes on serving's own feature log. Each later service registers itself by
 adding a :class:`AppService` to :data:`APP_SERVICES`.
+
+(Near 500 lines, one module: the services' registry, the start order and the ports and status
+targets derived from the registry read one set of settings and change together.)
 """
 
 from __future__ import annotations

@@ -50,7 +50,6 @@ from pydantic import (
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
-    PositiveInt,
     SecretStr,
     ValidationError,
     ValidationInfo,
@@ -69,7 +68,7 @@ SampleRate = Annotated[float, Field(gt=0, le=1)]
 PositiveSeconds = Annotated[float, Field(gt=0)]
 #: a duration that may be zero (a grace, a margin)
 Seconds = Annotated[float, Field(ge=0)]
-#: a count of at least one (a batch, a partition)
+#: a whole number of at least one (a batch, a partition, a size, a timeout in ms)
 Count = Annotated[int, Field(ge=1)]
 #: a TCP port (0, for the /metrics port: a free one)
 Port = Annotated[int, Field(ge=0, le=65535)]
@@ -130,16 +129,16 @@ class KafkaClientSettings(BaseModel):
     """aiokafka client tuning shared by all services."""
 
     # tansu makes a consumer's first join wait about half the session timeout: keep it short.
-    session_timeout_ms: int = Field(10_000, ge=1)
-    heartbeat_interval_ms: int = Field(3_000, ge=1)
-    request_timeout_ms: int = Field(30_000, ge=1)
-    linger_ms: int = Field(5, ge=0)
-    max_batch_size: int = Field(1_048_576, ge=1)
+    session_timeout_ms: Count = 10_000
+    heartbeat_interval_ms: Count = 3_000
+    request_timeout_ms: Count = 30_000
+    linger_ms: NonNegativeInt = 5
+    max_batch_size: Count = 1_048_576
     compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = "lz4"
-    max_poll_records: int = Field(2_000, ge=1)
+    max_poll_records: Count = 2_000
     # tansu answers a fetch only when this wait is over, even with records waiting (quirk 7): it
     # is every consumer's latency. Apache Kafka answers as soon as a record is there.
-    fetch_max_wait_ms: int = Field(100, ge=0)
+    fetch_max_wait_ms: NonNegativeInt = 100
     connect_timeout_s: PositiveSeconds = 10.0
 
     # Connection security, the same for every client (services/kafka_security.py turns it into
@@ -258,7 +257,7 @@ class EmbeddedSettings(BaseModel):
     start_timeout_s: PositiveSeconds = 20.0
     # A service whose liveness check (its /metrics or /healthz answering a GET within 2 s, every
     # 5 s) has not passed for this long is killed and restarted: a hung process is not left in place.
-    liveness_timeout_s: float = Field(default=120.0, gt=0)
+    liveness_timeout_s: PositiveSeconds = 120.0
 
     def metrics_port(self, service: str) -> int:
         """The /metrics port ``make up`` gives ``service`` (a key of :data:`LOCAL_METRICS_OFFSETS`).
@@ -314,13 +313,13 @@ class ReplaySettings(BaseModel):
 
     dataset: str = "ml-1m"
     # Event-time speed-up: 600 means ten minutes of data per second. 0 means as fast as possible.
-    speed: float = Field(600.0, ge=0)
+    speed: NonNegativeFloat = 600.0
     # Actions follow their impression after a log-normal delay (seconds): median ~20 s, long tail
     # to minutes, so some actions arrive after later impressions.
     action_delay_median_s: PositiveSeconds = 20.0
-    action_delay_sigma: float = Field(1.2, ge=0)
+    action_delay_sigma: NonNegativeFloat = 1.2
     action_delay_max_s: Seconds = 900.0
-    seed: int = Field(7, ge=0)
+    seed: NonNegativeInt = 7
     limit: int | None = None
     # The traffic driver appends the request id of every /rank answered 200 here, one per line
     # (unset: nowhere): what `make chaos` checks against the features topic.
@@ -341,7 +340,7 @@ class JoinerSettings(BaseModel):
     negative_sample_rate: SampleRate = 0.25
     # Per-slice negative rates, the slice being the serving model_id; others use the default.
     slice_sample_rates: dict[str, SampleRate] = Field(default_factory=dict)
-    seed: int = Field(7, ge=0)
+    seed: NonNegativeInt = 7
     # "immediate": a positive is emitted as soon as it joins; "window_close": when its window closes.
     positive_emit: PositiveEmit = "immediate"
     # With "immediate": the label (a label_map value) whose join emits the impression at once, the
@@ -362,12 +361,12 @@ class JoinerSettings(BaseModel):
     # The Faust joiner's app id: its consumer group and the prefix of its changelog topic.
     group_id: str = "driftline-joiner"
     # Workers that follow each partition's changelog to take it over quickly.
-    standby_replicas: int = Field(1, ge=0)
+    standby_replicas: NonNegativeInt = 1
     # The Faust joiner's group liveness: a killed worker's partitions move after its session
     # times out (the takeover waits that out). Shorter than kafka.session_timeout_ms: Faust
     # heartbeats from its consumer thread, so a long batch does not miss heartbeats.
-    session_timeout_ms: int = Field(6_000, ge=1)
-    heartbeat_interval_ms: int = Field(1_000, ge=1)
+    session_timeout_ms: Count = 6_000
+    heartbeat_interval_ms: Count = 1_000
     # A worker that has waited this long for a group assignment (at start or after a rebalance
     # began) exits with code 4 to be restarted: a join that never completes was seen on tansu
     # (joiner/README.md). Well above a normal join (session timeout + tansu's slow first join).
@@ -379,14 +378,14 @@ class JoinerSettings(BaseModel):
     idle_advance_margin_seconds: Seconds = 60.0
     # A partition's watermark is the (k+1)-th largest distinct event time seen on it, so k
     # far-off events (a bad client clock) cannot close every window; windows close k events later.
-    watermark_outliers: int = Field(2, ge=0)
+    watermark_outliers: NonNegativeInt = 2
     # The examples a worker produced stay this long in its local spool (joiner/output_spool.py,
     # beside its state store) to be produced again into a broker whose data was reset: the dumper
     # and the trainer may not have read them. Within dumper.dedup_min_wall_s, so the dumper
     # recognises the copies it has; the trainer's dedup window does too.
     output_retention_s: Seconds = 600.0
     # Bytes that spool may hold; when full, the oldest examples go before their retention ends.
-    output_spool_max_bytes: int = Field(256 << 20, ge=0)
+    output_spool_max_bytes: NonNegativeInt = 256 << 20
 
     @model_validator(mode="after")
     def _immediate_label_is_a_label(self) -> JoinerSettings:
@@ -455,12 +454,12 @@ class GBASettings(BaseModel):
 
     # Examples an owner aggregates before it applies them once (0: sync's global batch,
     # nproc x batch_size: the same learning rates then fit both modes).
-    global_batch: int = Field(0, ge=0)
+    global_batch: NonNegativeInt = 0
     # Global steps a gradient may lag its owner before it is dropped (weighted 1/s from s = 2).
-    max_staleness: int = Field(8, ge=0)
+    max_staleness: NonNegativeInt = 8
     # Before a pull, wait up to this x the rank's own step for the global batch its last push
     # joined (fresh parameters with no straggler, as in sync; 0: the paper's free-running GBA).
-    fresh_wait: float = Field(1.5, ge=0)
+    fresh_wait: NonNegativeFloat = 1.5
     # dist_mode "auto": a rank whose work in a round (its step less its waits in collectives)
     # is over this x the median of the other ranks' is a straggler (trainer/dist/mode_switch.py).
     straggler_ratio: float = Field(2.0, gt=1)
@@ -489,7 +488,7 @@ class TrainerSettings(BaseModel):
     # Snapshots live under <var_dir>/snapshots/<model_id> unless set.
     snapshot_dir: Path | None = None
     # example_ids remembered for de-duplication (the joiner delivers at least once).
-    dedup_window: int = Field(200_000, ge=0)
+    dedup_window: NonNegativeInt = 200_000
     # Seconds between broker-epoch checks (a reset of the broker's data) while no offsets are
     # committed; a busy trainer also checks before every commit (~1 ms each).
     epoch_check_interval_s: PositiveSeconds = 0.5
@@ -497,7 +496,7 @@ class TrainerSettings(BaseModel):
     # sample rates the trainer records (trainer/sample_rates.py): how fast the recorded rate
     # follows a changed joiner setting. ~25 batches of negatives: about as fast as the model's own
     # bias moves to the new mix; under a constant setting the rate is exact whatever the value.
-    sample_rate_half_life: float = Field(50_000.0, gt=0)
+    sample_rate_half_life: PositiveFloat = 50_000.0
     # Half-life, in examples, of the trainer's *recent* scores (trainer/learned.py): the progressive
     # AUC of the model and of its counting baselines over the recent examples
     # (driftline_trainer_recent_auc), and of the baseline that counts recent clicks alone
@@ -520,7 +519,7 @@ class TrainerSettings(BaseModel):
     # looked-up row may miss, the updates overlapping the next steps; 0: none missed (sync's
     # results), a round's update overlapping the next round's poll and decode (docs/scale-out.md).
     dist_mode: Literal["sync", "hybrid", "gba", "async", "auto"] = "sync"
-    staleness: int = Field(1, ge=0)
+    staleness: NonNegativeInt = 1
     gba: GBASettings = GBASettings()
     # A TEST KNOB, "RANK:FACTOR" ("" none): that rank sleeps (FACTOR - 1) x its own step time after
     # each step, a straggler on purpose (trainer/dist/straggler.py; bench/bench_gba.py, the online
@@ -533,13 +532,13 @@ class TrainerSettings(BaseModel):
     pin_cores: bool = False
     # Times the elastic launcher restarts the whole group after a rank failed (kill -9 included)
     # before it gives up (then `driftline up`'s supervisor restarts the launcher).
-    max_restarts: int = Field(3, ge=0)
+    max_restarts: NonNegativeInt = 3
     # Seconds a collective waits for a rank that does not arrive before it fails: bounds a hang
     # on a rank stuck outside the step (a dead rank's peers fail at once, its socket closes).
     collective_timeout_s: PositiveSeconds = 120.0
     # Rank r > 0 exports its /metrics on metrics_port + r * rank_metrics_port_stride (rank 0 on
     # metrics_port): ports next to the trainer's belong to other services under `driftline up`.
-    rank_metrics_port_stride: int = Field(100, ge=1)
+    rank_metrics_port_stride: Count = 100
     # Where the dense head, its optimizer and the pooling run (trainer/device.py): "cpu", or
     # "cuda" / "cuda:N" where torch sees that GPU. The PS tables stay on the host either way.
     device: TorchDevice = "cpu"
@@ -547,7 +546,7 @@ class TrainerSettings(BaseModel):
     # (trainer/mixcache.py, the MixCache; SGD or Adagrad tables without TTL, a model with
     # sequential off); 0: none. A row enters after cache_admit_after steps that missed it; the
     # least recently used leaves. Rows are written back before every delta and snapshot.
-    cache_rows: int = Field(0, ge=0)
+    cache_rows: NonNegativeInt = 0
     cache_admit_after: Count = 2
     # Read the next batch (its PS lookup, on CUDA its copy to the device on a second stream) while
     # the current one trains (trainer/prefetch.py; results equal bit for bit). None: on for CUDA,
@@ -565,7 +564,7 @@ class ServingSettings(BaseModel):
     # Largest FeatureLog (encoded, + its request-id key) /rank logs; a larger one is a 413. A bit
     # under Kafka's default message.max.bytes (1,048,588), so a logged request always fits the
     # topic; the feature-log producer's max_request_size follows it.
-    feature_log_max_bytes: int = Field(1_000_000, ge=1)
+    feature_log_max_bytes: Count = 1_000_000
     # The lz4 level of the serving process's producer batches (services.aiokafka_quirks.set_lz4_level (quirk 2); aiokafka
     # uses 9): 1 costs ~0.01 ms per /rank's feature log on the event loop instead of ~0.07 ms
     # (0.2-0.3 ms for a 6 KB log alone), for batches ~15% larger. None: aiokafka's.
@@ -576,7 +575,7 @@ class ServingSettings(BaseModel):
     # across restarts so a restarted replica ships what it left.
     spool_dir: Path | None = None
     # Bytes of FeatureLogs the spool may hold; when unshipped ones fill it, /rank answers 503.
-    spool_max_bytes: int = Field(1 << 30, ge=0)
+    spool_max_bytes: NonNegativeInt = 1 << 30
     # Shipped FeatureLogs are kept this long to re-ship after a broker reset (the joiner's window).
     spool_retention_s: Seconds = 900.0
     # fsync every spooled FeatureLog: survives a machine crash, not only a process kill, at a few
@@ -592,27 +591,27 @@ class ServingSettings(BaseModel):
     model: str | None = None
     model_id: str = "deepfm"
     # Embedding dimension of the built-in FM model.
-    embedding_dim: int = Field(8, ge=1)
+    embedding_dim: Count = 8
     redis_prefix: str = "driftline"
     # The feature store's connection pool, per process: at most feature_store_connections
     # connections; a /rank that finds none free waits up to feature_store_wait_s for one. A /rank
     # whose features cannot be read (Redis down, or this wait exhausted under overload) is a 503
     # with Retry-After, never an answer scored on default features, unless the request says
     # allow_default_features.
-    feature_store_connections: int = Field(default=100, ge=1)
-    feature_store_wait_s: float = Field(default=1.0, gt=0)
+    feature_store_connections: Count = 100
+    feature_store_wait_s: PositiveSeconds = 1.0
     # Seconds between reads of the feature store's load marker: a store emptied after a load (a
     # Redis restart without persistence) marks /rank answers degraded (serving/store_watch.py).
-    feature_store_check_s: float = Field(default=1.0, gt=0)
+    feature_store_check_s: PositiveSeconds = 1.0
     # A /rank or action without event_time_ms gets the newest event time a request of this
     # process carried within the last event_clock_s of wall time (a replay's data time), else
     # now: it cannot move the joiner's watermarks past the traffic's own (serving/event_clock.py).
-    event_clock_s: float = Field(default=300.0, ge=0)
+    event_clock_s: Seconds = 300.0
     # A /rank naming a feature the model does not read: "reject" (a 422 naming it) or "ignore"
     # (dropped before scoring and logging, counted in driftline_serving_unknown_features_total).
     unknown_features: UnknownFeatures = "reject"
     # How many recent clicks per user the real-time feature keeps (0: none), and which actions count.
-    recent_clicks: int = Field(20, ge=0)
+    recent_clicks: NonNegativeInt = 20
     click_actions: tuple[str, ...] = ("click", "like")
     # The consumer group of the real-time reader (one for all replicas: Redis is shared).
     realtime_group_id: str = "serving-realtime"
@@ -620,19 +619,19 @@ class ServingSettings(BaseModel):
     # param-deltas and keeps the tables in shared memory (serving/shared_tables.py) and the workers
     # read rows from it; 1 is the single-process path (its own tables and delta feed). The built-in
     # "fm" model always runs single-process.
-    workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
+    workers: Count = Field(default_factory=lambda: os.cpu_count() or 1)
     # Where the serving PS maps its tables: None means /dev/shm/driftline-serving-<port> (tmpfs, no
     # disk write-back) where /dev/shm exists, else <var_dir>/serving/ps-<port>.
     ps_dir: Path | None = None
     # Room in the PS's control file: (table, shard) entries, and bytes of its JSON state.
-    ps_max_shards: int = Field(256, ge=1)
-    ps_state_bytes: int = Field(1 << 20, ge=1)
+    ps_max_shards: Count = 256
+    ps_state_bytes: Count = 1 << 20
     # Seconds between the PS's state publications when no delta arrives (readiness, staleness).
     ps_state_interval_s: PositiveSeconds = 0.5
     # /readyz turns unready (503) while deltas published on param-deltas have waited unapplied
     # for longer than this (serving fell behind its trainer), or, in a worker of a serving PS,
     # the PS has published no state for this long (it hangs: its rows no longer move).
-    ready_max_behind_s: float = Field(default=60.0, gt=0)
+    ready_max_behind_s: PositiveSeconds = 60.0
     # API keys (serving/auth.py): when any is set, /rank, /actions (every endpoint that changes
     # state) and the protected ones below answer only a request that sends one, as
     # `Authorization: Bearer <key>` or `X-API-Key: <key>`. Several at once, so a key can be rotated
@@ -657,11 +656,11 @@ class DiskSettings(BaseModel):
 
     # Below this many free bytes the joiner, dumper and trainer stop taking input (it waits in
     # Kafka) until space is freed, instead of failing a write and crash-looping.
-    pause_below_bytes: int = Field(default=64 << 20, ge=0)
+    pause_below_bytes: NonNegativeInt = 64 << 20
     # Below this many, they warn (once a minute).
-    warn_below_bytes: int = Field(default=512 << 20, ge=0)
+    warn_below_bytes: NonNegativeInt = 512 << 20
     # How often a paused service looks again.
-    check_s: float = Field(default=1.0, gt=0)
+    check_s: PositiveSeconds = 1.0
 
 
 class StatusSettings(BaseModel):
@@ -695,16 +694,16 @@ class EvalSettings(BaseModel):
     name: str = "full"
     dataset: str = "ml-1m"
     seeds: tuple[int, ...] = Field((0, 1, 2, 3, 4), min_length=1)
-    workers: PositiveInt = 2
+    workers: Count = 2
     # model (one DeepFM for every experiment)
-    dim: PositiveInt = 16
-    mlp: tuple[PositiveInt, ...] = (128, 64)
+    dim: Count = 16
+    mlp: tuple[Count, ...] = (128, 64)
     sparse_lr: PositiveFloat = 0.05
-    batch_size: PositiveInt = 1024
+    batch_size: Count = 1024
     # collisions
-    coll_limit: PositiveInt | None = None  # first N ratings in time order (None: all)
+    coll_limit: Count | None = None  # first N ratings in time order (None: all)
     coll_test_fraction: OpenFraction = 0.1
-    coll_epochs: PositiveInt = 10
+    coll_epochs: Count = 10
     coll_user_rate: CollisionRate = 0.0773  # the paper's ml-25m rates
     coll_item_rate: CollisionRate = 0.0286
     coll_harsh_factor: PositiveFloat = 4.0  # harsher arm: this many times the paper's rates
@@ -713,35 +712,35 @@ class EvalSettings(BaseModel):
     coll_seeds: tuple[int, ...] | None = Field(tuple(range(10)), min_length=1)
     # the collisions DeepFM (its own model: see collisions.py for why it differs from the others)
     coll_slots: tuple[str, ...] = Field(("user_id", "item_id"), min_length=1)
-    coll_dim: PositiveInt = 16
-    coll_mlp: tuple[PositiveInt, ...] = (128, 64)
+    coll_dim: Count = 16
+    coll_mlp: tuple[Count, ...] = (128, 64)
     coll_sparse_lr: PositiveFloat = 0.005
     coll_init_acc: NonNegativeFloat = 0.0  # Adagrad initial_accumulator_value of the sparse tables
     coll_dense_lr: PositiveFloat = 1e-3
     coll_val_fraction: OpenFraction = 0.1  # tuning: the last share of the train part is the validation set
     # online (Algorithm 1)
-    online_limit: PositiveInt | None = None
+    online_limit: Count | None = None
     online_batch_fraction: OpenFraction = 0.7
-    online_batch_epochs: PositiveInt = 1
-    online_shards: tuple[PositiveInt, ...] = Field((10, 50, 100), min_length=1)
+    online_batch_epochs: Count = 1
+    online_shards: tuple[Count, ...] = Field((10, 50, 100), min_length=1)
     # staleness
-    stale_shards: PositiveInt = 50
+    stale_shards: Count = 50
     stale_k: tuple[NonNegativeInt, ...] = Field((0, 1, 5, 10), min_length=1)  # k = 0: restore only (control)
     # baselines
-    base_limit: PositiveInt | None = 300_000
+    base_limit: Count | None = 300_000
     # cold start (evaluation/coldstart.py, the same stream): the share of it that stands for the
     # batch data; cold users and items are those it never saw
     cold_split: OpenFraction = 0.5
     base_offset: NonNegativeInt = 0
-    base_batch_size: PositiveInt = 64  # online mini-batch for the from-scratch stream
+    base_batch_size: Count = 64  # online mini-batch for the from-scratch stream
     base_sparse_lr: PositiveFloat = 0.05  # DeepFM's sparse Adagrad lr on the stream (tuned: evaluation/tune.py)
     river_lr: PositiveFloat = 0.1  # River LR's SGD lr (tuned)
     base_lr_lr: PositiveFloat = 0.3  # driftline LR's Adagrad lr (tuned)
-    base_lr_batch: PositiveInt = 32  # driftline LR's mini-batch in the model-matched comparison
+    base_lr_batch: Count = 32  # driftline LR's mini-batch in the model-matched comparison
     #: driftline LR's speed/quality curve: (mini-batch, Adagrad lr tuned for it)
-    base_lr_curve: tuple[tuple[PositiveInt, PositiveFloat], ...] = ((32, 0.3), (64, 0.3), (128, 0.3), (256, 0.3), (1024, 0.2), (4096, 0.3))
+    base_lr_curve: tuple[tuple[Count, PositiveFloat], ...] = ((32, 0.3), (64, 0.3), (128, 0.3), (256, 0.3), (1024, 0.2), (4096, 0.3))
     #: driftline's sequential LR (ModelConfig.sequential: per-example updates inside each mini-batch)
-    base_lr_seq_batch: PositiveInt = 1024
+    base_lr_seq_batch: Count = 1024
     base_lr_seq_lr: PositiveFloat = 0.3  # its Adagrad lr (tuned)
     #: the served model's first-order Adagrad lr (trainer.config.deepfm_config's defaults: DeepFM
     #: with sequential first-order weights and embeddings, at the live trainer.batch_size; tuned;
@@ -753,9 +752,9 @@ class EvalSettings(BaseModel):
     #: data sets the baselines also run on, each whole, with the settings tuned on ml-1m: the served
     #: model, the DeepFM at batch_size, the sequential LR and the counts
     base_other_datasets: tuple[str, ...] = ("ml-100k",)
-    base_other_limit: PositiveInt | None = None  # their first N ratings (None: all)
-    tune_base_limit: PositiveInt = 100_000  # the tuning stream: this many ratings right after the reported one
-    hashed_buckets: PositiveInt = 1 << 13
+    base_other_limit: Count | None = None  # their first N ratings (None: all)
+    tune_base_limit: Count = 100_000  # the tuning stream: this many ratings right after the reported one
+    hashed_buckets: Count = 1 << 13
 
 
 #: the environment variable naming the project file (Settings.project) every ``driftline``

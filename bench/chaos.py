@@ -44,7 +44,7 @@ therefore starts the new epoch from the watermarks the worker restored (it logs 
 reopens a partition: ``restored_watermarks`` in the JSON line);
 ``missing_vs_join_rules_on_captured_watermarks`` is the replay on the capture's view alone. (Two
 runs before the replay did: 157 and 172 missing against the reference, 157 and 56 against the
-capture's rules, 0 and 0 from the restored watermarks; the workers' action watermarks were 20-65
+capture's rules, 0 and 0 from the restored watermarks; the workers' watermarks were 20-65
 event-seconds past the capture's.) ``QUICK=1``
 runs a smaller replay with shorter pauses (under 5 minutes); the full run stays under 15.
 

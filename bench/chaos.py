@@ -20,7 +20,8 @@ broker reset and not after), ``crash_loops`` (services the supervisor saw crash-
 still open excluded, that Parquet lacks), ``missing_vs_join_rules`` (the same for the examples
 :class:`joiner.core.JoinCore` gives when the captured topics are replayed through it, each new
 broker epoch starting from the watermarks the worker restored at the reset: what the worker lost
-of what the broker served) and ``broker_reset_recovered`` (every service made
+of what the broker served, and what the killed broker served the capture but not the worker
+before it died: clicks have no copy outside the broker, feature logs have serving's re-ship) and ``broker_reset_recovered`` (every service made
 progress on the new broker on its own), plus the numbers behind them: among them
 ``offsets_with_two_records`` (offsets of the new broker's topics the capture read two different
 records at: tansu quirk 8; a run with none has had no miss since the joiner fixes of issue 15) and

@@ -10,6 +10,13 @@ restart, and after a broker reset re-ships what the spool still retains (the joi
 duplicate impressions). A crash between Kafka's acknowledgement and the shipped mark re-ships
 those entries too: delivery is at least once.
 
+``POST /actions`` goes through the same spool (:meth:`FeatureLogger.submit_actions`: each Action
+an entry whose key is tagged :data:`ACTION_TAG`, shipped in order with the feature logs to topic
+``actions``) and answers once they are shipped (:meth:`FeatureLogger.shipped_to`), so its 202
+still means Kafka acknowledged them; kept in the spool's retention like the feature logs, they are
+re-shipped after a broker reset too: an action the reset broker had taken and nobody had read yet
+is not lost with it (the joiner and the recent clicks count an action once).
+
 Why refuse an oversized log rather than split it: a FeatureLog is one impression group, joined by
 request id; split over several messages the joiner would have to know how many parts to wait
 for and merge them, and a lost part would corrupt the group. Requests with that many features are
@@ -36,7 +43,7 @@ from services.aiokafka_quirks import set_lz4_level
 from services.disk import DiskGuard
 from services.kafka import BrokerUnavailable, producer, start_client
 from services.settings import Settings
-from services.spool import Entry, Spool, SpoolDamaged, SpoolDiskFull
+from services.spool import Entry, Spool, SpoolDamaged, SpoolDiskFull, SpoolError
 from serving import metrics
 from serving.background import cancel_and_wait, raise_if_cancelled
 from serving.broker_epoch import SharedEpoch
@@ -145,6 +152,9 @@ _MIN_BACKOFF_S = 0.1
 # Errors no retry can fix: the broker refuses the record for its size (a broker whose limit is
 # below serving.feature_log_max_bytes). Retrying would stop every later entry for good.
 _PERMANENT = (MessageSizeTooLargeError, RecordTooLargeError)
+#: the first byte of an Action entry's spool key (the request id after it): no request id has it
+#: (``serving.schemas.RequestId``), so a feature log's key never does
+ACTION_TAG = b"\x00"
 
 
 class FeatureLogger:
@@ -174,6 +184,9 @@ class FeatureLogger:
         self._cursor = self.spool.shipped  # the next position to send
         self._reship_until = 0  # positions below this are being re-shipped after a broker reset
         self._reship_epoch: str | None = None
+        self.actions_topic = settings.topics.actions
+        # (spool end position after a /actions call's entries, its future): resolved once shipped
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # (position, monotonic time): the entries from that position on were spooled at or after
@@ -225,6 +238,38 @@ class FeatureLogger:
         self._gauges()
         self._wake.set()
 
+    def submit_actions(self, actions: Sequence[tuple[str, bytes]]) -> int:
+        """Spool encoded Actions ``(request id, message)`` for topic ``actions``, in order; the
+        spool position :meth:`shipped_to` waits for. Raises as :meth:`submit` does (no size limit:
+        an Action is small)."""
+        if self.disk_full():
+            raise SpoolDiskFull(f"the disk under the feature-log spool {self.spool.path} is nearly full "
+                                f"(below disk.pause_below_bytes)")
+        for request_id, value in actions:
+            self.spool.append(ACTION_TAG + request_id.encode(), value)
+        self._gauges()
+        self._wake.set()
+        return self.spool.end
+
+    async def shipped_to(self, position: int) -> None:
+        """Wait until Kafka acknowledged every entry below spool ``position``. Raises
+        :class:`services.spool.SpoolError` if the spool was recovered from damage meanwhile (its
+        positions start anew: whether those entries were shipped is not known)."""
+        if self.spool.shipped >= position:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((position, fut))
+        await fut
+
+    def _wake_waiters(self, error: BaseException | None = None) -> None:
+        while self._waiters and (error is not None or self._waiters[0][0] <= self.spool.shipped):
+            _, fut = self._waiters.popleft()
+            if not fut.done():
+                if error is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(error)
+
     def disk_full(self) -> bool:
         """Whether the spool's disk is nearly full (looked at once per ``disk.check_s``, not per request)."""
         now = time.monotonic()
@@ -269,6 +314,7 @@ class FeatureLogger:
         if self.spool.pending:
             log.warning("%d feature logs stay in the spool %s: the next start ships them",
                         self.spool.pending, self.spool.path)
+        self._wake_waiters(SpoolError("serving is stopping: the actions stay in the spool, the next start ships them"))
         self.spool.close()
 
     async def _connect(self) -> AIOKafkaProducer:
@@ -332,6 +378,7 @@ class FeatureLogger:
         self._cursor = self.spool.shipped
         self._spooled_at = deque([(self.spool.shipped, time.monotonic())])  # (ages count from here)
         self._reship_until = 0
+        self._wake_waiters(SpoolError(f"the spool was damaged and recovered ({damage})"))
         metrics.FEATURE_LOG_SPOOL_RECOVERIES.inc()
         self._gauges()
 
@@ -366,7 +413,8 @@ class FeatureLogger:
         for e in entries:
             try:
                 async with asyncio.timeout(self.send_timeout_s):  # no task per message, unlike wait_for
-                    sends.append(await self.producer.send(self.topic, e.value, key=e.key))
+                    topic, key = self._destination(e)
+                    sends.append(await self.producer.send(topic, e.value, key=key))
             except _PERMANENT as err:
                 sends.append(err)
             await asyncio.sleep(0)  # one message at a time: requests go first
@@ -393,16 +441,28 @@ class FeatureLogger:
         if failure is not None:
             raise failure
 
+    def _destination(self, e: Entry) -> tuple[str, bytes]:
+        """The topic and Kafka key of a spool entry (an Action's key carries :data:`ACTION_TAG`)."""
+        if e.key[:1] == ACTION_TAG:
+            return self.actions_topic, e.key[1:]
+        return self.topic, e.key
+
     def _shipped(self, done: list[Entry], skipped: int) -> None:
-        again = sum(1 for e in done if e.position < self._reship_until)
+        actions = [e.position < self._reship_until for e in done if e.key[:1] == ACTION_TAG]
+        again = sum(1 for e in done if e.position < self._reship_until) - sum(actions)
         self.spool.mark_shipped(done)
         self._cursor = done[-1].end
-        sent = len(done) - skipped
+        sent = len(done) - skipped - len(actions)
         self.shipped += sent
         self.reshipped += again
         metrics.FEATURE_LOG_SHIPPED.inc(sent)
         if again:
             metrics.FEATURE_LOG_RESHIPPED.inc(again)
+        if any(actions):
+            metrics.ACTIONS_RESHIPPED.inc(sum(actions))
         shared_metrics.MESSAGES_PRODUCED.labels(self.service, self.topic).inc(sent)
+        if actions:
+            shared_metrics.MESSAGES_PRODUCED.labels(self.service, self.actions_topic).inc(len(actions))
+        self._wake_waiters()
         self._end_reship()
         self._gauges()

@@ -142,6 +142,10 @@ SNAPSHOT_RELOADS = Counter(
 ACTIONS_PRODUCED = Counter(
     "driftline_serving_actions_produced_total", "Actions accepted by POST /actions."
 )
+ACTIONS_RESHIPPED = Counter(
+    "driftline_serving_actions_reshipped_total",
+    "Actions sent again after a broker reset (kept in the spool's retention: they may have lived only in it).",
+)
 REALTIME_UPDATES = Counter(
     "driftline_serving_realtime_updates_total", "Actions folded into real-time user features."
 )

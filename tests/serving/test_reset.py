@@ -1,6 +1,6 @@
 """Broker resets under serving (tansu restarted: memory storage lost, every topic recreated empty),
 on a broker of this module's own: the feature-log spool re-ships what the reset broker may have
-held, the delta reader reads the new topic from its start and reloads the trainer's new-epoch
+held (actions too), the delta reader reads the new topic from its start and reloads the trainer's new-epoch
 snapshot, the real-time reader reads the new actions topic from its start."""
 
 from __future__ import annotations
@@ -63,6 +63,32 @@ async def test_feature_log_reships_retained_logs_after_a_reset(settings: Setting
         want = set(before) | set(after)
         seen = await read_keys(settings, settings.topics.features, want)
         assert want <= seen, sorted(want - seen)
+        assert log.spool.epoch == await read_broker_epoch(settings)
+    finally:
+        await log.stop()
+        await epochs.stop()
+
+
+async def test_acknowledged_actions_are_reshipped_after_a_reset(settings: Settings, broker: Broker) -> None:
+    """An action the broker acknowledged (what /actions' 202 waits for) lives only in the broker
+    until someone reads it: a reset (memory storage) would lose it. The spool re-ships it, to the
+    actions topic, beside the feature logs re-shipped to theirs."""
+    epochs = SharedEpoch(settings)
+    log = FeatureLogger(settings.updated(serving=dict(kafka_retry_s=0.2)), epochs)
+    log.start()
+    try:
+        await _until(lambda: log.producer is not None, what="the shipper's producer")
+        log.submit("r-1", b"feature log of r-1")
+        clicks = [(f"r-{i}", Action(request_id=f"r-{i}", item_id=i, action_type="click").SerializeToString())
+                  for i in range(1, 11)]
+        await asyncio.wait_for(log.shipped_to(log.submit_actions(clicks)), 30)  # /actions' 202
+        want = {rid for rid, _ in clicks}
+        assert want <= await read_keys(settings, settings.topics.actions, want)
+        assert "r-1" in await read_keys(settings, settings.topics.features, {"r-1"})
+        broker.restart()  # nobody read them: gone with the broker
+        await asyncio.wait_for(log.shipped_to(log.submit_actions([("r-11", b"")])), 60)
+        assert want | {"r-11"} <= await read_keys(settings, settings.topics.actions, want | {"r-11"}, timeout=60)
+        assert "r-1" in await read_keys(settings, settings.topics.features, {"r-1"})
         assert log.spool.epoch == await read_broker_epoch(settings)
     finally:
         await log.stop()

@@ -10,12 +10,12 @@ restart, and after a broker reset re-ships what the spool still retains (the joi
 duplicate impressions). A crash between Kafka's acknowledgement and the shipped mark re-ships
 those entries too: delivery is at least once.
 
-``POST /actions`` goes through the same spool (:meth:`FeatureLogger.submit_actions`: each Action
-an entry whose key is tagged :data:`ACTION_TAG`, shipped in order with the feature logs to topic
-``actions``) and answers once they are shipped (:meth:`FeatureLogger.shipped_to`), so its 202
-still means Kafka acknowledged them; kept in the spool's retention like the feature logs, they are
-re-shipped after a broker reset too: an action the reset broker had taken and nobody had read yet
-is not lost with it (the joiner and the recent clicks count an action once).
+``POST /actions`` sends its Actions straight to Kafka (a 202 once acknowledged) and then keeps
+them a while in a second spool, ``<spool>-actions`` (:meth:`FeatureLogger.retain_actions`,
+already shipped, kept for ``serving.spool_retention_s``): after a broker reset they are sent again
+with the feature logs, so an action the reset broker held and nobody had read yet is not lost
+with it (the joiner and the recent clicks count an action once). They do not queue behind the
+feature logs: a backlog of those (a slow broker) would hold every click back.
 
 Why refuse an oversized log rather than split it: a FeatureLog is one impression group, joined by
 request id; split over several messages the joiner would have to know how many parts to wait
@@ -32,6 +32,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import MessageSizeTooLargeError, RecordTooLargeError
@@ -152,9 +153,6 @@ _MIN_BACKOFF_S = 0.1
 # Errors no retry can fix: the broker refuses the record for its size (a broker whose limit is
 # below serving.feature_log_max_bytes). Retrying would stop every later entry for good.
 _PERMANENT = (MessageSizeTooLargeError, RecordTooLargeError)
-#: the first byte of an Action entry's spool key (the request id after it): no request id has it
-#: (``serving.schemas.RequestId``), so a feature log's key never does
-ACTION_TAG = b"\x00"
 
 
 class FeatureLogger:
@@ -185,8 +183,12 @@ class FeatureLogger:
         self._reship_until = 0  # positions below this are being re-shipped after a broker reset
         self._reship_epoch: str | None = None
         self.actions_topic = settings.topics.actions
-        # (spool end position after a /actions call's entries, its future): resolved once shipped
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self.actions = Spool(Path(f"{settings.serving_spool_dir}-actions"), options.spool_max_bytes,
+                             sync=options.spool_sync, retention_s=options.spool_retention_s,
+                             name="actions spool", knobs="serving.spool")
+        self._actions_cursor: int | None = None  # re-sending the retained actions from here (a reset)
+        self._actions_reship_until = 0
+        self._warned_actions = 0.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # (position, monotonic time): the entries from that position on were spooled at or after
@@ -238,37 +240,17 @@ class FeatureLogger:
         self._gauges()
         self._wake.set()
 
-    def submit_actions(self, actions: Sequence[tuple[str, bytes]]) -> int:
-        """Spool encoded Actions ``(request id, message)`` for topic ``actions``, in order; the
-        spool position :meth:`shipped_to` waits for. Raises as :meth:`submit` does (no size limit:
-        an Action is small)."""
-        if self.disk_full():
-            raise SpoolDiskFull(f"the disk under the feature-log spool {self.spool.path} is nearly full "
-                                f"(below disk.pause_below_bytes)")
-        for request_id, value in actions:
-            self.spool.append(ACTION_TAG + request_id.encode(), value)
-        self._gauges()
-        self._wake.set()
-        return self.spool.end
-
-    async def shipped_to(self, position: int) -> None:
-        """Wait until Kafka acknowledged every entry below spool ``position``. Raises
-        :class:`services.spool.SpoolError` if the spool was recovered from damage meanwhile (its
-        positions start anew: whether those entries were shipped is not known)."""
-        if self.spool.shipped >= position:
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((position, fut))
-        await fut
-
-    def _wake_waiters(self, error: BaseException | None = None) -> None:
-        while self._waiters and (error is not None or self._waiters[0][0] <= self.spool.shipped):
-            _, fut = self._waiters.popleft()
-            if not fut.done():
-                if error is None:
-                    fut.set_result(None)
-                else:
-                    fut.set_exception(error)
+    def retain_actions(self, actions: Sequence[tuple[str, bytes]]) -> None:
+        """Keep Actions ``(request id, message)`` Kafka acknowledged, to send again after a broker
+        reset. Best effort: they are in Kafka already, so a spool that cannot take them (the disk
+        full) only loses that protection, said in a warning a minute at most."""
+        try:
+            entries = [Entry(self.actions.append(key.encode(), value), key.encode(), value) for key, value in actions]
+            self.actions.mark_shipped(entries)
+        except SpoolError as err:
+            if time.monotonic() - self._warned_actions >= 60.0:
+                self._warned_actions = time.monotonic()
+                log.warning("actions not kept for a broker reset (they are in Kafka): %s", err)
 
     def disk_full(self) -> bool:
         """Whether the spool's disk is nearly full (looked at once per ``disk.check_s``, not per request)."""
@@ -314,8 +296,8 @@ class FeatureLogger:
         if self.spool.pending:
             log.warning("%d feature logs stay in the spool %s: the next start ships them",
                         self.spool.pending, self.spool.path)
-        self._wake_waiters(SpoolError("serving is stopping: the actions stay in the spool, the next start ships them"))
         self.spool.close()
+        self.actions.close()
 
     async def _connect(self) -> AIOKafkaProducer:
         if self.lz4_level is not None:  # batches are compressed on the requests' event loop
@@ -345,7 +327,10 @@ class FeatureLogger:
                 if self.producer is None:
                     self.producer = await self._connect()
                 await self._follow_epoch()
+                if self._actions_cursor is not None:
+                    await self._reship_actions()
                 self.spool.trim_expired()
+                self.actions.trim_expired()
                 self._wake.clear()
                 entries = self.spool.read(self._cursor, _BATCH_ENTRIES, _BATCH_BYTES)
                 if not entries:
@@ -378,7 +363,6 @@ class FeatureLogger:
         self._cursor = self.spool.shipped
         self._spooled_at = deque([(self.spool.shipped, time.monotonic())])  # (ages count from here)
         self._reship_until = 0
-        self._wake_waiters(SpoolError(f"the spool was damaged and recovered ({damage})"))
         metrics.FEATURE_LOG_SPOOL_RECOVERIES.inc()
         self._gauges()
 
@@ -397,7 +381,25 @@ class FeatureLogger:
             self._cursor = self.spool.low
             log.warning("feature log: the broker's data was reset: re-shipping the %d retained bytes "
                         "of shipped feature logs", self._reship_until - self._cursor)
+            self._actions_cursor, self._actions_reship_until = self.actions.low, self.actions.shipped
         self._end_reship()
+
+    async def _reship_actions(self) -> None:
+        """Send the retained actions again (a broker reset), in order; raises on a failed send (the
+        loop retries from the first entry not acknowledged)."""
+        assert self.producer is not None and self._actions_cursor is not None
+        while self._actions_cursor < self._actions_reship_until:
+            entries = self.actions.read(self._actions_cursor, _BATCH_ENTRIES, _BATCH_BYTES)
+            entries = [e for e in entries if e.position < self._actions_reship_until]
+            if not entries:
+                break
+            sends = [await self.producer.send(self.actions_topic, e.value, key=e.key) for e in entries]
+            await asyncio.wait_for(asyncio.gather(*sends), self.send_timeout_s)
+            self._actions_cursor = entries[-1].end
+            metrics.ACTIONS_RESHIPPED.inc(len(entries))
+            shared_metrics.MESSAGES_PRODUCED.labels(self.service, self.actions_topic).inc(len(entries))
+        log.warning("actions: re-sent the retained actions after the broker reset")
+        self._actions_cursor = None
 
     def _end_reship(self) -> None:
         """Once the re-shipped range is sent, the spool's entries all live in the new epoch."""
@@ -413,8 +415,7 @@ class FeatureLogger:
         for e in entries:
             try:
                 async with asyncio.timeout(self.send_timeout_s):  # no task per message, unlike wait_for
-                    topic, key = self._destination(e)
-                    sends.append(await self.producer.send(topic, e.value, key=key))
+                    sends.append(await self.producer.send(self.topic, e.value, key=e.key))
             except _PERMANENT as err:
                 sends.append(err)
             await asyncio.sleep(0)  # one message at a time: requests go first
@@ -441,28 +442,16 @@ class FeatureLogger:
         if failure is not None:
             raise failure
 
-    def _destination(self, e: Entry) -> tuple[str, bytes]:
-        """The topic and Kafka key of a spool entry (an Action's key carries :data:`ACTION_TAG`)."""
-        if e.key[:1] == ACTION_TAG:
-            return self.actions_topic, e.key[1:]
-        return self.topic, e.key
-
     def _shipped(self, done: list[Entry], skipped: int) -> None:
-        actions = [e.position < self._reship_until for e in done if e.key[:1] == ACTION_TAG]
-        again = sum(1 for e in done if e.position < self._reship_until) - sum(actions)
+        again = sum(1 for e in done if e.position < self._reship_until)
         self.spool.mark_shipped(done)
         self._cursor = done[-1].end
-        sent = len(done) - skipped - len(actions)
+        sent = len(done) - skipped
         self.shipped += sent
         self.reshipped += again
         metrics.FEATURE_LOG_SHIPPED.inc(sent)
         if again:
             metrics.FEATURE_LOG_RESHIPPED.inc(again)
-        if any(actions):
-            metrics.ACTIONS_RESHIPPED.inc(sum(actions))
         shared_metrics.MESSAGES_PRODUCED.labels(self.service, self.topic).inc(sent)
-        if actions:
-            shared_metrics.MESSAGES_PRODUCED.labels(self.service, self.actions_topic).inc(len(actions))
-        self._wake_waiters()
         self._end_reship()
         self._gauges()

@@ -245,7 +245,12 @@ class FeatureLogger:
         reset. Best effort: they are in Kafka already, so a spool that cannot take them (the disk
         full) only loses that protection, said in a warning a minute at most."""
         try:
-            entries = [Entry(self.actions.append(key.encode(), value), key.encode(), value) for key, value in actions]
+            if self.disk_full():  # (the feature log's guard: the disk is left to what must be kept)
+                raise SpoolDiskFull(f"the disk under {self.actions.path} is nearly full (below disk.pause_below_bytes)")
+            entries = []
+            for request_id, value in actions:
+                key = request_id.encode()
+                entries.append(Entry(self.actions.append(key, value), key, value))
             self.actions.mark_shipped(entries)
         except SpoolError as err:
             if time.monotonic() - self._warned_actions >= 60.0:
@@ -389,7 +394,15 @@ class FeatureLogger:
         loop retries from the first entry not acknowledged)."""
         assert self.producer is not None and self._actions_cursor is not None
         while self._actions_cursor < self._actions_reship_until:
-            entries = self.actions.read(self._actions_cursor, _BATCH_ENTRIES, _BATCH_BYTES)
+            damage = None
+            try:
+                entries = self.actions.read(self._actions_cursor, _BATCH_ENTRIES, _BATCH_BYTES)
+            except SpoolDamaged as err:  # (this spool's, not the feature log's: recovered here)
+                damage = str(err)
+            if damage is not None:  # (outside the except: recover wants no traceback holding iterators)
+                log.error("actions: the retained actions' spool is damaged (%s): the rest are not re-sent", damage)
+                self.actions.recover(damage)
+                break
             entries = [e for e in entries if e.position < self._actions_reship_until]
             if not entries:
                 break
